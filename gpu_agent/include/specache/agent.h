@@ -1,0 +1,142 @@
+// The GPU agent: the per-step API an inference loop calls to keep its KV cache as a low-bit
+// replica on the device and the full precision in host memory (../shared/design/method.md).
+//
+// An engine's loop, per batch of sequences (each may have a different length):
+//
+//   agent->AddSequence(id) for each new sequence
+//   for layer in 0..L-1:  ... project Q,K,V of the prompt ...; agent->PrefillLayer(layer, batch)
+//   -> sample T1 from the logits
+//   if agent->RowsPerSequence(StepKind::kPreDecode) > 0:       // specache mode only
+//     agent->BeginStep(kPreDecode, ids)                           // rows: [T1]
+//     for layer: agent->DecodeLayer(layer, rows); agent->StartPrefetch(layer)
+//     agent->EndStep()                                            // -> speculative token T'2
+//   loop:
+//     agent->BeginStep(kDecode, ids)                              // rows: [T_t, T'_{t+1}] in specache
+//     for layer: agent->WaitPrefetch(layer)   (optional: DecodeLayer waits itself)
+//                agent->DecodeLayer(layer, rows)
+//                agent->StartPrefetch(layer)  (specache: the fetch runs while later layers compute)
+//     agent->EndStep()                                            // -> T_{t+1}, T'_{t+2}
+//
+// Rows of a step (RowsPerSequence):
+//   kPreDecode (specache only): 1 row, the first generated token T1. Its attention runs over the
+//     replica, its top-k becomes the first fetch, and its K/V are NOT appended (T1 is appended by
+//     the first kDecode step, where it is the real row).
+//   kDecode: row 0 is the real token; its K/V are appended. In specache mode row 1 is the
+//     speculative token: it sees row 0's K/V, its top-k picks the rows to fetch for the next step,
+//     and its K/V are discarded. Other modes have 1 row.
+//   specache-nonspec: 1 row; DecodeLayer computes the row's top-k over the replica, fetches those
+//     rows synchronously and recomputes the attention with them (the paper's Table 4 baseline).
+//
+// Tensors are float32 and live where the backend computes (host memory for the CPU backend,
+// device memory for the CUDA backend). K/V are rounded to fp16 on entry; all attention, including
+// prefill, runs over the fp16 values, so `full` mode equals a model with an fp16 KV cache.
+// Attention scale is 1/sqrt(head_dim).
+//
+// Errors: INVALID_ARGUMENT for bad shapes/sizes, NOT_FOUND for unknown sequences, OUT_OF_RANGE for
+// layer indices, FAILED_PRECONDITION for calls out of order (the message says which call was
+// expected). A failed call leaves the agent usable: the step can be abandoned with AbortStep().
+//
+// Thread safety: an Agent is used by one thread at a time (the engine's loop); the backend may use
+// threads internally.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "specache/full_precision_source.h"
+#include "specache/kv_config.h"
+#include "specache/status.h"
+
+namespace specache {
+
+enum class StepKind { kPreDecode, kDecode };
+
+// Prompt tokens of several sequences, concatenated (ragged batch).
+struct PrefillBatch {
+  std::span<const SequenceId> sequences;
+  // [sequences.size() + 1], token_offsets[0] == 0: sequence i owns tokens
+  // [token_offsets[i], token_offsets[i+1]) of the arrays below; each sequence >= 1 token.
+  std::span<const int32_t> token_offsets;
+  const float* q = nullptr;  // [total_tokens][n_q_heads][head_dim], RoPE applied
+  const float* k = nullptr;  // [total_tokens][n_kv_heads][head_dim], RoPE applied
+  const float* v = nullptr;  // [total_tokens][n_kv_heads][head_dim]
+  float* out = nullptr;      // [total_tokens][n_q_heads][head_dim] attention output
+};
+
+// The step's rows for one layer, for the sequences given to BeginStep, in that order.
+// rows = RowsPerSequence(kind of the step).
+struct DecodeRows {
+  const float* q = nullptr;  // [n_sequences][rows][n_q_heads][head_dim]
+  const float* k = nullptr;  // [n_sequences][rows][n_kv_heads][head_dim]
+  const float* v = nullptr;  // [n_sequences][rows][n_kv_heads][head_dim]
+  float* out = nullptr;      // [n_sequences][rows][n_q_heads][head_dim]
+};
+
+struct AgentStats {
+  int64_t device_bytes = 0;          // replica + fetched rows resident on the device, all sequences
+  int64_t full_precision_bytes = 0;  // fp16 K/V rows written to the source, all sequences
+  int64_t rows_selected = 0;         // top-k rows asked for, all steps
+  int64_t rows_fetched = 0;          // rows read from the source (selected minus reused)
+  int64_t rows_reused = 0;           // selected rows already resident from the previous step
+  int64_t bytes_fetched = 0;         // rows_fetched * row bytes
+  int64_t steps = 0;                 // EndStep calls of kind kDecode
+};
+
+class Agent {
+ public:
+  virtual ~Agent() = default;
+
+  virtual const ModelShape& shape() const = 0;
+  virtual const KvConfig& config() const = 0;
+  virtual std::string_view backend_name() const = 0;  // "cpu" or "cuda"
+
+  // Rows per sequence in a step of this kind; 0 when the mode has no such step
+  // (kPreDecode outside specache mode).
+  int RowsPerSequence(StepKind kind) const;
+
+  // Registers a sequence and creates it in the full-precision source.
+  // ALREADY_EXISTS if known; errors of the source are passed through.
+  virtual Status AddSequence(SequenceId id) = 0;
+  // Forgets the sequence and releases it in the source. FAILED_PRECONDITION inside a step that
+  // includes it.
+  virtual Status ReleaseSequence(SequenceId id) = 0;
+  // Tokens appended so far (prompt + real decoded tokens), as seen by layer 0.
+  virtual Result<int32_t> SequenceLength(SequenceId id) const = 0;
+
+  // Exact causal attention over each sequence's prompt, then the layer's K/V go to the replica
+  // and to the source. Each sequence must be empty at this layer (FAILED_PRECONDITION otherwise).
+  // Not allowed inside a step.
+  virtual Status PrefillLayer(int layer, const PrefillBatch& batch) = 0;
+
+  // Starts a step for these sequences (distinct, all prefilled at every layer to equal lengths).
+  virtual Status BeginStep(StepKind kind, std::span<const SequenceId> sequences) = 0;
+  // Attention of the step's rows at this layer; each layer exactly once per step, any order.
+  virtual Status DecodeLayer(int layer, const DecodeRows& rows) = 0;
+  // Starts fetching the rows the layer's last DecodeLayer selected (specache mode; a no-op that
+  // returns OK in other modes). FAILED_PRECONDITION if DecodeLayer(layer) has not run this step.
+  virtual Status StartPrefetch(int layer) = 0;
+  // Waits until the layer's started fetch is resident (OK if none is in flight).
+  virtual Status WaitPrefetch(int layer) = 0;
+  // Ends the step. FAILED_PRECONDITION unless every layer was decoded and, in specache mode,
+  // every layer's prefetch was started.
+  virtual Status EndStep() = 0;
+  // Abandons the current step after an error. Appends already made by the step's layers are NOT
+  // undone, so the sequences of an aborted kDecode step must be released.
+  virtual void AbortStep() = 0;
+
+  // The tokens whose full-precision rows the next DecodeLayer(layer) of this sequence will use
+  // (ascending), for inspection and tests.
+  virtual Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const = 0;
+
+  virtual AgentStats stats() const = 0;
+};
+
+// The CPU backend: float32 math on the host, prefetch done synchronously in StartPrefetch.
+// `source` must outlive the agent. INVALID_ARGUMENT for a bad shape or config.
+Result<std::unique_ptr<Agent>> CreateCpuAgent(const ModelShape& shape, const KvConfig& config,
+                                              FullPrecisionSource* source);
+
+}  // namespace specache

@@ -1,0 +1,63 @@
+// Where the full-precision KV cache C lives: host memory the agent writes during prefill and
+// decode and reads rows back from when it fetches the top-k.
+//
+// A row is one (sequence, layer, KV head, token): [K | V] = [2][head_dim] fp16, K first, exactly
+// the row of a daemon page laid out [kv_head][token][K|V][head_dim] (architecture.md), so one
+// fetched row is one contiguous 2 * head_dim * 2-byte read.
+//
+// Implementations: InMemorySource (in_memory_source.h) for tests and the embedded demo; the
+// daemon-backed source of client_lib maps the daemon's pages.
+//
+// Thread safety: implementations must allow concurrent calls on distinct (sequence, layer, head)
+// triples; calls on one triple are serialised by the agent.
+#pragma once
+
+#include <cstdint>
+
+#include "specache/half.h"
+#include "specache/kv_config.h"
+#include "specache/status.h"
+
+namespace specache {
+
+struct SequenceLayout {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+
+  // Bytes of one row ([K|V] fp16).
+  int64_t row_bytes() const { return int64_t{2} * head_dim * static_cast<int64_t>(sizeof(Half)); }
+};
+
+class FullPrecisionSource {
+ public:
+  virtual ~FullPrecisionSource() = default;
+
+  // Errors: ALREADY_EXISTS if the id is in use; INVALID_ARGUMENT for a non-positive dimension;
+  // RESOURCE_EXHAUSTED when the source has no room (quota, pool).
+  virtual Status CreateSequence(SequenceId sequence, const SequenceLayout& layout) = 0;
+
+  // Frees every row of the sequence. NOT_FOUND for an unknown id.
+  virtual Status ReleaseSequence(SequenceId sequence) = 0;
+
+  // Appends n rows ([n][2][head_dim] fp16) to (sequence, layer, kv_head) at token first_token,
+  // which must equal the current length of that triple (FAILED_PRECONDITION otherwise: rows are
+  // written in order, never with holes). NOT_FOUND / OUT_OF_RANGE for bad ids or indices;
+  // RESOURCE_EXHAUSTED when no page can be added.
+  virtual Status AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
+                            int32_t n) = 0;
+
+  // Copies the rows of the n given tokens to out ([n][2][head_dim]). Tokens need not be sorted;
+  // the agent sorts them because pages are then read in address order. OUT_OF_RANGE if a token
+  // is not yet written; nothing is guaranteed about `out` after an error.
+  virtual Status ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
+                          Half* out) const = 0;
+
+  // Rows written so far for (sequence, layer, kv_head).
+  virtual Result<int32_t> Length(SequenceId sequence, int layer, int kv_head) const = 0;
+
+  // Host bytes the source holds for all sequences (rows written, not capacity).
+  virtual int64_t stored_bytes() const = 0;
+};
+
+}  // namespace specache

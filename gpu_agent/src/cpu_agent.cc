@@ -1,0 +1,456 @@
+// CPU backend of the agent. The "device" is host memory; the prefetch is a synchronous read from
+// the full-precision source done in StartPrefetch, with the same state machine the CUDA backend
+// runs asynchronously (selected -> in flight -> resident), so call-order errors show up here too.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <string>
+
+#include "parallel_for.h"
+#include "specache/agent.h"
+#include "specache/cpu_attention.h"
+#include "specache/head_replica.h"
+
+namespace specache {
+namespace {
+
+enum class FetchState {
+  kNone,      // nothing selected yet
+  kSelected,  // DecodeLayer chose rows; StartPrefetch not called yet
+  kInFlight,  // StartPrefetch called; WaitPrefetch not yet
+  kResident,  // the selected rows are resident
+};
+
+struct HeadState {
+  explicit HeadState(const ReplicaParams& p) : replica(p) {}
+  HeadReplica replica;
+  std::vector<int32_t> selected;    // the layer's last top-k, ascending
+  std::vector<int32_t> resident;    // tokens whose rows are resident, ascending
+  std::vector<Half> resident_rows;  // [resident.size()][2][head_dim]
+};
+
+struct SequenceState {
+  std::vector<std::vector<HeadState>> heads;  // [layer][kv_head]
+  std::vector<FetchState> fetch;              // [layer]
+};
+
+struct FetchCounts {
+  int64_t selected = 0;
+  int64_t fetched = 0;
+  int64_t reused = 0;
+};
+
+std::string Id(SequenceId id) { return std::to_string(id); }
+
+class CpuAgent final : public Agent {
+ public:
+  CpuAgent(const ModelShape& shape, const KvConfig& config, FullPrecisionSource* source)
+      : shape_(shape), config_(config), source_(source) {
+    params_.head_dim = shape.head_dim;
+    params_.key_bits = config.effective_key_bits();
+    params_.value_bits = config.effective_value_bits();
+    params_.group_size = config.group_size;
+    params_.residual_tokens = config.residual_tokens;
+    scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  }
+
+  const ModelShape& shape() const override { return shape_; }
+  const KvConfig& config() const override { return config_; }
+  std::string_view backend_name() const override { return "cpu"; }
+
+  Status AddSequence(SequenceId id) override {
+    if (sequences_.count(id)) return Status::AlreadyExists("sequence " + Id(id) + " is already registered");
+    SPECACHE_RETURN_IF_ERROR(
+        source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim}).WithContext("source"));
+    SequenceState state;
+    state.heads.resize(shape_.n_layers);
+    for (auto& layer : state.heads) layer.assign(shape_.n_kv_heads, HeadState(params_));
+    state.fetch.assign(shape_.n_layers, FetchState::kNone);
+    sequences_.emplace(id, std::move(state));
+    return Status::Ok();
+  }
+
+  Status ReleaseSequence(SequenceId id) override {
+    if (!sequences_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    if (step_active_ && std::count(step_ids_.begin(), step_ids_.end(), id)) {
+      return Status::FailedPrecondition("sequence " + Id(id) + " is part of the current step; EndStep or AbortStep first");
+    }
+    sequences_.erase(id);
+    return source_->ReleaseSequence(id).WithContext("source");
+  }
+
+  Result<int32_t> SequenceLength(SequenceId id) const override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    return it->second.heads[0][0].replica.length();
+  }
+
+  Status PrefillLayer(int layer, const PrefillBatch& batch) override;
+  Status BeginStep(StepKind kind, std::span<const SequenceId> sequences) override;
+  Status DecodeLayer(int layer, const DecodeRows& rows) override;
+  Status StartPrefetch(int layer) override;
+  Status WaitPrefetch(int layer) override;
+  Status EndStep() override;
+  void AbortStep() override;
+
+  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+    if (kv_head < 0 || kv_head >= shape_.n_kv_heads) {
+      return Status::OutOfRange("kv head " + std::to_string(kv_head) + " outside [0, " +
+                                std::to_string(shape_.n_kv_heads) + ")");
+    }
+    return it->second.heads[layer][kv_head].resident;
+  }
+
+  AgentStats stats() const override {
+    AgentStats s = counters_;
+    for (const auto& [id, seq] : sequences_) {
+      for (const auto& layer : seq.heads) {
+        for (const HeadState& h : layer) {
+          s.device_bytes += h.replica.device_bytes() + static_cast<int64_t>(h.resident_rows.size() * sizeof(Half));
+          s.full_precision_bytes += int64_t{h.replica.length()} * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
+        }
+      }
+    }
+    return s;
+  }
+
+ private:
+  Status CheckLayer(int layer) const {
+    if (layer < 0 || layer >= shape_.n_layers) {
+      return Status::OutOfRange("layer " + std::to_string(layer) + " outside [0, " + std::to_string(shape_.n_layers) + ")");
+    }
+    return Status::Ok();
+  }
+
+  // Makes `selected` resident: rows already resident are kept, the rest read from the source.
+  Status Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const;
+
+  // Rounds a [n][head_dim] float block with row stride `stride` floats into fp16.
+  static void ToHalfRows(const float* src, int n, int head_dim, size_t stride, Half* dst) {
+    for (int i = 0; i < n; ++i) {
+      for (int c = 0; c < head_dim; ++c) dst[static_cast<size_t>(i) * head_dim + c] = FloatToHalf(src[i * stride + c]);
+    }
+  }
+
+  ModelShape shape_;
+  KvConfig config_;
+  FullPrecisionSource* source_;
+  ReplicaParams params_;
+  float scale_ = 1.0f;
+  std::map<SequenceId, SequenceState> sequences_;
+  AgentStats counters_;
+
+  bool step_active_ = false;
+  StepKind step_kind_ = StepKind::kDecode;
+  int step_rows_ = 0;
+  std::vector<SequenceId> step_ids_;
+  std::vector<SequenceState*> step_states_;
+  std::vector<uint8_t> layer_decoded_;
+};
+
+Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
+  if (step_active_) return Status::FailedPrecondition("PrefillLayer inside a step; call EndStep first");
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  const size_t n_seq = batch.sequences.size();
+  if (n_seq == 0) return Status::InvalidArgument("prefill batch has no sequences");
+  if (batch.token_offsets.size() != n_seq + 1 || batch.token_offsets[0] != 0) {
+    return Status::InvalidArgument("token_offsets must have sequences+1 entries starting at 0");
+  }
+  if (!batch.q || !batch.k || !batch.v || !batch.out) return Status::InvalidArgument("prefill batch has a null tensor");
+  std::vector<SequenceState*> states(n_seq);
+  std::set<SequenceId> seen;
+  for (size_t i = 0; i < n_seq; ++i) {
+    const SequenceId id = batch.sequences[i];
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    if (!seen.insert(id).second) return Status::InvalidArgument("sequence " + Id(id) + " appears twice in the batch");
+    if (batch.token_offsets[i + 1] <= batch.token_offsets[i]) {
+      return Status::InvalidArgument("sequence " + Id(id) + " has no prompt tokens (offsets must increase)");
+    }
+    if (it->second.heads[layer][0].replica.length() != 0) {
+      return Status::FailedPrecondition("sequence " + Id(id) + " already holds tokens at layer " + std::to_string(layer) +
+                                        "; prefill works on empty sequences");
+    }
+    states[i] = &it->second;
+  }
+
+  const int d = shape_.head_dim;
+  const int group = shape_.group_size();
+  const int n_kv = shape_.n_kv_heads;
+  const int n_q = shape_.n_q_heads;
+  std::vector<Status> errors(n_seq * n_kv);
+  ParallelFor(static_cast<int>(n_seq * n_kv), [&](int item, int) {
+    const size_t s = item / n_kv;
+    const int h = item % n_kv;
+    const int32_t first = batch.token_offsets[s];
+    const int32_t n = batch.token_offsets[s + 1] - first;
+    std::vector<Half> keys(static_cast<size_t>(n) * d), values(keys.size()), rows(2 * keys.size());
+    const size_t kv_stride = static_cast<size_t>(n_kv) * d;
+    ToHalfRows(batch.k + (first * kv_stride) + static_cast<size_t>(h) * d, n, d, kv_stride, keys.data());
+    ToHalfRows(batch.v + (first * kv_stride) + static_cast<size_t>(h) * d, n, d, kv_stride, values.data());
+    std::vector<float> q(static_cast<size_t>(n) * group * d), out(q.size());
+    for (int32_t t = 0; t < n; ++t) {
+      std::copy_n(batch.q + ((static_cast<size_t>(first + t) * n_q) + static_cast<size_t>(h) * group) * d, group * d,
+                  q.data() + static_cast<size_t>(t) * group * d);
+    }
+    cpu::AttentionWorkspace ws;
+    cpu::AttendPrefill(q.data(), keys.data(), values.data(), n, group, d, scale_, out.data(), &ws);
+    for (int32_t t = 0; t < n; ++t) {
+      std::copy_n(out.data() + static_cast<size_t>(t) * group * d, group * d,
+                  batch.out + ((static_cast<size_t>(first + t) * n_q) + static_cast<size_t>(h) * group) * d);
+      std::copy_n(keys.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d);
+      std::copy_n(values.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d + d);
+    }
+    errors[item] = source_->AppendRows(batch.sequences[s], layer, h, 0, rows.data(), n).WithContext("source");
+    if (errors[item].ok()) states[s]->heads[layer][h].replica.Append(keys.data(), values.data(), n);
+  });
+  for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
+  return Status::Ok();
+}
+
+Status CpuAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
+  if (step_active_) return Status::FailedPrecondition("BeginStep while a step is active; call EndStep first");
+  const int rows = RowsPerSequence(kind);
+  if (rows == 0) {
+    return Status::FailedPrecondition("mode " + std::string(KvModeName(config_.mode)) + " has no pre-decode step");
+  }
+  if (sequences.empty()) return Status::InvalidArgument("a step needs at least one sequence");
+  std::vector<SequenceState*> states;
+  std::set<SequenceId> seen;
+  for (SequenceId id : sequences) {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    if (!seen.insert(id).second) return Status::InvalidArgument("sequence " + Id(id) + " appears twice in the step");
+    const int32_t length = it->second.heads[0][0].replica.length();
+    if (length == 0) return Status::FailedPrecondition("sequence " + Id(id) + " has not been prefilled");
+    for (int l = 1; l < shape_.n_layers; ++l) {
+      if (it->second.heads[l][0].replica.length() != length) {
+        return Status::FailedPrecondition("sequence " + Id(id) + " has " + std::to_string(length) + " tokens at layer 0 but " +
+                                          std::to_string(it->second.heads[l][0].replica.length()) + " at layer " +
+                                          std::to_string(l) + " (prefill every layer first)");
+      }
+    }
+    states.push_back(&it->second);
+  }
+  step_active_ = true;
+  step_kind_ = kind;
+  step_rows_ = rows;
+  step_ids_.assign(sequences.begin(), sequences.end());
+  step_states_ = std::move(states);
+  layer_decoded_.assign(shape_.n_layers, 0);
+  return Status::Ok();
+}
+
+Status CpuAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const {
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  std::vector<Half> rows(h->selected.size() * row);
+  std::vector<int32_t> missing;
+  std::vector<size_t> missing_slot;
+  size_t r = 0;  // walks h->resident; both lists are ascending
+  for (size_t i = 0; i < h->selected.size(); ++i) {
+    const int32_t token = h->selected[i];
+    while (r < h->resident.size() && h->resident[r] < token) ++r;
+    if (r < h->resident.size() && h->resident[r] == token) {
+      std::copy_n(h->resident_rows.data() + r * row, row, rows.data() + i * row);
+    } else {
+      missing.push_back(token);
+      missing_slot.push_back(i);
+    }
+  }
+  if (!missing.empty()) {
+    std::vector<Half> fetched(missing.size() * row);
+    SPECACHE_RETURN_IF_ERROR(source_->ReadRows(id, layer, kv_head, missing.data(), static_cast<int32_t>(missing.size()),
+                                               fetched.data())
+                                 .WithContext("fetching rows of sequence " + Id(id)));
+    for (size_t m = 0; m < missing.size(); ++m) {
+      std::copy_n(fetched.data() + m * row, row, rows.data() + missing_slot[m] * row);
+    }
+  }
+  counts->selected += static_cast<int64_t>(h->selected.size());
+  counts->fetched += static_cast<int64_t>(missing.size());
+  counts->reused += static_cast<int64_t>(h->selected.size() - missing.size());
+  h->resident = h->selected;
+  h->resident_rows = std::move(rows);
+  return Status::Ok();
+}
+
+Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
+  if (!step_active_) return Status::FailedPrecondition("DecodeLayer outside a step; call BeginStep first");
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  if (layer_decoded_[layer]) {
+    return Status::FailedPrecondition("layer " + std::to_string(layer) + " was already decoded in this step");
+  }
+  if (!rows.q || !rows.k || !rows.v || !rows.out) return Status::InvalidArgument("decode rows have a null tensor");
+  for (size_t s = 0; s < step_states_.size(); ++s) {
+    FetchState& f = step_states_[s]->fetch[layer];
+    if (f == FetchState::kSelected) {
+      return Status::FailedPrecondition("layer " + std::to_string(layer) + " of sequence " + Id(step_ids_[s]) +
+                                        " has rows selected but StartPrefetch was never called for them");
+    }
+    if (f == FetchState::kInFlight) f = FetchState::kResident;  // DecodeLayer waits for its own fetch
+  }
+
+  const int d = shape_.head_dim;
+  const int group = shape_.group_size();
+  const int n_kv = shape_.n_kv_heads;
+  const int n_q = shape_.n_q_heads;
+  const int n_rows = step_rows_;
+  const bool nonspec = config_.mode == KvMode::kSpeCacheNonSpec;
+  const bool selects = config_.mode == KvMode::kSpeCache || nonspec;
+  const bool appends = step_kind_ == StepKind::kDecode;
+  const int probs_row = step_kind_ == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
+  const int n_items = static_cast<int>(step_states_.size()) * n_kv;
+  std::vector<Status> errors(n_items);
+  std::vector<FetchCounts> counts(n_items);
+
+  ParallelFor(n_items, [&](int item, int) {
+    const int s = item / n_kv;
+    const int h = item % n_kv;
+    const SequenceId id = step_ids_[s];
+    HeadState& head = step_states_[s]->heads[layer][h];
+    std::vector<float> q(static_cast<size_t>(n_rows) * group * d), out(q.size());
+    std::vector<Half> new_keys(static_cast<size_t>(n_rows) * d), new_values(new_keys.size());
+    for (int r = 0; r < n_rows; ++r) {
+      const size_t row = static_cast<size_t>(s) * n_rows + r;
+      std::copy_n(rows.q + (row * n_q + static_cast<size_t>(h) * group) * d, group * d, q.data() + static_cast<size_t>(r) * group * d);
+      ToHalfRows(rows.k + (row * n_kv + h) * d, 1, d, d, new_keys.data() + static_cast<size_t>(r) * d);
+      ToHalfRows(rows.v + (row * n_kv + h) * d, 1, d, d, new_values.data() + static_cast<size_t>(r) * d);
+    }
+    cpu::AttentionWorkspace ws;
+    const int32_t n_qk = head.replica.quantized_keys();
+    // The next step's candidates are the tokens quantized by then. If this step's append fills the
+    // key residual, its R tokens (the real token included) are quantized right after this
+    // attention, so they compete too: their rows were never fetched and would otherwise be seen
+    // only in low bits until selected at a later step.
+    const bool flushes = appends && head.replica.residual_keys() + 1 == config_.residual_tokens;
+    const int32_t n_candidates = nonspec ? n_qk : n_qk + (flushes ? config_.residual_tokens : 0);
+    std::vector<float> probs(selects ? static_cast<size_t>(group) * n_candidates : 0);
+    std::vector<float> scratch;
+    cpu::SubstitutedRows sub{head.resident.data(), head.resident_rows.data(), static_cast<int32_t>(head.resident.size())};
+    if (nonspec) {
+      // Select with the replica alone, fetch the real row's own top-k, then attend with it.
+      cpu::AttendDecodeRows(head.replica, {}, q.data(), new_keys.data(), new_values.data(), n_rows, group, scale_,
+                            out.data(), 0, n_candidates, probs.data(), &ws);
+      cpu::SelectTopK(probs.data(), group, n_candidates, config_.top_k, config_.reduction, &head.selected, &scratch);
+      errors[item] = Fetch(id, layer, h, &head, &counts[item]);
+      if (!errors[item].ok()) return;
+      sub = {head.resident.data(), head.resident_rows.data(), static_cast<int32_t>(head.resident.size())};
+      cpu::AttendDecodeRows(head.replica, sub, q.data(), new_keys.data(), new_values.data(), n_rows, group, scale_,
+                            out.data(), 0, 0, nullptr, &ws);
+    } else {
+      cpu::AttendDecodeRows(head.replica, sub, q.data(), new_keys.data(), new_values.data(), n_rows, group, scale_,
+                            out.data(), probs_row, n_candidates, selects ? probs.data() : nullptr, &ws);
+      if (selects) {
+        cpu::SelectTopK(probs.data(), group, n_candidates, config_.top_k, config_.reduction, &head.selected, &scratch);
+      }
+    }
+    for (int r = 0; r < n_rows; ++r) {
+      const size_t row = static_cast<size_t>(s) * n_rows + r;
+      std::copy_n(out.data() + static_cast<size_t>(r) * group * d, group * d, rows.out + (row * n_q + static_cast<size_t>(h) * group) * d);
+    }
+    if (appends) {
+      std::vector<Half> kv(2 * static_cast<size_t>(d));
+      std::copy_n(new_keys.data(), d, kv.data());
+      std::copy_n(new_values.data(), d, kv.data() + d);
+      errors[item] = source_->AppendRows(id, layer, h, head.replica.length(), kv.data(), 1).WithContext("source");
+      if (errors[item].ok()) head.replica.Append(new_keys.data(), new_values.data(), 1);
+    }
+  });
+  layer_decoded_[layer] = 1;
+  for (const FetchCounts& c : counts) {
+    counters_.rows_selected += c.selected;
+    counters_.rows_fetched += c.fetched;
+    counters_.rows_reused += c.reused;
+    counters_.bytes_fetched += c.fetched * 2 * d * static_cast<int64_t>(sizeof(Half));
+  }
+  for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
+  if (config_.mode == KvMode::kSpeCache) {
+    for (SequenceState* st : step_states_) st->fetch[layer] = FetchState::kSelected;
+  }
+  return Status::Ok();
+}
+
+Status CpuAgent::StartPrefetch(int layer) {
+  if (!step_active_) return Status::FailedPrecondition("StartPrefetch outside a step");
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  if (!layer_decoded_[layer]) {
+    return Status::FailedPrecondition("StartPrefetch(" + std::to_string(layer) + ") before DecodeLayer(" +
+                                      std::to_string(layer) + ") in this step");
+  }
+  if (config_.mode != KvMode::kSpeCache) return Status::Ok();
+  const int n_kv = shape_.n_kv_heads;
+  const int n_items = static_cast<int>(step_states_.size()) * n_kv;
+  std::vector<Status> errors(n_items);
+  std::vector<FetchCounts> counts(n_items);
+  ParallelFor(n_items, [&](int item, int) {
+    SequenceState* st = step_states_[item / n_kv];
+    if (st->fetch[layer] != FetchState::kSelected) return;  // started already
+    errors[item] = Fetch(step_ids_[item / n_kv], layer, item % n_kv, &st->heads[layer][item % n_kv], &counts[item]);
+  });
+  for (const FetchCounts& c : counts) {
+    counters_.rows_selected += c.selected;
+    counters_.rows_fetched += c.fetched;
+    counters_.rows_reused += c.reused;
+    counters_.bytes_fetched += c.fetched * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
+  }
+  for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
+  for (SequenceState* st : step_states_) {
+    if (st->fetch[layer] == FetchState::kSelected) st->fetch[layer] = FetchState::kInFlight;
+  }
+  return Status::Ok();
+}
+
+Status CpuAgent::WaitPrefetch(int layer) {
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  // The CPU fetch completed inside StartPrefetch; waiting only advances the state.
+  for (auto& [id, st] : sequences_) {
+    if (st.fetch[layer] == FetchState::kInFlight) st.fetch[layer] = FetchState::kResident;
+  }
+  return Status::Ok();
+}
+
+Status CpuAgent::EndStep() {
+  if (!step_active_) return Status::FailedPrecondition("EndStep without BeginStep");
+  for (int l = 0; l < shape_.n_layers; ++l) {
+    if (!layer_decoded_[l]) {
+      return Status::FailedPrecondition("EndStep before DecodeLayer(" + std::to_string(l) + ")");
+    }
+    for (SequenceState* st : step_states_) {
+      if (st->fetch[l] == FetchState::kSelected) {
+        return Status::FailedPrecondition("EndStep before StartPrefetch(" + std::to_string(l) + ")");
+      }
+    }
+  }
+  if (step_kind_ == StepKind::kDecode) ++counters_.steps;
+  step_active_ = false;
+  step_ids_.clear();
+  step_states_.clear();
+  return Status::Ok();
+}
+
+void CpuAgent::AbortStep() {
+  for (SequenceState* st : step_states_) {
+    for (int l = 0; l < shape_.n_layers; ++l) {
+      // A selection that was never fetched is dropped; the rows resident before it stay usable.
+      if (st->fetch[l] == FetchState::kSelected) st->fetch[l] = FetchState::kResident;
+    }
+  }
+  step_active_ = false;
+  step_ids_.clear();
+  step_states_.clear();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Agent>> CreateCpuAgent(const ModelShape& shape, const KvConfig& config,
+                                              FullPrecisionSource* source) {
+  SPECACHE_RETURN_IF_ERROR(ValidateKvConfig(config, shape));
+  if (source == nullptr) return Status::InvalidArgument("a full-precision source is required");
+  return std::unique_ptr<Agent>(new CpuAgent(shape, config, source));
+}
+
+}  // namespace specache

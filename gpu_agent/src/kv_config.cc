@@ -1,0 +1,94 @@
+#include "specache/kv_config.h"
+
+#include <string>
+
+namespace specache {
+namespace {
+
+bool SupportedBits(int bits) { return bits == 1 || bits == 2 || bits == 4 || bits == 16; }
+
+}  // namespace
+
+Status ValidateModelShape(const ModelShape& s) {
+  if (s.n_layers <= 0 || s.n_q_heads <= 0 || s.n_kv_heads <= 0 || s.head_dim <= 0) {
+    return Status::InvalidArgument("model shape needs positive n_layers, n_q_heads, n_kv_heads, head_dim; got " +
+                                   std::to_string(s.n_layers) + ", " + std::to_string(s.n_q_heads) + ", " +
+                                   std::to_string(s.n_kv_heads) + ", " + std::to_string(s.head_dim));
+  }
+  if (s.n_q_heads % s.n_kv_heads != 0) {
+    return Status::InvalidArgument("n_q_heads (" + std::to_string(s.n_q_heads) + ") is not a multiple of n_kv_heads (" +
+                                   std::to_string(s.n_kv_heads) + ")");
+  }
+  if (s.head_dim % 8 != 0) {
+    return Status::InvalidArgument("head_dim (" + std::to_string(s.head_dim) + ") must be a multiple of 8");
+  }
+  return Status::Ok();
+}
+
+std::string_view KvModeName(KvMode mode) {
+  switch (mode) {
+    case KvMode::kFull: return "full";
+    case KvMode::kKivi: return "kivi";
+    case KvMode::kSpeCache: return "specache";
+    case KvMode::kSpeCacheNonSpec: return "specache-nonspec";
+  }
+  return "?";
+}
+
+Result<KvMode> ParseKvMode(std::string_view name) {
+  for (KvMode m : {KvMode::kFull, KvMode::kKivi, KvMode::kSpeCache, KvMode::kSpeCacheNonSpec}) {
+    if (KvModeName(m) == name) return m;
+  }
+  return Status::InvalidArgument("unknown KV mode '" + std::string(name) +
+                                 "' (expected full, kivi, specache or specache-nonspec)");
+}
+
+std::string_view GroupReductionName(GroupReduction reduction) {
+  return reduction == GroupReduction::kMean ? "mean" : "max";
+}
+
+Result<GroupReduction> ParseGroupReduction(std::string_view name) {
+  if (name == "mean") return GroupReduction::kMean;
+  if (name == "max") return GroupReduction::kMax;
+  return Status::InvalidArgument("unknown GQA reduction '" + std::string(name) + "' (expected mean or max)");
+}
+
+Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {
+  SPECACHE_RETURN_IF_ERROR(ValidateModelShape(shape));
+  if (!SupportedBits(c.key_bits)) {
+    return Status::InvalidArgument("key_bits " + std::to_string(c.key_bits) + " unsupported (1, 2, 4 or 16)");
+  }
+  if (!SupportedBits(c.value_bits)) {
+    return Status::InvalidArgument("value_bits " + std::to_string(c.value_bits) + " unsupported (1, 2, 4 or 16)");
+  }
+  // Packing puts 32/B codes in a uint32 word; a group must fill whole words at every width.
+  if (c.group_size <= 0 || c.group_size % 32 != 0) {
+    return Status::InvalidArgument("group size G=" + std::to_string(c.group_size) + " must be a positive multiple of 32");
+  }
+  if (c.residual_tokens <= 0 || c.residual_tokens % c.group_size != 0) {
+    return Status::InvalidArgument("residual R=" + std::to_string(c.residual_tokens) +
+                                   " must be a positive multiple of G=" + std::to_string(c.group_size));
+  }
+  if (shape.head_dim % c.group_size != 0) {
+    return Status::InvalidArgument("G=" + std::to_string(c.group_size) + " must divide head_dim=" +
+                                   std::to_string(shape.head_dim) + " (values are grouped along channels)");
+  }
+  if (c.fetches_rows() && c.top_k <= 0) {
+    return Status::InvalidArgument("top_k must be positive in mode " + std::string(KvModeName(c.mode)));
+  }
+  if (c.top_k < 0) return Status::InvalidArgument("top_k must not be negative");
+  return Status::Ok();
+}
+
+std::string DescribeKvConfig(const KvConfig& c) {
+  std::string s(KvModeName(c.mode));
+  if (c.mode == KvMode::kFull) return s + " (fp16)";
+  s += " K" + std::to_string(c.key_bits) + "/V" + std::to_string(c.value_bits) + " G=" + std::to_string(c.group_size) +
+       " R=" + std::to_string(c.residual_tokens);
+  if (c.fetches_rows()) {
+    s += " k=" + std::to_string(c.top_k) + " " + std::string(GroupReductionName(c.reduction));
+  }
+  return s;
+}
+
+}  // namespace specache

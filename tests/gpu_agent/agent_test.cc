@@ -1,0 +1,277 @@
+#include "specache/agent.h"
+
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "specache/in_memory_source.h"
+#include "testing/reference.h"
+
+namespace specache {
+namespace {
+
+const ModelShape kShape{2, 4, 2, 64};
+
+KvConfig Config(KvMode mode, int bits = 1, int k = 16) {
+  KvConfig c;
+  c.mode = mode;
+  c.key_bits = c.value_bits = bits;
+  c.top_k = k;
+  return c;
+}
+
+// Random prompt tensors for a ragged batch.
+struct Prompt {
+  std::vector<float> q, k, v, out;
+  Prompt(int tokens, std::mt19937& rng)
+      : q(testing::RandomFloats(size_t(tokens) * kShape.n_q_heads * 64, rng, 0.5f)),
+        k(testing::RandomFloats(size_t(tokens) * kShape.n_kv_heads * 64, rng)),
+        v(testing::RandomFloats(size_t(tokens) * kShape.n_kv_heads * 64, rng)),
+        out(q.size()) {}
+};
+
+Status PrefillAll(Agent* agent, std::span<const SequenceId> ids, std::span<const int32_t> offsets, Prompt* p) {
+  for (int l = 0; l < kShape.n_layers; ++l) {
+    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, {ids, offsets, p->q.data(), p->k.data(), p->v.data(), p->out.data()}));
+  }
+  return Status::Ok();
+}
+
+struct Fixture {
+  InMemorySource source;
+  std::unique_ptr<Agent> agent;
+  explicit Fixture(const KvConfig& c, const ModelShape& shape = kShape) {
+    auto a = CreateCpuAgent(shape, c, &source);
+    EXPECT_TRUE(a.ok()) << a.status().ToString();
+    if (a.ok()) agent = std::move(a).value();
+  }
+};
+
+TEST(AgentConfigTest, RejectsBadShapesAndParametersWithClearErrors) {
+  InMemorySource source;
+  struct Case {
+    ModelShape shape;
+    KvConfig config;
+    const char* needle;
+  } cases[] = {
+      {{0, 4, 2, 64}, Config(KvMode::kKivi), "positive"},
+      {{2, 4, 0, 64}, Config(KvMode::kKivi), "positive"},
+      {{2, 4, 2, -64}, Config(KvMode::kKivi), "positive"},
+      {{2, 5, 2, 64}, Config(KvMode::kKivi), "multiple of n_kv_heads"},
+      {{2, 4, 2, 60}, Config(KvMode::kKivi), "multiple of 8"},
+      {kShape, Config(KvMode::kKivi, 3), "key_bits 3"},
+      {kShape, Config(KvMode::kKivi, 8), "key_bits 8"},
+      {kShape, Config(KvMode::kKivi, 0), "key_bits 0"},
+      {kShape, [] { auto c = Config(KvMode::kKivi); c.group_size = 48; return c; }(), "multiple of 32"},
+      {kShape, [] { auto c = Config(KvMode::kKivi); c.residual_tokens = 80; return c; }(), "multiple of G"},
+      {kShape, [] { auto c = Config(KvMode::kKivi); c.group_size = 128; c.residual_tokens = 128; return c; }(),
+       "divide head_dim"},
+      {kShape, Config(KvMode::kSpeCache, 1, 0), "top_k"},
+      {kShape, Config(KvMode::kSpeCacheNonSpec, 1, -3), "top_k"},
+  };
+  for (const Case& c : cases) {
+    auto agent = CreateCpuAgent(c.shape, c.config, &source);
+    ASSERT_FALSE(agent.ok()) << c.needle;
+    EXPECT_EQ(agent.status().code(), StatusCode::kInvalidArgument) << c.needle;
+    EXPECT_NE(agent.status().message().find(c.needle), std::string::npos) << agent.status().ToString();
+  }
+  EXPECT_EQ(CreateCpuAgent(kShape, Config(KvMode::kKivi), nullptr).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ParseKvMode("fast").ok());
+  EXPECT_EQ(*ParseKvMode("specache-nonspec"), KvMode::kSpeCacheNonSpec);
+  EXPECT_FALSE(ParseGroupReduction("median").ok());
+}
+
+TEST(AgentTest, CallsOutOfOrderOrWithBadIdsGiveSpecificErrors) {
+  Fixture f(Config(KvMode::kSpeCache));
+  Agent& a = *f.agent;
+  std::mt19937 rng(1);
+  Prompt p(10, rng);
+  const SequenceId ids[] = {1};
+  const int32_t offsets[] = {0, 10};
+  EXPECT_EQ(a.PrefillLayer(0, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), p.out.data()}).code(),
+            StatusCode::kNotFound);
+  ASSERT_TRUE(a.AddSequence(1).ok());
+  EXPECT_EQ(a.AddSequence(1).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(a.BeginStep(StepKind::kDecode, ids).code(), StatusCode::kFailedPrecondition);  // not prefilled
+  EXPECT_EQ(a.PrefillLayer(2, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), p.out.data()}).code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(a.PrefillLayer(-1, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), p.out.data()}).code(),
+            StatusCode::kOutOfRange);
+  const int32_t bad_offsets[] = {0, 0};
+  EXPECT_EQ(a.PrefillLayer(0, {ids, bad_offsets, p.q.data(), p.k.data(), p.v.data(), p.out.data()}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.PrefillLayer(0, {ids, offsets, nullptr, p.k.data(), p.v.data(), p.out.data()}).code(),
+            StatusCode::kInvalidArgument);
+  const SequenceId twice[] = {1, 1};
+  const int32_t twice_offsets[] = {0, 5, 10};
+  EXPECT_EQ(a.PrefillLayer(0, {twice, twice_offsets, p.q.data(), p.k.data(), p.v.data(), p.out.data()}).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a.PrefillLayer(0, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), p.out.data()}).ok());
+  EXPECT_EQ(a.PrefillLayer(0, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), p.out.data()}).code(),
+            StatusCode::kFailedPrecondition);  // already prefilled
+  EXPECT_EQ(a.BeginStep(StepKind::kDecode, ids).code(), StatusCode::kFailedPrecondition);  // layer 1 missing
+  ASSERT_TRUE(a.PrefillLayer(1, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), p.out.data()}).ok());
+
+  std::vector<float> q(4 * 64), k(2 * 64), v(2 * 64), out(4 * 64);
+  EXPECT_EQ(a.DecodeLayer(0, {q.data(), k.data(), v.data(), out.data()}).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a.EndStep().code(), StatusCode::kFailedPrecondition);
+  const SequenceId unknown[] = {99};
+  EXPECT_EQ(a.BeginStep(StepKind::kDecode, unknown).code(), StatusCode::kNotFound);
+  EXPECT_EQ(a.BeginStep(StepKind::kDecode, {}).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a.BeginStep(StepKind::kPreDecode, ids).ok());
+  EXPECT_EQ(a.BeginStep(StepKind::kDecode, ids).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a.StartPrefetch(0).code(), StatusCode::kFailedPrecondition);  // before DecodeLayer(0)
+  EXPECT_EQ(a.DecodeLayer(5, {q.data(), k.data(), v.data(), out.data()}).code(), StatusCode::kOutOfRange);
+  ASSERT_TRUE(a.DecodeLayer(0, {q.data(), k.data(), v.data(), out.data()}).ok());
+  EXPECT_EQ(a.DecodeLayer(0, {q.data(), k.data(), v.data(), out.data()}).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a.EndStep().code(), StatusCode::kFailedPrecondition);  // layer 1 not decoded
+  EXPECT_EQ(a.ReleaseSequence(1).code(), StatusCode::kFailedPrecondition);  // inside the step
+  a.AbortStep();
+  EXPECT_EQ(a.SelectedTokens(1, 0, 7).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(a.SelectedTokens(2, 0, 0).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(a.ReleaseSequence(1).ok());
+  EXPECT_EQ(a.ReleaseSequence(1).code(), StatusCode::kNotFound);
+
+  Fixture kivi(Config(KvMode::kKivi));
+  EXPECT_EQ(kivi.agent->RowsPerSequence(StepKind::kPreDecode), 0);
+  ASSERT_TRUE(kivi.agent->AddSequence(3).ok());
+  const SequenceId three[] = {3};
+  ASSERT_TRUE(PrefillAll(kivi.agent.get(), three, offsets, &p).ok());
+  EXPECT_EQ(kivi.agent->BeginStep(StepKind::kPreDecode, three).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(InMemorySourceTest, RejectsOutOfRangeAndOutOfOrderAccess) {
+  InMemorySource s;
+  EXPECT_EQ(s.CreateSequence(1, {0, 2, 64}).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(s.CreateSequence(1, {2, 2, 8}).ok());
+  EXPECT_EQ(s.CreateSequence(1, {2, 2, 8}).code(), StatusCode::kAlreadyExists);
+  std::vector<Half> rows(3 * 16, 1);
+  EXPECT_EQ(s.AppendRows(1, 0, 0, 1, rows.data(), 3).code(), StatusCode::kFailedPrecondition);  // hole
+  EXPECT_EQ(s.AppendRows(1, 2, 0, 0, rows.data(), 3).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(s.AppendRows(2, 0, 0, 0, rows.data(), 3).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(s.AppendRows(1, 0, 1, 0, rows.data(), 3).ok());
+  const int32_t good[] = {2, 0}, bad[] = {3}, negative[] = {-1};
+  std::vector<Half> out(2 * 16);
+  EXPECT_TRUE(s.ReadRows(1, 0, 1, good, 2, out.data()).ok());
+  EXPECT_EQ(s.ReadRows(1, 0, 1, bad, 1, out.data()).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(s.ReadRows(1, 0, 1, negative, 1, out.data()).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(*s.Length(1, 0, 1), 3);
+  EXPECT_EQ(s.stored_bytes(), 3 * 16 * 2);
+  EXPECT_TRUE(s.ReleaseSequence(1).ok());
+  EXPECT_EQ(s.ReleaseSequence(1).code(), StatusCode::kNotFound);
+}
+
+// Two sequences of different lengths in one batch give exactly what each gives alone.
+TEST(AgentTest, RaggedBatchEqualsSequencesRunAlone) {
+  std::mt19937 rng(4);
+  const int n0 = 150, n1 = 77;
+  const size_t qw = kShape.n_q_heads * 64, kw = kShape.n_kv_heads * 64;
+  const StepKind kinds[] = {StepKind::kPreDecode, StepKind::kDecode, StepKind::kDecode};
+  const SequenceId ids[] = {10, 11};
+  const int32_t offsets[] = {0, n0, n0 + n1};
+
+  // Inputs of every step for both sequences, laid out [seq][rows] as the batched call wants.
+  struct StepData {
+    int rows;
+    std::vector<float> q, k, v, out;
+  };
+  Fixture batched(Config(KvMode::kSpeCache, 2, 8));
+  Prompt both(n0 + n1, rng);
+  ASSERT_TRUE(batched.agent->AddSequence(10).ok());
+  ASSERT_TRUE(batched.agent->AddSequence(11).ok());
+  ASSERT_TRUE(PrefillAll(batched.agent.get(), ids, offsets, &both).ok());
+  std::vector<std::vector<StepData>> steps;  // [step][layer]
+  for (StepKind kind : kinds) {
+    const int rows = batched.agent->RowsPerSequence(kind);
+    ASSERT_TRUE(batched.agent->BeginStep(kind, ids).ok());
+    steps.emplace_back();
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      StepData d{rows, testing::RandomFloats(2 * rows * qw, rng, 0.5f), testing::RandomFloats(2 * rows * kw, rng),
+                 testing::RandomFloats(2 * rows * kw, rng), std::vector<float>(2 * rows * qw)};
+      ASSERT_TRUE(batched.agent->DecodeLayer(l, {d.q.data(), d.k.data(), d.v.data(), d.out.data()}).ok());
+      ASSERT_TRUE(batched.agent->StartPrefetch(l).ok());
+      steps.back().push_back(std::move(d));
+    }
+    ASSERT_TRUE(batched.agent->EndStep().ok());
+  }
+
+  for (int s = 0; s < 2; ++s) {
+    Fixture alone(Config(KvMode::kSpeCache, 2, 8));
+    const int first = s == 0 ? 0 : n0, n = s == 0 ? n0 : n1;
+    Prompt p(n, rng);
+    std::copy_n(both.q.begin() + first * qw, n * qw, p.q.begin());
+    std::copy_n(both.k.begin() + first * kw, n * kw, p.k.begin());
+    std::copy_n(both.v.begin() + first * kw, n * kw, p.v.begin());
+    const SequenceId id[] = {ids[s]};
+    const int32_t off[] = {0, n};
+    ASSERT_TRUE(alone.agent->AddSequence(ids[s]).ok());
+    ASSERT_TRUE(PrefillAll(alone.agent.get(), id, off, &p).ok());
+    for (size_t i = 0; i < n * qw; ++i) ASSERT_EQ(p.out[i], both.out[first * qw + i]);
+    for (size_t t = 0; t < steps.size(); ++t) {
+      ASSERT_TRUE(alone.agent->BeginStep(kinds[t], id).ok());
+      for (int l = 0; l < kShape.n_layers; ++l) {
+        const StepData& d = steps[t][l];
+        std::vector<float> out(d.rows * qw);
+        ASSERT_TRUE(alone.agent
+                        ->DecodeLayer(l, {d.q.data() + s * d.rows * qw, d.k.data() + s * d.rows * kw,
+                                          d.v.data() + s * d.rows * kw, out.data()})
+                        .ok());
+        ASSERT_TRUE(alone.agent->StartPrefetch(l).ok());
+        for (size_t i = 0; i < out.size(); ++i) {
+          ASSERT_EQ(out[i], d.out[s * d.rows * qw + i]) << "sequence " << s << " step " << t << " layer " << l;
+        }
+      }
+      ASSERT_TRUE(alone.agent->EndStep().ok());
+    }
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      for (int h = 0; h < kShape.n_kv_heads; ++h) {
+        EXPECT_EQ(*alone.agent->SelectedTokens(ids[s], l, h), *batched.agent->SelectedTokens(ids[s], l, h));
+      }
+    }
+  }
+}
+
+TEST(AgentTest, PrefetchSelectsTopKOfQuantizedTokensAndCountsReuse) {
+  std::mt19937 rng(8);
+  Fixture f(Config(KvMode::kSpeCache, 1, 16));
+  const int n = 200;  // 192 quantized keys at R = 64
+  Prompt p(n, rng);
+  const SequenceId ids[] = {5};
+  const int32_t offsets[] = {0, n};
+  ASSERT_TRUE(f.agent->AddSequence(5).ok());
+  ASSERT_TRUE(PrefillAll(f.agent.get(), ids, offsets, &p).ok());
+  const size_t qw = 4 * 64, kw = 2 * 64;
+  for (int step = 0; step < 4; ++step) {
+    const StepKind kind = step == 0 ? StepKind::kPreDecode : StepKind::kDecode;
+    const int rows = f.agent->RowsPerSequence(kind);
+    // Slowly drifting queries: consecutive steps select overlapping rows.
+    std::vector<float> q(rows * qw), k = testing::RandomFloats(rows * kw, rng), v = testing::RandomFloats(rows * kw, rng),
+                       out(rows * qw);
+    std::mt19937 qrng(1);
+    for (auto& x : q) x = std::normal_distribution<float>(0, 0.5f)(qrng) + 0.01f * step;
+    ASSERT_TRUE(f.agent->BeginStep(kind, ids).ok());
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      ASSERT_TRUE(f.agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()}).ok());
+      ASSERT_TRUE(f.agent->StartPrefetch(l).ok());
+      ASSERT_TRUE(f.agent->WaitPrefetch(l).ok());
+    }
+    ASSERT_TRUE(f.agent->EndStep().ok());
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      const auto sel = *f.agent->SelectedTokens(5, l, 0);
+      ASSERT_EQ(sel.size(), 16u);
+      EXPECT_TRUE(std::is_sorted(sel.begin(), sel.end()));
+      EXPECT_LT(sel.back(), 192);
+    }
+  }
+  const AgentStats s = f.agent->stats();
+  EXPECT_EQ(s.rows_selected, 4 * 2 * 2 * 16);  // steps x layers x kv heads x k
+  EXPECT_EQ(s.rows_fetched + s.rows_reused, s.rows_selected);
+  EXPECT_GT(s.rows_reused, 0);
+  EXPECT_EQ(s.bytes_fetched, s.rows_fetched * 2 * 64 * 2);
+  EXPECT_EQ(s.steps, 3);
+  EXPECT_EQ(s.full_precision_bytes, int64_t{n + 3} * 2 * 2 * 2 * 64 * 2);
+  EXPECT_EQ(f.source.stored_bytes(), s.full_precision_bytes);
+}
+
+}  // namespace
+}  // namespace specache
