@@ -1,0 +1,228 @@
+// specache-bench: figures for the CPU backend of the agent.
+//
+//   specache-bench [memory|quantize|attention|all] [--tokens N] [--head-dim D] [--repeats R]
+//                  [--json FILE]
+//
+// memory     replica bytes / fp16 bytes after streaming N tokens through one real HeadReplica,
+//            for G in {32, 64}, B in {1, 2, 4}, R in {64, 128}; checks the 1-bit, G=32, R=64
+//            target (<= 0.14 at 32K tokens).
+// quantize   key-group and value-token quantization throughput per bit width (fp16 input GB/s).
+// attention  one decode step over one KV head (GQA group of 4) with k substituted rows:
+//            context tokens/s per bit width, the ratio to the 16-bit replica in the same run, and
+//            the cost of the speculative second row (2 rows vs 1).
+// Timings are medians of --repeats runs after one warm-up. The machine is noisy: read ratios.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "specache/cpu_attention.h"
+#include "specache/device_probe.h"
+#include "specache/head_replica.h"
+#include "specache/quantizer.h"
+
+namespace specache {
+namespace {
+
+struct Options {
+  std::string suite = "all";
+  int tokens = 32768;
+  int head_dim = 128;
+  int repeats = 7;
+  std::string json_path;
+};
+
+struct Row {  // one JSON record
+  std::string suite, name;
+  std::vector<std::pair<std::string, double>> values;
+};
+
+double MedianSeconds(int repeats, const std::function<void()>& fn) {
+  fn();  // warm-up
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::vector<Half> RandomHalves(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<Half> out(n);
+  for (auto& h : out) h = FloatToHalf(dist(rng));
+  return out;
+}
+
+HeadReplica Filled(int tokens, int head_dim, int bits, int group, int residual, const std::vector<Half>& kv) {
+  HeadReplica r({head_dim, bits, bits, group, residual});
+  r.Append(kv.data(), kv.data() + static_cast<size_t>(tokens) * head_dim, tokens);
+  return r;
+}
+
+bool Memory(const Options& o, std::vector<Row>* rows) {
+  std::printf("\n== memory: replica bytes / fp16 bytes, %d tokens, head_dim %d ==\n", o.tokens, o.head_dim);
+  std::printf("%-6s %-6s %-6s %14s %14s %8s\n", "bits", "G", "R", "replica_B", "fp16_B", "ratio");
+  const auto kv = RandomHalves(2 * static_cast<size_t>(o.tokens) * o.head_dim, 1);
+  const double fp16 = 2.0 * o.tokens * o.head_dim * 2;
+  bool target_met = true;
+  for (int residual : {64, 128}) {
+    for (int group : {32, 64}) {
+      if (residual % group || o.head_dim % group) continue;
+      for (int bits : {1, 2, 4}) {
+        const HeadReplica r = Filled(o.tokens, o.head_dim, bits, group, residual, kv);
+        const double ratio = r.device_bytes() / fp16;
+        std::printf("%-6d %-6d %-6d %14lld %14.0f %8.4f\n", bits, group, residual,
+                    static_cast<long long>(r.device_bytes()), fp16, ratio);
+        rows->push_back({"memory", "b" + std::to_string(bits) + "_g" + std::to_string(group) + "_r" +
+                                       std::to_string(residual),
+                         {{"bits", bits}, {"group", group}, {"residual", residual}, {"tokens", o.tokens},
+                          {"replica_bytes", double(r.device_bytes())}, {"fp16_bytes", fp16}, {"ratio", ratio}}});
+        if (bits == 1 && group == 32 && residual == 64) {
+          target_met = ratio <= 0.14;
+          std::printf("       target 1-bit G=32 R=64: ratio %.4f <= 0.14 -> %s\n", ratio, target_met ? "met" : "NOT met");
+        }
+      }
+    }
+  }
+  return target_met;
+}
+
+void Quantize(const Options& o, std::vector<Row>* rows) {
+  std::printf("\n== quantize: fp16 input GB/s, head_dim %d, G=32 ==\n", o.head_dim);
+  std::printf("%-6s %14s %14s\n", "bits", "keys_GBps", "values_GBps");
+  const int group = 32, n_groups = 512;
+  const auto x = RandomHalves(static_cast<size_t>(n_groups) * group * o.head_dim, 2);
+  const double bytes = static_cast<double>(x.size()) * 2;
+  for (int bits : {1, 2, 4}) {
+    std::vector<uint32_t> codes(static_cast<size_t>(o.head_dim) * WordsPerGroup(group, bits));
+    std::vector<Half> scale(o.head_dim), zero(o.head_dim);
+    const double tk = MedianSeconds(o.repeats, [&] {
+      for (int g = 0; g < n_groups; ++g) {
+        QuantizeKeyGroup(x.data() + static_cast<size_t>(g) * group * o.head_dim, group, o.head_dim, bits, codes.data(),
+                         scale.data(), zero.data());
+      }
+    });
+    const double tv = MedianSeconds(o.repeats, [&] {
+      for (int t = 0; t < n_groups * group; ++t) {
+        QuantizeValueToken(x.data() + static_cast<size_t>(t) * o.head_dim, o.head_dim, group, bits, codes.data(),
+                           scale.data(), zero.data());
+      }
+    });
+    std::printf("%-6d %14.2f %14.2f\n", bits, bytes / tk / 1e9, bytes / tv / 1e9);
+    rows->push_back({"quantize", "b" + std::to_string(bits),
+                     {{"bits", bits}, {"keys_gbps", bytes / tk / 1e9}, {"values_gbps", bytes / tv / 1e9}}});
+  }
+}
+
+void Attention(const Options& o, std::vector<Row>* rows) {
+  const int tokens = std::min(o.tokens, 8192), heads = 4, k = 64;
+  std::printf("\n== attention: one KV head, %d tokens, head_dim %d, GQA %d, k=%d substituted ==\n", tokens, o.head_dim,
+              heads, k);
+  std::printf("%-6s %12s %14s %12s %14s\n", "bits", "ms_1row", "Mtok_per_s", "vs_16bit", "2rows/1row");
+  const auto kv = RandomHalves(2 * static_cast<size_t>(tokens) * o.head_dim, 3);
+  const auto fresh = RandomHalves(4 * static_cast<size_t>(o.head_dim), 4);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 0.5f);
+  std::vector<float> q(2 * heads * o.head_dim), out(q.size());
+  for (auto& x : q) x = dist(rng);
+  double t16 = 0;
+  for (int bits : {16, 4, 2, 1}) {
+    const HeadReplica r = Filled(tokens, o.head_dim, bits, 32, 64, kv);
+    std::vector<int32_t> sub_tokens(k);
+    for (int i = 0; i < k; ++i) sub_tokens[i] = i * (r.quantized_keys() / k);
+    std::vector<Half> sub_rows(static_cast<size_t>(k) * 2 * o.head_dim);
+    for (int i = 0; i < k; ++i) {
+      std::memcpy(sub_rows.data() + static_cast<size_t>(i) * 2 * o.head_dim,
+                  kv.data() + static_cast<size_t>(sub_tokens[i]) * o.head_dim, o.head_dim * sizeof(Half));
+    }
+    cpu::SubstitutedRows sub{sub_tokens.data(), sub_rows.data(), k};
+    cpu::AttentionWorkspace ws;
+    std::vector<float> probs(static_cast<size_t>(heads) * r.quantized_keys());
+    const float scale = 1.0f / std::sqrt(float(o.head_dim));
+    auto step = [&](int n_rows) {
+      return MedianSeconds(o.repeats, [&] {
+        cpu::AttendDecodeRows(r, sub, q.data(), fresh.data(), fresh.data() + 2 * o.head_dim, n_rows, heads, scale,
+                              out.data(), n_rows - 1, r.quantized_keys(), probs.data(), &ws);
+      });
+    };
+    const double t1 = step(1), t2 = step(2);
+    if (bits == 16) t16 = t1;
+    std::printf("%-6d %12.3f %14.2f %12.3f %14.3f\n", bits, t1 * 1e3, tokens / t1 / 1e6, t16 / t1, t2 / t1);
+    rows->push_back({"attention", "b" + std::to_string(bits),
+                     {{"bits", bits}, {"tokens", tokens}, {"ms_1row", t1 * 1e3}, {"ms_2rows", t2 * 1e3},
+                      {"speedup_vs_16bit", t16 / t1}, {"two_row_cost", t2 / t1}}});
+  }
+  std::printf("       (vs_16bit > 1: faster than the fp16 replica; the CPU decodes the low-bit cache to floats\n"
+              "        first, so low bits save memory here, not time. 2rows/1row: cost of the speculative row.)\n");
+}
+
+void WriteJson(const std::string& path, const std::vector<Row>& rows) {
+  std::ofstream f(path);
+  f << "{\"results\": [\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    f << "  {\"suite\": \"" << rows[i].suite << "\", \"name\": \"" << rows[i].name << "\"";
+    for (const auto& [key, value] : rows[i].values) f << ", \"" << key << "\": " << value;
+    f << "}" << (i + 1 < rows.size() ? ",\n" : "\n");
+  }
+  f << "]}\n";
+  std::printf("\nwrote %s\n", path.c_str());
+}
+
+int Usage() {
+  std::fprintf(stderr,
+               "usage: specache-bench [memory|quantize|attention|all] [--tokens N] [--head-dim D] [--repeats R] "
+               "[--json FILE]\n");
+  return 2;
+}
+
+}  // namespace
+}  // namespace specache
+
+int main(int argc, char** argv) {
+  using namespace specache;
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next_int = [&](int* out) {
+      if (i + 1 >= argc) return false;
+      *out = std::atoi(argv[++i]);
+      return *out > 0;
+    };
+    if (a == "--tokens") {
+      if (!next_int(&o.tokens)) return Usage();
+    } else if (a == "--head-dim") {
+      if (!next_int(&o.head_dim) || o.head_dim % 32) return Usage();
+    } else if (a == "--repeats") {
+      if (!next_int(&o.repeats)) return Usage();
+    } else if (a == "--json") {
+      if (i + 1 >= argc) return Usage();
+      o.json_path = argv[++i];
+    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all") {
+      o.suite = a;
+    } else {
+      return Usage();
+    }
+  }
+  auto device = ProbeCudaDevice();
+  std::printf("specache-bench: backend cpu (%s)\n",
+              device.ok() ? ("GPU present: " + device->name + "; CUDA backend not built yet").c_str()
+                          : ("no GPU: " + device.status().message()).c_str());
+  std::vector<Row> rows;
+  bool ok = true;
+  if (o.suite == "memory" || o.suite == "all") ok = Memory(o, &rows);
+  if (o.suite == "quantize" || o.suite == "all") Quantize(o, &rows);
+  if (o.suite == "attention" || o.suite == "all") Attention(o, &rows);
+  if (!o.json_path.empty()) WriteJson(o.json_path, rows);
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian 12 machine for specache and builds it: installs the Debian packages the
+# build needs (only those missing, so running it again is cheap), configures CMake (with CUDA when
+# nvcc is present) and builds into build/. Environment: BUILD_DIR (default build),
+# SPECACHE_CUDA (AUTO|ON|OFF, default AUTO), CUDA_ARCHS (default "80;90").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(build-essential cmake ninja-build ccache pkg-config libgtest-dev libgmock-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+build_dir=${BUILD_DIR:-build}
+cuda_args=()
+nvcc=$(command -v nvcc || true)
+[ -n "$nvcc" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc; }
+if [ "${SPECACHE_CUDA:-AUTO}" != "OFF" ] && [ -n "$nvcc" ]; then
+  cuda_args=(-DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-80;90}")
+fi
+cmake -S . -B "$build_dir" -G Ninja -DSPECACHE_CUDA="${SPECACHE_CUDA:-AUTO}" "${cuda_args[@]}"
+cmake --build "$build_dir" -j "$(nproc)"
+echo "setup: built into $build_dir"
