@@ -126,6 +126,15 @@ class CpuAgent final : public Agent {
     return Status::Ok();
   }
 
+  void AddFetchCounts(const std::vector<FetchCounts>& counts) {
+    for (const FetchCounts& c : counts) {
+      counters_.rows_selected += c.selected;
+      counters_.rows_fetched += c.fetched;
+      counters_.rows_reused += c.reused;
+      counters_.bytes_fetched += c.fetched * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
+    }
+  }
+
   // Makes `selected` resident: rows already resident are kept, the rest read from the source.
   Status Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const;
 
@@ -361,12 +370,7 @@ Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     }
   });
   layer_decoded_[layer] = 1;
-  for (const FetchCounts& c : counts) {
-    counters_.rows_selected += c.selected;
-    counters_.rows_fetched += c.fetched;
-    counters_.rows_reused += c.reused;
-    counters_.bytes_fetched += c.fetched * 2 * d * static_cast<int64_t>(sizeof(Half));
-  }
+  AddFetchCounts(counts);
   for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
   if (config_.mode == KvMode::kSpeCache) {
     for (SequenceState* st : step_states_) st->fetch[layer] = FetchState::kSelected;
@@ -391,12 +395,7 @@ Status CpuAgent::StartPrefetch(int layer) {
     if (st->fetch[layer] != FetchState::kSelected) return;  // started already
     errors[item] = Fetch(step_ids_[item / n_kv], layer, item % n_kv, &st->heads[layer][item % n_kv], &counts[item]);
   });
-  for (const FetchCounts& c : counts) {
-    counters_.rows_selected += c.selected;
-    counters_.rows_fetched += c.fetched;
-    counters_.rows_reused += c.reused;
-    counters_.bytes_fetched += c.fetched * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
-  }
+  AddFetchCounts(counts);
   for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
   for (SequenceState* st : step_states_) {
     if (st->fetch[layer] == FetchState::kSelected) st->fetch[layer] = FetchState::kInFlight;

@@ -150,8 +150,8 @@ TEST(QuantizerTest, KeyGroupIsPerChannelAndValueTokenPerChannelGroup) {
   std::vector<float> vout(d);
   DequantizeValueToken(vcodes.data(), vscale.data(), vzero.data(), d, g, bits, vout.data());
   for (int grp = 0; grp < d / g; ++grp) {
-    std::vector<double> run(keys.begin() + grp * g, keys.begin() + (grp + 1) * g);
-    for (auto& r : run) r = HalfToFloat(static_cast<Half>(r));
+    std::vector<double> run(g);
+    for (int i = 0; i < g; ++i) run[i] = HalfToFloat(keys[grp * g + i]);
     const std::vector<double> ref = RefQuantizeDequantize(run, bits);
     for (int i = 0; i < g; ++i) EXPECT_NEAR(vout[grp * g + i], ref[i], 1e-4 * (1 + std::fabs(ref[i])));
   }
