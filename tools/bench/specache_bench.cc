@@ -142,9 +142,12 @@ void Attention(const Options& o, std::vector<Row>* rows) {
     std::vector<int32_t> sub_tokens(k);
     for (int i = 0; i < k; ++i) sub_tokens[i] = i * (r.quantized_keys() / k);
     std::vector<Half> sub_rows(static_cast<size_t>(k) * 2 * o.head_dim);
+    // Rows as the source returns them: [K | V] of each token (kv holds all keys, then all values).
     for (int i = 0; i < k; ++i) {
-      std::memcpy(sub_rows.data() + static_cast<size_t>(i) * 2 * o.head_dim,
-                  kv.data() + static_cast<size_t>(sub_tokens[i]) * o.head_dim, o.head_dim * sizeof(Half));
+      Half* row = sub_rows.data() + static_cast<size_t>(i) * 2 * o.head_dim;
+      std::memcpy(row, kv.data() + static_cast<size_t>(sub_tokens[i]) * o.head_dim, o.head_dim * sizeof(Half));
+      std::memcpy(row + o.head_dim, kv.data() + (static_cast<size_t>(tokens) + sub_tokens[i]) * o.head_dim,
+                  o.head_dim * sizeof(Half));
     }
     cpu::SubstitutedRows sub{sub_tokens.data(), sub_rows.data(), k};
     cpu::AttentionWorkspace ws;

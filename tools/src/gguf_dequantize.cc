@@ -59,9 +59,11 @@ Result<uint64_t> StoredBytes(uint32_t type, uint64_t n) {
 }
 
 Status DequantizeRow(uint32_t type, const uint8_t* src, uint64_t n, float* dst) {
-  if (!CanDequantize(type)) return Status::Unimplemented("no dequantizer for " + TensorTypeName(type));
-  SPECACHE_ASSIGN_OR_RETURN(uint64_t bytes, StoredBytes(type, n));
-  (void)bytes;
+  if (!CanDequantize(type)) {
+    return Status::Unimplemented("type " + TensorTypeName(type) +
+                                 " cannot be dequantized by this reader (F32, F16, Q4_0, Q4_1, Q8_0)");
+  }
+  SPECACHE_RETURN_IF_ERROR(StoredBytes(type, n).status());  // whole blocks only
   switch (type) {
     case 0:
       std::memcpy(dst, src, n * sizeof(float));

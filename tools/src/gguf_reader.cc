@@ -213,12 +213,9 @@ Result<const TensorInfo*> GgufFile::FindTensor(const std::string& name) const {
 }
 
 Result<std::vector<float>> GgufFile::Dequantize(const TensorInfo& t) const {
-  if (!CanDequantize(t.type)) {
-    return Status::Unimplemented("tensor '" + t.name + "' has type " + TensorTypeName(t.type) +
-                                 ", which this reader cannot dequantize (F32, F16, Q4_0, Q4_1, Q8_0)");
-  }
-  std::vector<float> out(t.elements);
-  SPECACHE_RETURN_IF_ERROR(DequantizeRow(t.type, TensorData(t), t.elements, out.data()).WithContext(t.name));
+  std::vector<float> out(CanDequantize(t.type) ? t.elements : 0);
+  SPECACHE_RETURN_IF_ERROR(
+      DequantizeRow(t.type, TensorData(t), t.elements, out.data()).WithContext("tensor '" + t.name + "'"));
   return out;
 }
 
