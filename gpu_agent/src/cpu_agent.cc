@@ -169,7 +169,8 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   if (batch.token_offsets.size() != n_seq + 1 || batch.token_offsets[0] != 0) {
     return Status::InvalidArgument("token_offsets must have sequences+1 entries starting at 0");
   }
-  if (!batch.q || !batch.k || !batch.v || !batch.out) return Status::InvalidArgument("prefill batch has a null tensor");
+  if (!batch.k || !batch.v) return Status::InvalidArgument("prefill batch has a null k or v");
+  if (batch.out && !batch.q) return Status::InvalidArgument("prefill batch asks for attention (out) but has no q");
   std::vector<SequenceState*> states(n_seq);
   std::set<SequenceId> seen;
   for (size_t i = 0; i < n_seq; ++i) {
@@ -201,16 +202,20 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     const size_t kv_stride = static_cast<size_t>(n_kv) * d;
     ToHalfRows(batch.k + (first * kv_stride) + static_cast<size_t>(h) * d, n, d, kv_stride, keys.data());
     ToHalfRows(batch.v + (first * kv_stride) + static_cast<size_t>(h) * d, n, d, kv_stride, values.data());
-    std::vector<float> q(static_cast<size_t>(n) * group * d), out(q.size());
-    for (int32_t t = 0; t < n; ++t) {
-      std::copy_n(batch.q + ((static_cast<size_t>(first + t) * n_q) + static_cast<size_t>(h) * group) * d, group * d,
-                  q.data() + static_cast<size_t>(t) * group * d);
+    if (batch.out) {
+      std::vector<float> q(static_cast<size_t>(n) * group * d), out(q.size());
+      for (int32_t t = 0; t < n; ++t) {
+        std::copy_n(batch.q + ((static_cast<size_t>(first + t) * n_q) + static_cast<size_t>(h) * group) * d, group * d,
+                    q.data() + static_cast<size_t>(t) * group * d);
+      }
+      cpu::AttentionWorkspace ws;
+      cpu::AttendPrefill(q.data(), keys.data(), values.data(), n, group, d, scale_, out.data(), &ws);
+      for (int32_t t = 0; t < n; ++t) {
+        std::copy_n(out.data() + static_cast<size_t>(t) * group * d, group * d,
+                    batch.out + ((static_cast<size_t>(first + t) * n_q) + static_cast<size_t>(h) * group) * d);
+      }
     }
-    cpu::AttentionWorkspace ws;
-    cpu::AttendPrefill(q.data(), keys.data(), values.data(), n, group, d, scale_, out.data(), &ws);
     for (int32_t t = 0; t < n; ++t) {
-      std::copy_n(out.data() + static_cast<size_t>(t) * group * d, group * d,
-                  batch.out + ((static_cast<size_t>(first + t) * n_q) + static_cast<size_t>(h) * group) * d);
       std::copy_n(keys.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d);
       std::copy_n(values.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d + d);
     }

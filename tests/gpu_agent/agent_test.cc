@@ -231,6 +231,46 @@ TEST(AgentTest, RaggedBatchEqualsSequencesRunAlone) {
   }
 }
 
+TEST(AgentTest, StoreOnlyPrefillLeavesTheSameStateAsAComputingOne) {
+  std::mt19937 rng(9);
+  const int n = 140;
+  const SequenceId id[] = {5};
+  const int32_t offsets[] = {0, n};
+  Prompt p(n, rng);
+  Fixture computing(Config(KvMode::kSpeCache, 1, 8)), storing(Config(KvMode::kSpeCache, 1, 8));
+  ASSERT_TRUE(computing.agent->AddSequence(5).ok());
+  ASSERT_TRUE(storing.agent->AddSequence(5).ok());
+  ASSERT_TRUE(PrefillAll(computing.agent.get(), id, offsets, &p).ok());
+  for (int l = 0; l < kShape.n_layers; ++l) {
+    ASSERT_TRUE(storing.agent->PrefillLayer(l, {id, offsets, nullptr, p.k.data(), p.v.data(), nullptr}).ok());
+  }
+  // `out` without `q` is refused.
+  Fixture bad(Config(KvMode::kKivi));
+  ASSERT_TRUE(bad.agent->AddSequence(5).ok());
+  EXPECT_EQ(bad.agent->PrefillLayer(0, {id, offsets, nullptr, p.k.data(), p.v.data(), p.out.data()}).code(),
+            StatusCode::kInvalidArgument);
+
+  const size_t qw = kShape.n_q_heads * 64, kw = kShape.n_kv_heads * 64;
+  for (StepKind kind : {StepKind::kPreDecode, StepKind::kDecode, StepKind::kDecode}) {
+    const int rows = computing.agent->RowsPerSequence(kind);
+    ASSERT_TRUE(computing.agent->BeginStep(kind, id).ok());
+    ASSERT_TRUE(storing.agent->BeginStep(kind, id).ok());
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      const auto q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
+                 v = testing::RandomFloats(rows * kw, rng);
+      std::vector<float> a(rows * qw), b(rows * qw);
+      ASSERT_TRUE(computing.agent->DecodeLayer(l, {q.data(), k.data(), v.data(), a.data()}).ok());
+      ASSERT_TRUE(storing.agent->DecodeLayer(l, {q.data(), k.data(), v.data(), b.data()}).ok());
+      ASSERT_EQ(a, b) << "layer " << l;
+      ASSERT_TRUE(computing.agent->StartPrefetch(l).ok());
+      ASSERT_TRUE(storing.agent->StartPrefetch(l).ok());
+    }
+    ASSERT_TRUE(computing.agent->EndStep().ok());
+    ASSERT_TRUE(storing.agent->EndStep().ok());
+  }
+  EXPECT_EQ(computing.agent->stats().bytes_fetched, storing.agent->stats().bytes_fetched);
+}
+
 TEST(AgentTest, PrefetchSelectsTopKOfQuantizedTokensAndCountsReuse) {
   std::mt19937 rng(8);
   Fixture f(Config(KvMode::kSpeCache, 1, 16));

@@ -63,7 +63,11 @@ struct PrefillBatch {
   const float* q = nullptr;  // [total_tokens][n_q_heads][head_dim], RoPE applied
   const float* k = nullptr;  // [total_tokens][n_kv_heads][head_dim], RoPE applied
   const float* v = nullptr;  // [total_tokens][n_kv_heads][head_dim]
-  float* out = nullptr;      // [total_tokens][n_q_heads][head_dim] attention output
+  // [total_tokens][n_q_heads][head_dim] attention output. May be null (then q may be too): the K/V
+  // are only stored, for an engine that runs the prompt's attention with its own kernel (it must
+  // use the fp16-rounded K/V to match `full` decode), or that loads the same prompt into several
+  // agents.
+  float* out = nullptr;
 };
 
 // The step's rows for one layer, for the sequences given to BeginStep, in that order.
