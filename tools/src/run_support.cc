@@ -1,0 +1,121 @@
+#include "run_support.h"
+
+#include "unicode_classes.h"
+
+namespace specache::run {
+
+Result<LoadedModel> LoadModel(const std::string& path) {
+  LoadedModel m;
+  SPECACHE_ASSIGN_OR_RETURN(m.file, gguf::GgufFile::Open(path));
+  SPECACHE_ASSIGN_OR_RETURN(m.model, LlamaModel::Load(*m.file));
+  SPECACHE_ASSIGN_OR_RETURN(m.tokenizer, BpeTokenizer::FromGguf(*m.file));
+  if (m.tokenizer->vocab_size() != m.model->config().vocab) {
+    return Status::DataLoss("tokenizer has " + std::to_string(m.tokenizer->vocab_size()) + " tokens, the model " +
+                            std::to_string(m.model->config().vocab));
+  }
+  auto chat = ChatTemplate::FromGguf(*m.file);
+  if (chat.ok()) m.chat = *chat;
+  if (m.tokenizer->eos_id() >= 0) m.stop_ids.push_back(m.tokenizer->eos_id());
+  for (const char* stop : {"<|im_end|>", "<|endoftext|>"}) {
+    const int32_t id = m.tokenizer->Find(stop);
+    if (id >= 0 && std::find(m.stop_ids.begin(), m.stop_ids.end(), id) == m.stop_ids.end()) m.stop_ids.push_back(id);
+  }
+  return m;
+}
+
+Result<KvConfig> ToConfig(const KvOptions& o, const std::string& mode) {
+  std::string name = mode.empty() ? o.kv : mode;
+  int bits = o.bits, key_bits = o.key_bits, value_bits = o.value_bits;
+  if (const size_t colon = name.find(':'); colon != std::string::npos) {
+    try {
+      bits = std::stoi(name.substr(colon + 1));
+    } catch (const std::exception&) {
+      return Status::InvalidArgument("mode '" + name + "': bits after ':' must be a number");
+    }
+    key_bits = value_bits = 0;
+    name = name.substr(0, colon);
+  }
+  KvConfig c;
+  SPECACHE_ASSIGN_OR_RETURN(c.mode, ParseKvMode(name));
+  SPECACHE_ASSIGN_OR_RETURN(c.reduction, ParseGroupReduction(o.reduction));
+  c.key_bits = key_bits ? key_bits : bits;
+  c.value_bits = value_bits ? value_bits : bits;
+  c.group_size = o.group;
+  c.residual_tokens = o.residual;
+  c.top_k = o.topk;
+  return c;
+}
+
+std::string ModeLabel(const KvConfig& c) {
+  std::string label(KvModeName(c.mode));
+  if (c.mode == KvMode::kFull) return label;
+  if (c.key_bits == c.value_bits) return label + "-" + std::to_string(c.key_bits) + "bit";
+  return label + "-k" + std::to_string(c.key_bits) + "v" + std::to_string(c.value_bits);
+}
+
+Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config) {
+  auto run = std::make_unique<ModeRun>();
+  run->label = ModeLabel(config);
+  run->config = config;
+  SPECACHE_ASSIGN_OR_RETURN(run->agent, CreateCpuAgent(model.shape(), config, &run->source));
+  return run;
+}
+
+Result<Generation> GenerateGreedy(const LoadedModel& m, Decoder* decoder, std::span<const float> first_logits,
+                                  int max_tokens, const std::function<void(std::string_view)>& on_text) {
+  Generation g;
+  std::string pending;  // bytes not yet shown (an unfinished UTF-8 character)
+  int32_t token = Argmax(first_logits);
+  SPECACHE_RETURN_IF_ERROR(decoder->Start(token));
+  while (true) {
+    if (std::find(m.stop_ids.begin(), m.stop_ids.end(), token) != m.stop_ids.end()) break;
+    g.tokens.push_back(token);
+    const int32_t one[] = {token};
+    pending += m.tokenizer->Decode(one);
+    const size_t complete = text::CompleteUtf8Prefix(pending);
+    if (complete > 0) {
+      if (on_text) on_text(std::string_view(pending).substr(0, complete));
+      g.text += pending.substr(0, complete);
+      pending.erase(0, complete);
+    }
+    if (static_cast<int>(g.tokens.size()) >= max_tokens) break;
+    SPECACHE_ASSIGN_OR_RETURN(std::span<const float> logits, decoder->Step(token));
+    token = Argmax(logits);
+  }
+  if (!pending.empty()) {
+    if (on_text) on_text(pending);
+    g.text += pending;
+  }
+  g.decode_seconds = decoder->decode_seconds();
+  return g;
+}
+
+nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_tokens, const Decoder& decoder) {
+  const AgentStats s = run.agent->stats();
+  nlohmann::json j;
+  j["kv"] = std::string(KvModeName(run.config.mode));
+  j["mode"] = run.label;
+  if (run.config.mode != KvMode::kFull) {
+    j["key_bits"] = run.config.key_bits;
+    j["value_bits"] = run.config.value_bits;
+    j["group"] = run.config.group_size;
+    j["residual"] = run.config.residual_tokens;
+  }
+  if (run.config.mode == KvMode::kSpeCache || run.config.mode == KvMode::kSpeCacheNonSpec) j["topk"] = run.config.top_k;
+  j["device_kv_bytes"] = s.device_bytes;
+  j["full_precision_bytes"] = s.full_precision_bytes;
+  j["device_to_fp16_ratio"] =
+      s.full_precision_bytes > 0 ? static_cast<double>(s.device_bytes) / static_cast<double>(s.full_precision_bytes) : 0.0;
+  j["rows_selected"] = s.rows_selected;
+  j["rows_fetched"] = s.rows_fetched;
+  j["rows_reused"] = s.rows_reused;
+  j["bytes_fetched"] = s.bytes_fetched;
+  j["prefill_seconds"] = prefill_seconds;
+  j["prefill_tokens_per_s"] = prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0;
+  j["decode_steps"] = decoder.steps();
+  j["decode_seconds"] = decoder.decode_seconds();
+  j["decode_tokens_per_s"] = decoder.decode_seconds() > 0 ? decoder.steps() / decoder.decode_seconds() : 0.0;
+  return j;
+}
+
+}  // namespace specache::run

@@ -1,0 +1,69 @@
+// Shared pieces of specache-run's commands: the loaded model, KV options, one agent per KV mode,
+// greedy generation and the figures every command reports.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "specache/agent.h"
+#include "specache/bpe_tokenizer.h"
+#include "specache/chat_template.h"
+#include "specache/gguf.h"
+#include "specache/in_memory_source.h"
+#include "specache/llama_model.h"
+#include "specache/reference_engine.h"
+
+namespace specache::run {
+
+struct LoadedModel {
+  std::unique_ptr<gguf::GgufFile> file;
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<BpeTokenizer> tokenizer;
+  ChatTemplate chat = ChatTemplate::ChatMl("");
+  std::vector<int32_t> stop_ids;  // end of turn / end of text
+};
+Result<LoadedModel> LoadModel(const std::string& path);
+
+// The KV options of the command line (--kv, --bits, --key-bits, --value-bits, --group,
+// --residual, --topk, --reduction).
+struct KvOptions {
+  std::string kv = "specache";
+  int bits = 1;
+  int key_bits = 0;    // 0: --bits
+  int value_bits = 0;  // 0: --bits
+  int group = 32;
+  int residual = 64;
+  int topk = 64;
+  std::string reduction = "mean";
+};
+// `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too.
+Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode = "");
+std::string ModeLabel(const KvConfig& config);  // "full", "kivi-1bit", "specache-2bit", ...
+
+// One KV mode: its config, its own full-precision source and agent.
+struct ModeRun {
+  std::string label;
+  KvConfig config;
+  InMemorySource source;
+  std::unique_ptr<Agent> agent;
+};
+Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config);
+
+struct Generation {
+  std::vector<int32_t> tokens;
+  std::string text;
+  double decode_seconds = 0;
+};
+// Greedy decoding from the prefill's logits until a stop token or max_tokens; `on_text` gets the
+// answer's text as it grows (complete UTF-8 characters only).
+Result<Generation> GenerateGreedy(const LoadedModel& m, Decoder* decoder, std::span<const float> first_logits,
+                                  int max_tokens, const std::function<void(std::string_view)>& on_text = {});
+
+// Memory and fetch figures of an agent, plus the run's speed.
+nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_tokens, const Decoder& decoder);
+
+}  // namespace specache::run

@@ -1,0 +1,421 @@
+// specache-run: the reference engine on a Llama-family GGUF model, with its KV cache held by the
+// gpu_agent in the chosen mode. Commands: generate, niah, niah-grid, fidelity, logits.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+
+#include "blas_runtime.h"
+#include "heatmap_png.h"
+#include "niah_prompt.h"
+#include "run_support.h"
+
+namespace specache::run {
+namespace {
+
+constexpr SequenceId kSequence = 1;
+
+Result<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::NotFound("cannot read " + path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void AddModelOption(CLI::App* app, std::string* model) {
+  app->add_option("--model", *model, "GGUF model file (Llama architecture)")->required();
+}
+
+void AddKvOptions(CLI::App* app, KvOptions* o) {
+  app->add_option("--kv", o->kv, "KV mode: full, kivi, specache, specache-nonspec")->capture_default_str();
+  app->add_option("--bits", o->bits, "bits of the low-bit replica, keys and values (1, 2, 4)")->capture_default_str();
+  app->add_option("--key-bits", o->key_bits, "key bits (default: --bits)");
+  app->add_option("--value-bits", o->value_bits, "value bits (default: --bits)");
+  app->add_option("--group", o->group, "quantization group G (tokens per key group, channels per value group)")
+      ->capture_default_str();
+  app->add_option("--residual", o->residual, "full-precision residual window R (tokens)")->capture_default_str();
+  app->add_option("--topk", o->topk, "rows fetched per KV head and layer (specache)")->capture_default_str();
+  app->add_option("--reduction", o->reduction, "GQA reduction of scores for top-k: mean or max")->capture_default_str();
+}
+
+std::vector<int32_t> ChatPrompt(const LoadedModel& m, const std::string& text, bool raw) {
+  if (raw) return m.tokenizer->Encode(text, /*parse_special=*/true);
+  const ChatMessage user[] = {{"user", text}};
+  return m.tokenizer->Encode(m.chat.Apply(user, /*add_generation_prompt=*/true), /*parse_special=*/true);
+}
+
+// ---- generate ----
+struct GenerateArgs {
+  std::string model, prompt;
+  int max_tokens = 256;
+  bool raw = false, json = false;
+  KvOptions kv;
+};
+
+Status Generate(const GenerateArgs& a) {
+  SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
+  SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
+  SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, config));
+  const std::vector<int32_t> prompt = ChatPrompt(m, a.prompt, a.raw);
+  Agent* agents[] = {run->agent.get()};
+  SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, prompt));
+  Decoder decoder(*m.model, run->agent.get(), kSequence, static_cast<int32_t>(prompt.size()));
+  auto stream = [&](std::string_view text) {
+    if (a.json) return;
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+  };
+  SPECACHE_ASSIGN_OR_RETURN(Generation g, GenerateGreedy(m, &decoder, pre.logits, a.max_tokens, stream));
+  nlohmann::json j = Figures(*run, pre.seconds, static_cast<int>(prompt.size()), decoder);
+  j["prompt_tokens"] = prompt.size();
+  j["generated_tokens"] = g.tokens.size();
+  if (a.json) {
+    j["output"] = g.text;
+    std::cout << j.dump() << "\n";
+  } else {
+    std::printf("\n");
+    std::fprintf(stderr,
+                 "[%s] prompt %zu tokens, prefill %.1f tok/s; %zu tokens at %.2f tok/s; device KV %.2f MiB, "
+                 "full precision %.2f MiB\n",
+                 run->label.c_str(), prompt.size(), j["prefill_tokens_per_s"].get<double>(), g.tokens.size(),
+                 j["decode_tokens_per_s"].get<double>(), j["device_kv_bytes"].get<double>() / (1 << 20),
+                 j["full_precision_bytes"].get<double>() / (1 << 20));
+  }
+  return Status::Ok();
+}
+
+// ---- niah / niah-grid ----
+struct NiahArgs {
+  std::string model, haystack_file, needle, question, answer;
+  std::vector<int> lengths{4096};
+  std::vector<double> depths{0.5};
+  std::vector<std::string> modes;  // empty: the --kv options
+  int max_tokens = 32;
+  std::string out_dir = ".";
+  bool json = false;
+  KvOptions kv;
+};
+
+bool Contains(std::string hay, std::string needle) {
+  for (auto* s : {&hay, &needle}) {
+    for (char& ch : *s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  }
+  return hay.find(needle) != std::string::npos;
+}
+
+// Runs every mode on one (length, depth) point; one prefill shared by all modes.
+Result<std::vector<nlohmann::json>> NiahPoint(const LoadedModel& m, const NiahArgs& a, const std::string& haystack,
+                                              const std::vector<KvConfig>& configs, int length, double depth) {
+  NiahSpec spec{haystack, a.needle, a.question, length, depth};
+  SPECACHE_ASSIGN_OR_RETURN(NiahPrompt prompt, BuildNiahPrompt(*m.tokenizer, m.chat, spec));
+  std::vector<std::unique_ptr<ModeRun>> runs;
+  std::vector<Agent*> agents;
+  for (const KvConfig& c : configs) {
+    SPECACHE_ASSIGN_OR_RETURN(auto r, MakeModeRun(*m.model, c));
+    agents.push_back(r->agent.get());
+    runs.push_back(std::move(r));
+  }
+  SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, prompt.tokens));
+  std::vector<nlohmann::json> results;
+  for (auto& r : runs) {
+    Decoder decoder(*m.model, r->agent.get(), kSequence, static_cast<int32_t>(prompt.tokens.size()));
+    SPECACHE_ASSIGN_OR_RETURN(Generation g, GenerateGreedy(m, &decoder, pre.logits, a.max_tokens));
+    nlohmann::json j = Figures(*r, pre.seconds, static_cast<int>(prompt.tokens.size()), decoder);
+    j["correct"] = Contains(g.text, a.answer);
+    j["output"] = g.text;
+    j["context_tokens"] = prompt.tokens.size();
+    j["haystack_tokens"] = prompt.haystack_tokens;
+    j["needle_position"] = prompt.needle_position;
+    j["depth"] = depth;
+    j["answer"] = a.answer;
+    j["prefill_shared_by_modes"] = runs.size();
+    results.push_back(std::move(j));
+  }
+  return results;
+}
+
+Result<std::vector<KvConfig>> Configs(const NiahArgs& a) {
+  std::vector<KvConfig> configs;
+  if (a.modes.empty()) {
+    SPECACHE_ASSIGN_OR_RETURN(KvConfig c, ToConfig(a.kv));
+    configs.push_back(c);
+  }
+  for (const std::string& mode : a.modes) {
+    SPECACHE_ASSIGN_OR_RETURN(KvConfig c, ToConfig(a.kv, mode));
+    configs.push_back(c);
+  }
+  return configs;
+}
+
+Status Niah(const NiahArgs& a) {
+  SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
+  SPECACHE_ASSIGN_OR_RETURN(std::string haystack, ReadFile(a.haystack_file));
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a));
+  SPECACHE_ASSIGN_OR_RETURN(auto results, NiahPoint(m, a, haystack, configs, a.lengths[0], a.depths[0]));
+  for (const auto& j : results) {
+    if (a.json) {
+      std::cout << j.dump() << "\n";
+    } else {
+      std::printf("[%s] context %d depth %.2f: %s\n  output: %s\n", j["mode"].get<std::string>().c_str(),
+                  j["context_tokens"].get<int>(), a.depths[0], j["correct"].get<bool>() ? "CORRECT" : "wrong",
+                  j["output"].get<std::string>().c_str());
+    }
+  }
+  return Status::Ok();
+}
+
+std::string Fixed(double v, int digits) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+Status NiahGrid(const NiahArgs& a) {
+  SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
+  SPECACHE_ASSIGN_OR_RETURN(std::string haystack, ReadFile(a.haystack_file));
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a));
+  const size_t n_modes = configs.size(), n_len = a.lengths.size(), n_depth = a.depths.size();
+  // correct[mode][depth][length]
+  std::vector<std::vector<std::vector<double>>> correct(
+      n_modes, std::vector<std::vector<double>>(n_depth, std::vector<double>(n_len, NAN)));
+  nlohmann::json all = nlohmann::json::array();
+  for (size_t li = 0; li < n_len; ++li) {
+    for (size_t di = 0; di < n_depth; ++di) {
+      SPECACHE_ASSIGN_OR_RETURN(auto results, NiahPoint(m, a, haystack, configs, a.lengths[li], a.depths[di]));
+      for (size_t mi = 0; mi < n_modes; ++mi) {
+        correct[mi][di][li] = results[mi]["correct"].get<bool>() ? 1.0 : 0.0;
+        std::fprintf(stderr, "niah-grid: %-14s %5d tokens depth %.2f %s  (%s)\n", results[mi]["mode"].get<std::string>().c_str(),
+                     a.lengths[li], a.depths[di], results[mi]["correct"].get<bool>() ? "ok   " : "MISS ",
+                     results[mi]["output"].get<std::string>().substr(0, 60).c_str());
+        all.push_back(results[mi]);
+      }
+    }
+  }
+  // Table: one row per mode, accuracy per length (over depths), and overall.
+  std::printf("%-16s", "mode");
+  for (int len : a.lengths) std::printf(" %8d", len);
+  std::printf(" %8s\n", "all");
+  nlohmann::json summary = nlohmann::json::array();
+  for (size_t mi = 0; mi < n_modes; ++mi) {
+    const std::string label = ModeLabel(configs[mi]);
+    std::printf("%-16s", label.c_str());
+    double total = 0;
+    nlohmann::json per_length = nlohmann::json::object();
+    for (size_t li = 0; li < n_len; ++li) {
+      double acc = 0;
+      for (size_t di = 0; di < n_depth; ++di) acc += correct[mi][di][li];
+      acc /= static_cast<double>(n_depth);
+      total += acc;
+      per_length[std::to_string(a.lengths[li])] = acc;
+      std::printf(" %8.2f", acc);
+    }
+    std::printf(" %8.2f\n", total / static_cast<double>(n_len));
+    summary.push_back({{"mode", label}, {"accuracy", total / static_cast<double>(n_len)}, {"by_length", per_length}});
+
+    HeatMap map;
+    map.title = "NIAH " + label + " (" + Fixed(100 * total / static_cast<double>(n_len), 0) + "%)";
+    for (double d : a.depths) map.row_labels.push_back(Fixed(d, 2));
+    for (int len : a.lengths) map.column_labels.push_back(std::to_string(len));
+    map.values = correct[mi];
+    SPECACHE_RETURN_IF_ERROR(WriteHeatMapPng(map, a.out_dir + "/niah_" + label + ".png"));
+  }
+  const std::string json_path = a.out_dir + "/niah_grid.json";
+  std::ofstream(json_path) << nlohmann::json{{"summary", summary}, {"runs", all}}.dump(1) << "\n";
+  std::printf("wrote %s and niah_<mode>.png in %s\n", json_path.c_str(), a.out_dir.c_str());
+  return Status::Ok();
+}
+
+// ---- fidelity ----
+struct FidelityArgs {
+  std::string model, text_file;
+  int context_tokens = 2048, eval_tokens = 256;
+  bool json = false;
+  KvOptions kv;
+};
+
+// KL(p || q) of the softmax distributions of two logit vectors, in nats.
+double KlDivergence(std::span<const float> p_logits, std::span<const float> q_logits) {
+  auto log_softmax = [](std::span<const float> x) {
+    const float m = *std::max_element(x.begin(), x.end());
+    double sum = 0;
+    for (float v : x) sum += std::exp(double{v} - m);
+    std::vector<double> out(x.size());
+    const double log_sum = std::log(sum) + m;
+    for (size_t i = 0; i < x.size(); ++i) out[i] = x[i] - log_sum;
+    return out;
+  };
+  const std::vector<double> lp = log_softmax(p_logits), lq = log_softmax(q_logits);
+  double kl = 0;
+  for (size_t i = 0; i < lp.size(); ++i) kl += std::exp(lp[i]) * (lp[i] - lq[i]);
+  return std::max(kl, 0.0);
+}
+
+Status Fidelity(const FidelityArgs& a) {
+  SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
+  SPECACHE_ASSIGN_OR_RETURN(std::string text, ReadFile(a.text_file));
+  if (a.context_tokens < 1 || a.eval_tokens < 1) return Status::InvalidArgument("--context-tokens and --eval-tokens must be >= 1");
+  const std::vector<int32_t> tokens = m.tokenizer->Encode(text, /*parse_special=*/false);
+  const size_t needed = static_cast<size_t>(a.context_tokens) + a.eval_tokens;
+  if (tokens.size() < needed) {
+    return Status::InvalidArgument(a.text_file + " has " + std::to_string(tokens.size()) + " tokens; " +
+                                   std::to_string(needed) + " needed (context + eval)");
+  }
+  KvOptions full_options = a.kv;
+  full_options.kv = "full";
+  SPECACHE_ASSIGN_OR_RETURN(KvConfig full_config, ToConfig(full_options));
+  SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
+  SPECACHE_ASSIGN_OR_RETURN(auto full, MakeModeRun(*m.model, full_config));
+  SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, config));
+  Agent* agents[] = {full->agent.get(), run->agent.get()};
+  const std::span<const int32_t> context(tokens.data(), a.context_tokens);
+  SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, context));
+  Decoder reference(*m.model, full->agent.get(), kSequence, a.context_tokens);
+  Decoder decoder(*m.model, run->agent.get(), kSequence, a.context_tokens);
+  // Teacher forcing: both decoders are fed the text; the speculative row (specache) follows its
+  // own predictions, as in generation.
+  SPECACHE_RETURN_IF_ERROR(reference.Start(tokens[a.context_tokens]));
+  SPECACHE_RETURN_IF_ERROR(decoder.Start(tokens[a.context_tokens]));
+  int agree = 0, text_hits_full = 0, text_hits_mode = 0, spec_hits = 0;
+  double kl_sum = 0, kl_max = 0;
+  std::vector<float> ref_logits;
+  for (int t = 0; t < a.eval_tokens; ++t) {
+    const int32_t token = tokens[a.context_tokens + t];
+    if (decoder.speculative_token() == token) ++spec_hits;  // the spec row guessed this real token
+    SPECACHE_ASSIGN_OR_RETURN(std::span<const float> r, reference.Step(token));
+    ref_logits.assign(r.begin(), r.end());
+    SPECACHE_ASSIGN_OR_RETURN(std::span<const float> q, decoder.Step(token));
+    const int32_t top_ref = Argmax(ref_logits), top_mode = Argmax(q);
+    agree += top_ref == top_mode;
+    if (static_cast<size_t>(a.context_tokens + t + 1) < tokens.size()) {
+      text_hits_full += top_ref == tokens[a.context_tokens + t + 1];
+      text_hits_mode += top_mode == tokens[a.context_tokens + t + 1];
+    }
+    const double kl = KlDivergence(ref_logits, q);
+    kl_sum += kl;
+    kl_max = std::max(kl_max, kl);
+  }
+  nlohmann::json j = Figures(*run, pre.seconds, a.context_tokens, decoder);
+  j["positions"] = a.eval_tokens;
+  j["context_tokens"] = a.context_tokens;
+  j["top1_agreement"] = static_cast<double>(agree) / a.eval_tokens;
+  j["mean_kl"] = kl_sum / a.eval_tokens;
+  j["max_kl"] = kl_max;
+  j["next_token_accuracy_full"] = static_cast<double>(text_hits_full) / a.eval_tokens;
+  j["next_token_accuracy_mode"] = static_cast<double>(text_hits_mode) / a.eval_tokens;
+  if (config.mode == KvMode::kSpeCache) j["speculative_token_hits"] = static_cast<double>(spec_hits) / a.eval_tokens;
+  j["full_decode_tokens_per_s"] = reference.steps() / reference.decode_seconds();
+  if (a.json) {
+    std::cout << j.dump() << "\n";
+  } else {
+    std::printf("[%s] %d positions after %d tokens: top-1 agreement %.4f, mean KL %.5f (max %.4f); decode %.2f tok/s "
+                "(full %.2f); device KV %.2f MiB of %.2f MiB fp16\n",
+                run->label.c_str(), a.eval_tokens, a.context_tokens, j["top1_agreement"].get<double>(), j["mean_kl"].get<double>(),
+                kl_max, j["decode_tokens_per_s"].get<double>(), j["full_decode_tokens_per_s"].get<double>(),
+                j["device_kv_bytes"].get<double>() / (1 << 20), j["full_precision_bytes"].get<double>() / (1 << 20));
+  }
+  return Status::Ok();
+}
+
+// ---- logits (for comparisons with other implementations) ----
+struct LogitsArgs {
+  std::string model, prompt, out;
+  bool raw = false, no_special = false;
+};
+
+Status Logits(const LogitsArgs& a) {
+  SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
+  SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, KvConfig{KvMode::kFull}));
+  const std::vector<int32_t> prompt =
+      a.no_special ? m.tokenizer->Encode(a.prompt, /*parse_special=*/false) : ChatPrompt(m, a.prompt, a.raw);
+  Agent* agents[] = {run->agent.get()};
+  SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, prompt));
+  nlohmann::json j{{"tokens", prompt}, {"logits", pre.logits}, {"argmax", Argmax(pre.logits)}};
+  if (a.out.empty() || a.out == "-") {
+    std::cout << j.dump() << "\n";
+  } else {
+    std::ofstream(a.out) << j.dump() << "\n";
+  }
+  return Status::Ok();
+}
+
+int Report(const Status& s) {
+  if (s.ok()) return 0;
+  std::fprintf(stderr, "specache-run: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+}  // namespace specache::run
+
+int main(int argc, char** argv) {
+  using namespace specache::run;
+  specache::ConfigureBlasRuntime(argv);
+  CLI::App app{"specache-run: reference engine for Llama-family GGUF models with the SpeCache KV agent"};
+  app.require_subcommand(1);
+
+  GenerateArgs gen;
+  CLI::App* generate = app.add_subcommand("generate", "greedy answer to a prompt, streamed");
+  AddModelOption(generate, &gen.model);
+  generate->add_option("--prompt", gen.prompt, "user message (chat template applied)")->required();
+  generate->add_option("--max-tokens", gen.max_tokens, "most tokens to generate")->capture_default_str();
+  generate->add_flag("--raw-prompt", gen.raw, "use the prompt as is, without the chat template");
+  generate->add_flag("--json", gen.json, "print one JSON object instead of streaming");
+  AddKvOptions(generate, &gen.kv);
+
+  NiahArgs niah_args, grid_args;
+  auto add_niah = [](CLI::App* cmd, NiahArgs* a, bool grid) {
+    AddModelOption(cmd, &a->model);
+    cmd->add_option("--haystack", a->haystack_file, "text file the needle hides in")->required();
+    cmd->add_option("--needle", a->needle, "sentence inserted into the text")->required();
+    cmd->add_option("--question", a->question, "question asked after the text")->required();
+    cmd->add_option("--answer", a->answer, "counted correct when the output contains it (any case)")->required();
+    cmd->add_option("--max-tokens", a->max_tokens, "most tokens of the answer")->capture_default_str();
+    AddKvOptions(cmd, &a->kv);
+    if (grid) {
+      cmd->add_option("--lengths", a->lengths, "context lengths in tokens (whole prompt)")->delimiter(',')->capture_default_str();
+      cmd->add_option("--depths", a->depths, "needle depths in [0, 1]")->delimiter(',')->capture_default_str();
+      cmd->add_option("--modes", a->modes, "KV modes as MODE[:BITS], e.g. full,kivi:1,specache:1 (default: --kv)")
+          ->delimiter(',');
+      cmd->add_option("--out-dir", a->out_dir, "where niah_grid.json and the PNG heat maps go")->capture_default_str();
+    } else {
+      a->lengths.resize(1);
+      a->depths.resize(1);
+      cmd->add_option("--context-tokens", a->lengths[0], "prompt length in tokens (template included)")->required();
+      cmd->add_option("--depth", a->depths[0], "needle depth in [0, 1]")->required();
+      cmd->add_flag("--json", a->json, "print one JSON object per mode");
+    }
+  };
+  CLI::App* niah = app.add_subcommand("niah", "one needle-in-a-haystack trial");
+  add_niah(niah, &niah_args, false);
+  CLI::App* grid = app.add_subcommand("niah-grid", "needle-in-a-haystack over lengths x depths x modes");
+  add_niah(grid, &grid_args, true);
+
+  FidelityArgs fid;
+  CLI::App* fidelity = app.add_subcommand("fidelity", "next-token distributions vs full, teacher-forced on a text");
+  AddModelOption(fidelity, &fid.model);
+  fidelity->add_option("--text", fid.text_file, "text file")->required();
+  fidelity->add_option("--context-tokens", fid.context_tokens, "tokens prefilled")->capture_default_str();
+  fidelity->add_option("--eval-tokens", fid.eval_tokens, "positions decoded and compared")->capture_default_str();
+  fidelity->add_flag("--json", fid.json, "print one JSON object");
+  AddKvOptions(fidelity, &fid.kv);
+
+  LogitsArgs logit_args;
+  CLI::App* logits = app.add_subcommand("logits", "prompt tokens and next-token logits (full mode) as JSON");
+  AddModelOption(logits, &logit_args.model);
+  logits->add_option("--prompt", logit_args.prompt, "prompt text")->required();
+  logits->add_flag("--raw-prompt", logit_args.raw, "no chat template (special tokens in the text are parsed)");
+  logits->add_flag("--no-special", logit_args.no_special, "with --raw-prompt: special tokens in the text stay text");
+  logits->add_option("--out", logit_args.out, "output file (default stdout)");
+
+  CLI11_PARSE(app, argc, argv);
+  if (generate->parsed()) return Report(Generate(gen));
+  if (niah->parsed()) return Report(Niah(niah_args));
+  if (grid->parsed()) return Report(NiahGrid(grid_args));
+  if (fidelity->parsed()) return Report(Fidelity(fid));
+  if (logits->parsed()) return Report(Logits(logit_args));
+  return 1;
+}
