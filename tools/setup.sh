@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian 12 machine for specache and builds it: installs the Debian packages the
 # build needs (only those missing, so running it again is cheap), configures CMake (with CUDA when
-# nvcc is present) and builds into build/. Environment: BUILD_DIR (default build),
-# SPECACHE_CUDA (AUTO|ON|OFF, default AUTO), CUDA_ARCHS (default "80;90").
+# nvcc is present), builds into build/ and fetches the bundled model (tools/fetch-model.sh).
+# Environment: BUILD_DIR (default build), SPECACHE_CUDA (AUTO|ON|OFF, default AUTO),
+# CUDA_ARCHS (default "80;90"), SPECACHE_NO_MODEL=1 to skip the model download.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(build-essential cmake ninja-build ccache pkg-config libgtest-dev libgmock-dev)
+packages=(build-essential cmake ninja-build ccache pkg-config libgtest-dev libgmock-dev
+          libopenblas-dev libcli11-dev nlohmann-json3-dev zlib1g-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -26,6 +28,9 @@ nvcc=$(command -v nvcc || true)
 if [ "${SPECACHE_CUDA:-AUTO}" != "OFF" ] && [ -n "$nvcc" ]; then
   cuda_args=(-DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-80;90}")
 fi
-cmake -S . -B "$build_dir" -G Ninja -DSPECACHE_CUDA="${SPECACHE_CUDA:-AUTO}" "${cuda_args[@]}"
+cmake -S . -B "$build_dir" -G Ninja -DSPECACHE_CUDA="${SPECACHE_CUDA:-AUTO}" -DSPECACHE_RUN=ON "${cuda_args[@]}"
 cmake --build "$build_dir" -j "$(nproc)"
 echo "setup: built into $build_dir"
+if [ "${SPECACHE_NO_MODEL:-0}" != "1" ]; then
+  echo "setup: model at $(tools/fetch-model.sh)"
+fi
