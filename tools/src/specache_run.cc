@@ -233,6 +233,7 @@ Status NiahGrid(const NiahArgs& a) {
 struct FidelityArgs {
   std::string model, text_file;
   int context_tokens = 2048, eval_tokens = 256;
+  std::vector<std::string> modes;  // empty: the --kv options
   bool json = false;
   KvOptions kv;
 };
@@ -267,55 +268,79 @@ Status Fidelity(const FidelityArgs& a) {
   KvOptions full_options = a.kv;
   full_options.kv = "full";
   SPECACHE_ASSIGN_OR_RETURN(KvConfig full_config, ToConfig(full_options));
-  SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
+  std::vector<KvConfig> configs;
+  for (const std::string& mode : a.modes.empty() ? std::vector<std::string>{""} : a.modes) {
+    SPECACHE_ASSIGN_OR_RETURN(KvConfig c, ToConfig(a.kv, mode));
+    configs.push_back(c);
+  }
+  // One full-precision reference and one run per mode, all from one shared prefill.
   SPECACHE_ASSIGN_OR_RETURN(auto full, MakeModeRun(*m.model, full_config));
-  SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, config));
-  Agent* agents[] = {full->agent.get(), run->agent.get()};
+  std::vector<Agent*> agents = {full->agent.get()};
+  struct Tally {
+    std::unique_ptr<ModeRun> run;
+    std::unique_ptr<Decoder> decoder;
+    int agree = 0, text_hits = 0, spec_hits = 0;
+    double kl_sum = 0, kl_max = 0;
+  };
+  std::vector<Tally> tallies(configs.size());
+  for (size_t i = 0; i < configs.size(); ++i) {
+    SPECACHE_ASSIGN_OR_RETURN(tallies[i].run, MakeModeRun(*m.model, configs[i]));
+    agents.push_back(tallies[i].run->agent.get());
+  }
   const std::span<const int32_t> context(tokens.data(), a.context_tokens);
   SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, context));
   Decoder reference(*m.model, full->agent.get(), kSequence, a.context_tokens);
-  Decoder decoder(*m.model, run->agent.get(), kSequence, a.context_tokens);
-  // Teacher forcing: both decoders are fed the text; the speculative row (specache) follows its
+  // Teacher forcing: every decoder is fed the text; the speculative row (specache) follows its
   // own predictions, as in generation.
   SPECACHE_RETURN_IF_ERROR(reference.Start(tokens[a.context_tokens]));
-  SPECACHE_RETURN_IF_ERROR(decoder.Start(tokens[a.context_tokens]));
-  int agree = 0, text_hits_full = 0, text_hits_mode = 0, spec_hits = 0;
-  double kl_sum = 0, kl_max = 0;
+  for (Tally& t : tallies) {
+    t.decoder = std::make_unique<Decoder>(*m.model, t.run->agent.get(), kSequence, a.context_tokens);
+    SPECACHE_RETURN_IF_ERROR(t.decoder->Start(tokens[a.context_tokens]));
+  }
+  int text_hits_full = 0;
   std::vector<float> ref_logits;
-  for (int t = 0; t < a.eval_tokens; ++t) {
-    const int32_t token = tokens[a.context_tokens + t];
-    if (decoder.speculative_token() == token) ++spec_hits;  // the spec row guessed this real token
+  for (int step = 0; step < a.eval_tokens; ++step) {
+    const int32_t token = tokens[a.context_tokens + step];
+    const int32_t next = tokens[a.context_tokens + step + 1 < static_cast<int>(tokens.size()) ? a.context_tokens + step + 1
+                                                                                                : a.context_tokens + step];
     SPECACHE_ASSIGN_OR_RETURN(std::span<const float> r, reference.Step(token));
     ref_logits.assign(r.begin(), r.end());
-    SPECACHE_ASSIGN_OR_RETURN(std::span<const float> q, decoder.Step(token));
-    const int32_t top_ref = Argmax(ref_logits), top_mode = Argmax(q);
-    agree += top_ref == top_mode;
-    if (static_cast<size_t>(a.context_tokens + t + 1) < tokens.size()) {
-      text_hits_full += top_ref == tokens[a.context_tokens + t + 1];
-      text_hits_mode += top_mode == tokens[a.context_tokens + t + 1];
+    const int32_t top_ref = Argmax(ref_logits);
+    text_hits_full += top_ref == next;
+    for (Tally& t : tallies) {
+      if (t.decoder->speculative_token() == token) ++t.spec_hits;  // the spec row guessed this real token
+      SPECACHE_ASSIGN_OR_RETURN(std::span<const float> q, t.decoder->Step(token));
+      const int32_t top = Argmax(q);
+      t.agree += top_ref == top;
+      t.text_hits += top == next;
+      const double kl = KlDivergence(ref_logits, q);
+      t.kl_sum += kl;
+      t.kl_max = std::max(t.kl_max, kl);
     }
-    const double kl = KlDivergence(ref_logits, q);
-    kl_sum += kl;
-    kl_max = std::max(kl_max, kl);
   }
-  nlohmann::json j = Figures(*run, pre.seconds, a.context_tokens, decoder);
-  j["positions"] = a.eval_tokens;
-  j["context_tokens"] = a.context_tokens;
-  j["top1_agreement"] = static_cast<double>(agree) / a.eval_tokens;
-  j["mean_kl"] = kl_sum / a.eval_tokens;
-  j["max_kl"] = kl_max;
-  j["next_token_accuracy_full"] = static_cast<double>(text_hits_full) / a.eval_tokens;
-  j["next_token_accuracy_mode"] = static_cast<double>(text_hits_mode) / a.eval_tokens;
-  if (config.mode == KvMode::kSpeCache) j["speculative_token_hits"] = static_cast<double>(spec_hits) / a.eval_tokens;
-  j["full_decode_tokens_per_s"] = reference.steps() / reference.decode_seconds();
-  if (a.json) {
-    std::cout << j.dump() << "\n";
-  } else {
+  for (Tally& t : tallies) {
+    nlohmann::json j = Figures(*t.run, pre.seconds, a.context_tokens, *t.decoder);
+    j["positions"] = a.eval_tokens;
+    j["context_tokens"] = a.context_tokens;
+    j["top1_agreement"] = static_cast<double>(t.agree) / a.eval_tokens;
+    j["mean_kl"] = t.kl_sum / a.eval_tokens;
+    j["max_kl"] = t.kl_max;
+    j["next_token_accuracy_full"] = static_cast<double>(text_hits_full) / a.eval_tokens;
+    j["next_token_accuracy_mode"] = static_cast<double>(t.text_hits) / a.eval_tokens;
+    if (t.run->config.mode == KvMode::kSpeCache) {
+      j["speculative_token_hits"] = static_cast<double>(t.spec_hits) / a.eval_tokens;
+    }
+    j["full_decode_tokens_per_s"] = reference.steps() / reference.decode_seconds();
+    if (a.json) {
+      std::cout << j.dump() << "\n";
+      continue;
+    }
     std::printf("[%s] %d positions after %d tokens: top-1 agreement %.4f, mean KL %.5f (max %.4f); decode %.2f tok/s "
                 "(full %.2f); device KV %.2f MiB of %.2f MiB fp16\n",
-                run->label.c_str(), a.eval_tokens, a.context_tokens, j["top1_agreement"].get<double>(), j["mean_kl"].get<double>(),
-                kl_max, j["decode_tokens_per_s"].get<double>(), j["full_decode_tokens_per_s"].get<double>(),
-                j["device_kv_bytes"].get<double>() / (1 << 20), j["full_precision_bytes"].get<double>() / (1 << 20));
+                t.run->label.c_str(), a.eval_tokens, a.context_tokens, j["top1_agreement"].get<double>(),
+                j["mean_kl"].get<double>(), t.kl_max, j["decode_tokens_per_s"].get<double>(),
+                j["full_decode_tokens_per_s"].get<double>(), j["device_kv_bytes"].get<double>() / (1 << 20),
+                j["full_precision_bytes"].get<double>() / (1 << 20));
   }
   return Status::Ok();
 }
@@ -400,7 +425,9 @@ int main(int argc, char** argv) {
   fidelity->add_option("--text", fid.text_file, "text file")->required();
   fidelity->add_option("--context-tokens", fid.context_tokens, "tokens prefilled")->capture_default_str();
   fidelity->add_option("--eval-tokens", fid.eval_tokens, "positions decoded and compared")->capture_default_str();
-  fidelity->add_flag("--json", fid.json, "print one JSON object");
+  fidelity->add_option("--modes", fid.modes, "several KV modes as MODE[:BITS] sharing one prefill and one full reference")
+      ->delimiter(',');
+  fidelity->add_flag("--json", fid.json, "print one JSON object per mode");
   AddKvOptions(fidelity, &fid.kv);
 
   LogitsArgs logit_args;
