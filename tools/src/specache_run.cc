@@ -308,7 +308,8 @@ Status Fidelity(const FidelityArgs& a) {
     const int32_t top_ref = Argmax(ref_logits);
     text_hits_full += top_ref == next;
     for (Tally& t : tallies) {
-      if (t.decoder->speculative_token() == token) ++t.spec_hits;  // the spec row guessed this real token
+      // This step's speculative row runs on a guess of the token after `token`.
+      if (t.decoder->speculative_token() == next) ++t.spec_hits;
       SPECACHE_ASSIGN_OR_RETURN(std::span<const float> q, t.decoder->Step(token));
       const int32_t top = Argmax(q);
       t.agree += top_ref == top;
