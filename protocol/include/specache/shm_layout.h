@@ -1,0 +1,94 @@
+// Shared-memory layouts published by specached (plain versioned structs; no pointers).
+//
+// Page table: one memfd region per session, mapped read-only by the client:
+//   TableHeader | SequenceSlot[slot_count] | PageRef[ref_count]
+// A live slot's page refs are refs[first_ref + layer * pages_capacity_per_layer + page]. The
+// daemon writes refs first and then publishes pages_per_layer with release order, so a reader
+// that loads pages_per_layer (acquire) may use that many refs per layer without a lock. Slots
+// change state only under the session's owner calls (create/release), and `generation` bumps on
+// every change.
+//
+// Page: one (sequence, layer) x page_tokens tokens, laid out [kv_head][token][K|V][head_dim]
+// fp16, inside a chunk (a memfd the client maps after attaching) at PageRef::offset.
+//
+// Every field read from shared memory is untrusted for the reader: ValidateTable /
+// ValidateSlot check it against the region and chunk sizes before use.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "specache/status.h"
+
+namespace specache::shm {
+
+inline constexpr uint32_t kTableMagic = 0x54435053;  // "SPCT" little-endian
+inline constexpr uint32_t kTableVersion = 1;
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory atomics must be lock-free");
+
+struct TableHeader {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t header_bytes;  // sizeof(TableHeader) of the writer
+  uint32_t slot_bytes;    // sizeof(SequenceSlot) of the writer
+  uint32_t slot_count;
+  uint32_t ref_count;
+  uint64_t total_bytes;   // size of the whole region
+  uint64_t session_id;
+  uint64_t chunk_bytes;
+  uint32_t chunk_count;
+  uint32_t reserved;
+  std::atomic<uint64_t> generation;
+};
+
+enum SlotState : uint32_t { kSlotFree = 0, kSlotLive = 1 };
+
+struct SequenceSlot {
+  std::atomic<uint32_t> state;
+  uint32_t n_layers;
+  uint32_t n_kv_heads;
+  uint32_t head_dim;
+  uint32_t page_tokens;
+  uint32_t capacity_tokens;
+  uint32_t pages_capacity_per_layer;
+  std::atomic<uint32_t> pages_per_layer;
+  uint64_t sequence_id;
+  uint64_t page_bytes;
+  uint32_t first_ref;
+  uint32_t reserved;
+};
+
+struct PageRef {
+  uint32_t chunk;   // index into the session's chunks (attach order)
+  uint32_t reserved;
+  uint64_t offset;  // bytes from the chunk's start
+};
+
+inline constexpr size_t TableBytes(uint32_t slots, uint32_t refs) {
+  return sizeof(TableHeader) + size_t{slots} * sizeof(SequenceSlot) + size_t{refs} * sizeof(PageRef);
+}
+
+// Checks a mapped table region of `bytes` bytes: magic, version, struct sizes, counts that fit.
+Status ValidateTable(const void* region, size_t bytes);
+// Checks one slot of a validated table (live or not): refs inside the pool, page geometry, and
+// with `check_refs`, every published ref inside a chunk.
+Status ValidateSlot(const void* region, uint32_t slot, bool check_refs);
+
+inline const TableHeader* Header(const void* region) { return static_cast<const TableHeader*>(region); }
+inline const SequenceSlot* Slots(const void* region) {
+  return reinterpret_cast<const SequenceSlot*>(static_cast<const char*>(region) + sizeof(TableHeader));
+}
+inline const PageRef* Refs(const void* region) {
+  return reinterpret_cast<const PageRef*>(reinterpret_cast<const char*>(Slots(region)) +
+                                          size_t{Header(region)->slot_count} * sizeof(SequenceSlot));
+}
+
+// Bytes of one page of this geometry.
+inline constexpr uint64_t PageBytes(uint32_t n_kv_heads, uint32_t page_tokens, uint32_t head_dim) {
+  return uint64_t{n_kv_heads} * page_tokens * 2 * head_dim * 2;
+}
+
+}  // namespace specache::shm

@@ -1,0 +1,56 @@
+#include "specache/shm_layout.h"
+
+#include <string>
+
+namespace specache::shm {
+
+Status ValidateTable(const void* region, size_t bytes) {
+  if (!region) return Status::InvalidArgument("page table: no region");
+  if (bytes < sizeof(TableHeader)) return Status::DataLoss("page table: region smaller than its header");
+  const TableHeader* h = Header(region);
+  if (h->magic != kTableMagic) return Status::DataLoss("page table: bad magic");
+  if (h->version != kTableVersion) {
+    return Status::FailedPrecondition("page table: version " + std::to_string(h->version) + ", this client reads " +
+                                      std::to_string(kTableVersion));
+  }
+  if (h->header_bytes != sizeof(TableHeader) || h->slot_bytes != sizeof(SequenceSlot)) {
+    return Status::DataLoss("page table: struct sizes differ from this client's");
+  }
+  if (h->total_bytes != bytes) return Status::DataLoss("page table: total_bytes differs from the mapped size");
+  if (TableBytes(h->slot_count, h->ref_count) > bytes) return Status::DataLoss("page table: counts exceed the region");
+  if (h->chunk_bytes == 0 && h->chunk_count != 0) return Status::DataLoss("page table: chunks of zero bytes");
+  return Status::Ok();
+}
+
+Status ValidateSlot(const void* region, uint32_t slot, bool check_refs) {
+  const TableHeader* h = Header(region);
+  if (slot >= h->slot_count) return Status::OutOfRange("page table: slot " + std::to_string(slot) + " out of range");
+  const SequenceSlot& s = Slots(region)[slot];
+  const uint32_t state = s.state.load(std::memory_order_acquire);
+  if (state == kSlotFree) return Status::NotFound("page table: slot " + std::to_string(slot) + " is free");
+  if (state != kSlotLive) return Status::DataLoss("page table: slot state " + std::to_string(state));
+  if (s.n_layers == 0 || s.n_kv_heads == 0 || s.head_dim == 0 || s.page_tokens == 0) {
+    return Status::DataLoss("page table: slot with a zero dimension");
+  }
+  if (s.page_bytes != PageBytes(s.n_kv_heads, s.page_tokens, s.head_dim) || s.page_bytes > h->chunk_bytes) {
+    return Status::DataLoss("page table: slot page size inconsistent");
+  }
+  const uint64_t refs_needed = uint64_t{s.n_layers} * s.pages_capacity_per_layer;
+  if (uint64_t{s.first_ref} + refs_needed > h->ref_count) return Status::DataLoss("page table: slot refs outside the pool");
+  const uint32_t pages = s.pages_per_layer.load(std::memory_order_acquire);
+  if (pages > s.pages_capacity_per_layer) return Status::DataLoss("page table: more pages than capacity");
+  if (check_refs) {
+    const PageRef* refs = Refs(region) + s.first_ref;
+    for (uint32_t l = 0; l < s.n_layers; ++l) {
+      for (uint32_t p = 0; p < pages; ++p) {
+        const PageRef& r = refs[size_t{l} * s.pages_capacity_per_layer + p];
+        if (r.chunk >= h->chunk_count || r.offset > h->chunk_bytes || h->chunk_bytes - r.offset < s.page_bytes) {
+          return Status::DataLoss("page table: page ref outside the chunks");
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace specache::shm

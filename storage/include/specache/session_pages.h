@@ -1,0 +1,90 @@
+// The pages of one session: sequences carved out of the session's chunks, and the session's page
+// table published in a memfd (shm_layout.h) that the client maps read-only.
+//
+// The daemon's own bookkeeping lives here in ordinary memory; the shared table is written, never
+// read back, so nothing a client does to shared memory can mislead the daemon.
+//
+// Not thread-safe: the daemon's registry serialises calls per session.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "specache/chunk_pool.h"
+#include "specache/extent_allocator.h"
+#include "specache/shm_layout.h"
+#include "specache/status.h"
+
+namespace specache {
+
+struct PageLayout {
+  uint32_t n_layers = 0;
+  uint32_t n_kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint32_t page_tokens = 0;
+  uint32_t capacity_tokens = 0;
+
+  uint64_t page_bytes() const { return shm::PageBytes(n_kv_heads, page_tokens, head_dim); }
+  uint32_t pages_capacity_per_layer() const { return (capacity_tokens + page_tokens - 1) / page_tokens; }
+};
+
+// Checks a layout a client asked for against the limits (INVALID_ARGUMENT naming the field).
+Status ValidatePageLayout(const PageLayout& layout, uint64_t chunk_bytes);
+
+struct SequencePages {
+  uint64_t id = 0;
+  uint32_t slot = 0;
+  PageLayout layout;
+  uint32_t first_ref = 0;
+  uint32_t pages_per_layer = 0;
+  std::vector<std::vector<shm::PageRef>> pages;  // [layer][page]
+};
+
+class SessionPages {
+ public:
+  struct Limits {
+    uint32_t max_sequences = 256;
+    uint32_t max_page_refs = 1 << 20;
+  };
+  // The chunks must already belong to this session in `pool`.
+  static Result<std::unique_ptr<SessionPages>> Create(uint64_t session_id, ChunkPool* pool,
+                                                      std::vector<uint32_t> chunks, const Limits& limits);
+  ~SessionPages();
+
+  // RESOURCE_EXHAUSTED when the table has no free slot or page-ref room.
+  Result<const SequencePages*> CreateSequence(uint64_t sequence_id, const PageLayout& layout);
+  // Ensures tokens [0, tokens) have pages at every layer; returns pages per layer. All or
+  // nothing: RESOURCE_EXHAUSTED leaves the sequence as it was. OUT_OF_RANGE beyond capacity.
+  Result<uint32_t> Extend(uint64_t sequence_id, uint32_t tokens);
+  Status Release(uint64_t sequence_id);
+
+  const SequencePages* Find(uint64_t sequence_id) const;
+  const std::map<uint64_t, SequencePages>& sequences() const { return sequences_; }
+  const std::vector<uint32_t>& chunks() const { return chunks_; }
+  int table_fd() const { return table_fd_; }
+  uint64_t table_bytes() const { return table_bytes_; }
+  uint64_t generation() const;
+  uint64_t used_bytes() const { return used_bytes_; }
+  uint64_t page_count() const { return page_count_; }
+
+ private:
+  SessionPages() = default;
+  void PublishSlot(const SequencePages& s);
+  void BumpGeneration();
+
+  ChunkPool* pool_ = nullptr;
+  std::vector<uint32_t> chunks_;
+  std::vector<ExtentAllocator> chunk_space_;  // per session chunk, in 4 KiB units
+  ExtentAllocator refs_{0};
+  std::vector<bool> slot_used_;
+  std::map<uint64_t, SequencePages> sequences_;
+  int table_fd_ = -1;
+  uint8_t* table_ = nullptr;
+  uint64_t table_bytes_ = 0;
+  uint64_t used_bytes_ = 0;
+  uint64_t page_count_ = 0;
+};
+
+}  // namespace specache

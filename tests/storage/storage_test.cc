@@ -1,0 +1,150 @@
+#include <sys/mman.h>
+
+#include <cstring>
+#include <random>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "specache/chunk_pool.h"
+#include "specache/extent_allocator.h"
+#include "specache/session_pages.h"
+
+namespace specache {
+namespace {
+
+TEST(ExtentAllocatorTest, FirstFitMergesOnFreeAndRejectsDoubleFrees) {
+  ExtentAllocator a(100);
+  EXPECT_EQ(a.Allocate(30), 0u);
+  EXPECT_EQ(a.Allocate(30), 30u);
+  EXPECT_EQ(a.Allocate(30), 60u);
+  EXPECT_FALSE(a.Allocate(30).has_value());
+  EXPECT_TRUE(a.Free(30, 30));
+  EXPECT_FALSE(a.Free(30, 30));  // double free
+  EXPECT_FALSE(a.Free(95, 10));  // outside
+  EXPECT_TRUE(a.Free(0, 30));
+  EXPECT_EQ(a.Allocate(60), 0u);  // the two freed extents merged
+  EXPECT_EQ(a.free_units(), 10u);
+
+  // Random allocate/free never hands out overlapping extents.
+  std::mt19937 rng(3);
+  ExtentAllocator b(1000);
+  std::vector<std::pair<uint64_t, uint64_t>> live;
+  std::vector<int> owner(1000, 0);
+  for (int i = 0; i < 2000; ++i) {
+    if (!live.empty() && rng() % 2) {
+      const size_t k = rng() % live.size();
+      ASSERT_TRUE(b.Free(live[k].first, live[k].second));
+      for (uint64_t u = 0; u < live[k].second; ++u) owner[live[k].first + u] = 0;
+      live.erase(live.begin() + k);
+    } else {
+      const uint64_t len = 1 + rng() % 40;
+      if (auto at = b.Allocate(len)) {
+        for (uint64_t u = 0; u < len; ++u) ASSERT_EQ(owner[*at + u]++, 0) << "overlap at " << *at + u;
+        live.emplace_back(*at, len);
+      }
+    }
+  }
+}
+
+ChunkPoolOptions SmallPool() {
+  ChunkPoolOptions o;
+  o.pool_bytes = 4 << 20;
+  o.chunk_bytes = 1 << 20;
+  o.prefault_threads = 2;
+  return o;
+}
+
+TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  ChunkPool& p = **pool;
+  EXPECT_EQ(p.chunk_count(), 4u);
+  auto a = p.Take(3, 7);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(p.free_count(), 1u);
+  EXPECT_EQ(p.Take(2, 8).status().code(), StatusCode::kResourceExhausted);
+  std::memset(p.data((*a)[0]), 0xAB, p.chunk_bytes());
+  ASSERT_TRUE(p.Return(*a, /*owner_may_still_map=*/false).ok());
+  EXPECT_EQ(p.free_count(), 4u);
+  auto b = p.Take(4, 9);
+  ASSERT_TRUE(b.ok());
+  for (uint32_t c : *b) {
+    const uint8_t* d = p.data(c);
+    for (uint64_t i = 0; i < p.chunk_bytes(); i += 4093) ASSERT_EQ(d[i], 0) << "chunk " << c << " byte " << i;
+  }
+  EXPECT_EQ(ChunkPool::Create({1 << 20, 1000, 1, true}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ChunkPoolTest, AChunkWhoseOwnerMayStillMapItGetsNewMemory) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok());
+  ChunkPool& p = **pool;
+  auto a = p.Take(1, 7);
+  ASSERT_TRUE(a.ok());
+  // The "client" maps the chunk and keeps the mapping after returning it.
+  void* client = mmap(nullptr, p.chunk_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, p.fd((*a)[0]), 0);
+  ASSERT_NE(client, MAP_FAILED);
+  std::memset(client, 0x5A, p.chunk_bytes());
+  ASSERT_TRUE(p.Return(*a, /*owner_may_still_map=*/true).ok());
+  EXPECT_EQ(p.replaced_chunks(), 1u);
+  auto b = p.Take(4, 8);
+  ASSERT_TRUE(b.ok());
+  // The next owner sees zeros, and writes of the old mapping do not reach it.
+  std::memset(client, 0x77, p.chunk_bytes());
+  for (uint32_t c : *b) EXPECT_EQ(p.data(c)[12345], 0);
+  munmap(client, p.chunk_bytes());
+}
+
+TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok());
+  auto chunks = (*pool)->Take(2, 1);
+  ASSERT_TRUE(chunks.ok());
+  auto pages = SessionPages::Create(1, pool->get(), *chunks, {8, 4096});
+  ASSERT_TRUE(pages.ok()) << pages.status().ToString();
+  SessionPages& s = **pages;
+  const PageLayout layout{4, 2, 64, 16, 200};  // 8 KiB pages, 13 pages per layer at capacity
+  auto seq = s.CreateSequence(42, layout);
+  ASSERT_TRUE(seq.ok()) << seq.status().ToString();
+  EXPECT_EQ(*s.Extend(42, 100), 7u);
+  EXPECT_EQ(*s.Extend(42, 50), 7u);  // never shrinks
+  EXPECT_EQ(s.page_count(), 28u);
+  EXPECT_EQ(s.Extend(42, 201).status().code(), StatusCode::kOutOfRange);
+
+  // A reader of the shared table sees the same pages, and they are distinct and inside chunks.
+  void* table = mmap(nullptr, s.table_bytes(), PROT_READ, MAP_SHARED, s.table_fd(), 0);
+  ASSERT_NE(table, MAP_FAILED);
+  ASSERT_TRUE(shm::ValidateTable(table, s.table_bytes()).ok());
+  const uint32_t slot = (*seq)->slot;
+  ASSERT_TRUE(shm::ValidateSlot(table, slot, true).ok());
+  const shm::SequenceSlot& sl = shm::Slots(table)[slot];
+  EXPECT_EQ(sl.pages_per_layer.load(), 7u);
+  std::set<std::pair<uint32_t, uint64_t>> seen;
+  for (uint32_t l = 0; l < 4; ++l) {
+    for (uint32_t p = 0; p < 7; ++p) {
+      const shm::PageRef& r = shm::Refs(table)[sl.first_ref + l * sl.pages_capacity_per_layer + p];
+      EXPECT_TRUE(seen.insert({r.chunk, r.offset}).second);
+      EXPECT_EQ(r.chunk, s.sequences().at(42).pages[l][p].chunk);
+    }
+  }
+  // A writable mapping of the table is refused (F_SEAL_FUTURE_WRITE, Linux >= 5.1).
+  void* w = mmap(nullptr, s.table_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, s.table_fd(), 0);
+  EXPECT_EQ(w, MAP_FAILED);
+  if (w != MAP_FAILED) munmap(w, s.table_bytes());
+
+  // Memory runs out: all or nothing.
+  const uint64_t before = s.page_count();
+  ASSERT_TRUE(s.CreateSequence(43, {4, 2, 64, 64, 1 << 14}).ok());
+  EXPECT_EQ(s.Extend(43, 1 << 14).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.page_count(), before);
+  ASSERT_TRUE(s.Release(42).ok());
+  EXPECT_EQ(shm::ValidateSlot(table, slot, true).code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.Release(42).code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.page_count(), 0u);
+  EXPECT_EQ(s.CreateSequence(44, {0, 2, 64, 16, 100}).status().code(), StatusCode::kInvalidArgument);
+  munmap(table, s.table_bytes());
+}
+
+}  // namespace
+}  // namespace specache
