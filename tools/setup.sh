@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake ninja-build ccache pkg-config libgtest-dev libgmock-dev
-          libopenblas-dev libcli11-dev nlohmann-json3-dev zlib1g-dev)
+          libopenblas-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
+          libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libboost-dev libspdlog-dev
+          libtomlplusplus-dev libsystemd-dev prometheus-cpp-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -28,7 +30,7 @@ nvcc=$(command -v nvcc || true)
 if [ "${SPECACHE_CUDA:-AUTO}" != "OFF" ] && [ -n "$nvcc" ]; then
   cuda_args=(-DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-80;90}")
 fi
-cmake -S . -B "$build_dir" -G Ninja -DSPECACHE_CUDA="${SPECACHE_CUDA:-AUTO}" -DSPECACHE_RUN=ON "${cuda_args[@]}"
+cmake -S . -B "$build_dir" -G Ninja -DSPECACHE_CUDA="${SPECACHE_CUDA:-AUTO}" -DSPECACHE_RUN=ON -DSPECACHE_SERVICE_MODE=ON "${cuda_args[@]}"
 cmake --build "$build_dir" -j "$(nproc)"
 echo "setup: built into $build_dir"
 if [ "${SPECACHE_NO_MODEL:-0}" != "1" ]; then

@@ -1,0 +1,128 @@
+// libspecache_client: how an engine talks to specached. No gRPC or protobuf types here.
+//
+//   auto client = specache::client::Client::Connect({"/run/specache/control.sock"});
+//   auto session = (*client)->OpenSession("default", 1ull << 30);   // reserves + attaches
+//   auto seq = (*session)->CreateSequence({layers, kv_heads, head_dim, 64, 8192});
+//   (*session)->Extend(*seq, tokens);                                // one RPC per page at most
+//   uint8_t* page = *(*session)->PageData(*seq, layer, page_index);  // from the shared table
+//
+// Every call has a deadline (ClientOptions::deadline); a daemon that is gone gives UNAVAILABLE or
+// DEADLINE_EXCEEDED within it, never a hang. The session lives as long as the Session object
+// (its attach connection); destroying it releases everything it held in the daemon.
+//
+// Thread safety: Client and Session may be used from several threads.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "specache/status.h"
+
+#define SPECACHE_CLIENT_API __attribute__((visibility("default")))
+
+namespace specache::client {
+
+struct ClientOptions {
+  std::string socket = "/run/specache/control.sock";
+  std::chrono::milliseconds deadline{2000};
+  std::string client_name;  // shown by specachectl sessions
+};
+
+struct PageLayoutSpec {
+  uint32_t n_layers = 0;
+  uint32_t n_kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint32_t page_tokens = 64;
+  uint32_t capacity_tokens = 0;  // most tokens the sequence will hold
+  uint64_t page_bytes() const { return uint64_t{n_kv_heads} * page_tokens * 2 * head_dim * 2; }
+};
+
+struct TenantUsage {
+  std::string tenant;
+  uint64_t reserved_bytes = 0, used_bytes = 0, quota_bytes = 0;
+  uint32_t sessions = 0, sequences = 0;
+};
+
+struct DaemonStats {
+  uint64_t pool_bytes = 0, reserved_bytes = 0, used_bytes = 0, free_bytes = 0, chunk_bytes = 0;
+  uint32_t sessions = 0, sequences = 0;
+  uint64_t pages = 0, requests = 0, errors = 0, uptime_ms = 0;
+  bool memory_locked = false;
+  std::vector<TenantUsage> tenants;
+};
+
+struct SessionRecord {
+  uint64_t id = 0;
+  std::string tenant, client_name;
+  int32_t pid = 0;
+  uint32_t uid = 0;
+  bool attached = false;
+  uint32_t chunks = 0, sequences = 0;
+  uint64_t used_bytes = 0, age_ms = 0;
+};
+
+struct SequenceRecord {
+  uint64_t id = 0, session = 0;
+  std::string tenant;
+  PageLayoutSpec layout;
+  uint32_t pages_per_layer = 0;
+  uint64_t bytes = 0;
+};
+
+class Session;
+
+class SPECACHE_CLIENT_API Client {
+ public:
+  // Connects (UNAVAILABLE within the deadline when no daemon listens).
+  static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+
+  // Reserves pool_bytes (whole chunks) for `tenant`, then attaches: maps the page table and the
+  // chunks. PERMISSION_DENIED for a tenant this user may not use, RESOURCE_EXHAUSTED over quota.
+  Result<std::unique_ptr<Session>> OpenSession(const std::string& tenant, uint64_t pool_bytes);
+
+  Result<DaemonStats> Stats();
+  Result<std::vector<SessionRecord>> ListSessions();
+  Result<std::vector<SequenceRecord>> ListSequences();
+
+  struct Impl;
+
+ private:
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
+};
+
+class SPECACHE_CLIENT_API Session {
+ public:
+  ~Session();  // closes the session: everything it held returns to the daemon
+  uint64_t id() const;
+  uint64_t chunk_bytes() const;
+  uint32_t chunk_count() const;
+
+  Result<uint64_t> CreateSequence(const PageLayoutSpec& layout);
+  // Makes room for tokens [0, tokens) at every layer; returns pages per layer. No RPC when the
+  // pages already exist.
+  Result<uint32_t> Extend(uint64_t sequence, uint32_t tokens);
+  Status Release(uint64_t sequence);
+
+  // From the shared page table, without a round trip: pages per layer now mapped, and the memory
+  // of one page ([kv_head][token][K|V][head_dim] fp16). OUT_OF_RANGE beyond the mapped pages.
+  Result<uint32_t> PagesPerLayer(uint64_t sequence) const;
+  Result<uint8_t*> PageData(uint64_t sequence, uint32_t layer, uint32_t page) const;
+
+  // False once the daemon closed the attach connection (it died or dropped the session).
+  bool Alive() const;
+  uint64_t extend_rpcs() const;  // ExtendSequence calls sent (for the hot-path count)
+
+  struct Impl;
+
+ private:
+  friend class Client;
+  explicit Session(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace specache::client

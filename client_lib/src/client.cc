@@ -1,0 +1,301 @@
+#include "specache/client.h"
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include <grpcpp/grpcpp.h>
+
+#include "specache/attach_protocol.h"
+#include "specache/fd_passing.h"
+#include "specache/shm_layout.h"
+#include "specache/v1/control.grpc.pb.h"
+
+namespace specache::client {
+namespace {
+
+Status FromGrpc(const grpc::Status& s, const char* call) {
+  if (s.ok()) return Status::Ok();
+  return Status(static_cast<StatusCode>(s.error_code()), std::string(call) + ": " + s.error_message());
+}
+
+}  // namespace
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Control::Stub> stub;
+
+  template <typename Req, typename Resp, typename Method>
+  Status Call(Method method, const char* name, const Req& req, Resp* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + options.deadline);
+    return FromGrpc((stub.get()->*method)(&ctx, req, resp), name);
+  }
+};
+
+struct Session::Impl {
+  std::shared_ptr<Client::Impl> client;
+  uint64_t id = 0;
+  std::string token;
+  int attach_fd = -1;
+  const uint8_t* table = nullptr;
+  uint64_t table_bytes = 0;
+  std::vector<uint8_t*> chunks;
+  uint64_t chunk_bytes = 0;
+  mutable std::mutex mu;
+  std::map<uint64_t, uint32_t> slots;  // sequence -> table slot
+  std::atomic<uint64_t> extend_rpcs{0};
+
+  ~Impl() {
+    if (client && id != 0) {
+      v1::CloseSessionRequest req;
+      req.set_session_id(id);
+      req.set_token(token);
+      v1::CloseSessionResponse resp;
+      client->Call(&v1::Control::Stub::CloseSession, "CloseSession", req, &resp);  // best effort
+    }
+    for (uint8_t* c : chunks) munmap(c, chunk_bytes);
+    if (table) munmap(const_cast<uint8_t*>(table), table_bytes);
+    if (attach_fd >= 0) close(attach_fd);
+  }
+
+  Status Attach(const std::string& path, uint32_t expected_chunks) {
+    attach_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (attach_fd < 0) return Status::ResourceExhausted("socket: " + std::string(std::strerror(errno)));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (path.size() >= sizeof addr.sun_path) return Status::InvalidArgument("attach path too long: " + path);
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    if (connect(attach_fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      return Status::Unavailable("attach socket " + path + ": " + std::strerror(errno));
+    }
+    attach::AttachRequest req;
+    req.session_id = id;
+    std::memcpy(req.token.data(), token.data(), req.token.size());
+    SPECACHE_RETURN_IF_ERROR(SendWithFds(attach_fd, &req, sizeof req, {}));
+    std::vector<int> fds;
+    uint32_t total = 0;
+    attach::AttachReply first;
+    do {
+      attach::AttachReply raw;
+      const size_t before = fds.size();
+      Status s = RecvWithFds(attach_fd, &raw, sizeof raw, &fds, static_cast<int>(client->options.deadline.count()));
+      auto reply = s.ok() ? attach::ParseReply(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&raw), sizeof raw))
+                          : Result<attach::AttachReply>(s);
+      if (reply.ok() && reply->code != 0) reply = Status(static_cast<StatusCode>(reply->code), reply->message);
+      if (reply.ok() && (fds.size() - before != reply->n_fds || reply->first_fd != before ||
+                         (total != 0 && reply->total_fds != total))) {
+        reply = Status::DataLoss("attach reply: descriptors out of order");
+      }
+      if (!reply.ok()) {
+        for (int fd : fds) close(fd);
+        return reply.status().WithContext("attach");
+      }
+      if (total == 0) first = *reply;
+      total = reply->total_fds;
+    } while (fds.size() < total);
+    Status s = Map(first, fds, expected_chunks);
+    for (int fd : fds) close(fd);
+    return s;
+  }
+
+  Status Map(const attach::AttachReply& r, const std::vector<int>& fds, uint32_t expected_chunks) {
+    if (fds.size() != size_t{expected_chunks} + 1) return Status::DataLoss("attach: chunk count differs from OpenSession's");
+    void* t = mmap(nullptr, r.table_bytes, PROT_READ, MAP_SHARED, fds[0], 0);
+    if (t == MAP_FAILED) return Status::ResourceExhausted("mmap page table: " + std::string(std::strerror(errno)));
+    table = static_cast<const uint8_t*>(t);
+    table_bytes = r.table_bytes;
+    SPECACHE_RETURN_IF_ERROR(shm::ValidateTable(table, table_bytes));
+    if (shm::Header(table)->chunk_count != expected_chunks || shm::Header(table)->chunk_bytes != r.chunk_bytes) {
+      return Status::DataLoss("page table header disagrees with the attach reply");
+    }
+    chunk_bytes = r.chunk_bytes;
+    for (size_t i = 1; i < fds.size(); ++i) {
+      void* c = mmap(nullptr, chunk_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], 0);
+      if (c == MAP_FAILED) return Status::ResourceExhausted("mmap chunk: " + std::string(std::strerror(errno)));
+      chunks.push_back(static_cast<uint8_t*>(c));
+    }
+    return Status::Ok();
+  }
+
+  Result<uint32_t> SlotOf(uint64_t sequence) const {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = slots.find(sequence);
+    if (it == slots.end()) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in this session");
+    return it->second;
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(16 << 20);
+  impl->channel = grpc::CreateCustomChannel("unix:" + options.socket, grpc::InsecureChannelCredentials(), args);
+  if (!impl->channel->WaitForConnected(std::chrono::system_clock::now() + options.deadline)) {
+    return Status::Unavailable("no specached at " + options.socket + " (waited " +
+                               std::to_string(options.deadline.count()) + " ms)");
+  }
+  impl->stub = v1::Control::NewStub(impl->channel);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& tenant, uint64_t pool_bytes) {
+  v1::OpenSessionRequest req;
+  req.set_tenant(tenant);
+  req.set_pool_bytes(pool_bytes);
+  req.set_client_name(impl_->options.client_name);
+  v1::OpenSessionResponse resp;
+  SPECACHE_RETURN_IF_ERROR(impl_->Call(&v1::Control::Stub::OpenSession, "OpenSession", req, &resp));
+  auto s = std::make_unique<Session::Impl>();
+  s->client = impl_;
+  s->id = resp.session_id();
+  s->token = resp.token();
+  SPECACHE_RETURN_IF_ERROR(s->Attach(resp.attach_path(), resp.chunk_count()));
+  return std::unique_ptr<Session>(new Session(std::move(s)));
+}
+
+Result<DaemonStats> Client::Stats() {
+  v1::StatsResponse r;
+  SPECACHE_RETURN_IF_ERROR(impl_->Call(&v1::Control::Stub::Stats, "Stats", v1::StatsRequest(), &r));
+  DaemonStats s;
+  s.pool_bytes = r.pool_bytes();
+  s.reserved_bytes = r.reserved_bytes();
+  s.used_bytes = r.used_bytes();
+  s.free_bytes = r.free_bytes();
+  s.chunk_bytes = r.chunk_bytes();
+  s.sessions = r.sessions();
+  s.sequences = r.sequences();
+  s.pages = r.pages();
+  s.requests = r.requests();
+  s.errors = r.errors();
+  s.uptime_ms = r.uptime_ms();
+  s.memory_locked = r.memory_locked();
+  for (const auto& t : r.tenants()) {
+    s.tenants.push_back({t.tenant(), t.reserved_bytes(), t.used_bytes(), t.quota_bytes(), t.sessions(), t.sequences()});
+  }
+  return s;
+}
+
+Result<std::vector<SessionRecord>> Client::ListSessions() {
+  v1::ListSessionsResponse r;
+  SPECACHE_RETURN_IF_ERROR(
+      impl_->Call(&v1::Control::Stub::ListSessions, "ListSessions", v1::ListSessionsRequest(), &r));
+  std::vector<SessionRecord> out;
+  for (const auto& s : r.sessions()) {
+    out.push_back({s.session_id(), s.tenant(), s.client_name(), s.pid(), s.uid(), s.attached(), s.chunks(),
+                   s.sequences(), s.used_bytes(), s.age_ms()});
+  }
+  return out;
+}
+
+Result<std::vector<SequenceRecord>> Client::ListSequences() {
+  v1::ListSequencesResponse r;
+  SPECACHE_RETURN_IF_ERROR(
+      impl_->Call(&v1::Control::Stub::ListSequences, "ListSequences", v1::ListSequencesRequest(), &r));
+  std::vector<SequenceRecord> out;
+  for (const auto& s : r.sequences()) {
+    const auto& l = s.layout();
+    out.push_back({s.sequence_id(), s.session_id(), s.tenant(),
+                   {l.n_layers(), l.n_kv_heads(), l.head_dim(), l.page_tokens(), l.capacity_tokens()},
+                   s.pages_per_layer(), s.bytes()});
+  }
+  return out;
+}
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Session::~Session() = default;
+uint64_t Session::id() const { return impl_->id; }
+uint64_t Session::chunk_bytes() const { return impl_->chunk_bytes; }
+uint32_t Session::chunk_count() const { return static_cast<uint32_t>(impl_->chunks.size()); }
+uint64_t Session::extend_rpcs() const { return impl_->extend_rpcs.load(); }
+
+Result<uint64_t> Session::CreateSequence(const PageLayoutSpec& l) {
+  v1::CreateSequenceRequest req;
+  req.set_session_id(impl_->id);
+  req.set_token(impl_->token);
+  auto* layout = req.mutable_layout();
+  layout->set_n_layers(l.n_layers);
+  layout->set_n_kv_heads(l.n_kv_heads);
+  layout->set_head_dim(l.head_dim);
+  layout->set_page_tokens(l.page_tokens);
+  layout->set_capacity_tokens(l.capacity_tokens);
+  v1::CreateSequenceResponse resp;
+  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::CreateSequence, "CreateSequence", req, &resp));
+  if (resp.table_slot() >= shm::Header(impl_->table)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
+  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, resp.table_slot(), true));
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->slots[resp.sequence_id()] = resp.table_slot();
+  return resp.sequence_id();
+}
+
+Result<uint32_t> Session::Extend(uint64_t sequence, uint32_t tokens) {
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t slot, impl_->SlotOf(sequence));
+  const shm::SequenceSlot& s = shm::Slots(impl_->table)[slot];
+  const uint32_t have = s.pages_per_layer.load(std::memory_order_acquire);
+  if (uint64_t{have} * s.page_tokens >= tokens) return have;
+  v1::ExtendSequenceRequest req;
+  req.set_session_id(impl_->id);
+  req.set_token(impl_->token);
+  req.set_sequence_id(sequence);
+  req.set_tokens(tokens);
+  v1::ExtendSequenceResponse resp;
+  ++impl_->extend_rpcs;
+  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ExtendSequence, "ExtendSequence", req, &resp));
+  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, slot, true));
+  return resp.pages_per_layer();
+}
+
+Status Session::Release(uint64_t sequence) {
+  SPECACHE_RETURN_IF_ERROR(impl_->SlotOf(sequence).status());
+  v1::ReleaseSequenceRequest req;
+  req.set_session_id(impl_->id);
+  req.set_token(impl_->token);
+  req.set_sequence_id(sequence);
+  v1::ReleaseSequenceResponse resp;
+  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ReleaseSequence, "ReleaseSequence", req, &resp));
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->slots.erase(sequence);
+  return Status::Ok();
+}
+
+Result<uint32_t> Session::PagesPerLayer(uint64_t sequence) const {
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t slot, impl_->SlotOf(sequence));
+  return shm::Slots(impl_->table)[slot].pages_per_layer.load(std::memory_order_acquire);
+}
+
+Result<uint8_t*> Session::PageData(uint64_t sequence, uint32_t layer, uint32_t page) const {
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t slot, impl_->SlotOf(sequence));
+  const shm::SequenceSlot& s = shm::Slots(impl_->table)[slot];
+  if (s.state.load(std::memory_order_acquire) != shm::kSlotLive || s.sequence_id != sequence) {
+    return Status::NotFound("sequence " + std::to_string(sequence) + " is no longer in the page table");
+  }
+  if (layer >= s.n_layers) return Status::OutOfRange("layer " + std::to_string(layer));
+  if (page >= s.pages_per_layer.load(std::memory_order_acquire)) {
+    return Status::OutOfRange("page " + std::to_string(page) + " not mapped yet (Extend first)");
+  }
+  const shm::PageRef& r = shm::Refs(impl_->table)[size_t{s.first_ref} + size_t{layer} * s.pages_capacity_per_layer + page];
+  if (r.chunk >= impl_->chunks.size() || r.offset > impl_->chunk_bytes || impl_->chunk_bytes - r.offset < s.page_bytes) {
+    return Status::DataLoss("page table entry outside the chunks");
+  }
+  return impl_->chunks[r.chunk] + r.offset;
+}
+
+bool Session::Alive() const {
+  pollfd p{impl_->attach_fd, POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) <= 0) return true;
+  return !(p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLIN));
+}
+
+}  // namespace specache::client

@@ -1,0 +1,192 @@
+#include "config.h"
+
+#include <grp.h>
+#include <pwd.h>
+
+#include <cctype>
+#include <fstream>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+namespace specache::daemon {
+namespace {
+
+Result<uint64_t> BytesOf(const toml::node& node, const std::string& key) {
+  if (auto v = node.value<int64_t>()) {
+    if (*v < 0) return Status::InvalidArgument(key + " must not be negative");
+    return static_cast<uint64_t>(*v);
+  }
+  if (auto s = node.value<std::string>()) {
+    auto bytes = ParseBytes(*s);
+    if (!bytes.ok()) return bytes.status().WithContext(key);
+    return bytes;
+  }
+  return Status::InvalidArgument(key + " must be a number of bytes or a string like \"8GiB\"");
+}
+
+Result<uint32_t> UserId(const toml::node& node) {
+  if (auto v = node.value<int64_t>()) return static_cast<uint32_t>(*v);
+  if (auto s = node.value<std::string>()) {
+    if (const passwd* pw = getpwnam(s->c_str())) return pw->pw_uid;
+    return Status::InvalidArgument("unknown user '" + *s + "'");
+  }
+  return Status::InvalidArgument("users entries must be names or uids");
+}
+
+Result<uint32_t> GroupId(const toml::node& node) {
+  if (auto v = node.value<int64_t>()) return static_cast<uint32_t>(*v);
+  if (auto s = node.value<std::string>()) {
+    if (const group* gr = getgrnam(s->c_str())) return gr->gr_gid;
+    return Status::InvalidArgument("unknown group '" + *s + "'");
+  }
+  return Status::InvalidArgument("groups entries must be names or gids");
+}
+
+}  // namespace
+
+Result<uint64_t> ParseBytes(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  size_t digits = i;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  if (digits == i) return Status::InvalidArgument("'" + text + "' is not a byte size");
+  uint64_t value = 0;
+  try {
+    value = std::stoull(text.substr(i, digits - i));
+  } catch (const std::exception&) {
+    return Status::InvalidArgument("'" + text + "' is out of range");
+  }
+  std::string unit = text.substr(digits);
+  unit.erase(0, unit.find_first_not_of(' '));
+  unit.erase(unit.find_last_not_of(' ') + 1);
+  uint64_t scale = 1;
+  if (unit == "" || unit == "B") {
+    scale = 1;
+  } else if (unit == "KiB" || unit == "K") {
+    scale = uint64_t{1} << 10;
+  } else if (unit == "MiB" || unit == "M") {
+    scale = uint64_t{1} << 20;
+  } else if (unit == "GiB" || unit == "G") {
+    scale = uint64_t{1} << 30;
+  } else if (unit == "TiB" || unit == "T") {
+    scale = uint64_t{1} << 40;
+  } else {
+    return Status::InvalidArgument("unknown unit '" + unit + "' in '" + text + "' (B, KiB, MiB, GiB, TiB)");
+  }
+  if (value > UINT64_MAX / scale) return Status::InvalidArgument("'" + text + "' is out of range");
+  return value * scale;
+}
+
+Result<DaemonConfig> ParseConfig(const std::string& text) {
+  toml::table t;
+  try {
+    t = toml::parse(text);
+  } catch (const toml::parse_error& e) {
+    std::ostringstream msg;
+    msg << "config: " << e.description() << " at line " << e.source().begin.line;
+    return Status::InvalidArgument(msg.str());
+  }
+  DaemonConfig c;
+  static const char* kKnown[] = {"socket", "attach_socket", "pool_bytes", "chunk_bytes", "prefault_threads",
+                                 "lock_memory", "lease_ms", "max_sequences_per_session", "max_page_refs_per_session",
+                                 "metrics_addr", "log_format", "log_level", "tenants"};
+  for (const auto& [key, node] : t) {
+    bool known = false;
+    for (const char* k : kKnown) known |= key.str() == k;
+    if (!known) return Status::InvalidArgument("config: unknown key '" + std::string(key.str()) + "'");
+  }
+  auto str = [&](const char* key, std::string* out) -> Status {
+    if (const toml::node* n = t.get(key)) {
+      auto v = n->value<std::string>();
+      if (!v) return Status::InvalidArgument(std::string("config: ") + key + " must be a string");
+      *out = *v;
+    }
+    return Status::Ok();
+  };
+  auto num = [&](const char* key, auto* out, int64_t lo, int64_t hi) -> Status {
+    if (const toml::node* n = t.get(key)) {
+      auto v = n->value<int64_t>();
+      if (!v || *v < lo || *v > hi) {
+        return Status::InvalidArgument(std::string("config: ") + key + " must be an integer in [" + std::to_string(lo) +
+                                       ", " + std::to_string(hi) + "]");
+      }
+      *out = static_cast<std::remove_pointer_t<decltype(out)>>(*v);
+    }
+    return Status::Ok();
+  };
+  SPECACHE_RETURN_IF_ERROR(str("socket", &c.socket));
+  SPECACHE_RETURN_IF_ERROR(str("attach_socket", &c.attach_socket));
+  SPECACHE_RETURN_IF_ERROR(str("metrics_addr", &c.metrics_addr));
+  SPECACHE_RETURN_IF_ERROR(str("log_format", &c.log_format));
+  SPECACHE_RETURN_IF_ERROR(str("log_level", &c.log_level));
+  if (const toml::node* n = t.get("pool_bytes")) {
+    SPECACHE_ASSIGN_OR_RETURN(c.pool_bytes, BytesOf(*n, "pool_bytes"));
+  }
+  if (const toml::node* n = t.get("chunk_bytes")) {
+    SPECACHE_ASSIGN_OR_RETURN(c.chunk_bytes, BytesOf(*n, "chunk_bytes"));
+  }
+  SPECACHE_RETURN_IF_ERROR(num("prefault_threads", &c.prefault_threads, 1, 256));
+  SPECACHE_RETURN_IF_ERROR(num("lease_ms", &c.lease_ms, 100, 600000));
+  SPECACHE_RETURN_IF_ERROR(num("max_sequences_per_session", &c.max_sequences_per_session, 1, 65536));
+  SPECACHE_RETURN_IF_ERROR(num("max_page_refs_per_session", &c.max_page_refs_per_session, 1, 1 << 26));
+  if (const toml::node* n = t.get("lock_memory")) {
+    auto v = n->value<bool>();
+    if (!v) return Status::InvalidArgument("config: lock_memory must be true or false");
+    c.lock_memory = *v;
+  }
+  if (const toml::node* n = t.get("tenants")) {
+    const toml::table* tenants = n->as_table();
+    if (!tenants) return Status::InvalidArgument("config: [tenants] must be a table of tables");
+    for (const auto& [name, node] : *tenants) {
+      const toml::table* tt = node.as_table();
+      const std::string key = "tenants." + std::string(name.str());
+      if (!tt) return Status::InvalidArgument("config: " + key + " must be a table");
+      TenantConfig tc;
+      tc.quota_bytes = c.pool_bytes;
+      for (const auto& [field, value] : *tt) {
+        if (field.str() == "quota_bytes") {
+          SPECACHE_ASSIGN_OR_RETURN(tc.quota_bytes, BytesOf(value, key + ".quota_bytes"));
+        } else if (field.str() == "users" || field.str() == "groups") {
+          const toml::array* arr = value.as_array();
+          if (!arr) return Status::InvalidArgument("config: " + key + "." + std::string(field.str()) + " must be an array");
+          for (const toml::node& e : *arr) {
+            if (field.str() == "users") {
+              SPECACHE_ASSIGN_OR_RETURN(uint32_t id, UserId(e));
+              tc.uids.push_back(id);
+            } else {
+              SPECACHE_ASSIGN_OR_RETURN(uint32_t id, GroupId(e));
+              tc.gids.push_back(id);
+            }
+          }
+        } else {
+          return Status::InvalidArgument("config: unknown key '" + key + "." + std::string(field.str()) + "'");
+        }
+      }
+      c.tenants[std::string(name.str())] = tc;
+    }
+  }
+  if (c.tenants.empty()) c.tenants["default"] = TenantConfig{c.pool_bytes, {}, {}};
+  SPECACHE_RETURN_IF_ERROR(ValidateConfig(c));
+  return c;
+}
+
+Result<DaemonConfig> LoadConfig(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound("config file " + path + " cannot be read");
+  std::stringstream s;
+  s << in.rdbuf();
+  auto config = ParseConfig(s.str());
+  if (!config.ok()) return config.status().WithContext(path);
+  return config;
+}
+
+Status ValidateConfig(const DaemonConfig& c) {
+  if (c.socket.empty()) return Status::InvalidArgument("config: socket must not be empty");
+  if (c.chunk_bytes == 0 || c.chunk_bytes % 4096 != 0) return Status::InvalidArgument("config: chunk_bytes must be a multiple of 4096");
+  if (c.pool_bytes < c.chunk_bytes) return Status::InvalidArgument("config: pool_bytes must hold at least one chunk");
+  if (c.log_format != "text" && c.log_format != "json") return Status::InvalidArgument("config: log_format is text or json");
+  return Status::Ok();
+}
+
+}  // namespace specache::daemon

@@ -1,0 +1,66 @@
+// specached's configuration: a TOML file (--config) with command-line overrides.
+//
+//   socket = "/run/specache/control.sock"   # gRPC control plane (Unix socket)
+//   attach_socket = ""                      # default: <socket>.attach
+//   pool_bytes = "8GiB"                     # memory reserved at startup (number or "<n>KiB|MiB|GiB")
+//   chunk_bytes = "64MiB"
+//   prefault_threads = 4
+//   lock_memory = true                      # mlock the pool (needs LimitMEMLOCK=infinity)
+//   lease_ms = 2000                         # attach within this, or the session is reclaimed
+//   max_sequences_per_session = 256
+//   max_page_refs_per_session = 1048576
+//   metrics_addr = "127.0.0.1:9464"         # Prometheus text endpoint; "" disables it
+//   log_format = "text"                     # or "json"
+//   log_level = "info"
+//   [tenants.default]
+//   quota_bytes = "8GiB"
+//   users = ["alice", 1001]                 # allowed Unix users (names or uids)
+//   groups = ["specache"]                   # allowed Unix groups (names or gids)
+//   # no users and no groups: any local user (single-user machines, tests)
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "specache/status.h"
+
+namespace specache::daemon {
+
+struct TenantConfig {
+  uint64_t quota_bytes = 0;
+  std::vector<uint32_t> uids;
+  std::vector<uint32_t> gids;
+  bool AllowsAnyone() const { return uids.empty() && gids.empty(); }
+};
+
+struct DaemonConfig {
+  std::string socket = "/run/specache/control.sock";
+  std::string attach_socket;  // empty: socket + ".attach"
+  uint64_t pool_bytes = uint64_t{1} << 30;
+  uint64_t chunk_bytes = uint64_t{64} << 20;
+  int prefault_threads = 4;
+  bool lock_memory = true;
+  uint32_t lease_ms = 2000;
+  uint32_t max_sequences_per_session = 256;
+  uint32_t max_page_refs_per_session = 1 << 20;
+  std::string metrics_addr = "127.0.0.1:9464";
+  std::string log_format = "text";
+  std::string log_level = "info";
+  std::map<std::string, TenantConfig> tenants;
+
+  std::string AttachSocket() const { return attach_socket.empty() ? socket + ".attach" : attach_socket; }
+};
+
+// "1073741824", "1GiB", "512 MiB", "64KiB" -> bytes. INVALID_ARGUMENT otherwise.
+Result<uint64_t> ParseBytes(const std::string& text);
+
+// Parses TOML text (errors name the key or the line). Without [tenants], one tenant "default"
+// open to every local user with a quota of the whole pool.
+Result<DaemonConfig> ParseConfig(const std::string& toml_text);
+Result<DaemonConfig> LoadConfig(const std::string& path);
+Status ValidateConfig(const DaemonConfig& config);
+
+}  // namespace specache::daemon

@@ -1,0 +1,152 @@
+#include "control_service.h"
+
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+namespace specache::daemon {
+namespace {
+
+Result<Token> TokenOf(const std::string& bytes) {
+  Token t{};
+  if (bytes.size() != t.size()) return Status::InvalidArgument("token must be " + std::to_string(t.size()) + " bytes");
+  std::memcpy(t.data(), bytes.data(), t.size());
+  return t;
+}
+
+PageLayout LayoutOf(const v1::SequenceLayout& l) {
+  return {l.n_layers(), l.n_kv_heads(), l.head_dim(), l.page_tokens(), l.capacity_tokens()};
+}
+
+void FillLayout(const PageLayout& l, v1::SequenceLayout* out) {
+  out->set_n_layers(l.n_layers);
+  out->set_n_kv_heads(l.n_kv_heads);
+  out->set_head_dim(l.head_dim);
+  out->set_page_tokens(l.page_tokens);
+  out->set_capacity_tokens(l.capacity_tokens);
+}
+
+}  // namespace
+
+ControlService::ControlService(Registry* registry, std::string attach_path, uint32_t lease_ms)
+    : registry_(registry), attach_path_(std::move(attach_path)), lease_ms_(lease_ms) {}
+
+grpc::Status ControlService::Finish(const Status& s) {
+  ++requests_;
+  if (s.ok()) return grpc::Status::OK;
+  ++errors_;
+  spdlog::debug("request failed: {}", s.ToString());
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
+}
+
+grpc::Status ControlService::OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest* req,
+                                         v1::OpenSessionResponse* resp) {
+  auto opened = registry_->OpenSession(req->tenant(), req->pool_bytes(), req->client_name());
+  if (!opened.ok()) return Finish(opened.status());
+  resp->set_session_id(opened->id);
+  resp->set_token(std::string(opened->token.begin(), opened->token.end()));
+  resp->set_attach_path(attach_path_);
+  resp->set_chunk_count(opened->chunk_count);
+  resp->set_chunk_bytes(registry_->Stats().chunk_bytes);
+  resp->set_lease_ms(lease_ms_);
+  return Finish(Status::Ok());
+}
+
+grpc::Status ControlService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
+                                          v1::CloseSessionResponse*) {
+  auto token = TokenOf(req->token());
+  if (!token.ok()) return Finish(token.status());
+  return Finish(registry_->CloseSession(req->session_id(), *token));
+}
+
+grpc::Status ControlService::CreateSequence(grpc::ServerContext*, const v1::CreateSequenceRequest* req,
+                                            v1::CreateSequenceResponse* resp) {
+  auto token = TokenOf(req->token());
+  if (!token.ok()) return Finish(token.status());
+  if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
+  if (req->layout().dtype() != 0) return Finish(Status::InvalidArgument("dtype must be 0 (fp16)"));
+  auto created = registry_->CreateSequence(req->session_id(), *token, LayoutOf(req->layout()));
+  if (!created.ok()) return Finish(created.status());
+  resp->set_sequence_id(created->first);
+  resp->set_table_slot(created->second);
+  return Finish(Status::Ok());
+}
+
+grpc::Status ControlService::ExtendSequence(grpc::ServerContext*, const v1::ExtendSequenceRequest* req,
+                                            v1::ExtendSequenceResponse* resp) {
+  auto token = TokenOf(req->token());
+  if (!token.ok()) return Finish(token.status());
+  auto extended = registry_->ExtendSequence(req->session_id(), *token, req->sequence_id(), req->tokens());
+  if (!extended.ok()) return Finish(extended.status());
+  resp->set_pages_per_layer(extended->first);
+  resp->set_table_generation(extended->second);
+  return Finish(Status::Ok());
+}
+
+grpc::Status ControlService::ReleaseSequence(grpc::ServerContext*, const v1::ReleaseSequenceRequest* req,
+                                             v1::ReleaseSequenceResponse*) {
+  auto token = TokenOf(req->token());
+  if (!token.ok()) return Finish(token.status());
+  return Finish(registry_->ReleaseSequence(req->session_id(), *token, req->sequence_id()));
+}
+
+grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse* resp) {
+  const RegistryStats s = registry_->Stats();
+  resp->set_pool_bytes(s.pool_bytes);
+  resp->set_reserved_bytes(s.reserved_bytes);
+  resp->set_used_bytes(s.used_bytes);
+  resp->set_free_bytes(s.free_bytes);
+  resp->set_sessions(s.sessions);
+  resp->set_sequences(s.sequences);
+  resp->set_pages(s.pages);
+  resp->set_requests(requests_.load() + 1);
+  resp->set_errors(errors_.load());
+  resp->set_chunk_bytes(s.chunk_bytes);
+  resp->set_memory_locked(s.memory_locked);
+  resp->set_uptime_ms(static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count()));
+  for (const TenantSummary& t : s.tenants) {
+    v1::TenantStats* out = resp->add_tenants();
+    out->set_tenant(t.name);
+    out->set_reserved_bytes(t.reserved_bytes);
+    out->set_used_bytes(t.used_bytes);
+    out->set_quota_bytes(t.quota_bytes);
+    out->set_sessions(t.sessions);
+    out->set_sequences(t.sequences);
+  }
+  return Finish(Status::Ok());
+}
+
+grpc::Status ControlService::ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+                                          v1::ListSessionsResponse* resp) {
+  for (const SessionSummary& s : registry_->Sessions()) {
+    v1::SessionInfo* out = resp->add_sessions();
+    out->set_session_id(s.id);
+    out->set_tenant(s.tenant);
+    out->set_client_name(s.client_name);
+    out->set_pid(s.peer.pid);
+    out->set_uid(s.peer.uid);
+    out->set_attached(s.attached);
+    out->set_chunks(s.chunks);
+    out->set_used_bytes(s.used_bytes);
+    out->set_sequences(s.sequences);
+    out->set_age_ms(s.age_ms);
+  }
+  return Finish(Status::Ok());
+}
+
+grpc::Status ControlService::ListSequences(grpc::ServerContext*, const v1::ListSequencesRequest*,
+                                           v1::ListSequencesResponse* resp) {
+  for (const SequenceSummary& s : registry_->Sequences()) {
+    v1::SequenceInfo* out = resp->add_sequences();
+    out->set_sequence_id(s.id);
+    out->set_session_id(s.session);
+    out->set_tenant(s.tenant);
+    FillLayout(s.layout, out->mutable_layout());
+    out->set_pages_per_layer(s.pages_per_layer);
+    out->set_bytes(s.bytes);
+  }
+  return Finish(Status::Ok());
+}
+
+}  // namespace specache::daemon

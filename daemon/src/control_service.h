@@ -1,0 +1,43 @@
+// The gRPC Control service (specache.v1): validates requests, calls the Registry, maps Status to
+// grpc::Status, counts requests and errors.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+
+#include "registry.h"
+#include "specache/v1/control.grpc.pb.h"
+
+namespace specache::daemon {
+
+class ControlService final : public specache::v1::Control::Service {
+ public:
+  ControlService(Registry* registry, std::string attach_path, uint32_t lease_ms);
+
+  grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*, v1::OpenSessionResponse*) override;
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionResponse*) override;
+  grpc::Status CreateSequence(grpc::ServerContext*, const v1::CreateSequenceRequest*,
+                              v1::CreateSequenceResponse*) override;
+  grpc::Status ExtendSequence(grpc::ServerContext*, const v1::ExtendSequenceRequest*,
+                              v1::ExtendSequenceResponse*) override;
+  grpc::Status ReleaseSequence(grpc::ServerContext*, const v1::ReleaseSequenceRequest*,
+                               v1::ReleaseSequenceResponse*) override;
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*) override;
+  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*, v1::ListSessionsResponse*) override;
+  grpc::Status ListSequences(grpc::ServerContext*, const v1::ListSequencesRequest*,
+                             v1::ListSequencesResponse*) override;
+
+  uint64_t requests() const { return requests_.load(); }
+  uint64_t errors() const { return errors_.load(); }
+
+ private:
+  grpc::Status Finish(const Status& status);
+
+  Registry* registry_;
+  std::string attach_path_;
+  uint32_t lease_ms_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::atomic<uint64_t> requests_{0}, errors_{0};
+};
+
+}  // namespace specache::daemon

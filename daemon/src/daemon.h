@@ -1,0 +1,34 @@
+// specached's server: memory pool, registry, gRPC control socket, attach socket, metrics and the
+// housekeeping loop (lease reaping, metrics refresh). Used by the specached binary and embedded
+// in other processes (specache-run without --daemon, tests) with the same code.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <thread>
+
+#include "config.h"
+#include "specache/status.h"
+
+namespace specache::daemon {
+
+class Daemon {
+ public:
+  Daemon();
+  ~Daemon();  // Stop()
+  // Startup as ordered steps (reserve memory pool, listen on the control socket, listen on the
+  // attach socket, start metrics); the error names the failed step.
+  Status Start(const DaemonConfig& config);
+  void Stop();
+  const DaemonConfig& config() const;
+
+  struct State;  // defined in daemon.cc
+
+ private:
+  std::unique_ptr<State> s_;
+};
+
+// Logging to stderr in the config's format and level.
+Status ConfigureLogging(const DaemonConfig& config);
+
+}  // namespace specache::daemon

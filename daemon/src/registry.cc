@@ -1,0 +1,266 @@
+#include "registry.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/random.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <spdlog/spdlog.h>
+
+namespace specache::daemon {
+namespace {
+
+constexpr auto kExitGrace = std::chrono::milliseconds(200);  // wait for a dying peer to be gone
+
+bool SameToken(const Token& a, const Token& b) {
+  uint8_t diff = 0;  // constant time
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
+int OpenPidfd(int32_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+#else
+  return -1;
+#endif
+}
+
+// True when the process behind the pidfd has exited (or cannot be watched and is gone).
+bool PeerExited(int pidfd, int32_t pid) {
+  if (pidfd >= 0) {
+    pollfd p{pidfd, POLLIN, 0};
+    return poll(&p, 1, 0) == 1;
+  }
+  return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+}  // namespace
+
+Registry::Registry(const DaemonConfig& config, ChunkPool* pool) : config_(config), pool_(pool) {}
+
+Registry::~Registry() {
+  for (auto& [id, s] : sessions_) {
+    if (s.pidfd >= 0) close(s.pidfd);
+  }
+}
+
+uint64_t Registry::TenantReservedLocked(const std::string& tenant) const {
+  uint64_t bytes = 0;
+  for (const auto& [id, s] : sessions_) {
+    if (s.tenant == tenant) bytes += s.pages->chunks().size() * pool_->chunk_bytes();
+  }
+  return bytes;
+}
+
+Result<OpenedSession> Registry::OpenSession(const std::string& tenant, uint64_t pool_bytes,
+                                            const std::string& client_name) {
+  auto t = config_.tenants.find(tenant);
+  if (t == config_.tenants.end()) return Status::PermissionDenied("unknown tenant '" + tenant + "'");
+  if (pool_bytes == 0) return Status::InvalidArgument("pool_bytes must be positive");
+  if (client_name.size() > 256) return Status::InvalidArgument("client_name longer than 256 bytes");
+  const uint64_t chunk = pool_->chunk_bytes();
+  if (pool_bytes > UINT64_MAX - chunk) return Status::InvalidArgument("pool_bytes out of range");
+  const uint64_t n = (pool_bytes + chunk - 1) / chunk;
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t reserved = TenantReservedLocked(tenant);
+  if (n * chunk > t->second.quota_bytes || reserved > t->second.quota_bytes - n * chunk) {
+    return Status::ResourceExhausted("tenant '" + tenant + "' quota: " + std::to_string(reserved >> 20) + " MiB of " +
+                                     std::to_string(t->second.quota_bytes >> 20) + " MiB reserved, " +
+                                     std::to_string((n * chunk) >> 20) + " MiB more requested");
+  }
+  if (n > pool_->chunk_count()) {
+    return Status::ResourceExhausted("session of " + std::to_string(n) + " chunks exceeds the pool's " +
+                                     std::to_string(pool_->chunk_count()));
+  }
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<uint32_t> chunks, pool_->Take(static_cast<uint32_t>(n), next_session_));
+  Session s;
+  s.id = next_session_++;
+  s.tenant = tenant;
+  s.client_name = client_name;
+  if (getrandom(s.token.data(), s.token.size(), 0) != static_cast<ssize_t>(s.token.size())) {
+    pool_->Return(chunks, false);
+    return Status::Internal("getrandom failed");
+  }
+  auto pages = SessionPages::Create(s.id, pool_, chunks,
+                                    {config_.max_sequences_per_session, config_.max_page_refs_per_session});
+  if (!pages.ok()) {
+    pool_->Return(chunks, false);
+    return pages.status();
+  }
+  s.pages = std::move(pages).value();
+  s.opened = std::chrono::steady_clock::now();
+  OpenedSession out{s.id, s.token, static_cast<uint32_t>(n)};
+  spdlog::info("session {} opened: tenant {}, client '{}', {} chunks", s.id, tenant, client_name, n);
+  sessions_.emplace(s.id, std::move(s));
+  return out;
+}
+
+Result<Registry::Session*> Registry::Authorize(uint64_t session, const Token& token) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end() || it->second.detached) return Status::NotFound("session " + std::to_string(session));
+  if (!SameToken(it->second.token, token)) return Status::PermissionDenied("wrong token for session " + std::to_string(session));
+  return &it->second;
+}
+
+Result<AttachGrant> Registry::Attach(uint64_t session, const Token& token, const PeerCredentials& peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  if (s->attached) return Status::FailedPrecondition("session " + std::to_string(session) + " is already attached");
+  const TenantConfig& tenant = config_.tenants.at(s->tenant);
+  if (!tenant.AllowsAnyone() && peer.uid != 0) {
+    const bool user_ok = std::find(tenant.uids.begin(), tenant.uids.end(), peer.uid) != tenant.uids.end();
+    const bool group_ok = std::find(tenant.gids.begin(), tenant.gids.end(), peer.gid) != tenant.gids.end();
+    if (!user_ok && !group_ok) {
+      return Status::PermissionDenied("uid " + std::to_string(peer.uid) + " may not attach to tenant '" + s->tenant + "'");
+    }
+  }
+  AttachGrant g;
+  g.table_bytes = s->pages->table_bytes();
+  g.chunk_bytes = pool_->chunk_bytes();
+  g.fds.push_back(dup(s->pages->table_fd()));
+  for (uint32_t c : s->pages->chunks()) g.fds.push_back(dup(pool_->fd(c)));
+  for (int fd : g.fds) {
+    if (fd < 0) {
+      for (int f : g.fds) if (f >= 0) close(f);
+      return Status::ResourceExhausted("out of file descriptors");
+    }
+  }
+  s->attached = true;
+  s->peer = peer;
+  s->pidfd = OpenPidfd(peer.pid);
+  spdlog::info("session {} attached by pid {} uid {}", session, peer.pid, peer.uid);
+  return g;
+}
+
+void Registry::Detach(uint64_t session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session);
+  if (it == sessions_.end() || it->second.detached) return;
+  it->second.detached = true;
+  it->second.detached_at = std::chrono::steady_clock::now();
+}
+
+Status Registry::CloseSession(uint64_t session, const Token& token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  // The caller lives on and may still map the chunks: their memory is replaced.
+  ReclaimLocked(sessions_.find(s->id), /*owner_may_still_map=*/s->attached);
+  return Status::Ok();
+}
+
+void Registry::ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map) {
+  Session& s = it->second;
+  for (const auto& [seq, pages] : s.pages->sequences()) sequence_owner_.erase(seq);
+  const std::vector<uint32_t> chunks = s.pages->chunks();
+  s.pages.reset();
+  Status r = pool_->Return(chunks, owner_may_still_map);
+  if (!r.ok()) spdlog::error("session {}: {}", s.id, r.ToString());
+  if (s.pidfd >= 0) close(s.pidfd);
+  spdlog::info("session {} reclaimed ({} chunks {})", s.id, chunks.size(), owner_may_still_map ? "replaced" : "zeroed");
+  ++reclaimed_;
+  sessions_.erase(it);
+}
+
+void Registry::Reap() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    auto next = std::next(it);
+    Session& s = it->second;
+    if (!s.attached && now - s.opened > std::chrono::milliseconds(config_.lease_ms)) {
+      spdlog::warn("session {} not attached within {} ms: reclaimed", s.id, config_.lease_ms);
+      ReclaimLocked(it, /*owner_may_still_map=*/false);  // never mapped: no descriptor left the daemon
+    } else if (s.detached) {
+      const bool exited = PeerExited(s.pidfd, s.peer.pid);
+      if (exited || now - s.detached_at > kExitGrace) ReclaimLocked(it, !exited);
+    }
+    it = next;
+  }
+}
+
+Result<std::pair<uint64_t, uint32_t>> Registry::CreateSequence(uint64_t session, const Token& token,
+                                                               const PageLayout& layout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  const uint64_t id = next_sequence_++;
+  SPECACHE_ASSIGN_OR_RETURN(const SequencePages* seq, s->pages->CreateSequence(id, layout));
+  sequence_owner_[id] = session;
+  return std::make_pair(id, seq->slot);
+}
+
+Result<std::pair<uint32_t, uint64_t>> Registry::ExtendSequence(uint64_t session, const Token& token,
+                                                               uint64_t sequence, uint32_t tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
+  // Pages live inside the session's chunks, which the tenant's quota already counted.
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, s->pages->Extend(sequence, tokens));
+  return std::make_pair(pages, s->pages->generation());
+}
+
+Status Registry::ReleaseSequence(uint64_t session, const Token& token, uint64_t sequence) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
+  sequence_owner_.erase(sequence);
+  return s->pages->Release(sequence);
+}
+
+RegistryStats Registry::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  RegistryStats st;
+  st.chunk_bytes = pool_->chunk_bytes();
+  st.pool_bytes = uint64_t{pool_->chunk_count()} * st.chunk_bytes;
+  st.free_bytes = uint64_t{pool_->free_count()} * st.chunk_bytes;
+  st.reserved_bytes = st.pool_bytes - st.free_bytes;
+  st.memory_locked = pool_->locked();
+  st.sessions_reclaimed = reclaimed_;
+  st.chunks_replaced = pool_->replaced_chunks();
+  std::map<std::string, TenantSummary> tenants;
+  for (const auto& [name, t] : config_.tenants) tenants[name] = TenantSummary{name, 0, 0, t.quota_bytes, 0, 0};
+  for (const auto& [id, s] : sessions_) {
+    TenantSummary& t = tenants[s.tenant];
+    t.reserved_bytes += s.pages->chunks().size() * st.chunk_bytes;
+    t.used_bytes += s.pages->used_bytes();
+    t.sessions += 1;
+    t.sequences += static_cast<uint32_t>(s.pages->sequences().size());
+    st.used_bytes += s.pages->used_bytes();
+    st.pages += s.pages->page_count();
+    st.sequences += static_cast<uint32_t>(s.pages->sequences().size());
+    st.sessions += 1;
+  }
+  for (auto& [name, t] : tenants) st.tenants.push_back(t);
+  return st;
+}
+
+std::vector<SessionSummary> Registry::Sessions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<SessionSummary> out;
+  const auto now = std::chrono::steady_clock::now();
+  for (const auto& [id, s] : sessions_) {
+    out.push_back({id, s.tenant, s.client_name, s.peer, s.attached && !s.detached,
+                   static_cast<uint32_t>(s.pages->chunks().size()), s.pages->used_bytes(),
+                   static_cast<uint32_t>(s.pages->sequences().size()),
+                   static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(now - s.opened).count())});
+  }
+  return out;
+}
+
+std::vector<SequenceSummary> Registry::Sequences() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<SequenceSummary> out;
+  for (const auto& [id, s] : sessions_) {
+    for (const auto& [seq, p] : s.pages->sequences()) {
+      out.push_back({seq, id, s.tenant, p.layout, p.pages_per_layer,
+                     uint64_t{p.pages_per_layer} * p.layout.n_layers * p.layout.page_bytes()});
+    }
+  }
+  return out;
+}
+
+}  // namespace specache::daemon

@@ -1,0 +1,132 @@
+// The daemon's state: sessions (tenant, token, chunks, pages, attached peer), their sequences,
+// quotas and leases. All control-plane calls and the attach endpoint go through it.
+//
+// Session lifetime: OpenSession reserves chunks; the client must attach within the lease, and the
+// session then lives as long as the attach connection (Detach on close). Reclaim returns the
+// chunks to the pool: zeroed when the peer process has exited, replaced by fresh memory when it
+// may still map them.
+//
+// Thread safety: every method may be called from any thread.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "specache/attach_protocol.h"
+#include "specache/chunk_pool.h"
+#include "specache/session_pages.h"
+
+namespace specache::daemon {
+
+using Token = std::array<uint8_t, attach::kTokenBytes>;
+
+struct PeerCredentials {
+  int32_t pid = 0;
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+};
+
+struct OpenedSession {
+  uint64_t id = 0;
+  Token token{};
+  uint32_t chunk_count = 0;
+};
+
+// Descriptors to send to an attaching client (duplicates: the caller closes them).
+struct AttachGrant {
+  std::vector<int> fds;  // page table first, then chunks
+  uint64_t table_bytes = 0;
+  uint64_t chunk_bytes = 0;
+};
+
+struct SessionSummary {
+  uint64_t id = 0;
+  std::string tenant, client_name;
+  PeerCredentials peer;
+  bool attached = false;
+  uint32_t chunks = 0;
+  uint64_t used_bytes = 0;
+  uint32_t sequences = 0;
+  uint64_t age_ms = 0;
+};
+
+struct SequenceSummary {
+  uint64_t id = 0, session = 0;
+  std::string tenant;
+  PageLayout layout;
+  uint32_t pages_per_layer = 0;
+  uint64_t bytes = 0;
+};
+
+struct TenantSummary {
+  std::string name;
+  uint64_t reserved_bytes = 0, used_bytes = 0, quota_bytes = 0;
+  uint32_t sessions = 0, sequences = 0;
+};
+
+struct RegistryStats {
+  uint64_t pool_bytes = 0, reserved_bytes = 0, used_bytes = 0, free_bytes = 0, chunk_bytes = 0;
+  uint32_t sessions = 0, sequences = 0;
+  uint64_t pages = 0;
+  uint64_t sessions_reclaimed = 0, chunks_replaced = 0;
+  bool memory_locked = false;
+  std::vector<TenantSummary> tenants;
+};
+
+class Registry {
+ public:
+  Registry(const DaemonConfig& config, ChunkPool* pool);
+  ~Registry();
+
+  Result<OpenedSession> OpenSession(const std::string& tenant, uint64_t pool_bytes, const std::string& client_name);
+  Result<AttachGrant> Attach(uint64_t session, const Token& token, const PeerCredentials& peer);
+  // The attach connection closed: the session is reclaimed (by Reap, once the peer's fate is known).
+  void Detach(uint64_t session);
+  Status CloseSession(uint64_t session, const Token& token);
+
+  Result<std::pair<uint64_t, uint32_t>> CreateSequence(uint64_t session, const Token& token, const PageLayout& layout);
+  Result<std::pair<uint32_t, uint64_t>> ExtendSequence(uint64_t session, const Token& token, uint64_t sequence,
+                                                       uint32_t tokens);
+  Status ReleaseSequence(uint64_t session, const Token& token, uint64_t sequence);
+
+  // Reclaims sessions whose lease expired before attaching, and detached sessions. Call often.
+  void Reap();
+
+  RegistryStats Stats() const;
+  std::vector<SessionSummary> Sessions() const;
+  std::vector<SequenceSummary> Sequences() const;
+
+ private:
+  struct Session {
+    uint64_t id = 0;
+    std::string tenant, client_name;
+    Token token{};
+    std::unique_ptr<SessionPages> pages;
+    bool attached = false, detached = false;
+    PeerCredentials peer;
+    int pidfd = -1;
+    std::chrono::steady_clock::time_point opened, detached_at;
+  };
+  // The session if the token matches (PERMISSION_DENIED otherwise, NOT_FOUND if unknown).
+  Result<Session*> Authorize(uint64_t session, const Token& token);
+  void ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map);
+  uint64_t TenantReservedLocked(const std::string& tenant) const;
+
+  DaemonConfig config_;
+  ChunkPool* pool_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, Session> sessions_;
+  std::map<uint64_t, uint64_t> sequence_owner_;  // sequence -> session
+  uint64_t next_session_ = 1, next_sequence_ = 1;
+  uint64_t reclaimed_ = 0;
+};
+
+}  // namespace specache::daemon

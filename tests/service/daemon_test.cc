@@ -1,0 +1,304 @@
+// specached with real client processes: concurrent writers, clients killed mid-work, the daemon
+// killed under its clients, tenant isolation and a table of malformed requests.
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cstring>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "processes.h"
+#include "specache/attach_protocol.h"
+#include "specache/client.h"
+#include "specache/v1/control.grpc.pb.h"
+
+namespace specache {
+namespace {
+
+using testing::DaemonProcess;
+using testing::Spawn;
+using Clock = std::chrono::steady_clock;
+
+std::unique_ptr<client::Client> Connect(const DaemonProcess& d, int deadline_ms = 2000) {
+  auto c = client::Client::Connect({d.socket, std::chrono::milliseconds(deadline_ms), "test"});
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+
+// Waits until the daemon reports no session and every chunk free; returns the time it took.
+Result<double> WaitForEmptyPool(client::Client* c, int timeout_ms) {
+  const auto start = Clock::now();
+  while (Clock::now() - start < std::chrono::milliseconds(timeout_ms)) {
+    auto s = c->Stats();
+    if (s.ok() && s->sessions == 0 && s->free_bytes == s->pool_bytes) {
+      return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return Status::DeadlineExceeded("pool not empty");
+}
+
+TEST(DaemonTest, FourClientProcessesWriteAndReadTheirPagesConcurrently) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start());
+  std::vector<std::unique_ptr<testing::Child>> clients;
+  for (int i = 0; i < 6; ++i) {
+    clients.push_back(Spawn({TEST_CLIENT_PATH, "write-verify", d.socket, std::to_string(100 + i), std::to_string(700 + i * 37)}));
+  }
+  for (auto& c : clients) {
+    const std::string line = c->ReadLine(30000);
+    EXPECT_EQ(line.rfind("ok", 0), 0u) << "client said: " << line;
+    // 700+ tokens in pages of 16: each client extends at most once per page.
+    const auto rpcs = std::stoul(line.substr(line.find('=') + 1));
+    EXPECT_LE(rpcs, (700u + 5 * 37) / 16 + 1);
+    EXPECT_EQ(c->Wait(10000), 0);
+  }
+  auto admin = Connect(d);
+  ASSERT_TRUE(admin);
+  EXPECT_TRUE(WaitForEmptyPool(admin.get(), 3000).ok());
+}
+
+TEST(DaemonTest, AClientKilledMidWorkGivesEverythingBackWithinTheLease) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start());
+  auto admin = Connect(d);
+  ASSERT_TRUE(admin);
+  double worst_ms = 0;
+  const int rounds = 20;
+  for (int i = 0; i < rounds; ++i) {
+    auto c = Spawn({TEST_CLIENT_PATH, "hold", d.socket, "default"});
+    ASSERT_EQ(c->ReadLine(10000).rfind("ready", 0), 0u);
+    auto s = admin->Stats();
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s->sessions, 1u);
+    EXPECT_GT(s->used_bytes, 0u);
+    c->Kill(SIGKILL);
+    EXPECT_EQ(c->Wait(5000), 128 + SIGKILL);
+    auto ms = WaitForEmptyPool(admin.get(), 2000);
+    ASSERT_TRUE(ms.ok()) << "round " << i << ": pages not back within 2 s";
+    worst_ms = std::max(worst_ms, *ms);
+  }
+  std::printf("SIGKILLed client: pool empty again after at most %.1f ms (%d rounds)\n", worst_ms, rounds);
+}
+
+TEST(DaemonTest, WhenTheDaemonDiesEveryCallFailsWithinItsDeadline) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start());
+  auto c = Connect(d, 500);
+  ASSERT_TRUE(c);
+  auto session = c->OpenSession("default", 4 << 20);
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  auto seq = (*session)->CreateSequence({2, 2, 64, 16, 256});
+  ASSERT_TRUE(seq.ok());
+  d.child->Kill(SIGKILL);
+  d.child->Wait(5000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE((*session)->Alive());
+  const auto start = Clock::now();
+  EXPECT_FALSE(c->Stats().ok());
+  EXPECT_FALSE((*session)->Extend(*seq, 200).ok());
+  EXPECT_FALSE((*session)->CreateSequence({2, 2, 64, 16, 256}).ok());
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  EXPECT_LT(ms, 3 * 500 + 500) << "three calls with 500 ms deadlines";
+  auto again = client::Client::Connect({d.socket, std::chrono::milliseconds(300), "late"});
+  EXPECT_EQ(again.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(DaemonTest, TenantsAreIsolated) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start(R"(
+[tenants.alpha]
+quota_bytes = "16MiB"
+[tenants.rootonly]
+quota_bytes = "8MiB"
+users = [0]
+)"));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  // Unknown tenant, quota.
+  EXPECT_EQ(c->OpenSession("nobody-knows", 4 << 20).status().code(), StatusCode::kPermissionDenied);
+  auto a = c->OpenSession("alpha", 12 << 20);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto over = c->OpenSession("alpha", 8 << 20);
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("quota"), std::string::npos) << over.status().ToString();
+  // Another user may not attach to a tenant that lists only root (when this test can switch users).
+  if (geteuid() == 0) {
+    auto other = Spawn({TEST_CLIENT_PATH, "attach-as", "65534", d.socket, "rootonly"});
+    const std::string line = other->ReadLine(10000);
+    EXPECT_NE(line.find("PERMISSION_DENIED"), std::string::npos) << line;
+    EXPECT_EQ(other->Wait(5000), 0);
+  } else {
+    GTEST_LOG_(INFO) << "not root: the other-user case is skipped";
+  }
+  // The session of alpha is untouched by all this.
+  auto seq = (*a)->CreateSequence({2, 2, 64, 16, 256});
+  EXPECT_TRUE(seq.ok()) << seq.status().ToString();
+}
+
+// Raw gRPC requests: each malformed or hostile one gets its own error; the daemon serves on.
+TEST(DaemonTest, MalformedAndHostileRequestsGetSpecificErrors) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start());
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto session = c->OpenSession("default", 8 << 20);
+  ASSERT_TRUE(session.ok());
+  // A second session opened by hand, to use its token in bad ways.
+  auto channel = grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials());
+  auto stub = v1::Control::NewStub(channel);
+  auto call = [&](auto method, const auto& req, auto* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    return ((*stub).*method)(&ctx, req, resp).error_code();
+  };
+  v1::OpenSessionRequest open;
+  open.set_tenant("default");
+  open.set_pool_bytes(4 << 20);
+  v1::OpenSessionResponse opened;
+  ASSERT_EQ(call(&v1::Control::Stub::OpenSession, open, &opened), grpc::OK);
+  const uint64_t sid = opened.session_id();
+  const std::string token = opened.token();
+  // Attach by hand so the session stays alive for the table below.
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, opened.attach_path().c_str());
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  attach::AttachRequest ar;
+  ar.session_id = sid;
+  std::memcpy(ar.token.data(), token.data(), 16);
+  ASSERT_EQ(write(fd, &ar, sizeof ar), static_cast<ssize_t>(sizeof ar));
+  attach::AttachReply reply;
+  ASSERT_EQ(read(fd, &reply, sizeof reply), static_cast<ssize_t>(sizeof reply));
+  ASSERT_EQ(reply.code, 0);
+
+  auto layout = [](uint32_t layers, uint32_t heads, uint32_t dim, uint32_t page, uint32_t cap) {
+    v1::SequenceLayout l;
+    l.set_n_layers(layers);
+    l.set_n_kv_heads(heads);
+    l.set_head_dim(dim);
+    l.set_page_tokens(page);
+    l.set_capacity_tokens(cap);
+    return l;
+  };
+  auto create = [&](uint64_t session, const std::string& tok, const v1::SequenceLayout* l, uint32_t dtype = 0) {
+    v1::CreateSequenceRequest r;
+    r.set_session_id(session);
+    r.set_token(tok);
+    if (l) {
+      *r.mutable_layout() = *l;
+      r.mutable_layout()->set_dtype(dtype);
+    }
+    v1::CreateSequenceResponse resp;
+    return call(&v1::Control::Stub::CreateSequence, r, &resp);
+  };
+  auto extend = [&](uint64_t session, const std::string& tok, uint64_t seq, uint32_t tokens) {
+    v1::ExtendSequenceRequest r;
+    r.set_session_id(session);
+    r.set_token(tok);
+    r.set_sequence_id(seq);
+    r.set_tokens(tokens);
+    v1::ExtendSequenceResponse resp;
+    return call(&v1::Control::Stub::ExtendSequence, r, &resp);
+  };
+  auto release = [&](uint64_t session, const std::string& tok, uint64_t seq) {
+    v1::ReleaseSequenceRequest r;
+    r.set_session_id(session);
+    r.set_token(tok);
+    r.set_sequence_id(seq);
+    v1::ReleaseSequenceResponse resp;
+    return call(&v1::Control::Stub::ReleaseSequence, r, &resp);
+  };
+  const auto good = layout(4, 2, 64, 16, 1024);
+  v1::CreateSequenceRequest ok_req;
+  ok_req.set_session_id(sid);
+  ok_req.set_token(token);
+  *ok_req.mutable_layout() = good;
+  v1::CreateSequenceResponse ok_resp;
+  ASSERT_EQ(call(&v1::Control::Stub::CreateSequence, ok_req, &ok_resp), grpc::OK);
+  const uint64_t seq = ok_resp.sequence_id();
+  ASSERT_EQ(call(&v1::Control::Stub::CreateSequence, ok_req, &ok_resp), grpc::OK);
+  const uint64_t released = ok_resp.sequence_id();
+  ASSERT_EQ(release(sid, token, released), grpc::OK);
+  const auto big_layout = layout(4, 8, 128, 64, 65536);  // 256 KiB pages, 1 GiB at capacity
+  *ok_req.mutable_layout() = big_layout;
+  ASSERT_EQ(call(&v1::Control::Stub::CreateSequence, ok_req, &ok_resp), grpc::OK);
+  const uint64_t big = ok_resp.sequence_id();
+  std::string wrong = token;
+  wrong[0] ^= 1;
+  const auto zero_layers = layout(0, 2, 64, 16, 64), zero_heads = layout(4, 0, 64, 16, 64),
+             odd_dim = layout(4, 2, 63, 16, 64), zero_page = layout(4, 2, 64, 0, 64),
+             zero_cap = layout(4, 2, 64, 16, 0), huge_layers = layout(100000, 2, 64, 16, 64),
+             huge_page = layout(4, 1024, 1024, 65536, 65536), huge_cap = layout(4, 2, 64, 16, 1u << 30),
+             too_many_refs = layout(1024, 2, 64, 1, 1u << 20);
+  v1::OpenSessionRequest huge_pool, zero_pool, big_name, no_tenant;
+  huge_pool.set_tenant("default");
+  huge_pool.set_pool_bytes(UINT64_MAX);
+  zero_pool.set_tenant("default");
+  big_name.set_tenant("default");
+  big_name.set_pool_bytes(4 << 20);
+  big_name.set_client_name(std::string(1000, 'x'));
+  no_tenant.set_tenant("");
+  no_tenant.set_pool_bytes(4 << 20);
+  v1::OpenSessionRequest oversized;  // beyond the daemon's 64 KiB message limit
+  oversized.set_tenant("default");
+  oversized.set_client_name(std::string(100 << 10, 'y'));
+  v1::OpenSessionResponse dummy;
+
+  struct Case {
+    const char* name;
+    grpc::StatusCode got, want;
+  } cases[] = {
+      {"zero layers", create(sid, token, &zero_layers), grpc::INVALID_ARGUMENT},
+      {"zero heads", create(sid, token, &zero_heads), grpc::INVALID_ARGUMENT},
+      {"head_dim 63", create(sid, token, &odd_dim), grpc::INVALID_ARGUMENT},
+      {"zero page_tokens", create(sid, token, &zero_page), grpc::INVALID_ARGUMENT},
+      {"zero capacity", create(sid, token, &zero_cap), grpc::INVALID_ARGUMENT},
+      {"100000 layers", create(sid, token, &huge_layers), grpc::INVALID_ARGUMENT},
+      {"page larger than a chunk", create(sid, token, &huge_page), grpc::INVALID_ARGUMENT},
+      {"capacity 1G tokens", create(sid, token, &huge_cap), grpc::INVALID_ARGUMENT},
+      {"page table overflow", create(sid, token, &too_many_refs), grpc::RESOURCE_EXHAUSTED},
+      {"no layout", create(sid, token, nullptr), grpc::INVALID_ARGUMENT},
+      {"dtype 7", create(sid, token, &good, 7), grpc::INVALID_ARGUMENT},
+      {"wrong token", create(sid, wrong, &good), grpc::PERMISSION_DENIED},
+      {"short token", create(sid, "abc", &good), grpc::INVALID_ARGUMENT},
+      {"unknown session", create(sid + 1000, token, &good), grpc::NOT_FOUND},
+      {"other session's token", create(sid, std::string(16, '\0'), &good), grpc::PERMISSION_DENIED},
+      {"extend unknown sequence", extend(sid, token, 999999, 16), grpc::NOT_FOUND},
+      {"extend released sequence", extend(sid, token, released, 16), grpc::NOT_FOUND},
+      {"extend beyond capacity", extend(sid, token, seq, 5000), grpc::OUT_OF_RANGE},
+      {"extend to capacity", extend(sid, token, seq, 1024), grpc::OK},
+      {"extend beyond the session's memory", extend(sid, token, big, 65536), grpc::RESOURCE_EXHAUSTED},
+      {"release twice", release(sid, token, released), grpc::NOT_FOUND},
+      {"release with wrong token", release(sid, wrong, seq), grpc::PERMISSION_DENIED},
+      {"pool of 2^64 bytes", call(&v1::Control::Stub::OpenSession, huge_pool, &dummy), grpc::INVALID_ARGUMENT},
+      {"pool of 0 bytes", call(&v1::Control::Stub::OpenSession, zero_pool, &dummy), grpc::INVALID_ARGUMENT},
+      {"client name of 1000 bytes", call(&v1::Control::Stub::OpenSession, big_name, &dummy), grpc::INVALID_ARGUMENT},
+      {"empty tenant", call(&v1::Control::Stub::OpenSession, no_tenant, &dummy), grpc::PERMISSION_DENIED},
+      {"message over 64 KiB", call(&v1::Control::Stub::OpenSession, oversized, &dummy), grpc::RESOURCE_EXHAUSTED},
+  };
+  for (const Case& c : cases) EXPECT_EQ(c.got, c.want) << c.name;
+
+  // Garbage on the attach socket: an error reply or a closed connection, never a crash.
+  for (const std::string& junk : {std::string("hello"), std::string(32, '\xff'), std::string(4096, 'A')}) {
+    int g = socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_EQ(connect(g, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    ASSERT_EQ(write(g, junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
+    if (junk.size() < sizeof(attach::AttachRequest)) shutdown(g, SHUT_WR);
+    attach::AttachReply r{};
+    const ssize_t n = read(g, &r, sizeof r);
+    EXPECT_TRUE(n == 0 || (n == static_cast<ssize_t>(sizeof r) && r.code != 0)) << junk.size() << " bytes of junk";
+    close(g);
+  }
+  // The daemon still serves, and the good session still works.
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GE(stats->errors, 20u);
+  EXPECT_TRUE((*session)->CreateSequence({2, 2, 64, 16, 256}).ok());
+  close(fd);
+}
+
+}  // namespace
+}  // namespace specache

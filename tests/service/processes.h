@@ -1,0 +1,116 @@
+// Real processes for the service tests: a specached daemon in a temporary directory and client
+// processes (test_client), with their stdout readable line by line.
+#pragma once
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace specache::testing {
+
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // the child's stdout
+
+  // A line of stdout, or "" after timeout / EOF.
+  std::string ReadLine(int timeout_ms) {
+    std::string line;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (std::chrono::steady_clock::now() < end) {
+      pollfd p{out, POLLIN, 50};
+      if (poll(&p, 1, 50) <= 0) continue;
+      char c;
+      if (read(out, &c, 1) != 1) return line;
+      if (c == '\n') return line;
+      line.push_back(c);
+    }
+    return line;
+  }
+  // Exit code (128 + signal when killed), or -1 if still running after timeout_ms.
+  int Wait(int timeout_ms) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    do {
+      int status = 0;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    } while (std::chrono::steady_clock::now() < end);
+    return -1;
+  }
+  void Kill(int sig = SIGKILL) {
+    if (pid > 0) kill(pid, sig);
+  }
+  ~Child() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+    if (out >= 0) close(out);
+  }
+};
+
+inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv) {
+  int pipefd[2];
+  if (pipe2(pipefd, O_CLOEXEC) != 0) return nullptr;
+  auto c = std::make_unique<Child>();
+  c->pid = fork();
+  if (c->pid == 0) {
+    dup2(pipefd[1], 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  close(pipefd[1]);
+  c->out = pipefd[0];
+  return c;
+}
+
+// specached on a fresh socket in a temporary directory.
+struct DaemonProcess {
+  std::string dir, socket;
+  std::unique_ptr<Child> child;
+
+  // Returns false if the daemon did not come up within 10 s.
+  bool Start(const std::string& config_toml = "", std::vector<std::string> extra = {}) {
+    char tmpl[] = "/tmp/specached-test-XXXXXX";
+    dir = mkdtemp(tmpl);
+    std::filesystem::permissions(dir, std::filesystem::perms(0755));  // other users' clients reach the sockets
+    socket = dir + "/control.sock";
+    std::vector<std::string> argv = {SPECACHED_PATH, "--socket", socket, "--pool-bytes", "64MiB", "--chunk-bytes",
+                                     "4MiB", "--metrics-addr", "off", "--lease-ms", "1000", "--log-level", "warn"};
+    if (!config_toml.empty()) {
+      std::ofstream(dir + "/specached.toml") << config_toml;
+      argv.push_back("--config");
+      argv.push_back(dir + "/specached.toml");
+    }
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    child = Spawn(argv);
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < end) {
+      if (std::filesystem::exists(socket + ".attach")) return true;
+      if (child->Wait(0) >= 0) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  ~DaemonProcess() {
+    child.reset();
+    if (!dir.empty()) std::filesystem::remove_all(dir);
+  }
+};
+
+}  // namespace specache::testing
