@@ -166,7 +166,6 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
       c.tenants[std::string(name.str())] = tc;
     }
   }
-  if (c.tenants.empty()) c.tenants["default"] = TenantConfig{c.pool_bytes, {}, {}};
   SPECACHE_RETURN_IF_ERROR(ValidateConfig(c));
   return c;
 }
@@ -179,6 +178,10 @@ Result<DaemonConfig> LoadConfig(const std::string& path) {
   auto config = ParseConfig(s.str());
   if (!config.ok()) return config.status().WithContext(path);
   return config;
+}
+
+void AddDefaultTenant(DaemonConfig* c) {
+  if (c->tenants.empty()) c->tenants["default"] = TenantConfig{c->pool_bytes, {}, {}};
 }
 
 Status ValidateConfig(const DaemonConfig& c) {

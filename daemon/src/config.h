@@ -57,10 +57,11 @@ struct DaemonConfig {
 // "1073741824", "1GiB", "512 MiB", "64KiB" -> bytes. INVALID_ARGUMENT otherwise.
 Result<uint64_t> ParseBytes(const std::string& text);
 
-// Parses TOML text (errors name the key or the line). Without [tenants], one tenant "default"
-// open to every local user with a quota of the whole pool.
+// Parses TOML text (errors name the key or the line). Unknown keys are errors.
 Result<DaemonConfig> ParseConfig(const std::string& toml_text);
 Result<DaemonConfig> LoadConfig(const std::string& path);
 Status ValidateConfig(const DaemonConfig& config);
+// Without [tenants]: one tenant "default", open to every local user, with the whole pool as quota.
+void AddDefaultTenant(DaemonConfig* config);
 
 }  // namespace specache::daemon

@@ -25,7 +25,6 @@ Status LoadConfiguration(const Overrides& o, DaemonConfig* c) {
   if (!o.config_path.empty()) {
     SPECACHE_ASSIGN_OR_RETURN(*c, LoadConfig(o.config_path));
   }
-  if (c->tenants.empty()) c->tenants["default"] = TenantConfig{UINT64_MAX, {}, {}};
   if (!o.socket.empty()) c->socket = o.socket;
   if (!o.pool_bytes.empty()) {
     SPECACHE_ASSIGN_OR_RETURN(c->pool_bytes, ParseBytes(o.pool_bytes));
@@ -38,6 +37,7 @@ Status LoadConfiguration(const Overrides& o, DaemonConfig* c) {
   if (!o.log_level.empty()) c->log_level = o.log_level;
   if (o.lease_ms > 0) c->lease_ms = static_cast<uint32_t>(o.lease_ms);
   if (o.no_lock) c->lock_memory = false;
+  AddDefaultTenant(c);
   return ValidateConfig(*c);
 }
 

@@ -53,12 +53,30 @@ std::string ModeLabel(const KvConfig& c) {
   return label + "-k" + std::to_string(c.key_bits) + "v" + std::to_string(c.value_bits);
 }
 
-Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config) {
+Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config, KvMemory* memory) {
   auto run = std::make_unique<ModeRun>();
   run->label = ModeLabel(config);
   run->config = config;
-  SPECACHE_ASSIGN_OR_RETURN(run->agent, CreateCpuAgent(model.shape(), config, &run->source));
+  if (memory) {
+    SPECACHE_ASSIGN_OR_RETURN(run->source, memory->NewSource());
+  } else {
+    run->source = std::make_unique<InMemorySource>();
+  }
+  SPECACHE_ASSIGN_OR_RETURN(run->agent, CreateCpuAgent(model.shape(), config, run->source.get()));
   return run;
+}
+
+Result<std::unique_ptr<KvMemory>> OpenKvMemory(const KvOptions& o, const LlamaModel& model, int sequences) {
+  KvMemoryOptions m;
+  m.where = o.daemon.empty() ? o.kv_memory : "daemon";
+  m.socket = o.daemon;
+  m.capacity_tokens = static_cast<uint32_t>(model.config().context_length);
+  const LlamaConfig& c = model.config();
+  const uint64_t pages = (m.capacity_tokens + m.page_tokens - 1) / m.page_tokens;
+  const uint64_t page_bytes = uint64_t{static_cast<uint32_t>(c.n_kv_heads)} * m.page_tokens * 2 * c.head_dim * 2;
+  // Whole pages per layer at full context, plus a chunk of slack for page placement.
+  m.session_bytes = uint64_t(sequences) * c.n_layers * pages * page_bytes + (uint64_t{16} << 20);
+  return KvMemory::Open(m);
 }
 
 Result<Generation> GenerateGreedy(const LoadedModel& m, Decoder* decoder, std::span<const float> first_logits,

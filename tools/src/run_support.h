@@ -16,6 +16,7 @@
 #include "specache/in_memory_source.h"
 #include "specache/llama_model.h"
 #include "specache/reference_engine.h"
+#include "kv_memory.h"
 
 namespace specache::run {
 
@@ -39,6 +40,8 @@ struct KvOptions {
   int residual = 64;
   int topk = 64;
   std::string reduction = "mean";
+  std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
+  std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")
 };
 // `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too.
 Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode = "");
@@ -48,10 +51,15 @@ std::string ModeLabel(const KvConfig& config);  // "full", "kivi-1bit", "specach
 struct ModeRun {
   std::string label;
   KvConfig config;
-  InMemorySource source;
+  std::unique_ptr<FullPrecisionSource> source;  // outlives the agent (declared first)
   std::unique_ptr<Agent> agent;
 };
-Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config);
+// The source comes from `memory` (daemon pages), or is process memory when it is null.
+Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config,
+                                             KvMemory* memory = nullptr);
+
+// Opens the KV memory the options ask for, sized for `sequences` sequences of the model's context.
+Result<std::unique_ptr<KvMemory>> OpenKvMemory(const KvOptions& options, const LlamaModel& model, int sequences);
 
 struct Generation {
   std::vector<int32_t> tokens;

@@ -40,6 +40,10 @@ void AddKvOptions(CLI::App* app, KvOptions* o) {
   app->add_option("--residual", o->residual, "full-precision residual window R (tokens)")->capture_default_str();
   app->add_option("--topk", o->topk, "rows fetched per KV head and layer (specache)")->capture_default_str();
   app->add_option("--reduction", o->reduction, "GQA reduction of scores for top-k: mean or max")->capture_default_str();
+  app->add_option("--kv-memory", o->kv_memory,
+                  "where the full-precision KV lives: embedded (a specached inside this process), daemon, process")
+      ->capture_default_str();
+  app->add_option("--daemon", o->daemon, "control socket of a running specached (implies --kv-memory daemon)");
 }
 
 std::vector<int32_t> ChatPrompt(const LoadedModel& m, const std::string& text, bool raw) {
@@ -59,7 +63,8 @@ struct GenerateArgs {
 Status Generate(const GenerateArgs& a) {
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
-  SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, config));
+  SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, 1));
+  SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, config, memory.get()));
   const std::vector<int32_t> prompt = ChatPrompt(m, a.prompt, a.raw);
   Agent* agents[] = {run->agent.get()};
   SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, prompt));
@@ -73,6 +78,7 @@ Status Generate(const GenerateArgs& a) {
   nlohmann::json j = Figures(*run, pre.seconds, static_cast<int>(prompt.size()), decoder);
   j["prompt_tokens"] = prompt.size();
   j["generated_tokens"] = g.tokens.size();
+  j["kv_memory"] = memory->Figures();
   if (a.json) {
     j["output"] = g.text;
     std::cout << j.dump() << "\n";
@@ -84,6 +90,7 @@ Status Generate(const GenerateArgs& a) {
                  run->label.c_str(), prompt.size(), j["prefill_tokens_per_s"].get<double>(), g.tokens.size(),
                  j["decode_tokens_per_s"].get<double>(), j["device_kv_bytes"].get<double>() / (1 << 20),
                  j["full_precision_bytes"].get<double>() / (1 << 20));
+    std::fprintf(stderr, "[%s] full-precision KV in: %s\n", run->label.c_str(), j["kv_memory"].dump().c_str());
   }
   return Status::Ok();
 }
@@ -109,13 +116,14 @@ bool Contains(std::string hay, std::string needle) {
 
 // Runs every mode on one (length, depth) point; one prefill shared by all modes.
 Result<std::vector<nlohmann::json>> NiahPoint(const LoadedModel& m, const NiahArgs& a, const std::string& haystack,
-                                              const std::vector<KvConfig>& configs, int length, double depth) {
+                                              const std::vector<KvConfig>& configs, int length, double depth,
+                                              KvMemory* memory) {
   NiahSpec spec{haystack, a.needle, a.question, length, depth};
   SPECACHE_ASSIGN_OR_RETURN(NiahPrompt prompt, BuildNiahPrompt(*m.tokenizer, m.chat, spec));
   std::vector<std::unique_ptr<ModeRun>> runs;
   std::vector<Agent*> agents;
   for (const KvConfig& c : configs) {
-    SPECACHE_ASSIGN_OR_RETURN(auto r, MakeModeRun(*m.model, c));
+    SPECACHE_ASSIGN_OR_RETURN(auto r, MakeModeRun(*m.model, c, memory));
     agents.push_back(r->agent.get());
     runs.push_back(std::move(r));
   }
@@ -133,6 +141,7 @@ Result<std::vector<nlohmann::json>> NiahPoint(const LoadedModel& m, const NiahAr
     j["depth"] = depth;
     j["answer"] = a.answer;
     j["prefill_shared_by_modes"] = runs.size();
+    j["kv_memory"] = memory->Figures();
     results.push_back(std::move(j));
   }
   return results;
@@ -155,7 +164,8 @@ Status Niah(const NiahArgs& a) {
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(std::string haystack, ReadFile(a.haystack_file));
   SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a));
-  SPECACHE_ASSIGN_OR_RETURN(auto results, NiahPoint(m, a, haystack, configs, a.lengths[0], a.depths[0]));
+  SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(configs.size())));
+  SPECACHE_ASSIGN_OR_RETURN(auto results, NiahPoint(m, a, haystack, configs, a.lengths[0], a.depths[0], memory.get()));
   for (const auto& j : results) {
     if (a.json) {
       std::cout << j.dump() << "\n";
@@ -178,6 +188,7 @@ Status NiahGrid(const NiahArgs& a) {
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(std::string haystack, ReadFile(a.haystack_file));
   SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a));
+  SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(configs.size())));
   const size_t n_modes = configs.size(), n_len = a.lengths.size(), n_depth = a.depths.size();
   // correct[mode][depth][length]
   std::vector<std::vector<std::vector<double>>> correct(
@@ -185,7 +196,8 @@ Status NiahGrid(const NiahArgs& a) {
   nlohmann::json all = nlohmann::json::array();
   for (size_t li = 0; li < n_len; ++li) {
     for (size_t di = 0; di < n_depth; ++di) {
-      SPECACHE_ASSIGN_OR_RETURN(auto results, NiahPoint(m, a, haystack, configs, a.lengths[li], a.depths[di]));
+      SPECACHE_ASSIGN_OR_RETURN(auto results,
+                                NiahPoint(m, a, haystack, configs, a.lengths[li], a.depths[di], memory.get()));
       for (size_t mi = 0; mi < n_modes; ++mi) {
         correct[mi][di][li] = results[mi]["correct"].get<bool>() ? 1.0 : 0.0;
         std::fprintf(stderr, "niah-grid: %-14s %5d tokens depth %.2f %s  (%s)\n", results[mi]["mode"].get<std::string>().c_str(),
@@ -274,7 +286,8 @@ Status Fidelity(const FidelityArgs& a) {
     configs.push_back(c);
   }
   // One full-precision reference and one run per mode, all from one shared prefill.
-  SPECACHE_ASSIGN_OR_RETURN(auto full, MakeModeRun(*m.model, full_config));
+  SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(configs.size()) + 1));
+  SPECACHE_ASSIGN_OR_RETURN(auto full, MakeModeRun(*m.model, full_config, memory.get()));
   std::vector<Agent*> agents = {full->agent.get()};
   struct Tally {
     std::unique_ptr<ModeRun> run;
@@ -284,7 +297,7 @@ Status Fidelity(const FidelityArgs& a) {
   };
   std::vector<Tally> tallies(configs.size());
   for (size_t i = 0; i < configs.size(); ++i) {
-    SPECACHE_ASSIGN_OR_RETURN(tallies[i].run, MakeModeRun(*m.model, configs[i]));
+    SPECACHE_ASSIGN_OR_RETURN(tallies[i].run, MakeModeRun(*m.model, configs[i], memory.get()));
     agents.push_back(tallies[i].run->agent.get());
   }
   const std::span<const int32_t> context(tokens.data(), a.context_tokens);
@@ -332,6 +345,7 @@ Status Fidelity(const FidelityArgs& a) {
       j["speculative_token_hits"] = static_cast<double>(t.spec_hits) / a.eval_tokens;
     }
     j["full_decode_tokens_per_s"] = reference.steps() / reference.decode_seconds();
+    j["kv_memory"] = memory->Figures();
     if (a.json) {
       std::cout << j.dump() << "\n";
       continue;

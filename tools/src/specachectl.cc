@@ -1,0 +1,143 @@
+// specachectl: the operator's view of a specached: stats, sessions, sequences, watch.
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "specache/client.h"
+
+namespace {
+
+using specache::client::Client;
+using specache::client::DaemonStats;
+
+std::string Mib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+nlohmann::json StatsJson(const DaemonStats& s) {
+  nlohmann::json tenants = nlohmann::json::array();
+  for (const auto& t : s.tenants) {
+    tenants.push_back({{"tenant", t.tenant}, {"reserved_bytes", t.reserved_bytes}, {"used_bytes", t.used_bytes},
+                       {"quota_bytes", t.quota_bytes}, {"sessions", t.sessions}, {"sequences", t.sequences}});
+  }
+  return {{"pool_bytes", s.pool_bytes}, {"reserved_bytes", s.reserved_bytes}, {"used_bytes", s.used_bytes},
+          {"free_bytes", s.free_bytes},  {"chunk_bytes", s.chunk_bytes},       {"sessions", s.sessions},
+          {"sequences", s.sequences},    {"pages", s.pages},                   {"requests", s.requests},
+          {"errors", s.errors},          {"uptime_ms", s.uptime_ms},           {"memory_locked", s.memory_locked},
+          {"tenants", tenants}};
+}
+
+void PrintStats(const DaemonStats& s) {
+  std::printf("pool      %s total, %s reserved by sessions, %s used by pages, %s free (chunks of %s, %s)\n",
+              Mib(s.pool_bytes).c_str(), Mib(s.reserved_bytes).c_str(), Mib(s.used_bytes).c_str(),
+              Mib(s.free_bytes).c_str(), Mib(s.chunk_bytes).c_str(), s.memory_locked ? "locked" : "NOT locked");
+  std::printf("objects   %u sessions, %u sequences, %llu pages\n", s.sessions, s.sequences,
+              static_cast<unsigned long long>(s.pages));
+  std::printf("requests  %llu (%llu errors), up %.1f s\n", static_cast<unsigned long long>(s.requests),
+              static_cast<unsigned long long>(s.errors), s.uptime_ms / 1000.0);
+  std::printf("%-16s %14s %14s %14s %9s %10s\n", "tenant", "reserved", "used", "quota", "sessions", "sequences");
+  for (const auto& t : s.tenants) {
+    std::printf("%-16s %14s %14s %14s %9u %10u\n", t.tenant.c_str(), Mib(t.reserved_bytes).c_str(),
+                Mib(t.used_bytes).c_str(), Mib(t.quota_bytes).c_str(), t.sessions, t.sequences);
+  }
+}
+
+int Fail(const specache::Status& s) {
+  std::fprintf(stderr, "specachectl: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"specachectl: inspect a specached"};
+  std::string socket = "/run/specache/control.sock";
+  int deadline_ms = 2000;
+  bool json = false;
+  double interval = 1.0;
+  app.add_option("--socket", socket, "daemon control socket")->capture_default_str();
+  app.add_option("--deadline-ms", deadline_ms, "deadline of each call")->capture_default_str();
+  app.require_subcommand(1);
+  auto* stats = app.add_subcommand("stats", "pool, tenants, sessions, sequences, request counts");
+  stats->add_flag("--json", json, "one JSON object");
+  auto* sessions = app.add_subcommand("sessions", "open sessions");
+  sessions->add_flag("--json", json, "JSON array");
+  auto* sequences = app.add_subcommand("sequences", "sequences of all sessions");
+  sequences->add_flag("--json", json, "JSON array");
+  auto* watch = app.add_subcommand("watch", "stats, refreshed");
+  watch->add_option("--interval", interval, "seconds between refreshes")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto client = Client::Connect({socket, std::chrono::milliseconds(deadline_ms), "specachectl"});
+  if (!client.ok()) return Fail(client.status());
+  Client& c = **client;
+
+  if (stats->parsed()) {
+    auto s = c.Stats();
+    if (!s.ok()) return Fail(s.status());
+    if (json) {
+      std::cout << StatsJson(*s).dump() << "\n";
+    } else {
+      PrintStats(*s);
+    }
+  } else if (sessions->parsed()) {
+    auto list = c.ListSessions();
+    if (!list.ok()) return Fail(list.status());
+    nlohmann::json out = nlohmann::json::array();
+    if (!json) std::printf("%8s %-12s %-20s %8s %6s %9s %7s %10s %12s\n", "session", "tenant", "client", "pid", "uid",
+                           "attached", "chunks", "sequences", "used");
+    for (const auto& s : *list) {
+      out.push_back({{"session_id", s.id}, {"tenant", s.tenant}, {"client_name", s.client_name}, {"pid", s.pid},
+                     {"uid", s.uid}, {"attached", s.attached}, {"chunks", s.chunks}, {"sequences", s.sequences},
+                     {"used_bytes", s.used_bytes}, {"age_ms", s.age_ms}});
+      if (!json) {
+        std::printf("%8llu %-12s %-20s %8d %6u %9s %7u %10u %12s\n", static_cast<unsigned long long>(s.id),
+                    s.tenant.c_str(), s.client_name.c_str(), s.pid, s.uid, s.attached ? "yes" : "no", s.chunks,
+                    s.sequences, Mib(s.used_bytes).c_str());
+      }
+    }
+    if (json) std::cout << out.dump() << "\n";
+  } else if (sequences->parsed()) {
+    auto list = c.ListSequences();
+    if (!list.ok()) return Fail(list.status());
+    nlohmann::json out = nlohmann::json::array();
+    if (!json) std::printf("%9s %8s %-12s %28s %6s %12s\n", "sequence", "session", "tenant", "layout (L x H x d, page/cap)",
+                           "pages", "bytes");
+    for (const auto& s : *list) {
+      const auto& l = s.layout;
+      out.push_back({{"sequence_id", s.id}, {"session_id", s.session}, {"tenant", s.tenant},
+                     {"layout", {{"n_layers", l.n_layers}, {"n_kv_heads", l.n_kv_heads}, {"head_dim", l.head_dim},
+                                 {"page_tokens", l.page_tokens}, {"capacity_tokens", l.capacity_tokens}}},
+                     {"pages_per_layer", s.pages_per_layer}, {"bytes", s.bytes}});
+      if (!json) {
+        char shape[64];
+        std::snprintf(shape, sizeof shape, "%u x %u x %u, %u/%u", l.n_layers, l.n_kv_heads, l.head_dim, l.page_tokens,
+                      l.capacity_tokens);
+        std::printf("%9llu %8llu %-12s %28s %6u %12s\n", static_cast<unsigned long long>(s.id),
+                    static_cast<unsigned long long>(s.session), s.tenant.c_str(), shape, s.pages_per_layer,
+                    Mib(s.bytes).c_str());
+      }
+    }
+    if (json) std::cout << out.dump() << "\n";
+  } else if (watch->parsed()) {
+    while (true) {
+      auto s = c.Stats();
+      std::printf("\033[H\033[2J");
+      if (s.ok()) {
+        PrintStats(*s);
+      } else {
+        std::printf("specachectl: %s\n", s.status().ToString().c_str());
+      }
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(interval * 1000)));
+    }
+  }
+  return 0;
+}
