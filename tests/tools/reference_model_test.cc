@@ -37,9 +37,10 @@ class ReferenceModelTest : public ::testing::Test {
     return model_->tokenizer->Encode(model_->chat.Apply(user, true), true);
   }
 
-  // Greedy generation of n tokens in one KV mode.
-  static std::vector<int32_t> Generate(const KvConfig& config, const std::vector<int32_t>& prompt, int n) {
-    auto run = run::MakeModeRun(*model_->model, config);
+  // Greedy generation of n tokens in one KV mode (full precision in `memory`, or process memory).
+  static std::vector<int32_t> Generate(const KvConfig& config, const std::vector<int32_t>& prompt, int n,
+                                       run::KvMemory* memory = nullptr) {
+    auto run = run::MakeModeRun(*model_->model, config, memory);
     EXPECT_TRUE(run.ok());
     Agent* agents[] = {(*run)->agent.get()};
     auto pre = Prefill(*model_->model, agents, 1, prompt);
@@ -140,6 +141,22 @@ TEST_F(ReferenceModelTest, SpeCacheWithTopKCoveringTheContextReproducesFull) {
   int same = 0;
   for (int i = 0; i < n; ++i) same += spec64[i] == full[i];
   std::printf("specache-1bit k=64 matches full on %d of %d tokens\n", same, n);
+}
+
+TEST_F(ReferenceModelTest, DaemonPagesGiveTheSameTokensAsProcessMemory) {
+  run::KvOptions options;  // kv_memory "embedded": a specached inside this process
+  auto memory = run::OpenKvMemory(options, *model_->model, 1);
+  if (memory.status().code() == StatusCode::kUnimplemented) GTEST_SKIP() << "built without the service";
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  const std::vector<int32_t> prompt = Chat("List four animals that live in the ocean, with one fact about each.");
+  KvConfig spec{KvMode::kSpeCache};
+  spec.top_k = 16;  // small k: many rows are fetched from the pages, and the answer depends on them
+  const std::vector<int32_t> in_process = Generate(spec, prompt, 24);
+  EXPECT_EQ(Generate(spec, prompt, 24, memory->get()), in_process);
+  const nlohmann::json figures = (*memory)->Figures();
+  EXPECT_EQ(figures["kv_memory"], "embedded daemon");
+  // One ExtendSequence per 64-token page for the whole sequence (all layers at once).
+  EXPECT_LE(figures["extend_rpcs"].get<int>(), static_cast<int>((prompt.size() + 24) / 64 + 1));
 }
 
 TEST_F(ReferenceModelTest, NiahPromptHasTheExactLengthAndTheNeedleAtTheDepth) {
