@@ -11,6 +11,7 @@
 #include "processes.h"
 #include "specache/attach_protocol.h"
 #include "specache/client.h"
+#include "specache/client_c.h"
 #include "specache/v1/control.grpc.pb.h"
 
 namespace specache {
@@ -298,6 +299,28 @@ TEST(DaemonTest, MalformedAndHostileRequestsGetSpecificErrors) {
   EXPECT_GE(stats->errors, 20u);
   EXPECT_TRUE((*session)->CreateSequence({2, 2, 64, 16, 256}).ok());
   close(fd);
+}
+
+}  // namespace
+}  // namespace specache
+
+extern "C" int specache_c_abi_roundtrip(const char* socket_path, char* report, size_t report_len);
+
+namespace specache {
+namespace {
+
+TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start());
+  char report[512] = {};
+  EXPECT_EQ(specache_c_abi_roundtrip(d.socket.c_str(), report, sizeof report), 0) << report;
+  // 40 tokens in pages of 16: 3 pages; page 3 is out of range (11); one session, one sequence.
+  EXPECT_STREQ(report, "pages=3 beyond=11 sessions=1 sequences=1");
+  char err[128];
+  specache_client* none = nullptr;
+  EXPECT_EQ(specache_client_connect((d.dir + "/nothing.sock").c_str(), 200, &none, err, sizeof err),
+            static_cast<int>(StatusCode::kUnavailable));
+  EXPECT_NE(std::string(err).find("no specached"), std::string::npos) << err;
 }
 
 }  // namespace

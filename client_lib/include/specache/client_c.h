@@ -1,0 +1,60 @@
+/* C ABI of libspecache_client, for engines written in other languages (FFI).
+ *
+ * Every function returns 0 on success or a status code (gRPC numbering, as specache::StatusCode)
+ * and, when `error` is not NULL, writes a NUL-terminated message of at most error_len bytes.
+ * Handles are opaque; free them with the matching *_free / *_close. Thread safety as the C++ API.
+ */
+#ifndef SPECACHE_CLIENT_C_H_
+#define SPECACHE_CLIENT_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SPECACHE_C_API __attribute__((visibility("default")))
+
+typedef struct specache_client specache_client;
+typedef struct specache_session specache_session;
+
+typedef struct specache_layout {
+  uint32_t n_layers;
+  uint32_t n_kv_heads;
+  uint32_t head_dim;
+  uint32_t page_tokens;
+  uint32_t capacity_tokens;
+} specache_layout;
+
+typedef struct specache_stats {
+  uint64_t pool_bytes, reserved_bytes, used_bytes, free_bytes, chunk_bytes;
+  uint32_t sessions, sequences;
+  uint64_t pages, requests, errors;
+} specache_stats;
+
+SPECACHE_C_API int specache_client_connect(const char* socket_path, int deadline_ms, specache_client** client,
+                                           char* error, size_t error_len);
+SPECACHE_C_API void specache_client_free(specache_client* client);
+SPECACHE_C_API int specache_client_stats(specache_client* client, specache_stats* stats, char* error, size_t error_len);
+
+SPECACHE_C_API int specache_session_open(specache_client* client, const char* tenant, uint64_t pool_bytes,
+                                         specache_session** session, char* error, size_t error_len);
+/* Releases everything the session holds in the daemon. */
+SPECACHE_C_API void specache_session_close(specache_session* session);
+
+SPECACHE_C_API int specache_sequence_create(specache_session* session, const specache_layout* layout,
+                                            uint64_t* sequence, char* error, size_t error_len);
+SPECACHE_C_API int specache_sequence_extend(specache_session* session, uint64_t sequence, uint32_t tokens,
+                                            uint32_t* pages_per_layer, char* error, size_t error_len);
+SPECACHE_C_API int specache_sequence_release(specache_session* session, uint64_t sequence, char* error,
+                                             size_t error_len);
+/* The memory of one page: [kv_head][token][K|V][head_dim] fp16, page_tokens tokens. */
+SPECACHE_C_API int specache_page_data(specache_session* session, uint64_t sequence, uint32_t layer, uint32_t page,
+                                      uint8_t** data, char* error, size_t error_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SPECACHE_CLIENT_C_H_ */
