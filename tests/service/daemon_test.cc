@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "kill_rounds.h"
 #include "processes.h"
 #include "specache/attach_protocol.h"
 #include "specache/client.h"
@@ -61,26 +62,7 @@ TEST(DaemonTest, FourClientProcessesWriteAndReadTheirPagesConcurrently) {
 }
 
 TEST(DaemonTest, AClientKilledMidWorkGivesEverythingBackWithinTheLease) {
-  DaemonProcess d;
-  ASSERT_TRUE(d.Start());
-  auto admin = Connect(d);
-  ASSERT_TRUE(admin);
-  double worst_ms = 0;
-  const int rounds = 20;
-  for (int i = 0; i < rounds; ++i) {
-    auto c = Spawn({TEST_CLIENT_PATH, "hold", d.socket, "default"});
-    ASSERT_EQ(c->ReadLine(10000).rfind("ready", 0), 0u);
-    auto s = admin->Stats();
-    ASSERT_TRUE(s.ok());
-    EXPECT_EQ(s->sessions, 1u);
-    EXPECT_GT(s->used_bytes, 0u);
-    c->Kill(SIGKILL);
-    EXPECT_EQ(c->Wait(5000), 128 + SIGKILL);
-    auto ms = WaitForEmptyPool(admin.get(), 2000);
-    ASSERT_TRUE(ms.ok()) << "round " << i << ": pages not back within 2 s";
-    worst_ms = std::max(worst_ms, *ms);
-  }
-  std::printf("SIGKILLed client: pool empty again after at most %.1f ms (%d rounds)\n", worst_ms, rounds);
+  testing::KillClientRounds(20);
 }
 
 TEST(DaemonTest, WhenTheDaemonDiesEveryCallFailsWithinItsDeadline) {
