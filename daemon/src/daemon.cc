@@ -8,6 +8,7 @@
 #include <functional>
 
 #include <grpcpp/grpcpp.h>
+#include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -89,10 +90,37 @@ void StartHousekeeping(State* d) {
 
 }  // namespace
 
+namespace {
+
+// %j: the message as the inside of a JSON string (quotes, backslashes, control bytes escaped).
+class JsonMessageFlag final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&, spdlog::memory_buf_t& dest) override {
+    for (char ch : std::string_view(msg.payload.data(), msg.payload.size())) {
+      const auto c = static_cast<unsigned char>(ch);
+      if (ch == '"' || ch == '\\') {
+        dest.push_back('\\');
+        dest.push_back(ch);
+      } else if (c < 0x20) {
+        static const char kHex[] = "0123456789abcdef";
+        for (char e : {'\\', 'u', '0', '0', kHex[c >> 4], kHex[c & 15]}) dest.push_back(e);
+      } else {
+        dest.push_back(ch);
+      }
+    }
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<JsonMessageFlag>(); }
+};
+
+}  // namespace
+
 Status ConfigureLogging(const DaemonConfig& c) {
   if (!spdlog::get("specached")) spdlog::set_default_logger(spdlog::stderr_logger_mt("specached"));
   if (c.log_format == "json") {
-    spdlog::set_pattern(R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l","pid":%P,"msg":"%v"})");
+    auto formatter = std::make_unique<spdlog::pattern_formatter>();
+    formatter->add_flag<JsonMessageFlag>('j').set_pattern(
+        R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l","pid":%P,"msg":"%j"})");
+    spdlog::set_formatter(std::move(formatter));
   } else {
     spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ %v");
   }

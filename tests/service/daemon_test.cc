@@ -1,5 +1,7 @@
 // specached with real client processes: concurrent writers, clients killed mid-work, the daemon
 // killed under its clients, tenant isolation and a table of malformed requests.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -303,6 +305,62 @@ TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {
   EXPECT_EQ(specache_client_connect((d.dir + "/nothing.sock").c_str(), 200, &none, err, sizeof err),
             static_cast<int>(StatusCode::kUnavailable));
   EXPECT_NE(std::string(err).find("no specached"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace specache
+
+namespace specache {
+namespace {
+
+int FreeTcpPort() {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  close(s);
+  return ntohs(a.sin_port);
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string body;
+  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    if (write(s, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[4096];
+      for (ssize_t n; (n = read(s, buf, sizeof buf)) > 0;) body.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(s);
+  return body;
+}
+
+TEST(DaemonTest, MetricsEndpointReportsThePoolAndSessions) {
+  const int port = FreeTcpPort();
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--metrics-addr", "127.0.0.1:" + std::to_string(port), "--log-format", "json"}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto session = c->OpenSession("default", 8 << 20);
+  ASSERT_TRUE(session.ok());
+  std::string page;
+  const auto start = Clock::now();
+  while (Clock::now() - start < std::chrono::seconds(5)) {
+    page = HttpGet(port, "/metrics");
+    if (page.find("specache_objects{kind=\"sessions\"} 1") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_NE(page.find("specache_pool_bytes{state=\"total\"} 67108864"), std::string::npos) << page;
+  EXPECT_NE(page.find("specache_objects{kind=\"sessions\"} 1"), std::string::npos) << page;
+  EXPECT_NE(page.find("specache_tenant_bytes{state=\"reserved\",tenant=\"default\"} 8388608"), std::string::npos) << page;
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -91,7 +92,10 @@ struct DaemonProcess {
     std::filesystem::permissions(dir, std::filesystem::perms(0755));  // other users' clients reach the sockets
     socket = dir + "/control.sock";
     std::vector<std::string> argv = {SPECACHED_PATH, "--socket", socket, "--pool-bytes", "64MiB", "--chunk-bytes",
-                                     "4MiB", "--metrics-addr", "off", "--lease-ms", "1000", "--log-level", "warn"};
+                                     "4MiB", "--lease-ms", "1000", "--log-level", "warn"};
+    if (std::find(extra.begin(), extra.end(), "--metrics-addr") == extra.end()) {
+      argv.insert(argv.end(), {"--metrics-addr", "off"});
+    }
     if (!config_toml.empty()) {
       std::ofstream(dir + "/specached.toml") << config_toml;
       argv.push_back("--config");
