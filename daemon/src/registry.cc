@@ -107,6 +107,12 @@ Result<Registry::Session*> Registry::Authorize(uint64_t session, const Token& to
   return &it->second;
 }
 
+Status Registry::RequireAttached(const Session& s) {
+  // Pages are only for a session whose lease (the attach connection) is held.
+  if (!s.attached) return Status::FailedPrecondition("session " + std::to_string(s.id) + " is not attached yet");
+  return Status::Ok();
+}
+
 Result<AttachGrant> Registry::Attach(uint64_t session, const Token& token, const PeerCredentials& peer) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
@@ -146,47 +152,61 @@ void Registry::Detach(uint64_t session) {
 }
 
 Status Registry::CloseSession(uint64_t session, const Token& token) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
   // The caller lives on and may still map the chunks: their memory is replaced.
-  ReclaimLocked(sessions_.find(s->id), /*owner_may_still_map=*/s->attached);
+  const ChunkReturn r = ReclaimLocked(sessions_.find(s->id), /*owner_may_still_map=*/s->attached);
+  lock.unlock();
+  ReturnChunks({r});
   return Status::Ok();
 }
 
-void Registry::ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map) {
+Registry::ChunkReturn Registry::ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map) {
   Session& s = it->second;
   for (const auto& [seq, pages] : s.pages->sequences()) sequence_owner_.erase(seq);
-  const std::vector<uint32_t> chunks = s.pages->chunks();
+  ChunkReturn r{s.id, s.pages->chunks(), owner_may_still_map};
   s.pages.reset();
-  Status r = pool_->Return(chunks, owner_may_still_map);
-  if (!r.ok()) spdlog::error("session {}: {}", s.id, r.ToString());
   if (s.pidfd >= 0) close(s.pidfd);
-  spdlog::info("session {} reclaimed ({} chunks {})", s.id, chunks.size(), owner_may_still_map ? "replaced" : "zeroed");
   ++reclaimed_;
   sessions_.erase(it);
+  return r;
+}
+
+void Registry::ReturnChunks(const std::vector<ChunkReturn>& returns) {
+  // Outside the lock: zeroing or replacing chunk memory takes milliseconds per chunk. The chunks
+  // still have their old owner in the pool until Return, so nobody else gets them meanwhile.
+  for (const ChunkReturn& r : returns) {
+    Status s = pool_->Return(r.chunks, r.replace);
+    if (!s.ok()) spdlog::error("session {}: {}", r.session, s.ToString());
+    spdlog::info("session {} reclaimed ({} chunks {})", r.session, r.chunks.size(), r.replace ? "replaced" : "zeroed");
+  }
 }
 
 void Registry::Reap() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ChunkReturn> returns;
+  std::unique_lock<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     auto next = std::next(it);
     Session& s = it->second;
     if (!s.attached && now - s.opened > std::chrono::milliseconds(config_.lease_ms)) {
       spdlog::warn("session {} not attached within {} ms: reclaimed", s.id, config_.lease_ms);
-      ReclaimLocked(it, /*owner_may_still_map=*/false);  // never mapped: no descriptor left the daemon
+      returns.push_back(ReclaimLocked(it, /*owner_may_still_map=*/false));  // no descriptor left the daemon
     } else if (s.detached) {
       const bool exited = PeerExited(s.pidfd, s.peer.pid);
-      if (exited || now - s.detached_at > kExitGrace) ReclaimLocked(it, !exited);
+      if (exited || now - s.detached_at > kExitGrace) returns.push_back(ReclaimLocked(it, !exited));
     }
     it = next;
   }
+  lock.unlock();
+  ReturnChunks(returns);
 }
 
 Result<std::pair<uint64_t, uint32_t>> Registry::CreateSequence(uint64_t session, const Token& token,
                                                                const PageLayout& layout) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
   const uint64_t id = next_sequence_++;
   SPECACHE_ASSIGN_OR_RETURN(const SequencePages* seq, s->pages->CreateSequence(id, layout));
   sequence_owner_[id] = session;
@@ -197,6 +217,7 @@ Result<std::pair<uint32_t, uint64_t>> Registry::ExtendSequence(uint64_t session,
                                                                uint64_t sequence, uint32_t tokens) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
   if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
   // Pages live inside the session's chunks, which the tenant's quota already counted.
   SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, s->pages->Extend(sequence, tokens));
@@ -206,6 +227,7 @@ Result<std::pair<uint32_t, uint64_t>> Registry::ExtendSequence(uint64_t session,
 Status Registry::ReleaseSequence(uint64_t session, const Token& token, uint64_t sequence) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
   if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
   sequence_owner_.erase(sequence);
   return s->pages->Release(sequence);

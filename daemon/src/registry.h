@@ -117,7 +117,15 @@ class Registry {
   };
   // The session if the token matches (PERMISSION_DENIED otherwise, NOT_FOUND if unknown).
   Result<Session*> Authorize(uint64_t session, const Token& token);
-  void ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map);
+  struct ChunkReturn {
+    uint64_t session = 0;
+    std::vector<uint32_t> chunks;
+    bool replace = false;
+  };
+  static Status RequireAttached(const Session& s);
+  // Forgets the session (under mu_); its chunks go back to the pool with ReturnChunks (without mu_).
+  ChunkReturn ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map);
+  void ReturnChunks(const std::vector<ChunkReturn>& returns);
   uint64_t TenantReservedLocked(const std::string& tenant) const;
 
   DaemonConfig config_;

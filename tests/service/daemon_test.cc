@@ -231,6 +231,8 @@ TEST(DaemonTest, MalformedAndHostileRequestsGetSpecificErrors) {
   oversized.set_tenant("default");
   oversized.set_client_name(std::string(100 << 10, 'y'));
   v1::OpenSessionResponse dummy;
+  v1::OpenSessionResponse unattached;
+  ASSERT_EQ(call(&v1::Control::Stub::OpenSession, open, &unattached), grpc::OK);
 
   struct Case {
     const char* name;
@@ -250,6 +252,8 @@ TEST(DaemonTest, MalformedAndHostileRequestsGetSpecificErrors) {
       {"wrong token", create(sid, wrong, &good), grpc::PERMISSION_DENIED},
       {"short token", create(sid, "abc", &good), grpc::INVALID_ARGUMENT},
       {"unknown session", create(sid + 1000, token, &good), grpc::NOT_FOUND},
+      {"session not attached yet", create(unattached.session_id(), unattached.token(), &good),
+       grpc::FAILED_PRECONDITION},
       {"other session's token", create(sid, std::string(16, '\0'), &good), grpc::PERMISSION_DENIED},
       {"extend unknown sequence", extend(sid, token, 999999, 16), grpc::NOT_FOUND},
       {"extend released sequence", extend(sid, token, released, 16), grpc::NOT_FOUND},
