@@ -1,7 +1,7 @@
 // specache-bench: figures for the CPU backend of the agent.
 //
-//   specache-bench [memory|quantize|attention|all] [--tokens N] [--head-dim D] [--repeats R]
-//                  [--json FILE]
+//   specache-bench [memory|quantize|attention|all|gather] [--tokens N] [--head-dim D] [--repeats R]
+//                  [--host-gib G] [--json FILE]
 //
 // memory     replica bytes / fp16 bytes after streaming N tokens through one real HeadReplica,
 //            for G in {32, 64}, B in {1, 2, 4}, R in {64, 128}; checks the 1-bit, G=32, R=64
@@ -10,6 +10,9 @@
 // attention  one decode step over one KV head (GQA group of 4) with k substituted rows:
 //            context tokens/s per bit width, the ratio to the 16-bit replica in the same run, and
 //            the cost of the speculative second row (2 rows vs 1).
+// gather     (CUDA builds, on a GPU) the zero-copy gather of one layer's top-k rows for B sequences
+//            from pages spread over --host-gib GiB of registered host memory, vs a contiguous
+//            pinned H2D copy of the same bytes and vs a CPU gather + one copy (gather_bench.h).
 // Timings are medians of --repeats runs after one warm-up. The machine is noisy: read ratios.
 #include <algorithm>
 #include <chrono>
@@ -27,6 +30,9 @@
 #include "specache/device_probe.h"
 #include "specache/head_replica.h"
 #include "specache/quantizer.h"
+#ifdef SPECACHE_BENCH_CUDA
+#include "gather_bench.h"
+#endif
 
 namespace specache {
 namespace {
@@ -36,6 +42,7 @@ struct Options {
   int tokens = 32768;
   int head_dim = 128;
   int repeats = 7;
+  int host_gib = 16;
   std::string json_path;
 };
 
@@ -184,8 +191,8 @@ void WriteJson(const std::string& path, const std::vector<Row>& rows) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: specache-bench [memory|quantize|attention|all] [--tokens N] [--head-dim D] [--repeats R] "
-               "[--json FILE]\n");
+               "usage: specache-bench [memory|quantize|attention|all|gather] [--tokens N] [--head-dim D] [--repeats R] "
+               "[--host-gib G] [--json FILE]\n");
   return 2;
 }
 
@@ -208,10 +215,12 @@ int main(int argc, char** argv) {
       if (!next_int(&o.head_dim) || o.head_dim % 32) return Usage();
     } else if (a == "--repeats") {
       if (!next_int(&o.repeats)) return Usage();
+    } else if (a == "--host-gib") {
+      if (!next_int(&o.host_gib)) return Usage();
     } else if (a == "--json") {
       if (i + 1 >= argc) return Usage();
       o.json_path = argv[++i];
-    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all") {
+    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather") {
       o.suite = a;
     } else {
       return Usage();
@@ -219,13 +228,23 @@ int main(int argc, char** argv) {
   }
   auto device = ProbeCudaDevice();
   std::printf("specache-bench: backend cpu (%s)\n",
-              device.ok() ? ("GPU present: " + device->name + "; CUDA backend not built yet").c_str()
+              device.ok() ? ("GPU present: " + device->name + "; the CUDA agent backend is not built yet").c_str()
                           : ("no GPU: " + device.status().message()).c_str());
   std::vector<Row> rows;
   bool ok = true;
   if (o.suite == "memory" || o.suite == "all") ok = Memory(o, &rows);
   if (o.suite == "quantize" || o.suite == "all") Quantize(o, &rows);
   if (o.suite == "attention" || o.suite == "all") Attention(o, &rows);
+  if (o.suite == "gather") {
+#ifdef SPECACHE_BENCH_CUDA
+    std::vector<bench::GatherRow> gather;
+    ok = bench::RunGatherSuite({o.host_gib, std::max(o.repeats, 20), 0}, &gather);
+    for (auto& g : gather) rows.push_back({"gather", g.name, g.values});
+#else
+    std::printf("gather: this specache-bench was built without CUDA\n");
+    ok = false;
+#endif
+  }
   if (!o.json_path.empty()) WriteJson(o.json_path, rows);
   return ok ? 0 : 1;
 }
