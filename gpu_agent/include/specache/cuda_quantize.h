@@ -1,0 +1,23 @@
+// KIVI quantization on the GPU (prefill and residual flushes), bit-identical to the CPU reference
+// in quantizer.h: same (s, z) rounding to fp16, same round-half-up codes, same packed layout.
+// Device pointers; streams as void* (cudaStream_t). UNAVAILABLE without CUDA.
+#pragma once
+
+#include <cstdint>
+
+#include "specache/half.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+// keys: [n_groups][group_size][head_dim] fp16 (token-major groups, one after another).
+// codes: [n_groups][head_dim][group_size*bits/32], scale/zero: [n_groups][head_dim].
+Status QuantizeKeyGroups(const Half* keys, int n_groups, int group_size, int head_dim, int bits, uint32_t* codes,
+                         Half* scale, Half* zero, void* stream);
+
+// values: [n_tokens][head_dim] fp16. codes: [n_tokens][head_dim/group_size][group_size*bits/32],
+// scale/zero: [n_tokens][head_dim/group_size].
+Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int group_size, int bits,
+                           uint32_t* codes, Half* scale, Half* zero, void* stream);
+
+}  // namespace specache::cuda

@@ -1,0 +1,138 @@
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "specache/cuda_quantize.h"
+
+namespace specache::cuda {
+namespace {
+
+// Every float operation is rounded on its own (no FMA contraction), exactly as the CPU reference
+// computes, so codes and (s, z) are bit-identical.
+__device__ void ScaleZeroOf(float lo, float hi, int bits, float* scale, float* zero, uint16_t* scale_bits,
+                            uint16_t* zero_bits) {
+  const float range = __fsub_rn(hi, lo);
+  float s, z;
+  if (bits == 1) {
+    z = __fmul_rn(__fadd_rn(__fmul_rn(3.0f, lo), hi), 0.25f);
+    s = __fmul_rn(range, 0.5f);
+  } else {
+    z = lo;
+    s = __fdiv_rn(range, static_cast<float>((1u << bits) - 1u));
+  }
+  const __half hs = __float2half_rn(s), hz = __float2half_rn(z);
+  *scale = __half2float(hs);
+  *zero = __half2float(hz);
+  *scale_bits = __half_as_ushort(hs);
+  *zero_bits = __half_as_ushort(hz);
+}
+
+__device__ uint32_t CodeOf(float x, float scale, float zero, int bits) {
+  if (!(scale > 0.0f)) return 0;
+  const float level = floorf(__fadd_rn(__fdiv_rn(__fsub_rn(x, zero), scale), 0.5f));
+  const float top = static_cast<float>((1u << bits) - 1u);
+  if (!(level > 0.0f)) return 0;
+  return static_cast<uint32_t>(level < top ? level : top);
+}
+
+// One warp quantizes one run of `n` (32 or 64, ...) values: lane l holds elements l, l+32, ...
+// Writes n*bits/32 words: code i at bits (i % (32/bits))*bits of word i/(32/bits).
+__device__ void QuantizeRunWarp(const float* x, int per_lane, int bits, uint32_t* words, uint16_t* scale_out,
+                                uint16_t* zero_out) {
+  const int lane = threadIdx.x & 31;
+  float lo = x[0], hi = x[0];
+  for (int j = 1; j < per_lane; ++j) {
+    lo = fminf(lo, x[j]);
+    hi = fmaxf(hi, x[j]);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  float scale, zero;
+  uint16_t sb, zb;
+  ScaleZeroOf(lo, hi, bits, &scale, &zero, &sb, &zb);
+  if (lane == 0) {
+    *scale_out = sb;
+    *zero_out = zb;
+  }
+  const int per_word = 32 / bits;  // lanes whose codes share a word
+  for (int j = 0; j < per_lane; ++j) {
+    const int i = lane + 32 * j;  // element index in the run
+    uint32_t v = CodeOf(x[j], scale, zero, bits) << ((i % per_word) * bits);
+    for (int o = 1; o < per_word; o <<= 1) v |= __shfl_xor_sync(0xffffffffu, v, o);
+    if (i % per_word == 0) words[i / per_word] = v;
+  }
+}
+
+// Block = one warp per channel of one key group; grid = groups x ceil(head_dim / warps).
+__global__ void QuantizeKeyGroupsKernel(const __half* keys, int group_size, int head_dim, int bits, uint32_t* codes,
+                                        uint16_t* scale, uint16_t* zero) {
+  const int group = blockIdx.x;
+  const int d = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
+  if (d >= head_dim) return;  // whole warps leave together
+  const int lane = threadIdx.x & 31, per_lane = group_size / 32;
+  float x[4];
+  const __half* g = keys + static_cast<size_t>(group) * group_size * head_dim;
+  for (int j = 0; j < per_lane; ++j) x[j] = __half2float(g[static_cast<size_t>(lane + 32 * j) * head_dim + d]);
+  const int words = group_size * bits / 32;
+  const size_t slot = static_cast<size_t>(group) * head_dim + d;
+  QuantizeRunWarp(x, per_lane, bits, codes + slot * words, scale + slot, zero + slot);
+}
+
+// One warp per (token, channel group).
+__global__ void QuantizeValueTokensKernel(const __half* values, int n_runs, int head_dim, int group_size, int bits,
+                                          uint32_t* codes, uint16_t* scale, uint16_t* zero) {
+  const int run = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (run >= n_runs) return;
+  const int groups = head_dim / group_size;
+  const int token = run / groups, g = run % groups;
+  const int lane = threadIdx.x & 31, per_lane = group_size / 32;
+  float x[4];
+  const __half* v = values + static_cast<size_t>(token) * head_dim + static_cast<size_t>(g) * group_size;
+  for (int j = 0; j < per_lane; ++j) x[j] = __half2float(v[lane + 32 * j]);
+  const int words = group_size * bits / 32;
+  QuantizeRunWarp(x, per_lane, bits, codes + static_cast<size_t>(run) * words, scale + run, zero + run);
+}
+
+Status Check(int group_size, int head_dim, int bits) {
+  if (bits != 1 && bits != 2 && bits != 4) return Status::InvalidArgument("bits must be 1, 2 or 4");
+  if (group_size <= 0 || group_size % 32 != 0 || group_size > 128) {
+    return Status::InvalidArgument("group_size must be 32, 64, 96 or 128");
+  }
+  if (head_dim <= 0 || head_dim % 8 != 0) return Status::InvalidArgument("head_dim must be a positive multiple of 8");
+  return Status::Ok();
+}
+
+Status Launched(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+}  // namespace
+
+Status QuantizeKeyGroups(const Half* keys, int n_groups, int group_size, int head_dim, int bits, uint32_t* codes,
+                         Half* scale, Half* zero, void* stream) {
+  SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
+  if (n_groups <= 0) return n_groups == 0 ? Status::Ok() : Status::InvalidArgument("negative group count");
+  constexpr int kWarps = 4;
+  const dim3 grid(n_groups, (head_dim + kWarps - 1) / kWarps);
+  QuantizeKeyGroupsKernel<<<grid, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const __half*>(keys), group_size, head_dim, bits, codes, scale, zero);
+  return Launched("key quantization kernel");
+}
+
+Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int group_size, int bits,
+                           uint32_t* codes, Half* scale, Half* zero, void* stream) {
+  SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
+  if (head_dim % group_size != 0) return Status::InvalidArgument("group_size must divide head_dim");
+  if (n_tokens <= 0) return n_tokens == 0 ? Status::Ok() : Status::InvalidArgument("negative token count");
+  constexpr int kWarps = 8;
+  const int runs = n_tokens * (head_dim / group_size);
+  QuantizeValueTokensKernel<<<(runs + kWarps - 1) / kWarps, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const __half*>(values), runs, head_dim, group_size, bits, codes, scale, zero);
+  return Launched("value quantization kernel");
+}
+
+}  // namespace specache::cuda

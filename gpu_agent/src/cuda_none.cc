@@ -1,0 +1,16 @@
+// Builds without CUDA: the CUDA entry points report that there is no GPU.
+#include "specache/cuda_gather.h"
+#include "specache/cuda_quantize.h"
+
+namespace specache::cuda {
+namespace {
+Status NoCuda() { return Status::Unavailable("built without CUDA"); }
+}  // namespace
+
+Result<uint64_t> RegisterHostMemory(void*, size_t) { return NoCuda(); }
+Status UnregisterHostMemory(void*) { return NoCuda(); }
+Status LaunchGatherRows(const uint64_t*, void*, int64_t, int, int, void*, const uint32_t*) { return NoCuda(); }
+Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
+Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
+
+}  // namespace specache::cuda

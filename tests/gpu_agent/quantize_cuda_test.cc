@@ -1,0 +1,111 @@
+// Label `gpu`: the CUDA quantization kernels are bit-identical to the CPU reference (codes, scale
+// and zero) on random fp16 inputs, degenerate groups included. Skips without a device.
+#include "specache/cuda_quantize.h"
+
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "specache/device_probe.h"
+#include "specache/quantizer.h"
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace specache {
+namespace {
+
+// Random fp16 values of mixed magnitudes; every 7th group constant (degenerate), some groups with
+// a single outlier.
+std::vector<Half> RandomInputs(size_t groups, size_t group_elems, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<Half> x(groups * group_elems);
+  for (size_t g = 0; g < groups; ++g) {
+    const float scale = std::pow(10.0f, static_cast<float>(static_cast<int>(rng() % 7)) - 3.0f);
+    for (size_t i = 0; i < group_elems; ++i) {
+      x[g * group_elems + i] = FloatToHalf(g % 7 == 3 ? 1.25f : normal(rng) * scale);
+    }
+    if (g % 5 == 1) x[g * group_elems + rng() % group_elems] = FloatToHalf(300.0f);
+  }
+  return x;
+}
+
+TEST(CudaQuantizeTest, KeyGroupsAndValueTokensMatchTheCpuBitForBit) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(17);
+  for (int head_dim : {64, 128}) {
+    for (int group : {32, 64}) {
+      for (int bits : {1, 2, 4}) {
+        const int words = WordsPerGroup(group, bits);
+        // Keys: 50 groups of [group][head_dim].
+        const int n_groups = 50;
+        const std::vector<Half> keys = RandomInputs(n_groups, size_t(group) * head_dim, rng);
+        std::vector<uint32_t> want_codes(size_t(n_groups) * head_dim * words), got_codes(want_codes.size());
+        std::vector<Half> want_s(size_t(n_groups) * head_dim), want_z(want_s.size()), got_s(want_s.size()),
+            got_z(want_s.size());
+        for (int g = 0; g < n_groups; ++g) {
+          QuantizeKeyGroup(keys.data() + size_t(g) * group * head_dim, group, head_dim, bits,
+                           want_codes.data() + size_t(g) * head_dim * words, want_s.data() + size_t(g) * head_dim,
+                           want_z.data() + size_t(g) * head_dim);
+        }
+        Half *d_in, *d_s, *d_z;
+        uint32_t* d_codes;
+        ASSERT_EQ(cudaMalloc(&d_in, keys.size() * 2), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&d_codes, want_codes.size() * 4), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&d_s, want_s.size() * 2), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&d_z, want_s.size() * 2), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(d_in, keys.data(), keys.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_TRUE(cuda::QuantizeKeyGroups(d_in, n_groups, group, head_dim, bits, d_codes, d_s, d_z, nullptr).ok());
+        ASSERT_EQ(cudaMemcpy(got_codes.data(), d_codes, got_codes.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(got_s.data(), d_s, got_s.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(got_z.data(), d_z, got_z.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(got_codes, want_codes) << "keys d=" << head_dim << " G=" << group << " B=" << bits;
+        EXPECT_EQ(got_s, want_s) << "key scales";
+        EXPECT_EQ(got_z, want_z) << "key zeros";
+        cudaFree(d_in);
+        cudaFree(d_codes);
+        cudaFree(d_s);
+        cudaFree(d_z);
+
+        // Values: 300 tokens of [head_dim].
+        const int n_tokens = 300, groups_per_token = head_dim / group;
+        const std::vector<Half> values = RandomInputs(size_t(n_tokens) * groups_per_token, group, rng);
+        std::vector<uint32_t> vwant(size_t(n_tokens) * groups_per_token * words), vgot(vwant.size());
+        std::vector<Half> vs(size_t(n_tokens) * groups_per_token), vz(vs.size()), gs(vs.size()), gz(vs.size());
+        for (int t = 0; t < n_tokens; ++t) {
+          QuantizeValueToken(values.data() + size_t(t) * head_dim, head_dim, group, bits,
+                             vwant.data() + size_t(t) * groups_per_token * words, vs.data() + size_t(t) * groups_per_token,
+                             vz.data() + size_t(t) * groups_per_token);
+        }
+        ASSERT_EQ(cudaMalloc(&d_in, values.size() * 2), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&d_codes, vwant.size() * 4), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&d_s, vs.size() * 2), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&d_z, vs.size() * 2), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(d_in, values.data(), values.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_TRUE(cuda::QuantizeValueTokens(d_in, n_tokens, head_dim, group, bits, d_codes, d_s, d_z, nullptr).ok());
+        ASSERT_EQ(cudaMemcpy(vgot.data(), d_codes, vgot.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(gs.data(), d_s, gs.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(gz.data(), d_z, gz.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(vgot, vwant) << "values d=" << head_dim << " G=" << group << " B=" << bits;
+        EXPECT_EQ(gs, vs) << "value scales";
+        EXPECT_EQ(gz, vz) << "value zeros";
+        cudaFree(d_in);
+        cudaFree(d_codes);
+        cudaFree(d_s);
+        cudaFree(d_z);
+      }
+    }
+  }
+  EXPECT_EQ(cuda::QuantizeKeyGroups(nullptr, 1, 48, 64, 1, nullptr, nullptr, nullptr, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::QuantizeValueTokens(nullptr, 1, 64, 32, 3, nullptr, nullptr, nullptr, nullptr).code(),
+            StatusCode::kInvalidArgument);
+#endif
+}
+
+}  // namespace
+}  // namespace specache
