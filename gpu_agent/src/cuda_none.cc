@@ -1,4 +1,5 @@
 // Builds without CUDA: the CUDA entry points report that there is no GPU.
+#include "specache/cuda_attention.h"
 #include "specache/cuda_gather.h"
 #include "specache/cuda_quantize.h"
 
@@ -12,5 +13,6 @@ Status UnregisterHostMemory(void*) { return NoCuda(); }
 Status LaunchGatherRows(const uint64_t*, void*, int64_t, int, int, void*, const uint32_t*) { return NoCuda(); }
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
+Status AttendDecodeRows(const DeviceReplicaView&, const DeviceDecodeRows&, void*) { return NoCuda(); }
 
 }  // namespace specache::cuda

@@ -1,0 +1,53 @@
+// Decode attention of one step on the GPU, with the semantics of cpu::AttendDecodeRows (the
+// reference it is tested against): rows of a step over the low-bit replica of one (sequence,
+// layer, KV head), fetched full-precision rows substituted for their quantized counterparts (key
+// and value), the residual key window and value window in fp16, and the step's new tokens causal
+// among themselves. Optionally writes one row's softmax probabilities over the first
+// n_candidates tokens (the top-k candidates).
+//
+// This first version is written for exactness, not speed: one block per head, scores in global
+// scratch. Device pointers; streams as void*. UNAVAILABLE without CUDA.
+#pragma once
+
+#include <cstdint>
+
+#include "specache/half.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+// The device copy of one HeadReplica (see head_replica.h for the layouts).
+struct DeviceReplicaView {
+  int head_dim = 0, group_size = 0, key_bits = 1, value_bits = 1;
+  int32_t length = 0, quantized_keys = 0, quantized_values = 0;
+  const uint32_t* key_codes = nullptr;  // [groups][head_dim][G*B/32]     (packed key bits)
+  const Half* key_scale = nullptr;      // [groups][head_dim]
+  const Half* key_zero = nullptr;
+  const Half* key_half = nullptr;       // [quantized_keys][head_dim]      (16-bit keys)
+  const Half* residual_keys = nullptr;  // [length - quantized_keys][head_dim]
+  const uint32_t* value_codes = nullptr;  // [quantized_values][head_dim/G][G*B/32]
+  const Half* value_scale = nullptr;      // [quantized_values][head_dim/G]
+  const Half* value_zero = nullptr;
+  const Half* value_half = nullptr;       // [quantized_values][head_dim]  (16-bit values)
+  const Half* window_values = nullptr;    // [length - quantized_values][head_dim]
+};
+
+struct DeviceDecodeRows {
+  const int32_t* sub_tokens = nullptr;  // [n_sub] ascending
+  const Half* sub_rows = nullptr;       // [n_sub][2][head_dim]
+  int32_t n_sub = 0;
+  const float* q = nullptr;             // [n_rows][n_heads][head_dim]
+  const Half* new_keys = nullptr;       // [n_rows][head_dim]
+  const Half* new_values = nullptr;
+  int n_rows = 1, n_heads = 1;
+  float scale = 1.0f;
+  float* out = nullptr;                 // [n_rows][n_heads][head_dim]
+  int probs_row = 0;
+  int32_t n_candidates = 0;
+  float* probs = nullptr;               // [n_heads][n_candidates] or null
+  float* scratch = nullptr;             // [n_rows * n_heads][length + n_rows]
+};
+
+Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream);
+
+}  // namespace specache::cuda
