@@ -2,6 +2,7 @@
 #include "specache/cuda_attention.h"
 #include "specache/cuda_gather.h"
 #include "specache/cuda_quantize.h"
+#include "specache/cuda_topk.h"
 
 namespace specache::cuda {
 namespace {
@@ -14,5 +15,6 @@ Status LaunchGatherRows(const uint64_t*, void*, int64_t, int, int, void*, const 
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status AttendDecodeRows(const DeviceReplicaView&, const DeviceDecodeRows&, void*) { return NoCuda(); }
+Status SelectTopK(const float*, int, int, int32_t, int, GroupReduction, int32_t*, float*, void*) { return NoCuda(); }
 
 }  // namespace specache::cuda

@@ -1,0 +1,19 @@
+// Top-k of the speculative row on the GPU, with the semantics of cpu::SelectTopK: the GQA group's
+// per-head probabilities are reduced per token (mean or max; NaN counts as -inf), the k best tokens
+// are chosen with ties towards the lower index, and written in ascending token order.
+// Radix select on the scores' bits (4 passes of 8 bits), then one ordered pass. Device pointers.
+#pragma once
+
+#include <cstdint>
+
+#include "specache/kv_config.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+// probs:  [segments][n_heads][n] (one segment per KV head or (sequence, KV head))
+// tokens: [segments][min(k, n)] ascending;  scratch: [segments][n] floats.
+Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int k, GroupReduction reduction,
+                  int32_t* tokens, float* scratch, void* stream);
+
+}  // namespace specache::cuda
