@@ -128,6 +128,13 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
   j["rows_fetched"] = s.rows_fetched;
   j["rows_reused"] = s.rows_reused;
   j["bytes_fetched"] = s.bytes_fetched;
+  // The resident-row cache: bytes per decode step with it, and without it (every selected row).
+  if (s.steps > 0 && s.rows_selected > 0) {
+    const double row_bytes = static_cast<double>(s.bytes_fetched) / std::max<int64_t>(s.rows_fetched, 1);
+    j["fetch_bytes_per_step"] = static_cast<double>(s.bytes_fetched) / s.steps;
+    j["fetch_bytes_per_step_without_reuse"] = static_cast<double>(s.rows_selected) * row_bytes / s.steps;
+    j["fetch_ratio_to_no_reuse"] = static_cast<double>(s.rows_fetched) / s.rows_selected;
+  }
   j["prefill_seconds"] = prefill_seconds;
   j["prefill_tokens_per_s"] = prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0;
   j["decode_steps"] = decoder.steps();
