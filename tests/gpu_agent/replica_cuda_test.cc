@@ -1,0 +1,132 @@
+// Label `gpu`: DeviceHeadReplica holds byte-for-byte what HeadReplica holds after the same appends
+// (every bit width, uneven append sizes crossing flushes and window compactions), and decode
+// attention over it equals the CPU's over the CPU replica.
+#include "specache/cuda_replica.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "specache/cpu_attention.h"
+#include "specache/device_probe.h"
+#include "specache/quantizer.h"
+#include "testing/reference.h"
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace specache {
+namespace {
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+template <typename T>
+std::vector<T> Back(const T* device, size_t n) {
+  std::vector<T> host(n);
+  if (n) cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return host;
+}
+template <typename T>
+std::vector<T> Host(const T* host, size_t n) {
+  return std::vector<T>(host, host + n);
+}
+#endif
+
+TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(31);
+  struct Shape {
+    int d, bits, G, R;
+  } shapes[] = {{64, 1, 32, 64}, {128, 1, 32, 64}, {128, 2, 32, 64}, {64, 4, 32, 64}, {128, 16, 32, 64}, {128, 1, 64, 128}};
+  for (const Shape& sh : shapes) {
+    const ReplicaParams p{sh.d, sh.bits, sh.bits, sh.G, sh.R};
+    HeadReplica cpu(p);
+    auto gpu = cuda::DeviceHeadReplica::Create(p, 3000, nullptr);
+    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+    Half *d_k = nullptr, *d_v = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_k, 1000 * sh.d * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_v, 1000 * sh.d * 2), cudaSuccess);
+    for (int n : {1, 3, 64, 200, 1, 1, 90, 500, 63, 2, 700}) {
+      const auto k = testing::RandomHalves(size_t(n) * sh.d, rng), v = testing::RandomHalves(size_t(n) * sh.d, rng);
+      cpu.Append(k.data(), v.data(), n);
+      ASSERT_EQ(cudaMemcpy(d_k, k.data(), k.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(d_v, v.data(), v.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_TRUE((*gpu)->Append(d_k, d_v, n).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ((*gpu)->length(), cpu.length());
+      ASSERT_EQ((*gpu)->quantized_keys(), cpu.quantized_keys());
+      ASSERT_EQ((*gpu)->quantized_values(), cpu.quantized_values());
+      EXPECT_EQ((*gpu)->device_bytes(), cpu.device_bytes());
+      const cuda::DeviceReplicaView view = (*gpu)->view();
+      const size_t d = sh.d, groups = cpu.quantized_keys() / sh.G, nqv = cpu.quantized_values(), vg = d / sh.G;
+      const std::string where = "d=" + std::to_string(sh.d) + " bits=" + std::to_string(sh.bits) + " G=" +
+                                std::to_string(sh.G) + " length=" + std::to_string(cpu.length());
+      if (sh.bits == 16) {
+        if (groups) EXPECT_EQ(Back(view.key_half, groups * sh.G * d), Host(cpu.KeyGroupHalf(0), groups * sh.G * d)) << where;
+        if (nqv) EXPECT_EQ(Back(view.value_half, nqv * d), Host(cpu.ValueHalf(0), nqv * d)) << where;
+      } else {
+        const size_t kw = d * WordsPerGroup(sh.G, sh.bits), vw = vg * WordsPerGroup(sh.G, sh.bits);
+        if (groups) {
+          EXPECT_EQ(Back(view.key_codes, groups * kw), Host(cpu.KeyGroupCodes(0), groups * kw)) << where;
+          EXPECT_EQ(Back(view.key_scale, groups * d), Host(cpu.KeyGroupScale(0), groups * d)) << where;
+          EXPECT_EQ(Back(view.key_zero, groups * d), Host(cpu.KeyGroupZero(0), groups * d)) << where;
+        }
+        if (nqv) {
+          EXPECT_EQ(Back(view.value_codes, nqv * vw), Host(cpu.ValueCodes(0), nqv * vw)) << where;
+          EXPECT_EQ(Back(view.value_scale, nqv * vg), Host(cpu.ValueScale(0), nqv * vg)) << where;
+          EXPECT_EQ(Back(view.value_zero, nqv * vg), Host(cpu.ValueZero(0), nqv * vg)) << where;
+        }
+      }
+      const size_t residual = cpu.length() - cpu.quantized_keys(), window = cpu.length() - nqv;
+      EXPECT_EQ(Back(view.residual_keys, residual * d), Host(cpu.ResidualKeys(), residual * d)) << where;
+      EXPECT_EQ(Back(view.window_values, window * d), Host(cpu.WindowValues(), window * d)) << where;
+    }
+    // Attention over both replicas: one row, GQA 4, no substitution.
+    const int heads = 4, d = sh.d;
+    const auto q = testing::RandomFloats(size_t(heads) * d, rng, 0.5f);
+    const auto nk = testing::RandomHalves(d, rng), nv = testing::RandomHalves(d, rng);
+    std::vector<float> want(size_t(heads) * d);
+    cpu::AttentionWorkspace ws;
+    cpu::AttendDecodeRows(cpu, {}, q.data(), nk.data(), nv.data(), 1, heads, 1.0f / std::sqrt(float(d)), want.data(), 0, 0,
+                          nullptr, &ws);
+    float *d_q, *d_out, *d_scratch;
+    Half *d_nk, *d_nv;
+    cudaMalloc(&d_q, q.size() * 4);
+    cudaMalloc(&d_out, want.size() * 4);
+    cudaMalloc(&d_scratch, size_t(heads) * (cpu.length() + 1) * 4);
+    cudaMalloc(&d_nk, d * 2);
+    cudaMalloc(&d_nv, d * 2);
+    cudaMemcpy(d_q, q.data(), q.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_nk, nk.data(), d * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_nv, nv.data(), d * 2, cudaMemcpyHostToDevice);
+    cuda::DeviceDecodeRows r;
+    r.q = d_q;
+    r.new_keys = d_nk;
+    r.new_values = d_nv;
+    r.n_rows = 1;
+    r.n_heads = heads;
+    r.scale = 1.0f / std::sqrt(float(d));
+    r.out = d_out;
+    r.scratch = d_scratch;
+    ASSERT_TRUE(cuda::AttendDecodeRows((*gpu)->view(), r, nullptr).ok());
+    const std::vector<float> got = Back(d_out, want.size());
+    EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), 1e-5);
+    for (void* ptr : {static_cast<void*>(d_q), static_cast<void*>(d_out), static_cast<void*>(d_scratch),
+                      static_cast<void*>(d_nk), static_cast<void*>(d_nv), static_cast<void*>(d_k), static_cast<void*>(d_v)}) {
+      cudaFree(ptr);
+    }
+  }
+  // Capacity is enforced.
+  auto small = cuda::DeviceHeadReplica::Create({64, 1, 1, 32, 64}, 10, nullptr);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ((*small)->Append(nullptr, nullptr, 11).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(cuda::DeviceHeadReplica::Create({64, 3, 1, 32, 64}, 10, nullptr).status().code(), StatusCode::kInvalidArgument);
+#endif
+}
+
+}  // namespace
+}  // namespace specache
