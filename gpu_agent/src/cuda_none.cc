@@ -15,6 +15,9 @@ Status LaunchGatherRows(const uint64_t*, void*, int64_t, int, int, void*, const 
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status AttendDecodeRows(const DeviceReplicaView&, const DeviceDecodeRows&, void*) { return NoCuda(); }
+Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, float, float*, float*, void*) {
+  return NoCuda();
+}
 Status SelectTopK(const float*, int, int, int32_t, int, GroupReduction, int32_t*, float*, void*) { return NoCuda(); }
 
 }  // namespace specache::cuda

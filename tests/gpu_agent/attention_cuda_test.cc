@@ -131,3 +131,37 @@ TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
 
 }  // namespace
 }  // namespace specache
+
+namespace specache {
+namespace {
+
+TEST(CudaAttentionTest, PrefillMatchesTheCpuReference) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(37);
+  const int heads = 4;
+  for (int d : {64, 128}) {
+    for (int32_t n : {1, 37, 300, 1100}) {
+      const auto q = testing::RandomFloats(size_t(n) * heads * d, rng, 0.5f);
+      const auto k = testing::RandomHalves(size_t(n) * d, rng), v = testing::RandomHalves(size_t(n) * d, rng);
+      std::vector<float> want(q.size());
+      cpu::AttentionWorkspace ws;
+      cpu::AttendPrefill(q.data(), k.data(), v.data(), n, heads, d, 1.0f / std::sqrt(float(d)), want.data(), &ws);
+      DeviceBuffers buf;
+      float* out = buf.Zeros<float>(want.size());
+      float* scratch = buf.Zeros<float>(static_cast<size_t>(cuda::PrefillScratchFloats(n, heads)));
+      ASSERT_TRUE(cuda::AttendPrefill(buf.Copy(q.data(), q.size()), buf.Copy(k.data(), k.size()),
+                                      buf.Copy(v.data(), v.size()), n, heads, d, 1.0f / std::sqrt(float(d)), out, scratch,
+                                      nullptr)
+                      .ok());
+      std::vector<float> got(want.size());
+      ASSERT_EQ(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), 1e-5) << "d=" << d << " n=" << n;
+    }
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace specache

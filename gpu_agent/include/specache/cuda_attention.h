@@ -50,4 +50,15 @@ struct DeviceDecodeRows {
 
 Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream);
 
+// Exact causal attention over a prompt for one KV head (semantics of cpu::AttendPrefill):
+//   q [n][n_heads][head_dim] float, keys/values [n][head_dim] fp16, out [n][n_heads][head_dim];
+//   scratch: [min(n * n_heads, 1024)][n] floats.
+Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads, int head_dim,
+                     float scale, float* out, float* scratch, void* stream);
+// Scratch floats AttendPrefill needs.
+inline int64_t PrefillScratchFloats(int32_t n, int n_heads) {
+  const int64_t pairs = int64_t{n} * n_heads;
+  return (pairs < 1024 ? pairs : 1024) * n;
+}
+
 }  // namespace specache::cuda

@@ -119,7 +119,66 @@ __global__ void DecodeKernel(DeviceReplicaView v, DeviceDecodeRows r) {
   }
 }
 
+// Block b handles (query token, head) pairs b, b + gridDim.x, ...: scores into its scratch row
+// (a warp per key), softmax (block reduction), output (a thread per channel).
+__global__ void PrefillKernel(const float* q, const __half* keys, const __half* values, int32_t n, int n_heads, int d,
+                              float scale, float* out, float* scratch) {
+  __shared__ float reduce[32];
+  float* s = scratch + static_cast<size_t>(blockIdx.x) * n;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
+  for (int64_t pair = blockIdx.x; pair < static_cast<int64_t>(n) * n_heads; pair += gridDim.x) {
+    const int32_t i = static_cast<int32_t>(pair / n_heads);
+    const float* qi = q + static_cast<size_t>(pair) * d;
+    for (int32_t j = warp; j <= i; j += warps) {
+      float acc = 0.0f;
+      for (int c = lane; c < d; c += 32) acc += qi[c] * scale * __half2float(keys[static_cast<size_t>(j) * d + c]);
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) s[j] = acc;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int32_t j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, s[j]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) reduce[warp] = m;
+    __syncthreads();
+    m = -INFINITY;
+    for (int w = 0; w < warps; ++w) m = fmaxf(m, reduce[w]);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int32_t j = threadIdx.x; j <= i; j += blockDim.x) {
+      const float e = expf(s[j] - m);
+      s[j] = e;
+      sum += e;
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) reduce[warp] = sum;
+    __syncthreads();
+    sum = 0.0f;
+    for (int w = 0; w < warps; ++w) sum += reduce[w];
+    const float inv = 1.0f / sum;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+      float acc = 0.0f;
+      for (int32_t j = 0; j <= i; ++j) acc += s[j] * inv * __half2float(values[static_cast<size_t>(j) * d + c]);
+      out[static_cast<size_t>(pair) * d + c] = acc;
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace
+
+Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads, int head_dim,
+                     float scale, float* out, float* scratch, void* stream) {
+  if (n < 0 || n_heads <= 0 || head_dim <= 0) return Status::InvalidArgument("bad prefill shape");
+  if (n == 0) return Status::Ok();
+  const int64_t pairs = static_cast<int64_t>(n) * n_heads;
+  const int blocks = static_cast<int>(pairs < 1024 ? pairs : 1024);
+  PrefillKernel<<<blocks, 128, 0, static_cast<cudaStream_t>(stream)>>>(
+      q, reinterpret_cast<const __half*>(keys), reinterpret_cast<const __half*>(values), n, n_heads, head_dim, scale, out,
+      scratch);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("prefill kernel: ") + cudaGetErrorString(err));
+}
 
 Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream) {
   if (rows.n_rows < 1 || rows.n_heads < 1 || rows.n_rows * rows.n_heads > kMaxQueries) {
