@@ -21,3 +21,14 @@ Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, 
 Status SelectTopK(const float*, int, int, int32_t, int, GroupReduction, int32_t*, float*, void*) { return NoCuda(); }
 
 }  // namespace specache::cuda
+
+#include "specache/agent.h"
+
+namespace specache {
+
+Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape&, const KvConfig&, FullPrecisionSource*,
+                                               const CudaAgentOptions&) {
+  return Status::Unavailable("built without CUDA");
+}
+
+}  // namespace specache

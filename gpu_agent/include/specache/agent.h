@@ -143,4 +143,14 @@ class Agent {
 Result<std::unique_ptr<Agent>> CreateCpuAgent(const ModelShape& shape, const KvConfig& config,
                                               FullPrecisionSource* source);
 
+struct CudaAgentOptions {
+  int32_t capacity_tokens = 32768;  // most tokens per sequence (device replicas are sized for it)
+};
+
+// The CUDA backend (first version: every kernel equals the CPU reference; the fetch is read from
+// `source` through pinned memory and completes inside StartPrefetch, no overlap yet). Tensors are
+// device pointers. UNAVAILABLE without CUDA or a device.
+Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const KvConfig& config,
+                                               FullPrecisionSource* source, const CudaAgentOptions& options = {});
+
 }  // namespace specache

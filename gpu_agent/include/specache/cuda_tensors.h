@@ -1,0 +1,17 @@
+// Small device tensor conversions the CUDA agent needs between the engine's float32 tensors and the
+// cache's fp16 rows. Device pointers; streams as void*.
+#pragma once
+
+#include <cstdint>
+
+#include "specache/half.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+// dst[i][c] = fp16(src[i * src_stride + c]) (round to nearest even, as FloatToHalf) for i < n, c < d.
+Status FloatRowsToHalf(const float* src, int32_t n, int d, int64_t src_stride, Half* dst, void* stream);
+// rows[i] = [k[i] | v[i]] ([n][2][d]), the layout of a full-precision source row.
+Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, void* stream);
+
+}  // namespace specache::cuda

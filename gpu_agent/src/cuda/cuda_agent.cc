@@ -1,0 +1,519 @@
+// CUDA backend of the agent, first version. Every piece of math runs on the GPU through kernels
+// that equal the CPU reference (quantization bit for bit, attention within float rounding, top-k
+// exactly), with the same call protocol and fetch state machine as the CPU backend
+// (cpu_agent.cc; the protocol checks are duplicated for now and should move to a shared base).
+// Not yet: the fetch overlapping later layers (it completes inside StartPrefetch, through pinned
+// memory from the source), batched kernels across heads, zero-copy from registered daemon pages.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <string>
+
+#include "specache/agent.h"
+#include "specache/cuda_attention.h"
+#include "specache/cuda_gather.h"
+#include "specache/cuda_replica.h"
+#include "specache/cuda_tensors.h"
+#include "specache/cuda_topk.h"
+#include "specache/device_probe.h"
+
+namespace specache {
+namespace {
+
+Status Cuda(cudaError_t err, const std::string& what) {
+  if (err == cudaSuccess) return Status::Ok();
+  cudaGetLastError();
+  if (err == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": out of device memory");
+  return Status::Unavailable(what + ": " + cudaGetErrorString(err));
+}
+
+// A device (or pinned host) array that only grows.
+template <typename T, bool kPinned = false>
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  ~Buffer() { Free(); }
+  Status Reserve(size_t n) {
+    if (n <= n_) return Status::Ok();
+    Free();
+    void* p = nullptr;
+    SPECACHE_RETURN_IF_ERROR(Cuda(kPinned ? cudaMallocHost(&p, n * sizeof(T)) : cudaMalloc(&p, n * sizeof(T)),
+                                  kPinned ? "pinned buffer" : "device buffer"));
+    p_ = static_cast<T*>(p);
+    n_ = n;
+    return Status::Ok();
+  }
+  T* get() const { return p_; }
+  void swap(Buffer& o) { std::swap(p_, o.p_), std::swap(n_, o.n_); }
+
+ private:
+  void Free() {
+    if (p_) kPinned ? cudaFreeHost(p_) : cudaFree(p_);
+    p_ = nullptr;
+    n_ = 0;
+  }
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+enum class FetchState { kNone, kSelected, kInFlight, kResident };
+
+struct HeadState {
+  std::unique_ptr<cuda::DeviceHeadReplica> replica;
+  std::vector<int32_t> selected, resident;  // ascending
+  Buffer<Half> rows, rows_next;             // [resident][2][head_dim]
+  Buffer<int32_t> tokens;                   // resident tokens, on the device
+};
+
+struct SequenceState {
+  std::vector<std::vector<HeadState>> heads;  // [layer][kv_head]
+  std::vector<FetchState> fetch;              // [layer]
+};
+
+struct FetchCounts {
+  int64_t selected = 0, fetched = 0, reused = 0;
+};
+
+std::string Id(SequenceId id) { return std::to_string(id); }
+
+class CudaAgent final : public Agent {
+ public:
+  CudaAgent(const ModelShape& shape, const KvConfig& config, FullPrecisionSource* source, const CudaAgentOptions& o)
+      : shape_(shape), config_(config), source_(source), options_(o) {
+    params_ = {shape.head_dim, config.effective_key_bits(), config.effective_value_bits(), config.group_size,
+               config.residual_tokens};
+    scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  }
+
+  const ModelShape& shape() const override { return shape_; }
+  const KvConfig& config() const override { return config_; }
+  std::string_view backend_name() const override { return "cuda"; }
+
+  Status AddSequence(SequenceId id) override {
+    if (sequences_.count(id)) return Status::AlreadyExists("sequence " + Id(id) + " is already registered");
+    SequenceState state;
+    state.heads.resize(shape_.n_layers);
+    for (auto& layer : state.heads) {
+      layer.resize(shape_.n_kv_heads);
+      for (HeadState& h : layer) {
+        SPECACHE_ASSIGN_OR_RETURN(h.replica, cuda::DeviceHeadReplica::Create(params_, options_.capacity_tokens, nullptr));
+      }
+    }
+    state.fetch.assign(shape_.n_layers, FetchState::kNone);
+    SPECACHE_RETURN_IF_ERROR(
+        source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim}).WithContext("source"));
+    sequences_.emplace(id, std::move(state));
+    return Status::Ok();
+  }
+
+  Status ReleaseSequence(SequenceId id) override {
+    if (!sequences_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    if (step_active_ && std::count(step_ids_.begin(), step_ids_.end(), id)) {
+      return Status::FailedPrecondition("sequence " + Id(id) + " is part of the current step; EndStep or AbortStep first");
+    }
+    sequences_.erase(id);
+    return source_->ReleaseSequence(id).WithContext("source");
+  }
+
+  Result<int32_t> SequenceLength(SequenceId id) const override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    return it->second.heads[0][0].replica->length();
+  }
+
+  Status PrefillLayer(int layer, const PrefillBatch& batch) override;
+  Status BeginStep(StepKind kind, std::span<const SequenceId> sequences) override;
+  Status DecodeLayer(int layer, const DecodeRows& rows) override;
+  Status StartPrefetch(int layer) override;
+  Status WaitPrefetch(int layer) override;
+  Status EndStep() override;
+  void AbortStep() override;
+
+  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+    if (kv_head < 0 || kv_head >= shape_.n_kv_heads) return Status::OutOfRange("kv head " + std::to_string(kv_head));
+    return it->second.heads[layer][kv_head].resident;
+  }
+
+  AgentStats stats() const override {
+    AgentStats s = counters_;
+    const int64_t row = 2 * int64_t{shape_.head_dim} * static_cast<int64_t>(sizeof(Half));
+    for (const auto& [id, seq] : sequences_) {
+      for (const auto& layer : seq.heads) {
+        for (const HeadState& h : layer) {
+          s.device_bytes += h.replica->device_bytes() + static_cast<int64_t>(h.resident.size()) * row;
+          s.full_precision_bytes += int64_t{h.replica->length()} * row;
+        }
+      }
+    }
+    return s;
+  }
+
+ private:
+  Status CheckLayer(int layer) const {
+    if (layer < 0 || layer >= shape_.n_layers) {
+      return Status::OutOfRange("layer " + std::to_string(layer) + " outside [0, " + std::to_string(shape_.n_layers) + ")");
+    }
+    return Status::Ok();
+  }
+  void AddFetchCounts(const FetchCounts& c) {
+    counters_.rows_selected += c.selected;
+    counters_.rows_fetched += c.fetched;
+    counters_.rows_reused += c.reused;
+    counters_.bytes_fetched += c.fetched * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
+  }
+  // Copies `rows` rows of `width` floats from a strided device tensor into a packed one (or back).
+  static Status Copy2D(float* dst, size_t dst_pitch, const float* src, size_t src_pitch, size_t width, size_t rows) {
+    return Cuda(cudaMemcpy2DAsync(dst, dst_pitch * sizeof(float), src, src_pitch * sizeof(float), width * sizeof(float),
+                                  rows, cudaMemcpyDeviceToDevice, nullptr),
+                "strided copy");
+  }
+  // Writes rows [n][2][d] of (layer, head) to the source at first_token, from device K/V halves.
+  Status AppendToSource(SequenceId id, int layer, int h, int32_t first_token, const Half* k, const Half* v, int32_t n);
+  // Makes `selected` resident: reused rows move on the device, the rest come from the source.
+  Status Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts);
+  // The top-k of `probs` ([group][n_candidates] on the device) into h->selected.
+  Status Select(int32_t n_candidates, HeadState* h);
+
+  ModelShape shape_;
+  KvConfig config_;
+  FullPrecisionSource* source_;
+  CudaAgentOptions options_;
+  ReplicaParams params_;
+  float scale_ = 1.0f;
+  std::map<SequenceId, SequenceState> sequences_;
+  AgentStats counters_;
+
+  bool step_active_ = false;
+  StepKind step_kind_ = StepKind::kDecode;
+  int step_rows_ = 0;
+  std::vector<SequenceId> step_ids_;
+  std::vector<SequenceState*> step_states_;
+  std::vector<uint8_t> layer_decoded_;
+
+  // Scratch, grown as needed.
+  Buffer<float> q_, out_, scores_, probs_, topk_scratch_;
+  Buffer<Half> k_, v_, kv_rows_, fetched_;
+  Buffer<int32_t> topk_tokens_;
+  Buffer<uint64_t> addresses_;
+  Buffer<Half, true> host_rows_;
+  Buffer<int32_t, true> host_tokens_;
+};
+
+Status CudaAgent::AppendToSource(SequenceId id, int layer, int h, int32_t first_token, const Half* k, const Half* v,
+                                 int32_t n) {
+  const size_t count = static_cast<size_t>(n) * 2 * shape_.head_dim;
+  SPECACHE_RETURN_IF_ERROR(kv_rows_.Reserve(count));
+  SPECACHE_RETURN_IF_ERROR(host_rows_.Reserve(count));
+  SPECACHE_RETURN_IF_ERROR(cuda::InterleaveKv(k, v, n, shape_.head_dim, kv_rows_.get(), nullptr));
+  SPECACHE_RETURN_IF_ERROR(
+      Cuda(cudaMemcpy(host_rows_.get(), kv_rows_.get(), count * sizeof(Half), cudaMemcpyDeviceToHost), "rows to host"));
+  return source_->AppendRows(id, layer, h, first_token, host_rows_.get(), n).WithContext("source");
+}
+
+Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
+  if (step_active_) return Status::FailedPrecondition("PrefillLayer inside a step; call EndStep first");
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  const size_t n_seq = batch.sequences.size();
+  if (n_seq == 0) return Status::InvalidArgument("prefill batch has no sequences");
+  if (batch.token_offsets.size() != n_seq + 1 || batch.token_offsets[0] != 0) {
+    return Status::InvalidArgument("token_offsets must have sequences+1 entries starting at 0");
+  }
+  if (!batch.k || !batch.v) return Status::InvalidArgument("prefill batch has a null k or v");
+  if (batch.out && !batch.q) return Status::InvalidArgument("prefill batch asks for attention (out) but has no q");
+  std::set<SequenceId> seen;
+  for (size_t i = 0; i < n_seq; ++i) {
+    auto it = sequences_.find(batch.sequences[i]);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(batch.sequences[i]) + " is not registered");
+    if (!seen.insert(batch.sequences[i]).second) return Status::InvalidArgument("a sequence appears twice in the batch");
+    if (batch.token_offsets[i + 1] <= batch.token_offsets[i]) return Status::InvalidArgument("offsets must increase");
+    if (it->second.heads[layer][0].replica->length() != 0) {
+      return Status::FailedPrecondition("sequence " + Id(batch.sequences[i]) + " already holds tokens at layer " +
+                                        std::to_string(layer) + "; prefill works on empty sequences");
+    }
+  }
+  const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
+  for (size_t s = 0; s < n_seq; ++s) {
+    const SequenceId id = batch.sequences[s];
+    SequenceState& st = sequences_.at(id);
+    const int32_t first = batch.token_offsets[s], n = batch.token_offsets[s + 1] - first;
+    SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n) * d));
+    SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n) * d));
+    for (int h = 0; h < n_kv; ++h) {
+      const size_t kv_at = (size_t(first) * n_kv + h) * d;
+      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(batch.k + kv_at, n, d, int64_t{n_kv} * d, k_.get(), nullptr));
+      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(batch.v + kv_at, n, d, int64_t{n_kv} * d, v_.get(), nullptr));
+      if (batch.out) {
+        const size_t q_at = (size_t(first) * n_q + size_t(h) * group) * d, width = size_t(group) * d;
+        SPECACHE_RETURN_IF_ERROR(q_.Reserve(size_t(n) * width));
+        SPECACHE_RETURN_IF_ERROR(out_.Reserve(size_t(n) * width));
+        SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(cuda::PrefillScratchFloats(n, group))));
+        SPECACHE_RETURN_IF_ERROR(Copy2D(q_.get(), width, batch.q + q_at, size_t(n_q) * d, width, n));
+        SPECACHE_RETURN_IF_ERROR(
+            cuda::AttendPrefill(q_.get(), k_.get(), v_.get(), n, group, d, scale_, out_.get(), scores_.get(), nullptr));
+        SPECACHE_RETURN_IF_ERROR(Copy2D(batch.out + q_at, size_t(n_q) * d, out_.get(), width, width, n));
+      }
+      SPECACHE_RETURN_IF_ERROR(AppendToSource(id, layer, h, 0, k_.get(), v_.get(), n));
+      SPECACHE_RETURN_IF_ERROR(st.heads[layer][h].replica->Append(k_.get(), v_.get(), n));
+    }
+  }
+  return Cuda(cudaDeviceSynchronize(), "prefill");
+}
+
+Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
+  if (step_active_) return Status::FailedPrecondition("BeginStep while a step is active; call EndStep first");
+  const int rows = RowsPerSequence(kind);
+  if (rows == 0) return Status::FailedPrecondition("mode " + std::string(KvModeName(config_.mode)) + " has no pre-decode step");
+  if (sequences.empty()) return Status::InvalidArgument("a step needs at least one sequence");
+  std::vector<SequenceState*> states;
+  std::set<SequenceId> seen;
+  for (SequenceId id : sequences) {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    if (!seen.insert(id).second) return Status::InvalidArgument("sequence " + Id(id) + " appears twice in the step");
+    const int32_t length = it->second.heads[0][0].replica->length();
+    if (length == 0) return Status::FailedPrecondition("sequence " + Id(id) + " has not been prefilled");
+    for (int l = 1; l < shape_.n_layers; ++l) {
+      if (it->second.heads[l][0].replica->length() != length) {
+        return Status::FailedPrecondition("sequence " + Id(id) + " is not prefilled at every layer");
+      }
+    }
+    states.push_back(&it->second);
+  }
+  step_active_ = true;
+  step_kind_ = kind;
+  step_rows_ = rows;
+  step_ids_.assign(sequences.begin(), sequences.end());
+  step_states_ = std::move(states);
+  layer_decoded_.assign(shape_.n_layers, 0);
+  return Status::Ok();
+}
+
+Status CudaAgent::Select(int32_t n_candidates, HeadState* h) {
+  const int group = shape_.group_size();
+  const int k = std::min<int>(config_.top_k, n_candidates);
+  h->selected.assign(static_cast<size_t>(std::max(k, 0)), 0);
+  if (k <= 0) return Status::Ok();
+  SPECACHE_RETURN_IF_ERROR(topk_tokens_.Reserve(k));
+  SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(n_candidates));
+  SPECACHE_RETURN_IF_ERROR(cuda::SelectTopK(probs_.get(), 1, group, n_candidates, config_.top_k, config_.reduction,
+                                            topk_tokens_.get(), topk_scratch_.get(), nullptr));
+  return Cuda(cudaMemcpy(h->selected.data(), topk_tokens_.get(), k * sizeof(int32_t), cudaMemcpyDeviceToHost),
+              "top-k tokens to host");
+}
+
+Status CudaAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) {
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  const size_t n = h->selected.size();
+  std::vector<int32_t> missing;
+  std::vector<uint64_t> sources(n);
+  size_t r = 0;
+  for (size_t i = 0; i < n; ++i) {  // both lists ascending
+    while (r < h->resident.size() && h->resident[r] < h->selected[i]) ++r;
+    if (r < h->resident.size() && h->resident[r] == h->selected[i]) {
+      sources[i] = reinterpret_cast<uint64_t>(h->rows.get() + r * row);
+    } else {
+      sources[i] = missing.size();  // index into the fetched rows, resolved below
+      missing.push_back(h->selected[i]);
+      sources[i] |= uint64_t{1} << 63;
+    }
+  }
+  if (!missing.empty()) {
+    SPECACHE_RETURN_IF_ERROR(host_rows_.Reserve(missing.size() * row));
+    SPECACHE_RETURN_IF_ERROR(fetched_.Reserve(missing.size() * row));
+    SPECACHE_RETURN_IF_ERROR(source_->ReadRows(id, layer, kv_head, missing.data(), static_cast<int32_t>(missing.size()),
+                                               host_rows_.get())
+                                 .WithContext("fetching rows of sequence " + Id(id)));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy(fetched_.get(), host_rows_.get(), missing.size() * row * sizeof(Half),
+                                             cudaMemcpyHostToDevice),
+                                  "fetched rows to device"));
+  }
+  for (uint64_t& s : sources) {
+    if (s >> 63) s = reinterpret_cast<uint64_t>(fetched_.get() + (s & ~(uint64_t{1} << 63)) * row);
+  }
+  if (n > 0) {
+    SPECACHE_RETURN_IF_ERROR(h->rows_next.Reserve(n * row));
+    SPECACHE_RETURN_IF_ERROR(addresses_.Reserve(n));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy(addresses_.get(), sources.data(), n * sizeof(uint64_t), cudaMemcpyHostToDevice),
+                                  "row addresses"));
+    // One gather builds the new resident set from the old one and the fetched rows.
+    SPECACHE_RETURN_IF_ERROR(cuda::LaunchGatherRows(addresses_.get(), h->rows_next.get(), static_cast<int64_t>(n),
+                                                    static_cast<int>(row * sizeof(Half)), 64, nullptr));
+    SPECACHE_RETURN_IF_ERROR(h->tokens.Reserve(n));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy(h->tokens.get(), h->selected.data(), n * sizeof(int32_t),
+                                             cudaMemcpyHostToDevice),
+                                  "resident tokens"));
+    h->rows.swap(h->rows_next);
+  }
+  counts->selected += static_cast<int64_t>(n);
+  counts->fetched += static_cast<int64_t>(missing.size());
+  counts->reused += static_cast<int64_t>(n - missing.size());
+  h->resident = h->selected;
+  return Status::Ok();
+}
+
+Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
+  if (!step_active_) return Status::FailedPrecondition("DecodeLayer outside a step; call BeginStep first");
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  if (layer_decoded_[layer]) return Status::FailedPrecondition("layer " + std::to_string(layer) + " was already decoded in this step");
+  if (!rows.q || !rows.k || !rows.v || !rows.out) return Status::InvalidArgument("decode rows have a null tensor");
+  for (size_t s = 0; s < step_states_.size(); ++s) {
+    FetchState& f = step_states_[s]->fetch[layer];
+    if (f == FetchState::kSelected) {
+      return Status::FailedPrecondition("layer " + std::to_string(layer) + " of sequence " + Id(step_ids_[s]) +
+                                        " has rows selected but StartPrefetch was never called for them");
+    }
+    if (f == FetchState::kInFlight) f = FetchState::kResident;
+  }
+  const int d = shape_.head_dim, group = shape_.group_size(), n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads;
+  const int n_rows = step_rows_;
+  const bool nonspec = config_.mode == KvMode::kSpeCacheNonSpec;
+  const bool selects = config_.mode == KvMode::kSpeCache || nonspec;
+  const bool appends = step_kind_ == StepKind::kDecode;
+  const int probs_row = step_kind_ == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
+  const size_t width = size_t(group) * d;
+  SPECACHE_RETURN_IF_ERROR(q_.Reserve(n_rows * width));
+  SPECACHE_RETURN_IF_ERROR(out_.Reserve(n_rows * width));
+  SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n_rows) * d));
+  SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n_rows) * d));
+  FetchCounts counts;
+  for (size_t s = 0; s < step_states_.size(); ++s) {
+    const SequenceId id = step_ids_[s];
+    for (int h = 0; h < n_kv; ++h) {
+      HeadState& head = step_states_[s]->heads[layer][h];
+      const size_t first_row = s * n_rows;
+      const size_t q_at = (first_row * n_q + size_t(h) * group) * d, kv_at = (first_row * n_kv + h) * d;
+      SPECACHE_RETURN_IF_ERROR(Copy2D(q_.get(), width, rows.q + q_at, size_t(n_q) * d, width, n_rows));
+      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.k + kv_at, n_rows, d, int64_t{n_kv} * d, k_.get(), nullptr));
+      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.v + kv_at, n_rows, d, int64_t{n_kv} * d, v_.get(), nullptr));
+      const cuda::DeviceHeadReplica& rep = *head.replica;
+      const int32_t n_qk = rep.quantized_keys();
+      // As in the CPU backend: a step whose append fills the key residual also offers those R
+      // tokens as candidates (they are quantized right after this attention).
+      const bool flushes = appends && rep.length() - n_qk + 1 == config_.residual_tokens;
+      const int32_t n_candidates = nonspec ? n_qk : n_qk + (flushes ? config_.residual_tokens : 0);
+      SPECACHE_RETURN_IF_ERROR(scores_.Reserve(size_t(n_rows) * group * (rep.length() + n_rows)));
+      SPECACHE_RETURN_IF_ERROR(probs_.Reserve(size_t(group) * std::max<int32_t>(n_candidates, 1)));
+      cuda::DeviceDecodeRows r;
+      r.sub_tokens = head.tokens.get();
+      r.sub_rows = head.rows.get();
+      r.n_sub = static_cast<int32_t>(head.resident.size());
+      r.q = q_.get();
+      r.new_keys = k_.get();
+      r.new_values = v_.get();
+      r.n_rows = n_rows;
+      r.n_heads = group;
+      r.scale = scale_;
+      r.out = out_.get();
+      r.probs_row = probs_row;
+      r.n_candidates = n_candidates;
+      r.probs = selects ? probs_.get() : nullptr;
+      r.scratch = scores_.get();
+      if (nonspec) {
+        cuda::DeviceDecodeRows plain = r;
+        plain.n_sub = 0;
+        SPECACHE_RETURN_IF_ERROR(cuda::AttendDecodeRows(rep.view(), plain, nullptr));
+        SPECACHE_RETURN_IF_ERROR(Select(n_candidates, &head));
+        SPECACHE_RETURN_IF_ERROR(Fetch(id, layer, h, &head, &counts));
+        r.sub_tokens = head.tokens.get();
+        r.sub_rows = head.rows.get();
+        r.n_sub = static_cast<int32_t>(head.resident.size());
+        r.probs = nullptr;
+        SPECACHE_RETURN_IF_ERROR(cuda::AttendDecodeRows(rep.view(), r, nullptr));
+      } else {
+        SPECACHE_RETURN_IF_ERROR(cuda::AttendDecodeRows(rep.view(), r, nullptr));
+        if (selects) SPECACHE_RETURN_IF_ERROR(Select(n_candidates, &head));
+      }
+      SPECACHE_RETURN_IF_ERROR(Copy2D(rows.out + q_at, size_t(n_q) * d, out_.get(), width, width, n_rows));
+      if (appends) {
+        SPECACHE_RETURN_IF_ERROR(AppendToSource(id, layer, h, rep.length(), k_.get(), v_.get(), 1));
+        SPECACHE_RETURN_IF_ERROR(head.replica->Append(k_.get(), v_.get(), 1));
+      }
+    }
+  }
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "decode layer"));
+  layer_decoded_[layer] = 1;
+  AddFetchCounts(counts);
+  if (config_.mode == KvMode::kSpeCache) {
+    for (SequenceState* st : step_states_) st->fetch[layer] = FetchState::kSelected;
+  }
+  return Status::Ok();
+}
+
+Status CudaAgent::StartPrefetch(int layer) {
+  if (!step_active_) return Status::FailedPrecondition("StartPrefetch outside a step");
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  if (!layer_decoded_[layer]) {
+    return Status::FailedPrecondition("StartPrefetch(" + std::to_string(layer) + ") before DecodeLayer(" +
+                                      std::to_string(layer) + ") in this step");
+  }
+  if (config_.mode != KvMode::kSpeCache) return Status::Ok();
+  FetchCounts counts;
+  for (size_t s = 0; s < step_states_.size(); ++s) {
+    SequenceState* st = step_states_[s];
+    if (st->fetch[layer] != FetchState::kSelected) continue;
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      SPECACHE_RETURN_IF_ERROR(Fetch(step_ids_[s], layer, h, &st->heads[layer][h], &counts));
+    }
+    st->fetch[layer] = FetchState::kInFlight;
+  }
+  AddFetchCounts(counts);
+  return Cuda(cudaDeviceSynchronize(), "prefetch");
+}
+
+Status CudaAgent::WaitPrefetch(int layer) {
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  for (auto& [id, st] : sequences_) {
+    if (st.fetch[layer] == FetchState::kInFlight) st.fetch[layer] = FetchState::kResident;
+  }
+  return Status::Ok();
+}
+
+Status CudaAgent::EndStep() {
+  if (!step_active_) return Status::FailedPrecondition("EndStep without BeginStep");
+  for (int l = 0; l < shape_.n_layers; ++l) {
+    if (!layer_decoded_[l]) return Status::FailedPrecondition("EndStep before DecodeLayer(" + std::to_string(l) + ")");
+    for (SequenceState* st : step_states_) {
+      if (st->fetch[l] == FetchState::kSelected) {
+        return Status::FailedPrecondition("EndStep before StartPrefetch(" + std::to_string(l) + ")");
+      }
+    }
+  }
+  if (step_kind_ == StepKind::kDecode) ++counters_.steps;
+  step_active_ = false;
+  step_ids_.clear();
+  step_states_.clear();
+  return Status::Ok();
+}
+
+void CudaAgent::AbortStep() {
+  for (SequenceState* st : step_states_) {
+    for (int l = 0; l < shape_.n_layers; ++l) {
+      if (st->fetch[l] == FetchState::kSelected) st->fetch[l] = FetchState::kResident;
+    }
+  }
+  step_active_ = false;
+  step_ids_.clear();
+  step_states_.clear();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const KvConfig& config,
+                                               FullPrecisionSource* source, const CudaAgentOptions& options) {
+  SPECACHE_RETURN_IF_ERROR(ValidateKvConfig(config, shape));
+  if (source == nullptr) return Status::InvalidArgument("a full-precision source is required");
+  if (options.capacity_tokens <= 0) return Status::InvalidArgument("capacity_tokens must be positive");
+  SPECACHE_RETURN_IF_ERROR(ProbeCudaDevice().status());
+  return std::unique_ptr<Agent>(new CudaAgent(shape, config, source, options));
+}
+
+}  // namespace specache

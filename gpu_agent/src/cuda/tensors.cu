@@ -1,0 +1,53 @@
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "specache/cuda_tensors.h"
+
+namespace specache::cuda {
+namespace {
+
+__global__ void FloatRowsToHalfKernel(const float* src, int64_t total, int d, int64_t stride, __half* dst) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / d;
+    dst[i] = __float2half_rn(src[row * stride + (i - row * d)]);
+  }
+}
+
+__global__ void InterleaveKernel(const __half* k, const __half* v, int64_t total, int d, __half* rows) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (2 * d);
+    const int c = static_cast<int>(i - row * 2 * d);
+    rows[i] = c < d ? k[row * d + c] : v[row * d + c - d];
+  }
+}
+
+Status Launched(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+int Blocks(int64_t total) { return static_cast<int>(std::min<int64_t>(1024, (total + 255) / 256)); }
+
+}  // namespace
+
+Status FloatRowsToHalf(const float* src, int32_t n, int d, int64_t src_stride, Half* dst, void* stream) {
+  const int64_t total = static_cast<int64_t>(n) * d;
+  if (total <= 0) return Status::Ok();
+  FloatRowsToHalfKernel<<<Blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      src, total, d, src_stride, reinterpret_cast<__half*>(dst));
+  return Launched("float to fp16 kernel");
+}
+
+Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, void* stream) {
+  const int64_t total = static_cast<int64_t>(n) * 2 * d;
+  if (total <= 0) return Status::Ok();
+  InterleaveKernel<<<Blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const __half*>(k), reinterpret_cast<const __half*>(v), total, d, reinterpret_cast<__half*>(rows));
+  return Launched("K/V interleave kernel");
+}
+
+}  // namespace specache::cuda

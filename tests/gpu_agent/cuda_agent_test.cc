@@ -1,0 +1,157 @@
+// Label `gpu`: the CUDA agent against the CPU agent on the tiny random model, driven like an engine
+// (prefill, pre-decode, two-row steps, prefetch per layer): same tokens, logits within float
+// rounding, the same rows selected; and with k covering the context, specache equals full.
+#include <cmath>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "specache/agent.h"
+#include "specache/device_probe.h"
+#include "specache/in_memory_source.h"
+#include "testing/tiny_model.h"
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace specache {
+namespace {
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// Gives the CUDA agent device copies of the host tensors the tiny model works with, and copies its
+// outputs back: an engine whose tensors already live on the GPU skips this.
+class HostTensors final : public Agent {
+ public:
+  explicit HostTensors(std::unique_ptr<Agent> inner) : inner_(std::move(inner)) {}
+  ~HostTensors() override {
+    for (void* p : owned_) cudaFree(p);
+  }
+  const ModelShape& shape() const override { return inner_->shape(); }
+  const KvConfig& config() const override { return inner_->config(); }
+  std::string_view backend_name() const override { return inner_->backend_name(); }
+  Status AddSequence(SequenceId id) override { return inner_->AddSequence(id); }
+  Status ReleaseSequence(SequenceId id) override { return inner_->ReleaseSequence(id); }
+  Result<int32_t> SequenceLength(SequenceId id) const override { return inner_->SequenceLength(id); }
+  Status PrefillLayer(int layer, const PrefillBatch& b) override {
+    const size_t n = static_cast<size_t>(b.token_offsets.back());
+    const ModelShape& s = shape();
+    const size_t qn = n * s.n_q_heads * s.head_dim, kn = n * s.n_kv_heads * s.head_dim;
+    PrefillBatch d = b;
+    d.q = b.q ? Up(b.q, qn) : nullptr;
+    d.k = Up(b.k, kn);
+    d.v = Up(b.v, kn);
+    d.out = b.out ? Scratch(qn) : nullptr;
+    Status st = inner_->PrefillLayer(layer, d);
+    if (st.ok() && b.out) cudaMemcpy(b.out, d.out, qn * 4, cudaMemcpyDeviceToHost);
+    return st;
+  }
+  Status BeginStep(StepKind kind, std::span<const SequenceId> ids) override {
+    n_seq_ = ids.size();
+    rows_ = RowsPerSequence(kind);
+    return inner_->BeginStep(kind, ids);
+  }
+  Status DecodeLayer(int layer, const DecodeRows& r) override {
+    const ModelShape& s = shape();
+    const size_t n = n_seq_ * rows_, qn = n * s.n_q_heads * s.head_dim, kn = n * s.n_kv_heads * s.head_dim;
+    DecodeRows d{Up(r.q, qn), Up(r.k, kn), Up(r.v, kn), Scratch(qn)};
+    Status st = inner_->DecodeLayer(layer, d);
+    if (st.ok()) cudaMemcpy(r.out, d.out, qn * 4, cudaMemcpyDeviceToHost);
+    return st;
+  }
+  Status StartPrefetch(int layer) override { return inner_->StartPrefetch(layer); }
+  Status WaitPrefetch(int layer) override { return inner_->WaitPrefetch(layer); }
+  Status EndStep() override { return inner_->EndStep(); }
+  void AbortStep() override { inner_->AbortStep(); }
+  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int h) const override {
+    return inner_->SelectedTokens(id, layer, h);
+  }
+  AgentStats stats() const override { return inner_->stats(); }
+
+ private:
+  float* Scratch(size_t n) {
+    void* p = nullptr;
+    cudaMalloc(&p, n * 4);
+    owned_.push_back(p);
+    return static_cast<float*>(p);
+  }
+  const float* Up(const float* host, size_t n) {
+    float* p = Scratch(n);
+    cudaMemcpy(p, host, n * 4, cudaMemcpyHostToDevice);
+    return p;
+  }
+  std::unique_ptr<Agent> inner_;
+  std::vector<void*> owned_;
+  size_t n_seq_ = 0;
+  int rows_ = 0;
+};
+#endif
+
+std::vector<int> Prompt(int n) {
+  std::mt19937 rng(321);
+  std::vector<int> p(n);
+  for (auto& t : p) t = static_cast<int>(rng() % 96);
+  return p;
+}
+
+TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const testing::TinyModel model({});
+  const std::vector<int> prompt = Prompt(300);
+  const int steps = 24;
+  struct Mode {
+    KvMode mode;
+    int bits, k;
+  } modes[] = {{KvMode::kFull, 16, 0},      {KvMode::kKivi, 1, 0},          {KvMode::kKivi, 2, 0},
+               {KvMode::kSpeCache, 1, 16},  {KvMode::kSpeCache, 2, 16},     {KvMode::kSpeCache, 1, 4096},
+               {KvMode::kSpeCacheNonSpec, 1, 16}};
+  std::vector<int> full_tokens;
+  for (const Mode& m : modes) {
+    KvConfig c;
+    c.mode = m.mode;
+    c.key_bits = c.value_bits = m.bits;
+    c.top_k = m.k;
+    InMemorySource cpu_source, gpu_source;
+    auto cpu = CreateCpuAgent(model.shape(), c, &cpu_source);
+    auto gpu = CreateCudaAgent(model.shape(), c, &gpu_source, {4096});
+    ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
+    HostTensors gpu_host(std::move(gpu).value());
+    auto want = model.Generate(cpu->get(), 1, prompt, steps);
+    auto got = model.Generate(&gpu_host, 1, prompt, steps);
+    ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();
+    const std::string name = std::string(KvModeName(m.mode)) + " " + std::to_string(m.bits) + "bit k=" + std::to_string(m.k);
+    EXPECT_EQ(got->tokens, want->tokens) << name;
+    EXPECT_EQ(got->speculative, want->speculative) << name;
+    double worst = 0;
+    for (size_t t = 0; t < want->logits.size() && t < got->logits.size(); ++t) {
+      for (size_t i = 0; i < want->logits[t].size(); ++i) {
+        worst = std::max(worst, double(std::fabs(got->logits[t][i] - want->logits[t][i])));
+      }
+    }
+    EXPECT_LT(worst, 1e-3) << name;
+    const AgentStats a = (*cpu)->stats(), b = gpu_host.stats();
+    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+    EXPECT_EQ(b.device_bytes, a.device_bytes) << name;
+    EXPECT_EQ(b.full_precision_bytes, a.full_precision_bytes) << name;
+    for (int l = 0; l < model.shape().n_layers; ++l) {
+      EXPECT_EQ(*gpu_host.SelectedTokens(1, l, 0), *(*cpu)->SelectedTokens(1, l, 0)) << name << " layer " << l;
+    }
+    std::printf("%-28s max |logit diff| %.2e, %lld rows fetched, %lld reused\n", name.c_str(), worst,
+                static_cast<long long>(b.rows_fetched), static_cast<long long>(b.rows_reused));
+    if (m.mode == KvMode::kFull) full_tokens = got->tokens;
+    if (m.mode == KvMode::kSpeCache && m.k >= 4096) EXPECT_EQ(got->tokens, full_tokens) << "k covers the context";
+  }
+#endif
+}
+
+TEST(CudaAgentTest, WithoutADeviceCreationIsUnavailable) {
+  if (ProbeCudaDevice().ok()) GTEST_SKIP() << "a device is present";
+  InMemorySource source;
+  EXPECT_EQ(CreateCudaAgent({2, 4, 2, 64}, KvConfig{}, &source).status().code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace specache
