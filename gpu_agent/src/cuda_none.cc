@@ -32,3 +32,11 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape&, const KvConfig
 }
 
 }  // namespace specache
+
+#include "specache/host_tensor_agent.h"
+
+namespace specache {
+
+Result<std::unique_ptr<Agent>> WrapHostTensors(std::unique_ptr<Agent>) { return Status::Unavailable("built without CUDA"); }
+
+}  // namespace specache

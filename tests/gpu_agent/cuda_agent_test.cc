@@ -8,6 +8,7 @@
 
 #include "specache/agent.h"
 #include "specache/device_probe.h"
+#include "specache/host_tensor_agent.h"
 #include "specache/in_memory_source.h"
 #include "testing/tiny_model.h"
 
@@ -17,75 +18,6 @@
 
 namespace specache {
 namespace {
-
-#ifdef SPECACHE_TEST_HAVE_CUDA
-// Gives the CUDA agent device copies of the host tensors the tiny model works with, and copies its
-// outputs back: an engine whose tensors already live on the GPU skips this.
-class HostTensors final : public Agent {
- public:
-  explicit HostTensors(std::unique_ptr<Agent> inner) : inner_(std::move(inner)) {}
-  ~HostTensors() override {
-    for (void* p : owned_) cudaFree(p);
-  }
-  const ModelShape& shape() const override { return inner_->shape(); }
-  const KvConfig& config() const override { return inner_->config(); }
-  std::string_view backend_name() const override { return inner_->backend_name(); }
-  Status AddSequence(SequenceId id) override { return inner_->AddSequence(id); }
-  Status ReleaseSequence(SequenceId id) override { return inner_->ReleaseSequence(id); }
-  Result<int32_t> SequenceLength(SequenceId id) const override { return inner_->SequenceLength(id); }
-  Status PrefillLayer(int layer, const PrefillBatch& b) override {
-    const size_t n = static_cast<size_t>(b.token_offsets.back());
-    const ModelShape& s = shape();
-    const size_t qn = n * s.n_q_heads * s.head_dim, kn = n * s.n_kv_heads * s.head_dim;
-    PrefillBatch d = b;
-    d.q = b.q ? Up(b.q, qn) : nullptr;
-    d.k = Up(b.k, kn);
-    d.v = Up(b.v, kn);
-    d.out = b.out ? Scratch(qn) : nullptr;
-    Status st = inner_->PrefillLayer(layer, d);
-    if (st.ok() && b.out) cudaMemcpy(b.out, d.out, qn * 4, cudaMemcpyDeviceToHost);
-    return st;
-  }
-  Status BeginStep(StepKind kind, std::span<const SequenceId> ids) override {
-    n_seq_ = ids.size();
-    rows_ = RowsPerSequence(kind);
-    return inner_->BeginStep(kind, ids);
-  }
-  Status DecodeLayer(int layer, const DecodeRows& r) override {
-    const ModelShape& s = shape();
-    const size_t n = n_seq_ * rows_, qn = n * s.n_q_heads * s.head_dim, kn = n * s.n_kv_heads * s.head_dim;
-    DecodeRows d{Up(r.q, qn), Up(r.k, kn), Up(r.v, kn), Scratch(qn)};
-    Status st = inner_->DecodeLayer(layer, d);
-    if (st.ok()) cudaMemcpy(r.out, d.out, qn * 4, cudaMemcpyDeviceToHost);
-    return st;
-  }
-  Status StartPrefetch(int layer) override { return inner_->StartPrefetch(layer); }
-  Status WaitPrefetch(int layer) override { return inner_->WaitPrefetch(layer); }
-  Status EndStep() override { return inner_->EndStep(); }
-  void AbortStep() override { inner_->AbortStep(); }
-  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int h) const override {
-    return inner_->SelectedTokens(id, layer, h);
-  }
-  AgentStats stats() const override { return inner_->stats(); }
-
- private:
-  float* Scratch(size_t n) {
-    void* p = nullptr;
-    cudaMalloc(&p, n * 4);
-    owned_.push_back(p);
-    return static_cast<float*>(p);
-  }
-  const float* Up(const float* host, size_t n) {
-    float* p = Scratch(n);
-    cudaMemcpy(p, host, n * 4, cudaMemcpyHostToDevice);
-    return p;
-  }
-  std::unique_ptr<Agent> inner_;
-  std::vector<void*> owned_;
-  size_t n_seq_ = 0;
-  int rows_ = 0;
-};
-#endif
 
 std::vector<int> Prompt(int n) {
   std::mt19937 rng(321);
@@ -117,7 +49,9 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
     auto cpu = CreateCpuAgent(model.shape(), c, &cpu_source);
     auto gpu = CreateCudaAgent(model.shape(), c, &gpu_source, {4096});
     ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
-    HostTensors gpu_host(std::move(gpu).value());
+    auto wrapped = WrapHostTensors(std::move(gpu).value());  // the tiny model's tensors are on the host
+    ASSERT_TRUE(wrapped.ok());
+    Agent& gpu_host = **wrapped;
     auto want = model.Generate(cpu->get(), 1, prompt, steps);
     auto got = model.Generate(&gpu_host, 1, prompt, steps);
     ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();

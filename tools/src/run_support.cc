@@ -1,5 +1,7 @@
 #include "run_support.h"
 
+#include "specache/device_probe.h"
+#include "specache/host_tensor_agent.h"
 #include "unicode_classes.h"
 
 namespace specache::run {
@@ -53,7 +55,8 @@ std::string ModeLabel(const KvConfig& c) {
   return label + "-k" + std::to_string(c.key_bits) + "v" + std::to_string(c.value_bits);
 }
 
-Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config, KvMemory* memory) {
+Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config, KvMemory* memory,
+                                             const std::string& backend) {
   auto run = std::make_unique<ModeRun>();
   run->label = ModeLabel(config);
   run->config = config;
@@ -62,7 +65,18 @@ Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvCo
   } else {
     run->source = std::make_unique<InMemorySource>();
   }
-  SPECACHE_ASSIGN_OR_RETURN(run->agent, CreateCpuAgent(model.shape(), config, run->source.get()));
+  const bool cuda = backend == "cuda" || (backend == "auto" && ProbeCudaDevice().ok());
+  if (backend != "cpu" && backend != "cuda" && backend != "auto") {
+    return Status::InvalidArgument("--backend is auto, cpu or cuda, not '" + backend + "'");
+  }
+  if (cuda) {
+    CudaAgentOptions options;
+    options.capacity_tokens = model.config().context_length;
+    SPECACHE_ASSIGN_OR_RETURN(auto device_agent, CreateCudaAgent(model.shape(), config, run->source.get(), options));
+    SPECACHE_ASSIGN_OR_RETURN(run->agent, WrapHostTensors(std::move(device_agent)));
+  } else {
+    SPECACHE_ASSIGN_OR_RETURN(run->agent, CreateCpuAgent(model.shape(), config, run->source.get()));
+  }
   return run;
 }
 
@@ -112,6 +126,7 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
   const AgentStats s = run.agent->stats();
   nlohmann::json j;
   j["kv"] = std::string(KvModeName(run.config.mode));
+  j["backend"] = std::string(run.agent->backend_name());
   j["mode"] = run.label;
   if (run.config.mode != KvMode::kFull) {
     j["key_bits"] = run.config.key_bits;

@@ -42,6 +42,7 @@ struct KvOptions {
   std::string reduction = "mean";
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")
+  std::string backend = "auto";        // agent backend: auto (cuda when a GPU is usable), cpu, cuda
 };
 // `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too.
 Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode = "");
@@ -55,8 +56,10 @@ struct ModeRun {
   std::unique_ptr<Agent> agent;
 };
 // The source comes from `memory` (daemon pages), or is process memory when it is null.
+// `backend` is "cpu", "cuda" or "auto" (cuda when a GPU is usable); the CUDA agent gets the
+// engine's host tensors through WrapHostTensors.
 Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config,
-                                             KvMemory* memory = nullptr);
+                                             KvMemory* memory = nullptr, const std::string& backend = "cpu");
 
 // Opens the KV memory the options ask for, sized for `sequences` sequences of the model's context.
 Result<std::unique_ptr<KvMemory>> OpenKvMemory(const KvOptions& options, const LlamaModel& model, int sequences);

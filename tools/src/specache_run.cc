@@ -44,6 +44,8 @@ void AddKvOptions(CLI::App* app, KvOptions* o) {
                   "where the full-precision KV lives: embedded (a specached inside this process), daemon, process")
       ->capture_default_str();
   app->add_option("--daemon", o->daemon, "control socket of a running specached (implies --kv-memory daemon)");
+  app->add_option("--backend", o->backend, "agent backend: auto (cuda when a GPU is usable), cpu, cuda")
+      ->capture_default_str();
 }
 
 std::vector<int32_t> ChatPrompt(const LoadedModel& m, const std::string& text, bool raw) {
@@ -64,7 +66,7 @@ Status Generate(const GenerateArgs& a) {
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, 1));
-  SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, config, memory.get()));
+  SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, config, memory.get(), a.kv.backend));
   const std::vector<int32_t> prompt = ChatPrompt(m, a.prompt, a.raw);
   Agent* agents[] = {run->agent.get()};
   SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, prompt));
@@ -123,7 +125,7 @@ Result<std::vector<nlohmann::json>> NiahPoint(const LoadedModel& m, const NiahAr
   std::vector<std::unique_ptr<ModeRun>> runs;
   std::vector<Agent*> agents;
   for (const KvConfig& c : configs) {
-    SPECACHE_ASSIGN_OR_RETURN(auto r, MakeModeRun(*m.model, c, memory));
+    SPECACHE_ASSIGN_OR_RETURN(auto r, MakeModeRun(*m.model, c, memory, a.kv.backend));
     agents.push_back(r->agent.get());
     runs.push_back(std::move(r));
   }
@@ -287,7 +289,7 @@ Status Fidelity(const FidelityArgs& a) {
   }
   // One full-precision reference and one run per mode, all from one shared prefill.
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(configs.size()) + 1));
-  SPECACHE_ASSIGN_OR_RETURN(auto full, MakeModeRun(*m.model, full_config, memory.get()));
+  SPECACHE_ASSIGN_OR_RETURN(auto full, MakeModeRun(*m.model, full_config, memory.get(), a.kv.backend));
   std::vector<Agent*> agents = {full->agent.get()};
   struct Tally {
     std::unique_ptr<ModeRun> run;
@@ -297,7 +299,7 @@ Status Fidelity(const FidelityArgs& a) {
   };
   std::vector<Tally> tallies(configs.size());
   for (size_t i = 0; i < configs.size(); ++i) {
-    SPECACHE_ASSIGN_OR_RETURN(tallies[i].run, MakeModeRun(*m.model, configs[i], memory.get()));
+    SPECACHE_ASSIGN_OR_RETURN(tallies[i].run, MakeModeRun(*m.model, configs[i], memory.get(), a.kv.backend));
     agents.push_back(tallies[i].run->agent.get());
   }
   const std::span<const int32_t> context(tokens.data(), a.context_tokens);
