@@ -4,7 +4,8 @@
 #   1. a chat answer, streamed, with SpeCache 1-bit (figures on stderr);
 #   2. a needle-in-a-haystack trial at 2K tokens in three modes sharing one prefill: full,
 #      KIVI 1-bit alone, SpeCache 1-bit; heat maps and JSON under demo-out/.
-# The agent runs on the CPU backend (the CUDA backend is issue 5); the daemon is issue 4.
+# The agent runs on the GPU when one is usable (--backend auto), on the CPU otherwise; the
+# full-precision KV lives in the pages of a specached embedded in the process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
