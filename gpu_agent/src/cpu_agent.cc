@@ -11,16 +11,10 @@
 #include "specache/agent.h"
 #include "specache/cpu_attention.h"
 #include "specache/head_replica.h"
+#include "step_protocol.h"
 
 namespace specache {
 namespace {
-
-enum class FetchState {
-  kNone,      // nothing selected yet
-  kSelected,  // DecodeLayer chose rows; StartPrefetch not called yet
-  kInFlight,  // StartPrefetch called; WaitPrefetch not yet
-  kResident,  // the selected rows are resident
-};
 
 struct HeadState {
   explicit HeadState(const ReplicaParams& p) : replica(p) {}
@@ -32,7 +26,6 @@ struct HeadState {
 
 struct SequenceState {
   std::vector<std::vector<HeadState>> heads;  // [layer][kv_head]
-  std::vector<FetchState> fetch;              // [layer]
 };
 
 struct FetchCounts {
@@ -46,7 +39,7 @@ std::string Id(SequenceId id) { return std::to_string(id); }
 class CpuAgent final : public Agent {
  public:
   CpuAgent(const ModelShape& shape, const KvConfig& config, FullPrecisionSource* source)
-      : shape_(shape), config_(config), source_(source) {
+      : shape_(shape), config_(config), source_(source), protocol_(shape.n_layers, config.mode) {
     params_.head_dim = shape.head_dim;
     params_.key_bits = config.effective_key_bits();
     params_.value_bits = config.effective_value_bits();
@@ -66,17 +59,16 @@ class CpuAgent final : public Agent {
     SequenceState state;
     state.heads.resize(shape_.n_layers);
     for (auto& layer : state.heads) layer.assign(shape_.n_kv_heads, HeadState(params_));
-    state.fetch.assign(shape_.n_layers, FetchState::kNone);
     sequences_.emplace(id, std::move(state));
+    protocol_.AddSequence(id);
     return Status::Ok();
   }
 
   Status ReleaseSequence(SequenceId id) override {
     if (!sequences_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    if (step_active_ && std::count(step_ids_.begin(), step_ids_.end(), id)) {
-      return Status::FailedPrecondition("sequence " + Id(id) + " is part of the current step; EndStep or AbortStep first");
-    }
+    SPECACHE_RETURN_IF_ERROR(protocol_.CheckRelease(id));
     sequences_.erase(id);
+    protocol_.RemoveSequence(id);
     return source_->ReleaseSequence(id).WithContext("source");
   }
 
@@ -119,12 +111,9 @@ class CpuAgent final : public Agent {
   }
 
  private:
-  Status CheckLayer(int layer) const {
-    if (layer < 0 || layer >= shape_.n_layers) {
-      return Status::OutOfRange("layer " + std::to_string(layer) + " outside [0, " + std::to_string(shape_.n_layers) + ")");
-    }
-    return Status::Ok();
-  }
+  Status CheckLayer(int layer) const { return protocol_.CheckLayer(layer); }
+  // The step's sequences, in BeginStep's order.
+  SequenceState& StepSequence(size_t i) { return sequences_.at(protocol_.ids()[i]); }
 
   void AddFetchCounts(const std::vector<FetchCounts>& counts) {
     for (const FetchCounts& c : counts) {
@@ -152,17 +141,11 @@ class CpuAgent final : public Agent {
   float scale_ = 1.0f;
   std::map<SequenceId, SequenceState> sequences_;
   AgentStats counters_;
-
-  bool step_active_ = false;
-  StepKind step_kind_ = StepKind::kDecode;
-  int step_rows_ = 0;
-  std::vector<SequenceId> step_ids_;
-  std::vector<SequenceState*> step_states_;
-  std::vector<uint8_t> layer_decoded_;
+  StepProtocol protocol_;
 };
 
 Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
-  if (step_active_) return Status::FailedPrecondition("PrefillLayer inside a step; call EndStep first");
+  SPECACHE_RETURN_IF_ERROR(protocol_.CheckNoStep("PrefillLayer"));
   SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
   const size_t n_seq = batch.sequences.size();
   if (n_seq == 0) return Status::InvalidArgument("prefill batch has no sequences");
@@ -227,36 +210,11 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
 }
 
 Status CpuAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
-  if (step_active_) return Status::FailedPrecondition("BeginStep while a step is active; call EndStep first");
-  const int rows = RowsPerSequence(kind);
-  if (rows == 0) {
-    return Status::FailedPrecondition("mode " + std::string(KvModeName(config_.mode)) + " has no pre-decode step");
-  }
-  if (sequences.empty()) return Status::InvalidArgument("a step needs at least one sequence");
-  std::vector<SequenceState*> states;
-  std::set<SequenceId> seen;
-  for (SequenceId id : sequences) {
+  return protocol_.Begin(kind, RowsPerSequence(kind), sequences, [this](SequenceId id, int layer) -> Result<int32_t> {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    if (!seen.insert(id).second) return Status::InvalidArgument("sequence " + Id(id) + " appears twice in the step");
-    const int32_t length = it->second.heads[0][0].replica.length();
-    if (length == 0) return Status::FailedPrecondition("sequence " + Id(id) + " has not been prefilled");
-    for (int l = 1; l < shape_.n_layers; ++l) {
-      if (it->second.heads[l][0].replica.length() != length) {
-        return Status::FailedPrecondition("sequence " + Id(id) + " has " + std::to_string(length) + " tokens at layer 0 but " +
-                                          std::to_string(it->second.heads[l][0].replica.length()) + " at layer " +
-                                          std::to_string(l) + " (prefill every layer first)");
-      }
-    }
-    states.push_back(&it->second);
-  }
-  step_active_ = true;
-  step_kind_ = kind;
-  step_rows_ = rows;
-  step_ids_.assign(sequences.begin(), sequences.end());
-  step_states_ = std::move(states);
-  layer_decoded_.assign(shape_.n_layers, 0);
-  return Status::Ok();
+    return it->second.heads[layer][0].replica.length();
+  });
 }
 
 Status CpuAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const {
@@ -293,39 +251,27 @@ Status CpuAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, Fetc
 }
 
 Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
-  if (!step_active_) return Status::FailedPrecondition("DecodeLayer outside a step; call BeginStep first");
-  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-  if (layer_decoded_[layer]) {
-    return Status::FailedPrecondition("layer " + std::to_string(layer) + " was already decoded in this step");
-  }
+  SPECACHE_RETURN_IF_ERROR(protocol_.BeforeDecode(layer));
   if (!rows.q || !rows.k || !rows.v || !rows.out) return Status::InvalidArgument("decode rows have a null tensor");
-  for (size_t s = 0; s < step_states_.size(); ++s) {
-    FetchState& f = step_states_[s]->fetch[layer];
-    if (f == FetchState::kSelected) {
-      return Status::FailedPrecondition("layer " + std::to_string(layer) + " of sequence " + Id(step_ids_[s]) +
-                                        " has rows selected but StartPrefetch was never called for them");
-    }
-    if (f == FetchState::kInFlight) f = FetchState::kResident;  // DecodeLayer waits for its own fetch
-  }
 
   const int d = shape_.head_dim;
   const int group = shape_.group_size();
   const int n_kv = shape_.n_kv_heads;
   const int n_q = shape_.n_q_heads;
-  const int n_rows = step_rows_;
+  const int n_rows = protocol_.rows();
   const bool nonspec = config_.mode == KvMode::kSpeCacheNonSpec;
   const bool selects = config_.mode == KvMode::kSpeCache || nonspec;
-  const bool appends = step_kind_ == StepKind::kDecode;
-  const int probs_row = step_kind_ == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
-  const int n_items = static_cast<int>(step_states_.size()) * n_kv;
+  const bool appends = protocol_.kind() == StepKind::kDecode;
+  const int probs_row = protocol_.kind() == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
+  const int n_items = static_cast<int>(protocol_.ids().size()) * n_kv;
   std::vector<Status> errors(n_items);
   std::vector<FetchCounts> counts(n_items);
 
   ParallelFor(n_items, [&](int item, int) {
     const int s = item / n_kv;
     const int h = item % n_kv;
-    const SequenceId id = step_ids_[s];
-    HeadState& head = step_states_[s]->heads[layer][h];
+    const SequenceId id = protocol_.ids()[s];
+    HeadState& head = StepSequence(s).heads[layer][h];
     std::vector<float> q(static_cast<size_t>(n_rows) * group * d), out(q.size());
     std::vector<Half> new_keys(static_cast<size_t>(n_rows) * d), new_values(new_keys.size());
     for (int r = 0; r < n_rows; ++r) {
@@ -374,79 +320,41 @@ Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
       if (errors[item].ok()) head.replica.Append(new_keys.data(), new_values.data(), 1);
     }
   });
-  layer_decoded_[layer] = 1;
+  protocol_.AfterDecode(layer);
   AddFetchCounts(counts);
   for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
-  if (config_.mode == KvMode::kSpeCache) {
-    for (SequenceState* st : step_states_) st->fetch[layer] = FetchState::kSelected;
-  }
   return Status::Ok();
 }
 
 Status CpuAgent::StartPrefetch(int layer) {
-  if (!step_active_) return Status::FailedPrecondition("StartPrefetch outside a step");
-  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-  if (!layer_decoded_[layer]) {
-    return Status::FailedPrecondition("StartPrefetch(" + std::to_string(layer) + ") before DecodeLayer(" +
-                                      std::to_string(layer) + ") in this step");
-  }
-  if (config_.mode != KvMode::kSpeCache) return Status::Ok();
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<size_t> which, protocol_.PrefetchList(layer));
   const int n_kv = shape_.n_kv_heads;
-  const int n_items = static_cast<int>(step_states_.size()) * n_kv;
+  const int n_items = static_cast<int>(which.size()) * n_kv;
   std::vector<Status> errors(n_items);
   std::vector<FetchCounts> counts(n_items);
   ParallelFor(n_items, [&](int item, int) {
-    SequenceState* st = step_states_[item / n_kv];
-    if (st->fetch[layer] != FetchState::kSelected) return;  // started already
-    errors[item] = Fetch(step_ids_[item / n_kv], layer, item % n_kv, &st->heads[layer][item % n_kv], &counts[item]);
+    const size_t s = which[item / n_kv];
+    errors[item] = Fetch(protocol_.ids()[s], layer, item % n_kv, &StepSequence(s).heads[layer][item % n_kv], &counts[item]);
   });
   AddFetchCounts(counts);
   for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
-  for (SequenceState* st : step_states_) {
-    if (st->fetch[layer] == FetchState::kSelected) st->fetch[layer] = FetchState::kInFlight;
-  }
+  protocol_.PrefetchStarted(layer, which);
   return Status::Ok();
 }
 
 Status CpuAgent::WaitPrefetch(int layer) {
   SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-  // The CPU fetch completed inside StartPrefetch; waiting only advances the state.
-  for (auto& [id, st] : sequences_) {
-    if (st.fetch[layer] == FetchState::kInFlight) st.fetch[layer] = FetchState::kResident;
-  }
+  protocol_.Wait(layer);  // the CPU fetch completed inside StartPrefetch
   return Status::Ok();
 }
 
 Status CpuAgent::EndStep() {
-  if (!step_active_) return Status::FailedPrecondition("EndStep without BeginStep");
-  for (int l = 0; l < shape_.n_layers; ++l) {
-    if (!layer_decoded_[l]) {
-      return Status::FailedPrecondition("EndStep before DecodeLayer(" + std::to_string(l) + ")");
-    }
-    for (SequenceState* st : step_states_) {
-      if (st->fetch[l] == FetchState::kSelected) {
-        return Status::FailedPrecondition("EndStep before StartPrefetch(" + std::to_string(l) + ")");
-      }
-    }
-  }
-  if (step_kind_ == StepKind::kDecode) ++counters_.steps;
-  step_active_ = false;
-  step_ids_.clear();
-  step_states_.clear();
+  SPECACHE_ASSIGN_OR_RETURN(bool decode, protocol_.End());
+  if (decode) ++counters_.steps;
   return Status::Ok();
 }
 
-void CpuAgent::AbortStep() {
-  for (SequenceState* st : step_states_) {
-    for (int l = 0; l < shape_.n_layers; ++l) {
-      // A selection that was never fetched is dropped; the rows resident before it stay usable.
-      if (st->fetch[l] == FetchState::kSelected) st->fetch[l] = FetchState::kResident;
-    }
-  }
-  step_active_ = false;
-  step_ids_.clear();
-  step_states_.clear();
-}
+void CpuAgent::AbortStep() { protocol_.Abort(); }
 
 }  // namespace
 

@@ -1,7 +1,7 @@
 // CUDA backend of the agent, first version. Every piece of math runs on the GPU through kernels
 // that equal the CPU reference (quantization bit for bit, attention within float rounding, top-k
 // exactly), with the same call protocol and fetch state machine as the CPU backend
-// (cpu_agent.cc; the protocol checks are duplicated for now and should move to a shared base).
+// (cpu_agent.cc; both follow step_protocol.h).
 // Not yet: the fetch overlapping later layers (it completes inside StartPrefetch, through pinned
 // memory from the source), batched kernels across heads, zero-copy from registered daemon pages.
 #include <cuda_runtime.h>
@@ -19,6 +19,7 @@
 #include "specache/cuda_tensors.h"
 #include "specache/cuda_topk.h"
 #include "specache/device_probe.h"
+#include "../step_protocol.h"
 
 namespace specache {
 namespace {
@@ -62,8 +63,6 @@ class Buffer {
   size_t n_ = 0;
 };
 
-enum class FetchState { kNone, kSelected, kInFlight, kResident };
-
 struct HeadState {
   std::unique_ptr<cuda::DeviceHeadReplica> replica;
   std::vector<int32_t> selected, resident;  // ascending
@@ -73,7 +72,6 @@ struct HeadState {
 
 struct SequenceState {
   std::vector<std::vector<HeadState>> heads;  // [layer][kv_head]
-  std::vector<FetchState> fetch;              // [layer]
 };
 
 struct FetchCounts {
@@ -85,7 +83,7 @@ std::string Id(SequenceId id) { return std::to_string(id); }
 class CudaAgent final : public Agent {
  public:
   CudaAgent(const ModelShape& shape, const KvConfig& config, FullPrecisionSource* source, const CudaAgentOptions& o)
-      : shape_(shape), config_(config), source_(source), options_(o) {
+      : shape_(shape), config_(config), source_(source), options_(o), protocol_(shape.n_layers, config.mode) {
     params_ = {shape.head_dim, config.effective_key_bits(), config.effective_value_bits(), config.group_size,
                config.residual_tokens};
     scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
@@ -105,19 +103,18 @@ class CudaAgent final : public Agent {
         SPECACHE_ASSIGN_OR_RETURN(h.replica, cuda::DeviceHeadReplica::Create(params_, options_.capacity_tokens, nullptr));
       }
     }
-    state.fetch.assign(shape_.n_layers, FetchState::kNone);
     SPECACHE_RETURN_IF_ERROR(
         source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim}).WithContext("source"));
     sequences_.emplace(id, std::move(state));
+    protocol_.AddSequence(id);
     return Status::Ok();
   }
 
   Status ReleaseSequence(SequenceId id) override {
     if (!sequences_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    if (step_active_ && std::count(step_ids_.begin(), step_ids_.end(), id)) {
-      return Status::FailedPrecondition("sequence " + Id(id) + " is part of the current step; EndStep or AbortStep first");
-    }
+    SPECACHE_RETURN_IF_ERROR(protocol_.CheckRelease(id));
     sequences_.erase(id);
+    protocol_.RemoveSequence(id);
     return source_->ReleaseSequence(id).WithContext("source");
   }
 
@@ -158,12 +155,7 @@ class CudaAgent final : public Agent {
   }
 
  private:
-  Status CheckLayer(int layer) const {
-    if (layer < 0 || layer >= shape_.n_layers) {
-      return Status::OutOfRange("layer " + std::to_string(layer) + " outside [0, " + std::to_string(shape_.n_layers) + ")");
-    }
-    return Status::Ok();
-  }
+  Status CheckLayer(int layer) const { return protocol_.CheckLayer(layer); }
   void AddFetchCounts(const FetchCounts& c) {
     counters_.rows_selected += c.selected;
     counters_.rows_fetched += c.fetched;
@@ -191,13 +183,7 @@ class CudaAgent final : public Agent {
   float scale_ = 1.0f;
   std::map<SequenceId, SequenceState> sequences_;
   AgentStats counters_;
-
-  bool step_active_ = false;
-  StepKind step_kind_ = StepKind::kDecode;
-  int step_rows_ = 0;
-  std::vector<SequenceId> step_ids_;
-  std::vector<SequenceState*> step_states_;
-  std::vector<uint8_t> layer_decoded_;
+  StepProtocol protocol_;
 
   // Scratch, grown as needed.
   Buffer<float> q_, out_, scores_, probs_, topk_scratch_;
@@ -220,7 +206,7 @@ Status CudaAgent::AppendToSource(SequenceId id, int layer, int h, int32_t first_
 }
 
 Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
-  if (step_active_) return Status::FailedPrecondition("PrefillLayer inside a step; call EndStep first");
+  SPECACHE_RETURN_IF_ERROR(protocol_.CheckNoStep("PrefillLayer"));
   SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
   const size_t n_seq = batch.sequences.size();
   if (n_seq == 0) return Status::InvalidArgument("prefill batch has no sequences");
@@ -269,32 +255,11 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
 }
 
 Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
-  if (step_active_) return Status::FailedPrecondition("BeginStep while a step is active; call EndStep first");
-  const int rows = RowsPerSequence(kind);
-  if (rows == 0) return Status::FailedPrecondition("mode " + std::string(KvModeName(config_.mode)) + " has no pre-decode step");
-  if (sequences.empty()) return Status::InvalidArgument("a step needs at least one sequence");
-  std::vector<SequenceState*> states;
-  std::set<SequenceId> seen;
-  for (SequenceId id : sequences) {
+  return protocol_.Begin(kind, RowsPerSequence(kind), sequences, [this](SequenceId id, int layer) -> Result<int32_t> {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    if (!seen.insert(id).second) return Status::InvalidArgument("sequence " + Id(id) + " appears twice in the step");
-    const int32_t length = it->second.heads[0][0].replica->length();
-    if (length == 0) return Status::FailedPrecondition("sequence " + Id(id) + " has not been prefilled");
-    for (int l = 1; l < shape_.n_layers; ++l) {
-      if (it->second.heads[l][0].replica->length() != length) {
-        return Status::FailedPrecondition("sequence " + Id(id) + " is not prefilled at every layer");
-      }
-    }
-    states.push_back(&it->second);
-  }
-  step_active_ = true;
-  step_kind_ = kind;
-  step_rows_ = rows;
-  step_ids_.assign(sequences.begin(), sequences.end());
-  step_states_ = std::move(states);
-  layer_decoded_.assign(shape_.n_layers, 0);
-  return Status::Ok();
+    return it->second.heads[layer][0].replica->length();
+  });
 }
 
 Status CudaAgent::Select(int32_t n_candidates, HeadState* h) {
@@ -361,34 +326,24 @@ Status CudaAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, Fet
 }
 
 Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
-  if (!step_active_) return Status::FailedPrecondition("DecodeLayer outside a step; call BeginStep first");
-  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-  if (layer_decoded_[layer]) return Status::FailedPrecondition("layer " + std::to_string(layer) + " was already decoded in this step");
+  SPECACHE_RETURN_IF_ERROR(protocol_.BeforeDecode(layer));
   if (!rows.q || !rows.k || !rows.v || !rows.out) return Status::InvalidArgument("decode rows have a null tensor");
-  for (size_t s = 0; s < step_states_.size(); ++s) {
-    FetchState& f = step_states_[s]->fetch[layer];
-    if (f == FetchState::kSelected) {
-      return Status::FailedPrecondition("layer " + std::to_string(layer) + " of sequence " + Id(step_ids_[s]) +
-                                        " has rows selected but StartPrefetch was never called for them");
-    }
-    if (f == FetchState::kInFlight) f = FetchState::kResident;
-  }
   const int d = shape_.head_dim, group = shape_.group_size(), n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads;
-  const int n_rows = step_rows_;
+  const int n_rows = protocol_.rows();
   const bool nonspec = config_.mode == KvMode::kSpeCacheNonSpec;
   const bool selects = config_.mode == KvMode::kSpeCache || nonspec;
-  const bool appends = step_kind_ == StepKind::kDecode;
-  const int probs_row = step_kind_ == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
+  const bool appends = protocol_.kind() == StepKind::kDecode;
+  const int probs_row = protocol_.kind() == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
   const size_t width = size_t(group) * d;
   SPECACHE_RETURN_IF_ERROR(q_.Reserve(n_rows * width));
   SPECACHE_RETURN_IF_ERROR(out_.Reserve(n_rows * width));
   SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n_rows) * d));
   SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n_rows) * d));
   FetchCounts counts;
-  for (size_t s = 0; s < step_states_.size(); ++s) {
-    const SequenceId id = step_ids_[s];
+  for (size_t s = 0; s < protocol_.ids().size(); ++s) {
+    const SequenceId id = protocol_.ids()[s];
     for (int h = 0; h < n_kv; ++h) {
-      HeadState& head = step_states_[s]->heads[layer][h];
+      HeadState& head = sequences_.at(id).heads[layer][h];
       const size_t first_row = s * n_rows;
       const size_t q_at = (first_row * n_q + size_t(h) * group) * d, kv_at = (first_row * n_kv + h) * d;
       SPECACHE_RETURN_IF_ERROR(Copy2D(q_.get(), width, rows.q + q_at, size_t(n_q) * d, width, n_rows));
@@ -440,70 +395,39 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     }
   }
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "decode layer"));
-  layer_decoded_[layer] = 1;
+  protocol_.AfterDecode(layer);
   AddFetchCounts(counts);
-  if (config_.mode == KvMode::kSpeCache) {
-    for (SequenceState* st : step_states_) st->fetch[layer] = FetchState::kSelected;
-  }
   return Status::Ok();
 }
 
 Status CudaAgent::StartPrefetch(int layer) {
-  if (!step_active_) return Status::FailedPrecondition("StartPrefetch outside a step");
-  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-  if (!layer_decoded_[layer]) {
-    return Status::FailedPrecondition("StartPrefetch(" + std::to_string(layer) + ") before DecodeLayer(" +
-                                      std::to_string(layer) + ") in this step");
-  }
-  if (config_.mode != KvMode::kSpeCache) return Status::Ok();
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<size_t> which, protocol_.PrefetchList(layer));
   FetchCounts counts;
-  for (size_t s = 0; s < step_states_.size(); ++s) {
-    SequenceState* st = step_states_[s];
-    if (st->fetch[layer] != FetchState::kSelected) continue;
+  for (size_t s : which) {
+    const SequenceId id = protocol_.ids()[s];
     for (int h = 0; h < shape_.n_kv_heads; ++h) {
-      SPECACHE_RETURN_IF_ERROR(Fetch(step_ids_[s], layer, h, &st->heads[layer][h], &counts));
+      SPECACHE_RETURN_IF_ERROR(Fetch(id, layer, h, &sequences_.at(id).heads[layer][h], &counts));
     }
-    st->fetch[layer] = FetchState::kInFlight;
   }
   AddFetchCounts(counts);
-  return Cuda(cudaDeviceSynchronize(), "prefetch");
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "prefetch"));
+  protocol_.PrefetchStarted(layer, which);
+  return Status::Ok();
 }
 
 Status CudaAgent::WaitPrefetch(int layer) {
   SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-  for (auto& [id, st] : sequences_) {
-    if (st.fetch[layer] == FetchState::kInFlight) st.fetch[layer] = FetchState::kResident;
-  }
+  protocol_.Wait(layer);  // this version's fetch completed inside StartPrefetch
   return Status::Ok();
 }
 
 Status CudaAgent::EndStep() {
-  if (!step_active_) return Status::FailedPrecondition("EndStep without BeginStep");
-  for (int l = 0; l < shape_.n_layers; ++l) {
-    if (!layer_decoded_[l]) return Status::FailedPrecondition("EndStep before DecodeLayer(" + std::to_string(l) + ")");
-    for (SequenceState* st : step_states_) {
-      if (st->fetch[l] == FetchState::kSelected) {
-        return Status::FailedPrecondition("EndStep before StartPrefetch(" + std::to_string(l) + ")");
-      }
-    }
-  }
-  if (step_kind_ == StepKind::kDecode) ++counters_.steps;
-  step_active_ = false;
-  step_ids_.clear();
-  step_states_.clear();
+  SPECACHE_ASSIGN_OR_RETURN(bool decode, protocol_.End());
+  if (decode) ++counters_.steps;
   return Status::Ok();
 }
 
-void CudaAgent::AbortStep() {
-  for (SequenceState* st : step_states_) {
-    for (int l = 0; l < shape_.n_layers; ++l) {
-      if (st->fetch[l] == FetchState::kSelected) st->fetch[l] = FetchState::kResident;
-    }
-  }
-  step_active_ = false;
-  step_ids_.clear();
-  step_states_.clear();
-}
+void CudaAgent::AbortStep() { protocol_.Abort(); }
 
 }  // namespace
 

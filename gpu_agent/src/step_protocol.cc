@@ -1,0 +1,134 @@
+#include "step_protocol.h"
+
+#include <algorithm>
+#include <set>
+#include <string>
+
+namespace specache {
+namespace {
+std::string Id(SequenceId id) { return std::to_string(id); }
+}  // namespace
+
+Status StepProtocol::CheckRelease(SequenceId id) const {
+  if (active_ && std::count(ids_.begin(), ids_.end(), id)) {
+    return Status::FailedPrecondition("sequence " + Id(id) + " is part of the current step; EndStep or AbortStep first");
+  }
+  return Status::Ok();
+}
+
+Status StepProtocol::CheckLayer(int layer) const {
+  if (layer < 0 || layer >= n_layers_) {
+    return Status::OutOfRange("layer " + std::to_string(layer) + " outside [0, " + std::to_string(n_layers_) + ")");
+  }
+  return Status::Ok();
+}
+
+Status StepProtocol::CheckNoStep(const char* call) const {
+  if (active_) return Status::FailedPrecondition(std::string(call) + " inside a step; call EndStep first");
+  return Status::Ok();
+}
+
+Status StepProtocol::Begin(StepKind kind, int rows, std::span<const SequenceId> ids,
+                           const std::function<Result<int32_t>(SequenceId, int)>& length_at) {
+  if (active_) return Status::FailedPrecondition("BeginStep while a step is active; call EndStep first");
+  if (rows == 0) return Status::FailedPrecondition("mode " + std::string(KvModeName(mode_)) + " has no pre-decode step");
+  if (ids.empty()) return Status::InvalidArgument("a step needs at least one sequence");
+  std::set<SequenceId> seen;
+  for (SequenceId id : ids) {
+    if (!fetch_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    if (!seen.insert(id).second) return Status::InvalidArgument("sequence " + Id(id) + " appears twice in the step");
+    SPECACHE_ASSIGN_OR_RETURN(int32_t length, length_at(id, 0));
+    if (length == 0) return Status::FailedPrecondition("sequence " + Id(id) + " has not been prefilled");
+    for (int l = 1; l < n_layers_; ++l) {
+      SPECACHE_ASSIGN_OR_RETURN(int32_t at, length_at(id, l));
+      if (at != length) {
+        return Status::FailedPrecondition("sequence " + Id(id) + " has " + std::to_string(length) +
+                                          " tokens at layer 0 but " + std::to_string(at) + " at layer " +
+                                          std::to_string(l) + " (prefill every layer first)");
+      }
+    }
+  }
+  active_ = true;
+  kind_ = kind;
+  rows_ = rows;
+  ids_.assign(ids.begin(), ids.end());
+  decoded_.assign(n_layers_, 0);
+  return Status::Ok();
+}
+
+Status StepProtocol::BeforeDecode(int layer) {
+  if (!active_) return Status::FailedPrecondition("DecodeLayer outside a step; call BeginStep first");
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  if (decoded_[layer]) return Status::FailedPrecondition("layer " + std::to_string(layer) + " was already decoded in this step");
+  for (SequenceId id : ids_) {
+    if (fetch_.at(id)[layer] == FetchState::kSelected) {
+      return Status::FailedPrecondition("layer " + std::to_string(layer) + " of sequence " + Id(id) +
+                                        " has rows selected but StartPrefetch was never called for them");
+    }
+  }
+  for (SequenceId id : ids_) {
+    FetchState& f = fetch_.at(id)[layer];
+    if (f == FetchState::kInFlight) f = FetchState::kResident;  // DecodeLayer waits for its own fetch
+  }
+  return Status::Ok();
+}
+
+void StepProtocol::AfterDecode(int layer) {
+  decoded_[layer] = 1;
+  if (mode_ == KvMode::kSpeCache) {
+    for (SequenceId id : ids_) fetch_.at(id)[layer] = FetchState::kSelected;
+  }
+}
+
+Result<std::vector<size_t>> StepProtocol::PrefetchList(int layer) const {
+  if (!active_) return Status::FailedPrecondition("StartPrefetch outside a step");
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  if (!decoded_[layer]) {
+    return Status::FailedPrecondition("StartPrefetch(" + std::to_string(layer) + ") before DecodeLayer(" +
+                                      std::to_string(layer) + ") in this step");
+  }
+  std::vector<size_t> which;
+  if (mode_ != KvMode::kSpeCache) return which;
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    if (fetch_.at(ids_[i])[layer] == FetchState::kSelected) which.push_back(i);
+  }
+  return which;
+}
+
+void StepProtocol::PrefetchStarted(int layer, const std::vector<size_t>& which) {
+  for (size_t i : which) fetch_.at(ids_[i])[layer] = FetchState::kInFlight;
+}
+
+void StepProtocol::Wait(int layer) {
+  for (auto& [id, f] : fetch_) {
+    if (f[layer] == FetchState::kInFlight) f[layer] = FetchState::kResident;
+  }
+}
+
+Result<bool> StepProtocol::End() {
+  if (!active_) return Status::FailedPrecondition("EndStep without BeginStep");
+  for (int l = 0; l < n_layers_; ++l) {
+    if (!decoded_[l]) return Status::FailedPrecondition("EndStep before DecodeLayer(" + std::to_string(l) + ")");
+    for (SequenceId id : ids_) {
+      if (fetch_.at(id)[l] == FetchState::kSelected) {
+        return Status::FailedPrecondition("EndStep before StartPrefetch(" + std::to_string(l) + ")");
+      }
+    }
+  }
+  active_ = false;
+  ids_.clear();
+  return kind_ == StepKind::kDecode;
+}
+
+void StepProtocol::Abort() {
+  for (SequenceId id : ids_) {
+    for (FetchState& f : fetch_.at(id)) {
+      // A selection that was never fetched is dropped; the rows resident before it stay usable.
+      if (f == FetchState::kSelected) f = FetchState::kResident;
+    }
+  }
+  active_ = false;
+  ids_.clear();
+}
+
+}  // namespace specache

@@ -1,0 +1,71 @@
+// The call protocol every agent backend follows (agent.h): which call may come when, each
+// (sequence, layer)'s fetch state (selected -> in flight -> resident), and the specific
+// FAILED_PRECONDITION messages for calls out of order. The backends keep their storage; this
+// class keeps the order.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <span>
+#include <vector>
+
+#include "specache/agent.h"
+
+namespace specache {
+
+enum class FetchState {
+  kNone,      // nothing selected yet
+  kSelected,  // DecodeLayer chose rows; StartPrefetch not called yet
+  kInFlight,  // StartPrefetch called; WaitPrefetch (or the next DecodeLayer) not yet
+  kResident,  // the selected rows are resident
+};
+
+class StepProtocol {
+ public:
+  StepProtocol(int n_layers, KvMode mode) : n_layers_(n_layers), mode_(mode) {}
+
+  void AddSequence(SequenceId id) { fetch_[id].assign(n_layers_, FetchState::kNone); }
+  // FAILED_PRECONDITION while the sequence is part of the current step.
+  Status CheckRelease(SequenceId id) const;
+  void RemoveSequence(SequenceId id) { fetch_.erase(id); }
+
+  Status CheckLayer(int layer) const;
+  // FAILED_PRECONDITION naming `call` when a step is active.
+  Status CheckNoStep(const char* call) const;
+
+  // Starts a step of `rows` rows per sequence. `length_at(id, layer)` gives a sequence's tokens at a
+  // layer (NOT_FOUND for unknown ids); every layer must hold the same, non-zero length.
+  Status Begin(StepKind kind, int rows, std::span<const SequenceId> ids,
+               const std::function<Result<int32_t>(SequenceId, int)>& length_at);
+  // Before DecodeLayer's work: the step is active, the layer valid and not yet decoded, and no
+  // selection is waiting for its StartPrefetch. A fetch in flight counts as resident from here on.
+  Status BeforeDecode(int layer);
+  // After DecodeLayer's work: in specache mode, the layer's new selection waits for StartPrefetch.
+  void AfterDecode(int layer);
+  // StartPrefetch: indices (into ids()) of the sequences whose selection must be fetched now
+  // (empty outside specache mode). FAILED_PRECONDITION before the layer's DecodeLayer.
+  Result<std::vector<size_t>> PrefetchList(int layer) const;
+  void PrefetchStarted(int layer, const std::vector<size_t>& which);
+  void Wait(int layer);
+  // Ends the step; true when it was a decode step (for the step count).
+  Result<bool> End();
+  void Abort();
+
+  bool active() const { return active_; }
+  StepKind kind() const { return kind_; }
+  int rows() const { return rows_; }
+  const std::vector<SequenceId>& ids() const { return ids_; }
+
+ private:
+  int n_layers_;
+  KvMode mode_;
+  std::map<SequenceId, std::vector<FetchState>> fetch_;  // [layer] per sequence
+  bool active_ = false;
+  StepKind kind_ = StepKind::kDecode;
+  int rows_ = 0;
+  std::vector<SequenceId> ids_;
+  std::vector<uint8_t> decoded_;  // [layer]
+};
+
+}  // namespace specache
