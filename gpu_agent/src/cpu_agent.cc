@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <set>
 #include <string>
 
 #include "parallel_for.h"
@@ -28,18 +27,12 @@ struct SequenceState {
   std::vector<std::vector<HeadState>> heads;  // [layer][kv_head]
 };
 
-struct FetchCounts {
-  int64_t selected = 0;
-  int64_t fetched = 0;
-  int64_t reused = 0;
-};
-
 std::string Id(SequenceId id) { return std::to_string(id); }
 
 class CpuAgent final : public Agent {
  public:
   CpuAgent(const ModelShape& shape, const KvConfig& config, FullPrecisionSource* source)
-      : shape_(shape), config_(config), source_(source), protocol_(shape.n_layers, config.mode) {
+      : shape_(shape), config_(config), source_(source), protocol_(shape, config.mode) {
     params_.head_dim = shape.head_dim;
     params_.key_bits = config.effective_key_bits();
     params_.value_bits = config.effective_value_bits();
@@ -72,11 +65,7 @@ class CpuAgent final : public Agent {
     return source_->ReleaseSequence(id).WithContext("source");
   }
 
-  Result<int32_t> SequenceLength(SequenceId id) const override {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    return it->second.heads[0][0].replica.length();
-  }
+  Result<int32_t> SequenceLength(SequenceId id) const override { return LengthAt(id, 0); }
 
   Status PrefillLayer(int layer, const PrefillBatch& batch) override;
   Status BeginStep(StepKind kind, std::span<const SequenceId> sequences) override;
@@ -89,11 +78,7 @@ class CpuAgent final : public Agent {
   Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-    if (kv_head < 0 || kv_head >= shape_.n_kv_heads) {
-      return Status::OutOfRange("kv head " + std::to_string(kv_head) + " outside [0, " +
-                                std::to_string(shape_.n_kv_heads) + ")");
-    }
+    SPECACHE_RETURN_IF_ERROR(protocol_.CheckHead(layer, kv_head));
     return it->second.heads[layer][kv_head].resident;
   }
 
@@ -112,16 +97,17 @@ class CpuAgent final : public Agent {
 
  private:
   Status CheckLayer(int layer) const { return protocol_.CheckLayer(layer); }
+  // Tokens of a sequence at a layer (the protocol's view of this backend's storage).
+  Result<int32_t> LengthAt(SequenceId id, int layer) const {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    return it->second.heads[layer][0].replica.length();
+  }
   // The step's sequences, in BeginStep's order.
   SequenceState& StepSequence(size_t i) { return sequences_.at(protocol_.ids()[i]); }
 
   void AddFetchCounts(const std::vector<FetchCounts>& counts) {
-    for (const FetchCounts& c : counts) {
-      counters_.rows_selected += c.selected;
-      counters_.rows_fetched += c.fetched;
-      counters_.rows_reused += c.reused;
-      counters_.bytes_fetched += c.fetched * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
-    }
+    for (const FetchCounts& c : counts) specache::AddFetchCounts(c, shape_.head_dim, &counters_);
   }
 
   // Makes `selected` resident: rows already resident are kept, the rest read from the source.
@@ -145,31 +131,10 @@ class CpuAgent final : public Agent {
 };
 
 Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
-  SPECACHE_RETURN_IF_ERROR(protocol_.CheckNoStep("PrefillLayer"));
-  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  SPECACHE_RETURN_IF_ERROR(protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return LengthAt(id, l); }));
   const size_t n_seq = batch.sequences.size();
-  if (n_seq == 0) return Status::InvalidArgument("prefill batch has no sequences");
-  if (batch.token_offsets.size() != n_seq + 1 || batch.token_offsets[0] != 0) {
-    return Status::InvalidArgument("token_offsets must have sequences+1 entries starting at 0");
-  }
-  if (!batch.k || !batch.v) return Status::InvalidArgument("prefill batch has a null k or v");
-  if (batch.out && !batch.q) return Status::InvalidArgument("prefill batch asks for attention (out) but has no q");
   std::vector<SequenceState*> states(n_seq);
-  std::set<SequenceId> seen;
-  for (size_t i = 0; i < n_seq; ++i) {
-    const SequenceId id = batch.sequences[i];
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    if (!seen.insert(id).second) return Status::InvalidArgument("sequence " + Id(id) + " appears twice in the batch");
-    if (batch.token_offsets[i + 1] <= batch.token_offsets[i]) {
-      return Status::InvalidArgument("sequence " + Id(id) + " has no prompt tokens (offsets must increase)");
-    }
-    if (it->second.heads[layer][0].replica.length() != 0) {
-      return Status::FailedPrecondition("sequence " + Id(id) + " already holds tokens at layer " + std::to_string(layer) +
-                                        "; prefill works on empty sequences");
-    }
-    states[i] = &it->second;
-  }
+  for (size_t i = 0; i < n_seq; ++i) states[i] = &sequences_.at(batch.sequences[i]);
 
   const int d = shape_.head_dim;
   const int group = shape_.group_size();
@@ -210,11 +175,8 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
 }
 
 Status CpuAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
-  return protocol_.Begin(kind, RowsPerSequence(kind), sequences, [this](SequenceId id, int layer) -> Result<int32_t> {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    return it->second.heads[layer][0].replica.length();
-  });
+  return protocol_.Begin(kind, RowsPerSequence(kind), sequences,
+                         [this](SequenceId id, int layer) { return LengthAt(id, layer); });
 }
 
 Status CpuAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const {
@@ -282,12 +244,7 @@ Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     }
     cpu::AttentionWorkspace ws;
     const int32_t n_qk = head.replica.quantized_keys();
-    // The next step's candidates are the tokens quantized by then. If this step's append fills the
-    // key residual, its R tokens (the real token included) are quantized right after this
-    // attention, so they compete too: their rows were never fetched and would otherwise be seen
-    // only in low bits until selected at a later step.
-    const bool flushes = appends && head.replica.residual_keys() + 1 == config_.residual_tokens;
-    const int32_t n_candidates = nonspec ? n_qk : n_qk + (flushes ? config_.residual_tokens : 0);
+    const int32_t n_candidates = TopKCandidates(config_, appends, head.replica.length(), n_qk);
     std::vector<float> probs(selects ? static_cast<size_t>(group) * n_candidates : 0);
     std::vector<float> scratch;
     cpu::SubstitutedRows sub{head.resident.data(), head.resident_rows.data(), static_cast<int32_t>(head.resident.size())};

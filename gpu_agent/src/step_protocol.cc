@@ -9,6 +9,19 @@ namespace {
 std::string Id(SequenceId id) { return std::to_string(id); }
 }  // namespace
 
+void AddFetchCounts(const FetchCounts& c, int head_dim, AgentStats* stats) {
+  stats->rows_selected += c.selected;
+  stats->rows_fetched += c.fetched;
+  stats->rows_reused += c.reused;
+  stats->bytes_fetched += c.fetched * 2 * head_dim * static_cast<int64_t>(sizeof(Half));
+}
+
+int32_t TopKCandidates(const KvConfig& config, bool appends, int32_t length, int32_t quantized_keys) {
+  if (config.mode == KvMode::kSpeCacheNonSpec) return quantized_keys;
+  const bool flushes = appends && length - quantized_keys + 1 == config.residual_tokens;
+  return quantized_keys + (flushes ? config.residual_tokens : 0);
+}
+
 Status StepProtocol::CheckRelease(SequenceId id) const {
   if (active_ && std::count(ids_.begin(), ids_.end(), id)) {
     return Status::FailedPrecondition("sequence " + Id(id) + " is part of the current step; EndStep or AbortStep first");
@@ -23,13 +36,47 @@ Status StepProtocol::CheckLayer(int layer) const {
   return Status::Ok();
 }
 
+Status StepProtocol::CheckHead(int layer, int kv_head) const {
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  if (kv_head < 0 || kv_head >= n_kv_heads_) {
+    return Status::OutOfRange("kv head " + std::to_string(kv_head) + " outside [0, " + std::to_string(n_kv_heads_) + ")");
+  }
+  return Status::Ok();
+}
+
+Status StepProtocol::CheckPrefill(int layer, const PrefillBatch& batch, const LengthAt& length_at) const {
+  SPECACHE_RETURN_IF_ERROR(CheckNoStep("PrefillLayer"));
+  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  const size_t n_seq = batch.sequences.size();
+  if (n_seq == 0) return Status::InvalidArgument("prefill batch has no sequences");
+  if (batch.token_offsets.size() != n_seq + 1 || batch.token_offsets[0] != 0) {
+    return Status::InvalidArgument("token_offsets must have sequences+1 entries starting at 0");
+  }
+  if (!batch.k || !batch.v) return Status::InvalidArgument("prefill batch has a null k or v");
+  if (batch.out && !batch.q) return Status::InvalidArgument("prefill batch asks for attention (out) but has no q");
+  std::set<SequenceId> seen;
+  for (size_t i = 0; i < n_seq; ++i) {
+    const SequenceId id = batch.sequences[i];
+    if (!fetch_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    if (!seen.insert(id).second) return Status::InvalidArgument("sequence " + Id(id) + " appears twice in the batch");
+    if (batch.token_offsets[i + 1] <= batch.token_offsets[i]) {
+      return Status::InvalidArgument("sequence " + Id(id) + " has no prompt tokens (offsets must increase)");
+    }
+    SPECACHE_ASSIGN_OR_RETURN(int32_t length, length_at(id, layer));
+    if (length != 0) {
+      return Status::FailedPrecondition("sequence " + Id(id) + " already holds tokens at layer " + std::to_string(layer) +
+                                        "; prefill works on empty sequences");
+    }
+  }
+  return Status::Ok();
+}
+
 Status StepProtocol::CheckNoStep(const char* call) const {
   if (active_) return Status::FailedPrecondition(std::string(call) + " inside a step; call EndStep first");
   return Status::Ok();
 }
 
-Status StepProtocol::Begin(StepKind kind, int rows, std::span<const SequenceId> ids,
-                           const std::function<Result<int32_t>(SequenceId, int)>& length_at) {
+Status StepProtocol::Begin(StepKind kind, int rows, std::span<const SequenceId> ids, const LengthAt& length_at) {
   if (active_) return Status::FailedPrecondition("BeginStep while a step is active; call EndStep first");
   if (rows == 0) return Status::FailedPrecondition("mode " + std::string(KvModeName(mode_)) + " has no pre-decode step");
   if (ids.empty()) return Status::InvalidArgument("a step needs at least one sequence");

@@ -21,9 +21,27 @@ enum class FetchState {
   kResident,  // the selected rows are resident
 };
 
+// Rows fetched for one (sequence, layer, head) or a whole call, and their bookkeeping in the stats.
+struct FetchCounts {
+  int64_t selected = 0;
+  int64_t fetched = 0;
+  int64_t reused = 0;
+};
+void AddFetchCounts(const FetchCounts& counts, int head_dim, AgentStats* stats);
+
+// How many leading tokens compete in a head's top-k this step. The next step's candidates are the
+// tokens quantized by then: if this step's append fills the key residual (`appends` and one token
+// short of R), its R tokens (the real token included) are quantized right after this attention,
+// so they compete too; their rows were never fetched and would otherwise be seen only in low bits
+// until selected at a later step. The non-speculative mode selects for this step: quantized keys.
+int32_t TopKCandidates(const KvConfig& config, bool appends, int32_t length, int32_t quantized_keys);
+
+// A sequence's tokens at a layer (NOT_FOUND for unknown ids), as a backend stores them.
+using LengthAt = std::function<Result<int32_t>(SequenceId, int)>;
+
 class StepProtocol {
  public:
-  StepProtocol(int n_layers, KvMode mode) : n_layers_(n_layers), mode_(mode) {}
+  StepProtocol(const ModelShape& shape, KvMode mode) : n_layers_(shape.n_layers), n_kv_heads_(shape.n_kv_heads), mode_(mode) {}
 
   void AddSequence(SequenceId id) { fetch_[id].assign(n_layers_, FetchState::kNone); }
   // FAILED_PRECONDITION while the sequence is part of the current step.
@@ -31,13 +49,16 @@ class StepProtocol {
   void RemoveSequence(SequenceId id) { fetch_.erase(id); }
 
   Status CheckLayer(int layer) const;
+  Status CheckHead(int layer, int kv_head) const;
+  // PrefillLayer's preconditions: no step, a valid layer, a well-formed batch of distinct, registered
+  // sequences that hold no token yet at this layer.
+  Status CheckPrefill(int layer, const PrefillBatch& batch, const LengthAt& length_at) const;
   // FAILED_PRECONDITION naming `call` when a step is active.
   Status CheckNoStep(const char* call) const;
 
   // Starts a step of `rows` rows per sequence. `length_at(id, layer)` gives a sequence's tokens at a
   // layer (NOT_FOUND for unknown ids); every layer must hold the same, non-zero length.
-  Status Begin(StepKind kind, int rows, std::span<const SequenceId> ids,
-               const std::function<Result<int32_t>(SequenceId, int)>& length_at);
+  Status Begin(StepKind kind, int rows, std::span<const SequenceId> ids, const LengthAt& length_at);
   // Before DecodeLayer's work: the step is active, the layer valid and not yet decoded, and no
   // selection is waiting for its StartPrefetch. A fetch in flight counts as resident from here on.
   Status BeforeDecode(int layer);
@@ -59,6 +80,7 @@ class StepProtocol {
 
  private:
   int n_layers_;
+  int n_kv_heads_;
   KvMode mode_;
   std::map<SequenceId, std::vector<FetchState>> fetch_;  // [layer] per sequence
   bool active_ = false;

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <set>
 #include <string>
 
 #include "specache/agent.h"
@@ -74,16 +73,12 @@ struct SequenceState {
   std::vector<std::vector<HeadState>> heads;  // [layer][kv_head]
 };
 
-struct FetchCounts {
-  int64_t selected = 0, fetched = 0, reused = 0;
-};
-
 std::string Id(SequenceId id) { return std::to_string(id); }
 
 class CudaAgent final : public Agent {
  public:
   CudaAgent(const ModelShape& shape, const KvConfig& config, FullPrecisionSource* source, const CudaAgentOptions& o)
-      : shape_(shape), config_(config), source_(source), options_(o), protocol_(shape.n_layers, config.mode) {
+      : shape_(shape), config_(config), source_(source), options_(o), protocol_(shape, config.mode) {
     params_ = {shape.head_dim, config.effective_key_bits(), config.effective_value_bits(), config.group_size,
                config.residual_tokens};
     scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
@@ -118,11 +113,7 @@ class CudaAgent final : public Agent {
     return source_->ReleaseSequence(id).WithContext("source");
   }
 
-  Result<int32_t> SequenceLength(SequenceId id) const override {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    return it->second.heads[0][0].replica->length();
-  }
+  Result<int32_t> SequenceLength(SequenceId id) const override { return LengthAt(id, 0); }
 
   Status PrefillLayer(int layer, const PrefillBatch& batch) override;
   Status BeginStep(StepKind kind, std::span<const SequenceId> sequences) override;
@@ -135,8 +126,7 @@ class CudaAgent final : public Agent {
   Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-    if (kv_head < 0 || kv_head >= shape_.n_kv_heads) return Status::OutOfRange("kv head " + std::to_string(kv_head));
+    SPECACHE_RETURN_IF_ERROR(protocol_.CheckHead(layer, kv_head));
     return it->second.heads[layer][kv_head].resident;
   }
 
@@ -156,12 +146,13 @@ class CudaAgent final : public Agent {
 
  private:
   Status CheckLayer(int layer) const { return protocol_.CheckLayer(layer); }
-  void AddFetchCounts(const FetchCounts& c) {
-    counters_.rows_selected += c.selected;
-    counters_.rows_fetched += c.fetched;
-    counters_.rows_reused += c.reused;
-    counters_.bytes_fetched += c.fetched * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
+  // Tokens of a sequence at a layer (the protocol's view of this backend's storage).
+  Result<int32_t> LengthAt(SequenceId id, int layer) const {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+    return it->second.heads[layer][0].replica->length();
   }
+  void AddFetchCounts(const FetchCounts& c) { specache::AddFetchCounts(c, shape_.head_dim, &counters_); }
   // Copies `rows` rows of `width` floats from a strided device tensor into a packed one (or back).
   static Status Copy2D(float* dst, size_t dst_pitch, const float* src, size_t src_pitch, size_t width, size_t rows) {
     return Cuda(cudaMemcpy2DAsync(dst, dst_pitch * sizeof(float), src, src_pitch * sizeof(float), width * sizeof(float),
@@ -206,26 +197,8 @@ Status CudaAgent::AppendToSource(SequenceId id, int layer, int h, int32_t first_
 }
 
 Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
-  SPECACHE_RETURN_IF_ERROR(protocol_.CheckNoStep("PrefillLayer"));
-  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
+  SPECACHE_RETURN_IF_ERROR(protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return LengthAt(id, l); }));
   const size_t n_seq = batch.sequences.size();
-  if (n_seq == 0) return Status::InvalidArgument("prefill batch has no sequences");
-  if (batch.token_offsets.size() != n_seq + 1 || batch.token_offsets[0] != 0) {
-    return Status::InvalidArgument("token_offsets must have sequences+1 entries starting at 0");
-  }
-  if (!batch.k || !batch.v) return Status::InvalidArgument("prefill batch has a null k or v");
-  if (batch.out && !batch.q) return Status::InvalidArgument("prefill batch asks for attention (out) but has no q");
-  std::set<SequenceId> seen;
-  for (size_t i = 0; i < n_seq; ++i) {
-    auto it = sequences_.find(batch.sequences[i]);
-    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(batch.sequences[i]) + " is not registered");
-    if (!seen.insert(batch.sequences[i]).second) return Status::InvalidArgument("a sequence appears twice in the batch");
-    if (batch.token_offsets[i + 1] <= batch.token_offsets[i]) return Status::InvalidArgument("offsets must increase");
-    if (it->second.heads[layer][0].replica->length() != 0) {
-      return Status::FailedPrecondition("sequence " + Id(batch.sequences[i]) + " already holds tokens at layer " +
-                                        std::to_string(layer) + "; prefill works on empty sequences");
-    }
-  }
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
   for (size_t s = 0; s < n_seq; ++s) {
     const SequenceId id = batch.sequences[s];
@@ -255,11 +228,8 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
 }
 
 Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
-  return protocol_.Begin(kind, RowsPerSequence(kind), sequences, [this](SequenceId id, int layer) -> Result<int32_t> {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    return it->second.heads[layer][0].replica->length();
-  });
+  return protocol_.Begin(kind, RowsPerSequence(kind), sequences,
+                         [this](SequenceId id, int layer) { return LengthAt(id, layer); });
 }
 
 Status CudaAgent::Select(int32_t n_candidates, HeadState* h) {
@@ -351,10 +321,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
       SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.v + kv_at, n_rows, d, int64_t{n_kv} * d, v_.get(), nullptr));
       const cuda::DeviceHeadReplica& rep = *head.replica;
       const int32_t n_qk = rep.quantized_keys();
-      // As in the CPU backend: a step whose append fills the key residual also offers those R
-      // tokens as candidates (they are quantized right after this attention).
-      const bool flushes = appends && rep.length() - n_qk + 1 == config_.residual_tokens;
-      const int32_t n_candidates = nonspec ? n_qk : n_qk + (flushes ? config_.residual_tokens : 0);
+      const int32_t n_candidates = TopKCandidates(config_, appends, rep.length(), n_qk);
       SPECACHE_RETURN_IF_ERROR(scores_.Reserve(size_t(n_rows) * group * (rep.length() + n_rows)));
       SPECACHE_RETURN_IF_ERROR(probs_.Reserve(size_t(group) * std::max<int32_t>(n_candidates, 1)));
       cuda::DeviceDecodeRows r;
