@@ -5,6 +5,7 @@
 
 #include <cctype>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <toml++/toml.h>
@@ -25,22 +26,29 @@ Result<uint64_t> BytesOf(const toml::node& node, const std::string& key) {
   return Status::InvalidArgument(key + " must be a number of bytes or a string like \"8GiB\"");
 }
 
-Result<uint32_t> UserId(const toml::node& node) {
+// A users/groups entry: a number is the id itself; a name is looked up (getpwnam / getgrnam).
+template <typename Lookup>
+Result<uint32_t> IdOf(const toml::node& node, const char* kind, Lookup lookup) {
   if (auto v = node.value<int64_t>()) return static_cast<uint32_t>(*v);
   if (auto s = node.value<std::string>()) {
-    if (const passwd* pw = getpwnam(s->c_str())) return pw->pw_uid;
-    return Status::InvalidArgument("unknown user '" + *s + "'");
+    if (auto id = lookup(s->c_str())) return *id;
+    return Status::InvalidArgument(std::string("unknown ") + kind + " '" + *s + "'");
   }
-  return Status::InvalidArgument("users entries must be names or uids");
+  return Status::InvalidArgument(std::string(kind) + "s entries must be names or " + (kind[0] == 'u' ? "uids" : "gids"));
+}
+
+Result<uint32_t> UserId(const toml::node& node) {
+  return IdOf(node, "user", [](const char* name) -> std::optional<uint32_t> {
+    const passwd* pw = getpwnam(name);
+    return pw ? std::optional<uint32_t>(pw->pw_uid) : std::nullopt;
+  });
 }
 
 Result<uint32_t> GroupId(const toml::node& node) {
-  if (auto v = node.value<int64_t>()) return static_cast<uint32_t>(*v);
-  if (auto s = node.value<std::string>()) {
-    if (const group* gr = getgrnam(s->c_str())) return gr->gr_gid;
-    return Status::InvalidArgument("unknown group '" + *s + "'");
-  }
-  return Status::InvalidArgument("groups entries must be names or gids");
+  return IdOf(node, "group", [](const char* name) -> std::optional<uint32_t> {
+    const group* gr = getgrnam(name);
+    return gr ? std::optional<uint32_t>(gr->gr_gid) : std::nullopt;
+  });
 }
 
 }  // namespace

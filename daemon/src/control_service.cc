@@ -47,7 +47,7 @@ grpc::Status ControlService::OpenSession(grpc::ServerContext*, const v1::OpenSes
   resp->set_token(std::string(opened->token.begin(), opened->token.end()));
   resp->set_attach_path(attach_path_);
   resp->set_chunk_count(opened->chunk_count);
-  resp->set_chunk_bytes(registry_->Stats().chunk_bytes);
+  resp->set_chunk_bytes(registry_->chunk_bytes());
   resp->set_lease_ms(lease_ms_);
   return Finish(Status::Ok());
 }

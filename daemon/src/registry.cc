@@ -82,14 +82,18 @@ Result<OpenedSession> Registry::OpenSession(const std::string& tenant, uint64_t 
   s.id = next_session_++;
   s.tenant = tenant;
   s.client_name = client_name;
+  // On a failure below the chunks go back untouched by any client (never attached).
+  auto give_back = [&] {
+    if (Status r = pool_->Return(chunks, false); !r.ok()) spdlog::error("session {}: {}", s.id, r.ToString());
+  };
   if (getrandom(s.token.data(), s.token.size(), 0) != static_cast<ssize_t>(s.token.size())) {
-    pool_->Return(chunks, false);
+    give_back();
     return Status::Internal("getrandom failed");
   }
   auto pages = SessionPages::Create(s.id, pool_, chunks,
                                     {config_.max_sequences_per_session, config_.max_page_refs_per_session});
   if (!pages.ok()) {
-    pool_->Return(chunks, false);
+    give_back();
     return pages.status();
   }
   s.pages = std::move(pages).value();

@@ -101,6 +101,7 @@ class Registry {
   void Reap();
 
   RegistryStats Stats() const;
+  uint64_t chunk_bytes() const { return pool_->chunk_bytes(); }
   std::vector<SessionSummary> Sessions() const;
   std::vector<SequenceSummary> Sequences() const;
 

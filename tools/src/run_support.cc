@@ -65,7 +65,8 @@ Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvCo
   } else {
     run->source = std::make_unique<InMemorySource>();
   }
-  const bool cuda = backend == "cuda" || (backend == "auto" && ProbeCudaDevice().ok());
+  static const bool gpu_usable = ProbeCudaDevice().ok();  // once per process, not once per mode run
+  const bool cuda = backend == "cuda" || (backend == "auto" && gpu_usable);
   if (backend != "cpu" && backend != "cuda" && backend != "auto") {
     return Status::InvalidArgument("--backend is auto, cpu or cuda, not '" + backend + "'");
   }

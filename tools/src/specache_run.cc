@@ -149,14 +149,11 @@ Result<std::vector<nlohmann::json>> NiahPoint(const LoadedModel& m, const NiahAr
   return results;
 }
 
-Result<std::vector<KvConfig>> Configs(const NiahArgs& a) {
+// One config per --modes entry, or the --kv options alone when there is none.
+Result<std::vector<KvConfig>> Configs(const KvOptions& kv, const std::vector<std::string>& modes) {
   std::vector<KvConfig> configs;
-  if (a.modes.empty()) {
-    SPECACHE_ASSIGN_OR_RETURN(KvConfig c, ToConfig(a.kv));
-    configs.push_back(c);
-  }
-  for (const std::string& mode : a.modes) {
-    SPECACHE_ASSIGN_OR_RETURN(KvConfig c, ToConfig(a.kv, mode));
+  for (const std::string& mode : modes.empty() ? std::vector<std::string>{""} : modes) {
+    SPECACHE_ASSIGN_OR_RETURN(KvConfig c, ToConfig(kv, mode));
     configs.push_back(c);
   }
   return configs;
@@ -165,7 +162,7 @@ Result<std::vector<KvConfig>> Configs(const NiahArgs& a) {
 Status Niah(const NiahArgs& a) {
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(std::string haystack, ReadFile(a.haystack_file));
-  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a));
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a.kv, a.modes));
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(configs.size())));
   SPECACHE_ASSIGN_OR_RETURN(auto results, NiahPoint(m, a, haystack, configs, a.lengths[0], a.depths[0], memory.get()));
   for (const auto& j : results) {
@@ -189,7 +186,7 @@ std::string Fixed(double v, int digits) {
 Status NiahGrid(const NiahArgs& a) {
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(std::string haystack, ReadFile(a.haystack_file));
-  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a));
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a.kv, a.modes));
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(configs.size())));
   const size_t n_modes = configs.size(), n_len = a.lengths.size(), n_depth = a.depths.size();
   // correct[mode][depth][length]
@@ -282,11 +279,7 @@ Status Fidelity(const FidelityArgs& a) {
   KvOptions full_options = a.kv;
   full_options.kv = "full";
   SPECACHE_ASSIGN_OR_RETURN(KvConfig full_config, ToConfig(full_options));
-  std::vector<KvConfig> configs;
-  for (const std::string& mode : a.modes.empty() ? std::vector<std::string>{""} : a.modes) {
-    SPECACHE_ASSIGN_OR_RETURN(KvConfig c, ToConfig(a.kv, mode));
-    configs.push_back(c);
-  }
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a.kv, a.modes));
   // One full-precision reference and one run per mode, all from one shared prefill.
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(configs.size()) + 1));
   SPECACHE_ASSIGN_OR_RETURN(auto full, MakeModeRun(*m.model, full_config, memory.get(), a.kv.backend));
