@@ -219,6 +219,7 @@ Session::~Session() = default;
 uint64_t Session::id() const { return impl_->id; }
 uint64_t Session::chunk_bytes() const { return impl_->chunk_bytes; }
 uint32_t Session::chunk_count() const { return static_cast<uint32_t>(impl_->chunks.size()); }
+uint8_t* Session::chunk_data(uint32_t i) const { return i < impl_->chunks.size() ? impl_->chunks[i] : nullptr; }
 uint64_t Session::extend_rpcs() const { return impl_->extend_rpcs.load(); }
 
 Result<uint64_t> Session::CreateSequence(const PageLayoutSpec& l) {

@@ -86,34 +86,67 @@ uint8_t* DaemonSource::RowAddress(const Sequence& s, int layer, int kv_head, int
   return s.pages[layer][page] + (uint64_t{static_cast<uint32_t>(kv_head)} * page_tokens_ + in_page) * row_bytes;
 }
 
-Status DaemonSource::AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
-                                int32_t n) {
-  SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
+Result<std::atomic<int32_t>*> DaemonSource::LengthOf(Sequence* s, int layer, int kv_head) const {
   if (layer < 0 || layer >= s->layout.n_layers || kv_head < 0 || kv_head >= s->layout.n_kv_heads) {
     return Status::OutOfRange("layer/head outside the sequence layout");
   }
+  return &s->lengths[static_cast<size_t>(layer) * s->layout.n_kv_heads + kv_head];
+}
+
+Status DaemonSource::AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
+                                int32_t n) {
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, LengthOf(s, layer, kv_head));
   if (n < 0) return Status::InvalidArgument("negative row count");
-  std::atomic<int32_t>& length = s->lengths[static_cast<size_t>(layer) * s->layout.n_kv_heads + kv_head];
-  if (first_token != length.load()) {
+  if (first_token != length->load()) {
     return Status::FailedPrecondition("append at token " + std::to_string(first_token) + " but the length is " +
-                                      std::to_string(length.load()));
+                                      std::to_string(length->load()));
   }
   SPECACHE_RETURN_IF_ERROR(EnsurePages(s, first_token + n));
   const size_t row_bytes = static_cast<size_t>(s->layout.row_bytes());
   for (int32_t i = 0; i < n; ++i) {
     std::memcpy(RowAddress(*s, layer, kv_head, first_token + i), rows + i * row_bytes / sizeof(Half), row_bytes);
   }
-  length.store(first_token + n, std::memory_order_release);
+  length->store(first_token + n, std::memory_order_release);
+  return Status::Ok();
+}
+
+std::vector<HostRegion> DaemonSource::host_regions() const {
+  std::vector<HostRegion> regions;
+  for (uint32_t i = 0; i < session_->chunk_count(); ++i) regions.push_back({session_->chunk_data(i), session_->chunk_bytes()});
+  return regions;
+}
+
+Status DaemonSource::HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) {
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
+  SPECACHE_RETURN_IF_ERROR(LengthOf(s, layer, 0).status());
+  if (tokens < 0) return Status::InvalidArgument("negative token count");
+  SPECACHE_RETURN_IF_ERROR(EnsurePages(s, tokens));
+  const auto& all = s->pages[layer];
+  pages->assign(all.begin(), all.begin() + (static_cast<uint32_t>(tokens) + page_tokens_ - 1) / page_tokens_);
+  return Status::Ok();
+}
+
+Status DaemonSource::CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) {
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, LengthOf(s, layer, kv_head));
+  if (n < 0) return Status::InvalidArgument("negative row count");
+  if (first_token != length->load()) {
+    return Status::FailedPrecondition("commit at token " + std::to_string(first_token) + " but the length is " +
+                                      std::to_string(length->load()));
+  }
+  if (uint64_t{s->published_pages.load(std::memory_order_acquire)} * page_tokens_ < uint64_t(first_token) + n) {
+    return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
+  }
+  length->store(first_token + n, std::memory_order_release);
   return Status::Ok();
 }
 
 Status DaemonSource::ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
                               Half* out) const {
   SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
-  if (layer < 0 || layer >= s->layout.n_layers || kv_head < 0 || kv_head >= s->layout.n_kv_heads) {
-    return Status::OutOfRange("layer/head outside the sequence layout");
-  }
-  const int32_t length = s->lengths[static_cast<size_t>(layer) * s->layout.n_kv_heads + kv_head].load(std::memory_order_acquire);
+  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length_of, LengthOf(s, layer, kv_head));
+  const int32_t length = length_of->load(std::memory_order_acquire);
   const size_t row_bytes = static_cast<size_t>(s->layout.row_bytes());
   for (int32_t i = 0; i < n; ++i) {
     if (tokens[i] < 0 || tokens[i] >= length) return Status::OutOfRange("token " + std::to_string(tokens[i]) + " not written");
@@ -124,10 +157,8 @@ Status DaemonSource::ReadRows(SequenceId sequence, int layer, int kv_head, const
 
 Result<int32_t> DaemonSource::Length(SequenceId sequence, int layer, int kv_head) const {
   SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
-  if (layer < 0 || layer >= s->layout.n_layers || kv_head < 0 || kv_head >= s->layout.n_kv_heads) {
-    return Status::OutOfRange("layer/head outside the sequence layout");
-  }
-  return s->lengths[static_cast<size_t>(layer) * s->layout.n_kv_heads + kv_head].load();
+  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, LengthOf(s, layer, kv_head));
+  return length->load();
 }
 
 int64_t DaemonSource::stored_bytes() const {

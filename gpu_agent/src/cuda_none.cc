@@ -1,5 +1,6 @@
 // Builds without CUDA: the CUDA entry points report that there is no GPU.
 #include "specache/cuda_attention.h"
+#include "specache/cuda_fetch.h"
 #include "specache/cuda_gather.h"
 #include "specache/cuda_quantize.h"
 #include "specache/cuda_topk.h"
@@ -12,9 +13,12 @@ Status NoCuda() { return Status::Unavailable("built without CUDA"); }
 Result<uint64_t> RegisterHostMemory(void*, size_t) { return NoCuda(); }
 Status UnregisterHostMemory(void*) { return NoCuda(); }
 Status LaunchGatherRows(const uint64_t*, void*, int64_t, int, int, void*, const uint32_t*) { return NoCuda(); }
+Status FetchRows(const FetchTask*, int, int, int, int, FetchCounters*, void*) { return NoCuda(); }
+Status WriteRows(const WriteTask*, int, int, int, void*) { return NoCuda(); }
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status AttendDecodeRows(const DeviceReplicaView&, const DeviceDecodeRows&, void*) { return NoCuda(); }
+Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*) { return NoCuda(); }
 Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, float, float*, float*, void*) {
   return NoCuda();
 }

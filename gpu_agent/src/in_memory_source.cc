@@ -1,11 +1,24 @@
 #include "specache/in_memory_source.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
 
 namespace specache {
+namespace {
+
+constexpr size_t kAlign = 4096;
+
+}  // namespace
+
+InMemorySource::InMemorySource(int32_t page_tokens, size_t slab_bytes)
+    : page_tokens_(std::max<int32_t>(page_tokens, 1)), slab_bytes_(slab_bytes) {}
+
+InMemorySource::~InMemorySource() {
+  for (const HostRegion& r : slabs_) std::free(r.base);
+}
 
 Status InMemorySource::CreateSequence(SequenceId sequence, const SequenceLayout& layout) {
   if (layout.n_layers <= 0 || layout.n_kv_heads <= 0 || layout.head_dim <= 0) {
@@ -17,16 +30,20 @@ Status InMemorySource::CreateSequence(SequenceId sequence, const SequenceLayout&
   }
   auto seq = std::make_unique<Sequence>();
   seq->layout = layout;
-  seq->rows.resize(static_cast<size_t>(layout.n_layers) * layout.n_kv_heads);
+  seq->page_bytes = static_cast<size_t>(layout.n_kv_heads) * page_tokens_ * static_cast<size_t>(layout.row_bytes());
+  seq->pages.resize(layout.n_layers);
+  seq->lengths.assign(static_cast<size_t>(layout.n_layers) * layout.n_kv_heads, 0);
   sequences_.emplace(sequence, std::move(seq));
   return Status::Ok();
 }
 
 Status InMemorySource::ReleaseSequence(SequenceId sequence) {
   std::unique_lock lock(mutex_);
-  if (sequences_.erase(sequence) == 0) {
-    return Status::NotFound("sequence " + std::to_string(sequence) + " does not exist");
-  }
+  auto it = sequences_.find(sequence);
+  if (it == sequences_.end()) return Status::NotFound("sequence " + std::to_string(sequence) + " does not exist");
+  auto& free = free_pages_[it->second->page_bytes];
+  for (const auto& layer : it->second->pages) free.insert(free.end(), layer.begin(), layer.end());
+  sequences_.erase(it);
   return Status::Ok();
 }
 
@@ -42,21 +59,70 @@ Result<InMemorySource::Sequence*> InMemorySource::Find(SequenceId sequence, int 
   return it->second.get();
 }
 
-Status InMemorySource::AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
-                                  int32_t n) {
+void InMemorySource::GrowLocked(Sequence* seq, int32_t tokens) {
+  const int32_t need = (tokens + page_tokens_ - 1) / page_tokens_;
+  auto& free = free_pages_[seq->page_bytes];
+  for (auto& layer : seq->pages) {
+    while (static_cast<int32_t>(layer.size()) < need) {
+      if (free.empty()) {
+        const size_t bytes = std::max(slab_bytes_, (seq->page_bytes + kAlign - 1) / kAlign * kAlign);
+        auto* slab = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
+        if (slab == nullptr) throw std::bad_alloc();
+        slabs_.push_back({slab, bytes});
+        for (size_t at = bytes / seq->page_bytes; at-- > 0;) free.push_back(slab + at * seq->page_bytes);
+      }
+      layer.push_back(free.back());
+      free.pop_back();
+    }
+  }
+}
+
+Status InMemorySource::EnsurePages(Sequence* seq, int32_t tokens, std::shared_lock<std::shared_mutex>* lock) {
+  if (int64_t{PagesOf(*seq)} * page_tokens_ >= tokens) return Status::Ok();
+  // Growing changes the page lists other threads read: take the lock exclusively. The sequence
+  // cannot go away meanwhile (its owner is the caller's agent, which is inside this call).
+  lock->unlock();
+  {
+    std::unique_lock exclusive(mutex_);
+    try {
+      GrowLocked(seq, tokens);
+    } catch (const std::bad_alloc&) {
+      lock->lock();
+      return Status::ResourceExhausted("no host memory for another page");
+    }
+  }
+  lock->lock();
+  return Status::Ok();
+}
+
+uint8_t* InMemorySource::RowAddress(const Sequence& seq, int layer, int kv_head, int32_t token) const {
+  const int32_t page = token / page_tokens_, in_page = token % page_tokens_;
+  return seq.pages[layer][page] +
+         (static_cast<size_t>(kv_head) * page_tokens_ + in_page) * static_cast<size_t>(seq.layout.row_bytes());
+}
+
+Status InMemorySource::CheckAppend(const Sequence& seq, int layer, int kv_head, int32_t first_token, int32_t n) {
   if (n < 0) return Status::InvalidArgument("negative row count");
-  // Writers of distinct triples may run together: the table is only read here, and each triple's
-  // vector is touched by one agent thread at a time (the interface's contract).
-  std::shared_lock lock(mutex_);
-  SPECACHE_ASSIGN_OR_RETURN(Sequence* seq, Find(sequence, layer, kv_head));
-  auto& store = seq->rows[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head];
-  const size_t row_halves = 2 * static_cast<size_t>(seq->layout.head_dim);
-  const auto length = static_cast<int32_t>(store.size() / row_halves);
+  const int32_t length = seq.lengths[static_cast<size_t>(layer) * seq.layout.n_kv_heads + kv_head];
   if (first_token != length) {
     return Status::FailedPrecondition("append at token " + std::to_string(first_token) + " but " +
                                       std::to_string(length) + " rows are written");
   }
-  store.insert(store.end(), rows, rows + static_cast<size_t>(n) * row_halves);
+  return Status::Ok();
+}
+
+Status InMemorySource::AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
+                                  int32_t n) {
+  std::shared_lock lock(mutex_);
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * seq, Find(sequence, layer, kv_head));
+  SPECACHE_RETURN_IF_ERROR(CheckAppend(*seq, layer, kv_head, first_token, n));
+  SPECACHE_RETURN_IF_ERROR(EnsurePages(seq, first_token + n, &lock));
+  const size_t row_bytes = static_cast<size_t>(seq->layout.row_bytes());
+  for (int32_t i = 0; i < n; ++i) {
+    std::memcpy(RowAddress(*seq, layer, kv_head, first_token + i), reinterpret_cast<const uint8_t*>(rows) + i * row_bytes,
+                row_bytes);
+  }
+  seq->lengths[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head] = first_token + n;
   return Status::Ok();
 }
 
@@ -64,15 +130,14 @@ Status InMemorySource::ReadRows(SequenceId sequence, int layer, int kv_head, con
                                 Half* out) const {
   std::shared_lock lock(mutex_);
   SPECACHE_ASSIGN_OR_RETURN(const Sequence* seq, Find(sequence, layer, kv_head));
-  const auto& store = seq->rows[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head];
-  const size_t row_halves = 2 * static_cast<size_t>(seq->layout.head_dim);
-  const auto length = static_cast<int32_t>(store.size() / row_halves);
+  const int32_t length = seq->lengths[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head];
+  const size_t row_bytes = static_cast<size_t>(seq->layout.row_bytes());
   for (int32_t i = 0; i < n; ++i) {
     if (tokens[i] < 0 || tokens[i] >= length) {
       return Status::OutOfRange("token " + std::to_string(tokens[i]) + " not written (length " +
                                 std::to_string(length) + ")");
     }
-    std::memcpy(out + i * row_halves, store.data() + tokens[i] * row_halves, row_halves * sizeof(Half));
+    std::memcpy(reinterpret_cast<uint8_t*>(out) + i * row_bytes, RowAddress(*seq, layer, kv_head, tokens[i]), row_bytes);
   }
   return Status::Ok();
 }
@@ -80,17 +145,42 @@ Status InMemorySource::ReadRows(SequenceId sequence, int layer, int kv_head, con
 Result<int32_t> InMemorySource::Length(SequenceId sequence, int layer, int kv_head) const {
   std::shared_lock lock(mutex_);
   SPECACHE_ASSIGN_OR_RETURN(const Sequence* seq, Find(sequence, layer, kv_head));
-  return static_cast<int32_t>(seq->rows[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head].size() /
-                              (2 * static_cast<size_t>(seq->layout.head_dim)));
+  return seq->lengths[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head];
 }
 
 int64_t InMemorySource::stored_bytes() const {
   std::shared_lock lock(mutex_);
   int64_t bytes = 0;
   for (const auto& [id, seq] : sequences_) {
-    for (const auto& r : seq->rows) bytes += static_cast<int64_t>(r.size() * sizeof(Half));
+    for (int32_t length : seq->lengths) bytes += int64_t{length} * seq->layout.row_bytes();
   }
   return bytes;
+}
+
+std::vector<HostRegion> InMemorySource::host_regions() const {
+  std::shared_lock lock(mutex_);
+  return slabs_;
+}
+
+Status InMemorySource::HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) {
+  if (tokens < 0) return Status::InvalidArgument("negative token count");
+  std::shared_lock lock(mutex_);
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * seq, Find(sequence, layer, 0));
+  SPECACHE_RETURN_IF_ERROR(EnsurePages(seq, tokens, &lock));
+  const auto& all = seq->pages[layer];
+  pages->assign(all.begin(), all.begin() + (tokens + page_tokens_ - 1) / page_tokens_);
+  return Status::Ok();
+}
+
+Status InMemorySource::CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) {
+  std::shared_lock lock(mutex_);
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * seq, Find(sequence, layer, kv_head));
+  SPECACHE_RETURN_IF_ERROR(CheckAppend(*seq, layer, kv_head, first_token, n));
+  if (int64_t{PagesOf(*seq)} * page_tokens_ < int64_t{first_token} + n) {
+    return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
+  }
+  seq->lengths[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head] = first_token + n;
+  return Status::Ok();
 }
 
 }  // namespace specache

@@ -161,6 +161,55 @@ TEST(InMemorySourceTest, RejectsOutOfRangeAndOutOfOrderAccess) {
   EXPECT_EQ(s.ReleaseSequence(1).code(), StatusCode::kNotFound);
 }
 
+// Zero-copy access: rows live in fixed pages laid out [kv_head][token][K|V][head_dim] inside the
+// listed regions; rows written in place count once committed; released pages are reused.
+TEST(InMemorySourceTest, PagesAreFixedInsideRegionsAndWrittenInPlace) {
+  const int page_tokens = 4, n_kv = 2, d = 8;
+  const size_t row = 2 * d;
+  InMemorySource s(page_tokens);
+  ASSERT_EQ(s.page_tokens(), page_tokens);
+  ASSERT_TRUE(s.CreateSequence(1, {2, n_kv, d}).ok());
+  std::vector<Half> rows(6 * row);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<Half>(i);
+  ASSERT_TRUE(s.AppendRows(1, 1, 1, 0, rows.data(), 6).ok());  // two pages at every layer
+  std::vector<uint8_t*> pages;
+  ASSERT_TRUE(s.HostPages(1, 1, 6, &pages).ok());
+  ASSERT_EQ(pages.size(), 2u);
+  // Token 5 of head 1 is row 1 of page 1, after head 0's four rows.
+  EXPECT_EQ(std::memcmp(pages[1] + (1 * page_tokens + 1) * row * sizeof(Half), &rows[5 * row], row * sizeof(Half)), 0);
+  const auto inside = [&s](const uint8_t* p) {
+    for (const HostRegion& r : s.host_regions()) {
+      if (p >= static_cast<uint8_t*>(r.base) && p < static_cast<uint8_t*>(r.base) + r.bytes) return true;
+    }
+    return false;
+  };
+  EXPECT_TRUE(inside(pages[0]) && inside(pages[1]));
+  // Growing to 9 tokens adds a third page; the first two stay where they were.
+  std::vector<uint8_t*> grown;
+  ASSERT_TRUE(s.HostPages(1, 1, 9, &grown).ok());
+  ASSERT_EQ(grown.size(), 3u);
+  EXPECT_EQ(grown[0], pages[0]);
+  EXPECT_EQ(grown[1], pages[1]);
+  // In-place write of token 6 at layer 1, head 1, then commit: readable through ReadRows.
+  std::memcpy(grown[1] + (1 * page_tokens + 2) * row * sizeof(Half), &rows[0], row * sizeof(Half));
+  EXPECT_EQ(s.CommitRows(1, 1, 1, 7, 1).code(), StatusCode::kFailedPrecondition);  // a hole
+  ASSERT_TRUE(s.CommitRows(1, 1, 1, 6, 1).ok());
+  EXPECT_EQ(s.CommitRows(1, 1, 1, 7, 9).code(), StatusCode::kFailedPrecondition);  // beyond the pages
+  const int32_t six[] = {6};
+  std::vector<Half> out(row);
+  ASSERT_TRUE(s.ReadRows(1, 1, 1, six, 1, out.data()).ok());
+  EXPECT_EQ(out, std::vector<Half>(rows.begin(), rows.begin() + row));
+  EXPECT_EQ(*s.Length(1, 1, 1), 7);
+  // Released pages are reused by the next sequence of the same layout; regions do not change.
+  const size_t regions = s.host_regions().size();
+  ASSERT_TRUE(s.ReleaseSequence(1).ok());
+  ASSERT_TRUE(s.CreateSequence(2, {2, n_kv, d}).ok());
+  std::vector<uint8_t*> again;
+  ASSERT_TRUE(s.HostPages(2, 0, 12, &again).ok());
+  EXPECT_EQ(s.host_regions().size(), regions);
+  EXPECT_EQ(s.HostPages(3, 0, 1, &again).code(), StatusCode::kNotFound);
+}
+
 // Two sequences of different lengths in one batch give exactly what each gives alone.
 TEST(AgentTest, RaggedBatchEqualsSequencesRunAlone) {
   std::mt19937 rng(4);

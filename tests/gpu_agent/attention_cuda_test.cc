@@ -1,10 +1,12 @@
 // Label `gpu`: the CUDA decode attention against cpu::AttendDecodeRows on random replicas (bits
-// 1/2/4/16, head_dim 64/128, GQA 4, one and two rows, substituted rows, probabilities).
+// 1/2/4/16, head_dim 64/128, GQA 1-4, one and two rows, substituted rows, probabilities), one
+// item at a time and as ragged batches.
 #include "specache/cuda_attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -44,87 +46,132 @@ struct DeviceBuffers {
 };
 #endif
 
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// One random item and what the CPU reference makes of it.
+struct DecodeCase {
+  cuda::DeviceDecodeItem item;
+  std::vector<float> want, want_probs;
+  std::string name;
+};
+
+DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads, std::mt19937& rng, DeviceBuffers& buf) {
+  DecodeCase c;
+  c.name = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " rows=" + std::to_string(n_rows) +
+           " length=" + std::to_string(length);
+  ReplicaParams p{d, bits, bits, 32, 64};
+  HeadReplica replica(p);
+  const auto keys = testing::RandomHalves(size_t(length) * d, rng), values = testing::RandomHalves(size_t(length) * d, rng);
+  replica.Append(keys.data(), values.data(), length);
+  const int32_t n_qk = replica.quantized_keys(), n_qv = replica.quantized_values();
+  // Substitute a random third of the quantized keys with perturbed full-precision rows.
+  std::vector<int32_t> sub_tokens;
+  for (int32_t t = 0; t < n_qk; ++t) if (rng() % 3 == 0) sub_tokens.push_back(t);
+  const auto sub_rows = testing::RandomHalves(sub_tokens.size() * 2 * d, rng);
+  const auto q = testing::RandomFloats(size_t(n_rows) * heads * d, rng, 0.5f);
+  const auto new_k = testing::RandomHalves(size_t(n_rows) * d, rng), new_v = testing::RandomHalves(size_t(n_rows) * d, rng);
+  const int probs_row = n_rows - 1;
+  const int32_t n_candidates = n_qk + (n_rows == 2 ? 1 : 0);
+  c.want.resize(size_t(n_rows) * heads * d);
+  c.want_probs.resize(size_t(heads) * n_candidates);
+  cpu::AttentionWorkspace ws;
+  cpu::AttendDecodeRows(replica, {sub_tokens.data(), sub_rows.data(), static_cast<int32_t>(sub_tokens.size())},
+                        q.data(), new_k.data(), new_v.data(), n_rows, heads, 1.0f / std::sqrt(float(d)), c.want.data(),
+                        probs_row, n_candidates, c.want_probs.data(), &ws);
+
+  cuda::DeviceReplicaView& v = c.item.replica;
+  v.head_dim = d;
+  v.group_size = 32;
+  v.key_bits = v.value_bits = bits;
+  v.length = length;
+  v.quantized_keys = n_qk;
+  v.quantized_values = n_qv;
+  const int groups = n_qk / 32, words = 32 * (bits == 16 ? 1 : bits) / 32;
+  if (bits == 16) {
+    v.key_half = buf.Copy(replica.KeyGroupHalf(0), size_t(n_qk) * d);
+    v.value_half = buf.Copy(replica.ValueHalf(0), size_t(n_qv) * d);
+  } else {
+    v.key_codes = buf.Copy(replica.KeyGroupCodes(0), size_t(groups) * d * words);
+    v.key_scale = buf.Copy(replica.KeyGroupScale(0), size_t(groups) * d);
+    v.key_zero = buf.Copy(replica.KeyGroupZero(0), size_t(groups) * d);
+    v.value_codes = buf.Copy(replica.ValueCodes(0), size_t(n_qv) * (d / 32) * words);
+    v.value_scale = buf.Copy(replica.ValueScale(0), size_t(n_qv) * (d / 32));
+    v.value_zero = buf.Copy(replica.ValueZero(0), size_t(n_qv) * (d / 32));
+  }
+  v.residual_keys = buf.Copy(replica.ResidualKeys(), size_t(length - n_qk) * d);
+  v.window_values = buf.Copy(replica.WindowValues(), size_t(length - n_qv) * d);
+  cuda::DeviceDecodeRows& r = c.item.rows;
+  r.sub_tokens = buf.Copy(sub_tokens.data(), sub_tokens.size());
+  r.sub_rows = buf.Copy(sub_rows.data(), sub_rows.size());
+  r.n_sub = static_cast<int32_t>(sub_tokens.size());
+  r.q = buf.Copy(q.data(), q.size());
+  r.new_keys = buf.Copy(new_k.data(), new_k.size());
+  r.new_values = buf.Copy(new_v.data(), new_v.size());
+  r.n_rows = n_rows;
+  r.n_heads = heads;
+  r.scale = 1.0f / std::sqrt(float(d));
+  r.out = buf.Zeros<float>(c.want.size());
+  r.probs_row = probs_row;
+  r.n_candidates = n_candidates;
+  r.probs = buf.Zeros<float>(c.want_probs.size());
+  r.scratch = buf.Zeros<float>(static_cast<size_t>(cuda::DecodeScratchFloats(length, n_rows, heads, d)));
+  return c;
+}
+
+// float32 sums in another order: relative error of the outputs and probabilities <= 1e-5
+// (measured ~1e-7).
+void ExpectMatches(const DecodeCase& c) {
+  std::vector<float> got(c.want.size()), got_probs(c.want_probs.size());
+  cudaMemcpy(got.data(), c.item.rows.out, got.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(got_probs.data(), c.item.rows.probs, got_probs.size() * 4, cudaMemcpyDeviceToHost);
+  EXPECT_LT(testing::RelativeError(got, std::vector<double>(c.want.begin(), c.want.end())), 1e-5) << c.name;
+  if (!c.want_probs.empty()) {  // (no quantized token yet: no candidates)
+    EXPECT_LT(testing::RelativeError(got_probs, std::vector<double>(c.want_probs.begin(), c.want_probs.end())), 1e-5)
+        << "probabilities, " << c.name;
+  }
+}
+#endif
+
 TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
   auto info = ProbeCudaDevice();
   if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(23);
-  const int heads = 4;
   for (int d : {64, 128}) {
     for (int bits : {1, 2, 4, 16}) {
       for (int n_rows : {1, 2}) {
         for (int32_t length : {40, 700}) {
-          ReplicaParams p{d, bits, bits, 32, 64};
-          HeadReplica replica(p);
-          const auto keys = testing::RandomHalves(size_t(length) * d, rng), values = testing::RandomHalves(size_t(length) * d, rng);
-          replica.Append(keys.data(), values.data(), length);
-          const int32_t n_qk = replica.quantized_keys(), n_qv = replica.quantized_values();
-          // Substitute a random third of the quantized keys with perturbed full-precision rows.
-          std::vector<int32_t> sub_tokens;
-          for (int32_t t = 0; t < n_qk; ++t) if (rng() % 3 == 0) sub_tokens.push_back(t);
-          const auto sub_rows = testing::RandomHalves(sub_tokens.size() * 2 * d, rng);
-          const auto q = testing::RandomFloats(size_t(n_rows) * heads * d, rng, 0.5f);
-          const auto new_k = testing::RandomHalves(size_t(n_rows) * d, rng), new_v = testing::RandomHalves(size_t(n_rows) * d, rng);
-          const int probs_row = n_rows - 1;
-          const int32_t n_candidates = n_qk + (n_rows == 2 ? 1 : 0);
-          std::vector<float> want(size_t(n_rows) * heads * d), want_probs(size_t(heads) * n_candidates);
-          cpu::AttentionWorkspace ws;
-          cpu::AttendDecodeRows(replica, {sub_tokens.data(), sub_rows.data(), static_cast<int32_t>(sub_tokens.size())},
-                                q.data(), new_k.data(), new_v.data(), n_rows, heads, 1.0f / std::sqrt(float(d)),
-                                want.data(), probs_row, n_candidates, want_probs.data(), &ws);
-
           DeviceBuffers buf;
-          cuda::DeviceReplicaView v;
-          v.head_dim = d;
-          v.group_size = 32;
-          v.key_bits = v.value_bits = bits;
-          v.length = length;
-          v.quantized_keys = n_qk;
-          v.quantized_values = n_qv;
-          const int groups = n_qk / 32, words = 32 * (bits == 16 ? 1 : bits) / 32;
-          if (bits == 16) {
-            v.key_half = buf.Copy(replica.KeyGroupHalf(0), size_t(n_qk) * d);
-            v.value_half = buf.Copy(replica.ValueHalf(0), size_t(n_qv) * d);
-          } else {
-            v.key_codes = buf.Copy(replica.KeyGroupCodes(0), size_t(groups) * d * words);
-            v.key_scale = buf.Copy(replica.KeyGroupScale(0), size_t(groups) * d);
-            v.key_zero = buf.Copy(replica.KeyGroupZero(0), size_t(groups) * d);
-            v.value_codes = buf.Copy(replica.ValueCodes(0), size_t(n_qv) * (d / 32) * words);
-            v.value_scale = buf.Copy(replica.ValueScale(0), size_t(n_qv) * (d / 32));
-            v.value_zero = buf.Copy(replica.ValueZero(0), size_t(n_qv) * (d / 32));
-          }
-          v.residual_keys = buf.Copy(replica.ResidualKeys(), size_t(length - n_qk) * d);
-          v.window_values = buf.Copy(replica.WindowValues(), size_t(length - n_qv) * d);
-          cuda::DeviceDecodeRows r;
-          r.sub_tokens = buf.Copy(sub_tokens.data(), sub_tokens.size());
-          r.sub_rows = buf.Copy(sub_rows.data(), sub_rows.size());
-          r.n_sub = static_cast<int32_t>(sub_tokens.size());
-          r.q = buf.Copy(q.data(), q.size());
-          r.new_keys = buf.Copy(new_k.data(), new_k.size());
-          r.new_values = buf.Copy(new_v.data(), new_v.size());
-          r.n_rows = n_rows;
-          r.n_heads = heads;
-          r.scale = 1.0f / std::sqrt(float(d));
-          r.out = buf.Zeros<float>(want.size());
-          r.probs_row = probs_row;
-          r.n_candidates = n_candidates;
-          r.probs = buf.Zeros<float>(want_probs.size());
-          r.scratch = buf.Zeros<float>(size_t(n_rows) * heads * (length + n_rows));
-          ASSERT_TRUE(cuda::AttendDecodeRows(v, r, nullptr).ok());
+          const DecodeCase c = MakeDecodeCase(d, bits, n_rows, length, 4, rng, buf);
+          ASSERT_TRUE(cuda::AttendDecodeRows(c.item.replica, c.item.rows, nullptr).ok());
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          std::vector<float> got(want.size()), got_probs(want_probs.size());
-          cudaMemcpy(got.data(), r.out, got.size() * 4, cudaMemcpyDeviceToHost);
-          cudaMemcpy(got_probs.data(), r.probs, got_probs.size() * 4, cudaMemcpyDeviceToHost);
-          // float32 sums in another order: relative error of the outputs <= 1e-5 (measured ~1e-7).
-          EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), 1e-5)
-              << "d=" << d << " bits=" << bits << " rows=" << n_rows << " length=" << length;
-          if (n_candidates > 0) {  // (no quantized token yet: no candidates)
-            EXPECT_LT(testing::RelativeError(got_probs, std::vector<double>(want_probs.begin(), want_probs.end())), 1e-5)
-                << "probabilities";
-          }
+          ExpectMatches(c);
         }
       }
     }
+  }
+#endif
+}
+
+// A ragged batch (lengths, bits, rows and GQA groups differ per item) in one launch set, split
+// over two sets (more than kMaxDecodeItems items): every item as the reference has it.
+TEST(CudaAttentionTest, RaggedBatchMatchesTheCpuReference) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(29);
+  for (int d : {64, 128}) {
+    DeviceBuffers buf;
+    std::vector<DecodeCase> cases;
+    std::vector<cuda::DeviceDecodeItem> items;
+    const int bit_widths[] = {1, 2, 4, 16};
+    for (int i = 0; i < cuda::kMaxDecodeItems + 7; ++i) {
+      const int32_t length = 1 + static_cast<int32_t>(rng() % (i % 9 == 0 ? 3000 : 400));
+      cases.push_back(MakeDecodeCase(d, bit_widths[i % 4], 1 + i % 2, length, 1 + i % 4, rng, buf));
+      items.push_back(cases.back().item);
+    }
+    ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (const DecodeCase& c : cases) ExpectMatches(c);
   }
 #endif
 }

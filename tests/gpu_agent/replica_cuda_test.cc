@@ -4,6 +4,8 @@
 #include "specache/cuda_replica.h"
 
 #include <cmath>
+#include <memory>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -32,6 +34,37 @@ template <typename T>
 std::vector<T> Host(const T* host, size_t n) {
   return std::vector<T>(host, host + n);
 }
+
+// Every array of the device replica equals the CPU replica's, byte for byte.
+void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu, int G, int bits) {
+  ASSERT_EQ(gpu.length(), cpu.length());
+  ASSERT_EQ(gpu.quantized_keys(), cpu.quantized_keys());
+  ASSERT_EQ(gpu.quantized_values(), cpu.quantized_values());
+  EXPECT_EQ(gpu.device_bytes(), cpu.device_bytes());
+  const cuda::DeviceReplicaView view = gpu.view();
+  const size_t d = view.head_dim, groups = cpu.quantized_keys() / G, nqv = cpu.quantized_values(), vg = d / G;
+  const std::string where = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " G=" + std::to_string(G) +
+                            " length=" + std::to_string(cpu.length());
+  if (bits == 16) {
+    if (groups) EXPECT_EQ(Back(view.key_half, groups * G * d), Host(cpu.KeyGroupHalf(0), groups * G * d)) << where;
+    if (nqv) EXPECT_EQ(Back(view.value_half, nqv * d), Host(cpu.ValueHalf(0), nqv * d)) << where;
+  } else {
+    const size_t kw = d * WordsPerGroup(G, bits), vw = vg * WordsPerGroup(G, bits);
+    if (groups) {
+      EXPECT_EQ(Back(view.key_codes, groups * kw), Host(cpu.KeyGroupCodes(0), groups * kw)) << where;
+      EXPECT_EQ(Back(view.key_scale, groups * d), Host(cpu.KeyGroupScale(0), groups * d)) << where;
+      EXPECT_EQ(Back(view.key_zero, groups * d), Host(cpu.KeyGroupZero(0), groups * d)) << where;
+    }
+    if (nqv) {
+      EXPECT_EQ(Back(view.value_codes, nqv * vw), Host(cpu.ValueCodes(0), nqv * vw)) << where;
+      EXPECT_EQ(Back(view.value_scale, nqv * vg), Host(cpu.ValueScale(0), nqv * vg)) << where;
+      EXPECT_EQ(Back(view.value_zero, nqv * vg), Host(cpu.ValueZero(0), nqv * vg)) << where;
+    }
+  }
+  const size_t residual = cpu.length() - cpu.quantized_keys(), window = cpu.length() - nqv;
+  EXPECT_EQ(Back(view.residual_keys, residual * d), Host(cpu.ResidualKeys(), residual * d)) << where;
+  EXPECT_EQ(Back(view.window_values, window * d), Host(cpu.WindowValues(), window * d)) << where;
+}
 #endif
 
 TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
@@ -57,33 +90,7 @@ TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
       ASSERT_EQ(cudaMemcpy(d_v, v.data(), v.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_TRUE((*gpu)->Append(d_k, d_v, n).ok());
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      ASSERT_EQ((*gpu)->length(), cpu.length());
-      ASSERT_EQ((*gpu)->quantized_keys(), cpu.quantized_keys());
-      ASSERT_EQ((*gpu)->quantized_values(), cpu.quantized_values());
-      EXPECT_EQ((*gpu)->device_bytes(), cpu.device_bytes());
-      const cuda::DeviceReplicaView view = (*gpu)->view();
-      const size_t d = sh.d, groups = cpu.quantized_keys() / sh.G, nqv = cpu.quantized_values(), vg = d / sh.G;
-      const std::string where = "d=" + std::to_string(sh.d) + " bits=" + std::to_string(sh.bits) + " G=" +
-                                std::to_string(sh.G) + " length=" + std::to_string(cpu.length());
-      if (sh.bits == 16) {
-        if (groups) EXPECT_EQ(Back(view.key_half, groups * sh.G * d), Host(cpu.KeyGroupHalf(0), groups * sh.G * d)) << where;
-        if (nqv) EXPECT_EQ(Back(view.value_half, nqv * d), Host(cpu.ValueHalf(0), nqv * d)) << where;
-      } else {
-        const size_t kw = d * WordsPerGroup(sh.G, sh.bits), vw = vg * WordsPerGroup(sh.G, sh.bits);
-        if (groups) {
-          EXPECT_EQ(Back(view.key_codes, groups * kw), Host(cpu.KeyGroupCodes(0), groups * kw)) << where;
-          EXPECT_EQ(Back(view.key_scale, groups * d), Host(cpu.KeyGroupScale(0), groups * d)) << where;
-          EXPECT_EQ(Back(view.key_zero, groups * d), Host(cpu.KeyGroupZero(0), groups * d)) << where;
-        }
-        if (nqv) {
-          EXPECT_EQ(Back(view.value_codes, nqv * vw), Host(cpu.ValueCodes(0), nqv * vw)) << where;
-          EXPECT_EQ(Back(view.value_scale, nqv * vg), Host(cpu.ValueScale(0), nqv * vg)) << where;
-          EXPECT_EQ(Back(view.value_zero, nqv * vg), Host(cpu.ValueZero(0), nqv * vg)) << where;
-        }
-      }
-      const size_t residual = cpu.length() - cpu.quantized_keys(), window = cpu.length() - nqv;
-      EXPECT_EQ(Back(view.residual_keys, residual * d), Host(cpu.ResidualKeys(), residual * d)) << where;
-      EXPECT_EQ(Back(view.window_values, window * d), Host(cpu.WindowValues(), window * d)) << where;
+      ExpectSameBytes(cpu, **gpu, sh.G, sh.bits);
     }
     // Attention over both replicas: one row, GQA 4, no substitution.
     const int heads = 4, d = sh.d;
@@ -97,7 +104,7 @@ TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
     Half *d_nk, *d_nv;
     cudaMalloc(&d_q, q.size() * 4);
     cudaMalloc(&d_out, want.size() * 4);
-    cudaMalloc(&d_scratch, size_t(heads) * (cpu.length() + 1) * 4);
+    cudaMalloc(&d_scratch, static_cast<size_t>(cuda::DecodeScratchFloats(cpu.length(), 1, heads, d)) * 4);
     cudaMalloc(&d_nk, d * 2);
     cudaMalloc(&d_nv, d * 2);
     cudaMemcpy(d_q, q.data(), q.size() * 4, cudaMemcpyHostToDevice);
@@ -125,6 +132,57 @@ TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
   ASSERT_TRUE(small.ok());
   EXPECT_EQ((*small)->Append(nullptr, nullptr, 11).code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(cuda::DeviceHeadReplica::Create({64, 3, 1, 32, 64}, 10, nullptr).status().code(), StatusCode::kInvalidArgument);
+#endif
+}
+
+// The decode step's batched one-token appends leave each replica as a plain Append would (and as
+// the CPU replica): replicas at different lengths, so flushes and compactions fall on different
+// steps.
+TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(37);
+  for (int bits : {1, 2, 16}) {
+    const int d = 64, G = 32, R = 64, n = 37, steps = 150;
+    const ReplicaParams p{d, bits, bits, G, R};
+    std::vector<HeadReplica> cpu(n, HeadReplica(p));
+    std::vector<std::unique_ptr<cuda::DeviceHeadReplica>> gpu;
+    Half* rows = nullptr;
+    ASSERT_EQ(cudaMalloc(&rows, size_t(2) * 300 * d * sizeof(Half)), cudaSuccess);
+    for (int i = 0; i < n; ++i) {
+      auto r = cuda::DeviceHeadReplica::Create(p, 1000, nullptr);
+      ASSERT_TRUE(r.ok());
+      gpu.push_back(std::move(r).value());
+      const int first = static_cast<int>(rng() % 300);
+      const auto k = testing::RandomHalves(size_t(first) * d, rng), v = testing::RandomHalves(size_t(first) * d, rng);
+      cpu[i].Append(k.data(), v.data(), first);
+      cudaMemcpy(rows, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
+      cudaMemcpy(rows + 300 * d, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
+      ASSERT_TRUE(gpu[i]->Append(rows, rows + 300 * d, first).ok());
+    }
+    Half* step_rows = nullptr;
+    ASSERT_EQ(cudaMalloc(&step_rows, size_t(2) * n * d * sizeof(Half)), cudaSuccess);
+    std::vector<cuda::DeviceHeadReplica*> replicas;
+    for (auto& r : gpu) replicas.push_back(r.get());
+    for (int step = 0; step < steps; ++step) {
+      const auto k = testing::RandomHalves(size_t(n) * d, rng), v = testing::RandomHalves(size_t(n) * d, rng);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the previous step's rows were read
+      cudaMemcpy(step_rows, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
+      cudaMemcpy(step_rows + n * d, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
+      std::vector<const Half*> keys, values;
+      for (int i = 0; i < n; ++i) {
+        cpu[i].Append(&k[size_t(i) * d], &v[size_t(i) * d], 1);
+        keys.push_back(step_rows + size_t(i) * d);
+        values.push_back(step_rows + size_t(n + i) * d);
+      }
+      ASSERT_TRUE(cuda::DeviceHeadReplica::AppendTokens(replicas, keys, values).ok());
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int i = 0; i < n; ++i) ExpectSameBytes(cpu[i], *gpu[i], G, bits);
+    cudaFree(rows);
+    cudaFree(step_rows);
+  }
 #endif
 }
 

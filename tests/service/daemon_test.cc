@@ -15,6 +15,7 @@
 #include "specache/attach_protocol.h"
 #include "specache/client.h"
 #include "specache/client_c.h"
+#include "specache/daemon_source.h"
 #include "specache/v1/control.grpc.pb.h"
 
 namespace specache {
@@ -296,6 +297,57 @@ extern "C" int specache_c_abi_roundtrip(const char* socket_path, char* report, s
 
 namespace specache {
 namespace {
+
+// DaemonSource's zero-copy pages: inside the session's mapped chunks, fixed as the sequence
+// grows, one Extend per page; rows written in place and committed read back through ReadRows.
+TEST(DaemonSourceTest, PagesLieInTheSessionChunksAndAreWrittenInPlace) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start());
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto session = c->OpenSession("default", 64ull << 20);
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  const int page_tokens = 16, n_kv = 2, head_dim = 8;
+  client::DaemonSource source(session->get(), page_tokens, 256);
+  EXPECT_EQ(source.page_tokens(), page_tokens);
+  ASSERT_TRUE(source.CreateSequence(5, {3, n_kv, head_dim}).ok());
+  const auto regions = source.host_regions();
+  ASSERT_EQ(regions.size(), (*session)->chunk_count());
+  const auto inside = [&regions](const uint8_t* p) {
+    for (const HostRegion& r : regions) {
+      if (p >= static_cast<uint8_t*>(r.base) && p + 1 <= static_cast<uint8_t*>(r.base) + r.bytes) return true;
+    }
+    return false;
+  };
+  std::vector<uint8_t*> pages, grown;
+  ASSERT_TRUE(source.HostPages(5, 2, 20, &pages).ok());
+  ASSERT_EQ(pages.size(), 2u);
+  EXPECT_TRUE(inside(pages[0]) && inside(pages[1]));
+  const uint64_t rpcs = source.extend_rpcs();
+  ASSERT_TRUE(source.HostPages(5, 1, 32, &grown).ok());  // still two pages: no RPC
+  EXPECT_EQ(source.extend_rpcs(), rpcs);
+  ASSERT_TRUE(source.HostPages(5, 2, 40, &grown).ok());
+  ASSERT_EQ(grown.size(), 3u);
+  EXPECT_EQ(grown[0], pages[0]);
+  EXPECT_EQ(grown[1], pages[1]);
+  // Token 17 of head 1 at layer 2: page 1, row (1 * page_tokens + 1).
+  const size_t row_bytes = 2 * head_dim * sizeof(Half);
+  std::vector<Half> rows(18 * 2 * head_dim);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<Half>(i * 7);
+  for (int32_t t = 0; t < 18; ++t) {
+    std::memcpy(grown[t / page_tokens] + (1 * page_tokens + t % page_tokens) * row_bytes, &rows[t * 2 * head_dim], row_bytes);
+  }
+  EXPECT_EQ(source.CommitRows(5, 2, 1, 1, 17).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(source.CommitRows(5, 2, 1, 0, 18).ok());
+  EXPECT_EQ(source.CommitRows(5, 2, 1, 18, 100).code(), StatusCode::kFailedPrecondition);  // beyond the pages
+  EXPECT_EQ(source.CommitRows(5, 3, 0, 0, 1).code(), StatusCode::kOutOfRange);
+  std::vector<int32_t> tokens(18);
+  for (int32_t t = 0; t < 18; ++t) tokens[t] = t;
+  std::vector<Half> back(rows.size());
+  ASSERT_TRUE(source.ReadRows(5, 2, 1, tokens.data(), 18, back.data()).ok());
+  EXPECT_EQ(back, rows);
+  EXPECT_EQ(*source.Length(5, 2, 1), 18);
+}
 
 TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {
   DaemonProcess d;

@@ -2,9 +2,9 @@
 // pages, against a contiguous pinned H2D copy measured in the same run (CUDA builds only).
 #pragma once
 
-#include <string>
-#include <utility>
 #include <vector>
+
+#include "bench_row.h"
 
 namespace specache::bench {
 
@@ -14,10 +14,7 @@ struct GatherOptions {
   int max_blocks = 0;   // 0: 2 per SM
 };
 
-struct GatherRow {
-  std::string name;
-  std::vector<std::pair<std::string, double>> values;
-};
+using GatherRow = BenchRow;
 
 // Prints a table; returns false when the suite could not run (no CUDA build or no device).
 bool RunGatherSuite(const GatherOptions& options, std::vector<GatherRow>* rows);

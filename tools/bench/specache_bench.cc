@@ -1,7 +1,7 @@
-// specache-bench: figures for the CPU backend of the agent.
+// specache-bench: figures for the agent (CPU backend everywhere; gather and step on a GPU).
 //
-//   specache-bench [memory|quantize|attention|all|gather] [--tokens N] [--head-dim D] [--repeats R]
-//                  [--host-gib G] [--json FILE]
+//   specache-bench [memory|quantize|attention|all|gather|step] [--tokens N] [--head-dim D]
+//                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--json FILE]
 //
 // memory     replica bytes / fp16 bytes after streaming N tokens through one real HeadReplica,
 //            for G in {32, 64}, B in {1, 2, 4}, R in {64, 128}; checks the 1-bit, G=32, R=64
@@ -13,6 +13,9 @@
 // gather     (CUDA builds, on a GPU) the zero-copy gather of one layer's top-k rows for B sequences
 //            from pages spread over --host-gib GiB of registered host memory, vs a contiguous
 //            pinned H2D copy of the same bytes and vs a CPU gather + one copy (gather_bench.h).
+// step       (CUDA builds, on a GPU) a 32-layer decode step with Llama-3-8B shapes through the CUDA
+//            agent, with and without the speculative fetch, for --batches (default 1,8,16,32) at
+//            --tokens context (default 8192) (step_bench.h).
 // Timings are medians of --repeats runs after one warm-up. The machine is noisy: read ratios.
 #include <algorithm>
 #include <chrono>
@@ -32,6 +35,7 @@
 #include "specache/quantizer.h"
 #ifdef SPECACHE_BENCH_CUDA
 #include "gather_bench.h"
+#include "step_bench.h"
 #endif
 
 namespace specache {
@@ -43,6 +47,8 @@ struct Options {
   int head_dim = 128;
   int repeats = 7;
   int host_gib = 16;
+  bool tokens_given = false;
+  std::vector<int> batches;  // step: sequences per step (empty: the suite's default)
   std::string json_path;
 };
 
@@ -191,8 +197,8 @@ void WriteJson(const std::string& path, const std::vector<Row>& rows) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: specache-bench [memory|quantize|attention|all|gather] [--tokens N] [--head-dim D] [--repeats R] "
-               "[--host-gib G] [--json FILE]\n");
+               "usage: specache-bench [memory|quantize|attention|all|gather|step] [--tokens N] [--head-dim D] "
+               "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--json FILE]\n");
   return 2;
 }
 
@@ -211,6 +217,7 @@ int main(int argc, char** argv) {
     };
     if (a == "--tokens") {
       if (!next_int(&o.tokens)) return Usage();
+      o.tokens_given = true;
     } else if (a == "--head-dim") {
       if (!next_int(&o.head_dim) || o.head_dim % 32) return Usage();
     } else if (a == "--repeats") {
@@ -220,28 +227,44 @@ int main(int argc, char** argv) {
     } else if (a == "--json") {
       if (i + 1 >= argc) return Usage();
       o.json_path = argv[++i];
-    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather") {
+    } else if (a == "--batches") {
+      if (i + 1 >= argc) return Usage();
+      o.batches.clear();
+      for (std::string list = argv[++i]; !list.empty();) {
+        const size_t comma = list.find(',');
+        const int b = std::atoi(list.substr(0, comma).c_str());
+        if (b <= 0) return Usage();
+        o.batches.push_back(b);
+        list = comma == std::string::npos ? "" : list.substr(comma + 1);
+      }
+    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather" || a == "step") {
       o.suite = a;
     } else {
       return Usage();
     }
   }
   auto device = ProbeCudaDevice();
-  std::printf("specache-bench: backend cpu (%s)\n",
-              device.ok() ? ("GPU present: " + device->name + "; the CUDA agent backend is not built yet").c_str()
-                          : ("no GPU: " + device.status().message()).c_str());
+  std::printf("specache-bench: %s\n", device.ok() ? ("GPU present: " + device->name).c_str()
+                                                 : ("no GPU: " + device.status().message()).c_str());
   std::vector<Row> rows;
   bool ok = true;
   if (o.suite == "memory" || o.suite == "all") ok = Memory(o, &rows);
   if (o.suite == "quantize" || o.suite == "all") Quantize(o, &rows);
   if (o.suite == "attention" || o.suite == "all") Attention(o, &rows);
-  if (o.suite == "gather") {
+  if (o.suite == "gather" || o.suite == "step") {
 #ifdef SPECACHE_BENCH_CUDA
-    std::vector<bench::GatherRow> gather;
-    ok = bench::RunGatherSuite({o.host_gib, std::max(o.repeats, 20), 0}, &gather);
-    for (auto& g : gather) rows.push_back({"gather", g.name, g.values});
+    std::vector<bench::BenchRow> cuda_rows;
+    if (o.suite == "gather") {
+      ok = bench::RunGatherSuite({o.host_gib, std::max(o.repeats, 20), 0}, &cuda_rows);
+    } else {
+      bench::StepOptions step;
+      if (!o.batches.empty()) step.batches = o.batches;
+      if (o.tokens_given) step.context = o.tokens;
+      ok = bench::RunStepSuite(step, &cuda_rows);
+    }
+    for (auto& r : cuda_rows) rows.push_back({o.suite, r.name, r.values});
 #else
-    std::printf("gather: this specache-bench was built without CUDA\n");
+    std::printf("%s: this specache-bench was built without CUDA\n", o.suite.c_str());
     ok = false;
 #endif
   }

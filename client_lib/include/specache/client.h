@@ -101,6 +101,9 @@ class SPECACHE_CLIENT_API Session {
   uint64_t id() const;
   uint64_t chunk_bytes() const;
   uint32_t chunk_count() const;
+  // Where chunk i (< chunk_count()) is mapped: chunk_bytes() bytes, fixed for the session's life
+  // (what a GPU agent registers with the device to read pages in place).
+  uint8_t* chunk_data(uint32_t i) const;
 
   Result<uint64_t> CreateSequence(const PageLayoutSpec& layout);
   // Makes room for tokens [0, tokens) at every layer; returns pages per layer. No RPC when the

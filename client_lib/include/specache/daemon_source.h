@@ -31,6 +31,11 @@ class SPECACHE_CLIENT_API DaemonSource final : public FullPrecisionSource {
   Result<int32_t> Length(SequenceId sequence, int layer, int kv_head) const override;
   int64_t stored_bytes() const override;
 
+  int32_t page_tokens() const override { return static_cast<int32_t>(page_tokens_); }
+  std::vector<HostRegion> host_regions() const override;  // the session's chunks
+  Status HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) override;
+  Status CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) override;
+
   uint64_t extend_rpcs() const { return session_->extend_rpcs(); }
   // The daemon's sequence id behind an agent sequence (for specachectl cross-checks).
   Result<uint64_t> DaemonSequence(SequenceId sequence) const;
@@ -48,6 +53,8 @@ class SPECACHE_CLIENT_API DaemonSource final : public FullPrecisionSource {
   Result<Sequence*> Find(SequenceId sequence) const;
   Status EnsurePages(Sequence* s, int32_t tokens);
   uint8_t* RowAddress(const Sequence& s, int layer, int kv_head, int32_t token) const;
+  // The triple's length, after checking layer and head against the layout.
+  Result<std::atomic<int32_t>*> LengthOf(Sequence* s, int layer, int kv_head) const;
 
   Session* session_;
   uint32_t page_tokens_, capacity_tokens_;

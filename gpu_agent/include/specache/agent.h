@@ -145,11 +145,19 @@ Result<std::unique_ptr<Agent>> CreateCpuAgent(const ModelShape& shape, const KvC
 
 struct CudaAgentOptions {
   int32_t capacity_tokens = 32768;  // most tokens per sequence (device replicas are sized for it)
+  void* stream = nullptr;           // the engine's cudaStream_t: the agent's compute is queued on it
+  int fetch_blocks = 64;            // most blocks of the fetch kernel (SMs left to the later layers)
+  // false: only for measuring what the fetch costs (specache-bench step). Rows are selected as
+  // usual but none is fetched, so the attention substitutes nothing; results are not SpeCache's.
+  bool fetch = true;
 };
 
-// The CUDA backend (first version: every kernel equals the CPU reference; the fetch is read from
-// `source` through pinned memory and completes inside StartPrefetch, no overlap yet). Tensors are
-// device pointers. UNAVAILABLE without CUDA or a device.
+// The CUDA backend. Tensors are device pointers, read and written in the order of
+// options.stream: calls queue work and return; the engine synchronises its stream before it
+// reads `out` on the host. The source must offer zero-copy pages (full_precision_source.h): rows
+// are read from and written to them by the GPU in place, and the fetch of layer L overlaps the
+// layers after it (it runs on the agent's own stream). UNAVAILABLE without CUDA or a device;
+// INVALID_ARGUMENT for a source without pages.
 Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const KvConfig& config,
                                                FullPrecisionSource* source, const CudaAgentOptions& options = {});
 

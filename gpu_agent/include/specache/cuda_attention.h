@@ -5,8 +5,10 @@
 // among themselves. Optionally writes one row's softmax probabilities over the first
 // n_candidates tokens (the top-k candidates).
 //
-// This first version is written for exactness, not speed: one block per head, scores in global
-// scratch. Device pointers; streams as void*. UNAVAILABLE without CUDA.
+// The work of many (sequence, KV head) items goes into one set of launches (ragged lengths are
+// fine): scores by blocks of tokens, one warp per query for the softmax, the weighted values by
+// blocks of tokens into per-block partial sums, then one ordered reduction (deterministic).
+// Device pointers; streams as void*. UNAVAILABLE without CUDA.
 #pragma once
 
 #include <cstdint>
@@ -36,18 +38,39 @@ struct DeviceDecodeRows {
   const int32_t* sub_tokens = nullptr;  // [n_sub] ascending
   const Half* sub_rows = nullptr;       // [n_sub][2][head_dim]
   int32_t n_sub = 0;
-  const float* q = nullptr;             // [n_rows][n_heads][head_dim]
-  const Half* new_keys = nullptr;       // [n_rows][head_dim]
+  const float* q = nullptr;             // [n_rows][n_heads][head_dim], rows q_stride apart
+  const Half* new_keys = nullptr;       // [n_rows][head_dim], rows kv_stride apart
   const Half* new_values = nullptr;
   int n_rows = 1, n_heads = 1;
+  int64_t q_stride = 0;                 // elements between rows of q and out; 0: n_heads * head_dim
+  int64_t kv_stride = 0;                // elements between rows of new keys/values; 0: head_dim
   float scale = 1.0f;
-  float* out = nullptr;                 // [n_rows][n_heads][head_dim]
+  float* out = nullptr;                 // [n_rows][n_heads][head_dim], rows q_stride apart
   int probs_row = 0;
   int32_t n_candidates = 0;
   float* probs = nullptr;               // [n_heads][n_candidates] or null
-  float* scratch = nullptr;             // [n_rows * n_heads][length + n_rows]
+  float* scratch = nullptr;             // DecodeScratchFloats(length, n_rows, n_heads, head_dim) floats
 };
 
+// Tokens per block of partial value sums.
+constexpr int kDecodeValueTokens = 256;
+
+// Floats of scratch one item needs: its scores and the partial sums of its value blocks.
+inline int64_t DecodeScratchFloats(int32_t length, int n_rows, int n_heads, int head_dim) {
+  const int64_t width = int64_t{length} + n_rows, queries = int64_t{n_rows} * n_heads;
+  return queries * width + (width + kDecodeValueTokens - 1) / kDecodeValueTokens * queries * head_dim;
+}
+
+struct DeviceDecodeItem {
+  DeviceReplicaView replica;
+  DeviceDecodeRows rows;
+};
+
+// Items per launch set; more are split.
+constexpr int kMaxDecodeItems = 128;
+
+Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream);
+// One item.
 Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream);
 
 // Exact causal attention over a prompt for one KV head (semantics of cpu::AttendPrefill):

@@ -14,7 +14,8 @@
 namespace specache::cuda {
 
 // Pins and maps host memory for the GPU (cudaHostRegister, mapped); returns the address the GPU
-// uses for `host` (the same on unified-addressing systems, but ask).
+// uses for `host` (the same on unified-addressing systems, but ask). Counted per `host`: each
+// Register needs one Unregister, and the last one unpins.
 Result<uint64_t> RegisterHostMemory(void* host, size_t bytes);
 Status UnregisterHostMemory(void* host);
 

@@ -20,4 +20,17 @@ Status QuantizeKeyGroups(const Half* keys, int n_groups, int group_size, int hea
 Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int group_size, int bits,
                            uint32_t* codes, Half* scale, Half* zero, void* stream);
 
+// One value token of some replica: what QuantizeValueTokens does for n_tokens = 1, for many
+// replicas in one launch (the decode step's appends). Up to kMaxValueTokenTasks per launch; more
+// are split.
+struct ValueTokenTask {
+  const Half* value = nullptr;  // [head_dim]
+  uint32_t* codes = nullptr;    // [head_dim/group_size][group_size*bits/32]
+  Half* scale = nullptr;        // [head_dim/group_size]
+  Half* zero = nullptr;
+};
+constexpr int kMaxValueTokenTasks = 512;
+Status QuantizeValueTokenBatch(const ValueTokenTask* tasks, int n_tasks, int head_dim, int group_size, int bits,
+                               void* stream);
+
 }  // namespace specache::cuda

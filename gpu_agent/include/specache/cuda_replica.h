@@ -8,8 +8,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "specache/cuda_attention.h"
+#include "specache/cuda_quantize.h"
 #include "specache/head_replica.h"
 #include "specache/status.h"
 
@@ -27,6 +29,12 @@ class DeviceHeadReplica {
 
   // Appends n tokens' keys and values ([n][head_dim] fp16, device memory).
   Status Append(const Half* keys, const Half* values, int32_t n);
+  // One token to each of many replicas (distinct, same parameters, same stream): keys[i] and
+  // values[i] ([head_dim] fp16) go to replicas[i]. The same state as Append(.., 1) on each, in a
+  // few launches for all of them (the decode step's path); the rare flushes (a full key group,
+  // the window's compaction) run per replica.
+  static Status AppendTokens(const std::vector<DeviceHeadReplica*>& replicas, const std::vector<const Half*>& keys,
+                             const std::vector<const Half*>& values);
 
   int32_t length() const { return length_; }
   int32_t quantized_keys() const { return key_groups_ * params_.group_size; }
@@ -38,6 +46,14 @@ class DeviceHeadReplica {
 
  private:
   DeviceHeadReplica() = default;
+  // The full key residual becomes R/G quantized (or fp16) key groups.
+  Status FlushKeyGroups();
+  // Where the window's oldest value and its quantized slot are.
+  ValueTokenTask OldestValueTask() const;
+  // Quantizes or moves the window's oldest m values into the quantized store (queued on stream_).
+  Status RetireOldestValues(int32_t m);
+  // The window's compaction when its start passed R.
+  Status CompactWindow();
   struct Buffers;
   ReplicaParams params_;
   int32_t capacity_ = 0;

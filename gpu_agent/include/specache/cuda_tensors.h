@@ -11,6 +11,15 @@ namespace specache::cuda {
 
 // dst[i][c] = fp16(src[i * src_stride + c]) (round to nearest even, as FloatToHalf) for i < n, c < d.
 Status FloatRowsToHalf(const float* src, int32_t n, int d, int64_t src_stride, Half* dst, void* stream);
+// Copies of many small rows (device to device) in one launch: dst[i] = src[i], row_bytes each (a
+// multiple of 16, 16-byte aligned). Up to kMaxRowCopies per launch; more are split.
+struct RowCopy {
+  const void* src = nullptr;
+  void* dst = nullptr;
+};
+constexpr int kMaxRowCopies = 1024;
+Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream);
+
 // rows[i] = [k[i] | v[i]] ([n][2][d]), the layout of a full-precision source row.
 Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, void* stream);
 

@@ -8,11 +8,19 @@
 // Implementations: InMemorySource (in_memory_source.h) for tests and the embedded demo; the
 // daemon-backed source of client_lib maps the daemon's pages.
 //
+// Zero-copy access (optional): a source whose rows live in pages of fixed host memory exposes
+// them, so an agent can read and write rows in place (the CUDA agent maps the memory into the
+// GPU's address space and gathers with SM loads, never through a host copy). A page holds
+// page_tokens() tokens of one (sequence, layer), laid out [kv_head][token][K|V][head_dim]; its
+// address is fixed until the sequence is released, and lies inside one of host_regions().
+//
 // Thread safety: implementations must allow concurrent calls on distinct (sequence, layer, head)
 // triples; calls on one triple are serialised by the agent.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "specache/half.h"
 #include "specache/kv_config.h"
@@ -27,6 +35,11 @@ struct SequenceLayout {
 
   // Bytes of one row ([K|V] fp16).
   int64_t row_bytes() const { return int64_t{2} * head_dim * static_cast<int64_t>(sizeof(Half)); }
+};
+
+struct HostRegion {
+  void* base = nullptr;
+  size_t bytes = 0;
 };
 
 class FullPrecisionSource {
@@ -58,6 +71,26 @@ class FullPrecisionSource {
 
   // Host bytes the source holds for all sequences (rows written, not capacity).
   virtual int64_t stored_bytes() const = 0;
+
+  // ---- Zero-copy access (see the top of this file). Sources without it keep the defaults.
+
+  // Tokens per page; 0 when the source has no zero-copy access.
+  virtual int32_t page_tokens() const { return 0; }
+  // Every block of host memory that pages are carved from. Blocks are only ever added, never
+  // moved or freed while the source lives, so a caller may register each one once.
+  virtual std::vector<HostRegion> host_regions() const { return {}; }
+  // Makes pages exist for tokens [0, tokens) at every layer of the sequence (as AppendRows would),
+  // then writes to `pages` the addresses of all of (sequence, layer)'s pages covering them.
+  virtual Status HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) {
+    (void)sequence, (void)layer, (void)tokens, (void)pages;
+    return Status::Unimplemented("this source has no zero-copy pages");
+  }
+  // Records n rows written in place at first_token of (sequence, layer, kv_head): AppendRows
+  // without the copy, with its rules (first_token equals the length; the pages exist).
+  virtual Status CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) {
+    (void)sequence, (void)layer, (void)kv_head, (void)first_token, (void)n;
+    return Status::Unimplemented("this source has no zero-copy pages");
+  }
 };
 
 }  // namespace specache

@@ -1,6 +1,11 @@
-// FullPrecisionSource in this process's heap: one growing row array per (sequence, layer, head).
-// For tests, benchmarks and runs without a daemon. Thread-safe: a reader-writer lock guards the
-// sequence table and per-triple writes; reads of distinct triples proceed in parallel.
+// FullPrecisionSource in this process's heap, laid out like the daemon's pages: each (sequence,
+// layer) owns pages of page_tokens tokens ([kv_head][token][K|V][head_dim] fp16), carved from
+// slabs that live as long as the source (released pages are reused, never freed), so it offers
+// the zero-copy access of full_precision_source.h. For tests, benchmarks and runs without a
+// daemon.
+//
+// Thread safety: a reader-writer lock guards the sequence table and the page lists; appends to
+// distinct (sequence, layer, head) triples and all reads proceed in parallel.
 #pragma once
 
 #include <map>
@@ -14,7 +19,11 @@ namespace specache {
 
 class InMemorySource final : public FullPrecisionSource {
  public:
-  InMemorySource() = default;
+  // Pages are carved from slabs of slab_bytes (or one page, if larger).
+  explicit InMemorySource(int32_t page_tokens = 64, size_t slab_bytes = size_t{4} << 20);
+  ~InMemorySource() override;
+  InMemorySource(const InMemorySource&) = delete;
+  InMemorySource& operator=(const InMemorySource&) = delete;
 
   Status CreateSequence(SequenceId sequence, const SequenceLayout& layout) override;
   Status ReleaseSequence(SequenceId sequence) override;
@@ -25,17 +34,35 @@ class InMemorySource final : public FullPrecisionSource {
   Result<int32_t> Length(SequenceId sequence, int layer, int kv_head) const override;
   int64_t stored_bytes() const override;
 
+  int32_t page_tokens() const override { return page_tokens_; }
+  std::vector<HostRegion> host_regions() const override;
+  Status HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) override;
+  Status CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) override;
+
  private:
   struct Sequence {
     SequenceLayout layout;
-    std::vector<std::vector<Half>> rows;  // [layer * n_kv_heads + head] -> [tokens][2][head_dim]
+    size_t page_bytes = 0;
+    std::vector<std::vector<uint8_t*>> pages;  // [layer][page]
+    std::vector<int32_t> lengths;              // [layer * n_kv_heads + head]
   };
-
   // Resolves (sequence, layer, head) or explains why not. Caller holds mutex_.
   Result<Sequence*> Find(SequenceId sequence, int layer, int kv_head) const;
+  // Gives every layer of `seq` pages for tokens [0, tokens). Caller holds mutex_ exclusively.
+  void GrowLocked(Sequence* seq, int32_t tokens);
+  // Pages every layer holds now. Caller holds mutex_.
+  int32_t PagesOf(const Sequence& seq) const { return static_cast<int32_t>(seq.pages[0].size()); }
+  Status EnsurePages(Sequence* seq, int32_t tokens, std::shared_lock<std::shared_mutex>* lock);
+  uint8_t* RowAddress(const Sequence& seq, int layer, int kv_head, int32_t token) const;
+  // Checks an append/commit of n rows at first_token against the triple's length.
+  static Status CheckAppend(const Sequence& seq, int layer, int kv_head, int32_t first_token, int32_t n);
 
+  int32_t page_tokens_;
+  size_t slab_bytes_;
   mutable std::shared_mutex mutex_;
   std::map<SequenceId, std::unique_ptr<Sequence>> sequences_;
+  std::vector<HostRegion> slabs_;
+  std::map<size_t, std::vector<uint8_t*>> free_pages_;  // by page bytes
 };
 
 }  // namespace specache

@@ -1,6 +1,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "specache/cuda_attention.h"
@@ -18,6 +19,12 @@ __device__ uint32_t Code(const uint32_t* words, int i, int bits) {
   return (words[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);
 }
 
+// Where query qi (row qi / n_heads, head qi % n_heads) starts in q and out. Strides are resolved
+// on the host (AttendDecodeBatch), never 0 here.
+__device__ int64_t QueryAt(const DeviceDecodeRows& r, int qi, int d) {
+  return (qi / r.n_heads) * r.q_stride + static_cast<int64_t>(qi % r.n_heads) * d;
+}
+
 // Index of `token` among the substituted rows, or -1.
 __device__ int SubstituteOf(const DeviceDecodeRows& r, int32_t token) {
   int lo = 0, hi = r.n_sub - 1;
@@ -33,7 +40,7 @@ __device__ int SubstituteOf(const DeviceDecodeRows& r, int32_t token) {
 // Channel c of the key the scores use for `token`.
 __device__ float KeyAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token, int sub, int c) {
   const int d = v.head_dim;
-  if (token >= v.length) return H2F(r.new_keys[static_cast<size_t>(token - v.length) * d + c]);
+  if (token >= v.length) return H2F(r.new_keys[(token - v.length) * r.kv_stride + c]);
   if (token >= v.quantized_keys) return H2F(v.residual_keys[static_cast<size_t>(token - v.quantized_keys) * d + c]);
   if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + c]);
   if (v.key_bits == 16) return H2F(v.key_half[static_cast<size_t>(token) * d + c]);
@@ -47,7 +54,7 @@ __device__ float KeyAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, in
 __device__ float ValueAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token, int sub, int c) {
   const int d = v.head_dim;
   if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + d + c]);
-  if (token >= v.length) return H2F(r.new_values[static_cast<size_t>(token - v.length) * d + c]);
+  if (token >= v.length) return H2F(r.new_values[(token - v.length) * r.kv_stride + c]);
   if (token >= v.quantized_values) return H2F(v.window_values[static_cast<size_t>(token - v.quantized_values) * d + c]);
   if (v.value_bits == 16) return H2F(v.value_half[static_cast<size_t>(token) * d + c]);
   const int groups = d / v.group_size, g = c / v.group_size;
@@ -57,22 +64,38 @@ __device__ float ValueAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, 
              H2F(v.value_scale[slot]) + H2F(v.value_zero[slot]);
 }
 
-// One block does everything for one head: scores (a warp per token), softmax (a warp per query),
-// output (a thread per (query, channel)).
-__global__ void DecodeKernel(DeviceReplicaView v, DeviceDecodeRows r) {
-  const int d = v.head_dim;
-  const int queries = r.n_rows * r.n_heads;
-  const int32_t width = v.length + r.n_rows;
+constexpr int kScoreTokens = 256;  // tokens per block of the scores kernel
+constexpr int kValueTokens = kDecodeValueTokens;
+
+struct ItemBatch {  // by value: kMaxDecodeItems items fit the 32 KB parameter space of sm_70+
+  DeviceDecodeItem items[kMaxDecodeItems];
+  int count;
+};
+
+__device__ int32_t Width(const DeviceDecodeItem& it) { return it.replica.length + it.rows.n_rows; }
+__device__ int Queries(const DeviceDecodeItem& it) { return it.rows.n_rows * it.rows.n_heads; }
+__device__ float* Partials(const DeviceDecodeItem& it) {
+  return it.rows.scratch + static_cast<size_t>(Queries(it)) * Width(it);
+}
+
+// Block (x, item): scores of tokens [x * kScoreTokens, +kScoreTokens), a warp per token.
+__global__ void ScoresKernel(ItemBatch batch) {
+  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+  const DeviceReplicaView& v = it.replica;
+  const DeviceDecodeRows& r = it.rows;
+  const int d = v.head_dim, queries = Queries(it);
+  const int32_t width = Width(it), first = blockIdx.x * kScoreTokens;
+  if (first >= width) return;
+  const int32_t last = min(width, first + kScoreTokens);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
   float* scores = r.scratch;  // [queries][width]
-
-  for (int32_t token = warp; token < width; token += warps) {
+  for (int32_t token = first + warp; token < last; token += warps) {
     const int sub = token < v.quantized_keys ? SubstituteOf(r, token) : -1;
     float partial[kMaxQueries];
     for (int qi = 0; qi < queries; ++qi) partial[qi] = 0.0f;
     for (int c = lane; c < d; c += 32) {
       const float k = KeyAt(v, r, token, sub, c);
-      for (int qi = 0; qi < queries; ++qi) partial[qi] += r.q[static_cast<size_t>(qi) * d + c] * r.scale * k;
+      for (int qi = 0; qi < queries; ++qi) partial[qi] += r.q[QueryAt(r, qi, d) + c] * r.scale * k;
     }
     for (int qi = 0; qi < queries; ++qi) {
       float s = partial[qi];
@@ -81,41 +104,74 @@ __global__ void DecodeKernel(DeviceReplicaView v, DeviceDecodeRows r) {
       if (lane == 0) scores[static_cast<size_t>(qi) * width + token] = masked ? -INFINITY : s;
     }
   }
-  __syncthreads();
+}
 
-  for (int qi = warp; qi < queries; qi += warps) {
-    float* row = scores + static_cast<size_t>(qi) * width;
-    float m = -INFINITY;
-    for (int32_t t = lane; t < width; t += 32) m = fmaxf(m, row[t]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float sum = 0.0f;
-    for (int32_t t = lane; t < width; t += 32) {
-      const float e = expf(row[t] - m);
-      row[t] = e;
-      sum += e;
-    }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float inv = 1.0f / sum;
-    for (int32_t t = lane; t < width; t += 32) row[t] *= inv;
+// Block (x, item): a warp per query normalises its row in place; the probabilities row is copied.
+__global__ void SoftmaxKernel(ItemBatch batch) {
+  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+  const DeviceDecodeRows& r = it.rows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
+  const int qi = blockIdx.x * warps + warp;
+  if (qi >= Queries(it)) return;
+  const int32_t width = Width(it);
+  float* row = r.scratch + static_cast<size_t>(qi) * width;
+  float m = -INFINITY;
+  for (int32_t t = lane; t < width; t += 32) m = fmaxf(m, row[t]);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float sum = 0.0f;
+  for (int32_t t = lane; t < width; t += 32) {
+    const float e = expf(row[t] - m);
+    row[t] = e;
+    sum += e;
+  }
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float inv = 1.0f / sum;
+  for (int32_t t = lane; t < width; t += 32) row[t] *= inv;
+  if (r.probs && qi / r.n_heads == r.probs_row) {
+    float* probs = r.probs + static_cast<size_t>(qi % r.n_heads) * r.n_candidates;
+    for (int32_t t = lane; t < r.n_candidates; t += 32) probs[t] = row[t];
+  }
+}
+
+// Block (x, item): sum over tokens [x * kValueTokens, +kValueTokens) of weight x value, a thread
+// per (query, channel), into partial block x.
+__global__ void ValuesKernel(ItemBatch batch) {
+  __shared__ int subs[kValueTokens];
+  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+  const DeviceReplicaView& v = it.replica;
+  const DeviceDecodeRows& r = it.rows;
+  const int d = v.head_dim, queries = Queries(it);
+  const int32_t width = Width(it), first = blockIdx.x * kValueTokens;
+  if (first >= width) return;
+  const int32_t n = min(kValueTokens, width - first);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t token = first + i;
+    subs[i] = token < v.quantized_keys ? SubstituteOf(r, token) : -1;
   }
   __syncthreads();
-
-  if (r.probs) {
-    for (int i = threadIdx.x; i < r.n_heads * r.n_candidates; i += blockDim.x) {
-      const int h = i / r.n_candidates, t = i % r.n_candidates;
-      r.probs[i] = scores[static_cast<size_t>(r.probs_row * r.n_heads + h) * width + t];
-    }
-  }
+  float* partial = Partials(it) + static_cast<size_t>(blockIdx.x) * queries * d;
   for (int i = threadIdx.x; i < queries * d; i += blockDim.x) {
     const int qi = i / d, c = i % d;
-    const float* w = scores + static_cast<size_t>(qi) * width;
+    const float* w = r.scratch + static_cast<size_t>(qi) * width + first;
     float acc = 0.0f;
-    for (int32_t token = 0; token < width; ++token) {
-      if (w[token] == 0.0f) continue;
-      const int sub = token < v.quantized_keys ? SubstituteOf(r, token) : -1;
-      acc += w[token] * ValueAt(v, r, token, sub, c);
+    for (int32_t j = 0; j < n; ++j) {
+      if (w[j] == 0.0f) continue;
+      acc += w[j] * ValueAt(v, r, first + j, subs[j], c);
     }
-    r.out[i] = acc;
+    partial[i] = acc;
+  }
+}
+
+// Block item: out = the partial sums in block order.
+__global__ void ReduceKernel(ItemBatch batch) {
+  const DeviceDecodeItem& it = batch.items[blockIdx.x];
+  const int size = Queries(it) * it.replica.head_dim;
+  const int blocks = (Width(it) + kValueTokens - 1) / kValueTokens;
+  const float* partial = Partials(it);
+  for (int i = threadIdx.x; i < size; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int b = 0; b < blocks; ++b) acc += partial[static_cast<size_t>(b) * size + i];
+    it.rows.out[QueryAt(it.rows, i / it.replica.head_dim, it.replica.head_dim) + i % it.replica.head_dim] = acc;
   }
 }
 
@@ -180,19 +236,49 @@ Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32
   return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("prefill kernel: ") + cudaGetErrorString(err));
 }
 
+Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream) {
+  for (int i = 0; i < n_items; ++i) {
+    const DeviceReplicaView& replica = items[i].replica;
+    const DeviceDecodeRows& rows = items[i].rows;
+    if (rows.n_rows < 1 || rows.n_heads < 1 || rows.n_rows * rows.n_heads > kMaxQueries) {
+      return Status::InvalidArgument("rows x heads must be in [1, " + std::to_string(kMaxQueries) + "]");
+    }
+    if (replica.head_dim <= 0 || replica.head_dim % 32 != 0) {
+      return Status::InvalidArgument("head_dim must be a multiple of 32");
+    }
+    if (rows.probs && (rows.probs_row < 0 || rows.probs_row >= rows.n_rows ||
+                       rows.n_candidates > replica.length + rows.probs_row + 1)) {
+      return Status::InvalidArgument("probs row or candidate count out of range");
+    }
+  }
+  auto* s = static_cast<cudaStream_t>(stream);
+  for (int first = 0; first < n_items; first += kMaxDecodeItems) {
+    ItemBatch batch;
+    batch.count = std::min(kMaxDecodeItems, n_items - first);
+    int32_t width = 0;
+    int queries = 0;
+    for (int i = 0; i < batch.count; ++i) {
+      batch.items[i] = items[first + i];
+      DeviceDecodeRows& r = batch.items[i].rows;
+      if (r.q_stride == 0) r.q_stride = int64_t{r.n_heads} * batch.items[i].replica.head_dim;
+      if (r.kv_stride == 0) r.kv_stride = batch.items[i].replica.head_dim;
+      width = std::max(width, batch.items[i].replica.length + batch.items[i].rows.n_rows);
+      queries = std::max(queries, batch.items[i].rows.n_rows * batch.items[i].rows.n_heads);
+    }
+    const unsigned n = static_cast<unsigned>(batch.count);
+    ScoresKernel<<<dim3((width + kScoreTokens - 1) / kScoreTokens, n), kThreads, 0, s>>>(batch);
+    SoftmaxKernel<<<dim3((queries + kThreads / 32 - 1) / (kThreads / 32), n), kThreads, 0, s>>>(batch);
+    ValuesKernel<<<dim3((width + kValueTokens - 1) / kValueTokens, n), kThreads, 0, s>>>(batch);
+    ReduceKernel<<<n, kThreads, 0, s>>>(batch);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return Status::Unavailable(std::string("decode attention kernels: ") + cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
 Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream) {
-  if (rows.n_rows < 1 || rows.n_heads < 1 || rows.n_rows * rows.n_heads > kMaxQueries) {
-    return Status::InvalidArgument("rows x heads must be in [1, " + std::to_string(kMaxQueries) + "]");
-  }
-  if (replica.head_dim <= 0 || replica.head_dim % 32 != 0) return Status::InvalidArgument("head_dim must be a multiple of 32");
-  if (rows.probs && (rows.probs_row < 0 || rows.probs_row >= rows.n_rows ||
-                     rows.n_candidates > replica.length + rows.probs_row + 1)) {
-    return Status::InvalidArgument("probs row or candidate count out of range");
-  }
-  DecodeKernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(replica, rows);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok()
-                            : Status::Unavailable(std::string("decode attention kernel: ") + cudaGetErrorString(err));
+  const DeviceDecodeItem item{replica, rows};
+  return AttendDecodeBatch(&item, 1, stream);
 }
 
 }  // namespace specache::cuda

@@ -1,9 +1,22 @@
-// CUDA backend of the agent, first version. Every piece of math runs on the GPU through kernels
-// that equal the CPU reference (quantization bit for bit, attention within float rounding, top-k
-// exactly), with the same call protocol and fetch state machine as the CPU backend
-// (cpu_agent.cc; both follow step_protocol.h).
-// Not yet: the fetch overlapping later layers (it completes inside StartPrefetch, through pinned
-// memory from the source), batched kernels across heads, zero-copy from registered daemon pages.
+// CUDA backend of the agent. Every piece of math runs on the GPU through kernels that equal the
+// CPU reference (quantization bit for bit, attention within float rounding, top-k exactly), with
+// the call protocol and fetch state machine of the CPU backend (both follow step_protocol.h).
+//
+// Data path (method.md, architecture.md):
+// - The source's host pages are registered and mapped; the agent keeps a device copy of each
+//   (sequence, layer)'s page table and reads and writes rows in place: appends are stores from the
+//   GPU into the pages, fetches are SM loads from them (cuda_fetch.h). No row passes through a
+//   host copy, and the selection never leaves the device.
+// - One layer of a step is a handful of launches for all its (sequence, KV head) items: fp16
+//   conversion of the new K/V, the batched attention, the top-k of each sequence, the page
+//   writes, the replica appends.
+// - In specache mode the fetch of layer L runs on the agent's fetch stream, after an event that
+//   marks layer L's top-k, and the compute stream waits for it (another event) only at layer L of
+//   the next step: later layers never wait for it, and nothing synchronises the device in the
+//   decode loop. Rows resident from the previous step are copied on the device, not refetched.
+// - Rows written in place are committed to the source (CommitRows) once an event says they
+//   landed: lazily, at the next call that needs the source to be current (BeginStep,
+//   ReleaseSequence, stats(), destruction), never with a wait in the loop.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,6 +26,7 @@
 
 #include "specache/agent.h"
 #include "specache/cuda_attention.h"
+#include "specache/cuda_fetch.h"
 #include "specache/cuda_gather.h"
 #include "specache/cuda_replica.h"
 #include "specache/cuda_tensors.h"
@@ -30,7 +44,8 @@ Status Cuda(cudaError_t err, const std::string& what) {
   return Status::Unavailable(what + ": " + cudaGetErrorString(err));
 }
 
-// A device (or pinned host) array that only grows.
+// A device (or pinned host) array that only grows, by half again at least (a reallocation waits
+// for the device); growing drops the contents.
 template <typename T, bool kPinned = false>
 class Buffer {
  public:
@@ -41,6 +56,7 @@ class Buffer {
   ~Buffer() { Free(); }
   Status Reserve(size_t n) {
     if (n <= n_) return Status::Ok();
+    if (n_ > 0) n = std::max(n, n_ + n_ / 2);
     Free();
     void* p = nullptr;
     SPECACHE_RETURN_IF_ERROR(Cuda(kPinned ? cudaMallocHost(&p, n * sizeof(T)) : cudaMalloc(&p, n * sizeof(T)),
@@ -50,7 +66,6 @@ class Buffer {
     return Status::Ok();
   }
   T* get() const { return p_; }
-  void swap(Buffer& o) { std::swap(p_, o.p_), std::swap(n_, o.n_); }
 
  private:
   void Free() {
@@ -62,15 +77,29 @@ class Buffer {
   size_t n_ = 0;
 };
 
-struct HeadState {
-  std::unique_ptr<cuda::DeviceHeadReplica> replica;
-  std::vector<int32_t> selected, resident;  // ascending
-  Buffer<Half> rows, rows_next;             // [resident][2][head_dim]
-  Buffer<int32_t> tokens;                   // resident tokens, on the device
+// The full-precision rows of one (sequence, layer) on the device, for all its KV heads. Two
+// generations: `cur` is resident (what the next attention substitutes), the other receives the
+// next selection and its fetched rows. Head h's list starts at h * count.
+struct LayerRows {
+  Buffer<int32_t> tokens[2];  // [n_kv][count] ascending per head
+  Buffer<Half> rows[2];       // [n_kv][count][2][head_dim]
+  int cur = 0;
+  int32_t resident = 0;       // per head, in generation cur
+  int32_t selected = 0;       // per head, in generation 1 - cur (waiting for the fetch)
 };
 
 struct SequenceState {
-  std::vector<std::vector<HeadState>> heads;  // [layer][kv_head]
+  std::vector<std::vector<std::unique_ptr<cuda::DeviceHeadReplica>>> replicas;  // [layer][kv_head]
+  std::vector<LayerRows> layers;
+  Buffer<uint64_t> pages;               // [layer][max_pages] GPU-visible page addresses
+  Buffer<uint64_t, true> pages_host;    // the same, staged (entries are written once)
+  int32_t mapped_pages = 0;             // entries filled per layer
+};
+
+struct PendingCommit {
+  SequenceId id;
+  int layer;
+  int32_t first, n;
 };
 
 std::string Id(SequenceId id) { return std::to_string(id); }
@@ -82,37 +111,18 @@ class CudaAgent final : public Agent {
     params_ = {shape.head_dim, config.effective_key_bits(), config.effective_value_bits(), config.group_size,
                config.residual_tokens};
     scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+    compute_ = static_cast<cudaStream_t>(o.stream);
+    page_tokens_ = source->page_tokens();
   }
+  ~CudaAgent() override;
+  Status Init();
 
   const ModelShape& shape() const override { return shape_; }
   const KvConfig& config() const override { return config_; }
   std::string_view backend_name() const override { return "cuda"; }
 
-  Status AddSequence(SequenceId id) override {
-    if (sequences_.count(id)) return Status::AlreadyExists("sequence " + Id(id) + " is already registered");
-    SequenceState state;
-    state.heads.resize(shape_.n_layers);
-    for (auto& layer : state.heads) {
-      layer.resize(shape_.n_kv_heads);
-      for (HeadState& h : layer) {
-        SPECACHE_ASSIGN_OR_RETURN(h.replica, cuda::DeviceHeadReplica::Create(params_, options_.capacity_tokens, nullptr));
-      }
-    }
-    SPECACHE_RETURN_IF_ERROR(
-        source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim}).WithContext("source"));
-    sequences_.emplace(id, std::move(state));
-    protocol_.AddSequence(id);
-    return Status::Ok();
-  }
-
-  Status ReleaseSequence(SequenceId id) override {
-    if (!sequences_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    SPECACHE_RETURN_IF_ERROR(protocol_.CheckRelease(id));
-    sequences_.erase(id);
-    protocol_.RemoveSequence(id);
-    return source_->ReleaseSequence(id).WithContext("source");
-  }
-
+  Status AddSequence(SequenceId id) override;
+  Status ReleaseSequence(SequenceId id) override;
   Result<int32_t> SequenceLength(SequenceId id) const override { return LengthAt(id, 0); }
 
   Status PrefillLayer(int layer, const PrefillBatch& batch) override;
@@ -123,176 +133,305 @@ class CudaAgent final : public Agent {
   Status EndStep() override;
   void AbortStep() override;
 
-  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    SPECACHE_RETURN_IF_ERROR(protocol_.CheckHead(layer, kv_head));
-    return it->second.heads[layer][kv_head].resident;
-  }
-
-  AgentStats stats() const override {
-    AgentStats s = counters_;
-    const int64_t row = 2 * int64_t{shape_.head_dim} * static_cast<int64_t>(sizeof(Half));
-    for (const auto& [id, seq] : sequences_) {
-      for (const auto& layer : seq.heads) {
-        for (const HeadState& h : layer) {
-          s.device_bytes += h.replica->device_bytes() + static_cast<int64_t>(h.resident.size()) * row;
-          s.full_precision_bytes += int64_t{h.replica->length()} * row;
-        }
-      }
-    }
-    return s;
-  }
+  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override;
+  AgentStats stats() const override;
 
  private:
-  Status CheckLayer(int layer) const { return protocol_.CheckLayer(layer); }
-  // Tokens of a sequence at a layer (the protocol's view of this backend's storage).
   Result<int32_t> LengthAt(SequenceId id, int layer) const {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
-    return it->second.heads[layer][0].replica->length();
+    return it->second.replicas[layer][0]->length();
   }
-  void AddFetchCounts(const FetchCounts& c) { specache::AddFetchCounts(c, shape_.head_dim, &counters_); }
-  // Copies `rows` rows of `width` floats from a strided device tensor into a packed one (or back).
-  static Status Copy2D(float* dst, size_t dst_pitch, const float* src, size_t src_pitch, size_t width, size_t rows) {
-    return Cuda(cudaMemcpy2DAsync(dst, dst_pitch * sizeof(float), src, src_pitch * sizeof(float), width * sizeof(float),
-                                  rows, cudaMemcpyDeviceToDevice, nullptr),
-                "strided copy");
+  // Makes the source's pages for tokens [0, tokens) of the sequence visible to the device: new
+  // memory regions are registered, new page addresses go to the device page table.
+  Status MapPages(SequenceId id, SequenceState* st, int32_t tokens);
+  Status RegisterNewRegions();
+  Result<uint64_t> DeviceAddress(const uint8_t* host) const;
+  const uint64_t* PageTable(const SequenceState& st, int layer) const {
+    return st.pages.get() + static_cast<size_t>(layer) * max_pages_;
   }
-  // Writes rows [n][2][d] of (layer, head) to the source at first_token, from device K/V halves.
-  Status AppendToSource(SequenceId id, int layer, int h, int32_t first_token, const Half* k, const Half* v, int32_t n);
-  // Makes `selected` resident: reused rows move on the device, the rest come from the source.
-  Status Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts);
-  // The top-k of `probs` ([group][n_candidates] on the device) into h->selected.
-  Status Select(int32_t n_candidates, HeadState* h);
+  // Commits the rows whose page writes the `appended_` event covers (const: stats() makes the
+  // source current too).
+  Status FlushCommits() const;
+  Status WaitForStreams() const;
+  // Resident <- selection for these sequences at a layer, on `stream` (compute or fetch).
+  Status Fetch(int layer, const std::vector<size_t>& which, cudaStream_t stream);
+  // Top-k of each sequence's candidates (probs at probs_offsets) into generation 1 - cur.
+  Status Select(int layer, const std::vector<int32_t>& candidates);
+  Status Attend(const std::vector<cuda::DeviceDecodeItem>& items) {
+    return cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), compute_);
+  }
 
   ModelShape shape_;
   KvConfig config_;
   FullPrecisionSource* source_;
   CudaAgentOptions options_;
+  StepProtocol protocol_;
   ReplicaParams params_;
   float scale_ = 1.0f;
+  int32_t page_tokens_ = 0, max_pages_ = 0;
   std::map<SequenceId, SequenceState> sequences_;
   AgentStats counters_;
-  StepProtocol protocol_;
+
+  cudaStream_t compute_ = nullptr;  // the engine's stream (options.stream)
+  cudaStream_t fetch_ = nullptr;
+  std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
+  cudaEvent_t appended_ = nullptr;
+  mutable std::vector<PendingCommit> pending_;
+  Buffer<cuda::FetchCounters> device_counters_;
+
+  struct Region {
+    size_t bytes;
+    uint64_t device;
+  };
+  std::map<const uint8_t*, Region> regions_;  // registered by this agent, by host base
 
   // Scratch, grown as needed.
   Buffer<float> q_, out_, scores_, probs_, topk_scratch_;
-  Buffer<Half> k_, v_, kv_rows_, fetched_;
-  Buffer<int32_t> topk_tokens_;
-  Buffer<uint64_t> addresses_;
-  Buffer<Half, true> host_rows_;
-  Buffer<int32_t, true> host_tokens_;
+  Buffer<Half> k_, v_;
+  std::vector<size_t> probs_offsets_;  // per sequence of the step, into probs_
+  int64_t counts_selected_ = 0;        // rows selected for fetches (hits and misses: device counters)
 };
 
-Status CudaAgent::AppendToSource(SequenceId id, int layer, int h, int32_t first_token, const Half* k, const Half* v,
-                                 int32_t n) {
-  const size_t count = static_cast<size_t>(n) * 2 * shape_.head_dim;
-  SPECACHE_RETURN_IF_ERROR(kv_rows_.Reserve(count));
-  SPECACHE_RETURN_IF_ERROR(host_rows_.Reserve(count));
-  SPECACHE_RETURN_IF_ERROR(cuda::InterleaveKv(k, v, n, shape_.head_dim, kv_rows_.get(), nullptr));
+Status CudaAgent::Init() {
+  if (page_tokens_ <= 0) return Status::InvalidArgument("the CUDA agent needs a source with zero-copy pages");
+  max_pages_ = (options_.capacity_tokens + page_tokens_ - 1) / page_tokens_;
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&fetch_, cudaStreamNonBlocking), "fetch stream"));
+  selected_.assign(shape_.n_layers, nullptr);
+  fetched_.assign(shape_.n_layers, nullptr);
+  for (int l = 0; l < shape_.n_layers; ++l) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&selected_[l], cudaEventDisableTiming), "event"));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&fetched_[l], cudaEventDisableTiming), "event"));
+  }
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&appended_, cudaEventDisableTiming), "event"));
+  SPECACHE_RETURN_IF_ERROR(device_counters_.Reserve(1));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemset(device_counters_.get(), 0, sizeof(cuda::FetchCounters)), "counters"));
+  return RegisterNewRegions();
+}
+
+CudaAgent::~CudaAgent() {
+  // Best effort: rows the device wrote are committed to the source before the agent goes.
+  (void)WaitForStreams();
+  (void)FlushCommits();
+  sequences_.clear();
+  for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
+  if (appended_) cudaEventDestroy(appended_);
+  if (fetch_) cudaStreamDestroy(fetch_);
+  for (const auto& [host, region] : regions_) (void)cuda::UnregisterHostMemory(const_cast<uint8_t*>(host));
+}
+
+Status CudaAgent::WaitForStreams() const {
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(fetch_), "fetch stream"));
+  return Cuda(cudaStreamSynchronize(compute_), "compute stream");
+}
+
+Status CudaAgent::RegisterNewRegions() {
+  for (const HostRegion& r : source_->host_regions()) {
+    const auto* base = static_cast<const uint8_t*>(r.base);
+    if (regions_.count(base)) continue;
+    SPECACHE_ASSIGN_OR_RETURN(uint64_t device, cuda::RegisterHostMemory(r.base, r.bytes));
+    regions_[base] = {r.bytes, device};
+  }
+  return Status::Ok();
+}
+
+Result<uint64_t> CudaAgent::DeviceAddress(const uint8_t* host) const {
+  auto it = regions_.upper_bound(host);
+  if (it != regions_.begin()) {
+    --it;
+    if (host >= it->first && host < it->first + it->second.bytes) return it->second.device + (host - it->first);
+  }
+  return Status::Internal("a page of the source lies outside its host regions");
+}
+
+Status CudaAgent::MapPages(SequenceId id, SequenceState* st, int32_t tokens) {
+  const int32_t need = (tokens + page_tokens_ - 1) / page_tokens_;
+  if (need <= st->mapped_pages) return Status::Ok();
+  if (need > max_pages_) {
+    return Status::OutOfRange("sequence " + Id(id) + " would exceed capacity_tokens (" +
+                              std::to_string(options_.capacity_tokens) + ")");
+  }
+  std::vector<uint8_t*> pages;
+  bool registered = false;
+  for (int l = 0; l < shape_.n_layers; ++l) {
+    SPECACHE_RETURN_IF_ERROR(source_->HostPages(id, l, tokens, &pages).WithContext("source pages"));
+    uint64_t* staged = st->pages_host.get() + static_cast<size_t>(l) * max_pages_;
+    for (int32_t p = st->mapped_pages; p < need; ++p) {
+      auto address = DeviceAddress(pages[p]);
+      if (!address.ok() && !registered) {  // the source grew: register its new memory once
+        SPECACHE_RETURN_IF_ERROR(RegisterNewRegions());
+        registered = true;
+        address = DeviceAddress(pages[p]);
+      }
+      SPECACHE_RETURN_IF_ERROR(address.status());
+      staged[p] = *address;
+    }
+    // Entries are written once, so the staged copy stays valid while the copy is queued.
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(st->pages.get() + static_cast<size_t>(l) * max_pages_ + st->mapped_pages,
+                                                  staged + st->mapped_pages, (need - st->mapped_pages) * sizeof(uint64_t),
+                                                  cudaMemcpyHostToDevice, compute_),
+                                  "page table"));
+  }
+  st->mapped_pages = need;
+  return Status::Ok();
+}
+
+Status CudaAgent::FlushCommits() const {
+  if (pending_.empty()) return Status::Ok();
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(appended_), "page writes"));
+  std::vector<PendingCommit> pending;
+  pending.swap(pending_);
+  for (const PendingCommit& c : pending) {
+    for (int h = 0; h < shape_.n_kv_heads; ++h) {
+      SPECACHE_RETURN_IF_ERROR(source_->CommitRows(c.id, c.layer, h, c.first, c.n).WithContext("source"));
+    }
+  }
+  return Status::Ok();
+}
+
+Status CudaAgent::AddSequence(SequenceId id) {
+  if (sequences_.count(id)) return Status::AlreadyExists("sequence " + Id(id) + " is already registered");
+  SequenceState st;
+  st.replicas.resize(shape_.n_layers);
+  for (auto& layer : st.replicas) {
+    layer.resize(shape_.n_kv_heads);
+    for (auto& r : layer) {
+      SPECACHE_ASSIGN_OR_RETURN(r, cuda::DeviceHeadReplica::Create(params_, options_.capacity_tokens, compute_));
+    }
+  }
+  st.layers = std::vector<LayerRows>(shape_.n_layers);
+  const size_t table = static_cast<size_t>(shape_.n_layers) * max_pages_;
+  SPECACHE_RETURN_IF_ERROR(st.pages.Reserve(table));
+  SPECACHE_RETURN_IF_ERROR(st.pages_host.Reserve(table));
   SPECACHE_RETURN_IF_ERROR(
-      Cuda(cudaMemcpy(host_rows_.get(), kv_rows_.get(), count * sizeof(Half), cudaMemcpyDeviceToHost), "rows to host"));
-  return source_->AppendRows(id, layer, h, first_token, host_rows_.get(), n).WithContext("source");
+      source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim}).WithContext("source"));
+  sequences_.emplace(id, std::move(st));
+  protocol_.AddSequence(id);
+  return Status::Ok();
+}
+
+Status CudaAgent::ReleaseSequence(SequenceId id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+  SPECACHE_RETURN_IF_ERROR(protocol_.CheckRelease(id));
+  // Nothing in flight may still read its buffers or pages, and its rows are committed first.
+  SPECACHE_RETURN_IF_ERROR(WaitForStreams());
+  SPECACHE_RETURN_IF_ERROR(FlushCommits());
+  sequences_.erase(it);
+  protocol_.RemoveSequence(id);
+  return source_->ReleaseSequence(id).WithContext("source");
 }
 
 Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   SPECACHE_RETURN_IF_ERROR(protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return LengthAt(id, l); }));
-  const size_t n_seq = batch.sequences.size();
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
-  for (size_t s = 0; s < n_seq; ++s) {
+  const size_t width = size_t(group) * d;
+  for (size_t s = 0; s < batch.sequences.size(); ++s) {
     const SequenceId id = batch.sequences[s];
     SequenceState& st = sequences_.at(id);
     const int32_t first = batch.token_offsets[s], n = batch.token_offsets[s + 1] - first;
+    SPECACHE_RETURN_IF_ERROR(MapPages(id, &st, n));
     SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n) * d));
     SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n) * d));
-    for (int h = 0; h < n_kv; ++h) {
+    for (int h = 0; h < n_kv; ++h) {  // head by head: prefill is not the hot path
       const size_t kv_at = (size_t(first) * n_kv + h) * d;
-      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(batch.k + kv_at, n, d, int64_t{n_kv} * d, k_.get(), nullptr));
-      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(batch.v + kv_at, n, d, int64_t{n_kv} * d, v_.get(), nullptr));
+      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(batch.k + kv_at, n, d, int64_t{n_kv} * d, k_.get(), compute_));
+      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(batch.v + kv_at, n, d, int64_t{n_kv} * d, v_.get(), compute_));
       if (batch.out) {
-        const size_t q_at = (size_t(first) * n_q + size_t(h) * group) * d, width = size_t(group) * d;
+        const size_t q_at = (size_t(first) * n_q + size_t(h) * group) * d, pitch = size_t(n_q) * d * sizeof(float);
         SPECACHE_RETURN_IF_ERROR(q_.Reserve(size_t(n) * width));
         SPECACHE_RETURN_IF_ERROR(out_.Reserve(size_t(n) * width));
         SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(cuda::PrefillScratchFloats(n, group))));
-        SPECACHE_RETURN_IF_ERROR(Copy2D(q_.get(), width, batch.q + q_at, size_t(n_q) * d, width, n));
-        SPECACHE_RETURN_IF_ERROR(
-            cuda::AttendPrefill(q_.get(), k_.get(), v_.get(), n, group, d, scale_, out_.get(), scores_.get(), nullptr));
-        SPECACHE_RETURN_IF_ERROR(Copy2D(batch.out + q_at, size_t(n_q) * d, out_.get(), width, width, n));
+        SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy2DAsync(q_.get(), width * sizeof(float), batch.q + q_at, pitch,
+                                                        width * sizeof(float), n, cudaMemcpyDeviceToDevice, compute_),
+                                      "prefill queries"));
+        SPECACHE_RETURN_IF_ERROR(cuda::AttendPrefill(q_.get(), k_.get(), v_.get(), n, group, d, scale_, out_.get(),
+                                                     scores_.get(), compute_));
+        SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy2DAsync(batch.out + q_at, pitch, out_.get(), width * sizeof(float),
+                                                        width * sizeof(float), n, cudaMemcpyDeviceToDevice, compute_),
+                                      "prefill output"));
       }
-      SPECACHE_RETURN_IF_ERROR(AppendToSource(id, layer, h, 0, k_.get(), v_.get(), n));
-      SPECACHE_RETURN_IF_ERROR(st.heads[layer][h].replica->Append(k_.get(), v_.get(), n));
+      const cuda::WriteTask write{k_.get(), v_.get(), PageTable(st, layer), d, 0, n, h};
+      SPECACHE_RETURN_IF_ERROR(cuda::WriteRows(&write, 1, d, page_tokens_, compute_));
+      SPECACHE_RETURN_IF_ERROR(st.replicas[layer][h]->Append(k_.get(), v_.get(), n));
     }
+    pending_.push_back({id, layer, 0, n});
   }
-  return Cuda(cudaDeviceSynchronize(), "prefill");
+  return Cuda(cudaEventRecord(appended_, compute_), "page writes");
 }
 
 Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
-  return protocol_.Begin(kind, RowsPerSequence(kind), sequences,
-                         [this](SequenceId id, int layer) { return LengthAt(id, layer); });
-}
-
-Status CudaAgent::Select(int32_t n_candidates, HeadState* h) {
-  const int group = shape_.group_size();
-  const int k = std::min<int>(config_.top_k, n_candidates);
-  h->selected.assign(static_cast<size_t>(std::max(k, 0)), 0);
-  if (k <= 0) return Status::Ok();
-  SPECACHE_RETURN_IF_ERROR(topk_tokens_.Reserve(k));
-  SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(n_candidates));
-  SPECACHE_RETURN_IF_ERROR(cuda::SelectTopK(probs_.get(), 1, group, n_candidates, config_.top_k, config_.reduction,
-                                            topk_tokens_.get(), topk_scratch_.get(), nullptr));
-  return Cuda(cudaMemcpy(h->selected.data(), topk_tokens_.get(), k * sizeof(int32_t), cudaMemcpyDeviceToHost),
-              "top-k tokens to host");
-}
-
-Status CudaAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) {
-  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
-  const size_t n = h->selected.size();
-  std::vector<int32_t> missing;
-  std::vector<uint64_t> sources(n);
-  size_t r = 0;
-  for (size_t i = 0; i < n; ++i) {  // both lists ascending
-    while (r < h->resident.size() && h->resident[r] < h->selected[i]) ++r;
-    if (r < h->resident.size() && h->resident[r] == h->selected[i]) {
-      sources[i] = reinterpret_cast<uint64_t>(h->rows.get() + r * row);
-    } else {
-      sources[i] = missing.size();  // index into the fetched rows, resolved below
-      missing.push_back(h->selected[i]);
-      sources[i] |= uint64_t{1} << 63;
+  SPECACHE_RETURN_IF_ERROR(FlushCommits());
+  SPECACHE_RETURN_IF_ERROR(protocol_.Begin(kind, RowsPerSequence(kind), sequences,
+                                           [this](SequenceId id, int layer) { return LengthAt(id, layer); }));
+  if (kind == StepKind::kDecode) {  // the step appends one token: its pages must exist
+    for (SequenceId id : sequences) {
+      SequenceState& st = sequences_.at(id);
+      const Status s = MapPages(id, &st, st.replicas[0][0]->length() + 1);
+      if (!s.ok()) {
+        protocol_.Abort();
+        return s;
+      }
     }
   }
-  if (!missing.empty()) {
-    SPECACHE_RETURN_IF_ERROR(host_rows_.Reserve(missing.size() * row));
-    SPECACHE_RETURN_IF_ERROR(fetched_.Reserve(missing.size() * row));
-    SPECACHE_RETURN_IF_ERROR(source_->ReadRows(id, layer, kv_head, missing.data(), static_cast<int32_t>(missing.size()),
-                                               host_rows_.get())
-                                 .WithContext("fetching rows of sequence " + Id(id)));
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy(fetched_.get(), host_rows_.get(), missing.size() * row * sizeof(Half),
-                                             cudaMemcpyHostToDevice),
-                                  "fetched rows to device"));
-  }
-  for (uint64_t& s : sources) {
-    if (s >> 63) s = reinterpret_cast<uint64_t>(fetched_.get() + (s & ~(uint64_t{1} << 63)) * row);
-  }
-  if (n > 0) {
-    SPECACHE_RETURN_IF_ERROR(h->rows_next.Reserve(n * row));
-    SPECACHE_RETURN_IF_ERROR(addresses_.Reserve(n));
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy(addresses_.get(), sources.data(), n * sizeof(uint64_t), cudaMemcpyHostToDevice),
-                                  "row addresses"));
-    // One gather builds the new resident set from the old one and the fetched rows.
-    SPECACHE_RETURN_IF_ERROR(cuda::LaunchGatherRows(addresses_.get(), h->rows_next.get(), static_cast<int64_t>(n),
-                                                    static_cast<int>(row * sizeof(Half)), 64, nullptr));
-    SPECACHE_RETURN_IF_ERROR(h->tokens.Reserve(n));
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy(h->tokens.get(), h->selected.data(), n * sizeof(int32_t),
-                                             cudaMemcpyHostToDevice),
-                                  "resident tokens"));
-    h->rows.swap(h->rows_next);
-  }
-  counts->selected += static_cast<int64_t>(n);
-  counts->fetched += static_cast<int64_t>(missing.size());
-  counts->reused += static_cast<int64_t>(n - missing.size());
-  h->resident = h->selected;
   return Status::Ok();
+}
+
+Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
+  const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
+  const auto& ids = protocol_.ids();
+  for (size_t s = 0; s < ids.size(); ++s) {
+    LayerRows& lr = sequences_.at(ids[s]).layers[layer];
+    const int32_t n = candidates[s];
+    const int32_t k = std::max(0, std::min<int32_t>(config_.top_k, n));
+    lr.selected = k;
+    if (k == 0) continue;
+    const int next = 1 - lr.cur;
+    SPECACHE_RETURN_IF_ERROR(lr.tokens[next].Reserve(size_t(n_kv) * config_.top_k));
+    SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(size_t(n_kv) * n));
+    SPECACHE_RETURN_IF_ERROR(cuda::SelectTopK(probs_.get() + probs_offsets_[s], n_kv, group, n, config_.top_k,
+                                              config_.reduction, lr.tokens[next].get(), topk_scratch_.get(), compute_));
+  }
+  return Status::Ok();
+}
+
+Status CudaAgent::Fetch(int layer, const std::vector<size_t>& which, cudaStream_t stream) {
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  std::vector<cuda::FetchTask> tasks;
+  FetchCounts counts;
+  for (size_t s : which) {
+    SequenceState& st = sequences_.at(protocol_.ids()[s]);
+    LayerRows& lr = st.layers[layer];
+    const int next = 1 - lr.cur;
+    if (lr.selected > 0 && options_.fetch) {
+      SPECACHE_RETURN_IF_ERROR(lr.rows[next].Reserve(size_t(shape_.n_kv_heads) * config_.top_k * row));
+      for (int h = 0; h < shape_.n_kv_heads; ++h) {
+        cuda::FetchTask t;
+        t.selected = lr.tokens[next].get() + size_t(h) * lr.selected;
+        t.n_selected = lr.selected;
+        t.resident = lr.tokens[lr.cur].get() + size_t(h) * lr.resident;
+        t.resident_rows = lr.rows[lr.cur].get() + size_t(h) * lr.resident * row;
+        t.n_resident = lr.resident;
+        t.out_rows = lr.rows[next].get() + size_t(h) * lr.selected * row;
+        t.pages = PageTable(st, layer);
+        t.kv_head = h;
+        tasks.push_back(t);
+      }
+    }
+    counts.selected += int64_t{lr.selected} * shape_.n_kv_heads;
+    if (!options_.fetch) {  // measuring without the fetch: nothing becomes resident
+      lr.selected = 0;
+      continue;
+    }
+    lr.cur = next;
+    lr.resident = lr.selected;
+    lr.selected = 0;
+  }
+  // Hits and misses are counted on the device (stats() reads them); the selection here.
+  counts_selected_ += counts.selected;
+  return cuda::FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, page_tokens_,
+                         options_.fetch_blocks, device_counters_.get(), stream);
 }
 
 Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
@@ -300,101 +439,185 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
   if (!rows.q || !rows.k || !rows.v || !rows.out) return Status::InvalidArgument("decode rows have a null tensor");
   const int d = shape_.head_dim, group = shape_.group_size(), n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads;
   const int n_rows = protocol_.rows();
+  const auto& ids = protocol_.ids();
+  const size_t n_seq = ids.size(), total_rows = n_seq * n_rows;
   const bool nonspec = config_.mode == KvMode::kSpeCacheNonSpec;
   const bool selects = config_.mode == KvMode::kSpeCache || nonspec;
   const bool appends = protocol_.kind() == StepKind::kDecode;
   const int probs_row = protocol_.kind() == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
-  const size_t width = size_t(group) * d;
-  SPECACHE_RETURN_IF_ERROR(q_.Reserve(n_rows * width));
-  SPECACHE_RETURN_IF_ERROR(out_.Reserve(n_rows * width));
-  SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n_rows) * d));
-  SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n_rows) * d));
-  FetchCounts counts;
-  for (size_t s = 0; s < protocol_.ids().size(); ++s) {
-    const SequenceId id = protocol_.ids()[s];
+
+  // This layer's rows fetched during the previous step must be resident before its attention.
+  if (config_.mode == KvMode::kSpeCache) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(compute_, fetched_[layer], 0), "wait for the fetch"));
+  }
+  // The new K/V as fp16, [row][n_kv][d], for every sequence at once.
+  SPECACHE_RETURN_IF_ERROR(k_.Reserve(total_rows * n_kv * d));
+  SPECACHE_RETURN_IF_ERROR(v_.Reserve(total_rows * n_kv * d));
+  SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.k, static_cast<int32_t>(total_rows * n_kv), d, d, k_.get(), compute_));
+  SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.v, static_cast<int32_t>(total_rows * n_kv), d, d, v_.get(), compute_));
+
+  std::vector<cuda::DeviceDecodeItem> items;
+  std::vector<int32_t> candidates(n_seq);
+  items.reserve(n_seq * n_kv);
+  probs_offsets_.assign(n_seq, 0);
+  size_t scratch = 0, probs = 0;
+  for (size_t s = 0; s < n_seq; ++s) {
+    const SequenceState& st = sequences_.at(ids[s]);
+    const cuda::DeviceHeadReplica& rep0 = *st.replicas[layer][0];
+    candidates[s] = TopKCandidates(config_, appends, rep0.length(), rep0.quantized_keys());
+    probs_offsets_[s] = probs;
+    probs += size_t(n_kv) * group * std::max<int32_t>(candidates[s], 1);
+    scratch += static_cast<size_t>(cuda::DecodeScratchFloats(rep0.length(), n_rows, group, d)) * n_kv;
+  }
+  SPECACHE_RETURN_IF_ERROR(scores_.Reserve(scratch));
+  SPECACHE_RETURN_IF_ERROR(probs_.Reserve(std::max<size_t>(probs, 1)));
+  scratch = 0;
+  for (size_t s = 0; s < n_seq; ++s) {
+    const SequenceState& st = sequences_.at(ids[s]);
+    const LayerRows& lr = st.layers[layer];
     for (int h = 0; h < n_kv; ++h) {
-      HeadState& head = sequences_.at(id).heads[layer][h];
+      const cuda::DeviceHeadReplica& rep = *st.replicas[layer][h];
+      cuda::DeviceDecodeItem it;
+      it.replica = rep.view();
+      cuda::DeviceDecodeRows& r = it.rows;
       const size_t first_row = s * n_rows;
-      const size_t q_at = (first_row * n_q + size_t(h) * group) * d, kv_at = (first_row * n_kv + h) * d;
-      SPECACHE_RETURN_IF_ERROR(Copy2D(q_.get(), width, rows.q + q_at, size_t(n_q) * d, width, n_rows));
-      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.k + kv_at, n_rows, d, int64_t{n_kv} * d, k_.get(), nullptr));
-      SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.v + kv_at, n_rows, d, int64_t{n_kv} * d, v_.get(), nullptr));
-      const cuda::DeviceHeadReplica& rep = *head.replica;
-      const int32_t n_qk = rep.quantized_keys();
-      const int32_t n_candidates = TopKCandidates(config_, appends, rep.length(), n_qk);
-      SPECACHE_RETURN_IF_ERROR(scores_.Reserve(size_t(n_rows) * group * (rep.length() + n_rows)));
-      SPECACHE_RETURN_IF_ERROR(probs_.Reserve(size_t(group) * std::max<int32_t>(n_candidates, 1)));
-      cuda::DeviceDecodeRows r;
-      r.sub_tokens = head.tokens.get();
-      r.sub_rows = head.rows.get();
-      r.n_sub = static_cast<int32_t>(head.resident.size());
-      r.q = q_.get();
-      r.new_keys = k_.get();
-      r.new_values = v_.get();
+      r.sub_tokens = lr.tokens[lr.cur].get() + size_t(h) * lr.resident;
+      r.sub_rows = lr.rows[lr.cur].get() + size_t(h) * lr.resident * 2 * d;
+      r.n_sub = lr.resident;
+      r.q = rows.q + (first_row * n_q + size_t(h) * group) * d;
+      r.out = rows.out + (first_row * n_q + size_t(h) * group) * d;
+      r.q_stride = int64_t{n_q} * d;
+      r.new_keys = k_.get() + (first_row * n_kv + h) * d;
+      r.new_values = v_.get() + (first_row * n_kv + h) * d;
+      r.kv_stride = int64_t{n_kv} * d;
       r.n_rows = n_rows;
       r.n_heads = group;
       r.scale = scale_;
-      r.out = out_.get();
       r.probs_row = probs_row;
-      r.n_candidates = n_candidates;
-      r.probs = selects ? probs_.get() : nullptr;
-      r.scratch = scores_.get();
-      if (nonspec) {
-        cuda::DeviceDecodeRows plain = r;
-        plain.n_sub = 0;
-        SPECACHE_RETURN_IF_ERROR(cuda::AttendDecodeRows(rep.view(), plain, nullptr));
-        SPECACHE_RETURN_IF_ERROR(Select(n_candidates, &head));
-        SPECACHE_RETURN_IF_ERROR(Fetch(id, layer, h, &head, &counts));
-        r.sub_tokens = head.tokens.get();
-        r.sub_rows = head.rows.get();
-        r.n_sub = static_cast<int32_t>(head.resident.size());
-        r.probs = nullptr;
-        SPECACHE_RETURN_IF_ERROR(cuda::AttendDecodeRows(rep.view(), r, nullptr));
-      } else {
-        SPECACHE_RETURN_IF_ERROR(cuda::AttendDecodeRows(rep.view(), r, nullptr));
-        if (selects) SPECACHE_RETURN_IF_ERROR(Select(n_candidates, &head));
-      }
-      SPECACHE_RETURN_IF_ERROR(Copy2D(rows.out + q_at, size_t(n_q) * d, out_.get(), width, width, n_rows));
-      if (appends) {
-        SPECACHE_RETURN_IF_ERROR(AppendToSource(id, layer, h, rep.length(), k_.get(), v_.get(), 1));
-        SPECACHE_RETURN_IF_ERROR(head.replica->Append(k_.get(), v_.get(), 1));
-      }
+      r.n_candidates = candidates[s];
+      r.probs = selects && candidates[s] > 0 ? probs_.get() + probs_offsets_[s] + size_t(h) * group * candidates[s]
+                                             : nullptr;
+      r.scratch = scores_.get() + scratch;
+      scratch += static_cast<size_t>(cuda::DecodeScratchFloats(rep.length(), n_rows, group, d));
+      items.push_back(it);
     }
   }
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "decode layer"));
+  if (nonspec) {
+    // Select from the plain low-bit attention, fetch now, then attend with the fetched rows.
+    std::vector<cuda::DeviceDecodeItem> plain = items;
+    for (auto& it : plain) it.rows.n_sub = 0;
+    SPECACHE_RETURN_IF_ERROR(Attend(plain));
+    SPECACHE_RETURN_IF_ERROR(Select(layer, candidates));
+    std::vector<size_t> all(n_seq);
+    for (size_t s = 0; s < n_seq; ++s) all[s] = s;
+    SPECACHE_RETURN_IF_ERROR(Fetch(layer, all, compute_));
+    for (size_t i = 0; i < items.size(); ++i) {
+      const LayerRows& lr = sequences_.at(ids[i / n_kv]).layers[layer];
+      const int h = static_cast<int>(i % n_kv);
+      items[i].rows.sub_tokens = lr.tokens[lr.cur].get() + size_t(h) * lr.resident;
+      items[i].rows.sub_rows = lr.rows[lr.cur].get() + size_t(h) * lr.resident * 2 * d;
+      items[i].rows.n_sub = lr.resident;
+      items[i].rows.probs = nullptr;
+    }
+    SPECACHE_RETURN_IF_ERROR(Attend(items));
+  } else {
+    SPECACHE_RETURN_IF_ERROR(Attend(items));
+    if (selects) {
+      SPECACHE_RETURN_IF_ERROR(Select(layer, candidates));
+      SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(selected_[layer], compute_), "selection event"));
+    }
+  }
+  if (appends) {  // the real token (row 0 of each sequence) joins the pages and the replica
+    std::vector<cuda::WriteTask> writes;
+    std::vector<cuda::DeviceHeadReplica*> replicas;
+    std::vector<const Half*> keys, values;
+    for (size_t s = 0; s < n_seq; ++s) {
+      SequenceState& st = sequences_.at(ids[s]);
+      const int32_t at = st.replicas[layer][0]->length();
+      for (int h = 0; h < n_kv; ++h) {
+        const size_t kv_at = (s * n_rows * n_kv + h) * d;
+        writes.push_back({k_.get() + kv_at, v_.get() + kv_at, PageTable(st, layer), d, at, 1, h});
+        replicas.push_back(st.replicas[layer][h].get());
+        keys.push_back(k_.get() + kv_at);
+        values.push_back(v_.get() + kv_at);
+      }
+      pending_.push_back({ids[s], layer, at, 1});
+    }
+    SPECACHE_RETURN_IF_ERROR(cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), d, page_tokens_, compute_));
+    SPECACHE_RETURN_IF_ERROR(cuda::DeviceHeadReplica::AppendTokens(replicas, keys, values));
+  }
   protocol_.AfterDecode(layer);
-  AddFetchCounts(counts);
   return Status::Ok();
 }
 
 Status CudaAgent::StartPrefetch(int layer) {
   SPECACHE_ASSIGN_OR_RETURN(std::vector<size_t> which, protocol_.PrefetchList(layer));
-  FetchCounts counts;
-  for (size_t s : which) {
-    const SequenceId id = protocol_.ids()[s];
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
-      SPECACHE_RETURN_IF_ERROR(Fetch(id, layer, h, &sequences_.at(id).heads[layer][h], &counts));
-    }
+  if (!which.empty()) {
+    // The fetch stream takes the selection once the layer's top-k is done, and the compute stream
+    // goes on with the next layers.
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
+    SPECACHE_RETURN_IF_ERROR(Fetch(layer, which, fetch_));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(fetched_[layer], fetch_), "fetch event"));
   }
-  AddFetchCounts(counts);
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "prefetch"));
   protocol_.PrefetchStarted(layer, which);
   return Status::Ok();
 }
 
 Status CudaAgent::WaitPrefetch(int layer) {
-  SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-  protocol_.Wait(layer);  // this version's fetch completed inside StartPrefetch
+  SPECACHE_RETURN_IF_ERROR(protocol_.CheckLayer(layer));
+  // Stream order, not a host wait: work queued on the compute stream from here sees the rows.
+  if (config_.mode == KvMode::kSpeCache) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(compute_, fetched_[layer], 0), "wait for the fetch"));
+  }
+  protocol_.Wait(layer);
   return Status::Ok();
 }
 
 Status CudaAgent::EndStep() {
   SPECACHE_ASSIGN_OR_RETURN(bool decode, protocol_.End());
   if (decode) ++counters_.steps;
-  return Status::Ok();
+  return Cuda(cudaEventRecord(appended_, compute_), "page writes");
 }
 
-void CudaAgent::AbortStep() { protocol_.Abort(); }
+void CudaAgent::AbortStep() {
+  protocol_.Abort();
+  cudaEventRecord(appended_, compute_);  // appends already queued are kept (agent.h)
+}
+
+Result<std::vector<int32_t>> CudaAgent::SelectedTokens(SequenceId id, int layer, int kv_head) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
+  SPECACHE_RETURN_IF_ERROR(protocol_.CheckHead(layer, kv_head));
+  const LayerRows& lr = it->second.layers[layer];
+  std::vector<int32_t> tokens(static_cast<size_t>(lr.resident));
+  if (tokens.empty()) return tokens;
+  SPECACHE_RETURN_IF_ERROR(WaitForStreams());
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy(tokens.data(), lr.tokens[lr.cur].get() + size_t(kv_head) * lr.resident,
+                                           tokens.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+                                "selected tokens"));
+  return tokens;
+}
+
+AgentStats CudaAgent::stats() const {
+  AgentStats s = counters_;
+  cuda::FetchCounters device{0, 0};
+  if (WaitForStreams().ok()) {
+    cudaMemcpy(&device, device_counters_.get(), sizeof(device), cudaMemcpyDeviceToHost);
+    (void)FlushCommits();  // a failure shows at the next call that needs the source
+  }
+  AddFetchCounts({counts_selected_, static_cast<int64_t>(device.fetched), static_cast<int64_t>(device.reused)},
+                 shape_.head_dim, &s);
+  const int64_t row = 2 * int64_t{shape_.head_dim} * static_cast<int64_t>(sizeof(Half));
+  for (const auto& [id, seq] : sequences_) {
+    for (size_t l = 0; l < seq.replicas.size(); ++l) {
+      for (const auto& r : seq.replicas[l]) {
+        s.device_bytes += r->device_bytes() + int64_t{seq.layers[l].resident} * row;
+        s.full_precision_bytes += int64_t{r->length()} * row;
+      }
+    }
+  }
+  return s;
+}
 
 }  // namespace
 
@@ -403,8 +626,11 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   SPECACHE_RETURN_IF_ERROR(ValidateKvConfig(config, shape));
   if (source == nullptr) return Status::InvalidArgument("a full-precision source is required");
   if (options.capacity_tokens <= 0) return Status::InvalidArgument("capacity_tokens must be positive");
+  if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
   SPECACHE_RETURN_IF_ERROR(ProbeCudaDevice().status());
-  return std::unique_ptr<Agent>(new CudaAgent(shape, config, source, options));
+  auto agent = std::make_unique<CudaAgent>(shape, config, source, options);
+  SPECACHE_RETURN_IF_ERROR(agent->Init());
+  return std::unique_ptr<Agent>(std::move(agent));
 }
 
 }  // namespace specache

@@ -5,6 +5,7 @@
 
 #include "specache/cuda_quantize.h"
 #include "specache/cuda_replica.h"
+#include "specache/cuda_tensors.h"
 #include "specache/quantizer.h"
 
 namespace specache::cuda {
@@ -93,7 +94,7 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
     return Status::ResourceExhausted("replica capacity of " + std::to_string(capacity_) + " tokens reached");
   }
   const ReplicaParams& p = params_;
-  const int d = p.head_dim, R = p.residual_tokens, G = p.group_size;
+  const int d = p.head_dim, R = p.residual_tokens;
   const cudaStream_t s = static_cast<cudaStream_t>(stream_);
   Buffers& b = *b_;
   const size_t row = static_cast<size_t>(d) * sizeof(Half);
@@ -111,46 +112,132 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
     window_count_ += chunk;
     length_ += chunk;
     done += chunk;
-    if (residual_ == R) {  // flush: R/G key groups
-      const int groups = R / G;
-      if (IsPackedBitWidth(p.key_bits)) {
-        const size_t words = static_cast<size_t>(d) * WordsPerGroup(G, p.key_bits);
-        SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroups(b.key_residual, groups, G, d, p.key_bits,
-                                                   b.key_codes + key_groups_ * words, b.key_scale + size_t(key_groups_) * d,
-                                                   b.key_zero + size_t(key_groups_) * d, stream_));
-      } else {
-        SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.key_half + static_cast<size_t>(key_groups_) * G * d, b.key_residual,
-                                                      static_cast<size_t>(R) * row, cudaMemcpyDeviceToDevice, s),
-                                      "fp16 key flush"));
-      }
-      key_groups_ += groups;
-      residual_ = 0;
+    if (residual_ == R) SPECACHE_RETURN_IF_ERROR(FlushKeyGroups());
+    if (window_count_ > R) SPECACHE_RETURN_IF_ERROR(RetireOldestValues(window_count_ - R));
+    if (window_begin_ > R) SPECACHE_RETURN_IF_ERROR(CompactWindow());
+  }
+  return Status::Ok();
+}
+
+Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G key groups
+  const ReplicaParams& p = params_;
+  const int d = p.head_dim, R = p.residual_tokens, G = p.group_size, groups = R / G;
+  Buffers& b = *b_;
+  if (IsPackedBitWidth(p.key_bits)) {
+    const size_t words = static_cast<size_t>(d) * WordsPerGroup(G, p.key_bits);
+    SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroups(b.key_residual, groups, G, d, p.key_bits, b.key_codes + key_groups_ * words,
+                                               b.key_scale + size_t(key_groups_) * d, b.key_zero + size_t(key_groups_) * d,
+                                               stream_));
+  } else {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.key_half + static_cast<size_t>(key_groups_) * G * d, b.key_residual,
+                                                  static_cast<size_t>(R) * d * sizeof(Half), cudaMemcpyDeviceToDevice,
+                                                  static_cast<cudaStream_t>(stream_)),
+                                  "fp16 key flush"));
+  }
+  key_groups_ += groups;
+  residual_ = 0;
+  return Status::Ok();
+}
+
+ValueTokenTask DeviceHeadReplica::OldestValueTask() const {
+  const ReplicaParams& p = params_;
+  const int d = p.head_dim, vg = d / p.group_size;
+  const size_t words = static_cast<size_t>(vg) * WordsPerGroup(p.group_size, p.value_bits);
+  const Buffers& b = *b_;
+  return {b.window + static_cast<size_t>(window_begin_) * d, b.value_codes + static_cast<size_t>(quantized_values_) * words,
+          b.value_scale + static_cast<size_t>(quantized_values_) * vg, b.value_zero + static_cast<size_t>(quantized_values_) * vg};
+}
+
+Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m values leave the window
+  const ReplicaParams& p = params_;
+  const int d = p.head_dim;
+  Buffers& b = *b_;
+  const Half* oldest = b.window + static_cast<size_t>(window_begin_) * d;
+  if (IsPackedBitWidth(p.value_bits)) {
+    const ValueTokenTask t = OldestValueTask();
+    SPECACHE_RETURN_IF_ERROR(QuantizeValueTokens(oldest, m, d, p.group_size, p.value_bits, t.codes, t.scale, t.zero, stream_));
+  } else {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.value_half + static_cast<size_t>(quantized_values_) * d, oldest,
+                                                  m * d * sizeof(Half), cudaMemcpyDeviceToDevice,
+                                                  static_cast<cudaStream_t>(stream_)),
+                                  "fp16 value copy"));
+  }
+  quantized_values_ += m;
+  window_begin_ += m;
+  window_count_ -= m;
+  return Status::Ok();
+}
+
+Status DeviceHeadReplica::CompactWindow() {  // [begin, begin + count) -> [0, count), no overlap as count <= R < begin
+  const int d = params_.head_dim;
+  Buffers& b = *b_;
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.window, b.window + static_cast<size_t>(window_begin_) * d,
+                                                window_count_ * d * sizeof(Half), cudaMemcpyDeviceToDevice,
+                                                static_cast<cudaStream_t>(stream_)),
+                                "value window compaction"));
+  window_begin_ = 0;
+  return Status::Ok();
+}
+
+Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& replicas,
+                                       const std::vector<const Half*>& keys, const std::vector<const Half*>& values) {
+  if (keys.size() != replicas.size() || values.size() != replicas.size()) {
+    return Status::InvalidArgument("one key and one value row per replica");
+  }
+  if (replicas.empty()) return Status::Ok();
+  const ReplicaParams& p = replicas[0]->params_;
+  void* stream = replicas[0]->stream_;
+  for (const DeviceHeadReplica* r : replicas) {
+    const ReplicaParams& q = r->params_;
+    if (q.head_dim != p.head_dim || q.key_bits != p.key_bits || q.value_bits != p.value_bits ||
+        q.group_size != p.group_size || q.residual_tokens != p.residual_tokens || r->stream_ != stream) {
+      return Status::InvalidArgument("replicas of one batched append must share parameters and stream");
     }
-    if (window_count_ > R) {  // the oldest values leave the window
-      const int32_t m = window_count_ - R;
-      const Half* oldest = b.window + static_cast<size_t>(window_begin_) * d;
-      if (IsPackedBitWidth(p.value_bits)) {
-        const int vg = d / G;
-        const size_t words = static_cast<size_t>(vg) * WordsPerGroup(G, p.value_bits);
-        SPECACHE_RETURN_IF_ERROR(QuantizeValueTokens(oldest, m, d, G, p.value_bits,
-                                                     b.value_codes + static_cast<size_t>(quantized_values_) * words,
-                                                     b.value_scale + static_cast<size_t>(quantized_values_) * vg,
-                                                     b.value_zero + static_cast<size_t>(quantized_values_) * vg, stream_));
-      } else {
-        SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.value_half + static_cast<size_t>(quantized_values_) * d, oldest,
-                                                      m * row, cudaMemcpyDeviceToDevice, s), "fp16 value copy"));
-      }
-      quantized_values_ += m;
-      window_begin_ += m;
-      window_count_ = R;
-    }
-    if (window_begin_ > R) {  // compact: [begin, begin + count) -> [0, count), no overlap as count <= R < begin
-      SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.window, b.window + static_cast<size_t>(window_begin_) * d,
-                                                    window_count_ * row, cudaMemcpyDeviceToDevice, s),
-                                    "value window compaction"));
-      window_begin_ = 0;
+    if (r->length_ >= r->capacity_) {
+      return Status::ResourceExhausted("replica capacity of " + std::to_string(r->capacity_) + " tokens reached");
     }
   }
+  const int d = p.head_dim, R = p.residual_tokens;
+  const bool packed_values = IsPackedBitWidth(p.value_bits);
+  std::vector<RowCopy> copies;
+  copies.reserve(2 * replicas.size());
+  for (size_t i = 0; i < replicas.size(); ++i) {  // residual_ < R and window_count_ <= R: both rows have room
+    Buffers& b = *replicas[i]->b_;
+    copies.push_back({keys[i], b.key_residual + static_cast<size_t>(replicas[i]->residual_) * d});
+    copies.push_back({values[i], b.window + static_cast<size_t>(replicas[i]->window_begin_ + replicas[i]->window_count_) * d});
+  }
+  SPECACHE_RETURN_IF_ERROR(CopyRows(copies.data(), static_cast<int>(copies.size()), d * static_cast<int>(sizeof(Half)), stream));
+  // The window's oldest value leaves it (steady state: one per token), for all replicas at once.
+  std::vector<ValueTokenTask> retire;
+  std::vector<RowCopy> retire_half;
+  std::vector<DeviceHeadReplica*> compact;
+  for (DeviceHeadReplica* r : replicas) {
+    ++r->residual_;
+    ++r->window_count_;
+    ++r->length_;
+    if (r->residual_ == R) SPECACHE_RETURN_IF_ERROR(r->FlushKeyGroups());
+    if (r->window_count_ > R) {
+      const ValueTokenTask t = r->OldestValueTask();
+      if (packed_values) {
+        retire.push_back(t);
+      } else {
+        retire_half.push_back({t.value, r->b_->value_half + static_cast<size_t>(r->quantized_values_) * d});
+      }
+      ++r->quantized_values_;
+      ++r->window_begin_;
+      --r->window_count_;
+      if (r->window_begin_ > R) compact.push_back(r);
+    }
+  }
+  if (!retire.empty()) {
+    SPECACHE_RETURN_IF_ERROR(
+        QuantizeValueTokenBatch(retire.data(), static_cast<int>(retire.size()), d, p.group_size, p.value_bits, stream));
+  }
+  if (!retire_half.empty()) {
+    SPECACHE_RETURN_IF_ERROR(
+        CopyRows(retire_half.data(), static_cast<int>(retire_half.size()), d * static_cast<int>(sizeof(Half)), stream));
+  }
+  for (DeviceHeadReplica* r : compact) SPECACHE_RETURN_IF_ERROR(r->CompactWindow());
   return Status::Ok();
 }
 

@@ -1,5 +1,7 @@
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "specache/cuda_gather.h"
@@ -26,22 +28,62 @@ __global__ void GatherRowsKernel(const uint64_t* __restrict__ src, uint4* __rest
 
 }  // namespace
 
+namespace {
+
+// Registrations are counted per base address, process-wide: several agents (or an agent and a
+// benchmark) may map the same daemon chunks, and the memory stays registered until the last one
+// lets go. A range registered by someone outside this file is used, never unregistered here.
+struct Registration {
+  int count = 0;
+  uint64_t device = 0;
+  bool owned = true;
+};
+std::mutex registrations_mu;
+std::map<void*, Registration>& Registrations() {
+  static auto* registrations = new std::map<void*, Registration>();
+  return *registrations;
+}
+
+}  // namespace
+
 Result<uint64_t> RegisterHostMemory(void* host, size_t bytes) {
+  std::lock_guard<std::mutex> lock(registrations_mu);
+  auto it = Registrations().find(host);
+  if (it != Registrations().end()) {
+    ++it->second.count;
+    return it->second.device;
+  }
+  Registration r;
   cudaError_t err = cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
-  if (err != cudaSuccess) {
+  if (err == cudaErrorHostMemoryAlreadyRegistered) {
+    cudaGetLastError();
+    r.owned = false;
+  } else if (err != cudaSuccess) {
     cudaGetLastError();
     return FromCuda(err, "cudaHostRegister");
   }
   void* device = nullptr;
   if ((err = cudaHostGetDevicePointer(&device, host, 0)) != cudaSuccess) {
-    cudaHostUnregister(host);
+    cudaGetLastError();
+    if (r.owned) cudaHostUnregister(host);
     return FromCuda(err, "cudaHostGetDevicePointer");
   }
-  return reinterpret_cast<uint64_t>(device);
+  r.count = 1;
+  r.device = reinterpret_cast<uint64_t>(device);
+  Registrations()[host] = r;
+  return r.device;
 }
 
 Status UnregisterHostMemory(void* host) {
+  std::lock_guard<std::mutex> lock(registrations_mu);
+  auto it = Registrations().find(host);
+  if (it == Registrations().end()) return Status::NotFound("host memory was not registered here");
+  if (--it->second.count > 0) return Status::Ok();
+  const bool owned = it->second.owned;
+  Registrations().erase(it);
+  if (!owned) return Status::Ok();
   const cudaError_t err = cudaHostUnregister(host);
+  if (err != cudaSuccess) cudaGetLastError();
   return err == cudaSuccess ? Status::Ok() : FromCuda(err, "cudaHostUnregister");
 }
 

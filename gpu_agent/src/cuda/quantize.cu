@@ -1,6 +1,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "specache/cuda_quantize.h"
@@ -81,6 +82,17 @@ __global__ void QuantizeKeyGroupsKernel(const __half* keys, int group_size, int 
   QuantizeRunWarp(x, per_lane, bits, codes + slot * words, scale + slot, zero + slot);
 }
 
+// The calling warp quantizes channel group g of one value token.
+__device__ void QuantizeValueGroupWarp(const __half* token, int g, int group_size, int bits, uint32_t* codes,
+                                       uint16_t* scale, uint16_t* zero) {
+  const int lane = threadIdx.x & 31, per_lane = group_size / 32;
+  float x[4];
+  const __half* v = token + static_cast<size_t>(g) * group_size;
+  for (int j = 0; j < per_lane; ++j) x[j] = __half2float(v[lane + 32 * j]);
+  const int words = group_size * bits / 32;
+  QuantizeRunWarp(x, per_lane, bits, codes + static_cast<size_t>(g) * words, scale + g, zero + g);
+}
+
 // One warp per (token, channel group).
 __global__ void QuantizeValueTokensKernel(const __half* values, int n_runs, int head_dim, int group_size, int bits,
                                           uint32_t* codes, uint16_t* scale, uint16_t* zero) {
@@ -88,12 +100,24 @@ __global__ void QuantizeValueTokensKernel(const __half* values, int n_runs, int 
   if (run >= n_runs) return;
   const int groups = head_dim / group_size;
   const int token = run / groups, g = run % groups;
-  const int lane = threadIdx.x & 31, per_lane = group_size / 32;
-  float x[4];
-  const __half* v = values + static_cast<size_t>(token) * head_dim + static_cast<size_t>(g) * group_size;
-  for (int j = 0; j < per_lane; ++j) x[j] = __half2float(v[lane + 32 * j]);
-  const int words = group_size * bits / 32;
-  QuantizeRunWarp(x, per_lane, bits, codes + static_cast<size_t>(run) * words, scale + run, zero + run);
+  const size_t first = static_cast<size_t>(token) * groups;
+  QuantizeValueGroupWarp(values + static_cast<size_t>(token) * head_dim, g, group_size, bits,
+                         codes + first * (group_size * bits / 32), scale + first, zero + first);
+}
+
+struct ValueTokenBatch {  // by value (kMaxValueTokenTasks x 32 bytes fit the parameter space)
+  ValueTokenTask tasks[kMaxValueTokenTasks];
+  int count;
+};
+
+// One warp per (task, channel group).
+__global__ void QuantizeValueTokenBatchKernel(ValueTokenBatch batch, int head_dim, int group_size, int bits) {
+  const int groups = head_dim / group_size;
+  const int run = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (run >= batch.count * groups) return;
+  const ValueTokenTask& t = batch.tasks[run / groups];
+  QuantizeValueGroupWarp(reinterpret_cast<const __half*>(t.value), run % groups, group_size, bits, t.codes, t.scale,
+                         t.zero);
 }
 
 Status Check(int group_size, int head_dim, int bits) {
@@ -133,6 +157,23 @@ Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int g
   QuantizeValueTokensKernel<<<(runs + kWarps - 1) / kWarps, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __half*>(values), runs, head_dim, group_size, bits, codes, scale, zero);
   return Launched("value quantization kernel");
+}
+
+Status QuantizeValueTokenBatch(const ValueTokenTask* tasks, int n_tasks, int head_dim, int group_size, int bits,
+                               void* stream) {
+  SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
+  if (head_dim % group_size != 0) return Status::InvalidArgument("group_size must divide head_dim");
+  constexpr int kWarps = 8;
+  for (int first = 0; first < n_tasks; first += kMaxValueTokenTasks) {
+    ValueTokenBatch batch;
+    batch.count = std::min(kMaxValueTokenTasks, n_tasks - first);
+    for (int i = 0; i < batch.count; ++i) batch.tasks[i] = tasks[first + i];
+    const int runs = batch.count * (head_dim / group_size);
+    QuantizeValueTokenBatchKernel<<<(runs + kWarps - 1) / kWarps, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+        batch, head_dim, group_size, bits);
+    SPECACHE_RETURN_IF_ERROR(Launched("value quantization kernel (batch)"));
+  }
+  return Status::Ok();
 }
 
 }  // namespace specache::cuda

@@ -25,6 +25,22 @@ __global__ void InterleaveKernel(const __half* k, const __half* v, int64_t total
   }
 }
 
+struct RowCopyBatch {  // by value: kMaxRowCopies x 16 bytes fit the parameter space
+  RowCopy copies[kMaxRowCopies];
+  int count;
+};
+
+// One thread per 16-byte piece.
+__global__ void CopyRowsKernel(RowCopyBatch batch, int pieces_per_row) {
+  const int64_t total = static_cast<int64_t>(batch.count) * pieces_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const RowCopy& c = batch.copies[i / pieces_per_row];
+    const int piece = static_cast<int>(i % pieces_per_row);
+    static_cast<uint4*>(c.dst)[piece] = static_cast<const uint4*>(c.src)[piece];
+  }
+}
+
 Status Launched(const char* what) {
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
@@ -48,6 +64,19 @@ Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, 
   InterleaveKernel<<<Blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __half*>(k), reinterpret_cast<const __half*>(v), total, d, reinterpret_cast<__half*>(rows));
   return Launched("K/V interleave kernel");
+}
+
+Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream) {
+  if (row_bytes <= 0 || row_bytes % 16 != 0) return Status::InvalidArgument("row_bytes must be a positive multiple of 16");
+  for (int first = 0; first < n; first += kMaxRowCopies) {
+    RowCopyBatch batch;
+    batch.count = std::min(kMaxRowCopies, n - first);
+    for (int i = 0; i < batch.count; ++i) batch.copies[i] = copies[first + i];
+    const int64_t pieces = int64_t{batch.count} * (row_bytes / 16);
+    CopyRowsKernel<<<Blocks(pieces), 256, 0, static_cast<cudaStream_t>(stream)>>>(batch, row_bytes / 16);
+    SPECACHE_RETURN_IF_ERROR(Launched("row copy kernel"));
+  }
+  return Status::Ok();
 }
 
 }  // namespace specache::cuda

@@ -1,0 +1,58 @@
+// The CUDA agent's data movement between the device and the source's host pages, read and
+// written in place by the GPU's SMs (the pages are registered and mapped, cuda_gather.h):
+//
+// - FetchRows builds the next resident rows of many (sequence, layer, KV head) at once: row i is
+//   the device copy of selected[i] when that token is resident already (a hit: no host traffic),
+//   else its row read straight from the host page. The selection never leaves the device, so no
+//   host round trip sits between the top-k and the fetch. Hits and misses are counted on the
+//   device.
+// - WriteRows appends the new tokens' K/V to the host pages (device-to-host stores).
+//
+// Pages follow full_precision_source.h: page p of a (sequence, layer) holds tokens
+// [p * page_tokens, (p + 1) * page_tokens), laid out [kv_head][token][K|V][head_dim] fp16;
+// `pages` are the GPU-visible page addresses. Device pointers; streams as void*. Tasks travel in
+// the kernel's parameters, up to kMaxTasks per launch (more are split across launches).
+#pragma once
+
+#include <cstdint>
+
+#include "specache/half.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+struct FetchTask {
+  const int32_t* selected = nullptr;    // [n_selected] ascending: the rows wanted next
+  const int32_t* resident = nullptr;    // [n_resident] ascending: the rows on the device now
+  const Half* resident_rows = nullptr;  // [n_resident][2][head_dim]
+  Half* out_rows = nullptr;             // [n_selected][2][head_dim], not overlapping resident_rows
+  const uint64_t* pages = nullptr;      // GPU-visible page addresses of the (sequence, layer)
+  int32_t n_selected = 0;
+  int32_t n_resident = 0;
+  int32_t kv_head = 0;
+};
+
+struct WriteTask {
+  const Half* keys = nullptr;    // row i at keys + i * stride
+  const Half* values = nullptr;  // row i at values + i * stride
+  const uint64_t* pages = nullptr;
+  int64_t stride = 0;            // elements between consecutive rows of keys / values
+  int32_t first_token = 0;
+  int32_t n = 0;
+  int32_t kv_head = 0;
+};
+
+// Counters FetchRows adds to (device memory).
+struct FetchCounters {
+  unsigned long long fetched;  // rows read from host pages
+  unsigned long long reused;   // rows copied from the resident set
+};
+
+constexpr int kMaxTasks = 256;
+
+// max_blocks bounds the SMs the fetch takes from the layers it overlaps. head_dim: a multiple of 8.
+Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
+                 FetchCounters* counters, void* stream);
+Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream);
+
+}  // namespace specache::cuda

@@ -1,0 +1,192 @@
+// Label `gpu`: the agent's in-place page kernels against a CPU reference on random data.
+// FetchRows: every output row is the resident copy when the token is resident, else the host
+// row, byte for byte, and the hit/miss counters add up; batches over kMaxTasks are split.
+// WriteRows: rows stored from the device read back through the source identically.
+#include "specache/cuda_fetch.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <set>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "specache/cuda_gather.h"
+#include "specache/device_probe.h"
+#include "specache/in_memory_source.h"
+#include "testing/reference.h"
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace specache {
+namespace {
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+template <typename T>
+T* ToDevice(const std::vector<T>& host, std::vector<void*>* owned) {
+  void* d = nullptr;
+  EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(host.size(), 1) * sizeof(T)), cudaSuccess);
+  if (!host.empty()) cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  owned->push_back(d);
+  return static_cast<T*>(d);
+}
+
+// A sorted random subset of [0, n) of about `size` tokens.
+std::vector<int32_t> RandomTokens(int32_t n, int size, std::mt19937& rng) {
+  std::set<int32_t> s;
+  while (static_cast<int>(s.size()) < std::min(size, n)) s.insert(static_cast<int32_t>(rng() % n));
+  return {s.begin(), s.end()};
+}
+
+// The source's pages of (sequence 1, layer 0), registered, as a device page table.
+struct MappedPages {
+  std::vector<void*> owned;
+  std::vector<void*> registered;
+  uint64_t* table = nullptr;
+  MappedPages(InMemorySource& source, int32_t tokens) {
+    std::vector<uint8_t*> pages;
+    EXPECT_TRUE(source.HostPages(1, 0, tokens, &pages).ok());
+    std::vector<uint64_t> device(pages.size());
+    for (const HostRegion& r : source.host_regions()) {
+      auto base = cuda::RegisterHostMemory(r.base, r.bytes);
+      EXPECT_TRUE(base.ok()) << base.status().ToString();
+      registered.push_back(r.base);
+      for (size_t p = 0; p < pages.size(); ++p) {
+        const auto* b = static_cast<const uint8_t*>(r.base);
+        if (pages[p] >= b && pages[p] < b + r.bytes) device[p] = *base + (pages[p] - b);
+      }
+    }
+    table = ToDevice(device, &owned);
+  }
+  ~MappedPages() {
+    for (void* p : owned) cudaFree(p);
+    for (void* r : registered) (void)cuda::UnregisterHostMemory(r);
+  }
+};
+#endif
+
+TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(41);
+  for (int d : {32, 64, 128}) {
+    const int n_kv = 4, page_tokens = 64;
+    const int32_t length = 1000;
+    const size_t row = 2 * size_t(d);
+    InMemorySource source(page_tokens);
+    ASSERT_TRUE(source.CreateSequence(1, {1, n_kv, d}).ok());
+    std::vector<std::vector<Half>> host_rows(n_kv);
+    for (int h = 0; h < n_kv; ++h) {
+      host_rows[h] = testing::RandomHalves(size_t(length) * row, rng);
+      ASSERT_TRUE(source.AppendRows(1, 0, h, 0, host_rows[h].data(), length).ok());
+    }
+    MappedPages mapped(source, length);
+    std::vector<void*> owned;
+    std::vector<cuda::FetchTask> tasks;
+    std::vector<std::vector<Half>> want;
+    uint64_t want_fetched = 0, want_reused = 0;
+    const int n_tasks = cuda::kMaxTasks + 44;
+    for (int i = 0; i < n_tasks; ++i) {
+      const int h = static_cast<int>(rng() % n_kv);
+      const auto selected = RandomTokens(length, i % 7 == 0 ? 0 : 1 + static_cast<int>(rng() % 64), rng);
+      auto resident = RandomTokens(length, static_cast<int>(rng() % 64), rng);
+      // About half the selection was resident: merge some selected tokens into the resident set.
+      for (int32_t t : selected) if (rng() % 2) resident.push_back(t);
+      std::sort(resident.begin(), resident.end());
+      resident.erase(std::unique(resident.begin(), resident.end()), resident.end());
+      // Resident copies differ from the host rows, so the test sees which one was used.
+      std::vector<Half> resident_rows(resident.size() * row);
+      for (size_t r = 0; r < resident.size(); ++r) {
+        for (size_t c = 0; c < row; ++c) resident_rows[r * row + c] = static_cast<Half>(host_rows[h][resident[r] * row + c] ^ 0x5a5a);
+      }
+      std::vector<Half> expect(selected.size() * row);
+      for (size_t s = 0; s < selected.size(); ++s) {
+        const auto at = std::lower_bound(resident.begin(), resident.end(), selected[s]);
+        const bool hit = at != resident.end() && *at == selected[s];
+        const Half* src = hit ? &resident_rows[(at - resident.begin()) * row] : &host_rows[h][selected[s] * row];
+        std::copy(src, src + row, &expect[s * row]);
+        (hit ? want_reused : want_fetched) += 1;
+      }
+      cuda::FetchTask t;
+      t.selected = ToDevice(selected, &owned);
+      t.n_selected = static_cast<int32_t>(selected.size());
+      t.resident = ToDevice(resident, &owned);
+      t.resident_rows = ToDevice(resident_rows, &owned);
+      t.n_resident = static_cast<int32_t>(resident.size());
+      t.out_rows = ToDevice(std::vector<Half>(selected.size() * row), &owned);
+      t.pages = mapped.table;
+      t.kv_head = h;
+      tasks.push_back(t);
+      want.push_back(std::move(expect));
+    }
+    auto* counters = ToDevice(std::vector<cuda::FetchCounters>{{0, 0}}, &owned);
+    ASSERT_TRUE(cuda::FetchRows(tasks.data(), n_tasks, d, page_tokens, 7, counters, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int i = 0; i < n_tasks; ++i) {
+      std::vector<Half> got(want[i].size());
+      cudaMemcpy(got.data(), tasks[i].out_rows, got.size() * sizeof(Half), cudaMemcpyDeviceToHost);
+      ASSERT_EQ(got, want[i]) << "d=" << d << " task " << i;
+    }
+    cuda::FetchCounters got_counters;
+    cudaMemcpy(&got_counters, counters, sizeof(got_counters), cudaMemcpyDeviceToHost);
+    EXPECT_EQ(got_counters.fetched, want_fetched);
+    EXPECT_EQ(got_counters.reused, want_reused);
+    for (void* p : owned) cudaFree(p);
+  }
+#endif
+}
+
+TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(43);
+  for (int d : {64, 128}) {
+    const int n_kv = 3, page_tokens = 64;
+    const int32_t before = 100, n = 150;  // appends cross page boundaries
+    const size_t row = 2 * size_t(d);
+    InMemorySource source(page_tokens);
+    ASSERT_TRUE(source.CreateSequence(1, {1, n_kv, d}).ok());
+    for (int h = 0; h < n_kv; ++h) {
+      const auto rows = testing::RandomHalves(size_t(before) * row, rng);
+      ASSERT_TRUE(source.AppendRows(1, 0, h, 0, rows.data(), before).ok());
+    }
+    MappedPages mapped(source, before + n);
+    // The engine's layout: [n][n_kv][d] keys and values.
+    const auto keys = testing::RandomHalves(size_t(n) * n_kv * d, rng), values = testing::RandomHalves(size_t(n) * n_kv * d, rng);
+    std::vector<void*> owned;
+    const Half* dk = ToDevice(keys, &owned);
+    const Half* dv = ToDevice(values, &owned);
+    std::vector<cuda::WriteTask> tasks;
+    for (int h = 0; h < n_kv; ++h) tasks.push_back({dk + h * d, dv + h * d, mapped.table, int64_t{n_kv} * d, before, n, h});
+    ASSERT_TRUE(cuda::WriteRows(tasks.data(), n_kv, d, page_tokens, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int h = 0; h < n_kv; ++h) {
+      ASSERT_TRUE(source.CommitRows(1, 0, h, before, n).ok());
+      std::vector<int32_t> tokens(n);
+      for (int32_t i = 0; i < n; ++i) tokens[i] = before + i;
+      std::vector<Half> got(size_t(n) * row);
+      ASSERT_TRUE(source.ReadRows(1, 0, h, tokens.data(), n, got.data()).ok());
+      for (int32_t i = 0; i < n; ++i) {
+        for (int c = 0; c < d; ++c) {
+          ASSERT_EQ(got[i * row + c], keys[(size_t(i) * n_kv + h) * d + c]) << "key, token " << before + i;
+          ASSERT_EQ(got[i * row + d + c], values[(size_t(i) * n_kv + h) * d + c]) << "value, token " << before + i;
+        }
+      }
+    }
+    for (void* p : owned) cudaFree(p);
+  }
+#endif
+}
+
+TEST(CudaFetchTest, WithoutADeviceItIsUnavailable) {
+  if (ProbeCudaDevice().ok()) GTEST_SKIP() << "a device is present";
+  EXPECT_EQ(cuda::FetchRows(nullptr, 0, 64, 64, 1, nullptr, nullptr).code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace specache

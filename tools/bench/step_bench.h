@@ -1,0 +1,24 @@
+// specache-bench step: one decode step of a 32-layer stack with Llama-3-8B attention shapes
+// (32 query heads, 8 KV heads, head_dim 128; cuBLAS projections and MLP, hidden 4096, FFN 14336,
+// fp16 weights, random data) through the real CUDA agent in specache mode (1-bit replica, k=64,
+// pages in registered host memory), with the speculative fetch and with the fetch switched off
+// (CudaAgentOptions::fetch = false), measured in the same run. The ratio says what the fetch
+// costs once it overlaps the later layers (CUDA builds only).
+#pragma once
+
+#include <vector>
+
+#include "bench_row.h"
+
+namespace specache::bench {
+
+struct StepOptions {
+  std::vector<int> batches{1, 8, 16, 32};  // sequences per step, at `context` tokens each
+  int context = 8192;
+  int steps = 10;                           // timed steps (after warm-ups)
+};
+
+// Prints a table; false when the suite could not run (no CUDA build or no device).
+bool RunStepSuite(const StepOptions& options, std::vector<BenchRow>* rows);
+
+}  // namespace specache::bench
