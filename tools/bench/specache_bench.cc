@@ -1,7 +1,7 @@
 // specache-bench: figures for the agent (CPU backend everywhere; gather and step on a GPU).
 //
 //   specache-bench [memory|quantize|attention|all|gather|step] [--tokens N] [--head-dim D]
-//                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--json FILE]
+//                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--json FILE]
 //
 // memory     replica bytes / fp16 bytes after streaming N tokens through one real HeadReplica,
 //            for G in {32, 64}, B in {1, 2, 4}, R in {64, 128}; checks the 1-bit, G=32, R=64
@@ -48,6 +48,7 @@ struct Options {
   int repeats = 7;
   int host_gib = 16;
   bool tokens_given = false;
+  int fetch_blocks = 0;  // step: 0 = the agent's default
   std::vector<int> batches;  // step: sequences per step (empty: the suite's default)
   std::string json_path;
 };
@@ -198,7 +199,7 @@ void WriteJson(const std::string& path, const std::vector<Row>& rows) {
 int Usage() {
   std::fprintf(stderr,
                "usage: specache-bench [memory|quantize|attention|all|gather|step] [--tokens N] [--head-dim D] "
-               "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--json FILE]\n");
+               "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--json FILE]\n");
   return 2;
 }
 
@@ -227,6 +228,8 @@ int main(int argc, char** argv) {
     } else if (a == "--json") {
       if (i + 1 >= argc) return Usage();
       o.json_path = argv[++i];
+    } else if (a == "--fetch-blocks") {
+      if (!next_int(&o.fetch_blocks)) return Usage();
     } else if (a == "--batches") {
       if (i + 1 >= argc) return Usage();
       o.batches.clear();
@@ -260,6 +263,7 @@ int main(int argc, char** argv) {
       bench::StepOptions step;
       if (!o.batches.empty()) step.batches = o.batches;
       if (o.tokens_given) step.context = o.tokens;
+      step.fetch_blocks = o.fetch_blocks;
       ok = bench::RunStepSuite(step, &cuda_rows);
     }
     for (auto& r : cuda_rows) rows.push_back({o.suite, r.name, r.values});

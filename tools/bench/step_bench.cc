@@ -150,7 +150,7 @@ struct AgentRun {
 
 // One agent over `batch` fresh sequences of `context` random tokens: prefill, pre-decode, then
 // timed decode steps with the model around it.
-AgentRun RunAgent(Model& m, int batch, int context, int steps, bool fetch) {
+AgentRun RunAgent(Model& m, int batch, int context, int steps, int fetch_blocks, bool fetch) {
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30);
@@ -162,6 +162,7 @@ AgentRun RunAgent(Model& m, int batch, int context, int steps, bool fetch) {
   options.capacity_tokens = context + warm + steps + 8;
   options.stream = m.stream;
   options.fetch = fetch;
+  if (fetch_blocks > 0) options.fetch_blocks = fetch_blocks;
   auto agent = CreateCudaAgent({kLayers, kQHeads, kKvHeads, kHeadDim}, config, &source, options);
   if (!Ok(agent.status(), "agent")) return run;
   std::vector<SequenceId> ids;
@@ -219,7 +220,8 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   for (int b : o.batches) max_batch = std::max(max_batch, b);
   Model m;
   if (!m.Init(2 * max_batch)) return false;
-  std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, specache 1-bit k=%d, context %d ==\n", kTopK, o.context);
+  std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, specache 1-bit k=%d, context %d, fetch blocks %s ==\n",
+              kTopK, o.context, o.fetch_blocks > 0 ? std::to_string(o.fetch_blocks).c_str() : "default");
   std::printf("%-6s %12s %12s %12s %9s %13s %11s %12s %10s\n", "batch", "ms_layers", "ms_no_fetch", "ms_fetch", "ratio",
               "MB_per_step", "reused", "GBps_to_hide", "tok_per_s");
   bool ok = true;
@@ -234,8 +236,8 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       }
       return true;
     });
-    const AgentRun without = RunAgent(m, batch, o.context, o.steps, false);
-    const AgentRun with = RunAgent(m, batch, o.context, o.steps, true);
+    const AgentRun without = RunAgent(m, batch, o.context, o.steps, o.fetch_blocks, false);
+    const AgentRun with = RunAgent(m, batch, o.context, o.steps, o.fetch_blocks, true);
     if (layers_ms < 0 || without.ms < 0 || with.ms < 0) {
       ok = false;
       continue;
@@ -247,6 +249,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     rows->push_back({"b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
                      {{"batch", batch},
                       {"context", o.context},
+                      {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
                       {"ms_layers_only", layers_ms},
                       {"ms_step_no_fetch", without.ms},
                       {"ms_step_fetch", with.ms},

@@ -16,6 +16,7 @@ struct StepOptions {
   std::vector<int> batches{1, 8, 16, 32};  // sequences per step, at `context` tokens each
   int context = 8192;
   int steps = 10;                           // timed steps (after warm-ups)
+  int fetch_blocks = 0;                     // CudaAgentOptions::fetch_blocks; 0: the agent's default
 };
 
 // Prints a table; false when the suite could not run (no CUDA build or no device).

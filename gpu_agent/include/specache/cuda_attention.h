@@ -6,8 +6,11 @@
 // n_candidates tokens (the top-k candidates).
 //
 // The work of many (sequence, KV head) items goes into one set of launches (ragged lengths are
-// fine): scores by blocks of tokens, one warp per query for the softmax, the weighted values by
-// blocks of tokens into per-block partial sums, then one ordered reduction (deterministic).
+// fine), flash-decoding style: scores by blocks of tokens (a thread per token, all queries at
+// once) with each block's softmax statistics; the weighted values by blocks of tokens (threads
+// over channels, each value decoded once for all queries), normalised with the statistics of all
+// blocks, into per-block partial sums (the probabilities row is written here too); then one
+// ordered reduction (deterministic).
 // Device pointers; streams as void*. UNAVAILABLE without CUDA.
 #pragma once
 
@@ -52,13 +55,17 @@ struct DeviceDecodeRows {
   float* scratch = nullptr;             // DecodeScratchFloats(length, n_rows, n_heads, head_dim) floats
 };
 
-// Tokens per block of partial value sums.
-constexpr int kDecodeValueTokens = 256;
+// Tokens per block of the scores and of the partial value sums.
+constexpr int kDecodeBlockTokens = 128;
+// Most rows x GQA heads of one item.
+constexpr int kMaxDecodeQueries = 32;
 
-// Floats of scratch one item needs: its scores and the partial sums of its value blocks.
+// Floats of scratch one item needs: its raw scores, each score block's softmax statistics (max
+// and sum of exponentials per query) and the partial sums of its value blocks.
 inline int64_t DecodeScratchFloats(int32_t length, int n_rows, int n_heads, int head_dim) {
   const int64_t width = int64_t{length} + n_rows, queries = int64_t{n_rows} * n_heads;
-  return queries * width + (width + kDecodeValueTokens - 1) / kDecodeValueTokens * queries * head_dim;
+  const int64_t blocks = (width + kDecodeBlockTokens - 1) / kDecodeBlockTokens;
+  return queries * width + queries * blocks * 2 + blocks * queries * head_dim;
 }
 
 struct DeviceDecodeItem {

@@ -1,7 +1,8 @@
 // Top-k of the speculative row on the GPU, with the semantics of cpu::SelectTopK: the GQA group's
 // per-head probabilities are reduced per token (mean or max; NaN counts as -inf), the k best tokens
 // are chosen with ties towards the lower index, and written in ascending token order.
-// Radix select on the scores' bits (4 passes of 8 bits), then one ordered pass. Device pointers.
+// Radix select on the scores' bits (4 passes of 8 bits, warp-aggregated histogram counts), then
+// one ordered pass. Device pointers.
 #pragma once
 
 #include <cstdint>
@@ -15,5 +16,17 @@ namespace specache::cuda {
 // tokens: [segments][min(k, n)] ascending;  scratch: [segments][n] floats.
 Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int k, GroupReduction reduction,
                   int32_t* tokens, float* scratch, void* stream);
+
+// Segments of different lengths in one launch (a block each; up to kMaxTopKSegments per launch,
+// more are split): the decode step's (sequence, KV head) pairs.
+struct TopKSegment {
+  const float* probs = nullptr;  // [n_heads][n]
+  int32_t* tokens = nullptr;     // [min(k, n)] ascending
+  float* scratch = nullptr;      // [n]
+  int32_t n = 0;
+};
+constexpr int kMaxTopKSegments = 256;
+Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
+                       void* stream);
 
 }  // namespace specache::cuda

@@ -10,7 +10,7 @@ namespace specache::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxQueries = 64;  // rows x GQA heads
+constexpr int kMaxQueries = kMaxDecodeQueries;
 
 __device__ float H2F(Half h) { return __half2float(__ushort_as_half(h)); }
 
@@ -23,18 +23,6 @@ __device__ uint32_t Code(const uint32_t* words, int i, int bits) {
 // on the host (AttendDecodeBatch), never 0 here.
 __device__ int64_t QueryAt(const DeviceDecodeRows& r, int qi, int d) {
   return (qi / r.n_heads) * r.q_stride + static_cast<int64_t>(qi % r.n_heads) * d;
-}
-
-// Index of `token` among the substituted rows, or -1.
-__device__ int SubstituteOf(const DeviceDecodeRows& r, int32_t token) {
-  int lo = 0, hi = r.n_sub - 1;
-  while (lo <= hi) {
-    const int mid = (lo + hi) >> 1;
-    const int32_t t = r.sub_tokens[mid];
-    if (t == token) return mid;
-    if (t < token) lo = mid + 1; else hi = mid - 1;
-  }
-  return -1;
 }
 
 // Channel c of the key the scores use for `token`.
@@ -64,8 +52,7 @@ __device__ float ValueAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, 
              H2F(v.value_scale[slot]) + H2F(v.value_zero[slot]);
 }
 
-constexpr int kScoreTokens = 256;  // tokens per block of the scores kernel
-constexpr int kValueTokens = kDecodeValueTokens;
+constexpr int kBlockTokens = kDecodeBlockTokens;
 
 struct ItemBatch {  // by value: kMaxDecodeItems items fit the 32 KB parameter space of sm_70+
   DeviceDecodeItem items[kMaxDecodeItems];
@@ -74,105 +61,201 @@ struct ItemBatch {  // by value: kMaxDecodeItems items fit the 32 KB parameter s
 
 __device__ int32_t Width(const DeviceDecodeItem& it) { return it.replica.length + it.rows.n_rows; }
 __device__ int Queries(const DeviceDecodeItem& it) { return it.rows.n_rows * it.rows.n_heads; }
-__device__ float* Partials(const DeviceDecodeItem& it) {
+__device__ int Blocks(const DeviceDecodeItem& it) { return (Width(it) + kBlockTokens - 1) / kBlockTokens; }
+// Scratch: scores [queries][width], then statistics [queries][blocks][2], then partial sums
+// [blocks][queries][d].
+__device__ float* Statistics(const DeviceDecodeItem& it) {
   return it.rows.scratch + static_cast<size_t>(Queries(it)) * Width(it);
 }
-
-// Block (x, item): scores of tokens [x * kScoreTokens, +kScoreTokens), a warp per token.
-__global__ void ScoresKernel(ItemBatch batch) {
-  const DeviceDecodeItem& it = batch.items[blockIdx.y];
-  const DeviceReplicaView& v = it.replica;
-  const DeviceDecodeRows& r = it.rows;
-  const int d = v.head_dim, queries = Queries(it);
-  const int32_t width = Width(it), first = blockIdx.x * kScoreTokens;
-  if (first >= width) return;
-  const int32_t last = min(width, first + kScoreTokens);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
-  float* scores = r.scratch;  // [queries][width]
-  for (int32_t token = first + warp; token < last; token += warps) {
-    const int sub = token < v.quantized_keys ? SubstituteOf(r, token) : -1;
-    float partial[kMaxQueries];
-    for (int qi = 0; qi < queries; ++qi) partial[qi] = 0.0f;
-    for (int c = lane; c < d; c += 32) {
-      const float k = KeyAt(v, r, token, sub, c);
-      for (int qi = 0; qi < queries; ++qi) partial[qi] += r.q[QueryAt(r, qi, d) + c] * r.scale * k;
-    }
-    for (int qi = 0; qi < queries; ++qi) {
-      float s = partial[qi];
-      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      const bool masked = token >= v.length && token - v.length > qi / r.n_heads;  // causal among new rows
-      if (lane == 0) scores[static_cast<size_t>(qi) * width + token] = masked ? -INFINITY : s;
-    }
-  }
+__device__ float* Partials(const DeviceDecodeItem& it) {
+  return Statistics(it) + static_cast<size_t>(Queries(it)) * Blocks(it) * 2;
 }
 
-// Block (x, item): a warp per query normalises its row in place; the probabilities row is copied.
-__global__ void SoftmaxKernel(ItemBatch batch) {
-  const DeviceDecodeItem& it = batch.items[blockIdx.y];
-  const DeviceDecodeRows& r = it.rows;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
-  const int qi = blockIdx.x * warps + warp;
-  if (qi >= Queries(it)) return;
-  const int32_t width = Width(it);
-  float* row = r.scratch + static_cast<size_t>(qi) * width;
-  float m = -INFINITY;
-  for (int32_t t = lane; t < width; t += 32) m = fmaxf(m, row[t]);
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float sum = 0.0f;
-  for (int32_t t = lane; t < width; t += 32) {
-    const float e = expf(row[t] - m);
-    row[t] = e;
-    sum += e;
-  }
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float inv = 1.0f / sum;
-  for (int32_t t = lane; t < width; t += 32) row[t] *= inv;
-  if (r.probs && qi / r.n_heads == r.probs_row) {
-    float* probs = r.probs + static_cast<size_t>(qi % r.n_heads) * r.n_candidates;
-    for (int32_t t = lane; t < r.n_candidates; t += 32) probs[t] = row[t];
-  }
+// Reduces `x` over the block with `op`; every thread gets the result.
+template <typename Op>
+__device__ float BlockReduce(float x, Op op, float* shared) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  __syncthreads();  // `shared` may still be read by a previous reduction
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  x = shared[0];
+  for (int w = 1; w < blockDim.x / 32; ++w) x = op(x, shared[w]);
+  return x;
 }
 
-// Block (x, item): sum over tokens [x * kValueTokens, +kValueTokens) of weight x value, a thread
-// per (query, channel), into partial block x.
-__global__ void ValuesKernel(ItemBatch batch) {
-  __shared__ int subs[kValueTokens];
-  const DeviceDecodeItem& it = batch.items[blockIdx.y];
-  const DeviceReplicaView& v = it.replica;
-  const DeviceDecodeRows& r = it.rows;
-  const int d = v.head_dim, queries = Queries(it);
-  const int32_t width = Width(it), first = blockIdx.x * kValueTokens;
-  if (first >= width) return;
-  const int32_t n = min(kValueTokens, width - first);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int32_t token = first + i;
-    subs[i] = token < v.quantized_keys ? SubstituteOf(r, token) : -1;
+// subs[j] = the index among the substituted rows of token first + j (j < n), or -1; only quantized
+// keys are substituted. One pass over the (short) substitution list per block instead of a
+// binary search per token.
+__device__ void MapSubstitutes(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t first, int32_t n,
+                               int* subs) {
+  for (int j = threadIdx.x; j < n; j += blockDim.x) subs[j] = -1;
+  __syncthreads();
+  const int32_t end = min(first + n, v.quantized_keys);
+  for (int i = threadIdx.x; i < r.n_sub; i += blockDim.x) {
+    const int32_t t = r.sub_tokens[i];
+    if (t >= first && t < end) subs[t - first] = i;
   }
   __syncthreads();
-  float* partial = Partials(it) + static_cast<size_t>(blockIdx.x) * queries * d;
+}
+
+// Block (x, item): scores of tokens [x * kBlockTokens, +kBlockTokens), a thread per token over
+// every channel and every query (Q >= the item's queries, a compile-time bound so the sums stay in
+// registers), and per query the block's max and sum of exp(score - max). Threads of a warp hold
+// neighbouring tokens, which share their key group's code words, scales and zeros: those loads
+// are broadcasts.
+template <int Q>
+__global__ void ScoresKernel(ItemBatch batch) {
+  extern __shared__ float scaled_q[];  // [queries][d]
+  __shared__ float reduce[kThreads / 32];
+  __shared__ int subs[kBlockTokens];
+  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+  const DeviceReplicaView& v = it.replica;
+  const DeviceDecodeRows& r = it.rows;
+  const int d = v.head_dim, queries = Queries(it);
+  const int32_t width = Width(it), first = blockIdx.x * kBlockTokens;
+  if (first >= width) return;
   for (int i = threadIdx.x; i < queries * d; i += blockDim.x) {
-    const int qi = i / d, c = i % d;
-    const float* w = r.scratch + static_cast<size_t>(qi) * width + first;
-    float acc = 0.0f;
-    for (int32_t j = 0; j < n; ++j) {
-      if (w[j] == 0.0f) continue;
-      acc += w[j] * ValueAt(v, r, first + j, subs[j], c);
+    scaled_q[i] = r.q[QueryAt(r, i / d, d) + i % d] * r.scale;
+  }
+  MapSubstitutes(v, r, first, min(kBlockTokens, width - first), subs);
+  const int32_t token = first + threadIdx.x;
+  float acc[Q];
+#pragma unroll
+  for (int qi = 0; qi < Q; ++qi) acc[qi] = 0.0f;
+  if (token < width) {
+    const int sub = subs[threadIdx.x];
+    if (sub < 0 && token < v.quantized_keys && v.key_bits != 16) {  // the low-bit keys: most tokens
+      const int G = v.group_size, bits = v.key_bits, per_word = 32 / bits, words = G * bits / 32;
+      const int g = token / G, t = token % G, word = t / per_word, shift = (t % per_word) * bits;
+      const uint32_t mask = (1u << bits) - 1u;
+      const uint32_t* codes = v.key_codes + static_cast<size_t>(g) * d * words + word;
+      const Half* scale = v.key_scale + static_cast<size_t>(g) * d;
+      const Half* zero = v.key_zero + static_cast<size_t>(g) * d;
+#pragma unroll 4
+      for (int c = 0; c < d; ++c) {
+        const float k = static_cast<float>((codes[static_cast<size_t>(c) * words] >> shift) & mask) * H2F(scale[c]) +
+                        H2F(zero[c]);
+#pragma unroll
+        for (int qi = 0; qi < Q; ++qi) if (qi < queries) acc[qi] += scaled_q[qi * d + c] * k;
+      }
+    } else {
+      for (int c = 0; c < d; ++c) {
+        const float k = KeyAt(v, r, token, sub, c);
+#pragma unroll
+        for (int qi = 0; qi < Q; ++qi) if (qi < queries) acc[qi] += scaled_q[qi * d + c] * k;
+      }
     }
-    partial[i] = acc;
+  }
+  float* scores = r.scratch;  // [queries][width]
+  float* stats = Statistics(it);
+  const int blocks = Blocks(it);
+#pragma unroll
+  for (int qi = 0; qi < Q; ++qi) {
+    if (qi >= queries) break;  // uniform over the block
+    const bool masked = token >= v.length && token - v.length > qi / r.n_heads;  // causal among new rows
+    const float score = token < width && !masked ? acc[qi] : -INFINITY;
+    if (token < width) scores[static_cast<size_t>(qi) * width + token] = score;
+    const float m = BlockReduce(score, [](float a, float b) { return fmaxf(a, b); }, reduce);
+    const float l = BlockReduce(m == -INFINITY ? 0.0f : expf(score - m), [](float a, float b) { return a + b; }, reduce);
+    if (threadIdx.x == 0) {
+      stats[(static_cast<size_t>(qi) * blocks + blockIdx.x) * 2] = m;
+      stats[(static_cast<size_t>(qi) * blocks + blockIdx.x) * 2 + 1] = l;
+    }
   }
 }
 
-// Block item: out = the partial sums in block order.
-__global__ void ReduceKernel(ItemBatch batch) {
-  const DeviceDecodeItem& it = batch.items[blockIdx.x];
-  const int size = Queries(it) * it.replica.head_dim;
-  const int blocks = (Width(it) + kValueTokens - 1) / kValueTokens;
-  const float* partial = Partials(it);
-  for (int i = threadIdx.x; i < size; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int b = 0; b < blocks; ++b) acc += partial[static_cast<size_t>(b) * size + i];
-    it.rows.out[QueryAt(it.rows, i / it.replica.head_dim, it.replica.head_dim) + i % it.replica.head_dim] = acc;
+// Block (x, item): sum over tokens [x * kBlockTokens, +kBlockTokens) of weight x value for every
+// query, into partial block x. The weights are the softmax of the scores, from the statistics of
+// all score blocks; the probabilities row's share is written out for the top-k. Each thread takes
+// one channel and every L-th token (L = blockDim / d), each value decoded once for all queries.
+template <int Q>
+__global__ void ValuesKernel(ItemBatch batch) {
+  extern __shared__ float weights[];  // [queries][kBlockTokens], then reused for the lane sums [lanes][queries][d]
+  __shared__ int subs[kBlockTokens];
+  __shared__ float max_of[kMaxQueries], inv_sum_of[kMaxQueries];
+  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+  const DeviceReplicaView& v = it.replica;
+  const DeviceDecodeRows& r = it.rows;
+  const int d = v.head_dim, queries = Queries(it);
+  const int32_t width = Width(it), first = blockIdx.x * kBlockTokens;
+  if (first >= width) return;
+  const int32_t n = min(kBlockTokens, width - first);
+  const int blocks = Blocks(it);
+  const float* stats = Statistics(it);
+  if (threadIdx.x < queries) {  // the softmax's max and sum over all blocks
+    const int qi = threadIdx.x;
+    float m = -INFINITY;
+    for (int b = 0; b < blocks; ++b) m = fmaxf(m, stats[(static_cast<size_t>(qi) * blocks + b) * 2]);
+    float l = 0.0f;
+    for (int b = 0; b < blocks; ++b) {
+      const float mb = stats[(static_cast<size_t>(qi) * blocks + b) * 2];
+      if (mb != -INFINITY) l += stats[(static_cast<size_t>(qi) * blocks + b) * 2 + 1] * expf(mb - m);
+    }
+    max_of[qi] = m;
+    inv_sum_of[qi] = 1.0f / l;
   }
+  MapSubstitutes(v, r, first, n, subs);
+  for (int i = threadIdx.x; i < queries * n; i += blockDim.x) {
+    const int qi = i / n, j = i % n;
+    const float w = expf(r.scratch[static_cast<size_t>(qi) * width + first + j] - max_of[qi]) * inv_sum_of[qi];
+    weights[qi * kBlockTokens + j] = w;
+    if (r.probs && qi / r.n_heads == r.probs_row && first + j < r.n_candidates) {
+      r.probs[static_cast<size_t>(qi % r.n_heads) * r.n_candidates + first + j] = w;
+    }
+  }
+  __syncthreads();
+  const int lanes = blockDim.x / d, lane = threadIdx.x / d, c = threadIdx.x % d;
+  const bool packed = v.value_bits != 16;
+  const int G = v.group_size, bits = v.value_bits, per_word = 32 / bits, words = G * bits / 32, groups = d / G;
+  const uint32_t mask = packed ? (1u << bits) - 1u : 0u;
+  const int g = c / G, word = (c % G) / per_word, shift = ((c % G) % per_word) * bits;
+  float acc[Q];
+#pragma unroll
+  for (int qi = 0; qi < Q; ++qi) acc[qi] = 0.0f;
+#pragma unroll 4
+  for (int32_t j = lane; j < n; j += lanes) {
+    const int32_t token = first + j;
+    float value;
+    if (packed && subs[j] < 0 && token < v.quantized_values) {
+      const size_t slot = static_cast<size_t>(token) * groups + g;
+      value = static_cast<float>((v.value_codes[slot * words + word] >> shift) & mask) * H2F(v.value_scale[slot]) +
+              H2F(v.value_zero[slot]);
+    } else {
+      value = ValueAt(v, r, token, subs[j], c);
+    }
+#pragma unroll
+    for (int qi = 0; qi < Q; ++qi) if (qi < queries) acc[qi] += weights[qi * kBlockTokens + j] * value;
+  }
+  float* partial = Partials(it) + static_cast<size_t>(blockIdx.x) * queries * d;
+  if (lanes == 1) {
+#pragma unroll
+    for (int qi = 0; qi < Q; ++qi) if (qi < queries) partial[qi * d + c] = acc[qi];
+    return;
+  }
+  __syncthreads();  // the weights are read; their memory takes the lanes' sums ([lane][queries][d])
+  float* sums = weights;
+#pragma unroll
+  for (int qi = 0; qi < Q; ++qi) if (qi < queries) sums[(lane * queries + qi) * d + c] = acc[qi];
+  __syncthreads();
+  for (int i = threadIdx.x; i < queries * d; i += blockDim.x) {
+    float total = 0.0f;
+    for (int l = 0; l < lanes; ++l) total += sums[l * queries * d + i];
+    partial[i] = total;
+  }
+}
+
+// Block (x, item): outputs [x * kThreads, +kThreads) = the partial sums in block order.
+__global__ void ReduceKernel(ItemBatch batch) {
+  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+  const int size = Queries(it) * it.replica.head_dim;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= size) return;
+  const int blocks = Blocks(it);
+  const float* partial = Partials(it);
+  float acc = 0.0f;
+  for (int b = 0; b < blocks; ++b) acc += partial[static_cast<size_t>(b) * size + i];
+  it.rows.out[QueryAt(it.rows, i / it.replica.head_dim, it.replica.head_dim) + i % it.replica.head_dim] = acc;
 }
 
 // Block b handles (query token, head) pairs b, b + gridDim.x, ...: scores into its scratch row
@@ -256,7 +339,7 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
     ItemBatch batch;
     batch.count = std::min(kMaxDecodeItems, n_items - first);
     int32_t width = 0;
-    int queries = 0;
+    int queries = 0, head_dim = 0;
     for (int i = 0; i < batch.count; ++i) {
       batch.items[i] = items[first + i];
       DeviceDecodeRows& r = batch.items[i].rows;
@@ -264,12 +347,27 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
       if (r.kv_stride == 0) r.kv_stride = batch.items[i].replica.head_dim;
       width = std::max(width, batch.items[i].replica.length + batch.items[i].rows.n_rows);
       queries = std::max(queries, batch.items[i].rows.n_rows * batch.items[i].rows.n_heads);
+      head_dim = std::max(head_dim, batch.items[i].replica.head_dim);
     }
     const unsigned n = static_cast<unsigned>(batch.count);
-    ScoresKernel<<<dim3((width + kScoreTokens - 1) / kScoreTokens, n), kThreads, 0, s>>>(batch);
-    SoftmaxKernel<<<dim3((queries + kThreads / 32 - 1) / (kThreads / 32), n), kThreads, 0, s>>>(batch);
-    ValuesKernel<<<dim3((width + kValueTokens - 1) / kValueTokens, n), kThreads, 0, s>>>(batch);
-    ReduceKernel<<<n, kThreads, 0, s>>>(batch);
+    const dim3 grid((width + kBlockTokens - 1) / kBlockTokens, n);
+    const size_t q_bytes = static_cast<size_t>(queries) * head_dim * sizeof(float);
+    // Threads over channels x token lanes; the weights' memory then holds the lanes' sums.
+    const int value_threads = std::max(head_dim, kThreads / head_dim * head_dim);
+    const size_t weight_bytes =
+        std::max<size_t>(kBlockTokens, static_cast<size_t>(value_threads / head_dim) * head_dim) * queries * sizeof(float);
+    // The smallest register bound that holds every item's queries.
+    if (queries <= 8) {
+      ScoresKernel<8><<<grid, kBlockTokens, q_bytes, s>>>(batch);  // a thread per token
+      ValuesKernel<8><<<grid, value_threads, weight_bytes, s>>>(batch);
+    } else if (queries <= 16) {
+      ScoresKernel<16><<<grid, kBlockTokens, q_bytes, s>>>(batch);
+      ValuesKernel<16><<<grid, value_threads, weight_bytes, s>>>(batch);
+    } else {
+      ScoresKernel<kMaxQueries><<<grid, kBlockTokens, q_bytes, s>>>(batch);
+      ValuesKernel<kMaxQueries><<<grid, value_threads, weight_bytes, s>>>(batch);
+    }
+    ReduceKernel<<<dim3((queries * head_dim + kThreads - 1) / kThreads, n), kThreads, 0, s>>>(batch);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return Status::Unavailable(std::string("decode attention kernels: ") + cudaGetErrorString(err));
   }

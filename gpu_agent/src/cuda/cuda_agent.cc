@@ -15,12 +15,13 @@
 //   the next step: later layers never wait for it, and nothing synchronises the device in the
 //   decode loop. Rows resident from the previous step are copied on the device, not refetched.
 // - Rows written in place are committed to the source (CommitRows) once an event says they
-//   landed: lazily, at the next call that needs the source to be current (BeginStep,
-//   ReleaseSequence, stats(), destruction), never with a wait in the loop.
+//   landed: BeginStep commits the batches already landed without waiting; ReleaseSequence,
+//   stats() and destruction wait for all. Nothing waits in the decode loop.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <map>
 #include <string>
 
@@ -102,6 +103,12 @@ struct PendingCommit {
   int32_t first, n;
 };
 
+// Rows whose page writes were queued before `landed` was recorded.
+struct CommitBatch {
+  cudaEvent_t landed = nullptr;
+  std::vector<PendingCommit> commits;
+};
+
 std::string Id(SequenceId id) { return std::to_string(id); }
 
 class CudaAgent final : public Agent {
@@ -150,9 +157,12 @@ class CudaAgent final : public Agent {
   const uint64_t* PageTable(const SequenceState& st, int layer) const {
     return st.pages.get() + static_cast<size_t>(layer) * max_pages_;
   }
-  // Commits the rows whose page writes the `appended_` event covers (const: stats() makes the
-  // source current too).
-  Status FlushCommits() const;
+  // Closes the rows appended since the last call into a batch that commits once an event
+  // recorded now on the compute stream has completed.
+  Status RecordCommits();
+  // Commits the batches whose writes landed, in order; with `wait`, all of them (const: stats()
+  // makes the source current too).
+  Status CommitLanded(bool wait) const;
   Status WaitForStreams() const;
   // Resident <- selection for these sequences at a layer, on `stream` (compute or fetch).
   Status Fetch(int layer, const std::vector<size_t>& which, cudaStream_t stream);
@@ -176,8 +186,9 @@ class CudaAgent final : public Agent {
   cudaStream_t compute_ = nullptr;  // the engine's stream (options.stream)
   cudaStream_t fetch_ = nullptr;
   std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
-  cudaEvent_t appended_ = nullptr;
-  mutable std::vector<PendingCommit> pending_;
+  std::vector<PendingCommit> pending_;             // appended since the last RecordCommits
+  mutable std::deque<CommitBatch> in_flight_;      // oldest first
+  mutable std::vector<cudaEvent_t> free_events_;
   Buffer<cuda::FetchCounters> device_counters_;
 
   struct Region {
@@ -203,7 +214,6 @@ Status CudaAgent::Init() {
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&selected_[l], cudaEventDisableTiming), "event"));
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&fetched_[l], cudaEventDisableTiming), "event"));
   }
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&appended_, cudaEventDisableTiming), "event"));
   SPECACHE_RETURN_IF_ERROR(device_counters_.Reserve(1));
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemset(device_counters_.get(), 0, sizeof(cuda::FetchCounters)), "counters"));
   return RegisterNewRegions();
@@ -212,11 +222,13 @@ Status CudaAgent::Init() {
 CudaAgent::~CudaAgent() {
   // Best effort: rows the device wrote are committed to the source before the agent goes.
   (void)WaitForStreams();
-  (void)FlushCommits();
+  (void)RecordCommits();
+  (void)CommitLanded(true);
   sequences_.clear();
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
-  if (appended_) cudaEventDestroy(appended_);
+  for (const CommitBatch& b : in_flight_) cudaEventDestroy(b.landed);
+  for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   if (fetch_) cudaStreamDestroy(fetch_);
   for (const auto& [host, region] : regions_) (void)cuda::UnregisterHostMemory(const_cast<uint8_t*>(host));
 }
@@ -277,15 +289,42 @@ Status CudaAgent::MapPages(SequenceId id, SequenceState* st, int32_t tokens) {
   return Status::Ok();
 }
 
-Status CudaAgent::FlushCommits() const {
+Status CudaAgent::RecordCommits() {
   if (pending_.empty()) return Status::Ok();
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(appended_), "page writes"));
-  std::vector<PendingCommit> pending;
-  pending.swap(pending_);
-  for (const PendingCommit& c : pending) {
-    for (int h = 0; h < shape_.n_kv_heads; ++h) {
-      SPECACHE_RETURN_IF_ERROR(source_->CommitRows(c.id, c.layer, h, c.first, c.n).WithContext("source"));
+  CommitBatch batch;
+  if (free_events_.empty()) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&batch.landed, cudaEventDisableTiming), "event"));
+  } else {
+    batch.landed = free_events_.back();
+    free_events_.pop_back();
+  }
+  const Status recorded = Cuda(cudaEventRecord(batch.landed, compute_), "page writes");
+  if (!recorded.ok()) {
+    free_events_.push_back(batch.landed);
+    return recorded;
+  }
+  batch.commits.swap(pending_);
+  in_flight_.push_back(std::move(batch));
+  return Status::Ok();
+}
+
+Status CudaAgent::CommitLanded(bool wait) const {
+  while (!in_flight_.empty()) {
+    CommitBatch& b = in_flight_.front();
+    if (wait) {
+      SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(b.landed), "page writes"));
+    } else {
+      const cudaError_t e = cudaEventQuery(b.landed);
+      if (e == cudaErrorNotReady) return Status::Ok();
+      SPECACHE_RETURN_IF_ERROR(Cuda(e, "page writes"));
     }
+    for (const PendingCommit& c : b.commits) {
+      for (int h = 0; h < shape_.n_kv_heads; ++h) {
+        SPECACHE_RETURN_IF_ERROR(source_->CommitRows(c.id, c.layer, h, c.first, c.n).WithContext("source"));
+      }
+    }
+    free_events_.push_back(b.landed);
+    in_flight_.pop_front();
   }
   return Status::Ok();
 }
@@ -317,7 +356,8 @@ Status CudaAgent::ReleaseSequence(SequenceId id) {
   SPECACHE_RETURN_IF_ERROR(protocol_.CheckRelease(id));
   // Nothing in flight may still read its buffers or pages, and its rows are committed first.
   SPECACHE_RETURN_IF_ERROR(WaitForStreams());
-  SPECACHE_RETURN_IF_ERROR(FlushCommits());
+  SPECACHE_RETURN_IF_ERROR(RecordCommits());
+  SPECACHE_RETURN_IF_ERROR(CommitLanded(true));
   sequences_.erase(it);
   protocol_.RemoveSequence(id);
   return source_->ReleaseSequence(id).WithContext("source");
@@ -358,11 +398,11 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     }
     pending_.push_back({id, layer, 0, n});
   }
-  return Cuda(cudaEventRecord(appended_, compute_), "page writes");
+  return RecordCommits();
 }
 
 Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
-  SPECACHE_RETURN_IF_ERROR(FlushCommits());
+  SPECACHE_RETURN_IF_ERROR(CommitLanded(false));  // no wait: rows still landing commit later
   SPECACHE_RETURN_IF_ERROR(protocol_.Begin(kind, RowsPerSequence(kind), sequences,
                                            [this](SequenceId id, int layer) { return LengthAt(id, layer); }));
   if (kind == StepKind::kDecode) {  // the step appends one token: its pages must exist
@@ -381,6 +421,11 @@ Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences
 Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
   const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
   const auto& ids = protocol_.ids();
+  size_t scratch = 0;
+  for (int32_t n : candidates) scratch += size_t(n_kv) * std::max(n, 0);
+  SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
+  std::vector<cuda::TopKSegment> segments;
+  scratch = 0;
   for (size_t s = 0; s < ids.size(); ++s) {
     LayerRows& lr = sequences_.at(ids[s]).layers[layer];
     const int32_t n = candidates[s];
@@ -389,11 +434,14 @@ Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
     if (k == 0) continue;
     const int next = 1 - lr.cur;
     SPECACHE_RETURN_IF_ERROR(lr.tokens[next].Reserve(size_t(n_kv) * config_.top_k));
-    SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(size_t(n_kv) * n));
-    SPECACHE_RETURN_IF_ERROR(cuda::SelectTopK(probs_.get() + probs_offsets_[s], n_kv, group, n, config_.top_k,
-                                              config_.reduction, lr.tokens[next].get(), topk_scratch_.get(), compute_));
+    for (int h = 0; h < n_kv; ++h) {  // head h's selection at h * k, as the resident rows are laid out
+      segments.push_back({probs_.get() + probs_offsets_[s] + size_t(h) * group * n, lr.tokens[next].get() + size_t(h) * k,
+                          topk_scratch_.get() + scratch, n});
+      scratch += n;
+    }
   }
-  return Status::Ok();
+  return cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.top_k,
+                               config_.reduction, compute_);
 }
 
 Status CudaAgent::Fetch(int layer, const std::vector<size_t>& which, cudaStream_t stream) {
@@ -576,12 +624,12 @@ Status CudaAgent::WaitPrefetch(int layer) {
 Status CudaAgent::EndStep() {
   SPECACHE_ASSIGN_OR_RETURN(bool decode, protocol_.End());
   if (decode) ++counters_.steps;
-  return Cuda(cudaEventRecord(appended_, compute_), "page writes");
+  return RecordCommits();
 }
 
 void CudaAgent::AbortStep() {
   protocol_.Abort();
-  cudaEventRecord(appended_, compute_);  // appends already queued are kept (agent.h)
+  (void)RecordCommits();  // appends already queued are kept (agent.h)
 }
 
 Result<std::vector<int32_t>> CudaAgent::SelectedTokens(SequenceId id, int layer, int kv_head) const {
@@ -603,7 +651,7 @@ AgentStats CudaAgent::stats() const {
   cuda::FetchCounters device{0, 0};
   if (WaitForStreams().ok()) {
     cudaMemcpy(&device, device_counters_.get(), sizeof(device), cudaMemcpyDeviceToHost);
-    (void)FlushCommits();  // a failure shows at the next call that needs the source
+    (void)CommitLanded(true);  // a failure shows at the next call that needs the source
   }
   AddFetchCounts({counts_selected_, static_cast<int64_t>(device.fetched), static_cast<int64_t>(device.reused)},
                  shape_.head_dim, &s);

@@ -1,7 +1,9 @@
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "specache/cuda_topk.h"
 
@@ -16,18 +18,39 @@ __device__ uint32_t OrderKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__global__ void TopKKernel(const float* probs, int n_heads, int32_t n, int k, bool use_max, int32_t* tokens,
-                           float* scratch) {
+struct TopKBatch {  // by value (kMaxTopKSegments x 32 bytes)
+  TopKSegment segments[kMaxTopKSegments];
+  int count;
+};
+
+// Adds 1 to histogram[bin] for every lane with `in`, one shared atomic per distinct bin per warp
+// (the keys of one segment share their top digits, so plain atomics would serialise). Every lane
+// of the warp must call it.
+__device__ void CountInto(unsigned int* histogram, bool in, uint32_t bin) {
+  const unsigned active = __ballot_sync(0xffffffffu, in);
+  if (!in) return;
+  const unsigned peers = __match_any_sync(active, bin);
+  if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&histogram[bin], static_cast<unsigned>(__popc(peers)));
+}
+
+// Block b: the top-k of segment b.
+__global__ void TopKKernel(TopKBatch batch, int n_heads, int k, bool use_max) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ unsigned int histogram[256];
   __shared__ uint32_t prefix_s, mask_s;
-  __shared__ int remaining_s, selected_base;
+  __shared__ int remaining_s;
 
-  const int seg = blockIdx.x;
-  const float* p = probs + static_cast<size_t>(seg) * n_heads * n;
-  float* score = scratch + static_cast<size_t>(seg) * n;
-  int32_t* out = tokens + static_cast<size_t>(seg) * k;
+  const TopKSegment& seg = batch.segments[blockIdx.x];
+  const int32_t n = seg.n;
+  const float* p = seg.probs;
+  float* score = seg.scratch;
+  int32_t* out = seg.tokens;
+  if (n <= 0) return;
+  if (k >= n) {  // every token
+    for (int32_t j = threadIdx.x; j < n; j += blockDim.x) out[j] = j;
+    return;
+  }
 
   // Reduced score per token, summed in head order as the CPU does.
   for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
@@ -51,70 +74,84 @@ __global__ void TopKKernel(const float* probs, int n_heads, int32_t n, int k, bo
     for (int i = threadIdx.x; i < 256; i += blockDim.x) histogram[i] = 0;
     __syncthreads();
     const uint32_t prefix = prefix_s, mask = mask_s;
-    for (int32_t j = threadIdx.x; j < n; j += blockDim.x) {
-      const uint32_t key = OrderKey(score[j]);
-      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 0xFF], 1u);
+    for (int32_t base = 0; base < n; base += blockDim.x) {  // whole warps iterate together
+      const int32_t j = base + threadIdx.x;
+      const uint32_t key = j < n ? OrderKey(score[j]) : 0;
+      CountInto(histogram, j < n && (key & mask) == prefix, (key >> shift) & 0xFF);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      int remaining = remaining_s;
-      int digit = 255;
-      for (; digit > 0; --digit) {
-        if (static_cast<int>(histogram[digit]) >= remaining) break;
-        remaining -= static_cast<int>(histogram[digit]);
-      }
-      prefix_s = prefix | (static_cast<uint32_t>(digit) << shift);
+    // The digit holding the k-th best: bins from the top, summed by one scan (thread t holds bin
+    // 255 - t); exactly one digit has the running count cross `remaining`.
+    const int remaining = remaining_s;
+    const int count = static_cast<int>(histogram[255 - threadIdx.x]);
+    int from_top = 0;
+    Scan(scan_storage).InclusiveSum(count, from_top);
+    if (from_top >= remaining && from_top - count < remaining) {
+      prefix_s = prefix | (static_cast<uint32_t>(255 - threadIdx.x) << shift);
       mask_s = mask | (0xFFu << shift);
-      remaining_s = remaining;  // keys equal to the final threshold to take (lowest indices first)
+      remaining_s = remaining - (from_top - count);  // keys equal to the final threshold to take
     }
     __syncthreads();
   }
   const uint32_t threshold = prefix_s;
   const int take_equal = remaining_s;
-  if (threadIdx.x == 0) selected_base = 0;
-  __syncthreads();
 
-  // Ordered pass: tokens above the threshold, and the first take_equal tokens equal to it.
-  int equal_seen = 0;  // equal keys before this chunk (same in every thread)
-  for (int32_t base = 0; base < n; base += blockDim.x) {
-    const int32_t j = base + threadIdx.x;
-    const uint32_t key = j < n ? OrderKey(score[j]) : 0;
-    const int is_equal = j < n && key == threshold;
-    int equal_before = 0, equal_total = 0;
-    Scan(scan_storage).ExclusiveSum(is_equal, equal_before, equal_total);
-    __syncthreads();
-    const int take = j < n && (key > threshold || (is_equal && equal_seen + equal_before < take_equal));
-    int pos = 0, taken = 0;
-    Scan(scan_storage).ExclusiveSum(take, pos, taken);
-    if (take) out[selected_base + pos] = j;
-    __syncthreads();
-    if (threadIdx.x == 0) selected_base += taken;
-    equal_seen += equal_total;
-    __syncthreads();
+  // Ordered pass: each thread owns a contiguous run of tokens; it counts what it takes, one scan
+  // places the runs, and each writes its tokens in order (ascending overall). Of the keys equal to
+  // the threshold, the take_equal with the lowest indices are taken.
+  const int32_t per = (n + blockDim.x - 1) / blockDim.x;
+  const int32_t lo = min(n, static_cast<int32_t>(threadIdx.x) * per), hi = min(n, lo + per);
+  int above = 0, equal = 0;
+  for (int32_t j = lo; j < hi; ++j) {
+    const uint32_t key = OrderKey(score[j]);
+    above += key > threshold;
+    equal += key == threshold;
   }
-}
-
-__global__ void AllTokensKernel(int32_t* tokens, int segments, int32_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < static_cast<int64_t>(segments) * n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    tokens[i] = static_cast<int32_t>(i % n);
+  int equal_before = 0, equal_total = 0;
+  Scan(scan_storage).ExclusiveSum(equal, equal_before, equal_total);
+  __syncthreads();
+  const int take_mine = max(0, min(equal, take_equal - equal_before));
+  int pos = 0, taken = 0;
+  Scan(scan_storage).ExclusiveSum(above + take_mine, pos, taken);
+  int equal_taken = 0;
+  for (int32_t j = lo; j < hi; ++j) {
+    const uint32_t key = OrderKey(score[j]);
+    if (key > threshold || (key == threshold && equal_taken++ < take_mine)) out[pos++] = j;
   }
 }
 
 }  // namespace
 
+Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
+                       void* stream) {
+  if (count < 0 || n_heads <= 0) return Status::InvalidArgument("bad top-k shape");
+  if (k <= 0) return Status::Ok();
+  for (int first = 0; first < count; first += kMaxTopKSegments) {
+    TopKBatch batch;
+    batch.count = std::min(kMaxTopKSegments, count - first);
+    for (int i = 0; i < batch.count; ++i) {
+      batch.segments[i] = segments[first + i];
+      if (batch.segments[i].n < 0) return Status::InvalidArgument("negative candidate count");
+    }
+    TopKKernel<<<batch.count, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, n_heads, k,
+                                                                                 reduction == GroupReduction::kMax);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return Status::Unavailable(std::string("top-k kernel: ") + cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
 Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int k, GroupReduction reduction,
                   int32_t* tokens, float* scratch, void* stream) {
   if (segments < 0 || n_heads <= 0 || n < 0) return Status::InvalidArgument("bad top-k shape");
   if (segments == 0 || n == 0 || k <= 0) return Status::Ok();
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (k >= n) {
-    AllTokensKernel<<<std::min<int64_t>(1024, (int64_t(segments) * n + 255) / 256), 256, 0, s>>>(tokens, segments, n);
-  } else {
-    TopKKernel<<<segments, kThreads, 0, s>>>(probs, n_heads, n, k, reduction == GroupReduction::kMax, tokens, scratch);
+  const int32_t kept = std::min<int32_t>(k, n);
+  std::vector<TopKSegment> all(segments);
+  for (int i = 0; i < segments; ++i) {
+    all[i] = {probs + static_cast<size_t>(i) * n_heads * n, tokens + static_cast<size_t>(i) * kept,
+              scratch + static_cast<size_t>(i) * n, n};
   }
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("top-k kernel: ") + cudaGetErrorString(err));
+  return SelectTopKBatch(all.data(), segments, n_heads, k, reduction, stream);
 }
 
 }  // namespace specache::cuda
