@@ -1,7 +1,8 @@
 // specache-bench: figures for the agent (CPU backend everywhere; gather and step on a GPU).
 //
-//   specache-bench [memory|quantize|attention|all|gather|step] [--tokens N] [--head-dim D]
-//                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--json FILE]
+//   specache-bench [memory|quantize|attention|all|gather|step|reuse] [--tokens N] [--head-dim D]
+//                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N]
+//                  [--trace FILE] [--row-bytes B] [--json FILE]
 //
 // memory     replica bytes / fp16 bytes after streaming N tokens through one real HeadReplica,
 //            for G in {32, 64}, B in {1, 2, 4}, R in {64, 128}; checks the 1-bit, G=32, R=64
@@ -16,6 +17,9 @@
 // step       (CUDA builds, on a GPU) a 32-layer decode step with Llama-3-8B shapes through the CUDA
 //            agent, with and without the speculative fetch, for --batches (default 1,8,16,32) at
 //            --tokens context (default 8192) (step_bench.h).
+// reuse      bytes fetched per decode token with and without the resident rows, replayed from a
+//            selection trace of a real decode (--trace; specache-run generate --selection-trace)
+//            (reuse_bench.h).
 // Timings are medians of --repeats runs after one warm-up. The machine is noisy: read ratios.
 #include <algorithm>
 #include <chrono>
@@ -33,6 +37,7 @@
 #include "specache/device_probe.h"
 #include "specache/head_replica.h"
 #include "specache/quantizer.h"
+#include "reuse_bench.h"
 #ifdef SPECACHE_BENCH_CUDA
 #include "gather_bench.h"
 #include "step_bench.h"
@@ -49,6 +54,8 @@ struct Options {
   int host_gib = 16;
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
+  std::string trace_path;  // reuse: specache-run generate --selection-trace
+  int row_bytes = 256;     // reuse: bytes of one row
   std::vector<int> batches;  // step: sequences per step (empty: the suite's default)
   std::string json_path;
 };
@@ -198,8 +205,9 @@ void WriteJson(const std::string& path, const std::vector<Row>& rows) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: specache-bench [memory|quantize|attention|all|gather|step] [--tokens N] [--head-dim D] "
-               "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--json FILE]\n");
+               "usage: specache-bench [memory|quantize|attention|all|gather|step|reuse] [--tokens N] [--head-dim D] "
+               "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--trace FILE] [--row-bytes B] "
+               "[--json FILE]\n");
   return 2;
 }
 
@@ -228,6 +236,11 @@ int main(int argc, char** argv) {
     } else if (a == "--json") {
       if (i + 1 >= argc) return Usage();
       o.json_path = argv[++i];
+    } else if (a == "--trace") {
+      if (i + 1 >= argc) return Usage();
+      o.trace_path = argv[++i];
+    } else if (a == "--row-bytes") {
+      if (!next_int(&o.row_bytes)) return Usage();
     } else if (a == "--fetch-blocks") {
       if (!next_int(&o.fetch_blocks)) return Usage();
     } else if (a == "--batches") {
@@ -240,7 +253,8 @@ int main(int argc, char** argv) {
         o.batches.push_back(b);
         list = comma == std::string::npos ? "" : list.substr(comma + 1);
       }
-    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather" || a == "step") {
+    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather" || a == "step" ||
+               a == "reuse") {
       o.suite = a;
     } else {
       return Usage();
@@ -254,6 +268,11 @@ int main(int argc, char** argv) {
   if (o.suite == "memory" || o.suite == "all") ok = Memory(o, &rows);
   if (o.suite == "quantize" || o.suite == "all") Quantize(o, &rows);
   if (o.suite == "attention" || o.suite == "all") Attention(o, &rows);
+  if (o.suite == "reuse") {
+    std::vector<bench::BenchRow> reuse;
+    ok = bench::RunReuseSuite({o.trace_path, o.row_bytes, {2, 4}}, &reuse);
+    for (auto& r : reuse) rows.push_back({"reuse", r.name, r.values});
+  }
   if (o.suite == "gather" || o.suite == "step") {
 #ifdef SPECACHE_BENCH_CUDA
     std::vector<bench::BenchRow> cuda_rows;

@@ -129,7 +129,20 @@ Status Decoder::RunStep(StepKind kind, std::span<const int32_t> tokens) {
     }
     model_.FinishLayer(l, attn_.data(), rows, x_.data(), &scratch_);
   }
-  return agent_->EndStep();
+  SPECACHE_RETURN_IF_ERROR(agent_->EndStep());
+  if (trace_ && agent_->config().mode != KvMode::kFull && agent_->config().mode != KvMode::kKivi) {
+    const ModelShape& shape = agent_->shape();
+    for (int l = 0; l < shape.n_layers; ++l) {
+      for (int h = 0; h < shape.n_kv_heads; ++h) {
+        SPECACHE_ASSIGN_OR_RETURN(std::vector<int32_t> rows, agent_->SelectedTokens(id_, l, h));
+        *trace_ << traced_steps_ << ' ' << l << ' ' << h << ' ' << rows.size();
+        for (int32_t t : rows) *trace_ << ' ' << t;
+        *trace_ << '\n';
+      }
+    }
+    ++traced_steps_;
+  }
+  return Status::Ok();
 }
 
 Status Decoder::Start(int32_t first_token) {

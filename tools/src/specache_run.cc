@@ -56,13 +56,20 @@ std::vector<int32_t> ChatPrompt(const LoadedModel& m, const std::string& text, b
 
 // ---- generate ----
 struct GenerateArgs {
-  std::string model, prompt;
+  std::string model, prompt, prompt_file, selection_trace;
   int max_tokens = 256;
   bool raw = false, json = false;
   KvOptions kv;
 };
 
-Status Generate(const GenerateArgs& a) {
+Status Generate(GenerateArgs a) {
+  if (!a.prompt_file.empty()) {
+    std::ifstream in(a.prompt_file);
+    if (!in) return Status::NotFound("cannot read " + a.prompt_file);
+    a.prompt.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } else if (a.prompt.empty()) {
+    return Status::InvalidArgument("give --prompt or --prompt-file");
+  }
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, 1));
@@ -71,6 +78,12 @@ Status Generate(const GenerateArgs& a) {
   Agent* agents[] = {run->agent.get()};
   SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, prompt));
   Decoder decoder(*m.model, run->agent.get(), kSequence, static_cast<int32_t>(prompt.size()));
+  std::ofstream trace;
+  if (!a.selection_trace.empty()) {
+    trace.open(a.selection_trace);
+    if (!trace) return Status::InvalidArgument("cannot write " + a.selection_trace);
+    decoder.RecordSelections(&trace);
+  }
   auto stream = [&](std::string_view text) {
     if (a.json) return;
     std::fwrite(text.data(), 1, text.size(), stdout);
@@ -395,10 +408,14 @@ int main(int argc, char** argv) {
   GenerateArgs gen;
   CLI::App* generate = app.add_subcommand("generate", "greedy answer to a prompt, streamed");
   AddModelOption(generate, &gen.model);
-  generate->add_option("--prompt", gen.prompt, "user message (chat template applied)")->required();
+  auto* prompt_text = generate->add_option("--prompt", gen.prompt, "user message (chat template applied)");
+  auto* prompt_file = generate->add_option("--prompt-file", gen.prompt_file, "read the user message from a file");
+  prompt_text->excludes(prompt_file);
   generate->add_option("--max-tokens", gen.max_tokens, "most tokens to generate")->capture_default_str();
   generate->add_flag("--raw-prompt", gen.raw, "use the prompt as is, without the chat template");
   generate->add_flag("--json", gen.json, "print one JSON object instead of streaming");
+  generate->add_option("--selection-trace", gen.selection_trace,
+                       "write the rows selected at every step (for specache-bench reuse)");
   AddKvOptions(generate, &gen.kv);
 
   NiahArgs niah_args, grid_args;

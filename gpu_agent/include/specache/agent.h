@@ -146,7 +146,7 @@ Result<std::unique_ptr<Agent>> CreateCpuAgent(const ModelShape& shape, const KvC
 struct CudaAgentOptions {
   int32_t capacity_tokens = 32768;  // most tokens per sequence (device replicas are sized for it)
   void* stream = nullptr;           // the engine's cudaStream_t: the agent's compute is queued on it
-  int fetch_blocks = 64;            // most blocks of the fetch kernel (SMs left to the later layers)
+  int fetch_blocks = 16;            // most blocks of the fetch kernel (SMs left to the later layers)
   // false: only for measuring what the fetch costs (specache-bench step). Rows are selected as
   // usual but none is fetched, so the attention substitutes nothing; results are not SpeCache's.
   bool fetch = true;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <ostream>
 #include <span>
 #include <vector>
 
@@ -45,6 +46,11 @@ class Decoder {
   // speculative token is updated to that row's argmax.
   Result<std::span<const float>> Step(int32_t token);
 
+  // After every step, writes the rows each (layer, KV head) selected for the next step, one line
+  // each: "step layer head n token...". The trace specache-bench reuse reads. `out` must outlive
+  // the decoder; null stops recording.
+  void RecordSelections(std::ostream* out) { trace_ = out; }
+
   int32_t speculative_token() const { return speculative_; }
   int32_t position() const { return position_; }
   double decode_seconds() const { return decode_seconds_; }
@@ -65,6 +71,8 @@ class Decoder {
   LlamaScratch scratch_;
   double decode_seconds_ = 0;
   int64_t steps_ = 0;
+  std::ostream* trace_ = nullptr;
+  int64_t traced_steps_ = 0;
 };
 
 int32_t Argmax(std::span<const float> logits);
