@@ -182,6 +182,21 @@ Result<DaemonStats> Client::Stats() {
   s.errors = r.errors();
   s.uptime_ms = r.uptime_ms();
   s.memory_locked = r.memory_locked();
+  s.parked_bytes = r.parked_bytes();
+  s.spilled_bytes = r.spilled_bytes();
+  s.spill_disk_bytes = r.spill_disk_bytes();
+  s.parked_sequences = r.parked_sequences();
+  s.spilled_sequences = r.spilled_sequences();
+  s.spill_tier = r.spill_tier();
+  s.spills = r.spills();
+  s.restores = r.restores();
+  s.spill_bytes_total = r.spill_bytes_total();
+  s.restore_bytes_total = r.restore_bytes_total();
+  s.spill_seconds = r.spill_seconds();
+  s.restore_seconds = r.restore_seconds();
+  s.checksum_failures = r.checksum_failures();
+  s.spill_write_errors = r.spill_write_errors();
+  s.kept_dropped = r.kept_dropped();
   for (const auto& t : r.tenants()) {
     s.tenants.push_back({t.tenant(), t.reserved_bytes(), t.used_bytes(), t.quota_bytes(), t.sessions(), t.sequences()});
   }
@@ -209,9 +224,46 @@ Result<std::vector<SequenceRecord>> Client::ListSequences() {
     const auto& l = s.layout();
     out.push_back({s.sequence_id(), s.session_id(), s.tenant(),
                    {l.n_layers(), l.n_kv_heads(), l.head_dim(), l.page_tokens(), l.capacity_tokens()},
-                   s.pages_per_layer(), s.bytes()});
+                   s.pages_per_layer(), s.bytes(), s.state()});
   }
   return out;
+}
+
+Result<uint32_t> Client::Spill(uint64_t sequence) {
+  v1::SpillRequest req;
+  req.set_sequence_id(sequence);
+  v1::SpillResponse r;
+  SPECACHE_RETURN_IF_ERROR(impl_->Call(&v1::Control::Stub::Spill, "Spill", req, &r));
+  return r.spilled();
+}
+
+Result<uint32_t> Client::SpillAll() {
+  v1::SpillRequest req;
+  req.set_all(true);
+  v1::SpillResponse r;
+  SPECACHE_RETURN_IF_ERROR(impl_->Call(&v1::Control::Stub::Spill, "Spill", req, &r));
+  return r.spilled();
+}
+
+Status Client::Restore(uint64_t sequence) {
+  v1::RestoreRequest req;
+  req.set_sequence_id(sequence);
+  v1::RestoreResponse r;
+  return impl_->Call(&v1::Control::Stub::Restore, "Restore", req, &r);
+}
+
+Status Client::Evict(uint64_t sequence) {
+  v1::EvictRequest req;
+  req.set_sequence_id(sequence);
+  v1::EvictResponse r;
+  return impl_->Call(&v1::Control::Stub::Evict, "Evict", req, &r);
+}
+
+Result<SpillVerify> Client::VerifySpill() {
+  v1::VerifySpillResponse r;
+  SPECACHE_RETURN_IF_ERROR(impl_->Call(&v1::Control::Stub::VerifySpill, "VerifySpill", v1::VerifySpillRequest(), &r));
+  SpillVerify v{r.sequences(), r.pages_checked(), r.pages_bad(), {r.bad().begin(), r.bad().end()}};
+  return v;
 }
 
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -269,6 +321,36 @@ Status Session::Release(uint64_t sequence) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->slots.erase(sequence);
   return Status::Ok();
+}
+
+Status Session::Keep(uint64_t sequence) {
+  SPECACHE_RETURN_IF_ERROR(impl_->SlotOf(sequence).status());
+  v1::KeepSequenceRequest req;
+  req.set_session_id(impl_->id);
+  req.set_token(impl_->token);
+  req.set_sequence_id(sequence);
+  v1::KeepSequenceResponse resp;
+  return impl_->client->Call(&v1::Control::Stub::KeepSequence, "KeepSequence", req, &resp);
+}
+
+Result<uint32_t> Session::Claim(uint64_t sequence, const PageLayoutSpec& l) {
+  v1::ClaimSequenceRequest req;
+  req.set_session_id(impl_->id);
+  req.set_token(impl_->token);
+  req.set_sequence_id(sequence);
+  auto* layout = req.mutable_layout();
+  layout->set_n_layers(l.n_layers);
+  layout->set_n_kv_heads(l.n_kv_heads);
+  layout->set_head_dim(l.head_dim);
+  layout->set_page_tokens(l.page_tokens);
+  layout->set_capacity_tokens(l.capacity_tokens);
+  v1::ClaimSequenceResponse resp;
+  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ClaimSequence, "ClaimSequence", req, &resp));
+  if (resp.table_slot() >= shm::Header(impl_->table)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
+  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, resp.table_slot(), true));
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->slots[sequence] = resp.table_slot();
+  return resp.pages_per_layer();
 }
 
 Result<uint32_t> Session::PagesPerLayer(uint64_t sequence) const {

@@ -98,7 +98,7 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
   DaemonConfig c;
   static const char* kKnown[] = {"socket", "attach_socket", "pool_bytes", "chunk_bytes", "prefault_threads",
                                  "lock_memory", "lease_ms", "max_sequences_per_session", "max_page_refs_per_session",
-                                 "metrics_addr", "log_format", "log_level", "tenants"};
+                                 "metrics_addr", "log_format", "log_level", "tenants", "spill"};
   for (const auto& [key, node] : t) {
     bool known = false;
     for (const char* k : kKnown) known |= key.str() == k;
@@ -142,6 +142,32 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
     auto v = n->value<bool>();
     if (!v) return Status::InvalidArgument("config: lock_memory must be true or false");
     c.lock_memory = *v;
+  }
+  if (const toml::node* n = t.get("spill")) {
+    const toml::table* sp = n->as_table();
+    if (!sp) return Status::InvalidArgument("config: [spill] must be a table");
+    for (const auto& [field, value] : *sp) {
+      const std::string key = "spill." + std::string(field.str());
+      if (field.str() == "dir") {
+        auto v = value.value<std::string>();
+        if (!v) return Status::InvalidArgument("config: " + key + " must be a string");
+        c.spill.dir = *v;
+      } else if (field.str() == "max_bytes") {
+        SPECACHE_ASSIGN_OR_RETURN(c.spill.max_bytes, BytesOf(value, key));
+      } else if (field.str() == "park_bytes") {
+        SPECACHE_ASSIGN_OR_RETURN(c.spill.park_bytes, BytesOf(value, key));
+      } else if (field.str() == "compression") {
+        auto v = value.value<bool>();
+        if (!v) return Status::InvalidArgument("config: " + key + " must be true or false");
+        c.spill.compression = *v;
+      } else if (field.str() == "high_watermark" || field.str() == "low_watermark") {
+        auto v = value.value<double>();
+        if (!v || *v <= 0 || *v > 1) return Status::InvalidArgument("config: " + key + " must be a number in (0, 1]");
+        (field.str() == "high_watermark" ? c.spill.high_watermark : c.spill.low_watermark) = *v;
+      } else {
+        return Status::InvalidArgument("config: unknown key '" + key + "'");
+      }
+    }
   }
   if (const toml::node* n = t.get("tenants")) {
     const toml::table* tenants = n->as_table();
@@ -197,6 +223,9 @@ Status ValidateConfig(const DaemonConfig& c) {
   if (c.chunk_bytes == 0 || c.chunk_bytes % 4096 != 0) return Status::InvalidArgument("config: chunk_bytes must be a multiple of 4096");
   if (c.pool_bytes < c.chunk_bytes) return Status::InvalidArgument("config: pool_bytes must hold at least one chunk");
   if (c.log_format != "text" && c.log_format != "json") return Status::InvalidArgument("config: log_format is text or json");
+  if (c.spill.low_watermark > c.spill.high_watermark) {
+    return Status::InvalidArgument("config: spill.low_watermark must not exceed spill.high_watermark");
+  }
   return Status::Ok();
 }
 

@@ -12,6 +12,13 @@
 //   metrics_addr = "127.0.0.1:9464"         # Prometheus text endpoint; "" disables it
 //   log_format = "text"                     # or "json"
 //   log_level = "info"
+//   [spill]                                 # the NVMe tier for kept sequences (RocksDB)
+//   dir = ""                                # empty: no spill tier (--spill-dir)
+//   max_bytes = "0"                         # page bytes on disk; 0: no limit but the disk's
+//   compression = false                     # LZ4 (fp16 KV compresses poorly)
+//   park_bytes = ""                         # RAM for kept sequences; default: pool_bytes / 4
+//   high_watermark = 0.9                    # parked bytes above high x park_bytes are spilled...
+//   low_watermark = 0.7                     # ...least recently parked first, down to low
 //   [tenants.default]
 //   quota_bytes = "8GiB"
 //   users = ["alice", 1001]                 # allowed Unix users (names or uids)
@@ -36,6 +43,15 @@ struct TenantConfig {
   bool AllowsAnyone() const { return uids.empty() && gids.empty(); }
 };
 
+struct SpillConfig {
+  std::string dir;
+  uint64_t max_bytes = 0;
+  bool compression = false;
+  uint64_t park_bytes = 0;  // 0: pool_bytes / 4
+  double high_watermark = 0.9;
+  double low_watermark = 0.7;
+};
+
 struct DaemonConfig {
   std::string socket = "/run/specache/control.sock";
   std::string attach_socket;  // empty: socket + ".attach"
@@ -50,6 +66,9 @@ struct DaemonConfig {
   std::string log_format = "text";
   std::string log_level = "info";
   std::map<std::string, TenantConfig> tenants;
+  SpillConfig spill;
+
+  uint64_t ParkBytes() const { return spill.park_bytes ? spill.park_bytes : pool_bytes / 4; }
 
   std::string AttachSocket() const { return attach_socket.empty() ? socket + ".attach" : attach_socket; }
 };

@@ -28,8 +28,8 @@ void FillLayout(const PageLayout& l, v1::SequenceLayout* out) {
 
 }  // namespace
 
-ControlService::ControlService(Registry* registry, std::string attach_path, uint32_t lease_ms)
-    : registry_(registry), attach_path_(std::move(attach_path)), lease_ms_(lease_ms) {}
+ControlService::ControlService(Registry* registry, KeptSequences* kept, std::string attach_path, uint32_t lease_ms)
+    : registry_(registry), kept_(kept), attach_path_(std::move(attach_path)), lease_ms_(lease_ms) {}
 
 grpc::Status ControlService::Finish(const Status& s) {
   ++requests_;
@@ -103,6 +103,21 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   resp->set_errors(errors_.load());
   resp->set_chunk_bytes(s.chunk_bytes);
   resp->set_memory_locked(s.memory_locked);
+  resp->set_parked_bytes(s.kept.parked_bytes);
+  resp->set_spilled_bytes(s.kept.spilled_bytes);
+  resp->set_parked_sequences(s.kept.parked);
+  resp->set_spilled_sequences(s.kept.spilled);
+  resp->set_spill_tier(s.kept.has_spill_tier);
+  resp->set_spills(s.kept.spill.spills);
+  resp->set_restores(s.kept.spill.restores);
+  resp->set_spill_bytes_total(s.kept.spill.spilled_bytes_total);
+  resp->set_restore_bytes_total(s.kept.spill.restored_bytes_total);
+  resp->set_spill_seconds(s.kept.spill.spill_seconds);
+  resp->set_restore_seconds(s.kept.spill.restore_seconds);
+  resp->set_checksum_failures(s.kept.spill.checksum_failures);
+  resp->set_spill_write_errors(s.kept.spill.write_errors);
+  resp->set_kept_dropped(s.kept.dropped);
+  resp->set_spill_disk_bytes(s.kept.spill.stored_bytes);
   resp->set_uptime_ms(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count()));
   for (const TenantSummary& t : s.tenants) {
@@ -145,7 +160,58 @@ grpc::Status ControlService::ListSequences(grpc::ServerContext*, const v1::ListS
     FillLayout(s.layout, out->mutable_layout());
     out->set_pages_per_layer(s.pages_per_layer);
     out->set_bytes(s.bytes);
+    out->set_state(s.state);
   }
+  return Finish(Status::Ok());
+}
+
+grpc::Status ControlService::KeepSequence(grpc::ServerContext*, const v1::KeepSequenceRequest* req,
+                                          v1::KeepSequenceResponse*) {
+  auto token = TokenOf(req->token());
+  if (!token.ok()) return Finish(token.status());
+  return Finish(registry_->KeepSequence(req->session_id(), *token, req->sequence_id()));
+}
+
+grpc::Status ControlService::ClaimSequence(grpc::ServerContext*, const v1::ClaimSequenceRequest* req,
+                                           v1::ClaimSequenceResponse* resp) {
+  auto token = TokenOf(req->token());
+  if (!token.ok()) return Finish(token.status());
+  if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
+  auto claimed = registry_->ClaimSequence(req->session_id(), *token, req->sequence_id(), LayoutOf(req->layout()));
+  if (!claimed.ok()) return Finish(claimed.status());
+  resp->set_sequence_id(req->sequence_id());
+  resp->set_table_slot(claimed->first);
+  resp->set_pages_per_layer(claimed->second);
+  return Finish(Status::Ok());
+}
+
+grpc::Status ControlService::Spill(grpc::ServerContext*, const v1::SpillRequest* req, v1::SpillResponse* resp) {
+  if (req->all()) {
+    auto n = kept_->SpillAll();
+    if (!n.ok()) return Finish(n.status());
+    resp->set_spilled(*n);
+    return Finish(Status::Ok());
+  }
+  const Status s = kept_->Spill(req->sequence_id());
+  if (s.ok()) resp->set_spilled(1);
+  return Finish(s);
+}
+
+grpc::Status ControlService::Restore(grpc::ServerContext*, const v1::RestoreRequest* req, v1::RestoreResponse*) {
+  return Finish(kept_->Restore(req->sequence_id()));
+}
+
+grpc::Status ControlService::Evict(grpc::ServerContext*, const v1::EvictRequest* req, v1::EvictResponse*) {
+  return Finish(kept_->Evict(req->sequence_id()));
+}
+
+grpc::Status ControlService::VerifySpill(grpc::ServerContext*, const v1::VerifySpillRequest*,
+                                         v1::VerifySpillResponse* resp) {
+  const SpillVerifyReport r = kept_->Verify();
+  resp->set_sequences(r.sequences);
+  resp->set_pages_checked(r.pages_checked);
+  resp->set_pages_bad(r.pages_bad);
+  for (const std::string& b : r.bad) resp->add_bad(b);
   return Finish(Status::Ok());
 }
 

@@ -12,7 +12,7 @@ namespace specache::daemon {
 
 class ControlService final : public specache::v1::Control::Service {
  public:
-  ControlService(Registry* registry, std::string attach_path, uint32_t lease_ms);
+  ControlService(Registry* registry, KeptSequences* kept, std::string attach_path, uint32_t lease_ms);
 
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*, v1::OpenSessionResponse*) override;
   grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionResponse*) override;
@@ -26,6 +26,12 @@ class ControlService final : public specache::v1::Control::Service {
   grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*, v1::ListSessionsResponse*) override;
   grpc::Status ListSequences(grpc::ServerContext*, const v1::ListSequencesRequest*,
                              v1::ListSequencesResponse*) override;
+  grpc::Status KeepSequence(grpc::ServerContext*, const v1::KeepSequenceRequest*, v1::KeepSequenceResponse*) override;
+  grpc::Status ClaimSequence(grpc::ServerContext*, const v1::ClaimSequenceRequest*, v1::ClaimSequenceResponse*) override;
+  grpc::Status Spill(grpc::ServerContext*, const v1::SpillRequest*, v1::SpillResponse*) override;
+  grpc::Status Restore(grpc::ServerContext*, const v1::RestoreRequest*, v1::RestoreResponse*) override;
+  grpc::Status Evict(grpc::ServerContext*, const v1::EvictRequest*, v1::EvictResponse*) override;
+  grpc::Status VerifySpill(grpc::ServerContext*, const v1::VerifySpillRequest*, v1::VerifySpillResponse*) override;
 
   uint64_t requests() const { return requests_.load(); }
   uint64_t errors() const { return errors_.load(); }
@@ -34,6 +40,7 @@ class ControlService final : public specache::v1::Control::Service {
   grpc::Status Finish(const Status& status);
 
   Registry* registry_;
+  KeptSequences* kept_;
   std::string attach_path_;
   uint32_t lease_ms_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();

@@ -15,12 +15,14 @@
 #include "attach_server.h"
 #include "control_service.h"
 #include "metrics.h"
+#include "specache/spill_store.h"
 
 namespace specache::daemon {
 
 struct Daemon::State {
   DaemonConfig config;
   std::unique_ptr<ChunkPool> pool;
+  std::unique_ptr<KeptSequences> kept;
   std::unique_ptr<Registry> registry;
   std::unique_ptr<ControlService> service;
   std::unique_ptr<grpc::Server> server;
@@ -41,14 +43,28 @@ Status ReservePool(State* d) {
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   spdlog::info("pool: {} chunks of {} MiB reserved in {:.0f} ms ({})", d->pool->chunk_count(),
                d->pool->chunk_bytes() >> 20, ms, d->pool->locked() ? "locked in RAM" : "NOT locked: raise LimitMEMLOCK");
-  d->registry = std::make_unique<Registry>(d->config, d->pool.get());
+  return Status::Ok();
+}
+
+Status OpenSpillTier(State* d) {
+  std::unique_ptr<SpillStore> store;
+  const SpillConfig& c = d->config.spill;
+  if (!c.dir.empty()) {
+    SPECACHE_ASSIGN_OR_RETURN(store, SpillStore::Open({c.dir, c.max_bytes, c.compression}));
+    spdlog::info("spill tier: {} ({} sequences on disk, limit {})", c.dir, store->List().size(),
+                 c.max_bytes ? std::to_string(c.max_bytes >> 20) + " MiB" : std::string("the disk"));
+  }
+  d->kept = std::make_unique<KeptSequences>(
+      KeptOptions{d->config.ParkBytes(), c.high_watermark, c.low_watermark}, std::move(store));
+  d->registry = std::make_unique<Registry>(d->config, d->pool.get(), d->kept.get());
   return Status::Ok();
 }
 
 Status ListenControl(State* d) {
   std::filesystem::create_directories(std::filesystem::path(d->config.socket).parent_path());
   ::unlink(d->config.socket.c_str());
-  d->service = std::make_unique<ControlService>(d->registry.get(), d->config.AttachSocket(), d->config.lease_ms);
+  d->service = std::make_unique<ControlService>(d->registry.get(), d->kept.get(), d->config.AttachSocket(),
+                                               d->config.lease_ms);
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + d->config.socket, grpc::InsecureServerCredentials());
   builder.RegisterService(d->service.get());
@@ -140,6 +156,7 @@ Status Daemon::Start(const DaemonConfig& config) {
   d->config = config;
   const std::vector<std::pair<const char*, std::function<Status()>>> steps = {
       {"reserve memory pool", [&] { return ReservePool(d); }},
+      {"open the spill tier", [&] { return OpenSpillTier(d); }},
       {"listen on the control socket", [&] { return ListenControl(d); }},
       {"listen on the attach socket", [&] { return ListenAttach(d); }},
       {"start the metrics endpoint", [&] { return StartMetrics(d); }},
@@ -165,6 +182,14 @@ void Daemon::Stop() {
   d->io.stop();
   if (d->io_thread.joinable()) d->io_thread.join();
   if (d->server) ::unlink(d->config.socket.c_str());
+  if (d->kept && d->kept->stats().has_spill_tier) {  // parked sequences would die with the process
+    auto spilled = d->kept->SpillAll();
+    if (spilled.ok()) {
+      if (*spilled > 0) spdlog::info("stop: {} parked sequences spilled", *spilled);
+    } else {
+      spdlog::error("stop: spilling parked sequences: {}", spilled.status().ToString());
+    }
+  }
 }
 
 }  // namespace specache::daemon

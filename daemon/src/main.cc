@@ -16,7 +16,7 @@ namespace specache::daemon {
 namespace {
 
 struct Overrides {
-  std::string config_path, socket, pool_bytes, chunk_bytes, metrics_addr, log_format, log_level;
+  std::string config_path, socket, pool_bytes, chunk_bytes, metrics_addr, log_format, log_level, spill_dir, park_bytes;
   int lease_ms = 0;
   bool no_lock = false;
 };
@@ -37,6 +37,10 @@ Status LoadConfiguration(const Overrides& o, DaemonConfig* c) {
   if (!o.log_level.empty()) c->log_level = o.log_level;
   if (o.lease_ms > 0) c->lease_ms = static_cast<uint32_t>(o.lease_ms);
   if (o.no_lock) c->lock_memory = false;
+  if (!o.spill_dir.empty()) c->spill.dir = o.spill_dir;
+  if (!o.park_bytes.empty()) {
+    SPECACHE_ASSIGN_OR_RETURN(c->spill.park_bytes, ParseBytes(o.park_bytes));
+  }
   AddDefaultTenant(c);
   return ValidateConfig(*c);
 }
@@ -97,6 +101,8 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", o.log_level, "trace, debug, info, warn, error");
   app.add_option("--lease-ms", o.lease_ms, "attach deadline after OpenSession");
   app.add_flag("--no-lock", o.no_lock, "do not mlock the pool");
+  app.add_option("--spill-dir", o.spill_dir, "directory of the NVMe spill tier (RocksDB) for kept sequences");
+  app.add_option("--park-bytes", o.park_bytes, "RAM for kept sequences before they spill, e.g. 2GiB");
   CLI11_PARSE(app, argc, argv);
   return specache::daemon::Run(o);
 }

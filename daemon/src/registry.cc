@@ -41,7 +41,12 @@ bool PeerExited(int pidfd, int32_t pid) {
 
 }  // namespace
 
-Registry::Registry(const DaemonConfig& config, ChunkPool* pool) : config_(config), pool_(pool) {}
+Registry::Registry(const DaemonConfig& config, ChunkPool* pool, KeptSequences* kept)
+    : config_(config), pool_(pool), kept_(kept), next_sequence_(kept->max_id() + 1) {}
+
+uint8_t* Registry::PageAddress(const Session& s, const shm::PageRef& ref) const {
+  return pool_->data(s.pages->chunks()[ref.chunk]) + ref.offset;
+}
 
 Registry::~Registry() {
   for (auto& [id, s] : sessions_) {
@@ -167,8 +172,16 @@ Status Registry::CloseSession(uint64_t session, const Token& token) {
 
 Registry::ChunkReturn Registry::ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map) {
   Session& s = it->second;
-  for (const auto& [seq, pages] : s.pages->sequences()) sequence_owner_.erase(seq);
-  ChunkReturn r{s.id, s.pages->chunks(), owner_may_still_map};
+  ChunkReturn r{s.id, s.pages->chunks(), owner_may_still_map, {}};
+  for (const auto& [seq, pages] : s.pages->sequences()) {
+    sequence_owner_.erase(seq);
+    if (keep_on_close_.erase(seq) == 0) continue;
+    ParkJob job{s.tenant, seq, pages.layout, pages.pages_per_layer, {}};
+    for (const auto& layer : pages.pages) {
+      for (const shm::PageRef& ref : layer) job.pages.push_back(PageAddress(s, ref));
+    }
+    r.park.push_back(std::move(job));
+  }
   s.pages.reset();
   if (s.pidfd >= 0) close(s.pidfd);
   ++reclaimed_;
@@ -180,6 +193,11 @@ void Registry::ReturnChunks(const std::vector<ChunkReturn>& returns) {
   // Outside the lock: zeroing or replacing chunk memory takes milliseconds per chunk. The chunks
   // still have their old owner in the pool until Return, so nobody else gets them meanwhile.
   for (const ChunkReturn& r : returns) {
+    for (const ParkJob& job : r.park) {  // kept sequences leave the chunks first
+      const Status parked = kept_->Park(job.tenant, job.id, job.layout, job.pages_per_layer,
+                                        [&job](uint32_t l, uint32_t p) { return job.pages[l * job.pages_per_layer + p]; });
+      if (!parked.ok()) spdlog::error("session {}: kept sequence {} is lost: {}", r.session, job.id, parked.ToString());
+    }
     Status s = pool_->Return(r.chunks, r.replace);
     if (!s.ok()) spdlog::error("session {}: {}", r.session, s.ToString());
     spdlog::info("session {} reclaimed ({} chunks {})", r.session, r.chunks.size(), r.replace ? "replaced" : "zeroed");
@@ -204,6 +222,7 @@ void Registry::Reap() {
   }
   lock.unlock();
   ReturnChunks(returns);
+  kept_->EnforceWatermarks();
 }
 
 Result<std::pair<uint64_t, uint32_t>> Registry::CreateSequence(uint64_t session, const Token& token,
@@ -234,7 +253,44 @@ Status Registry::ReleaseSequence(uint64_t session, const Token& token, uint64_t 
   SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
   if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
   sequence_owner_.erase(sequence);
+  keep_on_close_.erase(sequence);
   return s->pages->Release(sequence);
+}
+
+Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t sequence) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
+  const SequencePages* p = s->pages->Find(sequence);
+  if (!p) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
+  const uint64_t bytes = uint64_t{p->layout.n_layers} * p->layout.pages_capacity_per_layer() * p->layout.page_bytes();
+  SPECACHE_RETURN_IF_ERROR(kept_->CanKeep(bytes));
+  keep_on_close_.insert(sequence);
+  return Status::Ok();
+}
+
+Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, const Token& token, uint64_t sequence,
+                                                              const PageLayout& layout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
+  SPECACHE_ASSIGN_OR_RETURN(KeptSummary k, kept_->Find(sequence));
+  if (k.tenant != s->tenant) return Status::PermissionDenied("sequence " + std::to_string(sequence) + " belongs to another tenant");
+  SPECACHE_ASSIGN_OR_RETURN(const SequencePages* created, s->pages->CreateSequence(sequence, layout));
+  const uint32_t slot = created->slot;
+  auto undo = [&](const Status& why) {
+    (void)s->pages->Release(sequence);
+    return why;
+  };
+  auto extended = s->pages->Extend(sequence, k.pages_per_layer * layout.page_tokens);
+  if (!extended.ok()) return undo(extended.status());
+  const SequencePages* p = s->pages->Find(sequence);
+  const Status claimed = kept_->Claim(s->tenant, sequence, layout, [&](uint32_t l, uint32_t page) {
+    return PageAddress(*s, p->pages[l][page]);
+  });
+  if (!claimed.ok()) return undo(claimed);
+  sequence_owner_[sequence] = session;
+  return std::make_pair(slot, k.pages_per_layer);
 }
 
 RegistryStats Registry::Stats() const {
@@ -261,6 +317,7 @@ RegistryStats Registry::Stats() const {
     st.sessions += 1;
   }
   for (auto& [name, t] : tenants) st.tenants.push_back(t);
+  st.kept = kept_->stats();
   return st;
 }
 
@@ -283,8 +340,12 @@ std::vector<SequenceSummary> Registry::Sequences() const {
   for (const auto& [id, s] : sessions_) {
     for (const auto& [seq, p] : s.pages->sequences()) {
       out.push_back({seq, id, s.tenant, p.layout, p.pages_per_layer,
-                     uint64_t{p.pages_per_layer} * p.layout.n_layers * p.layout.page_bytes()});
+                     uint64_t{p.pages_per_layer} * p.layout.n_layers * p.layout.page_bytes(), "session"});
     }
+  }
+  for (const KeptSummary& k : kept_->List()) {
+    out.push_back({k.id, 0, k.tenant, k.layout, k.pages_per_layer, k.bytes,
+                   k.state == KeptState::kParked ? "parked" : "spilled"});
   }
   return out;
 }

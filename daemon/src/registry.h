@@ -16,10 +16,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "config.h"
+#include "kept_sequences.h"
 #include "specache/attach_protocol.h"
 #include "specache/chunk_pool.h"
 #include "specache/session_pages.h"
@@ -59,11 +61,12 @@ struct SessionSummary {
 };
 
 struct SequenceSummary {
-  uint64_t id = 0, session = 0;
+  uint64_t id = 0, session = 0;  // session 0: kept by the tenant
   std::string tenant;
   PageLayout layout;
   uint32_t pages_per_layer = 0;
   uint64_t bytes = 0;
+  std::string state = "session";  // "session", "parked" or "spilled"
 };
 
 struct TenantSummary {
@@ -79,11 +82,13 @@ struct RegistryStats {
   uint64_t sessions_reclaimed = 0, chunks_replaced = 0;
   bool memory_locked = false;
   std::vector<TenantSummary> tenants;
+  KeptStats kept;
 };
 
 class Registry {
  public:
-  Registry(const DaemonConfig& config, ChunkPool* pool);
+  // `kept` holds sequences kept past their sessions (must outlive the registry).
+  Registry(const DaemonConfig& config, ChunkPool* pool, KeptSequences* kept);
   ~Registry();
 
   Result<OpenedSession> OpenSession(const std::string& tenant, uint64_t pool_bytes, const std::string& client_name);
@@ -96,6 +101,11 @@ class Registry {
   Result<std::pair<uint32_t, uint64_t>> ExtendSequence(uint64_t session, const Token& token, uint64_t sequence,
                                                        uint32_t tokens);
   Status ReleaseSequence(uint64_t session, const Token& token, uint64_t sequence);
+  // Marks a sequence of the session to be kept (parked) when the session ends.
+  Status KeepSequence(uint64_t session, const Token& token, uint64_t sequence);
+  // A kept sequence of the session's tenant becomes the session's again: (slot, pages per layer).
+  Result<std::pair<uint32_t, uint32_t>> ClaimSequence(uint64_t session, const Token& token, uint64_t sequence,
+                                                      const PageLayout& layout);
 
   // Reclaims sessions whose lease expired before attaching, and detached sessions. Call often.
   void Reap();
@@ -118,11 +128,22 @@ class Registry {
   };
   // The session if the token matches (PERMISSION_DENIED otherwise, NOT_FOUND if unknown).
   Result<Session*> Authorize(uint64_t session, const Token& token);
+  // A kept sequence leaving with its session: where its pages are until the chunks go back.
+  struct ParkJob {
+    std::string tenant;
+    uint64_t id = 0;
+    PageLayout layout;
+    uint32_t pages_per_layer = 0;
+    std::vector<uint8_t*> pages;  // [layer * pages_per_layer + page]
+  };
   struct ChunkReturn {
     uint64_t session = 0;
     std::vector<uint32_t> chunks;
     bool replace = false;
+    std::vector<ParkJob> park;  // copied out before the chunks are returned
   };
+  // The daemon's address of a page of a session's sequence.
+  uint8_t* PageAddress(const Session& s, const shm::PageRef& ref) const;
   static Status RequireAttached(const Session& s);
   // Forgets the session (under mu_); its chunks go back to the pool with ReturnChunks (without mu_).
   ChunkReturn ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map);
@@ -134,6 +155,8 @@ class Registry {
   mutable std::mutex mu_;
   std::map<uint64_t, Session> sessions_;
   std::map<uint64_t, uint64_t> sequence_owner_;  // sequence -> session
+  std::set<uint64_t> keep_on_close_;             // sequences to park when their session ends
+  KeptSequences* kept_;
   uint64_t next_session_ = 1, next_sequence_ = 1;
   uint64_t reclaimed_ = 0;
 };

@@ -127,6 +127,8 @@ Result<std::unique_ptr<SpillStore>> SpillStore::Open(const SpillOptions& options
   return store;
 }
 
+SpillStore::SpillStore(const SpillOptions& options) : options_(options) {}
+
 SpillStore::~SpillStore() {
   if (db_) db_->Close();
 }

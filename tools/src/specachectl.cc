@@ -1,4 +1,5 @@
-// specachectl: the operator's view of a specached: stats, sessions, sequences, watch.
+// specachectl: the operator's view of a specached: stats, sessions, sequences, watch, and the
+// kept sequences' tier: spill, restore, evict, verify.
 #include <unistd.h>
 
 #include <cstdio>
@@ -31,7 +32,14 @@ nlohmann::json StatsJson(const DaemonStats& s) {
           {"free_bytes", s.free_bytes},  {"chunk_bytes", s.chunk_bytes},       {"sessions", s.sessions},
           {"sequences", s.sequences},    {"pages", s.pages},                   {"requests", s.requests},
           {"errors", s.errors},          {"uptime_ms", s.uptime_ms},           {"memory_locked", s.memory_locked},
-          {"tenants", tenants}};
+          {"tenants", tenants},
+          {"parked_bytes", s.parked_bytes}, {"spilled_bytes", s.spilled_bytes},
+          {"spill_disk_bytes", s.spill_disk_bytes}, {"parked_sequences", s.parked_sequences},
+          {"spilled_sequences", s.spilled_sequences}, {"spill_tier", s.spill_tier}, {"spills", s.spills},
+          {"restores", s.restores}, {"spill_bytes_total", s.spill_bytes_total},
+          {"restore_bytes_total", s.restore_bytes_total}, {"spill_seconds", s.spill_seconds},
+          {"restore_seconds", s.restore_seconds}, {"checksum_failures", s.checksum_failures},
+          {"spill_write_errors", s.spill_write_errors}, {"kept_dropped", s.kept_dropped}};
 }
 
 void PrintStats(const DaemonStats& s) {
@@ -42,6 +50,17 @@ void PrintStats(const DaemonStats& s) {
               static_cast<unsigned long long>(s.pages));
   std::printf("requests  %llu (%llu errors), up %.1f s\n", static_cast<unsigned long long>(s.requests),
               static_cast<unsigned long long>(s.errors), s.uptime_ms / 1000.0);
+  std::printf("kept      %u parked (%s in RAM), %u spilled (%s on disk only, %s in the store)%s\n", s.parked_sequences,
+              Mib(s.parked_bytes).c_str(), s.spilled_sequences, Mib(s.spilled_bytes).c_str(),
+              Mib(s.spill_disk_bytes).c_str(), s.spill_tier ? "" : "; no spill tier");
+  if (s.spill_tier) {
+    std::printf("spill     %llu spills (%s, %.2f s), %llu restores (%s, %.2f s), %llu checksum failures, %llu write "
+                "errors, %llu kept sequences lost\n",
+                static_cast<unsigned long long>(s.spills), Mib(s.spill_bytes_total).c_str(), s.spill_seconds,
+                static_cast<unsigned long long>(s.restores), Mib(s.restore_bytes_total).c_str(), s.restore_seconds,
+                static_cast<unsigned long long>(s.checksum_failures),
+                static_cast<unsigned long long>(s.spill_write_errors), static_cast<unsigned long long>(s.kept_dropped));
+  }
   std::printf("%-16s %14s %14s %14s %9s %10s\n", "tenant", "reserved", "used", "quota", "sessions", "sequences");
   for (const auto& t : s.tenants) {
     std::printf("%-16s %14s %14s %14s %9u %10u\n", t.tenant.c_str(), Mib(t.reserved_bytes).c_str(),
@@ -69,10 +88,22 @@ int main(int argc, char** argv) {
   stats->add_flag("--json", json, "one JSON object");
   auto* sessions = app.add_subcommand("sessions", "open sessions");
   sessions->add_flag("--json", json, "JSON array");
-  auto* sequences = app.add_subcommand("sequences", "sequences of all sessions");
+  auto* sequences = app.add_subcommand("sequences", "sequences of all sessions, and kept ones");
   sequences->add_flag("--json", json, "JSON array");
   auto* watch = app.add_subcommand("watch", "stats, refreshed");
   watch->add_option("--interval", interval, "seconds between refreshes")->capture_default_str();
+  uint64_t sequence = 0;
+  bool all = false;
+  auto* spill = app.add_subcommand("spill", "move kept (parked) sequences from RAM to the spill tier");
+  auto* spill_one = spill->add_option("--sequence", sequence, "one sequence");
+  auto* spill_all = spill->add_flag("--all", all, "every parked sequence");
+  spill_one->excludes(spill_all);
+  auto* restore = app.add_subcommand("restore", "bring a spilled sequence back to RAM (checksums verified)");
+  restore->add_option("--sequence", sequence, "the sequence")->required();
+  auto* evict = app.add_subcommand("evict", "forget a kept sequence (RAM and disk)");
+  evict->add_option("--sequence", sequence, "the sequence")->required();
+  auto* verify = app.add_subcommand("verify", "check every page in the spill tier");
+  verify->add_flag("--json", json, "one JSON object");
   CLI11_PARSE(app, argc, argv);
 
   auto client = Client::Connect({socket, std::chrono::milliseconds(deadline_ms), "specachectl"});
@@ -108,24 +139,48 @@ int main(int argc, char** argv) {
     auto list = c.ListSequences();
     if (!list.ok()) return Fail(list.status());
     nlohmann::json out = nlohmann::json::array();
-    if (!json) std::printf("%9s %8s %-12s %28s %6s %12s\n", "sequence", "session", "tenant", "layout (L x H x d, page/cap)",
-                           "pages", "bytes");
+    if (!json) std::printf("%9s %8s %-8s %-12s %28s %6s %12s\n", "sequence", "session", "state", "tenant",
+                           "layout (L x H x d, page/cap)", "pages", "bytes");
     for (const auto& s : *list) {
       const auto& l = s.layout;
       out.push_back({{"sequence_id", s.id}, {"session_id", s.session}, {"tenant", s.tenant},
                      {"layout", {{"n_layers", l.n_layers}, {"n_kv_heads", l.n_kv_heads}, {"head_dim", l.head_dim},
                                  {"page_tokens", l.page_tokens}, {"capacity_tokens", l.capacity_tokens}}},
-                     {"pages_per_layer", s.pages_per_layer}, {"bytes", s.bytes}});
+                     {"pages_per_layer", s.pages_per_layer}, {"bytes", s.bytes}, {"state", s.state}});
       if (!json) {
         char shape[64];
         std::snprintf(shape, sizeof shape, "%u x %u x %u, %u/%u", l.n_layers, l.n_kv_heads, l.head_dim, l.page_tokens,
                       l.capacity_tokens);
-        std::printf("%9llu %8llu %-12s %28s %6u %12s\n", static_cast<unsigned long long>(s.id),
-                    static_cast<unsigned long long>(s.session), s.tenant.c_str(), shape, s.pages_per_layer,
-                    Mib(s.bytes).c_str());
+        std::printf("%9llu %8llu %-8s %-12s %28s %6u %12s\n", static_cast<unsigned long long>(s.id),
+                    static_cast<unsigned long long>(s.session), s.state.c_str(), s.tenant.c_str(), shape,
+                    s.pages_per_layer, Mib(s.bytes).c_str());
       }
     }
     if (json) std::cout << out.dump() << "\n";
+  } else if (spill->parsed()) {
+    if (!all && spill_one->count() == 0) return Fail(specache::Status::InvalidArgument("spill: give --sequence ID or --all"));
+    auto n = all ? c.SpillAll() : c.Spill(sequence);
+    if (!n.ok()) return Fail(n.status());
+    std::printf("spilled %u sequence%s\n", *n, *n == 1 ? "" : "s");
+  } else if (restore->parsed()) {
+    if (auto s = c.Restore(sequence); !s.ok()) return Fail(s);
+    std::printf("sequence %llu restored\n", static_cast<unsigned long long>(sequence));
+  } else if (evict->parsed()) {
+    if (auto s = c.Evict(sequence); !s.ok()) return Fail(s);
+    std::printf("sequence %llu evicted\n", static_cast<unsigned long long>(sequence));
+  } else if (verify->parsed()) {
+    auto v = c.VerifySpill();
+    if (!v.ok()) return Fail(v.status());
+    if (json) {
+      std::cout << nlohmann::json{{"sequences", v->sequences}, {"pages_checked", v->pages_checked},
+                                  {"pages_bad", v->pages_bad}, {"bad", v->bad}}.dump()
+                << "\n";
+    } else {
+      std::printf("%llu sequences, %llu pages checked, %llu bad\n", static_cast<unsigned long long>(v->sequences),
+                  static_cast<unsigned long long>(v->pages_checked), static_cast<unsigned long long>(v->pages_bad));
+      for (const auto& b : v->bad) std::printf("  bad: %s\n", b.c_str());
+    }
+    return v->pages_bad == 0 ? 0 : 3;
   } else if (watch->parsed()) {
     while (true) {
       auto s = c.Stats();

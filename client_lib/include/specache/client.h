@@ -52,6 +52,18 @@ struct DaemonStats {
   uint64_t pages = 0, requests = 0, errors = 0, uptime_ms = 0;
   bool memory_locked = false;
   std::vector<TenantUsage> tenants;
+  // Kept sequences and the spill tier.
+  uint64_t parked_bytes = 0, spilled_bytes = 0, spill_disk_bytes = 0;
+  uint32_t parked_sequences = 0, spilled_sequences = 0;
+  bool spill_tier = false;
+  uint64_t spills = 0, restores = 0, spill_bytes_total = 0, restore_bytes_total = 0;
+  double spill_seconds = 0, restore_seconds = 0;
+  uint64_t checksum_failures = 0, spill_write_errors = 0, kept_dropped = 0;
+};
+
+struct SpillVerify {
+  uint64_t sequences = 0, pages_checked = 0, pages_bad = 0;
+  std::vector<std::string> bad;
 };
 
 struct SessionRecord {
@@ -65,11 +77,12 @@ struct SessionRecord {
 };
 
 struct SequenceRecord {
-  uint64_t id = 0, session = 0;
+  uint64_t id = 0, session = 0;  // session 0: kept by the tenant
   std::string tenant;
   PageLayoutSpec layout;
   uint32_t pages_per_layer = 0;
   uint64_t bytes = 0;
+  std::string state;  // "session", "parked" or "spilled"
 };
 
 class Session;
@@ -87,6 +100,14 @@ class SPECACHE_CLIENT_API Client {
   Result<DaemonStats> Stats();
   Result<std::vector<SessionRecord>> ListSessions();
   Result<std::vector<SequenceRecord>> ListSequences();
+
+  // Operator calls on kept sequences: parked -> disk (one, or every parked one: returns how
+  // many), disk -> RAM (checksums verified: DATA_LOSS names a bad page), forget, check the disk.
+  Result<uint32_t> Spill(uint64_t sequence);
+  Result<uint32_t> SpillAll();
+  Status Restore(uint64_t sequence);
+  Status Evict(uint64_t sequence);
+  Result<SpillVerify> VerifySpill();
 
   struct Impl;
 
@@ -110,6 +131,12 @@ class SPECACHE_CLIENT_API Session {
   // pages already exist.
   Result<uint32_t> Extend(uint64_t sequence, uint32_t tokens);
   Status Release(uint64_t sequence);
+  // Keep the sequence past this session: when the session ends, the daemon parks its pages for
+  // the tenant (RAM, then the spill tier); a later session claims it back with ClaimSequence.
+  Status Keep(uint64_t sequence);
+  // Takes a kept sequence of this session's tenant (same layout) into this session: returns its
+  // pages per layer; PageData then reads its pages.
+  Result<uint32_t> Claim(uint64_t sequence, const PageLayoutSpec& layout);
 
   // From the shared page table, without a round trip: pages per layer now mapped, and the memory
   // of one page ([kv_head][token][K|V][head_dim] fp16). OUT_OF_RANGE beyond the mapped pages.

@@ -90,7 +90,7 @@ class SpillStore {
   const std::string& dir() const { return options_.dir; }
 
  private:
-  explicit SpillStore(const SpillOptions& options) : options_(options) {}
+  explicit SpillStore(const SpillOptions& options);
   Status Load();
 
   SpillOptions options_;

@@ -1,0 +1,228 @@
+// Kept sequences and the spill tier with a real specached: a sequence written by a client and
+// kept past its session is parked, spilled, survives a SIGKILL of the daemon, is listed after the
+// restart, restored and claimed by a new session of its tenant with every page identical; the
+// watermark policy spills least recently parked sequences when parking is small; a page corrupted
+// on disk is reported by verify and restore and never served.
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <rocksdb/db.h>
+
+#include "processes.h"
+#include "specache/client.h"
+
+namespace specache {
+namespace {
+
+using testing::DaemonProcess;
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/specache-spilltest-XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+};
+
+const client::PageLayoutSpec kLayout{3, 2, 64, 16, 256};  // 3 layers, 8 KiB pages
+
+std::unique_ptr<client::Client> Connect(const DaemonProcess& d) {
+  auto c = client::Client::Connect({d.socket, std::chrono::milliseconds(5000), "spill-test"});
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+
+// The pattern every page of a sequence holds (different per sequence, layer, page and byte).
+uint8_t Pattern(uint64_t seed, uint32_t layer, uint32_t page, size_t i) {
+  return static_cast<uint8_t>((seed * 131 + layer * 31 + page * 7 + i * 13) ^ (i >> 8));
+}
+
+// Creates a sequence of `tokens` tokens filled with its pattern, keeps it, closes the session.
+Result<uint64_t> WriteAndKeep(client::Client* c, uint64_t seed, uint32_t tokens) {
+  SPECACHE_ASSIGN_OR_RETURN(auto session, c->OpenSession("default", 8 << 20));
+  SPECACHE_ASSIGN_OR_RETURN(uint64_t id, session->CreateSequence(kLayout));
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, session->Extend(id, tokens));
+  for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
+    for (uint32_t p = 0; p < pages; ++p) {
+      SPECACHE_ASSIGN_OR_RETURN(uint8_t * page, session->PageData(id, l, p));
+      for (size_t i = 0; i < kLayout.page_bytes(); ++i) page[i] = Pattern(seed, l, p, i);
+    }
+  }
+  SPECACHE_RETURN_IF_ERROR(session->Keep(id));
+  return id;  // the session closes here: the sequence is parked
+}
+
+// Claims a kept sequence into a new session and checks every page; returns the pages checked.
+Result<uint32_t> ClaimAndCheck(client::Client* c, uint64_t id, uint64_t seed) {
+  SPECACHE_ASSIGN_OR_RETURN(auto session, c->OpenSession("default", 8 << 20));
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, session->Claim(id, kLayout));
+  for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
+    for (uint32_t p = 0; p < pages; ++p) {
+      SPECACHE_ASSIGN_OR_RETURN(uint8_t * page, session->PageData(id, l, p));
+      for (size_t i = 0; i < kLayout.page_bytes(); ++i) {
+        if (page[i] != Pattern(seed, l, p, i)) {
+          return Status::DataLoss("sequence " + std::to_string(id) + " layer " + std::to_string(l) + " page " +
+                                  std::to_string(p) + " byte " + std::to_string(i) + " differs");
+        }
+      }
+    }
+  }
+  return pages * kLayout.n_layers;
+}
+
+// Waits until the daemon has parked `n` sequences (parking happens when the session is reaped).
+bool WaitForKept(client::Client* c, uint32_t n) {
+  for (int i = 0; i < 300; ++i) {
+    auto s = c->Stats();
+    if (s.ok() && s->parked_sequences + s->spilled_sequences >= n) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+TEST(SpillTest, KeptSequencesSurviveSpillDaemonKillRestartAndClaim) {
+  TempDir spill;
+  uint64_t a = 0, b = 0;
+  {
+    DaemonProcess d;
+    ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+    auto c = Connect(d);
+    ASSERT_TRUE(c);
+    auto ka = WriteAndKeep(c.get(), 1, 100);
+    auto kb = WriteAndKeep(c.get(), 2, 40);
+    ASSERT_TRUE(ka.ok() && kb.ok()) << ka.status().ToString() << " " << kb.status().ToString();
+    a = *ka, b = *kb;
+    ASSERT_TRUE(WaitForKept(c.get(), 2));
+    auto stats = c->Stats();
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->parked_sequences, 2u);
+    EXPECT_TRUE(stats->spill_tier);
+    EXPECT_EQ(stats->spilled_bytes, 0u);
+    auto spilled = c->SpillAll();
+    ASSERT_TRUE(spilled.ok()) << spilled.status().ToString();
+    EXPECT_EQ(*spilled, 2u);
+    stats = c->Stats();
+    EXPECT_EQ(stats->parked_bytes, 0u);
+    EXPECT_EQ(stats->spilled_bytes, 3ull * (7 + 3) * kLayout.page_bytes());  // 100 tokens: 7 pages, 40: 3
+    auto list = c->ListSequences();
+    ASSERT_TRUE(list.ok());
+    ASSERT_EQ(list->size(), 2u);
+    EXPECT_EQ((*list)[0].state, "spilled");
+    EXPECT_EQ((*list)[0].session, 0u);
+    d.child->Kill(SIGKILL);
+    d.child->Wait(5000);
+  }
+  DaemonProcess d;  // a new daemon over the same spill directory
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto list = c->ListSequences();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 2u) << "the spilled sequences are listed after the restart";
+  auto v = c->VerifySpill();
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->pages_checked, 3u * (7 + 3));
+  EXPECT_EQ(v->pages_bad, 0u);
+  ASSERT_TRUE(c->Restore(a).ok());  // disk -> RAM, then claimed from RAM
+  EXPECT_EQ(c->Stats()->parked_sequences, 1u);
+  auto pages_a = ClaimAndCheck(c.get(), a, 1);
+  ASSERT_TRUE(pages_a.ok()) << pages_a.status().ToString();
+  EXPECT_EQ(*pages_a, 3u * 7);
+  auto pages_b = ClaimAndCheck(c.get(), b, 2);  // straight from disk
+  ASSERT_TRUE(pages_b.ok()) << pages_b.status().ToString();
+  EXPECT_EQ(*pages_b, 3u * 3);
+  // A new sequence never reuses a kept id.
+  auto session = c->OpenSession("default", 4 << 20);
+  ASSERT_TRUE(session.ok());
+  auto fresh = (*session)->CreateSequence(kLayout);
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_GT(*fresh, std::max(a, b));
+  // A wrong layout or an unknown id is refused.
+  EXPECT_EQ((*session)->Claim(a, kLayout).status().code(), StatusCode::kNotFound);
+}
+
+TEST(SpillTest, WatermarksSpillTheLeastRecentlyParkedWhenParkingIsSmall) {
+  TempDir spill;
+  DaemonProcess d;
+  // 10 pages x 3 layers x 8 KiB = 240 KiB per sequence; parking holds 1 MiB: high 0.9, low 0.5.
+  // The fourth pushes parking to 960 KiB (over 943): the first two go to disk (down to 480).
+  ASSERT_TRUE(d.Start("[spill]\nhigh_watermark = 0.9\nlow_watermark = 0.5\n",
+                      {"--spill-dir", spill.path, "--park-bytes", "1MiB"}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  std::vector<uint64_t> ids;
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    auto id = WriteAndKeep(c.get(), seed, 160);
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    ids.push_back(*id);
+    ASSERT_TRUE(WaitForKept(c.get(), static_cast<uint32_t>(seed)));
+  }
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_LE(stats->parked_bytes, (1u << 20) * 9 / 10) << "parked bytes stay under the high watermark";
+  EXPECT_EQ(stats->spilled_sequences, 2u);
+  EXPECT_EQ(stats->parked_sequences, 3u);
+  auto list = c->ListSequences();
+  ASSERT_TRUE(list.ok());
+  for (const auto& s : *list) {
+    if (s.id == ids.back()) EXPECT_EQ(s.state, "parked") << "the most recent stays in RAM";
+    if (s.id == ids.front()) EXPECT_EQ(s.state, "spilled") << "the least recent went first";
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {  // every one comes back intact, parked or spilled
+    auto pages = ClaimAndCheck(c.get(), ids[i], i + 1);
+    ASSERT_TRUE(pages.ok()) << pages.status().ToString();
+  }
+}
+
+TEST(SpillTest, ACorruptedPageOnDiskIsReportedAndNeverServed) {
+  TempDir spill;
+  uint64_t id = 0;
+  {
+    DaemonProcess d;
+    ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+    auto c = Connect(d);
+    ASSERT_TRUE(c);
+    auto kept = WriteAndKeep(c.get(), 9, 64);
+    ASSERT_TRUE(kept.ok());
+    id = *kept;
+    ASSERT_TRUE(WaitForKept(c.get(), 1));
+    ASSERT_TRUE(c->Spill(id).ok());
+    d.child->Kill(SIGTERM);
+    d.child->Wait(5000);
+  }
+  {  // flip a byte of one stored page
+    rocksdb::DB* db = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), spill.path, &db).ok());
+    std::unique_ptr<rocksdb::DB> owned(db);
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+    it->Seek("p");
+    ASSERT_TRUE(it->Valid() && it->key().starts_with("p"));
+    const std::string key = it->key().ToString();
+    std::string value = it->value().ToString();
+    it.reset();
+    value[value.size() / 2] ^= 1;
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), key, value).ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto v = c->VerifySpill();
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->pages_bad, 1u);
+  ASSERT_EQ(v->bad.size(), 1u);
+  const Status restored = c->Restore(id);
+  EXPECT_EQ(restored.code(), StatusCode::kDataLoss);
+  EXPECT_NE(restored.message().find("layer 0/page 0"), std::string::npos) << restored.ToString();
+  auto session = c->OpenSession("default", 4 << 20);
+  ASSERT_TRUE(session.ok());
+  EXPECT_EQ((*session)->Claim(id, kLayout).status().code(), StatusCode::kDataLoss) << "never served as data";
+  EXPECT_GE(c->Stats()->checksum_failures, 2u);
+}
+
+}  // namespace
+}  // namespace specache
