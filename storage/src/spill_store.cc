@@ -106,6 +106,16 @@ std::string CheckPage(std::string_view value, uint64_t page_bytes) {
   return "";
 }
 
+// RocksDB's own LOG file would live on the spill disk, and once that disk is full, writing it
+// fails in ways this RocksDB build asserts on. Every error we act on comes back as a Status, so
+// its diagnostics log is not kept.
+class NoLogger final : public rocksdb::Logger {
+ public:
+  NoLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::FATAL_LEVEL) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char*, va_list) override {}
+};
+
 }  // namespace
 
 uint64_t LayoutFingerprint(const PageLayout& l) {
@@ -120,6 +130,7 @@ Result<std::unique_ptr<SpillStore>> SpillStore::Open(const SpillOptions& options
   o.create_if_missing = true;
   o.compression = options.compression ? rocksdb::kLZ4Compression : rocksdb::kNoCompression;
   o.max_background_jobs = 2;
+  o.info_log = std::make_shared<NoLogger>();
   rocksdb::DB* db = nullptr;
   SPECACHE_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(o, options.dir, &db), "open spill store " + options.dir));
   store->db_.reset(db);

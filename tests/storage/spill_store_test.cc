@@ -6,6 +6,7 @@
 #include <sys/mount.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <random>
@@ -178,6 +179,7 @@ TEST(SpillStoreTest, ADiskThatFillsUpGivesAClearErrorAndStoresNothingPartial) {
   Status s = (*store)->Put(big.meta, big.Reader());
   if (s.ok()) s = (*store)->Put(big2.meta, big2.Reader());
   ASSERT_FALSE(s.ok()) << "3 MiB took 4 MiB of pages";
+  std::printf("disk full: %s\n", s.ToString().c_str());
   EXPECT_TRUE(s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kUnavailable) << s.ToString();
   EXPECT_NE(s.message().find("spill"), std::string::npos) << s.ToString();
   for (const SpilledSequence& m : (*store)->List()) {  // whatever is listed is complete
