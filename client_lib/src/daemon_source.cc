@@ -9,7 +9,9 @@ DaemonSource::DaemonSource(Session* session, uint32_t page_tokens, uint32_t capa
 
 DaemonSource::~DaemonSource() {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [id, s] : sequences_) session_->Release(s->daemon_id);  // best effort
+  for (auto& [id, s] : sequences_) {
+    if (!s->kept) (void)session_->Release(s->daemon_id);  // best effort
+  }
 }
 
 Result<DaemonSource::Sequence*> DaemonSource::Find(SequenceId sequence) const {
@@ -55,7 +57,15 @@ Status DaemonSource::ReleaseSequence(SequenceId sequence) {
     s = std::move(it->second);
     sequences_.erase(it);
   }
-  return session_->Release(s->daemon_id);
+  return s->kept ? Status::Ok() : session_->Release(s->daemon_id);
+}
+
+Result<uint64_t> DaemonSource::Keep(SequenceId sequence) {
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
+  SPECACHE_RETURN_IF_ERROR(session_->Keep(s->daemon_id));
+  std::lock_guard<std::mutex> lock(mu_);
+  s->kept = true;
+  return s->daemon_id;
 }
 
 Status DaemonSource::EnsurePages(Sequence* s, int32_t tokens) {

@@ -263,7 +263,7 @@ Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t seq
   SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
   const SequencePages* p = s->pages->Find(sequence);
   if (!p) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
-  const uint64_t bytes = uint64_t{p->layout.n_layers} * p->layout.pages_capacity_per_layer() * p->layout.page_bytes();
+  const uint64_t bytes = uint64_t{p->layout.n_layers} * p->pages_per_layer * p->layout.page_bytes();  // as it is now
   SPECACHE_RETURN_IF_ERROR(kept_->CanKeep(bytes));
   keep_on_close_.insert(sequence);
   return Status::Ok();

@@ -33,6 +33,10 @@ class KvMemory {
   virtual Result<std::unique_ptr<FullPrecisionSource>> NewSource() = 0;
   // Where the KV lives and what it cost: "kv_memory", "extend_rpcs", daemon pool figures.
   virtual nlohmann::json Figures() const = 0;
+  // Leaves the sequence in the daemon after this process ends (kept for the tenant, restorable);
+  // returns the daemon's sequence id. `source` must come from NewSource. FAILED_PRECONDITION
+  // unless the memory is a running specached (--daemon).
+  virtual Result<uint64_t> KeepSequence(FullPrecisionSource* source, SequenceId id) = 0;
 };
 
 }  // namespace specache::run

@@ -58,6 +58,14 @@ class DaemonMemory final : public KvMemory {
         std::make_unique<client::DaemonSource>(session_.get(), options_.page_tokens, options_.capacity_tokens));
   }
 
+  Result<uint64_t> KeepSequence(FullPrecisionSource* source, SequenceId id) override {
+    if (embedded_) {
+      return Status::FailedPrecondition("--keep-sequence needs a running specached (--daemon SOCKET): the embedded one "
+                                        "ends with this process");
+    }
+    return static_cast<client::DaemonSource*>(source)->Keep(id);
+  }
+
   nlohmann::json Figures() const override {
     nlohmann::json j{{"kv_memory", embedded_ ? "embedded daemon" : "daemon"},
                      {"socket", socket_},

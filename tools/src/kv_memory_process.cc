@@ -12,6 +12,9 @@ class ProcessMemory final : public KvMemory {
     return std::unique_ptr<FullPrecisionSource>(std::make_unique<InMemorySource>());
   }
   nlohmann::json Figures() const override { return {{"kv_memory", "process"}}; }
+  Result<uint64_t> KeepSequence(FullPrecisionSource*, SequenceId) override {
+    return Status::FailedPrecondition("--keep-sequence needs a running specached (--daemon SOCKET)");
+  }
 };
 
 }  // namespace

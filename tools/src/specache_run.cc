@@ -58,7 +58,7 @@ std::vector<int32_t> ChatPrompt(const LoadedModel& m, const std::string& text, b
 struct GenerateArgs {
   std::string model, prompt, prompt_file, selection_trace;
   int max_tokens = 256;
-  bool raw = false, json = false;
+  bool raw = false, json = false, keep_sequence = false;
   KvOptions kv;
 };
 
@@ -69,6 +69,9 @@ Status Generate(GenerateArgs a) {
     a.prompt.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   } else if (a.prompt.empty()) {
     return Status::InvalidArgument("give --prompt or --prompt-file");
+  }
+  if (a.keep_sequence && a.kv.daemon.empty()) {
+    return Status::InvalidArgument("--keep-sequence needs --daemon SOCKET (a specached that outlives this run)");
   }
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
@@ -91,6 +94,14 @@ Status Generate(GenerateArgs a) {
   };
   SPECACHE_ASSIGN_OR_RETURN(Generation g, GenerateGreedy(m, &decoder, pre.logits, a.max_tokens, stream));
   nlohmann::json j = Figures(*run, pre.seconds, static_cast<int>(prompt.size()), decoder);
+  if (a.keep_sequence) {
+    SPECACHE_ASSIGN_OR_RETURN(uint64_t kept, memory->KeepSequence(run->source.get(), kSequence));
+    j["kept_sequence"] = kept;
+    if (!a.json) {
+      std::fprintf(stderr, "[%s] kept daemon sequence %llu (specachectl sequences shows it)\n", run->label.c_str(),
+                   static_cast<unsigned long long>(kept));
+    }
+  }
   j["prompt_tokens"] = prompt.size();
   j["generated_tokens"] = g.tokens.size();
   j["kv_memory"] = memory->Figures();
@@ -414,6 +425,8 @@ int main(int argc, char** argv) {
   generate->add_option("--max-tokens", gen.max_tokens, "most tokens to generate")->capture_default_str();
   generate->add_flag("--raw-prompt", gen.raw, "use the prompt as is, without the chat template");
   generate->add_flag("--json", gen.json, "print one JSON object instead of streaming");
+  generate->add_flag("--keep-sequence", gen.keep_sequence,
+                     "leave the sequence in the daemon after exiting (kept for the tenant; needs --daemon)");
   generate->add_option("--selection-trace", gen.selection_trace,
                        "write the rows selected at every step (for specache-bench reuse)");
   AddKvOptions(generate, &gen.kv);

@@ -39,6 +39,10 @@ class SPECACHE_CLIENT_API DaemonSource final : public FullPrecisionSource {
   uint64_t extend_rpcs() const { return session_->extend_rpcs(); }
   // The daemon's sequence id behind an agent sequence (for specachectl cross-checks).
   Result<uint64_t> DaemonSequence(SequenceId sequence) const;
+  // Keeps the sequence in the daemon past this session (parked for the tenant, then spillable):
+  // from here on, releasing it here (or destroying the source) leaves it in the daemon. Returns
+  // the daemon's id, which a later session claims it back with.
+  Result<uint64_t> Keep(SequenceId sequence);
 
  private:
   struct Sequence {
@@ -49,6 +53,7 @@ class SPECACHE_CLIENT_API DaemonSource final : public FullPrecisionSource {
     std::mutex extend_mu;
     std::vector<std::vector<uint8_t*>> pages;  // [layer][page]: entries below published_pages are set
     std::atomic<uint32_t> published_pages{0};  // pages usable by readers
+    bool kept = false;                         // left in the daemon on release
   };
   Result<Sequence*> Find(SequenceId sequence) const;
   Status EnsurePages(Sequence* s, int32_t tokens);
