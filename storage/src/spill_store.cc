@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
@@ -22,6 +23,7 @@ namespace {
 constexpr uint32_t kMetaVersion = 1;
 constexpr size_t kChecksumBytes = 8;
 constexpr size_t kBatchBytes = size_t{8} << 20;  // pages per write batch, by bytes
+constexpr uint32_t kRestoreThreads = 4;
 
 std::string Hex(uint64_t v, int digits) {
   char buf[17];
@@ -256,23 +258,22 @@ Status SpillStore::Put(const SpilledSequence& meta, const std::function<const ui
   return Status::Ok();
 }
 
-Status SpillStore::Get(const std::string& tenant, uint64_t id, const std::function<uint8_t*(uint32_t, uint32_t)>& out) {
-  const auto start = std::chrono::steady_clock::now();
-  SPECACHE_ASSIGN_OR_RETURN(SpilledSequence meta, Find(tenant, id));
+Status SpillStore::ReadLayers(const SpilledSequence& meta, uint32_t first_layer, uint32_t end_layer,
+                              const std::function<uint8_t*(uint32_t, uint32_t)>& out) {
   const uint64_t page_bytes = meta.layout.page_bytes();
-  const std::string prefix = PagePrefix(tenant, id);
   rocksdb::ReadOptions ro;
   ro.verify_checksums = false;  // every page carries its own xxh64, checked below
   ro.fill_cache = false;
   ro.readahead_size = size_t{8} << 20;
-  const std::string end = PrefixEnd(prefix);
+  const std::string end = end_layer < meta.layout.n_layers ? PageKey(meta.tenant, meta.id, end_layer, 0)
+                                                            : PrefixEnd(PagePrefix(meta.tenant, meta.id));
   rocksdb::Slice upper(end);
   ro.iterate_upper_bound = &upper;
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro));
-  it->Seek(prefix);
-  for (uint32_t l = 0; l < meta.layout.n_layers; ++l) {
+  it->Seek(PageKey(meta.tenant, meta.id, first_layer, 0));
+  for (uint32_t l = first_layer; l < end_layer; ++l) {
     for (uint32_t p = 0; p < meta.pages_per_layer; ++p, it->Next()) {  // keys sort by (layer, page)
-      if (!it->Valid() || it->key() != rocksdb::Slice(PageKey(tenant, id, l, p))) {
+      if (!it->Valid() || it->key() != rocksdb::Slice(PageKey(meta.tenant, meta.id, l, p))) {
         ++checksum_failures_;
         if (!it->status().ok()) return FromRocks(it->status(), "restore: reading " + PageName(meta, l, p));
         return Status::DataLoss("restore: page " + PageName(meta, l, p) + " is missing from the spill store");
@@ -287,6 +288,24 @@ Status SpillStore::Get(const std::string& tenant, uint64_t id, const std::functi
       std::memcpy(dst, it->value().data() + kChecksumBytes, page_bytes);
     }
   }
+  return Status::Ok();
+}
+
+Status SpillStore::Get(const std::string& tenant, uint64_t id, const std::function<uint8_t*(uint32_t, uint32_t)>& out) {
+  const auto start = std::chrono::steady_clock::now();
+  SPECACHE_ASSIGN_OR_RETURN(SpilledSequence meta, Find(tenant, id));
+  // Layers are read by a few threads at once: each one a sequential run of keys, together a
+  // deeper queue for the device and more cores for the copies and checksums.
+  const uint32_t layers = meta.layout.n_layers;
+  const uint32_t threads = std::min<uint32_t>(layers, kRestoreThreads);
+  std::vector<Status> results(threads, Status::Ok());
+  std::vector<std::thread> workers;
+  for (uint32_t t = 0; t < threads; ++t) {
+    const uint32_t first = layers * t / threads, end = layers * (t + 1) / threads;
+    workers.emplace_back([&, t, first, end] { results[t] = ReadLayers(meta, first, end, out); });
+  }
+  for (auto& w : workers) w.join();
+  for (const Status& s : results) SPECACHE_RETURN_IF_ERROR(s);
   ++restores_;
   restored_total_ += meta.bytes();
   restore_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();

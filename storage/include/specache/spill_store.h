@@ -76,7 +76,8 @@ class SpillStore {
   // stays the only one until this returns OK.
   Status Put(const SpilledSequence& meta, const std::function<const uint8_t*(uint32_t layer, uint32_t page)>& page);
   // Reads a stored sequence into out(layer, p), verifying every page first: DATA_LOSS naming
-  // the page (and counted) on a checksum or size mismatch, NOT_FOUND if not stored.
+  // the page (and counted) on a checksum or size mismatch, NOT_FOUND if not stored. `out` is
+  // called from several threads at once (for distinct pages).
   Status Get(const std::string& tenant, uint64_t id, const std::function<uint8_t*(uint32_t layer, uint32_t page)>& out);
   Status Delete(const std::string& tenant, uint64_t id);
 
@@ -92,6 +93,9 @@ class SpillStore {
  private:
   explicit SpillStore(const SpillOptions& options);
   Status Load();
+  // Reads and checks layers [first_layer, end_layer) of a stored sequence.
+  Status ReadLayers(const SpilledSequence& meta, uint32_t first_layer, uint32_t end_layer,
+                    const std::function<uint8_t*(uint32_t, uint32_t)>& out);
 
   SpillOptions options_;
   std::unique_ptr<rocksdb::DB> db_;
