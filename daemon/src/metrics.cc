@@ -12,6 +12,8 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Gauge>* bytes = nullptr;
   prometheus::Family<prometheus::Gauge>* counts = nullptr;
   prometheus::Family<prometheus::Gauge>* tenant_bytes = nullptr;
+  prometheus::Family<prometheus::Gauge>* kept_bytes = nullptr;
+  prometheus::Family<prometheus::Gauge>* spill = nullptr;
 };
 
 Metrics::Metrics() : impl_(std::make_unique<Impl>()) {}
@@ -27,6 +29,8 @@ Result<std::unique_ptr<Metrics>> Metrics::Start(const std::string& address) {
   m->impl_->bytes = &prometheus::BuildGauge().Name("specache_pool_bytes").Help("Pool memory by state").Register(*m->impl_->registry);
   m->impl_->counts = &prometheus::BuildGauge().Name("specache_objects").Help("Sessions, sequences, pages, requests, errors").Register(*m->impl_->registry);
   m->impl_->tenant_bytes = &prometheus::BuildGauge().Name("specache_tenant_bytes").Help("Memory per tenant").Register(*m->impl_->registry);
+  m->impl_->kept_bytes = &prometheus::BuildGauge().Name("specache_kept_bytes").Help("Kept sequences: parked in RAM, spilled to disk only, in the spill store").Register(*m->impl_->registry);
+  m->impl_->spill = &prometheus::BuildGauge().Name("specache_spill").Help("Spill tier: spills, restores, bytes, seconds, checksum failures, write errors, kept sequences lost").Register(*m->impl_->registry);
   m->impl_->exposer->RegisterCollectable(m->impl_->registry);
   return m;
 }
@@ -43,6 +47,21 @@ void Metrics::Update(const RegistryStats& s, uint64_t requests, uint64_t errors)
   i.counts->Add({{"kind", "requests"}}).Set(static_cast<double>(requests));
   i.counts->Add({{"kind", "errors"}}).Set(static_cast<double>(errors));
   i.counts->Add({{"kind", "sessions_reclaimed"}}).Set(static_cast<double>(s.sessions_reclaimed));
+  i.kept_bytes->Add({{"state", "parked"}}).Set(static_cast<double>(s.kept.parked_bytes));
+  i.kept_bytes->Add({{"state", "spilled"}}).Set(static_cast<double>(s.kept.spilled_bytes));
+  i.kept_bytes->Add({{"state", "on_disk"}}).Set(static_cast<double>(s.kept.spill.stored_bytes));
+  const SpillStats& sp = s.kept.spill;
+  const std::pair<const char*, double> spill[] = {
+      {"spills", static_cast<double>(sp.spills)},
+      {"restores", static_cast<double>(sp.restores)},
+      {"spilled_bytes_total", static_cast<double>(sp.spilled_bytes_total)},
+      {"restored_bytes_total", static_cast<double>(sp.restored_bytes_total)},
+      {"spill_seconds_total", sp.spill_seconds},
+      {"restore_seconds_total", sp.restore_seconds},
+      {"checksum_failures", static_cast<double>(sp.checksum_failures)},
+      {"write_errors", static_cast<double>(sp.write_errors)},
+      {"kept_lost", static_cast<double>(s.kept.dropped)}};
+  for (const auto& [kind, value] : spill) i.spill->Add({{"kind", kind}}).Set(value);
   for (const TenantSummary& t : s.tenants) {
     i.tenant_bytes->Add({{"tenant", t.name}, {"state", "reserved"}}).Set(static_cast<double>(t.reserved_bytes));
     i.tenant_bytes->Add({{"tenant", t.name}, {"state", "used"}}).Set(static_cast<double>(t.used_bytes));

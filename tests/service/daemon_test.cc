@@ -417,6 +417,9 @@ TEST(DaemonTest, MetricsEndpointReportsThePoolAndSessions) {
   EXPECT_NE(page.find("specache_pool_bytes{state=\"total\"} 67108864"), std::string::npos) << page;
   EXPECT_NE(page.find("specache_objects{kind=\"sessions\"} 1"), std::string::npos) << page;
   EXPECT_NE(page.find("specache_tenant_bytes{state=\"reserved\",tenant=\"default\"} 8388608"), std::string::npos) << page;
+  // The kept sequences' gauges are there (no spill tier here: all zero).
+  EXPECT_NE(page.find("specache_kept_bytes{state=\"parked\"} 0"), std::string::npos) << page;
+  EXPECT_NE(page.find("specache_spill{kind=\"checksum_failures\"} 0"), std::string::npos) << page;
 }
 
 }  // namespace
