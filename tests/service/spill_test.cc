@@ -304,5 +304,49 @@ TEST(SpillTest, ConcurrentClientsWhileSpilling) {
   EXPECT_EQ(stats->checksum_failures, 0u);
 }
 
+#ifdef SPECACHECTL_PATH
+// Runs specachectl against the daemon; returns its stdout and sets *code to its exit status.
+std::string Ctl(const DaemonProcess& d, const std::string& args, int* code) {
+  const std::string cmd = std::string(SPECACHECTL_PATH) + " --socket " + d.socket + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  const int status = pclose(p);
+  *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+// The operator's commands, as other tools call them.
+TEST(SpillTest, SpecachectlSpillRestoreEvictVerify) {
+  TempDir spill;
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto id = WriteAndKeep(c.get(), 3, 64);
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(WaitForKept(c.get(), 1));
+  const std::string seq = std::to_string(*id);
+  int code = -1;
+  EXPECT_NE(Ctl(d, "spill --all", &code).find("spilled 1 sequence"), std::string::npos);
+  EXPECT_EQ(code, 0);
+  const std::string stats = Ctl(d, "stats --json", &code);
+  EXPECT_NE(stats.find("\"spilled_bytes\":" + std::to_string(3 * 4 * kLayout.page_bytes())), std::string::npos) << stats;
+  const std::string verify = Ctl(d, "verify --json", &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_NE(verify.find("\"pages_checked\":12"), std::string::npos) << verify;
+  EXPECT_NE(verify.find("\"pages_bad\":0"), std::string::npos) << verify;
+  EXPECT_NE(Ctl(d, "sequences", &code).find("spilled"), std::string::npos);
+  EXPECT_NE(Ctl(d, "restore --sequence " + seq, &code).find("restored"), std::string::npos);
+  EXPECT_NE(Ctl(d, "sequences", &code).find("parked"), std::string::npos);
+  EXPECT_NE(Ctl(d, "evict --sequence " + seq, &code).find("evicted"), std::string::npos);
+  EXPECT_EQ(c->Stats()->parked_sequences + c->Stats()->spilled_sequences, 0u);
+  EXPECT_NE(Ctl(d, "restore --sequence " + seq, &code).find("NOT_FOUND"), std::string::npos);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(Ctl(d, "spill", &code).find("--sequence ID or --all"), std::string::npos);
+}
+#endif
+
 }  // namespace
 }  // namespace specache
