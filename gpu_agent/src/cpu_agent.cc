@@ -10,6 +10,7 @@
 #include "specache/agent.h"
 #include "specache/cpu_attention.h"
 #include "specache/head_replica.h"
+#include "specache/row_cache.h"
 #include "step_protocol.h"
 
 namespace specache {
@@ -19,8 +20,11 @@ struct HeadState {
   explicit HeadState(const ReplicaParams& p) : replica(p) {}
   HeadReplica replica;
   std::vector<int32_t> selected;    // the layer's last top-k, ascending
-  std::vector<int32_t> resident;    // tokens whose rows are resident, ascending
+  std::vector<int32_t> resident;    // the selection whose rows the attention substitutes, ascending
   std::vector<Half> resident_rows;  // [resident.size()][2][head_dim]
+  RowCacheEntries cache;            // rows kept for reuse (row_cache.h), with their rows:
+  std::vector<Half> cache_rows;     // [cache.tokens.size()][2][head_dim]
+  int64_t fetches = 0;
 };
 
 struct SequenceState {
@@ -87,7 +91,8 @@ class CpuAgent final : public Agent {
     for (const auto& [id, seq] : sequences_) {
       for (const auto& layer : seq.heads) {
         for (const HeadState& h : layer) {
-          s.device_bytes += h.replica.device_bytes() + static_cast<int64_t>(h.resident_rows.size() * sizeof(Half));
+          s.device_bytes += h.replica.device_bytes() +
+                            static_cast<int64_t>((h.resident_rows.size() + h.cache_rows.size()) * sizeof(Half));
           s.full_precision_bytes += int64_t{h.replica.length()} * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
         }
       }
@@ -181,17 +186,20 @@ Status CpuAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences)
 
 Status CpuAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const {
   const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  RowCacheEntries before = h->cache;
+  std::vector<bool> hit;
+  const std::vector<int64_t> sources =
+      UpdateRowCache(&h->cache, h->selected, ++h->fetches, static_cast<size_t>(config_.cache_rows()), &hit);
+  // The selection's rows: hits from the cache, the rest read from the source.
   std::vector<Half> rows(h->selected.size() * row);
   std::vector<int32_t> missing;
   std::vector<size_t> missing_slot;
-  size_t r = 0;  // walks h->resident; both lists are ascending
   for (size_t i = 0; i < h->selected.size(); ++i) {
-    const int32_t token = h->selected[i];
-    while (r < h->resident.size() && h->resident[r] < token) ++r;
-    if (r < h->resident.size() && h->resident[r] == token) {
-      std::copy_n(h->resident_rows.data() + r * row, row, rows.data() + i * row);
+    if (hit[i]) {
+      const size_t at = std::lower_bound(before.tokens.begin(), before.tokens.end(), h->selected[i]) - before.tokens.begin();
+      std::copy_n(h->cache_rows.data() + at * row, row, rows.data() + i * row);
     } else {
-      missing.push_back(token);
+      missing.push_back(h->selected[i]);
       missing_slot.push_back(i);
     }
   }
@@ -204,9 +212,15 @@ Status CpuAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, Fetc
       std::copy_n(fetched.data() + m * row, row, rows.data() + missing_slot[m] * row);
     }
   }
+  std::vector<Half> cache_rows(sources.size() * row);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const Half* src = sources[i] >= 0 ? rows.data() + sources[i] * row : h->cache_rows.data() + (-1 - sources[i]) * row;
+    std::copy_n(src, row, cache_rows.data() + i * row);
+  }
   counts->selected += static_cast<int64_t>(h->selected.size());
   counts->fetched += static_cast<int64_t>(missing.size());
   counts->reused += static_cast<int64_t>(h->selected.size() - missing.size());
+  h->cache_rows = std::move(cache_rows);
   h->resident = h->selected;
   h->resident_rows = std::move(rows);
   return Status::Ok();

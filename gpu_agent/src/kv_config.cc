@@ -77,6 +77,9 @@ Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {
     return Status::InvalidArgument("top_k must be positive in mode " + std::string(KvModeName(c.mode)));
   }
   if (c.top_k < 0) return Status::InvalidArgument("top_k must not be negative");
+  if (c.cached_rows < 0 || (c.cached_rows > 0 && c.cached_rows < c.top_k)) {
+    return Status::InvalidArgument("cached_rows must be 0 (2 * top_k) or at least top_k");
+  }
   return Status::Ok();
 }
 
@@ -86,7 +89,8 @@ std::string DescribeKvConfig(const KvConfig& c) {
   s += " K" + std::to_string(c.key_bits) + "/V" + std::to_string(c.value_bits) + " G=" + std::to_string(c.group_size) +
        " R=" + std::to_string(c.residual_tokens);
   if (c.fetches_rows()) {
-    s += " k=" + std::to_string(c.top_k) + " " + std::string(GroupReductionName(c.reduction));
+    s += " k=" + std::to_string(c.top_k) + " cache=" + std::to_string(c.cache_rows()) + " " +
+         std::string(GroupReductionName(c.reduction));
   }
   return s;
 }

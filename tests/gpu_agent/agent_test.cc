@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "specache/in_memory_source.h"
+#include "specache/row_cache.h"
 #include "testing/reference.h"
 
 namespace specache {
@@ -208,6 +209,36 @@ TEST(InMemorySourceTest, PagesAreFixedInsideRegionsAndWrittenInPlace) {
   ASSERT_TRUE(s.HostPages(2, 0, 12, &again).ok());
   EXPECT_EQ(s.host_regions().size(), regions);
   EXPECT_EQ(s.HostPages(3, 0, 1, &again).code(), StatusCode::kNotFound);
+}
+
+// The row cache's rule by hand: capacity k keeps the previous selection only; a larger one keeps
+// the most recently used others, oldest (then lowest token) leaving first.
+TEST(RowCacheTest, KeepsTheSelectionAndTheMostRecentlyUsedOthers) {
+  auto run = [](size_t capacity) {
+    RowCacheEntries cache;
+    std::vector<bool> hit;
+    int64_t hits = 0;
+    const std::vector<std::vector<int32_t>> steps{{1, 2}, {2, 3}, {3, 4}, {1, 2}, {5, 6}};
+    for (size_t s = 0; s < steps.size(); ++s) {
+      UpdateRowCache(&cache, steps[s], static_cast<int64_t>(s + 1), capacity, &hit);
+      for (bool h : hit) hits += h;
+    }
+    return std::make_pair(hits, cache);
+  };
+  const auto [hits2, cache2] = run(2);
+  EXPECT_EQ(hits2, 2);  // 2 at step 2, 3 at step 3
+  EXPECT_EQ(cache2.tokens, (std::vector<int32_t>{5, 6}));
+  const auto [hits4, cache4] = run(4);
+  EXPECT_EQ(hits4, 4);  // 2; 3; 1 and 2 (kept from steps 1-2)
+  EXPECT_EQ(cache4.tokens, (std::vector<int32_t>{1, 2, 5, 6}));  // 3 and 4 (used at step 3) left
+  EXPECT_EQ(cache4.used, (std::vector<int64_t>{4, 4, 5, 5}));
+  // The sources: selected rows by index, kept rows by old position.
+  RowCacheEntries c{{1, 4, 9}, {1, 2, 3}};
+  std::vector<bool> hit;
+  const auto sources = UpdateRowCache(&c, {4, 7}, 4, 3, &hit);
+  EXPECT_EQ(hit, (std::vector<bool>{true, false}));
+  EXPECT_EQ(c.tokens, (std::vector<int32_t>{4, 7, 9}));   // 1 (used longest ago) left
+  EXPECT_EQ(sources, (std::vector<int64_t>{0, 1, -3}));  // 4 and 7 from the selection, 9 from old slot 2
 }
 
 // Two sequences of different lengths in one batch give exactly what each gives alone.

@@ -15,6 +15,7 @@
 #include "specache/cuda_gather.h"
 #include "specache/device_probe.h"
 #include "specache/in_memory_source.h"
+#include "specache/row_cache.h"
 #include "testing/reference.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -180,6 +181,78 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
     }
     for (void* p : owned) cudaFree(p);
   }
+#endif
+}
+
+// The device's cache update equals row_cache.h's rule on random caches and selections (tokens,
+// use marks, rows and counts), for capacities k, 2k and 3k, over two launches' worth of tasks.
+TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(47);
+  const int d = 64, k = 16;
+  const size_t row = 2 * size_t(d);
+  std::vector<void*> owned;
+  std::vector<cuda::CacheUpdateTask> tasks;
+  struct Want {
+    RowCacheEntries cache;
+    std::vector<Half> rows;
+  };
+  std::vector<Want> want;
+  const int n_tasks = cuda::kMaxCacheUpdateTasks + 20;
+  for (int i = 0; i < n_tasks; ++i) {
+    const int capacity = k * (1 + i % 3);
+    RowCacheEntries old;
+    old.tokens = RandomTokens(500, static_cast<int>(rng() % (capacity + 1)), rng);
+    for (size_t j = 0; j < old.tokens.size(); ++j) old.used.push_back(static_cast<int64_t>(rng() % 6));
+    auto selected = RandomTokens(500, 1 + static_cast<int>(rng() % k), rng);
+    for (int32_t t : old.tokens) if (rng() % 3 == 0 && selected.size() < size_t(k)) selected.push_back(t);
+    std::sort(selected.begin(), selected.end());
+    selected.erase(std::unique(selected.begin(), selected.end()), selected.end());
+    const auto old_rows = testing::RandomHalves(old.tokens.size() * row, rng);
+    const auto sel_rows = testing::RandomHalves(selected.size() * row, rng);
+    Want w{old, {}};
+    std::vector<bool> hit;
+    const auto sources = UpdateRowCache(&w.cache, selected, 7, static_cast<size_t>(capacity), &hit);
+    for (int64_t src : sources) {
+      const Half* from = src >= 0 ? &sel_rows[src * row] : &old_rows[(-1 - src) * row];
+      w.rows.insert(w.rows.end(), from, from + row);
+    }
+    want.push_back(std::move(w));
+    std::vector<int32_t> used32(old.used.begin(), old.used.end());
+    cuda::CacheUpdateTask t;
+    t.old_tokens = ToDevice(old.tokens, &owned);
+    t.old_used = ToDevice(used32, &owned);
+    t.old_rows = ToDevice(old_rows, &owned);
+    t.old_count = ToDevice(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())}, &owned);
+    t.selected = ToDevice(selected, &owned);
+    t.selected_rows = ToDevice(sel_rows, &owned);
+    t.n_selected = static_cast<int32_t>(selected.size());
+    t.new_tokens = ToDevice(std::vector<int32_t>(capacity, -1), &owned);
+    t.new_used = ToDevice(std::vector<int32_t>(capacity, -1), &owned);
+    t.new_rows = ToDevice(std::vector<Half>(capacity * row), &owned);
+    t.new_count = ToDevice(std::vector<int32_t>{-1}, &owned);
+    t.now = 7;
+    t.capacity = capacity;
+    tasks.push_back(t);
+  }
+  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int i = 0; i < n_tasks; ++i) {
+    int32_t count = -1;
+    cudaMemcpy(&count, tasks[i].new_count, sizeof count, cudaMemcpyDeviceToHost);
+    ASSERT_EQ(count, static_cast<int32_t>(want[i].cache.tokens.size())) << "task " << i;
+    std::vector<int32_t> tokens(count), used(count);
+    std::vector<Half> rows(size_t(count) * row);
+    cudaMemcpy(tokens.data(), tasks[i].new_tokens, count * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(used.data(), tasks[i].new_used, count * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(rows.data(), tasks[i].new_rows, rows.size() * sizeof(Half), cudaMemcpyDeviceToHost);
+    EXPECT_EQ(tokens, want[i].cache.tokens) << "task " << i;
+    EXPECT_EQ(std::vector<int64_t>(used.begin(), used.end()), want[i].cache.used) << "task " << i;
+    EXPECT_EQ(rows, want[i].rows) << "task " << i;
+  }
+  for (void* p : owned) cudaFree(p);
 #endif
 }
 

@@ -27,10 +27,31 @@ struct FetchTask {
   const Half* resident_rows = nullptr;  // [n_resident][2][head_dim]
   Half* out_rows = nullptr;             // [n_selected][2][head_dim], not overlapping resident_rows
   const uint64_t* pages = nullptr;      // GPU-visible page addresses of the (sequence, layer)
+  const int32_t* resident_count = nullptr;  // device memory: n_resident, when only the device knows it
   int32_t n_selected = 0;
   int32_t n_resident = 0;
   int32_t kv_head = 0;
 };
+
+// The row cache's update after a fetch (row_cache.h's rule, on the device): the new cache is the
+// selection (used at `now`) plus the most recently used old entries that fit in `capacity`,
+// ascending by token. Counts live on the device (the host never waits for them).
+struct CacheUpdateTask {
+  const int32_t* old_tokens = nullptr;  // [*old_count] ascending
+  const int32_t* old_used = nullptr;
+  const Half* old_rows = nullptr;       // [*old_count][2][head_dim]
+  const int32_t* old_count = nullptr;   // device
+  const int32_t* selected = nullptr;    // [n_selected] ascending
+  const Half* selected_rows = nullptr;  // [n_selected][2][head_dim] (the fetch's output)
+  int32_t* new_tokens = nullptr;        // [capacity]
+  int32_t* new_used = nullptr;
+  Half* new_rows = nullptr;             // [capacity][2][head_dim]
+  int32_t* new_count = nullptr;         // device
+  int32_t n_selected = 0;
+  int32_t now = 0;
+  int32_t capacity = 0;                 // >= n_selected
+};
+constexpr int kMaxCacheUpdateTasks = 128;
 
 struct WriteTask {
   const Half* keys = nullptr;    // row i at keys + i * stride
@@ -54,5 +75,8 @@ constexpr int kMaxTasks = 256;
 Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
                  FetchCounters* counters, void* stream);
 Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream);
+// One block per task; capacity at most kMaxCacheRows.
+constexpr int kMaxCacheRows = 16384;
+Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, void* stream);
 
 }  // namespace specache::cuda

@@ -55,12 +55,16 @@ struct KvConfig {
   int group_size = 32;       // G: multiple of 32; divides residual_tokens and head_dim
   int residual_tokens = 64;  // R: multiple of G
   int top_k = 64;            // k: rows fetched per (sequence, layer, KV head); > 0 for specache modes
+  // Rows kept on the device per (sequence, layer, KV head) for reuse: the selection plus the most
+  // recently selected others (row_cache.h). 0: 2 * top_k; otherwise at least top_k.
+  int cached_rows = 0;
   GroupReduction reduction = GroupReduction::kMean;
 
   // The bits that actually apply: kFull stores everything in 16 bits whatever key_bits say.
   int effective_key_bits() const { return mode == KvMode::kFull ? 16 : key_bits; }
   int effective_value_bits() const { return mode == KvMode::kFull ? 16 : value_bits; }
   bool fetches_rows() const { return mode == KvMode::kSpeCache || mode == KvMode::kSpeCacheNonSpec; }
+  int cache_rows() const { return cached_rows > 0 ? cached_rows : 2 * top_k; }
 };
 
 // INVALID_ARGUMENT, with a message naming the parameter, when the config cannot be used with the

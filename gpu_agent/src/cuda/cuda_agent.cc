@@ -78,15 +78,22 @@ class Buffer {
   size_t n_ = 0;
 };
 
-// The full-precision rows of one (sequence, layer) on the device, for all its KV heads. Two
-// generations: `cur` is resident (what the next attention substitutes), the other receives the
-// next selection and its fetched rows. Head h's list starts at h * count.
+// The full-precision rows of one (sequence, layer) on the device, for all its KV heads.
+// - The selection, in two generations: `cur` is what the next attention substitutes, the other
+//   receives the next selection and its fetched rows. Head h's list starts at h * count.
+// - The row cache (row_cache.h), in two generations too: the fetch reads generation `cache_cur`
+//   and the update writes the other. Head h's entries start at h * capacity; their number is
+//   known on the device only (cache_count).
 struct LayerRows {
   Buffer<int32_t> tokens[2];  // [n_kv][count] ascending per head
   Buffer<Half> rows[2];       // [n_kv][count][2][head_dim]
   int cur = 0;
   int32_t resident = 0;       // per head, in generation cur
   int32_t selected = 0;       // per head, in generation 1 - cur (waiting for the fetch)
+  Buffer<int32_t> cache_tokens[2], cache_used[2], cache_count[2];  // [n_kv][capacity], [n_kv][capacity], [n_kv]
+  Buffer<Half> cache_rows[2];                                      // [n_kv][capacity][2][head_dim]
+  int cache_cur = 0;
+  int32_t fetches = 0;
 };
 
 struct SequenceState {
@@ -446,31 +453,62 @@ Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
 
 Status CudaAgent::Fetch(int layer, const std::vector<size_t>& which, cudaStream_t stream) {
   const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  const int n_kv = shape_.n_kv_heads;
+  const int32_t capacity = config_.cache_rows();
   std::vector<cuda::FetchTask> tasks;
+  std::vector<cuda::CacheUpdateTask> updates;
   FetchCounts counts;
   for (size_t s : which) {
     SequenceState& st = sequences_.at(protocol_.ids()[s]);
     LayerRows& lr = st.layers[layer];
     const int next = 1 - lr.cur;
-    if (lr.selected > 0 && options_.fetch) {
-      SPECACHE_RETURN_IF_ERROR(lr.rows[next].Reserve(size_t(shape_.n_kv_heads) * config_.top_k * row));
-      for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    counts.selected += int64_t{lr.selected} * n_kv;
+    if (!options_.fetch) {  // measuring without the fetch: nothing becomes resident
+      lr.selected = 0;
+      continue;
+    }
+    if (lr.selected > 0) {
+      SPECACHE_RETURN_IF_ERROR(lr.rows[next].Reserve(size_t(n_kv) * config_.top_k * row));
+      if (lr.fetches == 0) {  // the cache starts empty
+        for (int g = 0; g < 2; ++g) {
+          SPECACHE_RETURN_IF_ERROR(lr.cache_tokens[g].Reserve(size_t(n_kv) * capacity));
+          SPECACHE_RETURN_IF_ERROR(lr.cache_used[g].Reserve(size_t(n_kv) * capacity));
+          SPECACHE_RETURN_IF_ERROR(lr.cache_rows[g].Reserve(size_t(n_kv) * capacity * row));
+          SPECACHE_RETURN_IF_ERROR(lr.cache_count[g].Reserve(n_kv));
+          SPECACHE_RETURN_IF_ERROR(
+              Cuda(cudaMemsetAsync(lr.cache_count[g].get(), 0, n_kv * sizeof(int32_t), stream), "cache counts"));
+        }
+      }
+      const int cc = lr.cache_cur;
+      ++lr.fetches;
+      for (int h = 0; h < n_kv; ++h) {
         cuda::FetchTask t;
         t.selected = lr.tokens[next].get() + size_t(h) * lr.selected;
         t.n_selected = lr.selected;
-        t.resident = lr.tokens[lr.cur].get() + size_t(h) * lr.resident;
-        t.resident_rows = lr.rows[lr.cur].get() + size_t(h) * lr.resident * row;
-        t.n_resident = lr.resident;
+        t.resident = lr.cache_tokens[cc].get() + size_t(h) * capacity;
+        t.resident_rows = lr.cache_rows[cc].get() + size_t(h) * capacity * row;
+        t.resident_count = lr.cache_count[cc].get() + h;
         t.out_rows = lr.rows[next].get() + size_t(h) * lr.selected * row;
         t.pages = PageTable(st, layer);
         t.kv_head = h;
         tasks.push_back(t);
+        cuda::CacheUpdateTask u;
+        u.old_tokens = t.resident;
+        u.old_used = lr.cache_used[cc].get() + size_t(h) * capacity;
+        u.old_rows = t.resident_rows;
+        u.old_count = t.resident_count;
+        u.selected = t.selected;
+        u.selected_rows = t.out_rows;
+        u.n_selected = lr.selected;
+        u.new_tokens = lr.cache_tokens[1 - cc].get() + size_t(h) * capacity;
+        u.new_used = lr.cache_used[1 - cc].get() + size_t(h) * capacity;
+        u.new_rows = lr.cache_rows[1 - cc].get() + size_t(h) * capacity * row;
+        u.new_count = lr.cache_count[1 - cc].get() + h;
+        u.now = lr.fetches;
+        u.capacity = capacity;
+        updates.push_back(u);
       }
-    }
-    counts.selected += int64_t{lr.selected} * shape_.n_kv_heads;
-    if (!options_.fetch) {  // measuring without the fetch: nothing becomes resident
-      lr.selected = 0;
-      continue;
+      lr.cache_cur = 1 - cc;
     }
     lr.cur = next;
     lr.resident = lr.selected;
@@ -478,8 +516,9 @@ Status CudaAgent::Fetch(int layer, const std::vector<size_t>& which, cudaStream_
   }
   // Hits and misses are counted on the device (stats() reads them); the selection here.
   counts_selected_ += counts.selected;
-  return cuda::FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, page_tokens_,
-                         options_.fetch_blocks, device_counters_.get(), stream);
+  SPECACHE_RETURN_IF_ERROR(cuda::FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, page_tokens_,
+                                           options_.fetch_blocks, device_counters_.get(), stream));
+  return cuda::UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, stream);
 }
 
 Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
@@ -656,10 +695,18 @@ AgentStats CudaAgent::stats() const {
   AddFetchCounts({counts_selected_, static_cast<int64_t>(device.fetched), static_cast<int64_t>(device.reused)},
                  shape_.head_dim, &s);
   const int64_t row = 2 * int64_t{shape_.head_dim} * static_cast<int64_t>(sizeof(Half));
+  std::vector<int32_t> cached(static_cast<size_t>(shape_.n_kv_heads));
   for (const auto& [id, seq] : sequences_) {
     for (size_t l = 0; l < seq.replicas.size(); ++l) {
+      const LayerRows& lr = seq.layers[l];
+      int64_t cache_rows = 0;  // the row caches' sizes live on the device
+      if (lr.fetches > 0 && cudaMemcpy(cached.data(), lr.cache_count[lr.cache_cur].get(), cached.size() * sizeof(int32_t),
+                                       cudaMemcpyDeviceToHost) == cudaSuccess) {
+        for (int32_t c : cached) cache_rows += c;
+      }
+      s.device_bytes += cache_rows * row;
       for (const auto& r : seq.replicas[l]) {
-        s.device_bytes += r->device_bytes() + int64_t{seq.layers[l].resident} * row;
+        s.device_bytes += r->device_bytes() + int64_t{lr.resident} * row;
         s.full_precision_bytes += int64_t{r->length()} * row;
       }
     }

@@ -48,7 +48,7 @@ __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, in
     const int i = static_cast<int>(r % max_selected);
     if (i >= t.n_selected) continue;
     const int32_t token = t.selected[i];
-    const int at = Find(t.resident, t.n_resident, token);
+    const int at = Find(t.resident, t.resident_count ? *t.resident_count : t.n_resident, token);
     const uint4* src = at >= 0 ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(at) * row_pieces
                                : HostRow(t.pages, page_tokens, t.kv_head, token, row_pieces);
     reinterpret_cast<uint4*>(t.out_rows)[static_cast<int64_t>(i) * row_pieces + piece] = src[piece];
@@ -76,6 +76,71 @@ __global__ void WriteKernel(TaskBatch<WriteTask> batch, int32_t max_rows, int ha
     const uint4* src = reinterpret_cast<const uint4*>((value ? t.values : t.keys) + static_cast<int64_t>(i) * t.stride);
     uint4* dst = const_cast<uint4*>(HostRow(t.pages, page_tokens, t.kv_head, t.first_token + i, row_pieces));
     dst[piece] = src[piece - (value ? half_pieces : 0)];
+  }
+}
+
+struct CacheBatch {  // by value (kMaxCacheUpdateTasks x ~100 bytes)
+  CacheUpdateTask tasks[kMaxCacheUpdateTasks];
+  int count;
+};
+
+// Whether (used_a, token_a) is more recent than (used_b, token_b): later use, then higher token.
+__device__ bool MoreRecent(int32_t used_a, int32_t token_a, int32_t used_b, int32_t token_b) {
+  return used_a > used_b || (used_a == used_b && token_a > token_b);
+}
+
+// Block b updates task b's cache. Shared: for each old entry, whether it is selected, then
+// whether it stays.
+__global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
+  extern __shared__ unsigned char flags[];  // [capacity]: 1 selected, 2 stays
+  const CacheUpdateTask& t = batch.tasks[blockIdx.x];
+  const int32_t n_old = *t.old_count;
+  const int32_t keep = max(0, t.capacity - t.n_selected);
+  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
+    flags[o] = Find(t.selected, t.n_selected, t.old_tokens[o]) >= 0 ? 1 : 0;
+  }
+  __syncthreads();
+  // An unselected old entry stays when fewer than `keep` unselected entries are more recent.
+  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
+    if (flags[o] == 1) continue;
+    int32_t newer = 0;
+    for (int32_t c = 0; c < n_old && newer < keep; ++c) {
+      if (flags[c] != 1 && MoreRecent(t.old_used[c], t.old_tokens[c], t.old_used[o], t.old_tokens[o])) ++newer;
+    }
+    if (newer < keep) flags[o] |= 2;
+  }
+  __syncthreads();
+  // Positions in the new cache, ascending by token: staying old entries and the selection.
+  const uint4* old_rows = reinterpret_cast<const uint4*>(t.old_rows);
+  const uint4* sel_rows = reinterpret_cast<const uint4*>(t.selected_rows);
+  uint4* new_rows = reinterpret_cast<uint4*>(t.new_rows);
+  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
+    if (!(flags[o] & 2)) continue;
+    const int32_t token = t.old_tokens[o];
+    int32_t pos = 0;
+    for (int32_t c = 0; c < o; ++c) pos += (flags[c] & 2) ? 1 : 0;  // old tokens are ascending
+    int lo = 0, hi = t.n_selected;  // selected tokens below `token`
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (t.selected[mid] < token) lo = mid + 1; else hi = mid;
+    }
+    pos += lo;
+    t.new_tokens[pos] = token;
+    t.new_used[pos] = t.old_used[o];
+    for (int p = 0; p < row_pieces; ++p) new_rows[int64_t{pos} * row_pieces + p] = old_rows[int64_t{o} * row_pieces + p];
+  }
+  for (int32_t i = threadIdx.x; i < t.n_selected; i += blockDim.x) {
+    const int32_t token = t.selected[i];
+    int32_t pos = i;
+    for (int32_t c = 0; c < n_old; ++c) pos += ((flags[c] & 2) && t.old_tokens[c] < token) ? 1 : 0;
+    t.new_tokens[pos] = token;
+    t.new_used[pos] = t.now;
+    for (int p = 0; p < row_pieces; ++p) new_rows[int64_t{pos} * row_pieces + p] = sel_rows[int64_t{i} * row_pieces + p];
+  }
+  if (threadIdx.x == 0) {
+    int32_t kept = 0;
+    for (int32_t c = 0; c < n_old; ++c) kept += (flags[c] & 2) ? 1 : 0;
+    *t.new_count = kept + t.n_selected;
   }
 }
 
@@ -131,6 +196,28 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tok
     const int blocks = static_cast<int>(std::min<int64_t>(1024, (pieces + kThreads - 1) / kThreads));
     WriteKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, max_rows, half_pieces, page_tokens);
     SPECACHE_RETURN_IF_ERROR(LaunchError("write kernel"));
+  }
+  return Status::Ok();
+}
+
+Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, void* stream) {
+  if (head_dim <= 0 || head_dim % 8 != 0 || n_tasks < 0) return Status::InvalidArgument("cache update: bad head_dim");
+  const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
+  for (int first = 0; first < n_tasks; first += kMaxCacheUpdateTasks) {
+    CacheBatch batch;
+    batch.count = std::min(kMaxCacheUpdateTasks, n_tasks - first);
+    int32_t capacity = 0;
+    for (int i = 0; i < batch.count; ++i) {
+      batch.tasks[i] = tasks[first + i];
+      const CacheUpdateTask& t = batch.tasks[i];
+      if (t.capacity < t.n_selected || t.capacity > kMaxCacheRows) {
+        return Status::InvalidArgument("cache update: capacity below the selection or above kMaxCacheRows");
+      }
+      capacity = std::max(capacity, t.capacity);
+    }
+    UpdateCacheKernel<<<batch.count, kThreads, static_cast<size_t>(capacity), static_cast<cudaStream_t>(stream)>>>(
+        batch, row_pieces);
+    SPECACHE_RETURN_IF_ERROR(LaunchError("cache update kernel"));
   }
   return Status::Ok();
 }
