@@ -31,7 +31,7 @@ TEST(ReuseBenchTest, ReplaysATraceWithKnownCounts) {
   ASSERT_TRUE(RunReuseSuite({path, 100, {2}}, &rows));
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(Value(rows[0], "rows_fetched"), 8);                       // naive
-  EXPECT_EQ(Value(rows[1], "rows_fetched"), 6);                       // the agent's policy
+  EXPECT_EQ(Value(rows[1], "rows_fetched"), 6);                       // previous selection only
   EXPECT_DOUBLE_EQ(Value(rows[1], "ratio_to_naive"), 6.0 / 8.0);
   EXPECT_DOUBLE_EQ(Value(rows[1], "bytes_per_token"), 6.0 * 100 / 4);  // 4 decode steps
   // Capacity 4: after step 2 the cache is {1,2,3,4} (1 and 2 from steps 0-1, still among the 4

@@ -1,9 +1,9 @@
 // specache-bench reuse: full-precision bytes fetched per decode token with and without reuse of
 // resident rows, replayed from a selection trace recorded on a real decode
-// (specache-run generate --selection-trace FILE, on SmolLM2 by default). Besides the agent's
-// policy (a row selected in the previous step is resident: fetch only the difference) it replays
-// a larger device cache that keeps the C most recently selected rows per (layer, KV head), to show
-// what more device memory would buy. Needs no GPU: the numbers are counts of rows.
+// (specache-run generate --selection-trace FILE, on SmolLM2 by default). It replays the agents'
+// row cache (row_cache.h) at several capacities: k (only the previous selection stays) and
+// multiples of k (the C*k most recently selected rows per (layer, KV head) stay; the agents'
+// default is 2k). Needs no GPU: the numbers are counts of rows.
 #pragma once
 
 #include <string>

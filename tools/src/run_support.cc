@@ -45,6 +45,7 @@ Result<KvConfig> ToConfig(const KvOptions& o, const std::string& mode) {
   c.group_size = o.group;
   c.residual_tokens = o.residual;
   c.top_k = o.topk;
+  c.cached_rows = o.cached_rows;
   return c;
 }
 
@@ -135,7 +136,10 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
     j["group"] = run.config.group_size;
     j["residual"] = run.config.residual_tokens;
   }
-  if (run.config.mode == KvMode::kSpeCache || run.config.mode == KvMode::kSpeCacheNonSpec) j["topk"] = run.config.top_k;
+  if (run.config.mode == KvMode::kSpeCache || run.config.mode == KvMode::kSpeCacheNonSpec) {
+    j["topk"] = run.config.top_k;
+    j["cached_rows"] = run.config.cache_rows();
+  }
   j["device_kv_bytes"] = s.device_bytes;
   j["full_precision_bytes"] = s.full_precision_bytes;
   j["device_to_fp16_ratio"] =

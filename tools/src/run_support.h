@@ -39,6 +39,7 @@ struct KvOptions {
   int group = 32;
   int residual = 64;
   int topk = 64;
+  int cached_rows = 0;  // rows kept on the device per KV head and layer for reuse; 0: 2 * topk
   std::string reduction = "mean";
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")
