@@ -271,6 +271,16 @@ Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t seq
 
 Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, const Token& token, uint64_t sequence,
                                                               const PageLayout& layout) {
+  {  // A spilled sequence comes back to RAM first, with disk I/O outside the registry's lock.
+    std::lock_guard<std::mutex> lock(mu_);
+    SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+    SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
+    SPECACHE_ASSIGN_OR_RETURN(KeptSummary k, kept_->Find(sequence));
+    if (k.tenant != s->tenant) return Status::PermissionDenied("sequence " + std::to_string(sequence) + " belongs to another tenant");
+  }
+  SPECACHE_RETURN_IF_ERROR(kept_->Restore(sequence));  // nothing to do when parked
+  // Under the lock: the copy from RAM (if the watermark spilled it again meanwhile, Claim
+  // restores it here).
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
   SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
