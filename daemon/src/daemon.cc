@@ -182,7 +182,10 @@ void Daemon::Stop() {
   d->io.stop();
   if (d->io_thread.joinable()) d->io_thread.join();
   if (d->server) ::unlink(d->config.socket.c_str());
-  if (d->kept && d->kept->stats().has_spill_tier) {  // parked sequences would die with the process
+  // Sessions end with the daemon: their kept sequences are parked, then everything parked is
+  // spilled (it would die with the process).
+  if (d->registry) d->registry->ParkKeptSequences();
+  if (d->kept && d->kept->stats().has_spill_tier) {
     auto spilled = d->kept->SpillAll();
     if (spilled.ok()) {
       if (*spilled > 0) spdlog::info("stop: {} parked sequences spilled", *spilled);

@@ -172,16 +172,8 @@ Status Registry::CloseSession(uint64_t session, const Token& token) {
 
 Registry::ChunkReturn Registry::ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map) {
   Session& s = it->second;
-  ChunkReturn r{s.id, s.pages->chunks(), owner_may_still_map, {}};
-  for (const auto& [seq, pages] : s.pages->sequences()) {
-    sequence_owner_.erase(seq);
-    if (keep_on_close_.erase(seq) == 0) continue;
-    ParkJob job{s.tenant, seq, pages.layout, pages.pages_per_layer, {}};
-    for (const auto& layer : pages.pages) {
-      for (const shm::PageRef& ref : layer) job.pages.push_back(PageAddress(s, ref));
-    }
-    r.park.push_back(std::move(job));
-  }
+  ChunkReturn r{s.id, s.pages->chunks(), owner_may_still_map, ParkJobsLocked(s)};
+  for (const auto& [seq, pages] : s.pages->sequences()) sequence_owner_.erase(seq);
   s.pages.reset();
   if (s.pidfd >= 0) close(s.pidfd);
   ++reclaimed_;
@@ -189,15 +181,32 @@ Registry::ChunkReturn Registry::ReclaimLocked(std::map<uint64_t, Session>::itera
   return r;
 }
 
+std::vector<Registry::ParkJob> Registry::ParkJobsLocked(const Session& s) {
+  std::vector<ParkJob> jobs;
+  for (const auto& [seq, pages] : s.pages->sequences()) {
+    if (keep_on_close_.erase(seq) == 0) continue;
+    ParkJob job{s.tenant, seq, pages.layout, pages.pages_per_layer, {}};
+    for (const auto& layer : pages.pages) {
+      for (const shm::PageRef& ref : layer) job.pages.push_back(PageAddress(s, ref));
+    }
+    jobs.push_back(std::move(job));
+  }
+  return jobs;
+}
+
+void Registry::Park(uint64_t session, const std::vector<ParkJob>& jobs) {
+  for (const ParkJob& job : jobs) {
+    const Status parked = kept_->Park(job.tenant, job.id, job.layout, job.pages_per_layer,
+                                      [&job](uint32_t l, uint32_t p) { return job.pages[l * job.pages_per_layer + p]; });
+    if (!parked.ok()) spdlog::error("session {}: kept sequence {} is lost: {}", session, job.id, parked.ToString());
+  }
+}
+
 void Registry::ReturnChunks(const std::vector<ChunkReturn>& returns) {
   // Outside the lock: zeroing or replacing chunk memory takes milliseconds per chunk. The chunks
   // still have their old owner in the pool until Return, so nobody else gets them meanwhile.
   for (const ChunkReturn& r : returns) {
-    for (const ParkJob& job : r.park) {  // kept sequences leave the chunks first
-      const Status parked = kept_->Park(job.tenant, job.id, job.layout, job.pages_per_layer,
-                                        [&job](uint32_t l, uint32_t p) { return job.pages[l * job.pages_per_layer + p]; });
-      if (!parked.ok()) spdlog::error("session {}: kept sequence {} is lost: {}", r.session, job.id, parked.ToString());
-    }
+    Park(r.session, r.park);  // kept sequences leave the chunks first
     Status s = pool_->Return(r.chunks, r.replace);
     if (!s.ok()) spdlog::error("session {}: {}", r.session, s.ToString());
     spdlog::info("session {} reclaimed ({} chunks {})", r.session, r.chunks.size(), r.replace ? "replaced" : "zeroed");
@@ -223,6 +232,15 @@ void Registry::Reap() {
   lock.unlock();
   ReturnChunks(returns);
   kept_->EnforceWatermarks();
+}
+
+void Registry::ParkKeptSequences() {
+  std::vector<std::pair<uint64_t, std::vector<ParkJob>>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sessions_) all.emplace_back(id, ParkJobsLocked(s));
+  }
+  for (const auto& [session, jobs] : all) Park(session, jobs);
 }
 
 Result<std::pair<uint64_t, uint32_t>> Registry::CreateSequence(uint64_t session, const Token& token,

@@ -109,6 +109,9 @@ class Registry {
 
   // Reclaims sessions whose lease expired before attaching, and detached sessions. Call often.
   void Reap();
+  // The daemon is stopping: parks the kept sequences of every live session (their chunks stay
+  // as they are; the process is going away).
+  void ParkKeptSequences();
 
   RegistryStats Stats() const;
   uint64_t chunk_bytes() const { return pool_->chunk_bytes(); }
@@ -142,6 +145,9 @@ class Registry {
     bool replace = false;
     std::vector<ParkJob> park;  // copied out before the chunks are returned
   };
+  // The park jobs of a session's kept sequences (forgetting their keep marks). Caller holds mu_.
+  std::vector<ParkJob> ParkJobsLocked(const Session& s);
+  void Park(uint64_t session, const std::vector<ParkJob>& jobs);
   // The daemon's address of a page of a session's sequence.
   uint8_t* PageAddress(const Session& s, const shm::PageRef& ref) const;
   static Status RequireAttached(const Session& s);

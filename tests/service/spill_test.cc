@@ -225,6 +225,46 @@ TEST(SpillTest, ACorruptedPageOnDiskIsReportedAndNeverServed) {
   EXPECT_GE(c->Stats()->checksum_failures, 2u);
 }
 
+// A daemon stopped (SIGTERM) while a client still holds its session: the sequence the client
+// kept is parked and spilled on the way down, and the next daemon lists and serves it intact.
+TEST(SpillTest, AGracefulStopKeepsWhatLiveClientsKept) {
+  TempDir spill;
+  uint64_t id = 0;
+  {
+    DaemonProcess d;
+    ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+    auto c = Connect(d);
+    ASSERT_TRUE(c);
+    auto session = c->OpenSession("default", 8 << 20);
+    ASSERT_TRUE(session.ok());
+    auto created = (*session)->CreateSequence(kLayout);
+    ASSERT_TRUE(created.ok());
+    id = *created;
+    auto pages = (*session)->Extend(id, 70);
+    ASSERT_TRUE(pages.ok());
+    for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
+      for (uint32_t p = 0; p < *pages; ++p) {
+        uint8_t* page = *(*session)->PageData(id, l, p);
+        for (size_t i = 0; i < kLayout.page_bytes(); ++i) page[i] = Pattern(4, l, p, i);
+      }
+    }
+    ASSERT_TRUE((*session)->Keep(id).ok());
+    d.child->Kill(SIGTERM);  // the session is still open
+    EXPECT_EQ(d.child->Wait(10000), 0);
+  }
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto list = c->ListSequences();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].state, "spilled");
+  auto checked = ClaimAndCheck(c.get(), id, 4);
+  ASSERT_TRUE(checked.ok()) << checked.status().ToString();
+  EXPECT_EQ(*checked, 3u * 5);
+}
+
 // A spill the tier cannot take (over its max_bytes) fails with a clear error and leaves the
 // sequence parked in RAM, intact and claimable.
 TEST(SpillTest, ASpillThatDoesNotFitKeepsTheRamCopy) {
