@@ -194,15 +194,24 @@ grpc::Status ControlService::Spill(grpc::ServerContext*, const v1::SpillRequest*
   }
   const Status s = kept_->Spill(req->sequence_id());
   if (s.ok()) resp->set_spilled(1);
-  return Finish(s);
+  return Finish(InUseExplained(s, req->sequence_id()));
 }
 
 grpc::Status ControlService::Restore(grpc::ServerContext*, const v1::RestoreRequest* req, v1::RestoreResponse*) {
-  return Finish(kept_->Restore(req->sequence_id()));
+  return Finish(InUseExplained(kept_->Restore(req->sequence_id()), req->sequence_id()));
 }
 
 grpc::Status ControlService::Evict(grpc::ServerContext*, const v1::EvictRequest* req, v1::EvictResponse*) {
-  return Finish(kept_->Evict(req->sequence_id()));
+  return Finish(InUseExplained(kept_->Evict(req->sequence_id()), req->sequence_id()));
+}
+
+Status ControlService::InUseExplained(const Status& s, uint64_t sequence) const {
+  if (s.code() != StatusCode::kNotFound) return s;
+  const uint64_t session = registry_->OwnerOf(sequence);
+  if (session == 0) return s;
+  return Status::FailedPrecondition("sequence " + std::to_string(sequence) + " is in use by session " +
+                                    std::to_string(session) +
+                                    ": only kept sequences whose session ended (parked) move between RAM and disk");
 }
 
 grpc::Status ControlService::VerifySpill(grpc::ServerContext*, const v1::VerifySpillRequest*,

@@ -38,6 +38,9 @@ class ControlService final : public specache::v1::Control::Service {
 
  private:
   grpc::Status Finish(const Status& status);
+  // NOT_FOUND from the kept sequences, for a sequence a live session holds: FAILED_PRECONDITION
+  // saying so (an operator asked to move a sequence in use).
+  Status InUseExplained(const Status& s, uint64_t sequence) const;
 
   Registry* registry_;
   KeptSequences* kept_;

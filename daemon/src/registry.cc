@@ -321,6 +321,12 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
   return std::make_pair(slot, k.pages_per_layer);
 }
 
+uint64_t Registry::OwnerOf(uint64_t sequence) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequence_owner_.find(sequence);
+  return it == sequence_owner_.end() ? 0 : it->second;
+}
+
 RegistryStats Registry::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   RegistryStats st;

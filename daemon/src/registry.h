@@ -113,6 +113,9 @@ class Registry {
   // as they are; the process is going away).
   void ParkKeptSequences();
 
+  // The session a live sequence belongs to (0: none).
+  uint64_t OwnerOf(uint64_t sequence) const;
+
   RegistryStats Stats() const;
   uint64_t chunk_bytes() const { return pool_->chunk_bytes(); }
   std::vector<SessionSummary> Sessions() const;

@@ -385,6 +385,14 @@ TEST(SpillTest, SpecachectlSpillRestoreEvictVerify) {
   EXPECT_NE(Ctl(d, "restore --sequence " + seq, &code).find("NOT_FOUND"), std::string::npos);
   EXPECT_EQ(code, 1);
   EXPECT_NE(Ctl(d, "spill", &code).find("--sequence ID or --all"), std::string::npos);
+  // A sequence a client is using is never moved: the operator is told why.
+  auto session = c->OpenSession("default", 4 << 20);
+  ASSERT_TRUE(session.ok());
+  auto live = (*session)->CreateSequence(kLayout);
+  ASSERT_TRUE(live.ok());
+  const std::string refused = Ctl(d, "spill --sequence " + std::to_string(*live), &code);
+  EXPECT_NE(refused.find("FAILED_PRECONDITION"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("in use by session"), std::string::npos) << refused;
 }
 #endif
 
