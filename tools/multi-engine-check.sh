@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Several engine processes sharing one specached (issue 7): each prompt is first decoded by an
+# engine alone, then all engines decode at once (engine i on GPU i mod the --gpus list); the
+# outputs must be identical, and the decode rates are compared. Writes summary.json and prints a
+# table. Run from the repository root after tools/setup.sh.
+#
+#   tools/multi-engine-check.sh [--engines N] [--backend auto|cpu|cuda] [--gpus 0,1]
+#                               [--max-tokens M] [--prompt-chars C] [--out DIR]
+#
+# Binaries come from build/ unless SPECACHED, SPECACHE_RUN, SPECACHECTL name other commands (on
+# the GPU machine: SPECACHED=".bundle/run specached", and so on); MODEL overrides the model path.
+set -euo pipefail
+engines=2 backend=auto gpus="" max_tokens=48 prompt_chars=6000 out=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --engines) engines=$2; shift 2 ;;
+    --backend) backend=$2; shift 2 ;;
+    --gpus) gpus=$2; shift 2 ;;
+    --max-tokens) max_tokens=$2; shift 2 ;;
+    --prompt-chars) prompt_chars=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    *) echo "usage: $0 [--engines N] [--backend B] [--gpus 0,1] [--max-tokens M] [--prompt-chars C] [--out DIR]" >&2; exit 2 ;;
+  esac
+done
+specached=${SPECACHED:-build/daemon/specached}
+run=${SPECACHE_RUN:-build/tools/specache-run}
+ctl=${SPECACHECTL:-build/tools/specachectl}
+model=${MODEL:-$(tools/fetch-model.sh)}
+text=/usr/share/common-licenses/GPL-3
+[ -f "$text" ] || { echo "multi-engine-check: $text is missing (the prompts' text)" >&2; exit 2; }
+dir=$(mktemp -d)
+out=${out:-$dir/out}
+mkdir -p "$out"
+trap 'kill $daemon 2>/dev/null || true; rm -rf "$dir"' EXIT
+$specached --socket "$dir/control.sock" --pool-bytes 2GiB --metrics-addr off --no-lock --log-level warn &
+daemon=$!
+for _ in $(seq 100); do [ -S "$dir/control.sock.attach" ] && break; sleep 0.1; done
+
+IFS=, read -r -a gpu_list <<< "$gpus"
+# Engine i reads a different slice of the text, then answers one question about it.
+prompt() {
+  tail -c +$((1 + $1 * prompt_chars)) "$text" | head -c "$prompt_chars" > "$out/prompt-$1.txt"
+  printf '\n\nIn two sentences, what does the text above say?\n' >> "$out/prompt-$1.txt"
+}
+engine() {  # engine INDEX TAG
+  local env=()
+  if [ ${#gpu_list[@]} -gt 0 ]; then env=(env CUDA_VISIBLE_DEVICES="${gpu_list[$(($1 % ${#gpu_list[@]}))]}"); fi
+  "${env[@]}" $run generate --model "$model" --daemon "$dir/control.sock" --backend "$backend" --kv specache --bits 1 \
+    --max-tokens "$max_tokens" --prompt-file "$out/prompt-$1.txt" --json > "$out/engine-$1-$2.json"
+}
+for i in $(seq 0 $((engines - 1))); do prompt "$i"; done
+for i in $(seq 0 $((engines - 1))); do engine "$i" alone; done
+pids=()
+for i in $(seq 0 $((engines - 1))); do engine "$i" together & pids+=($!); done
+for p in "${pids[@]}"; do wait "$p"; done
+$ctl --socket "$dir/control.sock" stats --json > "$out/daemon-stats.json"
+
+python3 - "$out" "$engines" <<'PY'
+import json, sys
+out, n = sys.argv[1], int(sys.argv[2])
+rows, same = [], True
+for i in range(n):
+    alone = json.load(open(f"{out}/engine-{i}-alone.json"))
+    together = json.load(open(f"{out}/engine-{i}-together.json"))
+    equal = alone["output"] == together["output"]
+    same &= equal
+    rows.append({"engine": i, "backend": together.get("backend"), "prompt_tokens": together["prompt_tokens"],
+                 "generated_tokens": together["generated_tokens"], "same_output": equal,
+                 "decode_tokens_per_s_alone": alone["decode_tokens_per_s"],
+                 "decode_tokens_per_s_together": together["decode_tokens_per_s"]})
+summary = {"engines": n, "all_outputs_identical": same, "per_engine": rows,
+           "sum_tokens_per_s_alone": sum(r["decode_tokens_per_s_alone"] for r in rows),
+           "sum_tokens_per_s_together": sum(r["decode_tokens_per_s_together"] for r in rows)}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
+print(f"{'engine':>6} {'backend':>8} {'prompt':>7} {'tokens':>7} {'same':>5} {'tok/s alone':>12} {'tok/s together':>15}")
+for r in rows:
+    print(f"{r['engine']:>6} {str(r['backend']):>8} {r['prompt_tokens']:>7} {r['generated_tokens']:>7} "
+          f"{'yes' if r['same_output'] else 'NO':>5} {r['decode_tokens_per_s_alone']:>12.2f} "
+          f"{r['decode_tokens_per_s_together']:>15.2f}")
+print(f"outputs identical: {same}; sum of rates alone {summary['sum_tokens_per_s_alone']:.2f}, "
+      f"together {summary['sum_tokens_per_s_together']:.2f} tok/s")
+sys.exit(0 if same else 1)
+PY
+echo "multi-engine-check: results in $out"
