@@ -21,6 +21,14 @@
 namespace specache::client {
 namespace {
 
+void FillLayout(const PageLayoutSpec& l, v1::SequenceLayout* out) {
+  out->set_n_layers(l.n_layers);
+  out->set_n_kv_heads(l.n_kv_heads);
+  out->set_head_dim(l.head_dim);
+  out->set_page_tokens(l.page_tokens);
+  out->set_capacity_tokens(l.capacity_tokens);
+}
+
 Status FromGrpc(const grpc::Status& s, const char* call) {
   if (s.ok()) return Status::Ok();
   return Status(static_cast<StatusCode>(s.error_code()), std::string(call) + ": " + s.error_message());
@@ -131,6 +139,15 @@ struct Session::Impl {
     auto it = slots.find(sequence);
     if (it == slots.end()) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in this session");
     return it->second;
+  }
+  // A sequence the daemon placed in table slot `slot` (CreateSequence, ClaimSequence): the slot
+  // is checked in the shared table, then the sequence is known here.
+  Status AddSlot(uint64_t sequence, uint32_t slot) {
+    if (slot >= shm::Header(table)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
+    SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(table, slot, true));
+    std::lock_guard<std::mutex> lock(mu);
+    slots[sequence] = slot;
+    return Status::Ok();
   }
 };
 
@@ -278,18 +295,10 @@ Result<uint64_t> Session::CreateSequence(const PageLayoutSpec& l) {
   v1::CreateSequenceRequest req;
   req.set_session_id(impl_->id);
   req.set_token(impl_->token);
-  auto* layout = req.mutable_layout();
-  layout->set_n_layers(l.n_layers);
-  layout->set_n_kv_heads(l.n_kv_heads);
-  layout->set_head_dim(l.head_dim);
-  layout->set_page_tokens(l.page_tokens);
-  layout->set_capacity_tokens(l.capacity_tokens);
+  FillLayout(l, req.mutable_layout());
   v1::CreateSequenceResponse resp;
   SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::CreateSequence, "CreateSequence", req, &resp));
-  if (resp.table_slot() >= shm::Header(impl_->table)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
-  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, resp.table_slot(), true));
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->slots[resp.sequence_id()] = resp.table_slot();
+  SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(resp.sequence_id(), resp.table_slot()));
   return resp.sequence_id();
 }
 
@@ -338,18 +347,10 @@ Result<uint32_t> Session::Claim(uint64_t sequence, const PageLayoutSpec& l) {
   req.set_session_id(impl_->id);
   req.set_token(impl_->token);
   req.set_sequence_id(sequence);
-  auto* layout = req.mutable_layout();
-  layout->set_n_layers(l.n_layers);
-  layout->set_n_kv_heads(l.n_kv_heads);
-  layout->set_head_dim(l.head_dim);
-  layout->set_page_tokens(l.page_tokens);
-  layout->set_capacity_tokens(l.capacity_tokens);
+  FillLayout(l, req.mutable_layout());
   v1::ClaimSequenceResponse resp;
   SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ClaimSequence, "ClaimSequence", req, &resp));
-  if (resp.table_slot() >= shm::Header(impl_->table)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
-  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, resp.table_slot(), true));
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->slots[sequence] = resp.table_slot();
+  SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(sequence, resp.table_slot()));
   return resp.pages_per_layer();
 }
 
