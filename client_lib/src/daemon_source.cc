@@ -96,6 +96,16 @@ uint8_t* DaemonSource::RowAddress(const Sequence& s, int layer, int kv_head, int
   return s.pages[layer][page] + (uint64_t{static_cast<uint32_t>(kv_head)} * page_tokens_ + in_page) * row_bytes;
 }
 
+Status DaemonSource::CheckNextRows(const char* what, const std::atomic<int32_t>& length, int32_t first_token,
+                                   int32_t n) {
+  if (n < 0) return Status::InvalidArgument("negative row count");
+  if (first_token != length.load()) {
+    return Status::FailedPrecondition(std::string(what) + " at token " + std::to_string(first_token) +
+                                      " but the length is " + std::to_string(length.load()));
+  }
+  return Status::Ok();
+}
+
 Result<std::atomic<int32_t>*> DaemonSource::LengthOf(Sequence* s, int layer, int kv_head) const {
   if (layer < 0 || layer >= s->layout.n_layers || kv_head < 0 || kv_head >= s->layout.n_kv_heads) {
     return Status::OutOfRange("layer/head outside the sequence layout");
@@ -107,11 +117,7 @@ Status DaemonSource::AppendRows(SequenceId sequence, int layer, int kv_head, int
                                 int32_t n) {
   SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
   SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, LengthOf(s, layer, kv_head));
-  if (n < 0) return Status::InvalidArgument("negative row count");
-  if (first_token != length->load()) {
-    return Status::FailedPrecondition("append at token " + std::to_string(first_token) + " but the length is " +
-                                      std::to_string(length->load()));
-  }
+  SPECACHE_RETURN_IF_ERROR(CheckNextRows("append", *length, first_token, n));
   SPECACHE_RETURN_IF_ERROR(EnsurePages(s, first_token + n));
   const size_t row_bytes = static_cast<size_t>(s->layout.row_bytes());
   for (int32_t i = 0; i < n; ++i) {
@@ -140,11 +146,7 @@ Status DaemonSource::HostPages(SequenceId sequence, int layer, int32_t tokens, s
 Status DaemonSource::CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) {
   SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
   SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, LengthOf(s, layer, kv_head));
-  if (n < 0) return Status::InvalidArgument("negative row count");
-  if (first_token != length->load()) {
-    return Status::FailedPrecondition("commit at token " + std::to_string(first_token) + " but the length is " +
-                                      std::to_string(length->load()));
-  }
+  SPECACHE_RETURN_IF_ERROR(CheckNextRows("commit", *length, first_token, n));
   if (uint64_t{s->published_pages.load(std::memory_order_acquire)} * page_tokens_ < uint64_t(first_token) + n) {
     return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
   }

@@ -60,6 +60,8 @@ class SPECACHE_CLIENT_API DaemonSource final : public FullPrecisionSource {
   uint8_t* RowAddress(const Sequence& s, int layer, int kv_head, int32_t token) const;
   // The triple's length, after checking layer and head against the layout.
   Result<std::atomic<int32_t>*> LengthOf(Sequence* s, int layer, int kv_head) const;
+  // Rows are added in order: n >= 0 rows starting at the current length (`what`: the caller).
+  static Status CheckNextRows(const char* what, const std::atomic<int32_t>& length, int32_t first_token, int32_t n);
 
   Session* session_;
   uint32_t page_tokens_, capacity_tokens_;
