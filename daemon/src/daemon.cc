@@ -185,7 +185,7 @@ void Daemon::Stop() {
   // Sessions end with the daemon: their kept sequences are parked, then everything parked is
   // spilled (it would die with the process).
   if (d->registry) d->registry->ParkKeptSequences();
-  if (d->kept && d->kept->stats().has_spill_tier) {
+  if (d->kept && d->kept->has_spill_tier()) {
     auto spilled = d->kept->SpillAll();
     if (spilled.ok()) {
       if (*spilled > 0) spdlog::info("stop: {} parked sequences spilled", *spilled);

@@ -159,21 +159,21 @@ Status KeptSequences::Claim(const std::string& tenant, uint64_t id, const PageLa
   return Status::Ok();
 }
 
+KeptSummary KeptSequences::SummaryOf(uint64_t id, const Kept& k) {
+  return {id, k.tenant, k.layout, k.pages_per_layer, k.bytes(), k.state, k.state == KeptState::kParked && k.on_disk};
+}
+
 Result<KeptSummary> KeptSequences::Find(uint64_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = kept_.find(id);
   if (it == kept_.end()) return Status::NotFound("sequence " + std::to_string(id) + " is not kept");
-  const Kept& k = it->second;
-  return KeptSummary{id, k.tenant, k.layout, k.pages_per_layer, k.bytes(), k.state,
-                     k.state == KeptState::kParked && k.on_disk};
+  return SummaryOf(id, it->second);
 }
 
 std::vector<KeptSummary> KeptSequences::List() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<KeptSummary> out;
-  for (const auto& [id, k] : kept_) {
-    out.push_back({id, k.tenant, k.layout, k.pages_per_layer, k.bytes(), k.state, k.state == KeptState::kParked && k.on_disk});
-  }
+  for (const auto& [id, k] : kept_) out.push_back(SummaryOf(id, k));
   return out;
 }
 
@@ -190,7 +190,7 @@ KeptStats KeptSequences::stats() const {
     }
   }
   s.dropped = dropped_;
-  s.has_spill_tier = store_ != nullptr;
+  s.has_spill_tier = has_spill_tier();
   if (store_) s.spill = store_->stats();
   return s;
 }

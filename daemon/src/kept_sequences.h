@@ -78,6 +78,7 @@ class KeptSequences {
   Result<KeptSummary> Find(uint64_t id) const;
   std::vector<KeptSummary> List() const;
   KeptStats stats() const;
+  bool has_spill_tier() const { return store_ != nullptr; }
   SpillVerifyReport Verify();
   uint64_t max_id() const;
   // Spills least recently parked sequences while parked bytes exceed the high watermark.
@@ -98,6 +99,7 @@ class KeptSequences {
     }
   };
   Result<Kept*> FindLocked(uint64_t id);
+  static KeptSummary SummaryOf(uint64_t id, const Kept& k);
   Status SpillLocked(uint64_t id, Kept* k);
   Status RestoreLocked(uint64_t id, Kept* k);
   void EnforceLocked();

@@ -377,7 +377,10 @@ SpillVerifyReport SpillStore::Verify() {
 SpillStats SpillStore::stats() const {
   SpillStats s;
   s.stored_bytes = stored_bytes_.load();
-  s.sequences = List().size();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.sequences = index_.size();
+  }
   s.spills = spills_.load();
   s.restores = restores_.load();
   s.spilled_bytes_total = spilled_total_.load();
