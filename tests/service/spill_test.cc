@@ -13,20 +13,13 @@
 
 #include "processes.h"
 #include "specache/client.h"
+#include "testing/temp_dir.h"
 
 namespace specache {
 namespace {
 
 using testing::DaemonProcess;
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/specache-spilltest-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
-};
+using testing::TempDir;
 
 const client::PageLayoutSpec kLayout{3, 2, 64, 16, 256};  // 3 layers, 8 KiB pages
 
@@ -41,17 +34,23 @@ uint8_t Pattern(uint64_t seed, uint32_t layer, uint32_t page, size_t i) {
   return static_cast<uint8_t>((seed * 131 + layer * 31 + page * 7 + i * 13) ^ (i >> 8));
 }
 
-// Creates a sequence of `tokens` tokens filled with its pattern, keeps it, closes the session.
-Result<uint64_t> WriteAndKeep(client::Client* c, uint64_t seed, uint32_t tokens) {
-  SPECACHE_ASSIGN_OR_RETURN(auto session, c->OpenSession("default", 8 << 20));
-  SPECACHE_ASSIGN_OR_RETURN(uint64_t id, session->CreateSequence(kLayout));
-  SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, session->Extend(id, tokens));
+// Writes the sequence's pattern into its first `pages` pages at every layer.
+Status FillPattern(client::Session* session, uint64_t id, uint32_t pages, uint64_t seed) {
   for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
     for (uint32_t p = 0; p < pages; ++p) {
       SPECACHE_ASSIGN_OR_RETURN(uint8_t * page, session->PageData(id, l, p));
       for (size_t i = 0; i < kLayout.page_bytes(); ++i) page[i] = Pattern(seed, l, p, i);
     }
   }
+  return Status::Ok();
+}
+
+// Creates a sequence of `tokens` tokens filled with its pattern, keeps it, closes the session.
+Result<uint64_t> WriteAndKeep(client::Client* c, uint64_t seed, uint32_t tokens) {
+  SPECACHE_ASSIGN_OR_RETURN(auto session, c->OpenSession("default", 8 << 20));
+  SPECACHE_ASSIGN_OR_RETURN(uint64_t id, session->CreateSequence(kLayout));
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, session->Extend(id, tokens));
+  SPECACHE_RETURN_IF_ERROR(FillPattern(session.get(), id, pages, seed));
   SPECACHE_RETURN_IF_ERROR(session->Keep(id));
   return id;  // the session closes here: the sequence is parked
 }
@@ -242,12 +241,7 @@ TEST(SpillTest, AGracefulStopKeepsWhatLiveClientsKept) {
     id = *created;
     auto pages = (*session)->Extend(id, 70);
     ASSERT_TRUE(pages.ok());
-    for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
-      for (uint32_t p = 0; p < *pages; ++p) {
-        uint8_t* page = *(*session)->PageData(id, l, p);
-        for (size_t i = 0; i < kLayout.page_bytes(); ++i) page[i] = Pattern(4, l, p, i);
-      }
-    }
+    ASSERT_TRUE(FillPattern(session->get(), id, *pages, 4).ok());
     ASSERT_TRUE((*session)->Keep(id).ok());
     d.child->Kill(SIGTERM);  // the session is still open
     EXPECT_EQ(d.child->Wait(10000), 0);

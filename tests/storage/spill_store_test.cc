@@ -15,17 +15,12 @@
 #include <gtest/gtest.h>
 #include <rocksdb/db.h>
 
+#include "testing/temp_dir.h"
+
 namespace specache {
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/specache-spill-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
-};
+using testing::TempDir;
 
 // A sequence's pages in memory: [layer][page] -> bytes.
 struct Pages {
