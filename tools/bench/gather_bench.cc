@@ -1,37 +1,18 @@
 #include "gather_bench.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
-#include <thread>
 
 #include <cuda_runtime.h>
 
+#include "host_pages.h"
 #include "specache/cuda_gather.h"
 
 namespace specache::bench {
 namespace {
-
-constexpr uint64_t kChunkBytes = uint64_t{256} << 20;  // like the daemon's memfd chunks
-constexpr int kHeads = 8, kHeadDim = 128, kTopK = 64, kPageTokens = 64;
-constexpr int kRowBytes = 2 * kHeadDim * 2;                                // [K|V] fp16: 512 B
-constexpr uint64_t kPageBytes = uint64_t{kHeads} * kPageTokens * kRowBytes;  // 256 KiB
-
-struct HostPool {
-  std::vector<uint8_t*> chunks;
-  std::vector<uint64_t> device;  // GPU address of each chunk
-  ~HostPool() {
-    for (uint8_t* c : chunks) {
-      cuda::UnregisterHostMemory(c);
-      munmap(c, kChunkBytes);
-    }
-  }
-};
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -71,38 +52,11 @@ bool RunGatherSuite(const GatherOptions& o, std::vector<GatherRow>* rows) {
     return false;
   }
   const int blocks = o.max_blocks > 0 ? o.max_blocks : 2 * sms;
-  // Host pages: memfd chunks, pre-faulted by threads, registered (mapped) for the GPU.
-  HostPool pool;
-  const int n_chunks = static_cast<int>((uint64_t{static_cast<uint32_t>(o.host_gib)} << 30) / kChunkBytes);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int c = 0; c < n_chunks; ++c) {
-    const int fd = memfd_create("bench-chunk", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, kChunkBytes) != 0) return false;
-    void* p = mmap(nullptr, kChunkBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) return false;
-    pool.chunks.push_back(static_cast<uint8_t*>(p));
-  }
-  {
-    std::vector<std::thread> workers;
-    const int threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&, t] {
-        for (int c = t; c < n_chunks; c += threads) std::memset(pool.chunks[c], c & 0xFF, kChunkBytes);
-      });
-    }
-    for (auto& w : workers) w.join();
-  }
-  for (uint8_t* c : pool.chunks) {
-    auto d = cuda::RegisterHostMemory(c, kChunkBytes);
-    if (!d.ok()) {
-      std::printf("gather: %s\n", d.status().ToString().c_str());
-      return false;
-    }
-    pool.device.push_back(*d);
-  }
-  const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const uint64_t page_slots = uint64_t{static_cast<uint32_t>(n_chunks)} * (kChunkBytes / kPageBytes);
+  RegisteredHostPages pool;
+  if (!pool.Create(o.host_gib)) return false;
+  const int n_chunks = pool.chunks();
+  const double setup_s = pool.setup_seconds();
+  const uint64_t page_slots = pool.page_slots();
   std::printf("\ngather: %d GiB of host pages (%llu pages of 256 KiB in %d memfd chunks), set up and registered in "
               "%.1f s; %d blocks x 256 threads\n",
               o.host_gib, static_cast<unsigned long long>(page_slots), n_chunks, setup_s, blocks);
@@ -116,30 +70,10 @@ bool RunGatherSuite(const GatherOptions& o, std::vector<GatherRow>* rows) {
       const uint64_t pages_per_seq = static_cast<uint64_t>(context) / kPageTokens;
       if (pages_per_seq * batch > page_slots) continue;
       // One layer of each sequence: its pages land on distinct random slots of the pool.
-      std::vector<uint64_t> slots(page_slots);
-      for (uint64_t i = 0; i < page_slots; ++i) slots[i] = i;
-      std::shuffle(slots.begin(), slots.end(), rng);
-      std::vector<uint64_t> device_addresses, host_offsets;  // host_offsets: (chunk, offset) packed
-      std::vector<const uint8_t*> host_rows;
-      for (int s = 0; s < batch; ++s) {
-        for (int h = 0; h < kHeads; ++h) {
-          // top-k distinct tokens, sorted (the agent sorts per sequence, layer, head)
-          std::vector<int> tokens;
-          while (static_cast<int>(tokens.size()) < kTopK) {
-            const int t = static_cast<int>(rng() % static_cast<uint64_t>(context));
-            if (std::find(tokens.begin(), tokens.end(), t) == tokens.end()) tokens.push_back(t);
-          }
-          std::sort(tokens.begin(), tokens.end());
-          for (int t : tokens) {
-            const uint64_t slot = slots[static_cast<uint64_t>(s) * pages_per_seq + t / kPageTokens];
-            const uint64_t chunk = slot / (kChunkBytes / kPageBytes);
-            const uint64_t offset = (slot % (kChunkBytes / kPageBytes)) * kPageBytes +
-                                    (uint64_t{static_cast<uint32_t>(h)} * kPageTokens + t % kPageTokens) * kRowBytes;
-            device_addresses.push_back(pool.device[chunk] + offset);
-            host_rows.push_back(pool.chunks[chunk] + offset);
-          }
-        }
-      }
+      const std::vector<uint64_t> slots = ShuffledPageSlots(page_slots, rng);
+      const TopKRows picked = PickTopKRows(pool, slots, 0, batch, context, rng);
+      const std::vector<uint64_t>& device_addresses = picked.device_addresses;
+      const std::vector<const uint8_t*>& host_rows = picked.host_rows;
       const int64_t n = static_cast<int64_t>(device_addresses.size());
       const uint64_t bytes = static_cast<uint64_t>(n) * kRowBytes;
       uint64_t* d_addresses = nullptr;
@@ -168,7 +102,7 @@ bool RunGatherSuite(const GatherOptions& o, std::vector<GatherRow>* rows) {
           o.repeats, [&] { cuda::LaunchGatherRows(d_sorted, d_rows, n, kRowBytes, 2 * blocks, nullptr, d_order); });
       // The bound: one contiguous pinned copy of the same bytes.
       const double h2d_ms =
-          TimeGpu(o.repeats, [&] { cudaMemcpyAsync(d_rows, pool.chunks[0], bytes, cudaMemcpyHostToDevice, nullptr); });
+          TimeGpu(o.repeats, [&] { cudaMemcpyAsync(d_rows, pool.chunk(0), bytes, cudaMemcpyHostToDevice, nullptr); });
       // The anchor: the CPU gathers into a pinned buffer, then one copy (the SpeCache code's path).
       uint8_t* staging = nullptr;
       cudaMallocHost(&staging, bytes);

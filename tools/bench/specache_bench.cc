@@ -1,6 +1,6 @@
 // specache-bench: figures for the agent (CPU backend everywhere; gather and step on a GPU).
 //
-//   specache-bench [memory|quantize|attention|all|gather|step|reuse] [--tokens N] [--head-dim D]
+//   specache-bench [memory|quantize|attention|all|gather|contend|step|reuse] [--tokens N] [--head-dim D]
 //                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N]
 //                  [--trace FILE] [--row-bytes B] [--json FILE]
 //
@@ -14,6 +14,9 @@
 // gather     (CUDA builds, on a GPU) the zero-copy gather of one layer's top-k rows for B sequences
 //            from pages spread over --host-gib GiB of registered host memory, vs a contiguous
 //            pinned H2D copy of the same bytes and vs a CPU gather + one copy (gather_bench.h).
+// contend    (CUDA builds, on one or more GPUs) each GPU's gather of --batches (first value,
+//            default 32) sequences' top-k rows at --tokens context (default 32768), and a contiguous
+//            H2D copy, alone and on every GPU at once from one host page pool (contention_bench.h).
 // step       (CUDA builds, on a GPU) a 32-layer decode step with Llama-3-8B shapes through the CUDA
 //            agent, with and without the speculative fetch, for --batches (default 1,8,16,32) at
 //            --tokens context (default 8192) (step_bench.h).
@@ -39,6 +42,7 @@
 #include "specache/quantizer.h"
 #include "reuse_bench.h"
 #ifdef SPECACHE_BENCH_CUDA
+#include "contention_bench.h"
 #include "gather_bench.h"
 #include "step_bench.h"
 #endif
@@ -205,7 +209,7 @@ void WriteJson(const std::string& path, const std::vector<Row>& rows) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: specache-bench [memory|quantize|attention|all|gather|step|reuse] [--tokens N] [--head-dim D] "
+               "usage: specache-bench [memory|quantize|attention|all|gather|contend|step|reuse] [--tokens N] [--head-dim D] "
                "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--trace FILE] [--row-bytes B] "
                "[--json FILE]\n");
   return 2;
@@ -254,7 +258,7 @@ int main(int argc, char** argv) {
         list = comma == std::string::npos ? "" : list.substr(comma + 1);
       }
     } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather" || a == "step" ||
-               a == "reuse") {
+               a == "contend" || a == "reuse") {
       o.suite = a;
     } else {
       return Usage();
@@ -273,11 +277,18 @@ int main(int argc, char** argv) {
     ok = bench::RunReuseSuite({o.trace_path, o.row_bytes, {2, 4}}, &reuse);
     for (auto& r : reuse) rows.push_back({"reuse", r.name, r.values});
   }
-  if (o.suite == "gather" || o.suite == "step") {
+  if (o.suite == "gather" || o.suite == "contend" || o.suite == "step") {
 #ifdef SPECACHE_BENCH_CUDA
     std::vector<bench::BenchRow> cuda_rows;
     if (o.suite == "gather") {
       ok = bench::RunGatherSuite({o.host_gib, std::max(o.repeats, 20), 0}, &cuda_rows);
+    } else if (o.suite == "contend") {
+      bench::ContendOptions contend;
+      contend.host_gib = o.host_gib;
+      contend.repeats = std::max(o.repeats, 20);
+      if (!o.batches.empty()) contend.batch = o.batches.front();
+      if (o.tokens_given) contend.context = o.tokens;
+      ok = bench::RunContendSuite(contend, &cuda_rows);
     } else {
       bench::StepOptions step;
       if (!o.batches.empty()) step.batches = o.batches;

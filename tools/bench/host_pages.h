@@ -1,0 +1,55 @@
+// Daemon-style host pages for the CUDA benchmarks: memfd chunks of 256 MiB (the daemon's chunk
+// size), pre-faulted by threads, registered (mapped, portable) for every GPU of the process.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace specache::bench {
+
+// The pages' layout: a page holds kPageTokens tokens of kHeads KV heads, [K|V] fp16 rows of
+// kHeadDim channels (Llama-3-8B shapes); a decode step selects kTopK rows per (sequence, head).
+constexpr int kHeads = 8, kHeadDim = 128, kTopK = 64, kPageTokens = 64;
+constexpr int kRowBytes = 2 * kHeadDim * 2;                                  // 512 B
+constexpr uint64_t kPageBytes = uint64_t{kHeads} * kPageTokens * kRowBytes;  // 256 KiB
+
+class RegisteredHostPages {
+ public:
+  static constexpr uint64_t kChunkBytes = uint64_t{256} << 20;
+
+  RegisteredHostPages() = default;
+  RegisteredHostPages(const RegisteredHostPages&) = delete;
+  RegisteredHostPages& operator=(const RegisteredHostPages&) = delete;
+  ~RegisteredHostPages();
+
+  // Maps, fills (chunk c with byte c & 0xFF) and registers `gib` GiB; prints why on failure.
+  bool Create(int gib);
+
+  int chunks() const { return static_cast<int>(chunks_.size()); }
+  uint8_t* chunk(int c) const { return chunks_[c]; }
+  // The address the current device uses for chunk c.
+  uint64_t device_address(int c) const { return device_[c]; }
+  uint64_t page_slots() const { return chunks_.size() * (kChunkBytes / kPageBytes); }
+  double setup_seconds() const { return setup_seconds_; }
+
+ private:
+  std::vector<uint8_t*> chunks_;
+  std::vector<uint64_t> device_;
+  double setup_seconds_ = 0;
+};
+
+// 0 .. n_slots-1 in random order.
+std::vector<uint64_t> ShuffledPageSlots(uint64_t n_slots, std::mt19937_64& rng);
+
+// One layer's selected rows for `batch` sequences of `context` tokens: sequence s's pages are
+// slots[first_slot + s * context / kPageTokens + page]; each (sequence, head) picks kTopK distinct
+// random tokens, sorted (as the agent sorts them). Addresses are for the current device.
+struct TopKRows {
+  std::vector<uint64_t> device_addresses;
+  std::vector<const uint8_t*> host_rows;
+};
+TopKRows PickTopKRows(const RegisteredHostPages& pool, const std::vector<uint64_t>& slots, uint64_t first_slot,
+                      int batch, int context, std::mt19937_64& rng);
+
+}  // namespace specache::bench
