@@ -13,6 +13,7 @@
 #include "specache/device_probe.h"
 #include "specache/host_tensor_agent.h"
 #include "specache/in_memory_source.h"
+#include "testing/drive_batch.h"
 #include "testing/tiny_model.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -84,52 +85,6 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
 #endif
 }
 
-#ifdef SPECACHE_TEST_HAVE_CUDA
-// Drives an agent through prefill and `steps` decode steps of several sequences at once with
-// given random rows (no model): what the engine would hand it. Returns every output, in order.
-Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int32_t>& prompts, int steps, std::mt19937 rng) {
-  const ModelShape& m = agent->shape();
-  std::vector<SequenceId> ids;
-  std::vector<int32_t> offsets{0};
-  for (size_t s = 0; s < prompts.size(); ++s) {
-    ids.push_back(static_cast<SequenceId>(10 + s));
-    offsets.push_back(offsets.back() + prompts[s]);
-    SPECACHE_RETURN_IF_ERROR(agent->AddSequence(ids.back()));
-  }
-  auto random = [&rng](size_t n, float scale) {
-    std::normal_distribution<float> normal(0.0f, scale);
-    std::vector<float> v(n);
-    for (float& x : v) x = normal(rng);
-    return v;
-  };
-  std::vector<float> outputs;
-  const size_t total = static_cast<size_t>(offsets.back());
-  for (int l = 0; l < m.n_layers; ++l) {
-    const auto q = random(total * m.n_q_heads * m.head_dim, 1.0f), k = random(total * m.n_kv_heads * m.head_dim, 2.0f),
-               v = random(total * m.n_kv_heads * m.head_dim, 1.0f);
-    PrefillBatch batch{ids, offsets, q.data(), k.data(), v.data(), nullptr};
-    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, batch));
-  }
-  for (int step = -1; step < steps; ++step) {
-    const StepKind kind = step < 0 ? StepKind::kPreDecode : StepKind::kDecode;
-    const int rows = agent->RowsPerSequence(kind);
-    if (rows == 0) continue;
-    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(kind, ids));
-    const size_t n = ids.size() * rows;
-    for (int l = 0; l < m.n_layers; ++l) {
-      const auto q = random(n * m.n_q_heads * m.head_dim, 1.0f), k = random(n * m.n_kv_heads * m.head_dim, 2.0f),
-                 v = random(n * m.n_kv_heads * m.head_dim, 1.0f);
-      std::vector<float> out(n * m.n_q_heads * m.head_dim);
-      SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()}));
-      SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
-      outputs.insert(outputs.end(), out.begin(), out.end());
-    }
-    SPECACHE_RETURN_IF_ERROR(agent->EndStep());
-  }
-  return outputs;
-}
-#endif
-
 // Several sequences of ragged lengths (page boundaries inside, one exactly one page) decoded
 // together: the CUDA agent's batched kernels and in-place pages give the CPU agent's outputs,
 // selections and counts; releasing a sequence frees its rows in the source.
@@ -151,8 +106,8 @@ TEST(CudaAgentTest, RaggedBatchesMatchTheCpuAgent) {
     auto wrapped = WrapHostTensors(std::move(gpu).value());
     ASSERT_TRUE(wrapped.ok());
     const std::string name(KvModeName(mode));
-    auto want = DriveBatch(cpu->get(), prompts, 40, std::mt19937(77));
-    auto got = DriveBatch(wrapped->get(), prompts, 40, std::mt19937(77));
+    auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(77));
+    auto got = testing::DriveBatch(wrapped->get(), prompts, 40, std::mt19937(77));
     ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();
     ASSERT_EQ(got->size(), want->size());
     double worst = 0;

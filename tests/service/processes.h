@@ -91,7 +91,9 @@ struct DaemonProcess {
     dir = mkdtemp(tmpl);
     std::filesystem::permissions(dir, std::filesystem::perms(0755));  // other users' clients reach the sockets
     socket = dir + "/control.sock";
-    std::vector<std::string> argv = {SPECACHED_PATH, "--socket", socket, "--pool-bytes", "64MiB", "--chunk-bytes",
+    // SPECACHE_TEST_SPECACHED: another specached (a bundled copy on the GPU machine).
+    const char* binary = std::getenv("SPECACHE_TEST_SPECACHED");
+    std::vector<std::string> argv = {binary ? binary : SPECACHED_PATH, "--socket", socket, "--pool-bytes", "64MiB", "--chunk-bytes",
                                      "4MiB", "--lease-ms", "1000", "--log-level", "warn"};
     if (std::find(extra.begin(), extra.end(), "--metrics-addr") == extra.end()) {
       argv.insert(argv.end(), {"--metrics-addr", "off"});

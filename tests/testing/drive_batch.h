@@ -1,0 +1,56 @@
+// An engine's calls into an agent, without a model: for tests that compare the agent's backends.
+#pragma once
+
+#include <random>
+#include <vector>
+
+#include "specache/agent.h"
+#include "specache/status.h"
+
+namespace specache::testing {
+
+// Drives an agent through prefill and `steps` decode steps of several sequences at once with
+// given random rows (no model): what the engine would hand it. Returns every output, in order.
+inline Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int32_t>& prompts, int steps, std::mt19937 rng) {
+  const ModelShape& m = agent->shape();
+  std::vector<SequenceId> ids;
+  std::vector<int32_t> offsets{0};
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    ids.push_back(static_cast<SequenceId>(10 + s));
+    offsets.push_back(offsets.back() + prompts[s]);
+    SPECACHE_RETURN_IF_ERROR(agent->AddSequence(ids.back()));
+  }
+  auto random = [&rng](size_t n, float scale) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = normal(rng);
+    return v;
+  };
+  std::vector<float> outputs;
+  const size_t total = static_cast<size_t>(offsets.back());
+  for (int l = 0; l < m.n_layers; ++l) {
+    const auto q = random(total * m.n_q_heads * m.head_dim, 1.0f), k = random(total * m.n_kv_heads * m.head_dim, 2.0f),
+               v = random(total * m.n_kv_heads * m.head_dim, 1.0f);
+    PrefillBatch batch{ids, offsets, q.data(), k.data(), v.data(), nullptr};
+    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, batch));
+  }
+  for (int step = -1; step < steps; ++step) {
+    const StepKind kind = step < 0 ? StepKind::kPreDecode : StepKind::kDecode;
+    const int rows = agent->RowsPerSequence(kind);
+    if (rows == 0) continue;
+    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(kind, ids));
+    const size_t n = ids.size() * rows;
+    for (int l = 0; l < m.n_layers; ++l) {
+      const auto q = random(n * m.n_q_heads * m.head_dim, 1.0f), k = random(n * m.n_kv_heads * m.head_dim, 2.0f),
+                 v = random(n * m.n_kv_heads * m.head_dim, 1.0f);
+      std::vector<float> out(n * m.n_q_heads * m.head_dim);
+      SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()}));
+      SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
+      outputs.insert(outputs.end(), out.begin(), out.end());
+    }
+    SPECACHE_RETURN_IF_ERROR(agent->EndStep());
+  }
+  return outputs;
+}
+
+}  // namespace specache::testing
