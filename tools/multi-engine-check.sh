@@ -35,8 +35,11 @@ ctl=${SPECACHECTL:-build/tools/specachectl}
 model=${MODEL:-$(tools/fetch-model.sh)}
 text=/usr/share/common-licenses/GPL-3
 [ -f "$text" ] || { echo "multi-engine-check: $text is missing (the prompts' text)" >&2; exit 2; }
+if [ $((engines * prompt_chars)) -gt "$(stat -c %s "$text")" ]; then
+  echo "multi-engine-check: $engines prompts of $prompt_chars characters are more than $text holds" >&2; exit 2
+fi
 dir=$(mktemp -d)
-out=${out:-$dir/out}
+out=${out:-$(mktemp -d /tmp/multi-engine-check.XXXXXX)}  # kept: the results
 mkdir -p "$out"
 trap 'kill $daemon 2>/dev/null || true; rm -rf "$dir"' EXIT
 $specached --socket "$dir/control.sock" --pool-bytes 2GiB --metrics-addr off --no-lock --log-level warn &
