@@ -17,33 +17,15 @@
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "testing/device_buffers.h"
 #endif
 
 namespace specache {
 namespace {
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
-// Device copies that free themselves.
-struct DeviceBuffers {
-  std::vector<void*> all;
-  template <typename T>
-  T* Copy(const T* host, size_t n) {
-    if (n == 0) return nullptr;
-    void* d = nullptr;
-    if (cudaMalloc(&d, n * sizeof(T)) != cudaSuccess) return nullptr;
-    cudaMemcpy(d, host, n * sizeof(T), cudaMemcpyHostToDevice);
-    all.push_back(d);
-    return static_cast<T*>(d);
-  }
-  template <typename T>
-  T* Zeros(size_t n) {
-    std::vector<T> z(n);
-    return Copy(z.data(), n);
-  }
-  ~DeviceBuffers() {
-    for (void* p : all) cudaFree(p);
-  }
-};
+using testing::DeviceBuffers;
 #endif
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -120,9 +102,8 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
 // float32 sums in another order: relative error of the outputs and probabilities <= 1e-5
 // (measured ~1e-7).
 void ExpectMatches(const DecodeCase& c) {
-  std::vector<float> got(c.want.size()), got_probs(c.want_probs.size());
-  cudaMemcpy(got.data(), c.item.rows.out, got.size() * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(got_probs.data(), c.item.rows.probs, got_probs.size() * 4, cudaMemcpyDeviceToHost);
+  const std::vector<float> got = testing::Download(c.item.rows.out, c.want.size()),
+                           got_probs = testing::Download(c.item.rows.probs, c.want_probs.size());
   EXPECT_LT(testing::RelativeError(got, std::vector<double>(c.want.begin(), c.want.end())), 1e-5) << c.name;
   if (!c.want_probs.empty()) {  // (no quantized token yet: no candidates)
     EXPECT_LT(testing::RelativeError(got_probs, std::vector<double>(c.want_probs.begin(), c.want_probs.end())), 1e-5)

@@ -20,20 +20,15 @@
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "testing/device_buffers.h"
 #endif
 
 namespace specache {
 namespace {
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
-template <typename T>
-T* ToDevice(const std::vector<T>& host, std::vector<void*>* owned) {
-  void* d = nullptr;
-  EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(host.size(), 1) * sizeof(T)), cudaSuccess);
-  if (!host.empty()) cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
-  owned->push_back(d);
-  return static_cast<T*>(d);
-}
+using testing::DeviceBuffers;
 
 // A sorted random subset of [0, n) of about `size` tokens.
 std::vector<int32_t> RandomTokens(int32_t n, int size, std::mt19937& rng) {
@@ -44,7 +39,7 @@ std::vector<int32_t> RandomTokens(int32_t n, int size, std::mt19937& rng) {
 
 // The source's pages of (sequence 1, layer 0), registered, as a device page table.
 struct MappedPages {
-  std::vector<void*> owned;
+  DeviceBuffers buffers;
   std::vector<void*> registered;
   uint64_t* table = nullptr;
   MappedPages(InMemorySource& source, int32_t tokens) {
@@ -60,10 +55,9 @@ struct MappedPages {
         if (pages[p] >= b && pages[p] < b + r.bytes) device[p] = *base + (pages[p] - b);
       }
     }
-    table = ToDevice(device, &owned);
+    table = buffers.Copy(device);
   }
   ~MappedPages() {
-    for (void* p : owned) cudaFree(p);
     for (void* r : registered) (void)cuda::UnregisterHostMemory(r);
   }
 };
@@ -86,7 +80,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
       ASSERT_TRUE(source.AppendRows(1, 0, h, 0, host_rows[h].data(), length).ok());
     }
     MappedPages mapped(source, length);
-    std::vector<void*> owned;
+    DeviceBuffers buf;
     std::vector<cuda::FetchTask> tasks;
     std::vector<std::vector<Half>> want;
     uint64_t want_fetched = 0, want_reused = 0;
@@ -113,30 +107,26 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
         (hit ? want_reused : want_fetched) += 1;
       }
       cuda::FetchTask t;
-      t.selected = ToDevice(selected, &owned);
+      t.selected = buf.Copy(selected);
       t.n_selected = static_cast<int32_t>(selected.size());
-      t.resident = ToDevice(resident, &owned);
-      t.resident_rows = ToDevice(resident_rows, &owned);
+      t.resident = buf.Copy(resident);
+      t.resident_rows = buf.Copy(resident_rows);
       t.n_resident = static_cast<int32_t>(resident.size());
-      t.out_rows = ToDevice(std::vector<Half>(selected.size() * row), &owned);
+      t.out_rows = buf.Zeros<Half>(selected.size() * row);
       t.pages = mapped.table;
       t.kv_head = h;
       tasks.push_back(t);
       want.push_back(std::move(expect));
     }
-    auto* counters = ToDevice(std::vector<cuda::FetchCounters>{{0, 0}}, &owned);
+    auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0}});
     ASSERT_TRUE(cuda::FetchRows(tasks.data(), n_tasks, d, page_tokens, 7, counters, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (int i = 0; i < n_tasks; ++i) {
-      std::vector<Half> got(want[i].size());
-      cudaMemcpy(got.data(), tasks[i].out_rows, got.size() * sizeof(Half), cudaMemcpyDeviceToHost);
-      ASSERT_EQ(got, want[i]) << "d=" << d << " task " << i;
+      ASSERT_EQ(testing::Download(tasks[i].out_rows, want[i].size()), want[i]) << "d=" << d << " task " << i;
     }
-    cuda::FetchCounters got_counters;
-    cudaMemcpy(&got_counters, counters, sizeof(got_counters), cudaMemcpyDeviceToHost);
+    const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
     EXPECT_EQ(got_counters.fetched, want_fetched);
     EXPECT_EQ(got_counters.reused, want_reused);
-    for (void* p : owned) cudaFree(p);
   }
 #endif
 }
@@ -159,9 +149,9 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
     MappedPages mapped(source, before + n);
     // The engine's layout: [n][n_kv][d] keys and values.
     const auto keys = testing::RandomHalves(size_t(n) * n_kv * d, rng), values = testing::RandomHalves(size_t(n) * n_kv * d, rng);
-    std::vector<void*> owned;
-    const Half* dk = ToDevice(keys, &owned);
-    const Half* dv = ToDevice(values, &owned);
+    DeviceBuffers buf;
+    const Half* dk = buf.Copy(keys);
+    const Half* dv = buf.Copy(values);
     std::vector<cuda::WriteTask> tasks;
     for (int h = 0; h < n_kv; ++h) tasks.push_back({dk + h * d, dv + h * d, mapped.table, int64_t{n_kv} * d, before, n, h});
     ASSERT_TRUE(cuda::WriteRows(tasks.data(), n_kv, d, page_tokens, nullptr).ok());
@@ -179,7 +169,6 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
         }
       }
     }
-    for (void* p : owned) cudaFree(p);
   }
 #endif
 }
@@ -193,7 +182,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   std::mt19937 rng(47);
   const int d = 64, k = 16;
   const size_t row = 2 * size_t(d);
-  std::vector<void*> owned;
+  DeviceBuffers buf;
   std::vector<cuda::CacheUpdateTask> tasks;
   struct Want {
     RowCacheEntries cache;
@@ -222,17 +211,17 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     want.push_back(std::move(w));
     std::vector<int32_t> used32(old.used.begin(), old.used.end());
     cuda::CacheUpdateTask t;
-    t.old_tokens = ToDevice(old.tokens, &owned);
-    t.old_used = ToDevice(used32, &owned);
-    t.old_rows = ToDevice(old_rows, &owned);
-    t.old_count = ToDevice(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())}, &owned);
-    t.selected = ToDevice(selected, &owned);
-    t.selected_rows = ToDevice(sel_rows, &owned);
+    t.old_tokens = buf.Copy(old.tokens);
+    t.old_used = buf.Copy(used32);
+    t.old_rows = buf.Copy(old_rows);
+    t.old_count = buf.Copy(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())});
+    t.selected = buf.Copy(selected);
+    t.selected_rows = buf.Copy(sel_rows);
     t.n_selected = static_cast<int32_t>(selected.size());
-    t.new_tokens = ToDevice(std::vector<int32_t>(capacity, -1), &owned);
-    t.new_used = ToDevice(std::vector<int32_t>(capacity, -1), &owned);
-    t.new_rows = ToDevice(std::vector<Half>(capacity * row), &owned);
-    t.new_count = ToDevice(std::vector<int32_t>{-1}, &owned);
+    t.new_tokens = buf.Copy(std::vector<int32_t>(capacity, -1));
+    t.new_used = buf.Copy(std::vector<int32_t>(capacity, -1));
+    t.new_rows = buf.Zeros<Half>(capacity * row);
+    t.new_count = buf.Copy(std::vector<int32_t>{-1});
     t.now = 7;
     t.capacity = capacity;
     tasks.push_back(t);
@@ -240,19 +229,15 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (int i = 0; i < n_tasks; ++i) {
-    int32_t count = -1;
-    cudaMemcpy(&count, tasks[i].new_count, sizeof count, cudaMemcpyDeviceToHost);
+    const int32_t count = testing::Download(tasks[i].new_count, 1)[0];
     ASSERT_EQ(count, static_cast<int32_t>(want[i].cache.tokens.size())) << "task " << i;
-    std::vector<int32_t> tokens(count), used(count);
-    std::vector<Half> rows(size_t(count) * row);
-    cudaMemcpy(tokens.data(), tasks[i].new_tokens, count * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(used.data(), tasks[i].new_used, count * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(rows.data(), tasks[i].new_rows, rows.size() * sizeof(Half), cudaMemcpyDeviceToHost);
+    const std::vector<int32_t> tokens = testing::Download(tasks[i].new_tokens, count),
+                               used = testing::Download(tasks[i].new_used, count);
+    const std::vector<Half> rows = testing::Download(tasks[i].new_rows, size_t(count) * row);
     EXPECT_EQ(tokens, want[i].cache.tokens) << "task " << i;
     EXPECT_EQ(std::vector<int64_t>(used.begin(), used.end()), want[i].cache.used) << "task " << i;
     EXPECT_EQ(rows, want[i].rows) << "task " << i;
   }
-  for (void* p : owned) cudaFree(p);
 #endif
 }
 

@@ -18,18 +18,16 @@
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "testing/device_buffers.h"
 #endif
 
 namespace specache {
 namespace {
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
-template <typename T>
-std::vector<T> Back(const T* device, size_t n) {
-  std::vector<T> host(n);
-  if (n) cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost);
-  return host;
-}
+using testing::Download;
+
 template <typename T>
 std::vector<T> Host(const T* host, size_t n) {
   return std::vector<T>(host, host + n);
@@ -46,24 +44,24 @@ void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu,
   const std::string where = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " G=" + std::to_string(G) +
                             " length=" + std::to_string(cpu.length());
   if (bits == 16) {
-    if (groups) EXPECT_EQ(Back(view.key_half, groups * G * d), Host(cpu.KeyGroupHalf(0), groups * G * d)) << where;
-    if (nqv) EXPECT_EQ(Back(view.value_half, nqv * d), Host(cpu.ValueHalf(0), nqv * d)) << where;
+    if (groups) EXPECT_EQ(Download(view.key_half, groups * G * d), Host(cpu.KeyGroupHalf(0), groups * G * d)) << where;
+    if (nqv) EXPECT_EQ(Download(view.value_half, nqv * d), Host(cpu.ValueHalf(0), nqv * d)) << where;
   } else {
     const size_t kw = d * WordsPerGroup(G, bits), vw = vg * WordsPerGroup(G, bits);
     if (groups) {
-      EXPECT_EQ(Back(view.key_codes, groups * kw), Host(cpu.KeyGroupCodes(0), groups * kw)) << where;
-      EXPECT_EQ(Back(view.key_scale, groups * d), Host(cpu.KeyGroupScale(0), groups * d)) << where;
-      EXPECT_EQ(Back(view.key_zero, groups * d), Host(cpu.KeyGroupZero(0), groups * d)) << where;
+      EXPECT_EQ(Download(view.key_codes, groups * kw), Host(cpu.KeyGroupCodes(0), groups * kw)) << where;
+      EXPECT_EQ(Download(view.key_scale, groups * d), Host(cpu.KeyGroupScale(0), groups * d)) << where;
+      EXPECT_EQ(Download(view.key_zero, groups * d), Host(cpu.KeyGroupZero(0), groups * d)) << where;
     }
     if (nqv) {
-      EXPECT_EQ(Back(view.value_codes, nqv * vw), Host(cpu.ValueCodes(0), nqv * vw)) << where;
-      EXPECT_EQ(Back(view.value_scale, nqv * vg), Host(cpu.ValueScale(0), nqv * vg)) << where;
-      EXPECT_EQ(Back(view.value_zero, nqv * vg), Host(cpu.ValueZero(0), nqv * vg)) << where;
+      EXPECT_EQ(Download(view.value_codes, nqv * vw), Host(cpu.ValueCodes(0), nqv * vw)) << where;
+      EXPECT_EQ(Download(view.value_scale, nqv * vg), Host(cpu.ValueScale(0), nqv * vg)) << where;
+      EXPECT_EQ(Download(view.value_zero, nqv * vg), Host(cpu.ValueZero(0), nqv * vg)) << where;
     }
   }
   const size_t residual = cpu.length() - cpu.quantized_keys(), window = cpu.length() - nqv;
-  EXPECT_EQ(Back(view.residual_keys, residual * d), Host(cpu.ResidualKeys(), residual * d)) << where;
-  EXPECT_EQ(Back(view.window_values, window * d), Host(cpu.WindowValues(), window * d)) << where;
+  EXPECT_EQ(Download(view.residual_keys, residual * d), Host(cpu.ResidualKeys(), residual * d)) << where;
+  EXPECT_EQ(Download(view.window_values, window * d), Host(cpu.WindowValues(), window * d)) << where;
 }
 #endif
 
@@ -80,9 +78,10 @@ TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
     HeadReplica cpu(p);
     auto gpu = cuda::DeviceHeadReplica::Create(p, 3000, nullptr);
     ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
-    Half *d_k = nullptr, *d_v = nullptr;
-    ASSERT_EQ(cudaMalloc(&d_k, 1000 * sh.d * 2), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&d_v, 1000 * sh.d * 2), cudaSuccess);
+    testing::DeviceBuffers buf;
+    Half* d_k = buf.Allocate<Half>(1000 * sh.d);
+    Half* d_v = buf.Allocate<Half>(1000 * sh.d);
+    ASSERT_TRUE(d_k && d_v);
     for (int n : {1, 3, 64, 200, 1, 1, 90, 500, 63, 2, 700}) {
       const auto k = testing::RandomHalves(size_t(n) * sh.d, rng), v = testing::RandomHalves(size_t(n) * sh.d, rng);
       cpu.Append(k.data(), v.data(), n);
@@ -100,32 +99,18 @@ TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
     cpu::AttentionWorkspace ws;
     cpu::AttendDecodeRows(cpu, {}, q.data(), nk.data(), nv.data(), 1, heads, 1.0f / std::sqrt(float(d)), want.data(), 0, 0,
                           nullptr, &ws);
-    float *d_q, *d_out, *d_scratch;
-    Half *d_nk, *d_nv;
-    cudaMalloc(&d_q, q.size() * 4);
-    cudaMalloc(&d_out, want.size() * 4);
-    cudaMalloc(&d_scratch, static_cast<size_t>(cuda::DecodeScratchFloats(cpu.length(), 1, heads, d)) * 4);
-    cudaMalloc(&d_nk, d * 2);
-    cudaMalloc(&d_nv, d * 2);
-    cudaMemcpy(d_q, q.data(), q.size() * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(d_nk, nk.data(), d * 2, cudaMemcpyHostToDevice);
-    cudaMemcpy(d_nv, nv.data(), d * 2, cudaMemcpyHostToDevice);
     cuda::DeviceDecodeRows r;
-    r.q = d_q;
-    r.new_keys = d_nk;
-    r.new_values = d_nv;
+    r.q = buf.Copy(q);
+    r.new_keys = buf.Copy(nk);
+    r.new_values = buf.Copy(nv);
     r.n_rows = 1;
     r.n_heads = heads;
     r.scale = 1.0f / std::sqrt(float(d));
-    r.out = d_out;
-    r.scratch = d_scratch;
+    r.out = buf.Allocate<float>(want.size());
+    r.scratch = buf.Allocate<float>(static_cast<size_t>(cuda::DecodeScratchFloats(cpu.length(), 1, heads, d)));
     ASSERT_TRUE(cuda::AttendDecodeRows((*gpu)->view(), r, nullptr).ok());
-    const std::vector<float> got = Back(d_out, want.size());
+    const std::vector<float> got = Download(r.out, want.size());
     EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), 1e-5);
-    for (void* ptr : {static_cast<void*>(d_q), static_cast<void*>(d_out), static_cast<void*>(d_scratch),
-                      static_cast<void*>(d_nk), static_cast<void*>(d_nv), static_cast<void*>(d_k), static_cast<void*>(d_v)}) {
-      cudaFree(ptr);
-    }
   }
   // Capacity is enforced.
   auto small = cuda::DeviceHeadReplica::Create({64, 1, 1, 32, 64}, 10, nullptr);

@@ -15,6 +15,8 @@
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "testing/device_buffers.h"
 #endif
 
 namespace specache {
@@ -72,31 +74,24 @@ TEST(CudaTopKTest, RaggedBatchEqualsTheCpuSelection) {
   std::mt19937 rng(31);
   const int heads = 4, k = 64, count = cuda::kMaxTopKSegments + 9;
   std::vector<std::vector<float>> probs(count);
-  std::vector<void*> owned;
+  testing::DeviceBuffers buf;
   std::vector<cuda::TopKSegment> segments(count);
   for (int i = 0; i < count; ++i) {
     const int32_t n = static_cast<int32_t>(rng() % (i % 5 == 0 ? 9000 : 300));
     probs[i].resize(size_t(heads) * n);
     for (auto& p : probs[i]) p = rng() % 7 == 0 ? 0.25f : static_cast<float>(rng() % 100000) / 1e5f;
-    void *d_probs = nullptr, *d_tokens = nullptr, *d_scratch = nullptr;
-    ASSERT_EQ(cudaMalloc(&d_probs, std::max<size_t>(probs[i].size(), 1) * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&d_tokens, size_t(k) * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&d_scratch, std::max<size_t>(n, 1) * 4), cudaSuccess);
-    cudaMemcpy(d_probs, probs[i].data(), probs[i].size() * 4, cudaMemcpyHostToDevice);
-    owned.insert(owned.end(), {d_probs, d_tokens, d_scratch});
-    segments[i] = {static_cast<float*>(d_probs), static_cast<int32_t*>(d_tokens), static_cast<float*>(d_scratch), n};
+    segments[i] = {buf.Copy(probs[i]), buf.Allocate<int32_t>(k), buf.Allocate<float>(n), n};
+    ASSERT_TRUE(segments[i].probs && segments[i].tokens && segments[i].scratch);
   }
   ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), count, heads, k, GroupReduction::kMean, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (int i = 0; i < count; ++i) {
     const int32_t n = segments[i].n;
-    std::vector<int32_t> want, got(std::min<int32_t>(k, n));
+    std::vector<int32_t> want;
     std::vector<float> scratch;
     if (n > 0) cpu::SelectTopK(probs[i].data(), heads, n, k, GroupReduction::kMean, &want, &scratch);
-    if (!got.empty()) cudaMemcpy(got.data(), segments[i].tokens, got.size() * 4, cudaMemcpyDeviceToHost);
-    ASSERT_EQ(got, want) << "segment " << i << " n=" << n;
+    ASSERT_EQ(testing::Download(segments[i].tokens, std::min<int32_t>(k, n)), want) << "segment " << i << " n=" << n;
   }
-  for (void* p : owned) cudaFree(p);
 #endif
 }
 
