@@ -243,7 +243,10 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
 
 TEST(CudaFetchTest, WithoutADeviceItIsUnavailable) {
   if (ProbeCudaDevice().ok()) GTEST_SKIP() << "a device is present";
-  EXPECT_EQ(cuda::FetchRows(nullptr, 0, 64, 64, 1, nullptr, nullptr).code(), StatusCode::kUnavailable);
+  // One task, so that a launch is tried (a call with no tasks launches nothing and succeeds).
+  cuda::FetchTask task;
+  task.n_selected = 1;
+  EXPECT_EQ(cuda::FetchRows(&task, 1, 64, 64, 1, nullptr, nullptr).code(), StatusCode::kUnavailable);
 }
 
 }  // namespace
