@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include "bench_stats.h"
 #include "host_pages.h"
 #include "specache/cuda_gather.h"
 #include "specache/status.h"
@@ -62,11 +63,6 @@ struct DeviceWork {
     return (load == Load::kGather ? gather_bytes() : kCopyBytes) * static_cast<uint64_t>(launches);
   }
 };
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Milliseconds of each sample of `launches` back-to-back loads on one GPU, after one warm-up
 // sample; with a barrier, every sample starts when all GPUs are ready for it. Empty on an error

@@ -8,16 +8,12 @@
 
 #include <cuda_runtime.h>
 
+#include "bench_stats.h"
 #include "host_pages.h"
 #include "specache/cuda_gather.h"
 
 namespace specache::bench {
 namespace {
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Milliseconds of `fn` on the default stream, median over `repeats` after two warm-ups.
 template <typename Fn>

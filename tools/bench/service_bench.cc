@@ -16,21 +16,17 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "bench_stats.h"
 #include "daemon.h"
 #include "specache/client.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using specache::bench::Percentile;
 using specache::client::Client;
 
 double Ms(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); }
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
-}
 
 struct Latencies {
   std::vector<double> create, extend, release;

@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_stats.h"
 #include "specache/cpu_attention.h"
 #include "specache/device_probe.h"
 #include "specache/head_replica.h"
@@ -77,8 +78,7 @@ double MedianSeconds(int repeats, const std::function<void()>& fn) {
     fn();
     t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return bench::Median(std::move(t));
 }
 
 std::vector<Half> RandomHalves(size_t n, uint32_t seed) {
