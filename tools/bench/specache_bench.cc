@@ -1,6 +1,6 @@
 // specache-bench: figures for the agent (CPU backend everywhere; gather and step on a GPU).
 //
-//   specache-bench [memory|quantize|attention|all|gather|contend|step|reuse] [--tokens N] [--head-dim D]
+//   specache-bench [memory|quantize|attention|all|gather|contend|step|attend|reuse] [--tokens N] [--head-dim D]
 //                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N]
 //                  [--trace FILE] [--row-bytes B] [--json FILE]
 //
@@ -20,6 +20,8 @@
 // step       (CUDA builds, on a GPU) a 32-layer decode step with Llama-3-8B shapes through the CUDA
 //            agent, with and without the speculative fetch, for --batches (default 1,8,16,32) at
 //            --tokens context (default 8192) (step_bench.h).
+// attend     (CUDA builds, on a GPU) one layer's decode attention and top-k at Llama-3-8B shapes, 1-
+//            and 2-bit, bytes read against the HBM bandwidth of a device copy (step_bench.h).
 // reuse      bytes fetched per decode token with and without the resident rows, replayed from a
 //            selection trace of a real decode (--trace; specache-run generate --selection-trace)
 //            (reuse_bench.h).
@@ -209,7 +211,7 @@ void WriteJson(const std::string& path, const std::vector<Row>& rows) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: specache-bench [memory|quantize|attention|all|gather|contend|step|reuse] [--tokens N] [--head-dim D] "
+               "usage: specache-bench [memory|quantize|attention|all|gather|contend|step|attend|reuse] [--tokens N] [--head-dim D] "
                "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--trace FILE] [--row-bytes B] "
                "[--json FILE]\n");
   return 2;
@@ -257,7 +259,7 @@ int main(int argc, char** argv) {
         o.batches.push_back(b);
         list = comma == std::string::npos ? "" : list.substr(comma + 1);
       }
-    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather" || a == "step" ||
+    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather" || a == "step" || a == "attend" ||
                a == "contend" || a == "reuse") {
       o.suite = a;
     } else {
@@ -277,7 +279,7 @@ int main(int argc, char** argv) {
     ok = bench::RunReuseSuite({o.trace_path, o.row_bytes, {2, 4}}, &reuse);
     for (auto& r : reuse) rows.push_back({"reuse", r.name, r.values});
   }
-  if (o.suite == "gather" || o.suite == "contend" || o.suite == "step") {
+  if (o.suite == "gather" || o.suite == "contend" || o.suite == "step" || o.suite == "attend") {
 #ifdef SPECACHE_BENCH_CUDA
     std::vector<bench::BenchRow> cuda_rows;
     if (o.suite == "gather") {
@@ -294,7 +296,7 @@ int main(int argc, char** argv) {
       if (!o.batches.empty()) step.batches = o.batches;
       if (o.tokens_given) step.context = o.tokens;
       step.fetch_blocks = o.fetch_blocks;
-      ok = bench::RunStepSuite(step, &cuda_rows);
+      ok = o.suite == "step" ? bench::RunStepSuite(step, &cuda_rows) : bench::RunAttendSuite(step, &cuda_rows);
     }
     for (auto& r : cuda_rows) rows.push_back({o.suite, r.name, r.values});
 #else

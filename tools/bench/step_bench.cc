@@ -3,11 +3,17 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "specache/agent.h"
+#include "specache/cuda_attention.h"
+#include "specache/cuda_replica.h"
+#include "specache/cuda_topk.h"
 #include "specache/in_memory_source.h"
 #include "step_kernels.h"
 
@@ -207,7 +213,146 @@ AgentRun RunAgent(Model& m, int batch, int context, int steps, int fetch_blocks,
   return run;
 }
 
+// Milliseconds of `fn` on `stream` (median of `reps` timed runs after 3 untimed ones).
+template <typename Fn>
+double MedianMs(cudaStream_t stream, int reps, Fn fn) {
+  for (int i = 0; i < 3; ++i) if (!fn()) return -1;
+  std::vector<double> ms;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a, stream);
+    if (!fn()) return -1;
+    cudaEventRecord(b, stream);
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// Read + write GB/s of a 1 GiB device-to-device copy: the HBM bound of the roofline column.
+double DeviceCopyGBps(cudaStream_t stream) {
+  const size_t bytes = size_t{1} << 30;
+  DeviceArray<char> src(bytes), dst(bytes);
+  if (!src.p || !dst.p) return -1;
+  cudaMemsetAsync(src.p, 1, bytes, stream);
+  const double ms = MedianMs(stream, 10, [&] {
+    return Ok(cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice, stream), "copy");
+  });
+  return ms > 0 ? 2.0 * bytes / (ms * 1e-3) / 1e9 : -1;
+}
+
+// Bytes of a view's replica the attention reads (the kernels' inputs, each once).
+double ReplicaReadBytes(const cuda::DeviceReplicaView& v) {
+  const double d = v.head_dim, qk = v.quantized_keys, qv = v.quantized_values;
+  const double key_bytes = qk * d * v.key_bits / 8 + qk / v.group_size * d * 4;
+  const double value_bytes = qv * d * v.value_bits / 8 + qv * d / v.group_size * 4;
+  return key_bytes + value_bytes + (v.length - qk) * d * 2 + (v.length - qv) * d * 2;
+}
+
 }  // namespace
+
+bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
+  int device_count = 0;
+  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
+    cudaGetLastError();
+    std::printf("attend: no usable CUDA device\n");
+    return false;
+  }
+  cudaStream_t stream = nullptr;
+  if (!Ok(cudaStreamCreate(&stream), "stream")) return false;
+  const double hbm = DeviceCopyGBps(stream);
+  const int group = kQHeads / kKvHeads, n_rows = 2, queries = n_rows * group;
+  std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, k=%d substituted rows, context %d; "
+              "HBM (d2d copy, read+write) %.0f GB/s ==\n", kKvHeads, group, kTopK, o.context, hbm);
+  std::printf("%-6s %5s %12s %12s %12s %11s %10s\n", "batch", "bits", "ms_attend", "ms_topk", "MB_read", "GBps", "of_HBM");
+  bool ok = hbm > 0;
+  for (int batch : o.batches) {
+    for (int bits : {1, 2}) {
+      const int items = batch * kKvHeads;
+      ReplicaParams params{kHeadDim, bits, bits, 32, 64};
+      std::vector<std::unique_ptr<cuda::DeviceHeadReplica>> replicas;
+      DeviceArray<Half> k(size_t(o.context) * kHeadDim), v(size_t(o.context) * kHeadDim);
+      DeviceArray<Half> new_kv(size_t(n_rows) * kHeadDim), subs(size_t(items) * kTopK * 2 * kHeadDim);
+      DeviceArray<float> q(size_t(items) * queries * kHeadDim), out(size_t(items) * queries * kHeadDim);
+      DeviceArray<float> probs(size_t(items) * group * o.context), stats(size_t(items) * group * 2);
+      DeviceArray<float> topk_scratch(size_t(items) * o.context);
+      DeviceArray<int32_t> sub_tokens(size_t(items) * kTopK), selected(size_t(items) * kTopK);
+      const int64_t scratch_per = cuda::DecodeScratchFloats(o.context, n_rows, group, kHeadDim);
+      DeviceArray<float> scratch(size_t(items) * scratch_per);
+      if (!k.p || !v.p || !subs.p || !q.p || !out.p || !probs.p || !stats.p || !topk_scratch.p || !sub_tokens.p ||
+          !selected.p || !scratch.p) {
+        ok = Ok(cudaErrorMemoryAllocation, "attend buffers") && false;
+        continue;
+      }
+      Fill(new_kv.p, int64_t(n_rows) * kHeadDim, 5, 1.0f, stream);
+      Fill(subs.p, int64_t(items) * kTopK * 2 * kHeadDim, 6, 1.0f, stream);
+      Fill(q.p, int64_t(items) * queries * kHeadDim, 7, 1.0f, stream);
+      // Substituted rows: k tokens spread evenly over the quantized ones (ascending).
+      std::vector<int32_t> tokens(size_t(items) * kTopK);
+      for (int i = 0; i < items; ++i)
+        for (int j = 0; j < kTopK; ++j) tokens[size_t(i) * kTopK + j] = (j * 127 + i) % (o.context - 128) / kTopK * kTopK + j;
+      for (int i = 0; i < items; ++i) std::sort(tokens.begin() + size_t(i) * kTopK, tokens.begin() + size_t(i + 1) * kTopK);
+      cudaMemcpy(sub_tokens.p, tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice);
+      std::vector<cuda::DeviceDecodeItem> batch_items;
+      std::vector<cuda::TopKSegment> segments;
+      double bytes = 0;
+      for (int i = 0; i < items && ok; ++i) {
+        auto rep = cuda::DeviceHeadReplica::Create(params, o.context + 8, stream);
+        if (!Ok(rep.status(), "replica")) { ok = false; break; }
+        Fill(k.p, int64_t(o.context) * kHeadDim, 100 + i, 2.0f, stream);
+        Fill(v.p, int64_t(o.context) * kHeadDim, 200 + i, 1.0f, stream);
+        if (!Ok((*rep)->Append(k.p, v.p, o.context), "append")) { ok = false; break; }
+        cuda::DeviceDecodeItem it;
+        it.replica = (*rep)->view();
+        cuda::DeviceDecodeRows& r = it.rows;
+        r.sub_tokens = sub_tokens.p + size_t(i) * kTopK;
+        r.sub_rows = subs.p + size_t(i) * kTopK * 2 * kHeadDim;
+        r.n_sub = kTopK;
+        r.q = q.p + size_t(i) * queries * kHeadDim;
+        r.out = out.p + size_t(i) * queries * kHeadDim;
+        r.new_keys = r.new_values = new_kv.p;
+        r.n_rows = n_rows;
+        r.n_heads = group;
+        r.scale = 1.0f / std::sqrt(float(kHeadDim));
+        r.probs_row = 1;
+        r.n_candidates = it.replica.quantized_keys;
+        r.probs = probs.p + size_t(i) * group * o.context;
+        r.probs_stats = stats.p + size_t(i) * group * 2;
+        r.scratch = scratch.p + size_t(i) * scratch_per;
+        bytes += ReplicaReadBytes(it.replica) + double(kTopK) * 2 * kHeadDim * 2;
+        batch_items.push_back(it);
+        segments.push_back({r.probs, selected.p + size_t(i) * kTopK, topk_scratch.p + size_t(i) * o.context,
+                            r.n_candidates, r.probs_stats});
+        replicas.push_back(std::move(*rep));
+      }
+      if (!ok || !Ok(cudaStreamSynchronize(stream), "replicas")) { ok = false; continue; }
+      const double attend_ms = MedianMs(stream, 20, [&] {
+        return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream), "attend");
+      });
+      const double topk_ms = MedianMs(stream, 20, [&] {
+        return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream), "top-k");
+      });
+      if (attend_ms < 0 || topk_ms < 0) { ok = false; continue; }
+      const double gbps = bytes / (attend_ms * 1e-3) / 1e9;
+      std::printf("%-6d %5d %12.4f %12.4f %12.2f %11.0f %10.3f\n", batch, bits, attend_ms, topk_ms, bytes / 1e6, gbps,
+                  gbps / hbm);
+      rows->push_back({"b" + std::to_string(batch) + "_bits" + std::to_string(bits) + "_ctx" + std::to_string(o.context),
+                       {{"batch", batch}, {"bits", bits}, {"context", o.context}, {"ms_attend_layer", attend_ms},
+                        {"ms_topk_layer", topk_ms}, {"bytes_read", bytes}, {"gbps", gbps}, {"hbm_gbps", hbm},
+                        {"fraction_of_hbm", gbps / hbm}}});
+    }
+  }
+  std::printf("       per layer; x32 layers for a step. of_HBM = GBps / HBM (goal >= 0.5 for B >= 8).\n");
+  cudaStreamDestroy(stream);
+  return ok;
+}
 
 bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   int device_count = 0;

@@ -22,4 +22,11 @@ struct StepOptions {
 // Prints a table; false when the suite could not run (no CUDA build or no device).
 bool RunStepSuite(const StepOptions& options, std::vector<BenchRow>* rows);
 
+// specache-bench attend: one layer's decode attention (cuda::AttendDecodeBatch, real + speculative
+// row, k substituted rows per KV head) and top-k (cuda::SelectTopKBatch) for B sequences x 8 KV
+// heads x GQA 4 at `context` tokens, for 1- and 2-bit replicas. Reports the bytes the attention
+// must read (codes, scales, zeros, residual and window, substituted rows) over its time, against
+// the HBM bandwidth of a device-to-device copy measured in the same run (read + write bytes).
+bool RunAttendSuite(const StepOptions& options, std::vector<BenchRow>* rows);
+
 }  // namespace specache::bench

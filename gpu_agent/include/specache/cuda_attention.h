@@ -5,6 +5,11 @@
 // among themselves. Optionally writes one row's softmax probabilities over the first
 // n_candidates tokens (the top-k candidates).
 //
+// Items whose replica is 1 or 2 bits for keys and values, head_dim 64 or 128, at most 16 queries
+// (rows x GQA heads) and group size a multiple of 32 go through the tensor-core path
+// (lowbit_decode.cu): one pass over the packed codes per split of the context, every query of the
+// item served by the same pass, partial results merged per item. The others take the CUDA-core
+// path below.
 // The work of many (sequence, KV head) items goes into one set of launches (ragged lengths are
 // fine), flash-decoding style: scores by blocks of tokens (a thread per token, all queries at
 // once) with each block's softmax statistics; the weighted values by blocks of tokens (threads
@@ -52,6 +57,11 @@ struct DeviceDecodeRows {
   int probs_row = 0;
   int32_t n_candidates = 0;
   float* probs = nullptr;               // [n_heads][n_candidates] or null
+  // [n_heads][2] or null. When set, `probs` receives the probabilities row's raw (scaled) scores
+  // and this its softmax statistics per head (max, sum of exp(score - max)), so that a consumer
+  // (SelectTopKBatch) normalises while it reads: p = exp(score - max) / sum. Saves a pass over
+  // the scores. When null, `probs` receives the probabilities themselves.
+  float* probs_stats = nullptr;
   float* scratch = nullptr;             // DecodeScratchFloats(length, n_rows, n_heads, head_dim) floats
 };
 
@@ -61,11 +71,13 @@ constexpr int kDecodeBlockTokens = 128;
 constexpr int kMaxDecodeQueries = 32;
 
 // Floats of scratch one item needs: its raw scores, each score block's softmax statistics (max
-// and sum of exponentials per query) and the partial sums of its value blocks.
+// and sum of exponentials per query) and the partial sums of its value blocks (CUDA-core path);
+// the tensor-core path needs at most blocks + 4 partial sums and statistics (4: its tail units),
+// which the last term makes fit for short items too.
 inline int64_t DecodeScratchFloats(int32_t length, int n_rows, int n_heads, int head_dim) {
   const int64_t width = int64_t{length} + n_rows, queries = int64_t{n_rows} * n_heads;
   const int64_t blocks = (width + kDecodeBlockTokens - 1) / kDecodeBlockTokens;
-  return queries * width + queries * blocks * 2 + blocks * queries * head_dim;
+  return queries * width + queries * blocks * 2 + blocks * queries * head_dim + queries * 4 * (head_dim + 2);
 }
 
 struct DeviceDecodeItem {

@@ -24,6 +24,9 @@ struct TopKSegment {
   int32_t* tokens = nullptr;     // [min(k, n)] ascending
   float* scratch = nullptr;      // [n]
   int32_t n = 0;
+  // [n_heads][2] or null. When set, `probs` holds raw scores and head h's probabilities are
+  // exp(score - stats[2h]) / stats[2h + 1] (DeviceDecodeRows::probs_stats).
+  const float* stats = nullptr;
 };
 constexpr int kMaxTopKSegments = 256;
 Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,

@@ -3,54 +3,22 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "specache/cuda_attention.h"
+#include "decode_common.cuh"
+#include "lowbit_decode.h"
 
 namespace specache::cuda {
 namespace {
 
+using decode::H2F;
+using decode::KeyAt;
+using decode::QueryAt;
+using decode::ValueAt;
+
 constexpr int kThreads = 256;
 constexpr int kMaxQueries = kMaxDecodeQueries;
-
-__device__ float H2F(Half h) { return __half2float(__ushort_as_half(h)); }
-
-__device__ uint32_t Code(const uint32_t* words, int i, int bits) {
-  const int per_word = 32 / bits;
-  return (words[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);
-}
-
-// Where query qi (row qi / n_heads, head qi % n_heads) starts in q and out. Strides are resolved
-// on the host (AttendDecodeBatch), never 0 here.
-__device__ int64_t QueryAt(const DeviceDecodeRows& r, int qi, int d) {
-  return (qi / r.n_heads) * r.q_stride + static_cast<int64_t>(qi % r.n_heads) * d;
-}
-
-// Channel c of the key the scores use for `token`.
-__device__ float KeyAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token, int sub, int c) {
-  const int d = v.head_dim;
-  if (token >= v.length) return H2F(r.new_keys[(token - v.length) * r.kv_stride + c]);
-  if (token >= v.quantized_keys) return H2F(v.residual_keys[static_cast<size_t>(token - v.quantized_keys) * d + c]);
-  if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + c]);
-  if (v.key_bits == 16) return H2F(v.key_half[static_cast<size_t>(token) * d + c]);
-  const int g = token / v.group_size, t = token % v.group_size;
-  const int words = v.group_size * v.key_bits / 32;
-  const size_t slot = static_cast<size_t>(g) * d + c;
-  return static_cast<float>(Code(v.key_codes + slot * words, t, v.key_bits)) * H2F(v.key_scale[slot]) +
-         H2F(v.key_zero[slot]);
-}
-
-__device__ float ValueAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token, int sub, int c) {
-  const int d = v.head_dim;
-  if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + d + c]);
-  if (token >= v.length) return H2F(r.new_values[(token - v.length) * r.kv_stride + c]);
-  if (token >= v.quantized_values) return H2F(v.window_values[static_cast<size_t>(token - v.quantized_values) * d + c]);
-  if (v.value_bits == 16) return H2F(v.value_half[static_cast<size_t>(token) * d + c]);
-  const int groups = d / v.group_size, g = c / v.group_size;
-  const int words = v.group_size * v.value_bits / 32;
-  const size_t slot = static_cast<size_t>(token) * groups + g;
-  return static_cast<float>(Code(v.value_codes + slot * words, c % v.group_size, v.value_bits)) *
-             H2F(v.value_scale[slot]) + H2F(v.value_zero[slot]);
-}
 
 constexpr int kBlockTokens = kDecodeBlockTokens;
 
@@ -194,14 +162,19 @@ __global__ void ValuesKernel(ItemBatch batch) {
     }
     max_of[qi] = m;
     inv_sum_of[qi] = 1.0f / l;
+    if (r.probs && r.probs_stats && blockIdx.x == 0 && qi / r.n_heads == r.probs_row) {
+      r.probs_stats[(qi % r.n_heads) * 2] = m;
+      r.probs_stats[(qi % r.n_heads) * 2 + 1] = l;
+    }
   }
   MapSubstitutes(v, r, first, n, subs);
   for (int i = threadIdx.x; i < queries * n; i += blockDim.x) {
     const int qi = i / n, j = i % n;
-    const float w = expf(r.scratch[static_cast<size_t>(qi) * width + first + j] - max_of[qi]) * inv_sum_of[qi];
+    const float score = r.scratch[static_cast<size_t>(qi) * width + first + j];
+    const float w = expf(score - max_of[qi]) * inv_sum_of[qi];
     weights[qi * kBlockTokens + j] = w;
     if (r.probs && qi / r.n_heads == r.probs_row && first + j < r.n_candidates) {
-      r.probs[static_cast<size_t>(qi % r.n_heads) * r.n_candidates + first + j] = w;
+      r.probs[static_cast<size_t>(qi % r.n_heads) * r.n_candidates + first + j] = r.probs_stats ? score : w;
     }
   }
   __syncthreads();
@@ -335,16 +308,22 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
     }
   }
   auto* s = static_cast<cudaStream_t>(stream);
-  for (int first = 0; first < n_items; first += kMaxDecodeItems) {
+  // Strides resolved; the items the tensor-core path takes go there, the others below.
+  std::vector<DeviceDecodeItem> fast, rest;
+  for (int i = 0; i < n_items; ++i) {
+    DeviceDecodeItem it = items[i];
+    if (it.rows.q_stride == 0) it.rows.q_stride = int64_t{it.rows.n_heads} * it.replica.head_dim;
+    if (it.rows.kv_stride == 0) it.rows.kv_stride = it.replica.head_dim;
+    (LowBitDecodeEligible(it) ? fast : rest).push_back(it);
+  }
+  if (!fast.empty()) SPECACHE_RETURN_IF_ERROR(LaunchLowBitDecode(fast.data(), static_cast<int>(fast.size()), s));
+  for (int first = 0; first < static_cast<int>(rest.size()); first += kMaxDecodeItems) {
     ItemBatch batch;
-    batch.count = std::min(kMaxDecodeItems, n_items - first);
+    batch.count = std::min(kMaxDecodeItems, static_cast<int>(rest.size()) - first);
     int32_t width = 0;
     int queries = 0, head_dim = 0;
     for (int i = 0; i < batch.count; ++i) {
-      batch.items[i] = items[first + i];
-      DeviceDecodeRows& r = batch.items[i].rows;
-      if (r.q_stride == 0) r.q_stride = int64_t{r.n_heads} * batch.items[i].replica.head_dim;
-      if (r.kv_stride == 0) r.kv_stride = batch.items[i].replica.head_dim;
+      batch.items[i] = rest[first + i];
       width = std::max(width, batch.items[i].replica.length + batch.items[i].rows.n_rows);
       queries = std::max(queries, batch.items[i].rows.n_rows * batch.items[i].rows.n_heads);
       head_dim = std::max(head_dim, batch.items[i].replica.head_dim);

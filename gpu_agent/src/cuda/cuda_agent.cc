@@ -174,6 +174,10 @@ class CudaAgent final : public Agent {
   // Resident <- selection for these sequences at a layer, on `stream` (compute or fetch).
   Status Fetch(int layer, const std::vector<size_t>& which, cudaStream_t stream);
   // Top-k of each sequence's candidates (probs at probs_offsets) into generation 1 - cur.
+  // Softmax statistics of sequence s (of the step), KV head h: [GQA head][2].
+  float* ProbsStats(size_t s, int h) {
+    return probs_stats_.get() + (s * shape_.n_kv_heads + h) * size_t(shape_.group_size()) * 2;
+  }
   Status Select(int layer, const std::vector<int32_t>& candidates);
   Status Attend(const std::vector<cuda::DeviceDecodeItem>& items) {
     return cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), compute_);
@@ -205,9 +209,10 @@ class CudaAgent final : public Agent {
   std::map<const uint8_t*, Region> regions_;  // registered by this agent, by host base
 
   // Scratch, grown as needed.
-  Buffer<float> q_, out_, scores_, probs_, topk_scratch_;
+  Buffer<float> q_, out_, scores_, probs_, probs_stats_, topk_scratch_;
   Buffer<Half> k_, v_;
   std::vector<size_t> probs_offsets_;  // per sequence of the step, into probs_
+  // probs_ holds raw scores; probs_stats_ [sequence][KV head][GQA head][2] their softmax statistics.
   int64_t counts_selected_ = 0;        // rows selected for fetches (hits and misses: device counters)
 };
 
@@ -443,7 +448,7 @@ Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
     SPECACHE_RETURN_IF_ERROR(lr.tokens[next].Reserve(size_t(n_kv) * config_.top_k));
     for (int h = 0; h < n_kv; ++h) {  // head h's selection at h * k, as the resident rows are laid out
       segments.push_back({probs_.get() + probs_offsets_[s] + size_t(h) * group * n, lr.tokens[next].get() + size_t(h) * k,
-                          topk_scratch_.get() + scratch, n});
+                          topk_scratch_.get() + scratch, n, ProbsStats(s, h)});
       scratch += n;
     }
   }
@@ -558,6 +563,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
   }
   SPECACHE_RETURN_IF_ERROR(scores_.Reserve(scratch));
   SPECACHE_RETURN_IF_ERROR(probs_.Reserve(std::max<size_t>(probs, 1)));
+  SPECACHE_RETURN_IF_ERROR(probs_stats_.Reserve(n_seq * n_kv * group * 2));
   scratch = 0;
   for (size_t s = 0; s < n_seq; ++s) {
     const SequenceState& st = sequences_.at(ids[s]);
@@ -584,6 +590,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
       r.n_candidates = candidates[s];
       r.probs = selects && candidates[s] > 0 ? probs_.get() + probs_offsets_[s] + size_t(h) * group * candidates[s]
                                              : nullptr;
+      r.probs_stats = ProbsStats(s, h);
       r.scratch = scores_.get() + scratch;
       scratch += static_cast<size_t>(cuda::DecodeScratchFloats(rep.length(), n_rows, group, d));
       items.push_back(it);

@@ -57,6 +57,7 @@ __global__ void TopKKernel(TopKBatch batch, int n_heads, int k, bool use_max) {
     float s = use_max ? -INFINITY : 0.0f;
     for (int h = 0; h < n_heads; ++h) {
       float v = p[static_cast<size_t>(h) * n + j];
+      if (seg.stats) v = expf(v - seg.stats[2 * h]) / seg.stats[2 * h + 1];
       if (isnan(v)) v = -INFINITY;
       s = use_max ? fmaxf(s, v) : __fadd_rn(s, v);
     }

@@ -1,0 +1,68 @@
+// Device helpers shared by the decode attention kernels (attention.cu, lowbit_decode.cu): where a
+// query lives in q/out, and the key and value the attention uses for one token and channel, with
+// the precedence of cpu::AttendDecodeRows (new rows, residual/window, substituted rows, replica).
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "specache/cuda_attention.h"
+
+namespace specache::cuda::decode {
+
+__device__ inline float H2F(Half h) { return __half2float(__ushort_as_half(h)); }
+
+__device__ inline uint32_t Code(const uint32_t* words, int i, int bits) {
+  const int per_word = 32 / bits;
+  return (words[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);
+}
+
+// Where query qi (row qi / n_heads, head qi % n_heads) starts in q and out. Strides are resolved
+// on the host (AttendDecodeBatch), never 0 here.
+__device__ inline int64_t QueryAt(const DeviceDecodeRows& r, int qi, int d) {
+  return (qi / r.n_heads) * r.q_stride + static_cast<int64_t>(qi % r.n_heads) * d;
+}
+
+// Channel c of the key the scores use for `token`; `sub` is its index among the substituted rows
+// or -1.
+__device__ inline float KeyAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token, int sub, int c) {
+  const int d = v.head_dim;
+  if (token >= v.length) return H2F(r.new_keys[(token - v.length) * r.kv_stride + c]);
+  if (token >= v.quantized_keys) return H2F(v.residual_keys[static_cast<size_t>(token - v.quantized_keys) * d + c]);
+  if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + c]);
+  if (v.key_bits == 16) return H2F(v.key_half[static_cast<size_t>(token) * d + c]);
+  const int g = token / v.group_size, t = token % v.group_size;
+  const int words = v.group_size * v.key_bits / 32;
+  const size_t slot = static_cast<size_t>(g) * d + c;
+  return static_cast<float>(Code(v.key_codes + slot * words, t, v.key_bits)) * H2F(v.key_scale[slot]) +
+         H2F(v.key_zero[slot]);
+}
+
+// Channel c of the value the output uses for `token`.
+__device__ inline float ValueAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token, int sub, int c) {
+  const int d = v.head_dim;
+  if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + d + c]);
+  if (token >= v.length) return H2F(r.new_values[(token - v.length) * r.kv_stride + c]);
+  if (token >= v.quantized_values) return H2F(v.window_values[static_cast<size_t>(token - v.quantized_values) * d + c]);
+  if (v.value_bits == 16) return H2F(v.value_half[static_cast<size_t>(token) * d + c]);
+  const int groups = d / v.group_size, g = c / v.group_size;
+  const int words = v.group_size * v.value_bits / 32;
+  const size_t slot = static_cast<size_t>(token) * groups + g;
+  return static_cast<float>(Code(v.value_codes + slot * words, c % v.group_size, v.value_bits)) *
+             H2F(v.value_scale[slot]) + H2F(v.value_zero[slot]);
+}
+
+// Index of `token` among the (ascending) substituted rows, or -1; only quantized keys are
+// substituted.
+__device__ inline int FindSubstitute(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token) {
+  if (token >= v.quantized_keys) return -1;
+  int lo = 0, hi = r.n_sub;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (r.sub_tokens[mid] < token) lo = mid + 1; else hi = mid;
+  }
+  return lo < r.n_sub && r.sub_tokens[lo] == token ? lo : -1;
+}
+
+}  // namespace specache::cuda::decode

@@ -1,0 +1,874 @@
+// Tensor-core decode attention over 1/2-bit replicas; the plan of work is in lowbit_decode.h.
+//
+// Register layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4):
+//   A (16 x 16, row-major): a0 = (row g, cols 2t, 2t+1), a1 = (row g+8, same cols),
+//                           a2 = (row g, cols 2t+8, 2t+9), a3 = (row g+8, same cols)
+//   B (16 x 8):             b0 = (rows 2t, 2t+1, col g), b1 = (rows 2t+8, 2t+9, col g)
+//   C (16 x 8, fp32):       c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g+8, same cols)
+// The lower 16 bits of a register hold the element of the lower index.
+//
+// Operands. A holds codes times scales, exact in fp16 (a 1-bit code selects its fp16 scale or 0;
+// 2-bit codes are two bit planes, the second against B doubled): a "row word" per channel (keys)
+// or token (values) puts, one per byte msb, the code bits of the rows this lane needs (one shift
+// by g and a mask); one prmt with sign replication turns two of them into a 0x0000/0xFFFF mask
+// pair, ANDed with the two scales. B holds the queries (keys) or the probabilities (values), as
+// fp16 hi + lo parts (~22 bits) scaled by a power of two that keeps them in fp16's range. The
+// tensor cores accumulate with truncation, so the values' sums go through fresh accumulators per
+// block of 32 tokens and are added in fp32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <string>
+#include <vector>
+
+#include "decode_common.cuh"
+#include "lowbit_decode.h"
+
+namespace specache::cuda {
+namespace {
+
+using decode::FindSubstitute;
+using decode::H2F;
+using decode::KeyAt;
+using decode::QueryAt;
+using decode::ValueAt;
+
+constexpr int kWarps = 4;        // warps (units) per CTA
+constexpr int kMaxQ = 16;        // queries (rows x GQA heads) per item: two n-tiles of 8
+constexpr int kGroup = 32;       // quantization group size this path handles
+constexpr int kMaxItems = 128;   // items per launch (kernel parameters)
+constexpr unsigned kAll = 0xffffffffu;
+
+struct Batch {
+  DeviceDecodeItem items[kMaxItems];
+  int unit_begin[kMaxItems + 1];  // item i's units are [unit_begin[i], unit_begin[i + 1])
+  int count = 0;
+  int chunk_blocks = 4;           // 32-token blocks per bulk unit
+};
+static_assert(sizeof(Batch) <= 32764, "the batch travels as kernel parameters");
+
+// Tokens [0, BulkEnd) have quantized keys and values: whole blocks of 32 tokens.
+__host__ __device__ inline int32_t BulkEnd(const DeviceReplicaView& v) {
+  const int32_t qv = v.quantized_values & ~31;
+  return (v.quantized_keys < qv ? v.quantized_keys : qv) & ~31;
+}
+__host__ __device__ inline int BulkUnits(const DeviceReplicaView& v, int chunk_blocks) {
+  return (BulkEnd(v) / 32 + chunk_blocks - 1) / chunk_blocks;
+}
+// The tail is cut into at most kMaxTailUnits units of whole 32-token blocks (the scratch is sized
+// for that: DecodeScratchFloats).
+constexpr int kMaxTailUnits = 4;
+__host__ __device__ inline int32_t TailBlocks(const DeviceDecodeItem& it) {
+  return (it.replica.length + it.rows.n_rows - BulkEnd(it.replica) + 31) / 32;
+}
+__host__ __device__ inline int TailUnits(const DeviceDecodeItem& it) {
+  const int32_t blocks = TailBlocks(it);
+  return blocks < kMaxTailUnits ? blocks : kMaxTailUnits;
+}
+// Tokens per tail unit (whole blocks).
+__host__ __device__ inline int32_t TailUnitTokens(const DeviceDecodeItem& it) {
+  return (TailBlocks(it) + TailUnits(it) - 1) / TailUnits(it) * 32;
+}
+
+// Words of one block's bytes staged in shared memory: key codes [D][KB], key scales and zeros
+// [D] halves each, value codes [32][D * VB / 32], value scales and zeros [32][D / 32] halves each.
+template <int KB, int VB, int D>
+__host__ __device__ constexpr int StageWords() { return D * KB + D + 32 * (D * VB / 32) + 32 * (D / kGroup); }
+
+// Per-warp shared memory, in 32-bit words: two stages (bulk) or the scaled queries [Q][D]
+// (tail), then p [32 tokens][Q + 4], alpha [Q], value zero terms [Q][4], substituted-row
+// indices [32].
+template <int KB, int VB, int D, int NT>
+__host__ __device__ constexpr int StagesWords() {
+  return 2 * StageWords<KB, VB, D>() > 8 * NT * D ? 2 * StageWords<KB, VB, D>() : 8 * NT * D;
+}
+// Then the bulk's queries in fp32, [nt][slot i][lane] (see BulkUnit).
+template <int KB, int VB, int D, int NT>
+__host__ __device__ constexpr int WarpWords() {
+  return StagesWords<KB, VB, D, NT>() + 32 * (8 * NT + 4) + 8 * NT + 8 * NT * 4 + 32 + NT * (D / 4) * 32;
+}
+
+__device__ __forceinline__ uint32_t AsU32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+// Mask pair for A: 0xFFFF where the msb of x.byte[b] (low half) / y.byte[b] (high half) is set.
+__device__ __forceinline__ uint32_t MaskPair(uint32_t x, uint32_t y, int b) {
+  const uint32_t sel = (b | 8) | ((b | 8) << 4) | (((4 + b) | 8) << 8) | (((4 + b) | 8) << 12);
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(x), "r"(y), "r"(sel));
+  return d;
+}
+
+// x0, x1 as fp16x2 hi + lo parts (the lo part the rounded rest): ~22 bits of mantissa.
+__device__ __forceinline__ void Split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 f = __half22float2(h);
+  hi = AsU32(h);
+  lo = AsU32(__floats2half2_rn(x0 - f.x, x1 - f.y));
+}
+__device__ __forceinline__ uint32_t Twice(uint32_t h2) {  // exact
+  const __half2 h = *reinterpret_cast<__half2*>(&h2);
+  return AsU32(__hadd2(h, h));
+}
+
+__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // the host never routes items here below sm_80
+#endif
+}
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Waits until at most one committed group of this thread is still in flight.
+__device__ __forceinline__ void CpAsyncWaitButOne() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 1;\n" ::);
+#endif
+}
+
+// Copies `bytes` (a multiple of 16, both ends 16-byte aligned) with the warp's lanes.
+__device__ __forceinline__ void StageCopy(uint32_t* dst, const void* src, int bytes, int lane) {
+  for (int i = lane * 16; i < bytes; i += 32 * 16) {
+    CpAsync16(reinterpret_cast<char*>(dst) + i, static_cast<const char*>(src) + i);
+  }
+}
+
+// Starts the copy of block b0's key and value bytes into `stage` (StageWords layout).
+template <int KB, int VB, int D>
+__device__ __forceinline__ void IssueBlock(const DeviceReplicaView& v, int32_t b0, uint32_t* stage, int lane) {
+  constexpr int VW = D * VB / 32, NGV = D / kGroup;
+  const size_t gi = static_cast<size_t>(b0 / kGroup);
+  StageCopy(stage, v.key_codes + gi * D * KB, D * KB * 4, lane);
+  StageCopy(stage + D * KB, v.key_scale + gi * D, D * 2, lane);
+  StageCopy(stage + D * KB + D / 2, v.key_zero + gi * D, D * 2, lane);
+  uint32_t* values = stage + D * KB + D;
+  StageCopy(values, v.value_codes + static_cast<size_t>(b0) * VW, 32 * VW * 4, lane);
+  StageCopy(values + 32 * VW, v.value_scale + static_cast<size_t>(b0) * NGV, 32 * NGV * 2, lane);
+  StageCopy(values + 32 * VW + 16 * NGV, v.value_zero + static_cast<size_t>(b0) * NGV, 32 * NGV * 2, lane);
+}
+
+__device__ __forceinline__ float2 Half2At(const uint32_t* words, int half_index) {  // half_index even
+  return __half22float2(*reinterpret_cast<const __half2*>(reinterpret_cast<const Half*>(words) + half_index));
+}
+__device__ __forceinline__ float2 LoadHalf2(const Half* p) {
+  return __half22float2(__ldg(reinterpret_cast<const __half2*>(p)));
+}
+
+// Channel of k-step ks (16 channels) and slot j (0..3) that lane quad position t feeds to B.
+__device__ __forceinline__ int ChannelOf(int ks, int j, int t) { return 16 * ks + 2 * t + (j & 1) + 8 * (j >> 1); }
+
+// Row word of key channel c, bit plane P: byte KeyByte(r8)'s msb is bit P of the code of token
+// g + 8 r8 of the block (w: the channel's KB words).
+template <int KB, int P>
+__device__ __forceinline__ uint32_t KeyRowWord(const uint32_t* w, int g) {
+  if constexpr (KB == 1) {
+    return (w[0] << (7 - g)) & 0x80808080u;
+  } else {  // tokens 0-15 in w[0], 16-31 in w[1], 2 bits each
+    return (((w[0] >> (2 * g + P)) & 0x00010001u) << 7) | (((w[1] >> (2 * g + P)) & 0x00010001u) << 15);
+  }
+}
+template <int KB>
+__device__ __forceinline__ int KeyByte(int r8) { return KB == 1 ? r8 : ((r8 & 1) << 1) | (r8 >> 1); }
+
+// Row word of one value word, bit plane P: for VB = 1 byte i's msb is channel 32 k + g + 8 i of
+// word k; for VB = 2 bytes 0 and 2 hold channels g and g + 8 of the word's 16.
+template <int VB, int P>
+__device__ __forceinline__ uint32_t ValueRowWord(uint32_t w, int g) {
+  if constexpr (VB == 1) {
+    return (w << (7 - g)) & 0x80808080u;
+  } else {
+    return ((w >> (2 * g + P)) & 0x00010001u) << 7;
+  }
+}
+
+// fp16 bits of halves i and j of a word array, as (low, high).
+__device__ __forceinline__ uint32_t HalfPair(const uint32_t* words, int i, int j) {
+  const Half* h = reinterpret_cast<const Half*>(words);
+  return static_cast<uint32_t>(h[i]) | (static_cast<uint32_t>(h[j]) << 16);
+}
+
+// One bulk unit: tokens [t0, t1) (whole blocks of 32, quantized keys and values), each block's
+// bytes copied to shared memory one block ahead of the compute (cp.async, two stages).
+template <int KB, int VB, int D, int NT>
+__device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws, int lane) {
+  constexpr int Q = 8 * NT, PS = Q + 4, KS = D / 16, MT = D / 16, NGV = D / kGroup;
+  constexpr int VW = D * VB / 32;  // words of one token's value codes
+  constexpr int SW = StageWords<KB, VB, D>();
+  constexpr float kPScale = 16384.0f;  // p in [0, 1] scaled into fp16's normal range
+  const DeviceReplicaView& v = it.replica;
+  const DeviceDecodeRows& r = it.rows;
+  const int g = lane >> 2, t = lane & 3;
+  const int queries = r.n_rows * r.n_heads;
+  float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
+  float* alpha_sm = psm + 32 * PS;
+  float* zsm = alpha_sm + Q;
+  int* sub_list = reinterpret_cast<int*>(zsm + Q * 4);
+  float* qsm = reinterpret_cast<float*>(sub_list + 32);  // [nt][KS * 4][32]: lane's query channels
+  auto qf = [&](int nt, int i) -> float { return qsm[(nt * KS * 4 + i) * 32 + lane]; };
+
+  IssueBlock<KB, VB, D>(v, t0, ws, lane);
+  CpAsyncCommit();
+
+  // This lane's share of the scaled queries: query 8 nt + g at channels ChannelOf(ks, j, t), in
+  // fp32 (zeros' term, substituted rows) and as B operands (hi, lo) times 2^e_n, which puts the
+  // query's largest channel in [2^13, 2^14).
+  uint32_t bq[NT][KS][2][2];  // [nt][ks][b0, b1][hi, lo]
+  float q_unscale[NT][2];     // 2^-e of the C columns' queries 8 nt + 2t + j
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int n = 8 * nt + g;
+    float mx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KS * 4; ++i) {
+      const float x = n < queries ? r.q[QueryAt(r, n, D) + ChannelOf(i / 4, i % 4, t)] * r.scale : 0.0f;
+      qsm[(nt * KS * 4 + i) * 32 + lane] = x;
+      mx = fmaxf(mx, fabsf(x));
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
+    const int e = mx > 0.0f && isfinite(mx) ? 13 - ilogbf(mx) : 0;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      Split(ldexpf(qf(nt, 4 * ks), e), ldexpf(qf(nt, 4 * ks + 1), e), bq[nt][ks][0][0], bq[nt][ks][0][1]);
+      Split(ldexpf(qf(nt, 4 * ks + 2), e), ldexpf(qf(nt, 4 * ks + 3), e), bq[nt][ks][1][0], bq[nt][ks][1][1]);
+    }
+    const float unscale = ldexpf(1.0f, -e);
+    q_unscale[nt][0] = __shfl_sync(kAll, unscale, 8 * t);
+    q_unscale[nt][1] = __shfl_sync(kAll, unscale, 8 * t + 4);
+  }
+  // Whether C column (nt, j) is the probabilities row's, and where its scores go.
+  float* probs_at[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int q = 8 * nt + 2 * t + j;
+      probs_at[nt][j] = r.probs && q < queries && q / r.n_heads == r.probs_row
+                            ? r.probs + static_cast<size_t>(q % r.n_heads) * r.n_candidates
+                            : nullptr;
+    }
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+  float m[NT][2], l[NT][2], zv[NT][NGV];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    m[nt][0] = m[nt][1] = -INFINITY;
+    l[nt][0] = l[nt][1] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NGV; ++k) zv[nt][k] = 0.0f;
+  }
+  // First substituted row at or after t0 (the list is ascending).
+  int sp = 0;
+  if (lane == 0) {
+    int lo = 0, hi = r.n_sub;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (r.sub_tokens[mid] < t0) lo = mid + 1; else hi = mid;
+    }
+    sp = lo;
+  }
+  sp = __shfl_sync(kAll, sp, 0);
+
+  int stage = 0;
+  for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
+    if (b0 + 32 < t1) IssueBlock<KB, VB, D>(v, b0 + 32, ws + (stage ^ 1) * SW, lane);
+    CpAsyncCommit();
+    CpAsyncWaitButOne();
+    __syncwarp();
+    const uint32_t* kc = ws + stage * SW;
+    const uint32_t* kscale = kc + D * KB;
+    const uint32_t* kzero = kscale + D / 2;
+    const uint32_t* vcodes = kzero + D / 2;
+    const uint32_t* vscale = vcodes + 32 * VW;
+    const uint32_t* vzero = vscale + 16 * NGV;
+
+    // ---- scores of the block's 32 tokens: sc[mt][nt] is C of tokens 16 mt + .., queries 8 nt + ..
+    float sc[2][NT][4];
+    float zk[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      zk[nt] = 0.0f;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[mt][nt][i] = 0.0f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const int c0 = 16 * ks + 2 * t;
+      const uint32_t* w01 = kc + c0 * KB;
+      const uint32_t* w89 = kc + (c0 + 8) * KB;
+      const uint32_t s01 = kscale[c0 / 2], s89 = kscale[c0 / 2 + 4];
+      const float2 z01 = Half2At(kzero, c0), z89 = Half2At(kzero, c0 + 8);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        zk[nt] += qf(nt, 4 * ks) * z01.x + qf(nt, 4 * ks + 1) * z01.y + qf(nt, 4 * ks + 2) * z89.x +
+                  qf(nt, 4 * ks + 3) * z89.y;
+      }
+#pragma unroll
+      for (int plane = 0; plane < KB; ++plane) {
+        uint32_t row[4];
+        if (plane == 0) {
+          row[0] = KeyRowWord<KB, 0>(w01, g), row[1] = KeyRowWord<KB, 0>(w01 + KB, g);
+          row[2] = KeyRowWord<KB, 0>(w89, g), row[3] = KeyRowWord<KB, 0>(w89 + KB, g);
+        } else {
+          row[0] = KeyRowWord<KB, 1>(w01, g), row[1] = KeyRowWord<KB, 1>(w01 + KB, g);
+          row[2] = KeyRowWord<KB, 1>(w89, g), row[3] = KeyRowWord<KB, 1>(w89 + KB, g);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int b_lo = KeyByte<KB>(2 * mt), b_hi = KeyByte<KB>(2 * mt + 1);
+          const uint32_t a0 = MaskPair(row[0], row[1], b_lo) & s01, a1 = MaskPair(row[0], row[1], b_hi) & s01;
+          const uint32_t a2 = MaskPair(row[2], row[3], b_lo) & s89, a3 = MaskPair(row[2], row[3], b_hi) & s89;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int part = 0; part < 2; ++part) {
+              const uint32_t b0 = plane ? Twice(bq[nt][ks][0][part]) : bq[nt][ks][0][part];
+              const uint32_t b1 = plane ? Twice(bq[nt][ks][1][part]) : bq[nt][ks][1][part];
+              Mma(sc[mt][nt], a0, a1, a2, a3, b0, b1);
+            }
+        }
+      }
+    }
+    // The zeros' term of query 8 nt + g is summed over the quad; element (.., 2t + j) needs the
+    // term of lane (2t + j) * 4.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      zk[nt] += __shfl_xor_sync(kAll, zk[nt], 1);
+      zk[nt] += __shfl_xor_sync(kAll, zk[nt], 2);
+    }
+    float score[2][NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float z_even = __shfl_sync(kAll, zk[nt], 8 * t), z_odd = __shfl_sync(kAll, zk[nt], 8 * t + 4);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = i & 1;
+          score[mt][nt][i] = 8 * nt + 2 * t + j < queries ? sc[mt][nt][i] * q_unscale[nt][j] + (j ? z_odd : z_even)
+                                                          : -INFINITY;
+        }
+    }
+    // Substituted rows in this block: scores from the fetched keys (fp32).
+    int n_block_subs = 0;
+    while (sp < r.n_sub) {
+      const int32_t tk = r.sub_tokens[sp];
+      if (tk >= b0 + 32) break;
+      const Half* kf = r.sub_rows + static_cast<size_t>(sp) * 2 * D;
+      float part[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) part[nt] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const float2 k01 = LoadHalf2(kf + 16 * ks + 2 * t), k89 = LoadHalf2(kf + 16 * ks + 2 * t + 8);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          part[nt] += qf(nt, 4 * ks) * k01.x + qf(nt, 4 * ks + 1) * k01.y + qf(nt, 4 * ks + 2) * k89.x +
+                      qf(nt, 4 * ks + 3) * k89.y;
+        }
+      }
+      const int i = tk - b0, row = i & 15;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        part[nt] += __shfl_xor_sync(kAll, part[nt], 1);
+        part[nt] += __shfl_xor_sync(kAll, part[nt], 2);
+        const float s_even = __shfl_sync(kAll, part[nt], 8 * t), s_odd = __shfl_sync(kAll, part[nt], 8 * t + 4);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const bool here = g == (row & 7) && mt == (i >> 4) && (e >> 1) == (row >> 3);
+            if (here && 8 * nt + 2 * t + (e & 1) < queries) score[mt][nt][e] = (e & 1) ? s_odd : s_even;
+          }
+      }
+      if (lane == 0) sub_list[n_block_subs] = sp;
+      ++n_block_subs;
+      ++sp;
+    }
+    // Raw scores of the probabilities row's candidates, for the top-k.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float* at = probs_at[nt][e & 1];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int32_t tok = b0 + 16 * mt + g + 8 * (e >> 1);
+          if (at != nullptr && tok < r.n_candidates) at[tok] = score[mt][nt][e];
+        }
+      }
+    // Online softmax per query column; p goes to shared memory for the values' B operand.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float bm = fmaxf(fmaxf(score[0][nt][j], score[0][nt][j + 2]), fmaxf(score[1][nt][j], score[1][nt][j + 2]));
+        bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 4));
+        bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 8));
+        bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 16));
+        const float mn = fmaxf(m[nt][j], bm);
+        const float alpha = mn == -INFINITY ? 1.0f : __expf(m[nt][j] - mn);
+        m[nt][j] = mn;
+        l[nt][j] *= alpha;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc[mt][nt][j] *= alpha, acc[mt][nt][j + 2] *= alpha;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float p = mn == -INFINITY ? 0.0f : __expf(score[mt][nt][j + 2 * h] - mn);
+            l[nt][j] += p;
+            psm[(16 * mt + g + 8 * h) * PS + 8 * nt + 2 * t + j] = p;
+          }
+        if (g == 0) alpha_sm[8 * nt + 2 * t + j] = alpha;
+      }
+    __syncwarp();
+    // Substituted rows: their fetched values in fp32, and out of the mma operand.
+    for (int k = 0; k < n_block_subs; ++k) {
+      const int si = sub_list[k];
+      const int i = r.sub_tokens[si] - b0;
+      const Half* vf = r.sub_rows + static_cast<size_t>(si) * 2 * D + D;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float p_even = psm[i * PS + 8 * nt + 2 * t], p_odd = psm[i * PS + 8 * nt + 2 * t + 1];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const float v0 = H2F(vf[16 * mt + g]), v1 = H2F(vf[16 * mt + g + 8]);
+          acc[mt][nt][0] += p_even * v0;
+          acc[mt][nt][1] += p_odd * v0;
+          acc[mt][nt][2] += p_even * v1;
+          acc[mt][nt][3] += p_odd * v1;
+        }
+      }
+    }
+    __syncwarp();
+    for (int k = 0; k < n_block_subs; ++k) {
+      if (lane < Q) psm[(r.sub_tokens[sub_list[k]] - b0) * PS + lane] = 0.0f;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float alpha = alpha_sm[8 * nt + g];
+#pragma unroll
+      for (int k = 0; k < NGV; ++k) zv[nt][k] *= alpha;
+    }
+    __syncwarp();
+    // ---- values: out^T [d x Q] += (codes * scale)^T [d x 32] x p [32 x Q], each m-tile's two
+    // k-steps into fresh accumulators added in fp32.
+    uint32_t s01[2][NGV], s23[2][NGV];  // scales of token pairs (jt0, jt1), (jt2, jt3) per group
+    uint32_t bp[2][NT][2][2];           // [ks][nt][b0, b1][hi, lo]
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      const int j0 = 16 * ks + 2 * t;  // B's rows 2t, 2t+1, 2t+8, 2t+9 are tokens j0, j0+1, j0+8, j0+9
+#pragma unroll
+      for (int k = 0; k < NGV; ++k) {
+        s01[ks][k] = HalfPair(vscale, j0 * NGV + k, (j0 + 1) * NGV + k);
+        s23[ks][k] = HalfPair(vscale, (j0 + 8) * NGV + k, (j0 + 9) * NGV + k);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float p0 = psm[j0 * PS + 8 * nt + g], p1 = psm[(j0 + 1) * PS + 8 * nt + g];
+        const float p2 = psm[(j0 + 8) * PS + 8 * nt + g], p3 = psm[(j0 + 9) * PS + 8 * nt + g];
+        const Half* vz = reinterpret_cast<const Half*>(vzero);
+#pragma unroll
+        for (int k = 0; k < NGV; ++k) {
+          zv[nt][k] += p0 * H2F(vz[j0 * NGV + k]) + p1 * H2F(vz[(j0 + 1) * NGV + k]) +
+                       p2 * H2F(vz[(j0 + 8) * NGV + k]) + p3 * H2F(vz[(j0 + 9) * NGV + k]);
+        }
+        Split(p0 * kPScale, p1 * kPScale, bp[ks][nt][0][0], bp[ks][nt][0][1]);
+        Split(p2 * kPScale, p3 * kPScale, bp[ks][nt][1][0], bp[ks][nt][1][1]);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      // Channels 16 mt + g and + 8: word and bytes of the row words, channel group.
+      const int word = VB == 1 ? mt / 2 : mt;
+      const int b_lo = VB == 1 ? 2 * (mt & 1) : 0, b_hi = VB == 1 ? 2 * (mt & 1) + 1 : 2;
+      const int k = (16 * mt) / kGroup;
+      float fresh[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fresh[nt][i] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const int j0 = 16 * ks + 2 * t;
+        const uint32_t w0 = vcodes[j0 * VW + word], w1 = vcodes[(j0 + 1) * VW + word];
+        const uint32_t w8 = vcodes[(j0 + 8) * VW + word], w9 = vcodes[(j0 + 9) * VW + word];
+#pragma unroll
+        for (int plane = 0; plane < VB; ++plane) {
+          uint32_t row[4];
+          if (plane == 0) {
+            row[0] = ValueRowWord<VB, 0>(w0, g), row[1] = ValueRowWord<VB, 0>(w1, g);
+            row[2] = ValueRowWord<VB, 0>(w8, g), row[3] = ValueRowWord<VB, 0>(w9, g);
+          } else {
+            row[0] = ValueRowWord<VB, 1>(w0, g), row[1] = ValueRowWord<VB, 1>(w1, g);
+            row[2] = ValueRowWord<VB, 1>(w8, g), row[3] = ValueRowWord<VB, 1>(w9, g);
+          }
+          const uint32_t a0 = MaskPair(row[0], row[1], b_lo) & s01[ks][k];
+          const uint32_t a1 = MaskPair(row[0], row[1], b_hi) & s01[ks][k];
+          const uint32_t a2 = MaskPair(row[2], row[3], b_lo) & s23[ks][k];
+          const uint32_t a3 = MaskPair(row[2], row[3], b_hi) & s23[ks][k];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int part = 0; part < 2; ++part) {
+              const uint32_t b0 = plane ? Twice(bp[ks][nt][0][part]) : bp[ks][nt][0][part];
+              const uint32_t b1 = plane ? Twice(bp[ks][nt][1][part]) : bp[ks][nt][1][part];
+              Mma(fresh[nt], a0, a1, a2, a3, b0, b1);
+            }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] += fresh[nt][i] * (1.0f / kPScale);
+    }
+    __syncwarp();  // psm and this stage are rewritten by the next blocks
+  }
+
+  // ---- the unit's partial result: per query max, sum, and out + the zeros' term.
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      l[nt][j] += __shfl_xor_sync(kAll, l[nt][j], 4);
+      l[nt][j] += __shfl_xor_sync(kAll, l[nt][j], 8);
+      l[nt][j] += __shfl_xor_sync(kAll, l[nt][j], 16);
+    }
+#pragma unroll
+    for (int k = 0; k < NGV; ++k) {
+      zv[nt][k] += __shfl_xor_sync(kAll, zv[nt][k], 1);
+      zv[nt][k] += __shfl_xor_sync(kAll, zv[nt][k], 2);
+      if (t == 0) zsm[(8 * nt + g) * 4 + k] = zv[nt][k];
+    }
+  }
+  __syncwarp();
+  float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
+  float* stats = r.scratch + static_cast<size_t>(units) * queries * D + static_cast<size_t>(u) * queries * 2;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int q = 8 * nt + 2 * t + (e & 1), c = 16 * mt + g + 8 * (e >> 1);
+        if (q < queries) partial[q * D + c] = acc[mt][nt][e] + zsm[q * 4 + c / kGroup];
+      }
+  if (g == 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int q = 8 * nt + 2 * t + j;
+        if (q < queries) stats[q * 2] = m[nt][j], stats[q * 2 + 1] = l[nt][j];
+      }
+  }
+}
+
+// Where the fp16 row of `token`'s key is (residual, the step's new rows, a substituted row), or
+// null for a quantized key.
+__device__ __forceinline__ const Half* KeyRow(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token,
+                                              int sub) {
+  const int d = v.head_dim;
+  if (token >= v.length) return r.new_keys + (token - v.length) * r.kv_stride;
+  if (token >= v.quantized_keys) return v.residual_keys + static_cast<size_t>(token - v.quantized_keys) * d;
+  if (sub >= 0) return r.sub_rows + static_cast<size_t>(sub) * 2 * d;
+  return nullptr;
+}
+
+// One tail unit: tokens [from, to) of whatever kind (residual keys, value window, the step's new
+// rows, causal among themselves), 32 at a time with an online softmax: a lane per token for the
+// scores (queries from shared memory, fp16 key rows read 8 channels at a time) and a lane per
+// channel for the values, on the CUDA cores.
+template <int KB, int VB, int D, int NT>
+__device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t from, int32_t to, uint32_t* ws,
+                         int lane) {
+  constexpr int Q = 8 * NT, PS = Q + 4, CPL = D / 32;
+  const DeviceReplicaView& v = it.replica;
+  const DeviceDecodeRows& r = it.rows;
+  const int queries = r.n_rows * r.n_heads;
+  float* qsm = reinterpret_cast<float*>(ws);  // [Q][D], scaled
+  float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
+  int* subs = reinterpret_cast<int*>(psm + 32 * PS + Q + Q * 4);
+  for (int i = lane; i < Q * D; i += 32) {
+    qsm[i] = i / D < queries ? r.q[QueryAt(r, i / D, D) + i % D] * r.scale : 0.0f;
+  }
+  __syncwarp();
+  float m[Q], l[Q], acc[Q][CPL];
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    m[q] = -INFINITY;
+    l[q] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) acc[q][k] = 0.0f;
+  }
+  for (int32_t b0 = from; b0 < to; b0 += 32) {
+    const int32_t token = b0 + lane;
+    const bool valid = token < to;
+    const int sub = valid ? FindSubstitute(v, r, token) : -1;
+    subs[lane] = sub;
+    float s[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) s[q] = 0.0f;
+    if (valid) {
+      const Half* row = KeyRow(v, r, token, sub);
+      if (row != nullptr) {
+        for (int c = 0; c < D; c += 8) {
+          const uint4 x = *reinterpret_cast<const uint4*>(row + c);
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            const uint32_t w = h == 0 ? x.x : h == 1 ? x.y : h == 2 ? x.z : x.w;
+            const float2 k2 = make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xFFFFu))),
+                                          __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))));
+#pragma unroll
+            for (int q = 0; q < Q; ++q) s[q] += qsm[q * D + c + 2 * h] * k2.x + qsm[q * D + c + 2 * h + 1] * k2.y;
+          }
+        }
+      } else {
+        for (int c = 0; c < D; ++c) {
+          const float k = KeyAt(v, r, token, sub, c);
+#pragma unroll
+          for (int q = 0; q < Q; ++q) s[q] += qsm[q * D + c] * k;
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      float score = -INFINITY;
+      if (q < queries && valid && !(token >= v.length && token - v.length > q / r.n_heads)) score = s[q];
+      if (r.probs && q < queries && valid && q / r.n_heads == r.probs_row && token < r.n_candidates) {
+        r.probs[static_cast<size_t>(q % r.n_heads) * r.n_candidates + token] = score;
+      }
+      float bm = score;
+      for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, o));
+      const float mn = fmaxf(m[q], bm);
+      const float alpha = mn == -INFINITY ? 1.0f : __expf(m[q] - mn);
+      const float p = mn == -INFINITY ? 0.0f : __expf(score - mn);
+      float sum = p;
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kAll, sum, o);
+      m[q] = mn;
+      l[q] = l[q] * alpha + sum;
+#pragma unroll
+      for (int k = 0; k < CPL; ++k) acc[q][k] *= alpha;
+      psm[lane * PS + q] = p;
+    }
+    __syncwarp();
+    const int32_t n = min(32, to - b0);
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+#pragma unroll
+      for (int k = 0; k < CPL; ++k) {
+        const float val = ValueAt(v, r, b0 + j, subs[j], lane + 32 * k);
+#pragma unroll
+        for (int q = 0; q < Q; ++q) acc[q][k] += psm[j * PS + q] * val;
+      }
+    }
+    __syncwarp();
+  }
+  float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
+  float* stats = r.scratch + static_cast<size_t>(units) * queries * D + static_cast<size_t>(u) * queries * 2;
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    if (q >= queries) break;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) partial[q * D + lane + 32 * k] = acc[q][k];
+    if (lane == 0) stats[q * 2] = m[q], stats[q * 2 + 1] = l[q];
+  }
+}
+
+template <int KB, int VB, int D, int NT>
+__global__ void __launch_bounds__(kWarps * 32) LowBitDecodeKernel(Batch batch) {
+  extern __shared__ uint32_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int unit = blockIdx.x * kWarps + warp;
+  if (unit >= batch.unit_begin[batch.count]) return;
+  int lo = 0, hi = batch.count - 1;  // the item: last i with unit_begin[i] <= unit
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.unit_begin[mid] <= unit) lo = mid; else hi = mid - 1;
+  }
+  const DeviceDecodeItem& it = batch.items[lo];
+  const int u = unit - batch.unit_begin[lo], units = batch.unit_begin[lo + 1] - batch.unit_begin[lo];
+  const int bulk_units = BulkUnits(it.replica, batch.chunk_blocks);
+  const int32_t bulk_end = BulkEnd(it.replica);
+  uint32_t* ws = smem + warp * WarpWords<KB, VB, D, NT>();
+  if (u < bulk_units) {
+    const int32_t t0 = u * batch.chunk_blocks * 32;
+    BulkUnit<KB, VB, D, NT>(it, u, units, t0, min(bulk_end, t0 + batch.chunk_blocks * 32), ws, lane);
+  } else {
+    const int32_t per = TailUnitTokens(it), from = bulk_end + (u - bulk_units) * per;
+    TailUnit<KB, VB, D, NT>(it, u, units, from, min(it.replica.length + it.rows.n_rows, from + per), ws, lane);
+  }
+}
+
+// Block per item: the units' partial results combined in unit order (deterministic), the
+// probabilities row's statistics (or the probabilities themselves, in place).
+__global__ void MergeKernel(Batch batch) {
+  __shared__ float max_of[kMaxQ], inv_sum_of[kMaxQ];
+  const DeviceDecodeItem& it = batch.items[blockIdx.x];
+  const DeviceDecodeRows& r = it.rows;
+  const int d = it.replica.head_dim, queries = r.n_rows * r.n_heads;
+  const int units = batch.unit_begin[blockIdx.x + 1] - batch.unit_begin[blockIdx.x];
+  const float* partial = r.scratch;
+  const float* stats = r.scratch + static_cast<size_t>(units) * queries * d;
+  if (threadIdx.x < queries) {
+    const int q = threadIdx.x;
+    float mx = -INFINITY;
+    for (int u = 0; u < units; ++u) mx = fmaxf(mx, stats[(u * queries + q) * 2]);
+    float sum = 0.0f;
+    for (int u = 0; u < units; ++u) {
+      const float mu = stats[(u * queries + q) * 2];
+      if (mu != -INFINITY) sum += stats[(u * queries + q) * 2 + 1] * __expf(mu - mx);
+    }
+    max_of[q] = mx;
+    inv_sum_of[q] = 1.0f / sum;
+    if (r.probs && r.probs_stats && q / r.n_heads == r.probs_row) {
+      r.probs_stats[(q % r.n_heads) * 2] = mx;
+      r.probs_stats[(q % r.n_heads) * 2 + 1] = sum;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < queries * d; i += blockDim.x) {
+    const int q = i / d, c = i % d;
+    float o = 0.0f;
+    for (int u = 0; u < units; ++u) {
+      const float mu = stats[(u * queries + q) * 2];
+      if (mu != -INFINITY) o += partial[(static_cast<size_t>(u) * queries + q) * d + c] * __expf(mu - max_of[q]);
+    }
+    r.out[QueryAt(r, q, d) + c] = o * inv_sum_of[q];
+  }
+  if (r.probs && !r.probs_stats) {
+    const int32_t n = r.n_candidates;
+    for (int64_t i = threadIdx.x; i < int64_t{r.n_heads} * n; i += blockDim.x) {
+      const int q = r.probs_row * r.n_heads + static_cast<int>(i / n);
+      r.probs[i] = expf(r.probs[i] - max_of[q]) * inv_sum_of[q];
+    }
+  }
+}
+
+struct KernelInfo {
+  void (*fn)(Batch);
+  int warp_words;  // shared memory per warp
+};
+
+template <int KB, int VB, int D>
+std::array<KernelInfo, 2> Tiles() {
+  return {KernelInfo{LowBitDecodeKernel<KB, VB, D, 1>, WarpWords<KB, VB, D, 1>()},
+          KernelInfo{LowBitDecodeKernel<KB, VB, D, 2>, WarpWords<KB, VB, D, 2>()}};
+}
+
+// Kernel of a (key bits, value bits, head_dim, n-tiles) class.
+KernelInfo KernelFor(int kb, int vb, int d, int nt) {
+  static const std::array<std::array<KernelInfo, 2>, 8> table = {
+      Tiles<1, 1, 64>(), Tiles<1, 1, 128>(), Tiles<1, 2, 64>(), Tiles<1, 2, 128>(),
+      Tiles<2, 1, 64>(), Tiles<2, 1, 128>(), Tiles<2, 2, 64>(), Tiles<2, 2, 128>()};
+  return table[((kb - 1) * 2 + (vb - 1)) * 2 + (d == 128)][nt - 1];
+}
+
+int QueryTiles(const DeviceDecodeItem& it) { return it.rows.n_rows * it.rows.n_heads <= 8 ? 1 : 2; }
+int ClassOf(const DeviceDecodeItem& it) {
+  return (((it.replica.key_bits - 1) * 2 + (it.replica.value_bits - 1)) * 2 + (it.replica.head_dim == 128)) * 2 +
+         QueryTiles(it) - 1;
+}
+
+// Whether the current device runs mma.m16n8k16 with bf16 (sm_80+), asked once per device.
+bool DeviceHasBf16Mma() {
+  constexpr int kMaxDevices = 64;
+  static int known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
+  if (known[device] == 0) {
+    int major = 0;
+    known[device] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8
+                        ? 1 : 2;
+  }
+  return known[device] == 1;
+}
+
+int MultiprocessorCount() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+    return 100;
+  }
+  return sms;
+}
+
+Status LaunchSet(const std::vector<const DeviceDecodeItem*>& set, cudaStream_t stream) {
+  Batch batch;
+  batch.count = static_cast<int>(set.size());
+  int64_t blocks = 0;
+  for (const DeviceDecodeItem* it : set) blocks += BulkEnd(it->replica) / 32;
+  // Enough units to give every SM ~16 warps; at least 4 blocks per unit so the merge stays small.
+  const int64_t target_units = int64_t{MultiprocessorCount()} * 16;
+  batch.chunk_blocks = static_cast<int>(std::clamp<int64_t>((blocks + target_units - 1) / target_units, 4, 64));
+  int units = 0;
+  for (int i = 0; i < batch.count; ++i) {
+    batch.items[i] = *set[i];
+    batch.unit_begin[i] = units;
+    units += BulkUnits(set[i]->replica, batch.chunk_blocks) + TailUnits(*set[i]);
+  }
+  batch.unit_begin[batch.count] = units;
+  const DeviceDecodeItem& first = *set[0];
+  const int nt = QueryTiles(first);
+  const KernelInfo kernel = KernelFor(first.replica.key_bits, first.replica.value_bits, first.replica.head_dim, nt);
+  const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
+  kernel.fn<<<(units + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(batch);
+  MergeKernel<<<batch.count, 256, 0, stream>>>(batch);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? Status::Ok()
+                            : Status::Unavailable(std::string("low-bit decode kernels: ") + cudaGetErrorString(err));
+}
+
+}  // namespace
+
+bool LowBitDecodeEligible(const DeviceDecodeItem& item) {
+  const DeviceReplicaView& v = item.replica;
+  const int queries = item.rows.n_rows * item.rows.n_heads;
+  return (v.key_bits == 1 || v.key_bits == 2) && (v.value_bits == 1 || v.value_bits == 2) &&
+         (v.head_dim == 64 || v.head_dim == 128) && v.group_size == kGroup && queries >= 1 && queries <= kMaxQ &&
+         DeviceHasBf16Mma();
+}
+
+Status LaunchLowBitDecode(const DeviceDecodeItem* items, int n_items, cudaStream_t stream) {
+  constexpr int kClasses = 32;
+  std::vector<const DeviceDecodeItem*> by_class[kClasses];
+  for (int i = 0; i < n_items; ++i) by_class[ClassOf(items[i])].push_back(&items[i]);
+  for (int cls = 0; cls < kClasses; ++cls) {
+    const auto& all = by_class[cls];
+    for (size_t first = 0; first < all.size(); first += kMaxItems) {
+      const std::vector<const DeviceDecodeItem*> set(all.begin() + first,
+                                                     all.begin() + std::min(all.size(), first + kMaxItems));
+      SPECACHE_RETURN_IF_ERROR(LaunchSet(set, stream));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace specache::cuda
