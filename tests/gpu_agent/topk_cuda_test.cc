@@ -95,5 +95,45 @@ TEST(CudaTopKTest, RaggedBatchEqualsTheCpuSelection) {
 #endif
 }
 
+// Long segments (cut into many parts and merged) given as raw scores plus per-head softmax
+// statistics: each equals the CPU's selection of the probabilities exp(score - max) / sum.
+TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
+  auto info = ProbeCudaDevice();
+  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(37);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int heads = 4, k = 64;
+  for (GroupReduction red : {GroupReduction::kMean, GroupReduction::kMax}) {
+    testing::DeviceBuffers buf;
+    std::vector<cuda::TopKSegment> segments;
+    std::vector<std::vector<float>> probs;
+    for (int32_t n : {32768, 100000, 5000, 700}) {
+      std::vector<float> raw(size_t(heads) * n), stats(size_t(heads) * 2), p(raw.size());
+      for (auto& x : raw) x = normal(rng);
+      for (int h = 0; h < heads; ++h) {
+        const float* row = raw.data() + size_t(h) * n;
+        const float m = *std::max_element(row, row + n);
+        float sum = 0.0f;
+        for (int32_t j = 0; j < n; ++j) sum += std::exp(row[j] - m);
+        stats[2 * h] = m;
+        stats[2 * h + 1] = sum;
+        for (int32_t j = 0; j < n; ++j) p[size_t(h) * n + j] = std::exp(row[j] - m) / sum;
+      }
+      segments.push_back({buf.Copy(raw), buf.Allocate<int32_t>(k), buf.Allocate<float>(n), n, buf.Copy(stats)});
+      probs.push_back(std::move(p));
+    }
+    ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k, red, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (size_t i = 0; i < segments.size(); ++i) {
+      std::vector<int32_t> want;
+      std::vector<float> scratch;
+      cpu::SelectTopK(probs[i].data(), heads, segments[i].n, k, red, &want, &scratch);
+      ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "n=" << segments[i].n;
+    }
+  }
+#endif
+}
+
 }  // namespace
 }  // namespace specache

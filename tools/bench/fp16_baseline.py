@@ -50,6 +50,10 @@ def mlp(x, wts, l):
 
 
 def decode(batch, context, wts, steps):
+    kv_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * 2 * LAYERS
+    if kv_bytes > torch.cuda.mem_get_info()[0] - (4 << 30):
+        return {"suite": "fp16_decode", "batch": batch, "context": context,
+                "skipped": f"its fp16 KV cache ({kv_bytes / 2**30:.0f} GiB) does not fit beside the weights"}
     kv = [torch.randn(2, batch, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.float16)
           for _ in range(LAYERS)]
     x = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.float16)
@@ -75,7 +79,6 @@ def decode(batch, context, wts, steps):
     attn = median_ms(attention_only, steps)
     gemm = median_ms(gemms_only, steps)
     whole = median_ms(step, steps)
-    kv_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * 2 * LAYERS
     del kv
     torch.cuda.empty_cache()
     return {"suite": "fp16_decode", "batch": batch, "context": context, "ms_attention_step": attn,
@@ -114,6 +117,9 @@ def main():
         for batch in [int(b) for b in a.batches.split(",")]:
             r = decode(batch, context, wts, a.steps)
             print(json.dumps(r), flush=True)
+            if "skipped" in r:
+                print(f"fp16 decode B={batch:3d} ctx={context:6d}: skipped, {r['skipped']}", file=sys.stderr)
+                continue
             print(f"fp16 decode B={batch:3d} ctx={context:6d}: attention {r['ms_attention_step']:.2f} ms/step "
                   f"({r['attention_gbps']:.0f} GB/s), GEMMs {r['ms_gemms_step']:.2f}, step {r['ms_step']:.2f} ms, "
                   f"{r['tokens_per_s']:.0f} tok/s", file=sys.stderr)

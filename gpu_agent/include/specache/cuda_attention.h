@@ -70,14 +70,16 @@ constexpr int kDecodeBlockTokens = 128;
 // Most rows x GQA heads of one item.
 constexpr int kMaxDecodeQueries = 32;
 
-// Floats of scratch one item needs: its raw scores, each score block's softmax statistics (max
-// and sum of exponentials per query) and the partial sums of its value blocks (CUDA-core path);
-// the tensor-core path needs at most blocks + 4 partial sums and statistics (4: its tail units),
-// which the last term makes fit for short items too.
+// Floats of scratch one item needs. The CUDA-core path: its raw scores, each score block's
+// softmax statistics (max and sum of exponentials per query) and the partial sums of its value
+// blocks. The tensor-core path: a partial result (outputs, max, sum per query) per unit of at
+// least 64 tokens, plus up to 4 tail units.
 inline int64_t DecodeScratchFloats(int32_t length, int n_rows, int n_heads, int head_dim) {
   const int64_t width = int64_t{length} + n_rows, queries = int64_t{n_rows} * n_heads;
   const int64_t blocks = (width + kDecodeBlockTokens - 1) / kDecodeBlockTokens;
-  return queries * width + queries * blocks * 2 + blocks * queries * head_dim + queries * 4 * (head_dim + 2);
+  const int64_t cuda_cores = queries * width + queries * blocks * 2 + blocks * queries * head_dim;
+  const int64_t tensor_cores = queries * (head_dim + 2) * ((width + 63) / 64 + 4);
+  return cuda_cores > tensor_cores ? cuda_cores : tensor_cores;
 }
 
 struct DeviceDecodeItem {

@@ -17,8 +17,11 @@ namespace specache::cuda {
 Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int k, GroupReduction reduction,
                   int32_t* tokens, float* scratch, void* stream);
 
-// Segments of different lengths in one launch (a block each; up to kMaxTopKSegments per launch,
-// more are split): the decode step's (sequence, KV head) pairs.
+// Segments of different lengths in one set of launches (up to kMaxTopKSegments per set, more are
+// split): the decode step's (sequence, KV head) pairs. A long segment is cut into parts selected
+// by blocks of their own, then merged (topk.cu), so small batches still fill the GPU; the parts'
+// candidates live in `scratch`. INVALID_ARGUMENT when more than 6144 candidates would have to be
+// merged for one segment (k x parts).
 struct TopKSegment {
   const float* probs = nullptr;  // [n_heads][n]
   int32_t* tokens = nullptr;     // [min(k, n)] ascending

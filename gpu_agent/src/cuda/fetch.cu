@@ -92,7 +92,7 @@ __device__ bool MoreRecent(int32_t used_a, int32_t token_a, int32_t used_b, int3
 // Block b updates task b's cache. Shared: for each old entry, whether it is selected, then
 // whether it stays.
 __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
-  extern __shared__ unsigned char flags[];  // [capacity]: 1 selected, 2 stays
+  extern __shared__ unsigned char flags[];  // [capacity]: 1 selected, 2 stays; then [capacity] stays
   const CacheUpdateTask& t = batch.tasks[blockIdx.x];
   const int32_t n_old = *t.old_count;
   const int32_t keep = max(0, t.capacity - t.n_selected);
@@ -100,15 +100,20 @@ __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
     flags[o] = Find(t.selected, t.n_selected, t.old_tokens[o]) >= 0 ? 1 : 0;
   }
   __syncthreads();
-  // An unselected old entry stays when fewer than `keep` unselected entries are more recent.
+  // An unselected old entry stays when fewer than `keep` unselected entries are more recent. The
+  // verdicts go to their own array while the selected flags are read, then join them.
+  unsigned char* stays = flags + t.capacity;
   for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
+    stays[o] = 0;
     if (flags[o] == 1) continue;
     int32_t newer = 0;
     for (int32_t c = 0; c < n_old && newer < keep; ++c) {
       if (flags[c] != 1 && MoreRecent(t.old_used[c], t.old_tokens[c], t.old_used[o], t.old_tokens[o])) ++newer;
     }
-    if (newer < keep) flags[o] |= 2;
+    stays[o] = newer < keep ? 2 : 0;
   }
+  __syncthreads();
+  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) flags[o] |= stays[o];
   __syncthreads();
   // Positions in the new cache, ascending by token: staying old entries and the selection.
   const uint4* old_rows = reinterpret_cast<const uint4*>(t.old_rows);
@@ -215,7 +220,7 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
       }
       capacity = std::max(capacity, t.capacity);
     }
-    UpdateCacheKernel<<<batch.count, kThreads, static_cast<size_t>(capacity), static_cast<cudaStream_t>(stream)>>>(
+    UpdateCacheKernel<<<batch.count, kThreads, 2 * static_cast<size_t>(capacity), static_cast<cudaStream_t>(stream)>>>(
         batch, row_pieces);
     SPECACHE_RETURN_IF_ERROR(LaunchError("cache update kernel"));
   }

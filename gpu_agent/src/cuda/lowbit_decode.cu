@@ -78,12 +78,12 @@ __host__ __device__ inline int32_t TailUnitTokens(const DeviceDecodeItem& it) {
 template <int KB, int VB, int D>
 __host__ __device__ constexpr int StageWords() { return D * KB + D + 32 * (D * VB / 32) + 32 * (D / kGroup); }
 
-// Per-warp shared memory, in 32-bit words: two stages (bulk) or the scaled queries [Q][D]
-// (tail), then p [32 tokens][Q + 4], alpha [Q], value zero terms [Q][4], substituted-row
+// Per-warp shared memory, in 32-bit words: two stages (bulk) or the scaled queries [Q][D] and 32
+// value-row pointers (tail), then p [32 tokens][Q + 4], alpha [Q], value zero terms [Q][4], substituted-row
 // indices [32].
 template <int KB, int VB, int D, int NT>
 __host__ __device__ constexpr int StagesWords() {
-  return 2 * StageWords<KB, VB, D>() > 8 * NT * D ? 2 * StageWords<KB, VB, D>() : 8 * NT * D;
+  return 2 * StageWords<KB, VB, D>() > 8 * NT * D + 64 ? 2 * StageWords<KB, VB, D>() : 8 * NT * D + 64;
 }
 // Then the bulk's queries in fp32, [nt][slot i][lane] (see BulkUnit).
 template <int KB, int VB, int D, int NT>
@@ -616,8 +616,13 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   float* qsm = reinterpret_cast<float*>(ws);  // [Q][D], scaled
   float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
   int* subs = reinterpret_cast<int*>(psm + 32 * PS + Q + Q * 4);
-  for (int i = lane; i < Q * D; i += 32) {
-    qsm[i] = i / D < queries ? r.q[QueryAt(r, i / D, D) + i % D] * r.scale : 0.0f;
+  // The fp16 value rows of the block's tokens (null: a quantized value), after the queries.
+  const Half** value_rows = reinterpret_cast<const Half**>(qsm + Q * D);
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    const float* row = q < queries ? r.q + QueryAt(r, q, D) : nullptr;
+#pragma unroll
+    for (int c = lane; c < D; c += 32) qsm[q * D + c] = row ? row[c] * r.scale : 0.0f;
   }
   __syncwarp();
   float m[Q], l[Q], acc[Q][CPL];
@@ -633,6 +638,11 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     const bool valid = token < to;
     const int sub = valid ? FindSubstitute(v, r, token) : -1;
     subs[lane] = sub;
+    value_rows[lane] = !valid                        ? nullptr
+                       : sub >= 0                    ? r.sub_rows + static_cast<size_t>(sub) * 2 * D + D
+                       : token >= v.length           ? r.new_values + (token - v.length) * r.kv_stride
+                       : token >= v.quantized_values ? v.window_values + static_cast<size_t>(token - v.quantized_values) * D
+                                                     : nullptr;
     float s[Q];
 #pragma unroll
     for (int q = 0; q < Q; ++q) s[q] = 0.0f;
@@ -682,9 +692,10 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     const int32_t n = min(32, to - b0);
 #pragma unroll 4
     for (int j = 0; j < n; ++j) {
+      const Half* row = value_rows[j];
 #pragma unroll
       for (int k = 0; k < CPL; ++k) {
-        const float val = ValueAt(v, r, b0 + j, subs[j], lane + 32 * k);
+        const float val = row != nullptr ? H2F(row[lane + 32 * k]) : ValueAt(v, r, b0 + j, subs[j], lane + 32 * k);
 #pragma unroll
         for (int q = 0; q < Q; ++q) acc[q][k] += psm[j * PS + q] * val;
       }
@@ -702,8 +713,9 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   }
 }
 
+// One n-tile: registers capped for 3 CTAs (12 warps) per SM, measured faster than 2 uncapped.
 template <int KB, int VB, int D, int NT>
-__global__ void __launch_bounds__(kWarps * 32) LowBitDecodeKernel(Batch batch) {
+__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) LowBitDecodeKernel(Batch batch) {
   extern __shared__ uint32_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int unit = blockIdx.x * kWarps + warp;
@@ -727,47 +739,63 @@ __global__ void __launch_bounds__(kWarps * 32) LowBitDecodeKernel(Batch batch) {
   }
 }
 
-// Block per item: the units' partial results combined in unit order (deterministic), the
-// probabilities row's statistics (or the probabilities themselves, in place).
+// Block (item, query), a thread per channel: the item's units' partial results for the query
+// combined in unit order (deterministic), the probabilities row's statistics (or the
+// probabilities themselves, in place). Shared memory: one weight per unit.
 __global__ void MergeKernel(Batch batch) {
-  __shared__ float max_of[kMaxQ], inv_sum_of[kMaxQ];
+  extern __shared__ float weight[];  // [units, rounded up to 4]
+  __shared__ float reduce[32];
   const DeviceDecodeItem& it = batch.items[blockIdx.x];
   const DeviceDecodeRows& r = it.rows;
-  const int d = it.replica.head_dim, queries = r.n_rows * r.n_heads;
+  const int d = it.replica.head_dim, queries = r.n_rows * r.n_heads, q = blockIdx.y;
+  if (q >= queries) return;
   const int units = batch.unit_begin[blockIdx.x + 1] - batch.unit_begin[blockIdx.x];
   const float* partial = r.scratch;
   const float* stats = r.scratch + static_cast<size_t>(units) * queries * d;
-  if (threadIdx.x < queries) {
-    const int q = threadIdx.x;
-    float mx = -INFINITY;
-    for (int u = 0; u < units; ++u) mx = fmaxf(mx, stats[(u * queries + q) * 2]);
-    float sum = 0.0f;
-    for (int u = 0; u < units; ++u) {
-      const float mu = stats[(u * queries + q) * 2];
-      if (mu != -INFINITY) sum += stats[(u * queries + q) * 2 + 1] * __expf(mu - mx);
-    }
-    max_of[q] = mx;
-    inv_sum_of[q] = 1.0f / sum;
-    if (r.probs && r.probs_stats && q / r.n_heads == r.probs_row) {
-      r.probs_stats[(q % r.n_heads) * 2] = mx;
-      r.probs_stats[(q % r.n_heads) * 2 + 1] = sum;
-    }
-  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  // The max over units, then each unit's weight exp(m_u - max) and the sum of l_u * weight.
+  float mx = -INFINITY;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) mx = fmaxf(mx, stats[(u * queries + q) * 2]);
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, o));
+  if (lane == 0) reduce[warp] = mx;
   __syncthreads();
-  for (int i = threadIdx.x; i < queries * d; i += blockDim.x) {
-    const int q = i / d, c = i % d;
-    float o = 0.0f;
-    for (int u = 0; u < units; ++u) {
-      const float mu = stats[(u * queries + q) * 2];
-      if (mu != -INFINITY) o += partial[(static_cast<size_t>(u) * queries + q) * d + c] * __expf(mu - max_of[q]);
-    }
-    r.out[QueryAt(r, q, d) + c] = o * inv_sum_of[q];
+  mx = reduce[0];
+  for (int w = 1; w < warps; ++w) mx = fmaxf(mx, reduce[w]);
+  __syncthreads();
+  float sum = 0.0f;
+  for (int u = units + threadIdx.x; u < (units + 3) / 4 * 4; u += blockDim.x) weight[u] = 0.0f;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    const float mu = stats[(u * queries + q) * 2];
+    const float w = mu == -INFINITY ? 0.0f : __expf(mu - mx);
+    weight[u] = w;
+    sum += stats[(u * queries + q) * 2 + 1] * w;
   }
-  if (r.probs && !r.probs_stats) {
-    const int32_t n = r.n_candidates;
-    for (int64_t i = threadIdx.x; i < int64_t{r.n_heads} * n; i += blockDim.x) {
-      const int q = r.probs_row * r.n_heads + static_cast<int>(i / n);
-      r.probs[i] = expf(r.probs[i] - max_of[q]) * inv_sum_of[q];
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kAll, sum, o);
+  if (lane == 0) reduce[warp] = sum;
+  __syncthreads();
+  sum = 0.0f;
+  for (int w = 0; w < warps; ++w) sum += reduce[w];  // in warp order: deterministic
+  const float inv_sum = 1.0f / sum;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    // Four independent sums (loads in flight), combined in a fixed order.
+    const float* at = partial + static_cast<size_t>(q) * d + c;
+    const size_t stride = static_cast<size_t>(queries) * d;
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int u = 0;
+    for (; u + 4 <= units; u += 4) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[i] += at[(u + i) * stride] * weight[u + i];
+    }
+    for (; u < units; ++u) o[0] += at[u * stride] * weight[u];
+    r.out[QueryAt(r, q, d) + c] = ((o[0] + o[1]) + (o[2] + o[3])) * inv_sum;
+  }
+  if (r.probs && q / r.n_heads == r.probs_row) {
+    const int h = q % r.n_heads;
+    if (r.probs_stats) {
+      if (threadIdx.x == 0) r.probs_stats[h * 2] = mx, r.probs_stats[h * 2 + 1] = sum;
+    } else {
+      float* row = r.probs + static_cast<size_t>(h) * r.n_candidates;
+      for (int32_t j = threadIdx.x; j < r.n_candidates; j += blockDim.x) row[j] = expf(row[j] - mx) * inv_sum;
     }
   }
 }
@@ -823,11 +851,22 @@ int MultiprocessorCount() {
 Status LaunchSet(const std::vector<const DeviceDecodeItem*>& set, cudaStream_t stream) {
   Batch batch;
   batch.count = static_cast<int>(set.size());
-  int64_t blocks = 0;
-  for (const DeviceDecodeItem* it : set) blocks += BulkEnd(it->replica) / 32;
-  // Enough units to give every SM ~16 warps; at least 4 blocks per unit so the merge stays small.
-  const int64_t target_units = int64_t{MultiprocessorCount()} * 16;
-  batch.chunk_blocks = static_cast<int>(std::clamp<int64_t>((blocks + target_units - 1) / target_units, 4, 64));
+  const DeviceDecodeItem& first = *set[0];
+  const int nt = QueryTiles(first);
+  const KernelInfo kernel = KernelFor(first.replica.key_bits, first.replica.value_bits, first.replica.head_dim, nt);
+  const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
+  int64_t blocks = 0, tail_units = 0;
+  for (const DeviceDecodeItem* it : set) blocks += BulkEnd(it->replica) / 32, tail_units += TailUnits(*it);
+  // One wave: as many bulk units as warps fit on the GPU next to the tail units (units are
+  // equal, so a second partial wave would double the time); at least 2 blocks per unit, which
+  // keeps the partial results within DecodeScratchFloats.
+  int ctas_per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel.fn, kWarps * 32, smem) != cudaSuccess ||
+      ctas_per_sm < 1) {
+    ctas_per_sm = 1;
+  }
+  const int64_t slots = std::max<int64_t>(int64_t{MultiprocessorCount()} * ctas_per_sm * kWarps - tail_units, 1);
+  batch.chunk_blocks = static_cast<int>(std::clamp<int64_t>((blocks + slots - 1) / slots, 2, 1 << 20));
   int units = 0;
   for (int i = 0; i < batch.count; ++i) {
     batch.items[i] = *set[i];
@@ -835,12 +874,19 @@ Status LaunchSet(const std::vector<const DeviceDecodeItem*>& set, cudaStream_t s
     units += BulkUnits(set[i]->replica, batch.chunk_blocks) + TailUnits(*set[i]);
   }
   batch.unit_begin[batch.count] = units;
-  const DeviceDecodeItem& first = *set[0];
-  const int nt = QueryTiles(first);
-  const KernelInfo kernel = KernelFor(first.replica.key_bits, first.replica.value_bits, first.replica.head_dim, nt);
-  const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
+  int most_units = 1, most_queries = 1;
+  for (int i = 0; i < batch.count; ++i) {
+    most_units = std::max(most_units, batch.unit_begin[i + 1] - batch.unit_begin[i]);
+    most_queries = std::max(most_queries, set[i]->rows.n_rows * set[i]->rows.n_heads);
+  }
+  if (most_units > (48 << 10) / static_cast<int>(sizeof(float))) {  // the merge's weights
+    return Status::InvalidArgument("low-bit decode: more than 12288 units for one item");
+  }
   kernel.fn<<<(units + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(batch);
-  MergeKernel<<<batch.count, 256, 0, stream>>>(batch);
+  // The weights' memory is padded to whole groups of four (the summing loop's loads may be
+  // widened by the compiler), the padding zeroed by the kernel.
+  const size_t weight_bytes = size_t((most_units + 3) / 4 * 4) * sizeof(float);
+  MergeKernel<<<dim3(batch.count, most_queries), first.replica.head_dim, weight_bytes, stream>>>(batch);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? Status::Ok()
                             : Status::Unavailable(std::string("low-bit decode kernels: ") + cudaGetErrorString(err));
