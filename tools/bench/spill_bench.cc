@@ -11,7 +11,7 @@
 // - The page cache is dropped for the files (posix_fadvise DONTNEED after fsync) before each read,
 //   so reads come from the device for both.
 // - The same spill with LZ4 on: bytes on disk over bytes spilled (the compression ratio).
-// Goal (issue 6): restore >= 0.5 of the raw read.
+// Goal: restore >= 0.5 of the raw read.
 #include <fcntl.h>
 #include <unistd.h>
 
