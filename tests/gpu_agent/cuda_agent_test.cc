@@ -11,9 +11,9 @@
 
 #include "specache/agent.h"
 #include "specache/device_probe.h"
-#include "testing/cuda_device.h"
 #include "specache/host_tensor_agent.h"
 #include "specache/in_memory_source.h"
+#include "testing/cuda_device.h"
 #include "testing/drive_batch.h"
 #include "testing/tiny_model.h"
 

@@ -14,9 +14,9 @@
 
 #include "specache/cuda_gather.h"
 #include "specache/device_probe.h"
-#include "testing/cuda_device.h"
 #include "specache/in_memory_source.h"
 #include "specache/row_cache.h"
+#include "testing/cuda_device.h"
 #include "testing/reference.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA

@@ -8,8 +8,8 @@
 #include <gtest/gtest.h>
 
 #include "specache/device_probe.h"
-#include "testing/cuda_device.h"
 #include "specache/quantizer.h"
+#include "testing/cuda_device.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>

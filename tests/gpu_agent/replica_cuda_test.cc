@@ -13,8 +13,8 @@
 
 #include "specache/cpu_attention.h"
 #include "specache/device_probe.h"
-#include "testing/cuda_device.h"
 #include "specache/quantizer.h"
+#include "testing/cuda_device.h"
 #include "testing/reference.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA

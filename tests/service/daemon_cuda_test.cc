@@ -14,9 +14,9 @@
 #include "specache/client.h"
 #include "specache/daemon_source.h"
 #include "specache/device_probe.h"
-#include "testing/cuda_device.h"
 #include "specache/host_tensor_agent.h"
 #include "specache/in_memory_source.h"
+#include "testing/cuda_device.h"
 #include "testing/drive_batch.h"
 
 namespace specache {
