@@ -20,7 +20,7 @@ echo "== generate (specache, 1-bit replica, k=64) =="
 echo
 echo "== needle in a haystack, 2K tokens, needle at depth 0.5 =="
 mkdir -p demo-out
-"$run" niah-grid --model "$model" --haystack /usr/share/common-licenses/GPL-3 \
+"$run" niah-grid --model "$model" --haystack tools/data/gpl-3.0.txt \
   --needle "The secret password for the blue door is PINEAPPLE." \
   --question "What is the secret password for the blue door?" --answer pineapple \
   --lengths 2048 --depths 0.5 --modes full,kivi:1,specache:1,specache:2 --out-dir demo-out

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Several engine processes sharing one specached (issue 7): each prompt is first decoded by an
+# Several engine processes sharing one specached: each prompt is first decoded by an
 # engine alone, then all engines decode at once (engine i on GPU i mod the --gpus list); the
 # outputs must be identical, and the decode rates are compared. Writes summary.json and prints a
 # table. Run from the repository root after tools/setup.sh.
@@ -33,7 +33,7 @@ specached=${SPECACHED:-build/daemon/specached}
 run=${SPECACHE_RUN:-build/tools/specache-run}
 ctl=${SPECACHECTL:-build/tools/specachectl}
 model=${MODEL:-$(tools/fetch-model.sh)}
-text=/usr/share/common-licenses/GPL-3
+text=$(dirname "$0")/data/gpl-3.0.txt
 [ -f "$text" ] || { echo "multi-engine-check: $text is missing (the prompts' text)" >&2; exit 2; }
 if [ $((engines * prompt_chars)) -gt "$(stat -c %s "$text")" ]; then
   echo "multi-engine-check: $engines prompts of $prompt_chars characters are more than $text holds" >&2; exit 2

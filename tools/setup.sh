@@ -3,7 +3,8 @@
 # build needs (only those missing, so running it again is cheap), configures CMake (with CUDA when
 # nvcc is present), builds into build/ and fetches the bundled model (tools/fetch-model.sh).
 # Environment: BUILD_DIR (default build), SPECACHE_CUDA (AUTO|ON|OFF, default AUTO),
-# CUDA_ARCHS (default "80;90"), SPECACHE_NO_MODEL=1 to skip the model download.
+# CUDA_ARCHS (default "80;90"), SPECACHE_NO_MODEL=1 to skip the model download,
+# SPECACHE_WERROR=1 to make compiler warnings errors (the default when CI is set, as .ci/run does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,7 +31,10 @@ nvcc=$(command -v nvcc || true)
 if [ "${SPECACHE_CUDA:-AUTO}" != "OFF" ] && [ -n "$nvcc" ]; then
   cuda_args=(-DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-80;90}")
 fi
-cmake -S . -B "$build_dir" -G Ninja -DSPECACHE_CUDA="${SPECACHE_CUDA:-AUTO}" -DSPECACHE_RUN=ON -DSPECACHE_SERVICE_MODE=ON "${cuda_args[@]}"
+werror=OFF
+if [ "${SPECACHE_WERROR:-${CI:+1}}" = "1" ]; then werror=ON; fi
+cmake -S . -B "$build_dir" -G Ninja -DSPECACHE_CUDA="${SPECACHE_CUDA:-AUTO}" -DSPECACHE_RUN=ON -DSPECACHE_SERVICE_MODE=ON \
+      -DSPECACHE_WERROR="$werror" "${cuda_args[@]}"
 cmake --build "$build_dir" -j "$(nproc)"
 echo "setup: built into $build_dir"
 if [ "${SPECACHE_NO_MODEL:-0}" != "1" ]; then

@@ -68,7 +68,9 @@ struct Session::Impl {
       req.set_session_id(id);
       req.set_token(token);
       v1::CloseSessionResponse resp;
-      client->Call(&v1::Control::Stub::CloseSession, "CloseSession", req, &resp);  // best effort
+      // Best effort: if it fails, the daemon still ends the session when the attach connection
+      // closes below.
+      static_cast<void>(client->Call(&v1::Control::Stub::CloseSession, "CloseSession", req, &resp));
     }
     for (uint8_t* c : chunks) munmap(c, chunk_bytes);
     if (table) munmap(const_cast<uint8_t*>(table), table_bytes);
@@ -199,6 +201,7 @@ Result<DaemonStats> Client::Stats() {
   s.errors = r.errors();
   s.uptime_ms = r.uptime_ms();
   s.memory_locked = r.memory_locked();
+  s.version = r.version();
   s.parked_bytes = r.parked_bytes();
   s.spilled_bytes = r.spilled_bytes();
   s.spill_disk_bytes = r.spill_disk_bytes();

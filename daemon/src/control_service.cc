@@ -4,6 +4,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "specache/version.h"
+
 namespace specache::daemon {
 namespace {
 
@@ -103,6 +105,7 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   resp->set_errors(errors_.load());
   resp->set_chunk_bytes(s.chunk_bytes);
   resp->set_memory_locked(s.memory_locked);
+  resp->set_version(SPECACHE_VERSION);
   resp->set_parked_bytes(s.kept.parked_bytes);
   resp->set_spilled_bytes(s.kept.spilled_bytes);
   resp->set_parked_sequences(s.kept.parked);

@@ -11,6 +11,7 @@
 
 #include "config.h"
 #include "daemon.h"
+#include "specache/version.h"
 
 namespace specache::daemon {
 namespace {
@@ -103,6 +104,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-lock", o.no_lock, "do not mlock the pool");
   app.add_option("--spill-dir", o.spill_dir, "directory of the NVMe spill tier (RocksDB) for kept sequences");
   app.add_option("--park-bytes", o.park_bytes, "RAM for kept sequences before they spill, e.g. 2GiB");
+  app.set_version_flag("--version", "specached " SPECACHE_VERSION);
   CLI11_PARSE(app, argc, argv);
   return specache::daemon::Run(o);
 }

@@ -13,6 +13,7 @@
 
 #include "specache/cpu_attention.h"
 #include "specache/device_probe.h"
+#include "testing/cuda_device.h"
 #include "testing/reference.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -113,8 +114,7 @@ void ExpectMatches(const DecodeCase& c) {
 #endif
 
 TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(23);
   for (int d : {64, 128}) {
@@ -136,8 +136,7 @@ TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
 // A ragged batch (lengths, bits, rows and GQA groups differ per item) in one launch set, split
 // over two sets (more than kMaxDecodeItems items): every item as the reference has it.
 TEST(CudaAttentionTest, RaggedBatchMatchesTheCpuReference) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(29);
   for (int d : {64, 128}) {
@@ -164,8 +163,7 @@ namespace specache {
 namespace {
 
 TEST(CudaAttentionTest, PrefillMatchesTheCpuReference) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(37);
   const int heads = 4;

@@ -13,6 +13,7 @@
 #include "specache/device_probe.h"
 #include "specache/host_tensor_agent.h"
 #include "specache/in_memory_source.h"
+#include "testing/cuda_device.h"
 #include "testing/drive_batch.h"
 #include "testing/tiny_model.h"
 
@@ -31,8 +32,7 @@ std::vector<int> Prompt(int n) {
 }
 
 TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   const testing::TinyModel model({});
   const std::vector<int> prompt = Prompt(300);
@@ -80,7 +80,9 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
     std::printf("%-28s max |logit diff| %.2e, %lld rows fetched, %lld reused\n", name.c_str(), worst,
                 static_cast<long long>(b.rows_fetched), static_cast<long long>(b.rows_reused));
     if (m.mode == KvMode::kFull) full_tokens = got->tokens;
-    if (m.mode == KvMode::kSpeCache && m.k >= 4096) EXPECT_EQ(got->tokens, full_tokens) << "k covers the context";
+    if (m.mode == KvMode::kSpeCache && m.k >= 4096) {
+      EXPECT_EQ(got->tokens, full_tokens) << "k covers the context";
+    }
   }
 #endif
 }
@@ -89,8 +91,7 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
 // together: the CUDA agent's batched kernels and in-place pages give the CPU agent's outputs,
 // selections and counts; releasing a sequence frees its rows in the source.
 TEST(CudaAgentTest, RaggedBatchesMatchTheCpuAgent) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   const ModelShape shape{3, 8, 2, 64};
   const std::vector<int32_t> prompts{150, 333, 64, 1};
@@ -142,12 +143,6 @@ TEST(CudaAgentTest, RaggedBatchesMatchTheCpuAgent) {
                 static_cast<long long>(b.rows_fetched), static_cast<long long>(b.rows_reused));
   }
 #endif
-}
-
-TEST(CudaAgentTest, WithoutADeviceCreationIsUnavailable) {
-  if (ProbeCudaDevice().ok()) GTEST_SKIP() << "a device is present";
-  InMemorySource source;
-  EXPECT_EQ(CreateCudaAgent({2, 4, 2, 64}, KvConfig{}, &source).status().code(), StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -78,7 +78,8 @@ TEST(DecodeLoopTest, SixteenBitKiviIsBitIdenticalToFull) {
 // On this tiny random model a 1-bit replica already changes the argmax, so the speculative token
 // rarely equals the next real token and speculative selection recovers less than the
 // non-speculative variant (which selects with the real query); both must beat KIVI and improve
-// with k. Whether speculation is as good as the real query on a real model is issue 3's question.
+// with k. Whether speculation is as good as the real query on a real model is measured by the
+// real-model tests (tests/tools/reference_model_test.cc).
 TEST(DecodeLoopTest, OneBitKiviDiffersAndFetchedRowsRecover) {
   const TinyModel model({});
   const GenerationTrace full = Generate(model, Config(KvMode::kFull, 16, 0));

@@ -16,6 +16,7 @@
 #include "specache/device_probe.h"
 #include "specache/in_memory_source.h"
 #include "specache/row_cache.h"
+#include "testing/cuda_device.h"
 #include "testing/reference.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -64,8 +65,7 @@ struct MappedPages {
 #endif
 
 TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(41);
   for (int d : {32, 64, 128}) {
@@ -132,8 +132,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
 }
 
 TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(43);
   for (int d : {64, 128}) {
@@ -176,8 +175,7 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
 // The device's cache update equals row_cache.h's rule on random caches and selections (tokens,
 // use marks, rows and counts), for capacities k, 2k and 3k, over two launches' worth of tasks.
 TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(47);
   const int d = 64, k = 16;
@@ -239,14 +237,6 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     EXPECT_EQ(rows, want[i].rows) << "task " << i;
   }
 #endif
-}
-
-TEST(CudaFetchTest, WithoutADeviceItIsUnavailable) {
-  if (ProbeCudaDevice().ok()) GTEST_SKIP() << "a device is present";
-  // One task, so that a launch is tried (a call with no tasks launches nothing and succeeds).
-  cuda::FetchTask task;
-  task.n_selected = 1;
-  EXPECT_EQ(cuda::FetchRows(&task, 1, 64, 64, 1, nullptr, nullptr).code(), StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "specache/device_probe.h"
+#include "testing/cuda_device.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -19,8 +20,7 @@ namespace specache {
 namespace {
 
 TEST(CudaGatherTest, RowsFromRegisteredHostMemoryEqualACpuGather) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   const size_t host_bytes = size_t{64} << 20;
   std::vector<uint8_t> host(host_bytes + 4096);
@@ -80,12 +80,6 @@ TEST(CudaGatherTest, RowsFromRegisteredHostMemoryEqualACpuGather) {
   EXPECT_TRUE(cuda::LaunchGatherRows(nullptr, nullptr, 0, 512, 8, nullptr).ok());
   EXPECT_TRUE(cuda::UnregisterHostMemory(base).ok());
 #endif
-}
-
-TEST(CudaGatherTest, WithoutADeviceItIsUnavailable) {
-  if (ProbeCudaDevice().ok()) GTEST_SKIP() << "a device is present";
-  int x = 0;
-  EXPECT_EQ(cuda::RegisterHostMemory(&x, sizeof x).status().code(), StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -44,7 +44,9 @@ TEST(HalfTest, NearestOnRandomFloats) {
     const Half h = FloatToHalf(f);
     const float err = std::fabs(HalfToFloat(h) - f);
     ASSERT_LE(err, std::fabs(HalfToFloat(static_cast<Half>(h + 1)) - f)) << f;
-    if (h > 0) ASSERT_LE(err, std::fabs(HalfToFloat(static_cast<Half>(h - 1)) - f)) << f;
+    if (h > 0) {
+      ASSERT_LE(err, std::fabs(HalfToFloat(static_cast<Half>(h - 1)) - f)) << f;
+    }
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "specache/device_probe.h"
 #include "specache/quantizer.h"
+#include "testing/cuda_device.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -33,8 +34,7 @@ std::vector<Half> RandomInputs(size_t groups, size_t group_elems, std::mt19937& 
 }
 
 TEST(CudaQuantizeTest, KeyGroupsAndValueTokensMatchTheCpuBitForBit) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(17);
   for (int head_dim : {64, 128}) {

@@ -118,8 +118,12 @@ TEST(QuantizerTest, OneBitDecodesToQuarterPoints) {
     for (int i = 0; i < 64; ++i) {
       ASSERT_TRUE(d[i] == low_level || d[i] == high_level);
       // Away from the midpoint (fp16 rounding of s and z can move it slightly) the side is fixed.
-      if (xd[i] < mid - 0.01 * (hi - lo)) EXPECT_EQ(d[i], low_level) << xd[i];
-      if (xd[i] > mid + 0.01 * (hi - lo)) EXPECT_EQ(d[i], high_level) << xd[i];
+      if (xd[i] < mid - 0.01 * (hi - lo)) {
+        EXPECT_EQ(d[i], low_level) << xd[i];
+      }
+      if (xd[i] > mid + 0.01 * (hi - lo)) {
+        EXPECT_EQ(d[i], high_level) << xd[i];
+      }
     }
   }
 }

@@ -14,6 +14,7 @@
 #include "specache/cpu_attention.h"
 #include "specache/device_probe.h"
 #include "specache/quantizer.h"
+#include "testing/cuda_device.h"
 #include "testing/reference.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -44,8 +45,12 @@ void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu,
   const std::string where = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " G=" + std::to_string(G) +
                             " length=" + std::to_string(cpu.length());
   if (bits == 16) {
-    if (groups) EXPECT_EQ(Download(view.key_half, groups * G * d), Host(cpu.KeyGroupHalf(0), groups * G * d)) << where;
-    if (nqv) EXPECT_EQ(Download(view.value_half, nqv * d), Host(cpu.ValueHalf(0), nqv * d)) << where;
+    if (groups) {
+      EXPECT_EQ(Download(view.key_half, groups * G * d), Host(cpu.KeyGroupHalf(0), groups * G * d)) << where;
+    }
+    if (nqv) {
+      EXPECT_EQ(Download(view.value_half, nqv * d), Host(cpu.ValueHalf(0), nqv * d)) << where;
+    }
   } else {
     const size_t kw = d * WordsPerGroup(G, bits), vw = vg * WordsPerGroup(G, bits);
     if (groups) {
@@ -66,8 +71,7 @@ void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu,
 #endif
 
 TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(31);
   struct Shape {
@@ -124,8 +128,7 @@ TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
 // the CPU replica): replicas at different lengths, so flushes and compactions fall on different
 // steps.
 TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(37);
   for (int bits : {1, 2, 16}) {

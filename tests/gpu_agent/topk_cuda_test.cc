@@ -12,6 +12,7 @@
 
 #include "specache/cpu_attention.h"
 #include "specache/device_probe.h"
+#include "testing/cuda_device.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -23,8 +24,7 @@ namespace specache {
 namespace {
 
 TEST(CudaTopKTest, EqualsTheCpuSelectionExactly) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(29);
   const int heads = 4, segments = 6;
@@ -68,8 +68,7 @@ TEST(CudaTopKTest, EqualsTheCpuSelectionExactly) {
 // Segments of different lengths in one batched call (more than one launch's worth): each equals
 // the CPU's selection of its own probabilities.
 TEST(CudaTopKTest, RaggedBatchEqualsTheCpuSelection) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(31);
   const int heads = 4, k = 64, count = cuda::kMaxTopKSegments + 9;

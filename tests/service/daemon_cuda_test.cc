@@ -16,6 +16,7 @@
 #include "specache/device_probe.h"
 #include "specache/host_tensor_agent.h"
 #include "specache/in_memory_source.h"
+#include "testing/cuda_device.h"
 #include "testing/drive_batch.h"
 
 namespace specache {
@@ -29,8 +30,7 @@ struct Engine {
 };
 
 TEST(DaemonCudaTest, TwoCudaAgentsOnOneDaemonMatchTheCpuAgent) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
   testing::DaemonProcess d;
   ASSERT_TRUE(d.Start());
   auto c = client::Client::Connect({d.socket, std::chrono::milliseconds(2000), "test"});

@@ -168,8 +168,12 @@ TEST(SpillTest, WatermarksSpillTheLeastRecentlyParkedWhenParkingIsSmall) {
   auto list = c->ListSequences();
   ASSERT_TRUE(list.ok());
   for (const auto& s : *list) {
-    if (s.id == ids.back()) EXPECT_EQ(s.state, "parked") << "the most recent stays in RAM";
-    if (s.id == ids.front()) EXPECT_EQ(s.state, "spilled") << "the least recent went first";
+    if (s.id == ids.back()) {
+      EXPECT_EQ(s.state, "parked") << "the most recent stays in RAM";
+    }
+    if (s.id == ids.front()) {
+      EXPECT_EQ(s.state, "spilled") << "the least recent went first";
+    }
   }
   for (size_t i = 0; i < ids.size(); ++i) {  // every one comes back intact, parked or spilled
     auto pages = ClaimAndCheck(c.get(), ids[i], i + 1);

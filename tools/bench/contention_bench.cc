@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
-#include <cstring>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -12,8 +12,8 @@
 #include <cuda_runtime.h>
 
 #include "bench_stats.h"
+#include "device_fetch.h"
 #include "host_pages.h"
-#include "specache/cuda_gather.h"
 #include "specache/status.h"
 
 namespace specache::bench {
@@ -51,8 +51,7 @@ struct DeviceWork {
   int device = 0;
   int blocks = 0;
   TopKRows rows;
-  uint64_t* d_addresses = nullptr;
-  uint8_t* d_rows = nullptr;
+  std::unique_ptr<DeviceFetch> fetch;    // the agent's FetchRows over this GPU's sequences
   const uint8_t* copy_source = nullptr;  // host
   uint8_t* d_copy = nullptr;
   cudaStream_t stream = nullptr;
@@ -73,20 +72,19 @@ std::vector<double> Samples(DeviceWork& w, Load load, int repeats, int launches,
   std::string error;
   for (int r = -1; r < repeats; ++r) {
     if (barrier) barrier->Wait();
-    cudaEventRecord(w.start, w.stream);
+    if (error.empty() && cudaEventRecord(w.start, w.stream) != cudaSuccess) error = cudaGetErrorString(cudaGetLastError());
     for (int l = 0; l < launches && error.empty(); ++l) {
       if (load == Load::kGather) {
-        const Status s = cuda::LaunchGatherRows(w.d_addresses, w.d_rows, static_cast<int64_t>(w.rows.host_rows.size()),
-                                                kRowBytes, w.blocks, w.stream);
+        const Status s = w.fetch->Launch(w.blocks, w.stream);
         if (!s.ok()) error = s.ToString();
       } else if (cudaMemcpyAsync(w.d_copy, w.copy_source, kCopyBytes, cudaMemcpyHostToDevice, w.stream) !=
                  cudaSuccess) {
         error = cudaGetErrorString(cudaGetLastError());
       }
     }
-    cudaEventRecord(w.stop, w.stream);
     float t = 0;
-    if (cudaEventSynchronize(w.stop) != cudaSuccess || cudaEventElapsedTime(&t, w.start, w.stop) != cudaSuccess) {
+    if (cudaEventRecord(w.stop, w.stream) != cudaSuccess || cudaEventSynchronize(w.stop) != cudaSuccess ||
+        cudaEventElapsedTime(&t, w.start, w.stop) != cudaSuccess) {
       if (error.empty()) error = cudaGetErrorString(cudaGetLastError());
     }
     if (r >= 0) ms.push_back(t);
@@ -115,35 +113,33 @@ bool SetUp(const RegisteredHostPages& pool, const std::vector<uint64_t>& slots, 
   w->blocks = 2 * sms;
   const uint64_t pages = static_cast<uint64_t>(o.batch) * (o.context / kPageTokens);
   w->rows = PickTopKRows(pool, slots, static_cast<uint64_t>(index) * pages, o.batch, o.context, rng);
-  const size_t n = w->rows.device_addresses.size();
   w->copy_source = pool.chunk(index % pool.chunks());
-  const bool ok = cudaMalloc(&w->d_addresses, n * sizeof(uint64_t)) == cudaSuccess &&
-                  cudaMalloc(&w->d_rows, w->gather_bytes()) == cudaSuccess &&
-                  cudaMalloc(&w->d_copy, kCopyBytes) == cudaSuccess &&
-                  cudaMemcpy(w->d_addresses, w->rows.device_addresses.data(), n * sizeof(uint64_t),
-                             cudaMemcpyHostToDevice) == cudaSuccess &&
+  w->fetch = std::make_unique<DeviceFetch>();
+  const Status created = w->fetch->Create(w->rows);
+  if (!created.ok()) {
+    std::printf("contend: GPU %d: %s\n", index, created.ToString().c_str());
+    return false;
+  }
+  const bool ok = cudaMalloc(&w->d_copy, kCopyBytes) == cudaSuccess &&
                   cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking) == cudaSuccess &&
                   cudaEventCreate(&w->start) == cudaSuccess && cudaEventCreate(&w->stop) == cudaSuccess;
   if (!ok) std::printf("contend: GPU %d: %s\n", index, cudaGetErrorString(cudaGetLastError()));
   return ok;
 }
 
-// Rows the last gather on this GPU got wrong.
+// Rows the last gather on this GPU got wrong; every row when they cannot be read back.
 int64_t WrongRows(DeviceWork& w) {
-  cudaSetDevice(w.device);
-  std::vector<uint8_t> back(w.gather_bytes());
-  cudaMemcpy(back.data(), w.d_rows, back.size(), cudaMemcpyDeviceToHost);
-  int64_t bad = 0;
-  for (size_t i = 0; i < w.rows.host_rows.size(); ++i) {
-    bad += std::memcmp(back.data() + i * kRowBytes, w.rows.host_rows[i], kRowBytes) != 0;
-  }
-  return bad;
+  const Result<int64_t> wrong = cudaSetDevice(w.device) == cudaSuccess
+                                    ? w.fetch->WrongRows(w.rows)
+                                    : Result<int64_t>(Status::Unavailable(cudaGetErrorString(cudaGetLastError())));
+  if (wrong.ok()) return *wrong;
+  std::printf("contend: GPU %d: reading the fetched rows back: %s\n", w.device, wrong.status().ToString().c_str());
+  return static_cast<int64_t>(w.rows.host_rows.size());
 }
 
 void TearDown(DeviceWork& w) {
   cudaSetDevice(w.device);
-  cudaFree(w.d_addresses);
-  cudaFree(w.d_rows);
+  w.fetch.reset();
   cudaFree(w.d_copy);
   if (w.start) cudaEventDestroy(w.start);
   if (w.stop) cudaEventDestroy(w.stop);
@@ -178,7 +174,7 @@ bool RunContendSuite(const ContendOptions& o, std::vector<BenchRow>* rows) {
     for (auto& w : work) TearDown(w);
     return false;
   }
-  std::printf("\ncontend: %d GPU(s); %d GiB of host pages registered in %.1f s; per GPU %d sequences x %d tokens, "
+  std::printf("\ncontend: the agent's fetch kernel (cuda::FetchRows) and contiguous copies; %d GPU(s); %d GiB of host pages registered in %.1f s; per GPU %d sequences x %d tokens, "
               "%zu rows (%.2f MB) per gather, %d gathers or %d copies of %llu MiB per sample, %d samples\n",
               gpus, o.host_gib, pool.setup_seconds(), o.batch, o.context, work[0].rows.host_rows.size(),
               work[0].gather_bytes() / 1e6, o.launches, o.launches, static_cast<unsigned long long>(kCopyBytes >> 20),

@@ -1,7 +1,9 @@
 // specache-bench contend: how the GPUs of one host share host memory and their PCIe links. Each
-// GPU's zero-copy gather of one layer's top-k rows (and, as the link's bound, a contiguous
-// copy-engine H2D copy) is measured on that GPU alone, then on every GPU at once, from one pool of
-// registered daemon-style host pages; each GPU reads its own sequences' pages (CUDA builds only).
+// GPU's fetch of one layer's top-k rows with the agent's kernel, cuda::FetchRows (device_fetch.h:
+// page tables on the device, no resident rows, 2 blocks per SM), and, as the link's bound, a
+// contiguous copy-engine H2D copy, is measured on that GPU alone, then on every GPU at once, from
+// one pool of registered daemon-style host pages; each GPU reads its own sequences' pages. The
+// rows named "gather" are that fetch (CUDA builds only).
 #pragma once
 
 #include <vector>

@@ -4,38 +4,100 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
+#include <string>
 
 #include <cuda_runtime.h>
 
 #include "bench_stats.h"
+#include "device_fetch.h"
 #include "host_pages.h"
-#include "specache/cuda_gather.h"
+#include "specache/agent.h"
 
 namespace specache::bench {
 namespace {
 
-// Milliseconds of `fn` on the default stream, median over `repeats` after two warm-ups.
-template <typename Fn>
-double TimeGpu(int repeats, Fn fn) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  fn();
-  fn();
+Status CudaError(const char* what, cudaError_t err) {
+  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// Milliseconds of `launch` on the default stream, median over `repeats` after two warm-ups. The
+// first failed launch or CUDA call is the result: a launch that failed is never timed.
+Result<double> TimeGpu(int repeats, const std::function<Status()>& launch) {
+  cudaEvent_t a = nullptr, b = nullptr;
+  Status s = CudaError("cudaEventCreate", cudaEventCreate(&a));
+  if (s.ok()) s = CudaError("cudaEventCreate", cudaEventCreate(&b));
+  for (int i = 0; i < 2 && s.ok(); ++i) s = launch();
   std::vector<double> ms;
-  for (int i = 0; i < repeats; ++i) {
-    cudaEventRecord(a);
-    fn();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
+  for (int i = 0; i < repeats && s.ok(); ++i) {
+    s = CudaError("cudaEventRecord", cudaEventRecord(a));
+    if (s.ok()) s = launch();
+    if (s.ok()) s = CudaError("cudaEventRecord", cudaEventRecord(b));
+    if (s.ok()) s = CudaError("cudaEventSynchronize", cudaEventSynchronize(b));
     float t = 0;
-    cudaEventElapsedTime(&t, a, b);
+    if (s.ok()) s = CudaError("cudaEventElapsedTime", cudaEventElapsedTime(&t, a, b));
     ms.push_back(t);
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  if (a) cudaEventDestroy(a);
+  if (b) cudaEventDestroy(b);
+  if (!s.ok()) return s;
   return Median(ms);
+}
+
+// Device and pinned buffers of one measurement, freed on every path.
+struct Buffers {
+  uint8_t* d_copy = nullptr;   // the contiguous copy's destination
+  uint8_t* staging = nullptr;  // pinned host buffer of the CPU gather
+  ~Buffers() {
+    cudaFree(d_copy);
+    cudaFreeHost(staging);
+  }
+};
+
+struct Measured {
+  double agent_ms = 0, wide_ms = 0, h2d_ms = 0, cpu_ms = 0;
+  int64_t wrong = 0;
+};
+
+// One (batch, context) point: the fetch at the agent's block count and at `wide_blocks`, the
+// contiguous copy of the same bytes, the CPU gather plus one copy, and the fetched bytes checked.
+Result<Measured> MeasurePoint(const RegisteredHostPages& pool, const TopKRows& picked, int agent_blocks,
+                              int wide_blocks, int repeats) {
+  DeviceFetch fetch;
+  SPECACHE_RETURN_IF_ERROR(fetch.Create(picked));
+  const uint64_t bytes = fetch.bytes();
+  Measured m;
+  SPECACHE_ASSIGN_OR_RETURN(m.agent_ms, TimeGpu(repeats, [&] { return fetch.Launch(agent_blocks, nullptr); }));
+  SPECACHE_ASSIGN_OR_RETURN(m.wide_ms, TimeGpu(repeats, [&] { return fetch.Launch(wide_blocks, nullptr); }));
+  // The bound: one contiguous pinned copy of the same bytes.
+  Buffers buffers;
+  SPECACHE_RETURN_IF_ERROR(CudaError("cudaMalloc", cudaMalloc(&buffers.d_copy, bytes)));
+  SPECACHE_ASSIGN_OR_RETURN(m.h2d_ms, TimeGpu(repeats, [&] {
+    return CudaError("H2D copy", cudaMemcpyAsync(buffers.d_copy, pool.chunk(0), bytes, cudaMemcpyHostToDevice, nullptr));
+  }));
+  // The anchor: the CPU gathers into a pinned buffer, then one copy (the SpeCache code's path).
+  SPECACHE_RETURN_IF_ERROR(CudaError("cudaMallocHost", cudaMallocHost(&buffers.staging, bytes)));
+  std::vector<double> cpu_ms;
+  for (int r = 0; r < std::max(3, repeats / 4); ++r) {
+    const auto a = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < picked.host_rows.size(); ++i) {
+      std::memcpy(buffers.staging + i * kRowBytes, picked.host_rows[i], kRowBytes);
+    }
+    SPECACHE_RETURN_IF_ERROR(
+        CudaError("staged copy", cudaMemcpy(buffers.d_copy, buffers.staging, bytes, cudaMemcpyHostToDevice)));
+    cpu_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+  }
+  m.cpu_ms = Median(cpu_ms);
+  // The fetched rows against the host rows, at both block counts.
+  for (int blocks : {agent_blocks, wide_blocks}) {
+    SPECACHE_RETURN_IF_ERROR(fetch.ClearRows());
+    SPECACHE_RETURN_IF_ERROR(fetch.Launch(blocks, nullptr));
+    SPECACHE_RETURN_IF_ERROR(CudaError("fetch", cudaDeviceSynchronize()));
+    SPECACHE_ASSIGN_OR_RETURN(const int64_t wrong, fetch.WrongRows(picked));
+    m.wrong += wrong;
+  }
+  return m;
 }
 
 }  // namespace
@@ -47,18 +109,19 @@ bool RunGatherSuite(const GatherOptions& o, std::vector<GatherRow>* rows) {
     cudaGetLastError();
     return false;
   }
-  const int blocks = o.max_blocks > 0 ? o.max_blocks : 2 * sms;
+  const int agent_blocks = CudaAgentOptions{}.fetch_blocks;
+  const int wide_blocks = o.max_blocks > 0 ? o.max_blocks : 2 * sms;
   RegisteredHostPages pool;
   if (!pool.Create(o.host_gib)) return false;
-  const int n_chunks = pool.chunks();
-  const double setup_s = pool.setup_seconds();
   const uint64_t page_slots = pool.page_slots();
-  std::printf("\ngather: %d GiB of host pages (%llu pages of 256 KiB in %d memfd chunks), set up and registered in "
-              "%.1f s; %d blocks x 256 threads\n",
-              o.host_gib, static_cast<unsigned long long>(page_slots), n_chunks, setup_s, blocks);
-  std::printf("(best GB/s: the fastest of the four launches printed under each row)\n");
-  std::printf("%5s %7s %7s %9s %11s %11s %7s %11s %7s  %s\n", "B", "context", "rows", "MB", "best GB/s",
-              "H2D GB/s", "ratio", "CPU+copy", "ratio", "goal");
+  std::printf("\ngather: the agent's fetch kernel (cuda::FetchRows: per-sequence page tables, selections on the "
+              "device, no resident rows)\n");
+  std::printf("%d GiB of host pages (%llu pages of 256 KiB in %d memfd chunks), set up and registered in %.1f s; "
+              "%d blocks (the agent's default) and %d blocks x 256 threads\n",
+              o.host_gib, static_cast<unsigned long long>(page_slots), pool.chunks(), pool.setup_seconds(),
+              agent_blocks, wide_blocks);
+  std::printf("%5s %7s %7s %9s %11s %11s %11s %7s %11s %7s  %s\n", "B", "context", "rows", "MB", "agent GB/s",
+              "wide GB/s", "H2D GB/s", "ratio", "CPU+copy", "ratio", "goal (best fetch / H2D)");
 
   std::mt19937_64 rng(11);
   for (int context : {8192, 32768}) {
@@ -68,89 +131,34 @@ bool RunGatherSuite(const GatherOptions& o, std::vector<GatherRow>* rows) {
       // One layer of each sequence: its pages land on distinct random slots of the pool.
       const std::vector<uint64_t> slots = ShuffledPageSlots(page_slots, rng);
       const TopKRows picked = PickTopKRows(pool, slots, 0, batch, context, rng);
-      const std::vector<uint64_t>& device_addresses = picked.device_addresses;
-      const std::vector<const uint8_t*>& host_rows = picked.host_rows;
-      const int64_t n = static_cast<int64_t>(device_addresses.size());
-      const uint64_t bytes = static_cast<uint64_t>(n) * kRowBytes;
-      uint64_t* d_addresses = nullptr;
-      uint8_t* d_rows = nullptr;
-      cudaMalloc(&d_addresses, n * sizeof(uint64_t));
-      cudaMalloc(&d_rows, bytes);
-      cudaMemcpy(d_addresses, device_addresses.data(), n * sizeof(uint64_t), cudaMemcpyHostToDevice);
-      double gather_ms = TimeGpu(o.repeats, [&] { cuda::LaunchGatherRows(d_addresses, d_rows, n, kRowBytes, blocks, nullptr); });
-      // Variants: 4 blocks per SM; sources sorted by address across the batch (dst order kept).
-      const double more_blocks_ms =
-          TimeGpu(o.repeats, [&] { cuda::LaunchGatherRows(d_addresses, d_rows, n, kRowBytes, 2 * blocks, nullptr); });
-      std::vector<uint32_t> order(n);
-      for (int64_t i = 0; i < n; ++i) order[i] = static_cast<uint32_t>(i);
-      std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return device_addresses[a] < device_addresses[b]; });
-      std::vector<uint64_t> sorted(n);
-      for (int64_t i = 0; i < n; ++i) sorted[i] = device_addresses[order[i]];
-      uint64_t* d_sorted = nullptr;
-      uint32_t* d_order = nullptr;
-      cudaMalloc(&d_sorted, n * sizeof(uint64_t));
-      cudaMalloc(&d_order, n * sizeof(uint32_t));
-      cudaMemcpy(d_sorted, sorted.data(), n * sizeof(uint64_t), cudaMemcpyHostToDevice);
-      cudaMemcpy(d_order, order.data(), n * sizeof(uint32_t), cudaMemcpyHostToDevice);
-      const double sorted_ms = TimeGpu(
-          o.repeats, [&] { cuda::LaunchGatherRows(d_sorted, d_rows, n, kRowBytes, blocks, nullptr, d_order); });
-      const double sorted_more_ms = TimeGpu(
-          o.repeats, [&] { cuda::LaunchGatherRows(d_sorted, d_rows, n, kRowBytes, 2 * blocks, nullptr, d_order); });
-      // The bound: one contiguous pinned copy of the same bytes.
-      const double h2d_ms =
-          TimeGpu(o.repeats, [&] { cudaMemcpyAsync(d_rows, pool.chunk(0), bytes, cudaMemcpyHostToDevice, nullptr); });
-      // The anchor: the CPU gathers into a pinned buffer, then one copy (the SpeCache code's path).
-      uint8_t* staging = nullptr;
-      cudaMallocHost(&staging, bytes);
-      std::vector<double> cpu_ms;
-      for (int r = 0; r < std::max(3, o.repeats / 4); ++r) {
-        const auto a = std::chrono::steady_clock::now();
-        for (int64_t i = 0; i < n; ++i) std::memcpy(staging + i * kRowBytes, host_rows[i], kRowBytes);
-        cudaMemcpy(d_rows, staging, bytes, cudaMemcpyHostToDevice);
-        cpu_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+      const Result<Measured> m = MeasurePoint(pool, picked, agent_blocks, wide_blocks, o.repeats);
+      if (!m.ok()) {
+        std::printf("gather: B=%d, context %d: %s\n", batch, context, m.status().ToString().c_str());
+        return false;
       }
-      // Check the gathered bytes against the host rows, for both the packed and the sorted launch.
-      std::vector<uint8_t> back(bytes);
-      int64_t bad = 0;
-      for (bool use_order : {false, true}) {
-        cudaMemset(d_rows, 0, bytes);
-        if (use_order) {
-          cuda::LaunchGatherRows(d_sorted, d_rows, n, kRowBytes, blocks, nullptr, d_order);
-        } else {
-          cuda::LaunchGatherRows(d_addresses, d_rows, n, kRowBytes, blocks, nullptr);
-        }
-        cudaMemcpy(back.data(), d_rows, bytes, cudaMemcpyDeviceToHost);
-        for (int64_t i = 0; i < n; ++i) bad += std::memcmp(back.data() + i * kRowBytes, host_rows[i], kRowBytes) != 0;
-      }
-      cudaFree(d_sorted);
-      cudaFree(d_order);
-      const double per_head_ms = gather_ms;
-      gather_ms = std::min({gather_ms, more_blocks_ms, sorted_ms, sorted_more_ms});  // report the best launch
-      cudaFreeHost(staging);
-      cudaFree(d_addresses);
-      cudaFree(d_rows);
-
-      const double gb = static_cast<double>(bytes) / 1e9;
-      const double gather_gbs = gb / (gather_ms / 1e3), h2d_gbs = gb / (h2d_ms / 1e3);
-      const double cpu_gbs = gb / (Median(cpu_ms) / 1e3);
-      const double ratio = gather_gbs / h2d_gbs;
+      const double bytes = static_cast<double>(picked.host_rows.size()) * kRowBytes;
+      const double gb = bytes / 1e9;
+      const double agent_gbs = gb / (m->agent_ms / 1e3), wide_gbs = gb / (m->wide_ms / 1e3);
+      const double h2d_gbs = gb / (m->h2d_ms / 1e3), cpu_gbs = gb / (m->cpu_ms / 1e3);
+      const double ratio = std::max(agent_gbs, wide_gbs) / h2d_gbs;
       const char* goal = batch == 32 ? (ratio >= 0.92 ? ">=0.92 met" : ">=0.92 MISSED")
                                      : batch == 128 ? (ratio >= 0.85 ? ">=0.85 met" : ">=0.85 MISSED") : "";
-      std::printf("%5d %7d %7lld %9.2f %11.1f %11.1f %7.3f %11.1f %7.3f  %s%s\n", batch, context,
-                  static_cast<long long>(n), bytes / 1e6, gather_gbs, h2d_gbs, ratio, cpu_gbs, cpu_gbs / h2d_gbs, goal,
-                  bad ? "  WRONG BYTES" : "");
-      std::printf("      launches (GB/s): sorted per head %.1f | 2x blocks %.1f | sorted across the batch %.1f | both %.1f\n",
-                  bytes / 1e6 / per_head_ms, bytes / 1e6 / more_blocks_ms, bytes / 1e6 / sorted_ms, bytes / 1e6 / sorted_more_ms);
+      std::printf("%5d %7d %7zu %9.2f %11.1f %11.1f %11.1f %7.3f %11.1f %7.3f  %s%s\n", batch, context,
+                  picked.host_rows.size(), bytes / 1e6, agent_gbs, wide_gbs, h2d_gbs, ratio, cpu_gbs, cpu_gbs / h2d_gbs,
+                  goal, m->wrong ? "  WRONG BYTES" : "");
       rows->push_back({"b" + std::to_string(batch) + "_ctx" + std::to_string(context),
-                       {{"rows", static_cast<double>(n)},
-                        {"bytes", static_cast<double>(bytes)},
-                        {"gather_gbps", gather_gbs},
+                       {{"rows", static_cast<double>(picked.host_rows.size())},
+                        {"bytes", bytes},
+                        {"agent_blocks", static_cast<double>(agent_blocks)},
+                        {"agent_blocks_gbps", agent_gbs},
+                        {"wide_blocks", static_cast<double>(wide_blocks)},
+                        {"wide_blocks_gbps", wide_gbs},
                         {"h2d_gbps", h2d_gbs},
                         {"ratio", ratio},
                         {"cpu_gather_copy_gbps", cpu_gbs},
                         {"cpu_ratio", cpu_gbs / h2d_gbs},
-                        {"rows_wrong", static_cast<double>(bad)}}});
-      if (bad) return false;
+                        {"rows_wrong", static_cast<double>(m->wrong)}}});
+      if (m->wrong) return false;
     }
   }
   return true;

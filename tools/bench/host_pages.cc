@@ -70,7 +70,13 @@ TopKRows PickTopKRows(const RegisteredHostPages& pool, const std::vector<uint64_
   constexpr uint64_t kPagesPerChunk = RegisteredHostPages::kChunkBytes / kPageBytes;
   const uint64_t pages_per_seq = static_cast<uint64_t>(context) / kPageTokens;
   TopKRows out;
+  out.batch = batch;
   for (int s = 0; s < batch; ++s) {
+    std::vector<uint64_t>& table = out.page_tables.emplace_back();
+    for (uint64_t page = 0; page < pages_per_seq; ++page) {
+      const uint64_t slot = slots[first_slot + static_cast<uint64_t>(s) * pages_per_seq + page];
+      table.push_back(pool.device_address(static_cast<int>(slot / kPagesPerChunk)) + (slot % kPagesPerChunk) * kPageBytes);
+    }
     for (int h = 0; h < kHeads; ++h) {
       std::vector<int> tokens;
       while (static_cast<int>(tokens.size()) < kTopK) {
@@ -83,9 +89,9 @@ TopKRows PickTopKRows(const RegisteredHostPages& pool, const std::vector<uint64_
         const int chunk = static_cast<int>(slot / kPagesPerChunk);
         const uint64_t offset = (slot % kPagesPerChunk) * kPageBytes +
                                 (uint64_t{static_cast<uint32_t>(h)} * kPageTokens + t % kPageTokens) * kRowBytes;
-        out.device_addresses.push_back(pool.device_address(chunk) + offset);
         out.host_rows.push_back(pool.chunk(chunk) + offset);
       }
+      out.tokens.emplace_back(tokens.begin(), tokens.end());
     }
   }
   return out;

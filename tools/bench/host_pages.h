@@ -44,10 +44,12 @@ std::vector<uint64_t> ShuffledPageSlots(uint64_t n_slots, std::mt19937_64& rng);
 
 // One layer's selected rows for `batch` sequences of `context` tokens: sequence s's pages are
 // slots[first_slot + s * context / kPageTokens + page]; each (sequence, head) picks kTopK distinct
-// random tokens, sorted (as the agent sorts them). Addresses are for the current device.
+// random tokens, sorted (as the agent sorts them). Page addresses are for the current device.
 struct TopKRows {
-  std::vector<uint64_t> device_addresses;
-  std::vector<const uint8_t*> host_rows;
+  int batch = 0;
+  std::vector<std::vector<uint64_t>> page_tables;  // [sequence][page]: GPU-visible page addresses
+  std::vector<std::vector<int32_t>> tokens;        // [sequence * kHeads + head][kTopK], ascending
+  std::vector<const uint8_t*> host_rows;           // every selected row's host address, in that order
 };
 TopKRows PickTopKRows(const RegisteredHostPages& pool, const std::vector<uint64_t>& slots, uint64_t first_slot,
                       int batch, int context, std::mt19937_64& rng);

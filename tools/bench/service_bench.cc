@@ -19,6 +19,7 @@
 #include "bench_stats.h"
 #include "daemon.h"
 #include "specache/client.h"
+#include "specache/version.h"
 
 namespace {
 
@@ -30,27 +31,51 @@ double Ms(Clock::time_point a, Clock::time_point b) { return std::chrono::durati
 
 struct Latencies {
   std::vector<double> create, extend, release;
+  int failed = 0;           // calls that failed: not timed, and the run fails
+  std::string first_error;
+
+  void Fail(const specache::Status& s) {
+    if (failed++ == 0) first_error = s.ToString();
+  }
 };
 
 // One client's loop: create a sequence, extend it page by page, release it.
 Latencies ClientLoop(const std::string& socket, int rounds, int pages) {
   Latencies l;
   auto client = Client::Connect({socket, std::chrono::milliseconds(5000), "bench"});
-  if (!client.ok()) return l;
+  if (!client.ok()) {
+    l.Fail(client.status());
+    return l;
+  }
   auto session = (*client)->OpenSession("default", 16 << 20);
-  if (!session.ok()) return l;
+  if (!session.ok()) {
+    l.Fail(session.status());
+    return l;
+  }
   for (int r = 0; r < rounds; ++r) {
     auto t0 = Clock::now();
     auto seq = (*session)->CreateSequence({32, 8, 128, 16, static_cast<uint32_t>(16 * pages)});
     auto t1 = Clock::now();
-    if (!seq.ok()) continue;
+    if (!seq.ok()) {
+      l.Fail(seq.status());
+      continue;
+    }
     l.create.push_back(Ms(t0, t1));
     for (int p = 1; p <= pages; ++p) {
       t0 = Clock::now();
-      if ((*session)->Extend(*seq, static_cast<uint32_t>(16 * p)).ok()) l.extend.push_back(Ms(t0, Clock::now()));
+      const auto extended = (*session)->Extend(*seq, static_cast<uint32_t>(16 * p));
+      if (extended.ok()) {
+        l.extend.push_back(Ms(t0, Clock::now()));
+      } else {
+        l.Fail(extended.status());
+      }
     }
     t0 = Clock::now();
-    if ((*session)->Release(*seq).ok()) l.release.push_back(Ms(t0, Clock::now()));
+    if (const specache::Status s = (*session)->Release(*seq); s.ok()) {
+      l.release.push_back(Ms(t0, Clock::now()));
+    } else {
+      l.Fail(s);
+    }
   }
   return l;
 }
@@ -64,6 +89,7 @@ int main(int argc, char** argv) {
   app.add_option("--socket", socket, "a running specached (default: one embedded here)");
   app.add_option("--rounds", rounds, "create/extend/release rounds per client")->capture_default_str();
   app.add_option("--json", json_path, "also write the figures here");
+  app.set_version_flag("--version", "specache-service-bench " SPECACHE_VERSION);
   CLI11_PARSE(app, argc, argv);
 
   std::unique_ptr<specache::daemon::Daemon> embedded;
@@ -87,6 +113,7 @@ int main(int argc, char** argv) {
     socket = c.socket;
   }
   nlohmann::json out;
+  int failed = 0;
   std::printf("%-8s %-8s %10s %10s %10s\n", "clients", "call", "p50 ms", "p99 ms", "calls");
   for (int clients : {1, 16}) {
     std::vector<std::thread> threads;
@@ -100,6 +127,8 @@ int main(int argc, char** argv) {
       all.create.insert(all.create.end(), r.create.begin(), r.create.end());
       all.extend.insert(all.extend.end(), r.extend.begin(), r.extend.end());
       all.release.insert(all.release.end(), r.release.begin(), r.release.end());
+      if (r.failed) std::printf("%d calls of a client failed, the first: %s\n", r.failed, r.first_error.c_str());
+      failed += r.failed;
     }
     for (auto [name, v] : {std::pair{"create", &all.create}, {"extend", &all.extend}, {"release", &all.release}}) {
       const double p50 = Percentile(*v, 0.5), p99 = Percentile(*v, 0.99);
@@ -108,7 +137,10 @@ int main(int argc, char** argv) {
     }
   }
   auto client = Client::Connect({socket, std::chrono::milliseconds(5000), "bench"});
-  if (!client.ok()) return 1;
+  if (!client.ok()) {
+    std::fprintf(stderr, "%s\n", client.status().ToString().c_str());
+    return 1;
+  }
   std::printf("\n%-12s %12s %12s\n", "session", "open+attach", "ms per GiB");
   for (uint64_t mib : {256, 1024}) {
     const auto t0 = Clock::now();
@@ -116,6 +148,7 @@ int main(int argc, char** argv) {
     const double ms = Ms(t0, Clock::now());
     if (!session.ok()) {
       std::printf("%-12s %s\n", (std::to_string(mib) + " MiB").c_str(), session.status().ToString().c_str());
+      ++failed;
       continue;
     }
     std::printf("%-12s %10.2f ms %12.2f\n", (std::to_string(mib) + " MiB").c_str(), ms, ms * 1024 / mib);
@@ -125,5 +158,6 @@ int main(int argc, char** argv) {
   client->reset();
   if (embedded) embedded->Stop();
   if (!dir.empty()) std::filesystem::remove_all(dir);
-  return 0;
+  if (failed) std::fprintf(stderr, "specache-service-bench: %d calls failed (not timed)\n", failed);
+  return failed ? 1 : 0;
 }

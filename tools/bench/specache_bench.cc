@@ -3,6 +3,7 @@
 //   specache-bench [memory|quantize|attention|all|gather|contend|step|attend|reuse] [--tokens N] [--head-dim D]
 //                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N]
 //                  [--trace FILE] [--row-bytes B] [--json FILE]
+//   specache-bench --version
 //
 // memory     replica bytes / fp16 bytes after streaming N tokens through one real HeadReplica,
 //            for G in {32, 64}, B in {1, 2, 4}, R in {64, 128}; checks the 1-bit, G=32, R=64
@@ -43,6 +44,7 @@
 #include "specache/device_probe.h"
 #include "specache/head_replica.h"
 #include "specache/quantizer.h"
+#include "specache/version.h"
 #include "reuse_bench.h"
 #ifdef SPECACHE_BENCH_CUDA
 #include "contention_bench.h"
@@ -213,7 +215,7 @@ int Usage() {
   std::fprintf(stderr,
                "usage: specache-bench [memory|quantize|attention|all|gather|contend|step|attend|reuse] [--tokens N] [--head-dim D] "
                "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--trace FILE] [--row-bytes B] "
-               "[--json FILE]\n");
+               "[--json FILE]\n       specache-bench --version\n");
   return 2;
 }
 
@@ -230,7 +232,10 @@ int main(int argc, char** argv) {
       *out = std::atoi(argv[++i]);
       return *out > 0;
     };
-    if (a == "--tokens") {
+    if (a == "--version") {
+      std::printf("specache-bench %s\n", SPECACHE_VERSION);
+      return 0;
+    } else if (a == "--tokens") {
       if (!next_int(&o.tokens)) return Usage();
       o.tokens_given = true;
     } else if (a == "--head-dim") {

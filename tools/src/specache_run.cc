@@ -12,6 +12,7 @@
 #include "heatmap_png.h"
 #include "niah_prompt.h"
 #include "run_support.h"
+#include "specache/version.h"
 
 namespace specache::run {
 namespace {
@@ -481,6 +482,7 @@ int main(int argc, char** argv) {
   logits->add_flag("--no-special", logit_args.no_special, "with --raw-prompt: special tokens in the text stay text");
   logits->add_option("--out", logit_args.out, "output file (default stdout)");
 
+  app.set_version_flag("--version", "specache-run " SPECACHE_VERSION);
   CLI11_PARSE(app, argc, argv);
   if (generate->parsed()) return Report(Generate(gen));
   if (niah->parsed()) return Report(Niah(niah_args));

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "specache/client.h"
+#include "specache/version.h"
 
 namespace {
 
@@ -28,7 +29,7 @@ nlohmann::json StatsJson(const DaemonStats& s) {
     tenants.push_back({{"tenant", t.tenant}, {"reserved_bytes", t.reserved_bytes}, {"used_bytes", t.used_bytes},
                        {"quota_bytes", t.quota_bytes}, {"sessions", t.sessions}, {"sequences", t.sequences}});
   }
-  return {{"pool_bytes", s.pool_bytes}, {"reserved_bytes", s.reserved_bytes}, {"used_bytes", s.used_bytes},
+  return {{"version", s.version},           {"pool_bytes", s.pool_bytes}, {"reserved_bytes", s.reserved_bytes}, {"used_bytes", s.used_bytes},
           {"free_bytes", s.free_bytes},  {"chunk_bytes", s.chunk_bytes},       {"sessions", s.sessions},
           {"sequences", s.sequences},    {"pages", s.pages},                   {"requests", s.requests},
           {"errors", s.errors},          {"uptime_ms", s.uptime_ms},           {"memory_locked", s.memory_locked},
@@ -43,6 +44,7 @@ nlohmann::json StatsJson(const DaemonStats& s) {
 }
 
 void PrintStats(const DaemonStats& s) {
+  std::printf("daemon    specached %s\n", s.version.empty() ? "(version not reported)" : s.version.c_str());
   std::printf("pool      %s total, %s reserved by sessions, %s used by pages, %s free (chunks of %s, %s)\n",
               Mib(s.pool_bytes).c_str(), Mib(s.reserved_bytes).c_str(), Mib(s.used_bytes).c_str(),
               Mib(s.free_bytes).c_str(), Mib(s.chunk_bytes).c_str(), s.memory_locked ? "locked" : "NOT locked");
@@ -104,6 +106,7 @@ int main(int argc, char** argv) {
   evict->add_option("--sequence", sequence, "the sequence")->required();
   auto* verify = app.add_subcommand("verify", "check every page in the spill tier");
   verify->add_flag("--json", json, "one JSON object");
+  app.set_version_flag("--version", "specachectl " SPECACHE_VERSION);
   CLI11_PARSE(app, argc, argv);
 
   auto client = Client::Connect({socket, std::chrono::milliseconds(deadline_ms), "specachectl"});

@@ -51,6 +51,7 @@ struct DaemonStats {
   uint32_t sessions = 0, sequences = 0;
   uint64_t pages = 0, requests = 0, errors = 0, uptime_ms = 0;
   bool memory_locked = false;
+  std::string version;  // the daemon's ("0.1.0"); empty from a daemon older than this field
   std::vector<TenantUsage> tenants;
   // Kept sequences and the spill tier.
   uint64_t parked_bytes = 0, spilled_bytes = 0, spill_disk_bytes = 0;

@@ -1,5 +1,5 @@
 // The GPU agent: the per-step API an inference loop calls to keep its KV cache as a low-bit
-// replica on the device and the full precision in host memory (../shared/design/method.md).
+// replica on the device and the full precision in host memory (docs/method.md).
 //
 // An engine's loop, per batch of sequences (each may have a different length):
 //

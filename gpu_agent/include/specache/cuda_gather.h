@@ -1,6 +1,6 @@
 // The fetch path of the CUDA backend: full-precision rows gathered by the GPU's SMs straight from
 // registered host memory (the daemon's pages) into device memory. Copy-engine APIs are 50-500x
-// slower for rows this small (../shared/design/limits.md); a zero-copy kernel reaches the link.
+// slower for rows this small (docs/performance.md); a zero-copy kernel reaches the link.
 //
 // Plain C++ header (no CUDA types): streams are passed as void* (a cudaStream_t). Without CUDA in
 // the build, or without a device, every call returns UNAVAILABLE.

@@ -2,7 +2,7 @@
 // decode and reads rows back from when it fetches the top-k.
 //
 // A row is one (sequence, layer, KV head, token): [K | V] = [2][head_dim] fp16, K first, exactly
-// the row of a daemon page laid out [kv_head][token][K|V][head_dim] (architecture.md), so one
+// the row of a daemon page laid out [kv_head][token][K|V][head_dim] (docs/architecture.md), so one
 // fetched row is one contiguous 2 * head_dim * 2-byte read.
 //
 // Implementations: InMemorySource (in_memory_source.h) for tests and the embedded demo; the

@@ -1,6 +1,6 @@
 // The low-bit replica C' of one (sequence, layer, KV head), kept by the CPU backend.
 //
-// Streaming rules (../shared/design/method.md):
+// Streaming rules (docs/method.md):
 //   keys:   tokens enter a full-precision residual; the moment it holds R tokens they are quantized
 //           (R/G groups of G tokens, per channel) and the residual empties. So after n tokens,
 //           floor(n/R)*R keys are quantized and n mod R sit in the residual.

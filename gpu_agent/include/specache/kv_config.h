@@ -1,6 +1,6 @@
 // What the agent is told about the model and how to keep its KV cache.
 //
-// Terms (../shared/design/method.md): G = quantization group size, R = full-precision residual
+// Terms (docs/method.md): G = quantization group size, R = full-precision residual
 // window, k = rows fetched per (sequence, layer, KV head) per decode step.
 #pragma once
 

@@ -1,7 +1,7 @@
 // KIVI group quantization with SpeCache's 1-bit variant, and the bit layout the CPU and CUDA
 // backends share.
 //
-// Rules (../shared/design/method.md, "KIVI quantization"):
+// Rules (docs/method.md, "The low-bit replica"):
 //   B in {2, 4}: z = min X, s = (max X - min X) / (2^B - 1)
 //   B = 1:       z = (3 min X + max X) / 4, s = (max X - min X) / 2   (codes clamped to {0, 1})
 //   code = clamp(floor((x - z) / s + 0.5), 0, 2^B - 1)   (round half up; s == 0 gives code 0)

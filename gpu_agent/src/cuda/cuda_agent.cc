@@ -2,7 +2,7 @@
 // CPU reference (quantization bit for bit, attention within float rounding, top-k exactly), with
 // the call protocol and fetch state machine of the CPU backend (both follow step_protocol.h).
 //
-// Data path (method.md, architecture.md):
+// Data path (docs/method.md, docs/architecture.md):
 // - The source's host pages are registered and mapped; the agent keeps a device copy of each
 //   (sequence, layer)'s page table and reads and writes rows in place: appends are stores from the
 //   GPU into the pages, fetches are SM loads from them (cuda_fetch.h). No row passes through a

@@ -1,0 +1,46 @@
+// Label `unit`: what the CUDA entry points do on a machine without a usable device (CI, the
+// development machine, a build without CUDA): they return UNAVAILABLE, never crash, so an engine
+// can fall back to the CPU agent. With a device present these skip: the `gpu` tests cover it.
+#include <gtest/gtest.h>
+
+#include "specache/agent.h"
+#include "specache/cuda_fetch.h"
+#include "specache/cuda_gather.h"
+#include "specache/device_probe.h"
+#include "specache/in_memory_source.h"
+
+namespace specache {
+namespace {
+
+#define SKIP_IF_A_DEVICE_IS_PRESENT() \
+  if (ProbeCudaDevice().ok()) GTEST_SKIP() << "a device is present: the gpu-labelled tests cover it"
+
+TEST(WithoutDeviceTest, TheProbeIsUnavailableNotACrash) {
+  SKIP_IF_A_DEVICE_IS_PRESENT();
+  const auto info = ProbeCudaDevice();
+  EXPECT_EQ(info.status().code(), StatusCode::kUnavailable);
+  EXPECT_FALSE(info.status().message().empty());
+}
+
+TEST(WithoutDeviceTest, CreatingACudaAgentIsUnavailable) {
+  SKIP_IF_A_DEVICE_IS_PRESENT();
+  InMemorySource source;
+  EXPECT_EQ(CreateCudaAgent({2, 4, 2, 64}, KvConfig{}, &source).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(WithoutDeviceTest, RegisteringHostMemoryIsUnavailable) {
+  SKIP_IF_A_DEVICE_IS_PRESENT();
+  int x = 0;
+  EXPECT_EQ(cuda::RegisterHostMemory(&x, sizeof x).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(WithoutDeviceTest, FetchingRowsIsUnavailable) {
+  SKIP_IF_A_DEVICE_IS_PRESENT();
+  // One task, so that a launch is tried (a call with no tasks launches nothing and succeeds).
+  cuda::FetchTask task;
+  task.n_selected = 1;
+  EXPECT_EQ(cuda::FetchRows(&task, 1, 64, 64, 1, nullptr, nullptr).code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace specache
