@@ -26,7 +26,8 @@ nlohmann::json StatsJson(const DaemonStats& s) {
   nlohmann::json tenants = nlohmann::json::array();
   for (const auto& t : s.tenants) {
     tenants.push_back({{"tenant", t.tenant}, {"reserved_bytes", t.reserved_bytes}, {"used_bytes", t.used_bytes},
-                       {"quota_bytes", t.quota_bytes}, {"sessions", t.sessions}, {"sequences", t.sequences}});
+                       {"quota_bytes", t.quota_bytes}, {"retained_bytes", t.retained_bytes}, {"sessions", t.sessions},
+                       {"sequences", t.sequences}});
   }
   return {{"pool_bytes", s.pool_bytes}, {"reserved_bytes", s.reserved_bytes}, {"used_bytes", s.used_bytes},
           {"free_bytes", s.free_bytes},  {"chunk_bytes", s.chunk_bytes},       {"sessions", s.sessions},
@@ -61,15 +62,22 @@ void PrintStats(const DaemonStats& s) {
                 static_cast<unsigned long long>(s.checksum_failures),
                 static_cast<unsigned long long>(s.spill_write_errors), static_cast<unsigned long long>(s.kept_dropped));
   }
-  std::printf("%-16s %14s %14s %14s %9s %10s\n", "tenant", "reserved", "used", "quota", "sessions", "sequences");
+  std::printf("%-16s %14s %14s %14s %14s %9s %10s\n", "tenant", "reserved", "retained", "used", "quota", "sessions",
+              "sequences");
   for (const auto& t : s.tenants) {
-    std::printf("%-16s %14s %14s %14s %9u %10u\n", t.tenant.c_str(), Mib(t.reserved_bytes).c_str(),
-                Mib(t.used_bytes).c_str(), Mib(t.quota_bytes).c_str(), t.sessions, t.sequences);
+    std::printf("%-16s %14s %14s %14s %14s %9u %10u\n", t.tenant.c_str(), Mib(t.reserved_bytes).c_str(),
+                Mib(t.retained_bytes).c_str(), Mib(t.used_bytes).c_str(), Mib(t.quota_bytes).c_str(), t.sessions,
+                t.sequences);
   }
 }
 
+// Exit status 1 for errors, 4 when the daemon refused the caller (the message names the rule).
 int Fail(const specache::Status& s) {
   std::fprintf(stderr, "specachectl: %s\n", s.ToString().c_str());
+  if (s.code() == specache::StatusCode::kPermissionDenied) {
+    std::fprintf(stderr, "specachectl: refused by the daemon's access rules ([access] and [tenants] in its config)\n");
+    return 4;
+  }
   return 1;
 }
 

@@ -44,8 +44,10 @@ struct TenantUsage {
   std::string tenant;
   uint64_t reserved_bytes = 0, used_bytes = 0, quota_bytes = 0;
   uint32_t sessions = 0, sequences = 0;
+  uint64_t retained_bytes = 0;  // memory of closed sessions a process still holds (in reserved_bytes)
 };
 
+// Stats and ListSequences show only the tenants this user may use (admins see all).
 struct DaemonStats {
   uint64_t pool_bytes = 0, reserved_bytes = 0, used_bytes = 0, free_bytes = 0, chunk_bytes = 0;
   uint32_t sessions = 0, sequences = 0;
