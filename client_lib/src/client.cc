@@ -216,6 +216,11 @@ Result<DaemonStats> Client::Stats() {
   s.checksum_failures = r.checksum_failures();
   s.spill_write_errors = r.spill_write_errors();
   s.kept_dropped = r.kept_dropped();
+  s.attach_connections = r.attach_connections();
+  s.refused_connections = r.refused_connections();
+  s.accept_errors = r.accept_errors();
+  s.denied_requests = r.denied_requests();
+  s.chunks_out_of_service = r.chunks_out_of_service();
   for (const auto& t : r.tenants()) {
     s.tenants.push_back(
         {t.tenant(), t.reserved_bytes(), t.used_bytes(), t.quota_bytes(), t.sessions(), t.sequences(), t.retained_bytes()});

@@ -150,6 +150,14 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   resp->set_spill_write_errors(s.kept.spill.write_errors);
   resp->set_kept_dropped(s.kept.dropped);
   resp->set_spill_disk_bytes(s.kept.spill.stored_bytes);
+  if (connection_counts_) {
+    const ServiceCounts n = connection_counts_();
+    resp->set_attach_connections(n.attach_connections);
+    resp->set_refused_connections(n.refused_connections);
+    resp->set_accept_errors(n.accept_errors);
+  }
+  resp->set_denied_requests(denied_.load());
+  resp->set_chunks_out_of_service(s.chunks_out_of_service);
   resp->set_uptime_ms(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count()));
   for (const TenantSummary& t : s.tenants) {

@@ -9,7 +9,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 
+#include "metrics.h"
 #include "registry.h"
 #include "specache/v1/control.grpc.pb.h"
 
@@ -43,6 +45,8 @@ class ControlService final : public specache::v1::Control::Service {
   uint64_t requests() const { return requests_.load(); }
   uint64_t errors() const { return errors_.load(); }
   uint64_t denied() const { return denied_.load(); }
+  // Where Stats reads the connection counters (attach server, control listener): set before serving.
+  void set_connection_counts(std::function<ServiceCounts()> counts) { connection_counts_ = std::move(counts); }
 
  private:
   grpc::Status Finish(const Status& status);
@@ -58,6 +62,7 @@ class ControlService final : public specache::v1::Control::Service {
   Registry* registry_;
   KeptSequences* kept_;
   const PeerTable* peers_;
+  std::function<ServiceCounts()> connection_counts_;
   std::string attach_path_;
   uint32_t lease_ms_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();

@@ -180,10 +180,18 @@ Status ListenControl(State* d) {
   return Status::Ok();
 }
 
+ServiceCounts Counts(State* d) {
+  const AttachStats a = d->attach->stats();
+  return {d->service->requests(), d->service->errors(), d->service->denied(), a.open,
+          a.refused + d->control_refused.load(), a.accept_errors + d->control->accept_errors()};
+}
+
 Status ListenAttach(State* d) {
   d->attach = std::make_unique<AttachServer>(d->io, d->registry.get(), SocketFileOf(d->config, d->config.AttachSocket()),
                                              d->config.limits);
   SPECACHE_RETURN_IF_ERROR(d->attach->Listen());
+  // Before the io thread runs: no control connection is accepted, so no Stats call races this.
+  d->service->set_connection_counts([d] { return Counts(d); });
   d->io_thread = std::thread([d] {
     auto guard = boost::asio::make_work_guard(d->io);
     d->io.run();
@@ -203,10 +211,7 @@ void StartHousekeeping(State* d) {
     while (!d->stopping.load()) {
       d->registry->Reap();
       if (d->metrics && ++tick % 10 == 0) {
-        const AttachStats a = d->attach->stats();
-        d->metrics->Update(d->registry->Stats(), {d->service->requests(), d->service->errors(), d->service->denied(),
-                                                  a.open, a.refused + d->control_refused.load(),
-                                                  a.accept_errors + d->control->accept_errors()});
+        d->metrics->Update(d->registry->Stats(), Counts(d));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }

@@ -61,6 +61,8 @@ int Run(const Overrides& o) {
   signal(SIGPIPE, SIG_IGN);
 
   DaemonConfig config;
+  // Errors before the configuration is read go to stderr as well (spdlog's default is stdout).
+  (void)ConfigureLogging(config);
   Status s = LoadConfiguration(o, &config);
   if (s.ok()) s = ConfigureLogging(config);
   if (!s.ok()) {

@@ -40,7 +40,10 @@ nlohmann::json StatsJson(const DaemonStats& s) {
           {"restores", s.restores}, {"spill_bytes_total", s.spill_bytes_total},
           {"restore_bytes_total", s.restore_bytes_total}, {"spill_seconds", s.spill_seconds},
           {"restore_seconds", s.restore_seconds}, {"checksum_failures", s.checksum_failures},
-          {"spill_write_errors", s.spill_write_errors}, {"kept_dropped", s.kept_dropped}};
+          {"spill_write_errors", s.spill_write_errors}, {"kept_dropped", s.kept_dropped},
+          {"attach_connections", s.attach_connections}, {"refused_connections", s.refused_connections},
+          {"accept_errors", s.accept_errors}, {"denied_requests", s.denied_requests},
+          {"chunks_out_of_service", s.chunks_out_of_service}};
 }
 
 void PrintStats(const DaemonStats& s) {
@@ -49,8 +52,13 @@ void PrintStats(const DaemonStats& s) {
               Mib(s.free_bytes).c_str(), Mib(s.chunk_bytes).c_str(), s.memory_locked ? "locked" : "NOT locked");
   std::printf("objects   %u sessions, %u sequences, %llu pages\n", s.sessions, s.sequences,
               static_cast<unsigned long long>(s.pages));
-  std::printf("requests  %llu (%llu errors), up %.1f s\n", static_cast<unsigned long long>(s.requests),
-              static_cast<unsigned long long>(s.errors), s.uptime_ms / 1000.0);
+  std::printf("requests  %llu (%llu errors, %llu refused by the access rules), up %.1f s\n",
+              static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.errors),
+              static_cast<unsigned long long>(s.denied_requests), s.uptime_ms / 1000.0);
+  std::printf("attach    %llu connections, %llu refused at accept, %llu accept errors, %u chunks out of service\n",
+              static_cast<unsigned long long>(s.attach_connections),
+              static_cast<unsigned long long>(s.refused_connections),
+              static_cast<unsigned long long>(s.accept_errors), s.chunks_out_of_service);
   std::printf("kept      %u parked (%s in RAM), %u spilled (%s on disk only, %s in the store)%s\n", s.parked_sequences,
               Mib(s.parked_bytes).c_str(), s.spilled_sequences, Mib(s.spilled_bytes).c_str(),
               Mib(s.spill_disk_bytes).c_str(), s.spill_tier ? "" : "; no spill tier");
