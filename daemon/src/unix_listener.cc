@@ -71,7 +71,11 @@ Status UnixListener::Listen(const SocketFile& file, int backlog) {
   if (ec) return Status::Unavailable(name_ + " socket " + path_ + ": " + ec.message());
   // Mode and group before listen(): until then every connect() is refused, so nobody connects
   // through the mode bind() left.
-  if (file.gid && ::chown(path_.c_str(), static_cast<uid_t>(-1), *file.gid) != 0) {
+  // No chown when the file already has the group (the daemon's own group, as under the shipped
+  // unit, whose system call filter refuses chown).
+  struct stat st {};
+  const bool has_group = file.gid && ::stat(path_.c_str(), &st) == 0 && st.st_gid == *file.gid;
+  if (file.gid && !has_group && ::chown(path_.c_str(), static_cast<uid_t>(-1), *file.gid) != 0) {
     const std::string why = name_ + " socket " + path_ + ": chown to group " + std::to_string(*file.gid) + ": " + Errno();
     if (file.gid_required) return Status::PermissionDenied(why);
     spdlog::warn("{} (the socket keeps the daemon's group)", why);
