@@ -126,7 +126,7 @@ TEST(LimitsTest, AttachConnectionsAreCappedPerUidAndInTotal) {
 TEST(LimitsTest, OutOfDescriptorsTheDaemonBacksOffAndKeepsEveryChunk) {
   DaemonProcess d;
   d.prefix = {"/usr/bin/prlimit", "--nofile=80", "--"};
-  ASSERT_TRUE(d.Start("[limits]\nattach_connections = 100000\nattach_connections_per_uid = 100000\n"));
+  ASSERT_TRUE(d.Start());  // 80 descriptors run out before the default caps (1024, 64 per uid)
   auto c = Connect(d);
   ASSERT_TRUE(c);
   auto keeper = Spawn({TEST_CLIENT_PATH, "close-keep", d.socket, "default", std::to_string(8 << 20), "1000"});
@@ -136,7 +136,7 @@ TEST(LimitsTest, OutOfDescriptorsTheDaemonBacksOffAndKeepsEveryChunk) {
   const double cpu_before = CpuSeconds(d.child->pid);
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   const double cpu = CpuSeconds(d.child->pid) - cpu_before;
-  EXPECT_LT(cpu, 0.3) << "the daemon used " << cpu << " s of CPU in 1 s while out of descriptors";
+  EXPECT_LT(cpu, 0.1) << "the daemon used " << cpu << " s of CPU in 1 s while out of descriptors";
   EXPECT_EQ(keeper->ReadLine(10000), "closed OK");
   auto stats = c->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
