@@ -227,8 +227,8 @@ void ChunkPool::Housekeep() {
       if (c.holder_pidfd >= 0) close(c.holder_pidfd);
       c.holder_pidfd = -1;
       c.owner = 0;
-    } else if (Replace(&c).ok()) {
-      continue;
+    } else {
+      (void)Replace(&c);  // still failing: tried again on the next call
     }
   }
 }

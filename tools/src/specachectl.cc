@@ -79,6 +79,14 @@ void PrintStats(const DaemonStats& s) {
   }
 }
 
+// A client-chosen name for the terminal: control bytes shown as '?' (no escape sequences).
+std::string Printable(std::string name) {
+  for (char& ch : name) {
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+  }
+  return name;
+}
+
 // Exit status 1 for errors, 4 when the daemon refused the caller (the message names the rule).
 int Fail(const specache::Status& s) {
   std::fprintf(stderr, "specachectl: %s\n", s.ToString().c_str());
@@ -146,7 +154,7 @@ int main(int argc, char** argv) {
                      {"used_bytes", s.used_bytes}, {"age_ms", s.age_ms}});
       if (!json) {
         std::printf("%8llu %-12s %-20s %8d %6u %9s %7u %10u %12s\n", static_cast<unsigned long long>(s.id),
-                    s.tenant.c_str(), s.client_name.c_str(), s.pid, s.uid, s.attached ? "yes" : "no", s.chunks,
+                    s.tenant.c_str(), Printable(s.client_name).c_str(), s.pid, s.uid, s.attached ? "yes" : "no", s.chunks,
                     s.sequences, Mib(s.used_bytes).c_str());
       }
     }
