@@ -63,6 +63,10 @@ struct Session::Impl {
   std::atomic<uint64_t> extend_rpcs{0};
 
   ~Impl() {
+    // Unmapped before the close: the daemon sees the chunks are no longer held, zeroes and reuses
+    // them; chunks still mapped at the close stay charged to the tenant until they are let go.
+    for (uint8_t* c : chunks) munmap(c, chunk_bytes);
+    if (table) munmap(const_cast<uint8_t*>(table), table_bytes);
     if (client && id != 0) {
       v1::CloseSessionRequest req;
       req.set_session_id(id);
@@ -72,8 +76,6 @@ struct Session::Impl {
       // closes below.
       static_cast<void>(client->Call(&v1::Control::Stub::CloseSession, "CloseSession", req, &resp));
     }
-    for (uint8_t* c : chunks) munmap(c, chunk_bytes);
-    if (table) munmap(const_cast<uint8_t*>(table), table_bytes);
     if (attach_fd >= 0) close(attach_fd);
   }
 
@@ -217,8 +219,14 @@ Result<DaemonStats> Client::Stats() {
   s.checksum_failures = r.checksum_failures();
   s.spill_write_errors = r.spill_write_errors();
   s.kept_dropped = r.kept_dropped();
+  s.attach_connections = r.attach_connections();
+  s.refused_connections = r.refused_connections();
+  s.accept_errors = r.accept_errors();
+  s.denied_requests = r.denied_requests();
+  s.chunks_out_of_service = r.chunks_out_of_service();
   for (const auto& t : r.tenants()) {
-    s.tenants.push_back({t.tenant(), t.reserved_bytes(), t.used_bytes(), t.quota_bytes(), t.sessions(), t.sequences()});
+    s.tenants.push_back(
+        {t.tenant(), t.reserved_bytes(), t.used_bytes(), t.quota_bytes(), t.sessions(), t.sequences(), t.retained_bytes()});
   }
   return s;
 }

@@ -16,17 +16,15 @@ constexpr auto kRequestTimeout = std::chrono::seconds(2);
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  Connection(stream_protocol::socket socket, Registry* registry)
-      : socket_(std::move(socket)), timer_(socket_.get_executor()), registry_(registry) {}
+  Connection(stream_protocol::socket socket, Registry* registry, Caller peer, std::shared_ptr<AttachServer::Counts> counts)
+      : socket_(std::move(socket)), timer_(socket_.get_executor()), registry_(registry), peer_(std::move(peer)),
+        counts_(std::move(counts)) {}
+  ~Connection() {
+    --counts_->open;
+    if (--counts_->per_uid[peer_.uid] == 0) counts_->per_uid.erase(peer_.uid);
+  }
 
   void Start() {
-    ucred cred{};
-    socklen_t len = sizeof cred;
-    if (getsockopt(socket_.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      spdlog::warn("attach: no peer credentials; closing");
-      return;
-    }
-    peer_ = {cred.pid, cred.uid, cred.gid};
     auto self = shared_from_this();
     timer_.expires_after(kRequestTimeout);
     timer_.async_wait([self](boost::system::error_code ec) {
@@ -85,7 +83,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   stream_protocol::socket socket_;
   boost::asio::steady_timer timer_;
   Registry* registry_;
-  PeerCredentials peer_;
+  Caller peer_;
+  std::shared_ptr<AttachServer::Counts> counts_;
   std::array<uint8_t, sizeof(attach::AttachRequest)> request_{};
   std::array<uint8_t, 64> tail_{};
   bool got_request_ = false;
@@ -94,37 +93,55 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
 }  // namespace
 
-AttachServer::AttachServer(boost::asio::io_context& io, Registry* registry, std::string path)
-    : io_(io), registry_(registry), path_(std::move(path)) {}
+AttachServer::AttachServer(boost::asio::io_context& io, Registry* registry, SocketFile file, LimitsConfig limits)
+    : io_(io), registry_(registry), file_(std::move(file)), limits_(limits), listener_(io, "attach") {}
 
 Status AttachServer::Listen() {
-  ::unlink(path_.c_str());
-  boost::system::error_code ec;
-  acceptor_ = std::make_unique<stream_protocol::acceptor>(io_);
-  acceptor_->open(stream_protocol(), ec);
-  if (!ec) acceptor_->bind(stream_protocol::endpoint(path_), ec);
-  if (!ec) acceptor_->listen(64, ec);
-  if (ec) return Status::Unavailable("attach socket " + path_ + ": " + ec.message());
-  // Anyone may connect; the token and the peer's credentials decide.
-  ::chmod(path_.c_str(), 0666);
-  Accept();
+  SPECACHE_RETURN_IF_ERROR(listener_.Listen(file_, 64));
+  listener_.Start([this](int fd) { OnAccept(fd); });
   return Status::Ok();
 }
 
-void AttachServer::Stop() {
-  if (acceptor_) {
-    boost::system::error_code ec;
-    acceptor_->close(ec);
-  }
-  ::unlink(path_.c_str());
+void AttachServer::Stop() { listener_.Stop(); }
+
+AttachStats AttachServer::stats() const {
+  return {counts_->open.load(), counts_->refused.load(), listener_.accept_errors()};
 }
 
-void AttachServer::Accept() {
-  acceptor_->async_accept([this](boost::system::error_code ec, stream_protocol::socket socket) {
-    if (ec == boost::asio::error::operation_aborted) return;
-    if (!ec) std::make_shared<Connection>(std::move(socket), registry_)->Start();
-    Accept();
-  });
+void AttachServer::OnAccept(int fd) {
+  auto peer = PeerOf(fd);
+  if (!peer.ok()) {
+    ::close(fd);
+    ++counts_->refused;
+    spdlog::warn("attach: connection without peer credentials closed: {}", peer.status().ToString());
+    return;
+  }
+  // Caps before anything else: an idle connection costs a descriptor until its 2 s deadline.
+  const uint32_t of_uid = counts_->per_uid.count(peer->uid) ? counts_->per_uid[peer->uid] : 0;
+  if (counts_->open.load() >= limits_.attach_connections || of_uid >= limits_.attach_connections_per_uid) {
+    ::close(fd);
+    const uint64_t refused = ++counts_->refused;
+    if ((refused & (refused - 1)) == 0) {  // 1st, 2nd, 4th...: a flood does not flood the log
+      spdlog::warn("attach: connection of pid {} uid {} refused: {} open ({} of that uid), limits {} and {} per uid "
+                   "([limits] in the config); {} refused so far",
+                   peer->pid, peer->uid, counts_->open.load(), of_uid, limits_.attach_connections,
+                   limits_.attach_connections_per_uid, refused);
+    }
+    return;
+  }
+  ++counts_->open;
+  ++counts_->per_uid[peer->uid];
+  boost::system::error_code ec;
+  stream_protocol::socket socket(io_);
+  socket.assign(stream_protocol(), fd, ec);
+  if (ec) {
+    ::close(fd);
+    --counts_->open;
+    if (--counts_->per_uid[peer->uid] == 0) counts_->per_uid.erase(peer->uid);
+    spdlog::warn("attach: {}", ec.message());
+    return;
+  }
+  std::make_shared<Connection>(std::move(socket), registry_, std::move(*peer), counts_)->Start();
 }
 
 }  // namespace specache::daemon

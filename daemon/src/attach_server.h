@@ -1,34 +1,54 @@
 // The attach endpoint: a Unix stream socket (Boost.Asio) where an attaching client presents its
-// session id and token; the daemon checks the peer's credentials (SO_PEERCRED) against the
-// session's tenant and passes the page table and chunk descriptors (SCM_RIGHTS). The session
-// then lives as long as the connection: EOF, an error or any further byte detaches it.
+// session id and token; the daemon checks the peer's credentials (SO_PEERCRED, SO_PEERGROUPS)
+// against the session's tenant and passes the page table and chunk descriptors (SCM_RIGHTS). The
+// session then lives as long as the connection: EOF, an error or any further byte detaches it.
+//
+// Connections are capped in total and per connecting uid ([limits]); one over a cap is closed at
+// once, with a log line and a count. A connection that sends no request within 2 s is closed.
 #pragma once
 
+#include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 
-#include <utility>  // Boost 1.74 asio/awaitable.hpp uses std::exchange without it (C++20)
-
-#include <boost/asio.hpp>
-
+#include "access.h"
 #include "registry.h"
+#include "unix_listener.h"
 
 namespace specache::daemon {
 
+struct AttachStats {
+  uint64_t open = 0;           // connections now
+  uint64_t refused = 0;        // closed at accept: over a cap, or no peer credentials
+  uint64_t accept_errors = 0;  // accept() failures (EMFILE...), each followed by a backoff
+};
+
 class AttachServer {
  public:
-  AttachServer(boost::asio::io_context& io, Registry* registry, std::string path);
-  // Binds (replacing a stale socket file) and starts accepting.
+  AttachServer(boost::asio::io_context& io, Registry* registry, SocketFile file, LimitsConfig limits);
+  // Binds (replacing a stale socket file: the caller holds the path's lock) and starts accepting.
   Status Listen();
+  // Call with the io thread stopped.
   void Stop();
+  AttachStats stats() const;
+
+  // Open connections, shared with the connections themselves (they may outlive the server in
+  // the io_context's queue).
+  struct Counts {
+    std::map<uint32_t, uint32_t> per_uid;  // io thread only
+    std::atomic<uint64_t> open{0}, refused{0};
+  };
 
  private:
-  void Accept();
+  void OnAccept(int fd);
 
   boost::asio::io_context& io_;
   Registry* registry_;
-  std::string path_;
-  std::unique_ptr<boost::asio::local::stream_protocol::acceptor> acceptor_;
+  SocketFile file_;
+  LimitsConfig limits_;
+  UnixListener listener_;
+  std::shared_ptr<Counts> counts_ = std::make_shared<Counts>();
 };
 
 }  // namespace specache::daemon

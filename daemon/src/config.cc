@@ -3,7 +3,9 @@
 #include <grp.h>
 #include <pwd.h>
 
+#include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -29,7 +31,7 @@ Result<uint64_t> BytesOf(const toml::node& node, const std::string& key) {
 // A users/groups entry: a number is the id itself; a name is looked up (getpwnam / getgrnam).
 template <typename Lookup>
 Result<uint32_t> IdOf(const toml::node& node, const char* kind, Lookup lookup) {
-  if (auto v = node.value<int64_t>()) return static_cast<uint32_t>(*v);
+  if (auto v = node.value<int64_t>()) return CheckedId(*v, kind);
   if (auto s = node.value<std::string>()) {
     if (auto id = lookup(s->c_str())) return *id;
     return Status::InvalidArgument(std::string("unknown ") + kind + " '" + *s + "'");
@@ -51,7 +53,76 @@ Result<uint32_t> GroupId(const toml::node& node) {
   });
 }
 
+// An array of user or group entries (names or ids).
+template <typename Id>
+Status IdsOf(const toml::node& value, const std::string& key, Id id_of, std::vector<uint32_t>* out) {
+  const toml::array* arr = value.as_array();
+  if (!arr) return Status::InvalidArgument("config: " + key + " must be an array");
+  for (const toml::node& e : *arr) {
+    auto id = id_of(e);
+    if (!id.ok()) return id.status().WithContext("config: " + key);
+    out->push_back(*id);
+  }
+  return Status::Ok();
+}
+
+// [access]: kept apart from the rest of the parser (one block per table).
+Status ParseAccess(const toml::node& node, AccessConfig* a) {
+  const toml::table* t = node.as_table();
+  if (!t) return Status::InvalidArgument("config: [access] must be a table");
+  for (const auto& [field, value] : *t) {
+    const std::string key = "access." + std::string(field.str());
+    if (field.str() == "admin_users") {
+      SPECACHE_RETURN_IF_ERROR(IdsOf(value, key, UserId, &a->admin_uids));
+    } else if (field.str() == "admin_groups") {
+      SPECACHE_RETURN_IF_ERROR(IdsOf(value, key, GroupId, &a->admin_gids));
+    } else if (field.str() == "socket_group") {
+      SPECACHE_ASSIGN_OR_RETURN(a->socket_gid, GroupId(value));
+    } else if (field.str() == "socket_mode") {
+      // "0660" (octal text) or a TOML integer (0o660).
+      int64_t mode = -1;
+      if (auto v = value.value<int64_t>()) mode = *v;
+      if (auto v = value.value<std::string>()) {
+        char* end = nullptr;
+        const long parsed = std::strtol(v->c_str(), &end, 8);
+        mode = (!v->empty() && *end == '\0') ? parsed : -1;
+      }
+      if (mode < 0 || (mode & ~0770) != 0) {
+        return Status::InvalidArgument("config: " + key + " must be an octal mode within 0770 (owner and group only)");
+      }
+      a->socket_mode = static_cast<uint32_t>(mode);
+    } else {
+      return Status::InvalidArgument("config: unknown key '" + key + "'");
+    }
+  }
+  return Status::Ok();
+}
+
+// [limits]
+Status ParseLimits(const toml::node& node, LimitsConfig* l) {
+  const toml::table* t = node.as_table();
+  if (!t) return Status::InvalidArgument("config: [limits] must be a table");
+  for (const auto& [field, value] : *t) {
+    const std::string key = "limits." + std::string(field.str());
+    uint32_t* out = field.str() == "attach_connections"           ? &l->attach_connections
+                    : field.str() == "attach_connections_per_uid" ? &l->attach_connections_per_uid
+                                                                  : nullptr;
+    if (!out) return Status::InvalidArgument("config: unknown key '" + key + "'");
+    auto v = value.value<int64_t>();
+    if (!v || *v < 1 || *v > 1000000) return Status::InvalidArgument("config: " + key + " must be an integer in [1, 1000000]");
+    *out = static_cast<uint32_t>(*v);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+Result<uint32_t> CheckedId(int64_t value, const std::string& what) {
+  if (value < 0 || value > int64_t{UINT32_MAX} - 1) {
+    return Status::InvalidArgument(what + " id " + std::to_string(value) + " is out of range (0 .. 4294967294)");
+  }
+  return static_cast<uint32_t>(value);
+}
 
 Result<uint64_t> ParseBytes(const std::string& text) {
   size_t i = 0;
@@ -98,7 +169,7 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
   DaemonConfig c;
   static const char* kKnown[] = {"socket", "attach_socket", "pool_bytes", "chunk_bytes", "prefault_threads",
                                  "lock_memory", "lease_ms", "max_sequences_per_session", "max_page_refs_per_session",
-                                 "metrics_addr", "log_format", "log_level", "tenants", "spill"};
+                                 "metrics_addr", "log_format", "log_level", "tenants", "spill", "access", "limits"};
   for (const auto& [key, node] : t) {
     bool known = false;
     for (const char* k : kKnown) known |= key.str() == k;
@@ -181,18 +252,10 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
       for (const auto& [field, value] : *tt) {
         if (field.str() == "quota_bytes") {
           SPECACHE_ASSIGN_OR_RETURN(tc.quota_bytes, BytesOf(value, key + ".quota_bytes"));
-        } else if (field.str() == "users" || field.str() == "groups") {
-          const toml::array* arr = value.as_array();
-          if (!arr) return Status::InvalidArgument("config: " + key + "." + std::string(field.str()) + " must be an array");
-          for (const toml::node& e : *arr) {
-            if (field.str() == "users") {
-              SPECACHE_ASSIGN_OR_RETURN(uint32_t id, UserId(e));
-              tc.uids.push_back(id);
-            } else {
-              SPECACHE_ASSIGN_OR_RETURN(uint32_t id, GroupId(e));
-              tc.gids.push_back(id);
-            }
-          }
+        } else if (field.str() == "users") {
+          SPECACHE_RETURN_IF_ERROR(IdsOf(value, key + ".users", UserId, &tc.uids));
+        } else if (field.str() == "groups") {
+          SPECACHE_RETURN_IF_ERROR(IdsOf(value, key + ".groups", GroupId, &tc.gids));
         } else {
           return Status::InvalidArgument("config: unknown key '" + key + "." + std::string(field.str()) + "'");
         }
@@ -200,6 +263,8 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
       c.tenants[std::string(name.str())] = tc;
     }
   }
+  if (const toml::node* n = t.get("access")) SPECACHE_RETURN_IF_ERROR(ParseAccess(*n, &c.access));
+  if (const toml::node* n = t.get("limits")) SPECACHE_RETURN_IF_ERROR(ParseLimits(*n, &c.limits));
   SPECACHE_RETURN_IF_ERROR(ValidateConfig(c));
   return c;
 }
@@ -223,6 +288,16 @@ Status ValidateConfig(const DaemonConfig& c) {
   if (c.chunk_bytes == 0 || c.chunk_bytes % 4096 != 0) return Status::InvalidArgument("config: chunk_bytes must be a multiple of 4096");
   if (c.pool_bytes < c.chunk_bytes) return Status::InvalidArgument("config: pool_bytes must hold at least one chunk");
   if (c.log_format != "text" && c.log_format != "json") return Status::InvalidArgument("config: log_format is text or json");
+  // Also checked here (not only in the parser) for values from the command line.
+  if (c.lease_ms < 100 || c.lease_ms > 600000) return Status::InvalidArgument("config: lease_ms must be in [100, 600000]");
+  for (const auto& [name, tenant] : c.tenants) {
+    const bool printable = std::all_of(name.begin(), name.end(), [](char ch) { return ch > 0x20 && ch < 0x7f; });
+    if (name.empty() || name.size() > kMaxTenantName || !printable) {
+      return Status::InvalidArgument("config: tenant names are 1 to " + std::to_string(kMaxTenantName) +
+                                     " printable ASCII characters without spaces");
+    }
+  }
+  if ((c.access.socket_mode & ~0770u) != 0) return Status::InvalidArgument("config: access.socket_mode must be within 0770");
   if (c.spill.low_watermark > c.spill.high_watermark) {
     return Status::InvalidArgument("config: spill.low_watermark must not exceed spill.high_watermark");
   }

@@ -24,6 +24,14 @@
 //   users = ["alice", 1001]                 # allowed Unix users (names or uids)
 //   groups = ["specache"]                   # allowed Unix groups (names or gids)
 //   # no users and no groups: any local user (single-user machines, tests)
+//   [access]                                # who administers, and the sockets' files
+//   admin_users = []                        # besides root and the daemon's own user
+//   admin_groups = ["specache-admin"]       # may Spill/Restore/Evict/Verify, list sessions, see every tenant
+//   socket_mode = "0660"                    # both sockets; no bits for others beyond 0770's
+//   socket_group = "specache"               # default: "specache" if that group exists, else the daemon's
+//   [limits]
+//   attach_connections = 1024               # open attach connections in all
+//   attach_connections_per_uid = 64         # ...and per connecting uid
 #pragma once
 
 #include <cstdint>
@@ -35,6 +43,9 @@
 #include "specache/status.h"
 
 namespace specache::daemon {
+
+// Tenant names: 1 to kMaxTenantName printable ASCII characters, no spaces.
+inline constexpr size_t kMaxTenantName = 64;
 
 struct TenantConfig {
   uint64_t quota_bytes = 0;
@@ -52,6 +63,20 @@ struct SpillConfig {
   double low_watermark = 0.7;
 };
 
+// ---- [access]: administrators and socket files (see access.h for the rules). ----
+struct AccessConfig {
+  std::vector<uint32_t> admin_uids;  // root and the daemon's own uid are admins anyway
+  std::vector<uint32_t> admin_gids;
+  uint32_t socket_mode = 0660;
+  std::optional<uint32_t> socket_gid;  // unset: group "specache" if it exists, else the daemon's group
+};
+
+// ---- [limits]: connections. ----
+struct LimitsConfig {
+  uint32_t attach_connections = 1024;
+  uint32_t attach_connections_per_uid = 64;
+};
+
 struct DaemonConfig {
   std::string socket = "/run/specache/control.sock";
   std::string attach_socket;  // empty: socket + ".attach"
@@ -67,6 +92,8 @@ struct DaemonConfig {
   std::string log_level = "info";
   std::map<std::string, TenantConfig> tenants;
   SpillConfig spill;
+  AccessConfig access;
+  LimitsConfig limits;
 
   uint64_t ParkBytes() const { return spill.park_bytes ? spill.park_bytes : pool_bytes / 4; }
 
@@ -75,6 +102,9 @@ struct DaemonConfig {
 
 // "1073741824", "1GiB", "512 MiB", "64KiB" -> bytes. INVALID_ARGUMENT otherwise.
 Result<uint64_t> ParseBytes(const std::string& text);
+
+// A uid or gid from a config or command line: 0 .. 2^32 - 2 ((uid_t) -1 means "no id").
+Result<uint32_t> CheckedId(int64_t value, const std::string& what);
 
 // Parses TOML text (errors name the key or the line). Unknown keys are errors.
 Result<DaemonConfig> ParseConfig(const std::string& toml_text);

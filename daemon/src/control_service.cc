@@ -30,20 +30,44 @@ void FillLayout(const PageLayout& l, v1::SequenceLayout* out) {
 
 }  // namespace
 
-ControlService::ControlService(Registry* registry, KeptSequences* kept, std::string attach_path, uint32_t lease_ms)
-    : registry_(registry), kept_(kept), attach_path_(std::move(attach_path)), lease_ms_(lease_ms) {}
+ControlService::ControlService(Registry* registry, KeptSequences* kept, const PeerTable* peers,
+                               std::string attach_path, uint32_t lease_ms)
+    : registry_(registry), kept_(kept), peers_(peers), attach_path_(std::move(attach_path)), lease_ms_(lease_ms) {}
 
 grpc::Status ControlService::Finish(const Status& s) {
   ++requests_;
   if (s.ok()) return grpc::Status::OK;
   ++errors_;
-  spdlog::debug("request failed: {}", s.ToString());
+  if (s.code() == StatusCode::kPermissionDenied) {
+    const uint64_t denied = ++denied_;
+    if ((denied & (denied - 1)) == 0) {  // 1st, 2nd, 4th...: a hostile loop does not flood the log
+      spdlog::warn("control: refused ({} refusals so far): {}", denied, s.message());
+    }
+  } else {
+    spdlog::debug("request failed: {}", s.ToString());
+  }
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
 }
 
-grpc::Status ControlService::OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest* req,
+Result<Caller> ControlService::CallerOf(const grpc::ServerContext* ctx) const { return peers_->Find(ctx->peer()); }
+
+Status ControlService::CheckSession(const grpc::ServerContext* ctx, uint64_t session) const {
+  SPECACHE_ASSIGN_OR_RETURN(Caller caller, CallerOf(ctx));
+  auto tenant = registry_->SessionTenant(session);
+  if (!tenant.ok()) return Status::Ok();
+  return registry_->access().MayUseTenant(caller, *tenant);
+}
+
+Status ControlService::CheckAdmin(const grpc::ServerContext* ctx, std::string_view call) const {
+  SPECACHE_ASSIGN_OR_RETURN(Caller caller, CallerOf(ctx));
+  return registry_->access().MayAdminister(caller, call);
+}
+
+grpc::Status ControlService::OpenSession(grpc::ServerContext* ctx, const v1::OpenSessionRequest* req,
                                          v1::OpenSessionResponse* resp) {
-  auto opened = registry_->OpenSession(req->tenant(), req->pool_bytes(), req->client_name());
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) return Finish(caller.status());
+  auto opened = registry_->OpenSession(req->tenant(), req->pool_bytes(), req->client_name(), *caller);
   if (!opened.ok()) return Finish(opened.status());
   resp->set_session_id(opened->id);
   resp->set_token(std::string(opened->token.begin(), opened->token.end()));
@@ -54,15 +78,17 @@ grpc::Status ControlService::OpenSession(grpc::ServerContext*, const v1::OpenSes
   return Finish(Status::Ok());
 }
 
-grpc::Status ControlService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* req,
+grpc::Status ControlService::CloseSession(grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
                                           v1::CloseSessionResponse*) {
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
   auto token = TokenOf(req->token());
   if (!token.ok()) return Finish(token.status());
   return Finish(registry_->CloseSession(req->session_id(), *token));
 }
 
-grpc::Status ControlService::CreateSequence(grpc::ServerContext*, const v1::CreateSequenceRequest* req,
+grpc::Status ControlService::CreateSequence(grpc::ServerContext* ctx, const v1::CreateSequenceRequest* req,
                                             v1::CreateSequenceResponse* resp) {
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
   auto token = TokenOf(req->token());
   if (!token.ok()) return Finish(token.status());
   if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
@@ -74,8 +100,9 @@ grpc::Status ControlService::CreateSequence(grpc::ServerContext*, const v1::Crea
   return Finish(Status::Ok());
 }
 
-grpc::Status ControlService::ExtendSequence(grpc::ServerContext*, const v1::ExtendSequenceRequest* req,
+grpc::Status ControlService::ExtendSequence(grpc::ServerContext* ctx, const v1::ExtendSequenceRequest* req,
                                             v1::ExtendSequenceResponse* resp) {
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
   auto token = TokenOf(req->token());
   if (!token.ok()) return Finish(token.status());
   auto extended = registry_->ExtendSequence(req->session_id(), *token, req->sequence_id(), req->tokens());
@@ -85,14 +112,19 @@ grpc::Status ControlService::ExtendSequence(grpc::ServerContext*, const v1::Exte
   return Finish(Status::Ok());
 }
 
-grpc::Status ControlService::ReleaseSequence(grpc::ServerContext*, const v1::ReleaseSequenceRequest* req,
+grpc::Status ControlService::ReleaseSequence(grpc::ServerContext* ctx, const v1::ReleaseSequenceRequest* req,
                                              v1::ReleaseSequenceResponse*) {
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
   auto token = TokenOf(req->token());
   if (!token.ok()) return Finish(token.status());
   return Finish(registry_->ReleaseSequence(req->session_id(), *token, req->sequence_id()));
 }
 
-grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse* resp) {
+grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequest*, v1::StatsResponse* resp) {
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) return Finish(caller.status());
+  const AccessPolicy& access = registry_->access();
+  const bool admin = access.IsAdmin(*caller);
   const RegistryStats s = registry_->Stats();
   resp->set_pool_bytes(s.pool_bytes);
   resp->set_reserved_bytes(s.reserved_bytes);
@@ -121,9 +153,18 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   resp->set_spill_write_errors(s.kept.spill.write_errors);
   resp->set_kept_dropped(s.kept.dropped);
   resp->set_spill_disk_bytes(s.kept.spill.stored_bytes);
+  if (connection_counts_) {
+    const ServiceCounts n = connection_counts_();
+    resp->set_attach_connections(n.attach_connections);
+    resp->set_refused_connections(n.refused_connections);
+    resp->set_accept_errors(n.accept_errors);
+  }
+  resp->set_denied_requests(denied_.load());
+  resp->set_chunks_out_of_service(s.chunks_out_of_service);
   resp->set_uptime_ms(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count()));
   for (const TenantSummary& t : s.tenants) {
+    if (!admin && !access.MayUseTenant(*caller, t.name).ok()) continue;  // other tenants are theirs
     v1::TenantStats* out = resp->add_tenants();
     out->set_tenant(t.name);
     out->set_reserved_bytes(t.reserved_bytes);
@@ -131,12 +172,14 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
     out->set_quota_bytes(t.quota_bytes);
     out->set_sessions(t.sessions);
     out->set_sequences(t.sequences);
+    out->set_retained_bytes(t.retained_bytes);
   }
   return Finish(Status::Ok());
 }
 
-grpc::Status ControlService::ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+grpc::Status ControlService::ListSessions(grpc::ServerContext* ctx, const v1::ListSessionsRequest*,
                                           v1::ListSessionsResponse* resp) {
+  if (Status who = CheckAdmin(ctx, "ListSessions"); !who.ok()) return Finish(who);
   for (const SessionSummary& s : registry_->Sessions()) {
     v1::SessionInfo* out = resp->add_sessions();
     out->set_session_id(s.id);
@@ -153,9 +196,14 @@ grpc::Status ControlService::ListSessions(grpc::ServerContext*, const v1::ListSe
   return Finish(Status::Ok());
 }
 
-grpc::Status ControlService::ListSequences(grpc::ServerContext*, const v1::ListSequencesRequest*,
+grpc::Status ControlService::ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest*,
                                            v1::ListSequencesResponse* resp) {
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) return Finish(caller.status());
+  const AccessPolicy& access = registry_->access();
+  const bool admin = access.IsAdmin(*caller);
   for (const SequenceSummary& s : registry_->Sequences()) {
+    if (!admin && !access.MayUseTenant(*caller, s.tenant).ok()) continue;  // a tenant's sequences are its own
     v1::SequenceInfo* out = resp->add_sequences();
     out->set_sequence_id(s.id);
     out->set_session_id(s.session);
@@ -168,15 +216,17 @@ grpc::Status ControlService::ListSequences(grpc::ServerContext*, const v1::ListS
   return Finish(Status::Ok());
 }
 
-grpc::Status ControlService::KeepSequence(grpc::ServerContext*, const v1::KeepSequenceRequest* req,
+grpc::Status ControlService::KeepSequence(grpc::ServerContext* ctx, const v1::KeepSequenceRequest* req,
                                           v1::KeepSequenceResponse*) {
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
   auto token = TokenOf(req->token());
   if (!token.ok()) return Finish(token.status());
   return Finish(registry_->KeepSequence(req->session_id(), *token, req->sequence_id()));
 }
 
-grpc::Status ControlService::ClaimSequence(grpc::ServerContext*, const v1::ClaimSequenceRequest* req,
+grpc::Status ControlService::ClaimSequence(grpc::ServerContext* ctx, const v1::ClaimSequenceRequest* req,
                                            v1::ClaimSequenceResponse* resp) {
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
   auto token = TokenOf(req->token());
   if (!token.ok()) return Finish(token.status());
   if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
@@ -188,7 +238,8 @@ grpc::Status ControlService::ClaimSequence(grpc::ServerContext*, const v1::Claim
   return Finish(Status::Ok());
 }
 
-grpc::Status ControlService::Spill(grpc::ServerContext*, const v1::SpillRequest* req, v1::SpillResponse* resp) {
+grpc::Status ControlService::Spill(grpc::ServerContext* ctx, const v1::SpillRequest* req, v1::SpillResponse* resp) {
+  if (Status who = CheckAdmin(ctx, "Spill"); !who.ok()) return Finish(who);
   if (req->all()) {
     auto n = kept_->SpillAll();
     if (!n.ok()) return Finish(n.status());
@@ -200,11 +251,13 @@ grpc::Status ControlService::Spill(grpc::ServerContext*, const v1::SpillRequest*
   return Finish(InUseExplained(s, req->sequence_id()));
 }
 
-grpc::Status ControlService::Restore(grpc::ServerContext*, const v1::RestoreRequest* req, v1::RestoreResponse*) {
+grpc::Status ControlService::Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req, v1::RestoreResponse*) {
+  if (Status who = CheckAdmin(ctx, "Restore"); !who.ok()) return Finish(who);
   return Finish(InUseExplained(kept_->Restore(req->sequence_id()), req->sequence_id()));
 }
 
-grpc::Status ControlService::Evict(grpc::ServerContext*, const v1::EvictRequest* req, v1::EvictResponse*) {
+grpc::Status ControlService::Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req, v1::EvictResponse*) {
+  if (Status who = CheckAdmin(ctx, "Evict"); !who.ok()) return Finish(who);
   return Finish(InUseExplained(kept_->Evict(req->sequence_id()), req->sequence_id()));
 }
 
@@ -217,8 +270,9 @@ Status ControlService::InUseExplained(const Status& s, uint64_t sequence) const 
                                     ": only kept sequences whose session ended (parked) move between RAM and disk");
 }
 
-grpc::Status ControlService::VerifySpill(grpc::ServerContext*, const v1::VerifySpillRequest*,
+grpc::Status ControlService::VerifySpill(grpc::ServerContext* ctx, const v1::VerifySpillRequest*,
                                          v1::VerifySpillResponse* resp) {
+  if (Status who = CheckAdmin(ctx, "VerifySpill"); !who.ok()) return Finish(who);
   const SpillVerifyReport r = kept_->Verify();
   resp->set_sequences(r.sequences);
   resp->set_pages_checked(r.pages_checked);

@@ -1,10 +1,17 @@
-// The gRPC Control service (specache.v1): validates requests, calls the Registry, maps Status to
-// grpc::Status, counts requests and errors.
+// The gRPC Control service (specache.v1): checks who calls (the connection's peer credentials,
+// access.h) before anything changes, validates requests, calls the Registry, maps Status to
+// grpc::Status, counts requests, errors and refusals.
+//
+// Rules: OpenSession and the session calls need a caller the session's tenant admits (the token
+// alone is not enough); Spill, Restore, Evict, VerifySpill and ListSessions need an admin;
+// ListSequences and Stats show a non-admin only the tenants that admit it.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 
+#include "metrics.h"
 #include "registry.h"
 #include "specache/v1/control.grpc.pb.h"
 
@@ -12,7 +19,9 @@ namespace specache::daemon {
 
 class ControlService final : public specache::v1::Control::Service {
  public:
-  ControlService(Registry* registry, KeptSequences* kept, std::string attach_path, uint32_t lease_ms);
+  // `peers` (the daemon's table of accepted connections) outlives the service.
+  ControlService(Registry* registry, KeptSequences* kept, const PeerTable* peers, std::string attach_path,
+                 uint32_t lease_ms);
 
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*, v1::OpenSessionResponse*) override;
   grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionResponse*) override;
@@ -35,19 +44,29 @@ class ControlService final : public specache::v1::Control::Service {
 
   uint64_t requests() const { return requests_.load(); }
   uint64_t errors() const { return errors_.load(); }
+  uint64_t denied() const { return denied_.load(); }
+  // Where Stats reads the connection counters (attach server, control listener): set before serving.
+  void set_connection_counts(std::function<ServiceCounts()> counts) { connection_counts_ = std::move(counts); }
 
  private:
   grpc::Status Finish(const Status& status);
+  // The caller of this call, as the kernel reported it at connect.
+  Result<Caller> CallerOf(const grpc::ServerContext* ctx) const;
+  // The caller may use the session's tenant (an unknown session is left to the registry's NOT_FOUND).
+  Status CheckSession(const grpc::ServerContext* ctx, uint64_t session) const;
+  Status CheckAdmin(const grpc::ServerContext* ctx, std::string_view call) const;
   // NOT_FOUND from the kept sequences, for a sequence a live session holds: FAILED_PRECONDITION
   // saying so (an operator asked to move a sequence in use).
   Status InUseExplained(const Status& s, uint64_t sequence) const;
 
   Registry* registry_;
   KeptSequences* kept_;
+  const PeerTable* peers_;
+  std::function<ServiceCounts()> connection_counts_;
   std::string attach_path_;
   uint32_t lease_ms_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
-  std::atomic<uint64_t> requests_{0}, errors_{0};
+  std::atomic<uint64_t> requests_{0}, errors_{0}, denied_{0};
 };
 
 }  // namespace specache::daemon

@@ -1,17 +1,24 @@
 #include "daemon.h"
 
+#include <fcntl.h>
+#include <grp.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <sstream>
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/server_posix.h>
 #include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "access.h"
 #include "attach_server.h"
 #include "control_service.h"
 #include "metrics.h"
@@ -21,12 +28,16 @@ namespace specache::daemon {
 
 struct Daemon::State {
   DaemonConfig config;
+  std::unique_ptr<PathLock> socket_lock, attach_lock;
+  PeerTable peers;
   std::unique_ptr<ChunkPool> pool;
   std::unique_ptr<KeptSequences> kept;
   std::unique_ptr<Registry> registry;
   std::unique_ptr<ControlService> service;
   std::unique_ptr<grpc::Server> server;
   boost::asio::io_context io;
+  std::unique_ptr<UnixListener> control;
+  std::atomic<uint64_t> control_refused{0};
   std::unique_ptr<AttachServer> attach;
   std::thread io_thread, housekeeping;
   std::unique_ptr<Metrics> metrics;
@@ -36,6 +47,87 @@ struct Daemon::State {
 namespace {
 
 using State = Daemon::State;
+
+// A "Key:   <n> kB" line of /proc/meminfo, in bytes (0 when missing).
+uint64_t MemInfoBytes(const std::string& key) {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) return std::stoull(line.substr(key.size() + 1)) * 1024;
+  }
+  return 0;
+}
+
+// The memory limit of the daemon's cgroup (v2 memory.max), or 0 when there is none.
+uint64_t CgroupMemoryMax() {
+  std::ifstream cgroup("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(cgroup, line)) {
+    if (line.rfind("0::", 0) != 0) continue;
+    std::ifstream max("/sys/fs/cgroup" + line.substr(3) + "/memory.max");
+    std::string value;
+    if (max >> value && value != "max") return std::stoull(value);
+  }
+  return 0;
+}
+
+// CAP_IPC_LOCK in the effective set: mlock is then not bounded by RLIMIT_MEMLOCK.
+bool CanLockWithoutLimit() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("CapEff:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> 14) & 1;  // CAP_IPC_LOCK
+  }
+  return false;
+}
+
+std::string MiB(uint64_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
+
+// Before reserving anything: a pool the machine cannot hold would be OOM-killed minutes later (a
+// restart loop under systemd), and one RLIMIT_MEMLOCK cannot lock would run unlocked.
+Status CheckMemory(State* d) {
+  const DaemonConfig& c = d->config;
+  const uint64_t available = MemInfoBytes("MemAvailable");
+  if (available > 0 && c.pool_bytes > available) {
+    return Status::ResourceExhausted("pool_bytes " + MiB(c.pool_bytes) + " is more than the RAM available (" +
+                                     MiB(available) + " MemAvailable of " + MiB(MemInfoBytes("MemTotal")) +
+                                     " in /proc/meminfo): lower pool_bytes");
+  }
+  if (const uint64_t limit = CgroupMemoryMax(); limit > 0 && c.pool_bytes > limit) {
+    return Status::ResourceExhausted("pool_bytes " + MiB(c.pool_bytes) + " is more than the cgroup's memory.max (" +
+                                     MiB(limit) + "): lower pool_bytes or raise MemoryMax");
+  }
+  if (c.lock_memory && !CanLockWithoutLimit()) {
+    rlimit r{};
+    if (getrlimit(RLIMIT_MEMLOCK, &r) == 0 && r.rlim_cur != RLIM_INFINITY && r.rlim_cur < c.pool_bytes) {
+      return Status::ResourceExhausted("pool_bytes " + MiB(c.pool_bytes) + " cannot be locked in RAM: RLIMIT_MEMLOCK is " +
+                                       std::to_string(r.rlim_cur >> 10) +
+                                       " KiB (set LimitMEMLOCK=infinity in the unit, or lock_memory = false)");
+    }
+  }
+  return Status::Ok();
+}
+
+// One daemon per socket path: a second one must not delete the first one's sockets.
+Status LockSockets(State* d) {
+  SPECACHE_RETURN_IF_ERROR(EnsureSocketDirectory(d->config.socket));
+  SPECACHE_ASSIGN_OR_RETURN(d->socket_lock, PathLock::Acquire(d->config.socket));
+  if (!d->config.attach_socket.empty()) {
+    SPECACHE_RETURN_IF_ERROR(EnsureSocketDirectory(d->config.attach_socket));
+    SPECACHE_ASSIGN_OR_RETURN(d->attach_lock, PathLock::Acquire(d->config.attach_socket));
+  }
+  return Status::Ok();
+}
+
+// The socket files' mode and group: [access] socket_group, else "specache" when that group exists.
+SocketFile SocketFileOf(const DaemonConfig& c, const std::string& path) {
+  SocketFile f{path, c.access.socket_mode, c.access.socket_gid, c.access.socket_gid.has_value()};
+  if (!f.gid) {
+    if (const group* g = getgrnam("specache")) f.gid = g->gr_gid;
+  }
+  return f;
+}
+
 Status ReservePool(State* d) {
   ChunkPoolOptions o{d->config.pool_bytes, d->config.chunk_bytes, d->config.prefault_threads, d->config.lock_memory};
   const auto start = std::chrono::steady_clock::now();
@@ -60,24 +152,46 @@ Status OpenSpillTier(State* d) {
   return Status::Ok();
 }
 
+// The daemon accepts control connections itself (gRPC has no hook for the peer of a Unix socket),
+// records each peer's credentials, and hands the descriptor to gRPC; calls find their caller by
+// the connection's name (PeerTable).
 Status ListenControl(State* d) {
-  std::filesystem::create_directories(std::filesystem::path(d->config.socket).parent_path());
-  ::unlink(d->config.socket.c_str());
-  d->service = std::make_unique<ControlService>(d->registry.get(), d->kept.get(), d->config.AttachSocket(),
+  d->service = std::make_unique<ControlService>(d->registry.get(), d->kept.get(), &d->peers, d->config.AttachSocket(),
                                                d->config.lease_ms);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + d->config.socket, grpc::InsecureServerCredentials());
   builder.RegisterService(d->service.get());
   builder.SetMaxReceiveMessageSize(64 << 10);  // every request is small; refuse anything larger
   d->server = builder.BuildAndStart();
-  if (!d->server) return Status::Unavailable("cannot listen on unix:" + d->config.socket);
-  ::chmod(d->config.socket.c_str(), 0666);
+  if (!d->server) return Status::Unavailable("cannot start the gRPC server");
+  d->control = std::make_unique<UnixListener>(d->io, "control");
+  SPECACHE_RETURN_IF_ERROR(d->control->Listen(SocketFileOf(d->config, d->config.socket), 128));
+  d->control->Start([d](int fd) {
+    auto caller = PeerOf(fd);
+    const int flags = fcntl(fd, F_GETFL);
+    if (!caller.ok() || flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+      ::close(fd);
+      ++d->control_refused;
+      spdlog::warn("control: connection closed: {}", caller.ok() ? "cannot make it non-blocking" : caller.status().ToString());
+      return;
+    }
+    d->peers.Set(fd, std::move(*caller));
+    grpc::AddInsecureChannelFromFd(d->server.get(), fd);
+  });
   return Status::Ok();
 }
 
+ServiceCounts Counts(State* d) {
+  const AttachStats a = d->attach->stats();
+  return {d->service->requests(), d->service->errors(), d->service->denied(), a.open,
+          a.refused + d->control_refused.load(), a.accept_errors + d->control->accept_errors()};
+}
+
 Status ListenAttach(State* d) {
-  d->attach = std::make_unique<AttachServer>(d->io, d->registry.get(), d->config.AttachSocket());
+  d->attach = std::make_unique<AttachServer>(d->io, d->registry.get(), SocketFileOf(d->config, d->config.AttachSocket()),
+                                             d->config.limits);
   SPECACHE_RETURN_IF_ERROR(d->attach->Listen());
+  // Before the io thread runs: no control connection is accepted, so no Stats call races this.
+  d->service->set_connection_counts([d] { return Counts(d); });
   d->io_thread = std::thread([d] {
     auto guard = boost::asio::make_work_guard(d->io);
     d->io.run();
@@ -97,7 +211,7 @@ void StartHousekeeping(State* d) {
     while (!d->stopping.load()) {
       d->registry->Reap();
       if (d->metrics && ++tick % 10 == 0) {
-        d->metrics->Update(d->registry->Stats(), d->service->requests(), d->service->errors());
+        d->metrics->Update(d->registry->Stats(), Counts(d));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -155,6 +269,8 @@ Status Daemon::Start(const DaemonConfig& config) {
   State* d = s_.get();
   d->config = config;
   const std::vector<std::pair<const char*, std::function<Status()>>> steps = {
+      {"check the memory", [&] { return CheckMemory(d); }},
+      {"lock the socket path", [&] { return LockSockets(d); }},
       {"reserve memory pool", [&] { return ReservePool(d); }},
       {"open the spill tier", [&] { return OpenSpillTier(d); }},
       {"listen on the control socket", [&] { return ListenControl(d); }},
@@ -177,11 +293,14 @@ void Daemon::Stop() {
   State* d = s_.get();
   if (d->stopping.exchange(true)) return;
   if (d->housekeeping.joinable()) d->housekeeping.join();
-  if (d->server) d->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  if (d->attach) d->attach->Stop();
   d->io.stop();
   if (d->io_thread.joinable()) d->io_thread.join();
-  if (d->server) ::unlink(d->config.socket.c_str());
+  // The listeners close and remove their files with the io thread stopped (and only when this
+  // daemon created them: a daemon refused at the lock never gets that far); no new connection
+  // reaches gRPC while it shuts down.
+  if (d->control) d->control->Stop();
+  if (d->attach) d->attach->Stop();
+  if (d->server) d->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   // Sessions end with the daemon: their kept sequences are parked, then everything parked is
   // spilled (it would die with the process).
   if (d->registry) d->registry->ParkKeptSequences();
@@ -193,6 +312,8 @@ void Daemon::Stop() {
       spdlog::error("stop: spilling parked sequences: {}", spilled.status().ToString());
     }
   }
+  d->attach_lock.reset();
+  d->socket_lock.reset();
 }
 
 }  // namespace specache::daemon

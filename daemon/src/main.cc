@@ -5,6 +5,7 @@
 #include <systemd/sd-daemon.h>
 
 #include <algorithm>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
@@ -18,7 +19,7 @@ namespace {
 
 struct Overrides {
   std::string config_path, socket, pool_bytes, chunk_bytes, metrics_addr, log_format, log_level, spill_dir, park_bytes;
-  int lease_ms = 0;
+  std::optional<int64_t> lease_ms;  // range-checked here: a negative value is an error, not "unset"
   bool no_lock = false;
 };
 
@@ -36,7 +37,12 @@ Status LoadConfiguration(const Overrides& o, DaemonConfig* c) {
   if (!o.metrics_addr.empty()) c->metrics_addr = o.metrics_addr == "off" ? "" : o.metrics_addr;
   if (!o.log_format.empty()) c->log_format = o.log_format;
   if (!o.log_level.empty()) c->log_level = o.log_level;
-  if (o.lease_ms > 0) c->lease_ms = static_cast<uint32_t>(o.lease_ms);
+  if (o.lease_ms) {
+    if (*o.lease_ms < 100 || *o.lease_ms > 600000) {
+      return Status::InvalidArgument("--lease-ms " + std::to_string(*o.lease_ms) + " is out of range [100, 600000]");
+    }
+    c->lease_ms = static_cast<uint32_t>(*o.lease_ms);
+  }
   if (o.no_lock) c->lock_memory = false;
   if (!o.spill_dir.empty()) c->spill.dir = o.spill_dir;
   if (!o.park_bytes.empty()) {
@@ -56,6 +62,8 @@ int Run(const Overrides& o) {
   signal(SIGPIPE, SIG_IGN);
 
   DaemonConfig config;
+  // Errors before the configuration is read go to stderr as well (spdlog's default is stdout).
+  (void)ConfigureLogging(config);
   Status s = LoadConfiguration(o, &config);
   if (s.ok()) s = ConfigureLogging(config);
   if (!s.ok()) {

@@ -27,7 +27,7 @@ Result<std::unique_ptr<Metrics>> Metrics::Start(const std::string& address) {
     return Status::Unavailable("metrics endpoint " + address + ": " + e.what());
   }
   m->impl_->bytes = &prometheus::BuildGauge().Name("specache_pool_bytes").Help("Pool memory by state").Register(*m->impl_->registry);
-  m->impl_->counts = &prometheus::BuildGauge().Name("specache_objects").Help("Sessions, sequences, pages, requests, errors").Register(*m->impl_->registry);
+  m->impl_->counts = &prometheus::BuildGauge().Name("specache_objects").Help("Sessions, sequences, pages, requests, errors, refusals, attach connections, accept errors").Register(*m->impl_->registry);
   m->impl_->tenant_bytes = &prometheus::BuildGauge().Name("specache_tenant_bytes").Help("Memory per tenant").Register(*m->impl_->registry);
   m->impl_->kept_bytes = &prometheus::BuildGauge().Name("specache_kept_bytes").Help("Kept sequences: parked in RAM, spilled to disk only, in the spill store").Register(*m->impl_->registry);
   m->impl_->spill = &prometheus::BuildGauge().Name("specache_spill").Help("Spill tier: spills, restores, bytes, seconds, checksum failures, write errors, kept sequences lost").Register(*m->impl_->registry);
@@ -35,7 +35,7 @@ Result<std::unique_ptr<Metrics>> Metrics::Start(const std::string& address) {
   return m;
 }
 
-void Metrics::Update(const RegistryStats& s, uint64_t requests, uint64_t errors) {
+void Metrics::Update(const RegistryStats& s, const ServiceCounts& n) {
   Impl& i = *impl_;
   i.bytes->Add({{"state", "total"}}).Set(static_cast<double>(s.pool_bytes));
   i.bytes->Add({{"state", "reserved"}}).Set(static_cast<double>(s.reserved_bytes));
@@ -44,8 +44,13 @@ void Metrics::Update(const RegistryStats& s, uint64_t requests, uint64_t errors)
   i.counts->Add({{"kind", "sessions"}}).Set(s.sessions);
   i.counts->Add({{"kind", "sequences"}}).Set(s.sequences);
   i.counts->Add({{"kind", "pages"}}).Set(static_cast<double>(s.pages));
-  i.counts->Add({{"kind", "requests"}}).Set(static_cast<double>(requests));
-  i.counts->Add({{"kind", "errors"}}).Set(static_cast<double>(errors));
+  i.counts->Add({{"kind", "requests"}}).Set(static_cast<double>(n.requests));
+  i.counts->Add({{"kind", "errors"}}).Set(static_cast<double>(n.errors));
+  i.counts->Add({{"kind", "denied"}}).Set(static_cast<double>(n.denied));
+  i.counts->Add({{"kind", "attach_connections"}}).Set(static_cast<double>(n.attach_connections));
+  i.counts->Add({{"kind", "refused_connections"}}).Set(static_cast<double>(n.refused_connections));
+  i.counts->Add({{"kind", "accept_errors"}}).Set(static_cast<double>(n.accept_errors));
+  i.counts->Add({{"kind", "chunks_out_of_service"}}).Set(static_cast<double>(s.chunks_out_of_service));
   i.counts->Add({{"kind", "sessions_reclaimed"}}).Set(static_cast<double>(s.sessions_reclaimed));
   i.kept_bytes->Add({{"state", "parked"}}).Set(static_cast<double>(s.kept.parked_bytes));
   i.kept_bytes->Add({{"state", "spilled"}}).Set(static_cast<double>(s.kept.spilled_bytes));
@@ -66,6 +71,7 @@ void Metrics::Update(const RegistryStats& s, uint64_t requests, uint64_t errors)
     i.tenant_bytes->Add({{"tenant", t.name}, {"state", "reserved"}}).Set(static_cast<double>(t.reserved_bytes));
     i.tenant_bytes->Add({{"tenant", t.name}, {"state", "used"}}).Set(static_cast<double>(t.used_bytes));
     i.tenant_bytes->Add({{"tenant", t.name}, {"state", "quota"}}).Set(static_cast<double>(t.quota_bytes));
+    i.tenant_bytes->Add({{"tenant", t.name}, {"state", "retained"}}).Set(static_cast<double>(t.retained_bytes));
   }
 }
 

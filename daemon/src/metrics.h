@@ -10,12 +10,21 @@
 
 namespace specache::daemon {
 
+// The service's own counters, next to the registry's state.
+struct ServiceCounts {
+  uint64_t requests = 0, errors = 0;
+  uint64_t denied = 0;               // control calls refused by the access rules
+  uint64_t attach_connections = 0;   // open now
+  uint64_t refused_connections = 0;  // closed at accept: over a cap, or no peer credentials
+  uint64_t accept_errors = 0;        // accept() failures (EMFILE...), each followed by a backoff
+};
+
 class Metrics {
  public:
   // Listens on "HOST:PORT" (loopback by default in the config).
   static Result<std::unique_ptr<Metrics>> Start(const std::string& address);
   ~Metrics();
-  void Update(const RegistryStats& stats, uint64_t requests, uint64_t errors);
+  void Update(const RegistryStats& stats, const ServiceCounts& counts);
 
  private:
   Metrics();

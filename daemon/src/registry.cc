@@ -42,7 +42,9 @@ bool PeerExited(int pidfd, int32_t pid) {
 }  // namespace
 
 Registry::Registry(const DaemonConfig& config, ChunkPool* pool, KeptSequences* kept)
-    : config_(config), pool_(pool), kept_(kept), next_sequence_(kept->max_id() + 1) {}
+    : config_(config), access_(config, geteuid()), pool_(pool), kept_(kept), next_sequence_(kept->max_id() + 1) {
+  for (const auto& [name, t] : config_.tenants) tenant_tags_[name] = tenant_tags_.size() + 1;
+}
 
 uint8_t* Registry::PageAddress(const Session& s, const shm::PageRef& ref) const {
   return pool_->data(s.pages->chunks()[ref.chunk]) + ref.offset;
@@ -55,7 +57,8 @@ Registry::~Registry() {
 }
 
 uint64_t Registry::TenantReservedLocked(const std::string& tenant) const {
-  uint64_t bytes = 0;
+  // Memory of ended sessions that a process still holds counts as long as it is held.
+  uint64_t bytes = pool_->retained_bytes(tenant_tags_.at(tenant));
   for (const auto& [id, s] : sessions_) {
     if (s.tenant == tenant) bytes += s.pages->chunks().size() * pool_->chunk_bytes();
   }
@@ -63,9 +66,10 @@ uint64_t Registry::TenantReservedLocked(const std::string& tenant) const {
 }
 
 Result<OpenedSession> Registry::OpenSession(const std::string& tenant, uint64_t pool_bytes,
-                                            const std::string& client_name) {
+                                            const std::string& client_name, const Caller& caller) {
+  // Who asks comes first: a caller the tenant does not admit reserves nothing.
+  SPECACHE_RETURN_IF_ERROR(access_.MayUseTenant(caller, tenant));
   auto t = config_.tenants.find(tenant);
-  if (t == config_.tenants.end()) return Status::PermissionDenied("unknown tenant '" + tenant + "'");
   if (pool_bytes == 0) return Status::InvalidArgument("pool_bytes must be positive");
   if (client_name.size() > 256) return Status::InvalidArgument("client_name longer than 256 bytes");
   const uint64_t chunk = pool_->chunk_bytes();
@@ -104,7 +108,8 @@ Result<OpenedSession> Registry::OpenSession(const std::string& tenant, uint64_t 
   s.pages = std::move(pages).value();
   s.opened = std::chrono::steady_clock::now();
   OpenedSession out{s.id, s.token, static_cast<uint32_t>(n)};
-  spdlog::info("session {} opened: tenant {}, client '{}', {} chunks", s.id, tenant, client_name, n);
+  spdlog::info("session {} opened: tenant {}, client '{}', pid {} uid {}, {} chunks", s.id, tenant,
+               Printable(client_name, 256), caller.pid, caller.uid, n);
   sessions_.emplace(s.id, std::move(s));
   return out;
 }
@@ -122,31 +127,29 @@ Status Registry::RequireAttached(const Session& s) {
   return Status::Ok();
 }
 
-Result<AttachGrant> Registry::Attach(uint64_t session, const Token& token, const PeerCredentials& peer) {
+Result<AttachGrant> Registry::Attach(uint64_t session, const Token& token, const Caller& peer) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
   if (s->attached) return Status::FailedPrecondition("session " + std::to_string(session) + " is already attached");
-  const TenantConfig& tenant = config_.tenants.at(s->tenant);
-  if (!tenant.AllowsAnyone() && peer.uid != 0) {
-    const bool user_ok = std::find(tenant.uids.begin(), tenant.uids.end(), peer.uid) != tenant.uids.end();
-    const bool group_ok = std::find(tenant.gids.begin(), tenant.gids.end(), peer.gid) != tenant.gids.end();
-    if (!user_ok && !group_ok) {
-      return Status::PermissionDenied("uid " + std::to_string(peer.uid) + " may not attach to tenant '" + s->tenant + "'");
-    }
-  }
+  SPECACHE_RETURN_IF_ERROR(access_.MayUseTenant(peer, s->tenant));
   AttachGrant g;
   g.table_bytes = s->pages->table_bytes();
   g.chunk_bytes = pool_->chunk_bytes();
-  g.fds.push_back(dup(s->pages->table_fd()));
-  for (uint32_t c : s->pages->chunks()) g.fds.push_back(dup(pool_->fd(c)));
-  for (int fd : g.fds) {
-    if (fd < 0) {
-      for (int f : g.fds) if (f >= 0) close(f);
-      return Status::ResourceExhausted("out of file descriptors");
-    }
+  auto give_up = [&g](Status why) {
+    for (int f : g.fds) close(f);
+    return why;
+  };
+  const int table = dup(s->pages->table_fd());
+  if (table < 0) return Status::ResourceExhausted("out of file descriptors");
+  g.fds.push_back(table);
+  // Each chunk as the client's own open file: the pool can then tell when the client lets go.
+  for (uint32_t c : s->pages->chunks()) {
+    auto fd = pool_->ShareFd(c);
+    if (!fd.ok()) return give_up(fd.status());
+    g.fds.push_back(*fd);
   }
   s->attached = true;
-  s->peer = peer;
+  s->peer = {peer.pid, peer.uid, peer.gid};
   s->pidfd = OpenPidfd(peer.pid);
   spdlog::info("session {} attached by pid {} uid {}", session, peer.pid, peer.uid);
   return g;
@@ -163,19 +166,18 @@ void Registry::Detach(uint64_t session) {
 Status Registry::CloseSession(uint64_t session, const Token& token) {
   std::unique_lock<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
-  // The caller lives on and may still map the chunks: their memory is replaced.
-  const ChunkReturn r = ReclaimLocked(sessions_.find(s->id), /*owner_may_still_map=*/s->attached);
+  // The caller lives on; the pool replaces whatever chunks it still holds.
+  const ChunkReturn r = ReclaimLocked(sessions_.find(s->id));
   lock.unlock();
   ReturnChunks({r});
   return Status::Ok();
 }
 
-Registry::ChunkReturn Registry::ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map) {
+Registry::ChunkReturn Registry::ReclaimLocked(std::map<uint64_t, Session>::iterator it) {
   Session& s = it->second;
-  ChunkReturn r{s.id, s.pages->chunks(), owner_may_still_map, ParkJobsLocked(s)};
+  ChunkReturn r{s.id, s.pages->chunks(), tenant_tags_.at(s.tenant), s.pidfd, ParkJobsLocked(s)};
   for (const auto& [seq, pages] : s.pages->sequences()) sequence_owner_.erase(seq);
   s.pages.reset();
-  if (s.pidfd >= 0) close(s.pidfd);
   ++reclaimed_;
   sessions_.erase(it);
   return r;
@@ -207,9 +209,12 @@ void Registry::ReturnChunks(const std::vector<ChunkReturn>& returns) {
   // still have their old owner in the pool until Return, so nobody else gets them meanwhile.
   for (const ChunkReturn& r : returns) {
     Park(r.session, r.park);  // kept sequences leave the chunks first
-    Status s = pool_->Return(r.chunks, r.replace);
+    const uint64_t replaced = pool_->replaced_chunks();
+    Status s = pool_->Return(r.chunks, r.holder, r.pidfd);
+    if (r.pidfd >= 0) close(r.pidfd);
     if (!s.ok()) spdlog::error("session {}: {}", r.session, s.ToString());
-    spdlog::info("session {} reclaimed ({} chunks {})", r.session, r.chunks.size(), r.replace ? "replaced" : "zeroed");
+    spdlog::info("session {} reclaimed ({} chunks, {} replaced: still held by a process)", r.session, r.chunks.size(),
+                 pool_->replaced_chunks() - replaced);
   }
 }
 
@@ -222,15 +227,16 @@ void Registry::Reap() {
     Session& s = it->second;
     if (!s.attached && now - s.opened > std::chrono::milliseconds(config_.lease_ms)) {
       spdlog::warn("session {} not attached within {} ms: reclaimed", s.id, config_.lease_ms);
-      returns.push_back(ReclaimLocked(it, /*owner_may_still_map=*/false));  // no descriptor left the daemon
+      returns.push_back(ReclaimLocked(it));  // no descriptor left the daemon
     } else if (s.detached) {
       const bool exited = PeerExited(s.pidfd, s.peer.pid);
-      if (exited || now - s.detached_at > kExitGrace) returns.push_back(ReclaimLocked(it, !exited));
+      if (exited || now - s.detached_at > kExitGrace) returns.push_back(ReclaimLocked(it));
     }
     it = next;
   }
   lock.unlock();
   ReturnChunks(returns);
+  pool_->Housekeep();  // releases retained memory nobody holds, retries failed replacements
   kept_->EnforceWatermarks();
 }
 
@@ -321,6 +327,13 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
   return std::make_pair(slot, k.pages_per_layer);
 }
 
+Result<std::string> Registry::SessionTenant(uint64_t session) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session);
+  if (it == sessions_.end() || it->second.detached) return Status::NotFound("session " + std::to_string(session));
+  return it->second.tenant;
+}
+
 uint64_t Registry::OwnerOf(uint64_t sequence) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequence_owner_.find(sequence);
@@ -337,8 +350,12 @@ RegistryStats Registry::Stats() const {
   st.memory_locked = pool_->locked();
   st.sessions_reclaimed = reclaimed_;
   st.chunks_replaced = pool_->replaced_chunks();
+  st.chunks_out_of_service = pool_->out_of_service_count();
   std::map<std::string, TenantSummary> tenants;
-  for (const auto& [name, t] : config_.tenants) tenants[name] = TenantSummary{name, 0, 0, t.quota_bytes, 0, 0};
+  for (const auto& [name, t] : config_.tenants) {
+    const uint64_t retained = pool_->retained_bytes(tenant_tags_.at(name));
+    tenants[name] = TenantSummary{name, retained, 0, t.quota_bytes, retained, 0, 0};
+  }
   for (const auto& [id, s] : sessions_) {
     TenantSummary& t = tenants[s.tenant];
     t.reserved_bytes += s.pages->chunks().size() * st.chunk_bytes;

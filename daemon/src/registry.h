@@ -1,10 +1,12 @@
 // The daemon's state: sessions (tenant, token, chunks, pages, attached peer), their sequences,
 // quotas and leases. All control-plane calls and the attach endpoint go through it.
 //
-// Session lifetime: OpenSession reserves chunks; the client must attach within the lease, and the
-// session then lives as long as the attach connection (Detach on close). Reclaim returns the
-// chunks to the pool: zeroed when the peer process has exited, replaced by fresh memory when it
-// may still map them.
+// Session lifetime: OpenSession (for a caller the tenant admits) reserves chunks; the client must
+// attach within the lease, and the session then lives as long as the attach connection (Detach on
+// close). Reclaim returns the chunks to the pool: zeroed when nobody else holds them, replaced by
+// fresh memory when a process still does (ChunkPool). That old memory stays charged to the
+// tenant's quota until no process holds it, so closing a session while keeping its chunks mapped
+// does not free quota.
 //
 // Thread safety: every method may be called from any thread.
 #pragma once
@@ -20,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "access.h"
 #include "config.h"
 #include "kept_sequences.h"
 #include "specache/attach_protocol.h"
@@ -72,6 +75,7 @@ struct SequenceSummary {
 struct TenantSummary {
   std::string name;
   uint64_t reserved_bytes = 0, used_bytes = 0, quota_bytes = 0;
+  uint64_t retained_bytes = 0;  // memory of ended sessions a process still holds (in reserved_bytes)
   uint32_t sessions = 0, sequences = 0;
 };
 
@@ -80,6 +84,7 @@ struct RegistryStats {
   uint32_t sessions = 0, sequences = 0;
   uint64_t pages = 0;
   uint64_t sessions_reclaimed = 0, chunks_replaced = 0;
+  uint32_t chunks_out_of_service = 0;  // replacement failed; retried by Reap
   bool memory_locked = false;
   std::vector<TenantSummary> tenants;
   KeptStats kept;
@@ -91,8 +96,11 @@ class Registry {
   Registry(const DaemonConfig& config, ChunkPool* pool, KeptSequences* kept);
   ~Registry();
 
-  Result<OpenedSession> OpenSession(const std::string& tenant, uint64_t pool_bytes, const std::string& client_name);
-  Result<AttachGrant> Attach(uint64_t session, const Token& token, const PeerCredentials& peer);
+  // PERMISSION_DENIED (before anything is reserved) when the tenant does not admit the caller.
+  Result<OpenedSession> OpenSession(const std::string& tenant, uint64_t pool_bytes, const std::string& client_name,
+                                    const Caller& caller);
+  // The chunk descriptors are the client's own open files (ChunkPool::ShareFd).
+  Result<AttachGrant> Attach(uint64_t session, const Token& token, const Caller& peer);
   // The attach connection closed: the session is reclaimed (by Reap, once the peer's fate is known).
   void Detach(uint64_t session);
   Status CloseSession(uint64_t session, const Token& token);
@@ -112,6 +120,10 @@ class Registry {
   // The daemon is stopping: parks the kept sequences of every live session (their chunks stay
   // as they are; the process is going away).
   void ParkKeptSequences();
+
+  // The tenant of a live session (NOT_FOUND when there is none).
+  Result<std::string> SessionTenant(uint64_t session) const;
+  const AccessPolicy& access() const { return access_; }
 
   // The session a live sequence belongs to (0: none).
   uint64_t OwnerOf(uint64_t sequence) const;
@@ -145,7 +157,8 @@ class Registry {
   struct ChunkReturn {
     uint64_t session = 0;
     std::vector<uint32_t> chunks;
-    bool replace = false;
+    uint64_t holder = 0;        // the tenant's tag: memory still held elsewhere is charged to it
+    int pidfd = -1;             // the attached peer (owned; closed after the return)
     std::vector<ParkJob> park;  // copied out before the chunks are returned
   };
   // The park jobs of a session's kept sequences (forgetting their keep marks). Caller holds mu_.
@@ -155,11 +168,13 @@ class Registry {
   uint8_t* PageAddress(const Session& s, const shm::PageRef& ref) const;
   static Status RequireAttached(const Session& s);
   // Forgets the session (under mu_); its chunks go back to the pool with ReturnChunks (without mu_).
-  ChunkReturn ReclaimLocked(std::map<uint64_t, Session>::iterator it, bool owner_may_still_map);
+  ChunkReturn ReclaimLocked(std::map<uint64_t, Session>::iterator it);
   void ReturnChunks(const std::vector<ChunkReturn>& returns);
   uint64_t TenantReservedLocked(const std::string& tenant) const;
 
   DaemonConfig config_;
+  AccessPolicy access_;
+  std::map<std::string, uint64_t> tenant_tags_;  // tenant -> holder tag in the pool (1, 2, ...)
   ChunkPool* pool_;
   mutable std::mutex mu_;
   std::map<uint64_t, Session> sessions_;

@@ -1,11 +1,13 @@
 #include "specache/chunk_pool.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <thread>
 
 namespace specache {
@@ -53,14 +55,43 @@ Result<std::unique_ptr<ChunkPool>> ChunkPool::Create(const ChunkPoolOptions& o) 
 }
 
 ChunkPool::~ChunkPool() {
-  for (Chunk& c : chunks_) Unmap(&c, options_.chunk_bytes);
+  for (Chunk& c : chunks_) {
+    Unmap(&c, options_.chunk_bytes);
+    if (c.holder_pidfd >= 0) close(c.holder_pidfd);
+  }
+  for (const Retained& r : retained_) {
+    close(r.probe);
+    if (r.pidfd >= 0) close(r.pidfd);
+  }
 }
 
 void ChunkPool::Unmap(Chunk* c, uint64_t bytes) {
   if (c->data) munmap(c->data, bytes);
   if (c->fd >= 0) close(c->fd);
+  if (c->probe >= 0) close(c->probe);
   c->data = nullptr;
-  c->fd = -1;
+  c->fd = c->probe = -1;
+}
+
+namespace {
+
+// A new open file description of the memfd behind `fd` (a reopen through /proc, unlike dup).
+int Reopen(int fd) {
+  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  return open(path.c_str(), O_RDWR | O_CLOEXEC);
+}
+
+}  // namespace
+
+bool ChunkPool::HeldElsewhere(int probe, bool* unknown) {
+  // A memfd's own descriptor does not count as an open for writing; every reopen does. So the
+  // lease on the probe is granted only when the probe is the one open file of the chunk.
+  if (fcntl(probe, F_SETLEASE, F_WRLCK) == 0) {
+    fcntl(probe, F_SETLEASE, F_UNLCK);
+    return false;
+  }
+  if (errno != EAGAIN) *unknown = true;  // leases disabled (fs.leases-enable = 0) or not allowed
+  return true;
 }
 
 Status ChunkPool::MakeChunk(Chunk* c, bool prefault) {
@@ -77,18 +108,34 @@ Status ChunkPool::MakeChunk(Chunk* c, bool prefault) {
     close(fd);
     return s;
   }
+  const int probe = Reopen(fd);
+  if (probe < 0) {
+    Status s = Errno("reopen chunk through /proc/self/fd");
+    close(fd);
+    return s;
+  }
   void* p = mmap(nullptr, options_.chunk_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     Status s = Errno("mmap chunk");
     close(fd);
+    close(probe);
     return s;
   }
   c->fd = fd;
+  c->probe = probe;
   c->data = static_cast<uint8_t*>(p);
   if (prefault) Prefault(c->data, options_.chunk_bytes, options_.prefault_threads);
   if (options_.lock_memory && mlock(c->data, options_.chunk_bytes) != 0) locked_ = false;
   if (!options_.lock_memory) locked_ = false;
   return Status::Ok();
+}
+
+Result<int> ChunkPool::ShareFd(uint32_t chunk) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (chunk >= chunks_.size() || chunks_[chunk].fd < 0) return Status::OutOfRange("chunk " + std::to_string(chunk));
+  const int fd = Reopen(chunks_[chunk].fd);
+  if (fd < 0) return Errno("reopen chunk " + std::to_string(chunk));
+  return fd;
 }
 
 Result<std::vector<uint32_t>> ChunkPool::Take(uint32_t n, uint64_t owner) {
@@ -107,32 +154,103 @@ Result<std::vector<uint32_t>> ChunkPool::Take(uint32_t n, uint64_t owner) {
   return taken;
 }
 
-Status ChunkPool::Return(std::span<const uint32_t> ids, bool owner_may_still_map) {
+Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int owner_pidfd) {
   Status first = Status::Ok();
   for (uint32_t id : ids) {
     if (id >= chunks_.size()) return Status::OutOfRange("chunk " + std::to_string(id));
-    Chunk& c = chunks_[id];
-    if (owner_may_still_map) {
-      // New memory for the pool; the old pages stay with whoever still maps them.
-      Chunk fresh;
-      Status s = MakeChunk(&fresh, true);
-      std::lock_guard<std::mutex> lock(mu_);
-      Unmap(&c, options_.chunk_bytes);
-      if (s.ok()) {
-        c.fd = fresh.fd;
-        c.data = fresh.data;
-        ++replaced_;
-      } else if (first.ok()) {
-        first = s.WithContext("replacing chunk " + std::to_string(id) + " (it leaves the pool)");
-      }
-      c.owner = 0;
-    } else {
+    Chunk& c = chunks_[id];  // the returning owner's alone until owner is reset
+    bool unknown = false;
+    if (!HeldElsewhere(c.probe, &unknown)) {
       std::memset(c.data, 0, options_.chunk_bytes);
       std::lock_guard<std::mutex> lock(mu_);
       c.owner = 0;
+      continue;
+    }
+    c.holder = holder;
+    c.holder_pidfd = owner_pidfd >= 0 ? fcntl(owner_pidfd, F_DUPFD_CLOEXEC, 0) : -1;
+    if (Status s = Replace(&c); !s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      c.owner = kOutOfService;  // still the pool's: Housekeep replaces it later
+      if (first.ok()) first = s.WithContext("replacing chunk " + std::to_string(id) + " (out of service until retried)");
     }
   }
   return first;
+}
+
+Status ChunkPool::Replace(Chunk* c) {
+  // New memory for the pool; the old pages stay with whoever still holds them.
+  Chunk fresh;
+  SPECACHE_RETURN_IF_ERROR(MakeChunk(&fresh, true));
+  std::lock_guard<std::mutex> lock(mu_);
+  retained_.push_back({c->probe, c->holder_pidfd, c->holder});
+  c->probe = -1;
+  Unmap(c, options_.chunk_bytes);
+  c->fd = fresh.fd;
+  c->probe = fresh.probe;
+  c->data = fresh.data;
+  c->owner = 0;
+  c->holder = 0;
+  c->holder_pidfd = -1;
+  ++replaced_;
+  return Status::Ok();
+}
+
+void ChunkPool::Housekeep() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = retained_.begin(); it != retained_.end();) {
+      bool unknown = false;
+      bool held = HeldElsewhere(it->probe, &unknown);
+      if (held && unknown && it->pidfd >= 0) {
+        pollfd p{it->pidfd, POLLIN, 0};
+        held = poll(&p, 1, 0) != 1;  // no lease to tell: held until the owner exits
+      }
+      if (held) {
+        ++it;
+        continue;
+      }
+      close(it->probe);
+      if (it->pidfd >= 0) close(it->pidfd);
+      it = retained_.erase(it);
+    }
+  }
+  for (uint32_t id = 0; id < chunks_.size(); ++id) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (chunks_[id].owner != kOutOfService) continue;
+    }
+    Chunk& c = chunks_[id];  // out of service: only Housekeep touches it
+    bool unknown = false;
+    if (!HeldElsewhere(c.probe, &unknown)) {
+      std::memset(c.data, 0, options_.chunk_bytes);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (c.holder_pidfd >= 0) close(c.holder_pidfd);
+      c.holder_pidfd = -1;
+      c.owner = 0;
+    } else {
+      (void)Replace(&c);  // still failing: tried again on the next call
+    }
+  }
+}
+
+uint64_t ChunkPool::retained_bytes(uint64_t holder) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t n = 0;
+  for (const Retained& r : retained_) n += r.holder == holder;
+  for (const Chunk& c : chunks_) n += c.owner == kOutOfService && c.holder == holder;
+  return n * options_.chunk_bytes;
+}
+
+uint64_t ChunkPool::retained_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return retained_.size() * options_.chunk_bytes;
+}
+
+uint32_t ChunkPool::out_of_service_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint32_t n = 0;
+  for (const Chunk& c : chunks_) n += c.owner == kOutOfService;
+  return n;
 }
 
 int ChunkPool::fd(uint32_t chunk) const {

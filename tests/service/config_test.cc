@@ -50,13 +50,44 @@ groups = [0]
       {"[tenants.a]\nusers = [\"no-such-user-here\"]", "unknown user"},
       {"[tenants.a]\ncolour = 1", "tenants.a.colour"},
       {"pool_bytes = [", "line"},
+      {"[tenants.a]\nusers = [4294968296]", "user id 4294968296 is out of range"},
+      {"[tenants.a]\nusers = [-1]", "user id -1 is out of range"},
+      {"[tenants.a]\ngroups = [4294967295]", "group id 4294967295 is out of range"},
+      {"[access]\nadmin_users = [4294967296]", "access.admin_users: user id"},
+      {"[access]\nsocket_mode = \"0666\"", "socket_mode"},
+      {"[access]\nsocket_mode = \"rw\"", "socket_mode"},
+      {"[access]\nsocket_group = \"no-such-group-here\"", "unknown group"},
+      {"[access]\nadmins = [0]", "access.admins"},
+      {"[limits]\nattach_connections = 0", "limits.attach_connections"},
+      {"[limits]\nconnections = 5", "limits.connections"},
+      {"[tenants.\"a b\"]\nquota_bytes = 1", "tenant names"},
+      {"lease_ms = -5", "lease_ms"},
   };
   for (const Bad& b : bad) {
     auto r = ParseConfig(b.toml);
     ASSERT_FALSE(r.ok()) << b.toml;
     EXPECT_NE(r.status().message().find(b.needle), std::string::npos) << r.status().ToString();
   }
+  auto access = ParseConfig(R"(
+[access]
+admin_users = [0, 1001]
+admin_groups = [4343]
+socket_mode = "0640"
+socket_group = 4242
+[limits]
+attach_connections = 50
+attach_connections_per_uid = 5
+)");
+  ASSERT_TRUE(access.ok()) << access.status().ToString();
+  EXPECT_EQ(access->access.admin_uids, (std::vector<uint32_t>{0, 1001}));
+  EXPECT_EQ(access->access.admin_gids, (std::vector<uint32_t>{4343}));
+  EXPECT_EQ(access->access.socket_mode, 0640u);
+  EXPECT_EQ(access->access.socket_gid, std::optional<uint32_t>(4242));
+  EXPECT_EQ(access->limits.attach_connections, 50u);
+  EXPECT_EQ(access->limits.attach_connections_per_uid, 5u);
+  EXPECT_EQ(ParseConfig("[access]\nsocket_mode = 0o600\n")->access.socket_mode, 0600u);
   DaemonConfig plain;
+  EXPECT_EQ(plain.access.socket_mode, 0660u) << "never world-writable by default";
   AddDefaultTenant(&plain);
   EXPECT_TRUE(plain.tenants.at("default").AllowsAnyone());
   EXPECT_EQ(plain.tenants.at("default").quota_bytes, plain.pool_bytes);
@@ -87,13 +118,16 @@ compression = true
   ASSERT_TRUE(defaults.ok());
   EXPECT_TRUE(defaults->spill.dir.empty());
   EXPECT_EQ(defaults->ParkBytes(), uint64_t{1} << 30);  // a quarter of the pool
-  // The config deploy/ ships parses, with its spill tier (docs that match the code). Its group
-  // "specache" exists only where deploy/ is installed: that line is left out here.
+  // The config deploy/ ships parses, with its spill tier (docs that match the code). Its groups
+  // ("specache", "specache-admin") exist only where deploy/ is installed: those lines are left
+  // out here.
   std::ifstream in(SPECACHE_SOURCE_DIR "/deploy/specached.toml");
   ASSERT_TRUE(in.good());
   std::string text, line;
   while (std::getline(in, line)) {
-    if (line.rfind("groups", 0) != 0) text += line + "\n";
+    if (line.rfind("groups", 0) != 0 && line.rfind("admin_groups", 0) != 0 && line.rfind("socket_group", 0) != 0) {
+      text += line + "\n";
+    }
   }
   auto shipped = ParseConfig(text);
   ASSERT_TRUE(shipped.ok()) << shipped.status().ToString();

@@ -94,6 +94,8 @@ TEST(DaemonTest, WhenTheDaemonDiesEveryCallFailsWithinItsDeadline) {
 TEST(DaemonTest, TenantsAreIsolated) {
   DaemonProcess d;
   ASSERT_TRUE(d.Start(R"(
+[access]
+socket_group = 65534
 [tenants.alpha]
 quota_bytes = "16MiB"
 [tenants.rootonly]
@@ -109,7 +111,8 @@ users = [0]
   auto over = c->OpenSession("alpha", 8 << 20);
   EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(over.status().message().find("quota"), std::string::npos) << over.status().ToString();
-  // Another user may not attach to a tenant that lists only root (when this test can switch users).
+  // Another user (who may connect: the sockets' group is theirs) may not open a session of a
+  // tenant that lists only root (when this test can switch users).
   if (geteuid() == 0) {
     auto other = Spawn({TEST_CLIENT_PATH, "attach-as", "65534", d.socket, "rootonly"});
     const std::string line = other->ReadLine(10000);

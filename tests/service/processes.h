@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,13 +64,18 @@ struct Child {
   }
 };
 
-inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv) {
+// `stderr_path`: the child's stderr goes to that file (created or truncated); else it is ours.
+inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv, const std::string& stderr_path = "") {
   int pipefd[2];
   if (pipe2(pipefd, O_CLOEXEC) != 0) return nullptr;
   auto c = std::make_unique<Child>();
   c->pid = fork();
   if (c->pid == 0) {
     dup2(pipefd[1], 1);
+    if (!stderr_path.empty()) {
+      const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (err >= 0) dup2(err, 2);
+    }
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -80,10 +87,41 @@ inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv) {
   return c;
 }
 
+// argv run as another user (setpriv; the caller must be root): uid and gid, and the supplementary
+// groups (none: cleared).
+inline std::vector<std::string> AsUser(uint32_t uid, uint32_t gid, const std::vector<uint32_t>& groups,
+                                       const std::vector<std::string>& argv) {
+  std::vector<std::string> out = {"/usr/bin/setpriv", "--reuid", std::to_string(uid), "--regid", std::to_string(gid)};
+  if (groups.empty()) {
+    out.push_back("--clear-groups");
+  } else {
+    std::string list;
+    for (uint32_t g : groups) list += (list.empty() ? "" : ",") + std::to_string(g);
+    out.insert(out.end(), {"--groups", list});
+  }
+  out.insert(out.end(), argv.begin(), argv.end());
+  return out;
+}
+
+// True when this process may act as other users (root, with setpriv at hand).
+inline bool CanSwitchUsers() { return geteuid() == 0 && access("/usr/bin/setpriv", X_OK) == 0; }
+
 // specached on a fresh socket in a temporary directory.
 struct DaemonProcess {
   std::string dir, socket;
   std::unique_ptr<Child> child;
+  // Set before Start: the daemon's log level, whether its stderr goes to log_path(), and a
+  // command the daemon runs under (e.g. {"/usr/bin/prlimit", "--nofile=96", "--"}).
+  std::string log_level = "warn";
+  bool capture_log = false;
+  std::vector<std::string> prefix;
+  int exit_code = -1;  // when Start returned false because the daemon exited
+
+  std::string log_path() const { return dir + "/specached.log"; }
+  std::string Log() const {
+    std::ifstream in(log_path());
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
 
   // Returns false if the daemon did not come up within 10 s.
   bool Start(const std::string& config_toml = "", std::vector<std::string> extra = {}) {
@@ -93,8 +131,9 @@ struct DaemonProcess {
     socket = dir + "/control.sock";
     // SPECACHE_TEST_SPECACHED: another specached (a bundled copy on the GPU machine).
     const char* binary = std::getenv("SPECACHE_TEST_SPECACHED");
-    std::vector<std::string> argv = {binary ? binary : SPECACHED_PATH, "--socket", socket, "--pool-bytes", "64MiB", "--chunk-bytes",
-                                     "4MiB", "--lease-ms", "1000", "--log-level", "warn"};
+    std::vector<std::string> argv = prefix;
+    argv.insert(argv.end(), {binary ? binary : SPECACHED_PATH, "--socket", socket, "--pool-bytes", "64MiB", "--chunk-bytes",
+                             "4MiB", "--lease-ms", "1000", "--log-level", log_level});
     if (std::find(extra.begin(), extra.end(), "--metrics-addr") == extra.end()) {
       argv.insert(argv.end(), {"--metrics-addr", "off"});
     }
@@ -104,11 +143,11 @@ struct DaemonProcess {
       argv.push_back(dir + "/specached.toml");
     }
     argv.insert(argv.end(), extra.begin(), extra.end());
-    child = Spawn(argv);
+    child = Spawn(argv, capture_log ? log_path() : "");
     const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (std::chrono::steady_clock::now() < end) {
       if (std::filesystem::exists(socket + ".attach")) return true;
-      if (child->Wait(0) >= 0) return false;
+      if ((exit_code = child->Wait(0)) >= 0) return false;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     return false;

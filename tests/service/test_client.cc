@@ -4,6 +4,21 @@
 //                                     back; exit 0 when every byte matches
 //   hold SOCKET TENANT                session + sequence, prints "ready <session>" and sleeps until killed
 //   attach-as UID SOCKET TENANT       setuid(UID) first, then tries to open and attach; prints the status
+//   open SOCKET TENANT BYTES          open and attach through the client library; prints the status, then
+//                                     "closed" after the session is closed and exits
+//   call SOCKET METHOD [ID]           one raw control call (OpenSession:TENANT:BYTES, Spill, SpillAll, Restore,
+//                                     Evict, VerifySpill, ListSessions, ListSequences, Stats); prints
+//                                     "<CODE> <message>" and, for the lists and Stats, what came back
+//   close-keep SOCKET TENANT BYTES DELAY_MS
+//                                     open and attach by hand, map the chunks, wait DELAY_MS, CloseSession but
+//                                     keep the chunk descriptors and mappings; prints "closed <code>", sleeps
+//   flood PATH N                      N connections to a Unix socket, idle; after 300 ms prints
+//                                     "open <connected and not closed by the daemon>", sleeps
+// The hostile-user tests run these as another uid with setpriv.
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,8 +27,13 @@
 #include <string>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
+
+#include "specache/attach_protocol.h"
 #include "specache/client.h"
 #include "specache/daemon_source.h"
+#include "specache/fd_passing.h"
+#include "specache/v1/control.grpc.pb.h"
 
 using namespace specache;
 
@@ -92,6 +112,150 @@ int AttachAs(uid_t uid, const std::string& socket, const std::string& tenant) {
   return 0;
 }
 
+int Open(const std::string& socket, const std::string& tenant, uint64_t bytes) {
+  auto client = client::Client::Connect({socket, std::chrono::milliseconds(3000), "open"});
+  if (!client.ok()) return Fail("connect", client.status());
+  {
+    auto session = (*client)->OpenSession(tenant, bytes);
+    std::printf("%s\n", session.ok() ? "OK" : session.status().ToString().c_str());
+    std::fflush(stdout);
+  }
+  std::printf("closed\n");
+  return 0;
+}
+
+std::string CodeName(grpc::StatusCode code) { return StatusCodeName(static_cast<StatusCode>(code)); }
+
+int Call(const std::string& socket, const std::string& method, uint64_t id) {
+  auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  grpc::Status st;
+  std::string extra;
+  if (method.rfind("OpenSession:", 0) == 0) {
+    const size_t colon = method.find(':', 12);
+    v1::OpenSessionRequest r;
+    r.set_tenant(method.substr(12, colon - 12));
+    r.set_pool_bytes(std::stoull(method.substr(colon + 1)));
+    r.set_client_name("call");
+    v1::OpenSessionResponse resp;
+    st = stub->OpenSession(&ctx, r, &resp);
+  } else if (method == "Spill" || method == "SpillAll") {
+    v1::SpillRequest r;
+    r.set_sequence_id(id);
+    r.set_all(method == "SpillAll");
+    v1::SpillResponse resp;
+    st = stub->Spill(&ctx, r, &resp);
+  } else if (method == "Restore") {
+    v1::RestoreRequest r;
+    r.set_sequence_id(id);
+    v1::RestoreResponse resp;
+    st = stub->Restore(&ctx, r, &resp);
+  } else if (method == "Evict") {
+    v1::EvictRequest r;
+    r.set_sequence_id(id);
+    v1::EvictResponse resp;
+    st = stub->Evict(&ctx, r, &resp);
+  } else if (method == "VerifySpill") {
+    v1::VerifySpillResponse resp;
+    st = stub->VerifySpill(&ctx, v1::VerifySpillRequest(), &resp);
+  } else if (method == "ListSessions") {
+    v1::ListSessionsResponse resp;
+    st = stub->ListSessions(&ctx, v1::ListSessionsRequest(), &resp);
+    extra = " sessions=" + std::to_string(resp.sessions_size());
+  } else if (method == "ListSequences") {
+    v1::ListSequencesResponse resp;
+    st = stub->ListSequences(&ctx, v1::ListSequencesRequest(), &resp);
+    extra = " sequences=" + std::to_string(resp.sequences_size());
+  } else if (method == "Stats") {
+    v1::StatsResponse resp;
+    st = stub->Stats(&ctx, v1::StatsRequest(), &resp);
+    extra = " tenants=";
+    for (const auto& t : resp.tenants()) extra += t.tenant() + ",";
+  } else {
+    std::fprintf(stderr, "test_client: unknown method %s\n", method.c_str());
+    return 1;
+  }
+  std::printf("%s %s%s\n", CodeName(st.error_code()).c_str(), st.error_message().c_str(), extra.c_str());
+  return 0;
+}
+
+// A client that closes its session but keeps the chunks (the quota escape the daemon must charge).
+int CloseKeep(const std::string& socket, const std::string& tenant, uint64_t bytes, int delay_ms) {
+  auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext open_ctx;
+  v1::OpenSessionRequest open;
+  open.set_tenant(tenant);
+  open.set_pool_bytes(bytes);
+  v1::OpenSessionResponse opened;
+  if (grpc::Status st = stub->OpenSession(&open_ctx, open, &opened); !st.ok()) {
+    std::printf("open %s %s\n", CodeName(st.error_code()).c_str(), st.error_message().c_str());
+    return 2;
+  }
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", opened.attach_path().c_str());
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return Fail("attach", Status::Unavailable("connect"));
+  attach::AttachRequest request;
+  request.session_id = opened.session_id();
+  std::memcpy(request.token.data(), opened.token().data(), request.token.size());
+  if (write(fd, &request, sizeof request) != static_cast<ssize_t>(sizeof request)) return 2;
+  std::vector<int> fds;
+  for (uint32_t got = 0; got < opened.chunk_count() + 1;) {
+    attach::AttachReply reply;
+    std::vector<int> more;
+    if (Status s = RecvWithFds(fd, &reply, sizeof reply, &more, 3000); !s.ok()) return Fail("attach reply", s);
+    if (reply.code != 0) return Fail("attach", Status(static_cast<StatusCode>(reply.code), reply.message));
+    fds.insert(fds.end(), more.begin(), more.end());
+    got += static_cast<uint32_t>(more.size());
+  }
+  for (size_t i = 1; i < fds.size(); ++i) {
+    void* p = mmap(nullptr, opened.chunk_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], 0);
+    if (p == MAP_FAILED) return Fail("mmap", Status::Internal("mmap"));
+    std::memset(p, 0x42, opened.chunk_bytes());
+  }
+  std::printf("attached %llu\n", static_cast<unsigned long long>(opened.session_id()));
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  grpc::ClientContext close_ctx;
+  close_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::CloseSessionRequest close;
+  close.set_session_id(opened.session_id());
+  close.set_token(opened.token());
+  v1::CloseSessionResponse closed;
+  const grpc::Status st = stub->CloseSession(&close_ctx, close, &closed);
+  std::printf("closed %s\n", CodeName(st.error_code()).c_str());
+  std::fflush(stdout);
+  while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // descriptors and mappings kept
+}
+
+int Flood(const std::string& path, int n) {
+  std::vector<int> fds;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  for (int i = 0; i < n; ++i) {
+    // Non-blocking: a full listen backlog (a daemon out of descriptors) fails fast with EAGAIN.
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) break;
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      close(fd);
+      continue;
+    }
+    fds.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  int open = 0;
+  for (int fd : fds) {
+    pollfd p{fd, POLLIN, 0};
+    open += poll(&p, 1, 0) == 0;  // readable here means closed by the daemon
+  }
+  std::printf("open %d\n", open);
+  std::fflush(stdout);
+  while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -99,6 +263,13 @@ int main(int argc, char** argv) {
   if (mode == "write-verify" && argc == 5) return WriteVerify(argv[2], std::stoul(argv[3]), std::stoi(argv[4]));
   if (mode == "hold" && argc == 4) return Hold(argv[2], argv[3]);
   if (mode == "attach-as" && argc == 5) return AttachAs(static_cast<uid_t>(std::stoul(argv[2])), argv[3], argv[4]);
-  std::fprintf(stderr, "usage: test_client write-verify SOCKET SEED TOKENS | hold SOCKET TENANT | attach-as UID SOCKET TENANT\n");
+  if (mode == "open" && argc == 5) return Open(argv[2], argv[3], std::stoull(argv[4]));
+  if (mode == "call" && (argc == 4 || argc == 5)) return Call(argv[2], argv[3], argc == 5 ? std::stoull(argv[4]) : 0);
+  if (mode == "close-keep" && argc == 6) return CloseKeep(argv[2], argv[3], std::stoull(argv[4]), std::stoi(argv[5]));
+  if (mode == "flood" && argc == 4) return Flood(argv[2], std::stoi(argv[3]));
+  std::fprintf(stderr,
+               "usage: test_client write-verify SOCKET SEED TOKENS | hold SOCKET TENANT | attach-as UID SOCKET TENANT |\n"
+               "       open SOCKET TENANT BYTES | call SOCKET METHOD [ID] | close-keep SOCKET TENANT BYTES DELAY_MS |\n"
+               "       flood PATH N\n");
   return 1;
 }

@@ -1,4 +1,5 @@
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <random>
@@ -65,8 +66,9 @@ TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
   EXPECT_EQ(p.free_count(), 1u);
   EXPECT_EQ(p.Take(2, 8).status().code(), StatusCode::kResourceExhausted);
   std::memset(p.data((*a)[0]), 0xAB, p.chunk_bytes());
-  ASSERT_TRUE(p.Return(*a, /*owner_may_still_map=*/false).ok());
+  ASSERT_TRUE(p.Return(*a).ok());
   EXPECT_EQ(p.free_count(), 4u);
+  EXPECT_EQ(p.replaced_chunks(), 0u) << "nobody else held them: zeroed, not replaced";
   auto b = p.Take(4, 9);
   ASSERT_TRUE(b.ok());
   for (uint32_t c : *b) {
@@ -76,24 +78,34 @@ TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
   EXPECT_EQ(ChunkPool::Create({1 << 20, 1000, 1, true}).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(ChunkPoolTest, AChunkWhoseOwnerMayStillMapItGetsNewMemory) {
+TEST(ChunkPoolTest, AChunkStillMappedElsewhereGetsNewMemoryAndStaysChargedUntilReleased) {
   auto pool = ChunkPool::Create(SmallPool());
   ASSERT_TRUE(pool.ok());
   ChunkPool& p = **pool;
   auto a = p.Take(1, 7);
   ASSERT_TRUE(a.ok());
-  // The "client" maps the chunk and keeps the mapping after returning it.
-  void* client = mmap(nullptr, p.chunk_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, p.fd((*a)[0]), 0);
+  // The "client" maps its own open file of the chunk, closes the descriptor and keeps the mapping.
+  auto shared = p.ShareFd((*a)[0]);
+  ASSERT_TRUE(shared.ok()) << shared.status().ToString();
+  void* client = mmap(nullptr, p.chunk_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, *shared, 0);
   ASSERT_NE(client, MAP_FAILED);
+  close(*shared);
   std::memset(client, 0x5A, p.chunk_bytes());
-  ASSERT_TRUE(p.Return(*a, /*owner_may_still_map=*/true).ok());
+  ASSERT_TRUE(p.Return(*a, /*holder=*/3).ok());
   EXPECT_EQ(p.replaced_chunks(), 1u);
+  EXPECT_EQ(p.retained_bytes(3), p.chunk_bytes()) << "the old memory is charged to its holder";
+  EXPECT_EQ(p.retained_bytes(4), 0u);
   auto b = p.Take(4, 8);
   ASSERT_TRUE(b.ok());
   // The next owner sees zeros, and writes of the old mapping do not reach it.
   std::memset(client, 0x77, p.chunk_bytes());
   for (uint32_t c : *b) EXPECT_EQ(p.data(c)[12345], 0);
+  p.Housekeep();
+  EXPECT_EQ(p.retained_bytes(3), p.chunk_bytes()) << "still mapped";
   munmap(client, p.chunk_bytes());
+  p.Housekeep();
+  EXPECT_EQ(p.retained_bytes(3), 0u) << "released once nobody maps it";
+  EXPECT_EQ(p.retained_bytes(), 0u);
 }
 
 TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks) {

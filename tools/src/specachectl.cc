@@ -27,7 +27,8 @@ nlohmann::json StatsJson(const DaemonStats& s) {
   nlohmann::json tenants = nlohmann::json::array();
   for (const auto& t : s.tenants) {
     tenants.push_back({{"tenant", t.tenant}, {"reserved_bytes", t.reserved_bytes}, {"used_bytes", t.used_bytes},
-                       {"quota_bytes", t.quota_bytes}, {"sessions", t.sessions}, {"sequences", t.sequences}});
+                       {"quota_bytes", t.quota_bytes}, {"retained_bytes", t.retained_bytes}, {"sessions", t.sessions},
+                       {"sequences", t.sequences}});
   }
   return {{"version", s.version},           {"pool_bytes", s.pool_bytes}, {"reserved_bytes", s.reserved_bytes}, {"used_bytes", s.used_bytes},
           {"free_bytes", s.free_bytes},  {"chunk_bytes", s.chunk_bytes},       {"sessions", s.sessions},
@@ -40,7 +41,10 @@ nlohmann::json StatsJson(const DaemonStats& s) {
           {"restores", s.restores}, {"spill_bytes_total", s.spill_bytes_total},
           {"restore_bytes_total", s.restore_bytes_total}, {"spill_seconds", s.spill_seconds},
           {"restore_seconds", s.restore_seconds}, {"checksum_failures", s.checksum_failures},
-          {"spill_write_errors", s.spill_write_errors}, {"kept_dropped", s.kept_dropped}};
+          {"spill_write_errors", s.spill_write_errors}, {"kept_dropped", s.kept_dropped},
+          {"attach_connections", s.attach_connections}, {"refused_connections", s.refused_connections},
+          {"accept_errors", s.accept_errors}, {"denied_requests", s.denied_requests},
+          {"chunks_out_of_service", s.chunks_out_of_service}};
 }
 
 void PrintStats(const DaemonStats& s) {
@@ -50,8 +54,13 @@ void PrintStats(const DaemonStats& s) {
               Mib(s.free_bytes).c_str(), Mib(s.chunk_bytes).c_str(), s.memory_locked ? "locked" : "NOT locked");
   std::printf("objects   %u sessions, %u sequences, %llu pages\n", s.sessions, s.sequences,
               static_cast<unsigned long long>(s.pages));
-  std::printf("requests  %llu (%llu errors), up %.1f s\n", static_cast<unsigned long long>(s.requests),
-              static_cast<unsigned long long>(s.errors), s.uptime_ms / 1000.0);
+  std::printf("requests  %llu (%llu errors, %llu refused by the access rules), up %.1f s\n",
+              static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.errors),
+              static_cast<unsigned long long>(s.denied_requests), s.uptime_ms / 1000.0);
+  std::printf("attach    %llu connections, %llu refused at accept, %llu accept errors, %u chunks out of service\n",
+              static_cast<unsigned long long>(s.attach_connections),
+              static_cast<unsigned long long>(s.refused_connections),
+              static_cast<unsigned long long>(s.accept_errors), s.chunks_out_of_service);
   std::printf("kept      %u parked (%s in RAM), %u spilled (%s on disk only, %s in the store)%s\n", s.parked_sequences,
               Mib(s.parked_bytes).c_str(), s.spilled_sequences, Mib(s.spilled_bytes).c_str(),
               Mib(s.spill_disk_bytes).c_str(), s.spill_tier ? "" : "; no spill tier");
@@ -63,15 +72,30 @@ void PrintStats(const DaemonStats& s) {
                 static_cast<unsigned long long>(s.checksum_failures),
                 static_cast<unsigned long long>(s.spill_write_errors), static_cast<unsigned long long>(s.kept_dropped));
   }
-  std::printf("%-16s %14s %14s %14s %9s %10s\n", "tenant", "reserved", "used", "quota", "sessions", "sequences");
+  std::printf("%-16s %14s %14s %14s %14s %9s %10s\n", "tenant", "reserved", "retained", "used", "quota", "sessions",
+              "sequences");
   for (const auto& t : s.tenants) {
-    std::printf("%-16s %14s %14s %14s %9u %10u\n", t.tenant.c_str(), Mib(t.reserved_bytes).c_str(),
-                Mib(t.used_bytes).c_str(), Mib(t.quota_bytes).c_str(), t.sessions, t.sequences);
+    std::printf("%-16s %14s %14s %14s %14s %9u %10u\n", t.tenant.c_str(), Mib(t.reserved_bytes).c_str(),
+                Mib(t.retained_bytes).c_str(), Mib(t.used_bytes).c_str(), Mib(t.quota_bytes).c_str(), t.sessions,
+                t.sequences);
   }
 }
 
+// A client-chosen name for the terminal: control bytes shown as '?' (no escape sequences).
+std::string Printable(std::string name) {
+  for (char& ch : name) {
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+  }
+  return name;
+}
+
+// Exit status 1 for errors, 4 when the daemon refused the caller (the message names the rule).
 int Fail(const specache::Status& s) {
   std::fprintf(stderr, "specachectl: %s\n", s.ToString().c_str());
+  if (s.code() == specache::StatusCode::kPermissionDenied) {
+    std::fprintf(stderr, "specachectl: refused by the daemon's access rules ([access] and [tenants] in its config)\n");
+    return 4;
+  }
   return 1;
 }
 
@@ -133,7 +157,7 @@ int main(int argc, char** argv) {
                      {"used_bytes", s.used_bytes}, {"age_ms", s.age_ms}});
       if (!json) {
         std::printf("%8llu %-12s %-20s %8d %6u %9s %7u %10u %12s\n", static_cast<unsigned long long>(s.id),
-                    s.tenant.c_str(), s.client_name.c_str(), s.pid, s.uid, s.attached ? "yes" : "no", s.chunks,
+                    s.tenant.c_str(), Printable(s.client_name).c_str(), s.pid, s.uid, s.attached ? "yes" : "no", s.chunks,
                     s.sequences, Mib(s.used_bytes).c_str());
       }
     }

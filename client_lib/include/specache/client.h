@@ -44,8 +44,10 @@ struct TenantUsage {
   std::string tenant;
   uint64_t reserved_bytes = 0, used_bytes = 0, quota_bytes = 0;
   uint32_t sessions = 0, sequences = 0;
+  uint64_t retained_bytes = 0;  // memory of closed sessions a process still holds (in reserved_bytes)
 };
 
+// Stats and ListSequences show only the tenants this user may use (admins see all).
 struct DaemonStats {
   uint64_t pool_bytes = 0, reserved_bytes = 0, used_bytes = 0, free_bytes = 0, chunk_bytes = 0;
   uint32_t sessions = 0, sequences = 0;
@@ -60,6 +62,9 @@ struct DaemonStats {
   uint64_t spills = 0, restores = 0, spill_bytes_total = 0, restore_bytes_total = 0;
   double spill_seconds = 0, restore_seconds = 0;
   uint64_t checksum_failures = 0, spill_write_errors = 0, kept_dropped = 0;
+  // Connections and refusals.
+  uint64_t attach_connections = 0, refused_connections = 0, accept_errors = 0, denied_requests = 0;
+  uint32_t chunks_out_of_service = 0;
 };
 
 struct SpillVerify {

@@ -2,11 +2,18 @@
 // threads and locked in RAM (mlock; when RLIMIT_MEMLOCK forbids it the pool still works and
 // locked() says so). A chunk belongs to one owner (session) at a time and is handed out whole.
 //
-// Isolation when a chunk comes back: if its last owner can no longer map it (the process exited),
-// the chunk is zeroed and reused; if the owner may still hold a mapping (it closed its session but
-// lives on), the chunk's memory is replaced by a fresh memfd, so no physical page ever passes from
-// one tenant to another. Chunks are sealed against resizing, so a client cannot shrink one under
-// the daemon.
+// Clients get their own open file of a chunk (ShareFd: a reopen, never the pool's descriptor), so
+// the pool can tell whether anyone outside still holds a chunk: a write lease (F_SETLEASE) on the
+// pool's probe file is granted only when no other open file of the chunk exists, and a mapping
+// or a descriptor passed on to another process keeps its open file alive.
+//
+// Isolation when a chunk comes back: a chunk nobody else holds is zeroed and reused; a chunk
+// still held elsewhere (its owner closed its session but kept a mapping or a descriptor) gets a
+// fresh memfd, so no physical page ever passes from one tenant to another, and its old memory is
+// "retained": charged to the holder tag given at Return until no process holds it any more (or,
+// where leases do not work, until the owner process exits). A replacement that fails (EMFILE,
+// ENOMEM) leaves the chunk out of service, not out of the pool: Housekeep retries it. Chunks are
+// sealed against resizing, so a client cannot shrink one under the daemon.
 //
 // Thread safety: all methods may be called from any thread.
 #pragma once
@@ -37,10 +44,21 @@ class ChunkPool {
 
   // Takes n free chunks for `owner` (ids ascending). RESOURCE_EXHAUSTED if fewer are free.
   Result<std::vector<uint32_t>> Take(uint32_t n, uint64_t owner);
-  // Gives chunks back. With `owner_may_still_map`, their memory is replaced instead of zeroed.
-  Status Return(std::span<const uint32_t> chunks, bool owner_may_still_map);
+  // Gives chunks back: zeroed when nobody else holds them, replaced (and the old memory charged
+  // to `holder`, with `owner_pidfd` (may be -1; duplicated) as the fallback release) otherwise.
+  // An error names the chunks whose replacement failed; they come back through Housekeep.
+  Status Return(std::span<const uint32_t> chunks, uint64_t holder = 0, int owner_pidfd = -1);
 
-  int fd(uint32_t chunk) const;           // memfd (owned by the pool)
+  // A new open file of the chunk (O_RDWR, CLOEXEC) for a client; the caller owns it.
+  Result<int> ShareFd(uint32_t chunk) const;
+  // Drops retained memory nobody holds any more and retries failed replacements. Call often.
+  void Housekeep();
+  // Bytes of replaced chunks still held outside the daemon, for one holder tag and in total.
+  uint64_t retained_bytes(uint64_t holder) const;
+  uint64_t retained_bytes() const;
+  uint32_t out_of_service_count() const;  // chunks whose replacement failed, awaiting Housekeep
+
+  int fd(uint32_t chunk) const;           // memfd (owned by the pool; never hand it out: ShareFd)
   uint8_t* data(uint32_t chunk) const;    // the daemon's own mapping
   uint64_t chunk_bytes() const { return options_.chunk_bytes; }
   uint32_t chunk_count() const { return static_cast<uint32_t>(chunks_.size()); }
@@ -51,18 +69,33 @@ class ChunkPool {
  private:
   struct Chunk {
     int fd = -1;
+    int probe = -1;  // an open file of the memfd (the lease probe; the only one the pool opens)
     uint8_t* data = nullptr;
-    uint64_t owner = 0;  // 0: free
+    uint64_t owner = 0;  // 0: free; kOutOfService: awaiting replacement
+    uint64_t holder = 0;
+    int holder_pidfd = -1;
   };
+  // Old memory of a replaced chunk, held by someone outside.
+  struct Retained {
+    int probe = -1, pidfd = -1;
+    uint64_t holder = 0;
+  };
+  static constexpr uint64_t kOutOfService = ~uint64_t{0};
   explicit ChunkPool(const ChunkPoolOptions& options) : options_(options) {}
   Status MakeChunk(Chunk* chunk, bool prefault);
+  // Replaces c's memory; on success the old memory is retained (caller holds mu_ for the swap).
+  Status Replace(Chunk* c);
   static void Unmap(Chunk* chunk, uint64_t bytes);
+  // True when an open file of the chunk other than `probe` exists (or when that cannot be told).
+  static bool HeldElsewhere(int probe, bool* unknown);
 
   ChunkPoolOptions options_;
   std::vector<Chunk> chunks_;
   mutable std::mutex mu_;
   bool locked_ = true;
   uint64_t replaced_ = 0;
+  std::vector<Retained> retained_;
+  bool leases_work_ = true;
 };
 
 }  // namespace specache

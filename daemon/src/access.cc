@@ -1,0 +1,113 @@
+#include "access.h"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace specache::daemon {
+namespace {
+
+bool Contains(const std::vector<uint32_t>& ids, uint32_t id) { return std::find(ids.begin(), ids.end(), id) != ids.end(); }
+
+std::string List(const std::vector<uint32_t>& ids) {
+  std::string out = "[";
+  for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+bool Caller::InGroup(uint32_t g) const { return gid == g || Contains(groups, g); }
+
+std::string Caller::Describe() const {
+  return "uid " + std::to_string(uid) + " gid " + std::to_string(gid) + " groups " + List(groups);
+}
+
+Result<Caller> PeerOf(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return Status::Unavailable(std::string("SO_PEERCRED: ") + std::strerror(errno));
+  }
+  Caller c{cred.pid, cred.uid, cred.gid, {}};
+  // SO_PEERGROUPS (Linux 4.13+): ERANGE tells how much room the list needs.
+  std::vector<gid_t> groups(16);
+  while (true) {
+    len = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) == 0) break;
+    if (errno != ERANGE || len <= groups.size() * sizeof(gid_t)) {
+      return Status::Unavailable(std::string("SO_PEERGROUPS: ") + std::strerror(errno));
+    }
+    groups.resize(len / sizeof(gid_t));
+  }
+  c.groups.assign(groups.begin(), groups.begin() + len / sizeof(gid_t));
+  return c;
+}
+
+AccessPolicy::AccessPolicy(const DaemonConfig& config, uint32_t daemon_uid)
+    : tenants_(config.tenants), access_(config.access), daemon_uid_(daemon_uid) {}
+
+Status AccessPolicy::MayUseTenant(const Caller& caller, const std::string& tenant) const {
+  auto t = tenants_.find(tenant);
+  if (t == tenants_.end()) return Status::PermissionDenied("unknown tenant '" + Printable(tenant) + "'");
+  const TenantConfig& c = t->second;
+  if (c.AllowsAnyone() || caller.uid == 0 || Contains(c.uids, caller.uid)) return Status::Ok();
+  for (uint32_t g : c.gids) {
+    if (caller.InGroup(g)) return Status::Ok();
+  }
+  return Status::PermissionDenied("tenant '" + tenant + "' admits users " + List(c.uids) + " and groups " +
+                                  List(c.gids) + " (tenants." + tenant + " in the config); the caller, " +
+                                  caller.Describe() + ", is none of them");
+}
+
+bool AccessPolicy::IsAdmin(const Caller& caller) const {
+  if (caller.uid == 0 || caller.uid == daemon_uid_ || Contains(access_.admin_uids, caller.uid)) return true;
+  for (uint32_t g : access_.admin_gids) {
+    if (caller.InGroup(g)) return true;
+  }
+  return false;
+}
+
+Status AccessPolicy::MayAdminister(const Caller& caller, std::string_view call) const {
+  if (IsAdmin(caller)) return Status::Ok();
+  return Status::PermissionDenied(std::string(call) + " is for admins: root, the daemon's user (uid " +
+                                  std::to_string(daemon_uid_) + "), access.admin_users " + List(access_.admin_uids) +
+                                  " and members of access.admin_groups " + List(access_.admin_gids) +
+                                  "; the caller, " + caller.Describe() + ", is none of them");
+}
+
+void PeerTable::Set(int fd, Caller caller) {
+  std::lock_guard<std::mutex> lock(mu_);
+  by_fd_[fd] = std::move(caller);
+}
+
+Result<Caller> PeerTable::Find(const std::string& peer) const {
+  constexpr std::string_view kPrefix = "fd:";
+  if (peer.compare(0, kPrefix.size(), kPrefix) == 0) {
+    const int fd = std::atoi(peer.c_str() + kPrefix.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_fd_.find(fd);
+    if (it != by_fd_.end()) return it->second;
+  }
+  return Status::PermissionDenied("connection " + Printable(peer) + " has no known peer credentials");
+}
+
+std::string Printable(std::string_view text, size_t max_bytes) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  const size_t n = std::min(text.size(), max_bytes);
+  for (size_t i = 0; i < n; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x20 || c >= 0x7f || c == '\\' || c == '\'' || c == '"') {
+      out += {'\\', 'x', kHex[c >> 4], kHex[c & 15]};
+    } else {
+      out.push_back(static_cast<char>(c));
+    }
+  }
+  if (text.size() > max_bytes) out += "...(" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
+
+}  // namespace specache::daemon

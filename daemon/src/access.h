@@ -1,0 +1,76 @@
+// Who is calling, and what they may do.
+//
+// A caller is who the kernel says connected (SO_PEERCRED and SO_PEERGROUPS on the Unix socket,
+// taken at connect time), never anything a request claims. The rules:
+//   - a tenant admits root, the users in its `users`, and callers whose primary or supplementary
+//     groups meet its `groups`; a tenant with neither admits every local user;
+//   - admins are root, the daemon's own user, [access] admin_users, and members (primary or
+//     supplementary) of [access] admin_groups. Only admins call Spill, Restore, Evict,
+//     VerifySpill and ListSessions, and only they see every tenant in ListSequences and Stats.
+// Refusals are PERMISSION_DENIED with the rule that refused, so an operator can fix the config.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "config.h"
+#include "specache/status.h"
+
+namespace specache::daemon {
+
+struct Caller {
+  int32_t pid = 0;
+  uint32_t uid = 0, gid = 0;
+  std::vector<uint32_t> groups;  // supplementary groups of the peer when it connected
+
+  bool InGroup(uint32_t g) const;
+  std::string Describe() const;  // "uid 65534 gid 65534 groups [4242]"
+};
+
+// The peer of a connected Unix socket. UNAVAILABLE when the kernel does not say.
+Result<Caller> PeerOf(int fd);
+
+class AccessPolicy {
+ public:
+  // `daemon_uid`: the daemon's own user, an admin too.
+  AccessPolicy(const DaemonConfig& config, uint32_t daemon_uid);
+
+  // OK when the caller may open sessions of `tenant`, attach to them and see its sequences.
+  Status MayUseTenant(const Caller& caller, const std::string& tenant) const;
+  // OK when the caller is an admin; `call` names what was asked, for the refusal.
+  Status MayAdminister(const Caller& caller, std::string_view call) const;
+  bool IsAdmin(const Caller& caller) const;
+
+ private:
+  std::map<std::string, TenantConfig> tenants_;
+  AccessConfig access_;
+  uint32_t daemon_uid_;
+};
+
+// The caller behind each control connection. The daemon accepts control connections itself and
+// hands each descriptor to gRPC, which names the connection "fd:<n>" (ServerContext::peer());
+// the table maps that name to the peer seen at accept. A number is reused only after gRPC closed
+// the descriptor, and gRPC closes it only once every call of that connection has finished, so a
+// running call always finds its own connection's entry.
+class PeerTable {
+ public:
+  void Set(int fd, Caller caller);
+  // PERMISSION_DENIED for a connection the table does not know (never accepted by the daemon).
+  Result<Caller> Find(const std::string& peer) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<int, Caller> by_fd_;
+};
+
+// `text` made safe to echo into a log line or an error: control bytes, quotes, backslashes and
+// non-ASCII bytes escaped (\xNN), and cut after `max_bytes` of input with the full length noted.
+std::string Printable(std::string_view text, size_t max_bytes = 64);
+
+}  // namespace specache::daemon

@@ -1,0 +1,141 @@
+#include "unix_listener.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include <spdlog/spdlog.h>
+
+namespace specache::daemon {
+namespace {
+
+constexpr auto kFirstBackoff = std::chrono::milliseconds(10);
+constexpr auto kMaxBackoff = std::chrono::milliseconds(1000);
+constexpr int kAcceptsPerWakeup = 64;  // then other handlers on the io thread get their turn
+
+std::string Errno() { return std::strerror(errno); }
+
+}  // namespace
+
+Result<std::unique_ptr<PathLock>> PathLock::Acquire(const std::string& path) {
+  const std::string lock_path = path + ".lock";
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return Status::Unavailable("lock file " + lock_path + ": " + Errno());
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const std::string why = Errno();
+    char holder[32] = {};
+    const ssize_t n = pread(fd, holder, sizeof holder - 1, 0);
+    ::close(fd);
+    std::string pid(holder, n > 0 ? static_cast<size_t>(n) : 0);
+    pid.erase(std::remove_if(pid.begin(), pid.end(), [](char c) { return c < '0' || c > '9'; }), pid.end());
+    return Status::FailedPrecondition("another specached" + (pid.empty() ? std::string() : " (pid " + pid + ")") +
+                                      " serves " + path + " (it holds " + lock_path + ": " + why +
+                                      "); stop it first or choose another socket");
+  }
+  // The holder's pid, for the next daemon's message.
+  const std::string pid = std::to_string(getpid()) + "\n";
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    spdlog::warn("lock file {}: cannot record the pid: {}", lock_path, Errno());
+  }
+  return std::unique_ptr<PathLock>(new PathLock(fd));
+}
+
+PathLock::~PathLock() { ::close(fd_); }  // releases the lock; the file stays for the next daemon
+
+Status EnsureSocketDirectory(const std::string& socket_path) {
+  const std::filesystem::path dir = std::filesystem::path(socket_path).parent_path();
+  if (dir.empty()) return Status::Ok();
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::Unavailable("socket directory " + dir.string() + " cannot be created: " + ec.message());
+  return Status::Ok();
+}
+
+UnixListener::UnixListener(boost::asio::io_context& io, std::string name)
+    : io_(io), name_(std::move(name)), retry_(io) {}
+
+Status UnixListener::Listen(const SocketFile& file, int backlog) {
+  path_ = file.path;
+  ::unlink(path_.c_str());
+  boost::system::error_code ec;
+  acceptor_ = std::make_unique<boost::asio::local::stream_protocol::acceptor>(io_);
+  acceptor_->open(boost::asio::local::stream_protocol(), ec);
+  if (!ec) acceptor_->bind(boost::asio::local::stream_protocol::endpoint(path_), ec);
+  if (ec) return Status::Unavailable(name_ + " socket " + path_ + ": " + ec.message());
+  // Mode and group before listen(): until then every connect() is refused, so nobody connects
+  // through the mode bind() left.
+  // No chown when the file already has the group (the daemon's own group, as under the shipped
+  // unit, whose system call filter refuses chown).
+  struct stat st {};
+  const bool has_group = file.gid && ::stat(path_.c_str(), &st) == 0 && st.st_gid == *file.gid;
+  if (file.gid && !has_group && ::chown(path_.c_str(), static_cast<uid_t>(-1), *file.gid) != 0) {
+    const std::string why = name_ + " socket " + path_ + ": chown to group " + std::to_string(*file.gid) + ": " + Errno();
+    if (file.gid_required) return Status::PermissionDenied(why);
+    spdlog::warn("{} (the socket keeps the daemon's group)", why);
+  }
+  if (::chmod(path_.c_str(), file.mode) != 0) {
+    return Status::Unavailable(name_ + " socket " + path_ + ": chmod: " + Errno());
+  }
+  acceptor_->listen(backlog, ec);
+  if (!ec) acceptor_->non_blocking(true, ec);
+  if (ec) return Status::Unavailable(name_ + " socket " + path_ + ": " + ec.message());
+  return Status::Ok();
+}
+
+void UnixListener::Start(std::function<void(int)> on_accept) {
+  on_accept_ = std::move(on_accept);
+  Wait();
+}
+
+void UnixListener::Wait() {
+  acceptor_->async_wait(boost::asio::socket_base::wait_read, [this](boost::system::error_code ec) {
+    if (ec || stopped_) return;
+    AcceptReady();
+  });
+}
+
+void UnixListener::AcceptReady() {
+  for (int i = 0; i < kAcceptsPerWakeup; ++i) {
+    const int fd = ::accept4(acceptor_->native_handle(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      backoff_ = std::chrono::milliseconds(0);
+      on_accept_(fd);
+      continue;
+    }
+    if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+    if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
+    // Out of descriptors or memory: the connection stays queued. Waiting (10 ms, doubling to
+    // 1 s) lets sessions end and descriptors come back; retrying at once would spin a core.
+    const uint64_t errors = ++accept_errors_;
+    backoff_ = std::min<std::chrono::milliseconds>(backoff_.count() ? backoff_ * 2 : kFirstBackoff, kMaxBackoff);
+    if ((errors & (errors - 1)) == 0) {  // 1st, 2nd, 4th, 8th...: a storm does not flood the log
+      spdlog::warn("{} socket: accept failed: {}; retrying in {} ms ({} accept errors so far)", name_, Errno(),
+                   backoff_.count(), errors);
+    }
+    retry_.expires_after(backoff_);
+    retry_.async_wait([this](boost::system::error_code ec) {
+      if (!ec && !stopped_) AcceptReady();
+    });
+    return;
+  }
+  Wait();
+}
+
+void UnixListener::Stop() {
+  stopped_ = true;
+  retry_.cancel();
+  if (acceptor_) {
+    boost::system::error_code ec;
+    acceptor_->close(ec);
+    ::unlink(path_.c_str());
+  }
+}
+
+}  // namespace specache::daemon
