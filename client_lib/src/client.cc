@@ -214,6 +214,10 @@ Result<DaemonStats> Client::Stats() {
   s.checksum_failures = r.checksum_failures();
   s.spill_write_errors = r.spill_write_errors();
   s.kept_dropped = r.kept_dropped();
+  s.spill_failures = r.spill_failures();
+  s.spill_backoff_ms = r.spill_backoff_ms();
+  s.spill_unreadable_records = r.spill_unreadable_records();
+  s.spill_damaged_sequences = r.spill_damaged_sequences();
   for (const auto& t : r.tenants()) {
     s.tenants.push_back({t.tenant(), t.reserved_bytes(), t.used_bytes(), t.quota_bytes(), t.sessions(), t.sequences()});
   }

@@ -118,6 +118,10 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   resp->set_spill_write_errors(s.kept.spill.write_errors);
   resp->set_kept_dropped(s.kept.dropped);
   resp->set_spill_disk_bytes(s.kept.spill.stored_bytes);
+  resp->set_spill_failures(s.kept.spill_failures);
+  resp->set_spill_backoff_ms(s.kept.spill_backoff_ms);
+  resp->set_spill_unreadable_records(s.kept.spill.unreadable_records);
+  resp->set_spill_damaged_sequences(s.kept.spill.damaged_sequences);
   resp->set_uptime_ms(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count()));
   for (const TenantSummary& t : s.tenants) {

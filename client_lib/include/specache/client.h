@@ -59,6 +59,7 @@ struct DaemonStats {
   uint64_t spills = 0, restores = 0, spill_bytes_total = 0, restore_bytes_total = 0;
   double spill_seconds = 0, restore_seconds = 0;
   uint64_t checksum_failures = 0, spill_write_errors = 0, kept_dropped = 0;
+  uint64_t spill_failures = 0, spill_backoff_ms = 0, spill_unreadable_records = 0, spill_damaged_sequences = 0;
 };
 
 struct SpillVerify {
