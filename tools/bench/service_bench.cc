@@ -3,12 +3,17 @@
 //   latency: p50/p99 of CreateSequence, ExtendSequence (one new page per call) and
 //            ReleaseSequence with 1 and 16 concurrent clients
 //   attach:  OpenSession (reserve + attach: descriptors passed, chunks mapped) time per GiB
+//   --verify-loop: ExtendSequence p50/p99 of one client, idle and then while an operator runs
+//            VerifySpill in a loop over --spill-mib of spilled sequences (and a monitor reads
+//            Stats every 50 ms, as the metrics endpoint does): long admin calls must not stall
+//            the engines' calls (the embedded daemon only)
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <atomic>
 #include <fstream>
 #include <thread>
 
@@ -55,15 +60,82 @@ Latencies ClientLoop(const std::string& socket, int rounds, int pages) {
   return l;
 }
 
+// Keeps `mib` MiB of sequences (32 MiB each) and spills them.
+bool SpillSequences(const std::string& socket, uint64_t mib) {
+  auto client = Client::Connect({socket, std::chrono::milliseconds(5000), "bench-spill"});
+  if (!client.ok()) return false;
+  const uint64_t count = std::max<uint64_t>(1, mib / 32);
+  {
+    auto session = (*client)->OpenSession("default", (count * 32 + 16) << 20);
+    if (!session.ok()) return std::fprintf(stderr, "%s\n", session.status().ToString().c_str()), false;
+    for (uint64_t i = 0; i < count; ++i) {  // 32 layers x 16 pages of 64 KiB
+      auto seq = (*session)->CreateSequence({32, 8, 128, 16, 256});
+      if (!seq.ok() || !(*session)->Extend(*seq, 256).ok() || !(*session)->Keep(*seq).ok()) return false;
+    }
+  }  // closed: the sequences are parked
+  for (int i = 0; i < 500; ++i) {
+    auto st = (*client)->Stats();
+    if (st.ok() && st->parked_sequences + st->spilled_sequences >= count) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  auto spilled = (*client)->SpillAll();
+  auto st = (*client)->Stats();
+  return spilled.ok() && st.ok() && st->spilled_sequences == count;
+}
+
+// Extend p50/p99 idle, then with a verify loop and a stats loop running.
+int VerifyLoop(const std::string& socket, int rounds, nlohmann::json* out) {
+  std::printf("%-22s %10s %10s %10s %8s\n", "extend", "p50 ms", "p99 ms", "calls", "verifies");
+  double idle_p99 = 0;
+  for (bool loaded : {false, true}) {
+    std::atomic<bool> done{false};
+    std::atomic<int> verifies{0};
+    std::vector<std::thread> admin;
+    if (loaded) {
+      admin.emplace_back([&] {
+        auto c = Client::Connect({socket, std::chrono::milliseconds(60000), "bench-verify"});
+        while (c.ok() && !done.load()) {
+          if ((*c)->VerifySpill().ok()) ++verifies;
+        }
+      });
+      admin.emplace_back([&] {
+        auto c = Client::Connect({socket, std::chrono::milliseconds(60000), "bench-stats"});
+        while (c.ok() && !done.load()) {
+          (void)(*c)->Stats();
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the first verify is under way
+    }
+    Latencies l = ClientLoop(socket, rounds, 8);
+    done = true;
+    for (auto& t : admin) t.join();
+    const double p50 = Percentile(l.extend, 0.5), p99 = Percentile(l.extend, 0.99);
+    if (!loaded) idle_p99 = p99;
+    const char* name = loaded ? "during a verify loop" : "idle";
+    std::printf("%-22s %10.3f %10.3f %10zu %8d\n", name, p50, p99, l.extend.size(), verifies.load());
+    (*out)["verify_loop"][loaded ? "loaded" : "idle"] = {
+        {"extend_p50_ms", p50}, {"extend_p99_ms", p99}, {"calls", l.extend.size()}, {"verifies", verifies.load()}};
+  }
+  const double ratio = (*out)["verify_loop"]["loaded"]["extend_p99_ms"].get<double>() / idle_p99;
+  std::printf("extend p99 during verify / idle: %.2fx\n", ratio);
+  (*out)["verify_loop"]["p99_ratio"] = ratio;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"specache-service-bench: control-plane latency and attach cost of specached"};
   std::string socket, json_path;
   int rounds = 200;
+  bool verify_loop = false;
+  uint64_t spill_mib = 256;
   app.add_option("--socket", socket, "a running specached (default: one embedded here)");
   app.add_option("--rounds", rounds, "create/extend/release rounds per client")->capture_default_str();
   app.add_option("--json", json_path, "also write the figures here");
+  app.add_flag("--verify-loop", verify_loop, "Extend latency idle and during a VerifySpill loop (embedded daemon)");
+  app.add_option("--spill-mib", spill_mib, "spilled MiB that each verify reads (--verify-loop)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   std::unique_ptr<specache::daemon::Daemon> embedded;
@@ -77,6 +149,11 @@ int main(int argc, char** argv) {
     c.chunk_bytes = uint64_t{16} << 20;
     c.metrics_addr = "";
     c.lock_memory = false;
+    if (verify_loop) {
+      c.spill.dir = dir + "/spill";
+      c.spill.park_bytes = (spill_mib + 64) << 20;
+      c.pool_bytes = std::max<uint64_t>(c.pool_bytes, (spill_mib + 128) << 20);
+    }
     specache::daemon::AddDefaultTenant(&c);
     spdlog::set_level(spdlog::level::warn);
     embedded = std::make_unique<specache::daemon::Daemon>();
@@ -87,6 +164,15 @@ int main(int argc, char** argv) {
     socket = c.socket;
   }
   nlohmann::json out;
+  if (verify_loop) {
+    if (!embedded) return std::fprintf(stderr, "--verify-loop needs the embedded daemon (no --socket)\n"), 2;
+    if (!SpillSequences(socket, spill_mib)) return std::fprintf(stderr, "could not spill the sequences\n"), 1;
+    const int rc = VerifyLoop(socket, rounds, &out);
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
+    embedded->Stop();
+    std::filesystem::remove_all(dir);
+    return rc;
+  }
   std::printf("%-8s %-8s %10s %10s %10s\n", "clients", "call", "p50 ms", "p99 ms", "calls");
   for (int clients : {1, 16}) {
     std::vector<std::thread> threads;
