@@ -7,14 +7,18 @@
 //            VerifySpill in a loop over --spill-mib of spilled sequences (and a monitor reads
 //            Stats every 50 ms, as the metrics endpoint does): long admin calls must not stall
 //            the engines' calls (the embedded daemon only)
+//   --park-cost DIR: time to park a 32 MiB sequence (the copy a closing session's kept
+//            sequence takes) without and with write-through to a spill store in DIR
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
+#include <cstring>
 #include <atomic>
+#include <filesystem>
 #include <fstream>
+#include <random>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -23,6 +27,7 @@
 
 #include "bench_stats.h"
 #include "daemon.h"
+#include "kept_sequences.h"
 #include "specache/client.h"
 
 namespace {
@@ -123,6 +128,43 @@ int VerifyLoop(const std::string& socket, int rounds, nlohmann::json* out) {
   return 0;
 }
 
+// Parks `count` 32 MiB sequences into KeptSequences over a spill store in `dir`, without and
+// with write-through; prints the time per park.
+int ParkCost(const std::string& dir, int count, nlohmann::json* out) {
+  const specache::PageLayout layout{32, 8, 128, 16, 256};  // 64 KiB pages
+  const uint32_t pages = 16;                              // 32 layers x 16 pages: 32 MiB
+  std::vector<uint8_t> data(uint64_t{layout.n_layers} * pages * layout.page_bytes());
+  std::mt19937_64 rng(1);
+  for (size_t i = 0; i + 8 <= data.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(&data[i], &v, 8);
+  }
+  auto page = [&](uint32_t l, uint32_t p) { return data.data() + (uint64_t{l} * pages + p) * layout.page_bytes(); };
+  std::printf("%-16s %10s %10s %10s\n", "park 32 MiB", "p50 ms", "max ms", "MiB/s");
+  for (bool through : {false, true}) {
+    const std::string store_dir = dir + (through ? "/write-through" : "/ram-only");
+    auto store = specache::SpillStore::Open({store_dir});
+    if (!store.ok()) return std::fprintf(stderr, "%s\n", store.status().ToString().c_str()), 1;
+    specache::daemon::KeptOptions o;
+    o.park_bytes = uint64_t(count + 1) * data.size();
+    o.high_watermark = o.low_watermark = 1.0;  // no watermark spills: only the park itself
+    o.write_through = through;
+    specache::daemon::KeptSequences kept(o, std::move(store).value());
+    std::vector<double> ms;
+    for (int i = 0; i < count; ++i) {
+      const auto t0 = Clock::now();
+      if (!kept.Park("bench", static_cast<uint64_t>(i + 1), layout, pages, page).ok()) return 1;
+      ms.push_back(Ms(t0, Clock::now()));
+    }
+    const double p50 = Percentile(ms, 0.5), max = *std::max_element(ms.begin(), ms.end());
+    const char* name = through ? "write-through" : "RAM only";
+    std::printf("%-16s %10.2f %10.2f %10.0f\n", name, p50, max, 32 / (p50 / 1000));
+    (*out)["park_cost"][through ? "write_through" : "ram_only"] = {{"p50_ms", p50}, {"max_ms", max}, {"parks", count}};
+    std::filesystem::remove_all(store_dir);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -131,13 +173,22 @@ int main(int argc, char** argv) {
   int rounds = 200;
   bool verify_loop = false;
   uint64_t spill_mib = 256;
+  std::string park_cost_dir;
   app.add_option("--socket", socket, "a running specached (default: one embedded here)");
   app.add_option("--rounds", rounds, "create/extend/release rounds per client")->capture_default_str();
   app.add_option("--json", json_path, "also write the figures here");
+  app.add_option("--park-cost", park_cost_dir, "time parking with and without write-through (a spill store in DIR)");
   app.add_flag("--verify-loop", verify_loop, "Extend latency idle and during a VerifySpill loop (embedded daemon)");
   app.add_option("--spill-mib", spill_mib, "spilled MiB that each verify reads (--verify-loop)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
+  if (!park_cost_dir.empty()) {
+    spdlog::set_level(spdlog::level::warn);
+    nlohmann::json out;
+    const int rc = ParkCost(park_cost_dir, std::max(rounds / 20, 4), &out);
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
+    return rc;
+  }
   std::unique_ptr<specache::daemon::Daemon> embedded;
   std::string dir;
   if (socket.empty()) {
