@@ -292,7 +292,12 @@ KeptStats KeptSequences::stats() const {
 SpillVerifyReport KeptSequences::Verify() {
   // No lock: reading every page takes seconds, and the store is thread-safe (a sequence claimed
   // or evicted meanwhile is not reported as bad).
-  return store_ ? store_->Verify() : SpillVerifyReport{};
+  if (!store_) return SpillVerifyReport{};
+  SpillVerifyReport r = store_->Verify();
+  constexpr size_t kLogged = 20;  // each finding is in the reply; the log gets the first ones
+  for (size_t i = 0; i < r.bad.size() && i < kLogged; ++i) spdlog::error("verify: {}", r.bad[i]);
+  if (r.bad.size() > kLogged) spdlog::error("verify: {} more bad entries (see the verify reply)", r.bad.size() - kLogged);
+  return r;
 }
 
 uint64_t KeptSequences::max_id() const {

@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -551,6 +552,72 @@ TEST(SpillTest, ADamagedWalIsReportedByVerifyNotErased) {
   v = c->VerifySpill();
   ASSERT_TRUE(v.ok());
   EXPECT_FALSE(Mentions(v->bad, "default/" + std::to_string(id) + ":"));
+}
+
+// An operator's verify loop (with a monitor reading Stats, as the metrics endpoint does) used to
+// stall every ExtendSequence for most of each verify: Stats waited under the registry lock for
+// the kept sequences' lock, which verify held while reading every page.
+TEST(SpillTest, AVerifyLoopDoesNotStallExtend) {
+  TempDir spill;
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  const client::PageLayoutSpec big{32, 8, 128, 16, 256};  // 64 KiB pages: 32 MiB per sequence
+  for (int i = 0; i < 2; ++i) {
+    auto session = c->OpenSession("default", 36 << 20);
+    ASSERT_TRUE(session.ok()) << session.status().ToString();
+    auto id = (*session)->CreateSequence(big);
+    ASSERT_TRUE(id.ok());
+    ASSERT_TRUE((*session)->Extend(*id, 256).ok());
+    ASSERT_TRUE((*session)->Keep(*id).ok());
+    session->reset();
+    ASSERT_TRUE(WaitForKept(c.get(), i + 1));
+  }
+  (void)c->SpillAll();
+  ASSERT_EQ(c->Stats()->spilled_sequences, 2u);
+  std::atomic<bool> done{false};
+  std::vector<double> verify_ms;
+  std::thread verifier([&] {
+    auto v = Connect(d);
+    while (v && !done.load()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (!v->VerifySpill().ok()) break;
+      verify_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+  });
+  std::thread monitor([&] {
+    auto m = Connect(d);
+    while (m && !done.load()) {
+      (void)m->Stats();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  auto session = c->OpenSession("default", 8 << 20);
+  ASSERT_TRUE(session.ok());
+  std::vector<double> extend_ms;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (std::chrono::steady_clock::now() < end) {
+    auto id = (*session)->CreateSequence(kLayout);
+    ASSERT_TRUE(id.ok());
+    for (uint32_t tokens = 16; tokens <= 256; tokens += 16) {
+      const auto t0 = std::chrono::steady_clock::now();
+      ASSERT_TRUE((*session)->Extend(*id, tokens).ok());
+      extend_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    ASSERT_TRUE((*session)->Release(*id).ok());
+  }
+  done = true;
+  verifier.join();
+  monitor.join();
+  ASSERT_GE(verify_ms.size(), 2u);
+  std::sort(verify_ms.begin(), verify_ms.end());
+  std::sort(extend_ms.begin(), extend_ms.end());
+  const double verify_median = verify_ms[verify_ms.size() / 2];
+  const double extend_p99 = extend_ms[extend_ms.size() * 99 / 100];
+  std::printf("%zu verifies of 64 MiB (median %.0f ms); %zu extends: p99 %.2f ms, max %.2f ms\n", verify_ms.size(),
+              verify_median, extend_ms.size(), extend_p99, extend_ms.back());
+  EXPECT_LT(extend_p99, verify_median / 4) << "Extend waits for verify";
 }
 
 #ifdef SPECACHECTL_PATH
