@@ -11,6 +11,7 @@
 
 #include "config.h"
 #include "daemon.h"
+#include "malloc_tuning.h"
 
 namespace specache::daemon {
 namespace {
@@ -90,6 +91,7 @@ int Run(const Overrides& o) {
 }  // namespace specache::daemon
 
 int main(int argc, char** argv) {
+  specache::daemon::LimitMallocRetention();  // before any thread: see malloc_tuning.h
   specache::daemon::Overrides o;
   CLI::App app{"specached: full-precision KV pages in pinned RAM, shared by inference processes"};
   app.add_option("--config", o.config_path, "TOML configuration file");
