@@ -536,7 +536,10 @@ Status SpillStore::Load(bool wal_salvaged) {
     damaged_ = std::move(damaged);
     stored_bytes_ = bytes;
   }
-  return RewriteCatalog();
+  // A catalog that cannot be rewritten (a full or read-only disk) does not stop the store: the
+  // sequences are in RocksDB; only the cross-check is weaker until it can be written again.
+  if (const Status s = RewriteCatalog(); !s.ok()) AddProblem("the catalog was not rewritten: " + s.ToString());
+  return Status::Ok();
 }
 
 Status SpillStore::RecoverWrites() {
