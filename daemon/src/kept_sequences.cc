@@ -35,7 +35,7 @@ Status KeptSequences::CanKeep(uint64_t bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t parked = ParkedBytesLocked();
   if (parked + bytes <= options_.park_bytes) return Status::Ok();
-  if (store_ && SpillAllowedLocked()) return Status::Ok();
+  if (store_ && failures_in_row_ == 0) return Status::Ok();  // the last spill worked
   const std::string room = "cannot keep " + std::to_string(bytes) + " bytes: parking holds " +
                            std::to_string(parked) + " of " + std::to_string(options_.park_bytes) + " bytes";
   if (!store_) return Status::ResourceExhausted(room + " and there is no spill tier (--spill-dir)");
@@ -49,15 +49,17 @@ bool KeptSequences::SpillAllowedLocked() const {
 
 void KeptSequences::SpillFailedLocked(const Status& why) {
   ++spill_failures_;
+  ++failures_in_row_;
   last_spill_error_ = why.ToString();
   backoff_ = backoff_.count() == 0 ? options_.min_backoff : std::min(backoff_ * 2, options_.max_backoff);
   retry_at_ = std::chrono::steady_clock::now() + backoff_;
-  spdlog::warn("spill tier: spills paused for {} ms after {} failures in a row", backoff_.count(), spill_failures_);
+  spdlog::warn("spill tier: spills paused for {} ms after {} failures in a row", backoff_.count(), failures_in_row_);
 }
 
 void KeptSequences::SpillSucceededLocked() {
-  if (backoff_.count() != 0) spdlog::info("spill tier: spilling again");
+  if (backoff_.count() != 0) spdlog::info("spill tier: spilling again after {} failures", failures_in_row_);
   backoff_ = std::chrono::milliseconds(0);
+  failures_in_row_ = 0;
 }
 
 Status KeptSequences::PutLocked(uint64_t id, const Kept& k, const PageAt& page) {

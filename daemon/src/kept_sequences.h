@@ -72,8 +72,8 @@ class KeptSequences {
   // `store` may be null: no spill tier (parking only).
   KeptSequences(const KeptOptions& options, std::unique_ptr<SpillStore> store);
 
-  // Whether a sequence of `bytes` could be kept now: room in parking, or a spill tier that is not
-  // failing. RESOURCE_EXHAUSTED says which is missing (and the spill tier's last error).
+  // Whether a sequence of `bytes` could be kept now: room in parking, or a spill tier whose last
+  // spill did not fail. RESOURCE_EXHAUSTED says which is missing (and the spill tier's last error).
   Status CanKeep(uint64_t bytes) const;
   // Copies a sequence leaving its session into RAM (spilling others if the watermark says so);
   // straight to disk if parking has no room; RESOURCE_EXHAUSTED (counted as dropped) if neither
@@ -140,6 +140,7 @@ class KeptSequences {
   std::map<uint64_t, Kept> kept_;
   uint64_t dropped_ = 0;
   uint64_t spill_failures_ = 0, write_through_failures_ = 0;
+  uint32_t failures_in_row_ = 0;
   std::chrono::milliseconds backoff_{0};               // 0: spills are healthy
   std::chrono::steady_clock::time_point retry_at_{};  // spills wait until then
   std::string last_spill_error_;
