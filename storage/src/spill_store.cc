@@ -528,7 +528,11 @@ Status SpillStore::Load(bool wal_salvaged) {
       batch.Delete(IntentKey(tenant, id));
     }
     const rocksdb::Status w = db_->Write(rocksdb::WriteOptions(), &batch);
-    if (!w.ok()) AddProblem("recording sequence " + tenant + "/" + std::to_string(id) + ": " + w.ToString());
+    if (!w.ok()) {  // nothing more is written until the store is reopened (see RecoverWrites)
+      AddProblem("recording sequence " + tenant + "/" + std::to_string(id) + ": " + w.ToString());
+      write_failed_ = true;
+      break;
+    }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -552,10 +556,13 @@ Status SpillStore::RecoverWrites() {
   if (!write_failed_.load()) return Status::Ok();
   if (db_) db_->Close();
   db_.reset();
-  SPECACHE_RETURN_IF_ERROR(OpenDb(/*after_write_error=*/true).WithContext("spill store: reopening after a write error"));
-  write_failed_ = false;
+  write_failed_ = false;  // Load may set it again
+  if (const Status s = OpenDb(/*after_write_error=*/true); !s.ok()) {
+    write_failed_ = true;
+    return s.WithContext("spill store: reopening after a write error");
+  }
   ++resumes_;
-  return Status::Ok();
+  return write_failed_ ? Status::Unavailable("spill store: writes fail again after reopening") : Status::Ok();
 }
 
 Status SpillStore::Put(const SpilledSequence& meta, const std::function<const uint8_t*(uint32_t, uint32_t)>& page) {
@@ -694,6 +701,7 @@ Status SpillStore::Get(const std::string& tenant, uint64_t id, const std::functi
 
 Status SpillStore::Delete(const std::string& tenant, uint64_t id) {
   SPECACHE_ASSIGN_OR_RETURN(SpilledSequence meta, Find(tenant, id));
+  SPECACHE_RETURN_IF_ERROR(RecoverWrites());
   std::shared_lock<std::shared_mutex> db_lock(db_mu_);
   if (!db_) return Status::Unavailable("spill store " + options_.dir + " is closed after a write error");
   AppendCatalog("del", tenant, id);  // first: a crash in between leaves a stored sequence unlisted, not a false loss
@@ -701,10 +709,16 @@ Status SpillStore::Delete(const std::string& tenant, uint64_t id) {
   const std::string prefix = PagePrefix(tenant, id);
   batch.Delete(MetaKey(tenant, id));  // first: without metadata the pages are never data again
   batch.DeleteRange(prefix, PrefixEnd(prefix));
-  SPECACHE_RETURN_IF_ERROR(FromRocks(db_->Write(rocksdb::WriteOptions(), &batch), "spill store: delete"));
-  {
+  {  // Out of the index before its records go: a Verify that finds a page missing then sees the
+     // sequence gone too, and does not report a claimed sequence as lost.
     std::lock_guard<std::mutex> lock(mu_);
     index_.erase({tenant, id});
+  }
+  if (const rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch); !s.ok()) {
+    write_failed_ = true;  // nothing more is written until the store is reopened (see RecoverWrites)
+    std::lock_guard<std::mutex> lock(mu_);
+    index_[{tenant, id}] = meta;
+    return FromRocks(s, "spill store: delete");
   }
   stored_bytes_ -= meta.bytes();
   return Status::Ok();
@@ -803,6 +817,7 @@ Status SpillStore::DeleteDamaged(uint64_t id) {
     }
   }
   if (tenants.empty()) return Status::NotFound("sequence " + std::to_string(id) + " is not damaged");
+  SPECACHE_RETURN_IF_ERROR(RecoverWrites());
   std::shared_lock<std::shared_mutex> db_lock(db_mu_);
   if (!db_) return Status::Unavailable("spill store " + options_.dir + " is closed after a write error");
   rocksdb::WriteBatch batch;
@@ -814,7 +829,10 @@ Status SpillStore::DeleteDamaged(uint64_t id) {
     batch.DeleteRange(prefix, PrefixEnd(prefix));
   }
   for (const std::string& tenant : tenants) AppendCatalog("del", tenant, id);
-  SPECACHE_RETURN_IF_ERROR(FromRocks(db_->Write(rocksdb::WriteOptions(), &batch), "spill store: delete"));
+  if (const rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch); !s.ok()) {
+    write_failed_ = true;
+    return FromRocks(s, "spill store: delete");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   for (const std::string& tenant : tenants) damaged_.erase({tenant, id});
   return Status::Ok();
