@@ -68,7 +68,7 @@ struct Session::Impl {
       req.set_session_id(id);
       req.set_token(token);
       v1::CloseSessionResponse resp;
-      client->Call(&v1::Control::Stub::CloseSession, "CloseSession", req, &resp);  // best effort
+      (void)client->Call(&v1::Control::Stub::CloseSession, "CloseSession", req, &resp);  // best effort
     }
     for (uint8_t* c : chunks) munmap(c, chunk_bytes);
     if (table) munmap(const_cast<uint8_t*>(table), table_bytes);
