@@ -224,6 +224,10 @@ Result<DaemonStats> Client::Stats() {
   s.accept_errors = r.accept_errors();
   s.denied_requests = r.denied_requests();
   s.chunks_out_of_service = r.chunks_out_of_service();
+  s.spill_failures = r.spill_failures();
+  s.spill_backoff_ms = r.spill_backoff_ms();
+  s.spill_unreadable_records = r.spill_unreadable_records();
+  s.spill_damaged_sequences = r.spill_damaged_sequences();
   for (const auto& t : r.tenants()) {
     s.tenants.push_back(
         {t.tenant(), t.reserved_bytes(), t.used_bytes(), t.quota_bytes(), t.sessions(), t.sequences(), t.retained_bytes()});

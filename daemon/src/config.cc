@@ -227,10 +227,10 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
         SPECACHE_ASSIGN_OR_RETURN(c.spill.max_bytes, BytesOf(value, key));
       } else if (field.str() == "park_bytes") {
         SPECACHE_ASSIGN_OR_RETURN(c.spill.park_bytes, BytesOf(value, key));
-      } else if (field.str() == "compression") {
+      } else if (field.str() == "compression" || field.str() == "write_through") {
         auto v = value.value<bool>();
         if (!v) return Status::InvalidArgument("config: " + key + " must be true or false");
-        c.spill.compression = *v;
+        (field.str() == "compression" ? c.spill.compression : c.spill.write_through) = *v;
       } else if (field.str() == "high_watermark" || field.str() == "low_watermark") {
         auto v = value.value<double>();
         if (!v || *v <= 0 || *v > 1) return Status::InvalidArgument("config: " + key + " must be a number in (0, 1]");

@@ -19,6 +19,7 @@
 //   park_bytes = ""                         # RAM for kept sequences; default: pool_bytes / 4
 //   high_watermark = 0.9                    # parked bytes above high x park_bytes are spilled...
 //   low_watermark = 0.7                     # ...least recently parked first, down to low
+//   write_through = false                   # also spill each kept sequence as it is parked
 //   [tenants.default]
 //   quota_bytes = "8GiB"
 //   users = ["alice", 1001]                 # allowed Unix users (names or uids)
@@ -61,6 +62,7 @@ struct SpillConfig {
   uint64_t park_bytes = 0;  // 0: pool_bytes / 4
   double high_watermark = 0.9;
   double low_watermark = 0.7;
+  bool write_through = false;  // kept sequences reach the disk when parked (survive SIGKILL)
 };
 
 // ---- [access]: administrators and socket files (see access.h for the rules). ----

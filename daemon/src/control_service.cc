@@ -161,6 +161,10 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   }
   resp->set_denied_requests(denied_.load());
   resp->set_chunks_out_of_service(s.chunks_out_of_service);
+  resp->set_spill_failures(s.kept.spill_failures);
+  resp->set_spill_backoff_ms(s.kept.spill_backoff_ms);
+  resp->set_spill_unreadable_records(s.kept.spill.unreadable_records);
+  resp->set_spill_damaged_sequences(s.kept.spill.damaged_sequences);
   resp->set_uptime_ms(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count()));
   for (const TenantSummary& t : s.tenants) {

@@ -147,7 +147,7 @@ Status OpenSpillTier(State* d) {
                  c.max_bytes ? std::to_string(c.max_bytes >> 20) + " MiB" : std::string("the disk"));
   }
   d->kept = std::make_unique<KeptSequences>(
-      KeptOptions{d->config.ParkBytes(), c.high_watermark, c.low_watermark}, std::move(store));
+      KeptOptions{d->config.ParkBytes(), c.high_watermark, c.low_watermark, c.write_through}, std::move(store));
   d->registry = std::make_unique<Registry>(d->config, d->pool.get(), d->kept.get());
   return Status::Ok();
 }
@@ -309,7 +309,8 @@ void Daemon::Stop() {
     if (spilled.ok()) {
       if (*spilled > 0) spdlog::info("stop: {} parked sequences spilled", *spilled);
     } else {
-      spdlog::error("stop: spilling parked sequences: {}", spilled.status().ToString());
+      // Each sequence that could not be spilled was logged by name; they die with the process.
+      spdlog::error("stop: parked sequences lost with the process: {}", spilled.status().ToString());
     }
   }
   d->attach_lock.reset();

@@ -20,6 +20,7 @@ KeptSequences::KeptSequences(const KeptOptions& options, std::unique_ptr<SpillSt
     kept_.emplace(m.id, std::move(k));
   }
   if (!kept_.empty()) spdlog::info("spill tier {}: {} sequences on disk", store_->dir(), kept_.size());
+  for (const std::string& problem : store_->problems()) spdlog::error("spill tier {}: {}", store_->dir(), problem);
 }
 
 uint64_t KeptSequences::ParkedBytesLocked() const {
@@ -31,9 +32,43 @@ uint64_t KeptSequences::ParkedBytesLocked() const {
 }
 
 Status KeptSequences::CanKeep(uint64_t bytes) const {
-  if (store_ || bytes <= options_.park_bytes) return Status::Ok();
-  return Status::ResourceExhausted("cannot keep " + std::to_string(bytes) + " bytes: parking holds " +
-                                   std::to_string(options_.park_bytes) + " and there is no spill tier (--spill-dir)");
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t parked = ParkedBytesLocked();
+  if (parked + bytes <= options_.park_bytes) return Status::Ok();
+  if (store_ && failures_in_row_ == 0) return Status::Ok();  // the last spill worked
+  const std::string room = "cannot keep " + std::to_string(bytes) + " bytes: parking holds " +
+                           std::to_string(parked) + " of " + std::to_string(options_.park_bytes) + " bytes";
+  if (!store_) return Status::ResourceExhausted(room + " and there is no spill tier (--spill-dir)");
+  return Status::ResourceExhausted(room + " and the spill tier is failing (" + std::to_string(spill_failures_) +
+                                   " failed spills, last: " + last_spill_error_ + "); try again later");
+}
+
+bool KeptSequences::SpillAllowedLocked() const {
+  return backoff_.count() == 0 || std::chrono::steady_clock::now() >= retry_at_;
+}
+
+void KeptSequences::SpillFailedLocked(const Status& why) {
+  ++spill_failures_;
+  ++failures_in_row_;
+  last_spill_error_ = why.ToString();
+  backoff_ = backoff_.count() == 0 ? options_.min_backoff : std::min(backoff_ * 2, options_.max_backoff);
+  retry_at_ = std::chrono::steady_clock::now() + backoff_;
+  spdlog::warn("spill tier: spills paused for {} ms after {} failures in a row", backoff_.count(), failures_in_row_);
+}
+
+void KeptSequences::SpillSucceededLocked() {
+  if (backoff_.count() != 0) spdlog::info("spill tier: spilling again after {} failures", failures_in_row_);
+  backoff_ = std::chrono::milliseconds(0);
+  failures_in_row_ = 0;
+}
+
+Status KeptSequences::PutLocked(uint64_t id, const Kept& k, const PageAt& page) {
+  SpilledSequence meta;
+  meta.tenant = k.tenant;
+  meta.id = id;
+  meta.layout = k.layout;
+  meta.pages_per_layer = k.pages_per_layer;
+  return store_->Put(meta, [&page](uint32_t l, uint32_t p) -> const uint8_t* { return page(l, p); });
 }
 
 Status KeptSequences::Park(const std::string& tenant, uint64_t id, const PageLayout& layout, uint32_t pages_per_layer,
@@ -45,12 +80,48 @@ Status KeptSequences::Park(const std::string& tenant, uint64_t id, const PageLay
   k.pages_per_layer = pages_per_layer;
   const uint64_t bytes = k.bytes();
   if (kept_.count(id)) return Status::AlreadyExists("sequence " + std::to_string(id) + " is kept already");
-  if (ParkedBytesLocked() + bytes > options_.park_bytes && !store_) {
-    ++dropped_;
-    return Status::ResourceExhausted("no parking room for sequence " + std::to_string(id) + " and no spill tier");
+  if (store_ && options_.write_through) {  // on disk before anything else: survives a SIGKILL
+    const Status s = PutLocked(id, k, pages);
+    k.on_disk = s.ok();
+    if (!s.ok()) {
+      ++write_through_failures_;
+      spdlog::error("sequence {} of tenant {}: write-through failed, kept in RAM only: {}", id, tenant, s.ToString());
+    }
+  }
+  if (ParkedBytesLocked() + bytes > options_.park_bytes) MakeRoomLocked(bytes);
+  if (ParkedBytesLocked() + bytes > options_.park_bytes) {
+    // No room in RAM: straight from the session's pages to disk, or not kept at all.
+    if (!k.on_disk && store_ && SpillAllowedLocked()) {
+      const Status s = PutLocked(id, k, pages);
+      if (s.ok()) {
+        SpillSucceededLocked();
+        k.on_disk = true;
+      } else {
+        spdlog::error("spilling sequence {} of tenant {} (parking is full): {}", id, tenant, s.ToString());
+        SpillFailedLocked(s);
+      }
+    }
+    if (!k.on_disk) {
+      ++dropped_;
+      return Status::ResourceExhausted("no room to keep sequence " + std::to_string(id) + " (" + std::to_string(bytes) +
+                                       " bytes): parking holds " + std::to_string(ParkedBytesLocked()) + " of " +
+                                       std::to_string(options_.park_bytes) + " bytes and " +
+                                       (store_ ? "the spill tier is failing: " + last_spill_error_
+                                               : std::string("there is no spill tier")));
+    }
+    k.state = KeptState::kSpilled;
+    kept_.emplace(id, std::move(k));
+    spdlog::info("sequence {} of tenant {} spilled straight from its session ({} bytes; parking is full)", id, tenant,
+                 bytes);
+    return Status::Ok();
   }
   k.ram.reset(new (std::nothrow) uint8_t[std::max<uint64_t>(bytes, 1)]);
   if (!k.ram) {
+    if (k.on_disk) {  // written through: the disk copy is the kept one
+      k.state = KeptState::kSpilled;
+      kept_.emplace(id, std::move(k));
+      return Status::Ok();
+    }
     ++dropped_;
     return Status::ResourceExhausted("no memory to park sequence " + std::to_string(id));
   }
@@ -59,7 +130,8 @@ Status KeptSequences::Park(const std::string& tenant, uint64_t id, const PageLay
   }
   k.parked_at = std::chrono::steady_clock::now();
   kept_.emplace(id, std::move(k));
-  spdlog::info("sequence {} of tenant {} parked ({} bytes)", id, tenant, bytes);
+  spdlog::info("sequence {} of tenant {} parked ({} bytes{})", id, tenant, bytes,
+               options_.write_through ? ", written through" : "");
   EnforceLocked();
   return Status::Ok();
 }
@@ -74,16 +146,14 @@ Status KeptSequences::SpillLocked(uint64_t id, Kept* k) {
   if (!store_) return Status::FailedPrecondition("no spill tier: start specached with --spill-dir");
   if (k->state == KeptState::kSpilled) return Status::Ok();
   if (!k->on_disk) {
-    SpilledSequence meta;
-    meta.tenant = k->tenant;
-    meta.id = id;
-    meta.layout = k->layout;
-    meta.pages_per_layer = k->pages_per_layer;
-    const Status s = store_->Put(meta, [k](uint32_t l, uint32_t p) { return k->page(l, p); });
+    const Status s = PutLocked(id, *k, [k](uint32_t l, uint32_t p) { return k->page(l, p); });
     if (!s.ok()) {  // the RAM copy stays: nothing is lost
-      spdlog::error("spilling sequence {}: {} (kept in RAM)", id, s.ToString());
+      spdlog::error("spilling sequence {} of tenant {} ({} bytes): {} (kept in RAM)", id, k->tenant, k->bytes(),
+                    s.ToString());
+      SpillFailedLocked(s);
       return s;
     }
+    SpillSucceededLocked();
   }
   k->ram.reset();
   k->state = KeptState::kSpilled;
@@ -117,22 +187,42 @@ Status KeptSequences::Spill(uint64_t id) {
 Result<uint32_t> KeptSequences::SpillAll() {
   std::lock_guard<std::mutex> lock(mu_);
   uint32_t n = 0;
+  Status first = Status::Ok();
+  std::string failed;
+  uint32_t failures = 0;
   for (auto& [id, k] : kept_) {
     if (k.state != KeptState::kParked) continue;
-    SPECACHE_RETURN_IF_ERROR(SpillLocked(id, &k));
-    ++n;
+    const Status s = SpillLocked(id, &k);  // logged there, with the sequence's name
+    if (s.ok()) {
+      ++n;
+      continue;
+    }
+    if (first.ok()) first = s;
+    if (++failures <= 16) failed += (failed.empty() ? "" : ", ") + std::to_string(id) + " (tenant " + k.tenant + ")";
   }
-  return n;
+  if (first.ok()) return n;
+  if (failures > 16) failed += ", ...";
+  return Status(first.code(), "spilled " + std::to_string(n) + "; " + std::to_string(failures) +
+                                  " could not be spilled: " + failed + "; first error: " + first.message());
 }
 
-Status KeptSequences::Restore(uint64_t id) {
+Status KeptSequences::Restore(uint64_t id, bool to_claim) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Kept * k, FindLocked(id));
+  if (!to_claim && k->state == KeptState::kSpilled && ParkedBytesLocked() + k->bytes() > options_.park_bytes) {
+    return Status::ResourceExhausted("no parking room to restore sequence " + std::to_string(id) + ": " +
+                                     std::to_string(ParkedBytesLocked()) + " of " + std::to_string(options_.park_bytes) +
+                                     " bytes parked, it needs " + std::to_string(k->bytes()));
+  }
   return RestoreLocked(id, k);
 }
 
 Status KeptSequences::Evict(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!kept_.count(id) && store_ && store_->DeleteDamaged(id).ok()) {
+    spdlog::info("damaged spill of sequence {} evicted", id);
+    return Status::Ok();
+  }
   SPECACHE_ASSIGN_OR_RETURN(Kept * k, FindLocked(id));
   if (k->on_disk) SPECACHE_RETURN_IF_ERROR(store_->Delete(k->tenant, id));
   kept_.erase(id);
@@ -190,19 +280,32 @@ KeptStats KeptSequences::stats() const {
     }
   }
   s.dropped = dropped_;
+  s.spill_failures = spill_failures_;
+  s.write_through_failures = write_through_failures_;
+  if (backoff_.count() != 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retry_at_ - std::chrono::steady_clock::now());
+    s.spill_backoff_ms = static_cast<uint64_t>(std::max<int64_t>(left.count(), 0));
+  }
   s.has_spill_tier = has_spill_tier();
   if (store_) s.spill = store_->stats();
   return s;
 }
 
 SpillVerifyReport KeptSequences::Verify() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return store_ ? store_->Verify() : SpillVerifyReport{};
+  // No lock: reading every page takes seconds, and the store is thread-safe (a sequence claimed
+  // or evicted meanwhile is not reported as bad).
+  if (!store_) return SpillVerifyReport{};
+  SpillVerifyReport r = store_->Verify();
+  constexpr size_t kLogged = 20;  // each finding is in the reply; the log gets the first ones
+  for (size_t i = 0; i < r.bad.size() && i < kLogged; ++i) spdlog::error("verify: {}", r.bad[i]);
+  if (r.bad.size() > kLogged) spdlog::error("verify: {} more bad entries (see the verify reply)", r.bad.size() - kLogged);
+  return r;
 }
 
 uint64_t KeptSequences::max_id() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return kept_.empty() ? 0 : kept_.rbegin()->first;
+  const uint64_t kept = kept_.empty() ? 0 : kept_.rbegin()->first;
+  return std::max(kept, store_ ? store_->max_id() : 0);  // damaged spills' ids are not reused either
 }
 
 void KeptSequences::EnforceWatermarks() {
@@ -212,21 +315,28 @@ void KeptSequences::EnforceWatermarks() {
 
 void KeptSequences::EnforceLocked() {
   if (!store_) return;
-  uint64_t parked = ParkedBytesLocked();
   const auto high = static_cast<uint64_t>(options_.high_watermark * static_cast<double>(options_.park_bytes));
+  if (ParkedBytesLocked() <= high) return;
   const auto low = static_cast<uint64_t>(options_.low_watermark * static_cast<double>(options_.park_bytes));
-  if (parked <= high) return;
+  MakeRoomLocked(options_.park_bytes - std::min(low, options_.park_bytes));
+}
+
+void KeptSequences::MakeRoomLocked(uint64_t bytes) {
+  if (!store_ || !SpillAllowedLocked()) return;  // backing off: the next try is due at retry_at_
+  uint64_t parked = ParkedBytesLocked();
+  const uint64_t target = options_.park_bytes - std::min(bytes, options_.park_bytes);
+  if (parked <= target) return;
   std::vector<std::pair<std::chrono::steady_clock::time_point, uint64_t>> lru;
   for (const auto& [id, k] : kept_) {
     if (k.state == KeptState::kParked) lru.push_back({k.parked_at, id});
   }
   std::sort(lru.begin(), lru.end());
   for (const auto& [when, id] : lru) {
-    if (parked <= low) break;
+    if (parked <= target) break;
     Kept& k = kept_.at(id);
-    const uint64_t bytes = k.bytes();
-    if (SpillLocked(id, &k).ok()) parked -= bytes;
-    else break;  // logged; the RAM copy stays
+    const uint64_t bytes_of = k.bytes();
+    if (SpillLocked(id, &k).ok()) parked -= bytes_of;
+    else break;  // logged and backing off; the RAM copy stays
   }
 }
 

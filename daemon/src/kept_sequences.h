@@ -7,8 +7,16 @@
 // session of its tenant with the same layout (restoring it first if needed); Evict forgets it.
 // After a restart, the spilled sequences are listed again from the store.
 //
+// Limits: parked RAM never exceeds park_bytes. A sequence that does not fit is spilled straight
+// from its session's pages, or, when the spill tier is failing (or absent), refused: KeepSequence
+// says so up front, and a sequence that still cannot be parked when its session ends is logged
+// and counted as lost. Failed spills back off exponentially (min_backoff doubling up to
+// max_backoff) instead of being retried on every watermark check; a spill that succeeds ends the
+// backoff. With write_through, a parked sequence is also written to the spill tier as it is
+// parked, so it survives a SIGKILL of the daemon.
+//
 // Thread safety: every method may be called from any thread; disk I/O happens under this
-// object's own lock, never the registry's.
+// object's own lock, never the registry's. Verify holds no lock (the store is thread-safe).
 #pragma once
 
 #include <chrono>
@@ -29,6 +37,8 @@ struct KeptOptions {
   uint64_t park_bytes = 0;     // RAM for parked sequences
   double high_watermark = 0.9;  // of park_bytes: above it, spill...
   double low_watermark = 0.7;   // ...down to this
+  bool write_through = false;   // also spill every sequence as it is parked
+  std::chrono::milliseconds min_backoff{100}, max_backoff{30000};  // after failed spills
 };
 
 enum class KeptState { kParked, kSpilled };
@@ -47,6 +57,9 @@ struct KeptStats {
   uint64_t parked_bytes = 0, spilled_bytes = 0;
   uint32_t parked = 0, spilled = 0;
   uint64_t dropped = 0;  // kept sequences lost because neither RAM nor disk had room
+  uint64_t spill_failures = 0;          // spills that failed (each logged)
+  uint64_t spill_backoff_ms = 0;        // time until spills are tried again (0: not backing off)
+  uint64_t write_through_failures = 0;  // parked sequences whose write-through failed (in RAM only)
   SpillStats spill;      // zero without a spill tier
   bool has_spill_tier = false;
 };
@@ -59,17 +72,25 @@ class KeptSequences {
   // `store` may be null: no spill tier (parking only).
   KeptSequences(const KeptOptions& options, std::unique_ptr<SpillStore> store);
 
-  // Whether a sequence of `bytes` could be kept at all (RAM budget or a spill tier).
+  // Whether a sequence of `bytes` could be kept now: room in parking, or a spill tier whose last
+  // spill did not fail. RESOURCE_EXHAUSTED says which is missing (and the spill tier's last error).
   Status CanKeep(uint64_t bytes) const;
-  // Copies a sequence leaving its session into RAM (spilling others if the watermark says so).
+  // Copies a sequence leaving its session into RAM (spilling others if the watermark says so);
+  // straight to disk if parking has no room; RESOURCE_EXHAUSTED (counted as dropped) if neither
+  // can take it.
   Status Park(const std::string& tenant, uint64_t id, const PageLayout& layout, uint32_t pages_per_layer,
               const PageAt& pages);
   // Parked -> disk. FAILED_PRECONDITION without a spill tier; NOT_FOUND for an unknown id.
   Status Spill(uint64_t id);
-  // Spills every parked sequence; returns how many (the first error stops it).
+  // Spills every parked sequence; returns how many. A failure does not stop it: every sequence is
+  // tried, each failure logged with the sequence's name, and then the first failure's code is
+  // returned with how many were spilled and which were not.
   Result<uint32_t> SpillAll();
   // Disk -> RAM, verified (DATA_LOSS names the page; the disk copy stays for inspection).
-  Status Restore(uint64_t id);
+  // RESOURCE_EXHAUSTED when parking has no room for it, unless `to_claim` (the RAM copy is handed
+  // to a session right after, so it is parked only for a moment).
+  Status Restore(uint64_t id, bool to_claim = false);
+  // Forgets a kept sequence, or a damaged spill of that id (SpillStore::DeleteDamaged).
   Status Evict(uint64_t id);
   // Copies the kept sequence into `pages` (restoring it first if spilled) and forgets it.
   // PERMISSION_DENIED for another tenant's sequence, FAILED_PRECONDITION for another layout.
@@ -101,6 +122,14 @@ class KeptSequences {
   Result<Kept*> FindLocked(uint64_t id);
   static KeptSummary SummaryOf(uint64_t id, const Kept& k);
   Status SpillLocked(uint64_t id, Kept* k);
+  // Writes a sequence to the store from `page` (RAM or a session's pages).
+  Status PutLocked(uint64_t id, const Kept& k, const PageAt& page);
+  // Whether spills may be tried now (not backing off after a failure).
+  bool SpillAllowedLocked() const;
+  void SpillFailedLocked(const Status& why);
+  void SpillSucceededLocked();
+  // Spills least recently parked sequences until `bytes` more fit under park_bytes.
+  void MakeRoomLocked(uint64_t bytes);
   Status RestoreLocked(uint64_t id, Kept* k);
   void EnforceLocked();
   uint64_t ParkedBytesLocked() const;
@@ -110,6 +139,11 @@ class KeptSequences {
   mutable std::mutex mu_;
   std::map<uint64_t, Kept> kept_;
   uint64_t dropped_ = 0;
+  uint64_t spill_failures_ = 0, write_through_failures_ = 0;
+  uint32_t failures_in_row_ = 0;
+  std::chrono::milliseconds backoff_{0};               // 0: spills are healthy
+  std::chrono::steady_clock::time_point retry_at_{};  // spills wait until then
+  std::string last_spill_error_;
 };
 
 }  // namespace specache::daemon

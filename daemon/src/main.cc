@@ -12,6 +12,7 @@
 
 #include "config.h"
 #include "daemon.h"
+#include "malloc_tuning.h"
 #include "specache/version.h"
 
 namespace specache::daemon {
@@ -99,6 +100,7 @@ int Run(const Overrides& o) {
 }  // namespace specache::daemon
 
 int main(int argc, char** argv) {
+  specache::daemon::LimitMallocRetention();  // before any thread: see malloc_tuning.h
   specache::daemon::Overrides o;
   CLI::App app{"specached: full-precision KV pages in pinned RAM, shared by inference processes"};
   app.add_option("--config", o.config_path, "TOML configuration file");

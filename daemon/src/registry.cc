@@ -282,27 +282,36 @@ Status Registry::ReleaseSequence(uint64_t session, const Token& token, uint64_t 
 }
 
 Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t sequence) {
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+    SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
+    const SequencePages* p = s->pages->Find(sequence);
+    if (!p) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
+    bytes = uint64_t{p->layout.n_layers} * p->pages_per_layer * p->layout.page_bytes();  // as it is now
+  }
+  // Outside the registry's lock: KeptSequences' lock is held by spills for their disk I/O.
+  SPECACHE_RETURN_IF_ERROR(kept_->CanKeep(bytes));
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
-  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
-  const SequencePages* p = s->pages->Find(sequence);
-  if (!p) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
-  const uint64_t bytes = uint64_t{p->layout.n_layers} * p->pages_per_layer * p->layout.page_bytes();  // as it is now
-  SPECACHE_RETURN_IF_ERROR(kept_->CanKeep(bytes));
+  if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
   keep_on_close_.insert(sequence);
   return Status::Ok();
 }
 
 Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, const Token& token, uint64_t sequence,
                                                               const PageLayout& layout) {
+  std::string tenant;
   {  // A spilled sequence comes back to RAM first, with disk I/O outside the registry's lock.
     std::lock_guard<std::mutex> lock(mu_);
     SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
     SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
-    SPECACHE_ASSIGN_OR_RETURN(KeptSummary k, kept_->Find(sequence));
-    if (k.tenant != s->tenant) return Status::PermissionDenied("sequence " + std::to_string(sequence) + " belongs to another tenant");
+    tenant = s->tenant;
   }
-  SPECACHE_RETURN_IF_ERROR(kept_->Restore(sequence));  // nothing to do when parked
+  SPECACHE_ASSIGN_OR_RETURN(KeptSummary found, kept_->Find(sequence));
+  if (found.tenant != tenant) return Status::PermissionDenied("sequence " + std::to_string(sequence) + " belongs to another tenant");
+  SPECACHE_RETURN_IF_ERROR(kept_->Restore(sequence, /*to_claim=*/true));  // nothing to do when parked
   // Under the lock: the copy from RAM (if the watermark spilled it again meanwhile, Claim
   // restores it here).
   std::lock_guard<std::mutex> lock(mu_);
@@ -341,6 +350,9 @@ uint64_t Registry::OwnerOf(uint64_t sequence) const {
 }
 
 RegistryStats Registry::Stats() const {
+  // The kept sequences' figures first, without the registry's lock: KeptSequences takes its own
+  // lock, which a spill or restore holds for the length of its disk I/O.
+  KeptStats kept = kept_->stats();
   std::lock_guard<std::mutex> lock(mu_);
   RegistryStats st;
   st.chunk_bytes = pool_->chunk_bytes();
@@ -368,7 +380,7 @@ RegistryStats Registry::Stats() const {
     st.sessions += 1;
   }
   for (auto& [name, t] : tenants) st.tenants.push_back(t);
-  st.kept = kept_->stats();
+  st.kept = std::move(kept);
   return st;
 }
 
@@ -386,15 +398,18 @@ std::vector<SessionSummary> Registry::Sessions() const {
 }
 
 std::vector<SequenceSummary> Registry::Sequences() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::vector<KeptSummary> kept = kept_->List();  // without the registry's lock, as in Stats
   std::vector<SequenceSummary> out;
-  for (const auto& [id, s] : sessions_) {
-    for (const auto& [seq, p] : s.pages->sequences()) {
-      out.push_back({seq, id, s.tenant, p.layout, p.pages_per_layer,
-                     uint64_t{p.pages_per_layer} * p.layout.n_layers * p.layout.page_bytes(), "session"});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) {
+      for (const auto& [seq, p] : s.pages->sequences()) {
+        out.push_back({seq, id, s.tenant, p.layout, p.pages_per_layer,
+                       uint64_t{p.pages_per_layer} * p.layout.n_layers * p.layout.page_bytes(), "session"});
+      }
     }
   }
-  for (const KeptSummary& k : kept_->List()) {
+  for (const KeptSummary& k : kept) {
     out.push_back({k.id, 0, k.tenant, k.layout, k.pages_per_layer, k.bytes,
                    k.state == KeptState::kParked ? "parked" : "spilled"});
   }

@@ -3,13 +3,22 @@
 //   latency: p50/p99 of CreateSequence, ExtendSequence (one new page per call) and
 //            ReleaseSequence with 1 and 16 concurrent clients
 //   attach:  OpenSession (reserve + attach: descriptors passed, chunks mapped) time per GiB
+//   --verify-loop: ExtendSequence p50/p99 of one client, idle and then while an operator runs
+//            VerifySpill in a loop over --spill-mib of spilled sequences (and a monitor reads
+//            Stats every 50 ms, as the metrics endpoint does): long admin calls must not stall
+//            the engines' calls (the embedded daemon only)
+//   --park-cost DIR: time to park a 32 MiB sequence (the copy a closing session's kept
+//            sequence takes) without and with write-through to a spill store in DIR
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -18,6 +27,7 @@
 
 #include "bench_stats.h"
 #include "daemon.h"
+#include "kept_sequences.h"
 #include "specache/client.h"
 #include "specache/version.h"
 
@@ -80,18 +90,131 @@ Latencies ClientLoop(const std::string& socket, int rounds, int pages) {
   return l;
 }
 
+// Keeps `mib` MiB of sequences (32 MiB each) and spills them.
+bool SpillSequences(const std::string& socket, uint64_t mib) {
+  auto client = Client::Connect({socket, std::chrono::milliseconds(5000), "bench-spill"});
+  if (!client.ok()) return false;
+  const uint64_t count = std::max<uint64_t>(1, mib / 32);
+  {
+    auto session = (*client)->OpenSession("default", (count * 32 + 16) << 20);
+    if (!session.ok()) return std::fprintf(stderr, "%s\n", session.status().ToString().c_str()), false;
+    for (uint64_t i = 0; i < count; ++i) {  // 32 layers x 16 pages of 64 KiB
+      auto seq = (*session)->CreateSequence({32, 8, 128, 16, 256});
+      if (!seq.ok() || !(*session)->Extend(*seq, 256).ok() || !(*session)->Keep(*seq).ok()) return false;
+    }
+  }  // closed: the sequences are parked
+  for (int i = 0; i < 500; ++i) {
+    auto st = (*client)->Stats();
+    if (st.ok() && st->parked_sequences + st->spilled_sequences >= count) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  auto spilled = (*client)->SpillAll();
+  auto st = (*client)->Stats();
+  return spilled.ok() && st.ok() && st->spilled_sequences == count;
+}
+
+// Extend p50/p99 idle, then with a verify loop and a stats loop running.
+int VerifyLoop(const std::string& socket, int rounds, nlohmann::json* out) {
+  std::printf("%-22s %10s %10s %10s %8s\n", "extend", "p50 ms", "p99 ms", "calls", "verifies");
+  double idle_p99 = 0;
+  for (bool loaded : {false, true}) {
+    std::atomic<bool> done{false};
+    std::atomic<int> verifies{0};
+    std::vector<std::thread> admin;
+    if (loaded) {
+      admin.emplace_back([&] {
+        auto c = Client::Connect({socket, std::chrono::milliseconds(60000), "bench-verify"});
+        while (c.ok() && !done.load()) {
+          if ((*c)->VerifySpill().ok()) ++verifies;
+        }
+      });
+      admin.emplace_back([&] {
+        auto c = Client::Connect({socket, std::chrono::milliseconds(60000), "bench-stats"});
+        while (c.ok() && !done.load()) {
+          (void)(*c)->Stats();
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the first verify is under way
+    }
+    Latencies l = ClientLoop(socket, rounds, 8);
+    done = true;
+    for (auto& t : admin) t.join();
+    const double p50 = Percentile(l.extend, 0.5), p99 = Percentile(l.extend, 0.99);
+    if (!loaded) idle_p99 = p99;
+    const char* name = loaded ? "during a verify loop" : "idle";
+    std::printf("%-22s %10.3f %10.3f %10zu %8d\n", name, p50, p99, l.extend.size(), verifies.load());
+    (*out)["verify_loop"][loaded ? "loaded" : "idle"] = {
+        {"extend_p50_ms", p50}, {"extend_p99_ms", p99}, {"calls", l.extend.size()}, {"verifies", verifies.load()}};
+  }
+  const double ratio = (*out)["verify_loop"]["loaded"]["extend_p99_ms"].get<double>() / idle_p99;
+  std::printf("extend p99 during verify / idle: %.2fx\n", ratio);
+  (*out)["verify_loop"]["p99_ratio"] = ratio;
+  return 0;
+}
+
+// Parks `count` 32 MiB sequences into KeptSequences over a spill store in `dir`, without and
+// with write-through; prints the time per park.
+int ParkCost(const std::string& dir, int count, nlohmann::json* out) {
+  const specache::PageLayout layout{32, 8, 128, 16, 256};  // 64 KiB pages
+  const uint32_t pages = 16;                              // 32 layers x 16 pages: 32 MiB
+  std::vector<uint8_t> data(uint64_t{layout.n_layers} * pages * layout.page_bytes());
+  std::mt19937_64 rng(1);
+  for (size_t i = 0; i + 8 <= data.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(&data[i], &v, 8);
+  }
+  auto page = [&](uint32_t l, uint32_t p) { return data.data() + (uint64_t{l} * pages + p) * layout.page_bytes(); };
+  std::printf("%-16s %10s %10s %10s\n", "park 32 MiB", "p50 ms", "max ms", "MiB/s");
+  for (bool through : {false, true}) {
+    const std::string store_dir = dir + (through ? "/write-through" : "/ram-only");
+    auto store = specache::SpillStore::Open({store_dir});
+    if (!store.ok()) return std::fprintf(stderr, "%s\n", store.status().ToString().c_str()), 1;
+    specache::daemon::KeptOptions o;
+    o.park_bytes = uint64_t(count + 1) * data.size();
+    o.high_watermark = o.low_watermark = 1.0;  // no watermark spills: only the park itself
+    o.write_through = through;
+    specache::daemon::KeptSequences kept(o, std::move(store).value());
+    std::vector<double> ms;
+    for (int i = 0; i < count; ++i) {
+      const auto t0 = Clock::now();
+      if (!kept.Park("bench", static_cast<uint64_t>(i + 1), layout, pages, page).ok()) return 1;
+      ms.push_back(Ms(t0, Clock::now()));
+    }
+    const double p50 = Percentile(ms, 0.5), max = *std::max_element(ms.begin(), ms.end());
+    const char* name = through ? "write-through" : "RAM only";
+    std::printf("%-16s %10.2f %10.2f %10.0f\n", name, p50, max, 32 / (p50 / 1000));
+    (*out)["park_cost"][through ? "write_through" : "ram_only"] = {{"p50_ms", p50}, {"max_ms", max}, {"parks", count}};
+    std::filesystem::remove_all(store_dir);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"specache-service-bench: control-plane latency and attach cost of specached"};
   std::string socket, json_path;
   int rounds = 200;
+  bool verify_loop = false;
+  uint64_t spill_mib = 256;
+  std::string park_cost_dir;
   app.add_option("--socket", socket, "a running specached (default: one embedded here)");
   app.add_option("--rounds", rounds, "create/extend/release rounds per client")->capture_default_str();
   app.add_option("--json", json_path, "also write the figures here");
   app.set_version_flag("--version", "specache-service-bench " SPECACHE_VERSION);
+  app.add_option("--park-cost", park_cost_dir, "time parking with and without write-through (a spill store in DIR)");
+  app.add_flag("--verify-loop", verify_loop, "Extend latency idle and during a VerifySpill loop (embedded daemon)");
+  app.add_option("--spill-mib", spill_mib, "spilled MiB that each verify reads (--verify-loop)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
+  if (!park_cost_dir.empty()) {
+    spdlog::set_level(spdlog::level::warn);
+    nlohmann::json out;
+    const int rc = ParkCost(park_cost_dir, std::max(rounds / 20, 4), &out);
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
+    return rc;
+  }
   std::unique_ptr<specache::daemon::Daemon> embedded;
   std::string dir;
   if (socket.empty()) {
@@ -103,6 +226,11 @@ int main(int argc, char** argv) {
     c.chunk_bytes = uint64_t{16} << 20;
     c.metrics_addr = "";
     c.lock_memory = false;
+    if (verify_loop) {
+      c.spill.dir = dir + "/spill";
+      c.spill.park_bytes = (spill_mib + 64) << 20;
+      c.pool_bytes = std::max<uint64_t>(c.pool_bytes, (spill_mib + 128) << 20);
+    }
     specache::daemon::AddDefaultTenant(&c);
     spdlog::set_level(spdlog::level::warn);
     embedded = std::make_unique<specache::daemon::Daemon>();
@@ -114,6 +242,15 @@ int main(int argc, char** argv) {
   }
   nlohmann::json out;
   int failed = 0;
+  if (verify_loop) {
+    if (!embedded) return std::fprintf(stderr, "--verify-loop needs the embedded daemon (no --socket)\n"), 2;
+    if (!SpillSequences(socket, spill_mib)) return std::fprintf(stderr, "could not spill the sequences\n"), 1;
+    const int rc = VerifyLoop(socket, rounds, &out);
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
+    embedded->Stop();
+    std::filesystem::remove_all(dir);
+    return rc;
+  }
   std::printf("%-8s %-8s %10s %10s %10s\n", "clients", "call", "p50 ms", "p99 ms", "calls");
   for (int clients : {1, 16}) {
     std::vector<std::thread> threads;

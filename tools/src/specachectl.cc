@@ -44,7 +44,10 @@ nlohmann::json StatsJson(const DaemonStats& s) {
           {"spill_write_errors", s.spill_write_errors}, {"kept_dropped", s.kept_dropped},
           {"attach_connections", s.attach_connections}, {"refused_connections", s.refused_connections},
           {"accept_errors", s.accept_errors}, {"denied_requests", s.denied_requests},
-          {"chunks_out_of_service", s.chunks_out_of_service}};
+          {"chunks_out_of_service", s.chunks_out_of_service},
+          {"spill_failures", s.spill_failures}, {"spill_backoff_ms", s.spill_backoff_ms},
+          {"spill_unreadable_records", s.spill_unreadable_records},
+          {"spill_damaged_sequences", s.spill_damaged_sequences}};
 }
 
 void PrintStats(const DaemonStats& s) {
@@ -71,6 +74,11 @@ void PrintStats(const DaemonStats& s) {
                 static_cast<unsigned long long>(s.restores), Mib(s.restore_bytes_total).c_str(), s.restore_seconds,
                 static_cast<unsigned long long>(s.checksum_failures),
                 static_cast<unsigned long long>(s.spill_write_errors), static_cast<unsigned long long>(s.kept_dropped));
+    std::printf("spill     %llu failed spills%s, %llu unreadable records, %llu damaged sequences (see verify)\n",
+                static_cast<unsigned long long>(s.spill_failures),
+                s.spill_backoff_ms ? (", paused for " + std::to_string(s.spill_backoff_ms) + " ms").c_str() : "",
+                static_cast<unsigned long long>(s.spill_unreadable_records),
+                static_cast<unsigned long long>(s.spill_damaged_sequences));
   }
   std::printf("%-16s %14s %14s %14s %14s %9s %10s\n", "tenant", "reserved", "retained", "used", "quota", "sessions",
               "sequences");
@@ -207,7 +215,7 @@ int main(int argc, char** argv) {
                   static_cast<unsigned long long>(v->pages_checked), static_cast<unsigned long long>(v->pages_bad));
       for (const auto& b : v->bad) std::printf("  bad: %s\n", b.c_str());
     }
-    return v->pages_bad == 0 ? 0 : 3;
+    return v->pages_bad == 0 && v->bad.empty() ? 0 : 3;  // bad also names damaged sequences
   } else if (watch->parsed()) {
     while (true) {
       auto s = c.Stats();

@@ -65,6 +65,7 @@ struct DaemonStats {
   // Connections and refusals.
   uint64_t attach_connections = 0, refused_connections = 0, accept_errors = 0, denied_requests = 0;
   uint32_t chunks_out_of_service = 0;
+  uint64_t spill_failures = 0, spill_backoff_ms = 0, spill_unreadable_records = 0, spill_damaged_sequences = 0;
 };
 
 struct SpillVerify {
