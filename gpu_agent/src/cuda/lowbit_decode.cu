@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "decode_common.cuh"
+#include "device_info.h"
 #include "lowbit_decode.h"
 
 namespace specache::cuda {
@@ -839,14 +840,6 @@ bool DeviceHasBf16Mma() {
   return known[device] == 1;
 }
 
-int MultiprocessorCount() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
-    return 100;
-  }
-  return sms;
-}
 
 Status LaunchSet(const std::vector<const DeviceDecodeItem*>& set, cudaStream_t stream) {
   Batch batch;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "device_info.h"
 #include "specache/cuda_topk.h"
 
 namespace specache::cuda {
@@ -193,14 +194,6 @@ __global__ void TopKMergeKernel(TopKBatch batch) {
   BlockTopK(merged, count, k, sh, [&](int32_t j, int pos) { seg.tokens[pos] = tokens[j]; });
 }
 
-int MultiprocessorCount() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
-    return 100;
-  }
-  return sms;
-}
 
 }  // namespace
 
