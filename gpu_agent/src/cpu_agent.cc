@@ -97,6 +97,7 @@ class CpuAgent final : public Agent {
         }
       }
     }
+    s.device_bytes_reserved = s.device_bytes;  // nothing is allocated ahead
     return s;
   }
 

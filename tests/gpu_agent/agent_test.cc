@@ -391,6 +391,8 @@ TEST(AgentTest, PrefetchSelectsTopKOfQuantizedTokensAndCountsReuse) {
   EXPECT_EQ(s.steps, 3);
   EXPECT_EQ(s.full_precision_bytes, int64_t{n + 3} * 2 * 2 * 2 * 64 * 2);
   EXPECT_EQ(f.source.stored_bytes(), s.full_precision_bytes);
+  EXPECT_GT(s.device_bytes, 0);
+  EXPECT_EQ(s.device_bytes_reserved, s.device_bytes);  // the CPU backend allocates nothing ahead
 }
 
 }  // namespace

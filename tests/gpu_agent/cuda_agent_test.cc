@@ -73,6 +73,7 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
     EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
     EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
     EXPECT_EQ(b.device_bytes, a.device_bytes) << name;
+    EXPECT_GE(b.device_bytes_reserved, b.device_bytes) << name;  // replicas sized for capacity_tokens
     EXPECT_EQ(b.full_precision_bytes, a.full_precision_bytes) << name;
     for (int l = 0; l < model.shape().n_layers; ++l) {
       EXPECT_EQ(*gpu_host.SelectedTokens(1, l, 0), *(*cpu)->SelectedTokens(1, l, 0)) << name << " layer " << l;

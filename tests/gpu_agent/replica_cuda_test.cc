@@ -40,6 +40,7 @@ void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu,
   ASSERT_EQ(gpu.quantized_keys(), cpu.quantized_keys());
   ASSERT_EQ(gpu.quantized_values(), cpu.quantized_values());
   EXPECT_EQ(gpu.device_bytes(), cpu.device_bytes());
+  EXPECT_GE(gpu.reserved_bytes(), gpu.device_bytes());
   const cuda::DeviceReplicaView view = gpu.view();
   const size_t d = view.head_dim, groups = cpu.quantized_keys() / G, nqv = cpu.quantized_values(), vg = d / G;
   const std::string where = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " G=" + std::to_string(G) +

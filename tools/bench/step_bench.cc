@@ -153,6 +153,7 @@ double TimeSteps(Model& m, int warm, int steps, Fn step) {
 struct AgentRun {
   double ms = -1;
   double bytes_per_step = 0, reused_fraction = 0;
+  double device_bytes = 0, device_bytes_reserved = 0;  // AgentStats after the timed steps
 };
 
 // One agent over `batch` fresh sequences of `context` random tokens: prefill, pre-decode, then
@@ -209,6 +210,8 @@ AgentRun RunAgent(Model& m, int batch, int context, int steps, int fetch_blocks,
   run.ms = TimeSteps(m, 0, steps, [&] { return step(StepKind::kDecode); });
   const AgentStats after = (*agent)->stats();
   run.bytes_per_step = static_cast<double>(after.bytes_fetched - before.bytes_fetched) / steps;
+  run.device_bytes = static_cast<double>(after.device_bytes);
+  run.device_bytes_reserved = static_cast<double>(after.device_bytes_reserved);
   const double selected = static_cast<double>(after.rows_selected - before.rows_selected);
   run.reused_fraction = selected > 0 ? (after.rows_reused - before.rows_reused) / selected : 0;
   return run;
@@ -408,6 +411,8 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                       {"ms_step_fetch", with.ms},
                       {"ratio", ratio},
                       {"bytes_fetched_per_step", with.bytes_per_step},
+                      {"device_bytes_per_sequence", with.device_bytes / batch},
+                      {"device_bytes_reserved_per_sequence", with.device_bytes_reserved / batch},
                       {"reused_fraction", with.reused_fraction},
                       {"gbps_needed_to_hide_under_layers", hide_gbps},
                       {"tokens_per_s", batch / (with.ms * 1e-3)}}});

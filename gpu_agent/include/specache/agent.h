@@ -81,6 +81,10 @@ struct DecodeRows {
 
 struct AgentStats {
   int64_t device_bytes = 0;          // replica + fetched rows resident on the device, all sequences
+  // Device memory held for them, >= device_bytes: what the backend allocated ahead (the CUDA
+  // agent's replicas are sized for CudaAgentOptions::capacity_tokens when a sequence is added; the
+  // CPU agent grows its replicas as tokens come, so there it equals device_bytes).
+  int64_t device_bytes_reserved = 0;
   int64_t full_precision_bytes = 0;  // fp16 K/V rows written to the source, all sequences
   int64_t rows_selected = 0;         // top-k rows asked for, all steps
   int64_t rows_fetched = 0;          // rows read from the source (selected minus reused)

@@ -43,6 +43,8 @@ class DeviceHeadReplica {
   DeviceReplicaView view() const;
   // Bytes of device memory in use for this head (the same accounting as HeadReplica::device_bytes).
   int64_t device_bytes() const;
+  // Bytes of device memory allocated for this head (its capacity), >= device_bytes().
+  int64_t reserved_bytes() const;
 
  private:
   DeviceHeadReplica() = default;

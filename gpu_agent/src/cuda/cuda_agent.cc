@@ -67,6 +67,7 @@ class Buffer {
     return Status::Ok();
   }
   T* get() const { return p_; }
+  int64_t bytes() const { return static_cast<int64_t>(n_ * sizeof(T)); }
 
  private:
   void Free() {
@@ -704,6 +705,7 @@ AgentStats CudaAgent::stats() const {
   const int64_t row = 2 * int64_t{shape_.head_dim} * static_cast<int64_t>(sizeof(Half));
   std::vector<int32_t> cached(static_cast<size_t>(shape_.n_kv_heads));
   for (const auto& [id, seq] : sequences_) {
+    s.device_bytes_reserved += seq.pages.bytes();
     for (size_t l = 0; l < seq.replicas.size(); ++l) {
       const LayerRows& lr = seq.layers[l];
       int64_t cache_rows = 0;  // the row caches' sizes live on the device
@@ -712,8 +714,13 @@ AgentStats CudaAgent::stats() const {
         for (int32_t c : cached) cache_rows += c;
       }
       s.device_bytes += cache_rows * row;
+      for (int g = 0; g < 2; ++g) {
+        s.device_bytes_reserved += lr.tokens[g].bytes() + lr.rows[g].bytes() + lr.cache_tokens[g].bytes() +
+                                   lr.cache_used[g].bytes() + lr.cache_count[g].bytes() + lr.cache_rows[g].bytes();
+      }
       for (const auto& r : seq.replicas[l]) {
         s.device_bytes += r->device_bytes() + int64_t{lr.resident} * row;
+        s.device_bytes_reserved += r->reserved_bytes();
         s.full_precision_bytes += int64_t{r->length()} * row;
       }
     }

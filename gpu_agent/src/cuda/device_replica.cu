@@ -36,12 +36,14 @@ struct DeviceHeadReplica::Buffers {
   ~Buffers() {
     for (void* p : owned) cudaFree(p);
   }
+  int64_t bytes = 0;  // allocated
   template <typename T>
   Status Alloc(T** out, size_t n, const char* what) {
     if (n == 0) return Status::Ok();
     void* p = nullptr;
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(&p, n * sizeof(T)), what));
     owned.push_back(p);
+    bytes += static_cast<int64_t>(n * sizeof(T));
     *out = static_cast<T*>(p);
     return Status::Ok();
   }
@@ -273,5 +275,7 @@ int64_t DeviceHeadReplica::device_bytes() const {
                                           : int64_t{quantized_values_} * d * 2;
   return bytes;
 }
+
+int64_t DeviceHeadReplica::reserved_bytes() const { return b_->bytes; }
 
 }  // namespace specache::cuda
