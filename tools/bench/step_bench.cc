@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_stats.h"
 #include "specache/agent.h"
 #include "specache/cuda_attention.h"
 #include "specache/cuda_replica.h"
@@ -227,7 +228,7 @@ double MedianMs(cudaStream_t stream, int reps, Fn fn) {
   cudaEventCreate(&b);
   for (int i = 0; i < reps; ++i) {
     cudaEventRecord(a, stream);
-    if (!fn()) return -1;
+    if (!fn()) break;
     cudaEventRecord(b, stream);
     cudaEventSynchronize(b);
     float t = 0;
@@ -236,8 +237,7 @@ double MedianMs(cudaStream_t stream, int reps, Fn fn) {
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return static_cast<int>(ms.size()) == reps ? Median(std::move(ms)) : -1;
 }
 
 // Read + write GB/s of a 1 GiB device-to-device copy: the HBM bound of the roofline column.

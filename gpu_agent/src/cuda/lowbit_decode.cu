@@ -15,7 +15,6 @@
 // fp16 hi + lo parts (~22 bits) scaled by a power of two that keeps them in fp16's range. The
 // tensor cores accumulate with truncation, so the values' sums go through fresh accumulators per
 // block of 32 tokens and are added in fp32.
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -124,6 +123,26 @@ __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
 #else
   __trap();  // the host never routes items here below sm_80
 #endif
+}
+
+// A operand from four row words: rows 0, 1 masked by the scale pair s01 (a0 at byte b_lo, a1 at
+// byte b_hi), rows 2, 3 by s23 (a2, a3).
+__device__ __forceinline__ void MaskedA(const uint32_t (&row)[4], int b_lo, int b_hi, uint32_t s01, uint32_t s23,
+                                        uint32_t (&a)[4]) {
+  a[0] = MaskPair(row[0], row[1], b_lo) & s01;
+  a[1] = MaskPair(row[0], row[1], b_hi) & s01;
+  a[2] = MaskPair(row[2], row[3], b_lo) & s23;
+  a[3] = MaskPair(row[2], row[3], b_hi) & s23;
+}
+
+// c += A x B over B's hi and lo parts (b0, b1: [hi, lo]); for bit plane 1, B doubled (the plane's
+// weight, exact).
+__device__ __forceinline__ void MmaParts(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b0)[2],
+                                         const uint32_t (&b1)[2], int plane) {
+#pragma unroll
+  for (int part = 0; part < 2; ++part) {
+    Mma(c, a[0], a[1], a[2], a[3], plane ? Twice(b0[part]) : b0[part], plane ? Twice(b1[part]) : b1[part]);
+  }
 }
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
@@ -342,17 +361,10 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          const int b_lo = KeyByte<KB>(2 * mt), b_hi = KeyByte<KB>(2 * mt + 1);
-          const uint32_t a0 = MaskPair(row[0], row[1], b_lo) & s01, a1 = MaskPair(row[0], row[1], b_hi) & s01;
-          const uint32_t a2 = MaskPair(row[2], row[3], b_lo) & s89, a3 = MaskPair(row[2], row[3], b_hi) & s89;
+          uint32_t a[4];
+          MaskedA(row, KeyByte<KB>(2 * mt), KeyByte<KB>(2 * mt + 1), s01, s89, a);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int part = 0; part < 2; ++part) {
-              const uint32_t b0 = plane ? Twice(bq[nt][ks][0][part]) : bq[nt][ks][0][part];
-              const uint32_t b1 = plane ? Twice(bq[nt][ks][1][part]) : bq[nt][ks][1][part];
-              Mma(sc[mt][nt], a0, a1, a2, a3, b0, b1);
-            }
+          for (int nt = 0; nt < NT; ++nt) MmaParts(sc[mt][nt], a, bq[nt][ks][0], bq[nt][ks][1], plane);
         }
       }
     }
@@ -531,18 +543,10 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
             row[0] = ValueRowWord<VB, 1>(w0, g), row[1] = ValueRowWord<VB, 1>(w1, g);
             row[2] = ValueRowWord<VB, 1>(w8, g), row[3] = ValueRowWord<VB, 1>(w9, g);
           }
-          const uint32_t a0 = MaskPair(row[0], row[1], b_lo) & s01[ks][k];
-          const uint32_t a1 = MaskPair(row[0], row[1], b_hi) & s01[ks][k];
-          const uint32_t a2 = MaskPair(row[2], row[3], b_lo) & s23[ks][k];
-          const uint32_t a3 = MaskPair(row[2], row[3], b_hi) & s23[ks][k];
+          uint32_t a[4];
+          MaskedA(row, b_lo, b_hi, s01[ks][k], s23[ks][k], a);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int part = 0; part < 2; ++part) {
-              const uint32_t b0 = plane ? Twice(bp[ks][nt][0][part]) : bp[ks][nt][0][part];
-              const uint32_t b1 = plane ? Twice(bp[ks][nt][1][part]) : bp[ks][nt][1][part];
-              Mma(fresh[nt], a0, a1, a2, a3, b0, b1);
-            }
+          for (int nt = 0; nt < NT; ++nt) MmaParts(fresh[nt], a, bp[ks][nt][0], bp[ks][nt][1], plane);
         }
       }
 #pragma unroll
@@ -812,22 +816,25 @@ std::array<KernelInfo, 2> Tiles() {
           KernelInfo{LowBitDecodeKernel<KB, VB, D, 2>, WarpWords<KB, VB, D, 2>()}};
 }
 
-// Kernel of a (key bits, value bits, head_dim, n-tiles) class.
-KernelInfo KernelFor(int kb, int vb, int d, int nt) {
-  static const std::array<std::array<KernelInfo, 2>, 8> table = {
-      Tiles<1, 1, 64>(), Tiles<1, 1, 128>(), Tiles<1, 2, 64>(), Tiles<1, 2, 128>(),
-      Tiles<2, 1, 64>(), Tiles<2, 1, 128>(), Tiles<2, 2, 64>(), Tiles<2, 2, 128>()};
-  return table[((kb - 1) * 2 + (vb - 1)) * 2 + (d == 128)][nt - 1];
-}
-
 int QueryTiles(const DeviceDecodeItem& it) { return it.rows.n_rows * it.rows.n_heads <= 8 ? 1 : 2; }
+
+// The (key bits, value bits, head_dim, n-tiles) class of an eligible item, 0..15.
+constexpr int kClasses = 16;
 int ClassOf(const DeviceDecodeItem& it) {
   return (((it.replica.key_bits - 1) * 2 + (it.replica.value_bits - 1)) * 2 + (it.replica.head_dim == 128)) * 2 +
          QueryTiles(it) - 1;
 }
 
-// Whether the current device runs mma.m16n8k16 with bf16 (sm_80+), asked once per device.
-bool DeviceHasBf16Mma() {
+// The kernel of a class (ClassOf's order).
+KernelInfo KernelFor(int cls) {
+  static const std::array<std::array<KernelInfo, 2>, 8> table = {
+      Tiles<1, 1, 64>(), Tiles<1, 1, 128>(), Tiles<1, 2, 64>(), Tiles<1, 2, 128>(),
+      Tiles<2, 1, 64>(), Tiles<2, 1, 128>(), Tiles<2, 2, 64>(), Tiles<2, 2, 128>()};
+  return table[cls / 2][cls % 2];
+}
+
+// Whether the current device runs mma.m16n8k16 with fp16 operands (sm_80+), asked once per device.
+bool DeviceHasMma() {
   constexpr int kMaxDevices = 64;
   static int known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
   int device = 0;
@@ -845,8 +852,7 @@ Status LaunchSet(const std::vector<const DeviceDecodeItem*>& set, cudaStream_t s
   Batch batch;
   batch.count = static_cast<int>(set.size());
   const DeviceDecodeItem& first = *set[0];
-  const int nt = QueryTiles(first);
-  const KernelInfo kernel = KernelFor(first.replica.key_bits, first.replica.value_bits, first.replica.head_dim, nt);
+  const KernelInfo kernel = KernelFor(ClassOf(first));
   const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
   int64_t blocks = 0, tail_units = 0;
   for (const DeviceDecodeItem* it : set) blocks += BulkEnd(it->replica) / 32, tail_units += TailUnits(*it);
@@ -892,11 +898,10 @@ bool LowBitDecodeEligible(const DeviceDecodeItem& item) {
   const int queries = item.rows.n_rows * item.rows.n_heads;
   return (v.key_bits == 1 || v.key_bits == 2) && (v.value_bits == 1 || v.value_bits == 2) &&
          (v.head_dim == 64 || v.head_dim == 128) && v.group_size == kGroup && queries >= 1 && queries <= kMaxQ &&
-         DeviceHasBf16Mma();
+         DeviceHasMma();
 }
 
 Status LaunchLowBitDecode(const DeviceDecodeItem* items, int n_items, cudaStream_t stream) {
-  constexpr int kClasses = 32;
   std::vector<const DeviceDecodeItem*> by_class[kClasses];
   for (int i = 0; i < n_items; ++i) by_class[ClassOf(items[i])].push_back(&items[i]);
   for (int cls = 0; cls < kClasses; ++cls) {

@@ -1,18 +1,22 @@
 // The tensor-core path of the decode attention (AttendDecodeBatch routes eligible items here).
 //
 // Work: each item's context is cut into units. The bulk units cover the tokens whose key and
-// value are both quantized, in whole blocks of 32 tokens; the last unit of an item (the tail)
-// covers the rest (residual keys, value window, the step's new rows, causal among themselves).
-// One warp runs one unit with an online softmax and writes a partial result (per query: running
-// max, sum of exponentials, unnormalised output); a merge kernel combines an item's units in
-// order, writes the outputs and the probabilities row's statistics.
+// value are both quantized, in whole blocks of 32 tokens, as many units as fill one wave of the
+// GPU; up to 4 tail units cover the rest (residual keys, value window, the step's new rows,
+// causal among themselves) on the CUDA cores. One warp runs one unit with an online softmax and
+// writes a partial result (per query: running max, sum of exponentials, unnormalised output); a
+// merge kernel combines an item's units in order, writes the outputs and the probabilities row's
+// statistics (or the probabilities).
 //
-// Bulk block of 32 tokens, per warp (mma.m16n8k16, bf16 operands, fp32 accumulation):
-//   scores [32 tokens x 8 queries] = codes [32 x d] (exact small integers) x (q * key scale)
-//       [d x 8], the scaled queries split into bf16 hi + lo parts (two mma, ~16 bits of
-//       mantissa); plus the key zeros' term sum_c q_c z_c on the CUDA cores (fp32).
-//   out^T [d x 8] += codes^T [d x 32] x (p * value scale) [32 x 8] per channel group, the same
-//       hi + lo split; plus sum_t p_t z_t on the CUDA cores.
+// Bulk block of 32 tokens, per warp (mma.m16n8k16, fp16 operands, fp32 accumulation), its bytes
+// copied to shared memory a block ahead (cp.async):
+//   scores [32 tokens x 8 queries] = (codes x key scale) [32 x d] x q [d x 8]: A exact in fp16 (a
+//       code bit masks its fp16 scale; 2-bit codes are two bit planes), the queries as fp16 hi +
+//       lo parts scaled by a power of two (~22 bits); plus the key zeros' term sum_c q_c z_c on
+//       the CUDA cores (fp32).
+//   out^T [d x 8] += (codes x value scale)^T [d x 32] x p [32 x 8], p as hi + lo parts, into
+//       fresh accumulators per block added in fp32 (the tensor cores truncate); plus sum_t p_t z_t
+//       on the CUDA cores.
 // Substituted rows: their scores are recomputed from the fetched key (fp32) before the softmax,
 // their weight is taken out of the mma operand and their fetched value added in fp32.
 #pragma once
