@@ -22,6 +22,7 @@ namespace {
 
 using testing::AsUser;
 using testing::DaemonProcess;
+using testing::RunCommand;
 using testing::Spawn;
 
 constexpr uint32_t kNobody = 65534;
@@ -50,13 +51,7 @@ std::string CtlAsNobody(const std::vector<uint32_t>& groups, const DaemonProcess
   std::string cmd;
   for (const std::string& a : AsUser(kNobody, kNobody, groups, {SPECACHECTL_PATH})) cmd += a + " ";
   cmd += "--socket " + d.socket + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
-  const int status = pclose(p);
-  *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
+  return RunCommand(cmd, code);
 }
 
 std::unique_ptr<client::Client> Connect(const DaemonProcess& d) {

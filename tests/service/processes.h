@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -100,6 +101,22 @@ inline std::vector<std::string> AsUser(uint32_t uid, uint32_t gid, const std::ve
     out.insert(out.end(), {"--groups", list});
   }
   out.insert(out.end(), argv.begin(), argv.end());
+  return out;
+}
+
+// Runs a shell command line; returns its stdout and sets *code to its exit status (-1 when it did
+// not exit normally).
+inline std::string RunCommand(const std::string& command, int* code) {
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) {
+    *code = -1;
+    return "";
+  }
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  const int status = pclose(p);
+  *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return out;
 }
 

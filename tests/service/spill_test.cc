@@ -28,6 +28,7 @@ namespace specache {
 namespace {
 
 using testing::DaemonProcess;
+using testing::RunCommand;
 using testing::TempDir;
 
 const client::PageLayoutSpec kLayout{3, 2, 64, 16, 256};  // 3 layers, 8 KiB pages
@@ -627,14 +628,7 @@ TEST(SpillTest, AVerifyLoopDoesNotStallExtend) {
 #ifdef SPECACHECTL_PATH
 // Runs specachectl against the daemon; returns its stdout and sets *code to its exit status.
 std::string Ctl(const DaemonProcess& d, const std::string& args, int* code) {
-  const std::string cmd = std::string(SPECACHECTL_PATH) + " --socket " + d.socket + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
-  const int status = pclose(p);
-  *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
+  return RunCommand(std::string(SPECACHECTL_PATH) + " --socket " + d.socket + " " + args + " 2>&1", code);
 }
 
 // The operator's commands, as other tools call them.
