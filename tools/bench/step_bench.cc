@@ -227,6 +227,9 @@ double MedianMs(cudaStream_t stream, int reps, Fn fn) {
   cudaEventCreate(&a);
   cudaEventCreate(&b);
   for (int i = 0; i < reps; ++i) {
+    // The device waits behind a hold while the host queues the work, so the events time the
+    // device's work, not the host's launch gaps (us_enqueue reports those).
+    Hold(2000, stream);
     cudaEventRecord(a, stream);
     if (!fn()) break;
     cudaEventRecord(b, stream);

@@ -38,6 +38,15 @@ __global__ void SiluMulKernel(const __half* gate_up, __half* out, int rows, int 
   }
 }
 
+__global__ void HoldKernel(uint64_t nanoseconds) {
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < nanoseconds);
+}
+
 cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 }  // namespace
@@ -55,5 +64,7 @@ void SiluMul(const Half* gate_up, Half* out, int rows, int ffn, void* stream) {
   SiluMulKernel<<<1024, 256, 0, S(stream)>>>(reinterpret_cast<const __half*>(gate_up), reinterpret_cast<__half*>(out),
                                               rows, ffn);
 }
+
+void Hold(int microseconds, void* stream) { HoldKernel<<<1, 1, 0, S(stream)>>>(uint64_t(microseconds) * 1000); }
 
 }  // namespace specache::bench

@@ -37,6 +37,10 @@ using decode::QueryAt;
 using decode::ValueAt;
 
 constexpr int kWarps = 4;        // warps (units) per CTA
+// CTAs per SM the one-tile kernels are compiled for: 128 registers, 16 warps per SM. H200, 1-bit,
+// attention per layer: 0.49 ms at 32 x 8K and 0.25 ms at 8 x 32K, against 0.50 and 0.30 at 3 CTAs
+// (168 registers; fewer warps to hide the latency of each block's dependent chain).
+constexpr int kMinCtasOneTile = 4;
 constexpr int kMaxQ = 16;        // queries (rows x GQA heads) per item: two n-tiles of 8
 constexpr int kGroup = 32;       // quantization group size this path handles
 constexpr int kMaxItems = 128;   // items per launch (kernel parameters)
@@ -79,16 +83,16 @@ template <int KB, int VB, int D>
 __host__ __device__ constexpr int StageWords() { return D * KB + D + 32 * (D * VB / 32) + 32 * (D / kGroup); }
 
 // Per-warp shared memory, in 32-bit words: two stages (bulk) or the scaled queries [Q][D] and 32
-// value-row pointers (tail), then p [32 tokens][Q + 4], alpha [Q], value zero terms [Q][4], substituted-row
+// value-row pointers (tail), then p [32 tokens][Q + 4], value zero terms [Q][4], substituted-row
 // indices [32].
 template <int KB, int VB, int D, int NT>
 __host__ __device__ constexpr int StagesWords() {
   return 2 * StageWords<KB, VB, D>() > 8 * NT * D + 64 ? 2 * StageWords<KB, VB, D>() : 8 * NT * D + 64;
 }
-// Then the bulk's queries in fp32, [nt][slot i][lane] (see BulkUnit).
+// Then the bulk's query B operands, [nt][k-step][lane] x 4 words (see BulkUnit).
 template <int KB, int VB, int D, int NT>
 __host__ __device__ constexpr int WarpWords() {
-  return StagesWords<KB, VB, D, NT>() + 32 * (8 * NT + 4) + 8 * NT + 8 * NT * 4 + 32 + NT * (D / 4) * 32;
+  return StagesWords<KB, VB, D, NT>() + 32 * (8 * NT + 4) + 8 * NT * 4 + 32 + NT * (D / 16) * 32 * 4;
 }
 
 __device__ __forceinline__ uint32_t AsU32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
@@ -186,8 +190,11 @@ __device__ __forceinline__ void IssueBlock(const DeviceReplicaView& v, int32_t b
   StageCopy(values + 32 * VW + 16 * NGV, v.value_zero + static_cast<size_t>(b0) * NGV, 32 * NGV * 2, lane);
 }
 
-__device__ __forceinline__ float2 Half2At(const uint32_t* words, int half_index) {  // half_index even
-  return __half22float2(*reinterpret_cast<const __half2*>(reinterpret_cast<const Half*>(words) + half_index));
+// A query pair from its B operand's hi and lo parts (still times 2^e).
+__device__ __forceinline__ float2 QueryPair(uint32_t hi, uint32_t lo) {
+  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  const float2 l = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  return make_float2(h.x + l.x, h.y + l.y);
 }
 __device__ __forceinline__ float2 LoadHalf2(const Half* p) {
   return __half22float2(__ldg(reinterpret_cast<const __half2*>(p)));
@@ -239,41 +246,42 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
   const int g = lane >> 2, t = lane & 3;
   const int queries = r.n_rows * r.n_heads;
   float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
-  float* alpha_sm = psm + 32 * PS;
-  float* zsm = alpha_sm + Q;
+  float* zsm = psm + 32 * PS;
   int* sub_list = reinterpret_cast<int*>(zsm + Q * 4);
-  float* qsm = reinterpret_cast<float*>(sub_list + 32);  // [nt][KS * 4][32]: lane's query channels
-  auto qf = [&](int nt, int i) -> float { return qsm[(nt * KS * 4 + i) * 32 + lane]; };
+  // The lane's B operands of the queries, [nt][ks][lane] as (b0 hi, b0 lo, b1 hi, b1 lo): one
+  // 16-byte load per k-step instead of 4 * KS registers held through the loop.
+  uint4* bqs = reinterpret_cast<uint4*>(sub_list + 32);
 
   IssueBlock<KB, VB, D>(v, t0, ws, lane);
   CpAsyncCommit();
 
-  // This lane's share of the scaled queries: query 8 nt + g at channels ChannelOf(ks, j, t), in
-  // fp32 (zeros' term, substituted rows) and as B operands (hi, lo) times 2^e_n, which puts the
-  // query's largest channel in [2^13, 2^14).
-  uint32_t bq[NT][KS][2][2];  // [nt][ks][b0, b1][hi, lo]
-  float q_unscale[NT][2];     // 2^-e of the C columns' queries 8 nt + 2t + j
+  // This lane's share of the scaled queries: query 8 nt + g at channels ChannelOf(ks, j, t), as B
+  // operands (hi, lo) times 2^e_n, which puts the query's largest channel in [2^13, 2^14).
+  float q_unscale[NT][2];  // 2^-e of the C columns' queries 8 nt + 2t + j
+  float row_unscale[NT];   // 2^-e of this lane's query 8 nt + g
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int n = 8 * nt + g;
+    float x[KS * 4];
     float mx = 0.0f;
 #pragma unroll
     for (int i = 0; i < KS * 4; ++i) {
-      const float x = n < queries ? r.q[QueryAt(r, n, D) + ChannelOf(i / 4, i % 4, t)] * r.scale : 0.0f;
-      qsm[(nt * KS * 4 + i) * 32 + lane] = x;
-      mx = fmaxf(mx, fabsf(x));
+      x[i] = n < queries ? r.q[QueryAt(r, n, D) + ChannelOf(i / 4, i % 4, t)] * r.scale : 0.0f;
+      mx = fmaxf(mx, fabsf(x[i]));
     }
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
     const int e = mx > 0.0f && isfinite(mx) ? 13 - ilogbf(mx) : 0;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      Split(ldexpf(qf(nt, 4 * ks), e), ldexpf(qf(nt, 4 * ks + 1), e), bq[nt][ks][0][0], bq[nt][ks][0][1]);
-      Split(ldexpf(qf(nt, 4 * ks + 2), e), ldexpf(qf(nt, 4 * ks + 3), e), bq[nt][ks][1][0], bq[nt][ks][1][1]);
+      uint4 b;
+      Split(ldexpf(x[4 * ks], e), ldexpf(x[4 * ks + 1], e), b.x, b.y);
+      Split(ldexpf(x[4 * ks + 2], e), ldexpf(x[4 * ks + 3], e), b.z, b.w);
+      bqs[(nt * KS + ks) * 32 + lane] = b;
     }
-    const float unscale = ldexpf(1.0f, -e);
-    q_unscale[nt][0] = __shfl_sync(kAll, unscale, 8 * t);
-    q_unscale[nt][1] = __shfl_sync(kAll, unscale, 8 * t + 4);
+    row_unscale[nt] = ldexpf(1.0f, -e);
+    q_unscale[nt][0] = __shfl_sync(kAll, row_unscale[nt], 8 * t);
+    q_unscale[nt][1] = __shfl_sync(kAll, row_unscale[nt], 8 * t + 4);
   }
   // Whether C column (nt, j) is the probabilities row's, and where its scores go.
   float* probs_at[NT][2];
@@ -293,13 +301,13 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
-  float m[NT][2], l[NT][2], zv[NT][NGV];
+  // zv: the values' zeros' term, C of the zeros' mma (row g = channel group, columns 2t + j).
+  float m[NT][2], l[NT][2], zv[NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     m[nt][0] = m[nt][1] = -INFINITY;
     l[nt][0] = l[nt][1] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NGV; ++k) zv[nt][k] = 0.0f;
+    zv[nt][0] = zv[nt][1] = 0.0f;
   }
   // First substituted row at or after t0 (the list is ascending).
   int sp = 0;
@@ -326,28 +334,29 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     const uint32_t* vscale = vcodes + 32 * VW;
     const uint32_t* vzero = vscale + 16 * NGV;
 
-    // ---- scores of the block's 32 tokens: sc[mt][nt] is C of tokens 16 mt + .., queries 8 nt + ..
+    // ---- scores of the block's 32 tokens: sc[mt][nt] is C of tokens 16 mt + .., queries 8 nt + ..;
+    // zk[nt] the zeros' term (a block is one key group: every token row of A holds the zeros, so
+    // one m-tile gives it for all; rows g and g + 8 are equal).
     float sc[2][NT][4];
-    float zk[NT];
+    float zk[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      zk[nt] = 0.0f;
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sc[mt][nt][i] = 0.0f;
-    }
+      for (int i = 0; i < 4; ++i) sc[0][nt][i] = sc[1][nt][i] = zk[nt][i] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const int c0 = 16 * ks + 2 * t;
       const uint32_t* w01 = kc + c0 * KB;
       const uint32_t* w89 = kc + (c0 + 8) * KB;
       const uint32_t s01 = kscale[c0 / 2], s89 = kscale[c0 / 2 + 4];
-      const float2 z01 = Half2At(kzero, c0), z89 = Half2At(kzero, c0 + 8);
+      const uint32_t z01 = kzero[c0 / 2], z89 = kzero[c0 / 2 + 4];
+      uint32_t bq[NT][2][2];  // [nt][b0, b1][hi, lo]
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        zk[nt] += qf(nt, 4 * ks) * z01.x + qf(nt, 4 * ks + 1) * z01.y + qf(nt, 4 * ks + 2) * z89.x +
-                  qf(nt, 4 * ks + 3) * z89.y;
+        const uint4 b = bqs[(nt * KS + ks) * 32 + lane];
+        bq[nt][0][0] = b.x, bq[nt][0][1] = b.y, bq[nt][1][0] = b.z, bq[nt][1][1] = b.w;
+        const uint32_t za[4] = {z01, z01, z89, z89};
+        MmaParts(zk[nt], za, bq[nt][0], bq[nt][1], 0);
       }
 #pragma unroll
       for (int plane = 0; plane < KB; ++plane) {
@@ -364,30 +373,20 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
           uint32_t a[4];
           MaskedA(row, KeyByte<KB>(2 * mt), KeyByte<KB>(2 * mt + 1), s01, s89, a);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) MmaParts(sc[mt][nt], a, bq[nt][ks][0], bq[nt][ks][1], plane);
+          for (int nt = 0; nt < NT; ++nt) MmaParts(sc[mt][nt], a, bq[nt][0], bq[nt][1], plane);
         }
       }
     }
-    // The zeros' term of query 8 nt + g is summed over the quad; element (.., 2t + j) needs the
-    // term of lane (2t + j) * 4.
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      zk[nt] += __shfl_xor_sync(kAll, zk[nt], 1);
-      zk[nt] += __shfl_xor_sync(kAll, zk[nt], 2);
-    }
     float score[2][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const float z_even = __shfl_sync(kAll, zk[nt], 8 * t), z_odd = __shfl_sync(kAll, zk[nt], 8 * t + 4);
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int j = i & 1;
-          score[mt][nt][i] = 8 * nt + 2 * t + j < queries ? sc[mt][nt][i] * q_unscale[nt][j] + (j ? z_odd : z_even)
-                                                          : -INFINITY;
+          score[mt][nt][i] = 8 * nt + 2 * t + j < queries ? (sc[mt][nt][i] + zk[nt][j]) * q_unscale[nt][j] : -INFINITY;
         }
-    }
     // Substituted rows in this block: scores from the fetched keys (fp32).
     int n_block_subs = 0;
     while (sp < r.n_sub) {
@@ -402,13 +401,15 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
         const float2 k01 = LoadHalf2(kf + 16 * ks + 2 * t), k89 = LoadHalf2(kf + 16 * ks + 2 * t + 8);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          part[nt] += qf(nt, 4 * ks) * k01.x + qf(nt, 4 * ks + 1) * k01.y + qf(nt, 4 * ks + 2) * k89.x +
-                      qf(nt, 4 * ks + 3) * k89.y;
+          const uint4 b = bqs[(nt * KS + ks) * 32 + lane];
+          const float2 q01 = QueryPair(b.x, b.y), q89 = QueryPair(b.z, b.w);
+          part[nt] += q01.x * k01.x + q01.y * k01.y + q89.x * k89.x + q89.y * k89.y;
         }
       }
       const int i = tk - b0, row = i & 15;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
+        part[nt] *= row_unscale[nt];
         part[nt] += __shfl_xor_sync(kAll, part[nt], 1);
         part[nt] += __shfl_xor_sync(kAll, part[nt], 2);
         const float s_even = __shfl_sync(kAll, part[nt], 8 * t), s_odd = __shfl_sync(kAll, part[nt], 8 * t + 4);
@@ -449,6 +450,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
         const float alpha = mn == -INFINITY ? 1.0f : __expf(m[nt][j] - mn);
         m[nt][j] = mn;
         l[nt][j] *= alpha;
+        zv[nt][j] *= alpha;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) acc[mt][nt][j] *= alpha, acc[mt][nt][j + 2] *= alpha;
 #pragma unroll
@@ -459,7 +461,6 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
             l[nt][j] += p;
             psm[(16 * mt + g + 8 * h) * PS + 8 * nt + 2 * t + j] = p;
           }
-        if (g == 0) alpha_sm[8 * nt + 2 * t + j] = alpha;
       }
     __syncwarp();
     // Substituted rows: their fetched values in fp32, and out of the mma operand.
@@ -484,17 +485,18 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     for (int k = 0; k < n_block_subs; ++k) {
       if (lane < Q) psm[(r.sub_tokens[sub_list[k]] - b0) * PS + lane] = 0.0f;
     }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const float alpha = alpha_sm[8 * nt + g];
-#pragma unroll
-      for (int k = 0; k < NGV; ++k) zv[nt][k] *= alpha;
-    }
     __syncwarp();
     // ---- values: out^T [d x Q] += (codes * scale)^T [d x 32] x p [32 x Q], each m-tile's two
     // k-steps into fresh accumulators added in fp32.
+    // The zeros' term goes through the tensor cores too: A's row g < NGV holds group g's zeros of
+    // the k-step's tokens (other rows 0), so C's row g is that group's sum over the block.
     uint32_t s01[2][NGV], s23[2][NGV];  // scales of token pairs (jt0, jt1), (jt2, jt3) per group
     uint32_t bp[2][NT][2][2];           // [ks][nt][b0, b1][hi, lo]
+    float zfresh[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) zfresh[nt][i] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
       const int j0 = 16 * ks + 2 * t;  // B's rows 2t, 2t+1, 2t+8, 2t+9 are tokens j0, j0+1, j0+8, j0+9
@@ -503,20 +505,20 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
         s01[ks][k] = HalfPair(vscale, j0 * NGV + k, (j0 + 1) * NGV + k);
         s23[ks][k] = HalfPair(vscale, (j0 + 8) * NGV + k, (j0 + 9) * NGV + k);
       }
+      const int zg = g < NGV ? g : 0;
+      const uint32_t za[4] = {g < NGV ? HalfPair(vzero, j0 * NGV + zg, (j0 + 1) * NGV + zg) : 0u, 0u,
+                              g < NGV ? HalfPair(vzero, (j0 + 8) * NGV + zg, (j0 + 9) * NGV + zg) : 0u, 0u};
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const float p0 = psm[j0 * PS + 8 * nt + g], p1 = psm[(j0 + 1) * PS + 8 * nt + g];
         const float p2 = psm[(j0 + 8) * PS + 8 * nt + g], p3 = psm[(j0 + 9) * PS + 8 * nt + g];
-        const Half* vz = reinterpret_cast<const Half*>(vzero);
-#pragma unroll
-        for (int k = 0; k < NGV; ++k) {
-          zv[nt][k] += p0 * H2F(vz[j0 * NGV + k]) + p1 * H2F(vz[(j0 + 1) * NGV + k]) +
-                       p2 * H2F(vz[(j0 + 8) * NGV + k]) + p3 * H2F(vz[(j0 + 9) * NGV + k]);
-        }
         Split(p0 * kPScale, p1 * kPScale, bp[ks][nt][0][0], bp[ks][nt][0][1]);
         Split(p2 * kPScale, p3 * kPScale, bp[ks][nt][1][0], bp[ks][nt][1][1]);
+        MmaParts(zfresh[nt], za, bp[ks][nt][0], bp[ks][nt][1], 0);
       }
     }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) zv[nt][0] += zfresh[nt][0] * (1.0f / kPScale), zv[nt][1] += zfresh[nt][1] * (1.0f / kPScale);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // Channels 16 mt + g and + 8: word and bytes of the row words, channel group.
@@ -566,12 +568,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
       l[nt][j] += __shfl_xor_sync(kAll, l[nt][j], 8);
       l[nt][j] += __shfl_xor_sync(kAll, l[nt][j], 16);
     }
-#pragma unroll
-    for (int k = 0; k < NGV; ++k) {
-      zv[nt][k] += __shfl_xor_sync(kAll, zv[nt][k], 1);
-      zv[nt][k] += __shfl_xor_sync(kAll, zv[nt][k], 2);
-      if (t == 0) zsm[(8 * nt + g) * 4 + k] = zv[nt][k];
-    }
+    if (g < NGV) zsm[(8 * nt + 2 * t) * 4 + g] = zv[nt][0], zsm[(8 * nt + 2 * t + 1) * 4 + g] = zv[nt][1];
   }
   __syncwarp();
   float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
@@ -620,7 +617,7 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   const int queries = r.n_rows * r.n_heads;
   float* qsm = reinterpret_cast<float*>(ws);  // [Q][D], scaled
   float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
-  int* subs = reinterpret_cast<int*>(psm + 32 * PS + Q + Q * 4);
+  int* subs = reinterpret_cast<int*>(psm + 32 * PS + Q * 4);
   // The fp16 value rows of the block's tokens (null: a quantized value), after the queries.
   const Half** value_rows = reinterpret_cast<const Half**>(qsm + Q * D);
 #pragma unroll
@@ -720,7 +717,7 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
 
 // One n-tile: registers capped for 3 CTAs (12 warps) per SM, measured faster than 2 uncapped.
 template <int KB, int VB, int D, int NT>
-__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 3 : 1) LowBitDecodeKernel(Batch batch) {
+__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) LowBitDecodeKernel(Batch batch) {
   extern __shared__ uint32_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int unit = blockIdx.x * kWarps + warp;
@@ -856,16 +853,35 @@ Status LaunchSet(const std::vector<const DeviceDecodeItem*>& set, cudaStream_t s
   const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
   int64_t blocks = 0, tail_units = 0;
   for (const DeviceDecodeItem* it : set) blocks += BulkEnd(it->replica) / 32, tail_units += TailUnits(*it);
-  // One wave: as many bulk units as warps fit on the GPU next to the tail units (units are
-  // equal, so a second partial wave would double the time); at least 2 blocks per unit, which
-  // keeps the partial results within DecodeScratchFloats.
+  // One wave: every unit (a warp) gets a slot on the GPU, bulk and tail units together. Units are
+  // equal, so units left over would run as a second wave after the first and double the time;
+  // each item rounds its units up, so the chunk that divides the blocks evenly can still overflow
+  // and is grown until the units fit. At least 2 blocks per unit, which keeps the partial results
+  // within DecodeScratchFloats.
   int ctas_per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel.fn, kWarps * 32, smem) != cudaSuccess ||
       ctas_per_sm < 1) {
     ctas_per_sm = 1;
   }
-  const int64_t slots = std::max<int64_t>(int64_t{MultiprocessorCount()} * ctas_per_sm * kWarps - tail_units, 1);
-  batch.chunk_blocks = static_cast<int>(std::clamp<int64_t>((blocks + slots - 1) / slots, 2, 1 << 20));
+  const int64_t wave = int64_t{MultiprocessorCount()} * ctas_per_sm * kWarps;
+  const int64_t slots = std::max<int64_t>(wave - tail_units, 1);
+  int64_t chunk = std::clamp<int64_t>((blocks + slots - 1) / slots, 2, 1 << 20);
+  auto units_with = [&](int64_t c) {
+    int64_t n = tail_units;
+    for (const DeviceDecodeItem* it : set) n += (BulkEnd(it->replica) / 32 + c - 1) / c;
+    return n;
+  };
+  int64_t most_blocks = 2;
+  for (const DeviceDecodeItem* it : set) most_blocks = std::max<int64_t>(most_blocks, BulkEnd(it->replica) / 32);
+  if (units_with(chunk) > wave) {  // the smallest chunk that fits (units fall as it grows), or one unit per item
+    int64_t lo = chunk + 1, hi = std::max(most_blocks, chunk + 1);
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (units_with(mid) > wave) lo = mid + 1; else hi = mid;
+    }
+    chunk = lo;
+  }
+  batch.chunk_blocks = static_cast<int>(chunk);
   int units = 0;
   for (int i = 0; i < batch.count; ++i) {
     batch.items[i] = *set[i];
