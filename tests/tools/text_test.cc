@@ -1,11 +1,7 @@
-// Unicode helpers, chat format, NIAH prompt layout and the PNG writer: no model needed.
-#include <cmath>
-#include <fstream>
-#include <iterator>
+// Unicode helpers, chat format and NIAH prompt layout: no model needed.
 
 #include <gtest/gtest.h>
 
-#include "heatmap_png.h"
 #include "specache/chat_template.h"
 #include "unicode_classes.h"
 
@@ -62,27 +58,6 @@ TEST(ChatTemplateTest, ChatMlWithDefaultSystemMessage) {
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
   const ChatMessage with_system[] = {{"system", "S"}, {"user", "Hi"}};
   EXPECT_EQ(chat.Apply(with_system, false), "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
-}
-
-TEST(HeatMapTest, WritesAPngOfTheExpectedSizeAndRejectsRaggedValues) {
-  HeatMap map{"NIAH full", {"0.00", "0.50", "1.00"}, {"1024", "2048"}, {{1, 0}, {0.5, NAN}, {1, 1}}};
-  const std::string path = ::testing::TempDir() + "/heat.png";
-  ASSERT_TRUE(WriteHeatMapPng(map, path).ok());
-  std::ifstream in(path, std::ios::binary);
-  const std::string png((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  ASSERT_GT(png.size(), 33u);
-  EXPECT_EQ(png.substr(0, 8), "\x89PNG\r\n\x1a\n");
-  EXPECT_EQ(png.substr(12, 4), "IHDR");
-  auto be32 = [&](size_t at) {
-    return (uint32_t(uint8_t(png[at])) << 24) | (uint32_t(uint8_t(png[at + 1])) << 16) |
-           (uint32_t(uint8_t(png[at + 2])) << 8) | uint32_t(uint8_t(png[at + 3]));
-  };
-  EXPECT_GT(be32(16), 2u * 72);  // width holds two cells
-  EXPECT_GT(be32(20), 3u * 40);  // height holds three rows
-  EXPECT_EQ(png.substr(png.size() - 8, 4), "IEND");
-
-  map.values[1].pop_back();
-  EXPECT_EQ(WriteHeatMapPng(map, path).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

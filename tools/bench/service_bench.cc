@@ -26,8 +26,10 @@
 #include <spdlog/spdlog.h>
 
 #include "bench_stats.h"
+#include "command_line.h"
 #include "daemon.h"
 #include "kept_sequences.h"
+#include "output_paths.h"
 #include "specache/client.h"
 #include "specache/version.h"
 
@@ -193,7 +195,7 @@ int ParkCost(const std::string& dir, int count, nlohmann::json* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"specache-service-bench: control-plane latency and attach cost of specached"};
+  CLI::App app{"specache-service-bench: control-plane latency and attach cost of specached", "specache-service-bench"};
   std::string socket, json_path;
   int rounds = 200;
   bool verify_loop = false;
@@ -206,7 +208,16 @@ int main(int argc, char** argv) {
   app.add_option("--park-cost", park_cost_dir, "time parking with and without write-through (a spill store in DIR)");
   app.add_flag("--verify-loop", verify_loop, "Extend latency idle and during a VerifySpill loop (embedded daemon)");
   app.add_option("--spill-mib", spill_mib, "spilled MiB that each verify reads (--verify-loop)")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = specache::ParseCommandLine(app, argc, argv); code >= 0) return code;
+  // Output paths are checked (or created) before any measurement.
+  for (const specache::Status& s :
+       {park_cost_dir.empty() ? specache::Status::Ok() : specache::PrepareOutputDir(park_cost_dir),
+        json_path.empty() ? specache::Status::Ok() : specache::PrepareOutputFile(json_path)}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "specache-service-bench: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
 
   if (!park_cost_dir.empty()) {
     spdlog::set_level(spdlog::level::warn);

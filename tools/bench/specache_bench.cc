@@ -1,8 +1,10 @@
 // specache-bench: figures for the agent (CPU backend everywhere; gather and step on a GPU).
 //
-//   specache-bench [memory|quantize|attention|all|gather|contend|step|attend|reuse] [--tokens N] [--head-dim D]
-//                  [--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N]
-//                  [--trace FILE] [--row-bytes B] [--json FILE]
+//   specache-bench [SUITE] [OPTIONS]     SUITE: memory, quantize, attention, all (the default),
+//                                        gather, contend, step, attend, reuse
+//   specache-bench SUITE --help          the options of one suite (--tokens, --head-dim, --repeats,
+//                                        --host-gib, --batches, --fetch-blocks, --trace,
+//                                        --row-bytes, --json: where they apply)
 //   specache-bench --version
 //
 // memory     replica bytes / fp16 bytes after streaming N tokens through one real HeadReplica,
@@ -39,7 +41,12 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "bench_stats.h"
+#include "command_line.h"
+#include "output_paths.h"
+#include "progress.h"
 #include "specache/cpu_attention.h"
 #include "specache/device_probe.h"
 #include "specache/head_replica.h"
@@ -199,7 +206,7 @@ void Attention(const Options& o, std::vector<Row>* rows) {
               "        first, so low bits save memory here, not time. 2rows/1row: cost of the speculative row.)\n");
 }
 
-void WriteJson(const std::string& path, const std::vector<Row>& rows) {
+bool WriteJson(const std::string& path, const std::vector<Row>& rows) {
   std::ofstream f(path);
   f << "{\"results\": [\n";
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -208,15 +215,76 @@ void WriteJson(const std::string& path, const std::vector<Row>& rows) {
     f << "}" << (i + 1 < rows.size() ? ",\n" : "\n");
   }
   f << "]}\n";
+  if (!f.flush()) {
+    std::fprintf(stderr, "specache-bench: could not write %s\n", path.c_str());
+    return false;
+  }
   std::printf("\nwrote %s\n", path.c_str());
+  return true;
 }
 
-int Usage() {
-  std::fprintf(stderr,
-               "usage: specache-bench [memory|quantize|attention|all|gather|contend|step|attend|reuse] [--tokens N] [--head-dim D] "
-               "[--repeats R] [--host-gib G] [--batches B1,B2,..] [--fetch-blocks N] [--trace FILE] [--row-bytes B] "
-               "[--json FILE]\n       specache-bench --version\n");
-  return 2;
+// The suites as subcommands, each with the options that apply to it; with none, "all".
+struct Suite {
+  const char* name;
+  const char* help;
+  bool tokens, head_dim, repeats, host_gib, batches, fetch_blocks, trace;
+};
+constexpr Suite kSuites[] = {
+    {"memory", "replica bytes / fp16 bytes after N tokens; checks the 1-bit G=32 R=64 target (<= 0.14 at 32K)",
+     true, true, false, false, false, false, false},
+    {"quantize", "key-group and value-token quantization throughput per bit width", false, true, true, false, false,
+     false, false},
+    {"attention", "one CPU decode step over one KV head with k substituted rows, per bit width", true, true, true,
+     false, false, false, false},
+    {"all", "memory, quantize and attention (the default)", true, true, true, false, false, false, false},
+    {"gather", "(GPU) zero-copy gather of one layer's top-k rows vs a contiguous copy", false, false, true, true,
+     false, false, false},
+    {"contend", "(GPU) the gather on every GPU alone and all at once", true, false, true, true, true, false, false},
+    {"step", "(GPU) a 32-layer decode step of the CUDA agent, with and without the speculative fetch", true, false,
+     false, false, true, true, false},
+    {"attend", "(GPU) one layer's decode attention and top-k against the HBM bandwidth", true, false, false, false,
+     true, true, false},
+    {"reuse", "bytes fetched per token with and without the row cache, from a selection trace", false, false, false,
+     false, false, false, true},
+};
+
+// Adds `suite`'s options to `cmd`, bound to `o`.
+void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
+  const auto positive = CLI::PositiveNumber;
+  if (suite.tokens) {
+    cmd->add_option_function<int>("--tokens", [o](int n) { o->tokens = n, o->tokens_given = true; },
+                                  "context tokens (default: 32768; step and attend 8192)")
+        ->check(positive);
+  }
+  if (suite.head_dim) {
+    cmd->add_option("--head-dim", o->head_dim, "head dimension (a multiple of 32)")
+        ->capture_default_str()
+        ->check(CLI::Validator(
+            [](std::string& v) {
+              const int d = std::atoi(v.c_str());
+              return d > 0 && d % 32 == 0 ? std::string() : "the head dimension must be a positive multiple of 32";
+            },
+            "MULTIPLE OF 32"));
+  }
+  if (suite.repeats) cmd->add_option("--repeats", o->repeats, "timed runs after one warm-up")->capture_default_str()->check(positive);
+  if (suite.host_gib) {
+    cmd->add_option("--host-gib", o->host_gib, "registered host memory the pages spread over (GiB)")
+        ->capture_default_str()
+        ->check(positive);
+  }
+  if (suite.batches) {
+    cmd->add_option("--batches", o->batches, "sequences per step, e.g. 1,8,16,32 (contend: the first)")
+        ->delimiter(',')
+        ->check(positive);
+  }
+  if (suite.fetch_blocks) {
+    cmd->add_option("--fetch-blocks", o->fetch_blocks, "fetch kernel blocks (default: the agent's)")->check(positive);
+  }
+  if (suite.trace) {
+    cmd->add_option("--trace", o->trace_path, "selection trace (specache-run generate --selection-trace)")->required();
+    cmd->add_option("--row-bytes", o->row_bytes, "bytes of one row")->capture_default_str()->check(positive);
+  }
+  cmd->add_option("--json", o->json_path, "also write the figures to this file (checked before the run)");
 }
 
 }  // namespace
@@ -225,50 +293,24 @@ int Usage() {
 int main(int argc, char** argv) {
   using namespace specache;
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next_int = [&](int* out) {
-      if (i + 1 >= argc) return false;
-      *out = std::atoi(argv[++i]);
-      return *out > 0;
-    };
-    if (a == "--version") {
-      std::printf("specache-bench %s\n", SPECACHE_VERSION);
-      return 0;
-    } else if (a == "--tokens") {
-      if (!next_int(&o.tokens)) return Usage();
-      o.tokens_given = true;
-    } else if (a == "--head-dim") {
-      if (!next_int(&o.head_dim) || o.head_dim % 32) return Usage();
-    } else if (a == "--repeats") {
-      if (!next_int(&o.repeats)) return Usage();
-    } else if (a == "--host-gib") {
-      if (!next_int(&o.host_gib)) return Usage();
-    } else if (a == "--json") {
-      if (i + 1 >= argc) return Usage();
-      o.json_path = argv[++i];
-    } else if (a == "--trace") {
-      if (i + 1 >= argc) return Usage();
-      o.trace_path = argv[++i];
-    } else if (a == "--row-bytes") {
-      if (!next_int(&o.row_bytes)) return Usage();
-    } else if (a == "--fetch-blocks") {
-      if (!next_int(&o.fetch_blocks)) return Usage();
-    } else if (a == "--batches") {
-      if (i + 1 >= argc) return Usage();
-      o.batches.clear();
-      for (std::string list = argv[++i]; !list.empty();) {
-        const size_t comma = list.find(',');
-        const int b = std::atoi(list.substr(0, comma).c_str());
-        if (b <= 0) return Usage();
-        o.batches.push_back(b);
-        list = comma == std::string::npos ? "" : list.substr(comma + 1);
-      }
-    } else if (a == "memory" || a == "quantize" || a == "attention" || a == "all" || a == "gather" || a == "step" || a == "attend" ||
-               a == "contend" || a == "reuse") {
-      o.suite = a;
-    } else {
-      return Usage();
+  CLI::App app{"specache-bench: figures for the agent (CPU everywhere; gather, contend, step and attend on a GPU).\n"
+               "Timings are medians of --repeats runs after one warm-up; read ratios, the machine is noisy.",
+               "specache-bench"};
+  app.set_version_flag("--version", "specache-bench " SPECACHE_VERSION);
+  app.require_subcommand(0, 1);
+  // Without a subcommand the program runs "all", so that form takes the same options.
+  AddSuiteOptions(&app, kSuites[3], &o);
+  for (const Suite& suite : kSuites) {
+    CLI::App* cmd = app.add_subcommand(suite.name, suite.help);
+    AddSuiteOptions(cmd, suite, &o);
+    cmd->callback([&o, name = suite.name] { o.suite = name; });
+  }
+  if (const int code = ParseCommandLine(app, argc, argv); code >= 0) return code;
+  if (!o.json_path.empty()) {
+    // Before any run: a long suite must not end in a file it cannot write.
+    if (Status s = PrepareOutputFile(o.json_path); !s.ok()) {
+      std::fprintf(stderr, "specache-bench: %s\n", s.ToString().c_str());
+      return 1;
     }
   }
   auto device = ProbeCudaDevice();
@@ -276,9 +318,21 @@ int main(int argc, char** argv) {
                                                  : ("no GPU: " + device.status().message()).c_str());
   std::vector<Row> rows;
   bool ok = true;
-  if (o.suite == "memory" || o.suite == "all") ok = Memory(o, &rows);
-  if (o.suite == "quantize" || o.suite == "all") Quantize(o, &rows);
-  if (o.suite == "attention" || o.suite == "all") Attention(o, &rows);
+  if (o.suite == "all") {
+    // Three suites of up to a minute each, their tables on stdout as they finish: a progress
+    // line after each on a terminal, nothing in a log.
+    Progress progress("specache-bench all:", 3, "suites", Progress::Style::kLines);
+    ok = Memory(o, &rows);
+    std::fflush(stdout);
+    progress.Advance();
+    Quantize(o, &rows);
+    std::fflush(stdout);
+    progress.Advance();
+    Attention(o, &rows);
+  }
+  if (o.suite == "memory") ok = Memory(o, &rows);
+  if (o.suite == "quantize") Quantize(o, &rows);
+  if (o.suite == "attention") Attention(o, &rows);
   if (o.suite == "reuse") {
     std::vector<bench::BenchRow> reuse;
     ok = bench::RunReuseSuite({o.trace_path, o.row_bytes, {2, 4}}, &reuse);
@@ -309,6 +363,6 @@ int main(int argc, char** argv) {
     ok = false;
 #endif
   }
-  if (!o.json_path.empty()) WriteJson(o.json_path, rows);
+  if (!o.json_path.empty() && !WriteJson(o.json_path, rows)) ok = false;
   return ok ? 0 : 1;
 }

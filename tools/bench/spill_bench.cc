@@ -28,6 +28,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "command_line.h"
+#include "output_paths.h"
 #include "specache/spill_store.h"
 #include "specache/version.h"
 
@@ -78,14 +80,22 @@ uint64_t DirBytes(const fs::path& p) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"specache-spill-bench: spill tier vs plain sequential I/O"};
+  CLI::App app{"specache-spill-bench: spill tier vs plain sequential I/O", "specache-spill-bench"};
   std::string dir, json_path;
   int gib = 2;
   app.add_option("--dir", dir, "directory on the disk to measure (the spill tier's disk)")->required();
   app.add_option("--gib", gib, "GiB to write and read")->capture_default_str();
   app.add_option("--json", json_path, "also write the figures here");
   app.set_version_flag("--version", "specache-spill-bench " SPECACHE_VERSION);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = specache::ParseCommandLine(app, argc, argv); code >= 0) return code;
+  // The measured directory and the JSON file are checked (or created) before gigabytes are written.
+  for (const specache::Status& s : {specache::PrepareOutputDir(dir),
+                                    json_path.empty() ? specache::Status::Ok() : specache::PrepareOutputFile(json_path)}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "specache-spill-bench: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
 
   specache::PageLayout layout{32, 8, 128, 64, 8192};  // 256 KiB pages
   const uint64_t page_bytes = layout.page_bytes();

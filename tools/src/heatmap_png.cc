@@ -1,127 +1,155 @@
 #include "heatmap_png.h"
 
-#include <zlib.h>
+#include <ft2build.h>
+#include FT_FREETYPE_H
+#include <png.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
-#include <cstdint>
 #include <cstdio>
 #include <memory>
+
+#include "embedded_font.h"
 
 namespace specache {
 namespace {
 
-// 5x7 glyphs, one byte per row (top first), bit 4 = leftmost pixel.
-struct Glyph {
-  char c;
-  uint8_t rows[7];
-};
-constexpr Glyph kFont[] = {
-    {'0', {0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E}}, {'1', {0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E}},
-    {'2', {0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F}}, {'3', {0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E}},
-    {'4', {0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02}}, {'5', {0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E}},
-    {'6', {0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E}}, {'7', {0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08}},
-    {'8', {0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E}}, {'9', {0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C}},
-    {'A', {0x0E, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11}}, {'B', {0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E}},
-    {'C', {0x0E, 0x11, 0x10, 0x10, 0x10, 0x11, 0x0E}}, {'D', {0x1C, 0x12, 0x11, 0x11, 0x11, 0x12, 0x1C}},
-    {'E', {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x1F}}, {'F', {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x10}},
-    {'G', {0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F}}, {'H', {0x11, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11}},
-    {'I', {0x0E, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E}}, {'J', {0x07, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C}},
-    {'K', {0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11}}, {'L', {0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x1F}},
-    {'M', {0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11}}, {'N', {0x11, 0x11, 0x19, 0x15, 0x13, 0x11, 0x11}},
-    {'O', {0x0E, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E}}, {'P', {0x1E, 0x11, 0x11, 0x1E, 0x10, 0x10, 0x10}},
-    {'Q', {0x0E, 0x11, 0x11, 0x11, 0x15, 0x12, 0x0D}}, {'R', {0x1E, 0x11, 0x11, 0x1E, 0x14, 0x12, 0x11}},
-    {'S', {0x0F, 0x10, 0x10, 0x0E, 0x01, 0x01, 0x1E}}, {'T', {0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04}},
-    {'U', {0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E}}, {'V', {0x11, 0x11, 0x11, 0x11, 0x11, 0x0A, 0x04}},
-    {'W', {0x11, 0x11, 0x11, 0x15, 0x15, 0x15, 0x0A}}, {'X', {0x11, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x11}},
-    {'Y', {0x11, 0x11, 0x11, 0x0A, 0x04, 0x04, 0x04}}, {'Z', {0x1F, 0x01, 0x02, 0x04, 0x08, 0x10, 0x1F}},
-    {'.', {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x0C}}, {':', {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x0C, 0x00}},
-    {'-', {0x00, 0x00, 0x00, 0x1F, 0x00, 0x00, 0x00}}, {'=', {0x00, 0x00, 0x1F, 0x00, 0x1F, 0x00, 0x00}},
-    {'(', {0x02, 0x04, 0x08, 0x08, 0x08, 0x04, 0x02}}, {')', {0x08, 0x04, 0x02, 0x02, 0x02, 0x04, 0x08}},
-    {',', {0x00, 0x00, 0x00, 0x00, 0x0C, 0x04, 0x08}}, {'/', {0x00, 0x01, 0x02, 0x04, 0x08, 0x10, 0x00}},
-    {'%', {0x18, 0x19, 0x02, 0x04, 0x08, 0x13, 0x03}}, {'_', {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1F}},
-    {' ', {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}}, {'?', {0x0E, 0x11, 0x01, 0x02, 0x04, 0x00, 0x04}},
+constexpr int kCellWidth = 96, kCellHeight = 44, kGap = 2;
+constexpr int kTitlePx = 20, kLabelPx = 15;  // font sizes (pixels per em)
+constexpr int kMargin = 16;
+constexpr Rgb8 kInk{25, 25, 25}, kWhite{255, 255, 255};
+
+// FreeType's library and the embedded face; one per picture (a picture takes milliseconds).
+class Font {
+ public:
+  static Result<std::unique_ptr<Font>> Open() {
+    auto f = std::unique_ptr<Font>(new Font);
+    if (FT_Init_FreeType(&f->library_) != 0) return Status::Internal("FreeType did not initialize");
+    const std::span<const uint8_t> ttf = EmbeddedFont();
+    if (FT_New_Memory_Face(f->library_, ttf.data(), static_cast<FT_Long>(ttf.size()), 0, &f->face_) != 0) {
+      return Status::Internal("FreeType could not read the embedded font");
+    }
+    return f;
+  }
+  ~Font() {
+    if (face_) FT_Done_Face(face_);
+    if (library_) FT_Done_FreeType(library_);
+  }
+  FT_Face face(int pixels) {
+    FT_Set_Pixel_Sizes(face_, 0, static_cast<FT_UInt>(pixels));
+    return face_;
+  }
+
+ private:
+  Font() = default;
+  FT_Library library_ = nullptr;
+  FT_Face face_ = nullptr;
 };
 
-constexpr int kScale = 2;                       // font pixels per glyph pixel
-constexpr int kAdvance = 6 * kScale;             // glyph width plus one column of space
-constexpr int kTextHeight = 7 * kScale;
-constexpr int kCellWidth = 72, kCellHeight = 40;
-
-struct Rgb {
-  uint8_t r, g, b;
-};
+// Width in pixels of `text` at `pixels` per em (advances only; the font is not kerned here).
+int TextWidth(Font* font, const std::string& text, int pixels) {
+  FT_Face face = font->face(pixels);
+  long width = 0;
+  for (unsigned char ch : text) {
+    if (FT_Load_Char(face, ch, FT_LOAD_DEFAULT) == 0) width += face->glyph->advance.x;
+  }
+  return static_cast<int>(width >> 6);
+}
 
 class Canvas {
  public:
-  Canvas(int w, int h) : w_(w), h_(h), px_(static_cast<size_t>(w) * h, Rgb{255, 255, 255}) {}
-  int width() const { return w_; }
-  int height() const { return h_; }
-  void Fill(int x0, int y0, int w, int h, Rgb c) {
+  Canvas(int w, int h) : w_(w), h_(h), px_(static_cast<size_t>(w) * h * 3, 255) {}
+  void Fill(int x0, int y0, int w, int h, Rgb8 c) {
     for (int y = std::max(0, y0); y < std::min(h_, y0 + h); ++y) {
-      for (int x = std::max(0, x0); x < std::min(w_, x0 + w); ++x) px_[static_cast<size_t>(y) * w_ + x] = c;
+      for (int x = std::max(0, x0); x < std::min(w_, x0 + w); ++x) Set(x, y, c);
     }
   }
-  void Text(int x, int y, const std::string& s, Rgb c) {
-    for (char ch : s) {
-      const char up = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
-      const Glyph* g = std::find_if(std::begin(kFont), std::end(kFont), [&](const Glyph& f) { return f.c == up; });
-      if (g == std::end(kFont)) g = std::end(kFont) - 1;  // '?'
-      for (int row = 0; row < 7; ++row) {
-        for (int col = 0; col < 5; ++col) {
-          if (g->rows[row] & (0x10 >> col)) Fill(x + col * kScale, y + row * kScale, kScale, kScale, c);
+  // Text with its baseline at y, anti-aliased over what is there.
+  void Text(Font* font, int x, int baseline, const std::string& text, int pixels, Rgb8 ink) {
+    FT_Face face = font->face(pixels);
+    for (unsigned char ch : text) {
+      if (FT_Load_Char(face, ch, FT_LOAD_RENDER) != 0) continue;
+      const FT_GlyphSlot g = face->glyph;
+      const FT_Bitmap& b = g->bitmap;
+      for (unsigned row = 0; row < b.rows; ++row) {
+        for (unsigned col = 0; col < b.width; ++col) {
+          const int px = x + g->bitmap_left + static_cast<int>(col), py = baseline - g->bitmap_top + static_cast<int>(row);
+          if (px < 0 || py < 0 || px >= w_ || py >= h_) continue;
+          const double a = b.buffer[row * b.pitch + col] / 255.0;
+          uint8_t* p = &px_[(static_cast<size_t>(py) * w_ + px) * 3];
+          p[0] = static_cast<uint8_t>(std::lround(p[0] * (1 - a) + ink.r * a));
+          p[1] = static_cast<uint8_t>(std::lround(p[1] * (1 - a) + ink.g * a));
+          p[2] = static_cast<uint8_t>(std::lround(p[2] * (1 - a) + ink.b * a));
         }
       }
-      x += kAdvance;
+      x += static_cast<int>(g->advance.x >> 6);
     }
   }
-  const Rgb* row(int y) const { return px_.data() + static_cast<size_t>(y) * w_; }
+  Status WritePng(const std::string& path) const {
+    png_image image{};
+    image.version = PNG_IMAGE_VERSION;
+    image.width = static_cast<png_uint_32>(w_);
+    image.height = static_cast<png_uint_32>(h_);
+    image.format = PNG_FORMAT_RGB;
+    if (!png_image_write_to_file(&image, path.c_str(), 0, px_.data(), 0, nullptr)) {
+      return Status::FailedPrecondition("cannot write " + path + ": " + image.message);
+    }
+    return Status::Ok();
+  }
 
  private:
+  void Set(int x, int y, Rgb8 c) {
+    uint8_t* p = &px_[(static_cast<size_t>(y) * w_ + x) * 3];
+    p[0] = c.r;
+    p[1] = c.g;
+    p[2] = c.b;
+  }
   int w_, h_;
-  std::vector<Rgb> px_;
+  std::vector<uint8_t> px_;
 };
 
-int TextWidth(const std::string& s) { return static_cast<int>(s.size()) * kAdvance; }
-
-void PutU32(std::string* out, uint32_t v) {
-  for (int shift = 24; shift >= 0; shift -= 8) out->push_back(static_cast<char>((v >> shift) & 0xFF));
+std::string Percent(double v) {
+  if (std::isnan(v)) return "not run";
+  char text[16];
+  std::snprintf(text, sizeof text, "%.0f%%", v * 100);
+  return text;
 }
 
-void PutChunk(std::string* png, const char* type, const std::string& data) {
-  PutU32(png, static_cast<uint32_t>(data.size()));
-  std::string body = std::string(type, 4) + data;
-  png->append(body);
-  PutU32(png, static_cast<uint32_t>(crc32(0, reinterpret_cast<const Bytef*>(body.data()), body.size())));
-}
-
-Result<std::string> EncodePng(const Canvas& canvas) {
-  std::string raw;
-  raw.reserve(static_cast<size_t>(canvas.height()) * (1 + 3 * canvas.width()));
-  for (int y = 0; y < canvas.height(); ++y) {
-    raw.push_back(0);  // filter: none
-    raw.append(reinterpret_cast<const char*>(canvas.row(y)), static_cast<size_t>(canvas.width()) * 3);
+// The layout, given text widths (the font measures them).
+Result<HeatMapGeometry> Layout(const HeatMap& map, Font* font) {
+  const int rows = static_cast<int>(map.row_labels.size()), cols = static_cast<int>(map.column_labels.size());
+  if (rows == 0 || cols == 0 || static_cast<int>(map.values.size()) != rows) {
+    return Status::InvalidArgument("heat map needs labels and a value per cell");
   }
-  uLongf packed_size = compressBound(raw.size());
-  std::string packed(packed_size, '\0');
-  if (compress2(reinterpret_cast<Bytef*>(packed.data()), &packed_size, reinterpret_cast<const Bytef*>(raw.data()),
-                raw.size(), 9) != Z_OK) {
-    return Status::Internal("zlib could not compress the image");
+  for (const auto& r : map.values) {
+    if (static_cast<int>(r.size()) != cols) return Status::InvalidArgument("heat map rows differ in length");
   }
-  packed.resize(packed_size);
-  std::string png = "\x89PNG\r\n\x1a\n";
-  std::string header;
-  PutU32(&header, static_cast<uint32_t>(canvas.width()));
-  PutU32(&header, static_cast<uint32_t>(canvas.height()));
-  header += std::string("\x08\x02\x00\x00\x00", 5);  // 8-bit RGB, deflate, no interlace
-  PutChunk(&png, "IHDR", header);
-  PutChunk(&png, "IDAT", packed);
-  PutChunk(&png, "IEND", "");
-  return png;
+  int label_width = TextWidth(font, map.row_axis, kLabelPx);
+  for (const auto& l : map.row_labels) label_width = std::max(label_width, TextWidth(font, l, kLabelPx));
+  int cell_width = kCellWidth;
+  for (const auto& l : map.column_labels) cell_width = std::max(cell_width, TextWidth(font, l, kLabelPx) + 12);
+  HeatMapGeometry g;
+  g.cell_width = cell_width;
+  g.cell_height = kCellHeight;
+  g.grid_left = kMargin + label_width + 12;
+  g.grid_top = kMargin + kTitlePx + 12 + kLabelPx + 10;  // title, then the row axis name
+  const int grid_bottom = g.grid_top + rows * kCellHeight;
+  // Below the grid: column labels, the column axis name, then the legend bar with its ticks.
+  g.legend_left = g.grid_left;
+  g.legend_top = grid_bottom + 2 * (kLabelPx + 10) + kLabelPx + 16;  // and the legend's name
+  g.legend_width = std::max(200, std::min(cols * cell_width, 320));
+  g.legend_height = 14;
+  const int not_run_width = 20 + 6 + TextWidth(font, "not run", kLabelPx);
+  g.width = std::max({g.grid_left + cols * cell_width + kMargin, kMargin + TextWidth(font, map.title, kTitlePx) + kMargin,
+                      g.legend_left + g.legend_width + 24 + not_run_width + kMargin,
+                      g.grid_left + TextWidth(font, map.column_axis, kLabelPx) + kMargin});
+  g.height = g.legend_top + g.legend_height + 8 + kLabelPx + kMargin;
+  return g;
 }
 
-Rgb ValueColor(double v) {
+}  // namespace
+
+Rgb8 HeatMapColor(double v) {
   if (std::isnan(v)) return {200, 200, 200};
   v = std::clamp(v, 0.0, 1.0);
   // red (0) -> yellow (0.5) -> green (1)
@@ -130,53 +158,58 @@ Rgb ValueColor(double v) {
   return {static_cast<uint8_t>(r), static_cast<uint8_t>(g), 70};
 }
 
-}  // namespace
+Result<HeatMapGeometry> LayoutHeatMap(const HeatMap& map) {
+  SPECACHE_ASSIGN_OR_RETURN(auto font, Font::Open());
+  return Layout(map, font.get());
+}
 
 Status WriteHeatMapPng(const HeatMap& map, const std::string& path) {
+  SPECACHE_ASSIGN_OR_RETURN(auto font_owner, Font::Open());
+  Font* font = font_owner.get();
+  SPECACHE_ASSIGN_OR_RETURN(HeatMapGeometry g, Layout(map, font));
   const int rows = static_cast<int>(map.row_labels.size()), cols = static_cast<int>(map.column_labels.size());
-  if (rows == 0 || cols == 0 || static_cast<int>(map.values.size()) != rows) {
-    return Status::InvalidArgument("heat map needs labels and a value per cell");
-  }
-  for (const auto& r : map.values) {
-    if (static_cast<int>(r.size()) != cols) return Status::InvalidArgument("heat map rows differ in length");
-  }
-  int label_width = TextWidth("DEPTH");
-  for (const auto& l : map.row_labels) label_width = std::max(label_width, TextWidth(l));
-  const int left = label_width + 24, top = kTextHeight * 2 + 24;
-  const int width = std::max(left + cols * kCellWidth + 16, TextWidth(map.title) + 32);
-  const int height = top + rows * kCellHeight + kTextHeight * 3 + 24;
-  Canvas c(width, height);
-  const Rgb ink{20, 20, 20};
-  c.Text(16, 12, map.title, ink);
-  c.Text(16, top - kTextHeight - 6, "DEPTH", ink);
+  Canvas c(g.width, g.height);
+  c.Text(font, kMargin, kMargin + kTitlePx, map.title, kTitlePx, kInk);
+  c.Text(font, kMargin, g.grid_top - 10, map.row_axis, kLabelPx, kInk);
+  // Baseline that centers a label of kLabelPx in a box of height h starting at y.
+  auto centered = [](int y, int h) { return y + (h + kLabelPx * 7 / 10) / 2; };
   for (int r = 0; r < rows; ++r) {
-    const int y = top + r * kCellHeight;
-    c.Text(left - 12 - TextWidth(map.row_labels[r]), y + (kCellHeight - kTextHeight) / 2, map.row_labels[r], ink);
+    const int y = g.grid_top + r * g.cell_height;
+    const std::string& label = map.row_labels[r];
+    c.Text(font, g.grid_left - 12 - TextWidth(font, label, kLabelPx), centered(y, g.cell_height - kGap), label,
+           kLabelPx, kInk);
     for (int col = 0; col < cols; ++col) {
-      const int x = left + col * kCellWidth;
+      const int x = g.grid_left + col * g.cell_width;
       const double v = map.values[r][col];
-      c.Fill(x, y, kCellWidth - 2, kCellHeight - 2, ValueColor(v));
-      char text[16];
-      if (std::isnan(v)) {
-        std::snprintf(text, sizeof text, "-");
-      } else {
-        std::snprintf(text, sizeof text, "%.0f%%", v * 100);
-      }
-      c.Text(x + (kCellWidth - 2 - TextWidth(text)) / 2, y + (kCellHeight - 2 - kTextHeight) / 2, text, ink);
+      c.Fill(x, y, g.cell_width - kGap, g.cell_height - kGap, HeatMapColor(v));
+      const std::string text = Percent(v);
+      c.Text(font, x + (g.cell_width - kGap - TextWidth(font, text, kLabelPx)) / 2, centered(y, g.cell_height - kGap),
+             text, kLabelPx, kInk);
     }
   }
-  const int axis_y = top + rows * kCellHeight + 8;
+  const int axis_baseline = g.grid_top + rows * g.cell_height + kLabelPx + 6;
   for (int col = 0; col < cols; ++col) {
-    const int x = left + col * kCellWidth + (kCellWidth - 2 - TextWidth(map.column_labels[col])) / 2;
-    c.Text(x, axis_y, map.column_labels[col], ink);
+    const std::string& label = map.column_labels[col];
+    c.Text(font, g.grid_left + col * g.cell_width + (g.cell_width - kGap - TextWidth(font, label, kLabelPx)) / 2,
+           axis_baseline, label, kLabelPx, kInk);
   }
-  c.Text(left, axis_y + kTextHeight + 10, "CONTEXT TOKENS", ink);
+  c.Text(font, g.grid_left, axis_baseline + kLabelPx + 10, map.column_axis, kLabelPx, kInk);
 
-  SPECACHE_ASSIGN_OR_RETURN(std::string png, EncodePng(c));
-  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "wb"), std::fclose);
-  if (!f) return Status::NotFound("cannot write " + path);
-  if (std::fwrite(png.data(), 1, png.size(), f.get()) != png.size()) return Status::DataLoss("short write to " + path);
-  return Status::Ok();
+  // Legend: the color scale from 0% to 100% with three ticks, then the grey of "not run".
+  for (int i = 0; i < g.legend_width; ++i) {
+    c.Fill(g.legend_left + i, g.legend_top, 1, g.legend_height, HeatMapColor(static_cast<double>(i) / (g.legend_width - 1)));
+  }
+  const int tick_baseline = g.legend_top + g.legend_height + 6 + kLabelPx;
+  for (double v : {0.0, 0.5, 1.0}) {
+    const std::string text = Percent(v);
+    const int x = g.legend_left + static_cast<int>(v * (g.legend_width - 1)) - TextWidth(font, text, kLabelPx) / 2;
+    c.Text(font, std::max(x, 0), tick_baseline, text, kLabelPx, kInk);
+  }
+  const int grey_left = g.legend_left + g.legend_width + 24;
+  c.Fill(grey_left, g.legend_top, 20, g.legend_height, HeatMapColor(NAN));
+  c.Text(font, grey_left + 26, g.legend_top + g.legend_height - 2, "not run", kLabelPx, kInk);
+  c.Text(font, g.legend_left, g.legend_top - 6, "correct answers", kLabelPx, kInk);
+  return c.WritePng(path);
 }
 
 }  // namespace specache

@@ -2,6 +2,7 @@
 
 #include "specache/device_probe.h"
 #include "specache/host_tensor_agent.h"
+#include "memory_breakdown.h"
 #include "unicode_classes.h"
 
 namespace specache::run {
@@ -141,6 +142,10 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
     j["cached_rows"] = run.config.cache_rows();
   }
   j["device_kv_bytes"] = s.device_bytes;
+  const int64_t fp16_row_bytes = int64_t{run.agent->shape().n_layers} * run.agent->shape().n_kv_heads * 2 *
+                                 run.agent->shape().head_dim * static_cast<int64_t>(sizeof(Half));
+  j["device_kv"] = MemoryBreakdown(run.agent->shape(), run.config,
+                                   static_cast<int>(s.full_precision_bytes / std::max<int64_t>(fp16_row_bytes, 1)), s);
   j["full_precision_bytes"] = s.full_precision_bytes;
   j["device_to_fp16_ratio"] =
       s.full_precision_bytes > 0 ? static_cast<double>(s.device_bytes) / static_cast<double>(s.full_precision_bytes) : 0.0;

@@ -1,5 +1,6 @@
 // specache-run: the reference engine on a Llama-family GGUF model, with its KV cache held by the
 // gpu_agent in the chosen mode. Commands: generate, niah, niah-grid, fidelity, logits.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -9,8 +10,13 @@
 #include <CLI/CLI.hpp>
 
 #include "blas_runtime.h"
+#include "command_line.h"
 #include "heatmap_png.h"
+#include "memory_breakdown.h"
 #include "niah_prompt.h"
+#include "niah_reading.h"
+#include "output_paths.h"
+#include "progress.h"
 #include "run_support.h"
 #include "specache/version.h"
 
@@ -77,6 +83,7 @@ Status Generate(GenerateArgs a) {
   if (a.keep_sequence && a.kv.daemon.empty()) {
     return Status::InvalidArgument("--keep-sequence needs --daemon SOCKET (a specached that outlives this run)");
   }
+  if (!a.selection_trace.empty()) SPECACHE_RETURN_IF_ERROR(PrepareOutputFile(a.selection_trace));
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, 1));
@@ -114,12 +121,9 @@ Status Generate(GenerateArgs a) {
     std::cout << j.dump() << "\n";
   } else {
     std::printf("\n");
-    std::fprintf(stderr,
-                 "[%s] prompt %zu tokens, prefill %.1f tok/s; %zu tokens at %.2f tok/s; device KV %.2f MiB, "
-                 "full precision %.2f MiB\n",
-                 run->label.c_str(), prompt.size(), j["prefill_tokens_per_s"].get<double>(), g.tokens.size(),
-                 j["decode_tokens_per_s"].get<double>(), j["device_kv_bytes"].get<double>() / (1 << 20),
-                 j["full_precision_bytes"].get<double>() / (1 << 20));
+    std::fprintf(stderr, "[%s] prompt %zu tokens, prefill %.1f tok/s; %zu tokens at %.2f tok/s\n%s", run->label.c_str(),
+                 prompt.size(), j["prefill_tokens_per_s"].get<double>(), g.tokens.size(),
+                 j["decode_tokens_per_s"].get<double>(), MemoryLines(j["device_kv"], "[" + run->label + "] ").c_str());
     std::fprintf(stderr, "[%s] full-precision KV in: %s\n", run->label.c_str(), j["kv_memory"].dump().c_str());
   }
   return Status::Ok();
@@ -197,9 +201,9 @@ Status Niah(const NiahArgs& a) {
     if (a.json) {
       std::cout << j.dump() << "\n";
     } else {
-      std::printf("[%s] context %d depth %.2f: %s\n  output: %s\n", j["mode"].get<std::string>().c_str(),
+      std::printf("[%s] context %d depth %.2f: %s\n  output: %s\n%s", j["mode"].get<std::string>().c_str(),
                   j["context_tokens"].get<int>(), a.depths[0], j["correct"].get<bool>() ? "CORRECT" : "wrong",
-                  j["output"].get<std::string>().c_str());
+                  j["output"].get<std::string>().c_str(), MemoryLines(j["device_kv"], "  ").c_str());
     }
   }
   return Status::Ok();
@@ -212,33 +216,49 @@ std::string Fixed(double v, int digits) {
 }
 
 Status NiahGrid(const NiahArgs& a) {
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a.kv, a.modes));
+  // Every file this run writes is checked (its directory created) before the first point.
+  const std::string json_path = a.out_dir + "/niah_grid.json";
+  SPECACHE_RETURN_IF_ERROR(PrepareOutputFile(json_path));
+  for (const KvConfig& c : configs) SPECACHE_RETURN_IF_ERROR(PrepareOutputFile(a.out_dir + "/niah_" + ModeLabel(c) + ".png"));
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(std::string haystack, ReadFile(a.haystack_file));
-  SPECACHE_ASSIGN_OR_RETURN(std::vector<KvConfig> configs, Configs(a.kv, a.modes));
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(configs.size())));
   const size_t n_modes = configs.size(), n_len = a.lengths.size(), n_depth = a.depths.size();
   // correct[mode][depth][length]
   std::vector<std::vector<std::vector<double>>> correct(
       n_modes, std::vector<std::vector<double>>(n_depth, std::vector<double>(n_len, NAN)));
   nlohmann::json all = nlohmann::json::array();
+  // A point's time grows with its length: the time left is estimated per token of context.
+  Progress progress("niah-grid:", static_cast<int64_t>(n_len * n_depth), "points");
+  double total_tokens = 0;
+  for (int len : a.lengths) total_tokens += static_cast<double>(len) * n_depth;
+  progress.SetTotalWork(total_tokens);
   for (size_t li = 0; li < n_len; ++li) {
     for (size_t di = 0; di < n_depth; ++di) {
       SPECACHE_ASSIGN_OR_RETURN(auto results,
                                 NiahPoint(m, a, haystack, configs, a.lengths[li], a.depths[di], memory.get()));
       for (size_t mi = 0; mi < n_modes; ++mi) {
         correct[mi][di][li] = results[mi]["correct"].get<bool>() ? 1.0 : 0.0;
-        std::fprintf(stderr, "niah-grid: %-14s %5d tokens depth %.2f %s  (%s)\n", results[mi]["mode"].get<std::string>().c_str(),
-                     a.lengths[li], a.depths[di], results[mi]["correct"].get<bool>() ? "ok   " : "MISS ",
-                     results[mi]["output"].get<std::string>().substr(0, 60).c_str());
+        std::string answer = results[mi]["output"].get<std::string>().substr(0, 60);
+        std::replace(answer.begin(), answer.end(), '\n', ' ');  // one line per result
+        char line[256];
+        std::snprintf(line, sizeof line, "niah-grid: %-14s %5d tokens depth %.2f %s  (%s)",
+                      results[mi]["mode"].get<std::string>().c_str(), a.lengths[li], a.depths[di],
+                      results[mi]["correct"].get<bool>() ? "ok   " : "MISS ", answer.c_str());
+        progress.Note(line);
         all.push_back(results[mi]);
       }
+      progress.Advance(1, a.lengths[li]);
     }
   }
+  progress.Finish();
   // Table: one row per mode, accuracy per length (over depths), and overall.
   std::printf("%-16s", "mode");
   for (int len : a.lengths) std::printf(" %8d", len);
   std::printf(" %8s\n", "all");
   nlohmann::json summary = nlohmann::json::array();
+  std::vector<HeatMap> maps;
   for (size_t mi = 0; mi < n_modes; ++mi) {
     const std::string label = ModeLabel(configs[mi]);
     std::printf("%-16s", label.c_str());
@@ -256,14 +276,37 @@ Status NiahGrid(const NiahArgs& a) {
     summary.push_back({{"mode", label}, {"accuracy", total / static_cast<double>(n_len)}, {"by_length", per_length}});
 
     HeatMap map;
-    map.title = "NIAH " + label + " (" + Fixed(100 * total / static_cast<double>(n_len), 0) + "%)";
+    map.title = "Needle in a haystack, " + label + ": " + Fixed(100 * total / static_cast<double>(n_len), 0) + "% correct";
     for (double d : a.depths) map.row_labels.push_back(Fixed(d, 2));
     for (int len : a.lengths) map.column_labels.push_back(std::to_string(len));
     map.values = correct[mi];
-    SPECACHE_RETURN_IF_ERROR(WriteHeatMapPng(map, a.out_dir + "/niah_" + label + ".png"));
+    maps.push_back(std::move(map));
   }
-  const std::string json_path = a.out_dir + "/niah_grid.json";
-  std::ofstream(json_path) << nlohmann::json{{"summary", summary}, {"runs", all}}.dump(1) << "\n";
+  // Device memory of each mode at the last point (the longest context when --lengths ascend).
+  std::printf("\ndevice KV at %d tokens (low-bit replica, fixed parts and row cache, against the fp16 KV):\n",
+              all.back()["context_tokens"].get<int>());
+  std::vector<ModeOutcome> outcomes;
+  for (size_t mi = 0; mi < n_modes; ++mi) {
+    const nlohmann::json& last = all[all.size() - n_modes + mi];
+    std::printf("%s", MemoryLines(last["device_kv"], "  " + last["mode"].get<std::string>() + ": ").c_str());
+    ModeOutcome o{ModeLabel(configs[mi]), std::string(KvModeName(configs[mi].mode)),
+                  configs[mi].mode == KvMode::kFull ? 16 : configs[mi].key_bits};
+    for (const auto& row : correct[mi]) {
+      for (double v : row) o.correct += v > 0.5, ++o.points;
+    }
+    o.memory_ratio = last["device_kv"]["ratio"].get<double>();
+    outcomes.push_back(o);
+  }
+  std::printf("\n%s\n", ReadNiahTable(outcomes).c_str());
+  // The results first, then the pictures: a picture that fails loses nothing measured.
+  {
+    std::ofstream out(json_path);
+    out << nlohmann::json{{"summary", summary}, {"runs", all}}.dump(1) << "\n";
+    if (!out.flush()) return Status::DataLoss("could not write " + json_path);
+  }
+  for (size_t mi = 0; mi < n_modes; ++mi) {
+    SPECACHE_RETURN_IF_ERROR(WriteHeatMapPng(maps[mi], a.out_dir + "/niah_" + ModeLabel(configs[mi]) + ".png"));
+  }
   std::printf("wrote %s and niah_<mode>.png in %s\n", json_path.c_str(), a.out_dir.c_str());
   return Status::Ok();
 }
@@ -335,6 +378,7 @@ Status Fidelity(const FidelityArgs& a) {
   }
   int text_hits_full = 0;
   std::vector<float> ref_logits;
+  Progress progress("fidelity:", a.eval_tokens, "positions");
   for (int step = 0; step < a.eval_tokens; ++step) {
     const int32_t token = tokens[a.context_tokens + step];
     const int32_t next = tokens[a.context_tokens + step + 1 < static_cast<int>(tokens.size()) ? a.context_tokens + step + 1
@@ -354,7 +398,9 @@ Status Fidelity(const FidelityArgs& a) {
       t.kl_sum += kl;
       t.kl_max = std::max(t.kl_max, kl);
     }
+    progress.Advance();
   }
+  progress.Finish();
   for (Tally& t : tallies) {
     nlohmann::json j = Figures(*t.run, pre.seconds, a.context_tokens, *t.decoder);
     j["positions"] = a.eval_tokens;
@@ -374,11 +420,10 @@ Status Fidelity(const FidelityArgs& a) {
       continue;
     }
     std::printf("[%s] %d positions after %d tokens: top-1 agreement %.4f, mean KL %.5f (max %.4f); decode %.2f tok/s "
-                "(full %.2f); device KV %.2f MiB of %.2f MiB fp16\n",
+                "(full %.2f)\n%s",
                 t.run->label.c_str(), a.eval_tokens, a.context_tokens, j["top1_agreement"].get<double>(),
                 j["mean_kl"].get<double>(), t.kl_max, j["decode_tokens_per_s"].get<double>(),
-                j["full_decode_tokens_per_s"].get<double>(), j["device_kv_bytes"].get<double>() / (1 << 20),
-                j["full_precision_bytes"].get<double>() / (1 << 20));
+                j["full_decode_tokens_per_s"].get<double>(), MemoryLines(j["device_kv"], "  ").c_str());
   }
   return Status::Ok();
 }
@@ -390,6 +435,8 @@ struct LogitsArgs {
 };
 
 Status Logits(const LogitsArgs& a) {
+  const bool to_file = !a.out.empty() && a.out != "-";
+  if (to_file) SPECACHE_RETURN_IF_ERROR(PrepareOutputFile(a.out));
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, KvConfig{KvMode::kFull}));
   const std::vector<int32_t> prompt =
@@ -397,10 +444,12 @@ Status Logits(const LogitsArgs& a) {
   Agent* agents[] = {run->agent.get()};
   SPECACHE_ASSIGN_OR_RETURN(PrefillResult pre, Prefill(*m.model, agents, kSequence, prompt));
   nlohmann::json j{{"tokens", prompt}, {"logits", pre.logits}, {"argmax", Argmax(pre.logits)}};
-  if (a.out.empty() || a.out == "-") {
+  if (!to_file) {
     std::cout << j.dump() << "\n";
   } else {
-    std::ofstream(a.out) << j.dump() << "\n";
+    std::ofstream out(a.out);
+    out << j.dump() << "\n";
+    if (!out.flush()) return Status::DataLoss("could not write " + a.out);
   }
   return Status::Ok();
 }
@@ -417,7 +466,7 @@ int Report(const Status& s) {
 int main(int argc, char** argv) {
   using namespace specache::run;
   specache::ConfigureBlasRuntime(argv);
-  CLI::App app{"specache-run: reference engine for Llama-family GGUF models with the SpeCache KV agent"};
+  CLI::App app{"specache-run: reference engine for Llama-family GGUF models with the SpeCache KV agent", "specache-run"};
   app.require_subcommand(1);
 
   GenerateArgs gen;
@@ -449,7 +498,7 @@ int main(int argc, char** argv) {
       cmd->add_option("--depths", a->depths, "needle depths in [0, 1]")->delimiter(',')->capture_default_str();
       cmd->add_option("--modes", a->modes, "KV modes as MODE[:BITS], e.g. full,kivi:1,specache:1 (default: --kv)")
           ->delimiter(',');
-      cmd->add_option("--out-dir", a->out_dir, "where niah_grid.json and the PNG heat maps go")->capture_default_str();
+      cmd->add_option("--out-dir", a->out_dir, "where niah_grid.json and the PNG heat maps go (created if missing; checked before the first point)")->capture_default_str();
     } else {
       a->lengths.resize(1);
       a->depths.resize(1);
@@ -483,7 +532,7 @@ int main(int argc, char** argv) {
   logits->add_option("--out", logit_args.out, "output file (default stdout)");
 
   app.set_version_flag("--version", "specache-run " SPECACHE_VERSION);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = specache::ParseCommandLine(app, argc, argv); code >= 0) return code;
   if (generate->parsed()) return Report(Generate(gen));
   if (niah->parsed()) return Report(Niah(niah_args));
   if (grid->parsed()) return Report(NiahGrid(grid_args));

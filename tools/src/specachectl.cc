@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "command_line.h"
 #include "specache/client.h"
 #include "specache/version.h"
 
@@ -110,7 +111,7 @@ int Fail(const specache::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"specachectl: inspect a specached"};
+  CLI::App app{"specachectl: inspect a specached", "specachectl"};
   std::string socket = "/run/specache/control.sock";
   int deadline_ms = 2000;
   bool json = false;
@@ -118,6 +119,7 @@ int main(int argc, char** argv) {
   app.add_option("--socket", socket, "daemon control socket")->capture_default_str();
   app.add_option("--deadline-ms", deadline_ms, "deadline of each call")->capture_default_str();
   app.require_subcommand(1);
+  app.fallthrough();  // --socket and --deadline-ms also after the subcommand
   auto* stats = app.add_subcommand("stats", "pool, tenants, sessions, sequences, request counts");
   stats->add_flag("--json", json, "one JSON object");
   auto* sessions = app.add_subcommand("sessions", "open sessions");
@@ -139,7 +141,7 @@ int main(int argc, char** argv) {
   auto* verify = app.add_subcommand("verify", "check every page in the spill tier");
   verify->add_flag("--json", json, "one JSON object");
   app.set_version_flag("--version", "specachectl " SPECACHE_VERSION);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = specache::ParseCommandLine(app, argc, argv); code >= 0) return code;
 
   auto client = Client::Connect({socket, std::chrono::milliseconds(deadline_ms), "specachectl"});
   if (!client.ok()) return Fail(client.status());

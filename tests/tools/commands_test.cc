@@ -1,0 +1,203 @@
+// The programs as a person meets them: every one answers --help (and each subcommand does), an
+// unknown flag gets the same two-line error and exit status 2 everywhere, and every command that
+// writes files creates a missing output directory or stops at once, naming it, when it may not
+// write there (run as uid 65534 into root's directory), before any model is loaded or any
+// measurement starts.
+#include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "testing/model_file.h"
+#include "testing/temp_dir.h"
+
+namespace specache {
+namespace {
+
+struct Program {
+  std::string name, path;
+  std::vector<std::string> subcommands;
+};
+
+std::vector<Program> Programs() {
+  std::vector<Program> p = {
+      {"specache-bench", SPECACHE_BENCH_PATH,
+       {"memory", "quantize", "attention", "all", "gather", "contend", "step", "attend", "reuse"}},
+      {"specache-run", SPECACHE_RUN_PATH, {"generate", "niah", "niah-grid", "fidelity", "logits"}},
+  };
+#ifdef SPECACHECTL_PATH
+  p.push_back({"specachectl", SPECACHECTL_PATH,
+               {"stats", "sessions", "sequences", "watch", "spill", "restore", "evict", "verify"}});
+  p.push_back({"specache-spill-bench", SPILL_BENCH_PATH, {}});
+  p.push_back({"specache-service-bench", SERVICE_BENCH_PATH, {}});
+#endif
+  return p;
+}
+
+struct Outcome {
+  std::string output;  // stdout and stderr
+  int code = -1;       // exit status; -1 when it did not exit normally
+  double seconds = 0;
+};
+
+Outcome Shell(const std::string& command) {
+  Outcome r;
+  const auto start = std::chrono::steady_clock::now();
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+bool CanSwitchUsers() { return geteuid() == 0 && access("/usr/bin/setpriv", X_OK) == 0; }
+
+std::string AsNobody(const std::string& command) { return "/usr/bin/setpriv --reuid 65534 --regid 65534 --clear-groups " + command; }
+
+TEST(CommandLineTest, EveryProgramAndSubcommandAnswersHelp) {
+  for (const Program& p : Programs()) {
+    const Outcome top = Shell(p.path + " --help");
+    EXPECT_EQ(top.code, 0) << p.name << ": " << top.output;
+    EXPECT_NE(top.output.find("--help"), std::string::npos) << p.name;
+    for (const std::string& sub : p.subcommands) {
+      const Outcome r = Shell(p.path + " " + sub + " --help");
+      EXPECT_EQ(r.code, 0) << p.name << " " << sub << ": " << r.output;
+      EXPECT_NE(r.output.find(sub), std::string::npos) << p.name << " " << sub << ": " << r.output;
+    }
+  }
+}
+
+TEST(CommandLineTest, AnUnknownFlagGetsTheSameErrorEverywhere) {
+  for (const Program& p : Programs()) {
+    const Outcome top = Shell(p.path + " --no-such-flag");
+    EXPECT_EQ(top.code, 2) << p.name << ": " << top.output;
+    EXPECT_EQ(top.output, p.name + ": unknown argument --no-such-flag\n" + p.name +
+                              ": see '" + p.name + " --help'\n")
+        << p.name;
+    if (p.subcommands.empty()) continue;
+    const std::string sub = p.subcommands.front();
+    const Outcome r = Shell(p.path + " " + sub + " --no-such-flag");
+    EXPECT_EQ(r.code, 2) << p.name << ": " << r.output;
+    EXPECT_EQ(r.output, p.name + ": unknown argument --no-such-flag\n" + p.name + ": see '" +
+                            p.name + " " + sub + " --help'\n")
+        << p.name;
+  }
+}
+
+TEST(CommandLineTest, AnUnknownSubcommandIsAUsageError) {
+  for (const Program& p : Programs()) {
+    if (p.subcommands.empty()) continue;
+    const Outcome r = Shell(p.path + " no-such-command");
+    EXPECT_EQ(r.code, 2) << p.name << ": " << r.output;
+    EXPECT_EQ(r.output.rfind(p.name + ": ", 0), 0u) << r.output;
+  }
+}
+
+// Output checks -------------------------------------------------------------------------------
+
+class OutputPathsCommandTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::filesystem::permissions(dir_.path, std::filesystem::perms(0755));  // others may enter, not write
+    locked_ = dir_.path + "/locked";
+    std::filesystem::create_directory(locked_);
+    std::filesystem::permissions(locked_, std::filesystem::perms(0755));
+  }
+  // `command` as uid 65534 with its output going into root's directory: it must fail at once
+  // (no model load, no measurement) with a message naming the path and the reason.
+  void ExpectRefusedAtOnce(const std::string& command, const std::string& path) {
+    if (!CanSwitchUsers()) GTEST_SKIP() << "needs root and /usr/bin/setpriv to act as uid 65534";
+    const Outcome r = Shell(AsNobody(command));
+    EXPECT_EQ(r.code, 1) << command << "\n" << r.output;
+    EXPECT_NE(r.output.find(path), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("Permission denied"), std::string::npos) << r.output;
+    EXPECT_LT(r.seconds, 5.0) << command;
+  }
+  testing::TempDir dir_;
+  std::string locked_;
+};
+
+TEST_F(OutputPathsCommandTest, BenchJsonIntoAMissingDirectoryIsWritten) {
+  const std::string json = dir_.path + "/new/dir/quantize.json";
+  const Outcome r = Shell(std::string(SPECACHE_BENCH_PATH) + " quantize --repeats 1 --json " + json);
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_GT(std::filesystem::file_size(json), 0u);
+}
+
+TEST_F(OutputPathsCommandTest, BenchJsonIntoAnotherUsersDirectoryStopsBeforeRunning) {
+  const std::string json = locked_ + "/memory.json";
+  ExpectRefusedAtOnce(std::string(SPECACHE_BENCH_PATH) + " all --json " + json, locked_);
+}
+
+// specache-run checks its outputs before it loads the model: with a model file that does not
+// exist, a missing directory is created and the error that follows is the model's.
+TEST_F(OutputPathsCommandTest, RunCreatesMissingOutputDirectoriesBeforeLoadingTheModel) {
+  const std::string run = SPECACHE_RUN_PATH, model = dir_.path + "/no-model.gguf";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {run + " niah-grid --model " + model + " --haystack x --needle n --question q --answer a --out-dir " +
+           dir_.path + "/grid/out",
+       dir_.path + "/grid/out"},
+      {run + " generate --model " + model + " --prompt hi --selection-trace " + dir_.path + "/trace/t.txt",
+       dir_.path + "/trace"},
+      {run + " logits --model " + model + " --prompt hi --out " + dir_.path + "/logits/l.json", dir_.path + "/logits"},
+  };
+  for (const auto& [command, created] : cases) {
+    const Outcome r = Shell(command);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_TRUE(std::filesystem::is_directory(created)) << command;
+    EXPECT_NE(r.output.find(model), std::string::npos) << r.output;  // then the model's error
+  }
+}
+
+TEST_F(OutputPathsCommandTest, RunStopsAtOnceWhenItMayNotWriteItsOutputs) {
+  // The real model's path when it is there: the refusal must come before loading it.
+  const std::string run = SPECACHE_RUN_PATH, model = testing::ModelPath();
+  ExpectRefusedAtOnce(run + " niah-grid --model " + model + " --haystack x --needle n --question q --answer a " +
+                          "--out-dir " + locked_,
+                      locked_);
+  ExpectRefusedAtOnce(run + " niah-grid --model " + model + " --haystack x --needle n --question q --answer a " +
+                          "--out-dir " + locked_ + "/sub",
+                      locked_ + "/sub");
+  ExpectRefusedAtOnce(run + " generate --model " + model + " --prompt hi --selection-trace " + locked_ + "/t.txt",
+                      locked_);
+  ExpectRefusedAtOnce(run + " logits --model " + model + " --prompt hi --out " + locked_ + "/l.json", locked_);
+}
+
+#ifdef SPECACHECTL_PATH
+TEST_F(OutputPathsCommandTest, ServiceBenchmarksStopAtOnceWhenTheyMayNotWrite) {
+  ExpectRefusedAtOnce(std::string(SPILL_BENCH_PATH) + " --dir " + locked_ + "/spill", locked_ + "/spill");
+  ExpectRefusedAtOnce(std::string(SPILL_BENCH_PATH) + " --dir /tmp --json " + locked_ + "/s.json",
+                      locked_);
+  ExpectRefusedAtOnce(std::string(SERVICE_BENCH_PATH) + " --json " + locked_ + "/s.json", locked_);
+  ExpectRefusedAtOnce(std::string(SERVICE_BENCH_PATH) + " --park-cost " + locked_ + "/park", locked_ + "/park");
+}
+#endif
+
+// With the real model: a grid into a directory that does not exist yet runs and writes its
+// results there.
+TEST_F(OutputPathsCommandTest, NiahGridIntoAMissingDirectoryWritesItsResults) {
+  SPECACHE_REQUIRE_MODEL_FILE();
+  const std::string out = dir_.path + "/demo/out";
+  const Outcome r = Shell(std::string(SPECACHE_RUN_PATH) + " niah-grid --model " + testing::ModelPath() +
+                      " --haystack " + testing::SourcePath("tools/data/gpl-3.0.txt") +
+                      " --needle 'The secret password for the blue door is PINEAPPLE.'" +
+                      " --question 'What is the secret password for the blue door?' --answer pineapple" +
+                      " --lengths 256 --depths 0.5 --modes full,specache:1 --max-tokens 8 --out-dir " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_GT(std::filesystem::file_size(out + "/niah_grid.json"), 0u);
+  EXPECT_GT(std::filesystem::file_size(out + "/niah_full.png"), 0u);
+  EXPECT_GT(std::filesystem::file_size(out + "/niah_specache-1bit.png"), 0u);
+  EXPECT_NE(r.output.find("Reading: "), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace specache
