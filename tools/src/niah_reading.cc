@@ -29,14 +29,22 @@ std::string ReadNiahTable(const std::vector<ModeOutcome>& modes) {
     sep = "; ";
   }
   out += ".";
+  if (full && full->correct == 0) {
+    return out + " The fp16 cache itself never found the needle, so these points cannot tell whether the "
+                 "compressed modes keep answers: try a shorter context or another depth.";
+  }
   // What follows: SpeCache against full (kept the answers?) and against KIVI of the same bits
   // (did the fetched full-precision rows matter?).
   for (const ModeOutcome& s : modes) {
     if (s.kv != "specache") continue;
-    if (full && s.correct >= full->correct) {
+    if (full && s.correct == full->correct) {
       out += " " + s.label + " kept every answer full found, in " + Ratio(s.memory_ratio) + " of its memory.";
+    } else if (full && s.correct < full->correct) {
+      out += " " + s.label + " lost " + std::to_string(full->correct - s.correct) + " of full's " +
+             std::to_string(full->correct) + " answers.";
     } else if (full) {
-      out += " " + s.label + " lost " + std::to_string(full->correct - s.correct) + " of full's answers.";
+      out += " " + s.label + " found the needle at " + std::to_string(s.correct - full->correct) +
+             " points where full did not.";
     }
     for (const ModeOutcome& k : modes) {
       if (k.kv != "kivi" || k.bits != s.bits) continue;
