@@ -28,9 +28,19 @@ TEST(NiahReadingTest, SaysWhatSpeCacheLostAndWhenKiviDidAsWell) {
   EXPECT_FALSE(Has(r, "kept every answer")) << r;
 }
 
+TEST(NiahReadingTest, NamesAMissThatKiviSharesWithoutCreditingEither) {
+  const std::string r = ReadNiahTable({{"full", "full", 16, 1, 1, 1.0},
+                                       {"kivi-1bit", "kivi", 1, 0, 1, 0.14},
+                                       {"specache-1bit", "specache", 1, 0, 1, 0.24},
+                                       {"specache-2bit", "specache", 2, 1, 1, 0.36}});
+  EXPECT_TRUE(Has(r, "specache-1bit lost 1 of full's 1 answers. kivi-1bit missed it too.")) << r;
+  EXPECT_TRUE(Has(r, "specache-2bit kept every answer full found, in 0.36 of its memory.")) << r;
+}
+
 TEST(NiahReadingTest, ConcludesNothingWhenFullNeverFoundTheNeedle) {
   const std::string r = ReadNiahTable({{"full", "full", 16, 0, 1, 1.0}, {"specache-1bit", "specache", 1, 0, 1, 0.18}});
   EXPECT_TRUE(Has(r, "cannot tell")) << r;
+  EXPECT_FALSE(Has(r, "missed it too")) << r;
   EXPECT_FALSE(Has(r, "kept every answer")) << r;
 }
 

@@ -51,6 +51,8 @@ std::string ReadNiahTable(const std::vector<ModeOutcome>& modes) {
       if (s.correct > k.correct) {
         out += " The " + std::to_string(s.bits) + "-bit replica alone (" + k.label + ") found fewer: the rows " +
                s.label + " fetches in fp16 made the difference.";
+      } else if (s.correct == k.correct && s.correct == 0) {
+        out += " " + k.label + " missed it too.";
       } else if (s.correct == k.correct) {
         out += " " + k.label + " did as well here: this table cannot tell the fetched rows' part.";
       }

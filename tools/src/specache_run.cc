@@ -121,6 +121,7 @@ Status Generate(GenerateArgs a) {
     std::cout << j.dump() << "\n";
   } else {
     std::printf("\n");
+    std::fflush(stdout);  // the answer's last line before the figures on stderr
     std::fprintf(stderr, "[%s] prompt %zu tokens, prefill %.1f tok/s; %zu tokens at %.2f tok/s\n%s", run->label.c_str(),
                  prompt.size(), j["prefill_tokens_per_s"].get<double>(), g.tokens.size(),
                  j["decode_tokens_per_s"].get<double>(), MemoryLines(j["device_kv"], "[" + run->label + "] ").c_str());
