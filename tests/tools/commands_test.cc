@@ -173,6 +173,16 @@ TEST_F(OutputPathsCommandTest, RunStopsAtOnceWhenItMayNotWriteItsOutputs) {
 }
 
 #ifdef SPECACHECTL_PATH
+// The park-cost run is a few seconds (specache-spill-bench writes at least 1 GiB, so only its
+// refusal is tested).
+TEST_F(OutputPathsCommandTest, ServiceBenchIntoMissingDirectoriesWritesThere) {
+  const std::string park = dir_.path + "/new/park", json = dir_.path + "/other/park.json";
+  const Outcome r = Shell(std::string(SERVICE_BENCH_PATH) + " --park-cost " + park + " --rounds 80 --json " + json);
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(std::filesystem::is_directory(park));
+  EXPECT_GT(std::filesystem::file_size(json), 0u);
+}
+
 TEST_F(OutputPathsCommandTest, ServiceBenchmarksStopAtOnceWhenTheyMayNotWrite) {
   ExpectRefusedAtOnce(std::string(SPILL_BENCH_PATH) + " --dir " + locked_ + "/spill", locked_ + "/spill");
   ExpectRefusedAtOnce(std::string(SPILL_BENCH_PATH) + " --dir /tmp --json " + locked_ + "/s.json",
