@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
+#include "command_line.h"
 #include "config.h"
 #include "daemon.h"
 #include "malloc_tuning.h"
@@ -102,7 +103,7 @@ int Run(const Overrides& o) {
 int main(int argc, char** argv) {
   specache::daemon::LimitMallocRetention();  // before any thread: see malloc_tuning.h
   specache::daemon::Overrides o;
-  CLI::App app{"specached: full-precision KV pages in pinned RAM, shared by inference processes"};
+  CLI::App app{"specached: full-precision KV pages in pinned RAM, shared by inference processes", "specached"};
   app.add_option("--config", o.config_path, "TOML configuration file");
   app.add_option("--socket", o.socket, "control socket path (gRPC)");
   app.add_option("--pool-bytes", o.pool_bytes, "memory pool, e.g. 8GiB");
@@ -115,6 +116,6 @@ int main(int argc, char** argv) {
   app.add_option("--spill-dir", o.spill_dir, "directory of the NVMe spill tier (RocksDB) for kept sequences");
   app.add_option("--park-bytes", o.park_bytes, "RAM for kept sequences before they spill, e.g. 2GiB");
   app.set_version_flag("--version", "specached " SPECACHE_VERSION);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = specache::ParseCommandLine(app, argc, argv); code >= 0) return code;
   return specache::daemon::Run(o);
 }

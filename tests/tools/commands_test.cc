@@ -32,6 +32,7 @@ std::vector<Program> Programs() {
       {"specache-run", SPECACHE_RUN_PATH, {"generate", "niah", "niah-grid", "fidelity", "logits"}},
   };
 #ifdef SPECACHECTL_PATH
+  p.push_back({"specached", SPECACHED_PATH, {}});
   p.push_back({"specachectl", SPECACHECTL_PATH,
                {"stats", "sessions", "sequences", "watch", "spill", "restore", "evict", "verify"}});
   p.push_back({"specache-spill-bench", SPILL_BENCH_PATH, {}});
