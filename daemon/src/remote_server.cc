@@ -67,9 +67,12 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   r->server_ = builder.BuildAndStart();
   if (!r->server_ || port == 0) return Status::Unavailable("cannot listen on remote.control_addr " + rc.control_addr);
   r->control_port_ = static_cast<uint16_t>(port);
-  spdlog::info("remote: control plane (TLS{}) on port {}, data plane (UCX, {}) on {}{}", rc.client_ca.empty() ? "" : ", mutual",
-               r->control_port_, r->ucx_->transports(), data_address,
-               rc.rma ? "; remote keys handed out (rma = true: trusted fabric only)" : "");
+  spdlog::info("remote: control plane (TLS{}) on port {}, data plane (UCX, {}) on {}", rc.client_ca.empty() ? "" : ", mutual",
+               r->control_port_, r->ucx_->transports(), data_address);
+  if (rc.rma) {
+    spdlog::warn("remote: rma = true hands out remote keys; over transports that do not check them in hardware (TCP) "
+                 "a remote client can read any of this daemon's memory: trusted RDMA fabrics only");
+  }
   return r;
 }
 
