@@ -115,6 +115,24 @@ Status RemoteSource::ReadRows(SequenceId sequence, int layer, int kv_head, const
                             std::span<const int32_t>(tokens, static_cast<size_t>(n)), out);
 }
 
+Result<uint64_t> RemoteSource::StartReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens,
+                                             int32_t n, Half* out) {
+  if (session_->options().method != FetchMethod::kServerGather) {
+    SPECACHE_RETURN_IF_ERROR(ReadRows(sequence, layer, kv_head, tokens, n, out));
+    return uint64_t{0};  // request ids start at 1: 0 is "already read"
+  }
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length_of, LengthOf(s, layer, kv_head));
+  const int32_t length = length_of->load(std::memory_order_acquire);
+  for (int32_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= length) return Status::OutOfRange("token " + std::to_string(tokens[i]) + " not written");
+  }
+  return session_->StartRead(s->daemon_id, static_cast<uint32_t>(layer), static_cast<uint32_t>(kv_head),
+                             std::span<const int32_t>(tokens, static_cast<size_t>(n)), out);
+}
+
+Status RemoteSource::FinishReadRows(uint64_t read) { return read == 0 ? Status::Ok() : session_->WaitRead(read); }
+
 Result<int32_t> RemoteSource::Length(SequenceId sequence, int layer, int kv_head) const {
   SPECACHE_ASSIGN_OR_RETURN(Sequence * s, Find(sequence));
   SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, LengthOf(s, layer, kv_head));

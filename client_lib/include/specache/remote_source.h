@@ -1,6 +1,7 @@
 // The agent's full-precision source in the pages of a daemon on another host (RemoteSession):
 // appended rows are written over UCX, the top-k rows the agent selects are fetched over UCX (by
-// the session's method, the server-side gather by default). No zero-copy access: the pages are
+// the session's method, the server-side gather by default; StartReadRows / FinishReadRows let the
+// agent's prefetch overlap the read with the engine's layers). No zero-copy access: the pages are
 // not in this host's memory, so a CUDA agent reads fetched rows from host buffers.
 //
 // Lengths are tracked here; the daemon checks every row list against the sequence's pages. The
@@ -31,6 +32,11 @@ class SPECACHE_CLIENT_API RemoteSource final : public FullPrecisionSource {
                     int32_t n) override;
   Status ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
                   Half* out) const override;
+  // The agent's prefetch: the gather's row list goes out here and the rows arrive while the
+  // engine computes other layers (with the gets method the read happens at the start).
+  Result<uint64_t> StartReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
+                                 Half* out) override;
+  Status FinishReadRows(uint64_t read) override;
   Result<int32_t> Length(SequenceId sequence, int layer, int kv_head) const override;
   int64_t stored_bytes() const override;
 
