@@ -43,6 +43,9 @@ struct Daemon::State {
   std::thread io_thread, housekeeping;
   std::unique_ptr<Metrics> metrics;
   std::unique_ptr<RemoteServer> remote;
+  // What Stats calls read (the local service's run on gRPC threads while `remote` is set at
+  // startup and reset at stop).
+  std::atomic<RemoteServer*> remote_view{nullptr};
   std::atomic<bool> stopping{false};
 };
 
@@ -187,14 +190,15 @@ ServiceCounts Counts(State* d) {
   const AttachStats a = d->attach->stats();
   ServiceCounts n;
   // Both control services: the local socket's and the remote port's.
-  n.requests = d->service->requests() + (d->remote ? d->remote->service().requests() : 0);
-  n.errors = d->service->errors() + (d->remote ? d->remote->service().errors() : 0);
-  n.denied = d->service->denied() + (d->remote ? d->remote->service().denied() : 0);
+  const RemoteServer* remote = d->remote_view.load();
+  n.requests = d->service->requests() + (remote ? remote->service().requests() : 0);
+  n.errors = d->service->errors() + (remote ? remote->service().errors() : 0);
+  n.denied = d->service->denied() + (remote ? remote->service().denied() : 0);
   n.attach_connections = a.open;
   n.refused_connections = a.refused + d->control_refused.load();
   n.accept_errors = a.accept_errors + d->control->accept_errors();
-  if (d->remote) {
-    const UcxServerStats r = d->remote->data_stats();
+  if (remote) {
+    const UcxServerStats r = remote->data_stats();
     n.remote_connections = r.connections;
     n.remote_requests = r.requests;
     n.remote_refused = r.refused;
@@ -221,6 +225,7 @@ Status ListenRemote(State* d) {
   if (!d->config.remote.enabled()) return Status::Ok();
   SPECACHE_ASSIGN_OR_RETURN(d->remote, RemoteServer::Start(d->config, d->registry.get(), d->kept.get()));
   d->remote->set_connection_counts([d] { return Counts(d); });
+  d->remote_view.store(d->remote.get());
   return Status::Ok();
 }
 
@@ -329,10 +334,13 @@ void Daemon::Stop() {
   // The listeners close and remove their files with the io thread stopped (and only when this
   // daemon created them: a daemon refused at the lock never gets that far); no new connection
   // reaches gRPC while it shuts down.
-  d->remote.reset();  // remote sessions end as their endpoints close
   if (d->control) d->control->Stop();
   if (d->attach) d->attach->Stop();
   if (d->server) d->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // After the local control plane (its Stats calls read the remote server); the remote server's
+  // own control plane shuts down first inside, then its endpoints close and remote sessions end.
+  d->remote_view.store(nullptr);
+  d->remote.reset();
   // Sessions end with the daemon: their kept sequences are parked, then everything parked is
   // spilled (it would die with the process).
   if (d->registry) d->registry->ParkKeptSequences();
