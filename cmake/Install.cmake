@@ -58,7 +58,8 @@ configure_file(${PROJECT_SOURCE_DIR}/cmake/specache.pc.in ${PROJECT_BINARY_DIR}/
 install(FILES ${PROJECT_BINARY_DIR}/specache.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 
 # Programs. They find the installed shared libraries relative to themselves (any prefix).
-foreach(program specached specachectl specache-run specache-bench specache-spill-bench specache-service-bench)
+foreach(program specached specachectl specache-run specache-bench specache-spill-bench specache-service-bench
+                specache-remote-bench)
   if(TARGET ${program})
     set_target_properties(${program} PROPERTIES INSTALL_RPATH "${SPECACHE_INSTALL_RPATH_BIN}")
     install(TARGETS ${program} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

@@ -13,6 +13,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "client_impl.h"
 #include "specache/attach_protocol.h"
 #include "specache/fd_passing.h"
 #include "specache/shm_layout.h"
@@ -29,25 +30,7 @@ void FillLayout(const PageLayoutSpec& l, v1::SequenceLayout* out) {
   out->set_capacity_tokens(l.capacity_tokens);
 }
 
-Status FromGrpc(const grpc::Status& s, const char* call) {
-  if (s.ok()) return Status::Ok();
-  return Status(static_cast<StatusCode>(s.error_code()), std::string(call) + ": " + s.error_message());
-}
-
 }  // namespace
-
-struct Client::Impl {
-  ClientOptions options;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Control::Stub> stub;
-
-  template <typename Req, typename Resp, typename Method>
-  Status Call(Method method, const char* name, const Req& req, Resp* resp) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + options.deadline);
-    return FromGrpc((stub.get()->*method)(&ctx, req, resp), name);
-  }
-};
 
 struct Session::Impl {
   std::shared_ptr<Client::Impl> client;
@@ -159,20 +142,36 @@ Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
 Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  return Connect(options, options.socket.rfind(kTcpScheme, 0) == 0 ? RemoteCredentials::FromEnvironment()
+                                                                   : RemoteCredentials{});
+}
+
+bool Client::remote() const { return impl_->remote; }
+
+Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options, const RemoteCredentials& remote) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
-  impl->channel = grpc::CreateCustomChannel("unix:" + options.socket, grpc::InsecureChannelCredentials(), args);
+  if (options.socket.rfind(kTcpScheme, 0) == 0) {
+    SPECACHE_RETURN_IF_ERROR(impl->ConnectRemote(options.socket.substr(kTcpScheme.size()), remote, &args));
+  } else {
+    impl->channel = grpc::CreateCustomChannel("unix:" + options.socket, grpc::InsecureChannelCredentials(), args);
+  }
   if (!impl->channel->WaitForConnected(std::chrono::system_clock::now() + options.deadline)) {
     return Status::Unavailable("no specached at " + options.socket + " (waited " +
-                               std::to_string(options.deadline.count()) + " ms)");
+                               std::to_string(options.deadline.count()) + " ms" +
+                               (impl->remote ? "; for tcp://, also check the TLS certificates" : "") + ")");
   }
   impl->stub = v1::Control::NewStub(impl->channel);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
 Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& tenant, uint64_t pool_bytes) {
+  if (impl_->remote) {
+    return Status::FailedPrecondition("a daemon on another host shares no memory: open a remote session "
+                                      "(specache/remote_session.h)");
+  }
   v1::OpenSessionRequest req;
   req.set_tenant(tenant);
   req.set_pool_bytes(pool_bytes);
@@ -228,6 +227,10 @@ Result<DaemonStats> Client::Stats() {
   s.spill_backoff_ms = r.spill_backoff_ms();
   s.spill_unreadable_records = r.spill_unreadable_records();
   s.spill_damaged_sequences = r.spill_damaged_sequences();
+  s.remote_connections = r.remote_connections();
+  s.remote_requests = r.remote_requests();
+  s.remote_refused = r.remote_refused();
+  s.remote_dropped = r.remote_dropped();
   for (const auto& t : r.tenants()) {
     s.tenants.push_back(
         {t.tenant(), t.reserved_bytes(), t.used_bytes(), t.quota_bytes(), t.sessions(), t.sequences(), t.retained_bytes()});

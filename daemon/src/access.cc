@@ -22,6 +22,7 @@ std::string List(const std::vector<uint32_t>& ids) {
 bool Caller::InGroup(uint32_t g) const { return gid == g || Contains(groups, g); }
 
 std::string Caller::Describe() const {
+  if (remote()) return "a remote client of tenant '" + remote_tenant + "'";
   return "uid " + std::to_string(uid) + " gid " + std::to_string(gid) + " groups " + List(groups);
 }
 
@@ -31,7 +32,7 @@ Result<Caller> PeerOf(int fd) {
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
     return Status::Unavailable(std::string("SO_PEERCRED: ") + std::strerror(errno));
   }
-  Caller c{cred.pid, cred.uid, cred.gid, {}};
+  Caller c{cred.pid, cred.uid, cred.gid, {}, {}};
   // SO_PEERGROUPS (Linux 4.13+): ERANGE tells how much room the list needs.
   std::vector<gid_t> groups(16);
   while (true) {
@@ -53,6 +54,13 @@ Status AccessPolicy::MayUseTenant(const Caller& caller, const std::string& tenan
   auto t = tenants_.find(tenant);
   if (t == tenants_.end()) return Status::PermissionDenied("unknown tenant '" + Printable(tenant) + "'");
   const TenantConfig& c = t->second;
+  // A remote caller proved one tenant's secret: that tenant, nothing else (its kNoId ids match
+  // no users or groups, and "any local user" does not include it).
+  if (caller.remote()) {
+    if (caller.remote_tenant == tenant) return Status::Ok();
+    return Status::PermissionDenied("tenant '" + Printable(tenant) + "' is not the tenant this remote client authenticated for ('" +
+                                    caller.remote_tenant + "')");
+  }
   if (c.AllowsAnyone() || caller.uid == 0 || Contains(c.uids, caller.uid)) return Status::Ok();
   for (uint32_t g : c.gids) {
     if (caller.InGroup(g)) return Status::Ok();
@@ -63,6 +71,7 @@ Status AccessPolicy::MayUseTenant(const Caller& caller, const std::string& tenan
 }
 
 bool AccessPolicy::IsAdmin(const Caller& caller) const {
+  if (caller.remote()) return false;  // administration stays on the host
   if (caller.uid == 0 || caller.uid == daemon_uid_ || Contains(access_.admin_uids, caller.uid)) return true;
   for (uint32_t g : access_.admin_gids) {
     if (caller.InGroup(g)) return true;
@@ -76,6 +85,24 @@ Status AccessPolicy::MayAdminister(const Caller& caller, std::string_view call) 
                                   std::to_string(daemon_uid_) + "), access.admin_users " + List(access_.admin_uids) +
                                   " and members of access.admin_groups " + List(access_.admin_gids) +
                                   "; the caller, " + caller.Describe() + ", is none of them");
+}
+
+Result<Caller> AccessPolicy::AuthenticateRemote(const std::string& tenant, std::string_view secret) const {
+  auto t = tenants_.find(tenant);
+  const std::string& expected = t == tenants_.end() ? std::string() : t->second.remote_secret;
+  // Constant time in the secret's bytes: the comparison runs over the whole presented secret.
+  unsigned char diff = expected.empty() || expected.size() != secret.size() ? 1 : 0;
+  for (size_t i = 0; i < secret.size(); ++i) {
+    diff |= static_cast<unsigned char>(secret[i]) ^ static_cast<unsigned char>(expected.empty() ? 0 : expected[i % expected.size()]);
+  }
+  if (diff != 0) {
+    return Status::PermissionDenied("remote client: no tenant '" + Printable(tenant) +
+                                    "' with remote access, or a wrong tenant secret");
+  }
+  Caller c;
+  c.uid = c.gid = kNoId;
+  c.remote_tenant = tenant;
+  return c;
 }
 
 void PeerTable::Set(int fd, Caller caller) {

@@ -24,10 +24,17 @@
 
 namespace specache::daemon {
 
+// uid/gid of a caller the kernel did not name (a client on another host).
+inline constexpr uint32_t kNoId = UINT32_MAX;
+
 struct Caller {
   int32_t pid = 0;
   uint32_t uid = 0, gid = 0;
   std::vector<uint32_t> groups;  // supplementary groups of the peer when it connected
+  // Set for a client on another host (remote_server.h): it presented this tenant's secret over
+  // TLS and may use that tenant only; it is never an admin. uid and gid are then kNoId.
+  std::string remote_tenant;
+  bool remote() const { return !remote_tenant.empty(); }
 
   bool InGroup(uint32_t g) const;
   std::string Describe() const;  // "uid 65534 gid 65534 groups [4242]"
@@ -46,6 +53,10 @@ class AccessPolicy {
   // OK when the caller is an admin; `call` names what was asked, for the refusal.
   Status MayAdminister(const Caller& caller, std::string_view call) const;
   bool IsAdmin(const Caller& caller) const;
+  // A caller on another host that presented `secret` for `tenant`: the tenant must have a
+  // remote_secret and it must match (compared in constant time). PERMISSION_DENIED otherwise,
+  // the same message for an unknown tenant and a wrong secret (no probing for tenant names).
+  Result<Caller> AuthenticateRemote(const std::string& tenant, std::string_view secret) const;
 
  private:
   std::map<std::string, TenantConfig> tenants_;

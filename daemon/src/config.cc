@@ -2,6 +2,7 @@
 
 #include <grp.h>
 #include <pwd.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cctype>
@@ -115,6 +116,49 @@ Status ParseLimits(const toml::node& node, LimitsConfig* l) {
   return Status::Ok();
 }
 
+// [remote]
+Status ParseRemote(const toml::node& node, RemoteConfig* r) {
+  const toml::table* t = node.as_table();
+  if (!t) return Status::InvalidArgument("config: [remote] must be a table");
+  for (const auto& [field, value] : *t) {
+    const std::string key = "remote." + std::string(field.str());
+    if (field.str() == "rma") {
+      auto v = value.value<bool>();
+      if (!v) return Status::InvalidArgument("config: " + key + " must be true or false");
+      r->rma = *v;
+      continue;
+    }
+    std::string* out = field.str() == "control_addr" ? &r->control_addr
+                       : field.str() == "data_addr"  ? &r->data_addr
+                       : field.str() == "tls_cert"   ? &r->tls_cert
+                       : field.str() == "tls_key"    ? &r->tls_key
+                       : field.str() == "client_ca"  ? &r->client_ca
+                                                     : nullptr;
+    if (!out) return Status::InvalidArgument("config: unknown key '" + key + "'");
+    auto v = value.value<std::string>();
+    if (!v) return Status::InvalidArgument("config: " + key + " must be a string");
+    *out = *v;
+  }
+  return Status::Ok();
+}
+
+// A tenant's remote secret: a file only its owner may read (a secret others can read is no
+// secret), holding at least 16 bytes; trailing whitespace is not part of it.
+Result<std::string> ReadSecretFile(const std::string& path, const std::string& key) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) return Status::NotFound("config: " + key + " " + path + " cannot be read");
+  if ((st.st_mode & 077) != 0) {
+    return Status::InvalidArgument("config: " + key + " " + path + " must not be readable by group or others (chmod 600)");
+  }
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  std::string secret = s.str();
+  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
+  if (secret.size() < 16) return Status::InvalidArgument("config: " + key + " must hold at least 16 bytes");
+  return secret;
+}
+
 }  // namespace
 
 Result<uint32_t> CheckedId(int64_t value, const std::string& what) {
@@ -169,7 +213,8 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
   DaemonConfig c;
   static const char* kKnown[] = {"socket", "attach_socket", "pool_bytes", "chunk_bytes", "prefault_threads",
                                  "lock_memory", "lease_ms", "max_sequences_per_session", "max_page_refs_per_session",
-                                 "metrics_addr", "log_format", "log_level", "tenants", "spill", "access", "limits"};
+                                 "metrics_addr", "log_format", "log_level", "tenants", "spill", "access", "limits",
+                                 "remote"};
   for (const auto& [key, node] : t) {
     bool known = false;
     for (const char* k : kKnown) known |= key.str() == k;
@@ -256,6 +301,10 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
           SPECACHE_RETURN_IF_ERROR(IdsOf(value, key + ".users", UserId, &tc.uids));
         } else if (field.str() == "groups") {
           SPECACHE_RETURN_IF_ERROR(IdsOf(value, key + ".groups", GroupId, &tc.gids));
+        } else if (field.str() == "remote_secret_file") {
+          auto v = value.value<std::string>();
+          if (!v) return Status::InvalidArgument("config: " + key + ".remote_secret_file must be a string");
+          SPECACHE_ASSIGN_OR_RETURN(tc.remote_secret, ReadSecretFile(*v, key + ".remote_secret_file"));
         } else {
           return Status::InvalidArgument("config: unknown key '" + key + "." + std::string(field.str()) + "'");
         }
@@ -265,6 +314,7 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
   }
   if (const toml::node* n = t.get("access")) SPECACHE_RETURN_IF_ERROR(ParseAccess(*n, &c.access));
   if (const toml::node* n = t.get("limits")) SPECACHE_RETURN_IF_ERROR(ParseLimits(*n, &c.limits));
+  if (const toml::node* n = t.get("remote")) SPECACHE_RETURN_IF_ERROR(ParseRemote(*n, &c.remote));
   SPECACHE_RETURN_IF_ERROR(ValidateConfig(c));
   return c;
 }
@@ -280,7 +330,7 @@ Result<DaemonConfig> LoadConfig(const std::string& path) {
 }
 
 void AddDefaultTenant(DaemonConfig* c) {
-  if (c->tenants.empty()) c->tenants["default"] = TenantConfig{c->pool_bytes, {}, {}};
+  if (c->tenants.empty()) c->tenants["default"] = TenantConfig{c->pool_bytes, {}, {}, {}};
 }
 
 Status ValidateConfig(const DaemonConfig& c) {
@@ -298,6 +348,13 @@ Status ValidateConfig(const DaemonConfig& c) {
     }
   }
   if ((c.access.socket_mode & ~0770u) != 0) return Status::InvalidArgument("config: access.socket_mode must be within 0770");
+  if (c.remote.enabled()) {
+    if (c.remote.data_addr.empty()) return Status::InvalidArgument("config: remote.data_addr is needed with remote.control_addr");
+    // Remote callers are never trusted on a plaintext port: the tenant secret would cross the wire.
+    if (c.remote.tls_cert.empty() || c.remote.tls_key.empty()) {
+      return Status::InvalidArgument("config: remote.tls_cert and remote.tls_key are needed with remote.control_addr");
+    }
+  }
   if (c.spill.low_watermark > c.spill.high_watermark) {
     return Status::InvalidArgument("config: spill.low_watermark must not exceed spill.high_watermark");
   }

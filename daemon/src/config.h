@@ -33,6 +33,16 @@
 //   [limits]
 //   attach_connections = 1024               # open attach connections in all
 //   attach_connections_per_uid = 64         # ...and per connecting uid
+//   [remote]                                # clients on other hosts (remote_server.h); off when absent
+//   control_addr = "0.0.0.0:7700"           # gRPC with TLS: the same Control service, callers by tenant secret
+//   data_addr = "0.0.0.0:7701"              # UCX listener for the rows (transports: UCX_TLS, ucx.conf)
+//   tls_cert = "/etc/specache/server.pem"   # PEM chain and key of the daemon
+//   tls_key = "/etc/specache/server.key"
+//   client_ca = ""                          # set: mutual TLS, clients need a certificate this CA signed
+//   rma = false                             # hand out remote keys for client-side gets (trusted
+//                                           # fabrics only: UCX's software RMA on TCP/shm checks no key)
+//   [tenants.default]
+//   remote_secret_file = "/etc/specache/default.secret"  # 0600/0400; a remote caller presents it
 #pragma once
 
 #include <cstdint>
@@ -52,6 +62,9 @@ struct TenantConfig {
   uint64_t quota_bytes = 0;
   std::vector<uint32_t> uids;
   std::vector<uint32_t> gids;
+  // The secret a remote client presents for this tenant (read from remote_secret_file at load;
+  // empty: no remote access to the tenant).
+  std::string remote_secret;
   bool AllowsAnyone() const { return uids.empty() && gids.empty(); }
 };
 
@@ -79,6 +92,15 @@ struct LimitsConfig {
   uint32_t attach_connections_per_uid = 64;
 };
 
+// ---- [remote]: clients on other hosts. ----
+struct RemoteConfig {
+  std::string control_addr;  // empty: no remote access at all
+  std::string data_addr;
+  std::string tls_cert, tls_key, client_ca;
+  bool rma = false;
+  bool enabled() const { return !control_addr.empty(); }
+};
+
 struct DaemonConfig {
   std::string socket = "/run/specache/control.sock";
   std::string attach_socket;  // empty: socket + ".attach"
@@ -96,6 +118,7 @@ struct DaemonConfig {
   SpillConfig spill;
   AccessConfig access;
   LimitsConfig limits;
+  RemoteConfig remote;
 
   uint64_t ParkBytes() const { return spill.park_bytes ? spill.park_bytes : pool_bytes / 4; }
 

@@ -30,9 +30,14 @@ void FillLayout(const PageLayout& l, v1::SequenceLayout* out) {
 
 }  // namespace
 
-ControlService::ControlService(Registry* registry, KeptSequences* kept, const PeerTable* peers,
-                               std::string attach_path, uint32_t lease_ms)
-    : registry_(registry), kept_(kept), peers_(peers), attach_path_(std::move(attach_path)), lease_ms_(lease_ms) {}
+ControlService::ControlService(Registry* registry, KeptSequences* kept, CallerLookup caller_of, std::string attach_path,
+                               uint32_t lease_ms, std::string data_address)
+    : registry_(registry),
+      kept_(kept),
+      caller_of_(std::move(caller_of)),
+      attach_path_(std::move(attach_path)),
+      data_address_(std::move(data_address)),
+      lease_ms_(lease_ms) {}
 
 grpc::Status ControlService::Finish(const Status& s) {
   ++requests_;
@@ -49,7 +54,7 @@ grpc::Status ControlService::Finish(const Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
 }
 
-Result<Caller> ControlService::CallerOf(const grpc::ServerContext* ctx) const { return peers_->Find(ctx->peer()); }
+Result<Caller> ControlService::CallerOf(const grpc::ServerContext* ctx) const { return caller_of_(ctx); }
 
 Status ControlService::CheckSession(const grpc::ServerContext* ctx, uint64_t session) const {
   SPECACHE_ASSIGN_OR_RETURN(Caller caller, CallerOf(ctx));
@@ -71,7 +76,8 @@ grpc::Status ControlService::OpenSession(grpc::ServerContext* ctx, const v1::Ope
   if (!opened.ok()) return Finish(opened.status());
   resp->set_session_id(opened->id);
   resp->set_token(std::string(opened->token.begin(), opened->token.end()));
-  resp->set_attach_path(attach_path_);
+  resp->set_attach_path(caller->remote() ? std::string() : attach_path_);
+  resp->set_data_address(caller->remote() ? data_address_ : std::string());
   resp->set_chunk_count(opened->chunk_count);
   resp->set_chunk_bytes(registry_->chunk_bytes());
   resp->set_lease_ms(lease_ms_);
@@ -158,6 +164,10 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
     resp->set_attach_connections(n.attach_connections);
     resp->set_refused_connections(n.refused_connections);
     resp->set_accept_errors(n.accept_errors);
+    resp->set_remote_connections(n.remote_connections);
+    resp->set_remote_requests(n.remote_requests);
+    resp->set_remote_refused(n.remote_refused);
+    resp->set_remote_dropped(n.remote_dropped);
   }
   resp->set_denied_requests(denied_.load());
   resp->set_chunks_out_of_service(s.chunks_out_of_service);

@@ -5,6 +5,10 @@
 // Rules: OpenSession and the session calls need a caller the session's tenant admits (the token
 // alone is not enough); Spill, Restore, Evict, VerifySpill and ListSessions need an admin;
 // ListSequences and Stats show a non-admin only the tenants that admit it.
+//
+// Two instances serve it: the local one (Unix socket, callers from the PeerTable) and, with
+// [remote] configured, the remote one (TCP with TLS, callers from the tenant secret in the call's
+// metadata, remote_server.h), whose sessions attach over UCX.
 #pragma once
 
 #include <atomic>
@@ -17,11 +21,15 @@
 
 namespace specache::daemon {
 
+// Who sent a call; PERMISSION_DENIED when nobody the daemon knows.
+using CallerLookup = std::function<Result<Caller>(const grpc::ServerContext*)>;
+
 class ControlService final : public specache::v1::Control::Service {
  public:
-  // `peers` (the daemon's table of accepted connections) outlives the service.
-  ControlService(Registry* registry, KeptSequences* kept, const PeerTable* peers, std::string attach_path,
-                 uint32_t lease_ms);
+  // `attach_path`: where OpenSession sends local clients; `data_address`: the UCX listener
+  // remote ones attach to (empty on the local service).
+  ControlService(Registry* registry, KeptSequences* kept, CallerLookup caller_of, std::string attach_path,
+                 uint32_t lease_ms, std::string data_address = "");
 
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*, v1::OpenSessionResponse*) override;
   grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionResponse*) override;
@@ -61,9 +69,9 @@ class ControlService final : public specache::v1::Control::Service {
 
   Registry* registry_;
   KeptSequences* kept_;
-  const PeerTable* peers_;
+  CallerLookup caller_of_;
   std::function<ServiceCounts()> connection_counts_;
-  std::string attach_path_;
+  std::string attach_path_, data_address_;
   uint32_t lease_ms_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::atomic<uint64_t> requests_{0}, errors_{0}, denied_{0};

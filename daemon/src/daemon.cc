@@ -22,6 +22,7 @@
 #include "attach_server.h"
 #include "control_service.h"
 #include "metrics.h"
+#include "remote_server.h"
 #include "specache/spill_store.h"
 
 namespace specache::daemon {
@@ -41,6 +42,10 @@ struct Daemon::State {
   std::unique_ptr<AttachServer> attach;
   std::thread io_thread, housekeeping;
   std::unique_ptr<Metrics> metrics;
+  std::unique_ptr<RemoteServer> remote;
+  // What Stats calls read (the local service's run on gRPC threads while `remote` is set at
+  // startup and reset at stop).
+  std::atomic<RemoteServer*> remote_view{nullptr};
   std::atomic<bool> stopping{false};
 };
 
@@ -156,8 +161,9 @@ Status OpenSpillTier(State* d) {
 // records each peer's credentials, and hands the descriptor to gRPC; calls find their caller by
 // the connection's name (PeerTable).
 Status ListenControl(State* d) {
-  d->service = std::make_unique<ControlService>(d->registry.get(), d->kept.get(), &d->peers, d->config.AttachSocket(),
-                                               d->config.lease_ms);
+  d->service = std::make_unique<ControlService>(
+      d->registry.get(), d->kept.get(), [d](const grpc::ServerContext* ctx) { return d->peers.Find(ctx->peer()); },
+      d->config.AttachSocket(), d->config.lease_ms);
   grpc::ServerBuilder builder;
   builder.RegisterService(d->service.get());
   builder.SetMaxReceiveMessageSize(64 << 10);  // every request is small; refuse anything larger
@@ -182,8 +188,23 @@ Status ListenControl(State* d) {
 
 ServiceCounts Counts(State* d) {
   const AttachStats a = d->attach->stats();
-  return {d->service->requests(), d->service->errors(), d->service->denied(), a.open,
-          a.refused + d->control_refused.load(), a.accept_errors + d->control->accept_errors()};
+  ServiceCounts n;
+  // Both control services: the local socket's and the remote port's.
+  const RemoteServer* remote = d->remote_view.load();
+  n.requests = d->service->requests() + (remote ? remote->service().requests() : 0);
+  n.errors = d->service->errors() + (remote ? remote->service().errors() : 0);
+  n.denied = d->service->denied() + (remote ? remote->service().denied() : 0);
+  n.attach_connections = a.open;
+  n.refused_connections = a.refused + d->control_refused.load();
+  n.accept_errors = a.accept_errors + d->control->accept_errors();
+  if (remote) {
+    const UcxServerStats r = remote->data_stats();
+    n.remote_connections = r.connections;
+    n.remote_requests = r.requests;
+    n.remote_refused = r.refused;
+    n.remote_dropped = r.dropped;
+  }
+  return n;
 }
 
 Status ListenAttach(State* d) {
@@ -196,6 +217,15 @@ Status ListenAttach(State* d) {
     auto guard = boost::asio::make_work_guard(d->io);
     d->io.run();
   });
+  return Status::Ok();
+}
+
+// Clients on other hosts ([remote]): the TLS control plane and the UCX data plane.
+Status ListenRemote(State* d) {
+  if (!d->config.remote.enabled()) return Status::Ok();
+  SPECACHE_ASSIGN_OR_RETURN(d->remote, RemoteServer::Start(d->config, d->registry.get(), d->kept.get()));
+  d->remote->set_connection_counts([d] { return Counts(d); });
+  d->remote_view.store(d->remote.get());
   return Status::Ok();
 }
 
@@ -265,6 +295,11 @@ Daemon::~Daemon() { Stop(); }
 
 const DaemonConfig& Daemon::config() const { return s_->config; }
 
+std::pair<uint16_t, uint16_t> Daemon::remote_ports() const {
+  if (!s_->remote) return {0, 0};
+  return {s_->remote->control_port(), s_->remote->data_port()};
+}
+
 Status Daemon::Start(const DaemonConfig& config) {
   State* d = s_.get();
   d->config = config;
@@ -275,6 +310,7 @@ Status Daemon::Start(const DaemonConfig& config) {
       {"open the spill tier", [&] { return OpenSpillTier(d); }},
       {"listen on the control socket", [&] { return ListenControl(d); }},
       {"listen on the attach socket", [&] { return ListenAttach(d); }},
+      {"listen for remote clients", [&] { return ListenRemote(d); }},
       {"start the metrics endpoint", [&] { return StartMetrics(d); }},
   };
   for (const auto& [name, step] : steps) {
@@ -301,6 +337,10 @@ void Daemon::Stop() {
   if (d->control) d->control->Stop();
   if (d->attach) d->attach->Stop();
   if (d->server) d->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // After the local control plane (its Stats calls read the remote server); the remote server's
+  // own control plane shuts down first inside, then its endpoints close and remote sessions end.
+  d->remote_view.store(nullptr);
+  d->remote.reset();
   // Sessions end with the daemon: their kept sequences are parked, then everything parked is
   // spilled (it would die with the process).
   if (d->registry) d->registry->ParkKeptSequences();

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 #include <thread>
+#include <utility>
 
 #include "config.h"
 #include "specache/status.h"
@@ -21,6 +22,9 @@ class Daemon {
   Status Start(const DaemonConfig& config);
   void Stop();
   const DaemonConfig& config() const;
+  // The ports [remote] listens on (control, data): what port 0 in the config became. {0, 0}
+  // without [remote].
+  std::pair<uint16_t, uint16_t> remote_ports() const;
 
   struct State;  // defined in daemon.cc
 

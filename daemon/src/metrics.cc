@@ -50,6 +50,10 @@ void Metrics::Update(const RegistryStats& s, const ServiceCounts& n) {
   i.counts->Add({{"kind", "attach_connections"}}).Set(static_cast<double>(n.attach_connections));
   i.counts->Add({{"kind", "refused_connections"}}).Set(static_cast<double>(n.refused_connections));
   i.counts->Add({{"kind", "accept_errors"}}).Set(static_cast<double>(n.accept_errors));
+  i.counts->Add({{"kind", "remote_connections"}}).Set(static_cast<double>(n.remote_connections));
+  i.counts->Add({{"kind", "remote_requests"}}).Set(static_cast<double>(n.remote_requests));
+  i.counts->Add({{"kind", "remote_refused"}}).Set(static_cast<double>(n.remote_refused));
+  i.counts->Add({{"kind", "remote_dropped"}}).Set(static_cast<double>(n.remote_dropped));
   i.counts->Add({{"kind", "chunks_out_of_service"}}).Set(static_cast<double>(s.chunks_out_of_service));
   i.counts->Add({{"kind", "sessions_reclaimed"}}).Set(static_cast<double>(s.sessions_reclaimed));
   i.kept_bytes->Add({{"state", "parked"}}).Set(static_cast<double>(s.kept.parked_bytes));

@@ -17,6 +17,9 @@ struct ServiceCounts {
   uint64_t attach_connections = 0;   // open now
   uint64_t refused_connections = 0;  // closed at accept: over a cap, or no peer credentials
   uint64_t accept_errors = 0;        // accept() failures (EMFILE...), each followed by a backoff
+  // The remote data plane (ucx_server.h); 0 without [remote].
+  uint64_t remote_connections = 0;   // UCX endpoints open now
+  uint64_t remote_requests = 0, remote_refused = 0, remote_dropped = 0;
 };
 
 class Metrics {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include <spdlog/spdlog.h>
 
@@ -91,6 +92,7 @@ Result<OpenedSession> Registry::OpenSession(const std::string& tenant, uint64_t 
   s.id = next_session_++;
   s.tenant = tenant;
   s.client_name = client_name;
+  s.remote = caller.remote();
   // On a failure below the chunks go back untouched by any client (never attached).
   auto give_back = [&] {
     if (Status r = pool_->Return(chunks, false); !r.ok()) spdlog::error("session {}: {}", s.id, r.ToString());
@@ -131,6 +133,10 @@ Result<AttachGrant> Registry::Attach(uint64_t session, const Token& token, const
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
   if (s->attached) return Status::FailedPrecondition("session " + std::to_string(session) + " is already attached");
+  if (s->remote) {
+    return Status::FailedPrecondition("session " + std::to_string(session) +
+                                      " was opened by a remote client: it attaches over UCX, not here");
+  }
   SPECACHE_RETURN_IF_ERROR(access_.MayUseTenant(peer, s->tenant));
   AttachGrant g;
   g.table_bytes = s->pages->table_bytes();
@@ -153,6 +159,100 @@ Result<AttachGrant> Registry::Attach(uint64_t session, const Token& token, const
   s->pidfd = OpenPidfd(peer.pid);
   spdlog::info("session {} attached by pid {} uid {}", session, peer.pid, peer.uid);
   return g;
+}
+
+Result<std::vector<uint32_t>> Registry::AttachRemote(uint64_t session, const Token& token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  if (!s->remote) {
+    return Status::FailedPrecondition("session " + std::to_string(session) + " was opened locally: it attaches on the attach socket");
+  }
+  if (s->attached) return Status::FailedPrecondition("session " + std::to_string(session) + " is already attached");
+  s->attached = true;
+  spdlog::info("session {} attached by a remote client of tenant {}", session, s->tenant);
+  return s->pages->chunks();
+}
+
+bool Registry::SessionLive(uint64_t session) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session);
+  return it != sessions_.end() && !it->second.detached;
+}
+
+Result<const SequencePages*> Registry::RemoteSequenceLocked(uint64_t session, const Token& token, uint64_t sequence,
+                                                            uint32_t layer, uint32_t kv_head, Session** out) {
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
+  if (s->detached) return Status::FailedPrecondition("session " + std::to_string(session) + " has ended");
+  const SequencePages* p = s->pages->Find(sequence);
+  if (!p) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in session " + std::to_string(session));
+  if (layer >= p->layout.n_layers || kv_head >= p->layout.n_kv_heads) {
+    return Status::OutOfRange("layer " + std::to_string(layer) + " / KV head " + std::to_string(kv_head) +
+                              " outside the sequence's layout (" + std::to_string(p->layout.n_layers) + " layers, " +
+                              std::to_string(p->layout.n_kv_heads) + " KV heads)");
+  }
+  *out = s;
+  return p;
+}
+
+uint8_t* Registry::RowAddressLocked(const Session& s, const SequencePages& p, uint32_t layer, uint32_t kv_head,
+                                    uint32_t token) const {
+  // Page layout [kv_head][token][K|V][head_dim] fp16 (shm_layout.h).
+  const uint64_t row_bytes = uint64_t{2} * p.layout.head_dim * 2;
+  const uint32_t page = token / p.layout.page_tokens, in_page = token % p.layout.page_tokens;
+  return PageAddress(s, p.pages[layer][page]) + (uint64_t{kv_head} * p.layout.page_tokens + in_page) * row_bytes;
+}
+
+Result<std::vector<uint8_t>> Registry::ReadRows(uint64_t session, const Token& token, uint64_t sequence,
+                                                uint32_t layer, uint32_t kv_head, std::span<const int32_t> tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Session* s = nullptr;
+  SPECACHE_ASSIGN_OR_RETURN(const SequencePages* p, RemoteSequenceLocked(session, token, sequence, layer, kv_head, &s));
+  const uint64_t limit = uint64_t{p->pages_per_layer} * p->layout.page_tokens;
+  const uint64_t row_bytes = uint64_t{2} * p->layout.head_dim * 2;
+  for (size_t i = 0; i < tokens.size(); ++i) {  // every token first: nothing is copied for a bad list
+    if (tokens[i] < 0 || static_cast<uint64_t>(tokens[i]) >= limit) {
+      return Status::OutOfRange("row " + std::to_string(tokens[i]) + " (entry " + std::to_string(i) +
+                                ") is outside the sequence's " + std::to_string(limit) + " tokens of pages");
+    }
+  }
+  std::vector<uint8_t> out(tokens.size() * row_bytes);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    std::memcpy(out.data() + i * row_bytes, RowAddressLocked(*s, *p, layer, kv_head, static_cast<uint32_t>(tokens[i])),
+                row_bytes);
+  }
+  return out;
+}
+
+Status Registry::WriteRows(uint64_t session, const Token& token, uint64_t sequence, uint32_t layer, uint32_t kv_head,
+                           uint32_t first_token, std::span<const uint8_t> rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Session* s = nullptr;
+  SPECACHE_ASSIGN_OR_RETURN(const SequencePages* p, RemoteSequenceLocked(session, token, sequence, layer, kv_head, &s));
+  const uint64_t limit = uint64_t{p->pages_per_layer} * p->layout.page_tokens;
+  const uint64_t row_bytes = uint64_t{2} * p->layout.head_dim * 2;
+  if (rows.size() % row_bytes != 0) {
+    return Status::InvalidArgument(std::to_string(rows.size()) + " bytes are not whole rows of " + std::to_string(row_bytes) +
+                                   " bytes");
+  }
+  const uint64_t n = rows.size() / row_bytes;
+  if (uint64_t{first_token} + n > limit) {
+    return Status::OutOfRange("rows " + std::to_string(first_token) + ".." + std::to_string(uint64_t{first_token} + n) +
+                              " beyond the sequence's " + std::to_string(limit) + " tokens of pages (extend first)");
+  }
+  for (uint64_t i = 0; i < n; ++i) {
+    std::memcpy(RowAddressLocked(*s, *p, layer, kv_head, first_token + static_cast<uint32_t>(i)), rows.data() + i * row_bytes,
+                row_bytes);
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<shm::PageRef>> Registry::PageRefs(uint64_t session, const Token& token, uint64_t sequence,
+                                                     uint32_t layer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Session* s = nullptr;
+  SPECACHE_ASSIGN_OR_RETURN(const SequencePages* p, RemoteSequenceLocked(session, token, sequence, layer, 0, &s));
+  return std::vector<shm::PageRef>(p->pages[layer].begin(), p->pages[layer].begin() + p->pages_per_layer);
 }
 
 void Registry::Detach(uint64_t session) {

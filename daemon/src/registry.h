@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -115,6 +116,30 @@ class Registry {
   Result<std::pair<uint32_t, uint32_t>> ClaimSequence(uint64_t session, const Token& token, uint64_t sequence,
                                                       const PageLayout& layout);
 
+  // ---- Sessions of clients on other hosts (opened by a remote caller, access.h). Their UCX
+  // connection (remote_server.h) holds the lease as the attach connection does for a local one,
+  // and the daemon reads and writes rows for them after the same checks: the token, a sequence
+  // of this session, layer and head inside its layout, tokens inside its pages.
+
+  // The session's chunks (pool indices, in session order). FAILED_PRECONDITION for a session
+  // opened locally or already attached.
+  Result<std::vector<uint32_t>> AttachRemote(uint64_t session, const Token& token);
+  // The rows of `tokens` of (sequence, layer, kv_head), packed in list order ([n][row bytes]).
+  // OUT_OF_RANGE naming the first token outside the sequence's pages (nothing is copied then).
+  Result<std::vector<uint8_t>> ReadRows(uint64_t session, const Token& token, uint64_t sequence, uint32_t layer,
+                                        uint32_t kv_head, std::span<const int32_t> tokens);
+  // Writes rows ([n][row bytes], n = rows.size() / row bytes) at first_token.. of (sequence,
+  // layer, kv_head); the pages must exist (ExtendSequence). INVALID_ARGUMENT when the bytes are
+  // not whole rows of the sequence's layout.
+  Status WriteRows(uint64_t session, const Token& token, uint64_t sequence, uint32_t layer, uint32_t kv_head,
+                   uint32_t first_token, std::span<const uint8_t> rows);
+  // Where (sequence, layer)'s pages are: (index into the session's chunks, byte offset) per page.
+  Result<std::vector<shm::PageRef>> PageRefs(uint64_t session, const Token& token, uint64_t sequence, uint32_t layer);
+  // The daemon's mapping of pool chunk c (what the UCX server registers).
+  uint8_t* chunk_data(uint32_t c) const { return pool_->data(c); }
+  // True while the session exists (the UCX server drops the connection of a session that ended).
+  bool SessionLive(uint64_t session) const;
+
   // Reclaims sessions whose lease expired before attaching, and detached sessions. Call often.
   void Reap();
   // The daemon is stopping: parks the kept sequences of every live session (their chunks stay
@@ -140,6 +165,7 @@ class Registry {
     Token token{};
     std::unique_ptr<SessionPages> pages;
     bool attached = false, detached = false;
+    bool remote = false;  // opened by a client on another host: attaches over UCX only
     PeerCredentials peer;
     int pidfd = -1;
     std::chrono::steady_clock::time_point opened, detached_at;
@@ -167,6 +193,10 @@ class Registry {
   // The daemon's address of a page of a session's sequence.
   uint8_t* PageAddress(const Session& s, const shm::PageRef& ref) const;
   static Status RequireAttached(const Session& s);
+  // For the remote row calls: the session's sequence and the address of a row, checked.
+  Result<const SequencePages*> RemoteSequenceLocked(uint64_t session, const Token& token, uint64_t sequence,
+                                                    uint32_t layer, uint32_t kv_head, Session** out);
+  uint8_t* RowAddressLocked(const Session& s, const SequencePages& p, uint32_t layer, uint32_t kv_head, uint32_t token) const;
   // Forgets the session (under mu_); its chunks go back to the pool with ReturnChunks (without mu_).
   ChunkReturn ReclaimLocked(std::map<uint64_t, Session>::iterator it);
   void ReturnChunks(const std::vector<ChunkReturn>& returns);

@@ -25,6 +25,18 @@ struct HeadState {
   RowCacheEntries cache;            // rows kept for reuse (row_cache.h), with their rows:
   std::vector<Half> cache_rows;     // [cache.tokens.size()][2][head_dim]
   int64_t fetches = 0;
+  // A fetch begun (StartPrefetch) and not yet finished (WaitPrefetch): the source may still be
+  // writing `fetched`, so it is finished before the head is used or freed.
+  struct PendingFetch {
+    bool active = false;
+    uint64_t read = 0;              // the source's handle (StartReadRows)
+    std::vector<int32_t> selected;  // the selection being fetched (resident once finished)
+    std::vector<int64_t> sources;   // UpdateRowCache's plan for cache_rows
+    std::vector<Half> rows;         // the selection's rows, cache hits filled in
+    std::vector<int32_t> missing;   // tokens read from the source...
+    std::vector<size_t> missing_slot;  // ...and where they go in `rows`
+    std::vector<Half> fetched;
+  } pending;
 };
 
 struct SequenceState {
@@ -61,9 +73,12 @@ class CpuAgent final : public Agent {
     return Status::Ok();
   }
 
+  ~CpuAgent() override { FinishAllFetches(); }
+
   Status ReleaseSequence(SequenceId id) override {
     if (!sequences_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");
     SPECACHE_RETURN_IF_ERROR(protocol_.CheckRelease(id));
+    FinishFetches(&sequences_.at(id));  // no read may still write into its heads
     sequences_.erase(id);
     protocol_.RemoveSequence(id);
     return source_->ReleaseSequence(id).WithContext("source");
@@ -117,7 +132,20 @@ class CpuAgent final : public Agent {
   }
 
   // Makes `selected` resident: rows already resident are kept, the rest read from the source.
+  // In two halves (BeginFetch starts the source's read, EndFetch waits for it and makes the rows
+  // resident), so a prefetch's read runs while the engine computes other layers.
   Status Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const;
+  Status BeginFetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const;
+  Status EndFetch(SequenceId id, HeadState* h) const;
+  // Finishes every begun fetch (errors dropped: the heads are about to go or be fetched again).
+  void FinishFetches(SequenceState* s) const {
+    for (auto& layer : s->heads) {
+      for (HeadState& h : layer) (void)EndFetch(0, &h);
+    }
+  }
+  void FinishAllFetches() {
+    for (auto& [id, s] : sequences_) FinishFetches(&s);
+  }
 
   // Rounds a [n][head_dim] float block with row stride `stride` floats into fp16.
   static void ToHalfRows(const float* src, int n, int head_dim, size_t stride, Half* dst) {
@@ -186,6 +214,12 @@ Status CpuAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences)
 }
 
 Status CpuAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const {
+  SPECACHE_RETURN_IF_ERROR(BeginFetch(id, layer, kv_head, h, counts));
+  return EndFetch(id, h);
+}
+
+Status CpuAgent::BeginFetch(SequenceId id, int layer, int kv_head, HeadState* h, FetchCounts* counts) const {
+  SPECACHE_RETURN_IF_ERROR(EndFetch(id, h));  // a fetch never waited for (an aborted step)
   const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
   RowCacheEntries before = h->cache;
   std::vector<bool> hit;
@@ -204,26 +238,49 @@ Status CpuAgent::Fetch(SequenceId id, int layer, int kv_head, HeadState* h, Fetc
       missing_slot.push_back(i);
     }
   }
-  if (!missing.empty()) {
-    std::vector<Half> fetched(missing.size() * row);
-    SPECACHE_RETURN_IF_ERROR(source_->ReadRows(id, layer, kv_head, missing.data(), static_cast<int32_t>(missing.size()),
-                                               fetched.data())
-                                 .WithContext("fetching rows of sequence " + Id(id)));
-    for (size_t m = 0; m < missing.size(); ++m) {
-      std::copy_n(fetched.data() + m * row, row, rows.data() + missing_slot[m] * row);
-    }
-  }
-  std::vector<Half> cache_rows(sources.size() * row);
-  for (size_t i = 0; i < sources.size(); ++i) {
-    const Half* src = sources[i] >= 0 ? rows.data() + sources[i] * row : h->cache_rows.data() + (-1 - sources[i]) * row;
-    std::copy_n(src, row, cache_rows.data() + i * row);
-  }
   counts->selected += static_cast<int64_t>(h->selected.size());
   counts->fetched += static_cast<int64_t>(missing.size());
   counts->reused += static_cast<int64_t>(h->selected.size() - missing.size());
+  HeadState::PendingFetch& p = h->pending;
+  p.selected = h->selected;
+  p.sources = sources;
+  p.rows = std::move(rows);
+  p.missing = std::move(missing);
+  p.missing_slot = std::move(missing_slot);
+  p.fetched.assign(p.missing.size() * row, 0);
+  p.read = 0;
+  if (!p.missing.empty()) {
+    auto read = source_->StartReadRows(id, layer, kv_head, p.missing.data(), static_cast<int32_t>(p.missing.size()),
+                                       p.fetched.data());
+    SPECACHE_RETURN_IF_ERROR(read.status().WithContext("fetching rows of sequence " + Id(id)));
+    p.read = *read;
+  }
+  p.active = true;
+  return Status::Ok();
+}
+
+Status CpuAgent::EndFetch(SequenceId id, HeadState* h) const {
+  HeadState::PendingFetch& p = h->pending;
+  if (!p.active) return Status::Ok();
+  p.active = false;
+  if (!p.missing.empty()) {
+    SPECACHE_RETURN_IF_ERROR(source_->FinishReadRows(p.read).WithContext("fetching rows of sequence " + Id(id)));
+  }
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  for (size_t m = 0; m < p.missing.size(); ++m) {
+    std::copy_n(p.fetched.data() + m * row, row, p.rows.data() + p.missing_slot[m] * row);
+  }
+  std::vector<Half> cache_rows(p.sources.size() * row);
+  for (size_t i = 0; i < p.sources.size(); ++i) {
+    const Half* src =
+        p.sources[i] >= 0 ? p.rows.data() + p.sources[i] * row : h->cache_rows.data() + (-1 - p.sources[i]) * row;
+    std::copy_n(src, row, cache_rows.data() + i * row);
+  }
   h->cache_rows = std::move(cache_rows);
-  h->resident = h->selected;
-  h->resident_rows = std::move(rows);
+  h->resident = std::move(p.selected);
+  h->resident_rows = std::move(p.rows);
+  p.selected.clear();
+  p.rows.clear();
   return Status::Ok();
 }
 
@@ -249,6 +306,9 @@ Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     const int h = item % n_kv;
     const SequenceId id = protocol_.ids()[s];
     HeadState& head = StepSequence(s).heads[layer][h];
+    // A prefetch still in flight (the engine did not call WaitPrefetch): DecodeLayer waits for it.
+    errors[item] = EndFetch(id, &head);
+    if (!errors[item].ok()) return;
     std::vector<float> q(static_cast<size_t>(n_rows) * group * d), out(q.size());
     std::vector<Half> new_keys(static_cast<size_t>(n_rows) * d), new_values(new_keys.size());
     for (int r = 0; r < n_rows; ++r) {
@@ -306,7 +366,10 @@ Status CpuAgent::StartPrefetch(int layer) {
   std::vector<FetchCounts> counts(n_items);
   ParallelFor(n_items, [&](int item, int) {
     const size_t s = which[item / n_kv];
-    errors[item] = Fetch(protocol_.ids()[s], layer, item % n_kv, &StepSequence(s).heads[layer][item % n_kv], &counts[item]);
+    // Started here, finished in WaitPrefetch: a source that reads over the network (or any with
+    // StartReadRows) reads while the engine computes the layers in between.
+    errors[item] =
+        BeginFetch(protocol_.ids()[s], layer, item % n_kv, &StepSequence(s).heads[layer][item % n_kv], &counts[item]);
   });
   AddFetchCounts(counts);
   for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
@@ -316,7 +379,15 @@ Status CpuAgent::StartPrefetch(int layer) {
 
 Status CpuAgent::WaitPrefetch(int layer) {
   SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
-  protocol_.Wait(layer);  // the CPU fetch completed inside StartPrefetch
+  protocol_.Wait(layer);
+  const int n_kv = shape_.n_kv_heads;
+  const int n_items = static_cast<int>(protocol_.ids().size()) * n_kv;
+  std::vector<Status> errors(n_items);
+  ParallelFor(n_items, [&](int item, int) {
+    const size_t s = static_cast<size_t>(item / n_kv);
+    errors[item] = EndFetch(protocol_.ids()[s], &StepSequence(s).heads[layer][item % n_kv]);
+  });
+  for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
   return Status::Ok();
 }
 
@@ -326,7 +397,10 @@ Status CpuAgent::EndStep() {
   return Status::Ok();
 }
 
-void CpuAgent::AbortStep() { protocol_.Abort(); }
+void CpuAgent::AbortStep() {
+  FinishAllFetches();  // reads begun in this step write nothing after it
+  protocol_.Abort();
+}
 
 }  // namespace
 

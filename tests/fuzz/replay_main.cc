@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "specache/attach_protocol.h"
+#include "specache/remote_protocol.h"
 #include "specache/shm_layout.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
@@ -26,6 +27,15 @@ std::vector<std::vector<uint8_t>> Seeds() {
   rep.table_bytes = 4096;
   rep.chunk_bytes = 1 << 20;
   seeds.emplace_back(reinterpret_cast<uint8_t*>(&rep), reinterpret_cast<uint8_t*>(&rep) + sizeof rep);
+  remote::Hello hello;
+  hello.session_id = 3;
+  seeds.emplace_back(reinterpret_cast<uint8_t*>(&hello), reinterpret_cast<uint8_t*>(&hello) + sizeof hello);
+  remote::RowsRequest rows;
+  rows.n = 64;
+  rows.sequence = 9;
+  seeds.emplace_back(reinterpret_cast<uint8_t*>(&rows), reinterpret_cast<uint8_t*>(&rows) + sizeof rows);
+  remote::Reply reply;
+  seeds.emplace_back(reinterpret_cast<uint8_t*>(&reply), reinterpret_cast<uint8_t*>(&reply) + sizeof reply);
   // A small valid table: 2 slots, 8 refs, one live slot with 2 layers x 2 pages.
   std::vector<uint8_t> table(shm::TableBytes(2, 8));
   auto* h = reinterpret_cast<shm::TableHeader*>(table.data());

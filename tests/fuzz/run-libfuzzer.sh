@@ -15,7 +15,7 @@ if ! clang++ -fsanitize=fuzzer "$out/probe.cc" -o "$out/probe" 2>/dev/null; then
   echo "run-libfuzzer: clang++ has no libFuzzer runtime; fuzz targets only replayed (ctest fuzz_replay_*)"
   exit 0
 fi
-parsers=(protocol/src/status.cc protocol/src/shm_layout.cc protocol/src/attach_protocol.cc)
+parsers=(protocol/src/status.cc protocol/src/shm_layout.cc protocol/src/attach_protocol.cc protocol/src/remote_protocol.cc)
 for target in tests/fuzz/fuzz_*.cc; do
   name=$(basename "$target" .cc)
   if ! clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \

@@ -1,5 +1,7 @@
 #include "specache/agent.h"
 
+#include <map>
+#include <mutex>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -393,6 +395,98 @@ TEST(AgentTest, PrefetchSelectsTopKOfQuantizedTokensAndCountsReuse) {
   EXPECT_EQ(f.source.stored_bytes(), s.full_precision_bytes);
   EXPECT_GT(s.device_bytes, 0);
   EXPECT_EQ(s.device_bytes_reserved, s.device_bytes);  // the CPU backend allocates nothing ahead
+}
+
+// A source whose reads complete only when finished (as rows coming over the network do): the
+// agent starts them in StartPrefetch and finishes them in WaitPrefetch, or in DecodeLayer when the
+// engine did not wait, with the same outputs as a source that reads at once.
+class DeferredSource final : public FullPrecisionSource {
+ public:
+  Status CreateSequence(SequenceId s, const SequenceLayout& l) override { return inner_.CreateSequence(s, l); }
+  Status ReleaseSequence(SequenceId s) override { return inner_.ReleaseSequence(s); }
+  Status AppendRows(SequenceId s, int l, int h, int32_t first, const Half* rows, int32_t n) override {
+    return inner_.AppendRows(s, l, h, first, rows, n);
+  }
+  Status ReadRows(SequenceId s, int l, int h, const int32_t* t, int32_t n, Half* out) const override {
+    return inner_.ReadRows(s, l, h, t, n, out);
+  }
+  Result<int32_t> Length(SequenceId s, int l, int h) const override { return inner_.Length(s, l, h); }
+  int64_t stored_bytes() const override { return inner_.stored_bytes(); }
+  Result<uint64_t> StartReadRows(SequenceId s, int l, int h, const int32_t* t, int32_t n, Half* out) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_[++next_] = {s, l, h, t, n, out};
+    return next_;
+  }
+  Status FinishReadRows(uint64_t read) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = reads_.find(read);
+    if (it == reads_.end()) return Status::InvalidArgument("read finished twice or never started");
+    const Read r = it->second;
+    reads_.erase(it);
+    return inner_.ReadRows(r.s, r.l, r.h, r.t, r.n, r.out);
+  }
+  size_t outstanding() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reads_.size();
+  }
+
+ private:
+  struct Read {
+    SequenceId s;
+    int l, h;
+    const int32_t* t;
+    int32_t n;
+    Half* out;
+  };
+  InMemorySource inner_;
+  std::mutex mu_;
+  std::map<uint64_t, Read> reads_;
+  uint64_t next_ = 0;
+};
+
+TEST(AgentTest, ReadsFinishedLaterGiveTheSameOutputsAsReadsAtOnce) {
+  std::mt19937 rng(9);
+  const int n = 200;
+  Prompt p(n, rng);
+  const SequenceId ids[] = {5};
+  const int32_t offsets[] = {0, n};
+  Fixture at_once(Config(KvMode::kSpeCache, 1, 16));
+  DeferredSource deferred;
+  auto later = CreateCpuAgent(kShape, Config(KvMode::kSpeCache, 1, 16), &deferred);
+  ASSERT_TRUE(later.ok()) << later.status().ToString();
+  Prompt p2 = p;
+  for (Agent* a : {at_once.agent.get(), later->get()}) {
+    ASSERT_TRUE(a->AddSequence(5).ok());
+    ASSERT_TRUE(PrefillAll(a, ids, offsets, a == at_once.agent.get() ? &p : &p2).ok());
+  }
+  const size_t qw = 4 * 64, kw = 2 * 64;
+  for (int step = 0; step < 4; ++step) {
+    const StepKind kind = step == 0 ? StepKind::kPreDecode : StepKind::kDecode;
+    const int rows = at_once.agent->RowsPerSequence(kind);
+    std::vector<float> q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
+                       v = testing::RandomFloats(rows * kw, rng), out1(rows * qw), out2(rows * qw);
+    ASSERT_TRUE(at_once.agent->BeginStep(kind, ids).ok());
+    ASSERT_TRUE((*later)->BeginStep(kind, ids).ok());
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      ASSERT_TRUE(at_once.agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out1.data()}).ok());
+      ASSERT_TRUE((*later)->DecodeLayer(l, {q.data(), k.data(), v.data(), out2.data()}).ok());
+      EXPECT_EQ(out1, out2) << "step " << step << " layer " << l;
+      ASSERT_TRUE(at_once.agent->StartPrefetch(l).ok());
+      ASSERT_TRUE((*later)->StartPrefetch(l).ok());
+      // Layer 0 is waited for; layer 1 is left to the next step's DecodeLayer.
+      if (l == 0) {
+        ASSERT_TRUE((*later)->WaitPrefetch(l).ok());
+      }
+    }
+    ASSERT_TRUE(at_once.agent->EndStep().ok());
+    ASSERT_TRUE((*later)->EndStep().ok());
+    // Layer 1's reads (at most one per KV head) wait for the next step; layer 0's are done.
+    EXPECT_GT(deferred.outstanding(), 0u);
+    EXPECT_LE(deferred.outstanding(), 2u);
+  }
+  EXPECT_EQ(at_once.agent->stats().rows_fetched, (*later)->stats().rows_fetched);
+  ASSERT_TRUE((*later)->ReleaseSequence(5).ok());  // finishes what is still begun
+  EXPECT_EQ(deferred.outstanding(), 0u);
 }
 
 }  // namespace

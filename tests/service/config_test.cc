@@ -1,3 +1,6 @@
+#include <sys/stat.h>
+
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -132,6 +135,42 @@ compression = true
   auto shipped = ParseConfig(text);
   ASSERT_TRUE(shipped.ok()) << shipped.status().ToString();
   EXPECT_EQ(shipped->spill.dir, "/var/lib/specache/spill");
+}
+
+}  // namespace
+}  // namespace specache::daemon
+
+namespace specache::daemon {
+namespace {
+
+TEST(DaemonConfigTest, RemoteNeedsTlsAndTenantSecretsOnlyTheOwnerCanRead) {
+  char tmpl[] = "/tmp/specache-config-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string secret = dir + "/a.secret";
+  std::ofstream(secret) << "sixteen-bytes-or-more\n";
+  chmod(secret.c_str(), 0600);
+  const std::string tenant = "[tenants.a]\nremote_secret_file = \"" + secret + "\"\n";
+  auto c = ParseConfig(tenant + "[remote]\ncontrol_addr = \"0.0.0.0:7700\"\ndata_addr = \"0.0.0.0:7701\"\n"
+                                "tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\nrma = true\n");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE(c->remote.enabled());
+  EXPECT_TRUE(c->remote.rma);
+  EXPECT_EQ(c->tenants.at("a").remote_secret, "sixteen-bytes-or-more");  // the newline is not part of it
+
+  auto plaintext = ParseConfig(tenant + "[remote]\ncontrol_addr = \"0.0.0.0:7700\"\ndata_addr = \"0.0.0.0:7701\"\n");
+  EXPECT_NE(plaintext.status().message().find("tls_cert"), std::string::npos) << plaintext.status().ToString();
+  auto no_data = ParseConfig("[remote]\ncontrol_addr = \"0.0.0.0:7700\"\ntls_cert = \"/c\"\ntls_key = \"/k\"\n");
+  EXPECT_NE(no_data.status().message().find("data_addr"), std::string::npos) << no_data.status().ToString();
+  EXPECT_NE(ParseConfig("[remote]\nport = 1\n").status().message().find("unknown key 'remote.port'"), std::string::npos);
+
+  chmod(secret.c_str(), 0640);
+  auto readable = ParseConfig(tenant);
+  EXPECT_NE(readable.status().message().find("must not be readable by group or others"), std::string::npos)
+      << readable.status().ToString();
+  chmod(secret.c_str(), 0600);
+  std::ofstream(secret) << "short\n";
+  EXPECT_NE(ParseConfig(tenant).status().message().find("at least 16 bytes"), std::string::npos);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

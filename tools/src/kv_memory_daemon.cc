@@ -13,6 +13,7 @@
 namespace specache::run {
 
 std::unique_ptr<KvMemory> MakeProcessMemory();
+Result<std::unique_ptr<KvMemory>> MakeRemoteMemory(const KvMemoryOptions& options);  // kv_memory_remote.cc
 
 namespace {
 
@@ -40,7 +41,7 @@ class DaemonMemory final : public KvMemory {
       c.metrics_addr = "";
       c.lock_memory = false;  // a user's shell rarely has a large RLIMIT_MEMLOCK
       c.prefault_threads = 2;
-      c.tenants["default"] = daemon::TenantConfig{c.pool_bytes, {}, {}};
+      c.tenants["default"] = daemon::TenantConfig{c.pool_bytes, {}, {}, {}};
       spdlog::set_level(spdlog::level::warn);
       m->embedded_ = std::make_unique<daemon::Daemon>();
       SPECACHE_RETURN_IF_ERROR(m->embedded_->Start(c).WithContext("embedded specached"));
@@ -92,6 +93,7 @@ class DaemonMemory final : public KvMemory {
 Result<std::unique_ptr<KvMemory>> KvMemory::Open(const KvMemoryOptions& o) {
   if (o.where == "process") return MakeProcessMemory();
   if (o.where == "daemon" && o.socket.empty()) return Status::InvalidArgument("--daemon needs a socket path");
+  if (o.where == "daemon" && o.socket.rfind("tcp://", 0) == 0) return MakeRemoteMemory(o);
   if (o.where != "daemon" && o.where != "embedded") {
     return Status::InvalidArgument("--kv-memory is embedded, daemon or process, not '" + o.where + "'");
   }

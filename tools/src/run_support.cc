@@ -68,7 +68,9 @@ Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvCo
     run->source = std::make_unique<InMemorySource>();
   }
   static const bool gpu_usable = ProbeCudaDevice().ok();  // once per process, not once per mode run
-  const bool cuda = backend == "cuda" || (backend == "auto" && gpu_usable);
+  // The CUDA agent reads pages in place: a source without zero-copy pages (a remote daemon's)
+  // runs on the CPU agent under auto (--backend cuda then fails, saying why).
+  const bool cuda = backend == "cuda" || (backend == "auto" && gpu_usable && run->source->page_tokens() > 0);
   if (backend != "cpu" && backend != "cuda" && backend != "auto") {
     return Status::InvalidArgument("--backend is auto, cpu or cuda, not '" + backend + "'");
   }

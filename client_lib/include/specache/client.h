@@ -25,8 +25,24 @@
 
 namespace specache::client {
 
+// A daemon on another host: "tcp://HOST:PORT" in ClientOptions::socket, reached over TLS. The
+// caller proves a tenant with that tenant's remote secret (sent with every call; the daemon's
+// tenants.<name>.remote_secret_file holds it). Remote sessions: specache/remote_session.h.
+struct SPECACHE_CLIENT_API RemoteCredentials {
+  std::string ca_file;    // PEM: the CA that signed the daemon's certificate (empty: the system's roots)
+  std::string cert_file;  // PEM: this client's certificate and key, for a daemon with mutual TLS
+  std::string key_file;
+  std::string tenant;       // the tenant the secret is for
+  std::string secret_file;  // the tenant's secret (first line; the file should be 0600)
+  std::string server_name;  // name to check the daemon's certificate against (empty: the host)
+
+  // From SPECACHE_TLS_CA, SPECACHE_TLS_CERT, SPECACHE_TLS_KEY, SPECACHE_TENANT,
+  // SPECACHE_SECRET_FILE and SPECACHE_TLS_SERVER_NAME (what specache-run and specachectl use).
+  static RemoteCredentials FromEnvironment();
+};
+
 struct ClientOptions {
-  std::string socket = "/run/specache/control.sock";
+  std::string socket = "/run/specache/control.sock";  // or "tcp://HOST:PORT" (RemoteCredentials)
   std::chrono::milliseconds deadline{2000};
   std::string client_name;  // shown by specachectl sessions
 };
@@ -66,6 +82,8 @@ struct DaemonStats {
   uint64_t attach_connections = 0, refused_connections = 0, accept_errors = 0, denied_requests = 0;
   uint32_t chunks_out_of_service = 0;
   uint64_t spill_failures = 0, spill_backoff_ms = 0, spill_unreadable_records = 0, spill_damaged_sequences = 0;
+  // The remote data plane (UCX): endpoints open, messages served, refused, dropped.
+  uint64_t remote_connections = 0, remote_requests = 0, remote_refused = 0, remote_dropped = 0;
 };
 
 struct SpillVerify {
@@ -96,8 +114,13 @@ class Session;
 
 class SPECACHE_CLIENT_API Client {
  public:
-  // Connects (UNAVAILABLE within the deadline when no daemon listens).
+  // Connects (UNAVAILABLE within the deadline when no daemon listens). A tcp:// address takes
+  // its credentials from the environment (RemoteCredentials::FromEnvironment).
   static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options, const RemoteCredentials& remote);
+  // True for a daemon on another host (tcp://): sessions then come from OpenRemoteSession
+  // (remote_session.h), and OpenSession is FAILED_PRECONDITION.
+  bool remote() const;
   ~Client();
 
   // Reserves pool_bytes (whole chunks) for `tenant`, then attaches: maps the page table and the
@@ -119,6 +142,7 @@ class SPECACHE_CLIENT_API Client {
   struct Impl;
 
  private:
+  friend class RemoteSession;  // its control calls go through this client's channel
   explicit Client(std::unique_ptr<Impl> impl);
   std::shared_ptr<Impl> impl_;
 };

@@ -66,6 +66,21 @@ class FullPrecisionSource {
   virtual Status ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
                           Half* out) const = 0;
 
+  // ReadRows in two halves, so the read runs while the agent computes (a source whose rows are
+  // on another host, client_lib's RemoteSource). StartReadRows begins the read and returns a
+  // handle; FinishReadRows(handle) waits for it and returns its status. Every started read must be
+  // finished exactly once, and tokens and out must stay valid until then. Errors of either half
+  // are ReadRows's. The default reads at the start (handle 0).
+  virtual Result<uint64_t> StartReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
+                                         Half* out) {
+    SPECACHE_RETURN_IF_ERROR(ReadRows(sequence, layer, kv_head, tokens, n, out));
+    return uint64_t{0};
+  }
+  virtual Status FinishReadRows(uint64_t read) {
+    (void)read;
+    return Status::Ok();
+  }
+
   // Rows written so far for (sequence, layer, kv_head).
   virtual Result<int32_t> Length(SequenceId sequence, int layer, int kv_head) const = 0;
 

@@ -1,0 +1,474 @@
+#include "ucx_server.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <spdlog/spdlog.h>
+#include <ucp/api/ucp.h>
+
+#include "specache/remote_protocol.h"
+
+namespace specache::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string UcsError(const char* what, ucs_status_t s) { return std::string(what) + ": " + ucs_status_string(s); }
+
+// A reply in flight: it lives until UCX is done with its buffers.
+struct Outgoing {
+  remote::Reply header;
+  std::vector<uint8_t> payload;
+  std::function<void()> then;  // after the send completed (or failed)
+};
+
+void OnReplySent(void* request, ucs_status_t status, void* user_data) {
+  auto* out = static_cast<Outgoing*>(user_data);
+  if (out->then) out->then();
+  delete out;
+  ucp_request_free(request);
+}
+
+}  // namespace
+
+struct UcxServer::Impl {
+  // One endpoint from the listener.
+  struct Connection {
+    ucp_ep_h ep = nullptr;
+    Clock::time_point accepted;
+    bool failed = false;  // UCX reported an error: closed by the loop
+    Clock::time_point close_at{};  // refused at the hello: closed once the refusal had time to leave
+    uint64_t session = 0;  // 0 until the hello
+    Token token{};
+    std::vector<ucp_mem_h> memh;  // the session's chunks, with `rma`
+  };
+  // A request taken off the wire, answered by the loop (not inside UCX's callback, which must
+  // not send or progress).
+  struct Job {
+    uint16_t id = 0;
+    ucp_ep_h ep = nullptr;
+    std::vector<uint8_t> header, payload;
+    bool ready = false;  // payload complete (a rendezvous payload arrives later)
+    bool failed = false;
+  };
+  struct HandlerArg {
+    Impl* impl;
+    uint16_t id;
+  };
+
+  Registry* registry = nullptr;
+  UcxServerOptions options;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_listener_h listener = nullptr;
+  uint16_t port = 0;
+  std::string transports;
+  int efd = -1;
+  std::map<ucp_ep_h, Connection> connections;
+  std::deque<std::unique_ptr<Job>> jobs;
+  std::vector<HandlerArg> handler_args;
+  std::thread thread;
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> open{0}, requests{0}, refused{0}, dropped{0};
+
+  ~Impl() {
+    stop = true;
+    if (worker) ucp_worker_signal(worker);
+    if (thread.joinable()) thread.join();
+    for (auto& [ep, c] : connections) CloseConnection(&c, /*detach=*/false);
+    if (worker) Drain(std::chrono::milliseconds(200));
+    if (listener) ucp_listener_destroy(listener);
+    if (worker) ucp_worker_destroy(worker);
+    if (context) ucp_cleanup(context);
+  }
+
+  void Drain(std::chrono::milliseconds for_at_most) {
+    const auto until = Clock::now() + for_at_most;
+    while (Clock::now() < until) {
+      if (ucp_worker_progress(worker) == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+  // Every refusal: counted, answered with its status, logged at 1, 2, 4, 8... (a hostile loop
+  // does not flood the log).
+  void Refused(const Status& why) {
+    const uint64_t n = ++refused;
+    if ((n & (n - 1)) == 0) spdlog::warn("remote data plane: refused ({} so far): {}", n, why.ToString());
+  }
+
+  Status Init() {
+    // The one setting made here, unless the environment says otherwise: a restarted daemon must
+    // get its port back while the old connections sit in TIME_WAIT (UCX's default refuses). The
+    // connection managers read their settings from the environment only (ucp_config_modify does
+    // not reach them in UCX 1.13), so it goes there, before any UCX object exists.
+    setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
+    setenv("UCX_RDMA_CM_REUSEADDR", "y", /*overwrite=*/0);
+    ucp_config_t* config = nullptr;
+    // Otherwise UCX's own configuration (UCX_TLS, UCX_NET_DEVICES, ucx.conf): nothing is forced.
+    if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
+      return Status::Unavailable(UcsError("ucp_config_read", s));
+    }
+    ucp_params_t p{};
+    p.field_mask = UCP_PARAM_FIELD_FEATURES;
+    p.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | (options.rma ? UCP_FEATURE_RMA : 0);
+    ucs_status_t s = ucp_init(&p, config, &context);
+    ucp_config_release(config);
+    if (s != UCS_OK) return Status::Unavailable(UcsError("ucp_init", s));
+    const char* tls = std::getenv("UCX_TLS");
+    transports = tls ? std::string("UCX_TLS=") + tls : "UCX's default selection (UCX_TLS unset)";
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the loop thread touches it
+    if ((s = ucp_worker_create(context, &wp, &worker)) != UCS_OK) return Status::Unavailable(UcsError("ucp_worker_create", s));
+    if ((s = ucp_worker_get_efd(worker, &efd)) != UCS_OK) return Status::Unavailable(UcsError("ucp_worker_get_efd", s));
+    for (uint16_t id : {remote::kHello, remote::kGather, remote::kWrite, remote::kPages}) handler_args.push_back({this, id});
+    for (HandlerArg& a : handler_args) {
+      ucp_am_handler_param_t h{};
+      h.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                     UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+      h.id = a.id;
+      h.cb = &Impl::OnMessage;
+      h.arg = &a;
+      h.flags = UCP_AM_FLAG_WHOLE_MSG;
+      if ((s = ucp_worker_set_am_recv_handler(worker, &h)) != UCS_OK) {
+        return Status::Unavailable(UcsError("ucp_worker_set_am_recv_handler", s));
+      }
+    }
+    SPECACHE_ASSIGN_OR_RETURN(remote::SocketAddress addr, remote::ResolveAddress(options.listen_addr));
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = addr.get();
+    lp.sockaddr.addrlen = addr.length;
+    lp.conn_handler.cb = &Impl::OnConnection;
+    lp.conn_handler.arg = this;
+    if ((s = ucp_listener_create(worker, &lp, &listener)) != UCS_OK) {
+      return Status::Unavailable(UcsError(("UCX listener on " + options.listen_addr).c_str(), s));
+    }
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if ((s = ucp_listener_query(listener, &attr)) != UCS_OK) return Status::Unavailable(UcsError("ucp_listener_query", s));
+    const auto* sa = reinterpret_cast<const sockaddr*>(&attr.sockaddr);
+    port = ntohs(sa->sa_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port
+                                           : reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
+    return Status::Ok();
+  }
+
+  static void OnConnection(ucp_conn_request_h request, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    if (self->connections.size() >= self->options.max_connections) {
+      ucp_listener_reject(self->listener, request);
+      self->Refused(Status::ResourceExhausted("remote connection rejected: " + std::to_string(self->connections.size()) +
+                                              " open, the limit"));
+      return;
+    }
+    ucp_ep_params_t p{};
+    p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.conn_request = request;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = &Impl::OnEndpointError;
+    p.err_handler.arg = self;
+    ucp_ep_h ep = nullptr;
+    if (ucs_status_t s = ucp_ep_create(self->worker, &p, &ep); s != UCS_OK) {
+      spdlog::warn("remote data plane: cannot accept a connection: {}", ucs_status_string(s));
+      ++self->dropped;
+      return;
+    }
+    Connection& c = self->connections[ep];
+    c.ep = ep;
+    c.accepted = Clock::now();
+    ++self->open;
+  }
+
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* self = static_cast<Impl*>(arg);
+    auto it = self->connections.find(ep);
+    if (it == self->connections.end()) return;
+    spdlog::info("remote data plane: endpoint of session {} failed: {}", it->second.session, ucs_status_string(status));
+    it->second.failed = true;
+  }
+
+  static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                const ucp_am_recv_param_t* param) {
+    auto* a = static_cast<HandlerArg*>(arg);
+    Impl* self = a->impl;
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !self->connections.count(param->reply_ep)) {
+      // No endpoint to answer on: nothing can be refused to anyone. Counted and logged.
+      ++self->dropped;
+      spdlog::warn("remote data plane: message {} without a known endpoint dropped", a->id);
+      return UCS_OK;
+    }
+    auto job = std::make_unique<Job>();
+    job->id = a->id;
+    job->ep = param->reply_ep;
+    const auto* h = static_cast<const uint8_t*>(header);
+    job->header.assign(h, h + header_length);
+    if (length > size_t{remote::kMaxRowsPerRequest} * 1024) {
+      job->failed = true;  // refused by the loop with the size in the message
+      job->payload.clear();
+      job->ready = true;
+      job->header.clear();
+      self->jobs.push_back(std::move(job));
+      return UCS_OK;
+    }
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+      // A large payload (a prefill's rows): fetched into the job's buffer, then answered.
+      job->payload.resize(length);
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.recv_am = &Impl::OnPayload;
+      rp.user_data = job.get();
+      ucs_status_ptr_t st = ucp_am_recv_data_nbx(self->worker, data, job->payload.data(), length, &rp);
+      if (st == nullptr) {
+        job->ready = true;
+      } else if (UCS_PTR_IS_ERR(st)) {
+        job->ready = job->failed = true;
+      }
+    } else {
+      const auto* d = static_cast<const uint8_t*>(data);
+      job->payload.assign(d, d + length);
+      job->ready = true;
+    }
+    self->jobs.push_back(std::move(job));
+    return UCS_OK;
+  }
+
+  static void OnPayload(void* request, ucs_status_t status, size_t, void* user_data) {
+    auto* job = static_cast<Job*>(user_data);
+    job->failed = status != UCS_OK;
+    job->ready = true;
+    ucp_request_free(request);
+  }
+
+  void Send(ucp_ep_h ep, uint64_t request_id, const Status& status, std::vector<uint8_t> payload,
+            std::function<void()> then = nullptr) {
+    auto* out = new Outgoing;
+    out->then = std::move(then);
+    out->header.request_id = request_id;
+    out->header.code = static_cast<int32_t>(status.code());
+    if (!status.ok()) {
+      const std::string& m = status.message();
+      out->payload.assign(m.begin(), m.end());
+    } else {
+      out->payload = std::move(payload);
+    }
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = &OnReplySent;
+    rp.user_data = out;
+    ucs_status_ptr_t st =
+        ucp_am_send_nbx(ep, remote::kReply, &out->header, sizeof out->header, out->payload.data(), out->payload.size(), &rp);
+    if (st == nullptr) {
+      if (out->then) out->then();
+      delete out;
+    } else if (UCS_PTR_IS_ERR(st)) {
+      ++dropped;
+      spdlog::warn("remote data plane: reply to request {} not sent: {}", request_id, ucs_status_string(UCS_PTR_STATUS(st)));
+      if (out->then) out->then();
+      delete out;
+    }
+  }
+
+  // The hello: binds the endpoint to its session.
+  void Hello(Connection* c, const Job& job) {
+    auto hello = remote::ParseHello(job.header);
+    if (!hello.ok()) return RefuseAndClose(c, 0, hello.status());
+    if (c->session != 0) return RefuseAndClose(c, 0, Status::FailedPrecondition("this endpoint already said hello"));
+    Token token{};
+    std::memcpy(token.data(), hello->token.data(), token.size());
+    auto chunks = registry->AttachRemote(hello->session_id, token);
+    if (!chunks.ok()) return RefuseAndClose(c, 0, chunks.status());
+    c->session = hello->session_id;
+    c->token = token;
+    std::vector<uint8_t> payload;
+    if (options.rma) {
+      auto keys = MapChunks(c, *chunks);
+      if (!keys.ok()) {
+        registry->Detach(c->session);
+        return RefuseAndClose(c, 0, keys.status());
+      }
+      payload = std::move(*keys);
+    }
+    Send(c->ep, 0, Status::Ok(), std::move(payload));
+  }
+
+  // ucp_mem_map of the session's chunks; the reply payload: RemoteChunk[] then the packed keys.
+  Result<std::vector<uint8_t>> MapChunks(Connection* c, const std::vector<uint32_t>& chunks) {
+    std::vector<remote::RemoteChunk> table;
+    std::vector<uint8_t> keys;
+    for (uint32_t chunk : chunks) {
+      ucp_mem_map_params_t mp{};
+      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+      mp.address = registry->chunk_data(chunk);
+      mp.length = registry->chunk_bytes();
+      ucp_mem_h memh = nullptr;
+      if (ucs_status_t s = ucp_mem_map(context, &mp, &memh); s != UCS_OK) return Status::Unavailable(UcsError("ucp_mem_map", s));
+      c->memh.push_back(memh);
+      void* packed = nullptr;
+      size_t packed_bytes = 0;
+      if (ucs_status_t s = ucp_rkey_pack(context, memh, &packed, &packed_bytes); s != UCS_OK) {
+        return Status::Unavailable(UcsError("ucp_rkey_pack", s));
+      }
+      table.push_back({reinterpret_cast<uint64_t>(mp.address), registry->chunk_bytes(), static_cast<uint32_t>(packed_bytes), 0});
+      keys.insert(keys.end(), static_cast<uint8_t*>(packed), static_cast<uint8_t*>(packed) + packed_bytes);
+      ucp_rkey_buffer_release(packed);
+    }
+    std::vector<uint8_t> out(table.size() * sizeof(remote::RemoteChunk));
+    std::memcpy(out.data(), table.data(), out.size());
+    out.insert(out.end(), keys.begin(), keys.end());
+    return out;
+  }
+
+  void RefuseAndClose(Connection* c, uint64_t request_id, const Status& why) {
+    Refused(why);
+    if (c->session != 0) return Send(c->ep, request_id, why, {});
+    // An endpoint that failed its hello is not kept. It is closed by the sweep once the refusal
+    // has left (a forced close now would drop it), or after the lease if the send never completes.
+    if (c->close_at == Clock::time_point()) c->close_at = Clock::now() + std::chrono::milliseconds(options.lease_ms);
+    ucp_ep_h ep = c->ep;
+    Send(ep, request_id, why, {}, [this, ep] {
+      auto it = connections.find(ep);
+      if (it != connections.end()) it->second.close_at = Clock::now() + std::chrono::milliseconds(50);
+    });
+  }
+
+  void Serve(Job* job) {
+    auto it = connections.find(job->ep);
+    if (it == connections.end()) return;  // closed meanwhile
+    Connection* c = &it->second;
+    ++requests;
+    if (job->failed) return RefuseAndClose(c, 0, Status::InvalidArgument("request payload too large or not received"));
+    if (job->id == remote::kHello) return Hello(c, *job);
+    auto req = remote::ParseRowsRequest(job->header);
+    if (!req.ok()) return RefuseAndClose(c, 0, req.status());
+    if (c->session == 0) {
+      return RefuseAndClose(c, req->request_id,
+                            Status::FailedPrecondition("the first message on an endpoint must be the hello"));
+    }
+    Status done;
+    std::vector<uint8_t> payload;
+    if (job->id == remote::kGather) {
+      if (job->payload.size() != size_t{req->n} * sizeof(int32_t)) {
+        done = Status::InvalidArgument("gather of " + std::to_string(req->n) + " rows with " +
+                                       std::to_string(job->payload.size()) + " bytes of row list");
+      } else {
+        std::vector<int32_t> tokens(req->n);
+        std::memcpy(tokens.data(), job->payload.data(), job->payload.size());
+        auto rows = registry->ReadRows(c->session, c->token, req->sequence, req->layer, req->kv_head, tokens);
+        if (rows.ok()) payload = std::move(*rows);
+        done = rows.status();
+      }
+    } else if (job->id == remote::kWrite) {
+      done = registry->WriteRows(c->session, c->token, req->sequence, req->layer, req->kv_head, req->first_token,
+                                 job->payload);
+    } else {  // kPages
+      auto refs = registry->PageRefs(c->session, c->token, req->sequence, req->layer);
+      if (refs.ok()) {
+        payload.resize(refs->size() * sizeof(shm::PageRef));
+        std::memcpy(payload.data(), refs->data(), payload.size());
+      }
+      done = refs.status();
+    }
+    if (!done.ok()) Refused(done);
+    Send(c->ep, req->request_id, done, std::move(payload));
+  }
+
+  void CloseConnection(Connection* c, bool detach) {
+    for (ucp_mem_h m : c->memh) ucp_mem_unmap(context, m);  // the session's keys are stale from here
+    c->memh.clear();
+    if (detach && c->session != 0) registry->Detach(c->session);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t st = ucp_ep_close_nbx(c->ep, &p);
+    if (st != nullptr && !UCS_PTR_IS_ERR(st)) ucp_request_free(st);  // completes in later progress
+  }
+
+  // Endpoints that failed, were refused at the hello (after their reply had time to leave), sent
+  // no hello within the lease, or whose session ended elsewhere.
+  void Sweep() {
+    const auto now = Clock::now();
+    for (auto it = connections.begin(); it != connections.end();) {
+      Connection& c = it->second;
+      std::string why;
+      if (c.failed) {
+        why = "the endpoint failed";
+      } else if (c.close_at != Clock::time_point() && now >= c.close_at) {
+        why = "refused at the hello";
+      } else if (c.session == 0 && now - c.accepted > std::chrono::milliseconds(options.lease_ms)) {
+        why = "no hello within the lease";
+      } else if (c.session != 0 && !registry->SessionLive(c.session)) {
+        why = "its session ended";
+      }
+      if (why.empty()) {
+        ++it;
+        continue;
+      }
+      spdlog::info("remote data plane: endpoint of session {} closed: {}", c.session, why);
+      for (auto& job : jobs) {  // nobody is left to answer
+        if (job->ep == c.ep) job->ep = nullptr;
+      }
+      CloseConnection(&c, /*detach=*/true);
+      it = connections.erase(it);
+      --open;
+    }
+  }
+
+  void Run() {
+    auto last_sweep = Clock::now(), last_work = Clock::now();
+    while (!stop.load()) {
+      while (ucp_worker_progress(worker) != 0) last_work = Clock::now();
+      while (!jobs.empty() && jobs.front()->ready) {
+        std::unique_ptr<Job> job = std::move(jobs.front());
+        jobs.pop_front();
+        if (job->ep) Serve(job.get());
+        last_work = Clock::now();
+      }
+      if (Clock::now() - last_sweep > std::chrono::milliseconds(20)) {
+        Sweep();
+        last_sweep = Clock::now();
+      }
+      if (!jobs.empty()) continue;
+      // Busy for 50 us after the last message: the next request of a decode step is usually on
+      // its way. Then sleep until UCX signals, at most 1 ms while traffic is recent (not every
+      // transport signals the event fd: shared memory does not) and 20 ms when idle for a second
+      // (for the sweep and the stop flag).
+      const auto quiet = Clock::now() - last_work;
+      if (quiet < std::chrono::microseconds(50)) continue;
+      if (ucp_worker_arm(worker) == UCS_OK) {
+        pollfd p{efd, POLLIN, 0};
+        poll(&p, 1, quiet < std::chrono::seconds(1) ? 1 : 20);
+      }
+    }
+  }
+};
+
+UcxServer::UcxServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+UcxServer::~UcxServer() = default;
+
+Result<std::unique_ptr<UcxServer>> UcxServer::Start(Registry* registry, const UcxServerOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->registry = registry;
+  impl->options = options;
+  SPECACHE_RETURN_IF_ERROR(impl->Init());
+  Impl* raw = impl.get();
+  raw->thread = std::thread([raw] { raw->Run(); });
+  return std::unique_ptr<UcxServer>(new UcxServer(std::move(impl)));
+}
+
+uint16_t UcxServer::port() const { return impl_->port; }
+const std::string& UcxServer::transports() const { return impl_->transports; }
+
+UcxServerStats UcxServer::stats() const {
+  return {impl_->open.load(), impl_->requests.load(), impl_->refused.load(), impl_->dropped.load()};
+}
+
+}  // namespace specache::daemon

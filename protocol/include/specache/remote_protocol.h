@@ -1,0 +1,94 @@
+// The data plane between a remote client and specached: UCX active messages (AM) on one
+// endpoint per session. The control plane stays gRPC (control.proto over TLS); this carries rows.
+//
+//   client -> daemon (AM header, AM payload)            daemon -> client (kReply)
+//   kHello   Hello                -                     Reply, payload: RemoteChunk[] + packed
+//                                                       remote keys (only with `rma` on)
+//   kGather  Gather               int32 tokens[n]       Reply, payload: n rows (server-side gather)
+//   kWrite   Write                n rows                Reply
+//   kPages   Pages                -                     Reply, payload: shm::PageRef[pages]
+//
+// The first message on an endpoint must be kHello (the session id and token OpenSession gave);
+// it takes the session's lease, and the session ends when the endpoint closes. Every request
+// carries a request id the reply echoes; a reply with a non-zero code carries the error text as
+// its payload. Headers are fixed-size plain structs; both sides parse the other's bytes with
+// Parse*, which reject anything malformed.
+#pragma once
+
+#include <sys/socket.h>
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "specache/attach_protocol.h"
+#include "specache/status.h"
+
+namespace specache::remote {
+
+inline constexpr uint32_t kMagic = 0x55435053;  // "SPCU"
+inline constexpr uint16_t kVersion = 1;
+
+// AM ids (ucp_worker_set_am_recv_handler).
+enum AmId : uint16_t { kHello = 1, kGather = 2, kWrite = 3, kPages = 4, kReply = 10 };
+
+// Most rows in one kGather or kWrite (a layer's worth of a large batch; bounds the daemon's buffer).
+inline constexpr uint32_t kMaxRowsPerRequest = 1 << 16;
+
+struct Hello {
+  uint32_t magic = kMagic;
+  uint16_t version = kVersion;
+  uint16_t flags = 0;
+  uint64_t session_id = 0;
+  std::array<uint8_t, attach::kTokenBytes> token{};
+};
+static_assert(sizeof(Hello) == 32);
+
+// Rows of one (sequence, layer, KV head). In kGather the payload lists n tokens (int32, any
+// order); in kWrite it holds n rows from first_token on.
+struct RowsRequest {
+  uint32_t magic = kMagic;
+  uint32_t n = 0;
+  uint64_t request_id = 0;
+  uint64_t sequence = 0;
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  uint32_t first_token = 0;  // kWrite only
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(RowsRequest) == 40);
+
+struct Reply {
+  uint32_t magic = kMagic;
+  int32_t code = 0;  // StatusCode
+  uint64_t request_id = 0;
+};
+static_assert(sizeof(Reply) == 16);
+
+// One chunk of the session, for client-side gets (kHello's reply with `rma` on).
+struct RemoteChunk {
+  uint64_t address = 0;   // the daemon's virtual address of the chunk
+  uint64_t bytes = 0;
+  uint32_t rkey_bytes = 0;  // packed remote key, after the RemoteChunk array, in chunk order
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(RemoteChunk) == 24);
+
+Result<Hello> ParseHello(std::span<const uint8_t> header);
+// A kGather or kWrite header (n within kMaxRowsPerRequest), or kPages (n == 0).
+Result<RowsRequest> ParseRowsRequest(std::span<const uint8_t> header);
+Result<Reply> ParseReply(std::span<const uint8_t> header);
+
+// "host:port" or "[v6]:port" (numeric or a name getaddrinfo resolves). INVALID_ARGUMENT naming
+// the text when it is not one; UNAVAILABLE when the name does not resolve.
+struct SocketAddress {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+  const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&storage); }
+};
+Result<SocketAddress> ResolveAddress(const std::string& host_port);
+// The host and port of "host:port" / "[v6]:port" (brackets removed), without resolving.
+Result<std::pair<std::string, uint16_t>> SplitHostPort(const std::string& host_port);
+
+}  // namespace specache::remote

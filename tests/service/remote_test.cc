@@ -1,0 +1,448 @@
+// Remote clients: a specached with [remote] on loopback (TLS control plane, UCX data plane), and
+// clients in this process. What a remote client may do, what it is refused (with which status),
+// rows identical to what was written by both fetch methods, and a daemon killed under a session.
+// The two-host version (network namespaces, the real engine) is remote_netns_test.sh.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "processes.h"
+#include "specache/client.h"
+#include "specache/remote_protocol.h"
+#include "specache/remote_session.h"
+#include "specache/remote_source.h"
+#include "specache/v1/control.grpc.pb.h"
+#include "ucx_endpoint.h"
+
+namespace specache {
+namespace {
+
+using client::Client;
+using client::FetchMethod;
+using client::RemoteCredentials;
+using client::RemoteSession;
+using testing::DaemonProcess;
+using testing::RunCommand;
+
+constexpr client::PageLayoutSpec kLayout{2, 2, 128, 16, 256};  // 512-byte rows
+constexpr size_t kRow = 512;
+
+// A TCP port nobody listens on now (the kernel's pick, released).
+uint16_t FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Certificates for one test run: a CA, the daemon's certificate (127.0.0.1), a client
+// certificate from the same CA, and one from a CA the daemon does not know.
+struct Pki {
+  std::string dir;
+  bool ok = false;
+  Pki() {
+    char tmpl[] = "/tmp/specache-pki-XXXXXX";
+    dir = mkdtemp(tmpl);
+    const std::string d = dir;
+    auto cert = [&](const std::string& name, const std::string& ca, const std::string& ext) {
+      return "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " + d + "/" + name + ".key -subj /CN=" + name + " -out " + d + "/" +
+             name + ".csr 2>/dev/null && openssl x509 -req -in " + d + "/" + name + ".csr -CA " + d + "/" + ca +
+             ".pem -CAkey " + d + "/" + ca + ".key -CAcreateserial -days 2 -out " + d + "/" + name + ".pem " + ext +
+             " 2>/dev/null";
+    };
+    auto ca = [&](const std::string& name) {
+      return "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " + d + "/" + name + ".key -subj /CN=" + name +
+             " -days 2 -out " + d + "/" + name + ".pem 2>/dev/null";
+    };
+    std::ofstream(d + "/san.ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+    const std::string script = ca("ca") + " && " + ca("other-ca") + " && " + cert("server", "ca", "-extfile " + d + "/san.ext") +
+                                " && " + cert("client", "ca", "") + " && " + cert("stranger", "other-ca", "");
+    int code = 0;
+    RunCommand(script, &code);
+    ok = code == 0;
+  }
+  ~Pki() { std::filesystem::remove_all(dir); }
+  std::string path(const std::string& f) const { return dir + "/" + f; }
+};
+
+std::string WriteSecret(const std::string& dir, const std::string& name, const std::string& secret) {
+  const std::string path = dir + "/" + name + ".secret";
+  std::ofstream(path) << secret << "\n";
+  chmod(path.c_str(), 0600);
+  return path;
+}
+
+class RemoteTest : public ::testing::Test {
+ protected:
+  // One set of certificates for the suite (each daemon gets fresh ports and secrets).
+  static void SetUpTestSuite() { pki_ = new Pki; }
+  static void TearDownTestSuite() {
+    delete pki_;
+    pki_ = nullptr;
+  }
+
+  void StartDaemon(bool mutual_tls, bool rma, uint16_t control_port = 0, uint16_t data_port = 0) {
+    ASSERT_TRUE(pki_->ok) << "openssl could not make the test certificates";
+    control_port_ = control_port ? control_port : FreePort();
+    data_port_ = data_port ? data_port : FreePort();
+    secret_a_ = WriteSecret(pki_->dir, "a", "tenant-a-secret-0123456789");
+    secret_b_ = WriteSecret(pki_->dir, "b", "tenant-b-secret-9876543210");
+    std::string toml = "[tenants.a]\nquota_bytes = \"32MiB\"\nremote_secret_file = \"" + secret_a_ +
+                       "\"\n[tenants.b]\nquota_bytes = \"32MiB\"\nremote_secret_file = \"" + secret_b_ +
+                       "\"\n[remote]\ncontrol_addr = \"127.0.0.1:" + std::to_string(control_port_) +
+                       "\"\ndata_addr = \"127.0.0.1:" + std::to_string(data_port_) + "\"\ntls_cert = \"" +
+                       pki_->path("server.pem") + "\"\ntls_key = \"" + pki_->path("server.key") + "\"\n";
+    if (mutual_tls) toml += "client_ca = \"" + pki_->path("ca.pem") + "\"\n";
+    if (rma) toml += "rma = true\n";
+    daemon_ = std::make_unique<DaemonProcess>();
+    daemon_->capture_log = true;
+    daemon_->log_level = "info";
+    ASSERT_TRUE(daemon_->Start(toml)) << daemon_->Log();
+  }
+
+  RemoteCredentials Credentials(const std::string& tenant, bool client_cert = false) const {
+    RemoteCredentials c;
+    c.ca_file = pki_->path("ca.pem");
+    c.tenant = tenant;
+    c.secret_file = tenant == "a" ? secret_a_ : secret_b_;
+    if (client_cert) {
+      c.cert_file = pki_->path("client.pem");
+      c.key_file = pki_->path("client.key");
+    }
+    return c;
+  }
+
+  std::string Target() const { return "tcp://127.0.0.1:" + std::to_string(control_port_); }
+
+  Result<std::unique_ptr<Client>> Connect(const RemoteCredentials& c, int deadline_ms = 3000) const {
+    return Client::Connect({Target(), std::chrono::milliseconds(deadline_ms), "remote-test"}, c);
+  }
+
+  // A session of tenant `tenant` with one sequence whose first `tokens` rows are written
+  // (row t of head h at layer l: every byte (l * 31 + h * 7 + t) & 0xff).
+  struct Fixture {
+    std::unique_ptr<Client> client;
+    std::unique_ptr<RemoteSession> session;
+    uint64_t sequence = 0;
+  };
+  Fixture Open(const std::string& tenant, FetchMethod method, uint32_t tokens, int deadline_ms = 2000) {
+    Fixture f;
+    auto c = Connect(Credentials(tenant));
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    if (!c.ok()) return f;
+    f.client = std::move(*c);
+    auto s = RemoteSession::Open(f.client.get(), tenant, 8 << 20, {method, std::chrono::milliseconds(deadline_ms)});
+    EXPECT_TRUE(s.ok()) << s.status().ToString() << "\n" << daemon_->Log();
+    if (!s.ok()) return f;
+    f.session = std::move(*s);
+    auto seq = f.session->CreateSequence(kLayout);
+    EXPECT_TRUE(seq.ok()) << seq.status().ToString();
+    f.sequence = *seq;
+    EXPECT_TRUE(f.session->Extend(f.sequence, tokens).ok());
+    for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
+      for (uint32_t h = 0; h < kLayout.n_kv_heads; ++h) {
+        std::vector<uint8_t> rows(tokens * kRow);
+        for (uint32_t t = 0; t < tokens; ++t) std::memset(rows.data() + t * kRow, (l * 31 + h * 7 + t) & 0xff, kRow);
+        Status w = f.session->WriteRows(f.sequence, l, h, 0, rows.data(), rows.size());
+        EXPECT_TRUE(w.ok()) << w.ToString();
+      }
+    }
+    return f;
+  }
+
+  static void ExpectRows(const std::vector<int32_t>& tokens, const std::vector<uint8_t>& out, uint32_t l, uint32_t h) {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      const uint8_t want = (l * 31 + h * 7 + tokens[i]) & 0xff;
+      for (size_t b = 0; b < kRow; ++b) {
+        ASSERT_EQ(out[i * kRow + b], want) << "row " << tokens[i] << " byte " << b;
+      }
+    }
+  }
+
+  static inline Pki* pki_ = nullptr;
+  std::string secret_a_, secret_b_;
+  uint16_t control_port_ = 0, data_port_ = 0;
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(RemoteTest, ServerGatherReturnsTheRowsWrittenInListOrder) {
+  StartDaemon(false, false);
+  Fixture f = Open("a", FetchMethod::kServerGather, 100);
+  ASSERT_TRUE(f.session);
+  std::mt19937 rng(7);
+  for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
+    for (uint32_t h = 0; h < kLayout.n_kv_heads; ++h) {
+      std::vector<int32_t> tokens(64);
+      for (auto& t : tokens) t = static_cast<int32_t>(rng() % 100);
+      std::vector<uint8_t> out(tokens.size() * kRow);
+      ASSERT_TRUE(f.session->ReadRows(f.sequence, l, h, tokens, out.data()).ok());
+      ExpectRows(tokens, out, l, h);
+    }
+  }
+  // Started and waited on separately (how an engine overlaps the fetch with its layers).
+  std::vector<int32_t> tokens = {99, 0, 50};
+  std::vector<uint8_t> out(tokens.size() * kRow);
+  auto read = f.session->StartRead(f.sequence, 1, 1, tokens, out.data());
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_TRUE(f.session->WaitRead(*read).ok());
+  ExpectRows(tokens, out, 1, 1);
+  EXPECT_GT(f.session->stats().requests, 4u);
+}
+
+TEST_F(RemoteTest, ClientGetsReturnTheSameRowsAsTheGather) {
+  StartDaemon(false, /*rma=*/true);
+  Fixture f = Open("a", FetchMethod::kClientGets, 100);
+  ASSERT_TRUE(f.session);
+  const std::vector<int32_t> tokens = {5, 6, 7, 8, 40, 15, 16, 17, 99, 0};  // runs across a page edge (16)
+  std::vector<uint8_t> gets(tokens.size() * kRow), gather(tokens.size() * kRow);
+  Status g = f.session->ReadRows(f.sequence, 1, 0, tokens, gets.data(), FetchMethod::kClientGets);
+  ASSERT_TRUE(g.ok()) << g.ToString();
+  ASSERT_TRUE(f.session->ReadRows(f.sequence, 1, 0, tokens, gather.data(), FetchMethod::kServerGather).ok());
+  ExpectRows(tokens, gets, 1, 0);
+  EXPECT_EQ(gets, gather);
+  // 10 rows in 6 runs: 5-8, 15, 16-17 (new page), 40, 99, 0.
+  EXPECT_EQ(f.session->stats().gets, 6u);
+}
+
+TEST_F(RemoteTest, GetsWithoutRemoteKeysAreRefusedClearly) {
+  StartDaemon(false, /*rma=*/false);
+  Fixture f = Open("a", FetchMethod::kServerGather, 16);
+  ASSERT_TRUE(f.session);
+  std::vector<int32_t> tokens = {1};
+  std::vector<uint8_t> out(kRow);
+  Status s = f.session->ReadRows(f.sequence, 0, 0, tokens, out.data(), FetchMethod::kClientGets);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+}
+
+TEST_F(RemoteTest, RemoteSourceServesTheAgentsCalls) {
+  StartDaemon(false, false);
+  auto c = Connect(Credentials("a"));
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto s = RemoteSession::Open(c->get(), "a", 8 << 20);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  client::RemoteSource source(s->get(), 16, 256);
+  ASSERT_TRUE(source.CreateSequence(1, {2, 2, 128}).ok());
+  std::vector<Half> rows(40 * 256);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = FloatToHalf(static_cast<float>(i % 1000) / 8);
+  ASSERT_TRUE(source.AppendRows(1, 1, 1, 0, rows.data(), 39).ok());
+  ASSERT_TRUE(source.AppendRows(1, 1, 1, 39, rows.data() + 39 * 256, 1).ok());
+  EXPECT_EQ(*source.Length(1, 1, 1), 40);
+  const int32_t tokens[] = {39, 3, 17};
+  std::vector<Half> out(3 * 256);
+  ASSERT_TRUE(source.ReadRows(1, 1, 1, tokens, 3, out.data()).ok());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::memcmp(out.data() + i * 256, rows.data() + tokens[i] * 256, kRow), 0) << "row " << tokens[i];
+  }
+  EXPECT_EQ(source.ReadRows(1, 1, 1, std::array<int32_t, 1>{40}.data(), 1, out.data()).code(), StatusCode::kOutOfRange);
+}
+
+TEST_F(RemoteTest, WrongSecretAndOtherTenantAreRefusedBeforeAnythingIsReserved) {
+  StartDaemon(false, false);
+  RemoteCredentials wrong = Credentials("a");
+  wrong.secret_file = WriteSecret(pki_->dir, "wrong", "not-the-secret-of-tenant-a");
+  auto c = Connect(wrong);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();  // TLS is fine; the calls are refused
+  auto s = RemoteSession::Open(c->get(), "a", 4 << 20);
+  EXPECT_EQ(s.status().code(), StatusCode::kPermissionDenied) << s.status().ToString();
+  EXPECT_NE(s.status().message().find("wrong tenant secret"), std::string::npos) << s.status().ToString();
+
+  auto a = Connect(Credentials("a"));
+  ASSERT_TRUE(a.ok());
+  auto other = RemoteSession::Open(a->get(), "b", 4 << 20);  // a's secret, b's tenant
+  EXPECT_EQ(other.status().code(), StatusCode::kPermissionDenied) << other.status().ToString();
+  EXPECT_NE(other.status().message().find("not the tenant this remote client authenticated for"), std::string::npos)
+      << other.status().ToString();
+  // Administration stays on the host.
+  auto sessions = (*a)->ListSessions();
+  EXPECT_EQ(sessions.status().code(), StatusCode::kPermissionDenied);
+  // Stats show the caller's tenant only.
+  auto stats = (*a)->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  ASSERT_EQ(stats->tenants.size(), 1u);
+  EXPECT_EQ(stats->tenants[0].tenant, "a");
+  EXPECT_EQ(stats->reserved_bytes, 0u) << "a refused OpenSession reserved memory";
+}
+
+// A raw data-plane endpoint, as a hostile client would use it.
+struct RawEndpoint {
+  std::unique_ptr<client::UcxEndpoint> ep;
+  Status Hello(uint64_t session, const std::string& token) {
+    remote::Hello h;
+    h.session_id = session;
+    std::memcpy(h.token.data(), token.data(), std::min(token.size(), h.token.size()));
+    return ep->Call(remote::kHello, &h, sizeof h, nullptr, 0, nullptr, 1 << 20,
+                    std::chrono::steady_clock::now() + std::chrono::seconds(3));
+  }
+  Status Gather(uint64_t sequence, std::vector<int32_t> tokens) {
+    remote::RowsRequest r;
+    r.sequence = sequence;
+    r.n = static_cast<uint32_t>(tokens.size());
+    std::vector<uint8_t> out;
+    return ep->Call(remote::kGather, &r, sizeof r, tokens.data(), tokens.size() * 4, &out, tokens.size() * kRow,
+                    std::chrono::steady_clock::now() + std::chrono::seconds(3));
+  }
+};
+
+TEST_F(RemoteTest, DataPlaneRefusesForgedTokensStaleSessionsOtherTenantsAndBadRowsAndKeepsServing) {
+  StartDaemon(false, false);
+  Fixture a = Open("a", FetchMethod::kServerGather, 32);
+  Fixture b = Open("b", FetchMethod::kServerGather, 32);
+  ASSERT_TRUE(a.session && b.session);
+  const std::string addr = "127.0.0.1:" + std::to_string(data_port_);
+
+  // Requests before the hello.
+  auto raw = client::UcxEndpoint::Connect(addr, false);
+  ASSERT_TRUE(raw.ok());
+  RawEndpoint early{std::move(*raw)};
+  Status before = early.Gather(a.sequence, {1});
+  EXPECT_EQ(before.code(), StatusCode::kFailedPrecondition) << before.ToString() << "\n" << daemon_->Log();
+  EXPECT_NE(before.message().find("must be the hello"), std::string::npos) << before.ToString();
+
+  // A forged token for b's session.
+  raw = client::UcxEndpoint::Connect(addr, false);
+  ASSERT_TRUE(raw.ok());
+  RawEndpoint forged{std::move(*raw)};
+  Status f = forged.Hello(b.session->id(), std::string(16, 'x'));
+  EXPECT_EQ(f.code(), StatusCode::kPermissionDenied) << f.ToString();
+  EXPECT_NE(f.message().find("wrong token"), std::string::npos) << f.ToString();
+
+  // A session that ended: its id and token are stale.
+  const uint64_t ended = a.session->id();
+  a.session.reset();
+  raw = client::UcxEndpoint::Connect(addr, false);
+  ASSERT_TRUE(raw.ok());
+  RawEndpoint stale{std::move(*raw)};
+  Status st = stale.Hello(ended, std::string(16, '\0'));
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+
+  // A session of its own (opened with raw calls, as a hostile client would) asking for b's
+  // sequence: the daemon's NOT_FOUND, not the client library's.
+  {
+    grpc::SslCredentialsOptions tls;
+    std::ifstream ca(pki_->path("ca.pem"));
+    tls.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), std::istreambuf_iterator<char>());
+    auto stub = v1::Control::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::SslCredentials(tls)));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-specache-tenant", "b");
+    ctx.AddMetadata("x-specache-secret", "tenant-b-secret-9876543210");
+    v1::OpenSessionRequest req;
+    req.set_tenant("b");
+    req.set_pool_bytes(4 << 20);
+    v1::OpenSessionResponse resp;
+    ASSERT_TRUE(stub->OpenSession(&ctx, req, &resp).ok());
+    raw = client::UcxEndpoint::Connect(addr, false);
+    ASSERT_TRUE(raw.ok());
+    RawEndpoint other{std::move(*raw)};
+    ASSERT_TRUE(other.Hello(resp.session_id(), resp.token()).ok());
+    Status theirs = other.Gather(b.sequence, {1});
+    EXPECT_EQ(theirs.code(), StatusCode::kNotFound) << "another session's sequence: " << theirs.ToString();
+    EXPECT_NE(theirs.message().find("is not in session"), std::string::npos) << theirs.ToString();
+  }
+
+  // b's own endpoint: rows beyond the pages, negative rows, a layer outside the layout.
+  std::vector<uint8_t> out(4 * kRow);
+  const std::vector<int32_t> beyond = {1, 32};
+  Status r = b.session->ReadRows(b.sequence, 0, 0, beyond, out.data());
+  EXPECT_EQ(r.code(), StatusCode::kOutOfRange) << r.ToString();
+  EXPECT_NE(r.message().find("row 32 (entry 1)"), std::string::npos) << r.ToString();
+  r = b.session->ReadRows(b.sequence, 0, 0, std::vector<int32_t>{-1}, out.data());
+  EXPECT_EQ(r.code(), StatusCode::kOutOfRange) << r.ToString();
+  r = b.session->ReadRows(b.sequence, 2, 0, std::vector<int32_t>{1}, out.data());
+  EXPECT_EQ(r.code(), StatusCode::kOutOfRange) << r.ToString();
+  Status w = b.session->WriteRows(b.sequence, 0, 0, 30, out.data(), 4 * kRow);
+  EXPECT_EQ(w.code(), StatusCode::kOutOfRange) << "write past the pages: " << w.ToString();
+
+  // b still works, and the refusals were logged.
+  const std::vector<int32_t> fine = {0, 31};
+  ASSERT_TRUE(b.session->ReadRows(b.sequence, 1, 1, fine, out.data()).ok());
+  ExpectRows(fine, std::vector<uint8_t>(out.begin(), out.begin() + 2 * kRow), 1, 1);
+  EXPECT_TRUE(b.session->Alive());
+  EXPECT_NE(daemon_->Log().find("remote data plane: refused"), std::string::npos);
+  auto stats = b.client->Stats();  // counted too: 8 refusals above
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_GE(stats->remote_refused, 8u) << daemon_->Log();
+  EXPECT_GE(stats->remote_connections, 1u);
+}
+
+TEST_F(RemoteTest, PlaintextToTheTlsPortFailsCleanly) {
+  StartDaemon(false, false);
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::InsecureChannelCredentials());
+  auto stub = v1::Control::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::StatsResponse resp;
+  const auto start = std::chrono::steady_clock::now();
+  grpc::Status s = stub->Stats(&ctx, v1::StatsRequest(), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  // The daemon serves TLS clients after that.
+  auto c = Connect(Credentials("a"));
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE((*c)->Stats().ok());
+}
+
+TEST_F(RemoteTest, MutualTlsRefusesClientsWithoutTheRightCertificate) {
+  StartDaemon(/*mutual_tls=*/true, false);
+  auto none = Connect(Credentials("a"), 1500);
+  EXPECT_EQ(none.status().code(), StatusCode::kUnavailable) << "no client certificate: " << none.status().ToString();
+  RemoteCredentials stranger = Credentials("a");
+  stranger.cert_file = pki_->path("stranger.pem");
+  stranger.key_file = pki_->path("stranger.key");
+  auto wrong = Connect(stranger, 1500);
+  EXPECT_EQ(wrong.status().code(), StatusCode::kUnavailable) << "other CA: " << wrong.status().ToString();
+  auto right = Connect(Credentials("a", /*client_cert=*/true));
+  ASSERT_TRUE(right.ok()) << right.status().ToString();
+  auto s = RemoteSession::Open(right->get(), "a", 4 << 20);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+}
+
+TEST_F(RemoteTest, KilledDaemonGivesAnErrorWithinTheDeadlineAndANewSessionWorksAfterARestart) {
+  StartDaemon(false, false);
+  const int deadline_ms = 1500;
+  Fixture f = Open("a", FetchMethod::kServerGather, 64, deadline_ms);
+  ASSERT_TRUE(f.session);
+  std::vector<int32_t> tokens = {1, 2, 3};
+  std::vector<uint8_t> out(3 * kRow);
+  ASSERT_TRUE(f.session->ReadRows(f.sequence, 0, 0, tokens, out.data()).ok());
+
+  daemon_->child->Kill(SIGKILL);
+  ASSERT_EQ(daemon_->child->Wait(5000), 128 + SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  Status s = f.session->ReadRows(f.sequence, 0, 0, tokens, out.data());
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_TRUE(s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_LT(took, std::chrono::milliseconds(deadline_ms + 500)) << s.ToString();
+  EXPECT_FALSE(f.session->Alive());
+  // Later calls fail at once, and tearing the session down does not hang.
+  EXPECT_FALSE(f.session->ReadRows(f.sequence, 0, 0, tokens, out.data()).ok());
+  const auto teardown = std::chrono::steady_clock::now();
+  f.session.reset();
+  f.client.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - teardown, std::chrono::milliseconds(deadline_ms * 3));
+
+  // The daemon again, on the same ports: a new client and session work.
+  const uint16_t control = control_port_, data = data_port_;
+  daemon_.reset();
+  StartDaemon(false, false, control, data);
+  Fixture again = Open("a", FetchMethod::kServerGather, 16, deadline_ms);
+  ASSERT_TRUE(again.session) << daemon_->Log();
+  ASSERT_TRUE(again.session->ReadRows(again.sequence, 1, 1, tokens, out.data()).ok());
+  ExpectRows(tokens, out, 1, 1);
+}
+
+}  // namespace
+}  // namespace specache
