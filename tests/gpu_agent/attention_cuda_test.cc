@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -13,12 +14,14 @@
 
 #include "specache/cpu_attention.h"
 #include "specache/device_probe.h"
+#include "specache/quantizer.h"
 #include "testing/cuda_device.h"
 #include "testing/reference.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "specache/cuda_replica.h"
 #include "testing/device_buffers.h"
 #endif
 
@@ -36,6 +39,46 @@ struct DecodeCase {
   std::vector<float> want, want_probs;
   std::string name;
 };
+
+// The CPU replica's quantized tokens in device blocks of the agent's layout, written through the
+// kernels' own accessors (on the host images), the blocks in reverse order in memory: the
+// kernels must follow the table, not assume one array.
+void UploadBlocks(const HeadReplica& replica, const ReplicaParams& p, cuda::DeviceReplicaView& v, DeviceBuffers& buf) {
+  v.layout = cuda::MakeReplicaBlockLayout(p);
+  const int32_t n_qk = replica.quantized_keys(), n_qv = replica.quantized_values(), T = v.layout.block_tokens;
+  const int32_t n_blocks = (std::max(n_qk, n_qv) + T - 1) / T;
+  if (n_blocks == 0) return;
+  const size_t bytes = static_cast<size_t>(v.layout.bytes);
+  std::vector<uint8_t> image(n_blocks * bytes);
+  std::vector<const uint8_t*> host(n_blocks);
+  for (int32_t b = 0; b < n_blocks; ++b) host[b] = image.data() + (n_blocks - 1 - b) * bytes;
+  cuda::DeviceReplicaView hv = v;
+  hv.blocks = host.data();
+  auto put = [](const void* at, const void* from, size_t n) { std::memcpy(const_cast<void*>(at), from, n); };
+  const int d = p.head_dim, G = p.group_size;
+  for (int32_t g = 0; g < n_qk / G; ++g) {
+    if (p.key_bits == 16) {
+      put(cuda::KeyHalf(hv, g * G), replica.KeyGroupHalf(g), size_t(G) * d * sizeof(Half));
+    } else {
+      put(cuda::KeyCodes(hv, g), replica.KeyGroupCodes(g), size_t(d) * WordsPerGroup(G, p.key_bits) * 4);
+      put(cuda::KeyScales(hv, g), replica.KeyGroupScale(g), size_t(d) * sizeof(Half));
+      put(cuda::KeyZeros(hv, g), replica.KeyGroupZero(g), size_t(d) * sizeof(Half));
+    }
+  }
+  for (int32_t t = 0; t < n_qv; ++t) {
+    if (p.value_bits == 16) {
+      put(cuda::ValueHalf(hv, t), replica.ValueHalf(t), size_t(d) * sizeof(Half));
+    } else {
+      put(cuda::ValueCodes(hv, t), replica.ValueCodes(t), size_t(d / G) * WordsPerGroup(G, p.value_bits) * 4);
+      put(cuda::ValueScales(hv, t), replica.ValueScale(t), size_t(d / G) * sizeof(Half));
+      put(cuda::ValueZeros(hv, t), replica.ValueZero(t), size_t(d / G) * sizeof(Half));
+    }
+  }
+  const uint8_t* device = buf.Copy(image);
+  std::vector<const uint8_t*> table(n_blocks);
+  for (int32_t b = 0; b < n_blocks; ++b) table[b] = device + (n_blocks - 1 - b) * bytes;
+  v.blocks = buf.Copy(table);
+}
 
 DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads, std::mt19937& rng, DeviceBuffers& buf) {
   DecodeCase c;
@@ -68,18 +111,7 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
   v.length = length;
   v.quantized_keys = n_qk;
   v.quantized_values = n_qv;
-  const int groups = n_qk / 32, words = 32 * (bits == 16 ? 1 : bits) / 32;
-  if (bits == 16) {
-    v.key_half = buf.Copy(replica.KeyGroupHalf(0), size_t(n_qk) * d);
-    v.value_half = buf.Copy(replica.ValueHalf(0), size_t(n_qv) * d);
-  } else {
-    v.key_codes = buf.Copy(replica.KeyGroupCodes(0), size_t(groups) * d * words);
-    v.key_scale = buf.Copy(replica.KeyGroupScale(0), size_t(groups) * d);
-    v.key_zero = buf.Copy(replica.KeyGroupZero(0), size_t(groups) * d);
-    v.value_codes = buf.Copy(replica.ValueCodes(0), size_t(n_qv) * (d / 32) * words);
-    v.value_scale = buf.Copy(replica.ValueScale(0), size_t(n_qv) * (d / 32));
-    v.value_zero = buf.Copy(replica.ValueZero(0), size_t(n_qv) * (d / 32));
-  }
+  UploadBlocks(replica, p, v, buf);
   v.residual_keys = buf.Copy(replica.ResidualKeys(), size_t(length - n_qk) * d);
   v.window_values = buf.Copy(replica.WindowValues(), size_t(length - n_qv) * d);
   cuda::DeviceDecodeRows& r = c.item.rows;

@@ -146,5 +146,84 @@ TEST(CudaAgentTest, RaggedBatchesMatchTheCpuAgent) {
 #endif
 }
 
+// A device pool too small for every sequence: the sequence that asks for blocks the pool no longer
+// has is refused with RESOURCE_EXHAUSTED, before anything of it changed; the others decode on
+// exactly as they would alone (outputs equal to the CPU agent's), and every block comes back.
+TEST(CudaAgentTest, AnExhaustedDevicePoolRefusesOnlyTheSequenceThatAsked) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  KvConfig c;
+  c.mode = KvMode::kSpeCache;
+  c.key_bits = c.value_bits = 1;
+  c.top_k = 16;
+  const int64_t block = 4096;  // 128 tokens of a 64-dim 1-bit head (the pool test checks the layout)
+  const int replicas = shape.n_layers * shape.n_kv_heads;
+  // The survivor: 200 prompt tokens + 40 steps (pre-decode appends nothing) = 2 blocks per
+  // replica; 4 blocks to spare.
+  CudaAgentOptions o;
+  o.capacity_tokens = 1024;
+  o.device_pool_bytes = (2 * replicas + 4) * block;
+  InMemorySource cpu_source, gpu_source;
+  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
+  auto gpu = CreateCudaAgent(shape, c, &gpu_source, o);
+  ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
+  auto wrapped = WrapHostTensors(std::move(gpu).value());
+  ASSERT_TRUE(wrapped.ok());
+  Agent& agent = **wrapped;
+  EXPECT_EQ(agent.stats().device_pool_bytes, o.device_pool_bytes);
+
+  // The intruder (id 99) asks between the survivor's prefill and its decode steps.
+  std::mt19937 intruder_rng(5);
+  auto intrude = [&]() -> Status {
+    SPECACHE_RETURN_IF_ERROR(agent.AddSequence(99));
+    const int32_t n = 100;
+    std::vector<float> q(size_t(n) * shape.n_q_heads * shape.head_dim), k(size_t(n) * shape.n_kv_heads * shape.head_dim);
+    std::normal_distribution<float> normal;
+    for (float& x : q) x = normal(intruder_rng);
+    for (float& x : k) x = normal(intruder_rng);
+    const std::vector<SequenceId> ids{99};
+    const std::vector<int32_t> offsets{0, n};
+    const int64_t used = agent.stats().device_pool_used_bytes;
+    const Status s = agent.PrefillLayer(0, {ids, offsets, q.data(), k.data(), k.data(), nullptr});
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+    EXPECT_NE(s.message().find("sequence 99"), std::string::npos) << s.ToString();
+    EXPECT_EQ(agent.stats().device_pool_used_bytes, used) << "the refused sequence took nothing";
+    EXPECT_EQ(*agent.SequenceLength(99), 0);
+    return agent.ReleaseSequence(99);
+  };
+  auto want = testing::DriveBatch(cpu->get(), {200}, 40, std::mt19937(88));
+  auto got = testing::DriveBatch(&agent, {200}, 40, std::mt19937(88), intrude);
+  ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), want->size());
+  double worst = 0;
+  for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
+  EXPECT_LT(worst, 1e-3);
+  EXPECT_EQ(agent.stats().device_pool_used_bytes, 2 * replicas * block);
+
+  // A decode step that needs a block the pool does not have is refused at BeginStep, and the
+  // agent stays usable: the survivor at 256 tokens needs a third block per replica.
+  InMemorySource tight_source;
+  auto tight = CreateCudaAgent(shape, c, &tight_source, [&] {
+    CudaAgentOptions t = o;
+    t.device_pool_bytes = 2 * replicas * block;
+    return t;
+  }());
+  ASSERT_TRUE(tight.ok());
+  auto tight_host = WrapHostTensors(std::move(tight).value());
+  ASSERT_TRUE(tight_host.ok());
+  auto filled = testing::DriveBatch(tight_host->get(), {256}, 0, std::mt19937(3));  // prefill and pre-decode only
+  ASSERT_TRUE(filled.ok()) << filled.status().ToString();
+  const std::vector<SequenceId> survivor{10};
+  const Status refused = (*tight_host)->BeginStep(StepKind::kDecode, survivor);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.ToString();
+  EXPECT_EQ((*tight_host)->stats().device_pool_used_bytes, 2 * replicas * block);
+  ASSERT_TRUE((*tight_host)->ReleaseSequence(10).ok());
+  EXPECT_EQ((*tight_host)->stats().device_pool_used_bytes, 0);
+  ASSERT_TRUE(agent.ReleaseSequence(10).ok());
+  EXPECT_EQ(agent.stats().device_pool_used_bytes, 0);
+#endif
+}
+
 }  // namespace
 }  // namespace specache

@@ -41,28 +41,39 @@ void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu,
   ASSERT_EQ(gpu.quantized_values(), cpu.quantized_values());
   EXPECT_EQ(gpu.device_bytes(), cpu.device_bytes());
   EXPECT_GE(gpu.reserved_bytes(), gpu.device_bytes());
-  const cuda::DeviceReplicaView view = gpu.view();
+  // Every block read back whole; the view's table pointed at the host copies, so that the
+  // accessors the kernels use find each group's and token's parts in them.
+  cuda::DeviceReplicaView view = gpu.view();
+  std::vector<std::vector<uint8_t>> blocks;
+  std::vector<const uint8_t*> table;
+  for (const uint8_t* block : gpu.block_addresses()) {
+    blocks.push_back(Download(block, static_cast<size_t>(view.layout.bytes)));
+    table.push_back(blocks.back().data());
+  }
+  view.blocks = table.data();
   const size_t d = view.head_dim, groups = cpu.quantized_keys() / G, nqv = cpu.quantized_values(), vg = d / G;
   const std::string where = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " G=" + std::to_string(G) +
                             " length=" + std::to_string(cpu.length());
   if (bits == 16) {
-    if (groups) {
-      EXPECT_EQ(Download(view.key_half, groups * G * d), Host(cpu.KeyGroupHalf(0), groups * G * d)) << where;
+    for (size_t t = 0; t < groups * G; ++t) {
+      ASSERT_EQ(Host(cuda::KeyHalf(view, int32_t(t)), d), Host(cpu.KeyGroupHalf(0) + t * d, d)) << where << " key " << t;
     }
-    if (nqv) {
-      EXPECT_EQ(Download(view.value_half, nqv * d), Host(cpu.ValueHalf(0), nqv * d)) << where;
+    for (size_t t = 0; t < nqv; ++t) {
+      ASSERT_EQ(Host(cuda::ValueHalf(view, int32_t(t)), d), Host(cpu.ValueHalf(int32_t(t)), d)) << where << " value " << t;
     }
   } else {
     const size_t kw = d * WordsPerGroup(G, bits), vw = vg * WordsPerGroup(G, bits);
-    if (groups) {
-      EXPECT_EQ(Download(view.key_codes, groups * kw), Host(cpu.KeyGroupCodes(0), groups * kw)) << where;
-      EXPECT_EQ(Download(view.key_scale, groups * d), Host(cpu.KeyGroupScale(0), groups * d)) << where;
-      EXPECT_EQ(Download(view.key_zero, groups * d), Host(cpu.KeyGroupZero(0), groups * d)) << where;
+    for (size_t g = 0; g < groups; ++g) {
+      const int32_t gi = static_cast<int32_t>(g);
+      ASSERT_EQ(Host(cuda::KeyCodes(view, gi), kw), Host(cpu.KeyGroupCodes(gi), kw)) << where << " group " << g;
+      ASSERT_EQ(Host(cuda::KeyScales(view, gi), d), Host(cpu.KeyGroupScale(gi), d)) << where << " group " << g;
+      ASSERT_EQ(Host(cuda::KeyZeros(view, gi), d), Host(cpu.KeyGroupZero(gi), d)) << where << " group " << g;
     }
-    if (nqv) {
-      EXPECT_EQ(Download(view.value_codes, nqv * vw), Host(cpu.ValueCodes(0), nqv * vw)) << where;
-      EXPECT_EQ(Download(view.value_scale, nqv * vg), Host(cpu.ValueScale(0), nqv * vg)) << where;
-      EXPECT_EQ(Download(view.value_zero, nqv * vg), Host(cpu.ValueZero(0), nqv * vg)) << where;
+    for (size_t t = 0; t < nqv; ++t) {
+      const int32_t ti = static_cast<int32_t>(t);
+      ASSERT_EQ(Host(cuda::ValueCodes(view, ti), vw), Host(cpu.ValueCodes(ti), vw)) << where << " value " << t;
+      ASSERT_EQ(Host(cuda::ValueScales(view, ti), vg), Host(cpu.ValueScale(ti), vg)) << where << " value " << t;
+      ASSERT_EQ(Host(cuda::ValueZeros(view, ti), vg), Host(cpu.ValueZero(ti), vg)) << where << " value " << t;
     }
   }
   const size_t residual = cpu.length() - cpu.quantized_keys(), window = cpu.length() - nqv;
@@ -136,11 +147,14 @@ TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
     const int d = 64, G = 32, R = 64, n = 37, steps = 150;
     const ReplicaParams p{d, bits, bits, G, R};
     std::vector<HeadReplica> cpu(n, HeadReplica(p));
+    // One pool for all, as in the agent: the replicas' blocks interleave in memory.
+    auto pool = cuda::DeviceBlockPool::Create(p, 0);
+    ASSERT_TRUE(pool.ok());
     std::vector<std::unique_ptr<cuda::DeviceHeadReplica>> gpu;
     Half* rows = nullptr;
     ASSERT_EQ(cudaMalloc(&rows, size_t(2) * 300 * d * sizeof(Half)), cudaSuccess);
     for (int i = 0; i < n; ++i) {
-      auto r = cuda::DeviceHeadReplica::Create(p, 1000, nullptr);
+      auto r = cuda::DeviceHeadReplica::Create(p, 1000, nullptr, pool->get());
       ASSERT_TRUE(r.ok());
       gpu.push_back(std::move(r).value());
       const int first = static_cast<int>(rng() % 300);
@@ -169,9 +183,71 @@ TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (int i = 0; i < n; ++i) ExpectSameBytes(cpu[i], *gpu[i], G, bits);
+    gpu.clear();
+    EXPECT_EQ((*pool)->used_bytes(), 0) << "every block back in the pool";
     cudaFree(rows);
     cudaFree(step_rows);
   }
+#endif
+}
+
+// A fixed pool hands out blocks all or nothing: a replica that cannot have its blocks is refused
+// with RESOURCE_EXHAUSTED and keeps its state, the pool keeps its free blocks, and every block comes
+// back when its replica goes. A growing pool takes slabs as replicas grow.
+TEST(CudaReplicaTest, PoolBlocksAreTakenAllOrNothingAndGivenBack) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(41);
+  const ReplicaParams p{64, 1, 1, 32, 64};
+  const cuda::ReplicaBlockLayout layout = cuda::MakeReplicaBlockLayout(p);
+  EXPECT_EQ(layout.block_tokens, 128);
+  EXPECT_EQ(layout.bytes % 256, 0);
+  auto pool = cuda::DeviceBlockPool::Create(p, 5 * layout.bytes + 100);
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  cuda::DeviceBlockPool& blocks = **pool;
+  EXPECT_EQ(blocks.reserved_bytes(), 5 * layout.bytes);
+  auto a = cuda::DeviceHeadReplica::Create(p, 4096, nullptr, &blocks);
+  auto b = cuda::DeviceHeadReplica::Create(p, 4096, nullptr, &blocks);
+  ASSERT_TRUE(a.ok() && b.ok());
+  testing::DeviceBuffers buf;
+  const auto k = testing::RandomHalves(size_t(600) * 64, rng), v = testing::RandomHalves(size_t(600) * 64, rng);
+  const Half* dk = buf.Copy(k);
+  const Half* dv = buf.Copy(v);
+  ASSERT_TRUE((*a)->Append(dk, dv, 300).ok());  // 3 blocks
+  EXPECT_EQ(blocks.free_blocks(), 2);
+  EXPECT_EQ(blocks.used_bytes(), 3 * layout.bytes);
+  const Status refused = (*b)->Append(dk, dv, 300);  // needs 3, 2 are free
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.ToString();
+  EXPECT_EQ((*b)->length(), 0);
+  EXPECT_EQ(blocks.free_blocks(), 2);
+  EXPECT_EQ(cuda::DeviceHeadReplica::Reserve({a->get(), b->get()}, 200).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(blocks.free_blocks(), 2) << "a refused reservation takes nothing";
+  ASSERT_TRUE(cuda::DeviceHeadReplica::Reserve({b->get()}, 256).ok());
+  EXPECT_EQ(blocks.free_blocks(), 0);
+  (*b)->ReleaseUnused();
+  EXPECT_EQ(blocks.free_blocks(), 2);
+  ASSERT_TRUE((*b)->Append(dk, dv, 200).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  HeadReplica cpu(p);
+  cpu.Append(k.data(), v.data(), 200);
+  ExpectSameBytes(cpu, **b, 32, 1);
+  a->reset();
+  EXPECT_EQ(blocks.free_blocks(), 3);
+  b->reset();
+  EXPECT_EQ(blocks.used_bytes(), 0);
+  EXPECT_EQ(blocks.free_blocks(), 5);
+
+  auto growing = cuda::DeviceBlockPool::Create(p, 0);
+  ASSERT_TRUE(growing.ok());
+  EXPECT_EQ((*growing)->reserved_bytes(), 0);
+  auto c = cuda::DeviceHeadReplica::Create(p, 4096, nullptr, growing->get());
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Append(dk, dv, 600).ok());
+  EXPECT_EQ((*growing)->used_bytes(), 5 * layout.bytes);
+  EXPECT_EQ((*growing)->reserved_bytes(), cuda::DeviceBlockPool::kSlabBytes / layout.bytes * layout.bytes);
+  EXPECT_EQ((*c)->reserved_bytes(), (*c)->fixed_bytes() + 5 * layout.bytes);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cuda::DeviceBlockPool::Create(p, 100).status().code(), StatusCode::kInvalidArgument);
 #endif
 }
 

@@ -1,6 +1,7 @@
 // An engine's calls into an agent, without a model: for tests that compare the agent's backends.
 #pragma once
 
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -11,7 +12,10 @@ namespace specache::testing {
 
 // Drives an agent through prefill and `steps` decode steps of several sequences at once with
 // given random rows (no model): what the engine would hand it. Returns every output, in order.
-inline Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int32_t>& prompts, int steps, std::mt19937 rng) {
+// `between` (optional) runs after the prefill, before the first step: another engine's business
+// on the same agent, which must not change these sequences' outputs.
+inline Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int32_t>& prompts, int steps, std::mt19937 rng,
+                                             const std::function<Status()>& between = {}) {
   const ModelShape& m = agent->shape();
   std::vector<SequenceId> ids;
   std::vector<int32_t> offsets{0};
@@ -34,6 +38,7 @@ inline Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int
     PrefillBatch batch{ids, offsets, q.data(), k.data(), v.data(), nullptr};
     SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, batch));
   }
+  if (between) SPECACHE_RETURN_IF_ERROR(between());
   for (int step = -1; step < steps; ++step) {
     const StepKind kind = step < 0 ? StepKind::kPreDecode : StepKind::kDecode;
     const int rows = agent->RowsPerSequence(kind);

@@ -155,6 +155,7 @@ struct AgentRun {
   double ms = -1;
   double bytes_per_step = 0, reused_fraction = 0;
   double device_bytes = 0, device_bytes_reserved = 0;  // AgentStats after the timed steps
+  double pool_used = 0, pool_bytes = 0;                // of the reserved: the replica block pool
 };
 
 // One agent over `batch` fresh sequences of `context` random tokens: prefill, pre-decode, then
@@ -213,6 +214,8 @@ AgentRun RunAgent(Model& m, int batch, int context, int steps, int fetch_blocks,
   run.bytes_per_step = static_cast<double>(after.bytes_fetched - before.bytes_fetched) / steps;
   run.device_bytes = static_cast<double>(after.device_bytes);
   run.device_bytes_reserved = static_cast<double>(after.device_bytes_reserved);
+  run.pool_used = static_cast<double>(after.device_pool_used_bytes);
+  run.pool_bytes = static_cast<double>(after.device_pool_bytes);
   const double selected = static_cast<double>(after.rows_selected - before.rows_selected);
   run.reused_fraction = selected > 0 ? (after.rows_reused - before.rows_reused) / selected : 0;
   return run;
@@ -402,6 +405,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       continue;
     }
     const double ratio = with.ms / without.ms;
+    const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
     const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
     std::printf("%-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f\n", batch, layers_ms, without.ms, with.ms,
                 ratio, with.bytes_per_step / 1e6, with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3));
@@ -416,6 +420,13 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                       {"bytes_fetched_per_step", with.bytes_per_step},
                       {"device_bytes_per_sequence", with.device_bytes / batch},
                       {"device_bytes_reserved_per_sequence", with.device_bytes_reserved / batch},
+                      // The reservation's parts: the replica blocks a sequence holds (the pool's
+                      // slack excluded) and its own buffers (key residual, value window, row
+                      // buffers and cache, tables), next to its fp16 K/V at the same context.
+                      {"device_blocks_per_sequence", with.pool_used / batch},
+                      {"device_fixed_per_sequence", (with.device_bytes_reserved - with.pool_bytes) / batch},
+                      {"fp16_kv_bytes_per_sequence", fp16_kv},
+                      {"blocks_over_fp16_kv", with.pool_used / batch / fp16_kv},
                       {"reused_fraction", with.reused_fraction},
                       {"gbps_needed_to_hide_under_layers", hide_gbps},
                       {"tokens_per_s", batch / (with.ms * 1e-3)}}});

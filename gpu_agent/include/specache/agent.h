@@ -82,9 +82,11 @@ struct DecodeRows {
 struct AgentStats {
   int64_t device_bytes = 0;          // replica + fetched rows resident on the device, all sequences
   // Device memory held for them, >= device_bytes: what the backend allocated ahead (the CUDA
-  // agent's replicas are sized for CudaAgentOptions::capacity_tokens when a sequence is added; the
-  // CPU agent grows its replicas as tokens come, so there it equals device_bytes).
+  // agent: its block pool, whole, and each sequence's residual, window, row buffers and tables;
+  // the CPU agent grows its replicas as tokens come, so there it equals device_bytes).
   int64_t device_bytes_reserved = 0;
+  int64_t device_pool_bytes = 0;       // of device_bytes_reserved, the replica block pool (CUDA)
+  int64_t device_pool_used_bytes = 0;  // the pool's blocks held by sequences
   int64_t full_precision_bytes = 0;  // fp16 K/V rows written to the source, all sequences
   int64_t rows_selected = 0;         // top-k rows asked for, all steps
   int64_t rows_fetched = 0;          // rows read from the source (selected minus reused)
@@ -148,12 +150,19 @@ Result<std::unique_ptr<Agent>> CreateCpuAgent(const ModelShape& shape, const KvC
                                               FullPrecisionSource* source);
 
 struct CudaAgentOptions {
-  int32_t capacity_tokens = 32768;  // most tokens per sequence (device replicas are sized for it)
+  int32_t capacity_tokens = 32768;  // most tokens per sequence (the length of its block and page tables)
   void* stream = nullptr;           // the engine's cudaStream_t: the agent's compute is queued on it
   int fetch_blocks = 16;            // most blocks of the fetch kernel (SMs left to the later layers)
   // false: only for measuring what the fetch costs (specache-bench step). Rows are selected as
   // usual but none is fetched, so the attention substitutes nothing; results are not SpeCache's.
   bool fetch = true;
+  // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
+  // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence
+  // that needs a block the pool no longer has gets RESOURCE_EXHAUSTED (PrefillLayer, BeginStep)
+  // and nothing of it changes, the others go on. 0: the pool grows by 64 MiB slabs while the device
+  // has memory. Each sequence also holds, outside the pool, its key residual and value window
+  // (4 R rows per layer and KV head), its row buffers and caches, and its tables.
+  int64_t device_pool_bytes = 0;
 };
 
 // The CUDA backend. Tensors are device pointers, read and written in the order of

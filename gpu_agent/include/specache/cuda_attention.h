@@ -26,21 +26,85 @@
 
 namespace specache::cuda {
 
-// The device copy of one HeadReplica (see head_replica.h for the layouts).
+#if defined(__CUDACC__)
+#define SPECACHE_HOST_DEVICE __host__ __device__
+#else
+#define SPECACHE_HOST_DEVICE
+#endif
+
+// Where a replica's quantized tokens live (cuda_replica.h makes it): fixed-size blocks, block b
+// holding tokens [b * block_tokens, (b + 1) * block_tokens) -- their key groups' codes, scales
+// and zeros (or fp16 keys) and their values' codes, scales and zeros (or fp16 values) -- at these
+// byte offsets from the block's start (each 16-byte aligned: the kernels copy 16-byte pieces).
+// 32-bit fields: the layout travels in every kernel's parameters.
+struct ReplicaBlockLayout {
+  int32_t block_tokens = 0;  // a multiple of the group size and of 32
+  int32_t key_codes = 0;     // [block_tokens / G][head_dim][G * key_bits / 32] words
+  int32_t key_scale = 0;     // [block_tokens / G][head_dim] fp16
+  int32_t key_zero = 0;
+  int32_t key_half = 0;      // [block_tokens][head_dim] fp16 (16-bit keys, instead of the three above)
+  int32_t value_codes = 0;   // [block_tokens][head_dim / G][G * value_bits / 32] words
+  int32_t value_scale = 0;   // [block_tokens][head_dim / G] fp16
+  int32_t value_zero = 0;
+  int32_t value_half = 0;    // [block_tokens][head_dim] fp16 (16-bit values)
+  int32_t bytes = 0;         // of one block
+};
+
+// One replica as the kernels see it (see head_replica.h for the quantized formats).
 struct DeviceReplicaView {
   int head_dim = 0, group_size = 0, key_bits = 1, value_bits = 1;
   int32_t length = 0, quantized_keys = 0, quantized_values = 0;
-  const uint32_t* key_codes = nullptr;  // [groups][head_dim][G*B/32]     (packed key bits)
-  const Half* key_scale = nullptr;      // [groups][head_dim]
-  const Half* key_zero = nullptr;
-  const Half* key_half = nullptr;       // [quantized_keys][head_dim]      (16-bit keys)
+  ReplicaBlockLayout layout;
+  // [ceil(max(quantized_keys, quantized_values) / block_tokens)] block addresses. In device
+  // memory for the kernels; a host copy makes the accessors below usable on the host.
+  const uint8_t* const* blocks = nullptr;
   const Half* residual_keys = nullptr;  // [length - quantized_keys][head_dim]
-  const uint32_t* value_codes = nullptr;  // [quantized_values][head_dim/G][G*B/32]
-  const Half* value_scale = nullptr;      // [quantized_values][head_dim/G]
-  const Half* value_zero = nullptr;
-  const Half* value_half = nullptr;       // [quantized_values][head_dim]  (16-bit values)
-  const Half* window_values = nullptr;    // [length - quantized_values][head_dim]
+  const Half* window_values = nullptr;  // [length - quantized_values][head_dim]
 };
+
+// The block holding `token`.
+SPECACHE_HOST_DEVICE inline const uint8_t* ReplicaBlock(const DeviceReplicaView& v, int32_t token) {
+  return v.blocks[token / v.layout.block_tokens];
+}
+// Key group g's codes [head_dim][G * key_bits / 32].
+SPECACHE_HOST_DEVICE inline const uint32_t* KeyCodes(const DeviceReplicaView& v, int32_t g) {
+  const int32_t token = g * v.group_size, in = (token % v.layout.block_tokens) / v.group_size;
+  return reinterpret_cast<const uint32_t*>(ReplicaBlock(v, token) + v.layout.key_codes) +
+         static_cast<int64_t>(in) * v.head_dim * (v.group_size * v.key_bits / 32);
+}
+// Key group g's scales and zeros [head_dim].
+SPECACHE_HOST_DEVICE inline const Half* KeyScales(const DeviceReplicaView& v, int32_t g) {
+  const int32_t token = g * v.group_size, in = (token % v.layout.block_tokens) / v.group_size;
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.key_scale) + static_cast<int64_t>(in) * v.head_dim;
+}
+SPECACHE_HOST_DEVICE inline const Half* KeyZeros(const DeviceReplicaView& v, int32_t g) {
+  const int32_t token = g * v.group_size, in = (token % v.layout.block_tokens) / v.group_size;
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.key_zero) + static_cast<int64_t>(in) * v.head_dim;
+}
+// A 16-bit key's row [head_dim].
+SPECACHE_HOST_DEVICE inline const Half* KeyHalf(const DeviceReplicaView& v, int32_t token) {
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.key_half) +
+         static_cast<int64_t>(token % v.layout.block_tokens) * v.head_dim;
+}
+// A value token's codes [head_dim / G][G * value_bits / 32], scales and zeros [head_dim / G].
+SPECACHE_HOST_DEVICE inline const uint32_t* ValueCodes(const DeviceReplicaView& v, int32_t token) {
+  return reinterpret_cast<const uint32_t*>(ReplicaBlock(v, token) + v.layout.value_codes) +
+         static_cast<int64_t>(token % v.layout.block_tokens) * (v.head_dim / v.group_size) *
+             (v.group_size * v.value_bits / 32);
+}
+SPECACHE_HOST_DEVICE inline const Half* ValueScales(const DeviceReplicaView& v, int32_t token) {
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.value_scale) +
+         static_cast<int64_t>(token % v.layout.block_tokens) * (v.head_dim / v.group_size);
+}
+SPECACHE_HOST_DEVICE inline const Half* ValueZeros(const DeviceReplicaView& v, int32_t token) {
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.value_zero) +
+         static_cast<int64_t>(token % v.layout.block_tokens) * (v.head_dim / v.group_size);
+}
+// A 16-bit value's row [head_dim].
+SPECACHE_HOST_DEVICE inline const Half* ValueHalf(const DeviceReplicaView& v, int32_t token) {
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.value_half) +
+         static_cast<int64_t>(token % v.layout.block_tokens) * v.head_dim;
+}
 
 struct DeviceDecodeRows {
   const int32_t* sub_tokens = nullptr;  // [n_sub] ascending

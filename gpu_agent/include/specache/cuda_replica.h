@@ -2,8 +2,10 @@
 // HeadReplica (head_replica.h), with the same streaming rule and, through the bit-identical
 // quantization kernels, byte-for-byte the same contents. view() feeds cuda::AttendDecodeRows.
 //
-// Capacity is fixed at creation (tokens); Append beyond it is RESOURCE_EXHAUSTED. Inputs are
-// device pointers; all work is queued on `stream` (void* = cudaStream_t).
+// Paged: the quantized tokens live in fixed-size blocks (ReplicaBlockLayout, cuda_attention.h)
+// taken from a DeviceBlockPool as the replica grows and given back when it is destroyed; a
+// replica's own allocation is only its key residual, its value window and its block table.
+// Inputs are device pointers; all work is queued on `stream` (void* = cudaStream_t).
 #pragma once
 
 #include <cstdint>
@@ -17,17 +19,70 @@
 
 namespace specache::cuda {
 
+// The block layout of replicas with these parameters: block_tokens = lcm(R, 128) tokens (whole
+// residual flushes and whole 32-token decode blocks), parts 16-byte aligned, blocks 256-byte.
+ReplicaBlockLayout MakeReplicaBlockLayout(const ReplicaParams& params);
+
+// Device memory for the blocks of replicas of one ReplicaParams: one pool per agent, shared by
+// all its sequences. Not thread-safe (an agent is used from one thread).
+class DeviceBlockPool {
+ public:
+  // Slab size of a growing pool.
+  static constexpr int64_t kSlabBytes = int64_t{64} << 20;
+
+  // limit_bytes > 0: a pool of that many bytes (whole blocks), allocated now, so that running out
+  // of device memory shows at start and not mid-decode (RESOURCE_EXHAUSTED if the device has
+  // less). 0: a pool that grows by slabs of kSlabBytes as blocks are taken, until the device has
+  // no more memory. Slabs are kept until the pool is destroyed.
+  static Result<std::unique_ptr<DeviceBlockPool>> Create(const ReplicaParams& params, int64_t limit_bytes);
+  // Every block must have been given back, and no queued work may still read one.
+  ~DeviceBlockPool();
+  DeviceBlockPool(const DeviceBlockPool&) = delete;
+  DeviceBlockPool& operator=(const DeviceBlockPool&) = delete;
+
+  const ReplicaBlockLayout& layout() const { return layout_; }
+  // Appends n blocks to *out, all or none: RESOURCE_EXHAUSTED when a fixed pool has fewer free
+  // (or a growing one cannot get a slab).
+  Status Take(int n, std::vector<uint8_t*>* out);
+  void Give(uint8_t* block);
+
+  int64_t reserved_bytes() const { return reserved_; }  // allocated from the device
+  int64_t used_bytes() const { return used_; }          // in blocks taken
+  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
+
+ private:
+  DeviceBlockPool() = default;
+  Status AddSlab(int64_t blocks);
+  ReplicaBlockLayout layout_;
+  bool fixed_ = false;
+  std::vector<void*> slabs_;
+  std::vector<uint8_t*> free_;
+  int64_t reserved_ = 0, used_ = 0;
+};
+
 class DeviceHeadReplica {
  public:
-  // INVALID_ARGUMENT for parameters the kernels do not support; UNAVAILABLE without a device,
-  // RESOURCE_EXHAUSTED when device memory runs out.
+  // At most capacity_tokens tokens (the block table's length). `pool` (shared, must outlive the
+  // replica, made for the same parameters) gives the blocks; null: the replica makes a pool of
+  // its own for its whole capacity (tests, tools). INVALID_ARGUMENT for parameters the kernels do not support; UNAVAILABLE
+  // without a device, RESOURCE_EXHAUSTED when device memory runs out.
   static Result<std::unique_ptr<DeviceHeadReplica>> Create(const ReplicaParams& params, int32_t capacity_tokens,
-                                                           void* stream);
+                                                           void* stream, DeviceBlockPool* pool = nullptr);
+  // Gives its blocks back to the pool: no queued work may still read them.
   ~DeviceHeadReplica();
   DeviceHeadReplica(const DeviceHeadReplica&) = delete;
   DeviceHeadReplica& operator=(const DeviceHeadReplica&) = delete;
 
-  // Appends n tokens' keys and values ([n][head_dim] fp16, device memory).
+  // Takes from the pool the blocks each replica needs to hold extra_tokens more tokens, all or
+  // none (same pool and stream): RESOURCE_EXHAUSTED, and nothing taken, when the pool has too
+  // few or a replica's capacity would be passed. Append and AppendTokens reserve for themselves;
+  // an engine reserves ahead (the agent's BeginStep) so that a step never fails half-way.
+  static Status Reserve(const std::vector<DeviceHeadReplica*>& replicas, int32_t extra_tokens);
+  // Gives back the blocks beyond what length() needs (a reservation that is not used).
+  void ReleaseUnused();
+
+  // Appends n tokens' keys and values ([n][head_dim] fp16, device memory). RESOURCE_EXHAUSTED
+  // (nothing appended) when the blocks or the capacity are missing.
   Status Append(const Half* keys, const Half* values, int32_t n);
   // One token to each of many replicas (distinct, same parameters, same stream): keys[i] and
   // values[i] ([head_dim] fp16) go to replicas[i]. The same state as Append(.., 1) on each, in a
@@ -40,28 +95,42 @@ class DeviceHeadReplica {
   int32_t quantized_keys() const { return key_groups_ * params_.group_size; }
   int32_t quantized_values() const { return quantized_values_; }
   const ReplicaParams& params() const { return params_; }
+  // The view's block table is in device memory; block_addresses() is its host copy (tests and
+  // tools reading the blocks back).
   DeviceReplicaView view() const;
+  const std::vector<uint8_t*>& block_addresses() const { return blocks_; }
   // Bytes of device memory in use for this head (the same accounting as HeadReplica::device_bytes).
   int64_t device_bytes() const;
-  // Bytes of device memory allocated for this head (its capacity), >= device_bytes().
+  // Bytes of device memory this head holds: its own buffers (fixed_bytes) and its blocks.
   int64_t reserved_bytes() const;
+  // Its own allocation: key residual, value window and block table.
+  int64_t fixed_bytes() const;
 
  private:
   DeviceHeadReplica() = default;
+  int32_t BlocksFor(int32_t tokens) const;
+  uint8_t* BlockAt(int32_t token) const;
+  // Where the replica's parts for a key group or a token are (device addresses, host arithmetic).
+  uint32_t* KeyCodesAt(int32_t group) const;
+  Half* KeyScaleAt(int32_t group, int64_t part_offset) const;  // the scales' or the zeros' part
+  Half* KeyHalfAt(int32_t token) const;
+  ValueTokenTask ValueSlot(int32_t token, const Half* value) const;
+  Half* ValueHalfAt(int32_t token) const;
   // The full key residual becomes R/G quantized (or fp16) key groups.
   Status FlushKeyGroups();
-  // Where the window's oldest value and its quantized slot are.
-  ValueTokenTask OldestValueTask() const;
   // Quantizes or moves the window's oldest m values into the quantized store (queued on stream_).
   Status RetireOldestValues(int32_t m);
   // The window's compaction when its start passed R.
   Status CompactWindow();
   struct Buffers;
   ReplicaParams params_;
-  int32_t capacity_ = 0;
+  int32_t capacity_ = 0, max_blocks_ = 0;
   void* stream_ = nullptr;
   int32_t length_ = 0, key_groups_ = 0, residual_ = 0, quantized_values_ = 0;
   int32_t window_begin_ = 0, window_count_ = 0;  // tokens of the window buffer in use
+  std::unique_ptr<DeviceBlockPool> own_pool_;    // when none was given; destroyed after the blocks go back
+  DeviceBlockPool* pool_ = nullptr;
+  std::vector<uint8_t*> blocks_;                 // host copy of the block table
   std::unique_ptr<Buffers> b_;
 };
 

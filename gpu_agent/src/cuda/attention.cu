@@ -97,9 +97,9 @@ __global__ void ScoresKernel(ItemBatch batch) {
       const int G = v.group_size, bits = v.key_bits, per_word = 32 / bits, words = G * bits / 32;
       const int g = token / G, t = token % G, word = t / per_word, shift = (t % per_word) * bits;
       const uint32_t mask = (1u << bits) - 1u;
-      const uint32_t* codes = v.key_codes + static_cast<size_t>(g) * d * words + word;
-      const Half* scale = v.key_scale + static_cast<size_t>(g) * d;
-      const Half* zero = v.key_zero + static_cast<size_t>(g) * d;
+      const uint32_t* codes = KeyCodes(v, g) + word;
+      const Half* scale = KeyScales(v, g);
+      const Half* zero = KeyZeros(v, g);
 #pragma unroll 4
       for (int c = 0; c < d; ++c) {
         const float k = static_cast<float>((codes[static_cast<size_t>(c) * words] >> shift) & mask) * H2F(scale[c]) +
@@ -180,7 +180,7 @@ __global__ void ValuesKernel(ItemBatch batch) {
   __syncthreads();
   const int lanes = blockDim.x / d, lane = threadIdx.x / d, c = threadIdx.x % d;
   const bool packed = v.value_bits != 16;
-  const int G = v.group_size, bits = v.value_bits, per_word = 32 / bits, words = G * bits / 32, groups = d / G;
+  const int G = v.group_size, bits = v.value_bits, per_word = 32 / bits, words = G * bits / 32;
   const uint32_t mask = packed ? (1u << bits) - 1u : 0u;
   const int g = c / G, word = (c % G) / per_word, shift = ((c % G) % per_word) * bits;
   float acc[Q];
@@ -191,9 +191,8 @@ __global__ void ValuesKernel(ItemBatch batch) {
     const int32_t token = first + j;
     float value;
     if (packed && subs[j] < 0 && token < v.quantized_values) {
-      const size_t slot = static_cast<size_t>(token) * groups + g;
-      value = static_cast<float>((v.value_codes[slot * words + word] >> shift) & mask) * H2F(v.value_scale[slot]) +
-              H2F(v.value_zero[slot]);
+      value = static_cast<float>((ValueCodes(v, token)[g * words + word] >> shift) & mask) *
+                  H2F(ValueScales(v, token)[g]) + H2F(ValueZeros(v, token)[g]);
     } else {
       value = ValueAt(v, r, token, subs[j], c);
     }

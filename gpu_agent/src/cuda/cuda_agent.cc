@@ -161,6 +161,10 @@ class CudaAgent final : public Agent {
   // memory regions are registered, new page addresses go to the device page table.
   Status MapPages(SequenceId id, SequenceState* st, int32_t tokens);
   Status RegisterNewRegions();
+  // Takes the pool blocks each sequence needs for `tokens` more tokens at every layer and KV head,
+  // all or nothing: RESOURCE_EXHAUSTED naming the first sequence that cannot have them, and no
+  // sequence keeps a block it took here.
+  Status ReserveBlocks(const std::vector<SequenceId>& ids, int32_t tokens);
   Result<uint64_t> DeviceAddress(const uint8_t* host) const;
   const uint64_t* PageTable(const SequenceState& st, int layer) const {
     return st.pages.get() + static_cast<size_t>(layer) * max_pages_;
@@ -192,6 +196,7 @@ class CudaAgent final : public Agent {
   ReplicaParams params_;
   float scale_ = 1.0f;
   int32_t page_tokens_ = 0, max_pages_ = 0;
+  std::unique_ptr<cuda::DeviceBlockPool> pool_;  // before sequences_: their replicas give blocks back to it
   std::map<SequenceId, SequenceState> sequences_;
   AgentStats counters_;
 
@@ -229,7 +234,25 @@ Status CudaAgent::Init() {
   }
   SPECACHE_RETURN_IF_ERROR(device_counters_.Reserve(1));
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemset(device_counters_.get(), 0, sizeof(cuda::FetchCounters)), "counters"));
+  SPECACHE_ASSIGN_OR_RETURN(pool_, cuda::DeviceBlockPool::Create(params_, options_.device_pool_bytes));
   return RegisterNewRegions();
+}
+
+Status CudaAgent::ReserveBlocks(const std::vector<SequenceId>& ids, int32_t tokens) {
+  std::vector<cuda::DeviceHeadReplica*> all, reserved;
+  for (SequenceId id : ids) {
+    all.clear();
+    for (auto& layer : sequences_.at(id).replicas) {
+      for (auto& r : layer) all.push_back(r.get());
+    }
+    const Status s = cuda::DeviceHeadReplica::Reserve(all, tokens);
+    if (!s.ok()) {  // all or nothing per sequence; the ones reserved before it give theirs back too
+      for (cuda::DeviceHeadReplica* r : reserved) r->ReleaseUnused();
+      return s.WithContext("sequence " + Id(id) + ": device blocks for " + std::to_string(tokens) + " more tokens");
+    }
+    reserved.insert(reserved.end(), all.begin(), all.end());
+  }
+  return Status::Ok();
 }
 
 CudaAgent::~CudaAgent() {
@@ -349,7 +372,7 @@ Status CudaAgent::AddSequence(SequenceId id) {
   for (auto& layer : st.replicas) {
     layer.resize(shape_.n_kv_heads);
     for (auto& r : layer) {
-      SPECACHE_ASSIGN_OR_RETURN(r, cuda::DeviceHeadReplica::Create(params_, options_.capacity_tokens, compute_));
+      SPECACHE_ASSIGN_OR_RETURN(r, cuda::DeviceHeadReplica::Create(params_, options_.capacity_tokens, compute_, pool_.get()));
     }
   }
   st.layers = std::vector<LayerRows>(shape_.n_layers);
@@ -380,6 +403,24 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   SPECACHE_RETURN_IF_ERROR(protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return LengthAt(id, l); }));
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
   const size_t width = size_t(group) * d;
+  // A sequence's first prefilled layer takes its blocks at every layer, so that a pool too small
+  // refuses it here, before anything of it (or of the batch) changed.
+  for (size_t s = 0; s < batch.sequences.size(); ++s) {
+    const SequenceState& st = sequences_.at(batch.sequences[s]);
+    bool empty = true;
+    for (const auto& layer : st.replicas) empty = empty && layer[0]->length() == 0;
+    if (!empty) continue;
+    const Status reserved =
+        ReserveBlocks({batch.sequences[s]}, batch.token_offsets[s + 1] - batch.token_offsets[s]);
+    if (!reserved.ok()) {
+      for (size_t o = 0; o < s; ++o) {
+        for (auto& layer : sequences_.at(batch.sequences[o]).replicas) {
+          for (auto& r : layer) r->ReleaseUnused();
+        }
+      }
+      return reserved;
+    }
+  }
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
     const SequenceId id = batch.sequences[s];
     SequenceState& st = sequences_.at(id);
@@ -418,7 +459,7 @@ Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences
   SPECACHE_RETURN_IF_ERROR(CommitLanded(false));  // no wait: rows still landing commit later
   SPECACHE_RETURN_IF_ERROR(protocol_.Begin(kind, RowsPerSequence(kind), sequences,
                                            [this](SequenceId id, int layer) { return LengthAt(id, layer); }));
-  if (kind == StepKind::kDecode) {  // the step appends one token: its pages must exist
+  if (kind == StepKind::kDecode) {  // the step appends one token: its pages and blocks must exist
     for (SequenceId id : sequences) {
       SequenceState& st = sequences_.at(id);
       const Status s = MapPages(id, &st, st.replicas[0][0]->length() + 1);
@@ -426,6 +467,11 @@ Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences
         protocol_.Abort();
         return s;
       }
+    }
+    const Status s = ReserveBlocks(std::vector<SequenceId>(sequences.begin(), sequences.end()), 1);
+    if (!s.ok()) {
+      protocol_.Abort();
+      return s;
     }
   }
   return Status::Ok();
@@ -704,6 +750,9 @@ AgentStats CudaAgent::stats() const {
                  shape_.head_dim, &s);
   const int64_t row = 2 * int64_t{shape_.head_dim} * static_cast<int64_t>(sizeof(Half));
   std::vector<int32_t> cached(static_cast<size_t>(shape_.n_kv_heads));
+  s.device_pool_bytes = pool_->reserved_bytes();
+  s.device_pool_used_bytes = pool_->used_bytes();
+  s.device_bytes_reserved += s.device_pool_bytes;
   for (const auto& [id, seq] : sequences_) {
     s.device_bytes_reserved += seq.pages.bytes();
     for (size_t l = 0; l < seq.replicas.size(); ++l) {
@@ -720,7 +769,7 @@ AgentStats CudaAgent::stats() const {
       }
       for (const auto& r : seq.replicas[l]) {
         s.device_bytes += r->device_bytes() + int64_t{lr.resident} * row;
-        s.device_bytes_reserved += r->reserved_bytes();
+        s.device_bytes_reserved += r->fixed_bytes();  // its blocks are in the pool's figure
         s.full_precision_bytes += int64_t{r->length()} * row;
       }
     }
@@ -736,6 +785,7 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (source == nullptr) return Status::InvalidArgument("a full-precision source is required");
   if (options.capacity_tokens <= 0) return Status::InvalidArgument("capacity_tokens must be positive");
   if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
+  if (options.device_pool_bytes < 0) return Status::InvalidArgument("device_pool_bytes must be >= 0");
   SPECACHE_RETURN_IF_ERROR(ProbeCudaDevice().status());
   auto agent = std::make_unique<CudaAgent>(shape, config, source, options);
   SPECACHE_RETURN_IF_ERROR(agent->Init());

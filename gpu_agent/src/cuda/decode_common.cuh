@@ -31,12 +31,11 @@ __device__ inline float KeyAt(const DeviceReplicaView& v, const DeviceDecodeRows
   if (token >= v.length) return H2F(r.new_keys[(token - v.length) * r.kv_stride + c]);
   if (token >= v.quantized_keys) return H2F(v.residual_keys[static_cast<size_t>(token - v.quantized_keys) * d + c]);
   if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + c]);
-  if (v.key_bits == 16) return H2F(v.key_half[static_cast<size_t>(token) * d + c]);
+  if (v.key_bits == 16) return H2F(KeyHalf(v, token)[c]);
   const int g = token / v.group_size, t = token % v.group_size;
   const int words = v.group_size * v.key_bits / 32;
-  const size_t slot = static_cast<size_t>(g) * d + c;
-  return static_cast<float>(Code(v.key_codes + slot * words, t, v.key_bits)) * H2F(v.key_scale[slot]) +
-         H2F(v.key_zero[slot]);
+  return static_cast<float>(Code(KeyCodes(v, g) + c * words, t, v.key_bits)) * H2F(KeyScales(v, g)[c]) +
+         H2F(KeyZeros(v, g)[c]);
 }
 
 // Channel c of the value the output uses for `token`.
@@ -45,12 +44,11 @@ __device__ inline float ValueAt(const DeviceReplicaView& v, const DeviceDecodeRo
   if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + d + c]);
   if (token >= v.length) return H2F(r.new_values[(token - v.length) * r.kv_stride + c]);
   if (token >= v.quantized_values) return H2F(v.window_values[static_cast<size_t>(token - v.quantized_values) * d + c]);
-  if (v.value_bits == 16) return H2F(v.value_half[static_cast<size_t>(token) * d + c]);
-  const int groups = d / v.group_size, g = c / v.group_size;
+  if (v.value_bits == 16) return H2F(ValueHalf(v, token)[c]);
+  const int g = c / v.group_size;
   const int words = v.group_size * v.value_bits / 32;
-  const size_t slot = static_cast<size_t>(token) * groups + g;
-  return static_cast<float>(Code(v.value_codes + slot * words, c % v.group_size, v.value_bits)) *
-             H2F(v.value_scale[slot]) + H2F(v.value_zero[slot]);
+  return static_cast<float>(Code(ValueCodes(v, token) + g * words, c % v.group_size, v.value_bits)) *
+             H2F(ValueScales(v, token)[g]) + H2F(ValueZeros(v, token)[g]);
 }
 
 // Index of `token` among the (ascending) substituted rows, or -1; only quantized keys are

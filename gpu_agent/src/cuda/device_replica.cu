@@ -1,6 +1,8 @@
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "specache/cuda_quantize.h"
@@ -18,39 +20,45 @@ Status Cuda(cudaError_t err, const char* what) {
   return Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
+// Block-table entries written on the device in one launch for many replicas (kernel parameters).
+constexpr int kTableWrites = 128;
+struct TableWrites {
+  uint8_t** slot[kTableWrites];
+  uint8_t* block[kTableWrites];
+  int n = 0;
+};
+
+__global__ void WriteTableKernel(TableWrites w) {
+  if (static_cast<int>(threadIdx.x) < w.n) *w.slot[threadIdx.x] = w.block[threadIdx.x];
+}
+
+Status WriteTables(const std::vector<std::pair<uint8_t**, uint8_t*>>& writes, cudaStream_t stream) {
+  for (size_t first = 0; first < writes.size(); first += kTableWrites) {
+    TableWrites w;
+    w.n = static_cast<int>(std::min<size_t>(kTableWrites, writes.size() - first));
+    for (int i = 0; i < w.n; ++i) w.slot[i] = writes[first + i].first, w.block[i] = writes[first + i].second;
+    WriteTableKernel<<<1, kTableWrites, 0, stream>>>(w);
+  }
+  return Cuda(cudaGetLastError(), "block table");
+}
+
 }  // namespace
 
-// Device arrays, each sized for the capacity at creation.
+// The fixed device arrays of one replica: the key residual, the value window and the block table,
+// in one allocation.
 struct DeviceHeadReplica::Buffers {
-  std::vector<void*> owned;
-  uint32_t* key_codes = nullptr;
-  Half* key_scale = nullptr;
-  Half* key_zero = nullptr;
-  Half* key_half = nullptr;
+  void* memory = nullptr;
+  int64_t bytes = 0;
   Half* key_residual = nullptr;  // [R][d]
-  uint32_t* value_codes = nullptr;
-  Half* value_scale = nullptr;
-  Half* value_zero = nullptr;
-  Half* value_half = nullptr;
   Half* window = nullptr;        // [3R][d]: window_begin .. +window_count in use
+  uint8_t** table = nullptr;     // [max_blocks] device addresses of the blocks
   ~Buffers() {
-    for (void* p : owned) cudaFree(p);
-  }
-  int64_t bytes = 0;  // allocated
-  template <typename T>
-  Status Alloc(T** out, size_t n, const char* what) {
-    if (n == 0) return Status::Ok();
-    void* p = nullptr;
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(&p, n * sizeof(T)), what));
-    owned.push_back(p);
-    bytes += static_cast<int64_t>(n * sizeof(T));
-    *out = static_cast<T*>(p);
-    return Status::Ok();
+    if (memory) cudaFree(memory);
   }
 };
 
 Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const ReplicaParams& p, int32_t capacity,
-                                                                     void* stream) {
+                                                                     void* stream, DeviceBlockPool* pool) {
   const bool packed_k = IsPackedBitWidth(p.key_bits), packed_v = IsPackedBitWidth(p.value_bits);
   if ((!packed_k && p.key_bits != 16) || (!packed_v && p.value_bits != 16)) {
     return Status::InvalidArgument("bits must be 1, 2, 4 or 16");
@@ -64,37 +72,110 @@ Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const Repli
   r->params_ = p;
   r->capacity_ = capacity;
   r->stream_ = stream;
+  const ReplicaBlockLayout layout = MakeReplicaBlockLayout(p);
+  r->max_blocks_ = (capacity + layout.block_tokens - 1) / layout.block_tokens;
+  if (pool == nullptr) {  // a pool of its own, for its whole capacity
+    SPECACHE_ASSIGN_OR_RETURN(r->own_pool_, DeviceBlockPool::Create(p, int64_t{r->max_blocks_} * layout.bytes));
+    pool = r->own_pool_.get();
+  } else if (layout.bytes != pool->layout().bytes || layout.block_tokens != pool->layout().block_tokens) {
+    return Status::InvalidArgument("the device pool was made for other replica parameters");
+  }
+  r->pool_ = pool;
+  r->blocks_.reserve(r->max_blocks_);
   r->b_ = std::make_unique<Buffers>();
   Buffers& b = *r->b_;
-  const size_t d = p.head_dim, groups = (capacity + p.group_size - 1) / p.group_size, R = p.residual_tokens;
-  if (packed_k) {
-    SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.key_codes, groups * d * WordsPerGroup(p.group_size, p.key_bits), "key codes"));
-    SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.key_scale, groups * d, "key scales"));
-    SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.key_zero, groups * d, "key zeros"));
-  } else {
-    SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.key_half, groups * p.group_size * d, "fp16 keys"));
-  }
-  SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.key_residual, R * d, "key residual"));
-  const size_t vgroups = d / p.group_size;
-  if (packed_v) {
-    SPECACHE_RETURN_IF_ERROR(
-        b.Alloc(&b.value_codes, size_t(capacity) * vgroups * WordsPerGroup(p.group_size, p.value_bits), "value codes"));
-    SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.value_scale, size_t(capacity) * vgroups, "value scales"));
-    SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.value_zero, size_t(capacity) * vgroups, "value zeros"));
-  } else {
-    SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.value_half, size_t(capacity) * d, "fp16 values"));
-  }
-  SPECACHE_RETURN_IF_ERROR(b.Alloc(&b.window, 3 * R * d, "value window"));
+  const size_t row = size_t(p.head_dim) * sizeof(Half), R = p.residual_tokens;
+  const size_t window_at = R * row, table_at = (4 * R * row + 255) / 256 * 256;
+  b.bytes = static_cast<int64_t>(table_at + size_t(r->max_blocks_) * sizeof(uint8_t*));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(&b.memory, static_cast<size_t>(b.bytes)), "replica buffers"));
+  auto* base = static_cast<uint8_t*>(b.memory);
+  b.key_residual = reinterpret_cast<Half*>(base);
+  b.window = reinterpret_cast<Half*>(base + window_at);
+  b.table = reinterpret_cast<uint8_t**>(base + table_at);
   return Result<std::unique_ptr<DeviceHeadReplica>>(std::move(r));
 }
 
-DeviceHeadReplica::~DeviceHeadReplica() = default;
+DeviceHeadReplica::~DeviceHeadReplica() {
+  for (uint8_t* block : blocks_) pool_->Give(block);
+}
+
+int32_t DeviceHeadReplica::BlocksFor(int32_t tokens) const {
+  const int32_t T = pool_->layout().block_tokens;
+  return (tokens + T - 1) / T;
+}
+
+Status DeviceHeadReplica::Reserve(const std::vector<DeviceHeadReplica*>& replicas, int32_t extra_tokens) {
+  if (replicas.empty()) return Status::Ok();
+  if (extra_tokens < 0) return Status::InvalidArgument("negative token count");
+  // Capacity first, then every block from the pool at once: all or nothing.
+  int64_t need = 0;
+  for (const DeviceHeadReplica* r : replicas) {
+    if (extra_tokens > r->capacity_ - r->length_) {
+      return Status::ResourceExhausted("replica capacity of " + std::to_string(r->capacity_) + " tokens reached");
+    }
+    if (r->pool_ != replicas[0]->pool_ || r->stream_ != replicas[0]->stream_) {
+      return Status::InvalidArgument("replicas reserved together must share their pool and stream");
+    }
+    need += std::max<int64_t>(0, r->BlocksFor(r->length_ + extra_tokens) - static_cast<int64_t>(r->blocks_.size()));
+  }
+  if (need == 0) return Status::Ok();
+  if (need > (int64_t{1} << 30)) return Status::ResourceExhausted("too many replica blocks asked at once");
+  std::vector<uint8_t*> taken;
+  SPECACHE_RETURN_IF_ERROR(replicas[0]->pool_->Take(static_cast<int>(need), &taken));
+  std::vector<std::pair<uint8_t**, uint8_t*>> writes;
+  writes.reserve(taken.size());
+  size_t next = 0;
+  for (DeviceHeadReplica* r : replicas) {
+    for (int32_t i = static_cast<int32_t>(r->blocks_.size()); i < r->BlocksFor(r->length_ + extra_tokens); ++i) {
+      r->blocks_.push_back(taken[next]);
+      writes.emplace_back(r->b_->table + i, taken[next]);
+      ++next;
+    }
+  }
+  return WriteTables(writes, static_cast<cudaStream_t>(replicas[0]->stream_));
+}
+
+void DeviceHeadReplica::ReleaseUnused() {
+  const int32_t keep = BlocksFor(length_);
+  while (static_cast<int32_t>(blocks_.size()) > keep) {
+    pool_->Give(blocks_.back());
+    blocks_.pop_back();
+  }
+}
+
+uint8_t* DeviceHeadReplica::BlockAt(int32_t token) const { return blocks_[token / pool_->layout().block_tokens]; }
+
+uint32_t* DeviceHeadReplica::KeyCodesAt(int32_t group) const {
+  const ReplicaBlockLayout& l = pool_->layout();
+  const int32_t token = group * params_.group_size, in = (token % l.block_tokens) / params_.group_size;
+  return reinterpret_cast<uint32_t*>(BlockAt(token) + l.key_codes) +
+         size_t(in) * params_.head_dim * WordsPerGroup(params_.group_size, params_.key_bits);
+}
+Half* DeviceHeadReplica::KeyScaleAt(int32_t group, int64_t part_offset) const {
+  const ReplicaBlockLayout& l = pool_->layout();
+  const int32_t token = group * params_.group_size, in = (token % l.block_tokens) / params_.group_size;
+  return reinterpret_cast<Half*>(BlockAt(token) + part_offset) + size_t(in) * params_.head_dim;
+}
+Half* DeviceHeadReplica::KeyHalfAt(int32_t token) const {
+  const ReplicaBlockLayout& l = pool_->layout();
+  return reinterpret_cast<Half*>(BlockAt(token) + l.key_half) + size_t(token % l.block_tokens) * params_.head_dim;
+}
+ValueTokenTask DeviceHeadReplica::ValueSlot(int32_t token, const Half* value) const {
+  const ReplicaBlockLayout& l = pool_->layout();
+  const int vg = params_.head_dim / params_.group_size;
+  const size_t in = token % l.block_tokens;
+  uint8_t* block = BlockAt(token);
+  return {value, reinterpret_cast<uint32_t*>(block + l.value_codes) + in * vg * WordsPerGroup(params_.group_size, params_.value_bits),
+          reinterpret_cast<Half*>(block + l.value_scale) + in * vg, reinterpret_cast<Half*>(block + l.value_zero) + in * vg};
+}
+Half* DeviceHeadReplica::ValueHalfAt(int32_t token) const {
+  const ReplicaBlockLayout& l = pool_->layout();
+  return reinterpret_cast<Half*>(BlockAt(token) + l.value_half) + size_t(token % l.block_tokens) * params_.head_dim;
+}
 
 Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n) {
   if (n < 0) return Status::InvalidArgument("negative token count");
-  if (n > capacity_ - length_) {
-    return Status::ResourceExhausted("replica capacity of " + std::to_string(capacity_) + " tokens reached");
-  }
+  SPECACHE_RETURN_IF_ERROR(Reserve({this}, n));
   const ReplicaParams& p = params_;
   const int d = p.head_dim, R = p.residual_tokens;
   const cudaStream_t s = static_cast<cudaStream_t>(stream_);
@@ -121,17 +202,17 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
   return Status::Ok();
 }
 
-Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G key groups
+Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G key groups, in one block
   const ReplicaParams& p = params_;
   const int d = p.head_dim, R = p.residual_tokens, G = p.group_size, groups = R / G;
+  const ReplicaBlockLayout& l = pool_->layout();
   Buffers& b = *b_;
   if (IsPackedBitWidth(p.key_bits)) {
-    const size_t words = static_cast<size_t>(d) * WordsPerGroup(G, p.key_bits);
-    SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroups(b.key_residual, groups, G, d, p.key_bits, b.key_codes + key_groups_ * words,
-                                               b.key_scale + size_t(key_groups_) * d, b.key_zero + size_t(key_groups_) * d,
+    SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroups(b.key_residual, groups, G, d, p.key_bits, KeyCodesAt(key_groups_),
+                                               KeyScaleAt(key_groups_, l.key_scale), KeyScaleAt(key_groups_, l.key_zero),
                                                stream_));
   } else {
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.key_half + static_cast<size_t>(key_groups_) * G * d, b.key_residual,
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(KeyHalfAt(key_groups_ * G), b.key_residual,
                                                   static_cast<size_t>(R) * d * sizeof(Half), cudaMemcpyDeviceToDevice,
                                                   static_cast<cudaStream_t>(stream_)),
                                   "fp16 key flush"));
@@ -141,32 +222,26 @@ Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G k
   return Status::Ok();
 }
 
-ValueTokenTask DeviceHeadReplica::OldestValueTask() const {
-  const ReplicaParams& p = params_;
-  const int d = p.head_dim, vg = d / p.group_size;
-  const size_t words = static_cast<size_t>(vg) * WordsPerGroup(p.group_size, p.value_bits);
-  const Buffers& b = *b_;
-  return {b.window + static_cast<size_t>(window_begin_) * d, b.value_codes + static_cast<size_t>(quantized_values_) * words,
-          b.value_scale + static_cast<size_t>(quantized_values_) * vg, b.value_zero + static_cast<size_t>(quantized_values_) * vg};
-}
-
 Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m values leave the window
   const ReplicaParams& p = params_;
   const int d = p.head_dim;
-  Buffers& b = *b_;
-  const Half* oldest = b.window + static_cast<size_t>(window_begin_) * d;
-  if (IsPackedBitWidth(p.value_bits)) {
-    const ValueTokenTask t = OldestValueTask();
-    SPECACHE_RETURN_IF_ERROR(QuantizeValueTokens(oldest, m, d, p.group_size, p.value_bits, t.codes, t.scale, t.zero, stream_));
-  } else {
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.value_half + static_cast<size_t>(quantized_values_) * d, oldest,
-                                                  m * d * sizeof(Half), cudaMemcpyDeviceToDevice,
-                                                  static_cast<cudaStream_t>(stream_)),
-                                  "fp16 value copy"));
+  const int32_t T = pool_->layout().block_tokens;
+  while (m > 0) {  // per block: a block's slots are contiguous, the next block's are elsewhere
+    const int32_t n = std::min<int32_t>(m, T - quantized_values_ % T);
+    const Half* oldest = b_->window + static_cast<size_t>(window_begin_) * d;
+    if (IsPackedBitWidth(p.value_bits)) {
+      const ValueTokenTask t = ValueSlot(quantized_values_, oldest);
+      SPECACHE_RETURN_IF_ERROR(QuantizeValueTokens(oldest, n, d, p.group_size, p.value_bits, t.codes, t.scale, t.zero, stream_));
+    } else {
+      SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(ValueHalfAt(quantized_values_), oldest, n * d * sizeof(Half),
+                                                    cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
+                                    "fp16 value copy"));
+    }
+    quantized_values_ += n;
+    window_begin_ += n;
+    window_count_ -= n;
+    m -= n;
   }
-  quantized_values_ += m;
-  window_begin_ += m;
-  window_count_ -= m;
   return Status::Ok();
 }
 
@@ -195,10 +270,8 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
         q.group_size != p.group_size || q.residual_tokens != p.residual_tokens || r->stream_ != stream) {
       return Status::InvalidArgument("replicas of one batched append must share parameters and stream");
     }
-    if (r->length_ >= r->capacity_) {
-      return Status::ResourceExhausted("replica capacity of " + std::to_string(r->capacity_) + " tokens reached");
-    }
   }
+  SPECACHE_RETURN_IF_ERROR(Reserve(replicas, 1));  // usually a no-op: the engine's step reserved them
   const int d = p.head_dim, R = p.residual_tokens;
   const bool packed_values = IsPackedBitWidth(p.value_bits);
   std::vector<RowCopy> copies;
@@ -219,11 +292,11 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     ++r->length_;
     if (r->residual_ == R) SPECACHE_RETURN_IF_ERROR(r->FlushKeyGroups());
     if (r->window_count_ > R) {
-      const ValueTokenTask t = r->OldestValueTask();
+      const Half* oldest = r->b_->window + static_cast<size_t>(r->window_begin_) * d;
       if (packed_values) {
-        retire.push_back(t);
+        retire.push_back(r->ValueSlot(r->quantized_values_, oldest));
       } else {
-        retire_half.push_back({t.value, r->b_->value_half + static_cast<size_t>(r->quantized_values_) * d});
+        retire_half.push_back({oldest, r->ValueHalfAt(r->quantized_values_)});
       }
       ++r->quantized_values_;
       ++r->window_begin_;
@@ -252,15 +325,9 @@ DeviceReplicaView DeviceHeadReplica::view() const {
   v.length = length_;
   v.quantized_keys = quantized_keys();
   v.quantized_values = quantized_values_;
-  v.key_codes = b_->key_codes;
-  v.key_scale = b_->key_scale;
-  v.key_zero = b_->key_zero;
-  v.key_half = b_->key_half;
+  v.layout = pool_->layout();
+  v.blocks = b_->table;
   v.residual_keys = b_->key_residual;
-  v.value_codes = b_->value_codes;
-  v.value_scale = b_->value_scale;
-  v.value_zero = b_->value_zero;
-  v.value_half = b_->value_half;
   v.window_values = b_->window + static_cast<size_t>(window_begin_) * params_.head_dim;
   return v;
 }
@@ -276,6 +343,10 @@ int64_t DeviceHeadReplica::device_bytes() const {
   return bytes;
 }
 
-int64_t DeviceHeadReplica::reserved_bytes() const { return b_->bytes; }
+int64_t DeviceHeadReplica::fixed_bytes() const { return b_->bytes; }
+
+int64_t DeviceHeadReplica::reserved_bytes() const {
+  return b_->bytes + static_cast<int64_t>(blocks_.size()) * pool_->layout().bytes;
+}
 
 }  // namespace specache::cuda

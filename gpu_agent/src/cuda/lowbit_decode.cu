@@ -32,9 +32,7 @@ namespace {
 
 using decode::FindSubstitute;
 using decode::H2F;
-using decode::KeyAt;
 using decode::QueryAt;
-using decode::ValueAt;
 
 constexpr int kWarps = 4;        // warps (units) per CTA
 // CTAs per SM the one-tile kernels are compiled for: 128 registers, 16 warps per SM. H200, 1-bit,
@@ -176,21 +174,45 @@ __device__ __forceinline__ void StageCopy(uint32_t* dst, const void* src, int by
   }
 }
 
-// Starts the copy of block b0's key and value bytes into `stage` (StageWords layout).
+// Starts the copy of a 32-token block's key and value bytes into `stage` (StageWords layout): the
+// block at token `in` of the replica block at `base`. The block is one key group (G = 32) inside
+// one replica block (block_tokens is a multiple of 32), so each part is one contiguous piece: the
+// accessors' arithmetic (cuda_attention.h) with the replica block already known.
 template <int KB, int VB, int D>
-__device__ __forceinline__ void IssueBlock(const DeviceReplicaView& v, int32_t b0, uint32_t* stage, int lane) {
+__device__ __forceinline__ void IssueBlock(const ReplicaBlockLayout& l, const uint8_t* base, int32_t in, uint32_t* stage,
+                                           int lane) {
   constexpr int VW = D * VB / 32, NGV = D / kGroup;
-  const size_t gi = static_cast<size_t>(b0 / kGroup);
-  StageCopy(stage, v.key_codes + gi * D * KB, D * KB * 4, lane);
-  StageCopy(stage + D * KB, v.key_scale + gi * D, D * 2, lane);
-  StageCopy(stage + D * KB + D / 2, v.key_zero + gi * D, D * 2, lane);
+  const int32_t group = in / kGroup;
+  StageCopy(stage, base + l.key_codes + group * (D * KB * 4), D * KB * 4, lane);
+  StageCopy(stage + D * KB, base + l.key_scale + group * (D * 2), D * 2, lane);
+  StageCopy(stage + D * KB + D / 2, base + l.key_zero + group * (D * 2), D * 2, lane);
   uint32_t* values = stage + D * KB + D;
-  StageCopy(values, v.value_codes + static_cast<size_t>(b0) * VW, 32 * VW * 4, lane);
-  StageCopy(values + 32 * VW, v.value_scale + static_cast<size_t>(b0) * NGV, 32 * NGV * 2, lane);
-  StageCopy(values + 32 * VW + 16 * NGV, v.value_zero + static_cast<size_t>(b0) * NGV, 32 * NGV * 2, lane);
+  StageCopy(values, base + l.value_codes + in * (VW * 4), 32 * VW * 4, lane);
+  StageCopy(values + 32 * VW, base + l.value_scale + in * (NGV * 2), 32 * NGV * 2, lane);
+  StageCopy(values + 32 * VW + 16 * NGV, base + l.value_zero + in * (NGV * 2), 32 * NGV * 2, lane);
 }
 
-// A query pair from its B operand's hi and lo parts (still times 2^e).
+// The replica blocks a unit walks, 32 tokens at a time: the table entry of the next block to copy
+// is loaded one block ahead of its use, so the copy never waits for the table.
+struct BlockWalk {
+  const DeviceReplicaView& v;
+  int32_t index, in;       // the next block to copy: table index and first token within it
+  const uint8_t* ahead;    // its table entry
+  __device__ BlockWalk(const DeviceReplicaView& view, int32_t t0) : v(view) {
+    index = t0 / v.layout.block_tokens;
+    in = t0 - index * v.layout.block_tokens;
+    ahead = v.blocks[index];
+  }
+  // Copies the next block, then loads the entry of the one after if `more` (it exists).
+  template <int KB, int VB, int D>
+  __device__ __forceinline__ void Issue(uint32_t* stage, int lane, bool more) {
+    IssueBlock<KB, VB, D>(v.layout, ahead, in, stage, lane);
+    in += 32;
+    if (in == v.layout.block_tokens) in = 0, ++index;
+    if (more) ahead = v.blocks[index];
+  }
+};
+
 __device__ __forceinline__ float2 QueryPair(uint32_t hi, uint32_t lo) {
   const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
   const float2 l = __half22float2(*reinterpret_cast<const __half2*>(&lo));
@@ -252,7 +274,8 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
   // 16-byte load per k-step instead of 4 * KS registers held through the loop.
   uint4* bqs = reinterpret_cast<uint4*>(sub_list + 32);
 
-  IssueBlock<KB, VB, D>(v, t0, ws, lane);
+  BlockWalk walk(v, t0);
+  walk.Issue<KB, VB, D>(ws, lane, t0 + 32 < t1);
   CpAsyncCommit();
 
   // This lane's share of the scaled queries: query 8 nt + g at channels ChannelOf(ks, j, t), as B
@@ -323,7 +346,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
 
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
-    if (b0 + 32 < t1) IssueBlock<KB, VB, D>(v, b0 + 32, ws + (stage ^ 1) * SW, lane);
+    if (b0 + 32 < t1) walk.Issue<KB, VB, D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
     CpAsyncCommit();
     CpAsyncWaitButOne();
     __syncwarp();
@@ -617,7 +640,6 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   const int queries = r.n_rows * r.n_heads;
   float* qsm = reinterpret_cast<float*>(ws);  // [Q][D], scaled
   float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
-  int* subs = reinterpret_cast<int*>(psm + 32 * PS + Q * 4);
   // The fp16 value rows of the block's tokens (null: a quantized value), after the queries.
   const Half** value_rows = reinterpret_cast<const Half**>(qsm + Q * D);
 #pragma unroll
@@ -639,7 +661,6 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     const int32_t token = b0 + lane;
     const bool valid = token < to;
     const int sub = valid ? FindSubstitute(v, r, token) : -1;
-    subs[lane] = sub;
     value_rows[lane] = !valid                        ? nullptr
                        : sub >= 0                    ? r.sub_rows + static_cast<size_t>(sub) * 2 * D + D
                        : token >= v.length           ? r.new_values + (token - v.length) * r.kv_stride
@@ -662,9 +683,13 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
             for (int q = 0; q < Q; ++q) s[q] += qsm[q * D + c + 2 * h] * k2.x + qsm[q * D + c + 2 * h + 1] * k2.y;
           }
         }
-      } else {
+      } else {  // a quantized key: its group's codes, scales and zeros found once, not per channel
+        const int32_t g = token / kGroup, t = token % kGroup;
+        const uint32_t* codes = KeyCodes(v, g);
+        const Half* scales = KeyScales(v, g);
+        const Half* zeros = KeyZeros(v, g);
         for (int c = 0; c < D; ++c) {
-          const float k = KeyAt(v, r, token, sub, c);
+          const float k = static_cast<float>(decode::Code(codes + c * KB, t, KB)) * H2F(scales[c]) + H2F(zeros[c]);
 #pragma unroll
           for (int q = 0; q < Q; ++q) s[q] += qsm[q * D + c] * k;
         }
@@ -695,9 +720,15 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
 #pragma unroll 4
     for (int j = 0; j < n; ++j) {
       const Half* row = value_rows[j];
+      // No row: a quantized value (lane's channel in group k is lane), its parts found once.
+      const uint32_t* codes = row != nullptr ? nullptr : ValueCodes(v, b0 + j);
+      const Half* scales = row != nullptr ? nullptr : ValueScales(v, b0 + j);
+      const Half* zeros = row != nullptr ? nullptr : ValueZeros(v, b0 + j);
 #pragma unroll
       for (int k = 0; k < CPL; ++k) {
-        const float val = row != nullptr ? H2F(row[lane + 32 * k]) : ValueAt(v, r, b0 + j, subs[j], lane + 32 * k);
+        const float val = row != nullptr ? H2F(row[lane + 32 * k])
+                                         : static_cast<float>(decode::Code(codes + k * VB, lane, VB)) * H2F(scales[k]) +
+                                               H2F(zeros[k]);
 #pragma unroll
         for (int q = 0; q < Q; ++q) acc[q][k] += psm[j * PS + q] * val;
       }
