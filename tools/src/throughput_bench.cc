@@ -379,7 +379,12 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   for (int context : o.contexts) {
     double fp16_tokens = 0;
     for (const std::string& mode : o.modes) {
-      SPECACHE_ASSIGN_OR_RETURN(nlohmann::json j, bench.Measure(mode, context, mem_available));
+      auto measured = bench.Measure(mode, context, mem_available);
+      // A mode that cannot run (out of pinned host memory, say) is reported in its row; the
+      // others still run.
+      nlohmann::json j = measured.ok() ? *measured
+                                       : nlohmann::json{{"context", context}, {"mode", mode}, {"batch", 0},
+                                                        {"note", "failed: " + measured.status().ToString()}};
       j["shape"] = o.shape;
       j["weights"] = "random";
       j["device"] = device.name;

@@ -34,13 +34,14 @@ struct ThroughputOptions {
   int bits = 1, group = 32, residual = 64, topk = 64;
   int steps = 8;                        // timed decode steps (after 2 warm-up steps)
   int max_batch = 512;
-  double host_ram_fraction = 0.85;      // of MemAvailable at start, for the full-precision KV
+  double host_ram_fraction = 0.8;       // of MemAvailable at start, for the full-precision KV
   std::string sdpa_script;              // tools/bench/fp16_baseline.py; empty: no SDPA row
   std::string python = "python3";
 };
 
 // Runs every (context, mode); one JSON object per row (see the .cc for the fields), a table on
-// stderr. UNAVAILABLE without CUDA or a device.
+// stderr. A mode that fails gets a row with batch 0 and the error in "note". UNAVAILABLE without
+// CUDA or a device.
 Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& options);
 
 }  // namespace specache::run
