@@ -248,8 +248,15 @@ class Bench {
       j["device_bytes_used"] = one.device_used;
       return j;
     }
-    SPECACHE_ASSIGN_OR_RETURN(Run two, RunMode(mode, 2, context, true));
-    const int64_t per_sequence = std::max<int64_t>(two.device_used - one.device_used, 1);
+    // The agent's block pool grows by slabs: a probe of 4 sequences spreads a slab's step over 3.
+    int probe = 4;
+    auto more = RunMode(mode, probe, context, true);
+    if (!more.ok() || more->device_used > budget) {
+      probe = 2;
+      more = RunMode(mode, probe, context, true);
+    }
+    SPECACHE_RETURN_IF_ERROR(more.status());
+    const int64_t per_sequence = std::max<int64_t>((more->device_used - one.device_used) / (probe - 1), 1);
     const int gpu_limit = static_cast<int>(std::min<int64_t>(1 + (budget - one.device_used) / per_sequence, 1 << 20));
     const int64_t host_per_sequence = Fp16BytesPerSequence(context + 2 * (2 + o_.steps) + 8);
     const int64_t host_room = static_cast<int64_t>(o_.host_ram_fraction * double(mem_available)) -
@@ -296,6 +303,8 @@ class Bench {
     j["fetched_bytes_per_token"] = run.fetched_bytes_per_token;
     j["gpu_kv_bytes"] = run.stats.device_bytes_reserved;
     j["gpu_kv_bytes_in_use"] = run.stats.device_bytes;
+    j["gpu_kv_pool_bytes"] = run.stats.device_pool_bytes;
+    j["gpu_kv_pool_used_bytes"] = run.stats.device_pool_used_bytes;
     j["fp16_kv_bytes"] = fp16_kv;
     j["gpu_kv_ratio"] = double(run.stats.device_bytes_reserved) / double(fp16_kv);
     j["gpu_kv_ratio_in_use"] = double(run.stats.device_bytes) / double(fp16_kv);

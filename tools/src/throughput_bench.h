@@ -5,10 +5,10 @@
 // (GpuLlama + the agent) with only tokens crossing to the host.
 //
 // For each mode the largest batch whose weights + KV state + workspace fit the budget is found
-// from two probe runs (1 and 2 sequences: the device memory this process holds, measured with
-// cudaMemGetInfo, gives the fixed part and the part per sequence), capped by the host RAM the
-// full-precision KV needs (MemAvailable), then run and measured again (a batch that exceeds the
-// budget is shrunk and run again).
+// from two probe runs (1 and 4 sequences, or 2 when 4 do not fit: the device memory this process
+// holds, measured with cudaMemGetInfo, gives the fixed part and the part per sequence), capped by
+// the host RAM the full-precision KV needs (MemAvailable), then run and measured again (a batch
+// that exceeds the budget is shrunk and run again).
 //
 // Modes: fp16 (the CUDA agent in `full`: the whole fp16 KV on the GPU; PyTorch SDPA's step at the
 // same batch is run next to it by tools/bench/fp16_baseline.py when --sdpa-script is given),
