@@ -55,3 +55,15 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && "$b
       "(the fetch is hidden when it is near 1)." ""
   "$bench" step --batches 8 --tokens 8192 | sed -n '/^== step/,$p' || echo "(the step benchmark failed)"
 fi
+
+# ---- GPU machines: the whole model on the GPU ----------------------------------------------
+# (kept apart from the text above) With a usable GPU, `generate` above already ran the whole
+# model there (--backend auto: fp16 weights on the device, cuBLAS, only tokens to the host); this
+# says so and adds a small throughput table at a fixed GPU memory budget (SmolLM2's shapes,
+# random weights) with its plot.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo
+  echo "== GPU found: generate ran the whole model on the GPU; decode throughput at a 4 GB budget =="
+  "$run" bench --shape smollm2 --context 2048 --gpu-mem-budget 4GB --kv fp16 --kv specache --kv full-offload \
+    --steps 4 --max-batch 64 --json-out demo-out/throughput.json --plot demo-out/throughput.png
+fi

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake ninja-build ccache pkg-config libgtest-dev libgmock-dev
-          libopenblas-dev libcli11-dev nlohmann-json3-dev libpng-dev libfreetype-dev fonts-dejavu-core
+          libopenblas-dev libcli11-dev nlohmann-json3-dev libpng-dev libfreetype-dev fonts-dejavu-core libstb-dev
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libboost-dev libspdlog-dev
           libtomlplusplus-dev libsystemd-dev prometheus-cpp-dev systemd librocksdb-dev libxxhash-dev
           libucx-dev ucx-utils iproute2 openssl)

@@ -16,7 +16,12 @@ inline std::string ModelPath() {
   return std::string(SPECACHE_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
-inline std::string SourcePath(const std::string& relative) { return std::string(SPECACHE_SOURCE_DIR) + "/" + relative; }
+// A file of the source tree: $SPECACHE_SOURCE_DIR at run time (a test binary carried to another
+// machine, tools/gpu-bundle), else the tree it was built from.
+inline std::string SourcePath(const std::string& relative) {
+  if (const char* env = std::getenv("SPECACHE_SOURCE_DIR")) return std::string(env) + "/" + relative;
+  return std::string(SPECACHE_SOURCE_DIR) + "/" + relative;
+}
 
 }  // namespace specache::testing
 

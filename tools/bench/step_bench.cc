@@ -1,6 +1,5 @@
 #include "step_bench.h"
 
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,22 +16,21 @@
 #include "specache/cuda_replica.h"
 #include "specache/cuda_topk.h"
 #include "specache/in_memory_source.h"
-#include "step_kernels.h"
+#include "llama_kernels.h"
+#include "specache/gpu_llama.h"
 
 namespace specache::bench {
 namespace {
 
-constexpr int kLayers = 32, kHidden = 4096, kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kFfn = 14336, kTopK = 64;
+using gpu::Fill;
+using gpu::Hold;
+
+constexpr int kLayers = 32, kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kTopK = 64, kVocab = 128256;
 constexpr int kKv = kKvHeads * kHeadDim;
 
 bool Ok(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return true;
   std::printf("step: %s: %s\n", what, cudaGetErrorString(e));
-  return false;
-}
-bool Ok(cublasStatus_t e, const char* what) {
-  if (e == CUBLAS_STATUS_SUCCESS) return true;
-  std::printf("step: %s: cuBLAS status %d\n", what, static_cast<int>(e));
   return false;
 }
 bool Ok(const Status& s, const char* what) {
@@ -53,83 +51,35 @@ struct DeviceArray {
 };
 
 
-// The "later layers": projections and MLP of one layer, weight-bound like a real model's.
-struct LayerWeights {
-  DeviceArray<Half> wq{size_t(kHidden) * kHidden}, wk{size_t(kHidden) * kKv}, wv{size_t(kHidden) * kKv},
-      wo{size_t(kHidden) * kHidden}, wgu{size_t(kHidden) * 2 * kFfn}, wd{size_t(kFfn) * kHidden};
-  bool ok() const { return wq.p && wk.p && wv.p && wo.p && wgu.p && wd.p; }
-};
-
+// The "later layers": the model around the agent, Llama-3-8B-shaped with random weights
+// (GpuLlama: norms, projections with RoPE, output projection, MLP), weight-bound like a real one.
 struct Model {
+  std::unique_ptr<gpu::GpuLlama> llama;
   cudaStream_t stream = nullptr;
-  cublasHandle_t blas = nullptr;
-  std::vector<std::unique_ptr<LayerWeights>> layers;
-  int max_rows = 0;
-  std::unique_ptr<DeviceArray<Half>> x, out_h, h, gu, act, y;
-  std::unique_ptr<DeviceArray<float>> q, k, v, out;
 
   bool Init(int rows) {
-    max_rows = rows;
-    if (!Ok(cudaStreamCreate(&stream), "stream") || !Ok(cublasCreate(&blas), "cublasCreate") ||
-        !Ok(cublasSetStream(blas, stream), "cublasSetStream")) {
-      return false;
-    }
-    for (int l = 0; l < kLayers; ++l) {
-      layers.push_back(std::make_unique<LayerWeights>());
-      LayerWeights& w = *layers.back();
-      if (!w.ok()) return Ok(cudaErrorMemoryAllocation, "weights");
-      const float scale = 0.02f;
-      Fill(w.wq.p, int64_t{kHidden} * kHidden, 10 * l + 1, scale, stream);
-      Fill(w.wk.p, int64_t{kHidden} * kKv, 10 * l + 2, scale, stream);
-      Fill(w.wv.p, int64_t{kHidden} * kKv, 10 * l + 3, scale, stream);
-      Fill(w.wo.p, int64_t{kHidden} * kHidden, 10 * l + 4, scale, stream);
-      Fill(w.wgu.p, int64_t{kHidden} * 2 * kFfn, 10 * l + 5, scale, stream);
-      Fill(w.wd.p, int64_t{kFfn} * kHidden, 10 * l + 6, scale, stream);
-    }
-    const size_t r = rows;
-    x = std::make_unique<DeviceArray<Half>>(r * kHidden);
-    out_h = std::make_unique<DeviceArray<Half>>(r * kHidden);
-    h = std::make_unique<DeviceArray<Half>>(r * kHidden);
-    gu = std::make_unique<DeviceArray<Half>>(r * 2 * kFfn);
-    act = std::make_unique<DeviceArray<Half>>(r * kFfn);
-    y = std::make_unique<DeviceArray<Half>>(r * kHidden);
-    q = std::make_unique<DeviceArray<float>>(r * kHidden);
-    k = std::make_unique<DeviceArray<float>>(r * kKv);
-    v = std::make_unique<DeviceArray<float>>(r * kKv);
-    out = std::make_unique<DeviceArray<float>>(r * kHidden);
-    Fill(x->p, int64_t(r) * kHidden, 99, 1.0f, stream);
-    Fill(out->p, int64_t(r) * kHidden, 98, 1.0f, stream);
-    return Ok(cudaStreamSynchronize(stream), "weights");
+    auto m = gpu::GpuLlama::Random(gpu::Llama3_8bConfig(), 1, /*tied_head=*/true);
+    if (!Ok(m.status(), "model")) return false;
+    llama = std::move(*m);
+    stream = static_cast<cudaStream_t>(llama->stream());
+    if (!Ok(llama->Reserve(rows), "model buffers")) return false;
+    // Every row at position 0: the step's timing does not depend on the positions.
+    return Ok(cudaMemsetAsync(llama->device_positions(), 0, sizeof(int32_t) * rows, stream), "positions") &&
+           Ok(cudaStreamSynchronize(stream), "model");
   }
-  ~Model() {
-    layers.clear();
-    if (blas) cublasDestroy(blas);
-    if (stream) cudaStreamDestroy(stream);
-  }
+  float* q() const { return llama->q(); }
+  float* k() const { return llama->k(); }
+  float* v() const { return llama->v(); }
+  float* out() const { return llama->attn(); }
 
-  // C[rows][n] = A[rows][k] x W[k][n] (row-major; fp16 inputs, fp32 accumulation).
-  bool Gemm(const Half* a, const Half* w, void* c, cudaDataType c_type, int rows, int n, int k) {
-    const float one = 1.0f, zero = 0.0f;
-    return Ok(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16F, n, a, CUDA_R_16F, k, &zero, c,
-                           c_type, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-              "gemm");
+  // A fresh input for a step (embeddings of random tokens): its queries select other rows than
+  // the last step's.
+  bool NewInput(uint32_t seed, int rows) {
+    gpu::FillTokens(llama->device_tokens(), rows, seed, kVocab, stream);
+    return Ok(llama->Embed(llama->device_tokens(), rows), "embed");
   }
-  // A fresh input for a step: its queries select other rows than the last step's.
-  void NewInput(uint32_t seed, int rows) { Fill(x->p, int64_t{rows} * kHidden, seed, 1.0f, stream); }
-  bool Projections(int l, int rows) {
-    const LayerWeights& w = *layers[l];
-    return Gemm(x->p, w.wq.p, q->p, CUDA_R_32F, rows, kHidden, kHidden) &&
-           Gemm(x->p, w.wk.p, k->p, CUDA_R_32F, rows, kKv, kHidden) &&
-           Gemm(x->p, w.wv.p, v->p, CUDA_R_32F, rows, kKv, kHidden);
-  }
-  bool Rest(int l, int rows) {
-    const LayerWeights& w = *layers[l];
-    FloatToHalf(out->p, out_h->p, int64_t{rows} * kHidden, stream);
-    if (!Gemm(out_h->p, w.wo.p, h->p, CUDA_R_16F, rows, kHidden, kHidden)) return false;
-    if (!Gemm(h->p, w.wgu.p, gu->p, CUDA_R_16F, rows, 2 * kFfn, kHidden)) return false;
-    SiluMul(gu->p, act->p, rows, kFfn, stream);
-    return Gemm(act->p, w.wd.p, y->p, CUDA_R_16F, rows, kHidden, kFfn);
-  }
+  bool Projections(int l, int rows) { return Ok(llama->ProjectQkv(l, rows, llama->device_positions()), "projections"); }
+  bool Rest(int l, int rows) { return Ok(llama->FinishLayer(l, rows), "layer"); }
 };
 
 // Milliseconds per step of `step`, on the model's stream (events), after `warm` untimed steps.
@@ -197,10 +147,10 @@ AgentRun RunAgent(Model& m, int batch, int context, int steps, int fetch_blocks,
   auto step = [&](StepKind kind) {
     const int rows = batch * (*agent)->RowsPerSequence(kind);
     if (!Ok((*agent)->BeginStep(kind, ids), "BeginStep")) return false;
-    m.NewInput(++input_seed, rows);
+    if (!m.NewInput(++input_seed, rows)) return false;
     for (int l = 0; l < kLayers; ++l) {
       if (!m.Projections(l, rows)) return false;
-      if (!Ok((*agent)->DecodeLayer(l, {m.q->p, m.k->p, m.v->p, m.out->p}), "DecodeLayer")) return false;
+      if (!Ok((*agent)->DecodeLayer(l, {m.q(), m.k(), m.v(), m.out()}), "DecodeLayer")) return false;
       if (!Ok((*agent)->StartPrefetch(l), "StartPrefetch")) return false;
       if (!m.Rest(l, rows)) return false;
     }
@@ -392,7 +342,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     const int rows2 = 2 * batch;
     uint32_t seed = 1;
     const double layers_ms = TimeSteps(m, 3, o.steps, [&] {
-      m.NewInput(++seed, rows2);
+      if (!m.NewInput(++seed, rows2)) return false;
       for (int l = 0; l < kLayers; ++l) {
         if (!m.Projections(l, rows2) || !m.Rest(l, rows2)) return false;
       }

@@ -1,6 +1,6 @@
-// specache-bench step: one decode step of a 32-layer stack with Llama-3-8B attention shapes
-// (32 query heads, 8 KV heads, head_dim 128; cuBLAS projections and MLP, hidden 4096, FFN 14336,
-// fp16 weights, random data) through the real CUDA agent in specache mode (1-bit replica, k=64,
+// specache-bench step: one decode step of a 32-layer stack with Llama-3-8B shapes (32 query heads,
+// 8 KV heads, head_dim 128, hidden 4096, FFN 14336: specache-run's GPU model, gpu_llama.h, with
+// random fp16 weights; cuBLAS GEMMs) through the real CUDA agent in specache mode (1-bit replica, k=64,
 // pages in registered host memory), with the speculative fetch and with the fetch switched off
 // (CudaAgentOptions::fetch = false), measured in the same run. The ratio says what the fetch
 // costs once it overlaps the later layers (CUDA builds only).

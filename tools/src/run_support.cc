@@ -170,4 +170,23 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
   return j;
 }
 
+Result<uint64_t> ParseBytes(const std::string& text) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (...) {
+    return Status::InvalidArgument("not a size: '" + text + "'");
+  }
+  const std::string unit = text.substr(used);
+  double scale = 1;
+  if (unit == "GB" || unit == "G") scale = 1e9;
+  else if (unit == "GiB") scale = double(uint64_t{1} << 30);
+  else if (unit == "MB" || unit == "M") scale = 1e6;
+  else if (unit == "MiB") scale = double(uint64_t{1} << 20);
+  else if (!unit.empty() && unit != "B") return Status::InvalidArgument("unknown unit in '" + text + "' (B, MB, MiB, GB, GiB)");
+  if (v <= 0) return Status::InvalidArgument("size must be positive: '" + text + "'");
+  return static_cast<uint64_t>(v * scale);
+}
+
 }  // namespace specache::run

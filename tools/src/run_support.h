@@ -78,4 +78,7 @@ Result<Generation> GenerateGreedy(const LoadedModel& m, Decoder* decoder, std::s
 // Memory and fetch figures of an agent, plus the run's speed.
 nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_tokens, const Decoder& decoder);
 
+// Parses a byte count: "48GB", "48GiB", "512MiB", "48e9", "51539607552".
+Result<uint64_t> ParseBytes(const std::string& text);
+
 }  // namespace specache::run

@@ -1,5 +1,6 @@
 // specache-run: the reference engine on a Llama-family GGUF model, with its KV cache held by the
-// gpu_agent in the chosen mode. Commands: generate, niah, niah-grid, fidelity, logits.
+// gpu_agent in the chosen mode. Commands: generate, niah, niah-grid, fidelity, logits, and bench
+// (decode throughput of the whole model on the GPU at a fixed memory budget, random weights).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -11,7 +12,9 @@
 
 #include "blas_runtime.h"
 #include "command_line.h"
+#include "gpu_run.h"
 #include "heatmap_png.h"
+#include "line_plot_png.h"
 #include "memory_breakdown.h"
 #include "niah_prompt.h"
 #include "niah_reading.h"
@@ -19,6 +22,7 @@
 #include "progress.h"
 #include "run_support.h"
 #include "specache/version.h"
+#include "throughput_bench.h"
 
 namespace specache::run {
 namespace {
@@ -66,11 +70,57 @@ std::vector<int32_t> ChatPrompt(const LoadedModel& m, const std::string& text, b
 
 // ---- generate ----
 struct GenerateArgs {
-  std::string model, prompt, prompt_file, selection_trace;
+  std::string model, prompt, prompt_file, selection_trace, batch_prompts;
   int max_tokens = 256;
   bool raw = false, json = false, keep_sequence = false;
   KvOptions kv;
 };
+
+// generate with the whole model on the GPU: one prompt, or the lines of --batch-prompts decoded
+// together as one ragged batch.
+Status GenerateGpu(const GenerateArgs& a, const LoadedModel& m, const KvConfig& config) {
+  std::vector<std::vector<int32_t>> prompts{ChatPrompt(m, a.prompt, a.raw)};
+  if (!a.batch_prompts.empty()) {
+    std::ifstream in(a.batch_prompts);
+    if (!in) return Status::NotFound("cannot read " + a.batch_prompts);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (!line.empty()) prompts.push_back(ChatPrompt(m, line, a.raw));
+    }
+  }
+  SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, static_cast<int>(prompts.size())));
+  auto stream = [&](std::string_view text) {
+    if (a.json) return;
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+  };
+  SPECACHE_ASSIGN_OR_RETURN(GpuGeneration g, GenerateOnGpu(m, config, memory.get(), prompts, a.max_tokens, stream));
+  nlohmann::json j = g.figures;
+  size_t prompt_tokens = 0;
+  for (const auto& p : prompts) prompt_tokens += p.size();
+  j["prompt_tokens"] = prompt_tokens;
+  j["kv_memory"] = memory->Figures();
+  if (a.json) {
+    j["output"] = g.outputs[0].text;
+    nlohmann::json outputs = nlohmann::json::array();
+    for (const Generation& o : g.outputs) outputs.push_back(o.text);
+    j["outputs"] = outputs;
+    std::cout << j.dump() << "\n";
+    return Status::Ok();
+  }
+  std::printf("\n");
+  for (size_t i = 1; i < g.outputs.size(); ++i) std::printf("[%zu] %s\n", i, g.outputs[i].text.c_str());
+  std::fprintf(stderr,
+               "[%s] model on the GPU (%.0f MB fp16), batch %zu, prompts %zu tokens, prefill %.3f s; %lld steps at "
+               "%.1f tok/s (all sequences); device KV %.2f MiB, full precision %.2f MiB\n",
+               j["mode"].get<std::string>().c_str(), j["model_weight_bytes_on_gpu"].get<double>() / 1e6,
+               g.outputs.size(), prompt_tokens, g.prefill_seconds, static_cast<long long>(g.decode_steps),
+               j["decode_tokens_per_s"].get<double>(), j["device_kv_bytes"].get<double>() / (1 << 20),
+               j["full_precision_bytes"].get<double>() / (1 << 20));
+  std::fprintf(stderr, "[%s] full-precision KV in: %s\n", j["mode"].get<std::string>().c_str(),
+               j["kv_memory"].dump().c_str());
+  return Status::Ok();
+}
 
 Status Generate(GenerateArgs a) {
   if (!a.prompt_file.empty()) {
@@ -86,6 +136,13 @@ Status Generate(GenerateArgs a) {
   if (!a.selection_trace.empty()) SPECACHE_RETURN_IF_ERROR(PrepareOutputFile(a.selection_trace));
   SPECACHE_ASSIGN_OR_RETURN(LoadedModel m, LoadModel(a.model));
   SPECACHE_ASSIGN_OR_RETURN(KvConfig config, ToConfig(a.kv));
+  // The whole model on the GPU, unless an option needs the host-model path (which keeps the
+  // sequence in the daemon or traces selections).
+  const bool gpu_model = UseGpuModel(a.kv.backend) && !a.keep_sequence && a.selection_trace.empty();
+  if (!a.batch_prompts.empty() && !gpu_model) {
+    return Status::InvalidArgument("--batch-prompts runs on the GPU model (--backend cuda or auto with a GPU)");
+  }
+  if (gpu_model) return GenerateGpu(a, m, config);
   SPECACHE_ASSIGN_OR_RETURN(auto memory, OpenKvMemory(a.kv, *m.model, 1));
   SPECACHE_ASSIGN_OR_RETURN(auto run, MakeModeRun(*m.model, config, memory.get(), a.kv.backend));
   const std::vector<int32_t> prompt = ChatPrompt(m, a.prompt, a.raw);
@@ -455,6 +512,60 @@ Status Logits(const LogitsArgs& a) {
   return Status::Ok();
 }
 
+// ---- bench (GPU throughput at a fixed memory budget) ----
+struct BenchArgs {
+  ThroughputOptions options;
+  std::string budget = "48GB", json_out, plot;
+  std::vector<std::string> modes, merge;
+  bool json = false, plot_only = false;
+};
+
+Status Bench(BenchArgs a) {
+  SPECACHE_ASSIGN_OR_RETURN(a.options.gpu_budget_bytes, ParseBytes(a.budget));
+  if (!a.modes.empty()) a.options.modes = a.modes;
+  std::vector<nlohmann::json> rows;
+  if (!a.plot_only) {
+    SPECACHE_ASSIGN_OR_RETURN(rows, RunThroughputBench(a.options));
+  }
+  if (a.json) {
+    for (const auto& r : rows) std::cout << r.dump() << "\n";
+  }
+  if (!a.json_out.empty()) std::ofstream(a.json_out) << nlohmann::json(rows).dump(1) << "\n";
+  for (const std::string& file : a.merge) {  // rows of earlier runs (--json-out), for the plot
+    SPECACHE_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
+    const nlohmann::json earlier = nlohmann::json::parse(text, nullptr, false);
+    if (!earlier.is_array()) return Status::InvalidArgument(file + " is not a JSON array of bench rows");
+    for (const auto& r : earlier) rows.push_back(r);
+  }
+  if (!a.plot.empty()) {
+    std::vector<int> contexts;
+    for (const auto& r : rows) contexts.push_back(r["context"].get<int>());
+    std::sort(contexts.begin(), contexts.end());
+    contexts.erase(std::unique(contexts.begin(), contexts.end()), contexts.end());
+    LinePlot plot;
+    const std::string shape = rows.empty() ? a.options.shape : rows[0].value("shape", a.options.shape);
+    plot.title = "decode tokens/s at " + a.budget + " GPU memory, " + shape + " (random weights)";
+    plot.x_label = "context (tokens)";
+    plot.y_label = "tokens/s";
+    for (int c : contexts) plot.x_ticks.push_back(c % 1024 == 0 ? std::to_string(c / 1024) + "K" : std::to_string(c));
+    for (const std::string& mode : a.options.modes) {
+      LinePlot::Series s{mode, std::vector<double>(contexts.size(), NAN)};
+      LinePlot::Series sdpa{"fp16 SDPA (PyTorch)", std::vector<double>(contexts.size(), NAN)};
+      for (const auto& r : rows) {
+        if (r["mode"] != mode || !r.contains("tokens_per_s")) continue;
+        const size_t i = std::find(contexts.begin(), contexts.end(), r["context"].get<int>()) - contexts.begin();
+        s.y[i] = r["tokens_per_s"].get<double>();
+        if (r.contains("sdpa") && r["sdpa"].contains("tokens_per_s")) sdpa.y[i] = r["sdpa"]["tokens_per_s"].get<double>();
+      }
+      if (std::any_of(s.y.begin(), s.y.end(), [](double v) { return std::isfinite(v); })) plot.series.push_back(s);
+      if (std::any_of(sdpa.y.begin(), sdpa.y.end(), [](double v) { return std::isfinite(v); })) plot.series.push_back(sdpa);
+    }
+    SPECACHE_RETURN_IF_ERROR(WriteLinePlotPng(plot, a.plot));
+    std::fprintf(stderr, "bench: wrote %s\n", a.plot.c_str());
+  }
+  return Status::Ok();
+}
+
 int Report(const Status& s) {
   if (s.ok()) return 0;
   std::fprintf(stderr, "specache-run: %s\n", s.ToString().c_str());
@@ -483,6 +594,8 @@ int main(int argc, char** argv) {
                      "leave the sequence in the daemon after exiting (kept for the tenant; needs --daemon)");
   generate->add_option("--selection-trace", gen.selection_trace,
                        "write the rows selected at every step (for specache-bench reuse)");
+  generate->add_option("--batch-prompts", gen.batch_prompts,
+                       "more prompts, one per line, decoded with --prompt as one ragged batch (GPU model)");
   AddKvOptions(generate, &gen.kv);
 
   NiahArgs niah_args, grid_args;
@@ -532,6 +645,36 @@ int main(int argc, char** argv) {
   logits->add_flag("--no-special", logit_args.no_special, "with --raw-prompt: special tokens in the text stay text");
   logits->add_option("--out", logit_args.out, "output file (default stdout)");
 
+  BenchArgs bench_args;
+  CLI::App* bench = app.add_subcommand("bench", "decode throughput of the whole model on the GPU at a fixed GPU memory "
+                                                "budget, per KV mode (random weights)");
+  ThroughputOptions& bo = bench_args.options;
+  bench->add_option("--shape", bo.shape, "model shape: llama3-8b or smollm2 (random weights)")->capture_default_str();
+  bench->add_option("--context", bo.contexts, "tokens per sequence (repeatable, or comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  bench->add_option("--gpu-mem-budget", bench_args.budget, "GPU memory for weights + KV + workspace (48GB, 40GiB, bytes)")
+      ->capture_default_str();
+  bench->add_option("--kv", bench_args.modes,
+                    "mode (repeatable): fp16, kivi, specache, specache-nonspec, full-offload (default: all)")
+      ->delimiter(',');
+  bench->add_option("--bits", bo.bits, "bits of the low-bit replica")->capture_default_str();
+  bench->add_option("--group", bo.group, "quantization group G")->capture_default_str();
+  bench->add_option("--residual", bo.residual, "full-precision residual window R")->capture_default_str();
+  bench->add_option("--topk", bo.topk, "rows fetched per KV head and layer")->capture_default_str();
+  bench->add_option("--steps", bo.steps, "timed decode steps per mode")->capture_default_str();
+  bench->add_option("--max-batch", bo.max_batch, "largest batch tried")->capture_default_str();
+  bench->add_option("--host-ram-fraction", bo.host_ram_fraction,
+                    "share of MemAvailable the full-precision KV may take")->capture_default_str();
+  bench->add_option("--sdpa-script", bo.sdpa_script,
+                    "tools/bench/fp16_baseline.py: runs PyTorch SDPA at the fp16 batch next to the fp16 row");
+  bench->add_option("--python", bo.python, "Python with PyTorch, for --sdpa-script")->capture_default_str();
+  bench->add_flag("--json", bench_args.json, "print one JSON object per row on stdout");
+  bench->add_option("--json-out", bench_args.json_out, "also write all rows to this file (a JSON array)");
+  bench->add_option("--plot", bench_args.plot, "write tokens/s over context per mode as a PNG");
+  bench->add_option("--merge", bench_args.merge, "rows of earlier runs (--json-out files) to plot with these");
+  bench->add_flag("--plot-only", bench_args.plot_only, "measure nothing: plot the --merge rows");
+
   app.set_version_flag("--version", "specache-run " SPECACHE_VERSION);
   if (const int code = specache::ParseCommandLine(app, argc, argv); code >= 0) return code;
   if (generate->parsed()) return Report(Generate(gen));
@@ -539,5 +682,6 @@ int main(int argc, char** argv) {
   if (grid->parsed()) return Report(NiahGrid(grid_args));
   if (fidelity->parsed()) return Report(Fidelity(fid));
   if (logits->parsed()) return Report(Logits(logit_args));
+  if (bench->parsed()) return Report(Bench(bench_args));
   return 1;
 }

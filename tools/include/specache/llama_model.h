@@ -57,8 +57,7 @@ class LlamaModel {
   // logits[n][vocab] of the residual rows x[n][d_model] (final RMSNorm, LM head).
   void Logits(const float* x, int n, float* logits, LlamaScratch* scratch) const;
 
- private:
-  LlamaModel() = default;
+  // The float32 weights, for an engine that copies them elsewhere (the GPU model, gpu_llama.h).
   struct Layer {
     std::vector<float> attn_norm, ffn_norm;
     std::vector<float> wqkv;     // [(n_heads + 2 n_kv_heads) head_dim][d_model]
@@ -66,6 +65,14 @@ class LlamaModel {
     std::vector<float> wgate_up;  // [2 d_ff][d_model]: gate rows, then up rows
     std::vector<float> wdown;    // [d_model][d_ff]
   };
+  const Layer& layer(int l) const { return layers_[l]; }
+  const std::vector<float>& embedding() const { return embedding_; }
+  const std::vector<float>& lm_head() const { return output_.empty() ? embedding_ : output_; }
+  const std::vector<float>& output_norm() const { return output_norm_; }
+  const std::vector<float>& rope_inv_freq() const { return rope_inv_freq_; }
+
+ private:
+  LlamaModel() = default;
   void RmsNorm(const float* x, int n, const std::vector<float>& weight, float* out) const;
   void ApplyRope(float* heads, int n, int n_heads, const int32_t* positions) const;
 

@@ -1,0 +1,206 @@
+#include "specache/gpu_engine.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+namespace specache::gpu {
+namespace {
+
+Status Cuda(cudaError_t e, const std::string& what) {
+  if (e == cudaSuccess) return Status::Ok();
+  return Status::Unavailable(what + ": " + cudaGetErrorString(e));
+}
+
+cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+GpuEngine::GpuEngine(GpuLlama* model, Agent* agent) : model_(model), agent_(agent) {}
+
+GpuEngine::~GpuEngine() {
+  for (void* e : events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
+
+Result<std::vector<int32_t>> GpuEngine::Prefill(std::span<const SequenceId> ids,
+                                                std::span<const std::vector<int32_t>> prompts,
+                                                std::vector<float>* logits) {
+  const LlamaConfig& c = model_->config();
+  if (ids.size() != prompts.size() || ids.empty()) return Status::InvalidArgument("one prompt per sequence, at least one");
+  std::vector<int32_t> offsets{0}, tokens, positions;
+  for (const std::vector<int32_t>& p : prompts) {
+    if (p.empty()) return Status::InvalidArgument("empty prompt");
+    if (static_cast<int>(p.size()) > c.context_length) {
+      return Status::InvalidArgument("prompt of " + std::to_string(p.size()) + " tokens exceeds the model's context of " +
+                                     std::to_string(c.context_length));
+    }
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (p[i] < 0 || p[i] >= c.vocab) return Status::InvalidArgument("token id " + std::to_string(p[i]) + " outside the vocabulary");
+      tokens.push_back(p[i]);
+      positions.push_back(static_cast<int32_t>(i));
+    }
+    offsets.push_back(static_cast<int32_t>(tokens.size()));
+  }
+  const int n = static_cast<int>(tokens.size());
+  SPECACHE_RETURN_IF_ERROR(model_->Reserve(n));
+  void* s = model_->stream();
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_tokens(), tokens.data(), n * sizeof(int32_t),
+                                                cudaMemcpyHostToDevice, Stream(s)), "prompt tokens"));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), positions.data(), n * sizeof(int32_t),
+                                                cudaMemcpyHostToDevice, Stream(s)), "prompt positions"));
+  for (SequenceId id : ids) SPECACHE_RETURN_IF_ERROR(agent_->AddSequence(id));
+  SPECACHE_RETURN_IF_ERROR(model_->Embed(model_->device_tokens(), n));
+  for (int l = 0; l < c.n_layers; ++l) {
+    SPECACHE_RETURN_IF_ERROR(model_->ProjectQkv(l, n, model_->device_positions()));
+    SPECACHE_RETURN_IF_ERROR(
+        agent_->PrefillLayer(l, {ids, offsets, model_->q(), model_->k(), model_->v(), model_->attn()}));
+    SPECACHE_RETURN_IF_ERROR(model_->FinishLayer(l, n));
+  }
+  std::vector<int32_t> first(ids.size());
+  if (logits) logits->resize(ids.size() * static_cast<size_t>(c.vocab));
+  for (size_t i = 0; i < ids.size(); ++i) {  // each prompt's last row
+    SPECACHE_RETURN_IF_ERROR(model_->Logits(offsets[i + 1] - 1, 1));
+    SPECACHE_RETURN_IF_ERROR(model_->Argmax(1));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(&first[i], model_->argmax(), sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                                  Stream(s)), "first token"));
+    if (logits) {
+      SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(logits->data() + i * c.vocab, model_->logits(),
+                                                    c.vocab * sizeof(float), cudaMemcpyDeviceToHost, Stream(s)),
+                                    "logits"));
+    }
+    // The next Logits call reuses the buffers: this row's copies must land first.
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(s)), "prefill"));
+  }
+  return first;
+}
+
+Status GpuEngine::Mark(Phase phase_before) {
+  if (!timing_) return Status::Ok();
+  if (marks_ == events_.size()) {
+    cudaEvent_t e = nullptr;
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreate(&e), "timing event"));
+    events_.push_back(e);
+    phases_.push_back(phase_before);
+  }
+  phases_[marks_] = phase_before;
+  return Cuda(cudaEventRecord(static_cast<cudaEvent_t>(events_[marks_++]), Stream(model_->stream())), "timing event");
+}
+
+Status GpuEngine::CollectTimes() {
+  if (!timing_) return Status::Ok();
+  for (size_t i = 1; i < marks_; ++i) {
+    float ms = 0;
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[i - 1]),
+                                                       static_cast<cudaEvent_t>(events_[i])),
+                                  "timing"));
+    switch (phases_[i]) {
+      case Phase::kGemm: times_.gemm_ms += ms; break;
+      case Phase::kAttention: times_.attention_ms += ms; break;
+      case Phase::kFetchWait: times_.fetch_wait_ms += ms; break;
+    }
+  }
+  ++times_.steps;
+  marks_ = 0;
+  return Status::Ok();
+}
+
+Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
+                          std::vector<float>* logits) {
+  const LlamaConfig& c = model_->config();
+  const int n = static_cast<int>(tokens.size());
+  const int rows = agent_->RowsPerSequence(kind);
+  SPECACHE_RETURN_IF_ERROR(model_->Reserve(n));
+  void* s = model_->stream();
+  marks_ = 0;
+  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kGemm));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_tokens(), tokens.data(), n * sizeof(int32_t),
+                                                cudaMemcpyHostToDevice, Stream(s)), "step tokens"));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), positions.data(), n * sizeof(int32_t),
+                                                cudaMemcpyHostToDevice, Stream(s)), "step positions"));
+  SPECACHE_RETURN_IF_ERROR(model_->Embed(model_->device_tokens(), n));
+  SPECACHE_RETURN_IF_ERROR(agent_->BeginStep(kind, ids_));
+  Status status = Status::Ok();
+  for (int l = 0; l < c.n_layers && status.ok(); ++l) {
+    status = model_->ProjectQkv(l, n, model_->device_positions());
+    if (status.ok()) status = Mark(Phase::kGemm);
+    if (status.ok()) status = agent_->WaitPrefetch(l);
+    if (status.ok()) status = Mark(Phase::kFetchWait);
+    if (status.ok()) status = agent_->DecodeLayer(l, {model_->q(), model_->k(), model_->v(), model_->attn()});
+    if (status.ok()) status = agent_->StartPrefetch(l);  // specache: overlaps the later layers
+    if (status.ok()) status = Mark(Phase::kAttention);
+    if (status.ok()) status = model_->FinishLayer(l, n);
+  }
+  if (!status.ok()) {
+    agent_->AbortStep();
+    return status;
+  }
+  SPECACHE_RETURN_IF_ERROR(agent_->EndStep());
+  SPECACHE_RETURN_IF_ERROR(model_->Logits(0, n));
+  SPECACHE_RETURN_IF_ERROR(model_->Argmax(n));
+  argmax_host_.resize(n);
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(argmax_host_.data(), model_->argmax(), n * sizeof(int32_t),
+                                                cudaMemcpyDeviceToHost, Stream(s)), "tokens"));
+  if (logits) {  // the real rows: row 0 of each sequence
+    const size_t sequences = ids_.size(), row_bytes = size_t(c.vocab) * sizeof(float);
+    logits->resize(sequences * c.vocab);
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy2DAsync(logits->data(), row_bytes, model_->logits(), rows * row_bytes,
+                                                    row_bytes, sequences, cudaMemcpyDeviceToHost, Stream(s)),
+                                  "logits"));
+  }
+  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kGemm));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(s)), "decode step"));
+  return CollectTimes();
+}
+
+Status GpuEngine::Start(std::span<const SequenceId> ids, std::span<const int32_t> lengths,
+                        std::span<const int32_t> first_tokens) {
+  if (started_) return Status::FailedPrecondition("GpuEngine::Start called twice");
+  if (ids.empty() || lengths.size() != ids.size() || first_tokens.size() != ids.size()) {
+    return Status::InvalidArgument("Start needs one length and one first token per sequence");
+  }
+  ids_.assign(ids.begin(), ids.end());
+  positions_.assign(lengths.begin(), lengths.end());
+  speculative_.assign(ids.size(), -1);
+  started_ = true;
+  if (agent_->RowsPerSequence(StepKind::kPreDecode) == 0) return Status::Ok();
+  std::vector<int32_t> tokens(first_tokens.begin(), first_tokens.end());
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= model_->config().vocab) return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
+  }
+  SPECACHE_RETURN_IF_ERROR(RunStep(StepKind::kPreDecode, tokens, positions_, nullptr));
+  speculative_ = argmax_host_;
+  return Status::Ok();
+}
+
+Result<std::vector<int32_t>> GpuEngine::Step(std::span<const int32_t> tokens, std::vector<float>* logits) {
+  if (!started_) return Status::FailedPrecondition("GpuEngine::Step before Start");
+  if (tokens.size() != ids_.size()) return Status::InvalidArgument("Step needs one token per sequence");
+  const int rows = agent_->RowsPerSequence(StepKind::kDecode);
+  std::vector<int32_t> in, pos;
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= model_->config().vocab) {
+      return Status::InvalidArgument("token id " + std::to_string(tokens[i]) + " outside the vocabulary");
+    }
+    if (positions_[i] + rows > model_->config().context_length) {
+      return Status::OutOfRange("decoding past the model's context of " + std::to_string(model_->config().context_length) +
+                                " tokens");
+    }
+    in.push_back(tokens[i]);
+    pos.push_back(positions_[i]);
+    if (rows == 2) {  // the speculative row: the guess of the token after tokens[i]
+      in.push_back(speculative_[i]);
+      pos.push_back(positions_[i] + 1);
+    }
+  }
+  SPECACHE_RETURN_IF_ERROR(RunStep(StepKind::kDecode, in, pos, logits));
+  std::vector<int32_t> next(ids_.size());
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    next[i] = argmax_host_[i * rows];
+    if (rows == 2) speculative_[i] = argmax_host_[i * rows + 1];
+    ++positions_[i];
+  }
+  ++steps_;
+  return next;
+}
+
+}  // namespace specache::gpu

@@ -1,0 +1,263 @@
+#include "specache/gpu_llama.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "llama_kernels.h"
+#include "specache/half.h"
+
+namespace specache::gpu {
+namespace {
+
+Status Cuda(cudaError_t e, const std::string& what) {
+  if (e == cudaSuccess) return Status::Ok();
+  if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": " + cudaGetErrorString(e));
+  return Status::Unavailable(what + ": " + cudaGetErrorString(e));
+}
+
+cublasHandle_t Blas(void* h) { return static_cast<cublasHandle_t>(h); }
+cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+LlamaConfig Llama3_8bConfig() {
+  LlamaConfig c;
+  c.n_layers = 32;
+  c.d_model = 4096;
+  c.d_ff = 14336;
+  c.n_heads = 32;
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  c.vocab = 128256;
+  c.context_length = 131072;
+  c.rope_theta = 500000.0f;
+  c.rms_eps = 1e-5f;
+  return c;
+}
+
+LlamaConfig SmolLm2Config() {
+  LlamaConfig c;
+  c.n_layers = 30;
+  c.d_model = 576;
+  c.d_ff = 1536;
+  c.n_heads = 9;
+  c.n_kv_heads = 3;
+  c.head_dim = 64;
+  c.vocab = 49152;
+  c.context_length = 8192;
+  c.rope_theta = 100000.0f;
+  c.rms_eps = 1e-5f;
+  return c;
+}
+
+template <typename T>
+Result<T*> GpuLlama::Allocate(size_t n, std::vector<void*>* list) {
+  void* p = nullptr;
+  SPECACHE_RETURN_IF_ERROR(
+      Cuda(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), "device memory (" + std::to_string(n * sizeof(T)) + " bytes)"));
+  list->push_back(p);
+  return static_cast<T*>(p);
+}
+
+Status GpuLlama::Init(const LlamaConfig& c, void* stream, bool tied_head) {
+  c_ = c;
+  if (stream) {
+    stream_ = stream;
+  } else {
+    cudaStream_t s = nullptr;
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"));
+    stream_ = s;
+    own_stream_ = true;
+  }
+  cublasHandle_t h = nullptr;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasCreate failed");
+  blas_ = h;
+  if (cublasSetStream(h, Stream(stream_)) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasSetStream failed");
+  const size_t d = c.d_model, qkv = size_t(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, qw = size_t(c.n_heads) * c.head_dim;
+  const size_t ff = c.d_ff, vocab = c.vocab;
+  SPECACHE_ASSIGN_OR_RETURN(embedding_, Allocate<Half>(vocab * d, &allocations_));
+  weight_bytes_ += int64_t(vocab * d * sizeof(Half));
+  if (tied_head) {
+    lm_head_ = embedding_;
+  } else {
+    SPECACHE_ASSIGN_OR_RETURN(lm_head_, Allocate<Half>(vocab * d, &allocations_));
+    weight_bytes_ += int64_t(vocab * d * sizeof(Half));
+  }
+  SPECACHE_ASSIGN_OR_RETURN(output_norm_, Allocate<float>(d, &allocations_));
+  SPECACHE_ASSIGN_OR_RETURN(inv_freq_, Allocate<float>(c.head_dim / 2, &allocations_));
+  weight_bytes_ += int64_t(d * sizeof(float));
+  layers_.resize(c.n_layers);
+  for (Layer& l : layers_) {
+    SPECACHE_ASSIGN_OR_RETURN(l.attn_norm, Allocate<float>(d, &allocations_));
+    SPECACHE_ASSIGN_OR_RETURN(l.ffn_norm, Allocate<float>(d, &allocations_));
+    SPECACHE_ASSIGN_OR_RETURN(l.wqkv, Allocate<Half>(qkv * d, &allocations_));
+    SPECACHE_ASSIGN_OR_RETURN(l.wo, Allocate<Half>(d * qw, &allocations_));
+    SPECACHE_ASSIGN_OR_RETURN(l.wgate_up, Allocate<Half>(2 * ff * d, &allocations_));
+    SPECACHE_ASSIGN_OR_RETURN(l.wdown, Allocate<Half>(d * ff, &allocations_));
+    weight_bytes_ += int64_t(2 * d * sizeof(float) + (qkv * d + d * qw + 3 * ff * d) * sizeof(Half));
+  }
+  std::vector<float> inv_freq;
+  for (int i = 0; i < c.head_dim / 2; ++i) {
+    inv_freq.push_back(static_cast<float>(std::pow(double{c.rope_theta}, -2.0 * i / c.head_dim)));
+  }
+  return Cuda(cudaMemcpy(inv_freq_, inv_freq.data(), inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice),
+              "RoPE frequencies");
+}
+
+GpuLlama::~GpuLlama() {
+  if (stream_) cudaStreamSynchronize(Stream(stream_));
+  for (void* p : activations_) cudaFree(p);
+  for (void* p : allocations_) cudaFree(p);
+  if (blas_) cublasDestroy(Blas(blas_));
+  if (own_stream_) cudaStreamDestroy(Stream(stream_));
+}
+
+Result<std::unique_ptr<GpuLlama>> GpuLlama::FromModel(const LlamaModel& model, void* stream) {
+  std::unique_ptr<GpuLlama> m(new GpuLlama());
+  const bool tied = &model.lm_head() == &model.embedding();
+  SPECACHE_RETURN_IF_ERROR(m->Init(model.config(), stream, tied));
+  // One staging buffer of fp16, reused tensor by tensor (the copies are synchronous).
+  std::vector<Half> staged;
+  auto upload = [&](const std::vector<float>& src, Half* dst, const char* what) -> Status {
+    staged.resize(src.size());
+    for (size_t i = 0; i < src.size(); ++i) staged[i] = ::specache::FloatToHalf(src[i]);
+    return Cuda(cudaMemcpy(dst, staged.data(), staged.size() * sizeof(Half), cudaMemcpyHostToDevice), what);
+  };
+  auto upload_float = [&](const std::vector<float>& src, float* dst, const char* what) -> Status {
+    return Cuda(cudaMemcpy(dst, src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice), what);
+  };
+  SPECACHE_RETURN_IF_ERROR(upload(model.embedding(), m->embedding_, "embedding"));
+  if (!tied) SPECACHE_RETURN_IF_ERROR(upload(model.lm_head(), m->lm_head_, "LM head"));
+  SPECACHE_RETURN_IF_ERROR(upload_float(model.output_norm(), m->output_norm_, "output norm"));
+  SPECACHE_RETURN_IF_ERROR(upload_float(model.rope_inv_freq(), m->inv_freq_, "RoPE frequencies"));
+  for (int l = 0; l < model.config().n_layers; ++l) {
+    const LlamaModel::Layer& src = model.layer(l);
+    Layer& dst = m->layers_[l];
+    SPECACHE_RETURN_IF_ERROR(upload_float(src.attn_norm, dst.attn_norm, "attn_norm"));
+    SPECACHE_RETURN_IF_ERROR(upload_float(src.ffn_norm, dst.ffn_norm, "ffn_norm"));
+    SPECACHE_RETURN_IF_ERROR(upload(src.wqkv, dst.wqkv, "wqkv"));
+    SPECACHE_RETURN_IF_ERROR(upload(src.wo, dst.wo, "wo"));
+    SPECACHE_RETURN_IF_ERROR(upload(src.wgate_up, dst.wgate_up, "wgate_up"));
+    SPECACHE_RETURN_IF_ERROR(upload(src.wdown, dst.wdown, "wdown"));
+  }
+  return m;
+}
+
+Result<std::unique_ptr<GpuLlama>> GpuLlama::Random(const LlamaConfig& c, uint32_t seed, bool tied_head, void* stream) {
+  std::unique_ptr<GpuLlama> m(new GpuLlama());
+  SPECACHE_RETURN_IF_ERROR(m->Init(c, stream, tied_head));
+  const int64_t d = c.d_model, qkv = int64_t(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, qw = int64_t(c.n_heads) * c.head_dim;
+  const int64_t ff = c.d_ff, vocab = c.vocab;
+  constexpr float kScale = 0.02f;
+  void* s = m->stream_;
+  Fill(m->embedding_, vocab * d, seed, kScale, s);
+  if (!tied_head) Fill(m->lm_head_, vocab * d, seed + 1, kScale, s);
+  Set(m->output_norm_, d, 1.0f, s);
+  for (int l = 0; l < c.n_layers; ++l) {
+    Layer& w = m->layers_[l];
+    const uint32_t base = seed + 16 * (l + 1);
+    Set(w.attn_norm, d, 1.0f, s);
+    Set(w.ffn_norm, d, 1.0f, s);
+    Fill(w.wqkv, qkv * d, base + 1, kScale, s);
+    Fill(w.wo, d * qw, base + 2, kScale, s);
+    Fill(w.wgate_up, 2 * ff * d, base + 3, kScale, s);
+    Fill(w.wdown, d * ff, base + 4, kScale, s);
+  }
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(s)), "random weights"));
+  return m;
+}
+
+int64_t GpuLlama::workspace_bytes() const { return activation_bytes_; }
+
+Status GpuLlama::Reserve(int rows) {
+  if (rows <= rows_) return Status::Ok();
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(stream_)), "model stream"));
+  for (void* p : activations_) cudaFree(p);
+  activations_.clear();
+  rows_ = 0;
+  const size_t n = rows, d = c_.d_model, qw = size_t(c_.n_heads) * c_.head_dim, kw = size_t(c_.n_kv_heads) * c_.head_dim;
+  const size_t ff = c_.d_ff;
+  SPECACHE_ASSIGN_OR_RETURN(x_, Allocate<float>(n * d, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(q_, Allocate<float>(n * qw, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(k_, Allocate<float>(n * kw, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(v_, Allocate<float>(n * kw, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(attn_, Allocate<float>(n * qw, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(qkv_, Allocate<float>(n * (qw + 2 * kw), &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(gate_up_, Allocate<float>(n * 2 * ff, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(normed_, Allocate<Half>(n * std::max(d, qw), &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(attn_h_, Allocate<Half>(n * qw, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(act_, Allocate<Half>(n * ff, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(tokens_, Allocate<int32_t>(n, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(positions_, Allocate<int32_t>(n, &activations_));
+  SPECACHE_ASSIGN_OR_RETURN(argmax_, Allocate<int32_t>(n, &activations_));
+  // Decode needs logits for every row; a long prefill only for its last one.
+  const size_t logit_rows = std::min<size_t>(n, kMaxLogitRows);
+  SPECACHE_ASSIGN_OR_RETURN(logits_, Allocate<float>(logit_rows * c_.vocab, &activations_));
+  activation_bytes_ = int64_t(n * (d + 2 * qw + 2 * kw + qw + 2 * kw + 2 * ff) * sizeof(float) +
+                              n * (std::max(d, qw) + qw + ff) * sizeof(Half) + 3 * n * sizeof(int32_t) +
+                              logit_rows * c_.vocab * sizeof(float));
+  rows_ = rows;
+  return Status::Ok();
+}
+
+Status GpuLlama::Gemm(const Half* x, int n, int in, const Half* w, int out, float* y, bool accumulate) {
+  // Row-major y[n][out] is column-major y^T[out][n] = W x^T: W[out][in] row-major is a
+  // column-major [in][out] matrix, used transposed.
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const cublasStatus_t s = cublasGemmEx(Blas(blas_), CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, CUDA_R_16F, in, x,
+                                        CUDA_R_16F, in, &beta, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS) return Status::Internal("cublasGemmEx failed: status " + std::to_string(int(s)));
+  return Status::Ok();
+}
+
+Status GpuLlama::Embed(const int32_t* device_tokens, int n) {
+  if (n > rows_) return Status::InvalidArgument("Embed of " + std::to_string(n) + " rows; Reserve(" + std::to_string(n) + ") first");
+  EmbedRows(embedding_, device_tokens, n, c_.d_model, x_, stream_);
+  return Cuda(cudaGetLastError(), "embedding");
+}
+
+Status GpuLlama::ProjectQkv(int layer, int n, const int32_t* device_positions) {
+  if (layer < 0 || layer >= c_.n_layers) return Status::OutOfRange("layer " + std::to_string(layer));
+  if (n > rows_) return Status::InvalidArgument("ProjectQkv of more rows than reserved");
+  const Layer& w = layers_[layer];
+  const int width = (c_.n_heads + 2 * c_.n_kv_heads) * c_.head_dim;
+  RmsNormToHalf(x_, n, c_.d_model, w.attn_norm, c_.rms_eps, normed_, stream_);
+  SPECACHE_RETURN_IF_ERROR(Gemm(normed_, n, c_.d_model, w.wqkv, width, qkv_, false));
+  SplitQkvRope(qkv_, n, c_.n_heads, c_.n_kv_heads, c_.head_dim, device_positions, inv_freq_, q_, k_, v_, stream_);
+  return Cuda(cudaGetLastError(), "projections");
+}
+
+Status GpuLlama::FinishLayer(int layer, int n) {
+  if (layer < 0 || layer >= c_.n_layers) return Status::OutOfRange("layer " + std::to_string(layer));
+  if (n > rows_) return Status::InvalidArgument("FinishLayer of more rows than reserved");
+  const Layer& w = layers_[layer];
+  const int qw = c_.n_heads * c_.head_dim;
+  FloatToHalf(attn_, attn_h_, int64_t{n} * qw, stream_);
+  SPECACHE_RETURN_IF_ERROR(Gemm(attn_h_, n, qw, w.wo, c_.d_model, x_, /*accumulate=*/true));
+  RmsNormToHalf(x_, n, c_.d_model, w.ffn_norm, c_.rms_eps, normed_, stream_);
+  SPECACHE_RETURN_IF_ERROR(Gemm(normed_, n, c_.d_model, w.wgate_up, 2 * c_.d_ff, gate_up_, false));
+  SiluMul(gate_up_, act_, n, c_.d_ff, stream_);
+  SPECACHE_RETURN_IF_ERROR(Gemm(act_, n, c_.d_ff, w.wdown, c_.d_model, x_, /*accumulate=*/true));
+  return Cuda(cudaGetLastError(), "layer output");
+}
+
+Status GpuLlama::Logits(int first_row, int n) {
+  if (first_row < 0 || first_row + n > rows_ || n > std::min(rows_, kMaxLogitRows)) {
+    return Status::InvalidArgument("Logits rows out of the reserved range");
+  }
+  RmsNormToHalf(x_ + size_t(first_row) * c_.d_model, n, c_.d_model, output_norm_, c_.rms_eps, normed_, stream_);
+  SPECACHE_RETURN_IF_ERROR(Gemm(normed_, n, c_.d_model, lm_head_, c_.vocab, logits_, false));
+  return Cuda(cudaGetLastError(), "logits");
+}
+
+Status GpuLlama::Argmax(int n) {
+  if (n > std::min(rows_, kMaxLogitRows)) return Status::InvalidArgument("Argmax of more rows than logits");
+  ArgmaxRows(logits_, n, c_.vocab, argmax_, stream_);
+  return Cuda(cudaGetLastError(), "argmax");
+}
+
+}  // namespace specache::gpu

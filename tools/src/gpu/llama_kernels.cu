@@ -1,0 +1,199 @@
+#include "llama_kernels.h"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+
+namespace specache::gpu {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ float Uniform(uint64_t i, uint32_t seed) {  // splitmix-style hash to [-1, 1)
+  uint64_t z = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) / static_cast<float>(1ull << 23) - 1.0f;
+}
+
+#define GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < (n); i += int64_t{gridDim.x} * blockDim.x)
+
+__global__ void FillHalfKernel(__half* out, int64_t n, uint32_t seed, float scale) {
+  GRID_STRIDE(i, n) out[i] = __float2half_rn(scale * Uniform(static_cast<uint64_t>(i), seed));
+}
+__global__ void FillFloatKernel(float* out, int64_t n, uint32_t seed, float scale) {
+  GRID_STRIDE(i, n) out[i] = scale * Uniform(static_cast<uint64_t>(i), seed);
+}
+__global__ void FillTokensKernel(int32_t* out, int64_t n, uint32_t seed, int32_t vocab) {
+  GRID_STRIDE(i, n) {
+    const float u = 0.5f * (Uniform(static_cast<uint64_t>(i), seed) + 1.0f);  // [0, 1)
+    out[i] = min(static_cast<int32_t>(u * vocab), vocab - 1);
+  }
+}
+__global__ void SetKernel(float* out, int64_t n, float value) {
+  GRID_STRIDE(i, n) out[i] = value;
+}
+__global__ void ToHalfKernel(const float* in, __half* out, int64_t n) {
+  GRID_STRIDE(i, n) out[i] = __float2half_rn(in[i]);
+}
+template <typename T>
+__device__ float ToFloat(T v);
+template <>
+__device__ float ToFloat<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ float ToFloat<float>(float v) { return v; }
+
+template <typename T>
+__global__ void SiluMulKernel(const T* gate_up, __half* out, int rows, int ffn) {
+  const int64_t n = int64_t{rows} * ffn;
+  GRID_STRIDE(i, n) {
+    const int64_t r = i / ffn, c = i % ffn;
+    const float g = ToFloat(gate_up[r * 2 * ffn + c]), u = ToFloat(gate_up[r * 2 * ffn + ffn + c]);
+    out[i] = __float2half_rn(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+__global__ void EmbedKernel(const __half* table, const int32_t* tokens, int n, int d, float* x) {
+  const int64_t total = int64_t{n} * d;
+  GRID_STRIDE(i, total) {
+    const int64_t row = i / d, c = i % d;
+    x[i] = __half2float(table[int64_t{tokens[row]} * d + c]);
+  }
+}
+
+// Sum of `v` over the block (kThreads threads); every thread gets it.
+__device__ float BlockSum(float v, float* shared) {
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float total = 0;
+  for (int w = 0; w < kThreads / 32; ++w) total += shared[w];
+  __syncthreads();
+  return total;
+}
+
+__global__ void RmsNormKernel(const float* x, int d, const float* weight, float eps, __half* out) {
+  __shared__ float shared[kThreads / 32];
+  const float* row = x + int64_t{blockIdx.x} * d;
+  float ss = 0;
+  for (int c = threadIdx.x; c < d; c += kThreads) ss += row[c] * row[c];
+  ss = BlockSum(ss, shared);
+  const float inv = rsqrtf(ss / d + eps);
+  __half* o = out + int64_t{blockIdx.x} * d;
+  for (int c = threadIdx.x; c < d; c += kThreads) o[c] = __float2half_rn(row[c] * inv * weight[c]);
+}
+
+// One thread per (row, head, pair) of q and k; v rows copied by the same threads.
+__global__ void SplitQkvRopeKernel(const float* qkv, int n, int n_heads, int n_kv, int hd, const int32_t* positions,
+                                   const float* inv_freq, float* q, float* k, float* v) {
+  const int pairs = hd / 2, heads = n_heads + 2 * n_kv, width = heads * hd;
+  const int64_t total = int64_t{n} * heads * pairs;
+  GRID_STRIDE(i, total) {
+    const int64_t row = i / (int64_t{heads} * pairs);
+    const int head = static_cast<int>(i / pairs % heads), p = static_cast<int>(i % pairs);
+    const float* src = qkv + row * width + int64_t{head} * hd + 2 * p;
+    float a = src[0], b = src[1];
+    float* dst;
+    if (head < n_heads + n_kv) {
+      const double angle = double{inv_freq[p]} * positions[row];
+      const float cs = static_cast<float>(cos(angle)), sn = static_cast<float>(sin(angle));
+      const float ra = a * cs - b * sn, rb = a * sn + b * cs;
+      a = ra;
+      b = rb;
+      dst = head < n_heads ? q + (row * n_heads + head) * hd : k + (row * n_kv + head - n_heads) * hd;
+    } else {
+      dst = v + (row * n_kv + head - n_heads - n_kv) * hd;
+    }
+    dst[2 * p] = a;
+    dst[2 * p + 1] = b;
+  }
+}
+
+__global__ void ArgmaxKernel(const float* logits, int vocab, int32_t* out) {
+  __shared__ float best_v[kThreads];
+  __shared__ int32_t best_i[kThreads];
+  const float* row = logits + int64_t{blockIdx.x} * vocab;
+  float bv = -FLT_MAX;
+  int32_t bi = vocab;
+  for (int c = threadIdx.x; c < vocab; c += kThreads) {
+    const float x = row[c];
+    if (x > bv) {  // strided ascending: the first maximum of this thread's columns
+      bv = x;
+      bi = c;
+    }
+  }
+  best_v[threadIdx.x] = bv;
+  best_i[threadIdx.x] = bi;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s /= 2) {
+    if (threadIdx.x < s) {
+      const float ov = best_v[threadIdx.x + s];
+      const int32_t oi = best_i[threadIdx.x + s];
+      if (ov > best_v[threadIdx.x] || (ov == best_v[threadIdx.x] && oi < best_i[threadIdx.x])) {
+        best_v[threadIdx.x] = ov;
+        best_i[threadIdx.x] = oi;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] < vocab ? best_i[0] : 0;
+}
+
+__global__ void HoldKernel(uint64_t nanoseconds) {
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < nanoseconds);
+}
+
+cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+int Blocks(int64_t n) { return static_cast<int>(n / kThreads + 1 < 4096 ? n / kThreads + 1 : 4096); }
+
+}  // namespace
+
+void Fill(Half* p, int64_t n, uint32_t seed, float scale, void* stream) {
+  FillHalfKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(reinterpret_cast<__half*>(p), n, seed, scale);
+}
+void Fill(float* p, int64_t n, uint32_t seed, float scale, void* stream) {
+  FillFloatKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(p, n, seed, scale);
+}
+void FillTokens(int32_t* p, int64_t n, uint32_t seed, int32_t vocab, void* stream) {
+  FillTokensKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(p, n, seed, vocab);
+}
+void Set(float* p, int64_t n, float value, void* stream) { SetKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(p, n, value); }
+void FloatToHalf(const float* in, Half* out, int64_t n, void* stream) {
+  ToHalfKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(in, reinterpret_cast<__half*>(out), n);
+}
+void SiluMul(const Half* gate_up, Half* out, int rows, int ffn, void* stream) {
+  SiluMulKernel<<<Blocks(int64_t{rows} * ffn), kThreads, 0, S(stream)>>>(
+      reinterpret_cast<const __half*>(gate_up), reinterpret_cast<__half*>(out), rows, ffn);
+}
+void SiluMul(const float* gate_up, Half* out, int rows, int ffn, void* stream) {
+  SiluMulKernel<<<Blocks(int64_t{rows} * ffn), kThreads, 0, S(stream)>>>(gate_up, reinterpret_cast<__half*>(out), rows,
+                                                                         ffn);
+}
+void EmbedRows(const Half* table, const int32_t* tokens, int n, int d, float* x, void* stream) {
+  EmbedKernel<<<Blocks(int64_t{n} * d), kThreads, 0, S(stream)>>>(reinterpret_cast<const __half*>(table), tokens, n, d,
+                                                                  x);
+}
+void RmsNormToHalf(const float* x, int n, int d, const float* weight, float eps, Half* out, void* stream) {
+  if (n > 0) RmsNormKernel<<<n, kThreads, 0, S(stream)>>>(x, d, weight, eps, reinterpret_cast<__half*>(out));
+}
+void SplitQkvRope(const float* qkv, int n, int n_heads, int n_kv, int hd, const int32_t* positions,
+                  const float* inv_freq, float* q, float* k, float* v, void* stream) {
+  const int64_t total = int64_t{n} * (n_heads + 2 * n_kv) * (hd / 2);
+  SplitQkvRopeKernel<<<Blocks(total), kThreads, 0, S(stream)>>>(qkv, n, n_heads, n_kv, hd, positions, inv_freq, q, k,
+                                                                v);
+}
+void ArgmaxRows(const float* logits, int n, int vocab, int32_t* out, void* stream) {
+  if (n > 0) ArgmaxKernel<<<n, kThreads, 0, S(stream)>>>(logits, vocab, out);
+}
+void Hold(int microseconds, void* stream) { HoldKernel<<<1, 1, 0, S(stream)>>>(uint64_t(microseconds) * 1000); }
+
+}  // namespace specache::gpu

@@ -1,0 +1,416 @@
+#include "throughput_bench.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "llama_kernels.h"
+#include "offload_agent.h"
+#include "specache/agent.h"
+#include "specache/cuda_topk.h"
+#include "specache/device_probe.h"
+#include "specache/gpu_engine.h"
+#include "specache/gpu_llama.h"
+#include "specache/in_memory_source.h"
+
+namespace specache::run {
+namespace {
+
+using gpu::GpuEngine;
+using gpu::GpuLlama;
+
+Status Cuda(cudaError_t e, const std::string& what) {
+  if (e == cudaSuccess) return Status::Ok();
+  if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": " + cudaGetErrorString(e));
+  return Status::Unavailable(what + ": " + cudaGetErrorString(e));
+}
+
+// /proc/meminfo or /proc/self/status field in bytes (their figures are kB); 0 when absent.
+int64_t ProcBytes(const char* file, const std::string& key) {
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) {
+      std::istringstream s(line.substr(key.size() + 1));
+      int64_t kb = 0;
+      s >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+int64_t DeviceFree() {
+  size_t free = 0, total = 0;
+  return cudaMemGetInfo(&free, &total) == cudaSuccess ? static_cast<int64_t>(free) : 0;
+}
+
+template <typename T>
+struct DeviceArray {
+  T* p = nullptr;
+  explicit DeviceArray(size_t n) {
+    if (cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p = nullptr;
+  }
+  ~DeviceArray() { cudaFree(p); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+};
+
+struct Run {
+  int batch = 0;
+  int64_t device_used = 0;  // device bytes this process holds (weights included), after the steps
+  double tokens_per_s = 0, ms_step = 0;
+  gpu::PhaseTimes phases;   // per step
+  double fetched_bytes_per_token = 0;
+  AgentStats stats;
+  int64_t host_rss = 0;
+};
+
+class Bench {
+ public:
+  Bench(const ThroughputOptions& o, GpuLlama* model, int64_t baseline_free)
+      : o_(o), model_(model), baseline_free_(baseline_free) {}
+
+  int64_t Fp16BytesPerSequence(int context) const {
+    const LlamaConfig& c = model_->config();
+    return int64_t{context} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
+  }
+
+  Result<KvConfig> Config(const std::string& mode) const {
+    KvConfig k;
+    k.key_bits = k.value_bits = o_.bits;
+    k.group_size = o_.group;
+    k.residual_tokens = o_.residual;
+    k.top_k = o_.topk;
+    if (mode == "fp16") {
+      k.mode = KvMode::kFull;
+    } else if (mode == "full-offload") {
+      k.mode = KvMode::kFull;
+    } else {
+      SPECACHE_ASSIGN_OR_RETURN(k.mode, ParseKvMode(mode));
+      if (k.mode == KvMode::kFull) return Status::InvalidArgument("the full-KV mode is called fp16 here");
+    }
+    return k;
+  }
+
+  // Prefills `batch` sequences of `context` random K/V tokens, then decodes: `steps` timed steps
+  // and as many with phase timing (none of either for a probe, which runs one step).
+  Result<Run> RunMode(const std::string& mode, int batch, int context, bool probe) {
+    const LlamaConfig& c = model_->config();
+    const ModelShape shape = model_->shape();
+    SPECACHE_ASSIGN_OR_RETURN(KvConfig config, Config(mode));
+    const int warm = probe ? 1 : 2, steps = probe ? 0 : o_.steps;
+    const int capacity = context + 2 * (warm + steps) + 8;
+    // The full precision in process memory, in large slabs (each is registered with the GPU).
+    auto source = std::make_unique<InMemorySource>(64, size_t{256} << 20);
+    std::unique_ptr<Agent> agent;
+    if (mode == "full-offload") {
+      SPECACHE_ASSIGN_OR_RETURN(agent, gpu::CreateOffloadAgent(shape, {capacity, model_->stream()}));
+    } else {
+      CudaAgentOptions options;
+      options.capacity_tokens = capacity;
+      options.stream = model_->stream();
+      SPECACHE_ASSIGN_OR_RETURN(agent, CreateCudaAgent(shape, config, source.get(), options));
+    }
+    std::vector<SequenceId> ids;
+    for (int s = 0; s < batch; ++s) {
+      ids.push_back(static_cast<SequenceId>(s + 1));
+      SPECACHE_RETURN_IF_ERROR(agent->AddSequence(ids.back()));
+    }
+    {  // store-only prefill of random K/V, a sequence at a time
+      const size_t kv = size_t(context) * c.n_kv_heads * c.head_dim;
+      DeviceArray<float> k(kv), v(kv);
+      if (!k.p || !v.p) return Status::ResourceExhausted("prefill buffers");
+      const int32_t offsets[] = {0, context};
+      for (int l = 0; l < c.n_layers; ++l) {
+        for (int s = 0; s < batch; ++s) {
+          gpu::Fill(k.p, int64_t(kv), 1000u + 97u * l + 7919u * s, 2.0f, model_->stream());
+          gpu::Fill(v.p, int64_t(kv), 2000u + 89u * l + 7919u * s, 1.0f, model_->stream());
+          PrefillBatch b{std::span<const SequenceId>(&ids[s], 1), offsets, nullptr, k.p, v.p, nullptr};
+          SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, b));
+        }
+      }
+      SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(model_->stream())), "prefill"));
+    }
+    GpuEngine engine(model_, agent.get());
+    std::vector<int32_t> lengths(batch, context), tokens(batch);
+    for (int s = 0; s < batch; ++s) tokens[s] = static_cast<int32_t>((7919u * (s + 1)) % uint32_t(c.vocab));
+    SPECACHE_RETURN_IF_ERROR(engine.Start(ids, lengths, tokens));
+    for (int i = 0; i < warm; ++i) {
+      SPECACHE_ASSIGN_OR_RETURN(tokens, engine.Step(tokens));
+    }
+    Run run;
+    run.batch = batch;
+    if (steps > 0) {
+      const AgentStats before = agent->stats();
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < steps; ++i) {
+        SPECACHE_ASSIGN_OR_RETURN(tokens, engine.Step(tokens));
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const AgentStats after = agent->stats();
+      run.ms_step = 1e3 * seconds / steps;
+      run.tokens_per_s = double(batch) * steps / seconds;
+      run.fetched_bytes_per_token = double(after.bytes_fetched - before.bytes_fetched) / (double(batch) * steps);
+      engine.set_phase_timing(true);
+      for (int i = 0; i < steps; ++i) {
+        SPECACHE_ASSIGN_OR_RETURN(tokens, engine.Step(tokens));
+      }
+      const gpu::PhaseTimes& p = engine.phase_times();
+      run.phases.gemm_ms = p.gemm_ms / p.steps;
+      run.phases.attention_ms = p.attention_ms / p.steps;
+      run.phases.fetch_wait_ms = p.fetch_wait_ms / p.steps;
+      run.phases.steps = p.steps;
+    }
+    run.stats = agent->stats();
+    run.device_used = baseline_free_ - DeviceFree();
+    run.host_rss = ProcBytes("/proc/self/status", "VmRSS");
+    return run;
+  }
+
+  // Milliseconds per step of the top-k alone: one SelectTopKBatch per layer over batch x KV-head
+  // segments of `context` candidates (random scores), as the speculative modes run it.
+  Result<double> TopKMs(int batch, int context) {
+    const LlamaConfig& c = model_->config();
+    const int group = c.n_heads / c.n_kv_heads, segments = batch * c.n_kv_heads;
+    DeviceArray<float> probs(size_t(segments) * group * context), scratch(size_t(segments) * context);
+    DeviceArray<int32_t> selected(size_t(segments) * o_.topk);
+    if (!probs.p || !scratch.p || !selected.p) return Status::ResourceExhausted("top-k buffers");
+    void* s = model_->stream();
+    gpu::Fill(probs.p, int64_t(segments) * group * context, 5, 1.0f, s);
+    std::vector<cuda::TopKSegment> segs;
+    for (int i = 0; i < segments; ++i) {
+      segs.push_back({probs.p + size_t(i) * group * context, selected.p + size_t(i) * o_.topk,
+                      scratch.p + size_t(i) * context, context, nullptr});
+    }
+    auto layers = [&]() -> Status {
+      for (int l = 0; l < c.n_layers; ++l) {
+        SPECACHE_RETURN_IF_ERROR(
+            cuda::SelectTopKBatch(segs.data(), segments, group, o_.topk, GroupReduction::kMean, s));
+      }
+      return Status::Ok();
+    };
+    SPECACHE_RETURN_IF_ERROR(layers());  // warm-up
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    cudaEventRecord(a, static_cast<cudaStream_t>(s));
+    const Status timed = layers();
+    cudaEventRecord(b, static_cast<cudaStream_t>(s));
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    SPECACHE_RETURN_IF_ERROR(timed);
+    return double{ms};
+  }
+
+  // PyTorch SDPA's fp16 step at this batch and context (tools/bench/fp16_baseline.py).
+  nlohmann::json Sdpa(int batch, int context) {
+    const std::string cmd = o_.python + " " + o_.sdpa_script + " --batches " + std::to_string(batch) + " --contexts " +
+                            std::to_string(context) + " --prefill '' --steps 10 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    if (!p) return {{"error", "cannot run " + cmd}};
+    std::string out;
+    char buf[4096];
+    while (size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+    const int rc = pclose(p);
+    std::istringstream lines(out);
+    std::string line;
+    while (std::getline(lines, line)) {
+      if (line.empty() || line[0] != '{') continue;
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.value("suite", "") == "fp16_decode") return j;
+    }
+    return {{"error", "exit status " + std::to_string(rc) + ": " + out.substr(out.size() > 400 ? out.size() - 400 : 0)}};
+  }
+
+  Result<nlohmann::json> Measure(const std::string& mode, int context, int64_t mem_available) {
+    nlohmann::json j{{"context", context}, {"mode", mode}, {"budget_bytes", o_.gpu_budget_bytes}};
+    if (mode != "fp16" && mode != "full-offload") {
+      j["bits"] = o_.bits;
+      j["group"] = o_.group;
+      j["residual"] = o_.residual;
+      if (mode != "kivi") j["topk"] = o_.topk;
+    }
+    const int64_t budget = static_cast<int64_t>(o_.gpu_budget_bytes);
+    SPECACHE_ASSIGN_OR_RETURN(Run one, RunMode(mode, 1, context, true));
+    if (one.device_used > budget) {
+      j["batch"] = 0;
+      j["note"] = "one sequence does not fit the budget";
+      j["device_bytes_used"] = one.device_used;
+      return j;
+    }
+    // The agent's block pool grows by slabs: a probe of 4 sequences spreads a slab's step over 3.
+    int probe = 4;
+    auto more = RunMode(mode, probe, context, true);
+    if (!more.ok() || more->device_used > budget) {
+      probe = 2;
+      more = RunMode(mode, probe, context, true);
+    }
+    SPECACHE_RETURN_IF_ERROR(more.status());
+    const int64_t per_sequence = std::max<int64_t>((more->device_used - one.device_used) / (probe - 1), 1);
+    const int gpu_limit = static_cast<int>(std::min<int64_t>(1 + (budget - one.device_used) / per_sequence, 1 << 20));
+    const int64_t host_per_sequence = Fp16BytesPerSequence(context + 2 * (2 + o_.steps) + 8);
+    const int64_t host_room = static_cast<int64_t>(o_.host_ram_fraction * double(mem_available)) -
+                              ProcBytes("/proc/self/status", "VmRSS");
+    const int host_limit = static_cast<int>(std::max<int64_t>(host_room / host_per_sequence, 0));
+    int batch = std::min({gpu_limit, host_limit, o_.max_batch});
+    j["device_bytes_fixed"] = one.device_used - per_sequence;
+    j["device_bytes_per_sequence"] = per_sequence;
+    j["batch_gpu_limit"] = gpu_limit;
+    j["batch_host_ram_limit"] = host_limit;
+    j["capped_by"] = batch == gpu_limit ? "gpu budget" : batch == host_limit ? "host RAM" : "--max-batch";
+    if (batch < 1) {
+      j["batch"] = 0;
+      j["note"] = "no sequence fits the host RAM";
+      return j;
+    }
+    Run run;
+    for (int attempt = 0;; ++attempt) {
+      auto r = RunMode(mode, batch, context, false);
+      if (r.ok() && (r->device_used <= budget || batch == 1 || attempt == 3)) {
+        run = *r;
+        break;
+      }
+      if (!r.ok() && (r.status().code() != StatusCode::kResourceExhausted || batch == 1 || attempt == 3)) {
+        return r.status().WithContext(mode + " at " + std::to_string(batch) + " x " + std::to_string(context));
+      }
+      // Over the budget (or out of memory): shrink by what the excess costs and run again.
+      const int64_t excess = r.ok() ? r->device_used - budget : per_sequence;
+      batch = std::max(1, batch - static_cast<int>((excess + per_sequence - 1) / per_sequence));
+      j["capped_by"] = "gpu budget (measured)";
+    }
+    double topk_ms = 0;
+    if (mode == "specache" || mode == "specache-nonspec") {
+      SPECACHE_ASSIGN_OR_RETURN(topk_ms, TopKMs(run.batch, context));
+    }
+    const int64_t fp16_kv = Fp16BytesPerSequence(context) * run.batch;
+    j["batch"] = run.batch;
+    j["tokens_per_s"] = run.tokens_per_s;
+    j["ms_step"] = run.ms_step;
+    j["ms_gemm"] = run.phases.gemm_ms;
+    j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
+    j["ms_topk"] = topk_ms;
+    j["ms_fetch_wait"] = run.phases.fetch_wait_ms;
+    j["fetched_bytes_per_token"] = run.fetched_bytes_per_token;
+    j["gpu_kv_bytes"] = run.stats.device_bytes_reserved;
+    j["gpu_kv_bytes_in_use"] = run.stats.device_bytes;
+    j["gpu_kv_pool_bytes"] = run.stats.device_pool_bytes;
+    j["gpu_kv_pool_used_bytes"] = run.stats.device_pool_used_bytes;
+    j["fp16_kv_bytes"] = fp16_kv;
+    j["gpu_kv_ratio"] = double(run.stats.device_bytes_reserved) / double(fp16_kv);
+    j["gpu_kv_ratio_in_use"] = double(run.stats.device_bytes) / double(fp16_kv);
+    j["device_bytes_used"] = run.device_used;
+    j["host_rss_bytes"] = run.host_rss;
+    // The script has Llama-3-8B's shapes only.
+    if (mode == "fp16" && !o_.sdpa_script.empty() && o_.shape == "llama3-8b") j["sdpa"] = Sdpa(run.batch, context);
+    return j;
+  }
+
+ private:
+  const ThroughputOptions& o_;
+  GpuLlama* model_;
+  int64_t baseline_free_;
+};
+
+std::string Gb(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", bytes / 1e9);
+  return buf;
+}
+
+void PrintRow(const nlohmann::json& j, double fp16_tokens) {
+  if (j.value("batch", 0) == 0) {
+    std::fprintf(stderr, "%6d %-17s %s\n", j["context"].get<int>(), j["mode"].get<std::string>().c_str(),
+                 j.value("note", "").c_str());
+    return;
+  }
+  const double tok = j["tokens_per_s"].get<double>();
+  std::fprintf(stderr, "%6d %-17s %6d %-12s %9.0f %6.2fx %8.2f %7.2f %7.2f %7.2f %7.2f %10.1f %7.3f %7s %7s\n",
+               j["context"].get<int>(), j["mode"].get<std::string>().c_str(), j["batch"].get<int>(),
+               j["capped_by"].get<std::string>().substr(0, 12).c_str(), tok, fp16_tokens > 0 ? tok / fp16_tokens : 0.0,
+               j["ms_step"].get<double>(), j["ms_gemm"].get<double>(), j["ms_attention"].get<double>(),
+               j["ms_topk"].get<double>(), j["ms_fetch_wait"].get<double>(),
+               j["fetched_bytes_per_token"].get<double>() / 1e3, j["gpu_kv_ratio"].get<double>(),
+               Gb(j["device_bytes_used"].get<double>()).c_str(), Gb(j["host_rss_bytes"].get<double>()).c_str());
+  if (j.contains("sdpa")) {
+    const nlohmann::json& s = j["sdpa"];
+    if (s.contains("tokens_per_s")) {
+      std::fprintf(stderr, "%6s %-17s %6d %-12s %9.0f %6.2fx %8.2f %7.2f %7.2f   (PyTorch SDPA + cuBLAS, same batch)\n",
+                   "", "fp16 (SDPA)", s["batch"].get<int>(), "", s["tokens_per_s"].get<double>(),
+                   s["tokens_per_s"].get<double>() / fp16_tokens, s["ms_step"].get<double>(),
+                   s["ms_gemms_step"].get<double>(), s["ms_attention_step"].get<double>());
+    } else {
+      std::fprintf(stderr, "%6s %-17s SDPA run failed: %s\n", "", "fp16 (SDPA)", s.dump().c_str());
+    }
+  }
+}
+
+}  // namespace
+
+Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& o) {
+  SPECACHE_ASSIGN_OR_RETURN(CudaDeviceInfo device, ProbeCudaDevice());
+  LlamaConfig config;
+  if (o.shape == "llama3-8b") {
+    config = gpu::Llama3_8bConfig();
+  } else if (o.shape == "smollm2") {
+    config = gpu::SmolLm2Config();
+  } else {
+    return Status::InvalidArgument("--shape is llama3-8b or smollm2, not '" + o.shape + "'");
+  }
+  for (const std::string& m : o.modes) {
+    if (m != "fp16" && m != "kivi" && m != "specache" && m != "specache-nonspec" && m != "full-offload") {
+      return Status::InvalidArgument("--kv is fp16, kivi, specache, specache-nonspec or full-offload, not '" + m + "'");
+    }
+  }
+  const int64_t mem_available = ProcBytes("/proc/meminfo", "MemAvailable");
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaFree(nullptr), "CUDA context"));
+  const int64_t baseline_free = DeviceFree();
+  SPECACHE_ASSIGN_OR_RETURN(auto model, GpuLlama::Random(config, 1, /*tied_head=*/o.shape == "smollm2"));
+  Bench bench(o, model.get(), baseline_free);
+  std::fprintf(stderr,
+               "bench: %s shape, RANDOM weights (%.2f GB fp16), %s (%.0f GB), budget %.1f GB, host MemAvailable %.0f GB, "
+               "%d timed steps\n",
+               o.shape.c_str(), model->weight_bytes() / 1e9, device.name.c_str(), device.total_memory_bytes / 1e9,
+               o.gpu_budget_bytes / 1e9, mem_available / 1e9, o.steps);
+  std::fprintf(stderr, "%6s %-17s %6s %-12s %9s %7s %8s %7s %7s %7s %7s %10s %7s %7s %7s\n", "ctx", "mode", "batch",
+               "capped_by", "tok/s", "vs_fp16", "ms_step", "gemm", "attn", "topk", "fetchw", "KB_fetch/t", "kv/fp16",
+               "GPU_GB", "host_GB");
+  std::vector<nlohmann::json> rows;
+  for (int context : o.contexts) {
+    double fp16_tokens = 0;
+    for (const std::string& mode : o.modes) {
+      auto measured = bench.Measure(mode, context, mem_available);
+      // A mode that cannot run (out of pinned host memory, say) is reported in its row; the
+      // others still run.
+      nlohmann::json j = measured.ok() ? *measured
+                                       : nlohmann::json{{"context", context}, {"mode", mode}, {"batch", 0},
+                                                        {"note", "failed: " + measured.status().ToString()}};
+      j["shape"] = o.shape;
+      j["weights"] = "random";
+      j["device"] = device.name;
+      j["host_mem_available_bytes"] = mem_available;
+      j["weight_bytes"] = model->weight_bytes();
+      if (mode == "fp16" && j.value("batch", 0) > 0) fp16_tokens = j["tokens_per_s"].get<double>();
+      if (fp16_tokens > 0 && j.contains("tokens_per_s")) j["speedup_vs_fp16"] = j["tokens_per_s"].get<double>() / fp16_tokens;
+      PrintRow(j, fp16_tokens);
+      rows.push_back(std::move(j));
+    }
+  }
+  std::fprintf(stderr,
+               "tok/s: decode tokens per second of the batch (random weights: the figures are speeds, not text). "
+               "ms split per step (GPU time by CUDA events): gemm = norms, projections, MLP, LM head; attn = the agent's "
+               "DecodeLayer less the top-k; topk = the top-k measured alone; fetchw = the stream waiting for prefetched "
+               "rows. kv/fp16 = GPU KV bytes held / fp16 KV bytes of the batch.\n");
+  return rows;
+}
+
+}  // namespace specache::run

@@ -1,0 +1,47 @@
+// specache-run bench: decode throughput of the whole model on the GPU at a fixed GPU memory
+// budget, per KV mode (the paper's throughput table). Random weights of a named shape
+// (llama3-8b or smollm2), every sequence filled with `context` tokens of random K/V (a store-only
+// prefill: the decode step is what is measured), then greedy decode steps of the whole model
+// (GpuLlama + the agent) with only tokens crossing to the host.
+//
+// For each mode the largest batch whose weights + KV state + workspace fit the budget is found
+// from two probe runs (1 and 4 sequences, or 2 when 4 do not fit: the device memory this process
+// holds, measured with cudaMemGetInfo, gives the fixed part and the part per sequence), capped by
+// the host RAM the full-precision KV needs (MemAvailable), then run and measured again (a batch
+// that exceeds the budget is shrunk and run again).
+//
+// Modes: fp16 (the CUDA agent in `full`: the whole fp16 KV on the GPU; PyTorch SDPA's step at the
+// same batch is run next to it by tools/bench/fp16_baseline.py when --sdpa-script is given),
+// kivi, specache, specache-nonspec (the --bits/--group/--residual/--topk options) and
+// full-offload (offload_agent.h: every row fetched from host RAM each step).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "specache/status.h"
+
+namespace specache::run {
+
+struct ThroughputOptions {
+  std::string shape = "llama3-8b";      // llama3-8b or smollm2
+  std::vector<int> contexts{32768};     // tokens per sequence before decoding
+  uint64_t gpu_budget_bytes = uint64_t{48} << 30;
+  std::vector<std::string> modes{"fp16", "kivi", "specache", "specache-nonspec", "full-offload"};
+  int bits = 1, group = 32, residual = 64, topk = 64;
+  int steps = 8;                        // timed decode steps (after 2 warm-up steps)
+  int max_batch = 512;
+  double host_ram_fraction = 0.8;       // of MemAvailable at start, for the full-precision KV
+  std::string sdpa_script;              // tools/bench/fp16_baseline.py; empty: no SDPA row
+  std::string python = "python3";
+};
+
+// Runs every (context, mode); one JSON object per row (see the .cc for the fields), a table on
+// stderr. A mode that fails gets a row with batch 0 and the error in "note". UNAVAILABLE without
+// CUDA or a device.
+Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& options);
+
+}  // namespace specache::run
