@@ -36,6 +36,15 @@ void ReduceGroupScores(const float* probs, int n_heads, int32_t n, GroupReductio
   }
 }
 
+void WithPredecessors(const float* probs, int n_heads, int32_t n, std::vector<float>* out) {
+  out->resize(static_cast<size_t>(n_heads) * n);
+  for (int h = 0; h < n_heads; ++h) {
+    const float* p = probs + static_cast<size_t>(h) * n;
+    float* o = out->data() + static_cast<size_t>(h) * n;
+    for (int32_t j = 0; j < n; ++j) o[j] = j > 0 && !std::isnan(p[j]) && p[j - 1] > p[j] ? p[j - 1] : p[j];
+  }
+}
+
 int32_t BudgetRows(const KvConfig& c, const float* score, int32_t n, std::vector<int32_t>* order) {
   if (!c.adaptive()) return std::min<int32_t>(c.top_k, n);
   const int32_t most = std::min<int32_t>(c.k_max, n);
@@ -65,6 +74,10 @@ void SelectRows(const KvConfig& c, const float* primary_probs, const float* real
   const int32_t extra = std::min<int32_t>(c.extra_rows(), n - rows);
   if (extra <= 0) return;
   // The real row's ranking with the primary rows taken out.
+  if (c.real_next) {
+    WithPredecessors(real_probs, n_heads, n, &scratch->shifted);
+    real_probs = scratch->shifted.data();
+  }
   ReduceGroupScores(real_probs, n_heads, n, c.reduction, &scratch->score);
   for (int32_t t : *tokens) scratch->score[t] = -std::numeric_limits<float>::infinity();
   RankBest(scratch->score.data(), n, rows + extra, &scratch->order);  // holds at most `rows` primary ones

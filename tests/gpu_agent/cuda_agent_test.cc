@@ -102,11 +102,13 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
     SelectFrom select;
     int k, k_real;
     bool resident;
+    bool next = false;
   } rules[] = {
       {"spec resident", KvMode::kSpeCache, SelectFrom::kSpeculative, 16, 0, true},
       {"real", KvMode::kSpeCache, SelectFrom::kReal, 16, 0, false},
       {"union", KvMode::kSpeCache, SelectFrom::kUnion, 16, 8, false},
       {"union resident", KvMode::kSpeCache, SelectFrom::kUnion, 16, 16, true},
+      {"union next", KvMode::kSpeCache, SelectFrom::kUnion, 16, 8, true, true},
       {"union k covers", KvMode::kSpeCache, SelectFrom::kUnion, 200, 200, true},
       {"nonspec resident", KvMode::kSpeCacheNonSpec, SelectFrom::kSpeculative, 16, 0, true},
       {"oracle", KvMode::kSpeCacheOracle, SelectFrom::kSpeculative, 16, 0, false},
@@ -119,6 +121,7 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
     c.select = rule.select;
     c.top_k_real = rule.k_real;
     c.attend_resident = rule.resident;
+    c.real_next = rule.next;
     InMemorySource cpu_source, gpu_source;
     auto cpu = CreateCpuAgent(model.shape(), c, &cpu_source);
     auto gpu = CreateCudaAgent(model.shape(), c, &gpu_source, {4096});
@@ -157,6 +160,7 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
   c.select = SelectFrom::kUnion;
   c.top_k_real = 12;
   c.attend_resident = true;
+  c.real_next = true;
   InMemorySource cpu_source, gpu_source;
   auto cpu = CreateCpuAgent(shape, c, &cpu_source);
   auto gpu = CreateCudaAgent(shape, c, &gpu_source, {1024});

@@ -81,6 +81,29 @@ TEST(SelectionTest, UnionAddsTheRealRowsBestOthers) {
   EXPECT_EQ(got.size(), 20u);
 }
 
+TEST(SelectionTest, RealNextCreditsTheRowAfterEachAttendedRow) {
+  KvConfig c = Config(KvMode::kSpeCache, 1);
+  c.select = SelectFrom::kUnion;
+  c.top_k_real = 2;
+  const float spec[] = {1.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  const float real[] = {0.0f, 0.9f, 0.0f, 0.05f, 0.05f};
+  std::vector<int32_t> got;
+  cpu::SelectionScratch s;
+  cpu::SelectRows(c, spec, real, 1, 5, &got, &s);
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 3}));
+  c.real_next = true;
+  cpu::SelectRows(c, spec, real, 1, 5, &got, &s);
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2}));  // token 2 follows the real row's best
+  std::vector<float> shifted;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float probs[] = {0.5f, nan, 0.1f, 0.2f};
+  cpu::WithPredecessors(probs, 1, 4, &shifted);
+  EXPECT_EQ(shifted[0], 0.5f);
+  EXPECT_TRUE(std::isnan(shifted[1]));
+  EXPECT_EQ(shifted[2], 0.1f);  // a NaN predecessor credits nothing
+  EXPECT_EQ(shifted[3], 0.2f);
+}
+
 TEST(SelectionTest, AdaptiveBudgetTakesRowsUntilTheMassIsReached) {
   KvConfig c = Config(KvMode::kSpeCache, 64);
   c.mass = 0.8;

@@ -45,6 +45,10 @@ Status ApplyModeOption(const std::string& option, KvOptions* o) {
     o->attend_resident = true;
   } else if (key == "no-resident" && value.empty()) {
     o->attend_resident = false;
+  } else if (key == "next" && value.empty()) {
+    o->real_next = true;
+  } else if (key == "no-next" && value.empty()) {
+    o->real_next = false;
   } else if (key == "select") {
     o->select = value;
   } else if (key == "mass") {
@@ -67,7 +71,7 @@ Status ApplyModeOption(const std::string& option, KvOptions* o) {
     SPECACHE_ASSIGN_OR_RETURN(o->cached_rows, ParseCount(key, value));
   } else {
     return Status::InvalidArgument("unknown mode option '" + option +
-                                   "' (select=, topk=, topk-real=, resident, no-resident, mass=, k-min=, k-max=, "
+                                   "' (select=, topk=, topk-real=, next, no-next, resident, no-resident, mass=, k-min=, k-max=, "
                                    "cached-rows=)");
   }
   return Status::Ok();
@@ -113,6 +117,7 @@ Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   c.top_k = o.topk;
   c.cached_rows = o.cached_rows;
   c.top_k_real = o.topk_real;
+  c.real_next = o.real_next;
   c.attend_resident = o.attend_resident;
   c.mass = o.mass;
   c.k_min = o.k_min;
@@ -135,6 +140,7 @@ std::string ModeLabel(const KvConfig& c) {
   const KvConfig& d = *defaults;
   if (c.mode == KvMode::kSpeCache && c.select != d.select) label += "+" + std::string(SelectFromName(c.select));
   if (c.extra_rows() > 0) label += std::to_string(c.extra_rows());
+  if (c.extra_rows() > 0 && c.real_next != d.real_next) label += c.real_next ? "+next" : "+no-next";
   if (c.adaptive()) {
     label += "+mass" + Trimmed(c.mass) + "k" + std::to_string(c.k_min) + "-" + std::to_string(c.k_max);
   } else if (c.top_k != d.top_k || d.adaptive()) {
@@ -231,6 +237,7 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
     j["cached_rows"] = c.cache_rows();
     j["select"] = std::string(SelectFromName(c.select));
     j["topk_real"] = c.extra_rows();
+    j["real_next"] = c.real_next;
     j["attend_resident"] = c.attend_resident;
     j["mass"] = c.mass;
     if (c.adaptive()) {

@@ -44,6 +44,7 @@ struct KvOptions {
   // Row selection (kv_config.h, selection.h).
   std::string select = "spec";   // spec, real, union
   int topk_real = 0;             // union: rows added from the real row; 0: topk
+  bool real_next = false;        // union: the real row's ranking also credits each row's successor
   bool attend_resident = false;  // attend with every row of the row cache
   double mass = 0;               // adaptive budget: attention mass to reach; 0: fixed topk
   int k_min = 16, k_max = 128;   // the adaptive budget's bounds
@@ -53,8 +54,8 @@ struct KvOptions {
 };
 // `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too. Selection
 // options may follow, each after a '/', overriding the command line's for this mode:
-// select=spec|real|union, topk=K, topk-real=K, resident, no-resident, mass=P, k-min=K, k-max=K,
-// cached-rows=N; e.g. "specache:1/select=union/resident".
+// select=spec|real|union, topk=K, topk-real=K, next, no-next, resident, no-resident, mass=P,
+// k-min=K, k-max=K, cached-rows=N; e.g. "specache:1/select=union/resident".
 Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode = "");
 // "full", "kivi-1bit", "specache-2bit", ...; a selection other than the defaults' is appended,
 // e.g. "specache-1bit+union64+resident" (safe in file names).

@@ -38,6 +38,10 @@ void AddSelectionOptions(CLI::App* app, KvOptions* o) {
                   "(the real row), union (spec's top-k plus the real row's best --topk-real others)")
       ->capture_default_str();
   app->add_option("--topk-real", o->topk_real, "rows union adds from the real row (0: --topk)")->capture_default_str();
+  app->add_flag("--real-next,!--no-real-next", o->real_next,
+                "union: the real row's ranking also credits the row after each row it attends to (what copying "
+                "from the context reads next)")
+      ->capture_default_str();
   app->add_flag("--attend-resident,!--no-attend-resident", o->attend_resident,
                 "attend with every full-precision row resident in the row cache, not only the selection")
       ->capture_default_str();
@@ -470,7 +474,8 @@ int main(int argc, char** argv) {
       cmd->add_option("--depths", a->depths, "needle depths in [0, 1]")->delimiter(',')->capture_default_str();
       cmd->add_option("--modes", a->modes,
                       "KV modes as MODE[:BITS][/OPTION...], e.g. full,kivi:1,specache:1,specache:1/select=union/resident "
-                      "(options: select=, topk=, topk-real=, resident, no-resident, mass=, k-min=, k-max=, cached-rows=; "
+                      "(options: select=, topk=, topk-real=, next, no-next, resident, no-resident, mass=, k-min=, k-max=, "
+                      "cached-rows=; "
                       "default: --kv)")
           ->delimiter(',');
       cmd->add_option("--out-dir", a->out_dir, "where niah_grid.json and the PNG heat maps go")->capture_default_str();

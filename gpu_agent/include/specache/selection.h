@@ -8,7 +8,8 @@
 //     candidates' scores, no fewer than k_min and no more than k_max (and never more than n).
 //     The primary row is the speculative row (SelectFrom::kSpeculative and kUnion), or the real
 //     row (kReal, and the modes that select for their own step).
-//   - kUnion adds the real row's best extra_rows() tokens that are not primary.
+//   - kUnion adds the real row's best extra_rows() tokens that are not primary. With real_next,
+//     the real row's per-head probabilities are first replaced by max(p[j], p[j - 1]).
 // Ties go to the lower token. The result is ascending.
 #pragma once
 
@@ -23,7 +24,11 @@ struct SelectionScratch {
   std::vector<float> score;
   std::vector<int32_t> order;
   std::vector<int32_t> extra;
+  std::vector<float> shifted;
 };
+
+// out[h][j] = max(probs[h][j], probs[h][j - 1]) (j > 0; out[h][0] = probs[h][0]); NaN stays NaN.
+void WithPredecessors(const float* probs, int n_heads, int32_t n, std::vector<float>* out);
 
 // Reduced score per token: [n] from [n_heads][n].
 void ReduceGroupScores(const float* probs, int n_heads, int32_t n, GroupReduction reduction, std::vector<float>* score);

@@ -234,6 +234,7 @@ class CudaAgent final : public Agent {
   Buffer<float> q_, out_, scores_, probs_, probs_stats_, topk_scratch_;
   Buffer<float> real_probs_, real_stats_, real_out_;  // kUnion: the real row's ranking
   Buffer<int32_t> union_tokens_;                      // kUnion: [segment][primary | extra]
+  Buffer<float> real_shifted_;                        // kUnion with real_next: [segment][GQA head][n]
   Buffer<int32_t> every_token_;                       // oracle: 0, 1, 2, ... (every quantized token)
   Buffer<Half> every_row_;                            // oracle: every quantized row of the step's items
   Buffer<Half> k_, v_;
@@ -559,17 +560,20 @@ Status CudaAgent::SelectUnion(int layer, const std::vector<int32_t>& candidates)
   const int32_t k = config_.top_k, extra = config_.extra_rows();
   const bool pre_decode = protocol_.kind() == StepKind::kPreDecode;  // one row: primary and real
   const auto& ids = protocol_.ids();
-  size_t scratch = 0, n_union = 0;
+  size_t scratch = 0, n_union = 0, shifted = 0;
   for (int32_t n : candidates) {
     scratch += size_t(n_kv) * std::max(n, 0);
-    if (n > k + extra) ++n_union;
+    if (n > k + extra) ++n_union, shifted += size_t(n_kv) * group * n;
   }
   SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
   SPECACHE_RETURN_IF_ERROR(union_tokens_.Reserve(std::max<size_t>(n_union * n_kv * (k + extra), 1)));
+  if (config_.real_next) SPECACHE_RETURN_IF_ERROR(real_shifted_.Reserve(std::max<size_t>(shifted, 1)));
   std::vector<cuda::TopKSegment> all, primary, others;
   std::vector<cuda::MaskTask> masks;
   std::vector<cuda::MergeTask> merges;
+  std::vector<cuda::ShiftTask> shifts;
   scratch = 0;
+  shifted = 0;
   size_t slot = 0;
   for (size_t s = 0; s < ids.size(); ++s) {
     LayerRows& lr = sequences_.at(ids[s]).layers[layer];
@@ -590,6 +594,12 @@ Status CudaAgent::SelectUnion(int layer, const std::vector<int32_t>& candidates)
       int32_t* mine = union_tokens_.get() + slot;
       slot += k + extra;
       float* real = pre_decode ? probs : RealProbs(s, h, n);
+      if (config_.real_next) {  // ranked on a copy that credits each token with its predecessor
+        float* copy = real_shifted_.get() + shifted;
+        shifted += size_t(group) * n;
+        shifts.push_back({real, copy, n});
+        real = copy;
+      }
       const float* real_stats = pre_decode ? ProbsStats(s, h) : RealStats(s, h);
       primary.push_back({probs, mine, part, n, ProbsStats(s, h)});
       masks.push_back({real, mine, n, k});
@@ -601,6 +611,7 @@ Status CudaAgent::SelectUnion(int layer, const std::vector<int32_t>& candidates)
                                                  config_.reduction, compute_));
   SPECACHE_RETURN_IF_ERROR(cuda::SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k,
                                                  config_.reduction, compute_));
+  SPECACHE_RETURN_IF_ERROR(cuda::WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
   SPECACHE_RETURN_IF_ERROR(cuda::MaskTokens(masks.data(), static_cast<int>(masks.size()), group, compute_));
   SPECACHE_RETURN_IF_ERROR(cuda::SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra,
                                                  config_.reduction, compute_));

@@ -24,6 +24,15 @@ __global__ void MaskKernel(Batch<MaskTask> batch, int n_heads) {
   }
 }
 
+__global__ void ShiftKernel(Batch<ShiftTask> batch, int n_heads) {
+  const ShiftTask& t = batch.tasks[blockIdx.x];
+  for (int64_t i = threadIdx.x; i < int64_t{t.n} * n_heads; i += blockDim.x) {
+    const int32_t j = static_cast<int32_t>(i % t.n);
+    const float own = t.in[i];
+    t.out[i] = j > 0 && !isnan(own) && t.in[i - 1] > own ? t.in[i - 1] : own;
+  }
+}
+
 // Tokens of `list` [0, n) below `token`.
 __device__ int32_t Below(const int32_t* list, int32_t n, int32_t token) {
   int32_t lo = 0, hi = n;
@@ -67,6 +76,13 @@ Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream)
 Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream) {
   return InBatches(tasks, n_tasks, "merge kernel", [&](const Batch<MergeTask>& b) {
     MergeKernel<<<b.count, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
+  });
+}
+
+Status WithPredecessors(const ShiftTask* tasks, int n_tasks, int n_heads, void* stream) {
+  if (n_heads <= 0) return Status::InvalidArgument("shift: n_heads must be positive");
+  return InBatches(tasks, n_tasks, "shift kernel", [&](const Batch<ShiftTask>& b) {
+    ShiftKernel<<<b.count, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b, n_heads);
   });
 }
 
