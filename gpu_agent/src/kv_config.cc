@@ -119,7 +119,8 @@ std::string DescribeKvConfig(const KvConfig& c) {
     s += " cache=" + std::to_string(c.cache_rows()) + " " + std::string(GroupReductionName(c.reduction));
     if (c.mode == KvMode::kSpeCache && c.select != SelectFrom::kSpeculative) {
       s += " select=" + std::string(SelectFromName(c.select));
-      if (c.select == SelectFrom::kUnion) s += "+" + std::to_string(c.extra_rows()) + (c.real_next ? " next" : "");
+      if (c.select == SelectFrom::kUnion) s += "+" + std::to_string(c.extra_rows());
+      if (c.real_next) s += " next";
     }
     if (c.attend_resident) s += " attend-resident";
   }

@@ -66,6 +66,10 @@ void SelectRows(const KvConfig& c, const float* primary_probs, const float* real
                 std::vector<int32_t>* tokens, SelectionScratch* scratch) {
   tokens->clear();
   if (n <= 0) return;
+  if (c.real_next && c.mode == KvMode::kSpeCache && c.select == SelectFrom::kReal) {
+    WithPredecessors(primary_probs, n_heads, n, &scratch->shifted);
+    primary_probs = scratch->shifted.data();
+  }
   ReduceGroupScores(primary_probs, n_heads, n, c.reduction, &scratch->score);
   const int32_t rows = BudgetRows(c, scratch->score.data(), n, &scratch->order);
   RankBest(scratch->score.data(), n, rows, &scratch->order);

@@ -106,6 +106,7 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
   } rules[] = {
       {"spec resident", KvMode::kSpeCache, SelectFrom::kSpeculative, 16, 0, true},
       {"real", KvMode::kSpeCache, SelectFrom::kReal, 16, 0, false},
+      {"real next resident", KvMode::kSpeCache, SelectFrom::kReal, 16, 0, true, true},
       {"union", KvMode::kSpeCache, SelectFrom::kUnion, 16, 8, false},
       {"union resident", KvMode::kSpeCache, SelectFrom::kUnion, 16, 16, true},
       {"union next", KvMode::kSpeCache, SelectFrom::kUnion, 16, 8, true, true},

@@ -94,6 +94,11 @@ TEST(SelectionTest, RealNextCreditsTheRowAfterEachAttendedRow) {
   c.real_next = true;
   cpu::SelectRows(c, spec, real, 1, 5, &got, &s);
   EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2}));  // token 2 follows the real row's best
+  // The same credit on the primary ranking when the real row alone selects.
+  c.select = SelectFrom::kReal;
+  c.top_k = 2;
+  cpu::SelectRows(c, real, real, 1, 5, &got, &s);
+  EXPECT_EQ(got, (std::vector<int32_t>{1, 2}));
   std::vector<float> shifted;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float probs[] = {0.5f, nan, 0.1f, 0.2f};

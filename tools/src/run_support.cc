@@ -140,7 +140,8 @@ std::string ModeLabel(const KvConfig& c) {
   const KvConfig& d = *defaults;
   if (c.mode == KvMode::kSpeCache && c.select != d.select) label += "+" + std::string(SelectFromName(c.select));
   if (c.extra_rows() > 0) label += std::to_string(c.extra_rows());
-  if (c.extra_rows() > 0 && c.real_next != d.real_next) label += c.real_next ? "+next" : "+no-next";
+  const bool ranks_real = c.mode == KvMode::kSpeCache && c.select != SelectFrom::kSpeculative;
+  if (ranks_real && c.real_next != d.real_next) label += c.real_next ? "+next" : "+no-next";
   if (c.adaptive()) {
     label += "+mass" + Trimmed(c.mass) + "k" + std::to_string(c.k_min) + "-" + std::to_string(c.k_max);
   } else if (c.top_k != d.top_k || d.adaptive()) {

@@ -39,8 +39,8 @@ void AddSelectionOptions(CLI::App* app, KvOptions* o) {
       ->capture_default_str();
   app->add_option("--topk-real", o->topk_real, "rows union adds from the real row (0: --topk)")->capture_default_str();
   app->add_flag("--real-next,!--no-real-next", o->real_next,
-                "union: the real row's ranking also credits the row after each row it attends to (what copying "
-                "from the context reads next)")
+                "select real or union: the real row's ranking also credits the row after each row it attends to "
+                "(what copying from the context reads next)")
       ->capture_default_str();
   app->add_flag("--attend-resident,!--no-attend-resident", o->attend_resident,
                 "attend with every full-precision row resident in the row cache, not only the selection")

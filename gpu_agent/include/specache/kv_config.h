@@ -78,8 +78,8 @@ struct KvConfig {
   // Which row's scores select (kSpeCache; the other fetching modes select with the real row).
   SelectFrom select = SelectFrom::kSpeculative;
   int top_k_real = 0;  // kUnion: rows added from the real row's ranking; 0: top_k
-  // kUnion: a token of the real row's ranking also scores its predecessor's probability (per
-  // head, the larger of the two). A row the real token attends to makes the row after it a
+  // kReal and kUnion: a token of the real row's ranking also scores its predecessor's probability
+  // (per head, the larger of the two). A row the real token attends to makes the row after it a
   // candidate for the next token: what copying from the context (induction) needs next.
   bool real_next = false;
   // Attention substitutes every row of the row cache, not only the current selection: rows

@@ -8,8 +8,9 @@
 //     candidates' scores, no fewer than k_min and no more than k_max (and never more than n).
 //     The primary row is the speculative row (SelectFrom::kSpeculative and kUnion), or the real
 //     row (kReal, and the modes that select for their own step).
-//   - kUnion adds the real row's best extra_rows() tokens that are not primary. With real_next,
-//     the real row's per-head probabilities are first replaced by max(p[j], p[j - 1]).
+//   - kUnion adds the real row's best extra_rows() tokens that are not primary.
+//   - With real_next (kSpeCache), the real row's ranking (kReal's primary, kUnion's extra) reads
+//     per-head probabilities replaced by max(p[j], p[j - 1]).
 // Ties go to the lower token. The result is ascending.
 #pragma once
 

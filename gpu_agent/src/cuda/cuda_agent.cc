@@ -506,6 +506,10 @@ Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
   for (int32_t n : candidates) scratch += size_t(n_kv) * std::max(n, 0);
   SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
   std::vector<cuda::TopKSegment> segments;
+  // kReal with real_next ranks a copy of the scores that credits each token with its predecessor's.
+  const bool shift = config_.real_next && config_.mode == KvMode::kSpeCache && config_.select == SelectFrom::kReal;
+  std::vector<cuda::ShiftTask> shifts;
+  if (shift) SPECACHE_RETURN_IF_ERROR(real_shifted_.Reserve(std::max<size_t>(scratch * group, 1)));
   scratch = 0;
   for (size_t s = 0; s < ids.size(); ++s) {
     LayerRows& lr = sequences_.at(ids[s]).layers[layer];
@@ -516,11 +520,17 @@ Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
     const int next = 1 - lr.cur;
     SPECACHE_RETURN_IF_ERROR(lr.tokens[next].Reserve(size_t(n_kv) * config_.max_selected()));
     for (int h = 0; h < n_kv; ++h) {  // head h's selection at h * k, as the resident rows are laid out
-      segments.push_back({probs_.get() + probs_offsets_[s] + size_t(h) * group * n, lr.tokens[next].get() + size_t(h) * k,
-                          topk_scratch_.get() + scratch, n, ProbsStats(s, h)});
+      float* probs = probs_.get() + probs_offsets_[s] + size_t(h) * group * n;
+      if (shift) {
+        float* copy = real_shifted_.get() + scratch * group;
+        shifts.push_back({probs, copy, n});
+        probs = copy;
+      }
+      segments.push_back({probs, lr.tokens[next].get() + size_t(h) * k, topk_scratch_.get() + scratch, n, ProbsStats(s, h)});
       scratch += n;
     }
   }
+  SPECACHE_RETURN_IF_ERROR(cuda::WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
   return cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.top_k,
                                config_.reduction, compute_);
 }
