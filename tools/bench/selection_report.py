@@ -3,7 +3,8 @@
 
   selection_report.py OUT
 
-Per mode (the label specache-run gives it): NIAH accuracy by length and overall, fetched bytes per
+Per mode and rule (named from the runs' JSON, not from specache-run's labels, which depend on its
+defaults): NIAH accuracy by length and overall, fetched bytes per
 decode step and their ratio to the paper's rule (select=spec, k=64, nothing but the selection
 attended), rows selected and fetched per (layer, KV head) and step, device KV bytes; per fidelity
 context: top-1 agreement with full, mean KL, the same fetch figures. Missing runs show as "-".
@@ -18,6 +19,27 @@ def is_paper_rule(run):
     return (run.get("kv") == "specache" and run.get("key_bits") == 1 and run.get("value_bits") == 1
             and run.get("select") == "spec" and not run.get("attend_resident") and run.get("mass", 0) == 0
             and run.get("topk") == 64)
+
+
+def rule(run):
+    """A name for the run's KV mode and selection rule that does not depend on specache-run's
+    defaults (its labels name what differs from them)."""
+    kv = run.get("kv", run["mode"])
+    if kv in ("full",):
+        return "full"
+    name = f"{kv}-{run['key_bits']}bit" if run.get("key_bits") == run.get("value_bits") else run["mode"]
+    if "select" not in run:
+        return name
+    if kv == "specache":
+        name += f" {run['select']}"
+    name += f" k={run['topk']}" if not run.get("mass") else f" mass={run['mass']} k={run['k_min']}..{run['k_max']}"
+    if kv == "specache" and run["select"] == "union":
+        name += f"+{run['topk_real']}"
+    if kv == "specache" and run["select"] != "spec" and run.get("real_next"):
+        name += " next"
+    name += " resident" if run.get("attend_resident") else ""
+    name += f" cache={run['cached_rows']}"
+    return name
 
 
 def mean(values):
@@ -44,6 +66,8 @@ def main():
         with open(path) as f:
             fidelity_runs += [json.loads(line) for line in f if line.strip()]
 
+    for r in niah_runs + fidelity_runs:
+        r["label"], r["mode"] = r["mode"], rule(r)
     order = []
     for r in niah_runs + fidelity_runs:
         if r["mode"] not in order:

@@ -45,7 +45,7 @@ struct KvOptions {
   std::string select = "spec";   // spec, real, union
   int topk_real = 0;             // union: rows added from the real row; 0: topk
   bool real_next = false;        // real, union: the real row's ranking also credits each row's successor
-  bool attend_resident = false;  // attend with every row of the row cache
+  bool attend_resident = true;   // attend with every row of the row cache (chosen by selection_grid.sh)
   double mass = 0;               // adaptive budget: attention mass to reach; 0: fixed topk
   int k_min = 16, k_max = 128;   // the adaptive budget's bounds
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
