@@ -10,6 +10,9 @@
 #   LENGTHS=1024,2048,4096,8000   DEPTHS=0,0.25,0.5,0.75,1   FIDELITY_CONTEXTS=4096,7168
 #   EVAL_TOKENS=256   JOBS=(cores / 2)   THREADS=2 (per job)   BACKEND=cpu   MODES=(below)
 #   BUILD_DIR=build   MODEL=(tools/fetch-model.sh)
+# FIDELITY_CONTEXTS=none skips fidelity. BACKEND=cuda runs the agent on the GPU (the adaptive
+# budget, mass=, is CPU-only and its runs fail there). About 30 minutes on 16 cores with the CPU
+# backend (an estimate: 20 NIAH jobs of 15 modes, the longest at 8000 tokens, and 28 fidelity jobs).
 # Every (length, depth) point and every (context, mode) fidelity run is a job of its own; JOBS of
 # them run at once, each with THREADS threads.
 set -euo pipefail
@@ -29,7 +32,7 @@ threads=${THREADS:-2}
 backend=${BACKEND:-cpu}
 # The paper's rule is spelled out (select=spec, no-resident, k=64) so that it stays today's rule
 # whatever the defaults become; "specache:1" alone is the current default.
-modes=${MODES:-full,kivi:1,specache:1/select=spec/no-resident/topk=64,specache:1,specache:1/select=spec/resident,specache:1/select=real/no-resident,specache:1/select=real/resident,specache:1/select=union/no-resident,specache:1/select=union/resident,specache:1/select=union/resident/topk-real=32,specache:1/select=spec/resident/mass=0.9/k-min=16/k-max=128,specache:1/select=union/resident/mass=0.9/k-min=16/k-max=128,specache-nonspec:1,specache-oracle:1}
+modes=${MODES:-full,kivi:1,specache:1/select=spec/no-resident/topk=64,specache:1,specache:1/select=real/no-resident,specache:1/select=real/resident,specache:1/select=real/resident/next,specache:1/select=union/no-resident,specache:1/select=union/resident,specache:1/select=union/resident/next,specache:1/select=union/resident/topk-real=32,specache:1/select=union/resident/topk-real=32/next,specache:1/select=spec/resident/mass=0.9/k-min=16/k-max=128,specache-nonspec:1/no-resident,specache-oracle:1/no-resident,specache-oracle:1}
 needle="The secret password for the blue door is PINEAPPLE."
 question="What is the secret password for the blue door?"
 
@@ -45,6 +48,7 @@ IFS=, read -ra mode_list <<< "$modes"
 for ((i = ${#length_list[@]} - 1; i >= 0; --i)); do
   for d in "${depth_list[@]}"; do echo "niah ${length_list[i]} $d" >> "$tasks"; done
 done
+[ "$contexts" = none ] && context_list=()
 for c in "${context_list[@]}"; do
   for m in "${mode_list[@]}"; do
     [ "$m" = full ] || echo "fidelity $c $m" >> "$tasks"
