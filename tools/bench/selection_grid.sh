@@ -30,9 +30,9 @@ cores=$(nproc)
 jobs=${JOBS:-$(( cores / 2 > 0 ? cores / 2 : 1 ))}
 threads=${THREADS:-2}
 backend=${BACKEND:-cpu}
-# The paper's rule is spelled out (select=spec, no-resident, k=64) so that it stays today's rule
-# whatever the defaults become; "specache:1" alone is the current default.
-modes=${MODES:-full,kivi:1,specache:1/select=spec/no-resident/topk=64,specache:1,specache:1/select=real/no-resident,specache:1/select=real/resident,specache:1/select=real/resident/next,specache:1/select=union/no-resident,specache:1/select=union/resident,specache:1/select=union/resident/next,specache:1/select=union/resident/topk-real=32,specache:1/select=union/resident/topk-real=32/next,specache:1/select=spec/resident/mass=0.9/k-min=16/k-max=128,specache-nonspec:1/no-resident,specache-oracle:1/no-resident,specache-oracle:1}
+# Every rule is spelled out (the paper's: select=spec, no-resident, k=64) so that it stays the
+# same whatever specache-run's defaults become; "specache:1" alone is the current default.
+modes=${MODES:-full,kivi:1,specache:1/select=spec/no-resident/topk=64,specache:1,specache:1/select=spec/resident,specache:1/select=real/resident/no-next,specache:1/select=real/resident/next,specache:1/select=union/topk-real=32/resident/no-next,specache:1/select=union/topk-real=32/next/no-resident,specache:1/select=union/topk-real=64/resident/no-next,specache:1/select=union/topk-real=64/resident/next,specache:1/select=spec/resident/mass=0.9/k-min=16/k-max=128,specache-nonspec:1/no-resident,specache-oracle:1/no-resident,specache-oracle:1/resident}
 needle="The secret password for the blue door is PINEAPPLE."
 question="What is the secret password for the blue door?"
 

@@ -41,11 +41,13 @@ struct KvOptions {
   int topk = 64;
   int cached_rows = 0;  // rows kept on the device per KV head and layer for reuse; 0: 2 * topk
   std::string reduction = "mean";
-  // Row selection (kv_config.h, selection.h).
-  std::string select = "spec";   // spec, real, union
-  int topk_real = 0;             // union: rows added from the real row; 0: topk
-  bool real_next = false;        // real, union: the real row's ranking also credits each row's successor
-  bool attend_resident = true;   // attend with every row of the row cache (chosen by selection_grid.sh)
+  // Row selection (kv_config.h, selection.h). The defaults were chosen with
+  // tools/bench/selection_grid.sh (docs/method.md, "Choosing the rows"); the library's KvConfig
+  // keeps the paper's rule.
+  std::string select = "union";  // spec, real, union
+  int topk_real = 32;            // union: rows added from the real row; 0: topk
+  bool real_next = true;         // real, union: the real row's ranking also credits each row's successor
+  bool attend_resident = true;   // attend with every row of the row cache
   double mass = 0;               // adaptive budget: attention mass to reach; 0: fixed topk
   int k_min = 16, k_max = 128;   // the adaptive budget's bounds
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
