@@ -138,8 +138,10 @@ std::string ModeLabel(const KvConfig& c) {
   const Result<KvConfig> defaults = ToConfig(KvOptions{}, std::string(KvModeName(c.mode)));
   if (!defaults.ok()) return label;
   const KvConfig& d = *defaults;
-  if (c.mode == KvMode::kSpeCache && c.select != d.select) label += "+" + std::string(SelectFromName(c.select));
-  if (c.extra_rows() > 0) label += std::to_string(c.extra_rows());
+  if (c.mode == KvMode::kSpeCache && (c.select != d.select || c.extra_rows() != d.extra_rows())) {
+    label += "+" + std::string(SelectFromName(c.select));
+    if (c.extra_rows() > 0) label += std::to_string(c.extra_rows());
+  }
   const bool ranks_real = c.mode == KvMode::kSpeCache && c.select != SelectFrom::kSpeculative;
   if (ranks_real && c.real_next != d.real_next) label += c.real_next ? "+next" : "+no-next";
   if (c.adaptive()) {
