@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 packages=(build-essential cmake ninja-build ccache pkg-config libgtest-dev libgmock-dev
           libopenblas-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libboost-dev libspdlog-dev
-          libtomlplusplus-dev libsystemd-dev prometheus-cpp-dev systemd librocksdb-dev libxxhash-dev)
+          libtomlplusplus-dev libsystemd-dev prometheus-cpp-dev systemd librocksdb-dev libxxhash-dev
+          python3-dev python3-venv python3-pip)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

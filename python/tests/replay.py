@@ -59,11 +59,46 @@ def run_cpp(binary: str, w: Workload, calls) -> bytes:
     return done.stdout
 
 
+STAT_KEYS = ["device_bytes", "device_bytes_reserved", "full_precision_bytes", "rows_selected", "rows_fetched",
+             "rows_reused", "bytes_fetched", "steps"]
+
+
+@dataclass
+class Trace:
+    """What a run produced, in the driver's order: every call's output (float32 array) and, after
+    each decode step of a specache mode, the selections (a list of token lists, per sequence,
+    layer and KV head); then the stats and the sequences' lengths."""
+
+    items: list
+    stats: dict
+    lengths: list
+
+    @property
+    def outputs(self):
+        return [x for x in self.items if isinstance(x, np.ndarray)]
+
+    @property
+    def selections(self):
+        return [x for x in self.items if isinstance(x, list)]
+
+    def to_bytes(self) -> bytes:
+        """The driver's stdout format."""
+        parts = []
+        for x in self.items:
+            if isinstance(x, np.ndarray):
+                parts.append(x.tobytes())
+            else:
+                parts += [np.array([len(sel)] + list(sel), dtype=np.int32).tobytes() for sel in x]
+        parts.append(np.array([self.stats[k] for k in STAT_KEYS], dtype=np.int64).tobytes())
+        parts.append(np.array(self.lengths, dtype=np.int32).tobytes())
+        return b"".join(parts)
+
+
 def run_python(agent: specache.Agent, w: Workload, calls, tensor: Callable = lambda a: a,
-               to_numpy: Callable = np.asarray) -> bytes:
+               to_numpy: Callable = np.asarray) -> Trace:
     """Drives `agent` like the driver; `tensor` turns each NumPy input into what is passed (e.g. a
     torch tensor on some device), `to_numpy` reads an output back."""
-    parts = []
+    items = []
     ids = w.ids
     s = w.shape
     for sid in ids:
@@ -76,7 +111,7 @@ def run_python(agent: specache.Agent, w: Workload, calls, tensor: Callable = lam
             for layer, (q, k, v) in enumerate(layers):
                 out = tensor(np.zeros_like(q))
                 agent.prefill_layer(layer, ids, offsets, tensor(q), tensor(k), tensor(v), out)
-                parts.append(np.ascontiguousarray(to_numpy(out)).tobytes())
+                items.append(np.ascontiguousarray(to_numpy(out)))
             continue
         agent.begin_step(specache.StepKind.PRE_DECODE if kind == "pre" else specache.StepKind.DECODE, ids)
         for layer, (q, k, v) in enumerate(layers):
@@ -84,20 +119,12 @@ def run_python(agent: specache.Agent, w: Workload, calls, tensor: Callable = lam
             agent.wait_prefetch(layer)
             agent.decode_layer(layer, tensor(q), tensor(k), tensor(v), out)
             agent.start_prefetch(layer)
-            parts.append(np.ascontiguousarray(to_numpy(out)).tobytes())
+            items.append(np.ascontiguousarray(to_numpy(out)))
         agent.end_step()
         if kind == "step" and w.kv.mode in ("specache", "specache-nonspec"):
-            for sid in ids:
-                for layer in range(s.n_layers):
-                    for h in range(s.n_kv_heads):
-                        sel = agent.selected_tokens(sid, layer, h)
-                        parts.append(np.array([len(sel)] + list(sel), dtype=np.int32).tobytes())
-    st = agent.stats()
-    keys = ["device_bytes", "device_bytes_reserved", "full_precision_bytes", "rows_selected", "rows_fetched",
-            "rows_reused", "bytes_fetched", "steps"]
-    parts.append(np.array([st[k] for k in keys], dtype=np.int64).tobytes())
-    parts.append(np.array([agent.sequence_length(sid) for sid in ids], dtype=np.int32).tobytes())
-    return b"".join(parts)
+            items.append([agent.selected_tokens(sid, layer, h) for sid in ids for layer in range(s.n_layers)
+                               for h in range(s.n_kv_heads)])
+    return Trace(items, agent.stats(), [agent.sequence_length(sid) for sid in ids])
 
 
 # Small shapes that still exercise GQA (2 query heads per KV head), quantized groups (prompts

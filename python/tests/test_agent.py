@@ -16,7 +16,7 @@ def test_numpy_agent_matches_cpp_agent(replay_binary, name):
     w = WORKLOADS[name]
     calls = inputs(w)
     expected = run_cpp(replay_binary, w, calls)
-    got = run_python(specache.Agent(w.shape, w.kv), w, calls)
+    got = run_python(specache.Agent(w.shape, w.kv), w, calls).to_bytes()
     assert len(got) == len(expected)
     assert got == expected
 
@@ -28,7 +28,7 @@ def test_torch_cpu_agent_matches_cpp_agent(replay_binary, name):
     w = WORKLOADS[name]
     calls = inputs(w)
     expected = run_cpp(replay_binary, w, calls)
-    got = run_python(specache.Agent(w.shape, w.kv), w, calls, tensor=torch.from_numpy, to_numpy=lambda t: t.numpy())
+    got = run_python(specache.Agent(w.shape, w.kv), w, calls, tensor=torch.from_numpy, to_numpy=lambda t: t.numpy()).to_bytes()
     assert got == expected
 
 

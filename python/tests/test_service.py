@@ -25,12 +25,12 @@ def test_build_has_the_service_half():
 def test_agent_on_daemon_pages_matches_process_memory(daemon):
     w = WORKLOADS["specache-1bit"]
     calls = inputs(w)
-    in_process = run_python(specache.Agent(w.shape, w.kv), w, calls)
+    in_process = run_python(specache.Agent(w.shape, w.kv), w, calls).to_bytes()
     client = specache.Client.connect(daemon.socket)
     session = client.open_session("default", 32 << 20)
     source = specache.DaemonSource(session, page_tokens=64, capacity_tokens=512)
     agent = specache.Agent(w.shape, w.kv, source)
-    assert run_python(agent, w, calls) == in_process
+    assert run_python(agent, w, calls).to_bytes() == in_process
     assert source.stored_bytes == agent.stats()["full_precision_bytes"]
     # One ExtendSequence per sequence makes the prompt's pages (all layers at once); the 7 decoded
     # rows (150 + 7 < 3 pages, 97 + 7 < 2 pages of 64) need no other.
