@@ -1,6 +1,7 @@
 #include "agent_binding.h"
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -104,7 +105,7 @@ class PyAgent {
 
   void AddSequence(SequenceId id) { Run([&] { return agent_->AddSequence(id); }); }
   void ReleaseSequence(SequenceId id) { Run([&] { return agent_->ReleaseSequence(id); }); }
-  int32_t SequenceLength(SequenceId id) const { return ValueOrThrow(agent_->SequenceLength(id)); }
+  int32_t SequenceLength(SequenceId id) { return ValueOrThrow(Locked([&] { return agent_->SequenceLength(id); })); }
 
   void PrefillLayer(int layer, nb::handle sequences, nb::handle token_offsets, std::optional<nb::ndarray<>> q,
                     const nb::ndarray<>& k, const nb::ndarray<>& v, std::optional<nb::ndarray<>> out) {
@@ -140,18 +141,27 @@ class PyAgent {
 
   void BeginStep(StepKind kind, nb::handle sequences) {
     const std::vector<SequenceId> ids = SequenceIds(sequences);
-    Run([&] { return agent_->BeginStep(kind, ids); });
-    step_sequences_ = static_cast<int64_t>(ids.size());
-    step_rows_ = agent_->RowsPerSequence(kind);
+    Run([&] {
+      Status s = agent_->BeginStep(kind, ids);
+      if (s.ok()) {
+        step_sequences_ = static_cast<int64_t>(ids.size());
+        step_rows_ = agent_->RowsPerSequence(kind);
+      }
+      return s;
+    });
   }
 
   void DecodeLayer(int layer, const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v,
                    const nb::ndarray<>& out) {
-    if (!step_rows_) {
+    const std::optional<int64_t> step_rows = Locked([&]() -> std::optional<int64_t> {
+      if (!step_rows_) return std::nullopt;
+      return step_sequences_ * *step_rows_;
+    });
+    if (!step_rows) {
       ThrowIfError(Status::FailedPrecondition("decode_layer outside a step: call begin_step first"));
     }
     const ModelShape& s = agent_->shape();
-    const int64_t rows = step_sequences_ * *step_rows_;
+    const int64_t rows = *step_rows;
     DecodeRows r;
     r.q = ValueOrThrow(FloatTensor(q, "q", device_, rows, {s.n_q_heads, s.head_dim}));
     r.k = ValueOrThrow(FloatTensor(k, "k", device_, rows, {s.n_kv_heads, s.head_dim}));
@@ -163,30 +173,26 @@ class PyAgent {
   void StartPrefetch(int layer) { Run([&] { return agent_->StartPrefetch(layer); }); }
   void WaitPrefetch(int layer) { Run([&] { return agent_->WaitPrefetch(layer); }); }
   void EndStep() {
-    Run([&] { return agent_->EndStep(); });
-    step_rows_.reset();
+    Run([&] {
+      Status s = agent_->EndStep();
+      if (s.ok()) step_rows_.reset();
+      return s;
+    });
   }
   void AbortStep() {
-    {
-      nb::gil_scoped_release release;
-      DeviceScope scope(cuda_device_);
+    Locked([&] {
       agent_->AbortStep();
-    }
-    step_rows_.reset();
+      step_rows_.reset();
+      return 0;
+    });
   }
 
-  std::vector<int32_t> SelectedTokens(SequenceId id, int layer, int kv_head) const {
-    DeviceScope scope(cuda_device_);
-    return ValueOrThrow(agent_->SelectedTokens(id, layer, kv_head));
+  std::vector<int32_t> SelectedTokens(SequenceId id, int layer, int kv_head) {
+    return ValueOrThrow(Locked([&] { return agent_->SelectedTokens(id, layer, kv_head); }));
   }
 
-  nb::dict Stats() const {
-    AgentStats st;
-    {
-      nb::gil_scoped_release release;
-      DeviceScope scope(cuda_device_);
-      st = agent_->stats();
-    }
+  nb::dict Stats() {
+    const AgentStats st = Locked([&] { return agent_->stats(); });
     nb::dict d;
     d["device_bytes"] = st.device_bytes;
     d["device_bytes_reserved"] = st.device_bytes_reserved;
@@ -201,18 +207,23 @@ class PyAgent {
 
  private:
   // Calls into the agent without the GIL (attention, top-k, fetches and appends can take
-  // milliseconds; other Python threads run meanwhile) and with the agent's device current.
+  // milliseconds; other Python threads run meanwhile), with the agent's device current, and one
+  // call at a time: the agent is single-threaded (agent.h), and with the GIL released two Python
+  // threads could otherwise enter it together. The GIL is dropped before the lock is taken and
+  // never wanted while it is held, so the two cannot deadlock.
+  template <typename F>
+  auto Locked(F&& call) {
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    DeviceScope scope(cuda_device_);
+    return call();
+  }
   template <typename F>
   void Run(F&& call) {
-    Status status;
-    {
-      nb::gil_scoped_release release;
-      DeviceScope scope(cuda_device_);
-      status = call();
-    }
-    ThrowIfError(status);
+    ThrowIfError(Locked(std::forward<F>(call)));
   }
 
+  std::mutex mu_;                                 // one call into agent_ at a time
   std::unique_ptr<InMemorySource> owned_source_;  // when no source was given; outlives agent_
   std::unique_ptr<Agent> agent_;
   TensorDevice device_;
