@@ -3,6 +3,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -212,7 +213,7 @@ class PyAgent {
   // threads could otherwise enter it together. The GIL is dropped before the lock is taken and
   // never wanted while it is held, so the two cannot deadlock.
   template <typename F>
-  auto Locked(F&& call) {
+  std::invoke_result_t<F> Locked(F&& call) {
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(mu_);
     DeviceScope scope(cuda_device_);

@@ -34,6 +34,11 @@ def specache_attention(module, query, key, value, attention_mask, scaling=None, 
         raise ValueError(f"specache attention scales by 1/sqrt(head_dim); the model asks for {scaling}")
     if dropout:
         raise ValueError("specache attention is for inference: dropout must be 0")
+    if key.shape[2] != query.shape[2]:
+        raise RuntimeError(
+            f"specache attention got {key.shape[2]} key rows for {query.shape[2]} query rows: the model "
+            "is not using the SpecacheCache (its update returns only the step's rows)"
+        )
     q, k, v = _rows(query), _rows(key), _rows(value)
     out = torch.empty_like(q)
     cache.attend(module.layer_idx, q, k, v, out)

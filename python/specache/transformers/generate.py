@@ -1,6 +1,7 @@
 """specache.transformers.generate: greedy generation with the agent holding the KV cache."""
 
 import contextlib
+import inspect
 from typing import Optional, Sequence, Union
 
 import torch
@@ -59,14 +60,17 @@ def _prompts(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) ->
     return prompts
 
 
+def _cache_argument(model) -> str:
+    # Newer transformers name the forward's cache argument `cache` (`past_key_values` still
+    # accepted for a while); older ones only `past_key_values`. forward() also takes **kwargs, so
+    # a wrong name would be swallowed and the model would build a cache of its own: look it up.
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def _forward(model, cache, input_ids, position_ids, **kwargs):
-    # transformers 5 names the cache argument `cache`; 4.x names it `past_key_values`.
-    try:
-        return model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, **kwargs)
-    except TypeError as e:
-        if "cache" not in str(e):
-            raise
-        return model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True, **kwargs)
+    kwargs[_cache_argument(model)] = cache
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **kwargs)
 
 
 @torch.inference_mode()
