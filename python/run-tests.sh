@@ -13,7 +13,7 @@ build_dir=${BUILD_DIR:-build}
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-py=$venv/bin/python
+py=$(cd "$venv" && pwd)/bin/python
 # One pip call that finds everything present costs a few seconds; the first one downloads
 # PyTorch (about 3 GB of wheels from PyPI, measured at 65 s download + 164 s install).
 "$py" -m pip install -q --disable-pip-version-check scikit-build-core nanobind numpy pytest \
