@@ -40,6 +40,7 @@ class Agent(_core.Agent):
         stream: Optional[int] = None,
         capacity_tokens: int = 32768,
         fetch_blocks: int = 16,
+        device_pool_bytes: int = 0,
     ):
         if backend == "cuda" and (device is None or stream is None):
             torch = _loaded_torch()
@@ -56,6 +57,7 @@ class Agent(_core.Agent):
             0 if stream is None else stream,
             capacity_tokens,
             fetch_blocks,
+            device_pool_bytes,
         )
 
 

@@ -71,7 +71,7 @@ std::vector<SequenceId> SequenceIds(nb::handle values) {
 class PyAgent {
  public:
   PyAgent(const ModelShape& shape, const KvConfig& config, FullPrecisionSource* source, const std::string& backend,
-          int device, uintptr_t stream, int capacity_tokens, int fetch_blocks) {
+          int device, uintptr_t stream, int capacity_tokens, int fetch_blocks, int64_t device_pool_bytes) {
     if (source == nullptr) {
       owned_source_ = std::make_unique<InMemorySource>();
       source = owned_source_.get();
@@ -86,6 +86,7 @@ class PyAgent {
       options.capacity_tokens = capacity_tokens;
       options.stream = reinterpret_cast<void*>(stream);
       options.fetch_blocks = fetch_blocks;
+      options.device_pool_bytes = device_pool_bytes;
       DeviceScope scope(device);
       agent_ = ValueOrThrow(CreateCudaAgent(shape, config, source, options));
     } else {
@@ -197,6 +198,8 @@ class PyAgent {
     nb::dict d;
     d["device_bytes"] = st.device_bytes;
     d["device_bytes_reserved"] = st.device_bytes_reserved;
+    d["device_pool_bytes"] = st.device_pool_bytes;
+    d["device_pool_used_bytes"] = st.device_pool_used_bytes;
     d["full_precision_bytes"] = st.full_precision_bytes;
     d["rows_selected"] = st.rows_selected;
     d["rows_fetched"] = st.rows_fetched;
@@ -309,13 +312,14 @@ void BindAgent(nb::module_& m) {
   nb::class_<PyAgent>(m, "Agent",
                       "The SpeCache agent (specache/agent.h). backend 'cpu' takes host float32 tensors; 'cuda' "
                       "takes float32 tensors on `device` and queues its work on `stream` (a cudaStream_t as int; "
+                      "capacity_tokens, fetch_blocks and device_pool_bytes as in CudaAgentOptions; "
                       "specache.Agent in Python passes torch's current stream). Tensors are used in place "
                       "(DLPack, no copies): float32, C-contiguous, [rows, heads, head_dim] or [batch, rows, "
                       "heads, head_dim]. `source` defaults to an InMemorySource owned by the agent.")
       .def(nb::init<const ModelShape&, const KvConfig&, FullPrecisionSource*, const std::string&, int, uintptr_t,
-                    int, int>(),
+                    int, int, int64_t>(),
            "shape"_a, "config"_a, "source"_a = nb::none(), "backend"_a = "cpu", "device"_a = -1, "stream"_a = 0,
-           "capacity_tokens"_a = 32768, "fetch_blocks"_a = 16, nb::keep_alive<1, 4>())
+           "capacity_tokens"_a = 32768, "fetch_blocks"_a = 16, "device_pool_bytes"_a = 0, nb::keep_alive<1, 4>())
       .def_prop_ro("shape", &PyAgent::shape)
       .def_prop_ro("config", &PyAgent::config)
       .def_prop_ro("backend", &PyAgent::backend)
