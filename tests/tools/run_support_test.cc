@@ -21,6 +21,7 @@ TEST(ParseBytesTest, RefusesUnknownUnitsAndNonPositiveSizes) {
   EXPECT_EQ(ParseBytes("many").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseBytes("0").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseBytes("-1GB").status().code(), StatusCode::kInvalidArgument);
+}
 
 TEST(RunSupportTest, ModeSpecsTakeSelectionOptionsAfterSlashes) {
   const KvOptions defaults;
