@@ -98,7 +98,10 @@ class CpuAgent final : public Agent {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return Status::NotFound("sequence " + Id(id) + " is not registered");
     SPECACHE_RETURN_IF_ERROR(protocol_.CheckHead(layer, kv_head));
-    return it->second.heads[layer][kv_head].resident;
+    // A fetch begun by StartPrefetch and not yet waited for holds the selection the next
+    // DecodeLayer will use (it finishes the fetch first).
+    const HeadState& h = it->second.heads[layer][kv_head];
+    return h.pending.active ? h.pending.selected : h.resident;
   }
 
   AgentStats stats() const override {
