@@ -11,6 +11,7 @@
 #include "specache/cpu_attention.h"
 #include "specache/head_replica.h"
 #include "specache/row_cache.h"
+#include "specache/selection.h"
 #include "step_protocol.h"
 
 namespace specache {
@@ -132,6 +133,15 @@ class CpuAgent final : public Agent {
 
   void AddFetchCounts(const std::vector<FetchCounts>& counts) {
     for (const FetchCounts& c : counts) specache::AddFetchCounts(c, shape_.head_dim, &counters_);
+  }
+
+  // The full-precision rows the attention substitutes: the selection, or with attend_resident the
+  // whole row cache (which holds the selection).
+  cpu::SubstitutedRows Substituted(const HeadState& h) const {
+    if (config_.attend_resident) {
+      return {h.cache.tokens.data(), h.cache_rows.data(), static_cast<int32_t>(h.cache.tokens.size())};
+    }
+    return {h.resident.data(), h.resident_rows.data(), static_cast<int32_t>(h.resident.size())};
   }
 
   // Makes `selected` resident: rows already resident are kept, the rest read from the source.
@@ -296,10 +306,13 @@ Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
   const int n_kv = shape_.n_kv_heads;
   const int n_q = shape_.n_q_heads;
   const int n_rows = protocol_.rows();
-  const bool nonspec = config_.mode == KvMode::kSpeCacheNonSpec;
-  const bool selects = config_.mode == KvMode::kSpeCache || nonspec;
+  const bool this_step = config_.selects_for_this_step();  // nonspec, oracle: select, fetch, attend
+  const bool oracle = config_.mode == KvMode::kSpeCacheOracle;
+  const bool selects = config_.fetches_rows();
   const bool appends = protocol_.kind() == StepKind::kDecode;
-  const int probs_row = protocol_.kind() == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
+  const int probs_row = PrimaryRowOf(config_, protocol_.kind() == StepKind::kDecode);
+  // kUnion also ranks the real row (row 0); in the pre-decode step that is the primary row itself.
+  const bool union_rows = config_.extra_rows() > 0;
   const int n_items = static_cast<int>(protocol_.ids().size()) * n_kv;
   std::vector<Status> errors(n_items);
   std::vector<FetchCounts> counts(n_items);
@@ -324,24 +337,38 @@ Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     const int32_t n_qk = head.replica.quantized_keys();
     const int32_t n_candidates = TopKCandidates(config_, appends, head.replica.length(), n_qk);
     std::vector<float> probs(selects ? static_cast<size_t>(group) * n_candidates : 0);
-    std::vector<float> scratch;
-    cpu::SubstitutedRows sub{head.resident.data(), head.resident_rows.data(), static_cast<int32_t>(head.resident.size())};
-    if (nonspec) {
-      // Select with the replica alone, fetch the real row's own top-k, then attend with it.
-      cpu::AttendDecodeRows(head.replica, {}, q.data(), new_keys.data(), new_values.data(), n_rows, group, scale_,
+    std::vector<float> real_probs(union_rows && probs_row != 0 ? probs.size() : 0);
+    const float* real = real_probs.empty() ? probs.data() : real_probs.data();
+    cpu::SelectionScratch scratch;
+    if (this_step) {
+      // Select for this step, fetch, then attend with the fetched rows. The replica alone ranks
+      // the rows (nonspec), or the exact scores over every full-precision row (oracle).
+      cpu::SubstitutedRows ranking{};
+      std::vector<int32_t> every;
+      std::vector<Half> every_row;
+      if (oracle) {
+        every.resize(static_cast<size_t>(n_qk));
+        for (int32_t t = 0; t < n_qk; ++t) every[t] = t;
+        every_row.resize(every.size() * 2 * d);
+        if (n_qk > 0) {
+          errors[item] = source_->ReadRows(id, layer, h, every.data(), n_qk, every_row.data())
+                             .WithContext("oracle: reading the rows of sequence " + Id(id));
+          if (!errors[item].ok()) return;
+        }
+        ranking = {every.data(), every_row.data(), n_qk};
+      }
+      cpu::AttendDecodeRows(head.replica, ranking, q.data(), new_keys.data(), new_values.data(), n_rows, group, scale_,
                             out.data(), 0, n_candidates, probs.data(), &ws);
-      cpu::SelectTopK(probs.data(), group, n_candidates, config_.top_k, config_.reduction, &head.selected, &scratch);
+      cpu::SelectRows(config_, probs.data(), probs.data(), group, n_candidates, &head.selected, &scratch);
       errors[item] = Fetch(id, layer, h, &head, &counts[item]);
       if (!errors[item].ok()) return;
-      sub = {head.resident.data(), head.resident_rows.data(), static_cast<int32_t>(head.resident.size())};
-      cpu::AttendDecodeRows(head.replica, sub, q.data(), new_keys.data(), new_values.data(), n_rows, group, scale_,
-                            out.data(), 0, 0, nullptr, &ws);
+      cpu::AttendDecodeRows(head.replica, Substituted(head), q.data(), new_keys.data(), new_values.data(), n_rows, group,
+                            scale_, out.data(), 0, 0, nullptr, &ws);
     } else {
-      cpu::AttendDecodeRows(head.replica, sub, q.data(), new_keys.data(), new_values.data(), n_rows, group, scale_,
-                            out.data(), probs_row, n_candidates, selects ? probs.data() : nullptr, &ws);
-      if (selects) {
-        cpu::SelectTopK(probs.data(), group, n_candidates, config_.top_k, config_.reduction, &head.selected, &scratch);
-      }
+      cpu::AttendDecodeRows(head.replica, Substituted(head), q.data(), new_keys.data(), new_values.data(), n_rows, group,
+                            scale_, out.data(), probs_row, n_candidates, selects ? probs.data() : nullptr, &ws,
+                            real_probs.empty() ? nullptr : real_probs.data());
+      if (selects) cpu::SelectRows(config_, probs.data(), real, group, n_candidates, &head.selected, &scratch);
     }
     for (int r = 0; r < n_rows; ++r) {
       const size_t row = static_cast<size_t>(s) * n_rows + r;

@@ -44,7 +44,7 @@ void Softmax(float* scores, int32_t n) {
 
 void AttendDecodeRows(const HeadReplica& replica, const SubstitutedRows& sub, const float* q, const Half* new_keys,
                       const Half* new_values, int n_rows, int n_heads, float scale, float* out, int probs_row,
-                      int32_t n_candidates, float* probs, AttentionWorkspace* ws) {
+                      int32_t n_candidates, float* probs, AttentionWorkspace* ws, float* row0_probs) {
   const ReplicaParams& p = replica.params();
   const int d = p.head_dim;
   const int g_size = p.group_size;
@@ -103,6 +103,11 @@ void AttendDecodeRows(const HeadReplica& replica, const SubstitutedRows& sub, co
   if (probs != nullptr) {
     for (int h = 0; h < n_heads; ++h) {
       std::copy_n(&score_row(probs_row * n_heads + h, 0), n_candidates, probs + static_cast<size_t>(h) * n_candidates);
+    }
+  }
+  if (row0_probs != nullptr) {
+    for (int h = 0; h < n_heads; ++h) {
+      std::copy_n(&score_row(h, 0), n_candidates, row0_probs + static_cast<size_t>(h) * n_candidates);
     }
   }
 

@@ -31,16 +31,17 @@ std::string_view KvModeName(KvMode mode) {
     case KvMode::kKivi: return "kivi";
     case KvMode::kSpeCache: return "specache";
     case KvMode::kSpeCacheNonSpec: return "specache-nonspec";
+    case KvMode::kSpeCacheOracle: return "specache-oracle";
   }
   return "?";
 }
 
 Result<KvMode> ParseKvMode(std::string_view name) {
-  for (KvMode m : {KvMode::kFull, KvMode::kKivi, KvMode::kSpeCache, KvMode::kSpeCacheNonSpec}) {
+  for (KvMode m : {KvMode::kFull, KvMode::kKivi, KvMode::kSpeCache, KvMode::kSpeCacheNonSpec, KvMode::kSpeCacheOracle}) {
     if (KvModeName(m) == name) return m;
   }
   return Status::InvalidArgument("unknown KV mode '" + std::string(name) +
-                                 "' (expected full, kivi, specache or specache-nonspec)");
+                                 "' (expected full, kivi, specache, specache-nonspec or specache-oracle)");
 }
 
 std::string_view GroupReductionName(GroupReduction reduction) {
@@ -51,6 +52,22 @@ Result<GroupReduction> ParseGroupReduction(std::string_view name) {
   if (name == "mean") return GroupReduction::kMean;
   if (name == "max") return GroupReduction::kMax;
   return Status::InvalidArgument("unknown GQA reduction '" + std::string(name) + "' (expected mean or max)");
+}
+
+std::string_view SelectFromName(SelectFrom select) {
+  switch (select) {
+    case SelectFrom::kSpeculative: return "spec";
+    case SelectFrom::kReal: return "real";
+    case SelectFrom::kUnion: return "union";
+  }
+  return "?";
+}
+
+Result<SelectFrom> ParseSelectFrom(std::string_view name) {
+  for (SelectFrom s : {SelectFrom::kSpeculative, SelectFrom::kReal, SelectFrom::kUnion}) {
+    if (SelectFromName(s) == name) return s;
+  }
+  return Status::InvalidArgument("unknown selection '" + std::string(name) + "' (expected spec, real or union)");
 }
 
 Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {
@@ -73,12 +90,19 @@ Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {
     return Status::InvalidArgument("G=" + std::to_string(c.group_size) + " must divide head_dim=" +
                                    std::to_string(shape.head_dim) + " (values are grouped along channels)");
   }
-  if (c.fetches_rows() && c.top_k <= 0) {
+  if (c.fetches_rows() && !c.adaptive() && c.top_k <= 0) {
     return Status::InvalidArgument("top_k must be positive in mode " + std::string(KvModeName(c.mode)));
   }
   if (c.top_k < 0) return Status::InvalidArgument("top_k must not be negative");
-  if (c.cached_rows < 0 || (c.cached_rows > 0 && c.cached_rows < c.top_k)) {
-    return Status::InvalidArgument("cached_rows must be 0 (2 * top_k) or at least top_k");
+  if (c.top_k_real < 0) return Status::InvalidArgument("top_k_real must not be negative");
+  if (!(c.mass >= 0 && c.mass <= 1)) return Status::InvalidArgument("mass must lie in [0, 1] (0: a fixed top_k)");
+  if (c.adaptive() && (c.k_min < 1 || c.k_max < c.k_min)) {
+    return Status::InvalidArgument("with a mass, k_min and k_max need 1 <= k_min <= k_max; got " +
+                                   std::to_string(c.k_min) + " and " + std::to_string(c.k_max));
+  }
+  if (c.cached_rows < 0 || (c.cached_rows > 0 && c.cached_rows < c.max_selected())) {
+    return Status::InvalidArgument("cached_rows must be 0 (twice the rows selected) or at least the rows selected (" +
+                                   std::to_string(c.max_selected()) + ")");
   }
   return Status::Ok();
 }
@@ -89,8 +113,16 @@ std::string DescribeKvConfig(const KvConfig& c) {
   s += " K" + std::to_string(c.key_bits) + "/V" + std::to_string(c.value_bits) + " G=" + std::to_string(c.group_size) +
        " R=" + std::to_string(c.residual_tokens);
   if (c.fetches_rows()) {
-    s += " k=" + std::to_string(c.top_k) + " cache=" + std::to_string(c.cache_rows()) + " " +
-         std::string(GroupReductionName(c.reduction));
+    s += c.adaptive() ? " mass=" + std::to_string(c.mass).substr(0, 4) + " k=" + std::to_string(c.k_min) + ".." +
+                            std::to_string(c.k_max)
+                      : " k=" + std::to_string(c.top_k);
+    s += " cache=" + std::to_string(c.cache_rows()) + " " + std::string(GroupReductionName(c.reduction));
+    if (c.mode == KvMode::kSpeCache && c.select != SelectFrom::kSpeculative) {
+      s += " select=" + std::string(SelectFromName(c.select));
+      if (c.select == SelectFrom::kUnion) s += "+" + std::to_string(c.extra_rows());
+      if (c.real_next) s += " next";
+    }
+    if (c.attend_resident) s += " attend-resident";
   }
   return s;
 }

@@ -17,7 +17,7 @@ void AddFetchCounts(const FetchCounts& c, int head_dim, AgentStats* stats) {
 }
 
 int32_t TopKCandidates(const KvConfig& config, bool appends, int32_t length, int32_t quantized_keys) {
-  if (config.mode == KvMode::kSpeCacheNonSpec) return quantized_keys;
+  if (config.selects_for_this_step()) return quantized_keys;
   const bool flushes = appends && length - quantized_keys + 1 == config.residual_tokens;
   return quantized_keys + (flushes ? config.residual_tokens : 0);
 }

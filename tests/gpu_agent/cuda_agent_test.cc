@@ -88,6 +88,111 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
 #endif
 }
 
+// The selection options (selection.h): the CUDA agent follows the CPU agent's rule in each, for
+// one sequence on the tiny model and for a ragged batch: same tokens, logits within float rounding,
+// the same rows selected and fetched. The adaptive budget is CPU-only for now and says so.
+TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const testing::TinyModel model({});
+  const std::vector<int> prompt = Prompt(300);
+  struct Rule {
+    const char* name;
+    KvMode mode;
+    SelectFrom select;
+    int k, k_real;
+    bool resident;
+    bool next = false;
+  } rules[] = {
+      {"spec resident", KvMode::kSpeCache, SelectFrom::kSpeculative, 16, 0, true},
+      {"real", KvMode::kSpeCache, SelectFrom::kReal, 16, 0, false},
+      {"real next resident", KvMode::kSpeCache, SelectFrom::kReal, 16, 0, true, true},
+      {"union", KvMode::kSpeCache, SelectFrom::kUnion, 16, 8, false},
+      {"union resident", KvMode::kSpeCache, SelectFrom::kUnion, 16, 16, true},
+      {"union next", KvMode::kSpeCache, SelectFrom::kUnion, 16, 8, true, true},
+      {"union k covers", KvMode::kSpeCache, SelectFrom::kUnion, 200, 200, true},
+      {"nonspec resident", KvMode::kSpeCacheNonSpec, SelectFrom::kSpeculative, 16, 0, true},
+      {"oracle", KvMode::kSpeCacheOracle, SelectFrom::kSpeculative, 16, 0, false},
+      {"oracle resident", KvMode::kSpeCacheOracle, SelectFrom::kSpeculative, 16, 0, true},
+  };
+  for (const Rule& rule : rules) {
+    KvConfig c;
+    c.mode = rule.mode;
+    c.top_k = rule.k;
+    c.select = rule.select;
+    c.top_k_real = rule.k_real;
+    c.attend_resident = rule.resident;
+    c.real_next = rule.next;
+    InMemorySource cpu_source, gpu_source;
+    auto cpu = CreateCpuAgent(model.shape(), c, &cpu_source);
+    auto gpu = CreateCudaAgent(model.shape(), c, &gpu_source, {4096});
+    ASSERT_TRUE(cpu.ok() && gpu.ok()) << rule.name << ": " << gpu.status().ToString();
+    auto wrapped = WrapHostTensors(std::move(gpu).value());
+    ASSERT_TRUE(wrapped.ok());
+    auto want = model.Generate(cpu->get(), 1, prompt, 24);
+    auto got = model.Generate(wrapped->get(), 1, prompt, 24);
+    ASSERT_TRUE(want.ok() && got.ok()) << rule.name << ": " << got.status().ToString();
+    EXPECT_EQ(got->tokens, want->tokens) << rule.name;
+    double worst = 0;
+    for (size_t t = 0; t < want->logits.size() && t < got->logits.size(); ++t) {
+      for (size_t i = 0; i < want->logits[t].size(); ++i) {
+        worst = std::max(worst, double(std::fabs(got->logits[t][i] - want->logits[t][i])));
+      }
+    }
+    EXPECT_LT(worst, 1e-3) << rule.name;
+    const AgentStats a = (*cpu)->stats(), b = (*wrapped)->stats();
+    EXPECT_EQ(b.rows_selected, a.rows_selected) << rule.name;
+    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << rule.name;
+    EXPECT_EQ(b.rows_reused, a.rows_reused) << rule.name;
+    for (int l = 0; l < model.shape().n_layers; ++l) {
+      for (int h = 0; h < model.shape().n_kv_heads; ++h) {
+        EXPECT_EQ(*(*wrapped)->SelectedTokens(1, l, h), *(*cpu)->SelectedTokens(1, l, h)) << rule.name << " layer " << l;
+      }
+    }
+    std::printf("%-18s max |logit diff| %.2e, %lld rows selected, %lld fetched\n", rule.name, worst,
+                static_cast<long long>(b.rows_selected), static_cast<long long>(b.rows_fetched));
+  }
+  // A ragged batch with union + resident: per-sequence selections of different sizes in one launch.
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 64, 1};
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  c.select = SelectFrom::kUnion;
+  c.top_k_real = 12;
+  c.attend_resident = true;
+  c.real_next = true;
+  InMemorySource cpu_source, gpu_source;
+  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
+  auto gpu = CreateCudaAgent(shape, c, &gpu_source, {1024});
+  ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
+  auto wrapped = WrapHostTensors(std::move(gpu).value());
+  ASSERT_TRUE(wrapped.ok());
+  auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(78));
+  auto got = testing::DriveBatch(wrapped->get(), prompts, 40, std::mt19937(78));
+  ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), want->size());
+  double worst = 0;
+  for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
+  EXPECT_LT(worst, 1e-3);
+  EXPECT_EQ((*wrapped)->stats().rows_fetched, (*cpu)->stats().rows_fetched);
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    for (int l = 0; l < shape.n_layers; ++l) {
+      for (int h = 0; h < shape.n_kv_heads; ++h) {
+        const SequenceId id = static_cast<SequenceId>(10 + s);
+        EXPECT_EQ(*(*wrapped)->SelectedTokens(id, l, h), *(*cpu)->SelectedTokens(id, l, h)) << "sequence " << id;
+      }
+    }
+  }
+  KvConfig adaptive;
+  adaptive.mass = 0.9;
+  adaptive.k_min = 8;
+  adaptive.k_max = 64;
+  InMemorySource source;
+  EXPECT_EQ(CreateCudaAgent(shape, adaptive, &source, {1024}).status().code(), StatusCode::kUnimplemented);
+#endif
+}
+
 // Several sequences of ragged lengths (page boundaries inside, one exactly one page) decoded
 // together: the CUDA agent's batched kernels and in-place pages give the CPU agent's outputs,
 // selections and counts; releasing a sequence frees its rows in the source.

@@ -235,6 +235,9 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     EXPECT_EQ(tokens, want[i].cache.tokens) << "task " << i;
     EXPECT_EQ(std::vector<int64_t>(used.begin(), used.end()), want[i].cache.used) << "task " << i;
     EXPECT_EQ(rows, want[i].rows) << "task " << i;
+    // The rest is marked empty, so the attention can take the whole cache (attend_resident).
+    const std::vector<int32_t> all = testing::Download(tasks[i].new_tokens, tasks[i].capacity);
+    for (int32_t j = count; j < tasks[i].capacity; ++j) EXPECT_EQ(all[j], cuda::kNoToken) << "task " << i;
   }
 #endif
 }

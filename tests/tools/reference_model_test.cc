@@ -161,6 +161,28 @@ TEST_F(ReferenceModelTest, SpeCacheWithTopKCoveringTheContextReproducesFull) {
   EXPECT_GT(spec64, kivi1) << "fetching the top-64 rows must recover more than the 1-bit replica alone";
 }
 
+// specache-run's default selection (the defaults of KvOptions, chosen by
+// tools/bench/selection_grid.sh) at 1 bit finds a needle at 1K tokens as full precision does. (The
+// paper's rule, the library's default, answers "PINNARED" here.)
+TEST_F(ReferenceModelTest, DefaultOneBitSelectionFindsTheNeedle) {
+  std::ifstream in(testing::SourcePath("tools/data/gpl-3.0.txt"));
+  const std::string haystack((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  NiahSpec spec{haystack, "The secret password for the blue door is PINEAPPLE.",
+                "What is the secret password for the blue door?", 1024, 0.5};
+  auto prompt = BuildNiahPrompt(*model_->tokenizer, model_->chat, spec);
+  ASSERT_TRUE(prompt.ok()) << prompt.status().ToString();
+  auto answer = [&](const KvConfig& config) {
+    const std::vector<int32_t> tokens = Generate(config, prompt->tokens, 16);
+    return model_->tokenizer->Decode(tokens);
+  };
+  auto chosen = run::ToConfig(run::KvOptions{});
+  ASSERT_TRUE(chosen.ok());
+  const std::string full = answer(KvConfig{KvMode::kFull}), mine = answer(*chosen);
+  std::printf("full: %s\n%s: %s\n", full.c_str(), DescribeKvConfig(*chosen).c_str(), mine.c_str());
+  EXPECT_NE(full.find("PINEAPPLE"), std::string::npos) << full;
+  EXPECT_NE(mine.find("PINEAPPLE"), std::string::npos) << mine;
+}
+
 TEST_F(ReferenceModelTest, DaemonPagesGiveTheSameTokensAsProcessMemory) {
   run::KvOptions options;  // kv_memory "embedded": a specached inside this process
   auto memory = run::OpenKvMemory(options, *model_->model, 1);

@@ -1,7 +1,8 @@
-// specache-run's option parsing shared by its commands: byte counts (--gpu-mem-budget).
-#include <gtest/gtest.h>
-
+// specache-run's option parsing shared by its commands: byte counts (--gpu-mem-budget), mode specs
+// with per-mode selection options, and labels that name what differs from the defaults.
 #include "run_support.h"
+
+#include <gtest/gtest.h>
 
 namespace specache::run {
 namespace {
@@ -20,6 +21,53 @@ TEST(ParseBytesTest, RefusesUnknownUnitsAndNonPositiveSizes) {
   EXPECT_EQ(ParseBytes("many").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseBytes("0").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseBytes("-1GB").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(RunSupportTest, ModeSpecsTakeSelectionOptionsAfterSlashes) {
+  const KvOptions defaults;
+  auto plain = ToConfig(defaults, "specache:1");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ(plain->select, SelectFrom::kUnion);
+  EXPECT_EQ(plain->extra_rows(), 32);
+  EXPECT_TRUE(plain->real_next);
+  EXPECT_TRUE(plain->attend_resident);
+  EXPECT_EQ(ModeLabel(*plain), "specache-1bit");
+
+  auto paper = ToConfig(defaults, "specache:1/select=spec/no-resident/topk=64");
+  ASSERT_TRUE(paper.ok()) << paper.status().ToString();
+  EXPECT_EQ(paper->select, SelectFrom::kSpeculative);
+  EXPECT_FALSE(paper->attend_resident);
+  EXPECT_EQ(paper->extra_rows(), 0);
+  EXPECT_EQ(ModeLabel(*paper), "specache-1bit+spec+no-resident");
+
+  auto other = ToConfig(defaults, "specache:2/topk-real=16/no-next/mass=0.9/k-min=8/k-max=96/cached-rows=300");
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  EXPECT_EQ(other->key_bits, 2);
+  EXPECT_EQ(other->extra_rows(), 16);
+  EXPECT_FALSE(other->real_next);
+  EXPECT_DOUBLE_EQ(other->mass, 0.9);
+  EXPECT_EQ(other->k_min, 8);
+  EXPECT_EQ(other->k_max, 96);
+  EXPECT_EQ(other->cache_rows(), 300);
+  EXPECT_EQ(ModeLabel(*other), "specache-2bit+union16+no-next+mass0.9k8-96+cache300");
+
+  auto oracle = ToConfig(defaults, "specache-oracle:1/no-resident");
+  ASSERT_TRUE(oracle.ok());
+  EXPECT_EQ(oracle->mode, KvMode::kSpeCacheOracle);
+  EXPECT_EQ(ModeLabel(*oracle), "specache-oracle-1bit+no-resident");
+  EXPECT_EQ(ModeLabel(*ToConfig(defaults, "kivi:1")), "kivi-1bit");
+}
+
+TEST(RunSupportTest, BadModeOptionsAreNamed) {
+  const KvOptions defaults;
+  for (const char* spec : {"specache:1/sellect=spec", "specache:1/topk=many", "specache:1/mass=lots",
+                           "specache:1/resident=yes"}) {
+    auto c = ToConfig(defaults, spec);
+    ASSERT_FALSE(c.ok()) << spec;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << spec;
+  }
+  EXPECT_NE(ToConfig(defaults, "specache:1/select=both").status().message().find("spec, real or union"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -26,8 +26,77 @@ Result<LoadedModel> LoadModel(const std::string& path) {
   return m;
 }
 
-Result<KvConfig> ToConfig(const KvOptions& o, const std::string& mode) {
+namespace {
+
+Result<int> ParseCount(const std::string& key, const std::string& text) {
+  try {
+    size_t used = 0;
+    const int v = std::stoi(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  return Status::InvalidArgument("mode option " + key + "=" + text + ": not a whole number");
+}
+
+// One "/key[=value]" option of a mode spec.
+Status ApplyModeOption(const std::string& option, KvOptions* o) {
+  const size_t eq = option.find('=');
+  const std::string key = option.substr(0, eq), value = eq == std::string::npos ? "" : option.substr(eq + 1);
+  if (key == "resident" && value.empty()) {
+    o->attend_resident = true;
+  } else if (key == "no-resident" && value.empty()) {
+    o->attend_resident = false;
+  } else if (key == "next" && value.empty()) {
+    o->real_next = true;
+  } else if (key == "no-next" && value.empty()) {
+    o->real_next = false;
+  } else if (key == "select") {
+    o->select = value;
+  } else if (key == "mass") {
+    try {
+      size_t used = 0;
+      o->mass = std::stod(value, &used);
+      if (used != value.size()) throw std::invalid_argument(value);
+    } catch (const std::exception&) {
+      return Status::InvalidArgument("mode option mass=" + value + ": not a number");
+    }
+  } else if (key == "topk") {
+    SPECACHE_ASSIGN_OR_RETURN(o->topk, ParseCount(key, value));
+  } else if (key == "topk-real") {
+    SPECACHE_ASSIGN_OR_RETURN(o->topk_real, ParseCount(key, value));
+  } else if (key == "k-min") {
+    SPECACHE_ASSIGN_OR_RETURN(o->k_min, ParseCount(key, value));
+  } else if (key == "k-max") {
+    SPECACHE_ASSIGN_OR_RETURN(o->k_max, ParseCount(key, value));
+  } else if (key == "cached-rows") {
+    SPECACHE_ASSIGN_OR_RETURN(o->cached_rows, ParseCount(key, value));
+  } else {
+    return Status::InvalidArgument("unknown mode option '" + option +
+                                   "' (select=, topk=, topk-real=, next, no-next, resident, no-resident, mass=, k-min=, k-max=, "
+                                   "cached-rows=)");
+  }
+  return Status::Ok();
+}
+
+std::string Trimmed(double v) {
+  std::string s = std::to_string(v);
+  while (!s.empty() && s.back() == '0') s.pop_back();
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s;
+}
+
+}  // namespace
+
+Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
+  KvOptions o = options;
   std::string name = mode.empty() ? o.kv : mode;
+  for (size_t slash = name.find('/'); slash != std::string::npos; slash = name.find('/')) {
+    std::string rest = name.substr(slash + 1);
+    name.resize(slash);
+    const size_t next = rest.find('/');
+    SPECACHE_RETURN_IF_ERROR(ApplyModeOption(rest.substr(0, next), &o));
+    if (next != std::string::npos) name += rest.substr(next);
+  }
   int bits = o.bits, key_bits = o.key_bits, value_bits = o.value_bits;
   if (const size_t colon = name.find(':'); colon != std::string::npos) {
     try {
@@ -41,20 +110,49 @@ Result<KvConfig> ToConfig(const KvOptions& o, const std::string& mode) {
   KvConfig c;
   SPECACHE_ASSIGN_OR_RETURN(c.mode, ParseKvMode(name));
   SPECACHE_ASSIGN_OR_RETURN(c.reduction, ParseGroupReduction(o.reduction));
+  SPECACHE_ASSIGN_OR_RETURN(c.select, ParseSelectFrom(o.select));
   c.key_bits = key_bits ? key_bits : bits;
   c.value_bits = value_bits ? value_bits : bits;
   c.group_size = o.group;
   c.residual_tokens = o.residual;
   c.top_k = o.topk;
   c.cached_rows = o.cached_rows;
+  c.top_k_real = o.topk_real;
+  c.real_next = o.real_next;
+  c.attend_resident = o.attend_resident;
+  c.mass = o.mass;
+  c.k_min = o.k_min;
+  c.k_max = o.k_max;
   return c;
 }
 
 std::string ModeLabel(const KvConfig& c) {
   std::string label(KvModeName(c.mode));
   if (c.mode == KvMode::kFull) return label;
-  if (c.key_bits == c.value_bits) return label + "-" + std::to_string(c.key_bits) + "bit";
-  return label + "-k" + std::to_string(c.key_bits) + "v" + std::to_string(c.value_bits);
+  if (c.key_bits == c.value_bits) {
+    label += "-" + std::to_string(c.key_bits) + "bit";
+  } else {
+    label += "-k" + std::to_string(c.key_bits) + "v" + std::to_string(c.value_bits);
+  }
+  if (!c.fetches_rows()) return label;
+  // What differs from the command line's defaults.
+  const Result<KvConfig> defaults = ToConfig(KvOptions{}, std::string(KvModeName(c.mode)));
+  if (!defaults.ok()) return label;
+  const KvConfig& d = *defaults;
+  if (c.mode == KvMode::kSpeCache && (c.select != d.select || c.extra_rows() != d.extra_rows())) {
+    label += "+" + std::string(SelectFromName(c.select));
+    if (c.extra_rows() > 0) label += std::to_string(c.extra_rows());
+  }
+  const bool ranks_real = c.mode == KvMode::kSpeCache && c.select != SelectFrom::kSpeculative;
+  if (ranks_real && c.real_next != d.real_next) label += c.real_next ? "+next" : "+no-next";
+  if (c.adaptive()) {
+    label += "+mass" + Trimmed(c.mass) + "k" + std::to_string(c.k_min) + "-" + std::to_string(c.k_max);
+  } else if (c.top_k != d.top_k || d.adaptive()) {
+    label += "+k" + std::to_string(c.top_k);
+  }
+  if (c.attend_resident != d.attend_resident) label += c.attend_resident ? "+resident" : "+no-resident";
+  if (c.cached_rows != d.cached_rows) label += "+cache" + std::to_string(c.cache_rows());
+  return label;
 }
 
 Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvConfig& config, KvMemory* memory,
@@ -139,9 +237,20 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
     j["group"] = run.config.group_size;
     j["residual"] = run.config.residual_tokens;
   }
-  if (run.config.mode == KvMode::kSpeCache || run.config.mode == KvMode::kSpeCacheNonSpec) {
-    j["topk"] = run.config.top_k;
-    j["cached_rows"] = run.config.cache_rows();
+  if (run.config.fetches_rows()) {
+    const KvConfig& c = run.config;
+    j["topk"] = c.top_k;
+    j["cached_rows"] = c.cache_rows();
+    j["select"] = std::string(SelectFromName(c.select));
+    j["topk_real"] = c.extra_rows();
+    j["real_next"] = c.real_next;
+    j["attend_resident"] = c.attend_resident;
+    j["mass"] = c.mass;
+    if (c.adaptive()) {
+      j["k_min"] = c.k_min;
+      j["k_max"] = c.k_max;
+    }
+    j["selection"] = DescribeKvConfig(c);
   }
   j["device_kv_bytes"] = s.device_bytes;
   const int64_t fp16_row_bytes = int64_t{run.agent->shape().n_layers} * run.agent->shape().n_kv_heads * 2 *
@@ -161,6 +270,10 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
     j["fetch_bytes_per_step"] = static_cast<double>(s.bytes_fetched) / s.steps;
     j["fetch_bytes_per_step_without_reuse"] = static_cast<double>(s.rows_selected) * row_bytes / s.steps;
     j["fetch_ratio_to_no_reuse"] = static_cast<double>(s.rows_fetched) / s.rows_selected;
+    // Per (layer, KV head) and decode step (the pre-decode step's selection counts in too).
+    const double head_steps = static_cast<double>(s.steps) * run.agent->shape().n_layers * run.agent->shape().n_kv_heads;
+    j["rows_selected_per_head_step"] = static_cast<double>(s.rows_selected) / head_steps;
+    j["rows_fetched_per_head_step"] = static_cast<double>(s.rows_fetched) / head_steps;
   }
   j["prefill_seconds"] = prefill_seconds;
   j["prefill_tokens_per_s"] = prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0;

@@ -41,13 +41,27 @@ struct KvOptions {
   int topk = 64;
   int cached_rows = 0;  // rows kept on the device per KV head and layer for reuse; 0: 2 * topk
   std::string reduction = "mean";
+  // Row selection (kv_config.h, selection.h). The defaults were chosen with
+  // tools/bench/selection_grid.sh (docs/method.md, "Choosing the rows"); the library's KvConfig
+  // keeps the paper's rule.
+  std::string select = "union";  // spec, real, union
+  int topk_real = 32;            // union: rows added from the real row; 0: topk
+  bool real_next = true;         // real, union: the real row's ranking also credits each row's successor
+  bool attend_resident = true;   // attend with every row of the row cache
+  double mass = 0;               // adaptive budget: attention mass to reach; 0: fixed topk
+  int k_min = 16, k_max = 128;   // the adaptive budget's bounds
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")
   std::string backend = "auto";        // agent backend: auto (cuda when a GPU is usable), cpu, cuda
 };
-// `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too.
+// `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too. Selection
+// options may follow, each after a '/', overriding the command line's for this mode:
+// select=spec|real|union, topk=K, topk-real=K, next, no-next, resident, no-resident, mass=P,
+// k-min=K, k-max=K, cached-rows=N; e.g. "specache:1/select=union/resident".
 Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode = "");
-std::string ModeLabel(const KvConfig& config);  // "full", "kivi-1bit", "specache-2bit", ...
+// "full", "kivi-1bit", "specache-2bit", ...; a selection other than the defaults' is appended,
+// e.g. "specache-1bit+union64+resident" (safe in file names).
+std::string ModeLabel(const KvConfig& config);
 
 // One KV mode: its config, its own full-precision source and agent.
 struct ModeRun {

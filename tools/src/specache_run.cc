@@ -41,8 +41,32 @@ void AddModelOption(CLI::App* app, std::string* model) {
   app->add_option("--model", *model, "GGUF model file (Llama architecture)")->required();
 }
 
+// How the rows to fetch are chosen (docs/method.md, "Choosing the rows").
+void AddSelectionOptions(CLI::App* app, KvOptions* o) {
+  app->add_option("--select", o->select,
+                  "whose scores pick the rows fetched for the next step (specache): spec (the speculative row), real "
+                  "(the real row), union (spec's top-k plus the real row's best --topk-real others)")
+      ->capture_default_str();
+  app->add_option("--topk-real", o->topk_real, "rows union adds from the real row (0: --topk)")->capture_default_str();
+  app->add_flag("--real-next,!--no-real-next", o->real_next,
+                "select real or union: the real row's ranking also credits the row after each row it attends to "
+                "(what copying from the context reads next)")
+      ->capture_default_str();
+  app->add_flag("--attend-resident,!--no-attend-resident", o->attend_resident,
+                "attend with every full-precision row resident in the row cache, not only the selection")
+      ->capture_default_str();
+  app->add_option("--mass", o->mass,
+                  "adaptive budget: per KV head, the fewest rows whose low-bit attention mass reaches this fraction of "
+                  "the candidates' (between --k-min and --k-max); 0: a fixed --topk")
+      ->capture_default_str();
+  app->add_option("--k-min", o->k_min, "fewest rows of the adaptive budget")->capture_default_str();
+  app->add_option("--k-max", o->k_max, "most rows of the adaptive budget")->capture_default_str();
+}
+
 void AddKvOptions(CLI::App* app, KvOptions* o) {
-  app->add_option("--kv", o->kv, "KV mode: full, kivi, specache, specache-nonspec")->capture_default_str();
+  app->add_option("--kv", o->kv,
+                  "KV mode: full, kivi, specache, specache-nonspec, specache-oracle (exact selection, for measuring)")
+      ->capture_default_str();
   app->add_option("--bits", o->bits, "bits of the low-bit replica, keys and values (1, 2, 4)")->capture_default_str();
   app->add_option("--key-bits", o->key_bits, "key bits (default: --bits)");
   app->add_option("--value-bits", o->value_bits, "value bits (default: --bits)");
@@ -54,6 +78,7 @@ void AddKvOptions(CLI::App* app, KvOptions* o) {
                   "rows kept on the device per KV head and layer for reuse (0: 2 x topk; at least topk)")
       ->capture_default_str();
   app->add_option("--reduction", o->reduction, "GQA reduction of scores for top-k: mean or max")->capture_default_str();
+  AddSelectionOptions(app, o);
   app->add_option("--kv-memory", o->kv_memory,
                   "where the full-precision KV lives: embedded (a specached inside this process), daemon, process")
       ->capture_default_str();
@@ -610,7 +635,11 @@ int main(int argc, char** argv) {
     if (grid) {
       cmd->add_option("--lengths", a->lengths, "context lengths in tokens (whole prompt)")->delimiter(',')->capture_default_str();
       cmd->add_option("--depths", a->depths, "needle depths in [0, 1]")->delimiter(',')->capture_default_str();
-      cmd->add_option("--modes", a->modes, "KV modes as MODE[:BITS], e.g. full,kivi:1,specache:1 (default: --kv)")
+      cmd->add_option("--modes", a->modes,
+                      "KV modes as MODE[:BITS][/OPTION...], e.g. full,kivi:1,specache:1,specache:1/select=union/resident "
+                      "(options: select=, topk=, topk-real=, next, no-next, resident, no-resident, mass=, k-min=, k-max=, "
+                      "cached-rows=; "
+                      "default: --kv)")
           ->delimiter(',');
       cmd->add_option("--out-dir", a->out_dir, "where niah_grid.json and the PNG heat maps go (created if missing; checked before the first point)")->capture_default_str();
     } else {
@@ -632,7 +661,9 @@ int main(int argc, char** argv) {
   fidelity->add_option("--text", fid.text_file, "text file")->required();
   fidelity->add_option("--context-tokens", fid.context_tokens, "tokens prefilled")->capture_default_str();
   fidelity->add_option("--eval-tokens", fid.eval_tokens, "positions decoded and compared")->capture_default_str();
-  fidelity->add_option("--modes", fid.modes, "several KV modes as MODE[:BITS] sharing one prefill and one full reference")
+  fidelity->add_option("--modes", fid.modes,
+                       "several KV modes as MODE[:BITS][/OPTION...] (as niah-grid's) sharing one prefill and one full "
+                       "reference")
       ->delimiter(',');
   fidelity->add_flag("--json", fid.json, "print one JSON object per mode");
   AddKvOptions(fidelity, &fid.kv);

@@ -37,10 +37,13 @@ struct AttentionWorkspace {
 //   probs      if not null: [n_heads][n_candidates] receives row `probs_row`'s softmax
 //              probabilities of the first n_candidates tokens (cache tokens in order, then the new
 //              tokens): the top-k candidates. n_candidates <= length + probs_row + 1.
+//   row0_probs if not null: row 0's probabilities of the same candidates, same layout (the real
+//              row's, for selections that use both rows).
 // `scale` multiplies q.k (1/sqrt(head_dim) for Llama).
 void AttendDecodeRows(const HeadReplica& replica, const SubstitutedRows& substituted, const float* q,
                       const Half* new_keys, const Half* new_values, int n_rows, int n_heads, float scale, float* out,
-                      int probs_row, int32_t n_candidates, float* probs, AttentionWorkspace* ws);
+                      int probs_row, int32_t n_candidates, float* probs, AttentionWorkspace* ws,
+                      float* row0_probs = nullptr);
 
 // Exact causal attention over a prompt of n tokens (prefill): token i sees tokens 0..i.
 //   q [n][n_heads][head_dim] float, keys/values [n][head_dim] fp16, out [n][n_heads][head_dim].

@@ -35,7 +35,9 @@ struct FetchTask {
 
 // The row cache's update after a fetch (row_cache.h's rule, on the device): the new cache is the
 // selection (used at `now`) plus the most recently used old entries that fit in `capacity`,
-// ascending by token. Counts live on the device (the host never waits for them).
+// ascending by token. Counts live on the device (the host never waits for them); the entries
+// past the count hold kNoToken, so the whole cache can be handed to the attention as `capacity`
+// substitutions (KvConfig::attend_resident) without the host knowing the count.
 struct CacheUpdateTask {
   const int32_t* old_tokens = nullptr;  // [*old_count] ascending
   const int32_t* old_used = nullptr;
@@ -52,6 +54,9 @@ struct CacheUpdateTask {
   int32_t capacity = 0;                 // >= n_selected
 };
 constexpr int kMaxCacheUpdateTasks = 128;
+// Above every token, and what cudaMemset(0x7f) writes. Attention ignores substitutions of tokens
+// that are not quantized.
+constexpr int32_t kNoToken = 0x7f7f7f7f;
 
 struct WriteTask {
   const Half* keys = nullptr;    // row i at keys + i * stride

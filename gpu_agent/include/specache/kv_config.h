@@ -33,9 +33,13 @@ enum class KvMode {
   kKivi,             // low-bit replica only; one row per sequence per step
   kSpeCache,         // replica + speculative row picks the top-k to prefetch for the next step
   kSpeCacheNonSpec,  // replica + fetch the real row's own top-k, then recompute (Table 4 baseline)
+  // Diagnostic, for measuring only: like kSpeCacheNonSpec, but the real row's rows are chosen by
+  // its exact full-precision scores (every row is read from the source at every step). It bounds
+  // what any selection can reach with the same budget.
+  kSpeCacheOracle,
 };
 
-// "full", "kivi", "specache", "specache-nonspec".
+// "full", "kivi", "specache", "specache-nonspec", "specache-oracle".
 std::string_view KvModeName(KvMode mode);
 Result<KvMode> ParseKvMode(std::string_view name);
 
@@ -48,6 +52,18 @@ enum class GroupReduction {
 std::string_view GroupReductionName(GroupReduction reduction);
 Result<GroupReduction> ParseGroupReduction(std::string_view name);
 
+// Whose scores pick the rows fetched for the next step in kSpeCache mode (docs/method.md). Both
+// rows' scores are known when a layer's attention ends, so the fetch overlaps in every case.
+enum class SelectFrom {
+  kSpeculative,  // the speculative row's top-k (the paper)
+  kReal,         // the real row's top-k: consecutive steps need many of the same rows
+  kUnion,        // the speculative row's top-k plus the real row's best top_k_real others
+};
+
+// "spec", "real", "union".
+std::string_view SelectFromName(SelectFrom select);
+Result<SelectFrom> ParseSelectFrom(std::string_view name);
+
 struct KvConfig {
   KvMode mode = KvMode::kSpeCache;
   int key_bits = 1;          // 1, 2, 4 or 16 (16 = fp16 pass-through)
@@ -59,20 +75,57 @@ struct KvConfig {
   // recently selected others (row_cache.h). 0: 2 * top_k; otherwise at least top_k.
   int cached_rows = 0;
   GroupReduction reduction = GroupReduction::kMean;
+  // Which row's scores select (kSpeCache; the other fetching modes select with the real row).
+  SelectFrom select = SelectFrom::kSpeculative;
+  int top_k_real = 0;  // kUnion: rows added from the real row's ranking; 0: top_k
+  // kReal and kUnion: a token of the real row's ranking also scores its predecessor's probability
+  // (per head, the larger of the two). A row the real token attends to makes the row after it a
+  // candidate for the next token: what copying from the context (induction) needs next.
+  bool real_next = false;
+  // Attention substitutes every row of the row cache, not only the current selection: rows
+  // fetched for earlier steps are on the device anyway, and cost nothing more to use.
+  bool attend_resident = false;
+  // Adaptive budget: when mass > 0, the top-k of a (sequence, layer, KV head) becomes the fewest
+  // best-scored rows whose reduced scores reach `mass` of all candidates' (the low-bit estimate of
+  // the attention mass), at least k_min and at most k_max rows; top_k is then unused. 0: fixed k.
+  double mass = 0;
+  int k_min = 0;
+  int k_max = 0;
 
   // The bits that actually apply: kFull stores everything in 16 bits whatever key_bits say.
   int effective_key_bits() const { return mode == KvMode::kFull ? 16 : key_bits; }
   int effective_value_bits() const { return mode == KvMode::kFull ? 16 : value_bits; }
-  bool fetches_rows() const { return mode == KvMode::kSpeCache || mode == KvMode::kSpeCacheNonSpec; }
-  int cache_rows() const { return cached_rows > 0 ? cached_rows : 2 * top_k; }
+  bool fetches_rows() const {
+    return mode == KvMode::kSpeCache || mode == KvMode::kSpeCacheNonSpec || mode == KvMode::kSpeCacheOracle;
+  }
+  // The modes that fetch synchronously for the step's own row (one row per step).
+  bool selects_for_this_step() const { return mode == KvMode::kSpeCacheNonSpec || mode == KvMode::kSpeCacheOracle; }
+  bool adaptive() const { return mass > 0; }
+  // Most rows of the primary ranking (top_k, or k_max with the adaptive budget).
+  int primary_rows() const { return adaptive() ? k_max : top_k; }
+  // Rows added from the real row in kUnion selection (0 otherwise).
+  int extra_rows() const {
+    return mode == KvMode::kSpeCache && select == SelectFrom::kUnion ? (top_k_real > 0 ? top_k_real : top_k) : 0;
+  }
+  // Most rows one selection of a (sequence, layer, KV head) holds.
+  int max_selected() const { return primary_rows() + extra_rows(); }
+  int cache_rows() const { return cached_rows > 0 ? cached_rows : 2 * max_selected(); }
 };
+
+// Which row of a step's rows the primary ranking reads (selection.h): the speculative row of a
+// kSpeCache decode step unless SelectFrom::kReal, else row 0.
+inline int PrimaryRowOf(const KvConfig& config, bool decode_step) {
+  return decode_step && config.mode == KvMode::kSpeCache && config.select != SelectFrom::kReal ? 1 : 0;
+}
 
 // INVALID_ARGUMENT, with a message naming the parameter, when the config cannot be used with the
 // shape: unsupported bit width, G not a positive multiple of 32, G not dividing R or head_dim,
-// k <= 0 in a mode that fetches rows.
+// k <= 0 in a mode that fetches rows, a mass outside [0, 1], k_min/k_max not 1 <= k_min <= k_max
+// with a mass, cached_rows below max_selected().
 Status ValidateKvConfig(const KvConfig& config, const ModelShape& shape);
 
-// One line, e.g. "specache K1/V1 G=32 R=64 k=64 mean".
+// One line, e.g. "specache K1/V1 G=32 R=64 k=64 cache=128 mean" (selection options when not the
+// defaults).
 std::string DescribeKvConfig(const KvConfig& config);
 
 }  // namespace specache

@@ -30,6 +30,7 @@
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_gather.h"
 #include "specache/cuda_replica.h"
+#include "specache/cuda_selection.h"
 #include "specache/cuda_tensors.h"
 #include "specache/cuda_topk.h"
 #include "specache/device_probe.h"
@@ -184,6 +185,21 @@ class CudaAgent final : public Agent {
     return probs_stats_.get() + (s * shape_.n_kv_heads + h) * size_t(shape_.group_size()) * 2;
   }
   Status Select(int layer, const std::vector<int32_t>& candidates);
+  // The row-selection rule beyond the plain top-k (selection.h), in functions of their own:
+  // kUnion's real-row ranking (a second, one-row attention pass whose probabilities go to
+  // real_probs_), its mask-select-merge, the oracle's exact ranking over every full-precision
+  // row, and the substituted rows of an item (the selection, or the whole row cache).
+  Status RankRealRows(const std::vector<cuda::DeviceDecodeItem>& items);
+  Status SelectUnion(int layer, const std::vector<int32_t>& candidates);
+  Status RankExactly(int layer, std::vector<cuda::DeviceDecodeItem>* items, cudaStream_t stream);
+  void Substitute(const LayerRows& lr, int kv_head, cuda::DeviceDecodeRows* rows) const;
+  // Real-row scores of sequence s, KV head h in real_probs_, and their softmax statistics.
+  float* RealProbs(size_t s, int h, int32_t n) {
+    return real_probs_.get() + probs_offsets_[s] + size_t(h) * shape_.group_size() * n;
+  }
+  float* RealStats(size_t s, int h) {
+    return real_stats_.get() + (s * shape_.n_kv_heads + h) * size_t(shape_.group_size()) * 2;
+  }
   Status Attend(const std::vector<cuda::DeviceDecodeItem>& items) {
     return cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), compute_);
   }
@@ -216,6 +232,11 @@ class CudaAgent final : public Agent {
 
   // Scratch, grown as needed.
   Buffer<float> q_, out_, scores_, probs_, probs_stats_, topk_scratch_;
+  Buffer<float> real_probs_, real_stats_, real_out_;  // kUnion: the real row's ranking
+  Buffer<int32_t> union_tokens_;                      // kUnion: [segment][primary | extra]
+  Buffer<float> real_shifted_;                        // kUnion with real_next: [segment][GQA head][n]
+  Buffer<int32_t> every_token_;                       // oracle: 0, 1, 2, ... (every quantized token)
+  Buffer<Half> every_row_;                            // oracle: every quantized row of the step's items
   Buffer<Half> k_, v_;
   std::vector<size_t> probs_offsets_;  // per sequence of the step, into probs_
   // probs_ holds raw scores; probs_stats_ [sequence][KV head][GQA head][2] their softmax statistics.
@@ -478,12 +499,17 @@ Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences
 }
 
 Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
+  if (config_.extra_rows() > 0) return SelectUnion(layer, candidates);
   const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
   const auto& ids = protocol_.ids();
   size_t scratch = 0;
   for (int32_t n : candidates) scratch += size_t(n_kv) * std::max(n, 0);
   SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
   std::vector<cuda::TopKSegment> segments;
+  // kReal with real_next ranks a copy of the scores that credits each token with its predecessor's.
+  const bool shift = config_.real_next && config_.mode == KvMode::kSpeCache && config_.select == SelectFrom::kReal;
+  std::vector<cuda::ShiftTask> shifts;
+  if (shift) SPECACHE_RETURN_IF_ERROR(real_shifted_.Reserve(std::max<size_t>(scratch * group, 1)));
   scratch = 0;
   for (size_t s = 0; s < ids.size(); ++s) {
     LayerRows& lr = sequences_.at(ids[s]).layers[layer];
@@ -492,15 +518,171 @@ Status CudaAgent::Select(int layer, const std::vector<int32_t>& candidates) {
     lr.selected = k;
     if (k == 0) continue;
     const int next = 1 - lr.cur;
-    SPECACHE_RETURN_IF_ERROR(lr.tokens[next].Reserve(size_t(n_kv) * config_.top_k));
+    SPECACHE_RETURN_IF_ERROR(lr.tokens[next].Reserve(size_t(n_kv) * config_.max_selected()));
     for (int h = 0; h < n_kv; ++h) {  // head h's selection at h * k, as the resident rows are laid out
-      segments.push_back({probs_.get() + probs_offsets_[s] + size_t(h) * group * n, lr.tokens[next].get() + size_t(h) * k,
-                          topk_scratch_.get() + scratch, n, ProbsStats(s, h)});
+      float* probs = probs_.get() + probs_offsets_[s] + size_t(h) * group * n;
+      if (shift) {
+        float* copy = real_shifted_.get() + scratch * group;
+        shifts.push_back({probs, copy, n});
+        probs = copy;
+      }
+      segments.push_back({probs, lr.tokens[next].get() + size_t(h) * k, topk_scratch_.get() + scratch, n, ProbsStats(s, h)});
       scratch += n;
     }
   }
+  SPECACHE_RETURN_IF_ERROR(cuda::WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
   return cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.top_k,
                                config_.reduction, compute_);
+}
+
+Status CudaAgent::RankRealRows(const std::vector<cuda::DeviceDecodeItem>& items) {
+  // Row 0 alone sees the cache and its own token, exactly as it does in the two-row pass, so its
+  // scores are the real row's. Outputs go to scratch; the engine's `out` already has them.
+  const int n_kv = shape_.n_kv_heads, group = shape_.group_size(), d = shape_.head_dim;
+  std::vector<cuda::DeviceDecodeItem> real = items;
+  SPECACHE_RETURN_IF_ERROR(real_stats_.Reserve(items.size() * group * 2));
+  SPECACHE_RETURN_IF_ERROR(real_out_.Reserve(items.size() * group * d));
+  size_t most = 1;
+  for (size_t i = 0; i < real.size(); ++i) {
+    const size_t s = i / n_kv;
+    const int32_t n = real[i].rows.n_candidates;
+    most = std::max(most, probs_offsets_[s] + size_t(n_kv) * group * std::max<int32_t>(n, 1));
+  }
+  SPECACHE_RETURN_IF_ERROR(real_probs_.Reserve(most));
+  for (size_t i = 0; i < real.size(); ++i) {
+    const size_t s = i / n_kv;
+    const int h = static_cast<int>(i % n_kv);
+    cuda::DeviceDecodeRows& r = real[i].rows;
+    r.n_rows = 1;
+    r.probs_row = 0;
+    r.out = real_out_.get() + i * group * d;
+    r.q_stride = int64_t{group} * d;
+    r.probs = r.n_candidates > 0 ? RealProbs(s, h, r.n_candidates) : nullptr;
+    r.probs_stats = RealStats(s, h);
+  }
+  return Attend(real);
+}
+
+Status CudaAgent::SelectUnion(int layer, const std::vector<int32_t>& candidates) {
+  // selection.h: the primary top-k, then the real row's best extra_rows() others, merged. A
+  // segment with no more candidates than both together selects them all.
+  const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
+  const int32_t k = config_.top_k, extra = config_.extra_rows();
+  const bool pre_decode = protocol_.kind() == StepKind::kPreDecode;  // one row: primary and real
+  const auto& ids = protocol_.ids();
+  size_t scratch = 0, n_union = 0, shifted = 0;
+  for (int32_t n : candidates) {
+    scratch += size_t(n_kv) * std::max(n, 0);
+    if (n > k + extra) ++n_union, shifted += size_t(n_kv) * group * n;
+  }
+  SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
+  SPECACHE_RETURN_IF_ERROR(union_tokens_.Reserve(std::max<size_t>(n_union * n_kv * (k + extra), 1)));
+  if (config_.real_next) SPECACHE_RETURN_IF_ERROR(real_shifted_.Reserve(std::max<size_t>(shifted, 1)));
+  std::vector<cuda::TopKSegment> all, primary, others;
+  std::vector<cuda::MaskTask> masks;
+  std::vector<cuda::MergeTask> merges;
+  std::vector<cuda::ShiftTask> shifts;
+  scratch = 0;
+  shifted = 0;
+  size_t slot = 0;
+  for (size_t s = 0; s < ids.size(); ++s) {
+    LayerRows& lr = sequences_.at(ids[s]).layers[layer];
+    const int32_t n = std::max<int32_t>(candidates[s], 0);
+    const int next = 1 - lr.cur;
+    lr.selected = std::min(n, k + extra);
+    if (n == 0) continue;
+    SPECACHE_RETURN_IF_ERROR(lr.tokens[next].Reserve(size_t(n_kv) * config_.max_selected()));
+    for (int h = 0; h < n_kv; ++h) {
+      float* probs = probs_.get() + probs_offsets_[s] + size_t(h) * group * n;
+      int32_t* out = lr.tokens[next].get() + size_t(h) * lr.selected;
+      float* part = topk_scratch_.get() + scratch;
+      scratch += n;
+      if (n <= k + extra) {
+        all.push_back({probs, out, part, n, ProbsStats(s, h)});
+        continue;
+      }
+      int32_t* mine = union_tokens_.get() + slot;
+      slot += k + extra;
+      float* real = pre_decode ? probs : RealProbs(s, h, n);
+      if (config_.real_next) {  // ranked on a copy that credits each token with its predecessor
+        float* copy = real_shifted_.get() + shifted;
+        shifted += size_t(group) * n;
+        shifts.push_back({real, copy, n});
+        real = copy;
+      }
+      const float* real_stats = pre_decode ? ProbsStats(s, h) : RealStats(s, h);
+      primary.push_back({probs, mine, part, n, ProbsStats(s, h)});
+      masks.push_back({real, mine, n, k});
+      others.push_back({real, mine + k, part, n, real_stats});
+      merges.push_back({mine, mine + k, out, k, extra});
+    }
+  }
+  SPECACHE_RETURN_IF_ERROR(cuda::SelectTopKBatch(all.data(), static_cast<int>(all.size()), group, k + extra,
+                                                 config_.reduction, compute_));
+  SPECACHE_RETURN_IF_ERROR(cuda::SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k,
+                                                 config_.reduction, compute_));
+  SPECACHE_RETURN_IF_ERROR(cuda::WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
+  SPECACHE_RETURN_IF_ERROR(cuda::MaskTokens(masks.data(), static_cast<int>(masks.size()), group, compute_));
+  SPECACHE_RETURN_IF_ERROR(cuda::SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra,
+                                                 config_.reduction, compute_));
+  return cuda::MergeSelections(merges.data(), static_cast<int>(merges.size()), compute_);
+}
+
+Status CudaAgent::RankExactly(int layer, std::vector<cuda::DeviceDecodeItem>* items, cudaStream_t stream) {
+  // Every quantized row of every item, read from the pages into scratch (not through the row
+  // cache and not counted as fetched: the oracle only measures), substituted for the ranking pass.
+  const int n_kv = shape_.n_kv_heads;
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  int32_t most = 0;
+  size_t rows = 0;
+  for (const auto& it : *items) {
+    most = std::max(most, it.replica.quantized_keys);
+    rows += static_cast<size_t>(it.replica.quantized_keys);
+  }
+  if (most == 0) return Status::Ok();
+  if (every_token_.bytes() < int64_t{most} * int64_t{sizeof(int32_t)}) {
+    std::vector<int32_t> iota(static_cast<size_t>(options_.capacity_tokens));
+    for (size_t t = 0; t < iota.size(); ++t) iota[t] = static_cast<int32_t>(t);
+    SPECACHE_RETURN_IF_ERROR(every_token_.Reserve(iota.size()));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy(every_token_.get(), iota.data(), iota.size() * sizeof(int32_t),
+                                             cudaMemcpyHostToDevice),
+                                  "oracle tokens"));
+  }
+  SPECACHE_RETURN_IF_ERROR(every_row_.Reserve(rows * row));
+  std::vector<cuda::FetchTask> tasks;
+  size_t at = 0;
+  for (size_t i = 0; i < items->size(); ++i) {
+    cuda::DeviceDecodeItem& it = (*items)[i];
+    const SequenceState& st = sequences_.at(protocol_.ids()[i / n_kv]);
+    cuda::FetchTask t;
+    t.selected = every_token_.get();
+    t.n_selected = it.replica.quantized_keys;
+    t.out_rows = every_row_.get() + at * row;
+    t.pages = PageTable(st, layer);
+    t.kv_head = static_cast<int>(i % n_kv);
+    tasks.push_back(t);
+    it.rows.sub_tokens = every_token_.get();
+    it.rows.sub_rows = t.out_rows;
+    it.rows.n_sub = it.replica.quantized_keys;
+    at += static_cast<size_t>(it.replica.quantized_keys);
+  }
+  return cuda::FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, page_tokens_,
+                         options_.fetch_blocks, nullptr, stream);
+}
+
+void CudaAgent::Substitute(const LayerRows& lr, int h, cuda::DeviceDecodeRows* r) const {
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  if (config_.attend_resident) {
+    // The whole row cache (it holds the selection); entries past its count are kNoToken.
+    const int32_t capacity = lr.fetches > 0 ? config_.cache_rows() : 0;
+    r->sub_tokens = capacity ? lr.cache_tokens[lr.cache_cur].get() + size_t(h) * capacity : nullptr;
+    r->sub_rows = capacity ? lr.cache_rows[lr.cache_cur].get() + size_t(h) * capacity * row : nullptr;
+    r->n_sub = capacity;
+    return;
+  }
+  r->sub_tokens = lr.tokens[lr.cur].get() + size_t(h) * lr.resident;
+  r->sub_rows = lr.rows[lr.cur].get() + size_t(h) * lr.resident * row;
+  r->n_sub = lr.resident;
 }
 
 Status CudaAgent::Fetch(int layer, const std::vector<size_t>& which, cudaStream_t stream) {
@@ -520,13 +702,16 @@ Status CudaAgent::Fetch(int layer, const std::vector<size_t>& which, cudaStream_
       continue;
     }
     if (lr.selected > 0) {
-      SPECACHE_RETURN_IF_ERROR(lr.rows[next].Reserve(size_t(n_kv) * config_.top_k * row));
+      SPECACHE_RETURN_IF_ERROR(lr.rows[next].Reserve(size_t(n_kv) * config_.max_selected() * row));
       if (lr.fetches == 0) {  // the cache starts empty
         for (int g = 0; g < 2; ++g) {
           SPECACHE_RETURN_IF_ERROR(lr.cache_tokens[g].Reserve(size_t(n_kv) * capacity));
           SPECACHE_RETURN_IF_ERROR(lr.cache_used[g].Reserve(size_t(n_kv) * capacity));
           SPECACHE_RETURN_IF_ERROR(lr.cache_rows[g].Reserve(size_t(n_kv) * capacity * row));
           SPECACHE_RETURN_IF_ERROR(lr.cache_count[g].Reserve(n_kv));
+          SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(lr.cache_tokens[g].get(), 0x7f,
+                                                        size_t(n_kv) * capacity * sizeof(int32_t), stream),
+                                        "cache tokens"));  // every entry kNoToken
           SPECACHE_RETURN_IF_ERROR(
               Cuda(cudaMemsetAsync(lr.cache_count[g].get(), 0, n_kv * sizeof(int32_t), stream), "cache counts"));
         }
@@ -580,10 +765,10 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
   const int n_rows = protocol_.rows();
   const auto& ids = protocol_.ids();
   const size_t n_seq = ids.size(), total_rows = n_seq * n_rows;
-  const bool nonspec = config_.mode == KvMode::kSpeCacheNonSpec;
-  const bool selects = config_.mode == KvMode::kSpeCache || nonspec;
+  const bool nonspec = config_.selects_for_this_step();  // nonspec, oracle: select, fetch, attend
+  const bool selects = config_.fetches_rows();
   const bool appends = protocol_.kind() == StepKind::kDecode;
-  const int probs_row = protocol_.kind() == StepKind::kPreDecode ? 0 : (nonspec ? 0 : 1);
+  const int probs_row = PrimaryRowOf(config_, appends);
 
   // This layer's rows fetched during the previous step must be resident before its attention.
   if (config_.mode == KvMode::kSpeCache) {
@@ -621,9 +806,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
       it.replica = rep.view();
       cuda::DeviceDecodeRows& r = it.rows;
       const size_t first_row = s * n_rows;
-      r.sub_tokens = lr.tokens[lr.cur].get() + size_t(h) * lr.resident;
-      r.sub_rows = lr.rows[lr.cur].get() + size_t(h) * lr.resident * 2 * d;
-      r.n_sub = lr.resident;
+      Substitute(lr, h, &r);
       r.q = rows.q + (first_row * n_q + size_t(h) * group) * d;
       r.out = rows.out + (first_row * n_q + size_t(h) * group) * d;
       r.q_stride = int64_t{n_q} * d;
@@ -647,6 +830,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     // Select from the plain low-bit attention, fetch now, then attend with the fetched rows.
     std::vector<cuda::DeviceDecodeItem> plain = items;
     for (auto& it : plain) it.rows.n_sub = 0;
+    if (config_.mode == KvMode::kSpeCacheOracle) SPECACHE_RETURN_IF_ERROR(RankExactly(layer, &plain, compute_));
     SPECACHE_RETURN_IF_ERROR(Attend(plain));
     SPECACHE_RETURN_IF_ERROR(Select(layer, candidates));
     std::vector<size_t> all(n_seq);
@@ -654,15 +838,13 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     SPECACHE_RETURN_IF_ERROR(Fetch(layer, all, compute_));
     for (size_t i = 0; i < items.size(); ++i) {
       const LayerRows& lr = sequences_.at(ids[i / n_kv]).layers[layer];
-      const int h = static_cast<int>(i % n_kv);
-      items[i].rows.sub_tokens = lr.tokens[lr.cur].get() + size_t(h) * lr.resident;
-      items[i].rows.sub_rows = lr.rows[lr.cur].get() + size_t(h) * lr.resident * 2 * d;
-      items[i].rows.n_sub = lr.resident;
+      Substitute(lr, static_cast<int>(i % n_kv), &items[i].rows);
       items[i].rows.probs = nullptr;
     }
     SPECACHE_RETURN_IF_ERROR(Attend(items));
   } else {
     SPECACHE_RETURN_IF_ERROR(Attend(items));
+    if (selects && config_.extra_rows() > 0 && n_rows > 1) SPECACHE_RETURN_IF_ERROR(RankRealRows(items));
     if (selects) {
       SPECACHE_RETURN_IF_ERROR(Select(layer, candidates));
       SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(selected_[layer], compute_), "selection event"));
@@ -786,6 +968,9 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (options.capacity_tokens <= 0) return Status::InvalidArgument("capacity_tokens must be positive");
   if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
   if (options.device_pool_bytes < 0) return Status::InvalidArgument("device_pool_bytes must be >= 0");
+  if (config.adaptive()) {
+    return Status::Unimplemented("the adaptive row budget (mass) runs on the CPU backend only; use a fixed top_k");
+  }
   SPECACHE_RETURN_IF_ERROR(ProbeCudaDevice().status());
   auto agent = std::make_unique<CudaAgent>(shape, config, source, options);
   SPECACHE_RETURN_IF_ERROR(agent->Init());

@@ -142,11 +142,15 @@ __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
     t.new_used[pos] = t.now;
     for (int p = 0; p < row_pieces; ++p) new_rows[int64_t{pos} * row_pieces + p] = sel_rows[int64_t{i} * row_pieces + p];
   }
+  __shared__ int32_t new_count;
   if (threadIdx.x == 0) {
     int32_t kept = 0;
     for (int32_t c = 0; c < n_old; ++c) kept += (flags[c] & 2) ? 1 : 0;
-    *t.new_count = kept + t.n_selected;
+    new_count = kept + t.n_selected;
+    *t.new_count = new_count;
   }
+  __syncthreads();
+  for (int32_t i = new_count + threadIdx.x; i < t.capacity; i += blockDim.x) t.new_tokens[i] = kNoToken;
 }
 
 Status LaunchError(const char* what) {

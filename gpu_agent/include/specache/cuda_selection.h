@@ -1,0 +1,47 @@
+// The steps of the row-selection rule (selection.h) that the top-k kernels do not cover, on the
+// device. The union selection (SelectFrom::kUnion): MaskTokens takes the primary rows out of the
+// real row's scores (they become NaN, which every top-k ranks lowest), SelectTopKBatch then picks
+// the real row's best others, and MergeSelections joins the two ascending lists into one. Device
+// pointers; streams as void*. With KvConfig::real_next, WithPredecessors first credits each token
+// with its predecessor's score. Tasks travel in the kernels' parameters, kMaxSelectionTasks per
+// launch (more are split across launches).
+#pragma once
+
+#include <cstdint>
+
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+struct MaskTask {
+  float* scores = nullptr;          // [n_heads][n]
+  const int32_t* tokens = nullptr;  // [count], each < n
+  int32_t n = 0;
+  int32_t count = 0;
+};
+
+// Two ascending lists of distinct tokens, disjoint, merged into `out` [na + nb] ascending.
+struct MergeTask {
+  const int32_t* a = nullptr;
+  const int32_t* b = nullptr;
+  int32_t* out = nullptr;
+  int32_t na = 0;
+  int32_t nb = 0;
+};
+
+// out[h][j] = max(in[h][j], in[h][j - 1]) for j > 0, out[h][0] = in[h][0]; NaN stays NaN. On raw
+// scores this is the same as on probabilities (one softmax per head is monotone).
+struct ShiftTask {
+  const float* in = nullptr;  // [n_heads][n]
+  float* out = nullptr;       // [n_heads][n], not overlapping `in`
+  int32_t n = 0;
+};
+
+constexpr int kMaxSelectionTasks = 256;
+
+// scores[h][token] = NaN for every listed token, in every head of the group.
+Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream);
+Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream);
+Status WithPredecessors(const ShiftTask* tasks, int n_tasks, int n_heads, void* stream);
+
+}  // namespace specache::cuda

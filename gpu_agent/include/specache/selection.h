@@ -1,0 +1,47 @@
+// The rule that picks the full-precision rows of one (sequence, layer, KV head) for a fetch
+// (docs/method.md, "Choosing the rows"): the CPU reference both backends follow.
+//
+// Scores: the GQA group's per-head probabilities over the candidates ([n_heads][n]) are reduced
+// to one score per token (mean or max; NaN ranks lowest) as cpu::SelectTopK does.
+//   - The primary rows are the best `top_k` of the primary row's scores or, with the adaptive
+//     budget (KvConfig::mass > 0), the fewest best rows whose scores sum to at least `mass` of all
+//     candidates' scores, no fewer than k_min and no more than k_max (and never more than n).
+//     The primary row is the speculative row (SelectFrom::kSpeculative and kUnion), or the real
+//     row (kReal, and the modes that select for their own step).
+//   - kUnion adds the real row's best extra_rows() tokens that are not primary.
+//   - With real_next (kSpeCache), the real row's ranking (kReal's primary, kUnion's extra) reads
+//     per-head probabilities replaced by max(p[j], p[j - 1]).
+// Ties go to the lower token. The result is ascending.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "specache/kv_config.h"
+
+namespace specache::cpu {
+
+struct SelectionScratch {
+  std::vector<float> score;
+  std::vector<int32_t> order;
+  std::vector<int32_t> extra;
+  std::vector<float> shifted;
+};
+
+// out[h][j] = max(probs[h][j], probs[h][j - 1]) (j > 0; out[h][0] = probs[h][0]); NaN stays NaN.
+void WithPredecessors(const float* probs, int n_heads, int32_t n, std::vector<float>* out);
+
+// Reduced score per token: [n] from [n_heads][n].
+void ReduceGroupScores(const float* probs, int n_heads, int32_t n, GroupReduction reduction, std::vector<float>* score);
+
+// How many of the best rows the adaptive budget takes from the reduced scores `score[0, n)`: the
+// smallest c in [k_min, k_max] whose c best scores (in rank order, summed in float) reach
+// mass * (the sum of all n scores, in token order), or min(k_max, n). Without a mass: min(top_k, n).
+int32_t BudgetRows(const KvConfig& config, const float* score, int32_t n, std::vector<int32_t>* order);
+
+// The rows to fetch. `real_probs` is used by kUnion only (may equal primary_probs, as in the
+// pre-decode step, whose one row is both).
+void SelectRows(const KvConfig& config, const float* primary_probs, const float* real_probs, int n_heads, int32_t n,
+                std::vector<int32_t>* tokens, SelectionScratch* scratch);
+
+}  // namespace specache::cpu

@@ -1,0 +1,99 @@
+#include "specache/selection.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace specache::cpu {
+namespace {
+
+// The `k` best of score[0, n) by (score descending, token ascending), in that rank order.
+void RankBest(const float* score, int32_t n, int32_t k, std::vector<int32_t>* order) {
+  order->resize(static_cast<size_t>(n));
+  std::iota(order->begin(), order->end(), 0);
+  auto better = [score](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
+  k = std::min(k, n);
+  std::partial_sort(order->begin(), order->begin() + k, order->end(), better);
+  order->resize(static_cast<size_t>(k));
+}
+
+}  // namespace
+
+void ReduceGroupScores(const float* probs, int n_heads, int32_t n, GroupReduction reduction, std::vector<float>* score) {
+  const bool use_max = reduction == GroupReduction::kMax;
+  score->assign(static_cast<size_t>(n), use_max ? -std::numeric_limits<float>::infinity() : 0.0f);
+  float* s = score->data();
+  for (int h = 0; h < n_heads; ++h) {
+    const float* ph = probs + static_cast<size_t>(h) * n;
+    for (int32_t j = 0; j < n; ++j) {
+      const float v = std::isnan(ph[j]) ? -std::numeric_limits<float>::infinity() : ph[j];
+      s[j] = use_max ? std::max(s[j], v) : s[j] + v;
+    }
+  }
+  if (!use_max) {
+    for (int32_t j = 0; j < n; ++j) s[j] /= static_cast<float>(n_heads);
+  }
+}
+
+void WithPredecessors(const float* probs, int n_heads, int32_t n, std::vector<float>* out) {
+  out->resize(static_cast<size_t>(n_heads) * n);
+  for (int h = 0; h < n_heads; ++h) {
+    const float* p = probs + static_cast<size_t>(h) * n;
+    float* o = out->data() + static_cast<size_t>(h) * n;
+    for (int32_t j = 0; j < n; ++j) o[j] = j > 0 && !std::isnan(p[j]) && p[j - 1] > p[j] ? p[j - 1] : p[j];
+  }
+}
+
+int32_t BudgetRows(const KvConfig& c, const float* score, int32_t n, std::vector<int32_t>* order) {
+  if (!c.adaptive()) return std::min<int32_t>(c.top_k, n);
+  const int32_t most = std::min<int32_t>(c.k_max, n);
+  float total = 0.0f;
+  for (int32_t j = 0; j < n; ++j) {
+    if (score[j] > 0) total += score[j];  // -inf (NaN) and empty scores add nothing
+  }
+  const float goal = static_cast<float>(c.mass) * total;
+  RankBest(score, n, most, order);
+  float sum = 0.0f;
+  for (int32_t i = 0; i < most; ++i) {
+    if (score[(*order)[i]] > 0) sum += score[(*order)[i]];
+    if (i + 1 >= c.k_min && sum >= goal) return i + 1;
+  }
+  return most;
+}
+
+void SelectRows(const KvConfig& c, const float* primary_probs, const float* real_probs, int n_heads, int32_t n,
+                std::vector<int32_t>* tokens, SelectionScratch* scratch) {
+  tokens->clear();
+  if (n <= 0) return;
+  if (c.real_next && c.mode == KvMode::kSpeCache && c.select == SelectFrom::kReal) {
+    WithPredecessors(primary_probs, n_heads, n, &scratch->shifted);
+    primary_probs = scratch->shifted.data();
+  }
+  ReduceGroupScores(primary_probs, n_heads, n, c.reduction, &scratch->score);
+  const int32_t rows = BudgetRows(c, scratch->score.data(), n, &scratch->order);
+  RankBest(scratch->score.data(), n, rows, &scratch->order);
+  tokens->assign(scratch->order.begin(), scratch->order.end());
+  std::sort(tokens->begin(), tokens->end());
+  const int32_t extra = std::min<int32_t>(c.extra_rows(), n - rows);
+  if (extra <= 0) return;
+  // The real row's ranking with the primary rows taken out.
+  if (c.real_next) {
+    WithPredecessors(real_probs, n_heads, n, &scratch->shifted);
+    real_probs = scratch->shifted.data();
+  }
+  ReduceGroupScores(real_probs, n_heads, n, c.reduction, &scratch->score);
+  for (int32_t t : *tokens) scratch->score[t] = -std::numeric_limits<float>::infinity();
+  RankBest(scratch->score.data(), n, rows + extra, &scratch->order);  // holds at most `rows` primary ones
+  scratch->extra.clear();
+  for (int32_t t : scratch->order) {
+    if (static_cast<int32_t>(scratch->extra.size()) == extra) break;
+    if (!std::binary_search(tokens->begin(), tokens->end(), t)) scratch->extra.push_back(t);
+  }
+  std::sort(scratch->extra.begin(), scratch->extra.end());
+  const size_t primary = tokens->size();
+  tokens->insert(tokens->end(), scratch->extra.begin(), scratch->extra.end());
+  std::inplace_merge(tokens->begin(), tokens->begin() + static_cast<std::ptrdiff_t>(primary), tokens->end());
+}
+
+}  // namespace specache::cpu
