@@ -95,7 +95,9 @@ class EmbeddedDaemon {
     c.metrics_addr = "";
     c.lock_memory = false;
     c.prefault_threads = 2;
-    c.tenants["default"] = daemon::TenantConfig{c.pool_bytes, {}, {}};
+    daemon::TenantConfig tenant;  // anyone in this process may use it; no remote access
+    tenant.quota_bytes = c.pool_bytes;
+    c.tenants["default"] = tenant;
     spdlog::set_level(spdlog::level::warn);
     daemon_ = std::make_unique<daemon::Daemon>();
     Status started = Released([&] { return daemon_->Start(c); });
