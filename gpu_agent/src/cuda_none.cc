@@ -19,6 +19,10 @@ Status UpdateRowCaches(const CacheUpdateTask*, int, int, void*) { return NoCuda(
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status AttendDecodeRows(const DeviceReplicaView&, const DeviceDecodeRows&, void*) { return NoCuda(); }
+struct DecodePlan::Impl {};
+DecodePlan::DecodePlan() : impl_(new Impl) {}
+DecodePlan::~DecodePlan() { delete impl_; }
+Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*, DecodePlan*) { return NoCuda(); }
 Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*) { return NoCuda(); }
 Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, float, float*, float*, void*) {
   return NoCuda();

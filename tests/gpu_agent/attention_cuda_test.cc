@@ -165,26 +165,83 @@ TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
 #endif
 }
 
-// A ragged batch (lengths, bits, rows and GQA groups differ per item) in one launch set, split
-// over two sets (more than kMaxDecodeItems items): every item as the reference has it.
+// A ragged batch (lengths, bits, rows and GQA groups differ per item): 300 items in one call,
+// planned in device memory (one launch per class of items, any number of items), and the same
+// plan used again for a second call while the first may still run: every item as the reference
+// has it, both times.
 TEST(CudaAttentionTest, RaggedBatchMatchesTheCpuReference) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(29);
+  cuda::DecodePlan plan;
   for (int d : {64, 128}) {
     DeviceBuffers buf;
     std::vector<DecodeCase> cases;
     std::vector<cuda::DeviceDecodeItem> items;
     const int bit_widths[] = {1, 2, 4, 16};
-    for (int i = 0; i < cuda::kMaxDecodeItems + 7; ++i) {
+    for (int i = 0; i < 300; ++i) {
       const int32_t length = 1 + static_cast<int32_t>(rng() % (i % 9 == 0 ? 3000 : 400));
       cases.push_back(MakeDecodeCase(d, bit_widths[i % 4], 1 + i % 2, length, 1 + i % 4, rng, buf));
       items.push_back(cases.back().item);
     }
-    ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), nullptr).ok());
+    ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), nullptr, &plan).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (const DecodeCase& c : cases) ExpectMatches(c);
+    for (const DecodeCase& c : cases) {
+      ASSERT_EQ(cudaMemset(c.item.rows.out, 0, c.want.size() * sizeof(float)), cudaSuccess);
+    }
+    ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), nullptr, &plan).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (const DecodeCase& c : cases) ExpectMatches(c);
   }
+#endif
+}
+
+// The decode attention captured in a CUDA graph (relaxed capture: the plan may allocate) and
+// replayed, after the plan's ring was reused by other calls: the replay gives the same outputs,
+// bit for bit, as the direct call.
+TEST(CudaAttentionTest, ACapturedGraphReplaysTheSameAttention) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(31);
+  DeviceBuffers buf;
+  std::vector<DecodeCase> cases;
+  std::vector<cuda::DeviceDecodeItem> items;
+  for (int i = 0; i < 40; ++i) {
+    cases.push_back(MakeDecodeCase(128, 1 + i % 2, 2, 300 + 97 * i, 4, rng, buf));
+    items.push_back(cases.back().item);
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cuda::DecodePlan plan;
+  ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), stream, &plan).ok());
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::vector<std::vector<float>> direct;
+  for (const DecodeCase& c : cases) direct.push_back(testing::Download(c.item.rows.out, c.want.size()));
+
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  const Status captured = cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), stream, &plan);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(captured.ok()) << captured.ToString();
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  // Other calls go through the ring meanwhile (with other items): the graph's plan stays its own.
+  std::vector<cuda::DeviceDecodeItem> others(items.rbegin(), items.rend() - 10);
+  for (int i = 0; i < 40; ++i) {
+    ASSERT_TRUE(cuda::AttendDecodeBatch(others.data(), static_cast<int>(others.size()), stream, &plan).ok());
+  }
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (const DecodeCase& c : cases) ASSERT_EQ(cudaMemset(c.item.rows.out, 0, c.want.size() * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(testing::Download(cases[i].item.rows.out, cases[i].want.size()), direct[i]) << cases[i].name;
+    ExpectMatches(cases[i]);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 #endif
 }
 

@@ -294,8 +294,9 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         replicas.push_back(std::move(*rep));
       }
       if (!ok || !Ok(cudaStreamSynchronize(stream), "replicas")) { ok = false; continue; }
+      cuda::DecodePlan plan;
       const double attend_ms = MedianMs(stream, 20, [&] {
-        return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream), "attend");
+        return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &plan), "attend");
       });
       const double topk_ms = MedianMs(stream, 20, [&] {
         return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream), "top-k");
@@ -303,7 +304,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       if (attend_ms < 0 || topk_ms < 0) { ok = false; continue; }
       // Host time to enqueue one layer's attention (the launches, not the kernels).
       const auto host_start = std::chrono::steady_clock::now();
-      for (int i = 0; i < 20; ++i) ok = Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream), "attend") && ok;
+      for (int i = 0; i < 20; ++i) ok = Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &plan), "attend") && ok;
       const double host_us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host_start).count() / 20;
       cudaStreamSynchronize(stream);

@@ -151,11 +151,40 @@ struct DeviceDecodeItem {
   DeviceDecodeRows rows;
 };
 
-// Items per launch set; more are split.
-constexpr int kMaxDecodeItems = 128;
+// Where AttendDecodeBatch puts its launch plan: the items and the split of their work, copied to
+// device memory in one copy per call, so a call takes any number of items and no kernel carries
+// them in its parameters. A ring of slots (pinned host memory + device memory, grown as calls
+// need); a slot is written again only after the copy that read it has run, so the host can run a
+// few calls ahead of the device and no call waits for the device unless the ring is full.
+//
+// CUDA graphs: a call made while its stream is being captured copies from a slot kept for the
+// graph (never rewritten), so replaying the graph replays the same plan: keep the plan alive as
+// long as the graph. One plan per thread of calls (not thread-safe). UNAVAILABLE without CUDA.
+class DecodePlan {
+ public:
+  DecodePlan();
+  ~DecodePlan();  // waits for the device to finish reading the slots
+  DecodePlan(const DecodePlan&) = delete;
+  DecodePlan& operator=(const DecodePlan&) = delete;
 
+  // CTA slots of the GPU the tensor-core attention leaves free for kernels that should run beside
+  // it (the agent's fetch). Its work is one wave over the rest. Default 0.
+  void set_free_slots(int slots) { free_slots_ = slots < 0 ? 0 : slots; }
+  int free_slots() const { return free_slots_; }
+
+  struct Impl;  // the slots (attention.cu)
+  Impl* impl() { return impl_; }
+
+ private:
+  Impl* impl_;
+  int free_slots_ = 0;
+};
+
+// The decode attention of many items in one set of launches, planned in `plan`.
+Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream, DecodePlan* plan);
+// The same with a plan of its own, which it waits for before returning (tests, one-off calls).
 Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream);
-// One item.
+// One item (a plan of its own, as above).
 Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream);
 
 // Exact causal attention over a prompt for one KV head (semantics of cpu::AttendPrefill):

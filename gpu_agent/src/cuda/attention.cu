@@ -22,10 +22,6 @@ constexpr int kMaxQueries = kMaxDecodeQueries;
 
 constexpr int kBlockTokens = kDecodeBlockTokens;
 
-struct ItemBatch {  // by value: kMaxDecodeItems items fit the 32 KB parameter space of sm_70+
-  DeviceDecodeItem items[kMaxDecodeItems];
-  int count;
-};
 
 __device__ int32_t Width(const DeviceDecodeItem& it) { return it.replica.length + it.rows.n_rows; }
 __device__ int Queries(const DeviceDecodeItem& it) { return it.rows.n_rows * it.rows.n_heads; }
@@ -73,11 +69,11 @@ __device__ void MapSubstitutes(const DeviceReplicaView& v, const DeviceDecodeRow
 // neighbouring tokens, which share their key group's code words, scales and zeros: those loads
 // are broadcasts.
 template <int Q>
-__global__ void ScoresKernel(ItemBatch batch) {
+__global__ void ScoresKernel(const DeviceItemSet* set) {
   extern __shared__ float scaled_q[];  // [queries][d]
   __shared__ float reduce[kThreads / 32];
   __shared__ int subs[kBlockTokens];
-  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+  const DeviceDecodeItem& it = SetItems(set)[blockIdx.y];
   const DeviceReplicaView& v = it.replica;
   const DeviceDecodeRows& r = it.rows;
   const int d = v.head_dim, queries = Queries(it);
@@ -138,11 +134,11 @@ __global__ void ScoresKernel(ItemBatch batch) {
 // all score blocks; the probabilities row's share is written out for the top-k. Each thread takes
 // one channel and every L-th token (L = blockDim / d), each value decoded once for all queries.
 template <int Q>
-__global__ void ValuesKernel(ItemBatch batch) {
+__global__ void ValuesKernel(const DeviceItemSet* set) {
   extern __shared__ float weights[];  // [queries][kBlockTokens], then reused for the lane sums [lanes][queries][d]
   __shared__ int subs[kBlockTokens];
   __shared__ float max_of[kMaxQueries], inv_sum_of[kMaxQueries];
-  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+  const DeviceDecodeItem& it = SetItems(set)[blockIdx.y];
   const DeviceReplicaView& v = it.replica;
   const DeviceDecodeRows& r = it.rows;
   const int d = v.head_dim, queries = Queries(it);
@@ -218,8 +214,8 @@ __global__ void ValuesKernel(ItemBatch batch) {
 }
 
 // Block (x, item): outputs [x * kThreads, +kThreads) = the partial sums in block order.
-__global__ void ReduceKernel(ItemBatch batch) {
-  const DeviceDecodeItem& it = batch.items[blockIdx.y];
+__global__ void ReduceKernel(const DeviceItemSet* set) {
+  const DeviceDecodeItem& it = SetItems(set)[blockIdx.y];
   const int size = Queries(it) * it.replica.head_dim;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= size) return;
@@ -291,21 +287,157 @@ Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32
   return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("prefill kernel: ") + cudaGetErrorString(err));
 }
 
-Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream) {
-  for (int i = 0; i < n_items; ++i) {
-    const DeviceReplicaView& replica = items[i].replica;
-    const DeviceDecodeRows& rows = items[i].rows;
-    if (rows.n_rows < 1 || rows.n_heads < 1 || rows.n_rows * rows.n_heads > kMaxQueries) {
-      return Status::InvalidArgument("rows x heads must be in [1, " + std::to_string(kMaxQueries) + "]");
-    }
-    if (replica.head_dim <= 0 || replica.head_dim % 32 != 0) {
-      return Status::InvalidArgument("head_dim must be a multiple of 32");
-    }
-    if (rows.probs && (rows.probs_row < 0 || rows.probs_row >= rows.n_rows ||
-                       rows.n_candidates > replica.length + rows.probs_row + 1)) {
-      return Status::InvalidArgument("probs row or candidate count out of range");
-    }
+// The slots of a plan. A slot's host bytes are written by the host, copied to its device bytes on
+// the plan's copy stream as soon as the call is made (the copy engine is idle then, so the copy
+// is done long before the attention's turn on its stream, which only waits for `copied`), read
+// there by the kernels; `done` is recorded after the last of them, and the slot is written again
+// only after it completed.
+struct DecodePlan::Impl {
+  struct Slot {
+    void* host = nullptr;    // pinned
+    void* device = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t copied = nullptr, done = nullptr;
+    bool recorded = false;   // `done` recorded and not yet waited for
+  };
+  static constexpr int kRing = 32;  // calls the host may run ahead of the device
+  std::vector<Slot> ring = std::vector<Slot>(kRing);
+  std::vector<Slot> captured;       // copied from by CUDA graphs: never rewritten
+  int next = 0;
+  int device = -1;
+  cudaStream_t copy = nullptr;
+  cudaEvent_t fork = nullptr;       // a captured call's copy joins the capture through it
+
+  // (A captured slot's events belong to the graph's capture: they are never waited for.)
+  static void Free(Slot& s) {
+    if (s.recorded) cudaEventSynchronize(s.done);
+    if (s.done) cudaEventDestroy(s.done);
+    if (s.copied) cudaEventDestroy(s.copied);
+    if (s.host) cudaFreeHost(s.host);
+    if (s.device) cudaFree(s.device);
+    s = Slot{};
   }
+  ~Impl() {
+    for (Slot& s : ring) Free(s);
+    for (Slot& s : captured) Free(s);
+    if (fork) cudaEventDestroy(fork);
+    if (copy) cudaStreamDestroy(copy);
+  }
+  // A slot of at least `bytes` that no copy or kernel still reads.
+  Result<Slot*> Take(size_t bytes, bool capturing) {
+    int current = 0;
+    if (cudaGetDevice(&current) != cudaSuccess) return Status::Unavailable("decode plan: no CUDA device");
+    if (device < 0) device = current;
+    if (device != current) return Status::InvalidArgument("decode plan: a plan serves the device it was first used on");
+    if (copy == nullptr && (cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking) != cudaSuccess ||
+                            cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) != cudaSuccess)) {
+      return Status::Unavailable("decode plan: cannot create its copy stream");
+    }
+    Slot* s = nullptr;
+    if (capturing) {
+      captured.emplace_back();
+      s = &captured.back();
+    } else {
+      s = &ring[next];
+      next = (next + 1) % kRing;
+      if (s->recorded && cudaEventSynchronize(s->done) != cudaSuccess) {
+        return Status::Unavailable("decode plan: waiting for a slot failed");
+      }
+      s->recorded = false;
+    }
+    if (s->bytes < bytes) {
+      const size_t grown = std::max<size_t>({bytes, 2 * s->bytes, 64 << 10});
+      if (s->host) cudaFreeHost(s->host), s->host = nullptr;
+      if (s->device) cudaFree(s->device), s->device = nullptr;
+      s->bytes = 0;
+      if (cudaHostAlloc(&s->host, grown, cudaHostAllocDefault) != cudaSuccess ||
+          cudaMalloc(&s->device, grown) != cudaSuccess) {
+        cudaGetLastError();
+        return Status::ResourceExhausted("decode plan: cannot allocate " + std::to_string(grown) + " bytes");
+      }
+      s->bytes = grown;
+    }
+    if (s->copied == nullptr && (cudaEventCreateWithFlags(&s->copied, cudaEventDisableTiming) != cudaSuccess ||
+                                 cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming) != cudaSuccess)) {
+      return Status::Unavailable("decode plan: cannot create its events");
+    }
+    return s;
+  }
+  // Copies the slot's first `bytes` to the device; `stream` waits for the copy.
+  Status Copy(Slot* s, size_t bytes, cudaStream_t stream, bool capturing) {
+    // A captured copy must hang off the capturing stream to join the graph.
+    if (capturing && (cudaEventRecord(fork, stream) != cudaSuccess || cudaStreamWaitEvent(copy, fork, 0) != cudaSuccess)) {
+      return Status::Unavailable("decode attention: plan copy in a capture");
+    }
+    if (cudaMemcpyAsync(s->device, s->host, bytes, cudaMemcpyHostToDevice, copy) != cudaSuccess ||
+        cudaEventRecord(s->copied, copy) != cudaSuccess || cudaStreamWaitEvent(stream, s->copied, 0) != cudaSuccess) {
+      return Status::Unavailable(std::string("decode attention: plan copy: ") + cudaGetErrorString(cudaGetLastError()));
+    }
+    return Status::Ok();
+  }
+};
+
+DecodePlan::DecodePlan() : impl_(new Impl) {}
+DecodePlan::~DecodePlan() { delete impl_; }
+
+namespace {
+
+Status Validate(const DeviceDecodeItem& item) {
+  const DeviceReplicaView& replica = item.replica;
+  const DeviceDecodeRows& rows = item.rows;
+  if (rows.n_rows < 1 || rows.n_heads < 1 || rows.n_rows * rows.n_heads > kMaxQueries) {
+    return Status::InvalidArgument("rows x heads must be in [1, " + std::to_string(kMaxQueries) + "]");
+  }
+  if (replica.head_dim <= 0 || replica.head_dim % 32 != 0) {
+    return Status::InvalidArgument("head_dim must be a multiple of 32");
+  }
+  if (rows.probs && (rows.probs_row < 0 || rows.probs_row >= rows.n_rows ||
+                     rows.n_candidates > replica.length + rows.probs_row + 1)) {
+    return Status::InvalidArgument("probs row or candidate count out of range");
+  }
+  return Status::Ok();
+}
+
+// The CUDA-core path's kernels over the set at `device`.
+Status LaunchCudaCoreSet(const std::vector<DeviceDecodeItem>& items, const DeviceItemSet* device, cudaStream_t s) {
+  int32_t width = 0;
+  int queries = 0, head_dim = 0;
+  for (const DeviceDecodeItem& it : items) {
+    width = std::max(width, it.replica.length + it.rows.n_rows);
+    queries = std::max(queries, it.rows.n_rows * it.rows.n_heads);
+    head_dim = std::max(head_dim, it.replica.head_dim);
+  }
+  const unsigned n = static_cast<unsigned>(items.size());
+  const dim3 grid((width + kBlockTokens - 1) / kBlockTokens, n);
+  const size_t q_bytes = static_cast<size_t>(queries) * head_dim * sizeof(float);
+  // Threads over channels x token lanes; the weights' memory then holds the lanes' sums.
+  const int value_threads = std::max(head_dim, kThreads / head_dim * head_dim);
+  const size_t weight_bytes =
+      std::max<size_t>(kBlockTokens, static_cast<size_t>(value_threads / head_dim) * head_dim) * queries * sizeof(float);
+  // The smallest register bound that holds every item's queries.
+  if (queries <= 8) {
+    ScoresKernel<8><<<grid, kBlockTokens, q_bytes, s>>>(device);  // a thread per token
+    ValuesKernel<8><<<grid, value_threads, weight_bytes, s>>>(device);
+  } else if (queries <= 16) {
+    ScoresKernel<16><<<grid, kBlockTokens, q_bytes, s>>>(device);
+    ValuesKernel<16><<<grid, value_threads, weight_bytes, s>>>(device);
+  } else {
+    ScoresKernel<kMaxQueries><<<grid, kBlockTokens, q_bytes, s>>>(device);
+    ValuesKernel<kMaxQueries><<<grid, value_threads, weight_bytes, s>>>(device);
+  }
+  ReduceKernel<<<dim3((queries * head_dim + kThreads - 1) / kThreads, n), kThreads, 0, s>>>(device);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? Status::Ok()
+                            : Status::Unavailable(std::string("decode attention kernels: ") + cudaGetErrorString(err));
+}
+
+}  // namespace
+
+Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream, DecodePlan* plan) {
+  if (plan == nullptr) return Status::InvalidArgument("decode attention: no plan");
+  if (n_items < 0) return Status::InvalidArgument("decode attention: negative item count");
+  for (int i = 0; i < n_items; ++i) SPECACHE_RETURN_IF_ERROR(Validate(items[i]));
+  if (n_items == 0) return Status::Ok();
   auto* s = static_cast<cudaStream_t>(stream);
   // Strides resolved; the items the tensor-core path takes go there, the others below.
   std::vector<DeviceDecodeItem> fast, rest;
@@ -315,41 +447,42 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
     if (it.rows.kv_stride == 0) it.rows.kv_stride = it.replica.head_dim;
     (LowBitDecodeEligible(it) ? fast : rest).push_back(it);
   }
-  if (!fast.empty()) SPECACHE_RETURN_IF_ERROR(LaunchLowBitDecode(fast.data(), static_cast<int>(fast.size()), s));
-  for (int first = 0; first < static_cast<int>(rest.size()); first += kMaxDecodeItems) {
-    ItemBatch batch;
-    batch.count = std::min(kMaxDecodeItems, static_cast<int>(rest.size()) - first);
-    int32_t width = 0;
-    int queries = 0, head_dim = 0;
-    for (int i = 0; i < batch.count; ++i) {
-      batch.items[i] = rest[first + i];
-      width = std::max(width, batch.items[i].replica.length + batch.items[i].rows.n_rows);
-      queries = std::max(queries, batch.items[i].rows.n_rows * batch.items[i].rows.n_heads);
-      head_dim = std::max(head_dim, batch.items[i].replica.head_dim);
-    }
-    const unsigned n = static_cast<unsigned>(batch.count);
-    const dim3 grid((width + kBlockTokens - 1) / kBlockTokens, n);
-    const size_t q_bytes = static_cast<size_t>(queries) * head_dim * sizeof(float);
-    // Threads over channels x token lanes; the weights' memory then holds the lanes' sums.
-    const int value_threads = std::max(head_dim, kThreads / head_dim * head_dim);
-    const size_t weight_bytes =
-        std::max<size_t>(kBlockTokens, static_cast<size_t>(value_threads / head_dim) * head_dim) * queries * sizeof(float);
-    // The smallest register bound that holds every item's queries.
-    if (queries <= 8) {
-      ScoresKernel<8><<<grid, kBlockTokens, q_bytes, s>>>(batch);  // a thread per token
-      ValuesKernel<8><<<grid, value_threads, weight_bytes, s>>>(batch);
-    } else if (queries <= 16) {
-      ScoresKernel<16><<<grid, kBlockTokens, q_bytes, s>>>(batch);
-      ValuesKernel<16><<<grid, value_threads, weight_bytes, s>>>(batch);
-    } else {
-      ScoresKernel<kMaxQueries><<<grid, kBlockTokens, q_bytes, s>>>(batch);
-      ValuesKernel<kMaxQueries><<<grid, value_threads, weight_bytes, s>>>(batch);
-    }
-    ReduceKernel<<<dim3((queries * head_dim + kThreads - 1) / kThreads, n), kThreads, 0, s>>>(batch);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return Status::Unavailable(std::string("decode attention kernels: ") + cudaGetErrorString(err));
+  std::vector<LowBitSet> sets;
+  if (!fast.empty()) SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(fast, plan->free_slots(), &sets));
+  // One slot for every set of the call: the low-bit sets, then the CUDA-core set; one copy.
+  std::vector<size_t> offsets;
+  size_t bytes = 0;
+  for (const LowBitSet& set : sets) offsets.push_back(bytes), bytes += ItemSetBytes(static_cast<int>(set.items.size()));
+  const size_t rest_offset = bytes;
+  if (!rest.empty()) bytes += ItemSetBytes(static_cast<int>(rest.size()));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess) return Status::Unavailable("decode attention: stream state");
+  const bool capturing = capture == cudaStreamCaptureStatusActive;
+  SPECACHE_ASSIGN_OR_RETURN(DecodePlan::Impl::Slot * slot, plan->impl()->Take(bytes, capturing));
+  char* host = static_cast<char*>(slot->host);
+  const char* device = static_cast<const char*>(slot->device);
+  for (size_t i = 0; i < sets.size(); ++i) {
+    WriteItemSet(host + offsets[i], sets[i].items, sets[i].unit_begin, sets[i].chunk_blocks, sets[i].tail_units);
   }
-  return Status::Ok();
+  if (!rest.empty()) WriteItemSet(host + rest_offset, rest, {}, 0, 0);
+  SPECACHE_RETURN_IF_ERROR(plan->impl()->Copy(slot, bytes, s, capturing));
+  const Status status = [&]() -> Status {
+    for (size_t i = 0; i < sets.size(); ++i) {
+      SPECACHE_RETURN_IF_ERROR(LaunchLowBitSet(sets[i], reinterpret_cast<const DeviceItemSet*>(device + offsets[i]), s));
+    }
+    if (rest.empty()) return Status::Ok();
+    return LaunchCudaCoreSet(rest, reinterpret_cast<const DeviceItemSet*>(device + rest_offset), s);
+  }();
+  if (!capturing) {  // also after a failed launch: the copy was enqueued
+    if (cudaEventRecord(slot->done, s) != cudaSuccess) return Status::Unavailable("decode attention: plan event");
+    slot->recorded = true;
+  }
+  return status;
+}
+
+Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream) {
+  DecodePlan plan;  // its destructor waits for the slot
+  return AttendDecodeBatch(items, n_items, stream, &plan);
 }
 
 Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream) {

@@ -201,7 +201,7 @@ class CudaAgent final : public Agent {
     return real_stats_.get() + (s * shape_.n_kv_heads + h) * size_t(shape_.group_size()) * 2;
   }
   Status Attend(const std::vector<cuda::DeviceDecodeItem>& items) {
-    return cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), compute_);
+    return cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), compute_, &plan_);
   }
 
   ModelShape shape_;
@@ -212,6 +212,9 @@ class CudaAgent final : public Agent {
   ReplicaParams params_;
   float scale_ = 1.0f;
   int32_t page_tokens_ = 0, max_pages_ = 0;
+  // The attention's launch plans. It leaves the fetch's blocks their slots on the GPU, so that a
+  // fetch started before an attention kernel runs beside it instead of waiting for it to finish.
+  cuda::DecodePlan plan_;
   std::unique_ptr<cuda::DeviceBlockPool> pool_;  // before sequences_: their replicas give blocks back to it
   std::map<SequenceId, SequenceState> sequences_;
   AgentStats counters_;
@@ -246,7 +249,14 @@ class CudaAgent final : public Agent {
 Status CudaAgent::Init() {
   if (page_tokens_ <= 0) return Status::InvalidArgument("the CUDA agent needs a source with zero-copy pages");
   max_pages_ = (options_.capacity_tokens + page_tokens_ - 1) / page_tokens_;
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&fetch_, cudaStreamNonBlocking), "fetch stream"));
+  // The fetch of layer l + 1's rows runs beside layer l + 1's kernels: its blocks are scheduled
+  // first when SM slots free up (the highest priority), and the attention's one-wave plan leaves
+  // it its slots.
+  int least_priority = 0, greatest_priority = 0;
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority), "priorities"));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithPriority(&fetch_, cudaStreamNonBlocking, greatest_priority),
+                                "fetch stream"));
+  if (config_.mode == KvMode::kSpeCache) plan_.set_free_slots(options_.fetch_blocks);
   selected_.assign(shape_.n_layers, nullptr);
   fetched_.assign(shape_.n_layers, nullptr);
   for (int l = 0; l < shape_.n_layers; ++l) {

@@ -5,11 +5,56 @@
 
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "specache/cuda_attention.h"
 
-namespace specache::cuda::decode {
+namespace specache::cuda {
+
+// One launch's items in device memory (a DecodePlan slot holds one per launch): this header, then
+// unit_begin[count + 1] (the tensor-core path: item i's units are [unit_begin[i],
+// unit_begin[i + 1])), then the items at `items_offset` bytes from the header (16-byte aligned).
+struct DeviceItemSet {
+  int32_t count = 0;
+  int32_t chunk_blocks = 0;   // the tensor-core path: 32-token blocks per bulk unit
+  int32_t items_offset = 0;
+  int32_t tail_units = 0;     // the tensor-core path: most tail units per item
+};
+
+__host__ __device__ inline const int32_t* UnitBegin(const DeviceItemSet* s) {
+  return reinterpret_cast<const int32_t*>(s + 1);
+}
+__host__ __device__ inline const DeviceDecodeItem* SetItems(const DeviceItemSet* s) {
+  return reinterpret_cast<const DeviceDecodeItem*>(reinterpret_cast<const char*>(s) + s->items_offset);
+}
+
+// The header's offset of the items, and the set's bytes (a multiple of 16).
+inline size_t ItemSetItemsOffset(int count) {
+  return (sizeof(DeviceItemSet) + sizeof(int32_t) * (static_cast<size_t>(count) + 1) + 15) / 16 * 16;
+}
+inline size_t ItemSetBytes(int count) {
+  return (ItemSetItemsOffset(count) + sizeof(DeviceDecodeItem) * static_cast<size_t>(count) + 15) / 16 * 16;
+}
+// Writes a set at `host` (ItemSetBytes(items.size()) bytes); unit_begin empty: zeros.
+inline void WriteItemSet(void* host, const std::vector<DeviceDecodeItem>& items, const std::vector<int32_t>& unit_begin,
+                         int chunk_blocks, int tail_units) {
+  const int count = static_cast<int>(items.size());
+  DeviceItemSet header;
+  header.count = count;
+  header.chunk_blocks = chunk_blocks;
+  header.tail_units = tail_units;
+  header.items_offset = static_cast<int32_t>(ItemSetItemsOffset(count));
+  char* at = static_cast<char*>(host);
+  std::memset(at, 0, ItemSetBytes(count));
+  std::memcpy(at, &header, sizeof(header));
+  if (!unit_begin.empty()) std::memcpy(at + sizeof(header), unit_begin.data(), sizeof(int32_t) * unit_begin.size());
+  std::memcpy(at + header.items_offset, items.data(), sizeof(DeviceDecodeItem) * items.size());
+}
+
+namespace decode {
 
 __device__ inline float H2F(Half h) { return __half2float(__ushort_as_half(h)); }
 
@@ -63,4 +108,5 @@ __device__ inline int FindSubstitute(const DeviceReplicaView& v, const DeviceDec
   return lo < r.n_sub && r.sub_tokens[lo] == token ? lo : -1;
 }
 
-}  // namespace specache::cuda::decode
+}  // namespace decode
+}  // namespace specache::cuda

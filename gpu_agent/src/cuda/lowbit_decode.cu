@@ -41,16 +41,7 @@ constexpr int kWarps = 4;        // warps (units) per CTA
 constexpr int kMinCtasOneTile = 4;
 constexpr int kMaxQ = 16;        // queries (rows x GQA heads) per item: two n-tiles of 8
 constexpr int kGroup = 32;       // quantization group size this path handles
-constexpr int kMaxItems = 128;   // items per launch (kernel parameters)
 constexpr unsigned kAll = 0xffffffffu;
-
-struct Batch {
-  DeviceDecodeItem items[kMaxItems];
-  int unit_begin[kMaxItems + 1];  // item i's units are [unit_begin[i], unit_begin[i + 1])
-  int count = 0;
-  int chunk_blocks = 4;           // 32-token blocks per bulk unit
-};
-static_assert(sizeof(Batch) <= 32764, "the batch travels as kernel parameters");
 
 // Tokens [0, BulkEnd) have quantized keys and values: whole blocks of 32 tokens.
 __host__ __device__ inline int32_t BulkEnd(const DeviceReplicaView& v) {
@@ -60,19 +51,20 @@ __host__ __device__ inline int32_t BulkEnd(const DeviceReplicaView& v) {
 __host__ __device__ inline int BulkUnits(const DeviceReplicaView& v, int chunk_blocks) {
   return (BulkEnd(v) / 32 + chunk_blocks - 1) / chunk_blocks;
 }
-// The tail is cut into at most kMaxTailUnits units of whole 32-token blocks (the scratch is sized
-// for that: DecodeScratchFloats).
+// The tail is cut into at most `most` (<= kMaxTailUnits) units of whole 32-token blocks (the
+// scratch is sized for kMaxTailUnits: DecodeScratchFloats). A tail unit holds its warp's slot for
+// the whole wave, so the plan lowers `most` when items are many (DeviceItemSet::tail_units).
 constexpr int kMaxTailUnits = 4;
 __host__ __device__ inline int32_t TailBlocks(const DeviceDecodeItem& it) {
   return (it.replica.length + it.rows.n_rows - BulkEnd(it.replica) + 31) / 32;
 }
-__host__ __device__ inline int TailUnits(const DeviceDecodeItem& it) {
+__host__ __device__ inline int TailUnits(const DeviceDecodeItem& it, int most) {
   const int32_t blocks = TailBlocks(it);
-  return blocks < kMaxTailUnits ? blocks : kMaxTailUnits;
+  return blocks < most ? blocks : most;
 }
 // Tokens per tail unit (whole blocks).
-__host__ __device__ inline int32_t TailUnitTokens(const DeviceDecodeItem& it) {
-  return (TailBlocks(it) + TailUnits(it) - 1) / TailUnits(it) * 32;
+__host__ __device__ inline int32_t TailUnitTokens(const DeviceDecodeItem& it, int most) {
+  return (TailBlocks(it) + TailUnits(it, most) - 1) / TailUnits(it, most) * 32;
 }
 
 // Words of one block's bytes staged in shared memory: key codes [D][KB], key scales and zeros
@@ -88,10 +80,22 @@ __host__ __device__ constexpr int StagesWords() {
   return 2 * StageWords<KB, VB, D>() > 8 * NT * D + 64 ? 2 * StageWords<KB, VB, D>() : 8 * NT * D + 64;
 }
 // Then the bulk's query B operands, [nt][k-step][lane] x 4 words (see BulkUnit).
+// Then the warp's copy of its item (read all through the unit: from global memory the compiler
+// would load its fields again after every global store).
+constexpr int kItemWords = (sizeof(DeviceDecodeItem) + 15) / 16 * 4;
 template <int KB, int VB, int D, int NT>
-__host__ __device__ constexpr int WarpWords() {
+__host__ __device__ constexpr int ItemOffsetWords() {
   return StagesWords<KB, VB, D, NT>() + 32 * (8 * NT + 4) + 8 * NT * 4 + 32 + NT * (D / 16) * 32 * 4;
 }
+template <int KB, int VB, int D, int NT>
+__host__ __device__ constexpr int WarpWords() {
+  return ItemOffsetWords<KB, VB, D, NT>() + kItemWords;
+}
+
+// 2^e, exact, for e in [-126, 127].
+__device__ __forceinline__ float Pow2(int e) { return __int_as_float((e + 127) << 23); }
+// floor(log2(x)) of a positive normal x (ilogbf without its special cases); -127 for denormals.
+__device__ __forceinline__ int Exponent(float x) { return ((__float_as_int(x) >> 23) & 0xff) - 127; }
 
 __device__ __forceinline__ uint32_t AsU32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
@@ -294,15 +298,16 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     }
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
-    const int e = mx > 0.0f && isfinite(mx) ? 13 - ilogbf(mx) : 0;
+    const int e = mx > 0.0f && isfinite(mx) ? min(max(13 - Exponent(mx), -126), 126) : 0;
+    const float up = Pow2(e);  // exact scaling
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       uint4 b;
-      Split(ldexpf(x[4 * ks], e), ldexpf(x[4 * ks + 1], e), b.x, b.y);
-      Split(ldexpf(x[4 * ks + 2], e), ldexpf(x[4 * ks + 3], e), b.z, b.w);
+      Split(x[4 * ks] * up, x[4 * ks + 1] * up, b.x, b.y);
+      Split(x[4 * ks + 2] * up, x[4 * ks + 3] * up, b.z, b.w);
       bqs[(nt * KS + ks) * 32 + lane] = b;
     }
-    row_unscale[nt] = ldexpf(1.0f, -e);
+    row_unscale[nt] = Pow2(-e);
     q_unscale[nt][0] = __shfl_sync(kAll, row_unscale[nt], 8 * t);
     q_unscale[nt][1] = __shfl_sync(kAll, row_unscale[nt], 8 * t + 4);
   }
@@ -470,12 +475,15 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
         bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 8));
         bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 16));
         const float mn = fmaxf(m[nt][j], bm);
-        const float alpha = mn == -INFINITY ? 1.0f : __expf(m[nt][j] - mn);
-        m[nt][j] = mn;
-        l[nt][j] *= alpha;
-        zv[nt][j] *= alpha;
+        // Rescaled only when some query's max grew (after the first blocks, rarely).
+        if (__any_sync(kAll, mn != m[nt][j])) {
+          const float alpha = mn == -INFINITY || mn == m[nt][j] ? 1.0f : __expf(m[nt][j] - mn);
+          l[nt][j] *= alpha;
+          zv[nt][j] *= alpha;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) acc[mt][nt][j] *= alpha, acc[mt][nt][j + 2] *= alpha;
+          for (int mt = 0; mt < MT; ++mt) acc[mt][nt][j] *= alpha, acc[mt][nt][j + 2] *= alpha;
+        }
+        m[nt][j] = mn;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -748,41 +756,50 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
 
 // One n-tile: registers capped for 3 CTAs (12 warps) per SM, measured faster than 2 uncapped.
 template <int KB, int VB, int D, int NT>
-__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) LowBitDecodeKernel(Batch batch) {
+__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) LowBitDecodeKernel(const DeviceItemSet* set) {
   extern __shared__ uint32_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int unit = blockIdx.x * kWarps + warp;
-  if (unit >= batch.unit_begin[batch.count]) return;
-  int lo = 0, hi = batch.count - 1;  // the item: last i with unit_begin[i] <= unit
+  const int32_t* unit_begin = UnitBegin(set);
+  const int count = set->count;
+  if (unit >= unit_begin[count]) return;
+  int lo = 0, hi = count - 1;  // the item: last i with unit_begin[i] <= unit
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (batch.unit_begin[mid] <= unit) lo = mid; else hi = mid - 1;
+    if (unit_begin[mid] <= unit) lo = mid; else hi = mid - 1;
   }
-  const DeviceDecodeItem& it = batch.items[lo];
-  const int u = unit - batch.unit_begin[lo], units = batch.unit_begin[lo + 1] - batch.unit_begin[lo];
-  const int bulk_units = BulkUnits(it.replica, batch.chunk_blocks);
-  const int32_t bulk_end = BulkEnd(it.replica);
   uint32_t* ws = smem + warp * WarpWords<KB, VB, D, NT>();
+  static_assert(sizeof(DeviceDecodeItem) % 8 == 0, "the item is copied in 8-byte words");
+  uint64_t* item_words = reinterpret_cast<uint64_t*>(ws + ItemOffsetWords<KB, VB, D, NT>());
+  const uint64_t* from = reinterpret_cast<const uint64_t*>(SetItems(set) + lo);
+  for (int i = lane; i < static_cast<int>(sizeof(DeviceDecodeItem) / 8); i += 32) item_words[i] = from[i];
+  __syncwarp();
+  const DeviceDecodeItem& it = *reinterpret_cast<const DeviceDecodeItem*>(item_words);
+  const int u = unit - unit_begin[lo], units = unit_begin[lo + 1] - unit_begin[lo];
+  const int chunk_blocks = set->chunk_blocks;
+  const int bulk_units = BulkUnits(it.replica, chunk_blocks);
+  const int32_t bulk_end = BulkEnd(it.replica);
   if (u < bulk_units) {
-    const int32_t t0 = u * batch.chunk_blocks * 32;
-    BulkUnit<KB, VB, D, NT>(it, u, units, t0, min(bulk_end, t0 + batch.chunk_blocks * 32), ws, lane);
+    const int32_t t0 = u * chunk_blocks * 32;
+    BulkUnit<KB, VB, D, NT>(it, u, units, t0, min(bulk_end, t0 + chunk_blocks * 32), ws, lane);
   } else {
-    const int32_t per = TailUnitTokens(it), from = bulk_end + (u - bulk_units) * per;
-    TailUnit<KB, VB, D, NT>(it, u, units, from, min(it.replica.length + it.rows.n_rows, from + per), ws, lane);
+    const int32_t per = TailUnitTokens(it, set->tail_units), from_token = bulk_end + (u - bulk_units) * per;
+    TailUnit<KB, VB, D, NT>(it, u, units, from_token, min(it.replica.length + it.rows.n_rows, from_token + per), ws,
+                            lane);
   }
 }
 
 // Block (item, query), a thread per channel: the item's units' partial results for the query
 // combined in unit order (deterministic), the probabilities row's statistics (or the
 // probabilities themselves, in place). Shared memory: one weight per unit.
-__global__ void MergeKernel(Batch batch) {
+__global__ void MergeKernel(const DeviceItemSet* set) {
   extern __shared__ float weight[];  // [units, rounded up to 4]
   __shared__ float reduce[32];
-  const DeviceDecodeItem& it = batch.items[blockIdx.x];
+  const DeviceDecodeItem& it = SetItems(set)[blockIdx.x];
   const DeviceDecodeRows& r = it.rows;
   const int d = it.replica.head_dim, queries = r.n_rows * r.n_heads, q = blockIdx.y;
   if (q >= queries) return;
-  const int units = batch.unit_begin[blockIdx.x + 1] - batch.unit_begin[blockIdx.x];
+  const int units = UnitBegin(set)[blockIdx.x + 1] - UnitBegin(set)[blockIdx.x];
   const float* partial = r.scratch;
   const float* stats = r.scratch + static_cast<size_t>(units) * queries * d;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -834,7 +851,7 @@ __global__ void MergeKernel(Batch batch) {
 }
 
 struct KernelInfo {
-  void (*fn)(Batch);
+  void (*fn)(const DeviceItemSet*);
   int warp_words;  // shared memory per warp
 };
 
@@ -876,34 +893,36 @@ bool DeviceHasMma() {
 }
 
 
-Status LaunchSet(const std::vector<const DeviceDecodeItem*>& set, cudaStream_t stream) {
-  Batch batch;
-  batch.count = static_cast<int>(set.size());
-  const DeviceDecodeItem& first = *set[0];
-  const KernelInfo kernel = KernelFor(ClassOf(first));
+// The chunk and the unit table of one class's items: one wave of the GPU less `free_slots` CTAs.
+Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, LowBitSet* set) {
+  const KernelInfo kernel = KernelFor(cls);
   const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
-  int64_t blocks = 0, tail_units = 0;
-  for (const DeviceDecodeItem* it : set) blocks += BulkEnd(it->replica) / 32, tail_units += TailUnits(*it);
-  // One wave: every unit (a warp) gets a slot on the GPU, bulk and tail units together. Units are
-  // equal, so units left over would run as a second wave after the first and double the time;
-  // each item rounds its units up, so the chunk that divides the blocks evenly can still overflow
-  // and is grown until the units fit. At least 2 blocks per unit, which keeps the partial results
-  // within DecodeScratchFloats.
   int ctas_per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel.fn, kWarps * 32, smem) != cudaSuccess ||
       ctas_per_sm < 1) {
     ctas_per_sm = 1;
   }
-  const int64_t wave = int64_t{MultiprocessorCount()} * ctas_per_sm * kWarps;
+  const int64_t ctas = std::max<int64_t>(int64_t{MultiprocessorCount()} * ctas_per_sm - free_slots, 1);
+  const int64_t wave = ctas * kWarps;
+  // Tail units take at most an eighth of the wave (a tail of a few blocks is cheap next to a bulk
+  // unit of many; at 256 items x 3 tail units they took a third of the slots).
+  const int most_tail = static_cast<int>(std::clamp<int64_t>(wave / (8 * int64_t(items.size())), 1, kMaxTailUnits));
+  int64_t blocks = 0, tail_units = 0;
+  for (const DeviceDecodeItem& it : items) blocks += BulkEnd(it.replica) / 32, tail_units += TailUnits(it, most_tail);
+  // One wave: every unit (a warp) gets a slot on the GPU, bulk and tail units together. Units are
+  // equal, so units left over would run as a second wave after the first and double the time;
+  // each item rounds its units up, so the chunk that divides the blocks evenly can still overflow
+  // and is grown until the units fit. At least 2 blocks per unit, which keeps the partial results
+  // within DecodeScratchFloats.
   const int64_t slots = std::max<int64_t>(wave - tail_units, 1);
   int64_t chunk = std::clamp<int64_t>((blocks + slots - 1) / slots, 2, 1 << 20);
   auto units_with = [&](int64_t c) {
     int64_t n = tail_units;
-    for (const DeviceDecodeItem* it : set) n += (BulkEnd(it->replica) / 32 + c - 1) / c;
+    for (const DeviceDecodeItem& it : items) n += (BulkEnd(it.replica) / 32 + c - 1) / c;
     return n;
   };
   int64_t most_blocks = 2;
-  for (const DeviceDecodeItem* it : set) most_blocks = std::max<int64_t>(most_blocks, BulkEnd(it->replica) / 32);
+  for (const DeviceDecodeItem& it : items) most_blocks = std::max<int64_t>(most_blocks, BulkEnd(it.replica) / 32);
   if (units_with(chunk) > wave) {  // the smallest chunk that fits (units fall as it grows), or one unit per item
     int64_t lo = chunk + 1, hi = std::max(most_blocks, chunk + 1);
     while (lo < hi) {
@@ -912,33 +931,57 @@ Status LaunchSet(const std::vector<const DeviceDecodeItem*>& set, cudaStream_t s
     }
     chunk = lo;
   }
-  batch.chunk_blocks = static_cast<int>(chunk);
-  int units = 0;
-  for (int i = 0; i < batch.count; ++i) {
-    batch.items[i] = *set[i];
-    batch.unit_begin[i] = units;
-    units += BulkUnits(set[i]->replica, batch.chunk_blocks) + TailUnits(*set[i]);
+  set->kernel_class = cls;
+  set->chunk_blocks = static_cast<int>(chunk);
+  set->tail_units = most_tail;
+  set->unit_begin.assign(1, 0);
+  int64_t units = 0;
+  for (const DeviceDecodeItem& it : items) {
+    const int item_units = BulkUnits(it.replica, set->chunk_blocks) + TailUnits(it, most_tail);
+    if (item_units > (48 << 10) / static_cast<int>(sizeof(float))) {  // the merge's weights
+      return Status::InvalidArgument("low-bit decode: more than 12288 units for one item");
+    }
+    units += item_units;
+    if (units > (int64_t{1} << 30)) return Status::InvalidArgument("low-bit decode: too many units");
+    set->unit_begin.push_back(static_cast<int32_t>(units));
   }
-  batch.unit_begin[batch.count] = units;
+  set->items = std::move(items);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status PlanLowBitDecode(const std::vector<DeviceDecodeItem>& items, int free_slots, std::vector<LowBitSet>* sets) {
+  std::vector<DeviceDecodeItem> by_class[kClasses];
+  for (const DeviceDecodeItem& it : items) by_class[ClassOf(it)].push_back(it);
+  sets->clear();
+  for (int cls = 0; cls < kClasses; ++cls) {
+    if (by_class[cls].empty()) continue;
+    sets->emplace_back();
+    SPECACHE_RETURN_IF_ERROR(PlanSet(cls, std::move(by_class[cls]), free_slots, &sets->back()));
+  }
+  return Status::Ok();
+}
+
+Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaStream_t stream) {
+  const KernelInfo kernel = KernelFor(set.kernel_class);
+  const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
+  const int units = set.unit_begin.back();
   int most_units = 1, most_queries = 1;
-  for (int i = 0; i < batch.count; ++i) {
-    most_units = std::max(most_units, batch.unit_begin[i + 1] - batch.unit_begin[i]);
-    most_queries = std::max(most_queries, set[i]->rows.n_rows * set[i]->rows.n_heads);
+  for (size_t i = 0; i < set.items.size(); ++i) {
+    most_units = std::max(most_units, set.unit_begin[i + 1] - set.unit_begin[i]);
+    most_queries = std::max(most_queries, set.items[i].rows.n_rows * set.items[i].rows.n_heads);
   }
-  if (most_units > (48 << 10) / static_cast<int>(sizeof(float))) {  // the merge's weights
-    return Status::InvalidArgument("low-bit decode: more than 12288 units for one item");
-  }
-  kernel.fn<<<(units + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(batch);
+  kernel.fn<<<(units + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(device);
   // The weights' memory is padded to whole groups of four (the summing loop's loads may be
   // widened by the compiler), the padding zeroed by the kernel.
   const size_t weight_bytes = size_t((most_units + 3) / 4 * 4) * sizeof(float);
-  MergeKernel<<<dim3(batch.count, most_queries), first.replica.head_dim, weight_bytes, stream>>>(batch);
+  MergeKernel<<<dim3(static_cast<unsigned>(set.items.size()), most_queries), set.items[0].replica.head_dim, weight_bytes,
+                stream>>>(device);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? Status::Ok()
                             : Status::Unavailable(std::string("low-bit decode kernels: ") + cudaGetErrorString(err));
 }
-
-}  // namespace
 
 bool LowBitDecodeEligible(const DeviceDecodeItem& item) {
   const DeviceReplicaView& v = item.replica;
@@ -946,20 +989,6 @@ bool LowBitDecodeEligible(const DeviceDecodeItem& item) {
   return (v.key_bits == 1 || v.key_bits == 2) && (v.value_bits == 1 || v.value_bits == 2) &&
          (v.head_dim == 64 || v.head_dim == 128) && v.group_size == kGroup && queries >= 1 && queries <= kMaxQ &&
          DeviceHasMma();
-}
-
-Status LaunchLowBitDecode(const DeviceDecodeItem* items, int n_items, cudaStream_t stream) {
-  std::vector<const DeviceDecodeItem*> by_class[kClasses];
-  for (int i = 0; i < n_items; ++i) by_class[ClassOf(items[i])].push_back(&items[i]);
-  for (int cls = 0; cls < kClasses; ++cls) {
-    const auto& all = by_class[cls];
-    for (size_t first = 0; first < all.size(); first += kMaxItems) {
-      const std::vector<const DeviceDecodeItem*> set(all.begin() + first,
-                                                     all.begin() + std::min(all.size(), first + kMaxItems));
-      SPECACHE_RETURN_IF_ERROR(LaunchSet(set, stream));
-    }
-  }
-  return Status::Ok();
 }
 
 }  // namespace specache::cuda

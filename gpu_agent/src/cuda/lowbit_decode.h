@@ -2,7 +2,7 @@
 //
 // Work: each item's context is cut into units. The bulk units cover the tokens whose key and
 // value are both quantized, in whole blocks of 32 tokens, as many units as fill one wave of the
-// GPU; up to 4 tail units cover the rest (residual keys, value window, the step's new rows,
+// GPU (less the CTA slots the plan leaves free); up to 4 tail units cover the rest (residual keys, value window, the step's new rows,
 // causal among themselves) on the CUDA cores. One warp runs one unit with an online softmax and
 // writes a partial result (per query: running max, sum of exponentials, unnormalised output); a
 // merge kernel combines an item's units in order, writes the outputs and the probabilities row's
@@ -12,26 +12,46 @@
 // copied to shared memory a block ahead (cp.async):
 //   scores [32 tokens x 8 queries] = (codes x key scale) [32 x d] x q [d x 8]: A exact in fp16 (a
 //       code bit masks its fp16 scale; 2-bit codes are two bit planes), the queries as fp16 hi +
-//       lo parts scaled by a power of two (~22 bits); plus the key zeros' term sum_c q_c z_c on
-//       the CUDA cores (fp32).
+//       lo parts scaled by a power of two (~22 bits); plus the key zeros' term sum_c q_c z_c as one
+//       more mma (A = the group's zeros).
 //   out^T [d x 8] += (codes x value scale)^T [d x 32] x p [32 x 8], p as hi + lo parts, into
 //       fresh accumulators per block added in fp32 (the tensor cores truncate); plus sum_t p_t z_t
-//       on the CUDA cores.
+//       as one more mma (A's row g = channel group g's zeros).
 // Substituted rows: their scores are recomputed from the fetched key (fp32) before the softmax,
 // their weight is taken out of the mma operand and their fetched value added in fp32.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "specache/cuda_attention.h"
 
 namespace specache::cuda {
 
+struct DeviceItemSet;  // decode_common.cuh
+
 // Whether `item` can take the tensor-core path (see above for the conditions).
 bool LowBitDecodeEligible(const DeviceDecodeItem& item);
 
-// Items (strides resolved, all eligible) in one set of launches per (key bits, value bits,
-// head_dim, query tiles) class present, then one merge launch per set of items.
-Status LaunchLowBitDecode(const DeviceDecodeItem* items, int n_items, cudaStream_t stream);
+// One launch of the tensor-core path: items of one (key bits, value bits, head_dim, query tiles)
+// class, each item's work cut into units (bulk units of chunk_blocks blocks of 32 tokens, then up
+// to 4 tail units), all units one wave of the GPU.
+struct LowBitSet {
+  int kernel_class = 0;
+  int chunk_blocks = 0;
+  int tail_units = 0;  // most tail units per item
+  std::vector<DeviceDecodeItem> items;  // strides resolved, all eligible
+  std::vector<int32_t> unit_begin;      // [items + 1]: item i's units are [unit_begin[i], unit_begin[i + 1])
+};
+
+// One set per class present among `items`, its units one wave of the GPU less `free_slots` CTA
+// slots (DecodePlan::set_free_slots).
+Status PlanLowBitDecode(const std::vector<DeviceDecodeItem>& items, int free_slots, std::vector<LowBitSet>* sets);
+
+// The attention kernel and the merge of a planned set, whose bytes (WriteItemSet of its items and
+// unit_begin) are at `device`.
+Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaStream_t stream);
 
 }  // namespace specache::cuda

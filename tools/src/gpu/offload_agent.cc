@@ -218,7 +218,7 @@ class OffloadAgent final : public Agent {
         items_.push_back(it);
       }
     }
-    SPECACHE_RETURN_IF_ERROR(cuda::AttendDecodeBatch(items_.data(), static_cast<int>(items_.size()), compute_));
+    SPECACHE_RETURN_IF_ERROR(cuda::AttendDecodeBatch(items_.data(), static_cast<int>(items_.size()), compute_, &plan_));
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(free_[layer % 2], compute_), "event"));
     if (layer + 2 < shape_.n_layers) SPECACHE_RETURN_IF_ERROR(CopyLayer(layer + 2));
     // The new rows go to the host after the step ([layer][sequence][head][K|V][d]).
@@ -343,6 +343,7 @@ class OffloadAgent final : public Agent {
   Half* pending_ = nullptr;  // pinned
   size_t pending_capacity_ = 0;
   std::vector<cuda::DeviceDecodeItem> items_;
+  cuda::DecodePlan plan_;  // the attention's launch plans
   AgentStats stats_;
 };
 
