@@ -166,6 +166,8 @@ class CudaAgent final : public Agent {
   // all or nothing: RESOURCE_EXHAUSTED naming the first sequence that cannot have them, and no
   // sequence keeps a block it took here.
   Status ReserveBlocks(const std::vector<SequenceId>& ids, int32_t tokens);
+  // Gives back the blocks that these sequences' replicas hold beyond their length.
+  void ReleaseUnused(std::span<const SequenceId> ids);
   Result<uint64_t> DeviceAddress(const uint8_t* host) const;
   const uint64_t* PageTable(const SequenceState& st, int layer) const {
     return st.pages.get() + static_cast<size_t>(layer) * max_pages_;
@@ -260,20 +262,27 @@ Status CudaAgent::Init() {
 }
 
 Status CudaAgent::ReserveBlocks(const std::vector<SequenceId>& ids, int32_t tokens) {
-  std::vector<cuda::DeviceHeadReplica*> all, reserved;
-  for (SequenceId id : ids) {
+  std::vector<cuda::DeviceHeadReplica*> all;
+  for (size_t i = 0; i < ids.size(); ++i) {
     all.clear();
-    for (auto& layer : sequences_.at(id).replicas) {
+    for (auto& layer : sequences_.at(ids[i]).replicas) {
       for (auto& r : layer) all.push_back(r.get());
     }
     const Status s = cuda::DeviceHeadReplica::Reserve(all, tokens);
     if (!s.ok()) {  // all or nothing per sequence; the ones reserved before it give theirs back too
-      for (cuda::DeviceHeadReplica* r : reserved) r->ReleaseUnused();
-      return s.WithContext("sequence " + Id(id) + ": device blocks for " + std::to_string(tokens) + " more tokens");
+      ReleaseUnused(std::span<const SequenceId>(ids).first(i));
+      return s.WithContext("sequence " + Id(ids[i]) + ": device blocks for " + std::to_string(tokens) + " more tokens");
     }
-    reserved.insert(reserved.end(), all.begin(), all.end());
   }
   return Status::Ok();
+}
+
+void CudaAgent::ReleaseUnused(std::span<const SequenceId> ids) {
+  for (SequenceId id : ids) {
+    for (auto& layer : sequences_.at(id).replicas) {
+      for (auto& r : layer) r->ReleaseUnused();
+    }
+  }
 }
 
 CudaAgent::~CudaAgent() {
@@ -434,11 +443,7 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     const Status reserved =
         ReserveBlocks({batch.sequences[s]}, batch.token_offsets[s + 1] - batch.token_offsets[s]);
     if (!reserved.ok()) {
-      for (size_t o = 0; o < s; ++o) {
-        for (auto& layer : sequences_.at(batch.sequences[o]).replicas) {
-          for (auto& r : layer) r->ReleaseUnused();
-        }
-      }
+      ReleaseUnused(batch.sequences.first(s));
       return reserved;
     }
   }
