@@ -141,6 +141,11 @@ class Agent {
   // (ascending), for inspection and tests.
   virtual Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const = 0;
 
+  // Counters since creation and the memory held now. The CUDA backend waits on the host for the
+  // device here (its compute and fetch streams): the fetch's hits and misses (rows_fetched,
+  // rows_reused) and the row caches' sizes are counted on the device, and the rows whose page
+  // writes are still landing are committed to the source first, so that it holds what
+  // full_precision_bytes says. Call it between steps, not inside the decode loop.
   virtual AgentStats stats() const = 0;
 };
 

@@ -1,0 +1,59 @@
+// What the CUDA agent's parts share: CUDA errors as Status, and the growing device buffer their
+// scratch and per-sequence rows live in.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+// OK, or `what` with the CUDA error: RESOURCE_EXHAUSTED when device memory ran out, else
+// UNAVAILABLE. Clears the error so that the next call does not see it again.
+inline Status CudaStatus(cudaError_t err, const std::string& what) {
+  if (err == cudaSuccess) return Status::Ok();
+  cudaGetLastError();
+  if (err == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": out of device memory");
+  return Status::Unavailable(what + ": " + cudaGetErrorString(err));
+}
+
+// A device (or pinned host) array that only grows, by half again at least (a reallocation waits
+// for the device); growing drops the contents.
+template <typename T, bool kPinned = false>
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  ~Buffer() { Free(); }
+  Status Reserve(size_t n) {
+    if (n <= n_) return Status::Ok();
+    if (n_ > 0) n = std::max(n, n_ + n_ / 2);
+    Free();
+    void* p = nullptr;
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(kPinned ? cudaMallocHost(&p, n * sizeof(T)) : cudaMalloc(&p, n * sizeof(T)),
+                                        kPinned ? "pinned buffer" : "device buffer"));
+    p_ = static_cast<T*>(p);
+    n_ = n;
+    return Status::Ok();
+  }
+  T* get() const { return p_; }
+  int64_t bytes() const { return static_cast<int64_t>(n_ * sizeof(T)); }
+
+ private:
+  void Free() {
+    if (p_) kPinned ? cudaFreeHost(p_) : cudaFree(p_);
+    p_ = nullptr;
+    n_ = 0;
+  }
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+}  // namespace specache::cuda

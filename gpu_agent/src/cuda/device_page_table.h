@@ -1,0 +1,74 @@
+// The CUDA agent's view of the source's pages from the device (cuda_fetch.h reads and writes them
+// in place): which host regions of the source are registered with CUDA, and, per sequence, a
+// device table of the GPU-visible address of each page of each layer.
+//
+// - The source's host regions are registered (pinned and mapped) once each; a region the source
+//   adds later is registered the first time one of its pages is mapped. All are unregistered when
+//   the table is destroyed.
+// - A sequence's table has room for capacity_tokens tokens per layer ([layer][max_pages]); its
+//   entries are written once, in order, as the sequence grows (Map), by copies queued on the
+//   stream given at construction. Work queued after Map on that stream sees them.
+//
+// Not thread-safe (the agent is used from one thread).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+
+#include "device_buffer.h"
+#include "specache/full_precision_source.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+class DevicePageTable {
+ public:
+  // `source` must outlive the table; `stream` is where the table copies are queued.
+  DevicePageTable(FullPrecisionSource* source, int n_layers, int32_t capacity_tokens, cudaStream_t stream);
+  ~DevicePageTable();
+  DevicePageTable(const DevicePageTable&) = delete;
+  DevicePageTable& operator=(const DevicePageTable&) = delete;
+
+  // Registers the source's regions not registered yet.
+  Status RegisterNewRegions();
+
+  // A table for a new sequence, with no page mapped (RESOURCE_EXHAUSTED, nothing added, when
+  // memory runs out).
+  Status AddSequence(SequenceId id);
+  // Forgets the sequence's table: no queued work may still read it.
+  void RemoveSequence(SequenceId id);
+  // Makes the pages holding tokens [0, tokens) of a registered sequence visible to the device, at
+  // every layer: OUT_OF_RANGE past capacity_tokens, errors of the source passed through, INTERNAL
+  // for a page outside every region of the source.
+  Status Map(SequenceId id, int32_t tokens);
+  // Layer `layer`'s page addresses of a registered sequence (device memory, [max_pages]).
+  const uint64_t* Layer(SequenceId id, int layer) const;
+
+  int32_t page_tokens() const { return page_tokens_; }
+  // Device memory of all the sequences' tables.
+  int64_t device_bytes() const;
+
+ private:
+  struct Region {
+    size_t bytes;
+    uint64_t device;
+  };
+  struct Table {
+    Buffer<uint64_t> pages;             // [layer][max_pages] GPU-visible page addresses
+    Buffer<uint64_t, true> pages_host;  // the same, staged (entries are written once)
+    int32_t mapped_pages = 0;           // entries filled per layer
+  };
+  Result<uint64_t> DeviceAddress(const uint8_t* host) const;
+
+  FullPrecisionSource* source_;
+  int n_layers_;
+  int32_t capacity_tokens_;
+  cudaStream_t stream_;
+  int32_t page_tokens_ = 0, max_pages_ = 0;
+  std::map<const uint8_t*, Region> regions_;  // registered by this table, by host base
+  std::map<SequenceId, Table> tables_;
+};
+
+}  // namespace specache::cuda

@@ -1,0 +1,84 @@
+#include "replica_store.h"
+
+#include <string>
+#include <utility>
+
+namespace specache::cuda {
+
+ReplicaStore::ReplicaStore(const ModelShape& shape, const ReplicaParams& params, int32_t capacity_tokens,
+                           cudaStream_t stream)
+    : shape_(shape), params_(params), capacity_tokens_(capacity_tokens), stream_(stream) {}
+
+Status ReplicaStore::Init(int64_t pool_bytes) {
+  SPECACHE_ASSIGN_OR_RETURN(pool_, DeviceBlockPool::Create(params_, pool_bytes));
+  return Status::Ok();
+}
+
+Status ReplicaStore::AddSequence(SequenceId id) {
+  Replicas replicas(shape_.n_layers);
+  for (auto& layer : replicas) {
+    layer.resize(shape_.n_kv_heads);
+    for (auto& r : layer) {
+      SPECACHE_ASSIGN_OR_RETURN(r, DeviceHeadReplica::Create(params_, capacity_tokens_, stream_, pool_.get()));
+    }
+  }
+  replicas_.emplace(id, std::move(replicas));
+  return Status::Ok();
+}
+
+void ReplicaStore::RemoveSequence(SequenceId id) { replicas_.erase(id); }
+
+Result<int32_t> ReplicaStore::Length(SequenceId id, int layer) const {
+  auto it = replicas_.find(id);
+  if (it == replicas_.end()) return Status::NotFound("sequence " + std::to_string(id) + " is not registered");
+  return it->second[layer][0]->length();
+}
+
+bool ReplicaStore::Empty(SequenceId id) const {
+  bool empty = true;
+  for (const auto& layer : replicas_.at(id)) empty = empty && layer[0]->length() == 0;
+  return empty;
+}
+
+Status ReplicaStore::Reserve(std::span<const SequenceId> ids, int32_t tokens) {
+  std::vector<DeviceHeadReplica*> all;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    all.clear();
+    for (auto& layer : replicas_.at(ids[i])) {
+      for (auto& r : layer) all.push_back(r.get());
+    }
+    const Status s = DeviceHeadReplica::Reserve(all, tokens);
+    if (!s.ok()) {  // all or nothing per sequence; the ones reserved before it give theirs back too
+      ReleaseUnused(ids.first(i));
+      return s.WithContext("sequence " + std::to_string(ids[i]) + ": device blocks for " + std::to_string(tokens) +
+                           " more tokens");
+    }
+  }
+  return Status::Ok();
+}
+
+void ReplicaStore::ReleaseUnused(std::span<const SequenceId> ids) {
+  for (SequenceId id : ids) {
+    for (auto& layer : replicas_.at(id)) {
+      for (auto& r : layer) r->ReleaseUnused();
+    }
+  }
+}
+
+void ReplicaStore::AddStats(AgentStats* s) const {
+  const int64_t row = 2 * int64_t{shape_.head_dim} * static_cast<int64_t>(sizeof(Half));
+  s->device_pool_bytes = pool_->reserved_bytes();
+  s->device_pool_used_bytes = pool_->used_bytes();
+  s->device_bytes_reserved += s->device_pool_bytes;
+  for (const auto& [id, replicas] : replicas_) {
+    for (const auto& layer : replicas) {
+      for (const auto& r : layer) {
+        s->device_bytes += r->device_bytes();
+        s->device_bytes_reserved += r->fixed_bytes();  // its blocks are in the pool's figure
+        s->full_precision_bytes += int64_t{r->length()} * row;
+      }
+    }
+  }
+}
+
+}  // namespace specache::cuda

@@ -1,0 +1,194 @@
+#include "row_fetch.h"
+
+#include "../step_protocol.h"
+
+namespace specache::cuda {
+
+RowFetcher::RowFetcher(const ModelShape& shape, const KvConfig& config, const CudaAgentOptions& options,
+                       const DevicePageTable* pages, cudaStream_t compute)
+    : shape_(shape), config_(config), options_(options), pages_(pages), compute_(compute) {}
+
+RowFetcher::~RowFetcher() {
+  rows_.clear();
+  for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
+  if (fetch_) cudaStreamDestroy(fetch_);
+}
+
+Status RowFetcher::Init() {
+  // The fetch of layer l + 1's rows runs beside layer l + 1's kernels: its blocks are scheduled
+  // first when SM slots free up (the highest priority), and the attention's one-wave plan leaves
+  // it its slots (StepPlanner).
+  int least_priority = 0, greatest_priority = 0;
+  SPECACHE_RETURN_IF_ERROR(
+      CudaStatus(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority), "stream priorities"));
+  SPECACHE_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithPriority(&fetch_, cudaStreamNonBlocking, greatest_priority), "fetch stream"));
+  selected_.assign(shape_.n_layers, nullptr);
+  fetched_.assign(shape_.n_layers, nullptr);
+  for (int l = 0; l < shape_.n_layers; ++l) {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&selected_[l], cudaEventDisableTiming), "event"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&fetched_[l], cudaEventDisableTiming), "event"));
+  }
+  SPECACHE_RETURN_IF_ERROR(device_counters_.Reserve(1));
+  return CudaStatus(cudaMemset(device_counters_.get(), 0, sizeof(FetchCounters)), "counters");
+}
+
+void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }
+
+void RowFetcher::RemoveSequence(SequenceId id) { rows_.erase(id); }
+
+Result<int32_t*> RowFetcher::SelectionTarget(SequenceId id, int layer, int32_t per_head) {
+  LayerRows& lr = rows_.at(id)[layer];
+  lr.selected = per_head;
+  if (per_head == 0) return static_cast<int32_t*>(nullptr);
+  Buffer<int32_t>& next = lr.tokens[1 - lr.cur];
+  SPECACHE_RETURN_IF_ERROR(next.Reserve(size_t(shape_.n_kv_heads) * config_.max_selected()));
+  return next.get();
+}
+
+void RowFetcher::Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem> heads) const {
+  const LayerRows& lr = rows_.at(id)[layer];
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  for (size_t h = 0; h < heads.size(); ++h) {
+    DeviceDecodeRows* r = &heads[h].rows;
+    if (config_.attend_resident) {
+      // The whole row cache (it holds the selection); entries past its count are kNoToken.
+      const int32_t capacity = lr.fetches > 0 ? config_.cache_rows() : 0;
+      r->sub_tokens = capacity ? lr.cache_tokens[lr.cache_cur].get() + h * capacity : nullptr;
+      r->sub_rows = capacity ? lr.cache_rows[lr.cache_cur].get() + h * capacity * row : nullptr;
+      r->n_sub = capacity;
+      continue;
+    }
+    r->sub_tokens = lr.tokens[lr.cur].get() + h * lr.resident;
+    r->sub_rows = lr.rows[lr.cur].get() + h * lr.resident * row;
+    r->n_sub = lr.resident;
+  }
+}
+
+Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream) {
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  const int n_kv = shape_.n_kv_heads;
+  const int32_t capacity = config_.cache_rows();
+  std::vector<FetchTask> tasks;
+  std::vector<CacheUpdateTask> updates;
+  FetchCounts counts;
+  for (SequenceId id : ids) {
+    LayerRows& lr = rows_.at(id)[layer];
+    const uint64_t* pages = pages_->Layer(id, layer);
+    const int next = 1 - lr.cur;
+    counts.selected += int64_t{lr.selected} * n_kv;
+    if (!options_.fetch) {  // measuring without the fetch: nothing becomes resident
+      lr.selected = 0;
+      continue;
+    }
+    if (lr.selected > 0) {
+      SPECACHE_RETURN_IF_ERROR(lr.rows[next].Reserve(size_t(n_kv) * config_.max_selected() * row));
+      if (lr.fetches == 0) {  // the cache starts empty
+        for (int g = 0; g < 2; ++g) {
+          SPECACHE_RETURN_IF_ERROR(lr.cache_tokens[g].Reserve(size_t(n_kv) * capacity));
+          SPECACHE_RETURN_IF_ERROR(lr.cache_used[g].Reserve(size_t(n_kv) * capacity));
+          SPECACHE_RETURN_IF_ERROR(lr.cache_rows[g].Reserve(size_t(n_kv) * capacity * row));
+          SPECACHE_RETURN_IF_ERROR(lr.cache_count[g].Reserve(n_kv));
+          SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(lr.cache_tokens[g].get(), 0x7f,
+                                                              size_t(n_kv) * capacity * sizeof(int32_t), stream),
+                                              "cache tokens"));  // every entry kNoToken
+          SPECACHE_RETURN_IF_ERROR(
+              CudaStatus(cudaMemsetAsync(lr.cache_count[g].get(), 0, n_kv * sizeof(int32_t), stream), "cache counts"));
+        }
+      }
+      const int cc = lr.cache_cur;
+      ++lr.fetches;
+      for (int h = 0; h < n_kv; ++h) {
+        FetchTask t;
+        t.selected = lr.tokens[next].get() + size_t(h) * lr.selected;
+        t.n_selected = lr.selected;
+        t.resident = lr.cache_tokens[cc].get() + size_t(h) * capacity;
+        t.resident_rows = lr.cache_rows[cc].get() + size_t(h) * capacity * row;
+        t.resident_count = lr.cache_count[cc].get() + h;
+        t.out_rows = lr.rows[next].get() + size_t(h) * lr.selected * row;
+        t.pages = pages;
+        t.kv_head = h;
+        tasks.push_back(t);
+        CacheUpdateTask u;
+        u.old_tokens = t.resident;
+        u.old_used = lr.cache_used[cc].get() + size_t(h) * capacity;
+        u.old_rows = t.resident_rows;
+        u.old_count = t.resident_count;
+        u.selected = t.selected;
+        u.selected_rows = t.out_rows;
+        u.n_selected = lr.selected;
+        u.new_tokens = lr.cache_tokens[1 - cc].get() + size_t(h) * capacity;
+        u.new_used = lr.cache_used[1 - cc].get() + size_t(h) * capacity;
+        u.new_rows = lr.cache_rows[1 - cc].get() + size_t(h) * capacity * row;
+        u.new_count = lr.cache_count[1 - cc].get() + h;
+        u.now = lr.fetches;
+        u.capacity = capacity;
+        updates.push_back(u);
+      }
+      lr.cache_cur = 1 - cc;
+    }
+    lr.cur = next;
+    lr.resident = lr.selected;
+    lr.selected = 0;
+  }
+  // Hits and misses are counted on the device (DeviceCounters); the selection here.
+  rows_selected_ += counts.selected;
+  SPECACHE_RETURN_IF_ERROR(FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim,
+                                     pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream));
+  return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, stream);
+}
+
+Status RowFetcher::MarkSelected(int layer) {
+  return CudaStatus(cudaEventRecord(selected_[layer], compute_), "selection event");
+}
+
+Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
+  // The fetch stream takes the selection once the layer's top-k is done, and the compute stream
+  // goes on with the next layers.
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
+  SPECACHE_RETURN_IF_ERROR(Fetch(layer, ids, fetch_));
+  return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
+}
+
+Status RowFetcher::WaitFetched(int layer) {
+  return CudaStatus(cudaStreamWaitEvent(compute_, fetched_[layer], 0), "wait for the fetch");
+}
+
+Status RowFetcher::WaitForFetchStream() const { return CudaStatus(cudaStreamSynchronize(fetch_), "fetch stream"); }
+
+int32_t RowFetcher::resident(SequenceId id, int layer) const { return rows_.at(id)[layer].resident; }
+
+Status RowFetcher::CopyResidentTokens(SequenceId id, int layer, int kv_head, std::vector<int32_t>* tokens) const {
+  const LayerRows& lr = rows_.at(id)[layer];
+  return CudaStatus(cudaMemcpy(tokens->data(), lr.tokens[lr.cur].get() + size_t(kv_head) * lr.resident,
+                               tokens->size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+                    "selected tokens");
+}
+
+FetchCounters RowFetcher::DeviceCounters() const {
+  FetchCounters device{0, 0};
+  cudaMemcpy(&device, device_counters_.get(), sizeof(device), cudaMemcpyDeviceToHost);
+  return device;
+}
+
+void RowFetcher::AddStats(AgentStats* s) const {
+  const int64_t row = 2 * int64_t{shape_.head_dim} * static_cast<int64_t>(sizeof(Half));
+  std::vector<int32_t> cached(static_cast<size_t>(shape_.n_kv_heads));
+  for (const auto& [id, layers] : rows_) {
+    for (const LayerRows& lr : layers) {
+      int64_t cache_rows = 0;  // the row caches' sizes live on the device
+      if (lr.fetches > 0 && cudaMemcpy(cached.data(), lr.cache_count[lr.cache_cur].get(), cached.size() * sizeof(int32_t),
+                                       cudaMemcpyDeviceToHost) == cudaSuccess) {
+        for (int32_t c : cached) cache_rows += c;
+      }
+      s->device_bytes += cache_rows * row + int64_t{shape_.n_kv_heads} * lr.resident * row;
+      for (int g = 0; g < 2; ++g) {
+        s->device_bytes_reserved += lr.tokens[g].bytes() + lr.rows[g].bytes() + lr.cache_tokens[g].bytes() +
+                                    lr.cache_used[g].bytes() + lr.cache_count[g].bytes() + lr.cache_rows[g].bytes();
+      }
+    }
+  }
+}
+
+}  // namespace specache::cuda

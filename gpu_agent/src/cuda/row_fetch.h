@@ -1,0 +1,115 @@
+// The full-precision rows the CUDA agent's attention substitutes for low-bit ones, per (sequence,
+// layer): the selection the top-k wrote, its fetch from the source's pages (read in place by the
+// GPU, cuda_fetch.h) into device row buffers, and the row cache (row_cache.h) through which rows
+// resident from the previous step are copied on the device instead of read again.
+//
+// - Selection and rows come in two generations: the current one is what the attention
+//   substitutes (Substitute); the other receives the next selection (SelectionTarget) and then
+//   its rows (Fetch), which makes it current. The row cache has two generations too: a fetch reads
+//   one and its update writes the other. The cache's sizes are known on the device only.
+// - In specache mode the fetch of layer L runs on the fetcher's own stream (StartFetch), after an
+//   event that marks layer L's selection done on the compute stream (MarkSelected); the compute
+//   stream waits for it (WaitFetched) only before layer L's next attention, so later layers never
+//   wait for it. The other modes fetch on the compute stream (Fetch).
+// - Hits and misses are counted on the device by the fetch kernel; the rows selected on the host.
+//
+// Not thread-safe (the agent is used from one thread).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <vector>
+
+#include "device_buffer.h"
+#include "device_page_table.h"
+#include "specache/agent.h"
+#include "specache/cuda_attention.h"
+#include "specache/cuda_fetch.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+class RowFetcher {
+ public:
+  // Rows are read through `pages` (must outlive the fetcher); `compute` is the engine's stream.
+  RowFetcher(const ModelShape& shape, const KvConfig& config, const CudaAgentOptions& options,
+             const DevicePageTable* pages, cudaStream_t compute);
+  ~RowFetcher();
+  RowFetcher(const RowFetcher&) = delete;
+  RowFetcher& operator=(const RowFetcher&) = delete;
+  // Makes the fetch stream, the per-layer events and the device counters.
+  Status Init();
+
+  void AddSequence(SequenceId id);
+  // No queued work may still read the sequence's rows.
+  void RemoveSequence(SequenceId id);
+
+  // Where the top-k writes the (sequence, layer)'s next selection: per_head tokens for each KV
+  // head, head h's at h * per_head, ascending (device memory; null when per_head is 0).
+  Result<int32_t*> SelectionTarget(SequenceId id, int layer, int32_t per_head);
+  // The rows the attention of a (sequence, layer) substitutes, into heads[h].rows for each KV
+  // head h: the current selection's, or, with KvConfig::attend_resident, the whole row cache.
+  void Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem> heads) const;
+
+  // Makes the next selection of these sequences' layer current, its rows fetched on `stream`.
+  Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
+  // Records on the compute stream that the layer's selection is done.
+  Status MarkSelected(int layer);
+  // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
+  // waits for it.
+  Status StartFetch(int layer, const std::vector<SequenceId>& ids);
+  // Work queued on the compute stream from here sees the rows of the layer's last StartFetch
+  // (stream order, no host wait).
+  Status WaitFetched(int layer);
+  // Waits on the host until the fetch stream is idle.
+  Status WaitForFetchStream() const;
+
+  // Tokens per KV head of the (sequence, layer)'s current selection.
+  int32_t resident(SequenceId id, int layer) const;
+  // Copies KV head kv_head's current selection into *tokens (sized resident()); synchronous, so
+  // only after the streams that write it are idle.
+  Status CopyResidentTokens(SequenceId id, int layer, int kv_head, std::vector<int32_t>* tokens) const;
+
+  // Rows selected for fetches so far, hits and misses, counted on the host.
+  int64_t rows_selected() const { return rows_selected_; }
+  // The device's counts of rows fetched and reused (synchronous: after the streams are idle).
+  FetchCounters DeviceCounters() const;
+  // Adds the device memory of the rows to the stats: device_bytes (the resident selection and
+  // the row caches' entries, read from the device) and device_bytes_reserved (every buffer).
+  void AddStats(AgentStats* stats) const;
+
+ private:
+  // The full-precision rows of one (sequence, layer) on the device, for all its KV heads.
+  // - The selection, in two generations: `cur` is what the next attention substitutes, the other
+  //   receives the next selection and its fetched rows. Head h's list starts at h * count.
+  // - The row cache (row_cache.h), in two generations too: the fetch reads generation `cache_cur`
+  //   and the update writes the other. Head h's entries start at h * capacity; their number is
+  //   known on the device only (cache_count).
+  struct LayerRows {
+    Buffer<int32_t> tokens[2];  // [n_kv][count] ascending per head
+    Buffer<Half> rows[2];       // [n_kv][count][2][head_dim]
+    int cur = 0;
+    int32_t resident = 0;       // per head, in generation cur
+    int32_t selected = 0;       // per head, in generation 1 - cur (waiting for the fetch)
+    Buffer<int32_t> cache_tokens[2], cache_used[2], cache_count[2];  // [n_kv][capacity], [n_kv][capacity], [n_kv]
+    Buffer<Half> cache_rows[2];                                      // [n_kv][capacity][2][head_dim]
+    int cache_cur = 0;
+    int32_t fetches = 0;
+  };
+
+  ModelShape shape_;
+  KvConfig config_;
+  CudaAgentOptions options_;
+  const DevicePageTable* pages_;
+  cudaStream_t compute_;
+  cudaStream_t fetch_ = nullptr;
+  std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
+  Buffer<FetchCounters> device_counters_;
+  std::map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence
+  int64_t rows_selected_ = 0;
+};
+
+}  // namespace specache::cuda

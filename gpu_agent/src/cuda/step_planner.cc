@@ -1,0 +1,314 @@
+#include "step_planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <span>
+
+#include "specache/cuda_fetch.h"
+#include "specache/cuda_selection.h"
+#include "specache/cuda_tensors.h"
+#include "specache/cuda_topk.h"
+
+namespace specache::cuda {
+
+StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const CudaAgentOptions& options,
+                         const StepProtocol* protocol, const ReplicaStore* replicas, RowFetcher* rows,
+                         const DevicePageTable* pages, cudaStream_t compute)
+    : shape_(shape),
+      config_(config),
+      options_(options),
+      protocol_(protocol),
+      replicas_(replicas),
+      rows_(rows),
+      pages_(pages),
+      compute_(compute) {
+  scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
+}
+
+Status StepPlanner::PrefillHead(const PrefillBatch& batch, int32_t first, int32_t n, int h) {
+  const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
+  const size_t width = size_t(group) * d;
+  SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n) * d));
+  SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n) * d));
+  const size_t kv_at = (size_t(first) * n_kv + h) * d;
+  SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(batch.k + kv_at, n, d, int64_t{n_kv} * d, k_.get(), compute_));
+  SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(batch.v + kv_at, n, d, int64_t{n_kv} * d, v_.get(), compute_));
+  if (batch.out) {
+    const size_t q_at = (size_t(first) * n_q + size_t(h) * group) * d, pitch = size_t(n_q) * d * sizeof(float);
+    SPECACHE_RETURN_IF_ERROR(q_.Reserve(size_t(n) * width));
+    SPECACHE_RETURN_IF_ERROR(out_.Reserve(size_t(n) * width));
+    SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(PrefillScratchFloats(n, group))));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy2DAsync(q_.get(), width * sizeof(float), batch.q + q_at, pitch,
+                                                          width * sizeof(float), n, cudaMemcpyDeviceToDevice, compute_),
+                                        "prefill queries"));
+    SPECACHE_RETURN_IF_ERROR(
+        AttendPrefill(q_.get(), k_.get(), v_.get(), n, group, d, scale_, out_.get(), scores_.get(), compute_));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy2DAsync(batch.out + q_at, pitch, out_.get(), width * sizeof(float),
+                                                          width * sizeof(float), n, cudaMemcpyDeviceToDevice, compute_),
+                                        "prefill output"));
+  }
+  return Status::Ok();
+}
+
+Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
+  const int d = shape_.head_dim, group = shape_.group_size(), n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads;
+  const int n_rows = protocol_->rows();
+  const auto& ids = protocol_->ids();
+  const size_t n_seq = ids.size(), total_rows = n_seq * n_rows;
+  const bool selects = config_.fetches_rows();
+  const bool appends = protocol_->kind() == StepKind::kDecode;
+  const int probs_row = PrimaryRowOf(config_, appends);
+
+  // The new K/V as fp16, [row][n_kv][d], for every sequence at once.
+  SPECACHE_RETURN_IF_ERROR(k_.Reserve(total_rows * n_kv * d));
+  SPECACHE_RETURN_IF_ERROR(v_.Reserve(total_rows * n_kv * d));
+  SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(rows.k, static_cast<int32_t>(total_rows * n_kv), d, d, k_.get(), compute_));
+  SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(rows.v, static_cast<int32_t>(total_rows * n_kv), d, d, v_.get(), compute_));
+
+  LayerPlan plan;
+  plan.candidates.resize(n_seq);
+  plan.items.reserve(n_seq * n_kv);
+  plan.probs_offsets.assign(n_seq, 0);
+  size_t scratch = 0, probs = 0;
+  for (size_t s = 0; s < n_seq; ++s) {
+    const DeviceHeadReplica& rep0 = *replicas_->Layer(ids[s], layer)[0];
+    plan.candidates[s] = TopKCandidates(config_, appends, rep0.length(), rep0.quantized_keys());
+    plan.probs_offsets[s] = probs;
+    probs += size_t(n_kv) * group * std::max<int32_t>(plan.candidates[s], 1);
+    scratch += static_cast<size_t>(DecodeScratchFloats(rep0.length(), n_rows, group, d)) * n_kv;
+  }
+  SPECACHE_RETURN_IF_ERROR(scores_.Reserve(scratch));
+  SPECACHE_RETURN_IF_ERROR(probs_.Reserve(std::max<size_t>(probs, 1)));
+  SPECACHE_RETURN_IF_ERROR(probs_stats_.Reserve(n_seq * n_kv * group * 2));
+  scratch = 0;
+  for (size_t s = 0; s < n_seq; ++s) {
+    const int32_t candidates = plan.candidates[s];
+    const ReplicaStore::Heads& heads = replicas_->Layer(ids[s], layer);
+    for (int h = 0; h < n_kv; ++h) {
+      const DeviceHeadReplica& rep = *heads[h];
+      DeviceDecodeItem it;
+      it.replica = rep.view();
+      DeviceDecodeRows& r = it.rows;
+      const size_t first_row = s * n_rows;
+      r.q = rows.q + (first_row * n_q + size_t(h) * group) * d;
+      r.out = rows.out + (first_row * n_q + size_t(h) * group) * d;
+      r.q_stride = int64_t{n_q} * d;
+      r.new_keys = k_.get() + (first_row * n_kv + h) * d;
+      r.new_values = v_.get() + (first_row * n_kv + h) * d;
+      r.kv_stride = int64_t{n_kv} * d;
+      r.n_rows = n_rows;
+      r.n_heads = group;
+      r.scale = scale_;
+      r.probs_row = probs_row;
+      r.n_candidates = candidates;
+      r.probs = selects && candidates > 0 ? probs_.get() + plan.probs_offsets[s] + size_t(h) * group * candidates
+                                          : nullptr;
+      r.probs_stats = ProbsStats(s, h);
+      r.scratch = scores_.get() + scratch;
+      scratch += static_cast<size_t>(DecodeScratchFloats(rep.length(), n_rows, group, d));
+      plan.items.push_back(it);
+    }
+    rows_->Substitute(ids[s], layer, std::span(plan.items).subspan(s * n_kv, n_kv));
+  }
+  return plan;
+}
+
+Status StepPlanner::AttendPlainAndSelect(int layer, const LayerPlan& plan) {
+  std::vector<DeviceDecodeItem> plain = plan.items;
+  for (auto& it : plain) it.rows.n_sub = 0;
+  if (config_.mode == KvMode::kSpeCacheOracle) SPECACHE_RETURN_IF_ERROR(RankExactly(layer, &plain, compute_));
+  SPECACHE_RETURN_IF_ERROR(Attend(plain));
+  return Select(layer, plan);
+}
+
+Status StepPlanner::AttendWithFetchedRows(int layer, LayerPlan* plan) {
+  const int n_kv = shape_.n_kv_heads;
+  const auto& ids = protocol_->ids();
+  for (size_t s = 0; s < ids.size(); ++s) {
+    rows_->Substitute(ids[s], layer, std::span(plan->items).subspan(s * n_kv, n_kv));
+  }
+  for (DeviceDecodeItem& it : plan->items) it.rows.probs = nullptr;
+  return Attend(plan->items);
+}
+
+Status StepPlanner::AttendAndSelect(int layer, const LayerPlan& plan) {
+  const bool selects = config_.fetches_rows();
+  SPECACHE_RETURN_IF_ERROR(Attend(plan.items));
+  if (selects && config_.extra_rows() > 0 && protocol_->rows() > 1) SPECACHE_RETURN_IF_ERROR(RankRealRows(plan));
+  if (selects) SPECACHE_RETURN_IF_ERROR(Select(layer, plan));
+  return Status::Ok();
+}
+
+Status StepPlanner::Attend(const std::vector<DeviceDecodeItem>& items) {
+  return AttendDecodeBatch(items.data(), static_cast<int>(items.size()), compute_, &plan_);
+}
+
+Status StepPlanner::Select(int layer, const LayerPlan& plan) {
+  if (config_.extra_rows() > 0) return SelectUnion(layer, plan);
+  const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
+  const auto& ids = protocol_->ids();
+  size_t scratch = 0;
+  for (int32_t n : plan.candidates) scratch += size_t(n_kv) * std::max(n, 0);
+  SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
+  std::vector<TopKSegment> segments;
+  // kReal with real_next ranks a copy of the scores that credits each token with its predecessor's.
+  const bool shift = config_.real_next && config_.mode == KvMode::kSpeCache && config_.select == SelectFrom::kReal;
+  std::vector<ShiftTask> shifts;
+  if (shift) SPECACHE_RETURN_IF_ERROR(real_shifted_.Reserve(std::max<size_t>(scratch * group, 1)));
+  scratch = 0;
+  for (size_t s = 0; s < ids.size(); ++s) {
+    const int32_t n = plan.candidates[s];
+    const int32_t k = std::max(0, std::min<int32_t>(config_.top_k, n));
+    SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection, rows_->SelectionTarget(ids[s], layer, k));
+    if (k == 0) continue;
+    for (int h = 0; h < n_kv; ++h) {  // head h's selection at h * k, as the resident rows are laid out
+      float* probs = probs_.get() + plan.probs_offsets[s] + size_t(h) * group * n;
+      if (shift) {
+        float* copy = real_shifted_.get() + scratch * group;
+        shifts.push_back({probs, copy, n});
+        probs = copy;
+      }
+      segments.push_back({probs, selection + size_t(h) * k, topk_scratch_.get() + scratch, n, ProbsStats(s, h)});
+      scratch += n;
+    }
+  }
+  SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
+  return SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.top_k, config_.reduction,
+                         compute_);
+}
+
+Status StepPlanner::RankRealRows(const LayerPlan& plan) {
+  // Row 0 alone sees the cache and its own token, exactly as it does in the two-row pass, so its
+  // scores are the real row's. Outputs go to scratch; the engine's `out` already has them.
+  const int n_kv = shape_.n_kv_heads, group = shape_.group_size(), d = shape_.head_dim;
+  const std::vector<DeviceDecodeItem>& items = plan.items;
+  std::vector<DeviceDecodeItem> real = items;
+  SPECACHE_RETURN_IF_ERROR(real_stats_.Reserve(items.size() * group * 2));
+  SPECACHE_RETURN_IF_ERROR(real_out_.Reserve(items.size() * group * d));
+  size_t most = 1;
+  for (size_t i = 0; i < real.size(); ++i) {
+    const size_t s = i / n_kv;
+    const int32_t n = real[i].rows.n_candidates;
+    most = std::max(most, plan.probs_offsets[s] + size_t(n_kv) * group * std::max<int32_t>(n, 1));
+  }
+  SPECACHE_RETURN_IF_ERROR(real_probs_.Reserve(most));
+  for (size_t i = 0; i < real.size(); ++i) {
+    const size_t s = i / n_kv;
+    const int h = static_cast<int>(i % n_kv);
+    DeviceDecodeRows& r = real[i].rows;
+    r.n_rows = 1;
+    r.probs_row = 0;
+    r.out = real_out_.get() + i * group * d;
+    r.q_stride = int64_t{group} * d;
+    r.probs = r.n_candidates > 0 ? RealProbs(plan, s, h, r.n_candidates) : nullptr;
+    r.probs_stats = RealStats(s, h);
+  }
+  return Attend(real);
+}
+
+Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
+  // selection.h: the primary top-k, then the real row's best extra_rows() others, merged. A
+  // segment with no more candidates than both together selects them all.
+  const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
+  const int32_t k = config_.top_k, extra = config_.extra_rows();
+  const bool pre_decode = protocol_->kind() == StepKind::kPreDecode;  // one row: primary and real
+  const auto& ids = protocol_->ids();
+  size_t scratch = 0, n_union = 0, shifted = 0;
+  for (int32_t n : plan.candidates) {
+    scratch += size_t(n_kv) * std::max(n, 0);
+    if (n > k + extra) ++n_union, shifted += size_t(n_kv) * group * n;
+  }
+  SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
+  SPECACHE_RETURN_IF_ERROR(union_tokens_.Reserve(std::max<size_t>(n_union * n_kv * (k + extra), 1)));
+  if (config_.real_next) SPECACHE_RETURN_IF_ERROR(real_shifted_.Reserve(std::max<size_t>(shifted, 1)));
+  std::vector<TopKSegment> all, primary, others;
+  std::vector<MaskTask> masks;
+  std::vector<MergeTask> merges;
+  std::vector<ShiftTask> shifts;
+  scratch = 0;
+  shifted = 0;
+  size_t slot = 0;
+  for (size_t s = 0; s < ids.size(); ++s) {
+    const int32_t n = std::max<int32_t>(plan.candidates[s], 0);
+    const int32_t selected = std::min(n, k + extra);
+    SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection, rows_->SelectionTarget(ids[s], layer, selected));
+    if (n == 0) continue;
+    for (int h = 0; h < n_kv; ++h) {
+      float* probs = probs_.get() + plan.probs_offsets[s] + size_t(h) * group * n;
+      int32_t* out = selection + size_t(h) * selected;
+      float* part = topk_scratch_.get() + scratch;
+      scratch += n;
+      if (n <= k + extra) {
+        all.push_back({probs, out, part, n, ProbsStats(s, h)});
+        continue;
+      }
+      int32_t* mine = union_tokens_.get() + slot;
+      slot += k + extra;
+      float* real = pre_decode ? probs : RealProbs(plan, s, h, n);
+      if (config_.real_next) {  // ranked on a copy that credits each token with its predecessor
+        float* copy = real_shifted_.get() + shifted;
+        shifted += size_t(group) * n;
+        shifts.push_back({real, copy, n});
+        real = copy;
+      }
+      const float* real_stats = pre_decode ? ProbsStats(s, h) : RealStats(s, h);
+      primary.push_back({probs, mine, part, n, ProbsStats(s, h)});
+      masks.push_back({real, mine, n, k});
+      others.push_back({real, mine + k, part, n, real_stats});
+      merges.push_back({mine, mine + k, out, k, extra});
+    }
+  }
+  SPECACHE_RETURN_IF_ERROR(
+      SelectTopKBatch(all.data(), static_cast<int>(all.size()), group, k + extra, config_.reduction, compute_));
+  SPECACHE_RETURN_IF_ERROR(
+      SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k, config_.reduction, compute_));
+  SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
+  SPECACHE_RETURN_IF_ERROR(MaskTokens(masks.data(), static_cast<int>(masks.size()), group, compute_));
+  SPECACHE_RETURN_IF_ERROR(
+      SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, compute_));
+  return MergeSelections(merges.data(), static_cast<int>(merges.size()), compute_);
+}
+
+Status StepPlanner::RankExactly(int layer, std::vector<DeviceDecodeItem>* items, cudaStream_t stream) {
+  // Every quantized row of every item, read from the pages into scratch (not through the row
+  // cache and not counted as fetched: the oracle only measures), substituted for the ranking pass.
+  const int n_kv = shape_.n_kv_heads;
+  const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
+  int32_t most = 0;
+  size_t rows = 0;
+  for (const auto& it : *items) {
+    most = std::max(most, it.replica.quantized_keys);
+    rows += static_cast<size_t>(it.replica.quantized_keys);
+  }
+  if (most == 0) return Status::Ok();
+  if (every_token_.bytes() < int64_t{most} * int64_t{sizeof(int32_t)}) {
+    std::vector<int32_t> iota(static_cast<size_t>(options_.capacity_tokens));
+    for (size_t t = 0; t < iota.size(); ++t) iota[t] = static_cast<int32_t>(t);
+    SPECACHE_RETURN_IF_ERROR(every_token_.Reserve(iota.size()));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(every_token_.get(), iota.data(), iota.size() * sizeof(int32_t),
+                                                   cudaMemcpyHostToDevice),
+                                        "oracle tokens"));
+  }
+  SPECACHE_RETURN_IF_ERROR(every_row_.Reserve(rows * row));
+  std::vector<FetchTask> tasks;
+  size_t at = 0;
+  for (size_t i = 0; i < items->size(); ++i) {
+    DeviceDecodeItem& it = (*items)[i];
+    FetchTask t;
+    t.selected = every_token_.get();
+    t.n_selected = it.replica.quantized_keys;
+    t.out_rows = every_row_.get() + at * row;
+    t.pages = pages_->Layer(protocol_->ids()[i / n_kv], layer);
+    t.kv_head = static_cast<int>(i % n_kv);
+    tasks.push_back(t);
+    it.rows.sub_tokens = every_token_.get();
+    it.rows.sub_rows = t.out_rows;
+    it.rows.n_sub = it.replica.quantized_keys;
+    at += static_cast<size_t>(it.replica.quantized_keys);
+  }
+  return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, pages_->page_tokens(),
+                   options_.fetch_blocks, nullptr, stream);
+}
+
+}  // namespace specache::cuda

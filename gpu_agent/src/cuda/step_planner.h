@@ -1,0 +1,115 @@
+// The attention side of the CUDA agent, one layer at a time: it turns a layer's new rows into the
+// kernels' work and launches it on the compute stream.
+//
+// - Decode: the step's new K/V to fp16, then one cuda::DeviceDecodeItem per (sequence, KV head)
+//   of the step (Plan): the replica's view, the full-precision rows substituted (RowFetcher), the
+//   queries and outputs, the probabilities and scratch the top-k reads. Then the attention and
+//   the selection (top-k, kUnion's real-row ranking, the oracle's exact ranking) written into the
+//   fetcher's next selection.
+// - Prefill: one KV head's prompt rows to fp16 and their exact causal attention.
+// - The fp16 rows stay in new_keys()/new_values() until the next call, for the agent's page
+//   writes and replica appends.
+//
+// Every cuda::AttendDecodeBatch of the agent is launched from here (Attend). The planner owns the
+// scratch this needs and grows it as needed; the step it plans is the StepProtocol's current one.
+// Not thread-safe (the agent is used from one thread).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "../step_protocol.h"
+#include "device_buffer.h"
+#include "device_page_table.h"
+#include "replica_store.h"
+#include "row_fetch.h"
+#include "specache/agent.h"
+#include "specache/cuda_attention.h"
+
+namespace specache::cuda {
+
+// One layer's decode work, for the sequences of the step in order.
+struct LayerPlan {
+  std::vector<DeviceDecodeItem> items;  // [sequence][KV head]
+  std::vector<int32_t> candidates;      // [sequence] leading tokens that compete in its top-k
+  std::vector<size_t> probs_offsets;    // [sequence] where its probabilities start in the scratch
+};
+
+class StepPlanner {
+ public:
+  // Everything given must outlive the planner; work is queued on `compute`.
+  StepPlanner(const ModelShape& shape, const KvConfig& config, const CudaAgentOptions& options,
+              const StepProtocol* protocol, const ReplicaStore* replicas, RowFetcher* rows,
+              const DevicePageTable* pages, cudaStream_t compute);
+
+  // Rows [first, first + n) of the prompt batch, KV head kv_head: K/V to fp16 and, when
+  // batch.out is given, the exact causal attention of the head's queries into it.
+  Status PrefillHead(const PrefillBatch& batch, int32_t first, int32_t n, int kv_head);
+
+  // The step's new K/V to fp16 and the layer's items, substituting the current selection.
+  Result<LayerPlan> Plan(int layer, const DecodeRows& rows);
+  // The modes that select for the step's own row (nonspec, oracle): the attention over the
+  // replica alone (the oracle's over every full-precision row), then the top-k into the
+  // fetcher's next selection. The plan's outputs are overwritten by AttendWithFetchedRows.
+  Status AttendPlainAndSelect(int layer, const LayerPlan& plan);
+  // The attention with the fetched selection substituted (after RowFetcher::Fetch).
+  Status AttendWithFetchedRows(int layer, LayerPlan* plan);
+  // The attention, then in the modes that fetch rows the top-k for the next step into the
+  // fetcher's next selection (kUnion first ranks the real row on its own).
+  Status AttendAndSelect(int layer, const LayerPlan& plan);
+
+  // The fp16 K/V of the last Plan ([row][n_kv][head_dim]) or PrefillHead ([n][head_dim]).
+  const Half* new_keys() const { return k_.get(); }
+  const Half* new_values() const { return v_.get(); }
+
+ private:
+  // The only launch of the batched decode attention.
+  Status Attend(const std::vector<DeviceDecodeItem>& items);
+  // Top-k of each sequence's candidates into the fetcher's next selection.
+  Status Select(int layer, const LayerPlan& plan);
+  // The row-selection rule beyond the plain top-k (selection.h), in functions of their own:
+  // kUnion's real-row ranking (a second, one-row attention pass whose probabilities go to
+  // real_probs_), its mask-select-merge, and the oracle's exact ranking over every full-precision
+  // row.
+  Status RankRealRows(const LayerPlan& plan);
+  Status SelectUnion(int layer, const LayerPlan& plan);
+  Status RankExactly(int layer, std::vector<DeviceDecodeItem>* items, cudaStream_t stream);
+  // Softmax statistics of sequence s (of the step), KV head h: [GQA head][2].
+  float* ProbsStats(size_t s, int h) {
+    return probs_stats_.get() + (s * shape_.n_kv_heads + h) * size_t(shape_.group_size()) * 2;
+  }
+  // Real-row scores of sequence s, KV head h in real_probs_, and their softmax statistics.
+  float* RealProbs(const LayerPlan& plan, size_t s, int h, int32_t n) {
+    return real_probs_.get() + plan.probs_offsets[s] + size_t(h) * shape_.group_size() * n;
+  }
+  float* RealStats(size_t s, int h) {
+    return real_stats_.get() + (s * shape_.n_kv_heads + h) * size_t(shape_.group_size()) * 2;
+  }
+
+  ModelShape shape_;
+  KvConfig config_;
+  CudaAgentOptions options_;
+  const StepProtocol* protocol_;
+  const ReplicaStore* replicas_;
+  RowFetcher* rows_;
+  const DevicePageTable* pages_;
+  cudaStream_t compute_;
+  float scale_ = 1.0f;
+  // The attention's launch plans. In specache mode it leaves the fetch's blocks their slots on the
+  // GPU, so that a fetch started before an attention kernel runs beside it instead of after it.
+  DecodePlan plan_;
+
+  // Scratch, grown as needed.
+  Buffer<float> q_, out_, scores_, probs_, probs_stats_, topk_scratch_;
+  Buffer<float> real_probs_, real_stats_, real_out_;  // kUnion: the real row's ranking
+  Buffer<int32_t> union_tokens_;                      // kUnion: [segment][primary | extra]
+  Buffer<float> real_shifted_;                        // kUnion with real_next: [segment][GQA head][n]
+  Buffer<int32_t> every_token_;                       // oracle: 0, 1, 2, ... (every quantized token)
+  Buffer<Half> every_row_;                            // oracle: every quantized row of the step's items
+  Buffer<Half> k_, v_;
+  // probs_ holds raw scores; probs_stats_ [sequence][KV head][GQA head][2] their softmax statistics.
+};
+
+}  // namespace specache::cuda
