@@ -39,6 +39,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -70,6 +71,7 @@ struct Options {
   int host_gib = 16;
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
+  std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
   std::vector<int> batches;  // step: sequences per step (empty: the suite's default)
@@ -280,6 +282,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
   if (suite.fetch_blocks) {
     cmd->add_option("--fetch-blocks", o->fetch_blocks, "fetch kernel blocks (default: the agent's)")->check(positive);
   }
+  if (std::string_view(suite.name) == "step") {
+    cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"specache-1bit", "specache-2bit", "kivi-1bit"}));
+  }
   if (suite.trace) {
     cmd->add_option("--trace", o->trace_path, "selection trace (specache-run generate --selection-trace)")->required();
     cmd->add_option("--row-bytes", o->row_bytes, "bytes of one row")->capture_default_str()->check(positive);
@@ -355,6 +362,7 @@ int main(int argc, char** argv) {
       if (!o.batches.empty()) step.batches = o.batches;
       if (o.tokens_given) step.context = o.tokens;
       step.fetch_blocks = o.fetch_blocks;
+      if (!o.step_kv.empty()) step.kv = o.step_kv;
       ok = o.suite == "step" ? bench::RunStepSuite(step, &cuda_rows) : bench::RunAttendSuite(step, &cuda_rows);
     }
     for (auto& r : cuda_rows) rows.push_back({o.suite, r.name, r.values});

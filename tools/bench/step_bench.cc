@@ -110,14 +110,19 @@ struct AgentRun {
 
 // One agent over `batch` fresh sequences of `context` random tokens: prefill, pre-decode, then
 // timed decode steps with the model around it.
-AgentRun RunAgent(Model& m, int batch, int context, int steps, int fetch_blocks, bool fetch) {
+KvConfig StepKvConfig(const std::string& kv) {
+  KvConfig config;
+  config.mode = kv.rfind("kivi", 0) == 0 ? KvMode::kKivi : KvMode::kSpeCache;
+  config.key_bits = config.value_bits = kv.find("2bit") != std::string::npos ? 2 : 1;
+  config.top_k = kTopK;
+  return config;
+}
+
+AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, int fetch_blocks, bool fetch) {
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30);
-  KvConfig config;
-  config.mode = KvMode::kSpeCache;
-  config.key_bits = config.value_bits = 1;
-  config.top_k = kTopK;
+  const KvConfig config = StepKvConfig(kv);
   CudaAgentOptions options;
   options.capacity_tokens = context + warm + steps + 8;
   options.stream = m.stream;
@@ -333,11 +338,12 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   for (int b : o.batches) max_batch = std::max(max_batch, b);
   Model m;
   if (!m.Init(2 * max_batch)) return false;
-  std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, specache 1-bit k=%d, context %d, fetch blocks %s ==\n",
+  std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, k=%d, context %d, fetch blocks %s ==\n",
               kTopK, o.context, o.fetch_blocks > 0 ? std::to_string(o.fetch_blocks).c_str() : "default");
-  std::printf("%-6s %12s %12s %12s %9s %13s %11s %12s %10s\n", "batch", "ms_layers", "ms_no_fetch", "ms_fetch", "ratio",
-              "MB_per_step", "reused", "GBps_to_hide", "tok_per_s");
+  std::printf("%-14s %-6s %12s %12s %12s %9s %13s %11s %12s %10s\n", "kv", "batch", "ms_layers", "ms_no_fetch",
+              "ms_fetch", "ratio", "MB_per_step", "reused", "GBps_to_hide", "tok_per_s");
   bool ok = true;
+  for (const std::string& kv : o.kv) {
   for (int batch : o.batches) {
     // The model's layers alone (projections + MLP at 2 rows per sequence): the time a fetch can hide under.
     const int rows2 = 2 * batch;
@@ -349,8 +355,10 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       }
       return true;
     });
-    const AgentRun without = RunAgent(m, batch, o.context, o.steps, o.fetch_blocks, false);
-    const AgentRun with = RunAgent(m, batch, o.context, o.steps, o.fetch_blocks, true);
+    // kivi fetches nothing: one run is both columns.
+    const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, false);
+    const AgentRun with = StepKvConfig(kv).fetches_rows() ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true)
+                                                          : without;
     if (layers_ms < 0 || without.ms < 0 || with.ms < 0) {
       ok = false;
       continue;
@@ -358,9 +366,10 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     const double ratio = with.ms / without.ms;
     const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
     const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
-    std::printf("%-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f\n", batch, layers_ms, without.ms, with.ms,
+    std::printf("%-14s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f\n", kv.c_str(), batch, layers_ms,
+                without.ms, with.ms,
                 ratio, with.bytes_per_step / 1e6, with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3));
-    rows->push_back({"b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
+    rows->push_back({kv + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
                      {{"batch", batch},
                       {"context", o.context},
                       {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
@@ -381,6 +390,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                       {"reused_fraction", with.reused_fraction},
                       {"gbps_needed_to_hide_under_layers", hide_gbps},
                       {"tokens_per_s", batch / (with.ms * 1e-3)}}});
+  }
   }
   std::printf("       ratio = ms_fetch / ms_no_fetch (goal <= 1.05); GBps_to_hide = fetched bytes per step over the\n"
               "       layers' own time: above what the gather reaches (specache-bench gather), the fetch cannot hide.\n"

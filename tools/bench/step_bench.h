@@ -6,6 +6,7 @@
 // costs once it overlaps the later layers (CUDA builds only).
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "bench_row.h"
@@ -17,7 +18,11 @@ struct StepOptions {
   int context = 8192;
   int steps = 10;                           // timed steps (after warm-ups)
   int fetch_blocks = 0;                     // CudaAgentOptions::fetch_blocks; 0: the agent's default
+  // Replicas timed, each a row per batch: specache-1bit, specache-2bit, kivi-1bit (no rows
+  // fetched: the low-bit attention alone).
+  std::vector<std::string> kv{"specache-1bit"};
 };
+
 
 // Prints a table; false when the suite could not run (no CUDA build or no device).
 bool RunStepSuite(const StepOptions& options, std::vector<BenchRow>* rows);
