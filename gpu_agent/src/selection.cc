@@ -45,14 +45,29 @@ void WithPredecessors(const float* probs, int n_heads, int32_t n, std::vector<fl
   }
 }
 
+float CandidateMass(const float* score, int32_t n) {
+  // A tree per run rather than one running sum: the CUDA top-k sums each run in one warp, the runs
+  // of a segment in parallel, and this is the order it can reproduce exactly (the selection's cut
+  // must not depend on the backend). Over long contexts it is also the more accurate sum.
+  float total = 0.0f;
+  float x[kMassRunTokens];
+  for (int32_t first = 0; first < n; first += kMassRunTokens) {
+    for (int32_t i = 0; i < kMassRunTokens; ++i) {
+      const int32_t j = first + i;
+      x[i] = j < n && score[j] > 0 ? score[j] : 0.0f;
+    }
+    for (int32_t h = kMassRunTokens / 2; h >= 1; h /= 2) {
+      for (int32_t i = 0; i < h; ++i) x[i] += x[i + h];
+    }
+    total += x[0];
+  }
+  return total;
+}
+
 int32_t BudgetRows(const KvConfig& c, const float* score, int32_t n, std::vector<int32_t>* order) {
   if (!c.adaptive()) return std::min<int32_t>(c.top_k, n);
   const int32_t most = std::min<int32_t>(c.k_max, n);
-  float total = 0.0f;
-  for (int32_t j = 0; j < n; ++j) {
-    if (score[j] > 0) total += score[j];  // -inf (NaN) and empty scores add nothing
-  }
-  const float goal = static_cast<float>(c.mass) * total;
+  const float goal = static_cast<float>(c.mass) * CandidateMass(score, n);
   RankBest(score, n, most, order);
   float sum = 0.0f;
   for (int32_t i = 0; i < most; ++i) {

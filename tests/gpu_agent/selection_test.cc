@@ -132,6 +132,33 @@ TEST(SelectionTest, AdaptiveBudgetTakesRowsUntilTheMassIsReached) {
   EXPECT_EQ(got.size(), 5u);
 }
 
+// x[i] + ... summed as the halving tree of CandidateMass: level h adds x[i + h] to x[i], so the
+// value at (i, h) is the sum of (i, 2h) and (i + h, 2h), with (i, kMassRunTokens) = x[i].
+float RunTree(const float* x, int32_t i, int32_t h) {
+  if (h == cpu::kMassRunTokens) return x[i];
+  return RunTree(x, i, 2 * h) + RunTree(x, i + h, 2 * h);
+}
+
+TEST(SelectionTest, CandidateMassSumsEachRunAsATreeAndTheRunsInOrder) {
+  std::mt19937 rng(5);
+  for (int32_t n : {1, 255, 256, 257, 1000, 4099}) {
+    std::vector<float> score(static_cast<size_t>(n));
+    for (auto& x : score) {
+      const uint32_t r = rng() % 10;
+      // Magnitudes far apart, so that a different order would round differently.
+      x = r == 0 ? -std::numeric_limits<float>::infinity() : r == 1 ? -0.5f : std::ldexp(float(rng() % 1000), -int(rng() % 30));
+    }
+    float want = 0.0f;
+    for (int32_t first = 0; first < n; first += cpu::kMassRunTokens) {
+      std::vector<float> run(cpu::kMassRunTokens, 0.0f);
+      for (int32_t i = 0; i < cpu::kMassRunTokens && first + i < n; ++i) run[i] = std::max(score[first + i], 0.0f);
+      want += RunTree(run.data(), 0, 1);
+    }
+    EXPECT_EQ(cpu::CandidateMass(score.data(), n), want) << "n=" << n;
+  }
+  EXPECT_EQ(cpu::CandidateMass(nullptr, 0), 0.0f);
+}
+
 TEST(SelectionTest, ConfigChecksTheNewOptions) {
   const ModelShape shape{2, 4, 2, 64};
   KvConfig c = Config(KvMode::kSpeCache, 16);

@@ -34,9 +34,19 @@ void WithPredecessors(const float* probs, int n_heads, int32_t n, std::vector<fl
 // Reduced score per token: [n] from [n_heads][n].
 void ReduceGroupScores(const float* probs, int n_heads, int32_t n, GroupReduction reduction, std::vector<float>* score);
 
+// Tokens per run of CandidateMass's sum (the CUDA top-k's block width).
+constexpr int32_t kMassRunTokens = 256;
+
+// The candidates' mass: the sum of the positive scores of score[0, n) (-inf, from NaN, and zeros
+// add nothing), in one fixed order a GPU reproduces bit for bit: each run of kMassRunTokens
+// consecutive tokens (the last one padded with zeros) is summed as a halving tree, x[i] += x[i + h]
+// for h = 128, 64, ..., 1, and the runs' sums are added in token order, all in float.
+float CandidateMass(const float* score, int32_t n);
+
 // How many of the best rows the adaptive budget takes from the reduced scores `score[0, n)`: the
-// smallest c in [k_min, k_max] whose c best scores (in rank order, summed in float) reach
-// mass * (the sum of all n scores, in token order), or min(k_max, n). Without a mass: min(top_k, n).
+// smallest c in [k_min, k_max] whose c best scores (in rank order, the positive ones summed in
+// float one after the other) reach mass * CandidateMass (the product in float), or min(k_max, n).
+// Without a mass: min(top_k, n).
 int32_t BudgetRows(const KvConfig& config, const float* score, int32_t n, std::vector<int32_t>* order);
 
 // The rows to fetch. `real_probs` is used by kUnion only (may equal primary_probs, as in the
