@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <set>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -90,7 +91,7 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
 
 // The selection options (selection.h): the CUDA agent follows the CPU agent's rule in each, for
 // one sequence on the tiny model and for a ragged batch: same tokens, logits within float rounding,
-// the same rows selected and fetched. The adaptive budget is CPU-only for now and says so.
+// the same rows selected and fetched, the adaptive budget included.
 TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -103,6 +104,7 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
     int k, k_real;
     bool resident;
     bool next = false;
+    double mass = 0;  // the adaptive budget, k_min = 4 and k_max = k
   } rules[] = {
       {"spec resident", KvMode::kSpeCache, SelectFrom::kSpeculative, 16, 0, true},
       {"real", KvMode::kSpeCache, SelectFrom::kReal, 16, 0, false},
@@ -114,6 +116,13 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
       {"nonspec resident", KvMode::kSpeCacheNonSpec, SelectFrom::kSpeculative, 16, 0, true},
       {"oracle", KvMode::kSpeCacheOracle, SelectFrom::kSpeculative, 16, 0, false},
       {"oracle resident", KvMode::kSpeCacheOracle, SelectFrom::kSpeculative, 16, 0, true},
+      {"adaptive 0.5", KvMode::kSpeCache, SelectFrom::kSpeculative, 48, 0, false, false, 0.5},
+      {"adaptive 0.9 resident", KvMode::kSpeCache, SelectFrom::kSpeculative, 48, 0, true, false, 0.9},
+      {"adaptive real next", KvMode::kSpeCache, SelectFrom::kReal, 32, 0, false, true, 0.8},
+      {"adaptive nonspec", KvMode::kSpeCacheNonSpec, SelectFrom::kSpeculative, 48, 0, false, false, 0.9},
+      {"adaptive oracle", KvMode::kSpeCacheOracle, SelectFrom::kSpeculative, 48, 0, true, false, 0.7},
+      {"adaptive union", KvMode::kSpeCache, SelectFrom::kUnion, 32, 8, false, false, 0.6},
+      {"adaptive union next", KvMode::kSpeCache, SelectFrom::kUnion, 48, 16, true, true, 0.9},
   };
   for (const Rule& rule : rules) {
     KvConfig c;
@@ -123,6 +132,11 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
     c.top_k_real = rule.k_real;
     c.attend_resident = rule.resident;
     c.real_next = rule.next;
+    if (rule.mass > 0) {
+      c.mass = rule.mass;
+      c.k_min = 4;
+      c.k_max = rule.k;
+    }
     InMemorySource cpu_source, gpu_source;
     auto cpu = CreateCpuAgent(model.shape(), c, &cpu_source);
     auto gpu = CreateCudaAgent(model.shape(), c, &gpu_source, {4096});
@@ -184,12 +198,71 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
       }
     }
   }
-  KvConfig adaptive;
+  KvConfig adaptive;  // beyond what the budget's kernels hold
   adaptive.mass = 0.9;
   adaptive.k_min = 8;
-  adaptive.k_max = 64;
+  adaptive.k_max = 5000;
   InMemorySource source;
-  EXPECT_EQ(CreateCudaAgent(shape, adaptive, &source, {1024}).status().code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(CreateCudaAgent(shape, adaptive, &source, {1024}).status().code(), StatusCode::kInvalidArgument);
+#endif
+}
+
+// The adaptive budget over a ragged batch (one sequence of one token, others across pages): each
+// (sequence, layer, KV head) keeps the CPU agent's rows, their number varying from head to head,
+// and the stats count the rows kept.
+TEST(CudaAgentTest, AdaptiveBudgetMatchesTheCpuAgentOnARaggedBatch) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 64, 1};
+  for (int variant = 0; variant < 3; ++variant) {
+    KvConfig c;
+    c.key_bits = c.value_bits = 2;
+    c.mass = 0.3;
+    c.k_min = 3;
+    c.k_max = 40;
+    c.attend_resident = variant > 0;
+    if (variant == 2) {  // union: the real row's best 12 others, credited with their successors
+      c.select = SelectFrom::kUnion;
+      c.top_k_real = 12;
+      c.real_next = true;
+    }
+    const std::string name = DescribeKvConfig(c);
+    InMemorySource cpu_source, gpu_source;
+    auto cpu = CreateCpuAgent(shape, c, &cpu_source);
+    auto gpu = CreateCudaAgent(shape, c, &gpu_source, {1024});
+    ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
+    auto wrapped = WrapHostTensors(std::move(gpu).value());
+    ASSERT_TRUE(wrapped.ok());
+    auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(79));
+    auto got = testing::DriveBatch(wrapped->get(), prompts, 40, std::mt19937(79));
+    ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();
+    ASSERT_EQ(got->size(), want->size());
+    double worst = 0;
+    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
+    EXPECT_LT(worst, 1e-3) << name;
+    const AgentStats a = (*cpu)->stats(), b = (*wrapped)->stats();
+    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+    EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
+    EXPECT_EQ(b.device_bytes, a.device_bytes) << name;
+    std::set<size_t> sizes;
+    for (size_t s = 0; s < prompts.size(); ++s) {
+      for (int l = 0; l < shape.n_layers; ++l) {
+        for (int h = 0; h < shape.n_kv_heads; ++h) {
+          const SequenceId id = static_cast<SequenceId>(10 + s);
+          const auto mine = (*wrapped)->SelectedTokens(id, l, h);
+          ASSERT_TRUE(mine.ok());
+          EXPECT_EQ(*mine, *(*cpu)->SelectedTokens(id, l, h)) << name << ": sequence " << id << " layer " << l << " head " << h;
+          sizes.insert(mine->size());
+        }
+      }
+    }
+    // Somewhere the cut fell strictly inside the bounds.
+    EXPECT_TRUE(std::any_of(sizes.begin(), sizes.end(), [&](size_t n) { return n > 3 && n < 40; })) << name;
+    std::printf("%s: %lld rows selected over %lld steps, max |diff| %.2e\n", name.c_str(),
+                static_cast<long long>(b.rows_selected), static_cast<long long>(b.steps), worst);
+  }
 #endif
 }
 

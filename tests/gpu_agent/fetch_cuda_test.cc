@@ -106,19 +106,23 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
         std::copy(src, src + row, &expect[s * row]);
         (hit ? want_reused : want_fetched) += 1;
       }
+      // Every third selection ends in the adaptive budget's padding, which is no row: not read,
+      // not counted.
+      std::vector<int32_t> padded = selected;
+      if (i % 3 == 1) padded.resize(selected.size() + 1 + rng() % 9, cuda::kNoToken);
       cuda::FetchTask t;
-      t.selected = buf.Copy(selected);
-      t.n_selected = static_cast<int32_t>(selected.size());
+      t.selected = buf.Copy(padded);
+      t.n_selected = static_cast<int32_t>(padded.size());
       t.resident = buf.Copy(resident);
       t.resident_rows = buf.Copy(resident_rows);
       t.n_resident = static_cast<int32_t>(resident.size());
-      t.out_rows = buf.Zeros<Half>(selected.size() * row);
+      t.out_rows = buf.Zeros<Half>(padded.size() * row);
       t.pages = mapped.table;
       t.kv_head = h;
       tasks.push_back(t);
       want.push_back(std::move(expect));
     }
-    auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0}});
+    auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
     ASSERT_TRUE(cuda::FetchRows(tasks.data(), n_tasks, d, page_tokens, 7, counters, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (int i = 0; i < n_tasks; ++i) {
@@ -193,12 +197,12 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     RowCacheEntries old;
     old.tokens = RandomTokens(500, static_cast<int>(rng() % (capacity + 1)), rng);
     for (size_t j = 0; j < old.tokens.size(); ++j) old.used.push_back(static_cast<int64_t>(rng() % 6));
-    auto selected = RandomTokens(500, 1 + static_cast<int>(rng() % k), rng);
+    auto selected = RandomTokens(500, 1 + static_cast<int>(rng() % k), rng);  // later padded to k, for odd i
     for (int32_t t : old.tokens) if (rng() % 3 == 0 && selected.size() < size_t(k)) selected.push_back(t);
     std::sort(selected.begin(), selected.end());
     selected.erase(std::unique(selected.begin(), selected.end()), selected.end());
     const auto old_rows = testing::RandomHalves(old.tokens.size() * row, rng);
-    const auto sel_rows = testing::RandomHalves(selected.size() * row, rng);
+    auto sel_rows = testing::RandomHalves(selected.size() * row, rng);
     Want w{old, {}};
     std::vector<bool> hit;
     const auto sources = UpdateRowCache(&w.cache, selected, 7, static_cast<size_t>(capacity), &hit);
@@ -213,6 +217,12 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     t.old_used = buf.Copy(used32);
     t.old_rows = buf.Copy(old_rows);
     t.old_count = buf.Copy(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())});
+    // Odd tasks end their selection in the adaptive budget's padding: the cache holds what it
+    // would without it.
+    if (i % 2 == 1) {
+      selected.resize(size_t(k), cuda::kNoToken);
+      sel_rows.resize(selected.size() * row);
+    }
     t.selected = buf.Copy(selected);
     t.selected_rows = buf.Copy(sel_rows);
     t.n_selected = static_cast<int32_t>(selected.size());

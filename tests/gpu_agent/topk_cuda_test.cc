@@ -1,17 +1,21 @@
 // Label `gpu`: the CUDA top-k equals cpu::SelectTopK exactly (ties towards the lower index, NaN
-// lowest, mean and max reductions, k below, at and above n).
+// lowest, mean and max reductions, k below, at and above n), and with the adaptive budget the
+// rows and counts of cpu::SelectRows.
 #include "specache/cuda_topk.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "specache/cpu_attention.h"
+#include "specache/cuda_fetch.h"
 #include "specache/device_probe.h"
+#include "specache/selection.h"
 #include "testing/cuda_device.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -131,6 +135,100 @@ TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
       ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "n=" << segments[i].n;
     }
   }
+#endif
+}
+
+// The adaptive budget on random segments in one batch (ragged n, none a multiple of 256 but one,
+// long ones cut into parts, peaked and flat scores, exact ties, NaN): for several masses and
+// bounds, each segment's count and kept rows equal cpu::SelectRows's, the rest of its k_max slots
+// are kNoToken, and the device total is the sum of the counts.
+TEST(CudaTopKTest, AdaptiveBudgetEqualsTheCpuRule) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(41);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int heads = 3;
+  const std::vector<int32_t> lengths{1, 7, 63, 255, 256, 257, 999, 3001, 12345, 40003};
+  struct Bounds {
+    int k_min, k_max;
+  };
+  for (double mass : {0.05, 0.5, 0.9, 0.99, 1.0}) {
+    for (Bounds b : {Bounds{1, 64}, Bounds{8, 64}, Bounds{16, 16}, Bounds{5, 333}, Bounds{1, 1000}}) {
+      for (GroupReduction red : {GroupReduction::kMean, GroupReduction::kMax}) {
+        testing::DeviceBuffers buf;
+        std::vector<cuda::TopKSegment> segments;
+        std::vector<std::vector<float>> probs;
+        for (size_t i = 0; i < 2 * lengths.size(); ++i) {
+          const int32_t n = lengths[i % lengths.size()];
+          std::vector<float> p(size_t(heads) * n);
+          // Half the segments peaked (softmax of sharp scores), half with few distinct values.
+          const bool peaked = i < lengths.size();
+          for (int h = 0; h < heads; ++h) {
+            float* row = p.data() + size_t(h) * n;
+            float sum = 0.0f;
+            for (int32_t j = 0; j < n; ++j) {
+              const uint32_t r = rng() % 100;
+              row[j] = peaked ? std::exp(4.0f * normal(rng)) : r < 50 ? static_cast<float>(rng() % 4) * 0.125f : 0.0f;
+              sum += row[j];
+            }
+            for (int32_t j = 0; j < n; ++j) {
+              row[j] = sum > 0 ? row[j] / sum : 0.0f;
+              if (rng() % 97 == 0) row[j] = std::numeric_limits<float>::quiet_NaN();
+            }
+          }
+          cuda::TopKSegment seg{buf.Copy(p), buf.Allocate<int32_t>(size_t(b.k_max)),
+                                buf.Allocate<float>(size_t(cuda::TopKScratchFloats(n, true))), n};
+          seg.count = buf.Allocate<int32_t>(1);
+          segments.push_back(seg);
+          probs.push_back(std::move(p));
+        }
+        auto* rows = buf.Zeros<unsigned long long>(1);
+        const cuda::TopKBudget budget{static_cast<float>(mass), b.k_min, rows};
+        ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, b.k_max, red,
+                                          nullptr, &budget)
+                        .ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        KvConfig c;
+        c.mass = mass;
+        c.k_min = b.k_min;
+        c.k_max = b.k_max;
+        c.reduction = red;
+        unsigned long long total = 0;
+        for (size_t i = 0; i < segments.size(); ++i) {
+          const int32_t n = segments[i].n;
+          std::vector<int32_t> want;
+          cpu::SelectionScratch scratch;
+          cpu::SelectRows(c, probs[i].data(), probs[i].data(), heads, n, &want, &scratch);
+          const std::string where = "mass " + std::to_string(mass) + " k " + std::to_string(b.k_min) + ".." +
+                                    std::to_string(b.k_max) + " reduction " + std::to_string(static_cast<int>(red)) +
+                                    " n " + std::to_string(n) + (i < lengths.size() ? " peaked" : " flat");
+          const int32_t count = testing::Download(segments[i].count, 1)[0];
+          ASSERT_EQ(count, static_cast<int32_t>(want.size())) << where;
+          std::vector<int32_t> got = testing::Download(segments[i].tokens, std::min<int32_t>(b.k_max, n));
+          for (size_t j = static_cast<size_t>(count); j < got.size(); ++j) ASSERT_EQ(got[j], cuda::kNoToken) << where;
+          got.resize(static_cast<size_t>(count));
+          ASSERT_EQ(got, want) << where;
+          total += static_cast<unsigned long long>(count);
+        }
+        EXPECT_EQ(testing::Download(rows, 1)[0], total);
+      }
+    }
+  }
+#endif
+}
+
+// The budget's arguments are checked before anything runs.
+TEST(CudaTopKTest, AdaptiveBudgetRefusesBadArguments) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  cuda::TopKSegment none;
+  const cuda::TopKBudget no_mass{0.0f, 1, nullptr}, no_k_min{0.5f, 0, nullptr}, fine{0.5f, 1, nullptr};
+  EXPECT_EQ(cuda::SelectTopKBatch(&none, 1, 1, 8, GroupReduction::kMean, nullptr, &no_mass).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::SelectTopKBatch(&none, 1, 1, 8, GroupReduction::kMean, nullptr, &no_k_min).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::SelectTopKBatch(&none, 1, 1, cuda::kMaxBudgetRows + 1, GroupReduction::kMean, nullptr, &fine).code(),
+            StatusCode::kInvalidArgument);
 #endif
 }
 

@@ -11,7 +11,7 @@
 #   EVAL_TOKENS=256   JOBS=(cores / 2)   THREADS=2 (per job)   BACKEND=cpu   MODES=(below)
 #   BUILD_DIR=build   MODEL=(tools/fetch-model.sh)
 # FIDELITY_CONTEXTS=none skips fidelity. BACKEND=cuda runs the agent on the GPU (the adaptive
-# budget, mass=, is CPU-only and its runs fail there). About 30 minutes on 16 cores with the CPU
+# budget, mass=, too). About 30 minutes on 16 cores with the CPU
 # backend (an estimate: 20 NIAH jobs of 15 modes, the longest at 8000 tokens, and 28 fidelity jobs).
 # Every (length, depth) point and every (context, mode) fidelity run is a job of its own; JOBS of
 # them run at once, each with THREADS threads.

@@ -21,6 +21,8 @@
 
 namespace specache::cuda {
 
+// A selection may end in kNoToken entries (the adaptive budget's padding, cuda_topk.h): they are
+// no rows, and FetchRows and UpdateRowCaches skip them.
 struct FetchTask {
   const int32_t* selected = nullptr;    // [n_selected] ascending: the rows wanted next
   const int32_t* resident = nullptr;    // [n_resident] ascending: the rows on the device now
@@ -72,6 +74,7 @@ struct WriteTask {
 struct FetchCounters {
   unsigned long long fetched;  // rows read from host pages
   unsigned long long reused;   // rows copied from the resident set
+  unsigned long long selected;  // rows the adaptive budget kept (SelectTopKBatch adds them; FetchRows does not)
 };
 
 constexpr int kMaxTasks = 256;

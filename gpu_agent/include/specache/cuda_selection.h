@@ -39,9 +39,17 @@ struct ShiftTask {
 
 constexpr int kMaxSelectionTasks = 256;
 
-// scores[h][token] = NaN for every listed token, in every head of the group.
+// scores[h][token] = NaN for every listed token, in every head of the group (kNoToken entries,
+// the adaptive budget's padding, are skipped).
 Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream);
 Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream);
+// The union with the adaptive budget: `a` holds the budget's rows then kNoToken padding (cuda_topk.h),
+// `b` the real row's best others ranked with a's rows masked. When fewer than nb others exist, b
+// also holds some of a's rows: they count once. `out` [na + nb] receives a's rows and b's others,
+// ascending, then kNoToken; each task's count is added to *rows (device memory) when rows is set.
+// na + nb at most kMaxBudgetMerge.
+constexpr int kMaxBudgetMerge = 8192;
+Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream);
 Status WithPredecessors(const ShiftTask* tasks, int n_tasks, int n_heads, void* stream);
 
 }  // namespace specache::cuda

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "specache/kv_config.h"
+#include "specache/selection.h"
 #include "specache/status.h"
 
 namespace specache::cuda {
@@ -25,14 +26,37 @@ Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int 
 struct TopKSegment {
   const float* probs = nullptr;  // [n_heads][n]
   int32_t* tokens = nullptr;     // [min(k, n)] ascending
-  float* scratch = nullptr;      // [n]
+  float* scratch = nullptr;      // [TopKScratchFloats(n, budget)]
   int32_t n = 0;
   // [n_heads][2] or null. When set, `probs` holds raw scores and head h's probabilities are
   // exp(score - stats[2h]) / stats[2h + 1] (DeviceDecodeRows::probs_stats).
   const float* stats = nullptr;
+  // With a budget: device memory that receives the rows kept, or null.
+  int32_t* count = nullptr;
 };
 constexpr int kMaxTopKSegments = 256;
+
+// The adaptive budget (KvConfig::mass; cpu::BudgetRows, selection.h), applied after the top k
+// (k = k_max) on the device: each segment keeps its fewest best rows whose positive reduced scores,
+// summed in rank order, reach mass * cpu::CandidateMass of all its n candidates, at least k_min
+// (and at most min(k, n)). `tokens` then holds the c kept rows ascending followed by kNoToken
+// (cuda_fetch.h) up to min(k, n): the fetch, the row cache update and the attention skip those, so
+// the host never needs c. One more launch for the whole batch; the candidates' mass is summed by
+// the top-k's first launch while it holds the scores. k at most kMaxBudgetRows.
+struct TopKBudget {
+  float mass = 0;  // in (0, 1]: static_cast<float>(KvConfig::mass), as the CPU rule multiplies
+  int k_min = 1;
+  unsigned long long* rows = nullptr;  // device memory, or null: every segment's c is added to it
+};
+constexpr int kMaxBudgetRows = 4096;
+
+// Scratch floats a segment of n candidates needs: n, and one per kMassRunTokens with a budget.
+inline int64_t TopKScratchFloats(int32_t n, bool budget) {
+  return int64_t{n} + (budget ? (int64_t{n} + cpu::kMassRunTokens - 1) / cpu::kMassRunTokens : 0);
+}
+
+// budget: null for the plain top-k.
 Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
-                       void* stream);
+                       void* stream, const TopKBudget* budget = nullptr);
 
 }  // namespace specache::cuda

@@ -38,6 +38,8 @@
 #include "specache/agent.h"
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_replica.h"
+#include "specache/cuda_selection.h"
+#include "specache/cuda_topk.h"
 #include "specache/device_probe.h"
 #include "step_planner.h"
 #include "../step_protocol.h"
@@ -307,12 +309,14 @@ AgentStats CudaAgent::stats() const {
   // known on the device only, and the rows whose page writes landed are committed first so that
   // the source agrees with full_precision_bytes.
   AgentStats s = counters_;
-  cuda::FetchCounters device{0, 0};
+  cuda::FetchCounters device{0, 0, 0};
   if (WaitForStreams().ok()) {
     device = rows_.DeviceCounters();
     (void)commits_.CommitLanded(true);  // a failure shows at the next call that needs the source
   }
-  AddFetchCounts({rows_.rows_selected(), static_cast<int64_t>(device.fetched), static_cast<int64_t>(device.reused)},
+  // The adaptive budget's rows are counted on the device (device.selected), the others on the host.
+  AddFetchCounts({rows_.rows_selected() + static_cast<int64_t>(device.selected), static_cast<int64_t>(device.fetched),
+                  static_cast<int64_t>(device.reused)},
                  shape_.head_dim, &s);
   replicas_.AddStats(&s);
   rows_.AddStats(&s);
@@ -329,8 +333,9 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (options.capacity_tokens <= 0) return Status::InvalidArgument("capacity_tokens must be positive");
   if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
   if (options.device_pool_bytes < 0) return Status::InvalidArgument("device_pool_bytes must be >= 0");
-  if (config.adaptive()) {
-    return Status::Unimplemented("the adaptive row budget (mass) runs on the CPU backend only; use a fixed top_k");
+  if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
+    return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +
+                                   " and k_max + top_k_real up to " + std::to_string(cuda::kMaxBudgetMerge));
   }
   SPECACHE_RETURN_IF_ERROR(ProbeCudaDevice().status());
   auto agent = std::make_unique<CudaAgent>(shape, config, source, options);

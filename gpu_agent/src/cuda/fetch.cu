@@ -32,6 +32,16 @@ __device__ int Find(const int32_t* list, int n, int32_t token) {
   return -1;
 }
 
+// Entries of the ascending list below `token`.
+__device__ int32_t Below(const int32_t* list, int32_t n, int32_t token) {
+  int32_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi) >> 1;
+    if (list[mid] < token) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
 // A group of row_pieces threads per row; rows of all tasks are spread over the grid.
 __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, int row_pieces, int page_tokens,
                             FetchCounters* counters) {
@@ -48,6 +58,7 @@ __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, in
     const int i = static_cast<int>(r % max_selected);
     if (i >= t.n_selected) continue;
     const int32_t token = t.selected[i];
+    if (token == kNoToken) continue;  // the adaptive budget's padding: no row
     const int at = Find(t.resident, t.resident_count ? *t.resident_count : t.n_resident, token);
     const uint4* src = at >= 0 ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(at) * row_pieces
                                : HostRow(t.pages, page_tokens, t.kv_head, token, row_pieces);
@@ -95,9 +106,10 @@ __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
   extern __shared__ unsigned char flags[];  // [capacity]: 1 selected, 2 stays; then [capacity] stays
   const CacheUpdateTask& t = batch.tasks[blockIdx.x];
   const int32_t n_old = *t.old_count;
-  const int32_t keep = max(0, t.capacity - t.n_selected);
+  const int32_t n_selected = Below(t.selected, t.n_selected, kNoToken);  // without the budget's padding
+  const int32_t keep = max(0, t.capacity - n_selected);
   for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    flags[o] = Find(t.selected, t.n_selected, t.old_tokens[o]) >= 0 ? 1 : 0;
+    flags[o] = Find(t.selected, n_selected, t.old_tokens[o]) >= 0 ? 1 : 0;
   }
   __syncthreads();
   // An unselected old entry stays when fewer than `keep` unselected entries are more recent. The
@@ -124,17 +136,12 @@ __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
     const int32_t token = t.old_tokens[o];
     int32_t pos = 0;
     for (int32_t c = 0; c < o; ++c) pos += (flags[c] & 2) ? 1 : 0;  // old tokens are ascending
-    int lo = 0, hi = t.n_selected;  // selected tokens below `token`
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (t.selected[mid] < token) lo = mid + 1; else hi = mid;
-    }
-    pos += lo;
+    pos += Below(t.selected, n_selected, token);
     t.new_tokens[pos] = token;
     t.new_used[pos] = t.old_used[o];
     for (int p = 0; p < row_pieces; ++p) new_rows[int64_t{pos} * row_pieces + p] = old_rows[int64_t{o} * row_pieces + p];
   }
-  for (int32_t i = threadIdx.x; i < t.n_selected; i += blockDim.x) {
+  for (int32_t i = threadIdx.x; i < n_selected; i += blockDim.x) {
     const int32_t token = t.selected[i];
     int32_t pos = i;
     for (int32_t c = 0; c < n_old; ++c) pos += ((flags[c] & 2) && t.old_tokens[c] < token) ? 1 : 0;
@@ -146,7 +153,7 @@ __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
   if (threadIdx.x == 0) {
     int32_t kept = 0;
     for (int32_t c = 0; c < n_old; ++c) kept += (flags[c] & 2) ? 1 : 0;
-    new_count = kept + t.n_selected;
+    new_count = kept + n_selected;
     *t.new_count = new_count;
   }
   __syncthreads();

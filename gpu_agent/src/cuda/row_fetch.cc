@@ -1,5 +1,7 @@
 #include "row_fetch.h"
 
+#include <algorithm>
+
 #include "../step_protocol.h"
 
 namespace specache::cuda {
@@ -77,7 +79,7 @@ Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStre
     LayerRows& lr = rows_.at(id)[layer];
     const uint64_t* pages = pages_->Layer(id, layer);
     const int next = 1 - lr.cur;
-    counts.selected += int64_t{lr.selected} * n_kv;
+    if (!config_.adaptive()) counts.selected += int64_t{lr.selected} * n_kv;  // else counted on the device
     if (!options_.fetch) {  // measuring without the fetch: nothing becomes resident
       lr.selected = 0;
       continue;
@@ -161,13 +163,15 @@ int32_t RowFetcher::resident(SequenceId id, int layer) const { return rows_.at(i
 
 Status RowFetcher::CopyResidentTokens(SequenceId id, int layer, int kv_head, std::vector<int32_t>* tokens) const {
   const LayerRows& lr = rows_.at(id)[layer];
-  return CudaStatus(cudaMemcpy(tokens->data(), lr.tokens[lr.cur].get() + size_t(kv_head) * lr.resident,
-                               tokens->size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
-                    "selected tokens");
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(tokens->data(), lr.tokens[lr.cur].get() + size_t(kv_head) * lr.resident,
+                                                 tokens->size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+                                      "selected tokens"));
+  tokens->erase(std::find(tokens->begin(), tokens->end(), kNoToken), tokens->end());  // the budget's padding
+  return Status::Ok();
 }
 
 FetchCounters RowFetcher::DeviceCounters() const {
-  FetchCounters device{0, 0};
+  FetchCounters device{0, 0, 0};
   cudaMemcpy(&device, device_counters_.get(), sizeof(device), cudaMemcpyDeviceToHost);
   return device;
 }
@@ -182,7 +186,16 @@ void RowFetcher::AddStats(AgentStats* s) const {
                                        cudaMemcpyDeviceToHost) == cudaSuccess) {
         for (int32_t c : cached) cache_rows += c;
       }
-      s->device_bytes += cache_rows * row + int64_t{shape_.n_kv_heads} * lr.resident * row;
+      int64_t resident = int64_t{shape_.n_kv_heads} * lr.resident;
+      if (config_.adaptive() && lr.resident > 0) {  // the budget's rows, without its padding
+        std::vector<int32_t> tokens(static_cast<size_t>(resident));
+        resident = 0;
+        if (cudaMemcpy(tokens.data(), lr.tokens[lr.cur].get(), tokens.size() * sizeof(int32_t), cudaMemcpyDeviceToHost) ==
+            cudaSuccess) {
+          resident = std::count_if(tokens.begin(), tokens.end(), [](int32_t t) { return t != kNoToken; });
+        }
+      }
+      s->device_bytes += cache_rows * row + resident * row;
       for (int g = 0; g < 2; ++g) {
         s->device_bytes_reserved += lr.tokens[g].bytes() + lr.rows[g].bytes() + lr.cache_tokens[g].bytes() +
                                     lr.cache_used[g].bytes() + lr.cache_count[g].bytes() + lr.cache_rows[g].bytes();

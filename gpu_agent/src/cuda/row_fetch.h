@@ -11,7 +11,10 @@
 //   event that marks layer L's selection done on the compute stream (MarkSelected); the compute
 //   stream waits for it (WaitFetched) only before layer L's next attention, so later layers never
 //   wait for it. The other modes fetch on the compute stream (Fetch).
-// - Hits and misses are counted on the device by the fetch kernel; the rows selected on the host.
+// - Hits and misses are counted on the device by the fetch kernel; the rows selected on the host,
+//   except the adaptive budget's (KvConfig::mass), which the selection counts on the device
+//   (budget_rows()). Its selections end in kNoToken padding (cuda_topk.h): no rows, skipped by the
+//   fetch, the cache update and the attention, and left out of what is reported.
 //
 // Not thread-safe (the agent is used from one thread).
 #pragma once
@@ -69,13 +72,17 @@ class RowFetcher {
 
   // Tokens per KV head of the (sequence, layer)'s current selection.
   int32_t resident(SequenceId id, int layer) const;
-  // Copies KV head kv_head's current selection into *tokens (sized resident()); synchronous, so
-  // only after the streams that write it are idle.
+  // Copies KV head kv_head's current selection into *tokens (sized resident(); the adaptive
+  // budget's padding is then erased); synchronous, so only after the streams that write it are idle.
   Status CopyResidentTokens(SequenceId id, int layer, int kv_head, std::vector<int32_t>* tokens) const;
 
-  // Rows selected for fetches so far, hits and misses, counted on the host.
+  // Rows selected for fetches so far, hits and misses, counted on the host (not the adaptive
+  // budget's: DeviceCounters().selected).
   int64_t rows_selected() const { return rows_selected_; }
-  // The device's counts of rows fetched and reused (synchronous: after the streams are idle).
+  // Device memory the adaptive budget's selections add their rows to (FetchCounters::selected).
+  unsigned long long* budget_rows() const { return &device_counters_.get()->selected; }
+  // The device's counts of rows fetched and reused, and of the budget's rows selected
+  // (synchronous: after the streams are idle).
   FetchCounters DeviceCounters() const;
   // Adds the device memory of the rows to the stats: device_bytes (the resident selection and
   // the row caches' entries, read from the device) and device_bytes_reserved (every buffer).

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <string>
 
+#include <cub/block/block_scan.cuh>
+
+#include "specache/cuda_fetch.h"
 #include "specache/cuda_selection.h"
 
 namespace specache::cuda {
@@ -20,7 +23,8 @@ __global__ void MaskKernel(Batch<MaskTask> batch, int n_heads) {
   const MaskTask& t = batch.tasks[blockIdx.x];
   for (int64_t i = threadIdx.x; i < int64_t{t.count} * n_heads; i += blockDim.x) {
     const int h = static_cast<int>(i / t.count);
-    t.scores[static_cast<int64_t>(h) * t.n + t.tokens[i % t.count]] = __int_as_float(0x7fc00000);  // quiet NaN
+    const int32_t token = t.tokens[i % t.count];
+    if (token != kNoToken) t.scores[static_cast<int64_t>(h) * t.n + token] = __int_as_float(0x7fc00000);  // quiet NaN
   }
 }
 
@@ -50,6 +54,40 @@ __global__ void MergeKernel(Batch<MergeTask> batch) {
   for (int32_t j = threadIdx.x; j < t.nb; j += blockDim.x) t.out[j + Below(t.a, t.na, t.b[j])] = t.b[j];
 }
 
+// The budget's union. fresh_before[j]: b's entries in [0, j) that are not in a (one block scan
+// over per-thread runs). A new b entry lands at fresh_before[j] + (a's rows below it); a's row i
+// at i + fresh_before[b's entries below it] (none of those equals it).
+__global__ void BudgetMergeKernel(Batch<MergeTask> batch, unsigned long long* rows) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int32_t fresh_before[kMaxBudgetMerge + 1];
+  const MergeTask& t = batch.tasks[blockIdx.x];
+  const int32_t na = Below(t.a, t.na, kNoToken);  // the budget's rows, without its padding
+  auto is_new = [&](int32_t token) {
+    const int32_t at = Below(t.a, na, token);
+    return !(at < na && t.a[at] == token);
+  };
+  const int32_t per = (t.nb + blockDim.x - 1) / blockDim.x;
+  const int32_t lo = min(t.nb, static_cast<int32_t>(threadIdx.x) * per), hi = min(t.nb, lo + per);
+  int fresh = 0;
+  for (int32_t j = lo; j < hi; ++j) fresh += is_new(t.b[j]) ? 1 : 0;
+  int before = 0, total = 0;
+  Scan(scan).ExclusiveSum(fresh, before, total);
+  for (int32_t j = lo; j < hi; ++j) {
+    fresh_before[j] = before;
+    before += is_new(t.b[j]) ? 1 : 0;
+  }
+  if (threadIdx.x == 0) fresh_before[t.nb] = total;
+  __syncthreads();
+  for (int32_t j = threadIdx.x; j < t.nb; j += blockDim.x) {
+    if (is_new(t.b[j])) t.out[fresh_before[j] + Below(t.a, na, t.b[j])] = t.b[j];
+  }
+  for (int32_t i = threadIdx.x; i < na; i += blockDim.x) t.out[i + fresh_before[Below(t.b, t.nb, t.a[i])]] = t.a[i];
+  const int32_t count = na + total;
+  for (int32_t i = count + threadIdx.x; i < t.na + t.nb; i += blockDim.x) t.out[i] = kNoToken;
+  if (threadIdx.x == 0 && rows) atomicAdd(rows, static_cast<unsigned long long>(count));
+}
+
 template <typename T, typename Launch>
 Status InBatches(const T* tasks, int n_tasks, const char* what, Launch launch) {
   if (n_tasks < 0) return Status::InvalidArgument(std::string(what) + ": negative task count");
@@ -76,6 +114,15 @@ Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream)
 Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream) {
   return InBatches(tasks, n_tasks, "merge kernel", [&](const Batch<MergeTask>& b) {
     MergeKernel<<<b.count, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
+  });
+}
+
+Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream) {
+  for (int i = 0; i < n_tasks; ++i) {
+    if (tasks[i].na + tasks[i].nb > kMaxBudgetMerge) return Status::InvalidArgument("budget merge: lists too long");
+  }
+  return InBatches(tasks, n_tasks, "budget merge kernel", [&](const Batch<MergeTask>& b) {
+    BudgetMergeKernel<<<b.count, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b, rows);
   });
 }
 

@@ -148,8 +148,12 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan) {
   if (config_.extra_rows() > 0) return SelectUnion(layer, plan);
   const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
   const auto& ids = protocol_->ids();
+  // The adaptive budget keeps its rows at the front of each head's k_max (cuda_topk.h) and counts
+  // them on the device: the selection stays k_max per head, its padding no row to the fetch.
+  const bool adaptive = config_.adaptive();
+  const TopKBudget budget{static_cast<float>(config_.mass), config_.k_min, rows_->budget_rows()};
   size_t scratch = 0;
-  for (int32_t n : plan.candidates) scratch += size_t(n_kv) * std::max(n, 0);
+  for (int32_t n : plan.candidates) scratch += size_t(n_kv) * TopKScratchFloats(std::max(n, 0), adaptive);
   SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
   std::vector<TopKSegment> segments;
   // kReal with real_next ranks a copy of the scores that credits each token with its predecessor's.
@@ -159,7 +163,7 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan) {
   scratch = 0;
   for (size_t s = 0; s < ids.size(); ++s) {
     const int32_t n = plan.candidates[s];
-    const int32_t k = std::max(0, std::min<int32_t>(config_.top_k, n));
+    const int32_t k = std::max(0, std::min<int32_t>(config_.primary_rows(), n));
     SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection, rows_->SelectionTarget(ids[s], layer, k));
     if (k == 0) continue;
     for (int h = 0; h < n_kv; ++h) {  // head h's selection at h * k, as the resident rows are laid out
@@ -170,12 +174,12 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan) {
         probs = copy;
       }
       segments.push_back({probs, selection + size_t(h) * k, topk_scratch_.get() + scratch, n, ProbsStats(s, h)});
-      scratch += n;
+      scratch += TopKScratchFloats(n, adaptive);
     }
   }
   SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
-  return SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.top_k, config_.reduction,
-                         compute_);
+  return SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.primary_rows(),
+                         config_.reduction, compute_, adaptive ? &budget : nullptr);
 }
 
 Status StepPlanner::RankRealRows(const LayerPlan& plan) {
@@ -209,15 +213,20 @@ Status StepPlanner::RankRealRows(const LayerPlan& plan) {
 
 Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
   // selection.h: the primary top-k, then the real row's best extra_rows() others, merged. A
-  // segment with no more candidates than both together selects them all.
+  // segment with no more candidates than both together selects them all. With the adaptive budget
+  // every segment is merged: the merge drops the real row's picks that are primary (fewer others
+  // than `extra` exist) and counts the rows on the device.
   const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
-  const int32_t k = config_.top_k, extra = config_.extra_rows();
+  const int32_t k = config_.primary_rows(), extra = config_.extra_rows();
+  const bool adaptive = config_.adaptive();
+  const int32_t whole = adaptive ? 0 : k + extra;  // segments of at most this many candidates take them all
+  const TopKBudget budget{static_cast<float>(config_.mass), config_.k_min, nullptr};
   const bool pre_decode = protocol_->kind() == StepKind::kPreDecode;  // one row: primary and real
   const auto& ids = protocol_->ids();
   size_t scratch = 0, n_union = 0, shifted = 0;
   for (int32_t n : plan.candidates) {
-    scratch += size_t(n_kv) * std::max(n, 0);
-    if (n > k + extra) ++n_union, shifted += size_t(n_kv) * group * n;
+    scratch += size_t(n_kv) * TopKScratchFloats(std::max(n, 0), adaptive);
+    if (n > whole) ++n_union, shifted += size_t(n_kv) * group * n;
   }
   SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
   SPECACHE_RETURN_IF_ERROR(union_tokens_.Reserve(std::max<size_t>(n_union * n_kv * (k + extra), 1)));
@@ -231,15 +240,15 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
   size_t slot = 0;
   for (size_t s = 0; s < ids.size(); ++s) {
     const int32_t n = std::max<int32_t>(plan.candidates[s], 0);
-    const int32_t selected = std::min(n, k + extra);
+    const int32_t selected = adaptive ? std::min(n, k) + std::min(n, extra) : std::min(n, k + extra);
     SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection, rows_->SelectionTarget(ids[s], layer, selected));
     if (n == 0) continue;
     for (int h = 0; h < n_kv; ++h) {
       float* probs = probs_.get() + plan.probs_offsets[s] + size_t(h) * group * n;
       int32_t* out = selection + size_t(h) * selected;
       float* part = topk_scratch_.get() + scratch;
-      scratch += n;
-      if (n <= k + extra) {
+      scratch += TopKScratchFloats(n, adaptive);
+      if (n <= whole) {
         all.push_back({probs, out, part, n, ProbsStats(s, h)});
         continue;
       }
@@ -254,19 +263,23 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
       }
       const float* real_stats = pre_decode ? ProbsStats(s, h) : RealStats(s, h);
       primary.push_back({probs, mine, part, n, ProbsStats(s, h)});
-      masks.push_back({real, mine, n, k});
+      masks.push_back({real, mine, n, std::min(n, k)});
       others.push_back({real, mine + k, part, n, real_stats});
-      merges.push_back({mine, mine + k, out, k, extra});
+      merges.push_back({mine, mine + k, out, std::min(n, k), std::min(n, extra)});
     }
   }
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(all.data(), static_cast<int>(all.size()), group, k + extra, config_.reduction, compute_));
   SPECACHE_RETURN_IF_ERROR(
-      SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k, config_.reduction, compute_));
+      SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k, config_.reduction, compute_,
+                      adaptive ? &budget : nullptr));
   SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
   SPECACHE_RETURN_IF_ERROR(MaskTokens(masks.data(), static_cast<int>(masks.size()), group, compute_));
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, compute_));
+  if (adaptive) {
+    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), compute_);
+  }
   return MergeSelections(merges.data(), static_cast<int>(merges.size()), compute_);
 }
 

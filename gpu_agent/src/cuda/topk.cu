@@ -4,7 +4,9 @@
 // best k among the parts' candidates (in part order, so ascending tokens and ties towards the
 // lower token survive). A segment of one part is finished in phase one. Both phases use one
 // block-wide radix select (4 passes of 8 bits, warp-aggregated histogram counts) and one ordered
-// pass.
+// pass. With the adaptive budget, phase one also sums each run of 256 scores it holds (one warp per
+// run), and a third launch, a block per segment, sorts the k selected rows by rank, finds the cut
+// and keeps the rows above it.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "device_info.h"
+#include "specache/cuda_fetch.h"
 #include "specache/cuda_topk.h"
 
 namespace specache::cuda {
@@ -28,12 +31,14 @@ __device__ uint32_t OrderKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-struct TopKBatch {  // by value (kMaxTopKSegments x 40 bytes)
+struct TopKBatch {  // by value (kMaxTopKSegments x 48 bytes)
   TopKSegment segments[kMaxTopKSegments];
   int count;
   int part_tokens;  // P
   int k;
+  bool mass;  // phase one sums the runs of scores into scratch[n, n + runs) (the budget's total)
 };
+static_assert(cpu::kMassRunTokens == kThreads && kThreads == 256, "a run of the mass is one block's width, 8 per lane");
 
 // Parts of a segment of n candidates: several when their candidates (score + token per slot)
 // fit the segment's scratch, else one.
@@ -140,6 +145,33 @@ __device__ float ReducedScore(const TopKSegment& seg, int n_heads, int32_t j, bo
   return use_max ? s : __fdiv_rn(s, static_cast<float>(n_heads));
 }
 
+// The positive part of a reduced score: what the candidates' mass adds.
+__device__ float MassOf(float score) { return score > 0.0f ? score : 0.0f; }
+
+// cpu::CandidateMass's run sums of score[0, m), which starts at token `first` (a multiple of 256):
+// warp w sums runs w, w + 8, ... Lane l holds x[l + 32 i] (i < 8): the tree's levels 128, 64 and
+// 32 add within the lane, levels 16 to 1 across lanes (lane l adds lane l + h's value), so every
+// addition is the CPU's. Run r's sum goes to run_sums[first / 256 + r].
+__device__ void SumRuns(const float* score, int32_t m, int32_t first, float* run_sums) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int32_t r = warp; r * 256 < m; r += warps) {
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int32_t j = r * 256 + lane + 32 * i;
+      x[i] = j < m ? MassOf(score[j]) : 0.0f;
+    }
+#pragma unroll
+    for (int h = 4; h >= 1; h /= 2) {
+#pragma unroll
+      for (int i = 0; i < h; ++i) x[i] = __fadd_rn(x[i], x[i + h]);
+    }
+#pragma unroll
+    for (int h = 16; h >= 1; h /= 2) x[0] = __fadd_rn(x[0], __shfl_down_sync(0xffffffffu, x[0], h));
+    if (lane == 0) run_sums[first / 256 + r] = x[0];
+  }
+}
+
 // Block (part, segment), phase one. A segment of one part writes its tokens; otherwise the part's
 // candidates go to the segment's scratch: scores at [part * k], tokens at [parts * k + part * k].
 __global__ void TopKPartKernel(TopKBatch batch, int n_heads, bool use_max) {
@@ -156,6 +188,7 @@ __global__ void TopKPartKernel(TopKBatch batch, int n_heads, bool use_max) {
   float* score = m <= batch.part_tokens ? part_scores : seg.scratch;
   for (int32_t j = threadIdx.x; j < m; j += blockDim.x) score[j] = ReducedScore(seg, n_heads, lo + j, use_max);
   __syncthreads();
+  if (batch.mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
   if (parts == 1) {
     BlockTopK(score, m, k, sh, [&](int32_t j, int pos) { seg.tokens[pos] = j; });
     return;
@@ -194,18 +227,110 @@ __global__ void TopKMergeKernel(TopKBatch batch) {
   BlockTopK(merged, count, k, sh, [&](int32_t j, int pos) { seg.tokens[pos] = tokens[j]; });
 }
 
+// The largest float f with OrderKey(f) == key.
+__device__ float FromOrderKey(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Block per segment, after the top k: the adaptive budget (cpu::BudgetRows). The kept = min(k, n)
+// selected rows, ascending in `tokens`, are sorted by rank (score descending, then token
+// ascending: a 64-bit key of the score's order key and the complement of the row's index) in
+// shared memory; one thread walks the ranks summing the positive scores until the goal (after
+// k_min rows); the rows above the cut keep their ascending order, the rest become kNoToken.
+__global__ void BudgetKernel(TopKBatch batch, int n_heads, bool use_max, TopKBudget budget) {
+  extern __shared__ unsigned long long keys[];  // [width]: a power of two >= kept
+  __shared__ unsigned char keep[kMaxBudgetRows];
+  __shared__ int32_t cut;
+  __shared__ Scan::TempStorage scan;
+  const TopKSegment& seg = batch.segments[blockIdx.x];
+  const int32_t n = seg.n;
+  if (n <= 0) return;
+  const int kept = min(batch.k, n);
+  int width = 1;
+  while (width < kept) width *= 2;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    // Scores are recomputed as phase one computed them (same function, same inputs: same bits).
+    keys[i] = i < kept ? (static_cast<unsigned long long>(OrderKey(ReducedScore(seg, n_heads, seg.tokens[i], use_max))) << 32) |
+                             (0xFFFFFFFFu - static_cast<uint32_t>(i))
+                       : 0ull;  // below every real key (OrderKey(-inf) > 0)
+  }
+  __syncthreads();
+  // Bitonic sort, descending.
+  for (int size = 2; size <= width; size *= 2) {
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const int j = i ^ stride;
+        if (j <= i) continue;
+        const bool descending = (i & size) == 0;
+        const unsigned long long a = keys[i], b = keys[j];
+        if (descending ? a < b : a > b) {
+          keys[i] = b;
+          keys[j] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (threadIdx.x == 0) {
+    const float* run_sums = seg.scratch + n;
+    float total = 0.0f;
+    for (int32_t r = 0; r * 256 < n; ++r) total = __fadd_rn(total, run_sums[r]);
+    const float goal = __fmul_rn(budget.mass, total);
+    float sum = 0.0f;
+    int c = kept;
+    for (int i = 0; i < kept; ++i) {
+      sum = __fadd_rn(sum, MassOf(FromOrderKey(static_cast<uint32_t>(keys[i] >> 32))));
+      if (i + 1 >= budget.k_min && sum >= goal) {
+        c = i + 1;
+        break;
+      }
+    }
+    cut = c;
+    if (seg.count) *seg.count = c;
+    if (budget.rows) atomicAdd(budget.rows, static_cast<unsigned long long>(c));
+  }
+  __syncthreads();
+  const int c = cut;
+  for (int r = threadIdx.x; r < kept; r += blockDim.x) {
+    keep[0xFFFFFFFFu - static_cast<uint32_t>(keys[r] & 0xFFFFFFFFu)] = r < c ? 1 : 0;
+  }
+  __syncthreads();
+  // Compaction in place: each thread reads its run of the list first, one scan places the runs.
+  constexpr int kPerThread = kMaxBudgetRows / kThreads;
+  const int per = (kept + blockDim.x - 1) / blockDim.x;
+  const int lo = min(kept, static_cast<int>(threadIdx.x) * per), hi = min(kept, lo + per);
+  int32_t mine[kPerThread];
+  int count = 0;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    if (lo + i < hi && keep[lo + i]) mine[count++] = seg.tokens[lo + i];
+  }
+  int pos = 0;
+  Scan(scan).ExclusiveSum(count, pos);
+  __syncthreads();  // every row is read before any is written
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    if (i < count) seg.tokens[pos + i] = mine[i];
+  }
+  for (int i = c + threadIdx.x; i < kept; i += blockDim.x) seg.tokens[i] = kNoToken;
+}
 
 }  // namespace
 
 Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
-                       void* stream) {
+                       void* stream, const TopKBudget* budget) {
   if (count < 0 || n_heads <= 0) return Status::InvalidArgument("bad top-k shape");
   if (k <= 0) return Status::Ok();
+  if (budget && (!(budget->mass > 0 && budget->mass <= 1) || budget->k_min < 1 || k > kMaxBudgetRows)) {
+    return Status::InvalidArgument("top-k budget: mass must lie in (0, 1], k_min be positive and k at most " +
+                                   std::to_string(kMaxBudgetRows) + " (k " + std::to_string(k) + ")");
+  }
   auto* s = static_cast<cudaStream_t>(stream);
   for (int first = 0; first < count; first += kMaxTopKSegments) {
     TopKBatch batch;
     batch.count = std::min(kMaxTopKSegments, count - first);
     batch.k = k;
+    batch.mass = budget != nullptr;
     int64_t total = 0;
     for (int i = 0; i < batch.count; ++i) {
       batch.segments[i] = segments[first + i];
@@ -233,6 +358,14 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     TopKPartKernel<<<dim3(max_parts, n), kThreads, size_t{static_cast<unsigned>(batch.part_tokens)} * sizeof(float), s>>>(
         batch, n_heads, reduction == GroupReduction::kMax);
     if (max_parts > 1) TopKMergeKernel<<<n, kThreads, size_t(max_parts) * k * 2 * sizeof(float), s>>>(batch);
+    if (budget) {
+      int32_t most = 0;
+      for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, batch.segments[i].n));
+      size_t width = 1;
+      while (width < static_cast<size_t>(most)) width *= 2;
+      BudgetKernel<<<n, kThreads, width * sizeof(unsigned long long), s>>>(batch, n_heads,
+                                                                           reduction == GroupReduction::kMax, *budget);
+    }
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return Status::Unavailable(std::string("top-k kernels: ") + cudaGetErrorString(err));
   }
