@@ -23,8 +23,9 @@
 // step       (CUDA builds, on a GPU) a 32-layer decode step with Llama-3-8B shapes through the CUDA
 //            agent, with and without the speculative fetch, for --batches (default 1,8,16,32) at
 //            --tokens context (default 8192) (step_bench.h).
-// attend     (CUDA builds, on a GPU) one layer's decode attention and top-k at Llama-3-8B shapes, 1-
-//            and 2-bit, bytes read against the HBM bandwidth of a device copy (step_bench.h).
+// attend     (CUDA builds, on a GPU) one layer's decode attention and top-k (also with the adaptive
+//            budget) at Llama-3-8B shapes, 1- and 2-bit, bytes read against the HBM bandwidth of a
+//            device copy (step_bench.h).
 // reuse      bytes fetched per decode token with and without the resident rows, replayed from a
 //            selection trace of a real decode (--trace; specache-run generate --selection-trace)
 //            (reuse_bench.h).
