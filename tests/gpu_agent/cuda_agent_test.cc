@@ -3,6 +3,7 @@
 // rounding, the same rows selected; and with k covering the context, specache equals full.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <random>
 #include <set>
@@ -153,14 +154,24 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
         worst = std::max(worst, double(std::fabs(got->logits[t][i] - want->logits[t][i])));
       }
     }
-    EXPECT_LT(worst, 1e-3) << rule.name;
+    // The adaptive budget cuts where a running sum of probabilities reaches mass x their total.
+    // The rule is the same on both backends (CudaTopKTest.AdaptiveBudgetEqualsTheCpuRule: equal
+    // rows from equal scores), but the scores are not equal here: the GPU's attention rounds
+    // differently from the CPU's, so a cut that lands within rounding of the goal may take one row
+    // more or less on one head of one step (H200: 1 row of 1183 at mass 0.5, logits 2.7e-3 apart).
+    // Such a rule may differ by a row or two; every other rule must be exact.
+    const bool cut_by_mass = rule.mass > 0;
+    const int64_t rows_slack = cut_by_mass ? 2 : 0;
+    int heads_slack = cut_by_mass ? 1 : 0;
+    EXPECT_LT(worst, cut_by_mass ? 5e-3 : 1e-3) << rule.name;
     const AgentStats a = (*cpu)->stats(), b = (*wrapped)->stats();
-    EXPECT_EQ(b.rows_selected, a.rows_selected) << rule.name;
-    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << rule.name;
-    EXPECT_EQ(b.rows_reused, a.rows_reused) << rule.name;
+    EXPECT_LE(std::llabs(b.rows_selected - a.rows_selected), rows_slack) << rule.name;
+    EXPECT_LE(std::llabs(b.rows_fetched - a.rows_fetched), rows_slack) << rule.name;
+    EXPECT_LE(std::llabs(b.rows_reused - a.rows_reused), rows_slack) << rule.name;
     for (int l = 0; l < model.shape().n_layers; ++l) {
       for (int h = 0; h < model.shape().n_kv_heads; ++h) {
-        EXPECT_EQ(*(*wrapped)->SelectedTokens(1, l, h), *(*cpu)->SelectedTokens(1, l, h)) << rule.name << " layer " << l;
+        if (*(*wrapped)->SelectedTokens(1, l, h) == *(*cpu)->SelectedTokens(1, l, h)) continue;
+        EXPECT_GT(heads_slack--, 0) << rule.name << " layer " << l << " KV head " << h << ": selections differ";
       }
     }
     std::printf("%-18s max |logit diff| %.2e, %lld rows selected, %lld fetched\n", rule.name, worst,
