@@ -4,11 +4,8 @@
 // (for all layers at once), counted in extend_rpcs().
 #pragma once
 
-#include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "specache/client.h"
@@ -45,28 +42,12 @@ class SPECACHE_CLIENT_API DaemonSource final : public FullPrecisionSource {
   Result<uint64_t> Keep(SequenceId sequence);
 
  private:
-  struct Sequence {
-    uint64_t daemon_id = 0;
-    SequenceLayout layout;
-    std::vector<std::atomic<int32_t>> lengths;  // [layer * n_kv_heads + head]
-    std::atomic<uint32_t> pages_per_layer{0};
-    std::mutex extend_mu;
-    std::vector<std::vector<uint8_t*>> pages;  // [layer][page]: entries below published_pages are set
-    std::atomic<uint32_t> published_pages{0};  // pages usable by readers
-    bool kept = false;                         // left in the daemon on release
-  };
-  Result<Sequence*> Find(SequenceId sequence) const;
-  Status EnsurePages(Sequence* s, int32_t tokens);
-  uint8_t* RowAddress(const Sequence& s, int layer, int kv_head, int32_t token) const;
-  // The triple's length, after checking layer and head against the layout.
-  Result<std::atomic<int32_t>*> LengthOf(Sequence* s, int layer, int kv_head) const;
-  // Rows are added in order: n >= 0 rows starting at the current length (`what`: the caller).
-  static Status CheckNextRows(const char* what, const std::atomic<int32_t>& length, int32_t first_token, int32_t n);
+  // The sequences and their checks (sequence_registry.h), with each page's address in the chunks.
+  struct Registry;
 
   Session* session_;
-  uint32_t page_tokens_, capacity_tokens_;
-  mutable std::mutex mu_;
-  std::map<SequenceId, std::unique_ptr<Sequence>> sequences_;
+  uint32_t page_tokens_;
+  std::unique_ptr<Registry> registry_;
 };
 
 }  // namespace specache::client

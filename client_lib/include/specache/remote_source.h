@@ -8,11 +8,8 @@
 // only control call on the decode path is one ExtendSequence per page_tokens tokens.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "specache/full_precision_source.h"
@@ -44,22 +41,10 @@ class SPECACHE_CLIENT_API RemoteSource final : public FullPrecisionSource {
   Result<uint64_t> Keep(SequenceId sequence);
 
  private:
-  struct Sequence {
-    uint64_t daemon_id = 0;
-    SequenceLayout layout;
-    std::vector<std::atomic<int32_t>> lengths;  // [layer * n_kv_heads + head]
-    std::mutex extend_mu;
-    std::atomic<uint32_t> pages{0};  // pages per layer the daemon has made
-    bool kept = false;
-  };
-  Result<Sequence*> Find(SequenceId sequence) const;
-  Result<std::atomic<int32_t>*> LengthOf(Sequence* s, int layer, int kv_head) const;
-  Status EnsurePages(Sequence* s, int32_t tokens);
+  struct Registry;  // the sequences and their checks (sequence_registry.h)
 
   RemoteSession* session_;
-  uint32_t page_tokens_, capacity_tokens_;
-  mutable std::mutex mu_;
-  std::map<SequenceId, std::unique_ptr<Sequence>> sequences_;
+  std::unique_ptr<Registry> registry_;
 };
 
 }  // namespace specache::client

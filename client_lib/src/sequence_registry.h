@@ -1,0 +1,184 @@
+// The per-sequence bookkeeping both full-precision sources keep, whichever daemon holds the pages
+// (DaemonSource: this host's, mapped; RemoteSource: another host's, over UCX): the agent's
+// sequence ids and the daemon's behind them, each sequence's layout, its per-(layer, head)
+// lengths, how many pages per layer the daemon has made, and the checks every call makes against
+// them. The sources keep only what differs: where rows are written to and read from.
+//
+// SessionT is Session or RemoteSession: both have CreateSequence(PageLayoutSpec), Extend(id,
+// tokens), Release(id) and Keep(id) with the same contracts. EntryT is RegisteredSequence or a
+// type derived from it, constructed as EntryT(layout, max_pages_per_layer) before the sequence
+// is visible to any other call.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "specache/client.h"
+#include "specache/full_precision_source.h"
+
+namespace specache::client {
+
+struct RegisteredSequence {
+  RegisteredSequence(const SequenceLayout& l, uint32_t /*max_pages_per_layer*/)
+      : layout(l), lengths(static_cast<size_t>(l.n_layers) * l.n_kv_heads) {}
+
+  uint64_t daemon_id = 0;
+  SequenceLayout layout;
+  std::vector<std::atomic<int32_t>> lengths;  // [layer * n_kv_heads + head]
+  std::mutex extend_mu;                       // one Extend at a time; the others wait and re-check
+  std::atomic<uint32_t> pages{0};             // pages per layer made and usable by readers
+  bool kept = false;                          // left in the daemon on release (guarded by the registry)
+};
+
+template <typename SessionT, typename EntryT = RegisteredSequence>
+class SequenceRegistry {
+ public:
+  SequenceRegistry(SessionT* session, uint32_t page_tokens, uint32_t capacity_tokens)
+      : session_(session), page_tokens_(page_tokens), capacity_tokens_(capacity_tokens) {}
+
+  // Sequences not kept are released in the daemon, best effort: the session's end frees them too.
+  ~SequenceRegistry() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sequences_) {
+      if (!s->kept) static_cast<void>(session_->Release(s->daemon_id));
+    }
+  }
+
+  SequenceRegistry(const SequenceRegistry&) = delete;
+  SequenceRegistry& operator=(const SequenceRegistry&) = delete;
+
+  SessionT* session() const { return session_; }
+  uint32_t page_tokens() const { return page_tokens_; }
+  uint32_t capacity_tokens() const { return capacity_tokens_; }
+
+  Status Create(SequenceId sequence, const SequenceLayout& layout) {
+    if (layout.n_layers <= 0 || layout.n_kv_heads <= 0 || layout.head_dim <= 0) {
+      return Status::InvalidArgument("sequence layout needs positive dimensions");
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (sequences_.count(sequence)) return Status::AlreadyExists("sequence " + std::to_string(sequence));
+    }
+    PageLayoutSpec spec{static_cast<uint32_t>(layout.n_layers), static_cast<uint32_t>(layout.n_kv_heads),
+                        static_cast<uint32_t>(layout.head_dim), page_tokens_, capacity_tokens_};
+    SPECACHE_ASSIGN_OR_RETURN(uint64_t id, session_->CreateSequence(spec));
+    auto s = std::make_unique<EntryT>(layout, (capacity_tokens_ + page_tokens_ - 1) / page_tokens_);
+    s->daemon_id = id;
+    std::lock_guard<std::mutex> lock(mu_);
+    sequences_[sequence] = std::move(s);
+    return Status::Ok();
+  }
+
+  // Forgets the sequence here and, unless it was kept, releases it in the daemon.
+  Status Release(SequenceId sequence) {
+    std::unique_ptr<EntryT> s;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = sequences_.find(sequence);
+      if (it == sequences_.end()) return Status::NotFound("sequence " + std::to_string(sequence));
+      s = std::move(it->second);
+      sequences_.erase(it);
+    }
+    return s->kept ? Status::Ok() : session_->Release(s->daemon_id);
+  }
+
+  Result<uint64_t> Keep(SequenceId sequence) {
+    SPECACHE_ASSIGN_OR_RETURN(EntryT * s, Find(sequence));
+    SPECACHE_RETURN_IF_ERROR(session_->Keep(s->daemon_id));
+    std::lock_guard<std::mutex> lock(mu_);
+    s->kept = true;
+    return s->daemon_id;
+  }
+
+  Result<EntryT*> Find(SequenceId sequence) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sequences_.find(sequence);
+    if (it == sequences_.end()) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
+    return it->second.get();
+  }
+
+  Result<uint64_t> DaemonSequence(SequenceId sequence) const {
+    SPECACHE_ASSIGN_OR_RETURN(EntryT * s, Find(sequence));
+    return s->daemon_id;
+  }
+
+  // The triple's length, after checking layer and head against the layout.
+  static Result<std::atomic<int32_t>*> LengthOf(EntryT* s, int layer, int kv_head) {
+    if (layer < 0 || layer >= s->layout.n_layers || kv_head < 0 || kv_head >= s->layout.n_kv_heads) {
+      return Status::OutOfRange("layer/head outside the sequence layout");
+    }
+    return &s->lengths[static_cast<size_t>(layer) * s->layout.n_kv_heads + kv_head];
+  }
+
+  Result<int32_t> Length(SequenceId sequence, int layer, int kv_head) const {
+    SPECACHE_ASSIGN_OR_RETURN(EntryT * s, Find(sequence));
+    SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, LengthOf(s, layer, kv_head));
+    return length->load();
+  }
+
+  // Rows are added in order: n >= 0 rows starting at the current length (`what`: the caller).
+  static Status CheckNextRows(const char* what, const std::atomic<int32_t>& length, int32_t first_token, int32_t n) {
+    if (n < 0) return Status::InvalidArgument("negative row count");
+    if (first_token != length.load()) {
+      return Status::FailedPrecondition(std::string(what) + " at token " + std::to_string(first_token) +
+                                        " but the length is " + std::to_string(length.load()));
+    }
+    return Status::Ok();
+  }
+
+  // Every token read is one already written.
+  static Status CheckWritten(const std::atomic<int32_t>& length_of, const int32_t* tokens, int32_t n) {
+    const int32_t length = length_of.load(std::memory_order_acquire);
+    for (int32_t i = 0; i < n; ++i) {
+      if (tokens[i] < 0 || tokens[i] >= length) return Status::OutOfRange("token " + std::to_string(tokens[i]) + " not written");
+    }
+    return Status::Ok();
+  }
+
+  // Makes the daemon hold pages for `tokens` tokens in every layer: one Extend for all layers,
+  // asking for whole pages so that the page's next tokens need no call. `on_new_pages(s, have,
+  // pages)` runs under the sequence's extend lock before the new count is published, for a source
+  // that must learn about pages [have, pages) before readers may use them.
+  template <typename OnNewPages>
+  Status EnsurePages(EntryT* s, int32_t tokens, OnNewPages on_new_pages) {
+    if (static_cast<uint32_t>(tokens) > capacity_tokens_) {
+      return Status::OutOfRange("sequence capacity is " + std::to_string(capacity_tokens_) + " tokens");
+    }
+    const uint32_t need = (static_cast<uint32_t>(tokens) + page_tokens_ - 1) / page_tokens_;
+    if (s->pages.load(std::memory_order_acquire) >= need) return Status::Ok();
+    std::lock_guard<std::mutex> lock(s->extend_mu);
+    if (s->pages.load(std::memory_order_acquire) >= need) return Status::Ok();  // another head extended
+    SPECACHE_ASSIGN_OR_RETURN(uint32_t pages,
+                              session_->Extend(s->daemon_id, std::min<uint32_t>(need * page_tokens_, capacity_tokens_)));
+    SPECACHE_RETURN_IF_ERROR(on_new_pages(*s, s->pages.load(std::memory_order_relaxed), pages));
+    s->pages.store(pages, std::memory_order_release);
+    return Status::Ok();
+  }
+  Status EnsurePages(EntryT* s, int32_t tokens) {
+    return EnsurePages(s, tokens, [](EntryT&, uint32_t, uint32_t) { return Status::Ok(); });
+  }
+
+  // Bytes of the rows written so far, over all sequences.
+  int64_t stored_bytes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t bytes = 0;
+    for (const auto& [id, s] : sequences_) {
+      for (const auto& l : s->lengths) bytes += int64_t{l.load()} * s->layout.row_bytes();
+    }
+    return bytes;
+  }
+
+ private:
+  SessionT* const session_;
+  const uint32_t page_tokens_, capacity_tokens_;
+  mutable std::mutex mu_;
+  std::map<SequenceId, std::unique_ptr<EntryT>> sequences_;
+};
+
+}  // namespace specache::client
