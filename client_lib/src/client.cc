@@ -14,28 +14,16 @@
 #include <grpcpp/grpcpp.h>
 
 #include "client_impl.h"
+#include "session_calls.h"
 #include "specache/attach_protocol.h"
 #include "specache/fd_passing.h"
 #include "specache/shm_layout.h"
 #include "specache/v1/control.grpc.pb.h"
 
 namespace specache::client {
-namespace {
-
-void FillLayout(const PageLayoutSpec& l, v1::SequenceLayout* out) {
-  out->set_n_layers(l.n_layers);
-  out->set_n_kv_heads(l.n_kv_heads);
-  out->set_head_dim(l.head_dim);
-  out->set_page_tokens(l.page_tokens);
-  out->set_capacity_tokens(l.capacity_tokens);
-}
-
-}  // namespace
 
 struct Session::Impl {
-  std::shared_ptr<Client::Impl> client;
-  uint64_t id = 0;
-  std::string token;
+  SessionCalls calls;
   int attach_fd = -1;
   const uint8_t* table = nullptr;
   uint64_t table_bytes = 0;
@@ -50,15 +38,9 @@ struct Session::Impl {
     // them; chunks still mapped at the close stay charged to the tenant until they are let go.
     for (uint8_t* c : chunks) munmap(c, chunk_bytes);
     if (table) munmap(const_cast<uint8_t*>(table), table_bytes);
-    if (client && id != 0) {
-      v1::CloseSessionRequest req;
-      req.set_session_id(id);
-      req.set_token(token);
-      v1::CloseSessionResponse resp;
-      // Best effort: if it fails, the daemon still ends the session when the attach connection
-      // closes below.
-      static_cast<void>(client->Call(&v1::Control::Stub::CloseSession, "CloseSession", req, &resp));
-    }
+    // Best effort: if it fails, the daemon still ends the session when the attach connection
+    // closes below.
+    calls.Close();
     if (attach_fd >= 0) close(attach_fd);
   }
 
@@ -73,8 +55,8 @@ struct Session::Impl {
       return Status::Unavailable("attach socket " + path + ": " + std::strerror(errno));
     }
     attach::AttachRequest req;
-    req.session_id = id;
-    std::memcpy(req.token.data(), token.data(), req.token.size());
+    req.session_id = calls.id();
+    std::memcpy(req.token.data(), calls.token().data(), req.token.size());
     SPECACHE_RETURN_IF_ERROR(SendWithFds(attach_fd, &req, sizeof req, {}));
     std::vector<int> fds;
     uint32_t total = 0;
@@ -82,7 +64,7 @@ struct Session::Impl {
     do {
       attach::AttachReply raw;
       const size_t before = fds.size();
-      Status s = RecvWithFds(attach_fd, &raw, sizeof raw, &fds, static_cast<int>(client->options.deadline.count()));
+      Status s = RecvWithFds(attach_fd, &raw, sizeof raw, &fds, static_cast<int>(calls.client()->options.deadline.count()));
       auto reply = s.ok() ? attach::ParseReply(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&raw), sizeof raw))
                           : Result<attach::AttachReply>(s);
       if (reply.ok() && reply->code != 0) reply = Status(static_cast<StatusCode>(reply->code), reply->message);
@@ -179,9 +161,7 @@ Result<std::unique_ptr<Session>> Client::OpenSession(const std::string& tenant, 
   v1::OpenSessionResponse resp;
   SPECACHE_RETURN_IF_ERROR(impl_->Call(&v1::Control::Stub::OpenSession, "OpenSession", req, &resp));
   auto s = std::make_unique<Session::Impl>();
-  s->client = impl_;
-  s->id = resp.session_id();
-  s->token = resp.token();
+  s->calls = SessionCalls(impl_, resp.session_id(), resp.token());
   SPECACHE_RETURN_IF_ERROR(s->Attach(resp.attach_path(), resp.chunk_count()));
   return std::unique_ptr<Session>(new Session(std::move(s)));
 }
@@ -303,19 +283,14 @@ Result<SpillVerify> Client::VerifySpill() {
 
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Session::~Session() = default;
-uint64_t Session::id() const { return impl_->id; }
+uint64_t Session::id() const { return impl_->calls.id(); }
 uint64_t Session::chunk_bytes() const { return impl_->chunk_bytes; }
 uint32_t Session::chunk_count() const { return static_cast<uint32_t>(impl_->chunks.size()); }
 uint8_t* Session::chunk_data(uint32_t i) const { return i < impl_->chunks.size() ? impl_->chunks[i] : nullptr; }
 uint64_t Session::extend_rpcs() const { return impl_->extend_rpcs.load(); }
 
 Result<uint64_t> Session::CreateSequence(const PageLayoutSpec& l) {
-  v1::CreateSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  FillLayout(l, req.mutable_layout());
-  v1::CreateSequenceResponse resp;
-  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::CreateSequence, "CreateSequence", req, &resp));
+  SPECACHE_ASSIGN_OR_RETURN(v1::CreateSequenceResponse resp, impl_->calls.CreateSequence(l));
   SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(resp.sequence_id(), resp.table_slot()));
   return resp.sequence_id();
 }
@@ -325,26 +300,15 @@ Result<uint32_t> Session::Extend(uint64_t sequence, uint32_t tokens) {
   const shm::SequenceSlot& s = shm::Slots(impl_->table)[slot];
   const uint32_t have = s.pages_per_layer.load(std::memory_order_acquire);
   if (uint64_t{have} * s.page_tokens >= tokens) return have;
-  v1::ExtendSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  req.set_sequence_id(sequence);
-  req.set_tokens(tokens);
-  v1::ExtendSequenceResponse resp;
   ++impl_->extend_rpcs;
-  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ExtendSequence, "ExtendSequence", req, &resp));
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, impl_->calls.ExtendSequence(sequence, tokens));
   SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, slot, true));
-  return resp.pages_per_layer();
+  return pages;
 }
 
 Status Session::Release(uint64_t sequence) {
   SPECACHE_RETURN_IF_ERROR(impl_->SlotOf(sequence).status());
-  v1::ReleaseSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  req.set_sequence_id(sequence);
-  v1::ReleaseSequenceResponse resp;
-  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ReleaseSequence, "ReleaseSequence", req, &resp));
+  SPECACHE_RETURN_IF_ERROR(impl_->calls.ReleaseSequence(sequence));
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->slots.erase(sequence);
   return Status::Ok();
@@ -352,22 +316,11 @@ Status Session::Release(uint64_t sequence) {
 
 Status Session::Keep(uint64_t sequence) {
   SPECACHE_RETURN_IF_ERROR(impl_->SlotOf(sequence).status());
-  v1::KeepSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  req.set_sequence_id(sequence);
-  v1::KeepSequenceResponse resp;
-  return impl_->client->Call(&v1::Control::Stub::KeepSequence, "KeepSequence", req, &resp);
+  return impl_->calls.KeepSequence(sequence);
 }
 
 Result<uint32_t> Session::Claim(uint64_t sequence, const PageLayoutSpec& l) {
-  v1::ClaimSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  req.set_sequence_id(sequence);
-  FillLayout(l, req.mutable_layout());
-  v1::ClaimSequenceResponse resp;
-  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ClaimSequence, "ClaimSequence", req, &resp));
+  SPECACHE_ASSIGN_OR_RETURN(v1::ClaimSequenceResponse resp, impl_->calls.ClaimSequence(sequence, l));
   SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(sequence, resp.table_slot()));
   return resp.pages_per_layer();
 }

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "client_impl.h"
+#include "session_calls.h"
 #include "specache/remote_protocol.h"
 #include "specache/shm_layout.h"
 #include "ucx_endpoint.h"
@@ -40,10 +41,8 @@ Result<FetchMethod> ParseFetchMethod(const std::string& name) {
 }
 
 struct RemoteSession::Impl {
-  std::shared_ptr<Client::Impl> client;
+  SessionCalls calls;
   RemoteSessionOptions options;
-  uint64_t id = 0;
-  std::string token;
   std::string data_address;
   std::unique_ptr<UcxEndpoint> endpoint;
   mutable std::mutex mu;
@@ -55,14 +54,8 @@ struct RemoteSession::Impl {
   std::atomic<uint64_t> requests{0}, rows_read{0}, rows_written{0};
 
   ~Impl() {
-    if (client && id != 0) {
-      v1::CloseSessionRequest req;
-      req.set_session_id(id);
-      req.set_token(token);
-      v1::CloseSessionResponse resp;
-      // Best effort: when it fails, the daemon ends the session as the endpoint closes below.
-      static_cast<void>(client->Call(&v1::Control::Stub::CloseSession, "CloseSession", req, &resp));
-    }
+    // Best effort: when it fails, the daemon ends the session as the endpoint closes below.
+    calls.Close();
     endpoint.reset();
   }
 
@@ -173,27 +166,25 @@ Result<std::unique_ptr<RemoteSession>> RemoteSession::Open(Client* client, const
   req.set_client_name(client->impl_->options.client_name);
   v1::OpenSessionResponse resp;
   SPECACHE_RETURN_IF_ERROR(client->impl_->Call(&v1::Control::Stub::OpenSession, "OpenSession", req, &resp));
-  s->client = client->impl_;
-  s->id = resp.session_id();
-  s->token = resp.token();
-  if (resp.data_address().empty() || s->token.size() != attach::kTokenBytes) {
+  s->calls = SessionCalls(client->impl_, resp.session_id(), resp.token());
+  if (resp.data_address().empty() || s->calls.token().size() != attach::kTokenBytes) {
     return Status::DataLoss("OpenSession on the remote port gave no data-plane address or a bad token");
   }
   SPECACHE_ASSIGN_OR_RETURN(s->data_address, DataAddress(resp.data_address(), client->impl_->remote_address));
   const bool gets = options.method == FetchMethod::kClientGets;
   SPECACHE_ASSIGN_OR_RETURN(s->endpoint, UcxEndpoint::Connect(s->data_address, gets));
   remote::Hello hello;
-  hello.session_id = s->id;
-  std::memcpy(hello.token.data(), s->token.data(), hello.token.size());
+  hello.session_id = s->calls.id();
+  std::memcpy(hello.token.data(), s->calls.token().data(), hello.token.size());
   std::vector<uint8_t> keys;
   Status said = s->endpoint->Call(remote::kHello, &hello, sizeof hello, nullptr, 0, &keys, size_t{16} << 20,
-                                  Clock::now() + options.deadline);
+                                  s->NextDeadline());
   if (!said.ok()) return said.WithContext("attaching over UCX to " + s->data_address);
   if (gets) SPECACHE_RETURN_IF_ERROR(s->endpoint->SetRemoteChunks(keys));
   return std::unique_ptr<RemoteSession>(new RemoteSession(std::move(s)));
 }
 
-uint64_t RemoteSession::id() const { return impl_->id; }
+uint64_t RemoteSession::id() const { return impl_->calls.id(); }
 const RemoteSessionOptions& RemoteSession::options() const { return impl_->options; }
 std::string RemoteSession::data_address() const { return impl_->data_address; }
 bool RemoteSession::Alive() const { return !impl_->endpoint->failed(); }
@@ -203,17 +194,7 @@ RemoteStats RemoteSession::stats() const {
 }
 
 Result<uint64_t> RemoteSession::CreateSequence(const PageLayoutSpec& l) {
-  v1::CreateSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  auto* out = req.mutable_layout();
-  out->set_n_layers(l.n_layers);
-  out->set_n_kv_heads(l.n_kv_heads);
-  out->set_head_dim(l.head_dim);
-  out->set_page_tokens(l.page_tokens);
-  out->set_capacity_tokens(l.capacity_tokens);
-  v1::CreateSequenceResponse resp;
-  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::CreateSequence, "CreateSequence", req, &resp));
+  SPECACHE_ASSIGN_OR_RETURN(v1::CreateSequenceResponse resp, impl_->calls.CreateSequence(l));
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->layouts[resp.sequence_id()] = l;
   return resp.sequence_id();
@@ -221,24 +202,12 @@ Result<uint64_t> RemoteSession::CreateSequence(const PageLayoutSpec& l) {
 
 Result<uint32_t> RemoteSession::Extend(uint64_t sequence, uint32_t tokens) {
   SPECACHE_RETURN_IF_ERROR(impl_->LayoutOf(sequence).status());
-  v1::ExtendSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  req.set_sequence_id(sequence);
-  req.set_tokens(tokens);
-  v1::ExtendSequenceResponse resp;
-  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ExtendSequence, "ExtendSequence", req, &resp));
-  return resp.pages_per_layer();
+  return impl_->calls.ExtendSequence(sequence, tokens);
 }
 
 Status RemoteSession::Release(uint64_t sequence) {
   SPECACHE_RETURN_IF_ERROR(impl_->LayoutOf(sequence).status());
-  v1::ReleaseSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  req.set_sequence_id(sequence);
-  v1::ReleaseSequenceResponse resp;
-  SPECACHE_RETURN_IF_ERROR(impl_->client->Call(&v1::Control::Stub::ReleaseSequence, "ReleaseSequence", req, &resp));
+  SPECACHE_RETURN_IF_ERROR(impl_->calls.ReleaseSequence(sequence));
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->layouts.erase(sequence);
   for (auto it = impl_->page_refs.begin(); it != impl_->page_refs.end();) {
@@ -249,12 +218,7 @@ Status RemoteSession::Release(uint64_t sequence) {
 
 Status RemoteSession::Keep(uint64_t sequence) {
   SPECACHE_RETURN_IF_ERROR(impl_->LayoutOf(sequence).status());
-  v1::KeepSequenceRequest req;
-  req.set_session_id(impl_->id);
-  req.set_token(impl_->token);
-  req.set_sequence_id(sequence);
-  v1::KeepSequenceResponse resp;
-  return impl_->client->Call(&v1::Control::Stub::KeepSequence, "KeepSequence", req, &resp);
+  return impl_->calls.KeepSequence(sequence);
 }
 
 Status RemoteSession::WriteRows(uint64_t sequence, uint32_t layer, uint32_t kv_head, uint32_t first_token,
