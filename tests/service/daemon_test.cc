@@ -301,21 +301,44 @@ extern "C" int specache_c_abi_roundtrip(const char* socket_path, char* report, s
 namespace specache {
 namespace {
 
+// A running daemon with one open session, for the DaemonSource tests.
+struct DaemonWithSession {
+  DaemonProcess daemon;
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<client::Session> session;
+};
+
+std::unique_ptr<DaemonWithSession> StartWithSession() {
+  auto d = std::make_unique<DaemonWithSession>();
+  if (!d->daemon.Start()) {
+    ADD_FAILURE() << "specached did not start";
+    return nullptr;
+  }
+  d->client = Connect(d->daemon);
+  if (!d->client) {
+    ADD_FAILURE() << "no connection to specached";
+    return nullptr;
+  }
+  auto session = d->client->OpenSession("default", 64ull << 20);
+  if (!session.ok()) {
+    ADD_FAILURE() << session.status().ToString();
+    return nullptr;
+  }
+  d->session = std::move(*session);
+  return d;
+}
+
 // DaemonSource's zero-copy pages: inside the session's mapped chunks, fixed as the sequence
 // grows, one Extend per page; rows written in place and committed read back through ReadRows.
 TEST(DaemonSourceTest, PagesLieInTheSessionChunksAndAreWrittenInPlace) {
-  DaemonProcess d;
-  ASSERT_TRUE(d.Start());
-  auto c = Connect(d);
-  ASSERT_TRUE(c);
-  auto session = c->OpenSession("default", 64ull << 20);
-  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  auto d = StartWithSession();
+  ASSERT_TRUE(d);
   const int page_tokens = 16, n_kv = 2, head_dim = 8;
-  client::DaemonSource source(session->get(), page_tokens, 256);
+  client::DaemonSource source(d->session.get(), page_tokens, 256);
   EXPECT_EQ(source.page_tokens(), page_tokens);
   ASSERT_TRUE(source.CreateSequence(5, {3, n_kv, head_dim}).ok());
   const auto regions = source.host_regions();
-  ASSERT_EQ(regions.size(), (*session)->chunk_count());
+  ASSERT_EQ(regions.size(), d->session->chunk_count());
   const auto inside = [&regions](const uint8_t* p) {
     for (const HostRegion& r : regions) {
       if (p >= static_cast<uint8_t*>(r.base) && p + 1 <= static_cast<uint8_t*>(r.base) + r.bytes) return true;
@@ -350,6 +373,23 @@ TEST(DaemonSourceTest, PagesLieInTheSessionChunksAndAreWrittenInPlace) {
   ASSERT_TRUE(source.ReadRows(5, 2, 1, tokens.data(), 18, back.data()).ok());
   EXPECT_EQ(back, rows);
   EXPECT_EQ(*source.Length(5, 2, 1), 18);
+}
+
+// capacity_tokens bounds a sequence's length even where the last page has room past it: the
+// 41st token of a 40-token sequence is refused although its page (tokens 32..47) is made.
+TEST(DaemonSourceTest, AppendsStopAtTheCapacityEvenInsideTheLastPage) {
+  auto d = StartWithSession();
+  ASSERT_TRUE(d);
+  const int page_tokens = 16, head_dim = 8;
+  client::DaemonSource source(d->session.get(), page_tokens, 40);
+  ASSERT_TRUE(source.CreateSequence(1, {1, 1, head_dim}).ok());
+  std::vector<Half> rows(41 * 2 * head_dim, Half{1});
+  ASSERT_TRUE(source.AppendRows(1, 0, 0, 0, rows.data(), 40).ok());
+  EXPECT_EQ(source.AppendRows(1, 0, 0, 40, rows.data(), 1).code(), StatusCode::kOutOfRange);
+  std::vector<uint8_t*> pages;
+  EXPECT_EQ(source.HostPages(1, 0, 41, &pages).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(*source.Length(1, 0, 0), 40);
+  EXPECT_EQ(source.stored_bytes(), 40 * 2 * head_dim * static_cast<int64_t>(sizeof(Half)));
 }
 
 TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {
