@@ -4,6 +4,7 @@
 #include <string>
 
 #include "specache/cuda_fetch.h"
+#include "sorted_tokens.cuh"
 
 namespace specache::cuda {
 namespace {
@@ -30,16 +31,6 @@ __device__ int Find(const int32_t* list, int n, int32_t token) {
     if (list[mid] < token) lo = mid + 1; else hi = mid - 1;
   }
   return -1;
-}
-
-// Entries of the ascending list below `token`.
-__device__ int32_t Below(const int32_t* list, int32_t n, int32_t token) {
-  int32_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi) >> 1;
-    if (list[mid] < token) lo = mid + 1; else hi = mid;
-  }
-  return lo;
 }
 
 // A group of row_pieces threads per row; rows of all tasks are spread over the grid.

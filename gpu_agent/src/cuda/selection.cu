@@ -6,6 +6,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "specache/cuda_fetch.h"
+#include "sorted_tokens.cuh"
 #include "specache/cuda_selection.h"
 
 namespace specache::cuda {
@@ -35,16 +36,6 @@ __global__ void ShiftKernel(Batch<ShiftTask> batch, int n_heads) {
     const float own = t.in[i];
     t.out[i] = j > 0 && !isnan(own) && t.in[i - 1] > own ? t.in[i - 1] : own;
   }
-}
-
-// Tokens of `list` [0, n) below `token`.
-__device__ int32_t Below(const int32_t* list, int32_t n, int32_t token) {
-  int32_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi) >> 1;
-    if (list[mid] < token) lo = mid + 1; else hi = mid;
-  }
-  return lo;
 }
 
 // Each token's place in the merged list is its index plus the other list's tokens below it.
