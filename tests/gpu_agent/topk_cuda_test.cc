@@ -101,8 +101,7 @@ TEST(CudaTopKTest, RaggedBatchEqualsTheCpuSelection) {
 // Long segments (cut into many parts and merged) given as raw scores plus per-head softmax
 // statistics: each equals the CPU's selection of the probabilities exp(score - max) / sum.
 TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
-  auto info = ProbeCudaDevice();
-  if (!info.ok()) GTEST_SKIP() << "no usable CUDA device: " << info.status().ToString();
+  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(37);
   std::normal_distribution<float> normal(0.0f, 2.0f);
