@@ -173,9 +173,9 @@ class DecodePlan {
   int free_slots() const { return free_slots_; }
 
   struct Impl;  // the slots (attention.cu)
-  Impl* impl() { return impl_; }
 
  private:
+  friend Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream, DecodePlan* plan);
   Impl* impl_;
   int free_slots_ = 0;
 };

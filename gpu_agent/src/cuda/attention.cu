@@ -458,14 +458,14 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(s, &capture) != cudaSuccess) return Status::Unavailable("decode attention: stream state");
   const bool capturing = capture == cudaStreamCaptureStatusActive;
-  SPECACHE_ASSIGN_OR_RETURN(DecodePlan::Impl::Slot * slot, plan->impl()->Take(bytes, capturing));
+  SPECACHE_ASSIGN_OR_RETURN(DecodePlan::Impl::Slot * slot, plan->impl_->Take(bytes, capturing));
   char* host = static_cast<char*>(slot->host);
   const char* device = static_cast<const char*>(slot->device);
   for (size_t i = 0; i < sets.size(); ++i) {
     WriteItemSet(host + offsets[i], sets[i].items, sets[i].unit_begin, sets[i].chunk_blocks, sets[i].tail_units);
   }
   if (!rest.empty()) WriteItemSet(host + rest_offset, rest, {}, 0, 0);
-  SPECACHE_RETURN_IF_ERROR(plan->impl()->Copy(slot, bytes, s, capturing));
+  SPECACHE_RETURN_IF_ERROR(plan->impl_->Copy(slot, bytes, s, capturing));
   const Status status = [&]() -> Status {
     for (size_t i = 0; i < sets.size(); ++i) {
       SPECACHE_RETURN_IF_ERROR(LaunchLowBitSet(sets[i], reinterpret_cast<const DeviceItemSet*>(device + offsets[i]), s));
