@@ -38,7 +38,8 @@ inline size_t ItemSetItemsOffset(int count) {
 inline size_t ItemSetBytes(int count) {
   return (ItemSetItemsOffset(count) + sizeof(DeviceDecodeItem) * static_cast<size_t>(count) + 15) / 16 * 16;
 }
-// Writes a set at `host` (ItemSetBytes(items.size()) bytes); unit_begin empty: zeros.
+// Writes a set at `host` (ItemSetBytes(items.size()) bytes); unit_begin empty: zeros. The
+// alignment padding is left as it is (no kernel reads it).
 inline void WriteItemSet(void* host, const std::vector<DeviceDecodeItem>& items, const std::vector<int32_t>& unit_begin,
                          int chunk_blocks, int tail_units) {
   const int count = static_cast<int>(items.size());
@@ -48,9 +49,13 @@ inline void WriteItemSet(void* host, const std::vector<DeviceDecodeItem>& items,
   header.tail_units = tail_units;
   header.items_offset = static_cast<int32_t>(ItemSetItemsOffset(count));
   char* at = static_cast<char*>(host);
-  std::memset(at, 0, ItemSetBytes(count));
   std::memcpy(at, &header, sizeof(header));
-  if (!unit_begin.empty()) std::memcpy(at + sizeof(header), unit_begin.data(), sizeof(int32_t) * unit_begin.size());
+  const size_t unit_bytes = sizeof(int32_t) * (static_cast<size_t>(count) + 1);
+  if (unit_begin.empty()) {
+    std::memset(at + sizeof(header), 0, unit_bytes);
+  } else {
+    std::memcpy(at + sizeof(header), unit_begin.data(), unit_bytes);
+  }
   std::memcpy(at + header.items_offset, items.data(), sizeof(DeviceDecodeItem) * items.size());
 }
 
