@@ -754,7 +754,7 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   }
 }
 
-// One n-tile: registers capped for 3 CTAs (12 warps) per SM, measured faster than 2 uncapped.
+// One n-tile: registers capped for kMinCtasOneTile CTAs per SM (see there).
 template <int KB, int VB, int D, int NT>
 __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) LowBitDecodeKernel(const DeviceItemSet* set) {
   extern __shared__ uint32_t smem[];
