@@ -369,9 +369,9 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   std::printf("%-14s %-6s %12s %12s %12s %9s %13s %11s %12s %10s %11s\n", "kv", "batch", "ms_layers", "ms_no_fetch",
               "ms_fetch", "ratio", "MB_per_step", "reused", "GBps_to_hide", "tok_per_s", "ms_prefill");
   bool ok = true;
-  for (const std::string& kv : o.kv) {
   for (int batch : o.batches) {
-    // The model's layers alone (projections + MLP at 2 rows per sequence): the time a fetch can hide under.
+    // The model's layers alone (projections + MLP at 2 rows per sequence): the time a fetch can hide
+    // under, the same for every replica.
     const int rows2 = 2 * batch;
     uint32_t seed = 1;
     const double layers_ms = TimeSteps(m, 3, o.steps, [&] {
@@ -381,43 +381,49 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       }
       return true;
     });
-    // kivi fetches nothing: one run is both columns.
-    const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, false);
-    const AgentRun with = StepKvConfig(kv).fetches_rows() ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true)
-                                                          : without;
-    if (layers_ms < 0 || without.ms < 0 || with.ms < 0) {
+    if (layers_ms < 0) {
       ok = false;
       continue;
     }
-    const double ratio = with.ms / without.ms;
-    const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
-    const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
-    std::printf("%-14s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f %11.1f\n", kv.c_str(), batch,
-                layers_ms, without.ms, with.ms,
-                ratio, with.bytes_per_step / 1e6, with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3), with.prefill_ms);
-    rows->push_back({kv + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
-                     {{"batch", batch},
-                      {"context", o.context},
-                      {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
-                      {"ms_layers_only", layers_ms},
-                      {"ms_step_no_fetch", without.ms},
-                      {"ms_step_fetch", with.ms},
-                      {"ms_agent_prefill_store_only", with.prefill_ms},
-                      {"ratio", ratio},
-                      {"bytes_fetched_per_step", with.bytes_per_step},
-                      {"device_bytes_per_sequence", with.device_bytes / batch},
-                      {"device_bytes_reserved_per_sequence", with.device_bytes_reserved / batch},
-                      // The reservation's parts: the replica blocks a sequence holds (the pool's
-                      // slack excluded) and its own buffers (key residual, value window, row
-                      // buffers and cache, tables), next to its fp16 K/V at the same context.
-                      {"device_blocks_per_sequence", with.pool_used / batch},
-                      {"device_fixed_per_sequence", (with.device_bytes_reserved - with.pool_bytes) / batch},
-                      {"fp16_kv_bytes_per_sequence", fp16_kv},
-                      {"blocks_over_fp16_kv", with.pool_used / batch / fp16_kv},
-                      {"reused_fraction", with.reused_fraction},
-                      {"gbps_needed_to_hide_under_layers", hide_gbps},
-                      {"tokens_per_s", batch / (with.ms * 1e-3)}}});
-  }
+    for (const std::string& kv : o.kv) {
+      // kivi fetches nothing: one run is both columns.
+      const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, false);
+      const AgentRun with = StepKvConfig(kv).fetches_rows()
+                                ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true)
+                                : without;
+      if (without.ms < 0 || with.ms < 0) {
+        ok = false;
+        continue;
+      }
+      const double ratio = with.ms / without.ms;
+      const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
+      const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
+      std::printf("%-14s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f %11.1f\n", kv.c_str(), batch,
+                  layers_ms, without.ms, with.ms,
+                  ratio, with.bytes_per_step / 1e6, with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3), with.prefill_ms);
+      rows->push_back({kv + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
+                       {{"batch", batch},
+                        {"context", o.context},
+                        {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
+                        {"ms_layers_only", layers_ms},
+                        {"ms_step_no_fetch", without.ms},
+                        {"ms_step_fetch", with.ms},
+                        {"ms_agent_prefill_store_only", with.prefill_ms},
+                        {"ratio", ratio},
+                        {"bytes_fetched_per_step", with.bytes_per_step},
+                        {"device_bytes_per_sequence", with.device_bytes / batch},
+                        {"device_bytes_reserved_per_sequence", with.device_bytes_reserved / batch},
+                        // The reservation's parts: the replica blocks a sequence holds (the pool's
+                        // slack excluded) and its own buffers (key residual, value window, row
+                        // buffers and cache, tables), next to its fp16 K/V at the same context.
+                        {"device_blocks_per_sequence", with.pool_used / batch},
+                        {"device_fixed_per_sequence", (with.device_bytes_reserved - with.pool_bytes) / batch},
+                        {"fp16_kv_bytes_per_sequence", fp16_kv},
+                        {"blocks_over_fp16_kv", with.pool_used / batch / fp16_kv},
+                        {"reused_fraction", with.reused_fraction},
+                        {"gbps_needed_to_hide_under_layers", hide_gbps},
+                        {"tokens_per_s", batch / (with.ms * 1e-3)}}});
+    }
   }
   std::printf("       ms_prefill: the agent's store-only prefill of the batch, all layers (quantize + page writes;\n"
               "       the engine's own prefill attention and GEMMs not included).\n");
