@@ -179,7 +179,8 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
     }
     return Ok((*agent)->EndStep(), "EndStep");
   };
-  if (!step(StepKind::kPreDecode)) return run;
+  // The pre-decode step (one row, the first top-k) exists in specache mode only.
+  if (config.mode == KvMode::kSpeCache && !step(StepKind::kPreDecode)) return run;
   for (int i = 0; i < warm; ++i) if (!step(StepKind::kDecode)) return run;
   const AgentStats before = (*agent)->stats();
   run.ms = TimeSteps(m, 0, steps, [&] { return step(StepKind::kDecode); });

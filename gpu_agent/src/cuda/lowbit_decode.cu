@@ -230,11 +230,12 @@ __device__ __forceinline__ float2 LoadHalf2(const Half* p) {
 __device__ __forceinline__ int ChannelOf(int ks, int j, int t) { return 16 * ks + 2 * t + (j & 1) + 8 * (j >> 1); }
 
 // Row word of key channel c, bit plane P: byte KeyByte(r8)'s msb is bit P of the code of token
-// g + 8 r8 of the block (w: the channel's KB words).
+// g + 8 r8 of the block (w: the channel's KB words). Only the bytes' msbs are defined: MaskPair
+// reads nothing else, so no mask clears the rest.
 template <int KB, int P>
 __device__ __forceinline__ uint32_t KeyRowWord(const uint32_t* w, int g) {
   if constexpr (KB == 1) {
-    return (w[0] << (7 - g)) & 0x80808080u;
+    return w[0] << (7 - g);  // the other bits of each byte are never read (MaskPair reads msbs)
   } else {  // tokens 0-15 in w[0], 16-31 in w[1], 2 bits each
     return (((w[0] >> (2 * g + P)) & 0x00010001u) << 7) | (((w[1] >> (2 * g + P)) & 0x00010001u) << 15);
   }
@@ -247,9 +248,9 @@ __device__ __forceinline__ int KeyByte(int r8) { return KB == 1 ? r8 : ((r8 & 1)
 template <int VB, int P>
 __device__ __forceinline__ uint32_t ValueRowWord(uint32_t w, int g) {
   if constexpr (VB == 1) {
-    return (w << (7 - g)) & 0x80808080u;
+    return w << (7 - g);
   } else {
-    return ((w >> (2 * g + P)) & 0x00010001u) << 7;
+    return (w >> (2 * g + P)) << 7;  // bytes 1 and 3 hold other bits, never read
   }
 }
 
