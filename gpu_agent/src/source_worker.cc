@@ -1,5 +1,7 @@
 #include "source_worker.h"
 
+#include <string>
+
 namespace specache {
 
 SourceWorker::SourceWorker(std::function<void()> on_start)
@@ -26,7 +28,8 @@ void SourceWorker::Submit(int key, std::function<Status()> job) {
 Status SourceWorker::TakeErrorLocked(int key) {
   auto it = errors_.find(key);
   if (it == errors_.end()) return Status::Ok();
-  Status s = std::move(it->second);
+  Status s = std::move(it->second.first);
+  if (it->second.more > 0) s = Status(s.code(), s.message() + " (and " + std::to_string(it->second.more) + " later failures)");
   errors_.erase(it);
   return s;
 }
@@ -65,7 +68,10 @@ void SourceWorker::Run(std::function<void()> on_start) {
     job = nullptr;  // what the job captured goes before its waiters wake
     lock.lock();
     --running_;
-    if (!s.ok() && !errors_.count(key)) errors_.emplace(key, std::move(s));
+    if (!s.ok()) {
+      auto [it, first] = errors_.try_emplace(key, Failure{std::move(s)});
+      if (!first) ++it->second.more;
+    }
     --unfinished_[key];
     done_.notify_all();
   }

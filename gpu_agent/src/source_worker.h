@@ -3,12 +3,14 @@
 // enqueues the engine's layers never waits for a read or a write to reach the source.
 //
 // - Jobs run one at a time, in the order they were submitted. Each has a key: a layer's fetch
-//   uses the layer, the commits of new rows kCommitKey. Running every read and write of the
-//   source on this one thread also keeps the source's rule that calls on one (sequence, layer,
-//   head) are serialised.
+//   uses the layer, the commits of new rows kCommitKey, a call that waits at once kCallerKey.
+//   Running every read and write of the source on this one thread keeps the source's rule that
+//   calls on one (sequence, layer, head) are serialised, and orders each read after the appends
+//   submitted before it (a fetch may select a row appended in the same step).
 // - Wait(key) blocks until every job of that key submitted so far has run, then returns the first
-//   error among them that was not reported yet (and forgets it); TakeError(key) returns it without
-//   waiting. A failed job does not stop the jobs after it.
+//   error among them that was not reported yet (and forgets it), saying how many more of the key's
+//   jobs failed after it; TakeError(key) returns it without waiting. A failed job does not stop
+//   the jobs after it.
 // - The destructor runs every job still queued, then joins the thread: everything a job uses must
 //   outlive the worker (its owner declares it last, so that it goes first).
 //
@@ -17,6 +19,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
@@ -31,6 +34,7 @@ namespace specache {
 class SourceWorker {
  public:
   static constexpr int kCommitKey = -1;
+  static constexpr int kCallerKey = -2;  // jobs whose caller waits for them at once
 
   // `on_start` runs first on the worker thread (the CUDA agent selects its device there).
   explicit SourceWorker(std::function<void()> on_start = {});
@@ -55,7 +59,11 @@ class SourceWorker {
   std::condition_variable work_, done_;
   std::deque<std::pair<int, std::function<Status()>>> queue_;
   std::map<int, int> unfinished_;  // [key] jobs queued or running
-  std::map<int, Status> errors_;   // [key] the first unreported error
+  struct Failure {
+    Status first;
+    int64_t more = 0;  // failures after `first`, not reported on their own
+  };
+  std::map<int, Failure> errors_;  // [key] unreported
   int running_ = 0;
   bool stop_ = false;
   std::thread thread_;  // last: started once the members above exist

@@ -43,6 +43,7 @@ TEST(SourceWorkerTest, WaitReturnsOnceTheKeysJobsRanWithTheirFirstErrorReportedO
   const Status s = worker.Wait(0);
   EXPECT_TRUE(slow_done.load());
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("first (and 1 later failures)"), std::string::npos) << s.ToString();
   EXPECT_TRUE(worker.Wait(0).ok()) << "an error is reported once";
   EXPECT_TRUE(worker.Wait(1).ok());
   EXPECT_TRUE(worker.Wait(7).ok()) << "a key without jobs does not wait";

@@ -109,8 +109,8 @@ class CudaAgent final : public Agent {
   std::vector<SequenceId> StepSequences(const std::vector<size_t>& which) const;
   Status WaitForStreams() const;
   // The new rows of some (sequence, layer, KV head)s, writes[i] of sequences[i]: into the pages
-  // (local) or into staging for the source (staged); noted for commit per sequence by the caller
-  // (NoteWritten) and closed into a batch by RecordWrites.
+  // (local; noted for commit per sequence by the caller with NoteWritten, closed into a batch by
+  // RecordWrites) or staged and handed to the worker for the source at once.
   Status WriteNewRows(int layer, std::span<const cuda::WriteTask> writes, std::span<const SequenceId> sequences);
   void NoteWritten(SequenceId id, int layer, int32_t first, int32_t n);
   Status RecordWrites() const;
@@ -164,7 +164,12 @@ Status CudaAgent::WaitForStreams() const {
 }
 
 Status CudaAgent::WriteNewRows(int layer, std::span<const cuda::WriteTask> writes, std::span<const SequenceId> sequences) {
-  if (staged_commits_) return staged_commits_->Stage(layer, writes, sequences, compute_);
+  if (staged_commits_) {
+    // Handed to the worker at once, not at the step's end: a fetch started after this layer may
+    // select these rows (when the append fills the residual), and the worker runs it after them.
+    SPECACHE_RETURN_IF_ERROR(staged_commits_->Stage(layer, writes, sequences, compute_));
+    return staged_commits_->Record(compute_);
+  }
   return cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), shape_.head_dim, pages_.page_tokens(), compute_);
 }
 

@@ -175,18 +175,29 @@ void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
   }
 }
 
+Status RowFetcher::OnSourceThread(const std::function<Status()>& job) {
+  if (!worker_) return job();
+  // Staged: the worker makes every call into the source, in order, so this read comes after the
+  // appends handed to it before (the selection may name their rows). The caller waits, so the
+  // job may use what it refers to.
+  worker_->Submit(SourceWorker::kCallerKey, job);
+  return worker_->Wait(SourceWorker::kCallerKey);
+}
+
 Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream) {
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids));
-  const Status s = Launch(w, staged_inline_.get(), stream);
+  const Status s = OnSourceThread([&] { return Launch(w, staged_inline_.get(), stream); });
   if (!s.ok()) Forget(layer, ids);
   return s;
 }
 
 Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span<const SequenceId> sequences,
                           cudaStream_t stream) {
-  if (staged_inline_) SPECACHE_RETURN_IF_ERROR(staged_inline_->Stage(layer, tasks, sequences, 0, stream).status());
-  return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, pages_->page_tokens(),
-                   options_.fetch_blocks, nullptr, stream);
+  return OnSourceThread([&]() -> Status {
+    if (staged_inline_) SPECACHE_RETURN_IF_ERROR(staged_inline_->Stage(layer, tasks, sequences, 0, stream).status());
+    return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, pages_->page_tokens(),
+                     options_.fetch_blocks, nullptr, stream);
+  });
 }
 
 Status RowFetcher::MarkSelected(int layer) {

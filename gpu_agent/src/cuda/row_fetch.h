@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -71,7 +72,8 @@ class RowFetcher {
   // head h: the current selection's, or, with KvConfig::attend_resident, the whole row cache.
   void Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem> heads) const;
 
-  // Makes the next selection of these sequences' layer current, its rows fetched on `stream`.
+  // Makes the next selection of these sequences' layer current, its rows fetched on `stream`
+  // (staged: on the worker, after the appends handed to it, waiting for it).
   Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
   // Records on the compute stream that the layer's selection is done.
   Status MarkSelected(int layer);
@@ -148,6 +150,8 @@ class RowFetcher {
   Status Launch(const FetchWork& work, StagedFetch* staged, cudaStream_t stream);
   // After a failed fetch: the sequences hold no rows at the layer, and their caches start over.
   void Forget(int layer, const std::vector<SequenceId>& ids);
+  // Runs `job` now: on this thread, or staged on the worker, waiting for it.
+  Status OnSourceThread(const std::function<Status()>& job);
 
   ModelShape shape_;
   KvConfig config_;
@@ -159,9 +163,9 @@ class RowFetcher {
   Buffer<FetchCounters> device_counters_;
   std::map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence
   int64_t rows_selected_ = 0;
-  // Staged only (UseStagedSource): one StagedFetch per thread that stages (the worker on the
-  // fetch stream; the agent's thread inline, on the stream it passes), and per layer the
-  // sequences of the fetch handed to the worker.
+  // Staged only (UseStagedSource): one StagedFetch per stream it stages on (the overlapped fetch
+  // on the fetch stream; Fetch and Gather on the stream they are given, the compute stream), both
+  // used on the worker only, and per layer the sequences of the fetch handed to the worker.
   FullPrecisionSource* staged_source_ = nullptr;
   SourceWorker* worker_ = nullptr;
   std::unique_ptr<StagedFetch> staged_worker_, staged_inline_;
