@@ -34,8 +34,6 @@
 #include <span>
 #include <vector>
 
-#include "../source_worker.h"
-
 #include "device_buffer.h"
 #include "device_page_table.h"
 #include "specache/agent.h"
@@ -43,6 +41,7 @@
 #include "specache/cuda_fetch.h"
 #include "specache/status.h"
 #include "staged_fetch.h"
+#include "../source_worker.h"
 
 namespace specache::cuda {
 

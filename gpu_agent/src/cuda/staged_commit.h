@@ -28,11 +28,11 @@
 #include <span>
 #include <vector>
 
-#include "../source_worker.h"
 #include "device_buffer.h"
 #include "specache/cuda_fetch.h"
 #include "specache/full_precision_source.h"
 #include "specache/status.h"
+#include "../source_worker.h"
 
 namespace specache::cuda {
 

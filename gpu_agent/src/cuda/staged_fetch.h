@@ -19,7 +19,9 @@
 // thread that enqueues the engine's layers (nonspec and oracle fetch for the step itself, so they
 // call it inline).
 //
-// Not thread-safe: one StagedFetch per calling thread (it owns the pinned buffers of its copies).
+// Not thread-safe, and one StagedFetch per stream: a call reuses the pinned buffers of its copies
+// once it has waited for its stream, which orders it after the previous call's copies only when
+// both ran on the same stream.
 #pragma once
 
 #include <cuda_runtime.h>
