@@ -274,6 +274,11 @@ class JsonMessageFlag final : public spdlog::custom_flag_formatter {
 
 }  // namespace
 
+void LogEmbeddedDaemonToStderr() {
+  if (!spdlog::get("specached")) spdlog::set_default_logger(spdlog::stderr_logger_mt("specached"));
+  spdlog::set_level(spdlog::level::warn);
+}
+
 Status ConfigureLogging(const DaemonConfig& c) {
   if (!spdlog::get("specached")) spdlog::set_default_logger(spdlog::stderr_logger_mt("specached"));
   if (c.log_format == "json") {

@@ -35,4 +35,9 @@ class Daemon {
 // Logging to stderr in the config's format and level.
 Status ConfigureLogging(const DaemonConfig& config);
 
+// For a program that runs a daemon inside itself (specache-run's embedded daemon, the benches, the
+// Python binding): the daemon's warnings and errors go to stderr, so that the program's stdout
+// (its tables, its --json) stays its own.
+void LogEmbeddedDaemonToStderr();
+
 }  // namespace specache::daemon

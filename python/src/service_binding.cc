@@ -14,7 +14,6 @@
 
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
-#include <spdlog/spdlog.h>
 
 #include "daemon.h"
 #include "specache/client.h"
@@ -98,7 +97,7 @@ class EmbeddedDaemon {
     daemon::TenantConfig tenant;  // anyone in this process may use it; no remote access
     tenant.quota_bytes = c.pool_bytes;
     c.tenants["default"] = tenant;
-    spdlog::set_level(spdlog::level::warn);
+    daemon::LogEmbeddedDaemonToStderr();
     daemon_ = std::make_unique<daemon::Daemon>();
     Status started = Released([&] { return daemon_->Start(c); });
     if (!started.ok()) {

@@ -27,7 +27,6 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 
 #include "daemon.h"
 #include "specache/client.h"
@@ -100,7 +99,7 @@ struct Embedded {
     c.prefault_threads = 2;
     c.tenants["default"] = specache::daemon::TenantConfig{c.pool_bytes, {}, {}, "remote-bench-secret-0123456789"};
     c.remote = {"127.0.0.1:0", "127.0.0.1:0", dir + "/server.pem", dir + "/server.key", "", /*rma=*/true};
-    spdlog::set_level(spdlog::level::warn);
+    specache::daemon::LogEmbeddedDaemonToStderr();  // stdout is the --json output
     SPECACHE_RETURN_IF_ERROR(daemon.Start(c));
     target = "tcp://127.0.0.1:" + std::to_string(daemon.remote_ports().first);
     return Status::Ok();

@@ -23,7 +23,6 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 
 #include "bench_stats.h"
 #include "command_line.h"
@@ -220,7 +219,7 @@ int main(int argc, char** argv) {
   }
 
   if (!park_cost_dir.empty()) {
-    spdlog::set_level(spdlog::level::warn);
+    specache::daemon::LogEmbeddedDaemonToStderr();
     nlohmann::json out;
     const int rc = ParkCost(park_cost_dir, std::max(rounds / 20, 4), &out);
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
@@ -243,7 +242,7 @@ int main(int argc, char** argv) {
       c.pool_bytes = std::max<uint64_t>(c.pool_bytes, (spill_mib + 128) << 20);
     }
     specache::daemon::AddDefaultTenant(&c);
-    spdlog::set_level(spdlog::level::warn);
+    specache::daemon::LogEmbeddedDaemonToStderr();
     embedded = std::make_unique<specache::daemon::Daemon>();
     if (auto s = embedded->Start(c); !s.ok()) {
       std::fprintf(stderr, "%s\n", s.ToString().c_str());

@@ -3,7 +3,6 @@
 
 #include <filesystem>
 
-#include <spdlog/spdlog.h>
 
 #include "daemon.h"
 #include "kv_memory.h"
@@ -42,7 +41,7 @@ class DaemonMemory final : public KvMemory {
       c.lock_memory = false;  // a user's shell rarely has a large RLIMIT_MEMLOCK
       c.prefault_threads = 2;
       c.tenants["default"] = daemon::TenantConfig{c.pool_bytes, {}, {}, {}};
-      spdlog::set_level(spdlog::level::warn);
+      daemon::LogEmbeddedDaemonToStderr();
       m->embedded_ = std::make_unique<daemon::Daemon>();
       SPECACHE_RETURN_IF_ERROR(m->embedded_->Start(c).WithContext("embedded specached"));
       socket = c.socket;
