@@ -24,31 +24,6 @@ namespace {
 
 const ModelShape kShape{3, 8, 2, 64};
 
-// One decode step of the sequences with random rows, as DriveBatch does; the first error, after
-// which the step is aborted (and, per agent.h, its sequences must then be released).
-Status DecodeStep(Agent* agent, const std::vector<SequenceId>& ids, std::mt19937* rng) {
-  const ModelShape& m = agent->shape();
-  SPECACHE_RETURN_IF_ERROR(agent->BeginStep(StepKind::kDecode, ids));
-  std::normal_distribution<float> normal;
-  const size_t n = ids.size() * agent->RowsPerSequence(StepKind::kDecode);
-  for (int l = 0; l < m.n_layers; ++l) {
-    std::vector<float> q(n * m.n_q_heads * m.head_dim), k(n * m.n_kv_heads * m.head_dim), v(k.size()), out(q.size());
-    for (float& x : q) x = normal(*rng);
-    for (float& x : k) x = 2 * normal(*rng);
-    for (float& x : v) x = normal(*rng);
-    Status s = agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()});
-    if (s.ok()) s = agent->StartPrefetch(l);
-    if (!s.ok()) {
-      agent->AbortStep();
-      return s;
-    }
-    for (float x : out) {
-      if (!std::isfinite(x)) return Status::Internal("an output is not finite");
-    }
-  }
-  return agent->EndStep();
-}
-
 Result<std::unique_ptr<Agent>> HostTensorCudaAgent(const KvConfig& c, FullPrecisionSource* source) {
   SPECACHE_ASSIGN_OR_RETURN(auto agent, CreateCudaAgent(kShape, c, source, {1024}));
   return WrapHostTensors(std::move(agent));
@@ -159,7 +134,7 @@ TEST(CudaAgentStagedTest, ASourceErrorDuringAFetchComesBackFromTheNextWaitForTha
   std::mt19937 rng(6);
   const int64_t reads_before = source.reads_started();
   source.FailReadsAfter(0);
-  ASSERT_TRUE(DecodeStep(agent->get(), ids, &rng).ok()) << "the fetches fail on the worker, later";
+  ASSERT_TRUE(testing::DecodeStepWithRandomRows(agent->get(), ids, &rng).ok()) << "the fetches fail on the worker, later";
   (void)(*agent)->stats();  // they ran
   source.FailReadsAfter(-1);
   ASSERT_GT(source.reads_started(), reads_before) << "the step's fetches read nothing";
@@ -179,12 +154,12 @@ TEST(CudaAgentStagedTest, ASourceErrorDuringAFetchComesBackFromTheNextWaitForTha
   }
   EXPECT_GE(failures, 1);
   for (int l = 0; l < kShape.n_layers; ++l) EXPECT_TRUE((*agent)->WaitPrefetch(l).ok()) << "reported once";
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(DecodeStep(agent->get(), ids, &rng).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(testing::DecodeStepWithRandomRows(agent->get(), ids, &rng).ok());
 
   // An append the source refuses comes back from the next BeginStep; the source then lacks the
   // step's rows, so the sequences are released.
   source.FailAppendsAfter(0);
-  ASSERT_TRUE(DecodeStep(agent->get(), ids, &rng).ok()) << "the appends run on the worker, later";
+  ASSERT_TRUE(testing::DecodeStepWithRandomRows(agent->get(), ids, &rng).ok()) << "the appends run on the worker, later";
   (void)(*agent)->stats();  // they ran
   source.FailAppendsAfter(-1);
   const Status refused = (*agent)->BeginStep(StepKind::kDecode, ids);

@@ -28,27 +28,6 @@
 namespace specache {
 namespace {
 
-// One decode step with random rows; the first error, after which the step is aborted.
-Status DecodeStep(Agent* agent, const std::vector<SequenceId>& ids, std::mt19937* rng) {
-  const ModelShape& m = agent->shape();
-  SPECACHE_RETURN_IF_ERROR(agent->BeginStep(StepKind::kDecode, ids));
-  std::normal_distribution<float> normal;
-  const size_t n = ids.size() * agent->RowsPerSequence(StepKind::kDecode);
-  for (int l = 0; l < m.n_layers; ++l) {
-    std::vector<float> q(n * m.n_q_heads * m.head_dim), k(n * m.n_kv_heads * m.head_dim), v(k.size()), out(q.size());
-    for (float& x : q) x = normal(*rng);
-    for (float& x : k) x = 2 * normal(*rng);
-    for (float& x : v) x = normal(*rng);
-    Status s = agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()});
-    if (s.ok()) s = agent->StartPrefetch(l);
-    if (!s.ok()) {
-      agent->AbortStep();
-      return s;
-    }
-  }
-  return agent->EndStep();
-}
-
 TEST(RemoteCudaTest, TheCudaAgentOverARemoteDaemonMatchesItselfOverLocalPagesAndSurvivesTheDaemonsDeath) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
   testing::Pki pki;
@@ -133,7 +112,7 @@ TEST(RemoteCudaTest, TheCudaAgentOverARemoteDaemonMatchesItselfOverLocalPagesAnd
   std::mt19937 rng(32);
   const auto start = std::chrono::steady_clock::now();
   Status failed;
-  for (int attempt = 0; attempt < 4 && failed.ok(); ++attempt) failed = DecodeStep(&got_host, ids, &rng);
+  for (int attempt = 0; attempt < 4 && failed.ok(); ++attempt) failed = testing::DecodeStepWithRandomRows(&got_host, ids, &rng);
   EXPECT_FALSE(failed.ok()) << "no call noticed the daemon's death";
   std::printf("after the daemon's death: %s\n", failed.ToString().c_str());
   const auto teardown = std::chrono::steady_clock::now();
