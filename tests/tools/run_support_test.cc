@@ -28,7 +28,7 @@ TEST(RunSupportTest, ModeSpecsTakeSelectionOptionsAfterSlashes) {
   auto plain = ToConfig(defaults, "specache:1");
   ASSERT_TRUE(plain.ok()) << plain.status().ToString();
   EXPECT_EQ(plain->select, SelectFrom::kUnion);
-  EXPECT_EQ(plain->extra_rows(), 32);
+  EXPECT_EQ(plain->extra_rows(), 64);
   EXPECT_TRUE(plain->real_next);
   EXPECT_TRUE(plain->attend_resident);
   EXPECT_EQ(ModeLabel(*plain), "specache-1bit");

@@ -45,7 +45,7 @@ struct KvOptions {
   // tools/bench/selection_grid.sh (docs/method.md, "Choosing the rows"); the library's KvConfig
   // keeps the paper's rule.
   std::string select = "union";  // spec, real, union
-  int topk_real = 32;            // union: rows added from the real row; 0: topk
+  int topk_real = 64;            // union: rows added from the real row; 0: topk
   bool real_next = true;         // real, union: the real row's ranking also credits each row's successor
   bool attend_resident = true;   // attend with every row of the row cache
   double mass = 0;               // adaptive budget: attention mass to reach; 0: fixed topk
