@@ -80,9 +80,9 @@ Result<int64_t> ReadMissingRows(FullPrecisionSource* source, std::span<const Sta
   return total;
 }
 
-void AddCopy(std::vector<CopyRun>* runs, void* dst, const void* src, size_t bytes) {
+void AddCopy(std::vector<CopyRun>* runs, void* dst, const void* src, size_t bytes, bool same_allocations) {
   if (bytes == 0) return;
-  if (!runs->empty()) {
+  if (same_allocations && !runs->empty()) {
     CopyRun& last = runs->back();
     if (static_cast<char*>(last.dst) + last.bytes == dst && static_cast<const char*>(last.src) + last.bytes == src) {
       last.bytes += bytes;

@@ -48,8 +48,11 @@ struct CopyRun {
   size_t bytes = 0;
 };
 // Appends a copy to *runs, extending the last run instead when this copy continues it in both
-// source and destination, so that rows laid out back to back go in one copy.
-void AddCopy(std::vector<CopyRun>* runs, void* dst, const void* src, size_t bytes);
+// source and destination, so that rows laid out back to back go in one copy. `same_allocations`
+// says that dst and src lie in the same allocations as the last run's: only then may it extend.
+// Two allocations can lie back to back by chance (cudaMalloc carves them out of one region), and a
+// cudaMemcpy that spans two of them fails with cudaErrorInvalidValue.
+void AddCopy(std::vector<CopyRun>* runs, void* dst, const void* src, size_t bytes, bool same_allocations);
 
 // Interleaves n rows given as separate K and V planes ([n][head_dim] each) into [n][2][head_dim],
 // the row layout of full_precision_source.h.

@@ -114,18 +114,21 @@ TEST(StagedRowsTest, AFailedStartFinishesTheReadsAlreadyStarted) {
   EXPECT_EQ(source.reads_started(), 1) << "nothing starts after the failure";
 }
 
-TEST(StagedRowsTest, CopiesBackToBackMergeAndOthersDoNot) {
+TEST(StagedRowsTest, CopiesBackToBackInTheSameAllocationsMergeAndOthersDoNot) {
   std::vector<char> src(100), dst(100);
   std::vector<CopyRun> runs;
-  AddCopy(&runs, dst.data(), src.data(), 10);
-  AddCopy(&runs, dst.data() + 10, src.data() + 10, 5);  // continues both
-  AddCopy(&runs, dst.data() + 15, src.data() + 40, 5);  // the source jumps
-  AddCopy(&runs, dst.data() + 50, src.data() + 45, 5);  // the destination jumps
-  AddCopy(&runs, dst.data() + 55, src.data() + 50, 0);  // nothing
-  ASSERT_EQ(runs.size(), 3u);
+  AddCopy(&runs, dst.data(), src.data(), 10, true);
+  AddCopy(&runs, dst.data() + 10, src.data() + 10, 5, true);  // continues both
+  AddCopy(&runs, dst.data() + 15, src.data() + 40, 5, true);  // the source jumps
+  AddCopy(&runs, dst.data() + 50, src.data() + 45, 5, true);  // the destination jumps
+  AddCopy(&runs, dst.data() + 55, src.data() + 50, 0, true);  // nothing
+  AddCopy(&runs, dst.data() + 55, src.data() + 50, 5, false);  // continues both, other allocations
+  ASSERT_EQ(runs.size(), 4u);
   EXPECT_EQ(runs[0].bytes, 15u);
   EXPECT_EQ(runs[1].src, src.data() + 40);
   EXPECT_EQ(runs[2].dst, dst.data() + 50);
+  EXPECT_EQ(runs[2].bytes, 5u) << "a copy may not span two allocations that lie back to back";
+  EXPECT_EQ(runs[3].dst, dst.data() + 55);
 }
 
 TEST(StagedRowsTest, InterleavesKeyAndValuePlanesIntoRows) {

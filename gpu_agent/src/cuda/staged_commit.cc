@@ -38,7 +38,8 @@ Status StagedCommit::Stage(int layer, std::span<const WriteTask> writes, std::sp
   Half* keys = block->planes.get();
   Half* values = keys + block->rows * d;
   // Rows of consecutive tasks usually lie back to back on the device (a decode layer's new rows
-  // are [sequence][KV head][head_dim]): AddCopy makes them one copy per plane.
+  // are [sequence][KV head][head_dim]): AddCopy makes them one copy per plane. Every write's keys
+  // lie in one allocation and its values in one (Stage's contract), and the block is one.
   std::vector<CopyRun> k_runs, v_runs;
   std::vector<Append> appends;
   size_t at = 0;
@@ -46,8 +47,8 @@ Status StagedCommit::Stage(int layer, std::span<const WriteTask> writes, std::sp
     const WriteTask& w = writes[i];
     appends.push_back({sequences[i], layer, w.kv_head, w.first_token, w.n, keys + at * d, values + at * d});
     for (int32_t r = 0; r < w.n; ++r, ++at) {
-      AddCopy(&k_runs, keys + at * d, w.keys + r * w.stride, d * sizeof(Half));
-      AddCopy(&v_runs, values + at * d, w.values + r * w.stride, d * sizeof(Half));
+      AddCopy(&k_runs, keys + at * d, w.keys + r * w.stride, d * sizeof(Half), true);
+      AddCopy(&v_runs, values + at * d, w.values + r * w.stride, d * sizeof(Half), true);
     }
   }
   Status queued;

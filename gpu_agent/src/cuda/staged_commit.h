@@ -46,8 +46,10 @@ class StagedCommit {
   StagedCommit& operator=(const StagedCommit&) = delete;
 
   // Queues on `stream` the copies of writes[i]'s rows (KV head writes[i].kv_head of (sequences[i],
-  // layer), tokens first_token.. first_token + n; `pages` is not used) into pinned staging. The
-  // CUDA error, or RESOURCE_EXHAUSTED for pinned memory, with nothing staged.
+  // layer), tokens first_token.. first_token + n; `pages` is not used) into pinned staging. All
+  // the writes' keys lie in one device allocation and all their values in one (the agent's are
+  // views of the step planner's new_keys/new_values): their copies merge where rows lie back to
+  // back. The CUDA error, or RESOURCE_EXHAUSTED for pinned memory, with nothing staged.
   Status Stage(int layer, std::span<const WriteTask> writes, std::span<const SequenceId> sequences, cudaStream_t stream);
   // Hands what was staged since the last call to the worker, behind an event recorded now on
   // `stream`. The CUDA error when the event cannot be made or recorded (the rows stay staged).

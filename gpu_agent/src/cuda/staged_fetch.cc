@@ -27,27 +27,31 @@ Result<int64_t> StagedFetch::Stage(int layer, std::span<const FetchTask> tasks, 
   SPECACHE_RETURN_IF_ERROR(resident_.Reserve(std::max<size_t>(1, tasks.size() * static_cast<size_t>(resident_capacity))));
 
   // 1. The selections and resident lists down. Tasks of one (sequence, layer) lie back to back on
-  //    both sides, so a layer's lists go in one copy per sequence.
-  std::vector<CopyRun> down;
+  //    both sides, so a layer's lists go in one copy per sequence (never across sequences: their
+  //    buffers are separate allocations).
+  std::vector<CopyRun> down, down_resident;
   std::vector<StagedHeadRows> heads(tasks.size());
   size_t at = 0;
   for (size_t i = 0; i < tasks.size(); ++i) {
     const FetchTask& t = tasks[i];
+    const bool same_sequence = i > 0 && sequences[i] == sequences[i - 1];
     StagedHeadRows& h = heads[i];
     h.sequence = sequences[i];
     h.layer = layer;
     h.kv_head = t.kv_head;
     h.selected = selected_.get() + at;
     h.n_selected = t.n_selected;
-    AddCopy(&down, selected_.get() + at, t.selected, static_cast<size_t>(t.n_selected) * sizeof(int32_t));
+    AddCopy(&down, selected_.get() + at, t.selected, static_cast<size_t>(t.n_selected) * sizeof(int32_t), same_sequence);
     if (t.resident && resident_capacity > 0) {
       int32_t* resident = resident_.get() + i * static_cast<size_t>(resident_capacity);
       h.resident = resident;
       h.n_resident = resident_capacity;
-      AddCopy(&down, resident, t.resident, static_cast<size_t>(resident_capacity) * sizeof(int32_t));
+      AddCopy(&down_resident, resident, t.resident, static_cast<size_t>(resident_capacity) * sizeof(int32_t),
+              same_sequence);
     }
     at += static_cast<size_t>(t.n_selected);
   }
+  down.insert(down.end(), down_resident.begin(), down_resident.end());
   Status queued;
   for (const CopyRun& c : down) {
     queued = CudaStatus(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDeviceToHost, stream), "selection to the host");
@@ -70,7 +74,8 @@ Result<int64_t> StagedFetch::Stage(int layer, std::span<const FetchTask> tasks, 
   // 3. Up into out_rows (the slots of hits carry stale bytes: the fetch kernel overwrites them).
   std::vector<CopyRun> up;
   for (size_t i = 0; i < tasks.size(); ++i) {
-    AddCopy(&up, tasks[i].out_rows, heads[i].rows, static_cast<size_t>(tasks[i].n_selected) * row * sizeof(Half));
+    AddCopy(&up, tasks[i].out_rows, heads[i].rows, static_cast<size_t>(tasks[i].n_selected) * row * sizeof(Half),
+            i > 0 && sequences[i] == sequences[i - 1]);
   }
   for (const CopyRun& c : up) {
     queued = CudaStatus(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyHostToDevice, stream), "rows to the device");

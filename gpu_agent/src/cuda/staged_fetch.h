@@ -49,7 +49,10 @@ class StagedFetch {
   // out_rows (steps 1-3 above), queued on `stream`. tasks[i] is KV head tasks[i].kv_head of
   // (sequences[i], layer). A task's resident list, when given, has `resident_capacity` entries
   // ascending and padded with kNoToken (the row cache; its count lives on the device); its
-  // selection may end in kNoToken padding too. Work queued on `stream` after this sees the rows.
+  // selection may end in kNoToken padding too. Consecutive tasks of the same sequence keep their
+  // selections, resident lists and out_rows in the same allocations (RowFetcher's buffers of a
+  // (sequence, layer)): their copies merge; no copy spans two sequences. Work queued on `stream`
+  // after this sees the rows.
   // Returns how many rows were read from the source.
   //
   // Errors: CUDA's (UNAVAILABLE, RESOURCE_EXHAUSTED for pinned memory) and the source's, with the
