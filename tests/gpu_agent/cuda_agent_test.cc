@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -32,6 +33,42 @@ std::vector<int> Prompt(int n) {
   for (auto& t : p) t = static_cast<int>(rng() % 96);
   return p;
 }
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// The CPU agent and the CUDA agent (behind host tensors), each over its own in-memory source,
+// driven through the same ragged batch with the same random rows (testing::DriveBatch).
+struct RaggedPair {
+  InMemorySource cpu_source, gpu_source;
+  std::unique_ptr<Agent> cpu, gpu;
+  std::vector<float> want, got;  // every output of the CPU and of the CUDA agent, in order
+  double worst = 0;              // max |got - want|
+};
+
+// Fills *p (a failure to make or drive an agent, or outputs of different lengths, is the error).
+Status DriveRaggedOnBoth(const ModelShape& shape, const KvConfig& c, const std::vector<int32_t>& prompts, uint32_t seed,
+                         RaggedPair* p) {
+  SPECACHE_ASSIGN_OR_RETURN(p->cpu, CreateCpuAgent(shape, c, &p->cpu_source));
+  SPECACHE_ASSIGN_OR_RETURN(auto gpu, CreateCudaAgent(shape, c, &p->gpu_source, {1024}));
+  SPECACHE_ASSIGN_OR_RETURN(p->gpu, WrapHostTensors(std::move(gpu)));
+  SPECACHE_ASSIGN_OR_RETURN(p->want, testing::DriveBatch(p->cpu.get(), prompts, 40, std::mt19937(seed)));
+  SPECACHE_ASSIGN_OR_RETURN(p->got, testing::DriveBatch(p->gpu.get(), prompts, 40, std::mt19937(seed)));
+  if (p->got.size() != p->want.size()) return Status::Internal("the two agents gave outputs of different lengths");
+  for (size_t i = 0; i < p->want.size(); ++i) p->worst = std::max(p->worst, double(std::fabs(p->got[i] - p->want[i])));
+  return Status::Ok();
+}
+
+// Every (sequence, layer, KV head) of the batch selected the same rows on both agents.
+void ExpectSameSelections(const RaggedPair& p, const ModelShape& shape, size_t n_sequences, const std::string& name) {
+  for (size_t s = 0; s < n_sequences; ++s) {
+    for (int l = 0; l < shape.n_layers; ++l) {
+      for (int h = 0; h < shape.n_kv_heads; ++h) {
+        const SequenceId id = static_cast<SequenceId>(10 + s);
+        EXPECT_EQ(*p.gpu->SelectedTokens(id, l, h), *p.cpu->SelectedTokens(id, l, h)) << name << ": sequence " << id;
+      }
+    }
+  }
+}
+#endif
 
 TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
@@ -187,28 +224,12 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
   c.top_k_real = 12;
   c.attend_resident = true;
   c.real_next = true;
-  InMemorySource cpu_source, gpu_source;
-  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
-  auto gpu = CreateCudaAgent(shape, c, &gpu_source, {1024});
-  ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
-  auto wrapped = WrapHostTensors(std::move(gpu).value());
-  ASSERT_TRUE(wrapped.ok());
-  auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(78));
-  auto got = testing::DriveBatch(wrapped->get(), prompts, 40, std::mt19937(78));
-  ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();
-  ASSERT_EQ(got->size(), want->size());
-  double worst = 0;
-  for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
-  EXPECT_LT(worst, 1e-3);
-  EXPECT_EQ((*wrapped)->stats().rows_fetched, (*cpu)->stats().rows_fetched);
-  for (size_t s = 0; s < prompts.size(); ++s) {
-    for (int l = 0; l < shape.n_layers; ++l) {
-      for (int h = 0; h < shape.n_kv_heads; ++h) {
-        const SequenceId id = static_cast<SequenceId>(10 + s);
-        EXPECT_EQ(*(*wrapped)->SelectedTokens(id, l, h), *(*cpu)->SelectedTokens(id, l, h)) << "sequence " << id;
-      }
-    }
-  }
+  RaggedPair pair;
+  const Status driven = DriveRaggedOnBoth(shape, c, prompts, 78, &pair);
+  ASSERT_TRUE(driven.ok()) << driven.ToString();
+  EXPECT_LT(pair.worst, 1e-3);
+  EXPECT_EQ(pair.gpu->stats().rows_fetched, pair.cpu->stats().rows_fetched);
+  ExpectSameSelections(pair, shape, prompts.size(), "union");
   KvConfig adaptive;  // beyond what the budget's kernels hold
   adaptive.mass = 0.9;
   adaptive.k_min = 8;
@@ -239,20 +260,11 @@ TEST(CudaAgentTest, AdaptiveBudgetMatchesTheCpuAgentOnARaggedBatch) {
       c.real_next = true;
     }
     const std::string name = DescribeKvConfig(c);
-    InMemorySource cpu_source, gpu_source;
-    auto cpu = CreateCpuAgent(shape, c, &cpu_source);
-    auto gpu = CreateCudaAgent(shape, c, &gpu_source, {1024});
-    ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
-    auto wrapped = WrapHostTensors(std::move(gpu).value());
-    ASSERT_TRUE(wrapped.ok());
-    auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(79));
-    auto got = testing::DriveBatch(wrapped->get(), prompts, 40, std::mt19937(79));
-    ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();
-    ASSERT_EQ(got->size(), want->size());
-    double worst = 0;
-    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
-    EXPECT_LT(worst, 1e-3) << name;
-    const AgentStats a = (*cpu)->stats(), b = (*wrapped)->stats();
+    RaggedPair pair;
+    const Status driven = DriveRaggedOnBoth(shape, c, prompts, 79, &pair);
+    ASSERT_TRUE(driven.ok()) << name << ": " << driven.ToString();
+    EXPECT_LT(pair.worst, 1e-3) << name;
+    const AgentStats a = pair.cpu->stats(), b = pair.gpu->stats();
     EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
     EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
     EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
@@ -262,9 +274,9 @@ TEST(CudaAgentTest, AdaptiveBudgetMatchesTheCpuAgentOnARaggedBatch) {
       for (int l = 0; l < shape.n_layers; ++l) {
         for (int h = 0; h < shape.n_kv_heads; ++h) {
           const SequenceId id = static_cast<SequenceId>(10 + s);
-          const auto mine = (*wrapped)->SelectedTokens(id, l, h);
+          const auto mine = pair.gpu->SelectedTokens(id, l, h);
           ASSERT_TRUE(mine.ok());
-          EXPECT_EQ(*mine, *(*cpu)->SelectedTokens(id, l, h)) << name << ": sequence " << id << " layer " << l << " head " << h;
+          EXPECT_EQ(*mine, *pair.cpu->SelectedTokens(id, l, h)) << name << ": sequence " << id << " layer " << l << " head " << h;
           sizes.insert(mine->size());
         }
       }
@@ -272,7 +284,7 @@ TEST(CudaAgentTest, AdaptiveBudgetMatchesTheCpuAgentOnARaggedBatch) {
     // Somewhere the cut fell strictly inside the bounds.
     EXPECT_TRUE(std::any_of(sizes.begin(), sizes.end(), [&](size_t n) { return n > 3 && n < 40; })) << name;
     std::printf("%s: %lld rows selected over %lld steps, max |diff| %.2e\n", name.c_str(),
-                static_cast<long long>(b.rows_selected), static_cast<long long>(b.steps), worst);
+                static_cast<long long>(b.rows_selected), static_cast<long long>(b.steps), pair.worst);
   }
 #endif
 }
@@ -290,46 +302,30 @@ TEST(CudaAgentTest, RaggedBatchesMatchTheCpuAgent) {
     c.mode = mode;
     c.key_bits = c.value_bits = 2;
     c.top_k = mode == KvMode::kKivi ? 0 : 24;
-    InMemorySource cpu_source, gpu_source;
-    auto cpu = CreateCpuAgent(shape, c, &cpu_source);
-    auto gpu = CreateCudaAgent(shape, c, &gpu_source, {1024});
-    ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status().ToString();
-    auto wrapped = WrapHostTensors(std::move(gpu).value());
-    ASSERT_TRUE(wrapped.ok());
     const std::string name(KvModeName(mode));
-    auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(77));
-    auto got = testing::DriveBatch(wrapped->get(), prompts, 40, std::mt19937(77));
-    ASSERT_TRUE(want.ok() && got.ok()) << got.status().ToString();
-    ASSERT_EQ(got->size(), want->size());
-    double worst = 0;
-    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
-    EXPECT_LT(worst, 1e-3) << name;
-    const AgentStats a = (*cpu)->stats(), b = (*wrapped)->stats();
+    RaggedPair pair;
+    const Status driven = DriveRaggedOnBoth(shape, c, prompts, 77, &pair);
+    ASSERT_TRUE(driven.ok()) << name << ": " << driven.ToString();
+    EXPECT_LT(pair.worst, 1e-3) << name;
+    const AgentStats a = pair.cpu->stats(), b = pair.gpu->stats();
     EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
     EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
     EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
     EXPECT_EQ(b.full_precision_bytes, a.full_precision_bytes) << name;
-    EXPECT_EQ(gpu_source.stored_bytes(), cpu_source.stored_bytes()) << name << ": rows committed to the source";
-    for (size_t s = 0; s < prompts.size(); ++s) {
-      for (int l = 0; l < shape.n_layers; ++l) {
-        for (int h = 0; h < shape.n_kv_heads; ++h) {
-          const SequenceId id = static_cast<SequenceId>(10 + s);
-          EXPECT_EQ(*(*wrapped)->SelectedTokens(id, l, h), *(*cpu)->SelectedTokens(id, l, h)) << name;
-        }
-      }
-    }
+    EXPECT_EQ(pair.gpu_source.stored_bytes(), pair.cpu_source.stored_bytes()) << name << ": rows committed to the source";
+    ExpectSameSelections(pair, shape, prompts.size(), name);
     // The rows the GPU wrote in place are the rows the CPU agent appended.
     for (int h = 0; h < shape.n_kv_heads; ++h) {
       std::vector<int32_t> tokens(prompts[1] + 40);
       for (size_t t = 0; t < tokens.size(); ++t) tokens[t] = static_cast<int32_t>(t);
       std::vector<Half> x(tokens.size() * 2 * shape.head_dim), y(x.size());
-      ASSERT_TRUE(cpu_source.ReadRows(11, 2, h, tokens.data(), static_cast<int32_t>(tokens.size()), x.data()).ok());
-      ASSERT_TRUE(gpu_source.ReadRows(11, 2, h, tokens.data(), static_cast<int32_t>(tokens.size()), y.data()).ok());
+      ASSERT_TRUE(pair.cpu_source.ReadRows(11, 2, h, tokens.data(), static_cast<int32_t>(tokens.size()), x.data()).ok());
+      ASSERT_TRUE(pair.gpu_source.ReadRows(11, 2, h, tokens.data(), static_cast<int32_t>(tokens.size()), y.data()).ok());
       EXPECT_EQ(x, y) << name << " head " << h;
     }
-    ASSERT_TRUE((*wrapped)->ReleaseSequence(11).ok());
-    EXPECT_EQ(gpu_source.Length(11, 0, 0).status().code(), StatusCode::kNotFound);
-    std::printf("%-16s max |out diff| %.2e, %lld rows fetched, %lld reused\n", name.c_str(), worst,
+    ASSERT_TRUE(pair.gpu->ReleaseSequence(11).ok());
+    EXPECT_EQ(pair.gpu_source.Length(11, 0, 0).status().code(), StatusCode::kNotFound);
+    std::printf("%-16s max |out diff| %.2e, %lld rows fetched, %lld reused\n", name.c_str(), pair.worst,
                 static_cast<long long>(b.rows_fetched), static_cast<long long>(b.rows_reused));
   }
 #endif

@@ -135,6 +135,63 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
 #endif
 }
 
+// Tasks without pages (the staged fetch put the missed rows into out_rows already): a miss keeps
+// what out_rows holds, a hit becomes the resident copy, and both are counted; a task with pages
+// still needs page_tokens.
+TEST(CudaFetchTest, TasksWithoutPagesKeepTheStagedRowsAndCopyTheResidentOnes) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(43);
+  const int d = 64;
+  const size_t row = 2 * size_t(d);
+  const int32_t length = 500;
+  DeviceBuffers buf;
+  std::vector<cuda::FetchTask> tasks;
+  std::vector<std::vector<Half>> want;
+  uint64_t want_fetched = 0, want_reused = 0;
+  for (int i = 0; i < 40; ++i) {
+    const auto selected = RandomTokens(length, 1 + static_cast<int>(rng() % 48), rng);
+    std::vector<int32_t> resident;
+    for (int32_t t : selected) if (rng() % 2) resident.push_back(t);
+    std::vector<Half> resident_rows = testing::RandomHalves(resident.size() * row, rng);
+    std::vector<Half> staged = testing::RandomHalves(selected.size() * row, rng);  // hits' slots stale
+    std::vector<Half> expect = staged;
+    for (size_t s = 0; s < selected.size(); ++s) {
+      const auto at = std::lower_bound(resident.begin(), resident.end(), selected[s]);
+      const bool hit = at != resident.end() && *at == selected[s];
+      if (hit) std::copy_n(&resident_rows[(at - resident.begin()) * row], row, &expect[s * row]);
+      (hit ? want_reused : want_fetched) += 1;
+    }
+    std::vector<int32_t> padded = selected;
+    if (i % 3 == 1) padded.resize(selected.size() + 1 + rng() % 5, cuda::kNoToken);
+    staged.resize(padded.size() * row);
+    expect.resize(padded.size() * row);
+    std::copy(staged.begin() + selected.size() * row, staged.end(), expect.begin() + selected.size() * row);
+    cuda::FetchTask t;
+    t.selected = buf.Copy(padded);
+    t.n_selected = static_cast<int32_t>(padded.size());
+    t.resident = resident.empty() ? nullptr : buf.Copy(resident);
+    t.resident_rows = resident.empty() ? nullptr : buf.Copy(resident_rows);
+    t.n_resident = static_cast<int32_t>(resident.size());
+    t.out_rows = buf.Copy(staged);
+    t.kv_head = i % 4;
+    tasks.push_back(t);
+    want.push_back(std::move(expect));
+  }
+  auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
+  ASSERT_TRUE(cuda::FetchRows(tasks.data(), static_cast<int>(tasks.size()), d, 0, 7, counters, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    ASSERT_EQ(testing::Download(tasks[i].out_rows, want[i].size()), want[i]) << "task " << i;
+  }
+  const cuda::FetchCounters got = testing::Download(counters, 1)[0];
+  EXPECT_EQ(got.fetched, want_fetched);
+  EXPECT_EQ(got.reused, want_reused);
+  tasks[0].pages = buf.Copy(std::vector<uint64_t>{0});
+  EXPECT_EQ(cuda::FetchRows(tasks.data(), 1, d, 0, 7, counters, nullptr).code(), StatusCode::kInvalidArgument);
+#endif
+}
+
 TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA

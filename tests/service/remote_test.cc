@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "processes.h"
+#include "remote_daemon.h"
 #include "specache/client.h"
 #include "specache/remote_protocol.h"
 #include "specache/remote_session.h"
@@ -30,60 +31,14 @@ using client::FetchMethod;
 using client::RemoteCredentials;
 using client::RemoteSession;
 using testing::DaemonProcess;
+using testing::FreePort;
+using testing::Pki;
+using testing::RemoteDaemonToml;
 using testing::RunCommand;
+using testing::WriteSecret;
 
 constexpr client::PageLayoutSpec kLayout{2, 2, 128, 16, 256};  // 512-byte rows
 constexpr size_t kRow = 512;
-
-// A TCP port nobody listens on now (the kernel's pick, released).
-uint16_t FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
-// Certificates for one test run: a CA, the daemon's certificate (127.0.0.1), a client
-// certificate from the same CA, and one from a CA the daemon does not know.
-struct Pki {
-  std::string dir;
-  bool ok = false;
-  Pki() {
-    char tmpl[] = "/tmp/specache-pki-XXXXXX";
-    dir = mkdtemp(tmpl);
-    const std::string d = dir;
-    auto cert = [&](const std::string& name, const std::string& ca, const std::string& ext) {
-      return "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " + d + "/" + name + ".key -subj /CN=" + name + " -out " + d + "/" +
-             name + ".csr 2>/dev/null && openssl x509 -req -in " + d + "/" + name + ".csr -CA " + d + "/" + ca +
-             ".pem -CAkey " + d + "/" + ca + ".key -CAcreateserial -days 2 -out " + d + "/" + name + ".pem " + ext +
-             " 2>/dev/null";
-    };
-    auto ca = [&](const std::string& name) {
-      return "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " + d + "/" + name + ".key -subj /CN=" + name +
-             " -days 2 -out " + d + "/" + name + ".pem 2>/dev/null";
-    };
-    std::ofstream(d + "/san.ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
-    const std::string script = ca("ca") + " && " + ca("other-ca") + " && " + cert("server", "ca", "-extfile " + d + "/san.ext") +
-                                " && " + cert("client", "ca", "") + " && " + cert("stranger", "other-ca", "");
-    int code = 0;
-    RunCommand(script, &code);
-    ok = code == 0;
-  }
-  ~Pki() { std::filesystem::remove_all(dir); }
-  std::string path(const std::string& f) const { return dir + "/" + f; }
-};
-
-std::string WriteSecret(const std::string& dir, const std::string& name, const std::string& secret) {
-  const std::string path = dir + "/" + name + ".secret";
-  std::ofstream(path) << secret << "\n";
-  chmod(path.c_str(), 0600);
-  return path;
-}
 
 class RemoteTest : public ::testing::Test {
  protected:
@@ -100,13 +55,7 @@ class RemoteTest : public ::testing::Test {
     data_port_ = data_port ? data_port : FreePort();
     secret_a_ = WriteSecret(pki_->dir, "a", "tenant-a-secret-0123456789");
     secret_b_ = WriteSecret(pki_->dir, "b", "tenant-b-secret-9876543210");
-    std::string toml = "[tenants.a]\nquota_bytes = \"32MiB\"\nremote_secret_file = \"" + secret_a_ +
-                       "\"\n[tenants.b]\nquota_bytes = \"32MiB\"\nremote_secret_file = \"" + secret_b_ +
-                       "\"\n[remote]\ncontrol_addr = \"127.0.0.1:" + std::to_string(control_port_) +
-                       "\"\ndata_addr = \"127.0.0.1:" + std::to_string(data_port_) + "\"\ntls_cert = \"" +
-                       pki_->path("server.pem") + "\"\ntls_key = \"" + pki_->path("server.key") + "\"\n";
-    if (mutual_tls) toml += "client_ca = \"" + pki_->path("ca.pem") + "\"\n";
-    if (rma) toml += "rma = true\n";
+    const std::string toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, control_port_, data_port_, mutual_tls, rma);
     daemon_ = std::make_unique<DaemonProcess>();
     daemon_->capture_log = true;
     daemon_->log_level = "info";

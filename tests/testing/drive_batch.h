@@ -58,4 +58,26 @@ inline Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int
   return outputs;
 }
 
+// One decode step of the sequences with random rows (as DriveBatch's steps). The first error ends
+// it: the step is then aborted (and, per agent.h, its sequences must be released by the caller).
+inline Status DecodeStepWithRandomRows(Agent* agent, const std::vector<SequenceId>& ids, std::mt19937* rng) {
+  const ModelShape& m = agent->shape();
+  SPECACHE_RETURN_IF_ERROR(agent->BeginStep(StepKind::kDecode, ids));
+  std::normal_distribution<float> normal;
+  const size_t n = ids.size() * agent->RowsPerSequence(StepKind::kDecode);
+  for (int l = 0; l < m.n_layers; ++l) {
+    std::vector<float> q(n * m.n_q_heads * m.head_dim), k(n * m.n_kv_heads * m.head_dim), v(k.size()), out(q.size());
+    for (float& x : q) x = normal(*rng);
+    for (float& x : k) x = 2 * normal(*rng);
+    for (float& x : v) x = normal(*rng);
+    Status s = agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()});
+    if (s.ok()) s = agent->StartPrefetch(l);
+    if (!s.ok()) {
+      agent->AbortStep();
+      return s;
+    }
+  }
+  return agent->EndStep();
+}
+
 }  // namespace specache::testing

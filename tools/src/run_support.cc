@@ -166,9 +166,8 @@ Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvCo
     run->source = std::make_unique<InMemorySource>();
   }
   static const bool gpu_usable = ProbeCudaDevice().ok();  // once per process, not once per mode run
-  // The CUDA agent reads pages in place: a source without zero-copy pages (a remote daemon's)
-  // runs on the CPU agent under auto (--backend cuda then fails, saying why).
-  const bool cuda = backend == "cuda" || (backend == "auto" && gpu_usable && run->source->page_tokens() > 0);
+  // A source without zero-copy pages (a remote daemon's) takes the CUDA agent's staged path.
+  const bool cuda = backend == "cuda" || (backend == "auto" && gpu_usable);
   if (backend != "cpu" && backend != "cuda" && backend != "auto") {
     return Status::InvalidArgument("--backend is auto, cpu or cuda, not '" + backend + "'");
   }

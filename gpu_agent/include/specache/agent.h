@@ -173,10 +173,16 @@ struct CudaAgentOptions {
 
 // The CUDA backend. Tensors are device pointers, read and written in the order of
 // options.stream: calls queue work and return; the engine synchronises its stream before it
-// reads `out` on the host. The source must offer zero-copy pages (full_precision_source.h): rows
-// are read from and written to them by the GPU in place, and the fetch of layer L overlaps the
-// layers after it (it runs on the agent's own stream). UNAVAILABLE without CUDA or a device;
-// INVALID_ARGUMENT for a source without pages.
+// reads `out` on the host. A source with zero-copy pages (full_precision_source.h) has its rows
+// read from and written to them by the GPU in place. A source without them (page_tokens() == 0,
+// e.g. client_lib's RemoteSource) is staged, chosen once here: the rows the fetch needs and the
+// device does not hold are read from the source (StartReadRows for all of a layer's heads, then
+// FinishReadRows) into pinned host memory and copied to the device; new rows are copied back and
+// appended (AppendRows). Those source calls run on a thread of the agent, so the calls here never
+// wait for the source; an error of a fetch comes back from the next call that waits for that layer
+// (DecodeLayer, WaitPrefetch), an error of an append from the next BeginStep or ReleaseSequence.
+// Either way the fetch of layer L overlaps the layers after it (it runs on the agent's own stream).
+// UNAVAILABLE without CUDA or a device.
 Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const KvConfig& config,
                                                FullPrecisionSource* source, const CudaAgentOptions& options = {});
 

@@ -6,6 +6,9 @@
 //   else its row read straight from the host page. The selection never leaves the device, so no
 //   host round trip sits between the top-k and the fetch. Hits and misses are counted on the
 //   device.
+//   A task without pages (a source without zero-copy pages: the staged fetch, cuda/staged_fetch.h)
+//   reads no host memory: the rows of its tokens that are not resident are in out_rows already,
+//   left as they are and counted as fetched; the kernel copies the hits over their slots.
 // - WriteRows appends the new tokens' K/V to the host pages (device-to-host stores).
 //
 // Pages follow full_precision_source.h: page p of a (sequence, layer) holds tokens
@@ -28,7 +31,7 @@ struct FetchTask {
   const int32_t* resident = nullptr;    // [n_resident] ascending: the rows on the device now
   const Half* resident_rows = nullptr;  // [n_resident][2][head_dim]
   Half* out_rows = nullptr;             // [n_selected][2][head_dim], not overlapping resident_rows
-  const uint64_t* pages = nullptr;      // GPU-visible page addresses of the (sequence, layer)
+  const uint64_t* pages = nullptr;      // GPU-visible page addresses of the (sequence, layer), or null (staged)
   const int32_t* resident_count = nullptr;  // device memory: n_resident, when only the device knows it
   int32_t n_selected = 0;
   int32_t n_resident = 0;
@@ -79,7 +82,8 @@ struct FetchCounters {
 
 constexpr int kMaxTasks = 256;
 
-// max_blocks bounds the SMs the fetch takes from the layers it overlaps. head_dim: a multiple of 8.
+// max_blocks bounds the SMs the fetch takes from the layers it overlaps. head_dim: a multiple of 8;
+// page_tokens: positive when a task has pages.
 Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
                  FetchCounters* counters, void* stream);
 Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream);

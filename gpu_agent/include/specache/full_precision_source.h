@@ -10,7 +10,9 @@
 //
 // Zero-copy access (optional): a source whose rows live in pages of fixed host memory exposes
 // them, so an agent can read and write rows in place (the CUDA agent maps the memory into the
-// GPU's address space and gathers with SM loads, never through a host copy). A page holds
+// GPU's address space and gathers with SM loads, never through a host copy; a source without
+// pages, such as client_lib's RemoteSource, is read into pinned host memory with StartReadRows /
+// FinishReadRows and written with AppendRows instead: the CUDA agent's staged path). A page holds
 // page_tokens() tokens of one (sequence, layer), laid out [kv_head][token][K|V][head_dim]; its
 // address is fixed until the sequence is released, and lies inside one of host_regions().
 //

@@ -17,6 +17,13 @@
 // - Rows written in place are committed to the source (CommitRows) once an event says they
 //   landed: BeginStep commits the batches already landed without waiting; ReleaseSequence,
 //   stats() and destruction wait for all. Nothing waits in the decode loop.
+// - A source without zero-copy pages (page_tokens() == 0, e.g. client_lib's RemoteSource) is
+//   chosen once, at creation, for the staged path: the same calls, selection and overlap, but the
+//   rows the fetch misses come from the source through pinned host memory (staged_fetch.h) and the
+//   new rows go to it the same way (staged_commit.h). Every call into the source on the data path
+//   then runs on one SourceWorker thread, so the thread that enqueues the layers never waits for
+//   it, and an error of the source comes back from the next call that waits for that layer
+//   (DecodeLayer, WaitPrefetch) or, for appends, from the next BeginStep or ReleaseSequence.
 //
 // The parts, one job each; this file only sequences them, call by call:
 // - DevicePageTable (device_page_table.h): host regions registered with CUDA, page addresses.
@@ -24,8 +31,11 @@
 // - StepPlanner (step_planner.h): a layer's decode items, attention launches and top-k.
 // - RowFetcher (row_fetch.h): selection -> fetch of full-precision rows -> row buffers and cache.
 // - CommitQueue (commit_queue.h): rows written to the pages, committed once they landed.
+// - Staged path only: StagedFetch (inside RowFetcher), StagedCommit (staged_commit.h) and the
+//   SourceWorker (../source_worker.h) their source calls run on.
 #include <cuda_runtime.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,7 +51,9 @@
 #include "specache/cuda_selection.h"
 #include "specache/cuda_topk.h"
 #include "specache/device_probe.h"
+#include "staged_commit.h"
 #include "step_planner.h"
+#include "../source_worker.h"
 #include "../step_protocol.h"
 
 namespace specache {
@@ -96,6 +108,14 @@ class CudaAgent final : public Agent {
   // The step's sequences at these indices of protocol_.ids().
   std::vector<SequenceId> StepSequences(const std::vector<size_t>& which) const;
   Status WaitForStreams() const;
+  // The new rows of some (sequence, layer, KV head)s, writes[i] of sequences[i]: into the pages
+  // (local; noted for commit per sequence by the caller with NoteWritten, closed into a batch by
+  // RecordWrites) or staged and handed to the worker for the source at once.
+  Status WriteNewRows(int layer, std::span<const cuda::WriteTask> writes, std::span<const SequenceId> sequences);
+  void NoteWritten(SequenceId id, int layer, int32_t first, int32_t n);
+  Status RecordWrites() const;
+  // The rows written so far committed to the source (local) or their appends' first error (staged).
+  Status CommitWritten(bool wait) const;
 
   ModelShape shape_;
   KvConfig config_;
@@ -111,10 +131,20 @@ class CudaAgent final : public Agent {
   cuda::ReplicaStore replicas_;
   cuda::RowFetcher rows_;
   cuda::StepPlanner planner_;
+  // Staged path only (null otherwise). The worker is last, so that it goes first: its destructor
+  // runs the jobs still queued, which use the parts above.
+  std::unique_ptr<cuda::StagedCommit> staged_commits_;
+  std::unique_ptr<SourceWorker> worker_;
 };
 
 Status CudaAgent::Init() {
-  if (pages_.page_tokens() <= 0) return Status::InvalidArgument("the CUDA agent needs a source with zero-copy pages");
+  if (pages_.page_tokens() <= 0) {  // no pages to map: the staged path, chosen here once
+    int device = 0;
+    SPECACHE_RETURN_IF_ERROR(cuda::CudaStatus(cudaGetDevice(&device), "device"));
+    worker_ = std::make_unique<SourceWorker>([device] { cudaSetDevice(device); });
+    staged_commits_ = std::make_unique<cuda::StagedCommit>(source_, shape_.head_dim, worker_.get());
+    rows_.UseStagedSource(source_, worker_.get());
+  }
   SPECACHE_RETURN_IF_ERROR(rows_.Init());
   SPECACHE_RETURN_IF_ERROR(replicas_.Init(options_.device_pool_bytes));
   return pages_.RegisterNewRegions();
@@ -124,13 +154,35 @@ CudaAgent::~CudaAgent() {
   // Best effort: rows the device wrote are committed to the source before the agent goes. The
   // parts then free their memory, events and streams, the last declared first.
   (void)WaitForStreams();
-  (void)commits_.Record(compute_);
-  (void)commits_.CommitLanded(true);
+  (void)RecordWrites();
+  (void)CommitWritten(true);
 }
 
 Status CudaAgent::WaitForStreams() const {
   SPECACHE_RETURN_IF_ERROR(rows_.WaitForFetchStream());
   return cuda::CudaStatus(cudaStreamSynchronize(compute_), "compute stream");
+}
+
+Status CudaAgent::WriteNewRows(int layer, std::span<const cuda::WriteTask> writes, std::span<const SequenceId> sequences) {
+  if (staged_commits_) {
+    // Handed to the worker at once, not at the step's end: a fetch started after this layer may
+    // select these rows (when the append fills the residual), and the worker runs it after them.
+    SPECACHE_RETURN_IF_ERROR(staged_commits_->Stage(layer, writes, sequences, compute_));
+    return staged_commits_->Record(compute_);
+  }
+  return cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), shape_.head_dim, pages_.page_tokens(), compute_);
+}
+
+void CudaAgent::NoteWritten(SequenceId id, int layer, int32_t first, int32_t n) {
+  if (!staged_commits_) commits_.Add(id, layer, first, n);  // staged rows carry their own appends
+}
+
+Status CudaAgent::RecordWrites() const {
+  return staged_commits_ ? staged_commits_->Record(compute_) : commits_.Record(compute_);
+}
+
+Status CudaAgent::CommitWritten(bool wait) const {
+  return staged_commits_ ? staged_commits_->CommitLanded(wait) : commits_.CommitLanded(wait);
 }
 
 std::vector<SequenceId> CudaAgent::StepSequences(const std::vector<size_t>& which) const {
@@ -162,8 +214,8 @@ Status CudaAgent::ReleaseSequence(SequenceId id) {
   SPECACHE_RETURN_IF_ERROR(protocol_.CheckRelease(id));
   // Nothing in flight may still read its buffers or pages, and its rows are committed first.
   SPECACHE_RETURN_IF_ERROR(WaitForStreams());
-  SPECACHE_RETURN_IF_ERROR(commits_.Record(compute_));
-  SPECACHE_RETURN_IF_ERROR(commits_.CommitLanded(true));
+  SPECACHE_RETURN_IF_ERROR(RecordWrites());
+  SPECACHE_RETURN_IF_ERROR(CommitWritten(true));
   rows_.RemoveSequence(id);
   replicas_.RemoveSequence(id);
   pages_.RemoveSequence(id);
@@ -193,16 +245,16 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     for (int h = 0; h < n_kv; ++h) {  // head by head: prefill is not the hot path
       SPECACHE_RETURN_IF_ERROR(planner_.PrefillHead(batch, first, n, h));
       const cuda::WriteTask write{planner_.new_keys(), planner_.new_values(), pages_.Layer(id, layer), d, 0, n, h};
-      SPECACHE_RETURN_IF_ERROR(cuda::WriteRows(&write, 1, d, pages_.page_tokens(), compute_));
+      SPECACHE_RETURN_IF_ERROR(WriteNewRows(layer, {&write, 1}, {&id, 1}));
       SPECACHE_RETURN_IF_ERROR(replicas_.Layer(id, layer)[h]->Append(planner_.new_keys(), planner_.new_values(), n));
     }
-    commits_.Add(id, layer, 0, n);
+    NoteWritten(id, layer, 0, n);
   }
-  return commits_.Record(compute_);
+  return RecordWrites();
 }
 
 Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
-  SPECACHE_RETURN_IF_ERROR(commits_.CommitLanded(false));  // no wait: rows still landing commit later
+  SPECACHE_RETURN_IF_ERROR(CommitWritten(false));  // no wait: rows still landing commit later
   SPECACHE_RETURN_IF_ERROR(protocol_.Begin(kind, RowsPerSequence(kind), sequences,
                                            [this](SequenceId id, int layer) { return replicas_.Length(id, layer); }));
   if (kind == StepKind::kDecode) {  // the step appends one token: its pages and blocks must exist
@@ -249,6 +301,7 @@ Status CudaAgent::AppendRealTokens(int layer) {
   const Half* k = planner_.new_keys();
   const Half* v = planner_.new_values();
   std::vector<cuda::WriteTask> writes;
+  std::vector<SequenceId> owners;  // [writes]
   std::vector<cuda::DeviceHeadReplica*> replicas;
   std::vector<const Half*> keys, values;
   for (size_t s = 0; s < ids.size(); ++s) {
@@ -258,13 +311,14 @@ Status CudaAgent::AppendRealTokens(int layer) {
     for (int h = 0; h < n_kv; ++h) {
       const size_t kv_at = (s * n_rows * n_kv + h) * d;
       writes.push_back({k + kv_at, v + kv_at, pages, d, at, 1, h});
+      owners.push_back(ids[s]);
       replicas.push_back(heads[h].get());
       keys.push_back(k + kv_at);
       values.push_back(v + kv_at);
     }
-    commits_.Add(ids[s], layer, at, 1);
+    NoteWritten(ids[s], layer, at, 1);
   }
-  SPECACHE_RETURN_IF_ERROR(cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), d, pages_.page_tokens(), compute_));
+  SPECACHE_RETURN_IF_ERROR(WriteNewRows(layer, writes, owners));
   return cuda::DeviceHeadReplica::AppendTokens(replicas, keys, values);
 }
 
@@ -286,12 +340,12 @@ Status CudaAgent::WaitPrefetch(int layer) {
 Status CudaAgent::EndStep() {
   SPECACHE_ASSIGN_OR_RETURN(bool decode, protocol_.End());
   if (decode) ++counters_.steps;
-  return commits_.Record(compute_);
+  return RecordWrites();
 }
 
 void CudaAgent::AbortStep() {
   protocol_.Abort();
-  (void)commits_.Record(compute_);  // appends already queued are kept (agent.h)
+  (void)RecordWrites();  // appends already queued are kept (agent.h)
 }
 
 Result<std::vector<int32_t>> CudaAgent::SelectedTokens(SequenceId id, int layer, int kv_head) const {
@@ -312,7 +366,9 @@ AgentStats CudaAgent::stats() const {
   cuda::FetchCounters device{0, 0, 0};
   if (WaitForStreams().ok()) {
     device = rows_.DeviceCounters();
-    (void)commits_.CommitLanded(true);  // a failure shows at the next call that needs the source
+    // A failure shows at the next call that needs the source. Staged appends ran already (the
+    // worker is idle after WaitForStreams); their error stays for the next BeginStep.
+    if (!staged_commits_) (void)commits_.CommitLanded(true);
   }
   // The adaptive budget's rows are counted on the device (device.selected), the others on the host.
   AddFetchCounts({rows_.rows_selected() + static_cast<int64_t>(device.selected), static_cast<int64_t>(device.fetched),

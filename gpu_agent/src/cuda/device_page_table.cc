@@ -12,7 +12,7 @@ DevicePageTable::DevicePageTable(FullPrecisionSource* source, int n_layers, int3
                                  cudaStream_t stream)
     : source_(source), n_layers_(n_layers), capacity_tokens_(capacity_tokens), stream_(stream) {
   page_tokens_ = source->page_tokens();
-  // A source without pages is refused by the agent before any table is used.
+  // A source without pages (the staged path) gets empty tables: Map maps nothing, Layer is null.
   if (page_tokens_ > 0) max_pages_ = (capacity_tokens + page_tokens_ - 1) / page_tokens_;
 }
 
@@ -56,6 +56,7 @@ const uint64_t* DevicePageTable::Layer(SequenceId id, int layer) const {
 }
 
 Status DevicePageTable::Map(SequenceId id, int32_t tokens) {
+  if (page_tokens_ <= 0) return Status::Ok();  // a source without pages: nothing to map
   Table* t = &tables_.at(id);
   const int32_t need = (tokens + page_tokens_ - 1) / page_tokens_;
   if (need <= t->mapped_pages) return Status::Ok();

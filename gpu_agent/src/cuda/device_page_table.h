@@ -9,6 +9,9 @@
 //   entries are written once, in order, as the sequence grows (Map), by copies queued on the
 //   stream given at construction. Work queued after Map on that stream sees them.
 //
+// A source without zero-copy pages (page_tokens() == 0, the agent's staged path) has nothing to
+// register or map: Map succeeds without doing anything and Layer returns null.
+//
 // Not thread-safe (the agent is used from one thread).
 #pragma once
 
@@ -43,7 +46,8 @@ class DevicePageTable {
   // every layer: OUT_OF_RANGE past capacity_tokens, errors of the source passed through, INTERNAL
   // for a page outside every region of the source.
   Status Map(SequenceId id, int32_t tokens);
-  // Layer `layer`'s page addresses of a registered sequence (device memory, [max_pages]).
+  // Layer `layer`'s page addresses of a registered sequence (device memory, [max_pages]); null
+  // for a source without pages.
   const uint64_t* Layer(SequenceId id, int layer) const;
 
   int32_t page_tokens() const { return page_tokens_; }

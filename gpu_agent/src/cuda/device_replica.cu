@@ -177,71 +177,114 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
   if (n < 0) return Status::InvalidArgument("negative token count");
   SPECACHE_RETURN_IF_ERROR(Reserve({this}, n));
   const ReplicaParams& p = params_;
-  const int d = p.head_dim, R = p.residual_tokens;
+  const int d = p.head_dim, R = p.residual_tokens, G = p.group_size;
   const cudaStream_t s = static_cast<cudaStream_t>(stream_);
   Buffers& b = *b_;
   const size_t row = static_cast<size_t>(d) * sizeof(Half);
-  // Chunks of at most R tokens: the same final state as HeadReplica's token-by-token rule, since
-  // each group and each value token is quantized from its own elements only.
-  for (int32_t done = 0; done < n;) {
-    const int32_t chunk = std::min<int32_t>(n - done, R - residual_);
-    const Half* k = keys + static_cast<size_t>(done) * d;
-    const Half* v = values + static_cast<size_t>(done) * d;
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.key_residual + static_cast<size_t>(residual_) * d, k, chunk * row,
-                                                  cudaMemcpyDeviceToDevice, s), "key residual copy"));
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.window + static_cast<size_t>(window_begin_ + window_count_) * d, v,
-                                                  chunk * row, cudaMemcpyDeviceToDevice, s), "value window copy"));
-    residual_ += chunk;
-    window_count_ += chunk;
-    length_ += chunk;
-    done += chunk;
+  // The final state of HeadReplica's token-by-token rule, with a few launches per replica block
+  // instead of several per R tokens (a prompt of 8K tokens was ~640 launches per head and layer):
+  // each key group and each value token is quantized from its own elements only, so only where
+  // the rule draws its boundaries matters, not when.
+  //
+  // Keys: the rule flushes the residual whenever it holds R tokens, so groups cover [jR, (j+1)R).
+  // The residual is topped up first; whole R-token runs of the input after it are stored
+  // straight from the input; what is left (< R) stays in the residual.
+  int32_t k_done = 0;
+  if (residual_ > 0) {
+    k_done = std::min<int32_t>(n, R - residual_);
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.key_residual + static_cast<size_t>(residual_) * d, keys,
+                                                  k_done * row, cudaMemcpyDeviceToDevice, s), "key residual copy"));
+    residual_ += k_done;
     if (residual_ == R) SPECACHE_RETURN_IF_ERROR(FlushKeyGroups());
-    if (window_count_ > R) SPECACHE_RETURN_IF_ERROR(RetireOldestValues(window_count_ - R));
-    if (window_begin_ > R) SPECACHE_RETURN_IF_ERROR(CompactWindow());
   }
+  const int32_t whole = (n - k_done) / R * R;
+  if (whole > 0) {
+    SPECACHE_RETURN_IF_ERROR(StoreKeyGroups(keys + static_cast<size_t>(k_done) * d, whole / G));
+    k_done += whole;
+  }
+  if (k_done < n) {  // then residual_ is 0 (flushed, or never topped up)
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.key_residual + static_cast<size_t>(residual_) * d,
+                                                  keys + static_cast<size_t>(k_done) * d, (n - k_done) * row,
+                                                  cudaMemcpyDeviceToDevice, s), "key residual copy"));
+    residual_ += n - k_done;
+  }
+  // Values: the rule keeps the newest min(count, R) in the window and quantizes the rest in token
+  // order: the window's oldest first, then the input's oldest, straight from the input.
+  const int32_t keep = std::min<int32_t>(window_count_ + n, R);
+  const int32_t retire = window_count_ + n - keep;
+  const int32_t retire_window = std::min(window_count_, retire), retire_input = retire - retire_window;
+  if (retire_window > 0) SPECACHE_RETURN_IF_ERROR(RetireOldestValues(retire_window));
+  if (window_count_ == 0) window_begin_ = 0;  // nothing to keep: no compaction needed
+  if (retire_input > 0) SPECACHE_RETURN_IF_ERROR(StoreValues(values, retire_input));
+  // The window now holds at most R - (n - retire_input) rows from window_begin_ <= 2R: the rest of
+  // the input fits in its 3R rows.
+  const int32_t add = n - retire_input;
+  if (add > 0) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.window + static_cast<size_t>(window_begin_ + window_count_) * d,
+                                                  values + static_cast<size_t>(retire_input) * d, add * row,
+                                                  cudaMemcpyDeviceToDevice, s), "value window copy"));
+    window_count_ += add;
+  }
+  if (window_begin_ > R) SPECACHE_RETURN_IF_ERROR(CompactWindow());
+  length_ += n;
   return Status::Ok();
 }
 
 Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G key groups, in one block
-  const ReplicaParams& p = params_;
-  const int d = p.head_dim, R = p.residual_tokens, G = p.group_size, groups = R / G;
-  const ReplicaBlockLayout& l = pool_->layout();
-  Buffers& b = *b_;
-  if (IsPackedBitWidth(p.key_bits)) {
-    SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroups(b.key_residual, groups, G, d, p.key_bits, KeyCodesAt(key_groups_),
-                                               KeyScaleAt(key_groups_, l.key_scale), KeyScaleAt(key_groups_, l.key_zero),
-                                               stream_));
-  } else {
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(KeyHalfAt(key_groups_ * G), b.key_residual,
-                                                  static_cast<size_t>(R) * d * sizeof(Half), cudaMemcpyDeviceToDevice,
-                                                  static_cast<cudaStream_t>(stream_)),
-                                  "fp16 key flush"));
-  }
-  key_groups_ += groups;
+  SPECACHE_RETURN_IF_ERROR(StoreKeyGroups(b_->key_residual, params_.residual_tokens / params_.group_size));
   residual_ = 0;
   return Status::Ok();
 }
 
-Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m values leave the window
+Status DeviceHeadReplica::StoreKeyGroups(const Half* keys, int32_t groups) {
+  const ReplicaParams& p = params_;
+  const int d = p.head_dim, G = p.group_size;
+  const ReplicaBlockLayout& l = pool_->layout();
+  const int32_t per_block = l.block_tokens / G;  // a multiple of R/G: block_tokens = lcm(R, 128)
+  while (groups > 0) {  // per block: a block's groups are contiguous, the next block's are elsewhere
+    const int32_t g = std::min<int32_t>(groups, per_block - key_groups_ % per_block);
+    if (IsPackedBitWidth(p.key_bits)) {
+      SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroups(keys, g, G, d, p.key_bits, KeyCodesAt(key_groups_),
+                                                 KeyScaleAt(key_groups_, l.key_scale),
+                                                 KeyScaleAt(key_groups_, l.key_zero), stream_));
+    } else {
+      SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(KeyHalfAt(key_groups_ * G), keys,
+                                                    static_cast<size_t>(g) * G * d * sizeof(Half),
+                                                    cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
+                                    "fp16 key groups"));
+    }
+    keys += static_cast<size_t>(g) * G * d;
+    key_groups_ += g;
+    groups -= g;
+  }
+  return Status::Ok();
+}
+
+Status DeviceHeadReplica::StoreValues(const Half* values, int32_t m) {
   const ReplicaParams& p = params_;
   const int d = p.head_dim;
   const int32_t T = pool_->layout().block_tokens;
   while (m > 0) {  // per block: a block's slots are contiguous, the next block's are elsewhere
     const int32_t n = std::min<int32_t>(m, T - quantized_values_ % T);
-    const Half* oldest = b_->window + static_cast<size_t>(window_begin_) * d;
     if (IsPackedBitWidth(p.value_bits)) {
-      const ValueTokenTask t = ValueSlot(quantized_values_, oldest);
-      SPECACHE_RETURN_IF_ERROR(QuantizeValueTokens(oldest, n, d, p.group_size, p.value_bits, t.codes, t.scale, t.zero, stream_));
+      const ValueTokenTask t = ValueSlot(quantized_values_, values);
+      SPECACHE_RETURN_IF_ERROR(QuantizeValueTokens(values, n, d, p.group_size, p.value_bits, t.codes, t.scale, t.zero, stream_));
     } else {
-      SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(ValueHalfAt(quantized_values_), oldest, n * d * sizeof(Half),
+      SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(ValueHalfAt(quantized_values_), values, n * d * sizeof(Half),
                                                     cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
                                     "fp16 value copy"));
     }
+    values += static_cast<size_t>(n) * d;
     quantized_values_ += n;
-    window_begin_ += n;
-    window_count_ -= n;
     m -= n;
   }
+  return Status::Ok();
+}
+
+Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m values leave the window
+  SPECACHE_RETURN_IF_ERROR(StoreValues(b_->window + static_cast<size_t>(window_begin_) * params_.head_dim, m));
+  window_begin_ += m;
+  window_count_ -= m;
   return Status::Ok();
 }
 

@@ -51,6 +51,10 @@ __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, in
     const int32_t token = t.selected[i];
     if (token == kNoToken) continue;  // the adaptive budget's padding: no row
     const int at = Find(t.resident, t.resident_count ? *t.resident_count : t.n_resident, token);
+    if (at < 0 && t.pages == nullptr) {  // the staged fetch put this row into out_rows already
+      if (piece == 0) atomicAdd(&fetched, 1ull);
+      continue;
+    }
     const uint4* src = at >= 0 ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(at) * row_pieces
                                : HostRow(t.pages, page_tokens, t.kv_head, token, row_pieces);
     reinterpret_cast<uint4*>(t.out_rows)[static_cast<int64_t>(i) * row_pieces + piece] = src[piece];
@@ -160,8 +164,11 @@ Status LaunchError(const char* what) {
 
 Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
                  FetchCounters* counters, void* stream) {
-  if (head_dim <= 0 || head_dim % 8 != 0 || page_tokens <= 0 || max_blocks <= 0 || n_tasks < 0) {
-    return Status::InvalidArgument("fetch: head_dim must be a positive multiple of 8, page_tokens and blocks positive");
+  if (head_dim <= 0 || head_dim % 8 != 0 || max_blocks <= 0 || n_tasks < 0) {
+    return Status::InvalidArgument("fetch: head_dim must be a positive multiple of 8, blocks positive");
+  }
+  if (page_tokens <= 0 && std::any_of(tasks, tasks + n_tasks, [](const FetchTask& t) { return t.pages != nullptr; })) {
+    return Status::InvalidArgument("fetch: page_tokens must be positive to read pages");
   }
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
   if (row_pieces > kThreads) return Status::InvalidArgument("fetch: rows wider than a block");

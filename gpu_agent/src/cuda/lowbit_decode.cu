@@ -416,8 +416,12 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
           const int j = i & 1;
           score[mt][nt][i] = 8 * nt + 2 * t + j < queries ? (sc[mt][nt][i] + zk[nt][j]) * q_unscale[nt][j] : -INFINITY;
         }
-    // Substituted rows in this block: scores from the fetched keys (fp32).
+    // Substituted rows in this block: scores from the fetched keys (fp32), staged in psm (free
+    // until the softmax writes p) at [token in block][query] and then taken by the lanes whose C
+    // slots hold those tokens. (Assigned straight into `score` by a runtime test per slot, the
+    // compiler kept the whole array in local memory, stored and reloaded every block.)
     int n_block_subs = 0;
+    uint32_t sub_mask = 0;  // tokens of the block that are substituted
     while (sp < r.n_sub) {
       const int32_t tk = r.sub_tokens[sp];
       if (tk >= b0 + 32) break;
@@ -435,24 +439,32 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
           part[nt] += q01.x * k01.x + q01.y * k01.y + q89.x * k89.x + q89.y * k89.y;
         }
       }
-      const int i = tk - b0, row = i & 15;
+      const int i = tk - b0;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt) {  // lane 4g ends with query 8 nt + g's score
         part[nt] *= row_unscale[nt];
         part[nt] += __shfl_xor_sync(kAll, part[nt], 1);
         part[nt] += __shfl_xor_sync(kAll, part[nt], 2);
-        const float s_even = __shfl_sync(kAll, part[nt], 8 * t), s_odd = __shfl_sync(kAll, part[nt], 8 * t + 4);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const bool here = g == (row & 7) && mt == (i >> 4) && (e >> 1) == (row >> 3);
-            if (here && 8 * nt + 2 * t + (e & 1) < queries) score[mt][nt][e] = (e & 1) ? s_odd : s_even;
-          }
+        if (t == 0) psm[i * PS + 8 * nt + g] = part[nt];
       }
+      sub_mask |= 1u << i;
       if (lane == 0) sub_list[n_block_subs] = sp;
       ++n_block_subs;
       ++sp;
+    }
+    if (sub_mask != 0) {
+      __syncwarp();
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * mt + g + 8 * (e >> 1);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const int q = 8 * nt + 2 * t + (e & 1);
+            if (((sub_mask >> i) & 1u) && q < queries) score[mt][nt][e] = psm[i * PS + q];
+          }
+        }
     }
     // Raw scores of the probabilities row's candidates, for the top-k.
 #pragma unroll

@@ -1,6 +1,8 @@
 #include "row_fetch.h"
 
 #include <algorithm>
+#include <memory>
+#include <utility>
 
 #include "../step_protocol.h"
 
@@ -11,6 +13,8 @@ RowFetcher::RowFetcher(const ModelShape& shape, const KvConfig& config, const Cu
     : shape_(shape), config_(config), options_(options), pages_(pages), compute_(compute) {}
 
 RowFetcher::~RowFetcher() {
+  staged_worker_.reset();  // each waits for its last copy out of its pinned memory
+  staged_inline_.reset();
   rows_.clear();
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
@@ -32,8 +36,18 @@ Status RowFetcher::Init() {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&selected_[l], cudaEventDisableTiming), "event"));
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&fetched_[l], cudaEventDisableTiming), "event"));
   }
+  if (staged_source_) {
+    staged_worker_ = std::make_unique<StagedFetch>(staged_source_, shape_.head_dim);
+    staged_inline_ = std::make_unique<StagedFetch>(staged_source_, shape_.head_dim);
+    handed_.assign(shape_.n_layers, {});
+  }
   SPECACHE_RETURN_IF_ERROR(device_counters_.Reserve(1));
   return CudaStatus(cudaMemset(device_counters_.get(), 0, sizeof(FetchCounters)), "counters");
+}
+
+void RowFetcher::UseStagedSource(FullPrecisionSource* source, SourceWorker* worker) {
+  staged_source_ = source;
+  worker_ = worker;
 }
 
 void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }
@@ -68,16 +82,17 @@ void RowFetcher::Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem
   }
 }
 
-Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream) {
+Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<SequenceId>& ids) {
   const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
   const int n_kv = shape_.n_kv_heads;
   const int32_t capacity = config_.cache_rows();
-  std::vector<FetchTask> tasks;
-  std::vector<CacheUpdateTask> updates;
+  FetchWork w;
+  w.layer = layer;
+  w.ids = ids;
   FetchCounts counts;
   for (SequenceId id : ids) {
     LayerRows& lr = rows_.at(id)[layer];
-    const uint64_t* pages = pages_->Layer(id, layer);
+    const uint64_t* pages = pages_->Layer(id, layer);  // null for a staged source
     const int next = 1 - lr.cur;
     if (!config_.adaptive()) counts.selected += int64_t{lr.selected} * n_kv;  // else counted on the device
     if (!options_.fetch) {  // measuring without the fetch: nothing becomes resident
@@ -92,11 +107,8 @@ Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStre
           SPECACHE_RETURN_IF_ERROR(lr.cache_used[g].Reserve(size_t(n_kv) * capacity));
           SPECACHE_RETURN_IF_ERROR(lr.cache_rows[g].Reserve(size_t(n_kv) * capacity * row));
           SPECACHE_RETURN_IF_ERROR(lr.cache_count[g].Reserve(n_kv));
-          SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(lr.cache_tokens[g].get(), 0x7f,
-                                                              size_t(n_kv) * capacity * sizeof(int32_t), stream),
-                                              "cache tokens"));  // every entry kNoToken
-          SPECACHE_RETURN_IF_ERROR(
-              CudaStatus(cudaMemsetAsync(lr.cache_count[g].get(), 0, n_kv * sizeof(int32_t), stream), "cache counts"));
+          w.fills.push_back({lr.cache_tokens[g].get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
+          w.fills.push_back({lr.cache_count[g].get(), n_kv * sizeof(int32_t), 0});
         }
       }
       const int cc = lr.cache_cur;
@@ -111,7 +123,8 @@ Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStre
         t.out_rows = lr.rows[next].get() + size_t(h) * lr.selected * row;
         t.pages = pages;
         t.kv_head = h;
-        tasks.push_back(t);
+        w.tasks.push_back(t);
+        w.task_sequences.push_back(id);
         CacheUpdateTask u;
         u.old_tokens = t.resident;
         u.old_used = lr.cache_used[cc].get() + size_t(h) * capacity;
@@ -126,7 +139,7 @@ Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStre
         u.new_count = lr.cache_count[1 - cc].get() + h;
         u.now = lr.fetches;
         u.capacity = capacity;
-        updates.push_back(u);
+        w.updates.push_back(u);
       }
       lr.cache_cur = 1 - cc;
     }
@@ -136,28 +149,103 @@ Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStre
   }
   // Hits and misses are counted on the device (DeviceCounters); the selection here.
   rows_selected_ += counts.selected;
-  SPECACHE_RETURN_IF_ERROR(FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim,
+  return w;
+}
+
+Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, cudaStream_t stream) {
+  for (const FetchWork::Fill& f : w.fills) {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(f.at, f.value, f.bytes, stream), "row cache"));
+  }
+  if (staged) {
+    SPECACHE_RETURN_IF_ERROR(
+        staged->Stage(w.layer, w.tasks, w.task_sequences, config_.cache_rows(), stream).status());
+  }
+  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(w.tasks.size()), shape_.head_dim,
                                      pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream));
-  return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, stream);
+  return UpdateRowCaches(w.updates.data(), static_cast<int>(w.updates.size()), shape_.head_dim, stream);
+}
+
+void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
+  for (SequenceId id : ids) {
+    auto it = rows_.find(id);
+    if (it == rows_.end()) continue;  // released since
+    LayerRows& lr = it->second[layer];
+    lr.resident = 0;
+    lr.fetches = 0;  // the next fetch fills the caches afresh
+  }
+}
+
+Status RowFetcher::OnSourceThread(const std::function<Status()>& job) {
+  if (!worker_) return job();
+  // Staged: the worker makes every call into the source, in order, so this read comes after the
+  // appends handed to it before (the selection may name their rows). The caller waits, so the
+  // job may use what it refers to.
+  worker_->Submit(SourceWorker::kCallerKey, job);
+  return worker_->Wait(SourceWorker::kCallerKey);
+}
+
+Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream) {
+  SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids));
+  const Status s = OnSourceThread([&] { return Launch(w, staged_inline_.get(), stream); });
+  if (!s.ok()) Forget(layer, ids);
+  return s;
+}
+
+Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span<const SequenceId> sequences,
+                          cudaStream_t stream) {
+  return OnSourceThread([&]() -> Status {
+    if (staged_inline_) SPECACHE_RETURN_IF_ERROR(staged_inline_->Stage(layer, tasks, sequences, 0, stream).status());
+    return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, pages_->page_tokens(),
+                     options_.fetch_blocks, nullptr, stream);
+  });
 }
 
 Status RowFetcher::MarkSelected(int layer) {
   return CudaStatus(cudaEventRecord(selected_[layer], compute_), "selection event");
 }
 
+// The overlapped fetch of layer L, in order (both paths):
+//   compute: ... top-k of L, record selected_[L] (MarkSelected) ... later layers ...
+//   fetch:   wait selected_[L]; [staged: selection down, host waits; source reads; rows up];
+//            fetch kernel (hits from the cache); cache update; record fetched_[L]
+//   compute: (next step, before L's attention) wait fetched_[L] (WaitFetched)
+// Local: the agent's thread queues the fetch stream's part right here. Staged: the worker does,
+// because its middle waits on the host; the agent's thread queues nothing on the fetch stream, so
+// the worker's copies are never interleaved with other fetch-stream work. selected_[L] is
+// recorded again only at L's next MarkSelected, which comes after L's next WaitFetched, which
+// joins this job first: the job always waits for the record it was started for. And WaitFetched
+// waits for fetched_[L] only after the join, so never for an event the job has not recorded yet
+// (waiting for an event before its record is no wait at all).
 Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
-  // The fetch stream takes the selection once the layer's top-k is done, and the compute stream
-  // goes on with the next layers.
-  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
-  SPECACHE_RETURN_IF_ERROR(Fetch(layer, ids, fetch_));
-  return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
+  SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids));
+  // std::function copies its callable: the work travels behind a shared pointer.
+  auto work = std::make_shared<const FetchWork>(std::move(w));
+  auto run = [this, layer, work]() -> Status {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
+    SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), fetch_));
+    return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
+  };
+  if (!worker_) return run();
+  handed_[layer] = ids;
+  worker_->Submit(layer, std::move(run));
+  return Status::Ok();
 }
 
 Status RowFetcher::WaitFetched(int layer) {
+  if (worker_) {
+    const Status s = worker_->Wait(layer);
+    if (!s.ok()) {
+      Forget(layer, handed_[layer]);
+      return s;
+    }
+  }
   return CudaStatus(cudaStreamWaitEvent(compute_, fetched_[layer], 0), "wait for the fetch");
 }
 
-Status RowFetcher::WaitForFetchStream() const { return CudaStatus(cudaStreamSynchronize(fetch_), "fetch stream"); }
+Status RowFetcher::WaitForFetchStream() const {
+  if (worker_) worker_->WaitAll();
+  return CudaStatus(cudaStreamSynchronize(fetch_), "fetch stream");
+}
 
 int32_t RowFetcher::resident(SequenceId id, int layer) const { return rows_.at(id)[layer].resident; }
 

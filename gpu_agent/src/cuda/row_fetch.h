@@ -15,14 +15,22 @@
 //   except the adaptive budget's (KvConfig::mass), which the selection counts on the device
 //   (budget_rows()). Its selections end in kNoToken padding (cuda_topk.h): no rows, skipped by the
 //   fetch, the cache update and the attention, and left out of what is reported.
+// - A source without zero-copy pages (UseStagedSource, chosen once by the agent) keeps all of the
+//   above; only the rows the cache lacks come through pinned host memory (staged_fetch.h) instead
+//   of being read from mapped pages. The overlapped fetch then runs on the agent's SourceWorker:
+//   StartFetch hands it the layer's work, and WaitFetched joins it before the compute stream waits
+//   for the fetch's event; an error of the source comes back from that WaitFetched.
 //
-// Not thread-safe (the agent is used from one thread).
+// Not thread-safe (the agent is used from one thread; the worker's jobs touch only the device
+// memory and the events their work names, never the fetcher's tables).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -32,6 +40,8 @@
 #include "specache/cuda_attention.h"
 #include "specache/cuda_fetch.h"
 #include "specache/status.h"
+#include "staged_fetch.h"
+#include "../source_worker.h"
 
 namespace specache::cuda {
 
@@ -43,6 +53,10 @@ class RowFetcher {
   ~RowFetcher();
   RowFetcher(const RowFetcher&) = delete;
   RowFetcher& operator=(const RowFetcher&) = delete;
+  // Before Init, for a source without zero-copy pages: rows come from `source` through pinned
+  // memory, and the overlapped fetch runs on `worker`. Both must outlive the fetcher's use of them
+  // (the worker's jobs use the fetcher: its owner destroys the worker first).
+  void UseStagedSource(FullPrecisionSource* source, SourceWorker* worker);
   // Makes the fetch stream, the per-layer events and the device counters.
   Status Init();
 
@@ -57,18 +71,26 @@ class RowFetcher {
   // head h: the current selection's, or, with KvConfig::attend_resident, the whole row cache.
   void Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem> heads) const;
 
-  // Makes the next selection of these sequences' layer current, its rows fetched on `stream`.
+  // Makes the next selection of these sequences' layer current, its rows fetched on `stream`
+  // (staged: on the worker, after the appends handed to it, waiting for it).
   Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
   // Records on the compute stream that the layer's selection is done.
   Status MarkSelected(int layer);
   // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
-  // waits for it.
+  // waits for it. Staged: the work is handed to the worker and this returns at once.
   Status StartFetch(int layer, const std::vector<SequenceId>& ids);
   // Work queued on the compute stream from here sees the rows of the layer's last StartFetch
-  // (stream order, no host wait).
+  // (stream order, no host wait). Staged: first waits on the host until the worker queued that
+  // fetch's copies, and returns its error (the source's, with context) if it failed; the failed
+  // fetch's sequences then hold no rows at the layer (the attention substitutes none) until their
+  // next fetch.
   Status WaitFetched(int layer);
-  // Waits on the host until the fetch stream is idle.
+  // Waits on the host until the fetch stream is idle (staged: and the worker ran every fetch
+  // handed to it; their errors stay for WaitFetched).
   Status WaitForFetchStream() const;
+  // Reads the tasks' rows (no resident lists, not counted) into their out_rows on `stream`: from
+  // the pages in place, or staged (tasks[i] is KV head tasks[i].kv_head of (sequences[i], layer)).
+  Status Gather(int layer, std::span<const FetchTask> tasks, std::span<const SequenceId> sequences, cudaStream_t stream);
 
   // Tokens per KV head of the (sequence, layer)'s current selection.
   int32_t resident(SequenceId id, int layer) const;
@@ -106,6 +128,29 @@ class RowFetcher {
     int cache_cur = 0;
     int32_t fetches = 0;
   };
+  // One fetch's device work: planned on the agent's thread (Prepare), queued on a stream by the
+  // thread that runs it (Launch). It names device memory only.
+  struct FetchWork {
+    struct Fill {  // a row cache's first use: its tokens all kNoToken, its counts 0
+      void* at;
+      size_t bytes;
+      int value;
+    };
+    int layer = 0;
+    std::vector<SequenceId> ids;  // the sequences fetched
+    std::vector<Fill> fills;
+    std::vector<FetchTask> tasks;
+    std::vector<SequenceId> task_sequences;  // [tasks]
+    std::vector<CacheUpdateTask> updates;
+  };
+  // The layer's next selection of these sequences made current, its work planned.
+  Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids);
+  // Queues the work on `stream`; `staged` brings the missed rows first (null: read from pages).
+  Status Launch(const FetchWork& work, StagedFetch* staged, cudaStream_t stream);
+  // After a failed fetch: the sequences hold no rows at the layer, and their caches start over.
+  void Forget(int layer, const std::vector<SequenceId>& ids);
+  // Runs `job` now: on this thread, or staged on the worker, waiting for it.
+  Status OnSourceThread(const std::function<Status()>& job);
 
   ModelShape shape_;
   KvConfig config_;
@@ -117,6 +162,13 @@ class RowFetcher {
   Buffer<FetchCounters> device_counters_;
   std::map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence
   int64_t rows_selected_ = 0;
+  // Staged only (UseStagedSource): one StagedFetch per stream it stages on (the overlapped fetch
+  // on the fetch stream; Fetch and Gather on the stream they are given, the compute stream), both
+  // used on the worker only, and per layer the sequences of the fetch handed to the worker.
+  FullPrecisionSource* staged_source_ = nullptr;
+  SourceWorker* worker_ = nullptr;
+  std::unique_ptr<StagedFetch> staged_worker_, staged_inline_;
+  std::vector<std::vector<SequenceId>> handed_;  // [layer]
 };
 
 }  // namespace specache::cuda

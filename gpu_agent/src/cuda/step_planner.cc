@@ -284,7 +284,7 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
 }
 
 Status StepPlanner::RankExactly(int layer, std::vector<DeviceDecodeItem>* items, cudaStream_t stream) {
-  // Every quantized row of every item, read from the pages into scratch (not through the row
+  // Every quantized row of every item, read from the source into scratch (not through the row
   // cache and not counted as fetched: the oracle only measures), substituted for the ranking pass.
   const int n_kv = shape_.n_kv_heads;
   const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
@@ -305,6 +305,7 @@ Status StepPlanner::RankExactly(int layer, std::vector<DeviceDecodeItem>* items,
   }
   SPECACHE_RETURN_IF_ERROR(every_row_.Reserve(rows * row));
   std::vector<FetchTask> tasks;
+  std::vector<SequenceId> sequences;
   size_t at = 0;
   for (size_t i = 0; i < items->size(); ++i) {
     DeviceDecodeItem& it = (*items)[i];
@@ -315,13 +316,13 @@ Status StepPlanner::RankExactly(int layer, std::vector<DeviceDecodeItem>* items,
     t.pages = pages_->Layer(protocol_->ids()[i / n_kv], layer);
     t.kv_head = static_cast<int>(i % n_kv);
     tasks.push_back(t);
+    sequences.push_back(protocol_->ids()[i / n_kv]);
     it.rows.sub_tokens = every_token_.get();
     it.rows.sub_rows = t.out_rows;
     it.rows.n_sub = it.replica.quantized_keys;
     at += static_cast<size_t>(it.replica.quantized_keys);
   }
-  return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, pages_->page_tokens(),
-                   options_.fetch_blocks, nullptr, stream);
+  return rows_->Gather(layer, tasks, sequences, stream);
 }
 
 }  // namespace specache::cuda
