@@ -30,7 +30,7 @@ Status InMemorySource::CreateSequence(SequenceId sequence, const SequenceLayout&
   }
   auto seq = std::make_unique<Sequence>();
   seq->layout = layout;
-  seq->page_bytes = static_cast<size_t>(layout.n_kv_heads) * page_tokens_ * static_cast<size_t>(layout.row_bytes());
+  seq->page_bytes = PageBytes(layout);
   seq->pages.resize(layout.n_layers);
   seq->lengths.assign(static_cast<size_t>(layout.n_layers) * layout.n_kv_heads, 0);
   sequences_.emplace(sequence, std::move(seq));
@@ -59,18 +59,33 @@ Result<InMemorySource::Sequence*> InMemorySource::Find(SequenceId sequence, int 
   return it->second.get();
 }
 
+size_t InMemorySource::PageBytes(const SequenceLayout& layout) const {
+  return static_cast<size_t>(layout.n_kv_heads) * page_tokens_ * static_cast<size_t>(layout.row_bytes());
+}
+
+void InMemorySource::AddSlabLocked(size_t page_bytes) {
+  const size_t bytes = std::max(slab_bytes_, (page_bytes + kAlign - 1) / kAlign * kAlign);
+  auto* slab = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
+  if (slab == nullptr) throw std::bad_alloc();
+  slabs_.push_back({slab, bytes});
+  auto& free = free_pages_[page_bytes];
+  for (size_t at = bytes / page_bytes; at-- > 0;) free.push_back(slab + at * page_bytes);
+}
+
+void InMemorySource::Reserve(const SequenceLayout& layout, int sequences, int32_t tokens) {
+  const size_t page_bytes = PageBytes(layout);
+  if (page_bytes == 0 || sequences <= 0 || tokens <= 0) return;
+  const int64_t pages = int64_t{(tokens + page_tokens_ - 1) / page_tokens_} * layout.n_layers * sequences;
+  std::unique_lock lock(mutex_);
+  while (static_cast<int64_t>(free_pages_[page_bytes].size()) < pages) AddSlabLocked(page_bytes);
+}
+
 void InMemorySource::GrowLocked(Sequence* seq, int32_t tokens) {
   const int32_t need = (tokens + page_tokens_ - 1) / page_tokens_;
   auto& free = free_pages_[seq->page_bytes];
   for (auto& layer : seq->pages) {
     while (static_cast<int32_t>(layer.size()) < need) {
-      if (free.empty()) {
-        const size_t bytes = std::max(slab_bytes_, (seq->page_bytes + kAlign - 1) / kAlign * kAlign);
-        auto* slab = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
-        if (slab == nullptr) throw std::bad_alloc();
-        slabs_.push_back({slab, bytes});
-        for (size_t at = bytes / seq->page_bytes; at-- > 0;) free.push_back(slab + at * seq->page_bytes);
-      }
+      if (free.empty()) AddSlabLocked(seq->page_bytes);
       layer.push_back(free.back());
       free.pop_back();
     }

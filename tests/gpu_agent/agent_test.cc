@@ -213,6 +213,31 @@ TEST(InMemorySourceTest, PagesAreFixedInsideRegionsAndWrittenInPlace) {
   EXPECT_EQ(s.HostPages(3, 0, 1, &again).code(), StatusCode::kNotFound);
 }
 
+// Reserve carves the pages up front: sequences of that layout then take them without new regions
+// (a CUDA agent registers the regions once, at its creation, instead of during a prefill).
+TEST(InMemorySourceTest, ReservedPagesServeLaterSequencesWithoutNewRegions) {
+  const int page_tokens = 16, n_kv = 2, d = 64;  // 8 KiB pages: slabs hold whole pages
+  const SequenceLayout layout{3, n_kv, d};
+  const size_t page_bytes = size_t(n_kv) * page_tokens * 2 * d * sizeof(Half);
+  InMemorySource s(page_tokens, 5 * page_bytes);  // slabs of five pages
+  s.Reserve(layout, 2, 40);  // two sequences of 40 tokens: 3 pages x 3 layers each = 18 pages
+  const size_t regions = s.host_regions().size();
+  EXPECT_EQ(regions, 4u) << "18 pages in slabs of five";
+  for (SequenceId id : {1, 2}) {
+    ASSERT_TRUE(s.CreateSequence(id, layout).ok());
+    for (int l = 0; l < 3; ++l) {
+      std::vector<uint8_t*> pages;
+      ASSERT_TRUE(s.HostPages(id, l, 40, &pages).ok());
+      EXPECT_EQ(pages.size(), 3u);
+    }
+  }
+  EXPECT_EQ(s.host_regions().size(), regions) << "the reserved pages were enough";
+  std::vector<Half> rows(2 * d, Half(1.0f));
+  ASSERT_TRUE(s.AppendRows(1, 2, 1, 0, rows.data(), 1).ok());
+  s.Reserve(layout, 2, 0);  // nothing asked: nothing carved
+  EXPECT_EQ(s.host_regions().size(), regions);
+}
+
 // The row cache's rule by hand: capacity k keeps the previous selection only; a larger one keeps
 // the most recently used others, oldest (then lowest token) leaving first.
 TEST(RowCacheTest, KeepsTheSelectionAndTheMostRecentlyUsedOthers) {

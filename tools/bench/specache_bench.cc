@@ -284,9 +284,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_option("--fetch-blocks", o->fetch_blocks, "fetch kernel blocks (default: the agent's)")->check(positive);
   }
   if (std::string_view(suite.name) == "step") {
-    cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit")
+    cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit; "
+                    "specache-1bit-union: specache-run's default selection (union, 64 more rows from the real row, "
+                    "its successors, every cached row attended)")
         ->delimiter(',')
-        ->check(CLI::IsMember({"specache-1bit", "specache-2bit", "kivi-1bit"}));
+        ->check(CLI::IsMember({"specache-1bit", "specache-2bit", "kivi-1bit", "specache-1bit-union"}));
   }
   if (suite.trace) {
     cmd->add_option("--trace", o->trace_path, "selection trace (specache-run generate --selection-trace)")->required();

@@ -25,6 +25,13 @@ class InMemorySource final : public FullPrecisionSource {
   InMemorySource(const InMemorySource&) = delete;
   InMemorySource& operator=(const InMemorySource&) = delete;
 
+  // Carves pages for `sequences` sequences of `layout` of up to `tokens` tokens each (all their
+  // layers) out of new slabs now, unless free pages of that layout cover them already, so that sequences created later take them without allocating. A CUDA agent registers the
+  // slabs that exist when it is created and, later, each new slab when a sequence first reaches
+  // it: cudaHostRegister costs ~0.5 s per GB, so a source reserved before the agent is created
+  // keeps that cost out of prefills. std::bad_alloc as for any growth.
+  void Reserve(const SequenceLayout& layout, int sequences, int32_t tokens);
+
   Status CreateSequence(SequenceId sequence, const SequenceLayout& layout) override;
   Status ReleaseSequence(SequenceId sequence) override;
   Status AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
@@ -50,6 +57,10 @@ class InMemorySource final : public FullPrecisionSource {
   Result<Sequence*> Find(SequenceId sequence, int layer, int kv_head) const;
   // Gives every layer of `seq` pages for tokens [0, tokens). Caller holds mutex_ exclusively.
   void GrowLocked(Sequence* seq, int32_t tokens);
+  // Page bytes for `layout`, and one more slab of such pages on their free list. Caller holds
+  // mutex_ exclusively.
+  size_t PageBytes(const SequenceLayout& layout) const;
+  void AddSlabLocked(size_t page_bytes);
   // Pages every layer holds now. Caller holds mutex_.
   int32_t PagesOf(const Sequence& seq) const { return static_cast<int32_t>(seq.pages[0].size()); }
   Status EnsurePages(Sequence* seq, int32_t tokens, std::shared_lock<std::shared_mutex>* lock);
