@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 
@@ -42,6 +44,20 @@ void Softmax(float* scores, int32_t n) {
 
 }  // namespace
 
+void QueryOperand(const float* q, int d, float* out) {
+  float mx = 0.0f;
+  for (int c = 0; c < d; ++c) mx = std::max(mx, std::fabs(q[c]));
+  int e = 0;
+  if (mx > 0.0f && std::isfinite(mx)) {
+    uint32_t bits;
+    std::memcpy(&bits, &mx, sizeof(bits));
+    const int exponent = static_cast<int>((bits >> 23) & 0xffu) - 127;  // floor(log2), -127 for denormals
+    e = std::min(std::max(13 - exponent, -126), 126);
+  }
+  const float up = std::ldexp(1.0f, e), down = std::ldexp(1.0f, -e);
+  for (int c = 0; c < d; ++c) out[c] = RoundToHalf(q[c] * up) * down;
+}
+
 void AttendDecodeRows(const HeadReplica& replica, const SubstitutedRows& sub, const float* q, const Half* new_keys,
                       const Half* new_values, int n_rows, int n_heads, float scale, float* out, int probs_row,
                       int32_t n_candidates, float* probs, AttentionWorkspace* ws, float* row0_probs) {
@@ -58,7 +74,11 @@ void AttendDecodeRows(const HeadReplica& replica, const SubstitutedRows& sub, co
   ws->tile.resize(static_cast<size_t>(std::max(g_size, 1)) * d + static_cast<size_t>(queries) * d);
   float* tile = ws->tile.data();                                // [G][d] decoded keys of one group
   float* qs = ws->tile.data() + static_cast<size_t>(g_size) * d;  // [queries][d] scaled queries
-  for (int i = 0; i < queries * d; ++i) qs[i] = q[i] * scale;
+  for (int query = 0; query < queries; ++query) {
+    float* row = qs + static_cast<size_t>(query) * d;
+    QueryOperand(q + static_cast<size_t>(query) * d, d, row);
+    for (int c = 0; c < d; ++c) row[c] *= scale;
+  }
 
   ws->substitute_of.assign(static_cast<size_t>(n_qk), -1);
   for (int32_t i = 0; i < sub.n; ++i) {

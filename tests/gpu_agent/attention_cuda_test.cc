@@ -132,8 +132,8 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
   return c;
 }
 
-// float32 sums in another order: relative error of the outputs and probabilities <= 1e-5
-// (measured ~1e-7).
+// The same query operands (cpu::QueryOperand) and ~22-bit probabilities, float32 sums in another
+// order: relative error of the outputs and probabilities <= 1e-5 (measured ~1e-7).
 void ExpectMatches(const DecodeCase& c) {
   const std::vector<float> got = testing::Download(c.item.rows.out, c.want.size()),
                            got_probs = testing::Download(c.item.rows.probs, c.want_probs.size());

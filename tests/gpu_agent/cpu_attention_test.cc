@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -48,7 +50,8 @@ struct Case {
     return rows;
   }
 
-  // float64 attention for row r over the given cache keys/values plus new tokens 0..r.
+  // float64 attention for row r over the given cache keys/values plus new tokens 0..r, with each
+  // query taken as AttendDecodeRows takes it (cpu::QueryOperand).
   std::vector<double> Reference(const std::vector<double>& keys, const std::vector<double>& values, int rows,
                                 std::vector<double>* probs = nullptr) const {
     std::vector<double> out(static_cast<size_t>(rows) * kHeads * kDim);
@@ -63,7 +66,9 @@ struct Case {
       }
       const int m = n + r + 1;
       for (int h = 0; h < kHeads; ++h) {
-        std::vector<double> qd(q.begin() + (r * kHeads + h) * kDim, q.begin() + (r * kHeads + h + 1) * kDim);
+        std::vector<float> operand(kDim);
+        cpu::QueryOperand(q.data() + (r * kHeads + h) * kDim, kDim, operand.data());
+        std::vector<double> qd(operand.begin(), operand.end());
         std::vector<double> p(m);
         RefAttention(qd.data(), kk.data(), vv.data(), m, kDim, 1.0 / std::sqrt(double(kDim)),
                      out.data() + (static_cast<size_t>(r) * kHeads + h) * kDim, p.data());
@@ -86,6 +91,38 @@ std::vector<float> Attend(const Case& s, const std::vector<int32_t>& sub_tokens,
                         1.0f / std::sqrt(float(kDim)), out.data(), rows - 1, s.replica.quantized_keys(),
                         probs ? probs->data() : nullptr, &ws);
   return out;
+}
+
+// The query operand: fp16 at the exponent that puts the largest channel in [2^13, 2^14), so every
+// channel is an fp16 value times 2^-e, within 2^-11 relative of the query (normal range) or
+// 2^-25 * 2^-e absolute (fp16 subnormals); zero and non-finite maxima use e = 0.
+TEST(CpuAttentionTest, QueryOperandIsTheQueryInFp16AtItsOwnExponent) {
+  std::mt19937 rng(3);
+  for (float magnitude : {1e-30f, 1e-6f, 0.05f, 1.0f, 3e4f}) {
+    std::vector<float> q = RandomFloats(kDim, rng, magnitude);
+    q[5] *= 1e-9f;  // a channel far below the largest: an fp16 subnormal after scaling
+    std::vector<float> got(kDim);
+    cpu::QueryOperand(q.data(), kDim, got.data());
+    float mx = 0.0f;
+    for (float x : q) mx = std::max(mx, std::fabs(x));
+    const int e = 13 - std::ilogb(mx);
+    EXPECT_GE(std::fabs(std::ldexp(mx, e)), 8192.0f);
+    EXPECT_LT(std::fabs(std::ldexp(mx, e)), 16384.0f);
+    for (int c = 0; c < kDim; ++c) {
+      const float scaled = std::ldexp(got[c], e);
+      EXPECT_EQ(RoundToHalf(scaled), scaled) << "channel " << c << " is not an fp16 operand";
+      EXPECT_LE(std::fabs(got[c] - q[c]), std::max(std::fabs(q[c]) * std::ldexp(1.0f, -11), std::ldexp(1.0f, -25 - e)))
+          << "magnitude " << magnitude << " channel " << c;
+    }
+  }
+  std::vector<float> zeros(kDim, 0.0f), out(kDim, 1.0f);
+  cpu::QueryOperand(zeros.data(), kDim, out.data());
+  EXPECT_EQ(out, zeros);
+  std::vector<float> with_inf(kDim, 0.5f);
+  with_inf[0] = std::numeric_limits<float>::infinity();
+  cpu::QueryOperand(with_inf.data(), kDim, with_inf.data());  // in place; e = 0
+  EXPECT_EQ(with_inf[1], 0.5f);
+  EXPECT_TRUE(std::isinf(with_inf[0]));
 }
 
 // k >= number of quantized tokens: every quantized row is replaced, so the result is

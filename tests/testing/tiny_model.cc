@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 
 namespace specache::testing {
@@ -40,6 +41,20 @@ std::vector<float> RmsNorm(const std::vector<float>& x, int n, int d) {
 int Argmax(const std::vector<float>& v) { return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin()); }
 
 }  // namespace
+
+float TopTwoMargin(const std::vector<float>& logits) {
+  if (logits.size() < 2) return std::numeric_limits<float>::infinity();
+  float best = -std::numeric_limits<float>::infinity(), second = best;
+  for (float x : logits) {
+    if (x > best) {
+      second = best;
+      best = x;
+    } else if (x > second) {
+      second = x;
+    }
+  }
+  return best - second;
+}
 
 TinyModel::TinyModel(const TinyModelConfig& c) : c_(c) {
   std::mt19937 rng(c.seed);
@@ -96,7 +111,8 @@ std::vector<float> TinyModel::Logits(const float* x) const {
 }
 
 Result<GenerationTrace> TinyModel::Generate(Agent* agent, SequenceId id, const std::vector<int>& prompt,
-                                            int n_tokens, const std::vector<int>* forced) const {
+                                            int n_tokens, const std::vector<int>* forced,
+                                            const std::vector<int>* forced_speculative) const {
   SPECACHE_RETURN_IF_ERROR(agent->AddSequence(id));
   const int n = static_cast<int>(prompt.size());
   std::vector<int> positions(n);
@@ -139,19 +155,23 @@ Result<GenerationTrace> TinyModel::Generate(Agent* agent, SequenceId id, const s
   if (agent->RowsPerSequence(StepKind::kPreDecode) > 0) {
     SPECACHE_ASSIGN_OR_RETURN(std::vector<float> h,
                               step(StepKind::kPreDecode, {forced ? (*forced)[0] : trace.tokens[0]}, n));
-    speculative = Argmax(Logits(h.data()));
+    const std::vector<float> logits = Logits(h.data());
+    speculative = Argmax(logits);
     trace.speculative.push_back(speculative);
+    trace.speculative_margins.push_back(TopTwoMargin(logits));
   }
   const bool two_rows = agent->RowsPerSequence(StepKind::kDecode) == 2;
   for (int t = 1; t < n_tokens; ++t) {
     std::vector<int> rows = {forced ? (*forced)[t - 1] : trace.tokens.back()};
-    if (two_rows) rows.push_back(speculative);
+    if (two_rows) rows.push_back(forced_speculative ? (*forced_speculative)[t - 1] : speculative);
     SPECACHE_ASSIGN_OR_RETURN(std::vector<float> h, step(StepKind::kDecode, rows, n + t - 1));
     trace.logits.push_back(Logits(h.data()));
     trace.tokens.push_back(Argmax(trace.logits.back()));
     if (two_rows) {
-      speculative = Argmax(Logits(h.data() + c_.d_model));
+      const std::vector<float> logits = Logits(h.data() + c_.d_model);
+      speculative = Argmax(logits);
       trace.speculative.push_back(speculative);
+      trace.speculative_margins.push_back(TopTwoMargin(logits));
     }
   }
   return trace;

@@ -24,7 +24,13 @@ struct GenerationTrace {
   std::vector<int> tokens;               // generated tokens T1, T2, ...
   std::vector<std::vector<float>> logits;  // logits that produced each token
   std::vector<int> speculative;            // specache: T'2, T'3, ... (the speculative row's input tokens)
+  std::vector<float> speculative_margins;  // [speculative]: its logits' best minus second best
 };
+
+// The best logit minus the second best: how far a greedy choice is from a tie.
+float TopTwoMargin(const std::vector<float>& logits);
+
+
 
 class TinyModel {
  public:
@@ -36,9 +42,12 @@ class TinyModel {
   // `id`). In specache mode runs the pre-decode step and two rows per decode step.
   // With `forced` (teacher forcing, at least n_tokens - 1 tokens), the real row of step t is
   // forced[t - 1] instead of the previous argmax, so traces of different modes stay comparable
-  // position by position; the speculative row still feeds on its own predictions.
+  // position by position; the speculative row feeds on its own predictions unless
+  // `forced_speculative` (at least n_tokens - 1 tokens) gives its input of step t too. A trace
+  // records the model's own choices (argmax) either way.
   Result<GenerationTrace> Generate(Agent* agent, SequenceId id, const std::vector<int>& prompt, int n_tokens,
-                                   const std::vector<int>* forced = nullptr) const;
+                                   const std::vector<int>* forced = nullptr,
+                                   const std::vector<int>* forced_speculative = nullptr) const;
 
  private:
   // rows: hidden states [n][d_model] at the given positions; runs `layer`'s q/k/v projections.

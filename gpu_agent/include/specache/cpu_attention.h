@@ -26,6 +26,16 @@ struct AttentionWorkspace {
   std::vector<int32_t> substitute_of;
 };
 
+// The query a decode attention scores with, on the CPU and the GPU alike: q rounded to fp16 at the
+// power of two that puts its largest channel in [2^13, 2^14), as fp16 attention kernels take their
+// queries (~11 significant bits per channel, relative to that channel):
+//   e = clamp(13 - floor(log2(max_c |q_c|)), -126, 126), or 0 when that max is 0 or not finite
+//   out_c = fp16_round_to_nearest_even(q_c * 2^e) * 2^-e
+// The GPU's tensor cores then take q * 2^e as exact fp16 operands and sum in fp32, so the CPU's
+// scores equal theirs up to the order of fp32 sums, and so do the selections made from them.
+// out may be q.
+void QueryOperand(const float* q, int d, float* out);
+
 // One decode step of `n_rows` query rows against the replica of one KV head.
 //
 // The step's new tokens are causal among themselves: row r sees the cache plus new tokens 0..r
@@ -39,7 +49,7 @@ struct AttentionWorkspace {
 //              tokens): the top-k candidates. n_candidates <= length + probs_row + 1.
 //   row0_probs if not null: row 0's probabilities of the same candidates, same layout (the real
 //              row's, for selections that use both rows).
-// `scale` multiplies q.k (1/sqrt(head_dim) for Llama).
+// `scale` multiplies q.k (1/sqrt(head_dim) for Llama); each query is taken as QueryOperand(q).
 void AttendDecodeRows(const HeadReplica& replica, const SubstitutedRows& substituted, const float* q,
                       const Half* new_keys, const Half* new_values, int n_rows, int n_heads, float scale, float* out,
                       int probs_row, int32_t n_candidates, float* probs, AttentionWorkspace* ws,

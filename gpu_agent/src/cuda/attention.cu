@@ -79,8 +79,11 @@ __global__ void ScoresKernel(const DeviceItemSet* set) {
   const int d = v.head_dim, queries = Queries(it);
   const int32_t width = Width(it), first = blockIdx.x * kBlockTokens;
   if (first >= width) return;
-  for (int i = threadIdx.x; i < queries * d; i += blockDim.x) {
-    scaled_q[i] = r.q[QueryAt(r, i / d, d) + i % d] * r.scale;
+  // QueryOperand(q) * scale, a warp per query.
+  for (int qi = threadIdx.x / 32; qi < queries; qi += blockDim.x / 32) {
+    const float* row = r.q + QueryAt(r, qi, d);
+    const int e = decode::WarpQueryOperandExponent(row, d, threadIdx.x % 32);
+    for (int c = threadIdx.x % 32; c < d; c += 32) scaled_q[qi * d + c] = decode::QueryOperandChannel(row[c], e) * r.scale;
   }
   MapSubstitutes(v, r, first, min(kBlockTokens, width - first), subs);
   const int32_t token = first + threadIdx.x;

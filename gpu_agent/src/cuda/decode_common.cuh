@@ -63,6 +63,27 @@ namespace decode {
 
 __device__ inline float H2F(Half h) { return __half2float(__ushort_as_half(h)); }
 
+// 2^e, exact, for e in [-126, 127].
+__device__ __forceinline__ float Pow2(int e) { return __int_as_float((e + 127) << 23); }
+// QueryOperand (cpu_attention.h) on the device, in two halves: the exponent e of a query whose
+// largest |channel| is `mx`, and one channel rounded at that exponent. Every decode kernel scores
+// with these, so that the CPU reference's scores are the GPU's up to the order of fp32 sums.
+__device__ __forceinline__ int QueryOperandExponent(float mx) {
+  const int exponent = ((__float_as_int(mx) >> 23) & 0xff) - 127;  // floor(log2), -127 for denormals
+  return mx > 0.0f && isfinite(mx) ? min(max(13 - exponent, -126), 126) : 0;
+}
+__device__ __forceinline__ float QueryOperandChannel(float x, int e) {
+  return __half2float(__float2half_rn(x * Pow2(e))) * Pow2(-e);
+}
+// A query's QueryOperand exponent when the 32 lanes of a warp hold its channels (lane, lane + 32,
+// ..): every lane returns it.
+__device__ __forceinline__ int WarpQueryOperandExponent(const float* q, int d, int lane) {
+  float mx = 0.0f;
+  for (int c = lane; c < d; c += 32) mx = fmaxf(mx, fabsf(q[c]));
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  return QueryOperandExponent(mx);
+}
+
 __device__ inline uint32_t Code(const uint32_t* words, int i, int bits) {
   const int per_word = 32 / bits;
   return (words[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);

@@ -11,10 +11,15 @@
 // 2-bit codes are two bit planes, the second against B doubled): a "row word" per channel (keys)
 // or token (values) puts, one per byte msb, the code bits of the rows this lane needs (one shift
 // by g and a mask); one prmt with sign replication turns two of them into a 0x0000/0xFFFF mask
-// pair, ANDed with the two scales. B holds the queries (keys) or the probabilities (values), as
-// fp16 hi + lo parts (~22 bits) scaled by a power of two that keeps them in fp16's range. The
-// tensor cores accumulate with truncation, so the values' sums go through fresh accumulators per
-// block of 32 tokens and are added in fp32.
+// pair, ANDed with the two scales. B holds the queries (keys) or the probabilities (values). A
+// query is one fp16 operand, QueryOperand (cpu_attention.h: scaled by the power of two that puts
+// its largest channel in [2^13, 2^14)), which the CPU reference scores with too. Probabilities
+// are fp16 hi + lo parts (~22 bits) times 2^14: the reference keeps them in fp32, and rounding
+// them to one fp16 part (1-bit attention per layer at 32 x 8K on the H200: 0.198 instead of 0.206
+// ms) moves the outputs by up to ~2e-4 relative, which the agents' CPU comparisons would then
+// have to allow for. The tensor
+// cores accumulate with truncation, so the values' sums go through fresh accumulators per block of
+// 32 tokens and are added in fp32.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -79,23 +84,19 @@ template <int KB, int VB, int D, int NT>
 __host__ __device__ constexpr int StagesWords() {
   return 2 * StageWords<KB, VB, D>() > 8 * NT * D + 64 ? 2 * StageWords<KB, VB, D>() : 8 * NT * D + 64;
 }
-// Then the bulk's query B operands, [nt][k-step][lane] x 4 words (see BulkUnit).
+// Then the bulk's query B operands, [nt][k-step][lane] x 2 words (see BulkUnit).
 // Then the warp's copy of its item (read all through the unit: from global memory the compiler
 // would load its fields again after every global store).
 constexpr int kItemWords = (sizeof(DeviceDecodeItem) + 15) / 16 * 4;
 template <int KB, int VB, int D, int NT>
 __host__ __device__ constexpr int ItemOffsetWords() {
-  return StagesWords<KB, VB, D, NT>() + 32 * (8 * NT + 4) + 8 * NT * 4 + 32 + NT * (D / 16) * 32 * 4;
+  return StagesWords<KB, VB, D, NT>() + 32 * (8 * NT + 4) + 8 * NT * 4 + 32 + NT * (D / 16) * 32 * 2;
 }
 template <int KB, int VB, int D, int NT>
 __host__ __device__ constexpr int WarpWords() {
   return ItemOffsetWords<KB, VB, D, NT>() + kItemWords;
 }
 
-// 2^e, exact, for e in [-126, 127].
-__device__ __forceinline__ float Pow2(int e) { return __int_as_float((e + 127) << 23); }
-// floor(log2(x)) of a positive normal x (ilogbf without its special cases); -127 for denormals.
-__device__ __forceinline__ int Exponent(float x) { return ((__float_as_int(x) >> 23) & 0xff) - 127; }
 
 __device__ __forceinline__ uint32_t AsU32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
@@ -107,6 +108,8 @@ __device__ __forceinline__ uint32_t MaskPair(uint32_t x, uint32_t y, int b) {
   return d;
 }
 
+// x0, x1 rounded to fp16x2 (to nearest even).
+__device__ __forceinline__ uint32_t HalfPairOf(float x0, float x1) { return AsU32(__floats2half2_rn(x0, x1)); }
 // x0, x1 as fp16x2 hi + lo parts (the lo part the rounded rest): ~22 bits of mantissa.
 __device__ __forceinline__ void Split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   const __half2 h = __floats2half2_rn(x0, x1);
@@ -141,14 +144,15 @@ __device__ __forceinline__ void MaskedA(const uint32_t (&row)[4], int b_lo, int 
   a[3] = MaskPair(row[2], row[3], b_hi) & s23;
 }
 
-// c += A x B over B's hi and lo parts (b0, b1: [hi, lo]); for bit plane 1, B doubled (the plane's
-// weight, exact).
+// c += A x B; for bit plane 1, B doubled (the plane's weight, exact).
+__device__ __forceinline__ void MmaPlane(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, int plane) {
+  Mma(c, a[0], a[1], a[2], a[3], plane ? Twice(b0) : b0, plane ? Twice(b1) : b1);
+}
+// The same over B's hi and lo parts (b0, b1: [hi, lo]).
 __device__ __forceinline__ void MmaParts(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b0)[2],
                                          const uint32_t (&b1)[2], int plane) {
-#pragma unroll
-  for (int part = 0; part < 2; ++part) {
-    Mma(c, a[0], a[1], a[2], a[3], plane ? Twice(b0[part]) : b0[part], plane ? Twice(b1[part]) : b1[part]);
-  }
+  MmaPlane(c, a, b0[0], b1[0], plane);
+  MmaPlane(c, a, b0[1], b1[1], plane);
 }
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
@@ -217,10 +221,8 @@ struct BlockWalk {
   }
 };
 
-__device__ __forceinline__ float2 QueryPair(uint32_t hi, uint32_t lo) {
-  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-  const float2 l = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-  return make_float2(h.x + l.x, h.y + l.y);
+__device__ __forceinline__ float2 QueryPair(uint32_t h2) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
 }
 __device__ __forceinline__ float2 LoadHalf2(const Half* p) {
   return __half22float2(__ldg(reinterpret_cast<const __half2*>(p)));
@@ -275,18 +277,18 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
   float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
   float* zsm = psm + 32 * PS;
   int* sub_list = reinterpret_cast<int*>(zsm + Q * 4);
-  // The lane's B operands of the queries, [nt][ks][lane] as (b0 hi, b0 lo, b1 hi, b1 lo): one
-  // 16-byte load per k-step instead of 4 * KS registers held through the loop.
-  uint4* bqs = reinterpret_cast<uint4*>(sub_list + 32);
+  // The lane's B operands of the queries, [nt][ks][lane] as (b0, b1): one 8-byte load per k-step
+  // instead of 2 * KS registers held through the loop.
+  uint2* bqs = reinterpret_cast<uint2*>(sub_list + 32);
 
   BlockWalk walk(v, t0);
   walk.Issue<KB, VB, D>(ws, lane, t0 + 32 < t1);
   CpAsyncCommit();
 
-  // This lane's share of the scaled queries: query 8 nt + g at channels ChannelOf(ks, j, t), as B
-  // operands (hi, lo) times 2^e_n, which puts the query's largest channel in [2^13, 2^14).
-  float q_unscale[NT][2];  // 2^-e of the C columns' queries 8 nt + 2t + j
-  float row_unscale[NT];   // 2^-e of this lane's query 8 nt + g
+  // This lane's share of the queries: query 8 nt + g at channels ChannelOf(ks, j, t), as fp16 B
+  // operands times 2^e_n, which puts the query's largest channel in [2^13, 2^14) (QueryOperand).
+  float q_unscale[NT][2];  // 2^-e * scale of the C columns' queries 8 nt + 2t + j
+  float row_unscale[NT];   // 2^-e * scale of this lane's query 8 nt + g
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int n = 8 * nt + g;
@@ -294,21 +296,19 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     float mx = 0.0f;
 #pragma unroll
     for (int i = 0; i < KS * 4; ++i) {
-      x[i] = n < queries ? r.q[QueryAt(r, n, D) + ChannelOf(i / 4, i % 4, t)] * r.scale : 0.0f;
+      x[i] = n < queries ? r.q[QueryAt(r, n, D) + ChannelOf(i / 4, i % 4, t)] : 0.0f;
       mx = fmaxf(mx, fabsf(x[i]));
     }
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
-    const int e = mx > 0.0f && isfinite(mx) ? min(max(13 - Exponent(mx), -126), 126) : 0;
-    const float up = Pow2(e);  // exact scaling
+    const int e = decode::QueryOperandExponent(mx);
+    const float up = decode::Pow2(e);  // exact scaling
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      uint4 b;
-      Split(x[4 * ks] * up, x[4 * ks + 1] * up, b.x, b.y);
-      Split(x[4 * ks + 2] * up, x[4 * ks + 3] * up, b.z, b.w);
-      bqs[(nt * KS + ks) * 32 + lane] = b;
+      bqs[(nt * KS + ks) * 32 + lane] =
+          make_uint2(HalfPairOf(x[4 * ks] * up, x[4 * ks + 1] * up), HalfPairOf(x[4 * ks + 2] * up, x[4 * ks + 3] * up));
     }
-    row_unscale[nt] = Pow2(-e);
+    row_unscale[nt] = decode::Pow2(-e) * r.scale;
     q_unscale[nt][0] = __shfl_sync(kAll, row_unscale[nt], 8 * t);
     q_unscale[nt][1] = __shfl_sync(kAll, row_unscale[nt], 8 * t + 4);
   }
@@ -379,13 +379,12 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
       const uint32_t* w89 = kc + (c0 + 8) * KB;
       const uint32_t s01 = kscale[c0 / 2], s89 = kscale[c0 / 2 + 4];
       const uint32_t z01 = kzero[c0 / 2], z89 = kzero[c0 / 2 + 4];
-      uint32_t bq[NT][2][2];  // [nt][b0, b1][hi, lo]
+      uint2 bq[NT];  // [nt] (b0, b1)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const uint4 b = bqs[(nt * KS + ks) * 32 + lane];
-        bq[nt][0][0] = b.x, bq[nt][0][1] = b.y, bq[nt][1][0] = b.z, bq[nt][1][1] = b.w;
+        bq[nt] = bqs[(nt * KS + ks) * 32 + lane];
         const uint32_t za[4] = {z01, z01, z89, z89};
-        MmaParts(zk[nt], za, bq[nt][0], bq[nt][1], 0);
+        MmaPlane(zk[nt], za, bq[nt].x, bq[nt].y, 0);
       }
 #pragma unroll
       for (int plane = 0; plane < KB; ++plane) {
@@ -402,7 +401,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
           uint32_t a[4];
           MaskedA(row, KeyByte<KB>(2 * mt), KeyByte<KB>(2 * mt + 1), s01, s89, a);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) MmaParts(sc[mt][nt], a, bq[nt][0], bq[nt][1], plane);
+          for (int nt = 0; nt < NT; ++nt) MmaPlane(sc[mt][nt], a, bq[nt].x, bq[nt].y, plane);
         }
       }
     }
@@ -434,8 +433,8 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
         const float2 k01 = LoadHalf2(kf + 16 * ks + 2 * t), k89 = LoadHalf2(kf + 16 * ks + 2 * t + 8);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint4 b = bqs[(nt * KS + ks) * 32 + lane];
-          const float2 q01 = QueryPair(b.x, b.y), q89 = QueryPair(b.z, b.w);
+          const uint2 b = bqs[(nt * KS + ks) * 32 + lane];
+          const float2 q01 = QueryPair(b.x), q89 = QueryPair(b.y);
           part[nt] += q01.x * k01.x + q01.y * k01.y + q89.x * k89.x + q89.y * k89.y;
         }
       }
@@ -659,15 +658,16 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   const DeviceReplicaView& v = it.replica;
   const DeviceDecodeRows& r = it.rows;
   const int queries = r.n_rows * r.n_heads;
-  float* qsm = reinterpret_cast<float*>(ws);  // [Q][D], scaled
+  float* qsm = reinterpret_cast<float*>(ws);  // [Q][D]: QueryOperand(q) * scale
   float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
   // The fp16 value rows of the block's tokens (null: a quantized value), after the queries.
   const Half** value_rows = reinterpret_cast<const Half**>(qsm + Q * D);
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
     const float* row = q < queries ? r.q + QueryAt(r, q, D) : nullptr;
+    const int e = row ? decode::WarpQueryOperandExponent(row, D, lane) : 0;
 #pragma unroll
-    for (int c = lane; c < D; c += 32) qsm[q * D + c] = row ? row[c] * r.scale : 0.0f;
+    for (int c = lane; c < D; c += 32) qsm[q * D + c] = row ? decode::QueryOperandChannel(row[c], e) * r.scale : 0.0f;
   }
   __syncwarp();
   float m[Q], l[Q], acc[Q][CPL];
