@@ -18,6 +18,8 @@ Status WriteRows(const WriteTask*, int, int, int, void*) { return NoCuda(); }
 Status UpdateRowCaches(const CacheUpdateTask*, int, int, void*) { return NoCuda(); }
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
+Status QuantizeKeyGroupRuns(const KeyGroupRun*, int, int, int, int, void*) { return NoCuda(); }
+Status QuantizeValueTokenRuns(const ValueTokenRun*, int, int, int, int, void*) { return NoCuda(); }
 Status AttendDecodeRows(const DeviceReplicaView&, const DeviceDecodeRows&, void*) { return NoCuda(); }
 struct DecodePlan::Impl {};
 DecodePlan::DecodePlan() : impl_(new Impl) {}

@@ -1,7 +1,9 @@
 // Label `gpu`: the CUDA quantization kernels are bit-identical to the CPU reference (codes, scale
-// and zero) on random fp16 inputs, degenerate groups included. Skips without a device.
+// and zero) on random fp16 inputs, degenerate groups included, and in runs to scattered
+// destinations. Skips without a device.
 #include "specache/cuda_quantize.h"
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -13,6 +15,8 @@
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "testing/device_buffers.h"
 #endif
 
 namespace specache {
@@ -104,6 +108,77 @@ TEST(CudaQuantizeTest, KeyGroupsAndValueTokensMatchTheCpuBitForBit) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(cuda::QuantizeValueTokens(nullptr, 1, 64, 32, 3, nullptr, nullptr, nullptr, nullptr).code(),
             StatusCode::kInvalidArgument);
+#endif
+}
+
+// Runs (a replica block each) into destinations in reverse order, of 0 to 3 groups or 0 to 5 tokens,
+// more runs than one launch holds: each run equals the CPU reference of its inputs.
+TEST(CudaQuantizeTest, RunsIntoScatteredDestinationsMatchTheCpuBitForBit) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(23);
+  const int head_dim = 128, group = 32, n_runs = cuda::kMaxQuantizeRuns + 9;
+  for (int bits : {1, 2}) {
+    const int words = WordsPerGroup(group, bits), vgroups = head_dim / group;
+    std::vector<int> key_groups(n_runs), value_tokens(n_runs);
+    int total_groups = 0, total_tokens = 0;
+    for (int i = 0; i < n_runs; ++i) total_groups += key_groups[i] = i % 4, total_tokens += value_tokens[i] = i % 6;
+    const std::vector<Half> keys = RandomInputs(total_groups, size_t(group) * head_dim, rng);
+    const std::vector<Half> values = RandomInputs(size_t(total_tokens) * vgroups, group, rng);
+    // The CPU reference, item by item in input order.
+    std::vector<uint32_t> kc(size_t(total_groups) * head_dim * words), vc(size_t(total_tokens) * vgroups * words);
+    std::vector<Half> ks(size_t(total_groups) * head_dim), kz(ks.size()), vs(size_t(total_tokens) * vgroups), vz(vs.size());
+    for (int g = 0; g < total_groups; ++g) {
+      QuantizeKeyGroup(keys.data() + size_t(g) * group * head_dim, group, head_dim, bits,
+                       kc.data() + size_t(g) * head_dim * words, ks.data() + size_t(g) * head_dim,
+                       kz.data() + size_t(g) * head_dim);
+    }
+    for (int t = 0; t < total_tokens; ++t) {
+      QuantizeValueToken(values.data() + size_t(t) * head_dim, head_dim, group, bits, vc.data() + size_t(t) * vgroups * words,
+                         vs.data() + size_t(t) * vgroups, vz.data() + size_t(t) * vgroups);
+    }
+    testing::DeviceBuffers buf;
+    const Half* d_keys = buf.Copy(keys);
+    const Half* d_values = buf.Copy(values);
+    uint32_t* d_kc = buf.Zeros<uint32_t>(kc.size());
+    uint32_t* d_vc = buf.Zeros<uint32_t>(vc.size());
+    Half *d_ks = buf.Zeros<Half>(ks.size()), *d_kz = buf.Zeros<Half>(ks.size());
+    Half *d_vs = buf.Zeros<Half>(vs.size()), *d_vz = buf.Zeros<Half>(vs.size());
+    // Run i's destination: after the runs i + 1 .. n - 1 (reverse order). Expected: the reference
+    // rearranged the same way.
+    std::vector<cuda::KeyGroupRun> kruns;
+    std::vector<cuda::ValueTokenRun> vruns;
+    std::vector<uint32_t> want_kc(kc.size()), want_vc(vc.size());
+    std::vector<Half> want_ks(ks.size()), want_kz(ks.size()), want_vs(vs.size()), want_vz(vs.size());
+    int in_g = 0, in_t = 0, out_g = total_groups, out_t = total_tokens;
+    for (int i = 0; i < n_runs; ++i) {
+      out_g -= key_groups[i];
+      out_t -= value_tokens[i];
+      kruns.push_back({d_keys + size_t(in_g) * group * head_dim, d_kc + size_t(out_g) * head_dim * words,
+                       d_ks + size_t(out_g) * head_dim, d_kz + size_t(out_g) * head_dim, key_groups[i]});
+      vruns.push_back({d_values + size_t(in_t) * head_dim, d_vc + size_t(out_t) * vgroups * words,
+                       d_vs + size_t(out_t) * vgroups, d_vz + size_t(out_t) * vgroups, value_tokens[i]});
+      const size_t kn = size_t(key_groups[i]) * head_dim, vn = size_t(value_tokens[i]) * vgroups;
+      std::copy_n(kc.begin() + in_g * head_dim * words, kn * words, want_kc.begin() + out_g * head_dim * words);
+      std::copy_n(ks.begin() + in_g * head_dim, kn, want_ks.begin() + out_g * head_dim);
+      std::copy_n(kz.begin() + in_g * head_dim, kn, want_kz.begin() + out_g * head_dim);
+      std::copy_n(vc.begin() + in_t * vgroups * words, vn * words, want_vc.begin() + out_t * vgroups * words);
+      std::copy_n(vs.begin() + in_t * vgroups, vn, want_vs.begin() + out_t * vgroups);
+      std::copy_n(vz.begin() + in_t * vgroups, vn, want_vz.begin() + out_t * vgroups);
+      in_g += key_groups[i];
+      in_t += value_tokens[i];
+    }
+    ASSERT_TRUE(cuda::QuantizeKeyGroupRuns(kruns.data(), n_runs, group, head_dim, bits, nullptr).ok());
+    ASSERT_TRUE(cuda::QuantizeValueTokenRuns(vruns.data(), n_runs, head_dim, group, bits, nullptr).ok());
+    EXPECT_EQ(testing::Download(d_kc, kc.size()), want_kc) << "key codes, bits " << bits;
+    EXPECT_EQ(testing::Download(d_ks, ks.size()), want_ks) << "key scales";
+    EXPECT_EQ(testing::Download(d_kz, kz.size()), want_kz) << "key zeros";
+    EXPECT_EQ(testing::Download(d_vc, vc.size()), want_vc) << "value codes, bits " << bits;
+    EXPECT_EQ(testing::Download(d_vs, vs.size()), want_vs) << "value scales";
+    EXPECT_EQ(testing::Download(d_vz, vz.size()), want_vz) << "value zeros";
+  }
+  cuda::KeyGroupRun negative{nullptr, nullptr, nullptr, nullptr, -1};
+  EXPECT_EQ(cuda::QuantizeKeyGroupRuns(&negative, 1, group, head_dim, 1, nullptr).code(), StatusCode::kInvalidArgument);
 #endif
 }
 

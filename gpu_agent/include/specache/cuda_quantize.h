@@ -20,6 +20,29 @@ Status QuantizeKeyGroups(const Half* keys, int n_groups, int group_size, int hea
 Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int group_size, int bits,
                            uint32_t* codes, Half* scale, Half* zero, void* stream);
 
+// Runs of key groups (or value tokens), each quantized into its own contiguous destination (one
+// replica block's): what QuantizeKeyGroups (QuantizeValueTokens) does for one run, for many runs in
+// one launch per kMaxQuantizeRuns runs (a prompt's blocks, not a launch per block). Runs of 0 are
+// skipped; one launch holds at most 2^30 groups (tokens).
+struct KeyGroupRun {
+  const Half* keys = nullptr;  // [n_groups][group_size][head_dim]
+  uint32_t* codes = nullptr;   // [n_groups][head_dim][group_size*bits/32]
+  Half* scale = nullptr;       // [n_groups][head_dim]
+  Half* zero = nullptr;
+  int32_t n_groups = 0;
+};
+struct ValueTokenRun {
+  const Half* values = nullptr;  // [n_tokens][head_dim]
+  uint32_t* codes = nullptr;     // [n_tokens][head_dim/group_size][group_size*bits/32]
+  Half* scale = nullptr;         // [n_tokens][head_dim/group_size]
+  Half* zero = nullptr;
+  int32_t n_tokens = 0;
+};
+constexpr int kMaxQuantizeRuns = 64;
+Status QuantizeKeyGroupRuns(const KeyGroupRun* runs, int n_runs, int group_size, int head_dim, int bits, void* stream);
+Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_dim, int group_size, int bits,
+                              void* stream);
+
 // One value token of some replica: what QuantizeValueTokens does for n_tokens = 1, for many
 // replicas in one launch (the decode step's appends). Up to kMaxValueTokenTasks per launch; more
 // are split.

@@ -241,12 +241,12 @@ Status DeviceHeadReplica::StoreKeyGroups(const Half* keys, int32_t groups) {
   const int d = p.head_dim, G = p.group_size;
   const ReplicaBlockLayout& l = pool_->layout();
   const int32_t per_block = l.block_tokens / G;  // a multiple of R/G: block_tokens = lcm(R, 128)
+  std::vector<KeyGroupRun> runs;                  // a run per block: one launch for them all
   while (groups > 0) {  // per block: a block's groups are contiguous, the next block's are elsewhere
     const int32_t g = std::min<int32_t>(groups, per_block - key_groups_ % per_block);
     if (IsPackedBitWidth(p.key_bits)) {
-      SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroups(keys, g, G, d, p.key_bits, KeyCodesAt(key_groups_),
-                                                 KeyScaleAt(key_groups_, l.key_scale),
-                                                 KeyScaleAt(key_groups_, l.key_zero), stream_));
+      runs.push_back({keys, KeyCodesAt(key_groups_), KeyScaleAt(key_groups_, l.key_scale),
+                      KeyScaleAt(key_groups_, l.key_zero), g});
     } else {
       SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(KeyHalfAt(key_groups_ * G), keys,
                                                     static_cast<size_t>(g) * G * d * sizeof(Half),
@@ -257,18 +257,20 @@ Status DeviceHeadReplica::StoreKeyGroups(const Half* keys, int32_t groups) {
     key_groups_ += g;
     groups -= g;
   }
-  return Status::Ok();
+  if (runs.empty()) return Status::Ok();  // fp16 keys, copied above
+  return QuantizeKeyGroupRuns(runs.data(), static_cast<int>(runs.size()), G, d, p.key_bits, stream_);
 }
 
 Status DeviceHeadReplica::StoreValues(const Half* values, int32_t m) {
   const ReplicaParams& p = params_;
   const int d = p.head_dim;
   const int32_t T = pool_->layout().block_tokens;
+  std::vector<ValueTokenRun> runs;  // a run per block: one launch for them all
   while (m > 0) {  // per block: a block's slots are contiguous, the next block's are elsewhere
     const int32_t n = std::min<int32_t>(m, T - quantized_values_ % T);
     if (IsPackedBitWidth(p.value_bits)) {
       const ValueTokenTask t = ValueSlot(quantized_values_, values);
-      SPECACHE_RETURN_IF_ERROR(QuantizeValueTokens(values, n, d, p.group_size, p.value_bits, t.codes, t.scale, t.zero, stream_));
+      runs.push_back({values, t.codes, t.scale, t.zero, n});
     } else {
       SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(ValueHalfAt(quantized_values_), values, n * d * sizeof(Half),
                                                     cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
@@ -278,7 +280,8 @@ Status DeviceHeadReplica::StoreValues(const Half* values, int32_t m) {
     quantized_values_ += n;
     m -= n;
   }
-  return Status::Ok();
+  if (runs.empty()) return Status::Ok();  // fp16 values, copied above
+  return QuantizeValueTokenRuns(runs.data(), static_cast<int>(runs.size()), d, p.group_size, p.value_bits, stream_);
 }
 
 Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m values leave the window

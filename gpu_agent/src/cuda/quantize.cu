@@ -67,19 +67,40 @@ __device__ void QuantizeRunWarp(const float* x, int per_lane, int bits, uint32_t
   }
 }
 
-// Block = one warp per channel of one key group; grid = groups x ceil(head_dim / warps).
-__global__ void QuantizeKeyGroupsKernel(const __half* keys, int group_size, int head_dim, int bits, uint32_t* codes,
-                                        uint16_t* scale, uint16_t* zero) {
-  const int group = blockIdx.x;
+// Runs by value (kMaxQuantizeRuns x 40 bytes): first[i] is the first group (keys) or token
+// (values) of run i counted over all runs, first[count] the total.
+template <typename Run>
+struct RunBatch {
+  Run runs[kMaxQuantizeRuns];
+  int32_t first[kMaxQuantizeRuns + 1];
+  int count;
+};
+
+// The run holding item `i` (a group or a token) and i's index inside it.
+template <typename Run>
+__device__ int RunOf(const RunBatch<Run>& b, int32_t i, int32_t* local) {
+  int lo = 0, hi = b.count - 1;  // the last run with first <= i
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (b.first[mid] <= i) lo = mid; else hi = mid - 1;
+  }
+  *local = i - b.first[lo];
+  return lo;
+}
+
+// Block = one warp per channel of one key group; grid = groups of all runs x ceil(head_dim / warps).
+__global__ void QuantizeKeyGroupRunsKernel(RunBatch<KeyGroupRun> batch, int group_size, int head_dim, int bits) {
   const int d = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
   if (d >= head_dim) return;  // whole warps leave together
+  int32_t group = 0;
+  const KeyGroupRun& r = batch.runs[RunOf(batch, static_cast<int32_t>(blockIdx.x), &group)];
   const int lane = threadIdx.x & 31, per_lane = group_size / 32;
   float x[4];
-  const __half* g = keys + static_cast<size_t>(group) * group_size * head_dim;
+  const __half* g = reinterpret_cast<const __half*>(r.keys) + static_cast<size_t>(group) * group_size * head_dim;
   for (int j = 0; j < per_lane; ++j) x[j] = __half2float(g[static_cast<size_t>(lane + 32 * j) * head_dim + d]);
   const int words = group_size * bits / 32;
   const size_t slot = static_cast<size_t>(group) * head_dim + d;
-  QuantizeRunWarp(x, per_lane, bits, codes + slot * words, scale + slot, zero + slot);
+  QuantizeRunWarp(x, per_lane, bits, r.codes + slot * words, r.scale + slot, r.zero + slot);
 }
 
 // The calling warp quantizes channel group g of one value token.
@@ -93,16 +114,17 @@ __device__ void QuantizeValueGroupWarp(const __half* token, int g, int group_siz
   QuantizeRunWarp(x, per_lane, bits, codes + static_cast<size_t>(g) * words, scale + g, zero + g);
 }
 
-// One warp per (token, channel group).
-__global__ void QuantizeValueTokensKernel(const __half* values, int n_runs, int head_dim, int group_size, int bits,
-                                          uint32_t* codes, uint16_t* scale, uint16_t* zero) {
-  const int run = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (run >= n_runs) return;
+// One warp per (token, channel group) of all runs.
+__global__ void QuantizeValueTokenRunsKernel(RunBatch<ValueTokenRun> batch, int head_dim, int group_size, int bits) {
   const int groups = head_dim / group_size;
-  const int token = run / groups, g = run % groups;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (w >= static_cast<int64_t>(batch.first[batch.count]) * groups) return;
+  int32_t token = 0;
+  const ValueTokenRun& r = batch.runs[RunOf(batch, static_cast<int32_t>(w / groups), &token)];
+  const int g = static_cast<int>(w % groups);
   const size_t first = static_cast<size_t>(token) * groups;
-  QuantizeValueGroupWarp(values + static_cast<size_t>(token) * head_dim, g, group_size, bits,
-                         codes + first * (group_size * bits / 32), scale + first, zero + first);
+  QuantizeValueGroupWarp(reinterpret_cast<const __half*>(r.values) + static_cast<size_t>(token) * head_dim, g,
+                         group_size, bits, r.codes + first * (group_size * bits / 32), r.scale + first, r.zero + first);
 }
 
 struct ValueTokenBatch {  // by value (kMaxValueTokenTasks x 32 bytes fit the parameter space)
@@ -134,29 +156,68 @@ Status Launched(const char* what) {
   return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
+// Launches `launch(batch, items)` for runs[0..n) in batches of kMaxQuantizeRuns; `size` is a run's
+// item count (groups or tokens).
+template <typename Run, typename Size, typename Launch>
+Status LaunchRuns(const Run* runs, int n_runs, Size size, Launch launch) {
+  if (n_runs < 0) return Status::InvalidArgument("negative run count");
+  for (int at = 0; at < n_runs; at += kMaxQuantizeRuns) {
+    RunBatch<Run> batch;
+    batch.count = 0;
+    batch.first[0] = 0;
+    for (int i = at; i < std::min(n_runs, at + kMaxQuantizeRuns); ++i) {
+      const int64_t n = size(runs[i]);
+      if (n < 0) return Status::InvalidArgument("negative run length");
+      if (n == 0) continue;
+      if (batch.first[batch.count] + n > (int64_t{1} << 30)) return Status::InvalidArgument("runs too long for one launch");
+      batch.runs[batch.count] = runs[i];
+      batch.first[batch.count + 1] = static_cast<int32_t>(batch.first[batch.count] + n);
+      ++batch.count;
+    }
+    if (batch.count > 0) SPECACHE_RETURN_IF_ERROR(launch(batch, batch.first[batch.count]));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+Status QuantizeKeyGroupRuns(const KeyGroupRun* runs, int n_runs, int group_size, int head_dim, int bits, void* stream) {
+  SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
+  return LaunchRuns(runs, n_runs, [](const KeyGroupRun& r) { return int64_t{r.n_groups}; },
+                    [&](const RunBatch<KeyGroupRun>& batch, int32_t groups) {
+                      constexpr int kWarps = 4;
+                      const dim3 grid(groups, (head_dim + kWarps - 1) / kWarps);
+                      QuantizeKeyGroupRunsKernel<<<grid, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+                          batch, group_size, head_dim, bits);
+                      return Launched("key quantization kernel");
+                    });
+}
+
+Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_dim, int group_size, int bits,
+                              void* stream) {
+  SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
+  if (head_dim % group_size != 0) return Status::InvalidArgument("group_size must divide head_dim");
+  return LaunchRuns(runs, n_runs, [](const ValueTokenRun& r) { return int64_t{r.n_tokens}; },
+                    [&](const RunBatch<ValueTokenRun>& batch, int32_t tokens) {
+                      constexpr int kWarps = 8;
+                      const int64_t warps = int64_t{tokens} * (head_dim / group_size);
+                      QuantizeValueTokenRunsKernel<<<static_cast<unsigned>((warps + kWarps - 1) / kWarps), kWarps * 32,
+                                                     0, static_cast<cudaStream_t>(stream)>>>(batch, head_dim, group_size,
+                                                                                             bits);
+                      return Launched("value quantization kernel");
+                    });
+}
 
 Status QuantizeKeyGroups(const Half* keys, int n_groups, int group_size, int head_dim, int bits, uint32_t* codes,
                          Half* scale, Half* zero, void* stream) {
-  SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
-  if (n_groups <= 0) return n_groups == 0 ? Status::Ok() : Status::InvalidArgument("negative group count");
-  constexpr int kWarps = 4;
-  const dim3 grid(n_groups, (head_dim + kWarps - 1) / kWarps);
-  QuantizeKeyGroupsKernel<<<grid, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const __half*>(keys), group_size, head_dim, bits, codes, scale, zero);
-  return Launched("key quantization kernel");
+  const KeyGroupRun run{keys, codes, scale, zero, n_groups};
+  return QuantizeKeyGroupRuns(&run, 1, group_size, head_dim, bits, stream);
 }
 
 Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int group_size, int bits,
                            uint32_t* codes, Half* scale, Half* zero, void* stream) {
-  SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
-  if (head_dim % group_size != 0) return Status::InvalidArgument("group_size must divide head_dim");
-  if (n_tokens <= 0) return n_tokens == 0 ? Status::Ok() : Status::InvalidArgument("negative token count");
-  constexpr int kWarps = 8;
-  const int runs = n_tokens * (head_dim / group_size);
-  QuantizeValueTokensKernel<<<(runs + kWarps - 1) / kWarps, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const __half*>(values), runs, head_dim, group_size, bits, codes, scale, zero);
-  return Launched("value quantization kernel");
+  const ValueTokenRun run{values, codes, scale, zero, n_tokens};
+  return QuantizeValueTokenRuns(&run, 1, head_dim, group_size, bits, stream);
 }
 
 Status QuantizeValueTokenBatch(const ValueTokenTask* tasks, int n_tasks, int head_dim, int group_size, int bits,
