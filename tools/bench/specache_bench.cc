@@ -286,9 +286,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
   if (std::string_view(suite.name) == "step") {
     cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit; "
                     "specache-1bit-union: specache-run's default selection (union, 64 more rows from the real row, "
-                    "its successors, every cached row attended)")
+                    "their successors, every cached row attended); specache-1bit-union-noresident: without the "
+                    "last; specache-1bit-resident: the paper's rule, every cached row attended")
         ->delimiter(',')
-        ->check(CLI::IsMember({"specache-1bit", "specache-2bit", "kivi-1bit", "specache-1bit-union"}));
+        ->check(CLI::IsMember({"specache-1bit", "specache-2bit", "kivi-1bit", "specache-1bit-union",
+                              "specache-1bit-union-noresident", "specache-1bit-resident"}));
   }
   if (suite.trace) {
     cmd->add_option("--trace", o->trace_path, "selection trace (specache-run generate --selection-trace)")->required();

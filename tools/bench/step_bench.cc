@@ -117,12 +117,17 @@ KvConfig StepKvConfig(const std::string& kv) {
   config.mode = kv.rfind("kivi", 0) == 0 ? KvMode::kKivi : KvMode::kSpeCache;
   config.key_bits = config.value_bits = kv.find("2bit") != std::string::npos ? 2 : 1;
   config.top_k = kTopK;
-  if (kv.ends_with("-union")) {  // specache-run's default selection (run_support.h)
+  // specache-run's default selection (run_support.h): the union, 64 rows from the real row, their
+  // successors, every cached row attended; "-noresident" without the last, "-resident" the paper's
+  // rule with it.
+  if (kv.find("-union") != std::string::npos) {
     config.select = SelectFrom::kUnion;
     config.top_k_real = 64;
     config.real_next = true;
     config.attend_resident = true;
   }
+  if (kv.ends_with("-noresident")) config.attend_resident = false;
+  if (kv.ends_with("-resident") && !kv.ends_with("-noresident")) config.attend_resident = true;
   return config;
 }
 
