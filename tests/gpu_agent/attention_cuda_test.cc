@@ -37,6 +37,7 @@ using testing::DeviceBuffers;
 struct DecodeCase {
   cuda::DeviceDecodeItem item;
   std::vector<float> want, want_probs;
+  std::vector<float> want_real;  // two rows: row 0's probabilities of the candidates (real_probs)
   std::string name;
 };
 
@@ -99,10 +100,11 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
   const int32_t n_candidates = n_qk + (n_rows == 2 ? 1 : 0);
   c.want.resize(size_t(n_rows) * heads * d);
   c.want_probs.resize(size_t(heads) * n_candidates);
+  if (n_rows == 2) c.want_real.resize(c.want_probs.size());
   cpu::AttentionWorkspace ws;
   cpu::AttendDecodeRows(replica, {sub_tokens.data(), sub_rows.data(), static_cast<int32_t>(sub_tokens.size())},
                         q.data(), new_k.data(), new_v.data(), n_rows, heads, 1.0f / std::sqrt(float(d)), c.want.data(),
-                        probs_row, n_candidates, c.want_probs.data(), &ws);
+                        probs_row, n_candidates, c.want_probs.data(), &ws, n_rows == 2 ? c.want_real.data() : nullptr);
 
   cuda::DeviceReplicaView& v = c.item.replica;
   v.head_dim = d;
@@ -128,6 +130,10 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
   r.probs_row = probs_row;
   r.n_candidates = n_candidates;
   r.probs = buf.Zeros<float>(c.want_probs.size());
+  if (n_rows == 2) {  // row 0's raw scores and statistics from the same pass
+    r.real_probs = buf.Zeros<float>(c.want_real.size());
+    r.real_probs_stats = buf.Zeros<float>(size_t(heads) * 2);
+  }
   r.scratch = buf.Zeros<float>(static_cast<size_t>(cuda::DecodeScratchFloats(length, n_rows, heads, d)));
   return c;
 }
@@ -141,6 +147,16 @@ void ExpectMatches(const DecodeCase& c) {
   if (!c.want_probs.empty()) {  // (no quantized token yet: no candidates)
     EXPECT_LT(testing::RelativeError(got_probs, std::vector<double>(c.want_probs.begin(), c.want_probs.end())), 1e-5)
         << "probabilities, " << c.name;
+  }
+  if (!c.want_real.empty() && c.item.rows.n_candidates > 0) {  // raw scores: p = exp(score - max) / sum
+    std::vector<float> real = testing::Download(c.item.rows.real_probs, c.want_real.size());
+    const std::vector<float> stats = testing::Download(c.item.rows.real_probs_stats, size_t(c.item.rows.n_heads) * 2);
+    for (size_t i = 0; i < real.size(); ++i) {
+      const size_t h = i / c.item.rows.n_candidates;
+      real[i] = std::exp(real[i] - stats[2 * h]) / stats[2 * h + 1];
+    }
+    EXPECT_LT(testing::RelativeError(real, std::vector<double>(c.want_real.begin(), c.want_real.end())), 1e-5)
+        << "the real row's probabilities, " << c.name;
   }
 }
 #endif

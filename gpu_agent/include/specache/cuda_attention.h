@@ -126,6 +126,11 @@ struct DeviceDecodeRows {
   // (SelectTopKBatch) normalises while it reads: p = exp(score - max) / sum. Saves a pass over
   // the scores. When null, `probs` receives the probabilities themselves.
   float* probs_stats = nullptr;
+  // Both or neither, and only with probs_row != 0: row 0's (the real row's) raw scores of the same
+  // candidates [n_heads][n_candidates] and their statistics [n_heads][2], from the same pass (the
+  // union rule ranks the real row too, selection.h).
+  float* real_probs = nullptr;
+  float* real_probs_stats = nullptr;
   float* scratch = nullptr;             // DecodeScratchFloats(length, n_rows, n_heads, head_dim) floats
 };
 

@@ -161,9 +161,10 @@ __global__ void ValuesKernel(const DeviceItemSet* set) {
     }
     max_of[qi] = m;
     inv_sum_of[qi] = 1.0f / l;
-    if (r.probs && r.probs_stats && blockIdx.x == 0 && qi / r.n_heads == r.probs_row) {
-      r.probs_stats[(qi % r.n_heads) * 2] = m;
-      r.probs_stats[(qi % r.n_heads) * 2 + 1] = l;
+    if (blockIdx.x == 0) {
+      float* stats = r.probs && r.probs_stats && qi / r.n_heads == r.probs_row ? r.probs_stats
+                                                                              : decode::RealRowStats(r, qi / r.n_heads);
+      if (stats) stats[(qi % r.n_heads) * 2] = m, stats[(qi % r.n_heads) * 2 + 1] = l;
     }
   }
   MapSubstitutes(v, r, first, n, subs);
@@ -172,8 +173,10 @@ __global__ void ValuesKernel(const DeviceItemSet* set) {
     const float score = r.scratch[static_cast<size_t>(qi) * width + first + j];
     const float w = expf(score - max_of[qi]) * inv_sum_of[qi];
     weights[qi * kBlockTokens + j] = w;
-    if (r.probs && qi / r.n_heads == r.probs_row && first + j < r.n_candidates) {
-      r.probs[static_cast<size_t>(qi % r.n_heads) * r.n_candidates + first + j] = r.probs_stats ? score : w;
+    float* const scores = first + j < r.n_candidates ? decode::ScoresOfRow(r, qi / r.n_heads) : nullptr;
+    if (scores) {  // the real row's always raw (real_probs_stats); the probabilities row's unless no stats
+      const bool raw = scores != r.probs || r.probs_stats;
+      scores[static_cast<size_t>(qi % r.n_heads) * r.n_candidates + first + j] = raw ? score : w;
     }
   }
   __syncthreads();

@@ -89,6 +89,16 @@ __device__ inline uint32_t Code(const uint32_t* words, int i, int bits) {
   return (words[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);
 }
 
+// Where a row's raw scores go: `probs` for the probabilities row, `real_probs` for row 0 when that
+// is another row, else nowhere.
+__device__ inline float* ScoresOfRow(const DeviceDecodeRows& r, int row) {
+  return row == r.probs_row ? r.probs : row == 0 ? r.real_probs : nullptr;
+}
+// Where row 0's softmax statistics go when the union rule asked for them (real_probs), else null.
+__device__ inline float* RealRowStats(const DeviceDecodeRows& r, int row) {
+  return row == 0 && row != r.probs_row && r.real_probs ? r.real_probs_stats : nullptr;
+}
+
 // Where query qi (row qi / n_heads, head qi % n_heads) starts in q and out. Strides are resolved
 // on the host (AttendDecodeBatch), never 0 here.
 __device__ inline int64_t QueryAt(const DeviceDecodeRows& r, int qi, int d) {

@@ -312,16 +312,16 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     q_unscale[nt][0] = __shfl_sync(kAll, row_unscale[nt], 8 * t);
     q_unscale[nt][1] = __shfl_sync(kAll, row_unscale[nt], 8 * t + 4);
   }
-  // Whether C column (nt, j) is the probabilities row's, and where its scores go.
+  // Whether C column (nt, j) is the probabilities row's (or the real row's, for the union rule),
+  // and where its scores go.
   float* probs_at[NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int q = 8 * nt + 2 * t + j;
-      probs_at[nt][j] = r.probs && q < queries && q / r.n_heads == r.probs_row
-                            ? r.probs + static_cast<size_t>(q % r.n_heads) * r.n_candidates
-                            : nullptr;
+      float* const scores = q < queries ? decode::ScoresOfRow(r, q / r.n_heads) : nullptr;
+      probs_at[nt][j] = scores ? scores + static_cast<size_t>(q % r.n_heads) * r.n_candidates : nullptr;
     }
   float acc[MT][NT][4];
 #pragma unroll
@@ -720,9 +720,8 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     for (int q = 0; q < Q; ++q) {
       float score = -INFINITY;
       if (q < queries && valid && !(token >= v.length && token - v.length > q / r.n_heads)) score = s[q];
-      if (r.probs && q < queries && valid && q / r.n_heads == r.probs_row && token < r.n_candidates) {
-        r.probs[static_cast<size_t>(q % r.n_heads) * r.n_candidates + token] = score;
-      }
+      float* const scores = q < queries && valid && token < r.n_candidates ? decode::ScoresOfRow(r, q / r.n_heads) : nullptr;
+      if (scores) scores[static_cast<size_t>(q % r.n_heads) * r.n_candidates + token] = score;
       float bm = score;
       for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, o));
       const float mn = fmaxf(m[q], bm);
@@ -852,7 +851,9 @@ __global__ void MergeKernel(const DeviceItemSet* set) {
     for (; u < units; ++u) o[0] += at[u * stride] * weight[u];
     r.out[QueryAt(r, q, d) + c] = ((o[0] + o[1]) + (o[2] + o[3])) * inv_sum;
   }
-  if (r.probs && q / r.n_heads == r.probs_row) {
+  if (float* stats = decode::RealRowStats(r, q / r.n_heads)) {
+    if (threadIdx.x == 0) stats[(q % r.n_heads) * 2] = mx, stats[(q % r.n_heads) * 2 + 1] = sum;
+  } else if (r.probs && q / r.n_heads == r.probs_row) {
     const int h = q % r.n_heads;
     if (r.probs_stats) {
       if (threadIdx.x == 0) r.probs_stats[h * 2] = mx, r.probs_stats[h * 2 + 1] = sum;

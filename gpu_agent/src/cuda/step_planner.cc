@@ -81,6 +81,12 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
   SPECACHE_RETURN_IF_ERROR(scores_.Reserve(scratch));
   SPECACHE_RETURN_IF_ERROR(probs_.Reserve(std::max<size_t>(probs, 1)));
   SPECACHE_RETURN_IF_ERROR(probs_stats_.Reserve(n_seq * n_kv * group * 2));
+  // The union rule ranks the real row too: its scores come out of the same pass (real_probs).
+  const bool ranks_real = selects && config_.extra_rows() > 0 && n_rows > 1 && probs_row != 0;
+  if (ranks_real) {
+    SPECACHE_RETURN_IF_ERROR(real_probs_.Reserve(std::max<size_t>(probs, 1)));
+    SPECACHE_RETURN_IF_ERROR(real_stats_.Reserve(n_seq * n_kv * group * 2));
+  }
   scratch = 0;
   for (size_t s = 0; s < n_seq; ++s) {
     const int32_t candidates = plan.candidates[s];
@@ -105,6 +111,10 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
       r.probs = selects && candidates > 0 ? probs_.get() + plan.probs_offsets[s] + size_t(h) * group * candidates
                                           : nullptr;
       r.probs_stats = ProbsStats(s, h);
+      if (ranks_real && r.probs) {
+        r.real_probs = RealProbs(plan, s, h, candidates);
+        r.real_probs_stats = RealStats(s, h);
+      }
       r.scratch = scores_.get() + scratch;
       scratch += static_cast<size_t>(DecodeScratchFloats(rep.length(), n_rows, group, d));
       plan.items.push_back(it);
@@ -134,8 +144,7 @@ Status StepPlanner::AttendWithFetchedRows(int layer, LayerPlan* plan) {
 
 Status StepPlanner::AttendAndSelect(int layer, const LayerPlan& plan) {
   const bool selects = config_.fetches_rows();
-  SPECACHE_RETURN_IF_ERROR(Attend(plan.items));
-  if (selects && config_.extra_rows() > 0 && protocol_->rows() > 1) SPECACHE_RETURN_IF_ERROR(RankRealRows(plan));
+  SPECACHE_RETURN_IF_ERROR(Attend(plan.items));  // with the real row's scores for the union rule
   if (selects) SPECACHE_RETURN_IF_ERROR(Select(layer, plan));
   return Status::Ok();
 }
@@ -180,35 +189,6 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan) {
   SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
   return SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.primary_rows(),
                          config_.reduction, compute_, adaptive ? &budget : nullptr);
-}
-
-Status StepPlanner::RankRealRows(const LayerPlan& plan) {
-  // Row 0 alone sees the cache and its own token, exactly as it does in the two-row pass, so its
-  // scores are the real row's. Outputs go to scratch; the engine's `out` already has them.
-  const int n_kv = shape_.n_kv_heads, group = shape_.group_size(), d = shape_.head_dim;
-  const std::vector<DeviceDecodeItem>& items = plan.items;
-  std::vector<DeviceDecodeItem> real = items;
-  SPECACHE_RETURN_IF_ERROR(real_stats_.Reserve(items.size() * group * 2));
-  SPECACHE_RETURN_IF_ERROR(real_out_.Reserve(items.size() * group * d));
-  size_t most = 1;
-  for (size_t i = 0; i < real.size(); ++i) {
-    const size_t s = i / n_kv;
-    const int32_t n = real[i].rows.n_candidates;
-    most = std::max(most, plan.probs_offsets[s] + size_t(n_kv) * group * std::max<int32_t>(n, 1));
-  }
-  SPECACHE_RETURN_IF_ERROR(real_probs_.Reserve(most));
-  for (size_t i = 0; i < real.size(); ++i) {
-    const size_t s = i / n_kv;
-    const int h = static_cast<int>(i % n_kv);
-    DeviceDecodeRows& r = real[i].rows;
-    r.n_rows = 1;
-    r.probs_row = 0;
-    r.out = real_out_.get() + i * group * d;
-    r.q_stride = int64_t{group} * d;
-    r.probs = r.n_candidates > 0 ? RealProbs(plan, s, h, r.n_candidates) : nullptr;
-    r.probs_stats = RealStats(s, h);
-  }
-  return Attend(real);
 }
 
 Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {

@@ -57,7 +57,7 @@ class StepPlanner {
   // The attention with the fetched selection substituted (after RowFetcher::Fetch).
   Status AttendWithFetchedRows(int layer, LayerPlan* plan);
   // The attention, then in the modes that fetch rows the top-k for the next step into the
-  // fetcher's next selection (kUnion first ranks the real row on its own).
+  // fetcher's next selection (kUnion ranks the real row too, from the same pass).
   Status AttendAndSelect(int layer, const LayerPlan& plan);
 
   // The fp16 K/V of the last Plan ([row][n_kv][head_dim]) or PrefillHead ([n][head_dim]).
@@ -70,10 +70,8 @@ class StepPlanner {
   // Top-k of each sequence's candidates into the fetcher's next selection.
   Status Select(int layer, const LayerPlan& plan);
   // The row-selection rule beyond the plain top-k (selection.h), in functions of their own:
-  // kUnion's real-row ranking (a second, one-row attention pass whose probabilities go to
-  // real_probs_), its mask-select-merge, and the oracle's exact ranking over every full-precision
-  // row.
-  Status RankRealRows(const LayerPlan& plan);
+  // kUnion's mask-select-merge (the real row's scores come from the attention's own pass, into
+  // real_probs_), and the oracle's exact ranking over every full-precision row.
   Status SelectUnion(int layer, const LayerPlan& plan);
   Status RankExactly(int layer, std::vector<DeviceDecodeItem>* items, cudaStream_t stream);
   // Softmax statistics of sequence s (of the step), KV head h: [GQA head][2].
@@ -103,7 +101,7 @@ class StepPlanner {
 
   // Scratch, grown as needed.
   Buffer<float> q_, out_, scores_, probs_, probs_stats_, topk_scratch_;
-  Buffer<float> real_probs_, real_stats_, real_out_;  // kUnion: the real row's ranking
+  Buffer<float> real_probs_, real_stats_;  // kUnion: the real row's scores and statistics
   Buffer<int32_t> union_tokens_;                      // kUnion: [segment][primary | extra]
   Buffer<float> real_shifted_;                        // kUnion with real_next: [segment][GQA head][n]
   Buffer<int32_t> every_token_;                       // oracle: 0, 1, 2, ... (every quantized token)
