@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace specache {
 namespace {
@@ -155,17 +157,33 @@ Result<std::vector<uint32_t>> ChunkPool::Take(uint32_t n, uint64_t owner) {
 }
 
 Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int owner_pidfd) {
-  Status first = Status::Ok();
   for (uint32_t id : ids) {
     if (id >= chunks_.size()) return Status::OutOfRange("chunk " + std::to_string(id));
+  }
+  // A chunk nobody else holds is zeroed and free at once. A holder may be letting go just now (the
+  // daemon's attach thread closing its copies of the descriptors it sent, a client's last unmap
+  // racing its close request): such chunks get up to kLetGoMs, polled, before they are replaced.
+  std::vector<uint32_t> held;
+  auto free_unless_held = [&](uint32_t id) {
     Chunk& c = chunks_[id];  // the returning owner's alone until owner is reset
     bool unknown = false;
-    if (!HeldElsewhere(c.probe, &unknown)) {
-      std::memset(c.data, 0, options_.chunk_bytes);
-      std::lock_guard<std::mutex> lock(mu_);
-      c.owner = 0;
-      continue;
-    }
+    if (HeldElsewhere(c.probe, &unknown)) return false;
+    std::memset(c.data, 0, options_.chunk_bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    c.owner = 0;
+    return true;
+  };
+  for (uint32_t id : ids) {
+    if (!free_unless_held(id)) held.push_back(id);
+  }
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(kLetGoMs);
+  while (!held.empty() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::erase_if(held, free_unless_held);
+  }
+  Status first = Status::Ok();
+  for (uint32_t id : held) {
+    Chunk& c = chunks_[id];
     c.holder = holder;
     c.holder_pidfd = owner_pidfd >= 0 ? fcntl(owner_pidfd, F_DUPFD_CLOEXEC, 0) : -1;
     if (Status s = Replace(&c); !s.ok()) {

@@ -1,9 +1,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <set>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -76,6 +78,29 @@ TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
     for (uint64_t i = 0; i < p.chunk_bytes(); i += 4093) ASSERT_EQ(d[i], 0) << "chunk " << c << " byte " << i;
   }
   EXPECT_EQ(ChunkPool::Create({1 << 20, 1000, 1, true}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A holder letting go while the chunk comes back (the attach thread closing its copy of a
+// descriptor it sent, racing the client's close request) is waited for, within kLetGoMs: the
+// chunk is zeroed and reused, not replaced and charged.
+TEST(ChunkPoolTest, AHolderLettingGoDuringTheReturnIsWaitedFor) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok());
+  ChunkPool& p = **pool;
+  auto a = p.Take(2, 7);
+  ASSERT_TRUE(a.ok());
+  auto shared = p.ShareFd((*a)[1]);
+  ASSERT_TRUE(shared.ok()) << shared.status().ToString();
+  std::thread closer([fd = *shared] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ChunkPool::kLetGoMs / 5));
+    close(fd);
+  });
+  const Status returned = p.Return(*a, /*holder=*/3);
+  closer.join();
+  ASSERT_TRUE(returned.ok()) << returned.ToString();
+  EXPECT_EQ(p.replaced_chunks(), 0u);
+  EXPECT_EQ(p.retained_bytes(3), 0u);
+  EXPECT_EQ(p.free_count(), p.chunk_count());
 }
 
 TEST(ChunkPoolTest, AChunkStillMappedElsewhereGetsNewMemoryAndStaysChargedUntilReleased) {

@@ -46,7 +46,10 @@ class ChunkPool {
   Result<std::vector<uint32_t>> Take(uint32_t n, uint64_t owner);
   // Gives chunks back: zeroed when nobody else holds them, replaced (and the old memory charged
   // to `holder`, with `owner_pidfd` (may be -1; duplicated) as the fallback release) otherwise.
-  // An error names the chunks whose replacement failed; they come back through Housekeep.
+  // A chunk still held is polled for up to kLetGoMs first (a holder letting go just now), so a
+  // Return with held chunks takes that long. An error names the chunks whose replacement failed;
+  // they come back through Housekeep.
+  static constexpr int kLetGoMs = 100;
   Status Return(std::span<const uint32_t> chunks, uint64_t holder = 0, int owner_pidfd = -1);
 
   // A new open file of the chunk (O_RDWR, CLOEXEC) for a client; the caller owns it.
