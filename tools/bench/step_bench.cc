@@ -127,7 +127,7 @@ KvConfig StepKvConfig(const std::string& kv) {
     config.attend_resident = true;
   }
   if (kv.ends_with("-noresident")) config.attend_resident = false;
-  if (kv.ends_with("-resident") && !kv.ends_with("-noresident")) config.attend_resident = true;
+  if (kv.ends_with("-resident")) config.attend_resident = true;  // ("-noresident" does not end so)
   return config;
 }
 

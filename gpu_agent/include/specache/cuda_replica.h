@@ -119,11 +119,12 @@ class DeviceHeadReplica {
   // The full key residual becomes R/G quantized (or fp16) key groups.
   Status FlushKeyGroups();
   // `groups` whole key groups at `keys` ([groups * G][d] fp16, device) become the next quantized
-  // (or fp16) groups: one launch per replica block they fall in. key_groups_ must be a multiple of
-  // R/G and `groups` too (groups are made R tokens at a time, as the residual would).
+  // (or fp16) groups: one launch for all the replica blocks they fall in (a run per block; fp16
+  // groups: a copy per block). key_groups_ must be a multiple of R/G and `groups` too (groups are
+  // made R tokens at a time, as the residual would).
   Status StoreKeyGroups(const Half* keys, int32_t groups);
   // `m` value rows at `values` ([m][d] fp16, device) become the next quantized (or fp16) values:
-  // one launch per replica block.
+  // one launch for all the replica blocks they fall in (fp16 values: a copy per block).
   Status StoreValues(const Half* values, int32_t m);
   // Quantizes or moves the window's oldest m values into the quantized store (queued on stream_).
   Status RetireOldestValues(int32_t m);

@@ -17,9 +17,8 @@
 // are fp16 hi + lo parts (~22 bits) times 2^14: the reference keeps them in fp32, and rounding
 // them to one fp16 part (1-bit attention per layer at 32 x 8K on the H200: 0.198 instead of 0.206
 // ms) moves the outputs by up to ~2e-4 relative, which the agents' CPU comparisons would then
-// have to allow for. The tensor
-// cores accumulate with truncation, so the values' sums go through fresh accumulators per block of
-// 32 tokens and are added in fp32.
+// have to allow for. The tensor cores accumulate with truncation, so the values' sums go through
+// fresh accumulators per block of 32 tokens and are added in fp32.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -96,7 +95,6 @@ template <int KB, int VB, int D, int NT>
 __host__ __device__ constexpr int WarpWords() {
   return ItemOffsetWords<KB, VB, D, NT>() + kItemWords;
 }
-
 
 __device__ __forceinline__ uint32_t AsU32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 

@@ -102,10 +102,10 @@ class StepPlanner {
   // Scratch, grown as needed.
   Buffer<float> q_, out_, scores_, probs_, probs_stats_, topk_scratch_;
   Buffer<float> real_probs_, real_stats_;  // kUnion: the real row's scores and statistics
-  Buffer<int32_t> union_tokens_;                      // kUnion: [segment][primary | extra]
-  Buffer<float> real_shifted_;                        // kUnion with real_next: [segment][GQA head][n]
-  Buffer<int32_t> every_token_;                       // oracle: 0, 1, 2, ... (every quantized token)
-  Buffer<Half> every_row_;                            // oracle: every quantized row of the step's items
+  Buffer<int32_t> union_tokens_;           // kUnion: [segment][primary | extra]
+  Buffer<float> real_shifted_;             // kUnion with real_next: [segment][GQA head][n]
+  Buffer<int32_t> every_token_;            // oracle: 0, 1, 2, ... (every quantized token)
+  Buffer<Half> every_row_;                 // oracle: every quantized row of the step's items
   Buffer<Half> k_, v_;
   // probs_ holds raw scores; probs_stats_ [sequence][KV head][GQA head][2] their softmax statistics.
 };
