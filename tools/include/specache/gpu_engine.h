@@ -17,7 +17,9 @@ namespace specache::gpu {
 // GPU time of decode steps by phase (CUDA events on the model's stream), summed over the steps
 // run while timing was on.
 struct PhaseTimes {
-  double gemm_ms = 0;        // norms, projections, RoPE, MLP, LM head and argmax
+  double gemm_ms = 0;        // each layer's norms, projections, RoPE and MLP
+  double edges_ms = 0;       // the step's edges: token upload, embedding, the agent's BeginStep and
+                             // EndStep, LM head, argmax, tokens back (the GPU waiting for the host counts)
   double attention_ms = 0;   // the agent's DecodeLayer and StartPrefetch: attention, the top-k of the
                              // speculative modes, and the synchronous fetch of specache-nonspec
   double fetch_wait_ms = 0;  // the stream stalled in WaitPrefetch for rows still in flight
@@ -56,7 +58,7 @@ class GpuEngine {
   int64_t steps() const { return steps_; }
 
  private:
-  enum class Phase { kGemm, kAttention, kFetchWait };
+  enum class Phase { kGemm, kEdges, kAttention, kFetchWait };
   // One agent step over rows [sequence][rows per sequence] with their positions; leaves each row's
   // argmax in argmax_host_ (and logits of rows with `logit_stride`, from row 0, when asked).
   Status RunStep(StepKind kind, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,

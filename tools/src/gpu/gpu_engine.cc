@@ -95,6 +95,7 @@ Status GpuEngine::CollectTimes() {
                                   "timing"));
     switch (phases_[i]) {
       case Phase::kGemm: times_.gemm_ms += ms; break;
+      case Phase::kEdges: times_.edges_ms += ms; break;
       case Phase::kAttention: times_.attention_ms += ms; break;
       case Phase::kFetchWait: times_.fetch_wait_ms += ms; break;
     }
@@ -112,13 +113,14 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
   SPECACHE_RETURN_IF_ERROR(model_->Reserve(n));
   void* s = model_->stream();
   marks_ = 0;
-  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kGemm));
+  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_tokens(), tokens.data(), n * sizeof(int32_t),
                                                 cudaMemcpyHostToDevice, Stream(s)), "step tokens"));
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), positions.data(), n * sizeof(int32_t),
                                                 cudaMemcpyHostToDevice, Stream(s)), "step positions"));
   SPECACHE_RETURN_IF_ERROR(model_->Embed(model_->device_tokens(), n));
   SPECACHE_RETURN_IF_ERROR(agent_->BeginStep(kind, ids_));
+  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   Status status = Status::Ok();
   for (int l = 0; l < c.n_layers && status.ok(); ++l) {
     status = model_->ProjectQkv(l, n, model_->device_positions());
@@ -130,6 +132,7 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
     if (status.ok()) status = Mark(Phase::kAttention);
     if (status.ok()) status = model_->FinishLayer(l, n);
   }
+  if (status.ok()) status = Mark(Phase::kGemm);
   if (!status.ok()) {
     agent_->AbortStep();
     return status;
@@ -147,7 +150,7 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
                                                     row_bytes, sequences, cudaMemcpyDeviceToHost, Stream(s)),
                                   "logits"));
   }
-  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kGemm));
+  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(s)), "decode step"));
   return CollectTimes();
 }
