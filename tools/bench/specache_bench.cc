@@ -247,6 +247,8 @@ constexpr Suite kSuites[] = {
      false, false, true, true, false},
     {"attend", "(GPU) one layer's decode attention and top-k against the HBM bandwidth", true, false, false, false,
      true, true, false},
+    {"layers", "(GPU) the model's work outside attention per step, alone and beside the fetch's SM slots", false, false,
+     false, false, true, false, false},
     {"reuse", "bytes fetched per token with and without the row cache, from a selection trace", false, false, false,
      false, false, false, true},
 };
@@ -350,7 +352,7 @@ int main(int argc, char** argv) {
     ok = bench::RunReuseSuite({o.trace_path, o.row_bytes, {2, 4}}, &reuse);
     for (auto& r : reuse) rows.push_back({"reuse", r.name, r.values});
   }
-  if (o.suite == "gather" || o.suite == "contend" || o.suite == "step" || o.suite == "attend") {
+  if (o.suite == "gather" || o.suite == "contend" || o.suite == "step" || o.suite == "attend" || o.suite == "layers") {
 #ifdef SPECACHE_BENCH_CUDA
     std::vector<bench::BenchRow> cuda_rows;
     if (o.suite == "gather") {
@@ -368,7 +370,9 @@ int main(int argc, char** argv) {
       if (o.tokens_given) step.context = o.tokens;
       step.fetch_blocks = o.fetch_blocks;
       if (!o.step_kv.empty()) step.kv = o.step_kv;
-      ok = o.suite == "step" ? bench::RunStepSuite(step, &cuda_rows) : bench::RunAttendSuite(step, &cuda_rows);
+      ok = o.suite == "step"     ? bench::RunStepSuite(step, &cuda_rows)
+           : o.suite == "layers" ? bench::RunLayersSuite(step, &cuda_rows)
+                                 : bench::RunAttendSuite(step, &cuda_rows);
     }
     for (auto& r : cuda_rows) rows.push_back({o.suite, r.name, r.values});
 #else

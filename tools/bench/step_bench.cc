@@ -15,6 +15,7 @@
 #include "specache/cuda_attention.h"
 #include "specache/cuda_replica.h"
 #include "specache/cuda_topk.h"
+#include "specache/device_probe.h"
 #include "specache/in_memory_source.h"
 #include "llama_kernels.h"
 #include "specache/gpu_llama.h"
@@ -452,6 +453,58 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
               "       layers' own time: above what the gather reaches (specache-bench gather), the fetch cannot hide.\n"
               "       Random data, a fresh input every step: selections barely repeat, so reuse (and the hidden\n"
               "       share of the fetch) is the worst case; a real model reuses about half (specache-bench reuse).\n");
+  return ok;
+}
+
+bool RunLayersSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
+  if (!ProbeCudaDevice().ok()) {
+    std::printf("layers: no CUDA device\n");
+    return false;
+  }
+  const int most = *std::max_element(o.batches.begin(), o.batches.end());
+  Model m;
+  cudaStream_t side = nullptr;
+  if (!m.Init(most) ||
+      !Ok(cudaMemsetAsync(m.out(), 0, sizeof(float) * size_t(most) * kQHeads * kHeadDim, m.stream), "attention output") ||
+      !Ok(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "stream")) {
+    return false;
+  }
+  // As the agent's speculative fetch would if it ran beside them: its default number of blocks.
+  const int held = CudaAgentOptions{}.fetch_blocks;
+  auto layers = [&](int r) {
+    for (int l = 0; l < kLayers; ++l) {
+      if (!m.Projections(l, r) || !m.Rest(l, r)) return false;
+    }
+    return true;
+  };
+  std::printf("\nlayers: the model's work outside attention, %d layers of Llama-3-8B shapes (ms per step)\n", kLayers);
+  std::printf("%6s %10s %22s %7s\n", "rows", "alone", "beside held SM slots", "ratio");
+  bool ok = true;
+  for (int r : o.batches) {
+    const double alone = TimeSteps(m, 2, o.steps, [&] { return layers(r); });
+    // The hold starts first on its own stream and outlasts the timed steps (up to 3x slower).
+    gpu::HoldSlots(static_cast<int>(1000 * (3 * alone * o.steps + 5)), held, side);
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    cudaEventRecord(a, m.stream);
+    for (int i = 0; i < o.steps && ok; ++i) ok = layers(r);
+    cudaEventRecord(b, m.stream);
+    float ms = 0;
+    ok = ok && Ok(cudaStreamSynchronize(m.stream), "layers") && Ok(cudaEventElapsedTime(&ms, a, b), "timing");
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    ok = Ok(cudaDeviceSynchronize(), "hold") && ok && alone > 0;  // the hold ends
+    if (!ok) break;
+    const double beside = double(ms) / o.steps;
+    std::printf("%6d %10.2f %22.2f %7.2f\n", r, alone, beside, beside / alone);
+    rows->push_back({"rows_" + std::to_string(r),
+                     {{"rows", r}, {"ms_layers", alone}, {"held_slots", held}, {"ms_layers_beside_held", beside}}});
+  }
+  std::printf("       held: %d blocks of 256 threads spinning on another stream, as the fetch's blocks. cuBLAS's\n"
+              "       GEMMs run one CTA per SM in one wave: beside the held slots they need a second.\n",
+              held);
+  cudaStreamDestroy(side);
   return ok;
 }
 

@@ -34,4 +34,10 @@ bool RunStepSuite(const StepOptions& options, std::vector<BenchRow>* rows);
 // the HBM bandwidth of a device-to-device copy measured in the same run (read + write bytes).
 bool RunAttendSuite(const StepOptions& options, std::vector<BenchRow>* rows);
 
+// specache-bench layers: the model's work outside attention (GpuLlama's ProjectQkv and
+// FinishLayer over 32 layers of Llama-3-8B shapes) for `batches` rows each, alone and beside a
+// kernel that holds as many SM slots as the agent's fetch has blocks (CudaAgentOptions::fetch_blocks):
+// what running the fetch beside the GEMMs costs them.
+bool RunLayersSuite(const StepOptions& options, std::vector<BenchRow>* rows);
+
 }  // namespace specache::bench

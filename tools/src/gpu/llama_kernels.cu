@@ -195,5 +195,8 @@ void ArgmaxRows(const float* logits, int n, int vocab, int32_t* out, void* strea
   if (n > 0) ArgmaxKernel<<<n, kThreads, 0, S(stream)>>>(logits, vocab, out);
 }
 void Hold(int microseconds, void* stream) { HoldKernel<<<1, 1, 0, S(stream)>>>(uint64_t(microseconds) * 1000); }
+void HoldSlots(int microseconds, int blocks, void* stream) {
+  HoldKernel<<<blocks, kThreads, 0, S(stream)>>>(uint64_t(microseconds) * 1000);
+}
 
 }  // namespace specache::gpu

@@ -38,5 +38,8 @@ void ArgmaxRows(const float* logits, int n, int vocab, int32_t* out, void* strea
 // Keeps the stream busy for about `microseconds` (one thread spinning on the device clock), so
 // that work queued behind it meanwhile is timed without the host's launch gaps (benchmarks).
 void Hold(int microseconds, void* stream);
+// Holds `blocks` SM slots of 256 threads each for about `microseconds`, as the CUDA agent's row
+// fetch does beside the model's kernels (benchmarks).
+void HoldSlots(int microseconds, int blocks, void* stream);
 
 }  // namespace specache::gpu
