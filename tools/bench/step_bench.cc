@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -84,10 +85,12 @@ struct Model {
 };
 
 // Milliseconds per step of `step`, on the model's stream (events), after `warm` untimed steps.
+// `before_timing` runs once the device is idle, just before the first timed step.
 template <typename Fn>
-double TimeSteps(Model& m, int warm, int steps, Fn step) {
+double TimeSteps(Model& m, int warm, int steps, Fn step, const std::function<void()>& before_timing = {}) {
   for (int i = 0; i < warm; ++i) if (!step()) return -1;
   cudaDeviceSynchronize();
+  if (before_timing) before_timing();
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
@@ -482,21 +485,17 @@ bool RunLayersSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   bool ok = true;
   for (int r : o.batches) {
     const double alone = TimeSteps(m, 2, o.steps, [&] { return layers(r); });
-    // The hold starts first on its own stream and outlasts the timed steps (up to 3x slower).
-    gpu::HoldSlots(static_cast<int>(1000 * (3 * alone * o.steps + 5)), held, side);
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    cudaEventRecord(a, m.stream);
-    for (int i = 0; i < o.steps && ok; ++i) ok = layers(r);
-    cudaEventRecord(b, m.stream);
-    float ms = 0;
-    ok = ok && Ok(cudaStreamSynchronize(m.stream), "layers") && Ok(cudaEventElapsedTime(&ms, a, b), "timing");
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    ok = Ok(cudaDeviceSynchronize(), "hold") && ok && alone > 0;  // the hold ends
+    if (alone <= 0) {
+      ok = false;
+      break;
+    }
+    // The hold starts first on its own stream and outlasts the timed steps (up to 3x slower); the
+    // timing's last device wait is for its end.
+    const double beside = TimeSteps(m, 0, o.steps, [&] { return layers(r); }, [&] {
+      gpu::HoldSlots(static_cast<int>(1000 * (3 * alone * o.steps + 5)), held, side);
+    });
+    ok = beside > 0 && Ok(cudaGetLastError(), "layers");
     if (!ok) break;
-    const double beside = double(ms) / o.steps;
     std::printf("%6d %10.2f %22.2f %7.2f\n", r, alone, beside, beside / alone);
     rows->push_back({"rows_" + std::to_string(r),
                      {{"rows", r}, {"ms_layers", alone}, {"held_slots", held}, {"ms_layers_beside_held", beside}}});
