@@ -84,6 +84,18 @@ TEST(AgentConfigTest, RejectsBadShapesAndParametersWithClearErrors) {
   EXPECT_FALSE(ParseGroupReduction("median").ok());
 }
 
+TEST(AgentConfigTest, FetchOverlapNamesRoundTrip) {
+  for (FetchOverlap o :
+       {FetchOverlap::kFromSelection, FetchOverlap::kBesideNextAttention, FetchOverlap::kWithinNextAttention}) {
+    EXPECT_EQ(*ParseFetchOverlap(FetchOverlapName(o)), o);
+  }
+  EXPECT_EQ(CudaAgentOptions{}.fetch_overlap, FetchOverlap::kFromSelection);
+  const auto bad = ParseFetchOverlap("later");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("within-next-attention"), std::string::npos);
+}
+
 TEST(AgentTest, CallsOutOfOrderOrWithBadIdsGiveSpecificErrors) {
   Fixture f(Config(KvMode::kSpeCache));
   Agent& a = *f.agent;

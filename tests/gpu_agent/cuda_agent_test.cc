@@ -88,10 +88,11 @@ constexpr float kNearTie = 2e-3f;
 // (printed); any other difference is the error.
 Result<std::unique_ptr<GenerationPair>> GenerateOnBoth(const testing::TinyModel& model, const KvConfig& c,
                                                        const std::vector<int>& prompt, int steps,
-                                                       const std::string& name) {
+                                                       const std::string& name,
+                                                       CudaAgentOptions options = {4096}) {
   auto p = std::make_unique<GenerationPair>();
   SPECACHE_ASSIGN_OR_RETURN(p->cpu, CreateCpuAgent(model.shape(), c, &p->cpu_source));
-  SPECACHE_ASSIGN_OR_RETURN(auto gpu, CreateCudaAgent(model.shape(), c, &p->gpu_source, {4096}));
+  SPECACHE_ASSIGN_OR_RETURN(auto gpu, CreateCudaAgent(model.shape(), c, &p->gpu_source, options));
   SPECACHE_ASSIGN_OR_RETURN(p->gpu, WrapHostTensors(std::move(gpu)));  // the tiny model's tensors are on the host
   SPECACHE_ASSIGN_OR_RETURN(p->want, model.Generate(p->cpu.get(), 1, prompt, steps));
   const testing::GenerationTrace& w = p->want;
@@ -173,6 +174,44 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
     if (m.mode == KvMode::kFull) full_tokens = got->tokens;
     if (m.mode == KvMode::kSpeCache && m.k >= 4096) {
       EXPECT_EQ(got->tokens, full_tokens) << "k covers the context";
+    }
+  }
+#endif
+}
+
+// Wherever the speculative fetch is queued (CudaAgentOptions::fetch_overlap), the rows and the
+// results are the same: the paper's rule and the union rule with every cached row attended.
+TEST(CudaAgentTest, EveryFetchOverlapMatchesTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const testing::TinyModel model({});
+  const std::vector<int> prompt = Prompt(300);
+  for (bool union_rule : {false, true}) {
+    KvConfig c;
+    c.top_k = 16;
+    if (union_rule) {
+      c.select = SelectFrom::kUnion;
+      c.real_next = true;
+      c.attend_resident = true;
+    }
+    for (FetchOverlap overlap :
+         {FetchOverlap::kFromSelection, FetchOverlap::kBesideNextAttention, FetchOverlap::kWithinNextAttention}) {
+      CudaAgentOptions options{4096};
+      options.fetch_overlap = overlap;
+      const std::string name = std::string(union_rule ? "union " : "spec ") + std::string(FetchOverlapName(overlap));
+      auto pair = GenerateOnBoth(model, c, prompt, 24, name, options);
+      ASSERT_TRUE(pair.ok()) << pair.status().ToString();
+      EXPECT_LT(WorstLogitDifference((*pair)->want, (*pair)->got), 1e-3) << name;
+      const AgentStats a = (*pair)->cpu->stats(), b = (*pair)->gpu->stats();
+      EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+      EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+      EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
+      for (int l = 0; l < model.shape().n_layers; ++l) {
+        for (int h = 0; h < model.shape().n_kv_heads; ++h) {
+          EXPECT_EQ(*(*pair)->gpu->SelectedTokens(1, l, h), *(*pair)->cpu->SelectedTokens(1, l, h))
+              << name << " layer " << l << " KV head " << h;
+        }
+      }
     }
   }
 #endif

@@ -72,6 +72,7 @@ struct Options {
   int host_gib = 16;
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
+  std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
@@ -286,6 +287,13 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_option("--fetch-blocks", o->fetch_blocks, "fetch kernel blocks (default: the agent's)")->check(positive);
   }
   if (std::string_view(suite.name) == "step") {
+    cmd->add_option("--fetch-overlap", o->fetch_overlap,
+                    "when each layer's fetch is queued, a row each: from-selection (default), beside-next-attention, "
+                    "within-next-attention")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"from-selection", "beside-next-attention", "within-next-attention"}));
+  }
+  if (std::string_view(suite.name) == "step") {
     cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit; "
                     "specache-1bit-union: specache-run's default selection (union, 64 more rows from the real row, "
                     "their successors, every cached row attended); specache-1bit-union-noresident: without the "
@@ -369,6 +377,7 @@ int main(int argc, char** argv) {
       if (!o.batches.empty()) step.batches = o.batches;
       if (o.tokens_given) step.context = o.tokens;
       step.fetch_blocks = o.fetch_blocks;
+      if (!o.fetch_overlap.empty()) step.fetch_overlap = o.fetch_overlap;
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       ok = o.suite == "step"     ? bench::RunStepSuite(step, &cuda_rows)
            : o.suite == "layers" ? bench::RunLayersSuite(step, &cuda_rows)

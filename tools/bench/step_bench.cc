@@ -135,7 +135,8 @@ KvConfig StepKvConfig(const std::string& kv) {
   return config;
 }
 
-AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, int fetch_blocks, bool fetch) {
+AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, int fetch_blocks, bool fetch,
+                  FetchOverlap overlap = FetchOverlap::kFromSelection) {
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30);
@@ -148,6 +149,7 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   options.capacity_tokens = context + warm + steps + 8;
   options.stream = m.stream;
   options.fetch = fetch;
+  options.fetch_overlap = overlap;
   if (fetch_blocks > 0) options.fetch_blocks = fetch_blocks;
   const auto created = std::chrono::steady_clock::now();
   auto agent = CreateCudaAgent({kLayers, kQHeads, kKvHeads, kHeadDim}, config, &source, options);
@@ -409,44 +411,51 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       continue;
     }
     for (const std::string& kv : o.kv) {
-      // kivi fetches nothing: one run is both columns.
+      // kivi fetches nothing: one run is both columns, and one overlap.
+      const bool fetches = StepKvConfig(kv).fetches_rows();
       const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, false);
-      const AgentRun with = StepKvConfig(kv).fetches_rows()
-                                ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true)
-                                : without;
-      if (without.ms < 0 || with.ms < 0) {
-        ok = false;
-        continue;
+      for (size_t v = 0; v < (fetches ? o.fetch_overlap.size() : 1); ++v) {
+        auto overlap = ParseFetchOverlap(o.fetch_overlap[v]);
+        if (!Ok(overlap.status(), "fetch overlap")) return false;
+        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap)
+                                      : without;
+        if (without.ms < 0 || with.ms < 0) {
+          ok = false;
+          continue;
+        }
+        // The default overlap keeps the row names of earlier results.
+        const std::string suffix = *overlap == FetchOverlap::kFromSelection ? "" : "_" + o.fetch_overlap[v];
+        const double ratio = with.ms / without.ms;
+        const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
+        const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
+        std::printf("%-14s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f %11.1f\n",
+                    (kv + suffix).c_str(), batch, layers_ms, without.ms, with.ms, ratio, with.bytes_per_step / 1e6,
+                    with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3), with.prefill_ms);
+        rows->push_back({kv + suffix + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
+                         {{"batch", batch},
+                          {"context", o.context},
+                          {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
+                         {"fetch_overlap", static_cast<double>(*overlap)},
+                          {"ms_layers_only", layers_ms},
+                          {"ms_step_no_fetch", without.ms},
+                          {"ms_step_fetch", with.ms},
+                          {"ms_agent_prefill_store_only", with.prefill_ms},
+                          {"ms_agent_create_register_pages", with.register_ms},
+                          {"ratio", ratio},
+                          {"bytes_fetched_per_step", with.bytes_per_step},
+                          {"device_bytes_per_sequence", with.device_bytes / batch},
+                          {"device_bytes_reserved_per_sequence", with.device_bytes_reserved / batch},
+                          // The reservation's parts: the replica blocks a sequence holds (the pool's
+                          // slack excluded) and its own buffers (key residual, value window, row
+                          // buffers and cache, tables), next to its fp16 K/V at the same context.
+                          {"device_blocks_per_sequence", with.pool_used / batch},
+                          {"device_fixed_per_sequence", (with.device_bytes_reserved - with.pool_bytes) / batch},
+                          {"fp16_kv_bytes_per_sequence", fp16_kv},
+                          {"blocks_over_fp16_kv", with.pool_used / batch / fp16_kv},
+                          {"reused_fraction", with.reused_fraction},
+                          {"gbps_needed_to_hide_under_layers", hide_gbps},
+                          {"tokens_per_s", batch / (with.ms * 1e-3)}}});
       }
-      const double ratio = with.ms / without.ms;
-      const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
-      const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
-      std::printf("%-14s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f %11.1f\n", kv.c_str(), batch,
-                  layers_ms, without.ms, with.ms,
-                  ratio, with.bytes_per_step / 1e6, with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3), with.prefill_ms);
-      rows->push_back({kv + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
-                       {{"batch", batch},
-                        {"context", o.context},
-                        {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
-                        {"ms_layers_only", layers_ms},
-                        {"ms_step_no_fetch", without.ms},
-                        {"ms_step_fetch", with.ms},
-                        {"ms_agent_prefill_store_only", with.prefill_ms},
-                        {"ms_agent_create_register_pages", with.register_ms},
-                        {"ratio", ratio},
-                        {"bytes_fetched_per_step", with.bytes_per_step},
-                        {"device_bytes_per_sequence", with.device_bytes / batch},
-                        {"device_bytes_reserved_per_sequence", with.device_bytes_reserved / batch},
-                        // The reservation's parts: the replica blocks a sequence holds (the pool's
-                        // slack excluded) and its own buffers (key residual, value window, row
-                        // buffers and cache, tables), next to its fp16 K/V at the same context.
-                        {"device_blocks_per_sequence", with.pool_used / batch},
-                        {"device_fixed_per_sequence", (with.device_bytes_reserved - with.pool_bytes) / batch},
-                        {"fp16_kv_bytes_per_sequence", fp16_kv},
-                        {"blocks_over_fp16_kv", with.pool_used / batch / fp16_kv},
-                        {"reused_fraction", with.reused_fraction},
-                        {"gbps_needed_to_hide_under_layers", hide_gbps},
-                        {"tokens_per_s", batch / (with.ms * 1e-3)}}});
     }
   }
   std::printf("       ms_prefill: the agent's store-only prefill of the batch, all layers (quantize + page writes;\n"

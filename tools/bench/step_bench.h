@@ -18,6 +18,8 @@ struct StepOptions {
   int context = 8192;
   int steps = 10;                           // timed steps (after warm-ups)
   int fetch_blocks = 0;                     // CudaAgentOptions::fetch_blocks; 0: the agent's default
+  // CudaAgentOptions::fetch_overlap, a row each (FetchOverlapName).
+  std::vector<std::string> fetch_overlap{"from-selection"};
   // Replicas timed, each a row per batch: specache-1bit, specache-2bit, kivi-1bit (no rows
   // fetched: the low-bit attention alone), specache-1bit-union (specache-run's default selection).
   std::vector<std::string> kv{"specache-1bit"};

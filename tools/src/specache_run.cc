@@ -700,6 +700,11 @@ int main(int argc, char** argv) {
   bench->add_option("--sdpa-script", bo.sdpa_script,
                     "tools/bench/fp16_baseline.py: runs PyTorch SDPA at the fp16 batch next to the fp16 row");
   bench->add_option("--python", bo.python, "Python with PyTorch, for --sdpa-script")->capture_default_str();
+  bench->add_option("--fetch-overlap", bo.fetch_overlap,
+                    "when the CUDA agent queues each layer's speculative fetch: from-selection, beside-next-attention, "
+                    "within-next-attention (agent.h, FetchOverlap)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"from-selection", "beside-next-attention", "within-next-attention"}));
   bench->add_flag("--json", bench_args.json, "print one JSON object per row on stdout");
   bench->add_option("--json-out", bench_args.json_out, "also write all rows to this file (a JSON array)");
   bench->add_option("--plot", bench_args.plot, "write tokens/s over context per mode as a PNG");

@@ -116,6 +116,7 @@ class Bench {
       CudaAgentOptions options;
       options.capacity_tokens = capacity;
       options.stream = model_->stream();
+      SPECACHE_ASSIGN_OR_RETURN(options.fetch_overlap, ParseFetchOverlap(o_.fetch_overlap));
       SPECACHE_ASSIGN_OR_RETURN(agent, CreateCudaAgent(shape, config, source.get(), options));
     }
     std::vector<SequenceId> ids;
@@ -300,6 +301,7 @@ class Bench {
     j["ms_gemm"] = run.phases.gemm_ms + run.phases.edges_ms;  // the table's column: all but attention
     j["ms_gemm_layers"] = run.phases.gemm_ms;
     j["ms_step_edges"] = run.phases.edges_ms;
+    if (mode != "fp16" && mode != "kivi" && mode != "full-offload") j["fetch_overlap"] = o_.fetch_overlap;
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;
     j["ms_fetch_wait"] = run.phases.fetch_wait_ms;

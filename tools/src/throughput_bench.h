@@ -37,6 +37,7 @@ struct ThroughputOptions {
   double host_ram_fraction = 0.8;       // of MemAvailable at start, for the full-precision KV
   std::string sdpa_script;              // tools/bench/fp16_baseline.py; empty: no SDPA row
   std::string python = "python3";
+  std::string fetch_overlap = "from-selection";  // CudaAgentOptions::fetch_overlap (FetchOverlapName)
 };
 
 // Runs every (context, mode); one JSON object per row (see the .cc for the fields), a table on

@@ -154,6 +154,24 @@ class Agent {
 Result<std::unique_ptr<Agent>> CreateCpuAgent(const ModelShape& shape, const KvConfig& config,
                                               FullPrecisionSource* source);
 
+// When the CUDA agent queues the speculative fetch of layer L (specache mode, a source with
+// zero-copy pages) on its own stream. The fetch holds fetch_blocks SMs while it runs, and an
+// engine's GEMMs that fill every SM in one wave (cuBLAS's decode GEMMs do) take a second wave beside
+// it (on the H200 the layers of Llama-3-8B at 198 rows: 6.84 ms alone, at least 9.68 beside 32 held
+// slots; gpu_agent/bench_results/NOTES.md).
+enum class FetchOverlap {
+  kFromSelection,        // as soon as L's selection is queued: beside the rest of layer L's work,
+                         // the engine's kernels after it and layer L + 1's attention
+  kBesideNextAttention,  // when layer L + 1's attention is about to be queued (its WaitFetched):
+                         // beside that attention, which leaves it fetch_blocks slots
+  kWithinNextAttention,  // the same, and the compute stream waits for it after that attention and
+                         // selection, so it never runs beside the engine's kernels (a fetch longer
+                         // than the attention stalls the step instead)
+};
+// "from-selection", "beside-next-attention", "within-next-attention".
+std::string_view FetchOverlapName(FetchOverlap overlap);
+Result<FetchOverlap> ParseFetchOverlap(std::string_view name);
+
 struct CudaAgentOptions {
   int32_t capacity_tokens = 32768;  // most tokens per sequence (the length of its block and page tables)
   void* stream = nullptr;           // the engine's cudaStream_t: the agent's compute is queued on it
@@ -162,6 +180,7 @@ struct CudaAgentOptions {
   // false: only for measuring what the fetch costs (specache-bench step). Rows are selected as
   // usual but none is fetched, so the attention substitutes nothing; results are not SpeCache's.
   bool fetch = true;
+  FetchOverlap fetch_overlap = FetchOverlap::kFromSelection;
   // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
   // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence
   // that needs a block the pool no longer has gets RESOURCE_EXHAUSTED (PrefillLayer, BeginStep)

@@ -289,6 +289,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
   } else {
     SPECACHE_RETURN_IF_ERROR(planner_.AttendAndSelect(layer, plan));
     if (config_.fetches_rows()) SPECACHE_RETURN_IF_ERROR(rows_.MarkSelected(layer));
+    SPECACHE_RETURN_IF_ERROR(rows_.JoinFetch());  // FetchOverlap::kWithinNextAttention
   }
   if (protocol_.kind() == StepKind::kDecode) SPECACHE_RETURN_IF_ERROR(AppendRealTokens(layer));
   protocol_.AfterDecode(layer);

@@ -18,6 +18,7 @@ RowFetcher::~RowFetcher() {
   rows_.clear();
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
+  if (deferred_start_) cudaEventDestroy(deferred_start_);
   if (fetch_) cudaStreamDestroy(fetch_);
 }
 
@@ -36,6 +37,7 @@ Status RowFetcher::Init() {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&selected_[l], cudaEventDisableTiming), "event"));
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&fetched_[l], cudaEventDisableTiming), "event"));
   }
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&deferred_start_, cudaEventDisableTiming), "event"));
   if (staged_source_) {
     staged_worker_ = std::make_unique<StagedFetch>(staged_source_, shape_.head_dim);
     staged_inline_ = std::make_unique<StagedFetch>(staged_source_, shape_.head_dim);
@@ -152,7 +154,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   return w;
 }
 
-Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, cudaStream_t stream) {
+Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, cudaStream_t stream) const {
   for (const FetchWork::Fill& f : w.fills) {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(f.at, f.value, f.bytes, stream), "row cache"));
   }
@@ -209,7 +211,12 @@ Status RowFetcher::MarkSelected(int layer) {
 //   fetch:   wait selected_[L]; [staged: selection down, host waits; source reads; rows up];
 //            fetch kernel (hits from the cache); cache update; record fetched_[L]
 //   compute: (next step, before L's attention) wait fetched_[L] (WaitFetched)
-// Local: the agent's thread queues the fetch stream's part right here. Staged: the worker does,
+// Local: the agent's thread queues the fetch stream's part right here (kFromSelection), or at the
+// next WaitFetched (of layer L + 1, or of the next step's first layer after the last), waiting for
+// deferred_start_ recorded there on the compute stream instead of selected_[L], which comes
+// before it; kWithinNextAttention adds, at that layer's JoinFetch,
+//   compute: (after the attention and selection of L + 1) wait fetched_[L]
+// Staged: the worker does,
 // because its middle waits on the host; the agent's thread queues nothing on the fetch stream, so
 // the worker's copies are never interleaved with other fetch-stream work. selected_[L] is
 // recorded again only at L's next MarkSelected, which comes after L's next WaitFetched, which
@@ -217,21 +224,47 @@ Status RowFetcher::MarkSelected(int layer) {
 // waits for fetched_[L] only after the join, so never for an event the job has not recorded yet
 // (waiting for an event before its record is no wait at all).
 Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
+  SPECACHE_RETURN_IF_ERROR(LaunchDeferred());  // two StartFetch without a WaitFetched between
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids));
   // std::function copies its callable: the work travels behind a shared pointer.
   auto work = std::make_shared<const FetchWork>(std::move(w));
+  if (!worker_ && options_.fetch_overlap != FetchOverlap::kFromSelection) {
+    deferred_ = std::move(work);
+    deferred_layer_ = layer;
+    return Status::Ok();
+  }
   auto run = [this, layer, work]() -> Status {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
     SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), fetch_));
     return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
   };
-  if (!worker_) return run();
   handed_[layer] = ids;
   worker_->Submit(layer, std::move(run));
   return Status::Ok();
 }
 
+Status RowFetcher::LaunchDeferred() const {
+  if (!deferred_) return Status::Ok();
+  const std::shared_ptr<const FetchWork> work = std::move(deferred_);
+  deferred_.reset();
+  const int layer = deferred_layer_;
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(deferred_start_, compute_), "fetch start event"));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, deferred_start_, 0), "wait for the fetch's start"));
+  SPECACHE_RETURN_IF_ERROR(Launch(*work, nullptr, fetch_));
+  return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
+}
+
+Status RowFetcher::JoinFetch() {
+  if (join_layer_ < 0) return Status::Ok();
+  const int layer = join_layer_;
+  join_layer_ = -1;
+  return CudaStatus(cudaStreamWaitEvent(compute_, fetched_[layer], 0), "wait for the fetch beside the attention");
+}
+
 Status RowFetcher::WaitFetched(int layer) {
+  const int deferred = deferred_ ? deferred_layer_ : -1;
+  SPECACHE_RETURN_IF_ERROR(LaunchDeferred());
+  if (deferred >= 0 && options_.fetch_overlap == FetchOverlap::kWithinNextAttention) join_layer_ = deferred;
   if (worker_) {
     const Status s = worker_->Wait(layer);
     if (!s.ok()) {
@@ -243,6 +276,7 @@ Status RowFetcher::WaitFetched(int layer) {
 }
 
 Status RowFetcher::WaitForFetchStream() const {
+  SPECACHE_RETURN_IF_ERROR(LaunchDeferred());
   if (worker_) worker_->WaitAll();
   return CudaStatus(cudaStreamSynchronize(fetch_), "fetch stream");
 }

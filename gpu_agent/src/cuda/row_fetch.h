@@ -11,6 +11,12 @@
 //   event that marks layer L's selection done on the compute stream (MarkSelected); the compute
 //   stream waits for it (WaitFetched) only before layer L's next attention, so later layers never
 //   wait for it. The other modes fetch on the compute stream (Fetch).
+// - When that fetch is queued is CudaAgentOptions::fetch_overlap (agent.h): at StartFetch, or
+//   deferred to the next WaitFetched (the next layer's attention is about to be queued), behind an
+//   event recorded there, so that it runs beside the attention, which leaves it fetch_blocks SM
+//   slots, rather than beside the engine's GEMMs. Within the next attention, JoinFetch (after that
+//   attention is queued) makes the compute stream wait for it. Anything that waits for the fetch
+//   stream queues a deferred fetch first.
 // - Hits and misses are counted on the device by the fetch kernel; the rows selected on the host,
 //   except the adaptive budget's (KvConfig::mass), which the selection counts on the device
 //   (budget_rows()). Its selections end in kNoToken padding (cuda_topk.h): no rows, skipped by the
@@ -77,9 +83,16 @@ class RowFetcher {
   // Records on the compute stream that the layer's selection is done.
   Status MarkSelected(int layer);
   // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
-  // waits for it. Staged: the work is handed to the worker and this returns at once.
+  // waits for it. Local: queued now, or (fetch_overlap) at the next WaitFetched of any layer or
+  // WaitForFetchStream, to run beside the attention queued after it. Staged: the work is handed to
+  // the worker and this returns at once.
   Status StartFetch(int layer, const std::vector<SequenceId>& ids);
-  // Work queued on the compute stream from here sees the rows of the layer's last StartFetch
+  // The compute stream waits here for the fetch queued at the last WaitFetched (with
+  // FetchOverlap::kWithinNextAttention; else nothing): called once the attention it ran beside is
+  // queued.
+  Status JoinFetch();
+  // Queues a local fetch started before (StartFetch), then: work queued on the compute stream
+  // from here sees the rows of the layer's last StartFetch
   // (stream order, no host wait). Staged: first waits on the host until the worker queued that
   // fetch's copies, and returns its error (the source's, with context) if it failed; the failed
   // fetch's sequences then hold no rows at the layer (the attention substitutes none) until their
@@ -146,7 +159,10 @@ class RowFetcher {
   // The layer's next selection of these sequences made current, its work planned.
   Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids);
   // Queues the work on `stream`; `staged` brings the missed rows first (null: read from pages).
-  Status Launch(const FetchWork& work, StagedFetch* staged, cudaStream_t stream);
+  Status Launch(const FetchWork& work, StagedFetch* staged, cudaStream_t stream) const;
+  // Queues the deferred fetch, if any, on the fetch stream behind everything queued so far on the
+  // compute stream (its selection included), then records its layer's fetched_ event.
+  Status LaunchDeferred() const;
   // After a failed fetch: the sequences hold no rows at the layer, and their caches start over.
   void Forget(int layer, const std::vector<SequenceId>& ids);
   // Runs `job` now: on this thread, or staged on the worker, waiting for it.
@@ -159,6 +175,12 @@ class RowFetcher {
   cudaStream_t compute_;
   cudaStream_t fetch_ = nullptr;
   std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
+  cudaEvent_t deferred_start_ = nullptr;          // where on the compute stream the deferred fetch begins
+  // The local overlapped fetch started but not yet queued (StartFetch to the next WaitFetched or
+  // WaitForFetchStream). Mutable: queueing it changes nothing the fetcher reports.
+  mutable std::shared_ptr<const FetchWork> deferred_;
+  mutable int deferred_layer_ = -1;
+  int join_layer_ = -1;  // kWithinNextAttention: the fetch queued at the last WaitFetched, until JoinFetch
   Buffer<FetchCounters> device_counters_;
   std::map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence
   int64_t rows_selected_ = 0;
