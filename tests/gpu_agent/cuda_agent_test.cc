@@ -180,7 +180,11 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
 }
 
 // Wherever the speculative fetch is queued (CudaAgentOptions::fetch_overlap), the rows and the
-// results are the same: the paper's rule and the union rule with every cached row attended.
+// results are the same: the paper's rule and the union rule with every cached row attended. This
+// catches a deferred fetch that is never queued, queued for the wrong layer, or planned wrongly;
+// not an ordering error between the streams: the tiny model's agent (WrapHostTensors) copies
+// each layer's output to the host, which waits for the compute stream, and uses the rows a whole
+// step later.
 TEST(CudaAgentTest, EveryFetchOverlapMatchesTheCpuAgent) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA

@@ -391,7 +391,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   if (!m.Init(2 * max_batch)) return false;
   std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, k=%d, context %d, fetch blocks %s ==\n",
               kTopK, o.context, o.fetch_blocks > 0 ? std::to_string(o.fetch_blocks).c_str() : "default");
-  std::printf("%-14s %-6s %12s %12s %12s %9s %13s %11s %12s %10s %11s\n", "kv", "batch", "ms_layers", "ms_no_fetch",
+  std::printf("%-36s %-6s %12s %12s %12s %9s %13s %11s %12s %10s %11s\n", "kv", "batch", "ms_layers", "ms_no_fetch",
               "ms_fetch", "ratio", "MB_per_step", "reused", "GBps_to_hide", "tok_per_s", "ms_prefill");
   bool ok = true;
   for (int batch : o.batches) {
@@ -414,28 +414,34 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       // kivi fetches nothing: one run is both columns, and one overlap.
       const bool fetches = StepKvConfig(kv).fetches_rows();
       const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, false);
-      for (size_t v = 0; v < (fetches ? o.fetch_overlap.size() : 1); ++v) {
-        auto overlap = ParseFetchOverlap(o.fetch_overlap[v]);
+      if (without.ms < 0) {
+        ok = false;
+        continue;
+      }
+      const std::vector<std::string> overlaps = fetches && !o.fetch_overlap.empty()
+                                                    ? o.fetch_overlap
+                                                    : std::vector<std::string>{"from-selection"};
+      for (const std::string& name : overlaps) {
+        auto overlap = ParseFetchOverlap(name);
         if (!Ok(overlap.status(), "fetch overlap")) return false;
         const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap)
                                       : without;
-        if (without.ms < 0 || with.ms < 0) {
+        if (with.ms < 0) {
           ok = false;
           continue;
         }
         // The default overlap keeps the row names of earlier results.
-        const std::string suffix = *overlap == FetchOverlap::kFromSelection ? "" : "_" + o.fetch_overlap[v];
+        const std::string suffix = *overlap == FetchOverlap::kFromSelection ? "" : "_" + name;
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
-        std::printf("%-14s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f %11.1f\n",
+        std::printf("%-36s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f %11.1f\n",
                     (kv + suffix).c_str(), batch, layers_ms, without.ms, with.ms, ratio, with.bytes_per_step / 1e6,
                     with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3), with.prefill_ms);
         rows->push_back({kv + suffix + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
                          {{"batch", batch},
                           {"context", o.context},
                           {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
-                         {"fetch_overlap", static_cast<double>(*overlap)},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},
                           {"ms_step_fetch", with.ms},

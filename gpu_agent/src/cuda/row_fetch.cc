@@ -238,6 +238,7 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
     SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), fetch_));
     return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
   };
+  if (!worker_) return run();
   handed_[layer] = ids;
   worker_->Submit(layer, std::move(run));
   return Status::Ok();
@@ -245,13 +246,16 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
 
 Status RowFetcher::LaunchDeferred() const {
   if (!deferred_) return Status::Ok();
-  const std::shared_ptr<const FetchWork> work = std::move(deferred_);
-  deferred_.reset();
   const int layer = deferred_layer_;
+  // Kept until all of it is queued: after an error each later wait fails with it again (so the
+  // layer's attention never reads rows that were not fetched), and queueing it once more is safe
+  // (the fills, the fetch and the cache update give the same result run twice).
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(deferred_start_, compute_), "fetch start event"));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, deferred_start_, 0), "wait for the fetch's start"));
-  SPECACHE_RETURN_IF_ERROR(Launch(*work, nullptr, fetch_));
-  return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
+  SPECACHE_RETURN_IF_ERROR(Launch(*deferred_, nullptr, fetch_));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event"));
+  deferred_.reset();
+  return Status::Ok();
 }
 
 Status RowFetcher::JoinFetch() {
