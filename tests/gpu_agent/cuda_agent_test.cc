@@ -179,6 +179,150 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
 #endif
 }
 
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// testing::DriveBatch for a CUDA agent given device tensors, as an engine drives it: the same rows
+// (the same random draws in the same order), all of a run's decode inputs on the device before
+// the first step, the calls queued on `stream` with no host wait between them, the outputs
+// copied back at the end. Host waits between layers would hide an ordering error between the
+// agent's streams; here nothing does.
+Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<int32_t>& prompts, int steps,
+                                              std::mt19937 rng, cudaStream_t stream) {
+  const ModelShape& m = agent->shape();
+  auto cuda = [](cudaError_t e, const char* what) {
+    return e == cudaSuccess ? Status::Ok() : Status::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+  };
+  auto random = [&rng](size_t n, float scale) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = normal(rng);
+    return v;
+  };
+  std::vector<void*> allocations;
+  struct Free {
+    std::vector<void*>* list;
+    ~Free() {
+      for (void* p : *list) cudaFree(p);
+    }
+  } free_all{&allocations};
+  auto upload = [&](const std::vector<float>& host, float** device) -> Status {
+    SPECACHE_RETURN_IF_ERROR(cuda(cudaMalloc(device, std::max<size_t>(host.size(), 1) * sizeof(float)), "cudaMalloc"));
+    allocations.push_back(*device);
+    return cuda(cudaMemcpy(*device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice), "upload");
+  };
+  std::vector<SequenceId> ids;
+  std::vector<int32_t> offsets{0};
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    ids.push_back(static_cast<SequenceId>(10 + s));
+    offsets.push_back(offsets.back() + prompts[s]);
+    SPECACHE_RETURN_IF_ERROR(agent->AddSequence(ids.back()));
+  }
+  const size_t total = static_cast<size_t>(offsets.back());
+  for (int l = 0; l < m.n_layers; ++l) {
+    float *q = nullptr, *k = nullptr, *v = nullptr;
+    SPECACHE_RETURN_IF_ERROR(upload(random(total * m.n_q_heads * m.head_dim, 1.0f), &q));
+    SPECACHE_RETURN_IF_ERROR(upload(random(total * m.n_kv_heads * m.head_dim, 2.0f), &k));
+    SPECACHE_RETURN_IF_ERROR(upload(random(total * m.n_kv_heads * m.head_dim, 1.0f), &v));
+    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, PrefillBatch{ids, offsets, q, k, v, nullptr}));
+  }
+  // Every decode input first, in DriveBatch's order of draws.
+  struct Layer {
+    float *q, *k, *v, *out;
+    size_t out_floats;
+  };
+  std::vector<std::pair<StepKind, std::vector<Layer>>> plan;
+  for (int step = -1; step < steps; ++step) {
+    const StepKind kind = step < 0 ? StepKind::kPreDecode : StepKind::kDecode;
+    const size_t n = ids.size() * agent->RowsPerSequence(kind);
+    if (n == 0) continue;
+    plan.push_back({kind, {}});
+    for (int l = 0; l < m.n_layers; ++l) {
+      Layer x{};
+      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_q_heads * m.head_dim, 1.0f), &x.q));
+      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_kv_heads * m.head_dim, 2.0f), &x.k));
+      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_kv_heads * m.head_dim, 1.0f), &x.v));
+      x.out_floats = n * m.n_q_heads * m.head_dim;
+      SPECACHE_RETURN_IF_ERROR(upload(std::vector<float>(x.out_floats), &x.out));
+      plan.back().second.push_back(x);
+    }
+  }
+  SPECACHE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), "prefill"));
+  for (const auto& [kind, layers] : plan) {
+    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(kind, ids));
+    for (int l = 0; l < m.n_layers; ++l) {
+      SPECACHE_RETURN_IF_ERROR(agent->WaitPrefetch(l));
+      SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {layers[l].q, layers[l].k, layers[l].v, layers[l].out}));
+      SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
+    }
+    SPECACHE_RETURN_IF_ERROR(agent->EndStep());
+  }
+  SPECACHE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), "decode"));
+  std::vector<float> outputs;
+  for (const auto& [kind, layers] : plan) {
+    for (const Layer& x : layers) {
+      const size_t at = outputs.size();
+      outputs.resize(at + x.out_floats);
+      SPECACHE_RETURN_IF_ERROR(
+          cuda(cudaMemcpy(outputs.data() + at, x.out, x.out_floats * sizeof(float), cudaMemcpyDeviceToHost), "download"));
+    }
+  }
+  return outputs;
+}
+#endif
+
+// Each fetch overlap on device tensors and a stream of the test's own, with no host wait between
+// the calls (DriveBatchOnDevice), against the CPU agent driven through the same rows: if a fetch
+// were queued after the attention that reads its rows, or joined on the wrong layer, the outputs
+// would part.
+TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 64, 1};
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  InMemorySource cpu_source;
+  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
+  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+  auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(77));
+  ASSERT_TRUE(want.ok()) << want.status().ToString();
+  const AgentStats a = (*cpu)->stats();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (FetchOverlap overlap :
+       {FetchOverlap::kFromSelection, FetchOverlap::kBesideNextAttention, FetchOverlap::kWithinNextAttention}) {
+    const std::string name(FetchOverlapName(overlap));
+    InMemorySource gpu_source;
+    CudaAgentOptions options{1024};
+    options.stream = stream;
+    options.fetch_overlap = overlap;
+    auto gpu = CreateCudaAgent(shape, c, &gpu_source, options);
+    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+    auto got = DriveBatchOnDevice(gpu->get(), prompts, 40, std::mt19937(77), stream);
+    ASSERT_TRUE(got.ok()) << name << ": " << got.status().ToString();
+    ASSERT_EQ(got->size(), want->size()) << name;
+    double worst = 0;
+    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
+    EXPECT_LT(worst, 1e-3) << name;
+    const AgentStats b = (*gpu)->stats();
+    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+    EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
+    for (size_t s = 0; s < prompts.size(); ++s) {
+      for (int l = 0; l < shape.n_layers; ++l) {
+        for (int h = 0; h < shape.n_kv_heads; ++h) {
+          const SequenceId id = static_cast<SequenceId>(10 + s);
+          EXPECT_EQ(*(*gpu)->SelectedTokens(id, l, h), *(*cpu)->SelectedTokens(id, l, h)) << name << ": sequence " << id;
+        }
+      }
+    }
+    std::printf("%-24s max |out diff| %.2e, %lld rows fetched\n", name.c_str(), worst,
+                static_cast<long long>(b.rows_fetched));
+  }
+  cudaStreamDestroy(stream);
+#endif
+}
+
 // Wherever the speculative fetch is queued (CudaAgentOptions::fetch_overlap), the rows and the
 // results are the same: the paper's rule and the union rule with every cached row attended. This
 // catches a deferred fetch that is never queued, queued for the wrong layer, or planned wrongly;
