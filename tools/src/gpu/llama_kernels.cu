@@ -46,13 +46,15 @@ __device__ float ToFloat<__half>(__half v) { return __half2float(v); }
 template <>
 __device__ float ToFloat<float>(float v) { return v; }
 
+// Block (x, y) takes columns [x * blockDim, ...) of rows y, y + gridDim.y, ...: no index division.
 template <typename T>
 __global__ void SiluMulKernel(const T* gate_up, __half* out, int rows, int ffn) {
-  const int64_t n = int64_t{rows} * ffn;
-  GRID_STRIDE(i, n) {
-    const int64_t r = i / ffn, c = i % ffn;
-    const float g = ToFloat(gate_up[r * 2 * ffn + c]), u = ToFloat(gate_up[r * 2 * ffn + ffn + c]);
-    out[i] = __float2half_rn(g / (1.0f + expf(-g)) * u);
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= ffn) return;
+  for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+    const T* row = gate_up + int64_t{r} * 2 * ffn;
+    const float g = ToFloat(row[c]), u = ToFloat(row[ffn + c]);
+    out[int64_t{r} * ffn + c] = __float2half_rn(g / (1.0f + expf(-g)) * u);
   }
 }
 
@@ -76,15 +78,36 @@ __device__ float BlockSum(float v, float* shared) {
   return total;
 }
 
+// One block per row. Rows of a width divisible by 4 are read as float4 (16-byte aligned: the row
+// starts at a multiple of 16 bytes), four values per load.
 __global__ void RmsNormKernel(const float* x, int d, const float* weight, float eps, __half* out) {
   __shared__ float shared[kThreads / 32];
   const float* row = x + int64_t{blockIdx.x} * d;
+  __half* o = out + int64_t{blockIdx.x} * d;
   float ss = 0;
-  for (int c = threadIdx.x; c < d; c += kThreads) ss += row[c] * row[c];
+  if (d % 4 == 0) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int c = threadIdx.x; c < d / 4; c += kThreads) {
+      const float4 v = row4[c];
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  } else {
+    for (int c = threadIdx.x; c < d; c += kThreads) ss += row[c] * row[c];
+  }
   ss = BlockSum(ss, shared);
   const float inv = rsqrtf(ss / d + eps);
-  __half* o = out + int64_t{blockIdx.x} * d;
-  for (int c = threadIdx.x; c < d; c += kThreads) o[c] = __float2half_rn(row[c] * inv * weight[c]);
+  if (d % 4 == 0) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    const float4* w4 = reinterpret_cast<const float4*>(weight);
+    __half2* o2 = reinterpret_cast<__half2*>(o);
+    for (int c = threadIdx.x; c < d / 4; c += kThreads) {
+      const float4 v = row4[c], w = w4[c];
+      o2[2 * c] = __floats2half2_rn(v.x * inv * w.x, v.y * inv * w.y);
+      o2[2 * c + 1] = __floats2half2_rn(v.z * inv * w.z, v.w * inv * w.w);
+    }
+  } else {
+    for (int c = threadIdx.x; c < d; c += kThreads) o[c] = __float2half_rn(row[c] * inv * weight[c]);
+  }
 }
 
 // One thread per (row, head, pair) of q and k; v rows copied by the same threads.
@@ -154,6 +177,8 @@ __global__ void HoldKernel(uint64_t nanoseconds) {
 
 cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 int Blocks(int64_t n) { return static_cast<int>(n / kThreads + 1 < 4096 ? n / kThreads + 1 : 4096); }
+// Columns across x, rows across y (at most 65535 blocks: SiluMulKernel strides over the rest).
+dim3 SiluGrid(int rows, int ffn) { return dim3((ffn + kThreads - 1) / kThreads, rows < 65535 ? rows : 65535); }
 
 }  // namespace
 
@@ -171,12 +196,13 @@ void FloatToHalf(const float* in, Half* out, int64_t n, void* stream) {
   ToHalfKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(in, reinterpret_cast<__half*>(out), n);
 }
 void SiluMul(const Half* gate_up, Half* out, int rows, int ffn, void* stream) {
-  SiluMulKernel<<<Blocks(int64_t{rows} * ffn), kThreads, 0, S(stream)>>>(
-      reinterpret_cast<const __half*>(gate_up), reinterpret_cast<__half*>(out), rows, ffn);
+  if (rows <= 0 || ffn <= 0) return;
+  SiluMulKernel<<<SiluGrid(rows, ffn), kThreads, 0, S(stream)>>>(reinterpret_cast<const __half*>(gate_up),
+                                                                 reinterpret_cast<__half*>(out), rows, ffn);
 }
 void SiluMul(const float* gate_up, Half* out, int rows, int ffn, void* stream) {
-  SiluMulKernel<<<Blocks(int64_t{rows} * ffn), kThreads, 0, S(stream)>>>(gate_up, reinterpret_cast<__half*>(out), rows,
-                                                                         ffn);
+  if (rows <= 0 || ffn <= 0) return;
+  SiluMulKernel<<<SiluGrid(rows, ffn), kThreads, 0, S(stream)>>>(gate_up, reinterpret_cast<__half*>(out), rows, ffn);
 }
 void EmbedRows(const Half* table, const int32_t* tokens, int n, int d, float* x, void* stream) {
   EmbedKernel<<<Blocks(int64_t{n} * d), kThreads, 0, S(stream)>>>(reinterpret_cast<const __half*>(table), tokens, n, d,

@@ -1,0 +1,153 @@
+// The GPU model's small kernels (llama_kernels.h) against CPU references on random inputs:
+// RMSNorm to fp16 (rows of a width divisible by 4, read as float4, and of another width), SwiGLU
+// from fp32 and from fp16 halves, the Q/K/V split with RoPE, and the argmax of logits rows (ties
+// to the lowest index). Needs a device (label gpu).
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "llama_kernels.h"
+#include "specache/half.h"
+#include "testing/cuda_device.h"
+
+namespace specache::gpu {
+namespace {
+
+template <typename T>
+struct Device {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Device(const std::vector<T>& host) : n(host.size()) {
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~Device() { cudaFree(p); }
+  std::vector<T> Get() const {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<T> host(n);
+    EXPECT_EQ(cudaMemcpy(host.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+};
+
+std::vector<float> Random(size_t n, float scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+// Two fp16 values apart by at most one unit in the last place of the larger.
+void ExpectWithinOneUlp(float got, float want, const char* what, size_t i) {
+  const float ulp = std::ldexp(1.0f, std::ilogb(std::max(std::fabs(want), 6.1e-5f)) - 10);
+  ASSERT_LE(std::fabs(got - want), ulp * 1.01f) << what << " at " << i << ": " << got << " vs " << want;
+}
+
+class LlamaKernelsTest : public ::testing::Test {
+ protected:
+  void SetUp() override { SPECACHE_REQUIRE_CUDA_DEVICE(); }
+};
+
+TEST_F(LlamaKernelsTest, RmsNormMatchesTheCpu) {
+  for (int d : {4096, 576, 100}) {
+    for (int rows : {1, 3, 198}) {
+      const auto x = Random(size_t(rows) * d, 1.5f, d + rows), w = Random(d, 1.0f, 7);
+      Device<float> dx(x), dw(w);
+      Device<Half> out(std::vector<Half>(x.size()));
+      RmsNormToHalf(dx.p, rows, d, dw.p, 1e-5f, out.p, nullptr);
+      const std::vector<Half> got = out.Get();
+      for (int r = 0; r < rows; ++r) {
+        double ss = 0;
+        for (int c = 0; c < d; ++c) ss += double(x[size_t(r) * d + c]) * x[size_t(r) * d + c];
+        const float inv = static_cast<float>(1.0 / std::sqrt(ss / d + 1e-5));
+        for (int c = 0; c < d; ++c) {
+          const size_t i = size_t(r) * d + c;
+          ExpectWithinOneUlp(HalfToFloat(got[i]), RoundToHalf(x[i] * inv * w[c]), "rmsnorm", i);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(LlamaKernelsTest, SiluMulMatchesTheCpuFromFloatAndHalf) {
+  for (int ffn : {1536, 14336, 37}) {
+    for (int rows : {1, 198}) {
+      const auto gu = Random(size_t(rows) * 2 * ffn, 2.0f, ffn + rows);
+      std::vector<Half> gu_half(gu.size());
+      for (size_t i = 0; i < gu.size(); ++i) gu_half[i] = ::specache::FloatToHalf(gu[i]);
+      Device<float> dgu(gu);
+      Device<Half> dgu_half(gu_half), out(std::vector<Half>(size_t(rows) * ffn)), out_half(std::vector<Half>(size_t(rows) * ffn));
+      SiluMul(dgu.p, out.p, rows, ffn, nullptr);
+      SiluMul(dgu_half.p, out_half.p, rows, ffn, nullptr);
+      const std::vector<Half> got = out.Get(), got_half = out_half.Get();
+      for (int r = 0; r < rows; ++r) {
+        for (int c = 0; c < ffn; ++c) {
+          const size_t i = size_t(r) * ffn + c, g = size_t(r) * 2 * ffn + c;
+          auto silu_mul = [](float a, float b) { return a / (1.0f + std::exp(-a)) * b; };
+          ExpectWithinOneUlp(HalfToFloat(got[i]), RoundToHalf(silu_mul(gu[g], gu[g + ffn])), "silu (float)", i);
+          ExpectWithinOneUlp(HalfToFloat(got_half[i]),
+                             RoundToHalf(silu_mul(HalfToFloat(gu_half[g]), HalfToFloat(gu_half[g + ffn]))), "silu (half)", i);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(LlamaKernelsTest, SplitQkvRopeMatchesTheCpu) {
+  const int n = 5, n_heads = 4, n_kv = 2, hd = 64, width = (n_heads + 2 * n_kv) * hd;
+  const auto qkv = Random(size_t(n) * width, 1.0f, 3);
+  std::vector<float> inv_freq(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv_freq[i] = static_cast<float>(std::pow(500000.0, -2.0 * i / hd));
+  const std::vector<int32_t> positions{0, 1, 17, 4095, 131071};
+  Device<float> dqkv(qkv), dfreq(inv_freq), q(std::vector<float>(size_t(n) * n_heads * hd)),
+      k(std::vector<float>(size_t(n) * n_kv * hd)), v(std::vector<float>(size_t(n) * n_kv * hd));
+  Device<int32_t> dpos(positions);
+  SplitQkvRope(dqkv.p, n, n_heads, n_kv, hd, dpos.p, dfreq.p, q.p, k.p, v.p, nullptr);
+  const auto gq = q.Get(), gk = k.Get(), gv = v.Get();
+  for (int r = 0; r < n; ++r) {
+    for (int head = 0; head < n_heads + 2 * n_kv; ++head) {
+      for (int p = 0; p < hd / 2; ++p) {
+        const float a = qkv[size_t(r) * width + head * hd + 2 * p], b = qkv[size_t(r) * width + head * hd + 2 * p + 1];
+        float ra = a, rb = b;
+        if (head < n_heads + n_kv) {
+          const double angle = double(inv_freq[p]) * positions[r];
+          const float cs = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
+          ra = a * cs - b * sn;
+          rb = a * sn + b * cs;
+        }
+        const float* got = head < n_heads          ? &gq[(size_t(r) * n_heads + head) * hd]
+                           : head < n_heads + n_kv ? &gk[(size_t(r) * n_kv + head - n_heads) * hd]
+                                                   : &gv[(size_t(r) * n_kv + head - n_heads - n_kv) * hd];
+        ASSERT_NEAR(got[2 * p], ra, 1e-5f * (std::fabs(a) + std::fabs(b))) << "row " << r << " head " << head;
+        ASSERT_NEAR(got[2 * p + 1], rb, 1e-5f * (std::fabs(a) + std::fabs(b))) << "row " << r << " head " << head;
+      }
+    }
+  }
+}
+
+TEST_F(LlamaKernelsTest, ArgmaxTakesTheLowestIndexAmongEquals) {
+  const int rows = 4, vocab = 49152;
+  auto logits = Random(size_t(rows) * vocab, 3.0f, 11);
+  logits[size_t(1) * vocab + 300] = logits[size_t(1) * vocab + 40000] = 100.0f;  // a tie
+  logits[size_t(2) * vocab + vocab - 1] = 50.0f;                                    // the last column
+  Device<float> dl(logits);
+  Device<int32_t> out{std::vector<int32_t>(rows)};
+  ArgmaxRows(dl.p, rows, vocab, out.p, nullptr);
+  const auto got = out.Get();
+  for (int r = 0; r < rows; ++r) {
+    int32_t best = 0;
+    for (int c = 1; c < vocab; ++c) {
+      if (logits[size_t(r) * vocab + c] > logits[size_t(r) * vocab + best]) best = c;
+    }
+    EXPECT_EQ(got[r], best) << "row " << r;
+  }
+  EXPECT_EQ(got[1], 300);
+  EXPECT_EQ(got[2], vocab - 1);
+}
+
+}  // namespace
+}  // namespace specache::gpu
