@@ -204,10 +204,14 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
       for (void* p : *list) cudaFree(p);
     }
   } free_all{&allocations};
+  // On `stream`, so that the agent's work queued there after it sees it (a plain cudaMemcpy runs on
+  // the legacy stream, which a non-blocking stream does not follow). From pageable memory the call
+  // returns once the host bytes are staged: the temporary may go.
   auto upload = [&](const std::vector<float>& host, float** device) -> Status {
     SPECACHE_RETURN_IF_ERROR(cuda(cudaMalloc(device, std::max<size_t>(host.size(), 1) * sizeof(float)), "cudaMalloc"));
     allocations.push_back(*device);
-    return cuda(cudaMemcpy(*device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice), "upload");
+    return cuda(cudaMemcpyAsync(*device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream),
+                "upload");
   };
   std::vector<SequenceId> ids;
   std::vector<int32_t> offsets{0};

@@ -27,6 +27,7 @@ void SiluMul(const float* gate_up, Half* out, int rows, int ffn, void* stream);
 // x[i][:] = table[tokens[i]][:] (fp16 table, float rows of width d). Token ids must be valid.
 void EmbedRows(const Half* table, const int32_t* tokens, int n, int d, float* x, void* stream);
 // out[i][:] = fp16(x[i][:] / rms(x[i]) * weight[:]), rms over d with eps (as LlamaModel::RmsNorm).
+// When d % 4 == 0, x and weight must be 16-byte aligned and out 4-byte aligned (float4 reads).
 void RmsNormToHalf(const float* x, int n, int d, const float* weight, float eps, Half* out, void* stream);
 // From qkv[n][(n_heads + 2 n_kv) hd]: q[n][n_heads][hd] and k[n][n_kv][hd] rotated by RoPE at
 // positions[i] (adjacent pairs, angle = position * inv_freq[pair], computed in double as the CPU
