@@ -120,6 +120,22 @@ __device__ __forceinline__ uint32_t Twice(uint32_t h2) {  // exact
   return AsU32(__hadd2(h, h));
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+// exp(x - m) as one FFMA and one MUFU.EX2: m_log2e = m * log2(e), computed once per column and
+// block (0 where m is -inf: a column of padding queries, whose scores are -inf, gets p = 0).
+// __expf(x - m) spends ~11 instructions on its subnormal range and the -inf guards.
+__device__ __forceinline__ float ExpFrom(float x, float m_log2e) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, kLog2e, -m_log2e)));
+  return y;
+}
+// A store to global memory that the compiler does not treat as a possible write to shared memory
+// (a generic store makes it reload the shared copy of the item after each one). For outputs this
+// kernel never reads back.
+__device__ __forceinline__ void StoreGlobalOutput(float* p, float v) {
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v));
+}
+
 __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -312,7 +328,9 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
   }
   // Whether C column (nt, j) is the probabilities row's (or the real row's, for the union rule),
   // and where its scores go.
+  // probs_end[nt][j]: the column's candidates end (0: none), so one compare per store.
   float* probs_at[NT][2];
+  int32_t probs_end[NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -320,6 +338,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
       const int q = 8 * nt + 2 * t + j;
       float* const scores = q < queries ? decode::ScoresOfRow(r, q / r.n_heads) : nullptr;
       probs_at[nt][j] = scores ? scores + static_cast<size_t>(q % r.n_heads) * r.n_candidates : nullptr;
+      probs_end[nt][j] = scores ? r.n_candidates : 0;
     }
   float acc[MT][NT][4];
 #pragma unroll
@@ -469,10 +488,11 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float* at = probs_at[nt][e & 1];
+        const int32_t end = probs_end[nt][e & 1];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const int32_t tok = b0 + 16 * mt + g + 8 * (e >> 1);
-          if (at != nullptr && tok < r.n_candidates) at[tok] = score[mt][nt][e];
+          if (tok < end) StoreGlobalOutput(at + tok, score[mt][nt][e]);
         }
       }
     // Online softmax per query column; p goes to shared memory for the values' B operand.
@@ -494,11 +514,12 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
           for (int mt = 0; mt < MT; ++mt) acc[mt][nt][j] *= alpha, acc[mt][nt][j + 2] *= alpha;
         }
         m[nt][j] = mn;
+        const float mn_log2e = mn == -INFINITY ? 0.0f : mn * kLog2e;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const float p = mn == -INFINITY ? 0.0f : __expf(score[mt][nt][j + 2 * h] - mn);
+            const float p = ExpFrom(score[mt][nt][j + 2 * h], mn_log2e);
             l[nt][j] += p;
             psm[(16 * mt + g + 8 * h) * PS + 8 * nt + 2 * t + j] = p;
           }
