@@ -189,10 +189,17 @@ __device__ __forceinline__ void CpAsyncWaitButOne() {
 #endif
 }
 
-// Copies `bytes` (a multiple of 16, both ends 16-byte aligned) with the warp's lanes.
-__device__ __forceinline__ void StageCopy(uint32_t* dst, const void* src, int bytes, int lane) {
-  for (int i = lane * 16; i < bytes; i += 32 * 16) {
-    CpAsync16(reinterpret_cast<char*>(dst) + i, static_cast<const char*>(src) + i);
+// Copies kBytes (a multiple of 16, both ends 16-byte aligned) with the warp's lanes: unrolled, the
+// last piece predicated (a loop on the lane's offset cost a branch and its bookkeeping per copy).
+template <int kBytes>
+__device__ __forceinline__ void StageCopy(uint32_t* dst, const void* src, int lane) {
+  static_assert(kBytes % 16 == 0, "whole 16-byte pieces");
+#pragma unroll
+  for (int i0 = 0; i0 < kBytes; i0 += 32 * 16) {
+    const int i = i0 + lane * 16;
+    if (kBytes - i0 >= 32 * 16 || i < kBytes) {
+      CpAsync16(reinterpret_cast<char*>(dst) + i, static_cast<const char*>(src) + i);
+    }
   }
 }
 
@@ -205,13 +212,13 @@ __device__ __forceinline__ void IssueBlock(const ReplicaBlockLayout& l, const ui
                                            int lane) {
   constexpr int VW = D * VB / 32, NGV = D / kGroup;
   const int32_t group = in / kGroup;
-  StageCopy(stage, base + l.key_codes + group * (D * KB * 4), D * KB * 4, lane);
-  StageCopy(stage + D * KB, base + l.key_scale + group * (D * 2), D * 2, lane);
-  StageCopy(stage + D * KB + D / 2, base + l.key_zero + group * (D * 2), D * 2, lane);
+  StageCopy<D * KB * 4>(stage, base + l.key_codes + group * (D * KB * 4), lane);
+  StageCopy<D * 2>(stage + D * KB, base + l.key_scale + group * (D * 2), lane);
+  StageCopy<D * 2>(stage + D * KB + D / 2, base + l.key_zero + group * (D * 2), lane);
   uint32_t* values = stage + D * KB + D;
-  StageCopy(values, base + l.value_codes + in * (VW * 4), 32 * VW * 4, lane);
-  StageCopy(values + 32 * VW, base + l.value_scale + in * (NGV * 2), 32 * NGV * 2, lane);
-  StageCopy(values + 32 * VW + 16 * NGV, base + l.value_zero + in * (NGV * 2), 32 * NGV * 2, lane);
+  StageCopy<32 * VW * 4>(values, base + l.value_codes + in * (VW * 4), lane);
+  StageCopy<32 * NGV * 2>(values + 32 * VW, base + l.value_scale + in * (NGV * 2), lane);
+  StageCopy<32 * NGV * 2>(values + 32 * VW + 16 * NGV, base + l.value_zero + in * (NGV * 2), lane);
 }
 
 // The replica blocks a unit walks, 32 tokens at a time: the table entry of the next block to copy
@@ -301,7 +308,8 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
 
   // This lane's share of the queries: query 8 nt + g at channels ChannelOf(ks, j, t), as fp16 B
   // operands times 2^e_n, which puts the query's largest channel in [2^13, 2^14) (QueryOperand).
-  float q_unscale[NT][2];  // 2^-e * scale of the C columns' queries 8 nt + 2t + j
+  float q_unscale[NT][2];  // 2^-e * scale of the C columns' queries 8 nt + 2t + j (0: padding)
+  float q_bias[NT][2];     // 0, or -inf for a padding column
   float row_unscale[NT];   // 2^-e * scale of this lane's query 8 nt + g
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -325,6 +333,12 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     row_unscale[nt] = decode::Pow2(-e) * r.scale;
     q_unscale[nt][0] = __shfl_sync(kAll, row_unscale[nt], 8 * t);
     q_unscale[nt][1] = __shfl_sync(kAll, row_unscale[nt], 8 * t + 4);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const bool padding = 8 * nt + 2 * t + j >= queries;
+      q_bias[nt][j] = padding ? -INFINITY : 0.0f;
+      if (padding) q_unscale[nt][j] = 0.0f;  // its operands are 0: 0 * 0 + -inf
+    }
   }
   // Whether C column (nt, j) is the probabilities row's (or the real row's, for the union rule),
   // and where its scores go.
@@ -430,7 +444,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int j = i & 1;
-          score[mt][nt][i] = 8 * nt + 2 * t + j < queries ? (sc[mt][nt][i] + zk[nt][j]) * q_unscale[nt][j] : -INFINITY;
+          score[mt][nt][i] = fmaf(sc[mt][nt][i] + zk[nt][j], q_unscale[nt][j], q_bias[nt][j]);
         }
     // Substituted rows in this block: scores from the fetched keys (fp32), staged in psm (free
     // until the softmax writes p) at [token in block][query] and then taken by the lanes whose C
