@@ -74,6 +74,7 @@ struct Options {
   int fetch_blocks = 0;  // step: 0 = the agent's default
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
+  bool profile_step = false;         // step: StepOptions::profile_step
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
   std::vector<int> batches;  // step: sequences per step (empty: the suite's default)
@@ -294,6 +295,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->check(CLI::IsMember({"from-selection", "beside-next-attention", "within-next-attention"}));
   }
   if (std::string_view(suite.name) == "step") {
+    cmd->add_flag("--profile-step", o->profile_step,
+                  "one more untimed decode step of each run with the fetch, between cudaProfilerStart and "
+                  "cudaProfilerStop (for ncu --profile-from-start off)");
+  }
+  if (std::string_view(suite.name) == "step") {
     cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit; "
                     "specache-1bit-union: specache-run's default selection (union, 64 more rows from the real row, "
                     "their successors, every cached row attended); specache-1bit-union-noresident: without the "
@@ -379,6 +385,7 @@ int main(int argc, char** argv) {
       step.fetch_blocks = o.fetch_blocks;
       if (!o.fetch_overlap.empty()) step.fetch_overlap = o.fetch_overlap;
       if (!o.step_kv.empty()) step.kv = o.step_kv;
+      step.profile_step = o.profile_step;
       ok = o.suite == "step"     ? bench::RunStepSuite(step, &cuda_rows)
            : o.suite == "layers" ? bench::RunLayersSuite(step, &cuda_rows)
                                  : bench::RunAttendSuite(step, &cuda_rows);

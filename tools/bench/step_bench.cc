@@ -1,6 +1,7 @@
 #include "step_bench.h"
 
 #include <cuda_runtime.h>
+#include <cuda_profiler_api.h>
 
 #include <algorithm>
 #include <chrono>
@@ -136,7 +137,7 @@ KvConfig StepKvConfig(const std::string& kv) {
 }
 
 AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, int fetch_blocks, bool fetch,
-                  FetchOverlap overlap = FetchOverlap::kFromSelection) {
+                  FetchOverlap overlap = FetchOverlap::kFromSelection, bool profile_step = false) {
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30);
@@ -206,6 +207,14 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   // The pre-decode step (one row, the first top-k) exists in specache mode only.
   if (config.mode == KvMode::kSpeCache && !step(StepKind::kPreDecode)) return run;
   for (int i = 0; i < warm; ++i) if (!step(StepKind::kDecode)) return run;
+  if (profile_step) {  // StepOptions::profile_step
+    cudaDeviceSynchronize();
+    cudaProfilerStart();
+    const bool stepped = step(StepKind::kDecode);
+    cudaDeviceSynchronize();
+    cudaProfilerStop();
+    if (!stepped) return run;
+  }
   const AgentStats before = (*agent)->stats();
   run.ms = TimeSteps(m, 0, steps, [&] { return step(StepKind::kDecode); });
   const AgentStats after = (*agent)->stats();
@@ -424,7 +433,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       for (const std::string& name : overlaps) {
         auto overlap = ParseFetchOverlap(name);
         if (!Ok(overlap.status(), "fetch overlap")) return false;
-        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap)
+        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap, o.profile_step)
                                       : without;
         if (with.ms < 0) {
           ok = false;

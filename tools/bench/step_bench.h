@@ -23,6 +23,10 @@ struct StepOptions {
   // Replicas timed, each a row per batch: specache-1bit, specache-2bit, kivi-1bit (no rows
   // fetched: the low-bit attention alone), specache-1bit-union (specache-run's default selection).
   std::vector<std::string> kv{"specache-1bit"};
+  // One more decode step of each run with the fetch (after the warm-ups, before the timed steps,
+  // untimed) between cudaProfilerStart and cudaProfilerStop: `ncu --profile-from-start off`
+  // then profiles exactly one step's kernels, whatever the prefill and the agent's creation launched.
+  bool profile_step = false;
 };
 
 
