@@ -214,12 +214,8 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
                 "upload");
   };
   std::vector<SequenceId> ids;
-  std::vector<int32_t> offsets{0};
-  for (size_t s = 0; s < prompts.size(); ++s) {
-    ids.push_back(static_cast<SequenceId>(10 + s));
-    offsets.push_back(offsets.back() + prompts[s]);
-    SPECACHE_RETURN_IF_ERROR(agent->AddSequence(ids.back()));
-  }
+  std::vector<int32_t> offsets;
+  SPECACHE_RETURN_IF_ERROR(testing::AddSequences(agent, prompts, &ids, &offsets));
   const size_t total = static_cast<size_t>(offsets.back());
   for (int l = 0; l < m.n_layers; ++l) {
     float *q = nullptr, *k = nullptr, *v = nullptr;

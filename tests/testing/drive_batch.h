@@ -10,6 +10,20 @@
 
 namespace specache::testing {
 
+// Adds one sequence per prompt (ids 10, 11, ...) to the agent: `ids` gets them, `offsets` each
+// prompt's first row in the batch's concatenated rows, then the total.
+inline Status AddSequences(Agent* agent, const std::vector<int32_t>& prompts, std::vector<SequenceId>* ids,
+                           std::vector<int32_t>* offsets) {
+  ids->clear();
+  offsets->assign(1, 0);
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    ids->push_back(static_cast<SequenceId>(10 + s));
+    offsets->push_back(offsets->back() + prompts[s]);
+    SPECACHE_RETURN_IF_ERROR(agent->AddSequence(ids->back()));
+  }
+  return Status::Ok();
+}
+
 // Drives an agent through prefill and `steps` decode steps of several sequences at once with
 // given random rows (no model): what the engine would hand it. Returns every output, in order.
 // `between` (optional) runs after the prefill, before the first step: another engine's business
@@ -18,12 +32,8 @@ inline Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int
                                              const std::function<Status()>& between = {}) {
   const ModelShape& m = agent->shape();
   std::vector<SequenceId> ids;
-  std::vector<int32_t> offsets{0};
-  for (size_t s = 0; s < prompts.size(); ++s) {
-    ids.push_back(static_cast<SequenceId>(10 + s));
-    offsets.push_back(offsets.back() + prompts[s]);
-    SPECACHE_RETURN_IF_ERROR(agent->AddSequence(ids.back()));
-  }
+  std::vector<int32_t> offsets;
+  SPECACHE_RETURN_IF_ERROR(AddSequences(agent, prompts, &ids, &offsets));
   auto random = [&rng](size_t n, float scale) {
     std::normal_distribution<float> normal(0.0f, scale);
     std::vector<float> v(n);
