@@ -120,7 +120,9 @@ struct DeviceDecodeRows {
   float* out = nullptr;                 // [n_rows][n_heads][head_dim], rows q_stride apart
   int probs_row = 0;
   int32_t n_candidates = 0;
-  float* probs = nullptr;               // [n_heads][n_candidates] or null
+  // [n_heads][n_candidates] or null; device memory that overlaps no input, `out` or `scratch` (the
+  // kernel writes it without reading it back).
+  float* probs = nullptr;
   // [n_heads][2] or null. When set, `probs` receives the probabilities row's raw (scaled) scores
   // and this its softmax statistics per head (max, sum of exp(score - max)), so that a consumer
   // (SelectTopKBatch) normalises while it reads: p = exp(score - max) / sum. Saves a pass over
