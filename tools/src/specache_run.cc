@@ -705,6 +705,9 @@ int main(int argc, char** argv) {
                     "within-next-attention (agent.h, FetchOverlap)")
       ->capture_default_str()
       ->check(CLI::IsMember({"from-selection", "beside-next-attention", "within-next-attention"}));
+  bench->add_flag("--profile-step", bo.profile_step,
+                  "one more untimed decode step of each measured run, between cudaProfilerStart and cudaProfilerStop "
+                  "(for ncu --profile-from-start off)");
   bench->add_flag("--json", bench_args.json, "print one JSON object per row on stdout");
   bench->add_option("--json-out", bench_args.json_out, "also write all rows to this file (a JSON array)");
   bench->add_option("--plot", bench_args.plot, "write tokens/s over context per mode as a PNG");

@@ -1,5 +1,6 @@
 #include "throughput_bench.h"
 
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -145,6 +146,14 @@ class Bench {
     SPECACHE_RETURN_IF_ERROR(engine.Start(ids, lengths, tokens));
     for (int i = 0; i < warm; ++i) {
       SPECACHE_ASSIGN_OR_RETURN(tokens, engine.Step(tokens));
+    }
+    if (o_.profile_step && !probe) {  // ThroughputOptions::profile_step
+      SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "before the profiled step"));
+      cudaProfilerStart();
+      auto profiled = engine.Step(tokens);
+      cudaDeviceSynchronize();
+      cudaProfilerStop();
+      SPECACHE_ASSIGN_OR_RETURN(tokens, std::move(profiled));
     }
     Run run;
     run.batch = batch;

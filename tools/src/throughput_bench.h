@@ -38,6 +38,9 @@ struct ThroughputOptions {
   std::string sdpa_script;              // tools/bench/fp16_baseline.py; empty: no SDPA row
   std::string python = "python3";
   std::string fetch_overlap = "from-selection";  // CudaAgentOptions::fetch_overlap (FetchOverlapName)
+  // One more decode step of each measured run (after the warm-ups, untimed) between
+  // cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`.
+  bool profile_step = false;
 };
 
 // Runs every (context, mode); one JSON object per row (see the .cc for the fields), a table on
