@@ -17,9 +17,19 @@ std::string_view FetchOverlapName(FetchOverlap overlap) {
   return "?";
 }
 
+namespace {
+constexpr FetchOverlap kFetchOverlaps[] = {FetchOverlap::kFromSelection, FetchOverlap::kBesideNextAttention,
+                                           FetchOverlap::kWithinNextAttention};
+}  // namespace
+
+std::vector<std::string> FetchOverlapNames() {
+  std::vector<std::string> names;
+  for (FetchOverlap o : kFetchOverlaps) names.emplace_back(FetchOverlapName(o));
+  return names;
+}
+
 Result<FetchOverlap> ParseFetchOverlap(std::string_view name) {
-  for (FetchOverlap o :
-       {FetchOverlap::kFromSelection, FetchOverlap::kBesideNextAttention, FetchOverlap::kWithinNextAttention}) {
+  for (FetchOverlap o : kFetchOverlaps) {
     if (FetchOverlapName(o) == name) return o;
   }
   return Status::InvalidArgument("unknown fetch overlap '" + std::string(name) +

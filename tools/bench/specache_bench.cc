@@ -49,6 +49,7 @@
 #include "command_line.h"
 #include "output_paths.h"
 #include "progress.h"
+#include "specache/agent.h"
 #include "specache/cpu_attention.h"
 #include "specache/device_probe.h"
 #include "specache/head_replica.h"
@@ -292,7 +293,7 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "when each layer's fetch is queued, a row each: from-selection (default), beside-next-attention, "
                     "within-next-attention")
         ->delimiter(',')
-        ->check(CLI::IsMember({"from-selection", "beside-next-attention", "within-next-attention"}));
+        ->check(CLI::IsMember(FetchOverlapNames()));
   }
   if (std::string_view(suite.name) == "step") {
     cmd->add_flag("--profile-step", o->profile_step,

@@ -704,7 +704,7 @@ int main(int argc, char** argv) {
                     "when the CUDA agent queues each layer's speculative fetch: from-selection, beside-next-attention, "
                     "within-next-attention (agent.h, FetchOverlap)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"from-selection", "beside-next-attention", "within-next-attention"}));
+      ->check(CLI::IsMember(specache::FetchOverlapNames()));
   bench->add_flag("--profile-step", bo.profile_step,
                   "one more untimed decode step of each measured run, between cudaProfilerStart and cudaProfilerStop "
                   "(for ncu --profile-from-start off)");

@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -170,6 +171,8 @@ enum class FetchOverlap {
 };
 // "from-selection", "beside-next-attention", "within-next-attention".
 std::string_view FetchOverlapName(FetchOverlap overlap);
+// Every overlap's name, in the enum's order (command lines check against it).
+std::vector<std::string> FetchOverlapNames();
 Result<FetchOverlap> ParseFetchOverlap(std::string_view name);
 
 struct CudaAgentOptions {

@@ -230,7 +230,6 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   auto work = std::make_shared<const FetchWork>(std::move(w));
   if (!worker_ && options_.fetch_overlap != FetchOverlap::kFromSelection) {
     deferred_ = std::move(work);
-    deferred_layer_ = layer;
     return Status::Ok();
   }
   auto run = [this, layer, work]() -> Status {
@@ -246,7 +245,7 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
 
 Status RowFetcher::LaunchDeferred() const {
   if (!deferred_) return Status::Ok();
-  const int layer = deferred_layer_;
+  const int layer = deferred_->layer;
   // Kept until all of it is queued: after an error each later wait fails with it again (so the
   // layer's attention never reads rows that were not fetched), and queueing it once more is safe
   // (the fills, the fetch and the cache update give the same result run twice).
@@ -266,7 +265,7 @@ Status RowFetcher::JoinFetch() {
 }
 
 Status RowFetcher::WaitFetched(int layer) {
-  const int deferred = deferred_ ? deferred_layer_ : -1;
+  const int deferred = deferred_ ? deferred_->layer : -1;
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());
   if (deferred >= 0 && options_.fetch_overlap == FetchOverlap::kWithinNextAttention) join_layer_ = deferred;
   if (worker_) {

@@ -177,9 +177,8 @@ class RowFetcher {
   std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
   cudaEvent_t deferred_start_ = nullptr;          // where on the compute stream the deferred fetch begins
   // The local overlapped fetch started but not yet queued (StartFetch to the next WaitFetched or
-  // WaitForFetchStream). Mutable: queueing it changes nothing the fetcher reports.
+  // WaitForFetchStream), its layer in it. Mutable: queueing it changes nothing the fetcher reports.
   mutable std::shared_ptr<const FetchWork> deferred_;
-  mutable int deferred_layer_ = -1;
   int join_layer_ = -1;  // kWithinNextAttention: the fetch queued at the last WaitFetched, until JoinFetch
   Buffer<FetchCounters> device_counters_;
   std::map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence
