@@ -121,12 +121,13 @@ Result<std::unique_ptr<GenerationPair>> GenerateOnBoth(const testing::TinyModel&
 }
 
 // Every (sequence, layer, KV head) of the batch selected the same rows on both agents.
-void ExpectSameSelections(const RaggedPair& p, const ModelShape& shape, size_t n_sequences, const std::string& name) {
+void ExpectSameSelections(const Agent& gpu, const Agent& cpu, const ModelShape& shape, size_t n_sequences,
+                          const std::string& name) {
   for (size_t s = 0; s < n_sequences; ++s) {
     for (int l = 0; l < shape.n_layers; ++l) {
       for (int h = 0; h < shape.n_kv_heads; ++h) {
         const SequenceId id = static_cast<SequenceId>(10 + s);
-        EXPECT_EQ(*p.gpu->SelectedTokens(id, l, h), *p.cpu->SelectedTokens(id, l, h)) << name << ": sequence " << id;
+        EXPECT_EQ(*gpu.SelectedTokens(id, l, h), *cpu.SelectedTokens(id, l, h)) << name << ": sequence " << id;
       }
     }
   }
@@ -308,14 +309,7 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
     EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
     EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
     EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
-    for (size_t s = 0; s < prompts.size(); ++s) {
-      for (int l = 0; l < shape.n_layers; ++l) {
-        for (int h = 0; h < shape.n_kv_heads; ++h) {
-          const SequenceId id = static_cast<SequenceId>(10 + s);
-          EXPECT_EQ(*(*gpu)->SelectedTokens(id, l, h), *(*cpu)->SelectedTokens(id, l, h)) << name << ": sequence " << id;
-        }
-      }
-    }
+    ExpectSameSelections(**gpu, **cpu, shape, prompts.size(), name);
     std::printf("%-24s max |out diff| %.2e, %lld rows fetched\n", name.c_str(), worst,
                 static_cast<long long>(b.rows_fetched));
   }
@@ -458,7 +452,7 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
   ASSERT_TRUE(driven.ok()) << driven.ToString();
   EXPECT_LT(pair.worst, 1e-3);
   EXPECT_EQ(pair.gpu->stats().rows_fetched, pair.cpu->stats().rows_fetched);
-  ExpectSameSelections(pair, shape, prompts.size(), "union");
+  ExpectSameSelections(*pair.gpu, *pair.cpu, shape, prompts.size(), "union");
   KvConfig adaptive;  // beyond what the budget's kernels hold
   adaptive.mass = 0.9;
   adaptive.k_min = 8;
@@ -542,7 +536,7 @@ TEST(CudaAgentTest, RaggedBatchesMatchTheCpuAgent) {
     EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
     EXPECT_EQ(b.full_precision_bytes, a.full_precision_bytes) << name;
     EXPECT_EQ(pair.gpu_source.stored_bytes(), pair.cpu_source.stored_bytes()) << name << ": rows committed to the source";
-    ExpectSameSelections(pair, shape, prompts.size(), name);
+    ExpectSameSelections(*pair.gpu, *pair.cpu, shape, prompts.size(), name);
     // The rows the GPU wrote in place are the rows the CPU agent appended.
     for (int h = 0; h < shape.n_kv_heads; ++h) {
       std::vector<int32_t> tokens(prompts[1] + 40);
