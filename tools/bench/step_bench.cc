@@ -427,14 +427,15 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         ok = false;
         continue;
       }
-      const std::vector<std::string> overlaps = fetches && !o.fetch_overlap.empty()
-                                                    ? o.fetch_overlap
-                                                    : std::vector<std::string>{"from-selection"};
+      const std::vector<std::string> overlaps =
+          fetches && !o.fetch_overlap.empty()
+              ? o.fetch_overlap
+              : std::vector<std::string>{std::string(FetchOverlapName(FetchOverlap::kFromSelection))};
       for (const std::string& name : overlaps) {
         auto overlap = ParseFetchOverlap(name);
         if (!Ok(overlap.status(), "fetch overlap")) return false;
-        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap, o.profile_step)
-                                      : without;
+        const AgentRun with =
+            fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap, o.profile_step) : without;
         if (with.ms < 0) {
           ok = false;
           continue;
