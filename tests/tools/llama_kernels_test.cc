@@ -12,33 +12,23 @@
 #include "llama_kernels.h"
 #include "specache/half.h"
 #include "testing/cuda_device.h"
+#include "testing/device_buffers.h"
+#include "testing/reference.h"
 
 namespace specache::gpu {
 namespace {
 
-template <typename T>
-struct Device {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Device(const std::vector<T>& host) : n(host.size()) {
-    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(p, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~Device() { cudaFree(p); }
-  std::vector<T> Get() const {
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<T> host(n);
-    EXPECT_EQ(cudaMemcpy(host.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return host;
-  }
-};
-
+// n normal draws of standard deviation `scale` from a generator seeded with `seed`.
 std::vector<float> Random(size_t n, float scale, uint32_t seed) {
   std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
+  return testing::RandomFloats(n, rng, scale);
+}
+
+// The kernels' results, once every queued kernel finished without an error.
+template <typename T>
+std::vector<T> Finished(const T* device, size_t n) {
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return testing::Download(device, n);
 }
 
 // Whether fp16 `got` is within one unit in the last place of fp16 `want` (below 2^-14, the
@@ -57,10 +47,10 @@ TEST_F(LlamaKernelsTest, RmsNormMatchesTheCpu) {
   for (int d : {4096, 576, 102}) {  // 102: not a multiple of 4 (no float4 reads)
     for (int rows : {1, 3, 198}) {
       const auto x = Random(size_t(rows) * d, 1.5f, d + rows), w = Random(d, 1.0f, 7);
-      Device<float> dx(x), dw(w);
-      Device<Half> out(std::vector<Half>(x.size()));
-      RmsNormToHalf(dx.p, rows, d, dw.p, 1e-5f, out.p, nullptr);
-      const std::vector<Half> got = out.Get();
+      testing::DeviceBuffers buf;
+      Half* out = buf.Allocate<Half>(x.size());
+      RmsNormToHalf(buf.Copy(x), rows, d, buf.Copy(w), 1e-5f, out, nullptr);
+      const std::vector<Half> got = Finished(out, x.size());
       for (int r = 0; r < rows; ++r) {
         double ss = 0;
         for (int c = 0; c < d; ++c) ss += double(x[size_t(r) * d + c]) * x[size_t(r) * d + c];
@@ -85,11 +75,12 @@ TEST_F(LlamaKernelsTest, SiluMulMatchesTheCpuFromFloatAndHalf) {
       const auto gu = Random(size_t(rows) * 2 * ffn, 2.0f, ffn + rows);
       std::vector<Half> gu_half(gu.size());
       for (size_t i = 0; i < gu.size(); ++i) gu_half[i] = ::specache::FloatToHalf(gu[i]);
-      Device<float> dgu(gu);
-      Device<Half> dgu_half(gu_half), out(std::vector<Half>(size_t(rows) * ffn)), out_half(std::vector<Half>(size_t(rows) * ffn));
-      SiluMul(dgu.p, out.p, rows, ffn, nullptr);
-      SiluMul(dgu_half.p, out_half.p, rows, ffn, nullptr);
-      const std::vector<Half> got = out.Get(), got_half = out_half.Get();
+      testing::DeviceBuffers buf;
+      const size_t n = size_t(rows) * ffn;
+      Half *out = buf.Allocate<Half>(n), *out_half = buf.Allocate<Half>(n);
+      SiluMul(buf.Copy(gu), out, rows, ffn, nullptr);
+      SiluMul(buf.Copy(gu_half), out_half, rows, ffn, nullptr);
+      const std::vector<Half> got = Finished(out, n), got_half = Finished(out_half, n);
       for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < ffn; ++c) {
           const size_t i = size_t(r) * ffn + c, g = size_t(r) * 2 * ffn + c;
@@ -113,11 +104,11 @@ TEST_F(LlamaKernelsTest, SplitQkvRopeMatchesTheCpu) {
   std::vector<float> inv_freq(hd / 2);
   for (int i = 0; i < hd / 2; ++i) inv_freq[i] = static_cast<float>(std::pow(500000.0, -2.0 * i / hd));
   const std::vector<int32_t> positions{0, 1, 17, 4095, 131071};
-  Device<float> dqkv(qkv), dfreq(inv_freq), q(std::vector<float>(size_t(n) * n_heads * hd)),
-      k(std::vector<float>(size_t(n) * n_kv * hd)), v(std::vector<float>(size_t(n) * n_kv * hd));
-  Device<int32_t> dpos(positions);
-  SplitQkvRope(dqkv.p, n, n_heads, n_kv, hd, dpos.p, dfreq.p, q.p, k.p, v.p, nullptr);
-  const auto gq = q.Get(), gk = k.Get(), gv = v.Get();
+  testing::DeviceBuffers buf;
+  const size_t nq = size_t(n) * n_heads * hd, nkv = size_t(n) * n_kv * hd;
+  float *q = buf.Allocate<float>(nq), *k = buf.Allocate<float>(nkv), *v = buf.Allocate<float>(nkv);
+  SplitQkvRope(buf.Copy(qkv), n, n_heads, n_kv, hd, buf.Copy(positions), buf.Copy(inv_freq), q, k, v, nullptr);
+  const auto gq = Finished(q, nq), gk = Finished(k, nkv), gv = Finished(v, nkv);
   for (int r = 0; r < n; ++r) {
     for (int head = 0; head < n_heads + 2 * n_kv; ++head) {
       for (int p = 0; p < hd / 2; ++p) {
@@ -144,10 +135,10 @@ TEST_F(LlamaKernelsTest, ArgmaxTakesTheLowestIndexAmongEquals) {
   auto logits = Random(size_t(rows) * vocab, 3.0f, 11);
   logits[size_t(1) * vocab + 300] = logits[size_t(1) * vocab + 40000] = 100.0f;  // a tie
   logits[size_t(2) * vocab + vocab - 1] = 50.0f;                                    // the last column
-  Device<float> dl(logits);
-  Device<int32_t> out{std::vector<int32_t>(rows)};
-  ArgmaxRows(dl.p, rows, vocab, out.p, nullptr);
-  const auto got = out.Get();
+  testing::DeviceBuffers buf;
+  int32_t* out = buf.Allocate<int32_t>(rows);
+  ArgmaxRows(buf.Copy(logits), rows, vocab, out, nullptr);
+  const auto got = Finished(out, rows);
   for (int r = 0; r < rows; ++r) {
     int32_t best = 0;
     for (int c = 1; c < vocab; ++c) {
