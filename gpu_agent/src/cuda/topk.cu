@@ -132,13 +132,25 @@ __device__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh
   __syncthreads();  // `sh` and `score` may be reused by the caller
 }
 
+// exp(v - m) / l from a raw score and its head's statistics, as ex2 of one FFMA and one approximate
+// division (~7 instructions; the correctly rounded expf and division took ~35, half of phase
+// one's instructions per token). Within a few ulps of the exact value: selections can differ from
+// the CPU's only between probabilities that close (the agents' comparisons allow such near-ties).
+// The same inputs give the same bits, so BudgetKernel's recomputation equals phase one's.
+__device__ __forceinline__ float Normalised(float v, float m, float l) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(v, kLog2e, -m * kLog2e)));
+  return __fdividef(e, l);
+}
+
 // Reduced score of token j: the GQA group's probabilities (normalised on the fly when the
 // segment has statistics), summed in head order as the CPU does, or their max; NaN is -inf.
 __device__ float ReducedScore(const TopKSegment& seg, int n_heads, int32_t j, bool use_max) {
   float s = use_max ? -INFINITY : 0.0f;
   for (int h = 0; h < n_heads; ++h) {
     float v = seg.probs[static_cast<size_t>(h) * seg.n + j];
-    if (seg.stats) v = expf(v - seg.stats[2 * h]) / seg.stats[2 * h + 1];
+    if (seg.stats) v = Normalised(v, seg.stats[2 * h], seg.stats[2 * h + 1]);
     if (isnan(v)) v = -INFINITY;
     s = use_max ? fmaxf(s, v) : __fadd_rn(s, v);
   }
