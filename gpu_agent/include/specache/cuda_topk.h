@@ -34,7 +34,7 @@ struct TopKSegment {
   // With a budget: device memory that receives the rows kept, or null.
   int32_t* count = nullptr;
 };
-constexpr int kMaxTopKSegments = 256;
+constexpr int kMaxTopKSegments = 640;  // per set of launches (their parameters hold the segments)
 
 // The adaptive budget (KvConfig::mass; cpu::BudgetRows, selection.h), applied after the top k
 // (k = k_max) on the device: each segment keeps its fewest best rows whose positive reduced scores,

@@ -31,13 +31,15 @@ __device__ uint32_t OrderKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-struct TopKBatch {  // by value (kMaxTopKSegments x 48 bytes)
+struct TopKBatch {  // by value (kMaxTopKSegments x 48 bytes: within the 32764 bytes of kernel parameters
+                    // that sm_70+ takes since CUDA 12.1)
   TopKSegment segments[kMaxTopKSegments];
   int count;
   int part_tokens;  // P
   int k;
   bool mass;  // phase one sums the runs of scores into scratch[n, n + runs) (the budget's total)
 };
+static_assert(sizeof(TopKBatch) + 64 <= 32764, "a launch's parameters: the batch and a few scalars");
 static_assert(cpu::kMassRunTokens == kThreads && kThreads == 256, "a run of the mass is one block's width, 8 per lane");
 
 // Parts of a segment of n candidates: several when their candidates (score + token per slot)
@@ -338,9 +340,13 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
                                    std::to_string(kMaxBudgetRows) + " (k " + std::to_string(k) + ")");
   }
   auto* s = static_cast<cudaStream_t>(stream);
-  for (int first = 0; first < count; first += kMaxTopKSegments) {
+  // Sets of equal size: 792 segments (99 sequences x 8 KV heads) as 396 + 396, not 640 + 152,
+  // whose small second set would fill the GPU poorly.
+  const int sets = (count + kMaxTopKSegments - 1) / kMaxTopKSegments;
+  const int per_set = sets > 0 ? (count + sets - 1) / sets : 0;
+  for (int first = 0; first < count; first += per_set) {
     TopKBatch batch;
-    batch.count = std::min(kMaxTopKSegments, count - first);
+    batch.count = std::min(per_set, count - first);
     batch.k = k;
     batch.mass = budget != nullptr;
     int64_t total = 0;
