@@ -8,6 +8,7 @@
 #include "specache/cuda_attention.h"
 #include "decode_common.cuh"
 #include "lowbit_decode.h"
+#include "prefill_attention.h"
 
 namespace specache::cuda {
 namespace {
@@ -284,6 +285,11 @@ Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32
                      float scale, float* out, float* scratch, void* stream) {
   if (n < 0 || n_heads <= 0 || head_dim <= 0) return Status::InvalidArgument("bad prefill shape");
   if (n == 0) return Status::Ok();
+  if (TensorPrefillServes(head_dim)) {  // the tensor cores (prefill_attention.h); `scratch` unused
+    const cudaError_t err = LaunchTensorPrefill(q, keys, values, n, n_heads, head_dim, scale, out,
+                                                static_cast<cudaStream_t>(stream));
+    return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("prefill kernel: ") + cudaGetErrorString(err));
+  }
   const int64_t pairs = static_cast<int64_t>(n) * n_heads;
   const int blocks = static_cast<int>(pairs < 1024 ? pairs : 1024);
   PrefillKernel<<<blocks, 128, 0, static_cast<cudaStream_t>(stream)>>>(

@@ -1,0 +1,255 @@
+// Exact causal prefill attention of one KV head on the tensor cores (flash-attention style): the
+// semantics of cpu::AttendPrefill, to ~1e-6 relative.
+//
+// Rows are (token, head) pairs in q's order, r = token * n_heads + head, so a CTA's 64 rows are 64 /
+// n_heads consecutive tokens of every head of the GQA group, and they share each tile of keys and
+// values. A CTA walks the key tiles (32 tokens) up to its last row's token, with an online softmax
+// per row; rows whose token is below a key are masked. Per warp (16 rows), with mma.m16n8k16:
+//   S = Q K^T: A = the scaled query as fp16 hi + lo parts (~22 bits), B = the keys (fp16, exact);
+//   O += P V:  A = the probabilities times 2^14 as hi + lo parts, straight from S's C registers (a C
+//              fragment of two 8-key n-tiles is the A fragment of one 16-key k-step), B = the
+//              values, read from a transposed copy in shared memory; each tile's products go
+//              through fresh accumulators added in fp32 (the tensor cores truncate as they add).
+// Register layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4): see lowbit_decode.cu.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "prefill_attention.h"
+
+namespace specache::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kRows = 16 * kWarps;  // (token, head) rows per CTA
+constexpr int kKeys = 32;           // keys per tile
+constexpr float kPScale = 16384.0f;  // p in [0, 1] scaled into fp16's normal range
+constexpr unsigned kAll = 0xffffffffu;
+
+// Shared memory of one CTA, in 32-bit words: the warps' query operands [warp][k-step][lane][hi 4,
+// lo 4], the key tile [kKeys][D + 8 halves] and the value tile transposed [D][kKeys + 8 halves]
+// (the pads keep the fragment reads free of bank conflicts).
+template <int D>
+struct Layout {
+  static constexpr int kKeyStride = (D + 8) / 2;       // words per key row
+  static constexpr int kValueStride = (kKeys + 8) / 2;  // words per channel row
+  static constexpr int kQueryWords = kWarps * (D / 16) * 32 * 8;
+  static constexpr int kKeyWords = kKeys * kKeyStride;
+  static constexpr int kValueWords = D * kValueStride;
+  static constexpr int kWords = kQueryWords + kKeyWords + kValueWords;
+};
+
+__device__ __forceinline__ uint32_t AsU32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+// x0, x1 as fp16x2 hi + lo parts (the lo part the rounded rest).
+__device__ __forceinline__ void Split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 f = __half22float2(h);
+  hi = AsU32(h);
+  lo = AsU32(__floats2half2_rn(x0 - f.x, x1 - f.y));
+}
+
+__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // the host routes only sm_80+ devices here
+#endif
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* q, const __half* keys,
+                                                                   const __half* values, int32_t n, int n_heads,
+                                                                   float scale, float* out) {
+  using L = Layout<D>;
+  constexpr int KS = D / 16;  // k-steps of S
+  constexpr int NT = D / 8;   // n-tiles of O
+  extern __shared__ __align__(16) uint32_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint32_t* q_ops = smem + warp * KS * 32 * 8;  // this warp's [ks][lane][8]
+  uint32_t* key_tile = smem + L::kQueryWords;
+  uint32_t* value_tile = key_tile + L::kKeyWords;
+  const int64_t rows = int64_t{n} * n_heads;
+  const int64_t r0 = int64_t{blockIdx.x} * kRows;
+  const int64_t wr = r0 + 16 * warp;  // this warp's first row
+  // This lane's two rows (g, g + 8), their tokens (a padding row takes the last token: its query
+  // is 0 and its output is not written).
+  const int64_t row[2] = {wr + g, wr + g + 8};
+  int32_t token[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) token[i] = static_cast<int32_t>((row[i] < rows ? row[i] : rows - 1) / n_heads);
+
+  // The query operands, scaled, as hi + lo parts: a0 (row g, channels 16 ks + 2t, +1), a1 (row
+  // g + 8, same), a2 (row g, + 8), a3 (row g + 8, + 8).
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int part = 0; part < 4; ++part) {
+      const int i = part & 1, c = 16 * ks + 2 * t + 8 * (part >> 1);
+      float2 x = make_float2(0.0f, 0.0f);
+      if (row[i] < rows) x = *reinterpret_cast<const float2*>(q + row[i] * D + c);
+      Split(x.x * scale, x.y * scale, hi[part], lo[part]);
+    }
+    *reinterpret_cast<uint4*>(q_ops + (ks * 32 + lane) * 8) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(q_ops + (ks * 32 + lane) * 8 + 4) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+
+  float o[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  const int64_t last_row = (r0 + kRows < rows ? r0 + kRows : rows) - 1;
+  const int32_t tiles = static_cast<int32_t>(last_row / n_heads) / kKeys + 1;
+  for (int32_t tile = 0; tile < tiles; ++tile) {
+    const int32_t k0 = tile * kKeys;
+    __syncthreads();  // the previous tile is no longer read (and the query operands are written)
+    // The tile's keys (row-major) and values (transposed), 8 channels per piece; past n, zeros.
+    for (int piece = threadIdx.x; piece < kKeys * D / 8; piece += kWarps * 32) {
+      const int j = piece / (D / 8), c = piece % (D / 8) * 8;
+      uint4 kx = make_uint4(0, 0, 0, 0), vx = make_uint4(0, 0, 0, 0);
+      if (k0 + j < n) {
+        kx = *reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(k0 + j) * D + c);
+        vx = *reinterpret_cast<const uint4*>(values + static_cast<int64_t>(k0 + j) * D + c);
+      }
+      *reinterpret_cast<uint4*>(key_tile + j * L::kKeyStride + c / 2) = kx;
+      const __half* vh = reinterpret_cast<const __half*>(&vx);
+      __half* vt = reinterpret_cast<__half*>(value_tile);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) vt[(c + e) * (2 * L::kValueStride) + j] = vh[e];
+    }
+    __syncthreads();
+
+    // ---- S = Q K^T for the tile's 32 keys: s[nt] is C of keys 8 nt + .. (rows g, g + 8).
+    float s[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint4 ah = *reinterpret_cast<const uint4*>(q_ops + (ks * 32 + lane) * 8);
+      const uint4 al = *reinterpret_cast<const uint4*>(q_ops + (ks * 32 + lane) * 8 + 4);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        // B: b0 = (channels 16 ks + 2t, +1; key 8 nt + g), b1 = channels + 8.
+        const uint32_t* kr = key_tile + (8 * nt + g) * L::kKeyStride + 8 * ks + t;
+        const uint32_t b0 = kr[0], b1 = kr[4];
+        Mma(s[nt], ah.x, ah.y, ah.z, ah.w, b0, b1);
+        Mma(s[nt], al.x, al.y, al.z, al.w, b0, b1);
+      }
+    }
+    // Causal mask: key k0 + 8 nt + 2t + (e & 1) against row (e >> 1)'s token (keys past n are
+    // past every token).
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (k0 + 8 * nt + 2 * t + (e & 1) > token[e >> 1]) s[nt][e] = -INFINITY;
+      }
+    // ---- Online softmax per row: the tile's max over the quad, the rescaling of what came before.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
+      const float mn = fmaxf(m[i], mx);
+      const float alpha = mn == -INFINITY || m[i] == mn ? 1.0f : __expf(m[i] - mn);
+      m[i] = mn;
+      l[i] *= alpha;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) o[nt][2 * i] *= alpha, o[nt][2 * i + 1] *= alpha;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 2 * i; e < 2 * i + 2; ++e) {
+          const float p = mn == -INFINITY ? 0.0f : __expf(s[nt][e] - mn);
+          l[i] += p;
+          s[nt][e] = p * kPScale;
+        }
+    }
+    // ---- O += P V. P's A operand of k-step ks2 (keys 16 ks2 ..): S's n-tiles 2 ks2 and 2 ks2 + 1.
+    uint32_t ph[2][4], pl[2][4];
+#pragma unroll
+    for (int ks2 = 0; ks2 < 2; ++ks2) {
+      Split(s[2 * ks2][0], s[2 * ks2][1], ph[ks2][0], pl[ks2][0]);
+      Split(s[2 * ks2][2], s[2 * ks2][3], ph[ks2][1], pl[ks2][1]);
+      Split(s[2 * ks2 + 1][0], s[2 * ks2 + 1][1], ph[ks2][2], pl[ks2][2]);
+      Split(s[2 * ks2 + 1][2], s[2 * ks2 + 1][3], ph[ks2][3], pl[ks2][3]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float fresh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int ks2 = 0; ks2 < 2; ++ks2) {
+        // B: b0 = (keys 16 ks2 + 2t, +1; channel 8 nt + g), b1 = keys + 8.
+        const uint32_t* vr = value_tile + (8 * nt + g) * L::kValueStride + 8 * ks2 + t;
+        const uint32_t b0 = vr[0], b1 = vr[4];
+        Mma(fresh, ph[ks2][0], ph[ks2][1], ph[ks2][2], ph[ks2][3], b0, b1);
+        Mma(fresh, pl[ks2][0], pl[ks2][1], pl[ks2][2], pl[ks2][3], b0, b1);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nt][e] += fresh[e] * (1.0f / kPScale);
+    }
+  }
+  // ---- The rows' sums over the quad, then out = O / l.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(kAll, l[i], 1);
+    l[i] += __shfl_xor_sync(kAll, l[i], 2);
+    if (row[i] >= rows) continue;
+    const float inv = 1.0f / l[i];
+    float* dst = out + row[i] * D;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t) = make_float2(o[nt][2 * i] * inv, o[nt][2 * i + 1] * inv);
+    }
+  }
+}
+
+// Whether the current device has mma.m16n8k16 with fp16 operands (sm_80+).
+bool HasMma() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+}
+
+template <int D>
+cudaError_t Launch(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads, float scale, float* out,
+                   cudaStream_t stream) {
+  constexpr size_t kBytes = size_t{Layout<D>::kWords} * sizeof(uint32_t);
+  // Over the 48 KiB a kernel gets unasked at D = 128: allowed once per device.
+  constexpr int kMaxDevices = 64;
+  static bool allowed[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!allowed[device]) {
+    err = cudaFuncSetAttribute(TensorPrefillKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBytes));
+    if (err != cudaSuccess) return err;
+    allowed[device] = true;
+  }
+  const int64_t ctas = (int64_t{n} * n_heads + kRows - 1) / kRows;
+  TensorPrefillKernel<D><<<static_cast<unsigned>(ctas), kWarps * 32, kBytes, stream>>>(
+      q, reinterpret_cast<const __half*>(keys), reinterpret_cast<const __half*>(values), n, n_heads, scale, out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool TensorPrefillServes(int head_dim) { return (head_dim == 64 || head_dim == 128) && HasMma(); }
+
+cudaError_t LaunchTensorPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads,
+                                int head_dim, float scale, float* out, cudaStream_t stream) {
+  if (int64_t{n} * n_heads > int64_t{kRows} * 0x7fffffff) return cudaErrorInvalidValue;
+  return head_dim == 64 ? Launch<64>(q, keys, values, n, n_heads, scale, out, stream)
+                        : Launch<128>(q, keys, values, n, n_heads, scale, out, stream);
+}
+
+}  // namespace specache::cuda

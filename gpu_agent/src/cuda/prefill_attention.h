@@ -1,0 +1,22 @@
+// The tensor-core path of AttendPrefill (cuda_attention.h): exact causal attention over a prompt
+// for one KV head, flash-attention style (prefill_attention.cu). AttendPrefill takes it where it
+// serves and keeps its CUDA-core kernel for the rest.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "specache/half.h"
+
+namespace specache::cuda {
+
+// Whether the tensor-core path serves this head dimension on the current device (64 or 128, sm_80+).
+bool TensorPrefillServes(int head_dim);
+
+// q [n][n_heads][head_dim] float, keys/values [n][head_dim] fp16, out [n][n_heads][head_dim]
+// float (cpu::AttendPrefill's layout and semantics); queued on `stream`, no scratch.
+cudaError_t LaunchTensorPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads,
+                                int head_dim, float scale, float* out, cudaStream_t stream);
+
+}  // namespace specache::cuda
