@@ -113,8 +113,8 @@ def main():
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
     wts = Weights(LAYERS)
     print(f"fp16 baseline on {torch.cuda.get_device_name()}, torch {torch.__version__}", file=sys.stderr)
-    for context in [int(c) for c in a.contexts.split(",")]:
-        for batch in [int(b) for b in a.batches.split(",")]:
+    for context in [int(c) for c in a.contexts.split(",") if c]:  # --contexts '': the prefill alone
+        for batch in [int(b) for b in a.batches.split(",") if b]:
             r = decode(batch, context, wts, a.steps)
             print(json.dumps(r), flush=True)
             if "skipped" in r:

@@ -564,7 +564,9 @@ Status Bench(BenchArgs a) {
   }
   if (!a.plot.empty()) {
     std::vector<int> contexts;
-    for (const auto& r : rows) contexts.push_back(r["context"].get<int>());
+    for (const auto& r : rows) {
+      if (r.contains("context")) contexts.push_back(r["context"].get<int>());  // (not the prefill row)
+    }
     std::sort(contexts.begin(), contexts.end());
     contexts.erase(std::unique(contexts.begin(), contexts.end()), contexts.end());
     LinePlot plot;
@@ -577,7 +579,7 @@ Status Bench(BenchArgs a) {
       LinePlot::Series s{mode, std::vector<double>(contexts.size(), NAN)};
       LinePlot::Series sdpa{"fp16 SDPA (PyTorch)", std::vector<double>(contexts.size(), NAN)};
       for (const auto& r : rows) {
-        if (r["mode"] != mode || !r.contains("tokens_per_s")) continue;
+        if (!r.contains("context") || r["mode"] != mode || !r.contains("tokens_per_s")) continue;
         const size_t i = std::find(contexts.begin(), contexts.end(), r["context"].get<int>()) - contexts.begin();
         s.y[i] = r["tokens_per_s"].get<double>();
         if (r.contains("sdpa") && r["sdpa"].contains("tokens_per_s")) sdpa.y[i] = r["sdpa"]["tokens_per_s"].get<double>();
@@ -708,6 +710,9 @@ int main(int argc, char** argv) {
   bench->add_flag("--profile-step", bo.profile_step,
                   "one more untimed decode step of each measured run, between cudaProfilerStart and cudaProfilerStop "
                   "(for ncu --profile-from-start off)");
+  bench->add_option("--prefill", bo.prefill,
+                    "BxT, e.g. 8x8192: also time the whole model's prefill of B prompts of T tokens (specache), next "
+                    "to PyTorch's fp16 prefill with --sdpa-script");
   bench->add_flag("--json", bench_args.json, "print one JSON object per row on stdout");
   bench->add_option("--json-out", bench_args.json_out, "also write all rows to this file (a JSON array)");
   bench->add_option("--plot", bench_args.plot, "write tokens/s over context per mode as a PNG");

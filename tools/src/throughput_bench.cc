@@ -225,8 +225,17 @@ class Bench {
 
   // PyTorch SDPA's fp16 step at this batch and context (tools/bench/fp16_baseline.py).
   nlohmann::json Sdpa(int batch, int context) {
-    const std::string cmd = o_.python + " " + o_.sdpa_script + " --batches " + std::to_string(batch) + " --contexts " +
-                            std::to_string(context) + " --prefill '' --steps 10 2>&1";
+    return Script("--batches " + std::to_string(batch) + " --contexts " + std::to_string(context) +
+                      " --prefill '' --steps 10",
+                  "fp16_decode");
+  }
+  // PyTorch's fp16 prefill of `batch` prompts of `tokens` (SDPA + cuBLAS, the same script).
+  nlohmann::json SdpaPrefill(int batch, int tokens) {
+    return Script("--contexts '' --prefill " + std::to_string(batch) + "x" + std::to_string(tokens), "fp16_prefill");
+  }
+  // The script's first JSON line of `suite`, or {"error": ...}.
+  nlohmann::json Script(const std::string& args, const std::string& suite) {
+    const std::string cmd = o_.python + " " + o_.sdpa_script + " " + args + " 2>&1";
     FILE* p = popen(cmd.c_str(), "r");
     if (!p) return {{"error", "cannot run " + cmd}};
     std::string out;
@@ -238,7 +247,7 @@ class Bench {
     while (std::getline(lines, line)) {
       if (line.empty() || line[0] != '{') continue;
       auto j = nlohmann::json::parse(line, nullptr, false);
-      if (!j.is_discarded() && j.value("suite", "") == "fp16_decode") return j;
+      if (!j.is_discarded() && j.value("suite", "") == suite) return j;
     }
     return {{"error", "exit status " + std::to_string(rc) + ": " + out.substr(out.size() > 400 ? out.size() - 400 : 0)}};
   }
@@ -329,6 +338,32 @@ class Bench {
     return j;
   }
 
+  // The whole model's prefill of `batch` prompts of `tokens` random tokens in specache mode:
+  // GpuEngine::Prefill's wall time (it returns once every prompt's first token is on the host).
+  Result<nlohmann::json> Prefill(int batch, int tokens) {
+    const LlamaConfig& c = model_->config();
+    SPECACHE_ASSIGN_OR_RETURN(KvConfig config, Config("specache"));
+    auto source = std::make_unique<InMemorySource>(64, size_t{256} << 20);
+    CudaAgentOptions options;
+    options.capacity_tokens = tokens + 8;
+    options.stream = model_->stream();
+    SPECACHE_ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, CreateCudaAgent(model_->shape(), config, source.get(), options));
+    GpuEngine engine(model_, agent.get());
+    std::vector<SequenceId> ids;
+    std::vector<std::vector<int32_t>> prompts(batch, std::vector<int32_t>(tokens));
+    for (int s = 0; s < batch; ++s) {
+      ids.push_back(static_cast<SequenceId>(s + 1));
+      for (int i = 0; i < tokens; ++i) prompts[s][i] = static_cast<int32_t>((7919u * (s + 1) + 104729u * i) % uint32_t(c.vocab));
+    }
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "before the prefill"));
+    const auto start = std::chrono::steady_clock::now();
+    SPECACHE_RETURN_IF_ERROR(engine.Prefill(ids, prompts).status());
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    nlohmann::json j{{"suite", "prefill"}, {"mode", "specache"}, {"batch", batch}, {"tokens", tokens}, {"ms_prefill", ms}};
+    if (!o_.sdpa_script.empty() && o_.shape == "llama3-8b") j["sdpa"] = SdpaPrefill(batch, tokens);
+    return j;
+  }
+
  private:
   const ThroughputOptions& o_;
   GpuLlama* model_;
@@ -371,6 +406,15 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
 }  // namespace
 
 Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& o) {
+  int prefill_batch = 0, prefill_tokens = 0;
+  if (!o.prefill.empty()) {  // checked before anything is measured
+    char x = 0;
+    std::istringstream spec(o.prefill);
+    if (!(spec >> prefill_batch >> x >> prefill_tokens) || x != 'x' || prefill_batch < 1 || prefill_tokens < 1 ||
+        !spec.eof()) {
+      return Status::InvalidArgument("--prefill is BxT, e.g. 8x8192, not '" + o.prefill + "'");
+    }
+  }
   SPECACHE_ASSIGN_OR_RETURN(CudaDeviceInfo device, ProbeCudaDevice());
   LlamaConfig config;
   if (o.shape == "llama3-8b") {
@@ -418,6 +462,27 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
       PrintRow(j, fp16_tokens);
       rows.push_back(std::move(j));
     }
+  }
+  if (!o.prefill.empty()) {
+    const int batch = prefill_batch, tokens = prefill_tokens;
+    auto measured = bench.Prefill(batch, tokens);
+    nlohmann::json j = measured.ok() ? *measured
+                                     : nlohmann::json{{"suite", "prefill"}, {"batch", batch}, {"tokens", tokens},
+                                                      {"note", "failed: " + measured.status().ToString()}};
+    j["shape"] = o.shape;
+    j["weights"] = "random";
+    j["device"] = device.name;
+    if (j.contains("ms_prefill")) {
+      std::fprintf(stderr, "prefill %d x %d (specache, the whole model): %.1f ms", batch, tokens, j["ms_prefill"].get<double>());
+      if (j.contains("sdpa") && j["sdpa"].contains("ms_prefill")) {
+        const double sdpa = j["sdpa"]["ms_prefill"].get<double>();
+        std::fprintf(stderr, "; PyTorch fp16 (SDPA + cuBLAS): %.1f ms (%.2fx)", sdpa, j["ms_prefill"].get<double>() / sdpa);
+      }
+      std::fprintf(stderr, "\n");
+    } else {
+      std::fprintf(stderr, "prefill %d x %d: %s\n", batch, tokens, j.value("note", j.dump()).c_str());
+    }
+    rows.push_back(std::move(j));
   }
   std::fprintf(stderr,
                "tok/s: decode tokens per second of the batch (random weights: the figures are speeds, not text). "

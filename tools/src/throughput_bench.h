@@ -41,6 +41,11 @@ struct ThroughputOptions {
   // One more decode step of each measured run (after the warm-ups, untimed) between
   // cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`.
   bool profile_step = false;
+  // "BxT": after the decode rows, the whole model's prefill of B prompts of T random tokens in
+  // specache mode (GpuEngine::Prefill: embedding, GEMMs, the agent's prefill attention, quantizing
+  // and page writes), next to PyTorch's fp16 prefill (SDPA + cuBLAS) when --sdpa-script is given.
+  // Empty: none.
+  std::string prefill;
 };
 
 // Runs every (context, mode); one JSON object per row (see the .cc for the fields), a table on
