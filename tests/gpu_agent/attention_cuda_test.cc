@@ -271,8 +271,10 @@ TEST(CudaAttentionTest, PrefillMatchesTheCpuReference) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(37);
-  const int heads = 4;
-  for (int d : {64, 128}) {
+  // The tensor-core kernel at head_dim 64 and 128 (sm_80+), the CUDA-core one at 96; GQA groups
+  // of 4 (Llama-3-8B) and 3 (SmolLM2: rows that do not tile a CTA's 64 evenly).
+  const std::pair<int, int> shapes[] = {{64, 4}, {128, 4}, {64, 3}, {128, 3}, {96, 4}};  // (head_dim, heads)
+  for (const auto& [d, heads] : shapes) {
     for (int32_t n : {1, 37, 300, 1100}) {
       const auto q = testing::RandomFloats(size_t(n) * heads * d, rng, 0.5f);
       const auto k = testing::RandomHalves(size_t(n) * d, rng), v = testing::RandomHalves(size_t(n) * d, rng);
@@ -288,7 +290,8 @@ TEST(CudaAttentionTest, PrefillMatchesTheCpuReference) {
                       .ok());
       std::vector<float> got(want.size());
       ASSERT_EQ(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-      EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), 1e-5) << "d=" << d << " n=" << n;
+      EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), 1e-5)
+          << "d=" << d << " heads=" << heads << " n=" << n;
     }
   }
 #endif

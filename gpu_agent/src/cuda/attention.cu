@@ -285,7 +285,7 @@ Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32
                      float scale, float* out, float* scratch, void* stream) {
   if (n < 0 || n_heads <= 0 || head_dim <= 0) return Status::InvalidArgument("bad prefill shape");
   if (n == 0) return Status::Ok();
-  if (TensorPrefillServes(head_dim)) {  // the tensor cores (prefill_attention.h); `scratch` unused
+  if (TensorPrefillServes(q, keys, values, out, head_dim)) {  // the tensor cores (prefill_attention.h); `scratch` unused
     const cudaError_t err = LaunchTensorPrefill(q, keys, values, n, n_heads, head_dim, scale, out,
                                                 static_cast<cudaStream_t>(stream));
     return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("prefill kernel: ") + cudaGetErrorString(err));

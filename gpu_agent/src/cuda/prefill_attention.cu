@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "prefill_attention.h"
@@ -27,8 +28,8 @@ constexpr int kKeys = 32;           // keys per tile
 constexpr float kPScale = 16384.0f;  // p in [0, 1] scaled into fp16's normal range
 constexpr unsigned kAll = 0xffffffffu;
 
-// Shared memory of one CTA, in 32-bit words: the warps' query operands [warp][k-step][lane][hi 4,
-// lo 4], the key tile [kKeys][D + 8 halves] and the value tile transposed [D][kKeys + 8 halves]
+// Shared memory of one CTA, in 32-bit words: the warps' query operands [warp][k-step][hi, lo]
+// [lane][4], the key tile [kKeys][D + 8 halves] and the value tile transposed [D][kKeys + 8 halves]
 // (the pads keep the fragment reads free of bank conflicts).
 template <int D>
 struct Layout {
@@ -70,11 +71,12 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
   constexpr int NT = D / 8;   // n-tiles of O
   extern __shared__ __align__(16) uint32_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  uint32_t* q_ops = smem + warp * KS * 32 * 8;  // this warp's [ks][lane][8]
+  uint32_t* q_ops = smem + warp * KS * 32 * 8;  // this warp's [ks][hi, lo][lane][4]
   uint32_t* key_tile = smem + L::kQueryWords;
   uint32_t* value_tile = key_tile + L::kKeyWords;
   const int64_t rows = int64_t{n} * n_heads;
-  const int64_t r0 = int64_t{blockIdx.x} * kRows;
+  // The last rows have the most keys: their CTAs start first (blocks in reverse).
+  const int64_t r0 = int64_t{gridDim.x - 1 - blockIdx.x} * kRows;
   const int64_t wr = r0 + 16 * warp;  // this warp's first row
   // This lane's two rows (g, g + 8), their tokens (a padding row takes the last token: its query
   // is 0 and its output is not written).
@@ -95,8 +97,8 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
       if (row[i] < rows) x = *reinterpret_cast<const float2*>(q + row[i] * D + c);
       Split(x.x * scale, x.y * scale, hi[part], lo[part]);
     }
-    *reinterpret_cast<uint4*>(q_ops + (ks * 32 + lane) * 8) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    *reinterpret_cast<uint4*>(q_ops + (ks * 32 + lane) * 8 + 4) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    *reinterpret_cast<uint4*>(q_ops + ((2 * ks) * 32 + lane) * 4) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(q_ops + ((2 * ks + 1) * 32 + lane) * 4) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   }
 
   float o[NT][4];
@@ -109,15 +111,19 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
   for (int32_t tile = 0; tile < tiles; ++tile) {
     const int32_t k0 = tile * kKeys;
     __syncthreads();  // the previous tile is no longer read (and the query operands are written)
-    // The tile's keys (row-major) and values (transposed), 8 channels per piece; past n, zeros.
+    // The tile's keys, row-major, 8 channels per piece (a warp reads whole rows); past n, zeros.
     for (int piece = threadIdx.x; piece < kKeys * D / 8; piece += kWarps * 32) {
       const int j = piece / (D / 8), c = piece % (D / 8) * 8;
-      uint4 kx = make_uint4(0, 0, 0, 0), vx = make_uint4(0, 0, 0, 0);
-      if (k0 + j < n) {
-        kx = *reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(k0 + j) * D + c);
-        vx = *reinterpret_cast<const uint4*>(values + static_cast<int64_t>(k0 + j) * D + c);
-      }
+      uint4 kx = make_uint4(0, 0, 0, 0);
+      if (k0 + j < n) kx = *reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(k0 + j) * D + c);
       *reinterpret_cast<uint4*>(key_tile + j * L::kKeyStride + c / 2) = kx;
+    }
+    // The values, transposed: a lane per key, so that each of the 8 stores of a warp writes 32
+    // consecutive halves of one channel row (by channel, they were 8- to 16-way bank conflicts).
+    for (int piece = threadIdx.x; piece < kKeys * D / 8; piece += kWarps * 32) {
+      const int j = piece % kKeys, c = piece / kKeys * 8;
+      uint4 vx = make_uint4(0, 0, 0, 0);
+      if (k0 + j < n) vx = *reinterpret_cast<const uint4*>(values + static_cast<int64_t>(k0 + j) * D + c);
       const __half* vh = reinterpret_cast<const __half*>(&vx);
       __half* vt = reinterpret_cast<__half*>(value_tile);
 #pragma unroll
@@ -125,21 +131,26 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
     }
     __syncthreads();
 
-    // ---- S = Q K^T for the tile's 32 keys: s[nt] is C of keys 8 nt + .. (rows g, g + 8).
+    // ---- S = Q K^T for the tile's 32 keys: s[nt] is C of keys 8 nt + .. (rows g, g + 8). Each
+    // k-step into fresh accumulators added in fp32: one chain of 2 KS mma lost up to ~2e-6 to the
+    // tensor cores' truncation at larger scores.
     float s[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      const uint4 ah = *reinterpret_cast<const uint4*>(q_ops + (ks * 32 + lane) * 8);
-      const uint4 al = *reinterpret_cast<const uint4*>(q_ops + (ks * 32 + lane) * 8 + 4);
+      const uint4 ah = *reinterpret_cast<const uint4*>(q_ops + ((2 * ks) * 32 + lane) * 4);
+      const uint4 al = *reinterpret_cast<const uint4*>(q_ops + ((2 * ks + 1) * 32 + lane) * 4);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         // B: b0 = (channels 16 ks + 2t, +1; key 8 nt + g), b1 = channels + 8.
         const uint32_t* kr = key_tile + (8 * nt + g) * L::kKeyStride + 8 * ks + t;
         const uint32_t b0 = kr[0], b1 = kr[4];
-        Mma(s[nt], ah.x, ah.y, ah.z, ah.w, b0, b1);
-        Mma(s[nt], al.x, al.y, al.z, al.w, b0, b1);
+        float fresh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        Mma(fresh, ah.x, ah.y, ah.z, ah.w, b0, b1);
+        Mma(fresh, al.x, al.y, al.z, al.w, b0, b1);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] += fresh[e];
       }
     }
     // Causal mask: key k0 + 8 nt + 2t + (e & 1) against row (e >> 1)'s token (keys past n are
@@ -223,17 +234,18 @@ template <int D>
 cudaError_t Launch(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads, float scale, float* out,
                    cudaStream_t stream) {
   constexpr size_t kBytes = size_t{Layout<D>::kWords} * sizeof(uint32_t);
-  // Over the 48 KiB a kernel gets unasked at D = 128: allowed once per device.
+  // Over the 48 KiB a kernel gets unasked at D = 128: allowed once per device (setting it twice
+  // from two threads is harmless).
   constexpr int kMaxDevices = 64;
-  static bool allowed[kMaxDevices] = {};
+  static std::atomic<bool> allowed[kMaxDevices] = {};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (!allowed[device]) {
+  if (kBytes > (48 << 10) && !allowed[device].load(std::memory_order_acquire)) {
     err = cudaFuncSetAttribute(TensorPrefillKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBytes));
     if (err != cudaSuccess) return err;
-    allowed[device] = true;
+    allowed[device].store(true, std::memory_order_release);
   }
   const int64_t ctas = (int64_t{n} * n_heads + kRows - 1) / kRows;
   TensorPrefillKernel<D><<<static_cast<unsigned>(ctas), kWarps * 32, kBytes, stream>>>(
@@ -243,7 +255,11 @@ cudaError_t Launch(const float* q, const Half* keys, const Half* values, int32_t
 
 }  // namespace
 
-bool TensorPrefillServes(int head_dim) { return (head_dim == 64 || head_dim == 128) && HasMma(); }
+bool TensorPrefillServes(const float* q, const Half* keys, const Half* values, const float* out, int head_dim) {
+  const auto misaligned = [](const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes != 0; };
+  if (misaligned(keys, 16) || misaligned(values, 16) || misaligned(q, 8) || misaligned(out, 8)) return false;
+  return (head_dim == 64 || head_dim == 128) && HasMma();
+}
 
 cudaError_t LaunchTensorPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads,
                                 int head_dim, float scale, float* out, cudaStream_t stream) {

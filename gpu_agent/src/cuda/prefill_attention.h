@@ -11,8 +11,9 @@
 
 namespace specache::cuda {
 
-// Whether the tensor-core path serves this head dimension on the current device (64 or 128, sm_80+).
-bool TensorPrefillServes(int head_dim);
+// Whether the tensor-core path serves these tensors on the current device: head_dim 64 or 128,
+// sm_80+, keys and values 16-byte aligned, q and out 8-byte aligned (its vector loads and stores).
+bool TensorPrefillServes(const float* q, const Half* keys, const Half* values, const float* out, int head_dim);
 
 // q [n][n_heads][head_dim] float, keys/values [n][head_dim] fp16, out [n][n_heads][head_dim]
 // float (cpu::AttendPrefill's layout and semantics); queued on `stream`, no scratch.
