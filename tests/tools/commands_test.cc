@@ -103,6 +103,17 @@ TEST(CommandLineTest, AnUnknownSubcommandIsAUsageError) {
   }
 }
 
+// A malformed --prefill stops specache-run bench before anything is probed or measured (so also
+// on a machine without a GPU).
+TEST(CommandLineTest, AMalformedPrefillShapeStopsTheBenchAtOnce) {
+  for (const std::string shape : {"8y8192", "8x", "x8192", "0x8192", "8x8192x"}) {
+    const Outcome r = Shell(std::string(SPECACHE_RUN_PATH) + " bench --kv kivi --prefill " + shape);
+    EXPECT_EQ(r.code, 1) << shape << ": " << r.output;
+    EXPECT_NE(r.output.find("--prefill is BxT, e.g. 8x8192, not '" + shape + "'"), std::string::npos)
+        << shape << ": " << r.output;
+  }
+}
+
 // Output checks -------------------------------------------------------------------------------
 
 class OutputPathsCommandTest : public ::testing::Test {
