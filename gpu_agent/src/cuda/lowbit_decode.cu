@@ -1,11 +1,6 @@
 // Tensor-core decode attention over 1/2-bit replicas; the plan of work is in lowbit_decode.h.
 //
-// Register layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4):
-//   A (16 x 16, row-major): a0 = (row g, cols 2t, 2t+1), a1 = (row g+8, same cols),
-//                           a2 = (row g, cols 2t+8, 2t+9), a3 = (row g+8, same cols)
-//   B (16 x 8):             b0 = (rows 2t, 2t+1, col g), b1 = (rows 2t+8, 2t+9, col g)
-//   C (16 x 8, fp32):       c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g+8, same cols)
-// The lower 16 bits of a register hold the element of the lower index.
+// mma.m16n8k16's register layouts: mma_fp16.cuh.
 //
 // Operands. A holds codes times scales, exact in fp16 (a 1-bit code selects its fp16 scale or 0;
 // 2-bit codes are two bit planes, the second against B doubled): a "row word" per channel (keys)
@@ -30,11 +25,15 @@
 #include "decode_common.cuh"
 #include "device_info.h"
 #include "lowbit_decode.h"
+#include "mma_fp16.cuh"
 
 namespace specache::cuda {
 namespace {
 
 using decode::FindSubstitute;
+using mma::AsU32;
+using mma::Mma;
+using mma::Split;
 using decode::H2F;
 using decode::QueryAt;
 
@@ -96,8 +95,6 @@ __host__ __device__ constexpr int WarpWords() {
   return ItemOffsetWords<KB, VB, D, NT>() + kItemWords;
 }
 
-__device__ __forceinline__ uint32_t AsU32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-
 // Mask pair for A: 0xFFFF where the msb of x.byte[b] (low half) / y.byte[b] (high half) is set.
 __device__ __forceinline__ uint32_t MaskPair(uint32_t x, uint32_t y, int b) {
   const uint32_t sel = (b | 8) | ((b | 8) << 4) | (((4 + b) | 8) << 8) | (((4 + b) | 8) << 12);
@@ -108,13 +105,6 @@ __device__ __forceinline__ uint32_t MaskPair(uint32_t x, uint32_t y, int b) {
 
 // x0, x1 rounded to fp16x2 (to nearest even).
 __device__ __forceinline__ uint32_t HalfPairOf(float x0, float x1) { return AsU32(__floats2half2_rn(x0, x1)); }
-// x0, x1 as fp16x2 hi + lo parts (the lo part the rounded rest): ~22 bits of mantissa.
-__device__ __forceinline__ void Split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  const float2 f = __half22float2(h);
-  hi = AsU32(h);
-  lo = AsU32(__floats2half2_rn(x0 - f.x, x1 - f.y));
-}
 __device__ __forceinline__ uint32_t Twice(uint32_t h2) {  // exact
   const __half2 h = *reinterpret_cast<__half2*>(&h2);
   return AsU32(__hadd2(h, h));
@@ -134,18 +124,6 @@ __device__ __forceinline__ float ExpFrom(float x, float m_log2e) {
 // kernel never reads back.
 __device__ __forceinline__ void StoreGlobalOutput(float* p, float v) {
   asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v));
-}
-
-__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();  // the host never routes items here below sm_80
-#endif
 }
 
 // A operand from four row words: rows 0, 1 masked by the scale pair s01 (a0 at byte b_lo, a1 at

@@ -10,13 +10,14 @@
 //              fragment of two 8-key n-tiles is the A fragment of one 16-key k-step), B = the
 //              values, read from a transposed copy in shared memory; each tile's products go
 //              through fresh accumulators added in fp32 (the tensor cores truncate as they add).
-// Register layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4): see lowbit_decode.cu.
+// Register layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4): mma_fp16.cuh.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
 #include <cstdint>
 
+#include "mma_fp16.cuh"
 #include "prefill_attention.h"
 
 namespace specache::cuda {
@@ -41,26 +42,8 @@ struct Layout {
   static constexpr int kWords = kQueryWords + kKeyWords + kValueWords;
 };
 
-__device__ __forceinline__ uint32_t AsU32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-// x0, x1 as fp16x2 hi + lo parts (the lo part the rounded rest).
-__device__ __forceinline__ void Split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  const float2 f = __half22float2(h);
-  hi = AsU32(h);
-  lo = AsU32(__floats2half2_rn(x0 - f.x, x1 - f.y));
-}
-
-__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();  // the host routes only sm_80+ devices here
-#endif
-}
+using mma::Mma;
+using mma::Split;
 
 template <int D>
 __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* q, const __half* keys,
