@@ -58,7 +58,7 @@ struct CacheUpdateTask {
   int32_t now = 0;
   int32_t capacity = 0;                 // >= n_selected
 };
-constexpr int kMaxCacheUpdateTasks = 128;
+constexpr int kMaxCacheUpdateTasks = 320;  // per launch (more run as several)
 // Above every token, and what cudaMemset(0x7f) writes. Attention ignores substitutions of tokens
 // that are not quantized.
 constexpr int32_t kNoToken = 0x7f7f7f7f;

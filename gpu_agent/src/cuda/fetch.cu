@@ -1,9 +1,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "specache/cuda_fetch.h"
+#include "shared_memory_opt_in.cuh"
 #include "sorted_tokens.cuh"
 
 namespace specache::cuda {
@@ -85,74 +87,123 @@ __global__ void WriteKernel(TaskBatch<WriteTask> batch, int32_t max_rows, int ha
   }
 }
 
-struct CacheBatch {  // by value (kMaxCacheUpdateTasks x ~100 bytes)
+struct CacheBatch {  // by value: kMaxCacheUpdateTasks x 96 bytes fill the 32 KB parameters of sm_70+
   CacheUpdateTask tasks[kMaxCacheUpdateTasks];
   int count;
 };
+static_assert(sizeof(CacheBatch) + 16 <= 32764, "a launch's parameters: the batch and row_pieces");
+static_assert(kMaxCacheRows <= 0x7fff, "cache positions and their scan are int16 in shared memory");
+
+// Dynamic shared memory of one task's update: kept_before [capacity + 1] and source [capacity]
+// (int16), then selected and stays [capacity] (bytes).
+constexpr size_t CacheUpdateSharedBytes(int capacity) { return 2 * (size_t(capacity) + 1) + 4 * size_t(capacity); }
 
 // Whether (used_a, token_a) is more recent than (used_b, token_b): later use, then higher token.
 __device__ bool MoreRecent(int32_t used_a, int32_t token_a, int32_t used_b, int32_t token_b) {
   return used_a > used_b || (used_a == used_b && token_a > token_b);
 }
 
-// Block b updates task b's cache. Shared: for each old entry, whether it is selected, then
-// whether it stays.
+// The sum of `value` over the block's threads before this one (kThreads threads, all calling).
+__device__ int BlockExclusiveSum(int value) {
+  __shared__ int warp_sums[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = value;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += up;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  int before = 0;
+  for (int w = 0; w < warp; ++w) before += warp_sums[w];
+  return before + inclusive - value;
+}
+
+// Block b updates task b's cache in four passes:
+//   1. which old entries are selected again;
+//   2. which unselected old entries stay: fewer than `keep` unselected entries are more recent;
+//   3. each staying old entry and each selected token takes its place in the merged ascending
+//      order (staying entries before it, from a scan, plus selected tokens below it), writing the
+//      token, its use mark and, in shared memory, where its row comes from;
+//   4. every thread copies 16-byte pieces of the new rows, consecutive threads consecutive pieces.
 __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
-  extern __shared__ unsigned char flags[];  // [capacity]: 1 selected, 2 stays; then [capacity] stays
   const CacheUpdateTask& t = batch.tasks[blockIdx.x];
-  const int32_t n_old = *t.old_count;
+  const int32_t capacity = t.capacity;
+  extern __shared__ int16_t shared[];
+  int16_t* kept_before = shared;                 // [capacity + 1]: staying old entries before entry o
+  int16_t* source = kept_before + capacity + 1;  // [capacity]: new row j comes from old entry o >= 0 or selection -1 - o
+  uint8_t* selected = reinterpret_cast<uint8_t*>(source + capacity);  // [capacity]
+  uint8_t* stays = selected + capacity;                               // [capacity]
+  const int32_t n_old = min(*t.old_count, capacity);
   const int32_t n_selected = Below(t.selected, t.n_selected, kNoToken);  // without the budget's padding
-  const int32_t keep = max(0, t.capacity - n_selected);
+  const int32_t keep = max(0, capacity - n_selected);
   for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    flags[o] = Find(t.selected, n_selected, t.old_tokens[o]) >= 0 ? 1 : 0;
+    selected[o] = Find(t.selected, n_selected, t.old_tokens[o]) >= 0 ? 1 : 0;
   }
   __syncthreads();
-  // An unselected old entry stays when fewer than `keep` unselected entries are more recent. The
-  // verdicts go to their own array while the selected flags are read, then join them.
-  unsigned char* stays = flags + t.capacity;
   for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    stays[o] = 0;
-    if (flags[o] == 1) continue;
     int32_t newer = 0;
-    for (int32_t c = 0; c < n_old && newer < keep; ++c) {
-      if (flags[c] != 1 && MoreRecent(t.old_used[c], t.old_tokens[c], t.old_used[o], t.old_tokens[o])) ++newer;
+    if (!selected[o]) {
+      for (int32_t c = 0; c < n_old && newer < keep; ++c) {
+        if (!selected[c] && MoreRecent(t.old_used[c], t.old_tokens[c], t.old_used[o], t.old_tokens[o])) ++newer;
+      }
     }
-    stays[o] = newer < keep ? 2 : 0;
+    stays[o] = !selected[o] && newer < keep ? 1 : 0;
   }
   __syncthreads();
-  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) flags[o] |= stays[o];
+  // Thread i scans its run of ceil(n_old / kThreads) consecutive entries; the last thread ends
+  // with the total.
+  const int32_t run = (n_old + kThreads - 1) / kThreads;
+  const int32_t first = min(n_old, static_cast<int32_t>(threadIdx.x) * run), last = min(n_old, first + run);
+  int count = 0;
+  for (int32_t o = first; o < last; ++o) count += stays[o];
+  int before = BlockExclusiveSum(count);
+  for (int32_t o = first; o < last; ++o) {
+    kept_before[o] = static_cast<int16_t>(before);
+    before += stays[o];
+  }
+  if (threadIdx.x == kThreads - 1) kept_before[n_old] = static_cast<int16_t>(before);
   __syncthreads();
-  // Positions in the new cache, ascending by token: staying old entries and the selection.
-  const uint4* old_rows = reinterpret_cast<const uint4*>(t.old_rows);
-  const uint4* sel_rows = reinterpret_cast<const uint4*>(t.selected_rows);
-  uint4* new_rows = reinterpret_cast<uint4*>(t.new_rows);
   for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    if (!(flags[o] & 2)) continue;
+    if (!stays[o]) continue;
     const int32_t token = t.old_tokens[o];
-    int32_t pos = 0;
-    for (int32_t c = 0; c < o; ++c) pos += (flags[c] & 2) ? 1 : 0;  // old tokens are ascending
-    pos += Below(t.selected, n_selected, token);
+    const int32_t pos = kept_before[o] + Below(t.selected, n_selected, token);
     t.new_tokens[pos] = token;
     t.new_used[pos] = t.old_used[o];
-    for (int p = 0; p < row_pieces; ++p) new_rows[int64_t{pos} * row_pieces + p] = old_rows[int64_t{o} * row_pieces + p];
+    source[pos] = static_cast<int16_t>(o);
   }
   for (int32_t i = threadIdx.x; i < n_selected; i += blockDim.x) {
     const int32_t token = t.selected[i];
-    int32_t pos = i;
-    for (int32_t c = 0; c < n_old; ++c) pos += ((flags[c] & 2) && t.old_tokens[c] < token) ? 1 : 0;
+    const int32_t pos = i + kept_before[Below(t.old_tokens, n_old, token)];
     t.new_tokens[pos] = token;
     t.new_used[pos] = t.now;
-    for (int p = 0; p < row_pieces; ++p) new_rows[int64_t{pos} * row_pieces + p] = sel_rows[int64_t{i} * row_pieces + p];
+    source[pos] = static_cast<int16_t>(-1 - i);
   }
-  __shared__ int32_t new_count;
-  if (threadIdx.x == 0) {
-    int32_t kept = 0;
-    for (int32_t c = 0; c < n_old; ++c) kept += (flags[c] & 2) ? 1 : 0;
-    new_count = kept + n_selected;
-    *t.new_count = new_count;
-  }
+  const int32_t new_count = kept_before[n_old] + n_selected;
+  if (threadIdx.x == 0) *t.new_count = new_count;
+  for (int32_t i = new_count + threadIdx.x; i < capacity; i += blockDim.x) t.new_tokens[i] = kNoToken;
   __syncthreads();
-  for (int32_t i = new_count + threadIdx.x; i < t.capacity; i += blockDim.x) t.new_tokens[i] = kNoToken;
+  const uint4* old_rows = reinterpret_cast<const uint4*>(t.old_rows);
+  const uint4* sel_rows = reinterpret_cast<const uint4*>(t.selected_rows);
+  uint4* new_rows = reinterpret_cast<uint4*>(t.new_rows);
+  const int32_t pieces = new_count * row_pieces;
+  constexpr int kInFlight = 4;  // loads per thread before its stores
+  for (int32_t base = threadIdx.x; base < pieces; base += kInFlight * kThreads) {
+    uint4 piece[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int32_t p = base + u * kThreads;
+      if (p >= pieces) break;
+      const int32_t row = p / row_pieces, from = source[row];
+      piece[u] = (from >= 0 ? old_rows + int64_t{from} * row_pieces
+                            : sel_rows + int64_t{-1 - from} * row_pieces)[p - row * row_pieces];
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int32_t p = base + u * kThreads;
+      if (p < pieces) new_rows[p] = piece[u];
+    }
+  }
 }
 
 Status LaunchError(const char* what) {
@@ -217,19 +268,27 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tok
 Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, void* stream) {
   if (head_dim <= 0 || head_dim % 8 != 0 || n_tasks < 0) return Status::InvalidArgument("cache update: bad head_dim");
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
-  for (int first = 0; first < n_tasks; first += kMaxCacheUpdateTasks) {
+  for (int i = 0; i < n_tasks; ++i) {
+    if (tasks[i].capacity < tasks[i].n_selected || tasks[i].capacity > kMaxCacheRows) {
+      return Status::InvalidArgument("cache update: capacity below the selection or above kMaxCacheRows");
+    }
+  }
+  static std::atomic<bool> allowed[kMaxOptInDevices] = {};
+  if (AllowDynamicSharedMemory(UpdateCacheKernel, CacheUpdateSharedBytes(kMaxCacheRows), allowed) != cudaSuccess) {
+    return LaunchError("cache update: shared memory");
+  }
+  // Sets of equal size: 784 tasks run as 3 x 262, not 320 + 320 + 144.
+  const int sets = (n_tasks + kMaxCacheUpdateTasks - 1) / kMaxCacheUpdateTasks;
+  const int per_set = sets > 0 ? (n_tasks + sets - 1) / sets : 0;
+  for (int first = 0; first < n_tasks; first += per_set) {
     CacheBatch batch;
-    batch.count = std::min(kMaxCacheUpdateTasks, n_tasks - first);
+    batch.count = std::min(per_set, n_tasks - first);
     int32_t capacity = 0;
     for (int i = 0; i < batch.count; ++i) {
       batch.tasks[i] = tasks[first + i];
-      const CacheUpdateTask& t = batch.tasks[i];
-      if (t.capacity < t.n_selected || t.capacity > kMaxCacheRows) {
-        return Status::InvalidArgument("cache update: capacity below the selection or above kMaxCacheRows");
-      }
-      capacity = std::max(capacity, t.capacity);
+      capacity = std::max(capacity, batch.tasks[i].capacity);
     }
-    UpdateCacheKernel<<<batch.count, kThreads, 2 * static_cast<size_t>(capacity), static_cast<cudaStream_t>(stream)>>>(
+    UpdateCacheKernel<<<batch.count, kThreads, CacheUpdateSharedBytes(capacity), static_cast<cudaStream_t>(stream)>>>(
         batch, row_pieces);
     SPECACHE_RETURN_IF_ERROR(LaunchError("cache update kernel"));
   }
