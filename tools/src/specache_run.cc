@@ -709,7 +709,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember(specache::FetchOverlapNames()));
   bench->add_flag("--profile-step", bo.profile_step,
                   "one more untimed decode step of each measured run, between cudaProfilerStart and cudaProfilerStop "
-                  "(for ncu --profile-from-start off)");
+                  "(for ncu --profile-from-start off); with --prefill, the prefill too");
   bench->add_option("--prefill", bo.prefill,
                     "BxT, e.g. 8x8192: also time the whole model's prefill of B prompts of T tokens (specache), next "
                     "to PyTorch's fp16 prefill with --sdpa-script");

@@ -343,11 +343,17 @@ class Bench {
   Result<nlohmann::json> Prefill(int batch, int tokens) {
     const LlamaConfig& c = model_->config();
     SPECACHE_ASSIGN_OR_RETURN(KvConfig config, Config("specache"));
+    // The host pages exist and are registered with the GPU before the prefill, as a daemon's are
+    // when an agent attaches (cudaHostRegister takes ~0.5 s per GB): timed apart, as ms_setup.
+    const auto setup_start = std::chrono::steady_clock::now();
     auto source = std::make_unique<InMemorySource>(64, size_t{256} << 20);
+    source->Reserve({c.n_layers, c.n_kv_heads, c.head_dim}, batch, tokens + 8);
     CudaAgentOptions options;
     options.capacity_tokens = tokens + 8;
     options.stream = model_->stream();
     SPECACHE_ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, CreateCudaAgent(model_->shape(), config, source.get(), options));
+    const double ms_setup =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - setup_start).count();
     GpuEngine engine(model_, agent.get());
     std::vector<SequenceId> ids;
     std::vector<std::vector<int32_t>> prompts(batch, std::vector<int32_t>(tokens));
@@ -356,10 +362,17 @@ class Bench {
       for (int i = 0; i < tokens; ++i) prompts[s][i] = static_cast<int32_t>((7919u * (s + 1) + 104729u * i) % uint32_t(c.vocab));
     }
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "before the prefill"));
+    engine.set_phase_timing(true);
+    if (o_.profile_step) cudaProfilerStart();  // ThroughputOptions::profile_step: the prefill too
     const auto start = std::chrono::steady_clock::now();
-    SPECACHE_RETURN_IF_ERROR(engine.Prefill(ids, prompts).status());
+    const Status prefilled = engine.Prefill(ids, prompts).status();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    nlohmann::json j{{"suite", "prefill"}, {"mode", "specache"}, {"batch", batch}, {"tokens", tokens}, {"ms_prefill", ms}};
+    if (o_.profile_step) cudaProfilerStop();
+    SPECACHE_RETURN_IF_ERROR(prefilled);
+    const gpu::PhaseTimes& p = engine.phase_times();
+    nlohmann::json j{{"suite", "prefill"}, {"mode", "specache"}, {"batch", batch}, {"tokens", tokens}, {"ms_prefill", ms},
+                     {"ms_gemm", p.gemm_ms}, {"ms_agent", p.attention_ms}, {"ms_embed", p.edges_ms},
+                     {"ms_setup", ms_setup}};
     if (!o_.sdpa_script.empty() && o_.shape == "llama3-8b") j["sdpa"] = SdpaPrefill(batch, tokens);
     return j;
   }
@@ -473,7 +486,8 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
     j["weights"] = "random";
     j["device"] = device.name;
     if (j.contains("ms_prefill")) {
-      std::fprintf(stderr, "prefill %d x %d (specache, the whole model): %.1f ms", batch, tokens, j["ms_prefill"].get<double>());
+      std::fprintf(stderr, "prefill %d x %d (specache, the whole model): %.1f ms (GPU: gemm %.1f, agent %.1f)", batch,
+                   tokens, j["ms_prefill"].get<double>(), j["ms_gemm"].get<double>(), j["ms_agent"].get<double>());
       if (j.contains("sdpa") && j["sdpa"].contains("ms_prefill")) {
         const double sdpa = j["sdpa"]["ms_prefill"].get<double>();
         std::fprintf(stderr, "; PyTorch fp16 (SDPA + cuBLAS): %.1f ms (%.2fx)", sdpa, j["ms_prefill"].get<double>() / sdpa);

@@ -39,7 +39,8 @@ struct ThroughputOptions {
   std::string python = "python3";
   std::string fetch_overlap = "from-selection";  // CudaAgentOptions::fetch_overlap (FetchOverlapName)
   // One more decode step of each measured run (after the warm-ups, untimed) between
-  // cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`.
+  // cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`; with `prefill`,
+  // the prefill too (timed: its time under a profiler is not the figure).
   bool profile_step = false;
   // "BxT": after the decode rows, the whole model's prefill of B prompts of T random tokens in
   // specache mode (GpuEngine::Prefill: embedding, GEMMs, the agent's prefill attention, quantizing

@@ -15,7 +15,8 @@
 namespace specache::gpu {
 
 // GPU time of decode steps by phase (CUDA events on the model's stream), summed over the steps
-// run while timing was on.
+// run while timing was on. A prefill run while timing is on counts as one step: its attention_ms
+// is the agent's whole PrefillLayer (attention, quantizing, page writes), edges_ms the embedding.
 struct PhaseTimes {
   double gemm_ms = 0;        // each layer's norms, projections, RoPE and MLP
   double edges_ms = 0;       // the step's edges: token upload, embedding, the agent's BeginStep and

@@ -49,12 +49,18 @@ Result<std::vector<int32_t>> GpuEngine::Prefill(std::span<const SequenceId> ids,
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), positions.data(), n * sizeof(int32_t),
                                                 cudaMemcpyHostToDevice, Stream(s)), "prompt positions"));
   for (SequenceId id : ids) SPECACHE_RETURN_IF_ERROR(agent_->AddSequence(id));
+  marks_ = 0;
+  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   SPECACHE_RETURN_IF_ERROR(model_->Embed(model_->device_tokens(), n));
+  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   for (int l = 0; l < c.n_layers; ++l) {
     SPECACHE_RETURN_IF_ERROR(model_->ProjectQkv(l, n, model_->device_positions()));
+    SPECACHE_RETURN_IF_ERROR(Mark(Phase::kGemm));
     SPECACHE_RETURN_IF_ERROR(
         agent_->PrefillLayer(l, {ids, offsets, model_->q(), model_->k(), model_->v(), model_->attn()}));
+    SPECACHE_RETURN_IF_ERROR(Mark(Phase::kAttention));  // the agent's whole prefill: attention, quantizing, page writes
     SPECACHE_RETURN_IF_ERROR(model_->FinishLayer(l, n));
+    SPECACHE_RETURN_IF_ERROR(Mark(Phase::kGemm));
   }
   std::vector<int32_t> first(ids.size());
   if (logits) logits->resize(ids.size() * static_cast<size_t>(c.vocab));
@@ -71,6 +77,7 @@ Result<std::vector<int32_t>> GpuEngine::Prefill(std::span<const SequenceId> ids,
     // The next Logits call reuses the buffers: this row's copies must land first.
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(s)), "prefill"));
   }
+  SPECACHE_RETURN_IF_ERROR(CollectTimes());  // the prefill counts as one step of the phase times
   return first;
 }
 
