@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "cp_async.cuh"
 #include "decode_common.cuh"
 #include "device_info.h"
 #include "lowbit_decode.h"
@@ -145,26 +146,6 @@ __device__ __forceinline__ void MmaParts(float (&c)[4], const uint32_t (&a)[4], 
                                          const uint32_t (&b1)[2], int plane) {
   MmaPlane(c, a, b0[0], b1[0], plane);
   MmaPlane(c, a, b0[1], b1[1], plane);
-}
-
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-// Waits until at most one committed group of this thread is still in flight.
-__device__ __forceinline__ void CpAsyncWaitButOne() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group 1;\n" ::);
-#endif
 }
 
 // Copies kBytes (a multiple of 16, both ends 16-byte aligned) with the warp's lanes: unrolled, the

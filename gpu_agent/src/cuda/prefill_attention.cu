@@ -8,8 +8,9 @@
 //   S = Q K^T: A = the scaled query as fp16 hi + lo parts (~22 bits), B = the keys (fp16, exact);
 //   O += P V:  A = the probabilities times 2^14 as hi + lo parts, straight from S's C registers (a C
 //              fragment of two 8-key n-tiles is the A fragment of one 16-key k-step), B = the
-//              values, read from a transposed copy in shared memory; each tile's products go
-//              through fresh accumulators added in fp32 (the tensor cores truncate as they add).
+//              values (ldmatrix.trans of the row-major tile); each tile's products go through
+//              fresh accumulators added in fp32 (the tensor cores truncate as they add).
+// The next tile's keys and values land by cp.async while a tile is computed on (two stages).
 // Register layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4): mma_fp16.cuh.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -17,8 +18,10 @@
 #include <atomic>
 #include <cstdint>
 
+#include "cp_async.cuh"
 #include "mma_fp16.cuh"
 #include "prefill_attention.h"
+#include "shared_memory_opt_in.cuh"
 
 namespace specache::cuda {
 namespace {
@@ -30,20 +33,44 @@ constexpr float kPScale = 16384.0f;  // p in [0, 1] scaled into fp16's normal ra
 constexpr unsigned kAll = 0xffffffffu;
 
 // Shared memory of one CTA, in 32-bit words: the warps' query operands [warp][k-step][hi, lo]
-// [lane][4], the key tile [kKeys][D + 8 halves] and the value tile transposed [D][kKeys + 8 halves]
-// (the pads keep the fragment reads free of bank conflicts).
+// [lane][4], then two stages (the tile computed on and the next, landing by cp.async) of the key
+// and value tiles, each [kKeys][D + 8 halves] row-major (the pad puts the 8 rows of an ldmatrix
+// in distinct banks).
 template <int D>
 struct Layout {
-  static constexpr int kKeyStride = (D + 8) / 2;       // words per key row
-  static constexpr int kValueStride = (kKeys + 8) / 2;  // words per channel row
+  static constexpr int kRowHalves = D + 8;             // halves per key or value row
   static constexpr int kQueryWords = kWarps * (D / 16) * 32 * 8;
-  static constexpr int kKeyWords = kKeys * kKeyStride;
-  static constexpr int kValueWords = D * kValueStride;
-  static constexpr int kWords = kQueryWords + kKeyWords + kValueWords;
+  static constexpr int kTileWords = kKeys * kRowHalves / 2;  // one key or value tile
+  static constexpr int kWords = kQueryWords + 2 * 2 * kTileWords;
 };
 
+using mma::LdMatrixX4;
+using mma::LdMatrixX4Trans;
 using mma::Mma;
 using mma::Split;
+
+// Stage `stage`'s key (kv = 0) or value (kv = 1) tile.
+template <int D>
+__device__ __forceinline__ __half* Tile(uint32_t* smem, int stage, int kv) {
+  return reinterpret_cast<__half*>(smem + Layout<D>::kQueryWords + (2 * stage + kv) * Layout<D>::kTileWords);
+}
+
+// Starts copying keys and values [k0, k0 + kKeys) into `stage` (zeros past n), as one cp.async group.
+template <int D>
+__device__ __forceinline__ void LoadTile(uint32_t* smem, int stage, const __half* keys, const __half* values, int32_t k0,
+                                         int32_t n) {
+  __half* key_tile = Tile<D>(smem, stage, 0);
+  __half* value_tile = Tile<D>(smem, stage, 1);
+#pragma unroll
+  for (int piece = threadIdx.x; piece < kKeys * D / 8; piece += kWarps * 32) {
+    const int j = piece / (D / 8), c = piece % (D / 8) * 8;
+    const bool inside = k0 + j < n;
+    const int64_t at = static_cast<int64_t>(inside ? k0 + j : 0) * D + c;
+    CpAsync16OrZeros(key_tile + j * Layout<D>::kRowHalves + c, keys + at, inside);
+    CpAsync16OrZeros(value_tile + j * Layout<D>::kRowHalves + c, values + at, inside);
+  }
+  CpAsyncCommit();
+}
 
 template <int D>
 __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* q, const __half* keys,
@@ -55,8 +82,6 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
   extern __shared__ __align__(16) uint32_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   uint32_t* q_ops = smem + warp * KS * 32 * 8;  // this warp's [ks][hi, lo][lane][4]
-  uint32_t* key_tile = smem + L::kQueryWords;
-  uint32_t* value_tile = key_tile + L::kKeyWords;
   const int64_t rows = int64_t{n} * n_heads;
   // The last rows have the most keys: their CTAs start first (blocks in reverse).
   const int64_t r0 = int64_t{gridDim.x - 1 - blockIdx.x} * kRows;
@@ -91,28 +116,16 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
 
   const int64_t last_row = (r0 + kRows < rows ? r0 + kRows : rows) - 1;
   const int32_t tiles = static_cast<int32_t>(last_row / n_heads) / kKeys + 1;
+  LoadTile<D>(smem, 0, keys, values, 0, n);
+  // ldmatrix rows of this lane: matrix lane / 8, row lane % 8.
+  const int mat = lane >> 3, mrow = lane & 7;
   for (int32_t tile = 0; tile < tiles; ++tile) {
     const int32_t k0 = tile * kKeys;
-    __syncthreads();  // the previous tile is no longer read (and the query operands are written)
-    // The tile's keys, row-major, 8 channels per piece (a warp reads whole rows); past n, zeros.
-    for (int piece = threadIdx.x; piece < kKeys * D / 8; piece += kWarps * 32) {
-      const int j = piece / (D / 8), c = piece % (D / 8) * 8;
-      uint4 kx = make_uint4(0, 0, 0, 0);
-      if (k0 + j < n) kx = *reinterpret_cast<const uint4*>(keys + static_cast<int64_t>(k0 + j) * D + c);
-      *reinterpret_cast<uint4*>(key_tile + j * L::kKeyStride + c / 2) = kx;
-    }
-    // The values, transposed: a lane per key, so that each of the 8 stores of a warp writes 32
-    // consecutive halves of one channel row (by channel, they were 8- to 16-way bank conflicts).
-    for (int piece = threadIdx.x; piece < kKeys * D / 8; piece += kWarps * 32) {
-      const int j = piece % kKeys, c = piece / kKeys * 8;
-      uint4 vx = make_uint4(0, 0, 0, 0);
-      if (k0 + j < n) vx = *reinterpret_cast<const uint4*>(values + static_cast<int64_t>(k0 + j) * D + c);
-      const __half* vh = reinterpret_cast<const __half*>(&vx);
-      __half* vt = reinterpret_cast<__half*>(value_tile);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) vt[(c + e) * (2 * L::kValueStride) + j] = vh[e];
-    }
-    __syncthreads();
+    CpAsyncWaitAll();
+    __syncthreads();  // the tile landed for every thread, and the other stage is no longer read
+    if (tile + 1 < tiles) LoadTile<D>(smem, (tile + 1) & 1, keys, values, k0 + kKeys, n);
+    const __half* key_tile = Tile<D>(smem, tile & 1, 0);
+    const __half* value_tile = Tile<D>(smem, tile & 1, 1);
 
     // ---- S = Q K^T for the tile's 32 keys: s[nt] is C of keys 8 nt + .. (rows g, g + 8). Each
     // k-step into fresh accumulators added in fp32: one chain of 2 KS mma lost up to ~2e-6 to the
@@ -125,15 +138,19 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
       const uint4 ah = *reinterpret_cast<const uint4*>(q_ops + ((2 * ks) * 32 + lane) * 4);
       const uint4 al = *reinterpret_cast<const uint4*>(q_ops + ((2 * ks + 1) * 32 + lane) * 4);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        // B: b0 = (channels 16 ks + 2t, +1; key 8 nt + g), b1 = channels + 8.
-        const uint32_t* kr = key_tile + (8 * nt + g) * L::kKeyStride + 8 * ks + t;
-        const uint32_t b0 = kr[0], b1 = kr[4];
-        float fresh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        Mma(fresh, ah.x, ah.y, ah.z, ah.w, b0, b1);
-        Mma(fresh, al.x, al.y, al.z, al.w, b0, b1);
+      for (int np = 0; np < 2; ++np) {
+        // B of n-tiles 2 np and 2 np + 1: b0 = (channels 16 ks + 2t, +1; key 8 nt + g), b1 =
+        // channels + 8. Matrices: (n-tile 2 np + mat / 2, channels 16 ks + 8 (mat % 2)).
+        uint32_t b[4];
+        LdMatrixX4(b, key_tile + (8 * (2 * np + (mat >> 1)) + mrow) * L::kRowHalves + 16 * ks + 8 * (mat & 1));
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] += fresh[e];
+        for (int h = 0; h < 2; ++h) {
+          float fresh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          Mma(fresh, ah.x, ah.y, ah.z, ah.w, b[2 * h], b[2 * h + 1]);
+          Mma(fresh, al.x, al.y, al.z, al.w, b[2 * h], b[2 * h + 1]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[2 * np + h][e] += fresh[e];
+        }
       }
     }
     // Causal mask: key k0 + 8 nt + 2t + (e & 1) against row (e >> 1)'s token (keys past n are
@@ -177,18 +194,25 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
       Split(s[2 * ks2 + 1][2], s[2 * ks2 + 1][3], ph[ks2][3], pl[ks2][3]);
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      float fresh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int cp = 0; cp < NT / 2; ++cp) {
+      float fresh[2][4] = {};
 #pragma unroll
       for (int ks2 = 0; ks2 < 2; ++ks2) {
-        // B: b0 = (keys 16 ks2 + 2t, +1; channel 8 nt + g), b1 = keys + 8.
-        const uint32_t* vr = value_tile + (8 * nt + g) * L::kValueStride + 8 * ks2 + t;
-        const uint32_t b0 = vr[0], b1 = vr[4];
-        Mma(fresh, ph[ks2][0], ph[ks2][1], ph[ks2][2], ph[ks2][3], b0, b1);
-        Mma(fresh, pl[ks2][0], pl[ks2][1], pl[ks2][2], pl[ks2][3], b0, b1);
+        // B of n-tiles 2 cp and 2 cp + 1: b0 = (keys 16 ks2 + 2t, +1; channel 8 nt + g), b1 = keys
+        // + 8, transposed out of the row-major values. Matrices: (keys 16 ks2 + 8 (mat % 2),
+        // channels 8 (2 cp + mat / 2)).
+        uint32_t b[4];
+        LdMatrixX4Trans(b, value_tile + (16 * ks2 + 8 * (mat & 1) + mrow) * L::kRowHalves + 8 * (2 * cp + (mat >> 1)));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          Mma(fresh[h], ph[ks2][0], ph[ks2][1], ph[ks2][2], ph[ks2][3], b[2 * h], b[2 * h + 1]);
+          Mma(fresh[h], pl[ks2][0], pl[ks2][1], pl[ks2][2], pl[ks2][3], b[2 * h], b[2 * h + 1]);
+        }
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[nt][e] += fresh[e] * (1.0f / kPScale);
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[2 * cp + h][e] += fresh[h][e] * (1.0f / kPScale);
     }
   }
   // ---- The rows' sums over the quad, then out = O / l.
@@ -216,19 +240,10 @@ bool HasMma() {
 template <int D>
 cudaError_t Launch(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads, float scale, float* out,
                    cudaStream_t stream) {
-  constexpr size_t kBytes = size_t{Layout<D>::kWords} * sizeof(uint32_t);
-  // Over the 48 KiB a kernel gets unasked at D = 128: allowed once per device (setting it twice
-  // from two threads is harmless).
-  constexpr int kMaxDevices = 64;
-  static std::atomic<bool> allowed[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (kBytes > (48 << 10) && !allowed[device].load(std::memory_order_acquire)) {
-    err = cudaFuncSetAttribute(TensorPrefillKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBytes));
-    if (err != cudaSuccess) return err;
-    allowed[device].store(true, std::memory_order_release);
+  constexpr size_t kBytes = size_t{Layout<D>::kWords} * sizeof(uint32_t);  // over 48 KiB at D = 128
+  static std::atomic<bool> allowed[kMaxOptInDevices] = {};
+  if (const cudaError_t err = AllowDynamicSharedMemory(TensorPrefillKernel<D>, kBytes, allowed); err != cudaSuccess) {
+    return err;
   }
   const int64_t ctas = (int64_t{n} * n_heads + kRows - 1) / kRows;
   TensorPrefillKernel<D><<<static_cast<unsigned>(ctas), kWarps * 32, kBytes, stream>>>(
