@@ -26,7 +26,7 @@ DecodePlan::DecodePlan() : impl_(new Impl) {}
 DecodePlan::~DecodePlan() { delete impl_; }
 Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*, DecodePlan*) { return NoCuda(); }
 Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*) { return NoCuda(); }
-Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, float, float*, float*, void*) {
+Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, int, float, float*, float*, void*) {
   return NoCuda();
 }
 Status SelectTopK(const float*, int, int, int32_t, int, GroupReduction, int32_t*, float*, void*) { return NoCuda(); }

@@ -272,26 +272,42 @@ TEST(CudaAttentionTest, PrefillMatchesTheCpuReference) {
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(37);
   // The tensor-core kernel at head_dim 64 and 128 (sm_80+), the CUDA-core one at 96; GQA groups
-  // of 4 (Llama-3-8B) and 3 (SmolLM2: rows that do not tile a CTA's 64 evenly).
-  const std::pair<int, int> shapes[] = {{64, 4}, {128, 4}, {64, 3}, {128, 3}, {96, 4}};  // (head_dim, heads)
-  for (const auto& [d, heads] : shapes) {
+  // of 4 (Llama-3-8B) and 3 (SmolLM2: rows that do not tile a CTA's 64 evenly); one KV head and
+  // several in one call (the model's interleaved query rows).
+  struct Shape {
+    int d, group, n_kv;
+  };
+  const Shape shapes[] = {{64, 4, 1}, {128, 4, 2}, {64, 3, 3}, {128, 3, 1}, {96, 4, 2}};
+  for (const auto& [d, group, n_kv] : shapes) {
     for (int32_t n : {1, 37, 300, 1100}) {
-      const auto q = testing::RandomFloats(size_t(n) * heads * d, rng, 0.5f);
-      const auto k = testing::RandomHalves(size_t(n) * d, rng), v = testing::RandomHalves(size_t(n) * d, rng);
+      const size_t q_row = size_t(n_kv) * group * d, head_rows = size_t(n) * d;
+      const auto q = testing::RandomFloats(size_t(n) * q_row, rng, 0.5f);  // [n][n_kv][group][d]
+      const auto k = testing::RandomHalves(n_kv * head_rows, rng);         // [n_kv][n][d]
+      const auto v = testing::RandomHalves(n_kv * head_rows, rng);
+      // Each KV head on the CPU: its group's queries gathered to [n][group][d], the result scattered.
       std::vector<float> want(q.size());
-      cpu::AttentionWorkspace ws;
-      cpu::AttendPrefill(q.data(), k.data(), v.data(), n, heads, d, 1.0f / std::sqrt(float(d)), want.data(), &ws);
+      for (int h = 0; h < n_kv; ++h) {
+        std::vector<float> qh(size_t(n) * group * d), oh(qh.size());
+        for (int32_t i = 0; i < n; ++i) {
+          std::copy_n(q.begin() + i * q_row + size_t(h) * group * d, size_t(group) * d, qh.begin() + size_t(i) * group * d);
+        }
+        cpu::AttentionWorkspace ws;
+        cpu::AttendPrefill(qh.data(), k.data() + h * head_rows, v.data() + h * head_rows, n, group, d,
+                           1.0f / std::sqrt(float(d)), oh.data(), &ws);
+        for (int32_t i = 0; i < n; ++i) {
+          std::copy_n(oh.begin() + size_t(i) * group * d, size_t(group) * d, want.begin() + i * q_row + size_t(h) * group * d);
+        }
+      }
       DeviceBuffers buf;
       float* out = buf.Zeros<float>(want.size());
-      float* scratch = buf.Zeros<float>(static_cast<size_t>(cuda::PrefillScratchFloats(n, heads)));
+      float* scratch = buf.Zeros<float>(static_cast<size_t>(cuda::PrefillScratchFloats(n, group)));
       ASSERT_TRUE(cuda::AttendPrefill(buf.Copy(q.data(), q.size()), buf.Copy(k.data(), k.size()),
-                                      buf.Copy(v.data(), v.size()), n, heads, d, 1.0f / std::sqrt(float(d)), out, scratch,
-                                      nullptr)
+                                      buf.Copy(v.data(), v.size()), n, n_kv, group, d, 1.0f / std::sqrt(float(d)), out,
+                                      scratch, nullptr)
                       .ok());
-      std::vector<float> got(want.size());
-      ASSERT_EQ(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      const std::vector<float> got = testing::Download(out, want.size());
       EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), 1e-5)
-          << "d=" << d << " heads=" << heads << " n=" << n;
+          << "d=" << d << " group=" << group << " n_kv=" << n_kv << " n=" << n;
     }
   }
 #endif

@@ -194,14 +194,18 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
 // One item (a plan of its own, as above).
 Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream);
 
-// Exact causal attention over a prompt for one KV head (semantics of cpu::AttendPrefill):
-//   q [n][n_heads][head_dim] float, keys/values [n][head_dim] fp16, out [n][n_heads][head_dim];
-//   scratch: [min(n * n_heads, 1024)][n] floats.
-Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads, int head_dim,
+// Exact causal attention over a prompt for every KV head at once (cpu::AttendPrefill's semantics
+// for each KV head and its group of query heads):
+//   q, out   [n][n_kv][group][head_dim] float: the model's [n][n_kv * group] query rows, query head
+//            h * group + i attending with KV head h;
+//   keys, values [n_kv][n][head_dim] fp16 (head-major);
+//   scratch: PrefillScratchFloats(n, group) floats (for the CUDA-core kernel; the tensor-core
+//            kernel, head_dim 64 or 128 on sm_80+, needs none).
+Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_kv, int group, int head_dim,
                      float scale, float* out, float* scratch, void* stream);
 // Scratch floats AttendPrefill needs.
-inline int64_t PrefillScratchFloats(int32_t n, int n_heads) {
-  const int64_t pairs = int64_t{n} * n_heads;
+inline int64_t PrefillScratchFloats(int32_t n, int group) {
+  const int64_t pairs = int64_t{n} * group;
   return (pairs < 1024 ? pairs : 1024) * n;
 }
 

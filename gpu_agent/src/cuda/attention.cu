@@ -235,14 +235,16 @@ __global__ void ReduceKernel(const DeviceItemSet* set) {
 
 // Block b handles (query token, head) pairs b, b + gridDim.x, ...: scores into its scratch row
 // (a warp per key), softmax (block reduction), output (a thread per channel).
-__global__ void PrefillKernel(const float* q, const __half* keys, const __half* values, int32_t n, int n_heads, int d,
-                              float scale, float* out, float* scratch) {
+// KV head h: keys, values point at its [n][d] rows; q and out at every head's rows (AttendPrefill).
+__global__ void PrefillKernel(const float* q, const __half* keys, const __half* values, int32_t n, int n_kv, int h,
+                              int n_heads, int d, float scale, float* out, float* scratch) {
   __shared__ float reduce[32];
   float* s = scratch + static_cast<size_t>(blockIdx.x) * n;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warps = blockDim.x / 32;
   for (int64_t pair = blockIdx.x; pair < static_cast<int64_t>(n) * n_heads; pair += gridDim.x) {
     const int32_t i = static_cast<int32_t>(pair / n_heads);
-    const float* qi = q + static_cast<size_t>(pair) * d;
+    const size_t at = ((static_cast<size_t>(i) * n_kv + h) * n_heads + (pair - int64_t{i} * n_heads)) * d;
+    const float* qi = q + at;
     for (int32_t j = warp; j <= i; j += warps) {
       float acc = 0.0f;
       for (int c = lane; c < d; c += 32) acc += qi[c] * scale * __half2float(keys[static_cast<size_t>(j) * d + c]);
@@ -273,7 +275,7 @@ __global__ void PrefillKernel(const float* q, const __half* keys, const __half* 
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
       float acc = 0.0f;
       for (int32_t j = 0; j <= i; ++j) acc += s[j] * inv * __half2float(values[static_cast<size_t>(j) * d + c]);
-      out[static_cast<size_t>(pair) * d + c] = acc;
+      out[at + c] = acc;
     }
     __syncthreads();
   }
@@ -281,22 +283,28 @@ __global__ void PrefillKernel(const float* q, const __half* keys, const __half* 
 
 }  // namespace
 
-Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads, int head_dim,
+Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_kv, int group, int head_dim,
                      float scale, float* out, float* scratch, void* stream) {
-  if (n < 0 || n_heads <= 0 || head_dim <= 0) return Status::InvalidArgument("bad prefill shape");
+  if (n < 0 || n_kv <= 0 || group <= 0 || head_dim <= 0) return Status::InvalidArgument("bad prefill shape");
   if (n == 0) return Status::Ok();
-  if (TensorPrefillServes(q, keys, values, out, head_dim)) {  // the tensor cores (prefill_attention.h); `scratch` unused
-    const cudaError_t err = LaunchTensorPrefill(q, keys, values, n, n_heads, head_dim, scale, out,
-                                                static_cast<cudaStream_t>(stream));
+  const auto launched = [](cudaError_t err) {
     return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("prefill kernel: ") + cudaGetErrorString(err));
+  };
+  if (TensorPrefillServes(q, keys, values, out, head_dim)) {  // the tensor cores (prefill_attention.h); `scratch` unused
+    return launched(LaunchTensorPrefill(q, keys, values, n, n_kv, group, head_dim, scale, out,
+                                        static_cast<cudaStream_t>(stream)));
   }
-  const int64_t pairs = static_cast<int64_t>(n) * n_heads;
+  // The CUDA-core kernel, a KV head at a time (they share the scratch).
+  const int64_t pairs = static_cast<int64_t>(n) * group;
   const int blocks = static_cast<int>(pairs < 1024 ? pairs : 1024);
-  PrefillKernel<<<blocks, 128, 0, static_cast<cudaStream_t>(stream)>>>(
-      q, reinterpret_cast<const __half*>(keys), reinterpret_cast<const __half*>(values), n, n_heads, head_dim, scale, out,
-      scratch);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("prefill kernel: ") + cudaGetErrorString(err));
+  for (int h = 0; h < n_kv; ++h) {
+    const size_t rows_at = static_cast<size_t>(h) * n * head_dim;
+    PrefillKernel<<<blocks, 128, 0, static_cast<cudaStream_t>(stream)>>>(
+        q, reinterpret_cast<const __half*>(keys + rows_at), reinterpret_cast<const __half*>(values + rows_at), n, n_kv, h,
+        group, head_dim, scale, out, scratch);
+    SPECACHE_RETURN_IF_ERROR(launched(cudaGetLastError()));
+  }
+  return Status::Ok();
 }
 
 // The slots of a plan. A slot's host bytes are written by the host, copied to its device bytes on

@@ -242,11 +242,14 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     const SequenceId id = batch.sequences[s];
     const int32_t first = batch.token_offsets[s], n = batch.token_offsets[s + 1] - first;
     SPECACHE_RETURN_IF_ERROR(pages_.Map(id, n));
-    for (int h = 0; h < n_kv; ++h) {  // head by head: prefill is not the hot path
-      SPECACHE_RETURN_IF_ERROR(planner_.PrefillHead(batch, first, n, h));
-      const cuda::WriteTask write{planner_.new_keys(), planner_.new_values(), pages_.Layer(id, layer), d, 0, n, h};
-      SPECACHE_RETURN_IF_ERROR(WriteNewRows(layer, {&write, 1}, {&id, 1}));
-      SPECACHE_RETURN_IF_ERROR(replicas_.Layer(id, layer)[h]->Append(planner_.new_keys(), planner_.new_values(), n));
+    SPECACHE_RETURN_IF_ERROR(planner_.PrefillSequence(batch, first, n));
+    std::vector<cuda::WriteTask> writes;
+    for (int h = 0; h < n_kv; ++h) {
+      writes.push_back({planner_.prefill_keys(h), planner_.prefill_values(h), pages_.Layer(id, layer), d, 0, n, h});
+    }
+    SPECACHE_RETURN_IF_ERROR(WriteNewRows(layer, writes, std::vector<SequenceId>(n_kv, id)));
+    for (int h = 0; h < n_kv; ++h) {
+      SPECACHE_RETURN_IF_ERROR(replicas_.Layer(id, layer)[h]->Append(planner_.prefill_keys(h), planner_.prefill_values(h), n));
     }
     NoteWritten(id, layer, 0, n);
   }

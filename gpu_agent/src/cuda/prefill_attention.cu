@@ -1,10 +1,12 @@
-// Exact causal prefill attention of one KV head on the tensor cores (flash-attention style): the
-// semantics of cpu::AttendPrefill, to ~1e-6 relative.
+// Exact causal prefill attention on the tensor cores (flash-attention style): the semantics of
+// cpu::AttendPrefill for each KV head, to ~1e-6 relative.
 //
-// Rows are (token, head) pairs in q's order, r = token * n_heads + head, so a CTA's 64 rows are 64 /
-// n_heads consecutive tokens of every head of the GQA group, and they share each tile of keys and
-// values. A CTA walks the key tiles (32 tokens) up to its last row's token, with an online softmax
-// per row; rows whose token is below a key are masked. Per warp (16 rows), with mma.m16n8k16:
+// Every KV head of the prompt in one launch: a CTA serves one KV head h. Its rows are (token, head)
+// pairs of h's GQA group, r = token * n_heads + head (query head h * n_heads + head of the model's
+// rows), so a CTA's 64 rows are 64 / n_heads consecutive tokens of every head of the group, and
+// they share each tile of keys and values. A CTA walks the key tiles (32 tokens) up to its last
+// row's token, with an online softmax per row; rows whose token is below a key are masked. Per
+// warp (16 rows), with mma.m16n8k16:
 //   S = Q K^T: A = the scaled query as fp16 hi + lo parts (~22 bits), B = the keys (fp16, exact);
 //   O += P V:  A = the probabilities times 2^14 as hi + lo parts, straight from S's C registers (a C
 //              fragment of two 8-key n-tiles is the A fragment of one 16-key k-step), B = the
@@ -74,17 +76,22 @@ __device__ __forceinline__ void LoadTile(uint32_t* smem, int stage, const __half
 
 template <int D>
 __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* q, const __half* keys,
-                                                                   const __half* values, int32_t n, int n_heads,
-                                                                   float scale, float* out) {
+                                                                   const __half* values, int32_t n, int n_kv,
+                                                                   int n_heads, float scale, float* out) {
   using L = Layout<D>;
   constexpr int KS = D / 16;  // k-steps of S
   constexpr int NT = D / 8;   // n-tiles of O
   extern __shared__ __align__(16) uint32_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   uint32_t* q_ops = smem + warp * KS * 32 * 8;  // this warp's [ks][hi, lo][lane][4]
-  const int64_t rows = int64_t{n} * n_heads;
-  // The last rows have the most keys: their CTAs start first (blocks in reverse).
-  const int64_t r0 = int64_t{gridDim.x - 1 - blockIdx.x} * kRows;
+  const int64_t rows = int64_t{n} * n_heads;  // of this KV head
+  // The last rows have the most keys: their CTAs start first (blocks in reverse), every KV head's
+  // in turn.
+  const int64_t ctas = (rows + kRows - 1) / kRows;
+  const int h = static_cast<int>(blockIdx.x % n_kv);
+  const int64_t r0 = (ctas - 1 - blockIdx.x / n_kv) * kRows;
+  keys += int64_t{h} * n * D;
+  values += int64_t{h} * n * D;
   const int64_t wr = r0 + 16 * warp;  // this warp's first row
   // This lane's two rows (g, g + 8), their tokens (a padding row takes the last token: its query
   // is 0 and its output is not written).
@@ -92,6 +99,10 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
   int32_t token[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) token[i] = static_cast<int32_t>((row[i] < rows ? row[i] : rows - 1) / n_heads);
+  // The rows' places in q and out: query head h * n_heads + head of token's [n_kv * n_heads] rows.
+  int64_t at[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) at[i] = ((int64_t{token[i]} * n_kv + h) * n_heads + (row[i] - int64_t{token[i]} * n_heads)) * D;
 
   // The query operands, scaled, as hi + lo parts: a0 (row g, channels 16 ks + 2t, +1), a1 (row
   // g + 8, same), a2 (row g, + 8), a3 (row g + 8, + 8).
@@ -102,7 +113,7 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
     for (int part = 0; part < 4; ++part) {
       const int i = part & 1, c = 16 * ks + 2 * t + 8 * (part >> 1);
       float2 x = make_float2(0.0f, 0.0f);
-      if (row[i] < rows) x = *reinterpret_cast<const float2*>(q + row[i] * D + c);
+      if (row[i] < rows) x = *reinterpret_cast<const float2*>(q + at[i] + c);
       Split(x.x * scale, x.y * scale, hi[part], lo[part]);
     }
     *reinterpret_cast<uint4*>(q_ops + ((2 * ks) * 32 + lane) * 4) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
@@ -154,13 +165,15 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
       }
     }
     // Causal mask: key k0 + 8 nt + 2t + (e & 1) against row (e >> 1)'s token (keys past n are
-    // past every token).
+    // past every token); only tiles that reach past a row's token have any.
+    if (k0 + kKeys - 1 > min(token[0], token[1])) {
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (k0 + 8 * nt + 2 * t + (e & 1) > token[e >> 1]) s[nt][e] = -INFINITY;
-      }
+        for (int e = 0; e < 4; ++e) {
+          if (k0 + 8 * nt + 2 * t + (e & 1) > token[e >> 1]) s[nt][e] = -INFINITY;
+        }
+    }
     // ---- Online softmax per row: the tile's max over the quad, the rescaling of what came before.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -222,7 +235,7 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
     l[i] += __shfl_xor_sync(kAll, l[i], 2);
     if (row[i] >= rows) continue;
     const float inv = 1.0f / l[i];
-    float* dst = out + row[i] * D;
+    float* dst = out + at[i];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       *reinterpret_cast<float2*>(dst + 8 * nt + 2 * t) = make_float2(o[nt][2 * i] * inv, o[nt][2 * i + 1] * inv);
@@ -238,16 +251,16 @@ bool HasMma() {
 }
 
 template <int D>
-cudaError_t Launch(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads, float scale, float* out,
-                   cudaStream_t stream) {
+cudaError_t Launch(const float* q, const Half* keys, const Half* values, int32_t n, int n_kv, int n_heads, float scale,
+                   float* out, cudaStream_t stream) {
   constexpr size_t kBytes = size_t{Layout<D>::kWords} * sizeof(uint32_t);  // over 48 KiB at D = 128
   static std::atomic<bool> allowed[kMaxOptInDevices] = {};
   if (const cudaError_t err = AllowDynamicSharedMemory(TensorPrefillKernel<D>, kBytes, allowed); err != cudaSuccess) {
     return err;
   }
   const int64_t ctas = (int64_t{n} * n_heads + kRows - 1) / kRows;
-  TensorPrefillKernel<D><<<static_cast<unsigned>(ctas), kWarps * 32, kBytes, stream>>>(
-      q, reinterpret_cast<const __half*>(keys), reinterpret_cast<const __half*>(values), n, n_heads, scale, out);
+  TensorPrefillKernel<D><<<static_cast<unsigned>(ctas * n_kv), kWarps * 32, kBytes, stream>>>(
+      q, reinterpret_cast<const __half*>(keys), reinterpret_cast<const __half*>(values), n, n_kv, n_heads, scale, out);
   return cudaGetLastError();
 }
 
@@ -259,11 +272,11 @@ bool TensorPrefillServes(const float* q, const Half* keys, const Half* values, c
   return (head_dim == 64 || head_dim == 128) && HasMma();
 }
 
-cudaError_t LaunchTensorPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads,
+cudaError_t LaunchTensorPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_kv, int n_heads,
                                 int head_dim, float scale, float* out, cudaStream_t stream) {
-  if (int64_t{n} * n_heads > int64_t{kRows} * 0x7fffffff) return cudaErrorInvalidValue;
-  return head_dim == 64 ? Launch<64>(q, keys, values, n, n_heads, scale, out, stream)
-                        : Launch<128>(q, keys, values, n, n_heads, scale, out, stream);
+  if ((int64_t{n} * n_heads + kRows - 1) / kRows * n_kv > 0x7fffffff) return cudaErrorInvalidValue;
+  return head_dim == 64 ? Launch<64>(q, keys, values, n, n_kv, n_heads, scale, out, stream)
+                        : Launch<128>(q, keys, values, n, n_kv, n_heads, scale, out, stream);
 }
 
 }  // namespace specache::cuda

@@ -1,5 +1,5 @@
 // The tensor-core path of AttendPrefill (cuda_attention.h): exact causal attention over a prompt
-// for one KV head, flash-attention style (prefill_attention.cu). AttendPrefill takes it where it
+// for every KV head, flash-attention style (prefill_attention.cu). AttendPrefill takes it where it
 // serves and keeps its CUDA-core kernel for the rest.
 #pragma once
 
@@ -15,9 +15,9 @@ namespace specache::cuda {
 // sm_80+, keys and values 16-byte aligned, q and out 8-byte aligned (its vector loads and stores).
 bool TensorPrefillServes(const float* q, const Half* keys, const Half* values, const float* out, int head_dim);
 
-// q [n][n_heads][head_dim] float, keys/values [n][head_dim] fp16, out [n][n_heads][head_dim]
-// float (cpu::AttendPrefill's layout and semantics); queued on `stream`, no scratch.
-cudaError_t LaunchTensorPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_heads,
+// AttendPrefill's tensors and semantics (cuda_attention.h), n_heads query heads per KV head;
+// queued on `stream`, no scratch.
+cudaError_t LaunchTensorPrefill(const float* q, const Half* keys, const Half* values, int32_t n, int n_kv, int n_heads,
                                 int head_dim, float scale, float* out, cudaStream_t stream);
 
 }  // namespace specache::cuda

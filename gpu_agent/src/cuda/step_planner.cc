@@ -26,29 +26,21 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
   if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
 }
 
-Status StepPlanner::PrefillHead(const PrefillBatch& batch, int32_t first, int32_t n, int h) {
+Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, int32_t n) {
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
-  const size_t width = size_t(group) * d;
-  SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n) * d));
-  SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n) * d));
-  const size_t kv_at = (size_t(first) * n_kv + h) * d;
-  SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(batch.k + kv_at, n, d, int64_t{n_kv} * d, k_.get(), compute_));
-  SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(batch.v + kv_at, n, d, int64_t{n_kv} * d, v_.get(), compute_));
-  if (batch.out) {
-    const size_t q_at = (size_t(first) * n_q + size_t(h) * group) * d, pitch = size_t(n_q) * d * sizeof(float);
-    SPECACHE_RETURN_IF_ERROR(q_.Reserve(size_t(n) * width));
-    SPECACHE_RETURN_IF_ERROR(out_.Reserve(size_t(n) * width));
-    SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(PrefillScratchFloats(n, group))));
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy2DAsync(q_.get(), width * sizeof(float), batch.q + q_at, pitch,
-                                                          width * sizeof(float), n, cudaMemcpyDeviceToDevice, compute_),
-                                        "prefill queries"));
-    SPECACHE_RETURN_IF_ERROR(
-        AttendPrefill(q_.get(), k_.get(), v_.get(), n, group, d, scale_, out_.get(), scores_.get(), compute_));
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy2DAsync(batch.out + q_at, pitch, out_.get(), width * sizeof(float),
-                                                          width * sizeof(float), n, cudaMemcpyDeviceToDevice, compute_),
-                                        "prefill output"));
+  SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n_kv) * n * d));
+  SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n_kv) * n * d));
+  for (int h = 0; h < n_kv; ++h) {  // [n][n_kv][d] float -> [n_kv][n][d] fp16
+    const size_t kv_at = (size_t(first) * n_kv + h) * d;
+    SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(batch.k + kv_at, n, d, int64_t{n_kv} * d, k_.get() + size_t(h) * n * d, compute_));
+    SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(batch.v + kv_at, n, d, int64_t{n_kv} * d, v_.get() + size_t(h) * n * d, compute_));
   }
-  return Status::Ok();
+  prefill_tokens_ = n;
+  if (!batch.out) return Status::Ok();
+  SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(PrefillScratchFloats(n, group))));
+  const size_t q_at = size_t(first) * n_q * d;  // the sequence's rows of every head, in place
+  return AttendPrefill(batch.q + q_at, k_.get(), v_.get(), n, n_kv, group, d, scale_, batch.out + q_at, scores_.get(),
+                       compute_);
 }
 
 Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {

@@ -6,9 +6,10 @@
 //   queries and outputs, the probabilities and scratch the top-k reads. Then the attention and
 //   the selection (top-k, kUnion's real-row ranking, the oracle's exact ranking) written into the
 //   fetcher's next selection.
-// - Prefill: one KV head's prompt rows to fp16 and their exact causal attention.
-// - The fp16 rows stay in new_keys()/new_values() until the next call, for the agent's page
-//   writes and replica appends.
+// - Prefill: one sequence's prompt rows to fp16 and their exact causal attention, every KV head
+//   in one launch.
+// - The fp16 rows stay in new_keys()/new_values() (prefill_keys()/prefill_values()) until the next
+//   call, for the agent's page writes and replica appends.
 //
 // Every cuda::AttendDecodeBatch of the agent is launched from here (Attend). The planner owns the
 // scratch this needs and grows it as needed; the step it plans is the StepProtocol's current one.
@@ -44,9 +45,9 @@ class StepPlanner {
               const StepProtocol* protocol, const ReplicaStore* replicas, RowFetcher* rows,
               const DevicePageTable* pages, cudaStream_t compute);
 
-  // Rows [first, first + n) of the prompt batch, KV head kv_head: K/V to fp16 and, when
-  // batch.out is given, the exact causal attention of the head's queries into it.
-  Status PrefillHead(const PrefillBatch& batch, int32_t first, int32_t n, int kv_head);
+  // Rows [first, first + n) of the prompt batch (one sequence's): every KV head's K/V to fp16 and,
+  // when batch.out is given, the exact causal attention of every query head into it.
+  Status PrefillSequence(const PrefillBatch& batch, int32_t first, int32_t n);
 
   // The step's new K/V to fp16 and the layer's items, substituting the current selection.
   Result<LayerPlan> Plan(int layer, const DecodeRows& rows);
@@ -60,9 +61,12 @@ class StepPlanner {
   // fetcher's next selection (kUnion ranks the real row too, from the same pass).
   Status AttendAndSelect(int layer, const LayerPlan& plan);
 
-  // The fp16 K/V of the last Plan ([row][n_kv][head_dim]) or PrefillHead ([n][head_dim]).
+  // The fp16 K/V of the last Plan ([row][n_kv][head_dim]).
   const Half* new_keys() const { return k_.get(); }
   const Half* new_values() const { return v_.get(); }
+  // KV head h's fp16 K/V of the last PrefillSequence ([n][head_dim]).
+  const Half* prefill_keys(int h) const { return k_.get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
+  const Half* prefill_values(int h) const { return v_.get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
 
  private:
   // The only launch of the batched decode attention.
@@ -100,13 +104,14 @@ class StepPlanner {
   DecodePlan plan_;
 
   // Scratch, grown as needed.
-  Buffer<float> q_, out_, scores_, probs_, probs_stats_, topk_scratch_;
+  Buffer<float> scores_, probs_, probs_stats_, topk_scratch_;
   Buffer<float> real_probs_, real_stats_;  // kUnion: the real row's scores and statistics
   Buffer<int32_t> union_tokens_;           // kUnion: [segment][primary | extra]
   Buffer<float> real_shifted_;             // kUnion with real_next: [segment][GQA head][n]
   Buffer<int32_t> every_token_;            // oracle: 0, 1, 2, ... (every quantized token)
   Buffer<Half> every_row_;                 // oracle: every quantized row of the step's items
   Buffer<Half> k_, v_;
+  int32_t prefill_tokens_ = 0;  // of the last PrefillSequence
   // probs_ holds raw scores; probs_stats_ [sequence][KV head][GQA head][2] their softmax statistics.
 };
 
