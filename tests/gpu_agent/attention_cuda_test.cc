@@ -306,7 +306,10 @@ TEST(CudaAttentionTest, PrefillMatchesTheCpuReference) {
                                       scratch, nullptr)
                       .ok());
       const std::vector<float> got = testing::Download(out, want.size());
-      EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), 1e-5)
+      // The tensor-core kernel rounds the probabilities to fp16 (~1.3e-4-1.7e-4 measured on an
+      // H200, below the fp16 rounding of the model's next GEMM input); the CUDA-core one is fp32.
+      const double tolerance = d == 64 || d == 128 ? 5e-4 : 1e-5;
+      EXPECT_LT(testing::RelativeError(got, std::vector<double>(want.begin(), want.end())), tolerance)
           << "d=" << d << " group=" << group << " n_kv=" << n_kv << " n=" << n;
     }
   }
