@@ -41,25 +41,19 @@ __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
 }
 
 // Four 8 x 8 fp16 matrices from shared memory: lane l gives the address of row l % 8 of matrix
-// l / 8 (16 bytes, 16-byte aligned); r[i] gets matrix i's (row g, cols 2t, 2t+1), as in A or C.
+// l / 8 (16 bytes, 16-byte aligned); r[i] gets matrix i's (row g, cols 2t, 2t+1), as in A or C,
+// or with kTransposed its (rows 2t, 2t+1, col g), as in B when the matrix's rows run along B's k.
+template <bool kTransposed = false>
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-#else
-  __trap();
-#endif
-}
-// The same, transposed: r[i] gets matrix i's (rows 2t, 2t+1, col g), as in B when the matrix's
-// rows run along B's k.
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+  if constexpr (kTransposed) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  }
 #else
   __trap();
 #endif

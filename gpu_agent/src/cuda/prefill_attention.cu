@@ -50,7 +50,6 @@ struct Layout {
 };
 
 using mma::LdMatrixX4;
-using mma::LdMatrixX4Trans;
 using mma::Mma;
 using mma::Split;
 
@@ -215,7 +214,7 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
         // + 8, transposed out of the row-major values. Matrices: (keys 16 ks2 + 8 (mat % 2),
         // channels 8 (2 cp + mat / 2)).
         uint32_t b[4];
-        LdMatrixX4Trans(b, value_tile + (16 * ks2 + 8 * (mat & 1) + mrow) * L::kRowHalves + 8 * (2 * cp + (mat >> 1)));
+        LdMatrixX4<true>(b, value_tile + (16 * ks2 + 8 * (mat & 1) + mrow) * L::kRowHalves + 8 * (2 * cp + (mat >> 1)));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           Mma(fresh[h], ph[ks2][0], ph[ks2][1], ph[ks2][2], ph[ks2][3], b[2 * h], b[2 * h + 1]);
