@@ -234,8 +234,8 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
 }
 
 // The device's cache update equals row_cache.h's rule on random caches and selections (tokens,
-// use marks, rows and counts), for capacities k, 2k, 3k and 700 (more entries than the kernel's
-// threads), over two launches' worth of tasks.
+// use marks, rows and counts), for capacities k, 2k, 3k, 700 (more entries than the kernel's
+// threads) and kMaxCacheRows, over two launches' worth of tasks.
 TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -251,9 +251,11 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   std::vector<Want> want;
   const int n_tasks = cuda::kMaxCacheUpdateTasks + 20;
   for (int i = 0; i < n_tasks; ++i) {
-    const int capacity = i % 11 == 0 ? 700 : k * (1 + i % 3);
+    // Task 1 at kMaxCacheRows, nearly full: the shared memory over 48 KB and the int16 positions.
+    const int capacity = i == 1 ? cuda::kMaxCacheRows : i % 11 == 0 ? 700 : k * (1 + i % 3);
     RowCacheEntries old;
-    old.tokens = RandomTokens(5000, static_cast<int>(rng() % (capacity + 1)), rng);
+    old.tokens = i == 1 ? RandomTokens(40000, capacity - 3, rng)
+                        : RandomTokens(5000, static_cast<int>(rng() % (capacity + 1)), rng);
     for (size_t j = 0; j < old.tokens.size(); ++j) old.used.push_back(static_cast<int64_t>(rng() % 6));
     auto selected = RandomTokens(5000, 1 + static_cast<int>(rng() % k), rng);  // later padded to k, for odd i
     for (int32_t t : old.tokens) if (rng() % 3 == 0 && selected.size() < size_t(k)) selected.push_back(t);

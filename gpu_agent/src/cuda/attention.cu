@@ -295,6 +295,7 @@ Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32
                                         static_cast<cudaStream_t>(stream)));
   }
   // The CUDA-core kernel, a KV head at a time (they share the scratch).
+  if (!scratch) return Status::InvalidArgument("prefill: the CUDA-core kernel needs PrefillScratchFloats of scratch");
   const int64_t pairs = static_cast<int64_t>(n) * group;
   const int blocks = static_cast<int>(pairs < 1024 ? pairs : 1024);
   for (int h = 0; h < n_kv; ++h) {

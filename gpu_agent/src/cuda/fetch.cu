@@ -268,14 +268,22 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tok
 Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, void* stream) {
   if (head_dim <= 0 || head_dim % 8 != 0 || n_tasks < 0) return Status::InvalidArgument("cache update: bad head_dim");
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
+  int32_t largest = 0;  // capacity
   for (int i = 0; i < n_tasks; ++i) {
     if (tasks[i].capacity < tasks[i].n_selected || tasks[i].capacity > kMaxCacheRows) {
       return Status::InvalidArgument("cache update: capacity below the selection or above kMaxCacheRows");
     }
+    largest = std::max(largest, tasks[i].capacity);
   }
-  static std::atomic<bool> allowed[kMaxOptInDevices] = {};
-  if (AllowDynamicSharedMemory(UpdateCacheKernel, CacheUpdateSharedBytes(kMaxCacheRows), allowed) != cudaSuccess) {
-    return LaunchError("cache update: shared memory");
+  // Caches of up to ~8K rows fit the 48 KB a kernel gets unasked (every GPU); larger ones opt in
+  // to what kMaxCacheRows needs (96 KB: sm_80+; older GPUs refuse it, with this error).
+  if (CacheUpdateSharedBytes(largest) > (size_t{48} << 10)) {
+    static std::atomic<bool> allowed[kMaxOptInDevices] = {};
+    const cudaError_t err = AllowDynamicSharedMemory(UpdateCacheKernel, CacheUpdateSharedBytes(kMaxCacheRows), allowed);
+    if (err != cudaSuccess) {
+      return Status::Unavailable("cache update: the shared memory of a cache of " + std::to_string(largest) +
+                                 " rows: " + cudaGetErrorString(err));
+    }
   }
   // Sets of equal size: 784 tasks run as 3 x 262, not 320 + 320 + 144.
   const int sets = (n_tasks + kMaxCacheUpdateTasks - 1) / kMaxCacheUpdateTasks;

@@ -8,6 +8,7 @@
 #include "specache/cuda_selection.h"
 #include "specache/cuda_tensors.h"
 #include "specache/cuda_topk.h"
+#include "prefill_attention.h"
 
 namespace specache::cuda {
 
@@ -37,8 +38,11 @@ Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, in
   }
   prefill_tokens_ = n;
   if (!batch.out) return Status::Ok();
-  SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(PrefillScratchFloats(n, group))));
   const size_t q_at = size_t(first) * n_q * d;  // the sequence's rows of every head, in place
+  // Only the CUDA-core kernel needs scratch (PrefillScratchFloats: 134 MB at 32K tokens, GQA 4).
+  if (!TensorPrefillServes(batch.q + q_at, k_.get(), v_.get(), batch.out + q_at, d)) {
+    SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(PrefillScratchFloats(n, group))));
+  }
   return AttendPrefill(batch.q + q_at, k_.get(), v_.get(), n, n_kv, group, d, scale_, batch.out + q_at, scores_.get(),
                        compute_);
 }

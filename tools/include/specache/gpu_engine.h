@@ -51,7 +51,8 @@ class GpuEngine {
   // ([sequences][vocab], host).
   Result<std::vector<int32_t>> Step(std::span<const int32_t> tokens, std::vector<float>* logits = nullptr);
 
-  // Records per-phase GPU time of the following Start/Step calls.
+  // Records per-phase GPU time of the following Prefill/Start/Step calls (a Prefill counts as one
+  // step of PhaseTimes: reset_phase_times() after it to time decode steps alone).
   void set_phase_timing(bool on) { timing_ = on; }
   const PhaseTimes& phase_times() const { return times_; }
   void reset_phase_times() { times_ = {}; }
