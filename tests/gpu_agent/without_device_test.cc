@@ -28,6 +28,21 @@ TEST(WithoutDeviceTest, CreatingACudaAgentIsUnavailable) {
   EXPECT_EQ(CreateCudaAgent({2, 4, 2, 64}, KvConfig{}, &source).status().code(), StatusCode::kUnavailable);
 }
 
+// With or without a device: a configuration the CUDA kernels cannot hold is refused before the
+// device is touched (a build without CUDA has no CUDA agent at all).
+TEST(WithoutDeviceTest, ARowCacheAboveTheKernelsLimitIsInvalidEverywhere) {
+  InMemorySource source;
+  KvConfig config;
+  config.cached_rows = cuda::kMaxCacheRows + 1;
+  const Status s = CreateCudaAgent({2, 4, 2, 64}, config, &source).status();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find(std::to_string(cuda::kMaxCacheRows)), std::string::npos) << s.ToString();
+#else
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+#endif
+}
+
 TEST(WithoutDeviceTest, RegisteringHostMemoryIsUnavailable) {
   SKIP_IF_A_DEVICE_IS_PRESENT();
   int x = 0;

@@ -397,6 +397,11 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
     return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +
                                    " and k_max + top_k_real up to " + std::to_string(cuda::kMaxBudgetMerge));
   }
+  if (config.fetches_rows() && config.cache_rows() > cuda::kMaxCacheRows) {
+    return Status::InvalidArgument("the CUDA row cache holds up to " + std::to_string(cuda::kMaxCacheRows) +
+                                   " rows per (sequence, layer, KV head), not " + std::to_string(config.cache_rows()) +
+                                   " (cached_rows, or 2 x the rows selected)");
+  }
   SPECACHE_RETURN_IF_ERROR(ProbeCudaDevice().status());
   auto agent = std::make_unique<CudaAgent>(shape, config, source, options);
   SPECACHE_RETURN_IF_ERROR(agent->Init());
