@@ -117,9 +117,11 @@ class Agent {
   // Tokens appended so far (prompt + real decoded tokens), as seen by layer 0.
   virtual Result<int32_t> SequenceLength(SequenceId id) const = 0;
 
-  // Exact causal attention over each sequence's prompt, then the layer's K/V go to the replica
-  // and to the source. Each sequence must be empty at this layer (FAILED_PRECONDITION otherwise).
-  // Not allowed inside a step.
+  // Causal attention over each sequence's prompt in full precision (the fp16-rounded K/V; the CPU
+  // agent in fp32, the CUDA agent on the tensor cores at head_dim 64 / 128 with the probabilities
+  // in fp16, as flash-attention keeps them: ~2e-4 relative), then the layer's K/V go to the
+  // replica and to the source. Each sequence must be empty at this layer (FAILED_PRECONDITION
+  // otherwise). Not allowed inside a step.
   virtual Status PrefillLayer(int layer, const PrefillBatch& batch) = 0;
 
   // Starts a step for these sequences (distinct, all prefilled at every layer to equal lengths).
