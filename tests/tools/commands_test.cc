@@ -28,7 +28,8 @@ struct Program {
 std::vector<Program> Programs() {
   std::vector<Program> p = {
       {"specache-bench", SPECACHE_BENCH_PATH,
-       {"memory", "quantize", "attention", "all", "gather", "contend", "step", "attend", "layers", "reuse"}},
+       {"memory", "quantize", "attention", "all", "gather", "contend", "step", "attend", "layers", "prefill",
+        "reuse"}},
       {"specache-run", SPECACHE_RUN_PATH, {"generate", "niah", "niah-grid", "fidelity", "logits", "bench"}},
   };
 #ifdef SPECACHECTL_PATH

@@ -1,7 +1,7 @@
 // specache-bench: figures for the agent (CPU backend everywhere; gather and step on a GPU).
 //
 //   specache-bench [SUITE] [OPTIONS]     SUITE: memory, quantize, attention, all (the default),
-//                                        gather, contend, step, attend, reuse
+//                                        gather, contend, step, attend, layers, prefill, reuse
 //   specache-bench SUITE --help          the options of one suite (--tokens, --head-dim, --repeats,
 //                                        --host-gib, --batches, --fetch-blocks, --trace,
 //                                        --row-bytes, --json: where they apply)
@@ -26,6 +26,11 @@
 // attend     (CUDA builds, on a GPU) one layer's decode attention and top-k (also with the adaptive
 //            budget) at Llama-3-8B shapes, 1- and 2-bit, bytes read against the HBM bandwidth of a
 //            device copy (step_bench.h).
+// layers     (CUDA builds, on a GPU) the model's work outside attention, alone and beside the
+//            fetch's SM slots (step_bench.h).
+// prefill    (CUDA builds, on a GPU) one layer's prompt attention (cuda::AttendPrefill) at
+//            Llama-3-8B shapes for --batches prompts of --tokens, in TFLOPS against a cuBLAS fp16
+//            GEMM measured in the same run (step_bench.h).
 // reuse      bytes fetched per decode token with and without the resident rows, replayed from a
 //            selection trace of a real decode (--trace; specache-run generate --selection-trace)
 //            (reuse_bench.h).
@@ -252,6 +257,8 @@ constexpr Suite kSuites[] = {
      true, true, false},
     {"layers", "(GPU) the model's work outside attention per step, alone and beside the fetch's SM slots", false, false,
      false, false, true, false, false},
+    {"prefill", "(GPU) one layer's prompt attention against the cuBLAS fp16 GEMM rate", true, false, false, false, true,
+     false, false},
     {"reuse", "bytes fetched per token with and without the row cache, from a selection trace", false, false, false,
      false, false, false, true},
 };
@@ -261,7 +268,7 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
   const auto positive = CLI::PositiveNumber;
   if (suite.tokens) {
     cmd->add_option_function<int>("--tokens", [o](int n) { o->tokens = n, o->tokens_given = true; },
-                                  "context tokens (default: 32768; step and attend 8192)")
+                                  "context tokens (default: 32768; step, attend and prefill 8192)")
         ->check(positive);
   }
   if (suite.head_dim) {
@@ -367,7 +374,8 @@ int main(int argc, char** argv) {
     ok = bench::RunReuseSuite({o.trace_path, o.row_bytes, {2, 4}}, &reuse);
     for (auto& r : reuse) rows.push_back({"reuse", r.name, r.values});
   }
-  if (o.suite == "gather" || o.suite == "contend" || o.suite == "step" || o.suite == "attend" || o.suite == "layers") {
+  if (o.suite == "gather" || o.suite == "contend" || o.suite == "step" || o.suite == "attend" || o.suite == "layers" ||
+      o.suite == "prefill") {
 #ifdef SPECACHE_BENCH_CUDA
     std::vector<bench::BenchRow> cuda_rows;
     if (o.suite == "gather") {
@@ -387,9 +395,10 @@ int main(int argc, char** argv) {
       if (!o.fetch_overlap.empty()) step.fetch_overlap = o.fetch_overlap;
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;
-      ok = o.suite == "step"     ? bench::RunStepSuite(step, &cuda_rows)
-           : o.suite == "layers" ? bench::RunLayersSuite(step, &cuda_rows)
-                                 : bench::RunAttendSuite(step, &cuda_rows);
+      ok = o.suite == "step"      ? bench::RunStepSuite(step, &cuda_rows)
+           : o.suite == "layers"  ? bench::RunLayersSuite(step, &cuda_rows)
+           : o.suite == "prefill" ? bench::RunPrefillSuite(step, &cuda_rows)
+                                  : bench::RunAttendSuite(step, &cuda_rows);
     }
     for (auto& r : cuda_rows) rows.push_back({o.suite, r.name, r.values});
 #else

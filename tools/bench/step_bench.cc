@@ -1,5 +1,6 @@
 #include "step_bench.h"
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cuda_profiler_api.h>
 
@@ -383,6 +384,78 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     }
   }
   std::printf("       per layer; x32 layers for a step. of_HBM = GBps / HBM (goal >= 0.5 for B >= 8).\n");
+  cudaStreamDestroy(stream);
+  return ok;
+}
+
+// TFLOPS of a cuBLAS GEMM of fp16 8192 x 8192 matrices with fp32 accumulation (the tensor cores'
+// rate the prefill attention's mma can reach at best), or -1.
+double GemmTflops(cudaStream_t stream) {
+  constexpr int n = 8192;
+  DeviceArray<Half> a(size_t(n) * n), b(size_t(n) * n), c(size_t(n) * n);
+  cublasHandle_t h = nullptr;
+  if (!a.p || !b.p || !c.p || cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return -1;
+  cublasSetStream(h, stream);
+  Fill(a.p, int64_t(n) * n, 1, 1.0f, stream);
+  Fill(b.p, int64_t(n) * n, 2, 1.0f, stream);
+  const float one = 1.0f, zero = 0.0f;
+  const double ms = MedianMs(stream, 10, [&] {
+    return cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16F, n, b.p, CUDA_R_16F, n, &zero, c.p,
+                        CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+  });
+  cublasDestroy(h);
+  return ms > 0 ? 2.0 * n * n * double(n) / (ms * 1e-3) / 1e12 : -1;
+}
+
+bool RunPrefillSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
+  int device_count = 0;
+  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
+    cudaGetLastError();
+    std::printf("prefill: no usable CUDA device\n");
+    return false;
+  }
+  cudaStream_t stream = nullptr;
+  if (!Ok(cudaStreamCreate(&stream), "stream")) return false;
+  const double gemm = GemmTflops(stream);
+  const int group = kQHeads / kKvHeads, n = o.context;
+  std::printf("\n== prefill: one layer's prompt attention (cuda::AttendPrefill, %d KV heads x GQA %d, head_dim %d), "
+              "%d tokens per prompt, a call per prompt; cuBLAS fp16 GEMM (fp32 accumulation) %.0f TFLOPS ==\n",
+              kKvHeads, group, kHeadDim, n, gemm);
+  std::printf("%-6s %8s %12s %10s %9s\n", "batch", "tokens", "ms_layer", "TFLOPS", "of_GEMM");
+  // Causal: query i attends keys 0..i, d multiply-adds for the scores and d for the output each.
+  const double flops_per_prompt = 2.0 * 2.0 * kQHeads * kHeadDim * (double(n) * (n + 1) / 2);
+  bool ok = gemm > 0;
+  DeviceArray<float> q(size_t(n) * kQHeads * kHeadDim), out(size_t(n) * kQHeads * kHeadDim);
+  DeviceArray<Half> k(size_t(kKvHeads) * n * kHeadDim), v(size_t(kKvHeads) * n * kHeadDim);
+  DeviceArray<float> scratch(static_cast<size_t>(cuda::PrefillScratchFloats(n, group)));
+  if (!q.p || !out.p || !k.p || !v.p || !scratch.p) ok = Ok(cudaErrorMemoryAllocation, "prefill buffers") && false;
+  if (ok) {
+    Fill(q.p, int64_t(n) * kQHeads * kHeadDim, 7, 1.0f, stream);
+    Fill(k.p, int64_t(kKvHeads) * n * kHeadDim, 8, 2.0f, stream);
+    Fill(v.p, int64_t(kKvHeads) * n * kHeadDim, 9, 1.0f, stream);
+  }
+  for (int batch : o.batches) {
+    if (!ok) break;
+    // The agent calls it once per prompt (CudaAgent::PrefillLayer); the prompts here share
+    // their tensors, which changes nothing the kernel does.
+    const float scale = 1.0f / std::sqrt(float(kHeadDim));
+    const double ms = MedianMs(stream, 5, [&] {
+      for (int s = 0; s < batch; ++s) {
+        if (!Ok(cuda::AttendPrefill(q.p, k.p, v.p, n, kKvHeads, group, kHeadDim, scale, out.p, scratch.p, stream),
+                "prefill attention")) {
+          return false;
+        }
+      }
+      return true;
+    });
+    if (ms < 0) { ok = false; break; }
+    const double tflops = batch * flops_per_prompt / (ms * 1e-3) / 1e12;
+    std::printf("%-6d %8d %12.3f %10.1f %9.3f\n", batch, n, ms, tflops, tflops / gemm);
+    rows->push_back({"b" + std::to_string(batch) + "_n" + std::to_string(n),
+                     {{"batch", batch}, {"tokens", n}, {"ms_layer", ms}, {"tflops", tflops}, {"gemm_tflops", gemm},
+                      {"fraction_of_gemm", tflops / gemm}}});
+  }
+  std::printf("       per layer; x32 layers for the model. TFLOPS count the causal half only.\n");
   cudaStreamDestroy(stream);
   return ok;
 }

@@ -40,6 +40,11 @@ bool RunStepSuite(const StepOptions& options, std::vector<BenchRow>* rows);
 // the HBM bandwidth of a device-to-device copy measured in the same run (read + write bytes).
 bool RunAttendSuite(const StepOptions& options, std::vector<BenchRow>* rows);
 
+// specache-bench prefill: one layer's prompt attention (cuda::AttendPrefill: every KV head of a
+// prompt of `context` tokens in one call, as the agent runs it) for B prompts, in TFLOPS of the
+// causal half, against a cuBLAS fp16 GEMM with fp32 accumulation measured in the same run.
+bool RunPrefillSuite(const StepOptions& options, std::vector<BenchRow>* rows);
+
 // specache-bench layers: the model's work outside attention (GpuLlama's ProjectQkv and
 // FinishLayer over 32 layers of Llama-3-8B shapes) for `batches` rows each, alone and beside a
 // kernel that holds as many SM slots as the agent's fetch has blocks (CudaAgentOptions::fetch_blocks):
