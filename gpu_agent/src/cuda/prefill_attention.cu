@@ -34,6 +34,8 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kRows = 16 * kWarps;  // (token, head) rows per CTA
 constexpr int kKeys = 32;           // keys per tile
+constexpr int kKeyTiles = kKeys / 8;  // S's n-tiles per tile
+constexpr int kKeySteps = kKeys / 16; // P V's k-steps per tile
 constexpr float kPScale = 16384.0f;  // p in [0, 1] scaled into fp16's normal range
 constexpr unsigned kAll = 0xffffffffu;
 
@@ -140,18 +142,18 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
     const __half* key_tile = Tile<D>(smem, tile & 1, 0);
     const __half* value_tile = Tile<D>(smem, tile & 1, 1);
 
-    // ---- S = Q K^T for the tile's 32 keys: s[nt] is C of keys 8 nt + .. (rows g, g + 8), one chain
+    // ---- S = Q K^T for the tile's keys: s[nt] is C of keys 8 nt + .. (rows g, g + 8), one chain
     // of 2 KS mma (the lo part first): the tensor cores' truncation costs up to ~2e-6, far below
     // P's fp16 rounding.
-    float s[4][4];
+    float s[kKeyTiles][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    for (int nt = 0; nt < kKeyTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const uint4 ah = *reinterpret_cast<const uint4*>(q_ops + ((2 * ks) * 32 + lane) * 4);
       const uint4 al = *reinterpret_cast<const uint4*>(q_ops + ((2 * ks + 1) * 32 + lane) * 4);
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
+      for (int np = 0; np < kKeyTiles / 2; ++np) {
         // B of n-tiles 2 np and 2 np + 1: b0 = (channels 16 ks + 2t, +1; key 8 nt + g), b1 =
         // channels + 8. Matrices: (n-tile 2 np + mat / 2, channels 16 ks + 8 (mat % 2)).
         uint32_t b[4];
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
     // past every token); only tiles that reach past a row's token have any.
     if (k0 + kKeys - 1 > min(token[0], token[1])) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (k0 + 8 * nt + 2 * t + (e & 1) > token[e >> 1]) s[nt][e] = -INFINITY;
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
     for (int i = 0; i < 2; ++i) {
       float mx = -INFINITY;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+      for (int nt = 0; nt < kKeyTiles; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
       const float mn = fmaxf(m[i], mx);
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) o[nt][2 * i] *= alpha, o[nt][2 * i + 1] *= alpha;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
         for (int e = 2 * i; e < 2 * i + 2; ++e) {
           const float p = mn == -INFINITY ? 0.0f : __expf(s[nt][e] - mn);
@@ -197,9 +199,9 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
         }
     }
     // ---- O += P V. P's A operand of k-step ks2 (keys 16 ks2 ..): S's n-tiles 2 ks2 and 2 ks2 + 1.
-    uint32_t ph[2][4];
+    uint32_t ph[kKeySteps][4];
 #pragma unroll
-    for (int ks2 = 0; ks2 < 2; ++ks2) {
+    for (int ks2 = 0; ks2 < kKeySteps; ++ks2) {
       ph[ks2][0] = mma::AsU32(__floats2half2_rn(s[2 * ks2][0], s[2 * ks2][1]));
       ph[ks2][1] = mma::AsU32(__floats2half2_rn(s[2 * ks2][2], s[2 * ks2][3]));
       ph[ks2][2] = mma::AsU32(__floats2half2_rn(s[2 * ks2 + 1][0], s[2 * ks2 + 1][1]));
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(kWarps * 32) TensorPrefillKernel(const float* 
     for (int cp = 0; cp < NT / 2; ++cp) {
       float fresh[2][4] = {};
 #pragma unroll
-      for (int ks2 = 0; ks2 < 2; ++ks2) {
+      for (int ks2 = 0; ks2 < kKeySteps; ++ks2) {
         // B of n-tiles 2 cp and 2 cp + 1: b0 = (keys 16 ks2 + 2t, +1; channel 8 nt + g), b1 = keys
         // + 8, transposed out of the row-major values. Matrices: (keys 16 ks2 + 8 (mat % 2),
         // channels 8 (2 cp + mat / 2)).
