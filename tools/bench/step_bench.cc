@@ -254,6 +254,24 @@ double MedianMs(cudaStream_t stream, int reps, Fn fn) {
   return static_cast<int>(ms.size()) == reps ? Median(std::move(ms)) : -1;
 }
 
+// Whether a CUDA device is usable; if not, says so for `suite`.
+bool HaveDevice(const char* suite) {
+  int device_count = 0;
+  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
+    cudaGetLastError();
+    std::printf("%s: no usable CUDA device\n", suite);
+    return false;
+  }
+  return true;
+}
+
+// A stream of `suite`'s own (the caller destroys it), or null, said, when there is no device.
+cudaStream_t SuiteStream(const char* suite) {
+  cudaStream_t stream = nullptr;
+  if (!HaveDevice(suite) || !Ok(cudaStreamCreate(&stream), "stream")) return nullptr;
+  return stream;
+}
+
 // Read + write GB/s of a 1 GiB device-to-device copy: the HBM bound of the roofline column.
 double DeviceCopyGBps(cudaStream_t stream) {
   const size_t bytes = size_t{1} << 30;
@@ -277,14 +295,8 @@ double ReplicaReadBytes(const cuda::DeviceReplicaView& v) {
 }  // namespace
 
 bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    cudaGetLastError();
-    std::printf("attend: no usable CUDA device\n");
-    return false;
-  }
-  cudaStream_t stream = nullptr;
-  if (!Ok(cudaStreamCreate(&stream), "stream")) return false;
+  cudaStream_t stream = SuiteStream("attend");
+  if (!stream) return false;
   const double hbm = DeviceCopyGBps(stream);
   const int group = kQHeads / kKvHeads, n_rows = 2, queries = n_rows * group;
   std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, k=%d substituted rows, context %d; "
@@ -408,14 +420,8 @@ double GemmTflops(cudaStream_t stream) {
 }
 
 bool RunPrefillSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    cudaGetLastError();
-    std::printf("prefill: no usable CUDA device\n");
-    return false;
-  }
-  cudaStream_t stream = nullptr;
-  if (!Ok(cudaStreamCreate(&stream), "stream")) return false;
+  cudaStream_t stream = SuiteStream("prefill");
+  if (!stream) return false;
   const double gemm = GemmTflops(stream);
   const int group = kQHeads / kKvHeads, n = o.context;
   std::printf("\n== prefill: one layer's prompt attention (cuda::AttendPrefill, %d KV heads x GQA %d, head_dim %d), "
@@ -461,12 +467,7 @@ bool RunPrefillSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
 }
 
 bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    cudaGetLastError();
-    std::printf("step: no usable CUDA device\n");
-    return false;
-  }
+  if (!HaveDevice("step")) return false;
   int max_batch = 1;
   for (int b : o.batches) max_batch = std::max(max_batch, b);
   Model m;

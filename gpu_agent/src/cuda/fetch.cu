@@ -5,6 +5,7 @@
 #include <string>
 
 #include "specache/cuda_fetch.h"
+#include "launch_sets.h"
 #include "shared_memory_opt_in.cuh"
 #include "sorted_tokens.cuh"
 
@@ -285,9 +286,7 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
                                  " rows: " + cudaGetErrorString(err));
     }
   }
-  // Sets of equal size: 784 tasks run as 3 x 262, not 320 + 320 + 144.
-  const int sets = (n_tasks + kMaxCacheUpdateTasks - 1) / kMaxCacheUpdateTasks;
-  const int per_set = sets > 0 ? (n_tasks + sets - 1) / sets : 0;
+  const int per_set = EqualLaunchSize(n_tasks, kMaxCacheUpdateTasks);  // 784 tasks: 3 x 262
   for (int first = 0; first < n_tasks; first += per_set) {
     CacheBatch batch;
     batch.count = std::min(per_set, n_tasks - first);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "device_info.h"
+#include "launch_sets.h"
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_topk.h"
 
@@ -139,8 +140,9 @@ __device__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh
 // one's instructions per token). Within ~2.4e-6 relative of the exact value (the exact path was
 // within ~2.4e-7 of the CPU's), and 0 below exp(-87.3) (flushed), where the CPU keeps subnormals:
 // selections differ from the CPU's only between probabilities that close. Most agent tests
-// compare selections exactly (fixed seeds), so this needs gpu_agent_device_test on a GPU before
-// it lands. The same inputs give the same bits, so BudgetKernel's recomputation equals phase one's.
+// compare selections exactly (fixed seeds): gpu_agent_device_test passed with it on an H200; run
+// it again after any change here. The same inputs give the same bits, so BudgetKernel's
+// recomputation equals phase one's.
 __device__ __forceinline__ float Normalised(float v, float m, float l) {
   constexpr float kLog2e = 1.4426950408889634f;
   float e;
@@ -342,10 +344,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
                                    std::to_string(kMaxBudgetRows) + " (k " + std::to_string(k) + ")");
   }
   auto* s = static_cast<cudaStream_t>(stream);
-  // Sets of equal size: 792 segments (99 sequences x 8 KV heads) as 396 + 396, not 640 + 152,
-  // whose small second set would fill the GPU poorly.
-  const int sets = (count + kMaxTopKSegments - 1) / kMaxTopKSegments;
-  const int per_set = sets > 0 ? (count + sets - 1) / sets : 0;
+  const int per_set = EqualLaunchSize(count, kMaxTopKSegments);  // 99 x 8 segments: 396 + 396
   for (int first = 0; first < count; first += per_set) {
     TopKBatch batch;
     batch.count = std::min(per_set, count - first);
