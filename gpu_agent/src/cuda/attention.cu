@@ -483,9 +483,11 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
   char* host = static_cast<char*>(slot->host);
   const char* device = static_cast<const char*>(slot->device);
   for (size_t i = 0; i < sets.size(); ++i) {
-    WriteItemSet(host + offsets[i], sets[i].items, sets[i].unit_begin, sets[i].chunk_blocks, sets[i].tail_units);
+    const LowBitSet& set = sets[i];
+    WriteItemSet(host + offsets[i], set.items,
+                 ItemSetUnits{&set.unit_begin, &set.tail_begin, set.chunk_blocks, set.tail_units, set.tails_first});
   }
-  if (!rest.empty()) WriteItemSet(host + rest_offset, rest, {}, 0, 0);
+  if (!rest.empty()) WriteItemSet(host + rest_offset, rest, ItemSetUnits{});
   SPECACHE_RETURN_IF_ERROR(plan->impl_->Copy(slot, bytes, s, capturing));
   const Status status = [&]() -> Status {
     for (size_t i = 0; i < sets.size(); ++i) {

@@ -16,46 +16,64 @@ namespace specache::cuda {
 
 // One launch's items in device memory (a DecodePlan slot holds one per launch): this header, then
 // unit_begin[count + 1] (the tensor-core path: item i's units are [unit_begin[i],
-// unit_begin[i + 1])), then the items at `items_offset` bytes from the header (16-byte aligned).
+// unit_begin[i + 1]), its bulk units first, then its tail units), tail_begin[count + 1] (item i's
+// tail units are the launch's [tail_begin[i], tail_begin[i + 1]) in the tails-first order), then
+// the items at `items_offset` bytes from the header (16-byte aligned).
 struct DeviceItemSet {
   int32_t count = 0;
   int32_t chunk_blocks = 0;   // the tensor-core path: 32-token blocks per bulk unit
   int32_t items_offset = 0;
   int32_t tail_units = 0;     // the tensor-core path: most tail units per item
+  // The tensor-core path's warp order: 0, warp w runs unit w (the items' units in order, one
+  // wave); 1, the warps run every item's tail units first, then the bulk units (LowBitSet).
+  int32_t tails_first = 0;
 };
 
 __host__ __device__ inline const int32_t* UnitBegin(const DeviceItemSet* s) {
   return reinterpret_cast<const int32_t*>(s + 1);
 }
+__host__ __device__ inline const int32_t* TailBegin(const DeviceItemSet* s) { return UnitBegin(s) + s->count + 1; }
 __host__ __device__ inline const DeviceDecodeItem* SetItems(const DeviceItemSet* s) {
   return reinterpret_cast<const DeviceDecodeItem*>(reinterpret_cast<const char*>(s) + s->items_offset);
 }
 
 // The header's offset of the items, and the set's bytes (a multiple of 16).
 inline size_t ItemSetItemsOffset(int count) {
-  return (sizeof(DeviceItemSet) + sizeof(int32_t) * (static_cast<size_t>(count) + 1) + 15) / 16 * 16;
+  return (sizeof(DeviceItemSet) + 2 * sizeof(int32_t) * (static_cast<size_t>(count) + 1) + 15) / 16 * 16;
 }
 inline size_t ItemSetBytes(int count) {
   return (ItemSetItemsOffset(count) + sizeof(DeviceDecodeItem) * static_cast<size_t>(count) + 15) / 16 * 16;
 }
-// Writes a set at `host` (ItemSetBytes(items.size()) bytes); unit_begin empty: zeros. The
-// alignment padding is left as it is (no kernel reads it).
-inline void WriteItemSet(void* host, const std::vector<DeviceDecodeItem>& items, const std::vector<int32_t>& unit_begin,
-                         int chunk_blocks, int tail_units) {
+// What the tensor-core path adds to a set's items (lowbit_decode.h's LowBitSet); the CUDA-core
+// path leaves it empty (the arrays are written as zeros).
+struct ItemSetUnits {
+  const std::vector<int32_t>* unit_begin = nullptr;  // [count + 1]
+  const std::vector<int32_t>* tail_begin = nullptr;  // [count + 1]
+  int chunk_blocks = 0, tail_units = 0;
+  bool tails_first = false;
+};
+// Writes a set at `host` (ItemSetBytes(items.size()) bytes). The alignment padding is left as it
+// is (no kernel reads it).
+inline void WriteItemSet(void* host, const std::vector<DeviceDecodeItem>& items, const ItemSetUnits& units) {
   const int count = static_cast<int>(items.size());
   DeviceItemSet header;
   header.count = count;
-  header.chunk_blocks = chunk_blocks;
-  header.tail_units = tail_units;
+  header.chunk_blocks = units.chunk_blocks;
+  header.tail_units = units.tail_units;
+  header.tails_first = units.tails_first ? 1 : 0;
   header.items_offset = static_cast<int32_t>(ItemSetItemsOffset(count));
   char* at = static_cast<char*>(host);
   std::memcpy(at, &header, sizeof(header));
-  const size_t unit_bytes = sizeof(int32_t) * (static_cast<size_t>(count) + 1);
-  if (unit_begin.empty()) {
-    std::memset(at + sizeof(header), 0, unit_bytes);
-  } else {
-    std::memcpy(at + sizeof(header), unit_begin.data(), unit_bytes);
-  }
+  const size_t array_bytes = sizeof(int32_t) * (static_cast<size_t>(count) + 1);
+  auto write_array = [&](char* to, const std::vector<int32_t>* array) {
+    if (array == nullptr) {
+      std::memset(to, 0, array_bytes);
+    } else {
+      std::memcpy(to, array->data(), array_bytes);
+    }
+  };
+  write_array(at + sizeof(header), units.unit_begin);
+  write_array(at + sizeof(header) + array_bytes, units.tail_begin);
   std::memcpy(at + header.items_offset, items.data(), sizeof(DeviceDecodeItem) * items.size());
 }
 

@@ -273,11 +273,13 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int n = 8 * nt + g;
+    // Found once: QueryAt divides by the item's head count, which the compiler kept in the loop.
+    const float* query = n < queries ? r.q + QueryAt(r, n, D) : nullptr;
     float x[KS * 4];
     float mx = 0.0f;
 #pragma unroll
     for (int i = 0; i < KS * 4; ++i) {
-      x[i] = n < queries ? r.q[QueryAt(r, n, D) + ChannelOf(i / 4, i % 4, t)] : 0.0f;
+      x[i] = query ? query[ChannelOf(i / 4, i % 4, t)] : 0.0f;
       mx = fmaxf(mx, fabsf(x[i]));
     }
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
@@ -758,28 +760,50 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   }
 }
 
+// The last i in [0, count) with begin(i) <= w (begin ascending, begin(0) = 0).
+template <typename Begin>
+__device__ __forceinline__ int ItemOfWarp(Begin begin, int count, int w) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (begin(mid) <= w) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // One n-tile: registers capped for kMinCtasOneTile CTAs per SM (see there).
 template <int KB, int VB, int D, int NT>
 __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) LowBitDecodeKernel(const DeviceItemSet* set) {
   extern __shared__ uint32_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int unit = blockIdx.x * kWarps + warp;
+  const int w = blockIdx.x * kWarps + warp;
   const int32_t* unit_begin = UnitBegin(set);
+  const int32_t* tail_begin = TailBegin(set);
   const int count = set->count;
-  if (unit >= unit_begin[count]) return;
-  int lo = 0, hi = count - 1;  // the item: last i with unit_begin[i] <= unit
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (unit_begin[mid] <= unit) lo = mid; else hi = mid - 1;
+  if (w >= unit_begin[count]) return;
+  // The warp's item and unit: warp w runs unit w, or (tails first) the warps run every item's
+  // tail units, then every item's bulk units (an item's bulk units begin at unit_begin less the
+  // tail units before it).
+  int item = 0, u = 0;
+  if (!set->tails_first) {
+    item = ItemOfWarp([&](int i) { return unit_begin[i]; }, count, w);
+    u = w - unit_begin[item];
+  } else if (w < tail_begin[count]) {
+    item = ItemOfWarp([&](int i) { return tail_begin[i]; }, count, w);
+    u = unit_begin[item + 1] - unit_begin[item] - (tail_begin[item + 1] - tail_begin[item]) + (w - tail_begin[item]);
+  } else {
+    const int wb = w - tail_begin[count];
+    item = ItemOfWarp([&](int i) { return unit_begin[i] - tail_begin[i]; }, count, wb);
+    u = wb - (unit_begin[item] - tail_begin[item]);
   }
   uint32_t* ws = smem + warp * WarpWords<KB, VB, D, NT>();
   static_assert(sizeof(DeviceDecodeItem) % 8 == 0, "the item is copied in 8-byte words");
   uint64_t* item_words = reinterpret_cast<uint64_t*>(ws + ItemOffsetWords<KB, VB, D, NT>());
-  const uint64_t* from = reinterpret_cast<const uint64_t*>(SetItems(set) + lo);
+  const uint64_t* from = reinterpret_cast<const uint64_t*>(SetItems(set) + item);
   for (int i = lane; i < static_cast<int>(sizeof(DeviceDecodeItem) / 8); i += 32) item_words[i] = from[i];
   __syncwarp();
   const DeviceDecodeItem& it = *reinterpret_cast<const DeviceDecodeItem*>(item_words);
-  const int u = unit - unit_begin[lo], units = unit_begin[lo + 1] - unit_begin[lo];
+  const int units = unit_begin[item + 1] - unit_begin[item];
   const int chunk_blocks = set->chunk_blocks;
   const int bulk_units = BulkUnits(it.replica, chunk_blocks);
   const int32_t bulk_end = BulkEnd(it.replica);
@@ -913,43 +937,64 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
   // Tail units take at most an eighth of the wave (a tail of a few blocks is cheap next to a bulk
   // unit of many; at 256 items x 3 tail units they took a third of the slots).
   const int most_tail = static_cast<int>(std::clamp<int64_t>(wave / (8 * int64_t(items.size())), 1, kMaxTailUnits));
-  int64_t blocks = 0, tail_units = 0;
-  for (const DeviceDecodeItem& it : items) blocks += BulkEnd(it.replica) / 32, tail_units += TailUnits(it, most_tail);
-  // One wave: every unit (a warp) gets a slot on the GPU, bulk and tail units together. Units are
-  // equal, so units left over would run as a second wave after the first and double the time;
-  // each item rounds its units up, so the chunk that divides the blocks evenly can still overflow
-  // and is grown until the units fit. At least 2 blocks per unit, which keeps the partial results
-  // within DecodeScratchFloats.
-  const int64_t slots = std::max<int64_t>(wave - tail_units, 1);
-  int64_t chunk = std::clamp<int64_t>((blocks + slots - 1) / slots, 2, 1 << 20);
-  auto units_with = [&](int64_t c) {
-    int64_t n = tail_units;
-    for (const DeviceDecodeItem& it : items) n += (BulkEnd(it.replica) / 32 + c - 1) / c;
+  int64_t blocks = 0, tail_units = 0, most_blocks = 2;
+  int64_t tail_cost = 0;  // the longest tail unit, in bulk blocks (a tail block on the CUDA cores: ~3, by instruction counts)
+  for (const DeviceDecodeItem& it : items) {
+    blocks += BulkEnd(it.replica) / 32;
+    most_blocks = std::max<int64_t>(most_blocks, BulkEnd(it.replica) / 32);
+    const int tails = TailUnits(it, most_tail);
+    tail_units += tails;
+    if (tails > 0) tail_cost = std::max<int64_t>(tail_cost, 3 * TailUnitTokens(it, most_tail) / 32);
+  }
+  // The bulk units of `chunk` blocks each, over all items.
+  auto bulk_units_with = [&](int64_t chunk) {
+    int64_t n = 0;
+    for (const DeviceDecodeItem& it : items) n += (BulkEnd(it.replica) / 32 + chunk - 1) / chunk;
     return n;
   };
-  int64_t most_blocks = 2;
-  for (const DeviceDecodeItem& it : items) most_blocks = std::max<int64_t>(most_blocks, BulkEnd(it.replica) / 32);
-  if (units_with(chunk) > wave) {  // the smallest chunk that fits (units fall as it grows), or one unit per item
-    int64_t lo = chunk + 1, hi = std::max(most_blocks, chunk + 1);
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (units_with(mid) > wave) lo = mid + 1; else hi = mid;
+  // The smallest chunk whose bulk units, with `beside` other units, fit one wave: units are
+  // equal, so units left over would run as a second wave after the first and double the time.
+  // Each item rounds its units up, so the chunk that divides the blocks evenly can still overflow
+  // and is grown until the units fit (units fall as it grows), or one unit per item. At least 2
+  // blocks per unit, which keeps the partial results within DecodeScratchFloats.
+  auto fitting_chunk = [&](int64_t beside) {
+    const int64_t slots = std::max<int64_t>(wave - beside, 1);
+    int64_t chunk = std::clamp<int64_t>((blocks + slots - 1) / slots, 2, 1 << 20);
+    if (beside + bulk_units_with(chunk) > wave) {
+      int64_t lo = chunk + 1, hi = std::max(most_blocks, chunk + 1);
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (beside + bulk_units_with(mid) > wave) lo = mid + 1; else hi = mid;
+      }
+      chunk = lo;
     }
-    chunk = lo;
-  }
+    return chunk;
+  };
+  // The tails in the wave, or first (their slots then taken by bulk units): by the longest chain
+  // of work a slot runs, in blocks (a bulk unit holds at most the longest item's blocks).
+  const int64_t chunk_sharing = fitting_chunk(tail_units);
+  const int64_t chunk_after_tails = fitting_chunk(0);
+  const bool tails_first =
+      tail_units > 0 && std::min(chunk_after_tails, most_blocks) + tail_cost < std::min(chunk_sharing, most_blocks);
+  const int64_t chunk = tails_first ? chunk_after_tails : chunk_sharing;
   set->kernel_class = cls;
   set->chunk_blocks = static_cast<int>(chunk);
   set->tail_units = most_tail;
+  set->tails_first = tails_first;
   set->unit_begin.assign(1, 0);
-  int64_t units = 0;
+  set->tail_begin.assign(1, 0);
+  int64_t units = 0, tails = 0;
   for (const DeviceDecodeItem& it : items) {
-    const int item_units = BulkUnits(it.replica, set->chunk_blocks) + TailUnits(it, most_tail);
+    const int item_tails = TailUnits(it, most_tail);
+    const int item_units = BulkUnits(it.replica, set->chunk_blocks) + item_tails;
     if (item_units > (48 << 10) / static_cast<int>(sizeof(float))) {  // the merge's weights
       return Status::InvalidArgument("low-bit decode: more than 12288 units for one item");
     }
     units += item_units;
+    tails += item_tails;
     if (units > (int64_t{1} << 30)) return Status::InvalidArgument("low-bit decode: too many units");
     set->unit_begin.push_back(static_cast<int32_t>(units));
+    set->tail_begin.push_back(static_cast<int32_t>(tails));
   }
   set->items = std::move(items);
   return Status::Ok();

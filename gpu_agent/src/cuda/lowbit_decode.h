@@ -2,7 +2,8 @@
 //
 // Work: each item's context is cut into units. The bulk units cover the tokens whose key and
 // value are both quantized, in whole blocks of 32 tokens, as many units as fill one wave of the
-// GPU (less the CTA slots the plan leaves free); up to 4 tail units cover the rest (residual keys, value window, the step's new rows,
+// GPU (less the CTA slots the plan leaves free; see LowBitSet for the tails' place in it); up to 4
+// tail units cover the rest (residual keys, value window, the step's new rows,
 // causal among themselves) on the CUDA cores. One warp runs one unit with an online softmax and
 // writes a partial result (per query: running max, sum of exponentials, unnormalised output); a
 // merge kernel combines an item's units in order, writes the outputs and the probabilities row's
@@ -37,13 +38,18 @@ bool LowBitDecodeEligible(const DeviceDecodeItem& item);
 
 // One launch of the tensor-core path: items of one (key bits, value bits, head_dim, query tiles)
 // class, each item's work cut into units (bulk units of chunk_blocks blocks of 32 tokens, then up
-// to 4 tail units), all units one wave of the GPU.
+// to 4 tail units). Either all units share one wave of the GPU, or (tails_first) the tail units
+// run first and the bulk units alone fill the wave, taking the tails' slots as they finish: the
+// plan takes the second when the tails are short next to a bulk unit. Sharing the wave, a short
+// tail's warp sits idle in its CTA while the bulk runs (at 99 x 8K, 792 of 1984 warps).
 struct LowBitSet {
   int kernel_class = 0;
   int chunk_blocks = 0;
   int tail_units = 0;  // most tail units per item
+  bool tails_first = false;
   std::vector<DeviceDecodeItem> items;  // strides resolved, all eligible
   std::vector<int32_t> unit_begin;      // [items + 1]: item i's units are [unit_begin[i], unit_begin[i + 1])
+  std::vector<int32_t> tail_begin;      // [items + 1]: prefix sums of the items' tail units
 };
 
 // One set per class present among `items`, its units one wave of the GPU less `free_slots` CTA
