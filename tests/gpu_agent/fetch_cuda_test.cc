@@ -68,7 +68,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(41);
-  for (int d : {32, 64, 128}) {
+  for (int d : {32, 64, 96, 128, 256}) {  // rows of 8 to 64 pieces: within a lane step, across steps, wider than a warp
     const int n_kv = 4, page_tokens = 64;
     const int32_t length = 1000;
     const size_t row = 2 * size_t(d);
