@@ -175,8 +175,9 @@ class DecodePlan {
   DecodePlan& operator=(const DecodePlan&) = delete;
 
   // CTA slots of the GPU the tensor-core attention leaves free for kernels that should run beside
-  // it (the agent's fetch). Its work is one wave over the rest (short tail units may run first,
-  // their slots then taken by the bulk of the wave). Default 0.
+  // it (the agent's fetch). Its work is one wave over the rest; when short tail units run first,
+  // their CTAs come before that wave and may hold free slots too until they finish (microseconds).
+  // Default 0.
   void set_free_slots(int slots) { free_slots_ = slots < 0 ? 0 : slots; }
   int free_slots() const { return free_slots_; }
 

@@ -56,8 +56,8 @@ struct LowBitSet {
 // slots (DecodePlan::set_free_slots).
 Status PlanLowBitDecode(const std::vector<DeviceDecodeItem>& items, int free_slots, std::vector<LowBitSet>* sets);
 
-// The attention kernel and the merge of a planned set, whose bytes (WriteItemSet of its items and
-// unit_begin) are at `device`.
+// The attention kernel and the merge of a planned set, whose bytes (WriteItemSet of its items,
+// unit_begin, tail_begin and tails_first) are at `device`.
 Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaStream_t stream);
 
 }  // namespace specache::cuda

@@ -78,11 +78,17 @@ __device__ __forceinline__ void LoadTile(uint32_t* smem, int stage, const __half
   CpAsyncCommit();
 }
 
-// Three CTAs per SM (168 registers, 12 bytes of spills at D = 128; 3 x 68 KB of shared memory):
-// at two, ncu found 2 warps per scheduler stalled on fixed-latency dependencies. H200, one layer
-// at 8 x 8K (specache-bench prefill): 158 -> 181 TFLOPS; 64-key tiles at two CTAs: 168.
+// Three CTAs per SM on sm_90 (168 registers, 12 bytes of spills at D = 128; 3 x 68 KB of shared
+// memory): at two, ncu found 2 warps per scheduler stalled on fixed-latency dependencies. H200,
+// one layer at 8 x 8K (specache-bench prefill): 158 -> 181 TFLOPS; 64-key tiles at two CTAs: 168.
+// sm_80's 164 KB of shared memory per SM hold two, so the register cap would only add spills.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kPrefillCtasPerSm = 2;
+#else
+constexpr int kPrefillCtasPerSm = 3;
+#endif
 template <int D>
-__global__ void __launch_bounds__(kWarps * 32, 3) TensorPrefillKernel(const float* q, const __half* keys,
+__global__ void __launch_bounds__(kWarps * 32, kPrefillCtasPerSm) TensorPrefillKernel(const float* q, const __half* keys,
                                                                    const __half* values, int32_t n, int n_kv,
                                                                    int n_heads, float scale, float* out) {
   using L = Layout<D>;

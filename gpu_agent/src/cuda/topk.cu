@@ -346,7 +346,6 @@ int PartBlocksPerSm() {
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, TopKPartKernel, kThreads,
                                                       size_t{kMaxPartTokens} * sizeof(float)) != cudaSuccess ||
         blocks < 1) {
-      cudaGetLastError();
       blocks = 4;
     }
     known[device] = blocks;
@@ -403,7 +402,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
       int most = 1;
       for (int i = 0; i < batch.count; ++i) most = std::max(most, PartsOf(batch.segments[i].n, batch.part_tokens, k));
       if (most == 1 || int64_t{most} * k <= 6144) break;
-      batch.part_tokens *= 2;
+      batch.part_tokens = std::min(2 * batch.part_tokens, kMaxPartTokens);  // parts of 3840 tokens double past it
     }
     int max_parts = 1;
     for (int i = 0; i < batch.count; ++i) max_parts = std::max(max_parts, PartsOf(batch.segments[i].n, batch.part_tokens, k));
