@@ -237,7 +237,13 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
     SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), fetch_));
     return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
   };
-  if (!worker_) return run();
+  if (!worker_) {
+    // A fetch that failed to queue leaves rows (and a cache) that were never written: its
+    // sequences forget them, as the other paths' failures do, and substitute none.
+    const Status s = run();
+    if (!s.ok()) Forget(layer, ids);
+    return s;
+  }
   handed_[layer] = ids;
   worker_->Submit(layer, std::move(run));
   return Status::Ok();
