@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 namespace specache::cuda {
 
 // Multiprocessors of the current device; 100 when it cannot be asked (launch sizing only).
@@ -13,6 +15,23 @@ inline int MultiprocessorCount() {
     return 100;
   }
   return sms;
+}
+
+constexpr int kMaxKnownDevices = 64;
+
+// What `ask(device)` (nonzero) says of the current device, asked once per device and kept in
+// `known`, the caller's function-local static (0: not asked yet); `fallback` when the device cannot
+// be named. Two threads asking at once both ask and keep the same answer.
+template <typename Ask>
+int KnownForCurrentDevice(std::atomic<int> (&known)[kMaxKnownDevices], int fallback, Ask ask) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxKnownDevices) return fallback;
+  int value = known[device].load(std::memory_order_acquire);
+  if (value == 0) {
+    value = ask(device);
+    known[device].store(value, std::memory_order_release);
+  }
+  return value;
 }
 
 }  // namespace specache::cuda

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -883,6 +884,7 @@ __global__ void MergeKernel(const DeviceItemSet* set) {
 struct KernelInfo {
   void (*fn)(const DeviceItemSet*);
   int warp_words;  // shared memory per warp
+  size_t shared_bytes() const { return size_t{kWarps} * warp_words * sizeof(uint32_t); }  // per CTA
 };
 
 template <int KB, int VB, int D>
@@ -910,28 +912,26 @@ KernelInfo KernelFor(int cls) {
 
 // Whether the current device runs mma.m16n8k16 with fp16 operands (sm_80+), asked once per device.
 bool DeviceHasMma() {
-  constexpr int kMaxDevices = 64;
-  static int known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
-  if (known[device] == 0) {
-    int major = 0;
-    known[device] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8
-                        ? 1 : 2;
-  }
-  return known[device] == 1;
+  static std::atomic<int> known[kMaxKnownDevices] = {};  // 1 yes, 2 no
+  return KnownForCurrentDevice(known, 2, [](int device) {
+           int major = 0;
+           return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8
+                      ? 1 : 2;
+         }) == 1;
 }
-
 
 // The chunk and the unit table of one class's items: one wave of the GPU less `free_slots` CTAs.
 Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, LowBitSet* set) {
-  const KernelInfo kernel = KernelFor(cls);
-  const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
-  int ctas_per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel.fn, kWarps * 32, smem) != cudaSuccess ||
-      ctas_per_sm < 1) {
-    ctas_per_sm = 1;
-  }
+  // The class's CTAs per SM (its shared memory is fixed): asked once per device, not per plan.
+  static std::atomic<int> known_ctas[kClasses][kMaxKnownDevices] = {};
+  const int ctas_per_sm = KnownForCurrentDevice(known_ctas[cls], 1, [cls](int) {
+    const KernelInfo kernel = KernelFor(cls);
+    int ctas = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel.fn, kWarps * 32, kernel.shared_bytes()) ==
+                       cudaSuccess &&
+                   ctas >= 1
+               ? ctas : 1;
+  });
   const int64_t ctas = std::max<int64_t>(int64_t{MultiprocessorCount()} * ctas_per_sm - free_slots, 1);
   const int64_t wave = ctas * kWarps;
   // Tail units take at most an eighth of the wave (a tail of a few blocks is cheap next to a bulk
@@ -1016,7 +1016,7 @@ Status PlanLowBitDecode(const std::vector<DeviceDecodeItem>& items, int free_slo
 
 Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaStream_t stream) {
   const KernelInfo kernel = KernelFor(set.kernel_class);
-  const size_t smem = size_t{kWarps} * kernel.warp_words * sizeof(uint32_t);
+  const size_t smem = kernel.shared_bytes();
   const int units = set.unit_begin.back();
   int most_units = 1, most_queries = 1;
   for (size_t i = 0; i < set.items.size(); ++i) {

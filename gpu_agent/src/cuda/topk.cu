@@ -337,20 +337,14 @@ __global__ void BudgetKernel(TopKBatch batch, int n_heads, bool use_max, TopKBud
 // Phase-one blocks one SM holds at once (its registers bind first), at the largest part's shared
 // memory; asked once per device.
 int PartBlocksPerSm() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices] = {};  // 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 4;
-  if (known[device] == 0) {
+  static std::atomic<int> known[kMaxKnownDevices] = {};
+  return KnownForCurrentDevice(known, 4, [](int) {
     int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, TopKPartKernel, kThreads,
-                                                      size_t{kMaxPartTokens} * sizeof(float)) != cudaSuccess ||
-        blocks < 1) {
-      blocks = 4;
-    }
-    known[device] = blocks;
-  }
-  return known[device];
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, TopKPartKernel, kThreads,
+                                                         size_t{kMaxPartTokens} * sizeof(float)) == cudaSuccess &&
+                   blocks >= 1
+               ? blocks : 4;
+  });
 }
 
 }  // namespace
