@@ -234,6 +234,10 @@ TEST(CudaAttentionTest, TailsFirstOrderMatchesTheCpuReference) {
         cases.push_back(MakeDecodeCase(d, bits, 2, 2900 + 37 * i, 4, rng, buf));
         items.push_back(cases.back().item);
       }
+      // A short item (tail units only), so that the tails need not fill whole CTAs: the bulk
+      // units then start at the next CTA, after padding warps that do nothing.
+      cases.push_back(MakeDecodeCase(d, bits, 2, 50, 4, rng, buf));
+      items.push_back(cases.back().item);
       for (const int free_slots : {0, 1 << 20}) {
         std::vector<cuda::LowBitSet> sets;
         ASSERT_TRUE(cuda::PlanLowBitDecode(items, free_slots, &sets).ok());

@@ -761,6 +761,16 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   }
 }
 
+// Warps before the first bulk unit in the tails-first order: the tail units, rounded up to whole
+// CTAs (the padding warps exit at once). A CTA stays resident until its last warp ends, so a CTA
+// holding both a short tail unit and a long bulk unit would keep the tail's slot for the bulk's
+// time instead of handing it to the wave's next bulk unit.
+__host__ __device__ inline int32_t PaddedTailWarps(int32_t tail_units) { return (tail_units + kWarps - 1) / kWarps * kWarps; }
+// Warps the launch runs: every unit, plus the tails-first order's padding.
+__host__ __device__ inline int32_t LaunchWarps(int32_t units, int32_t tail_units, bool tails_first) {
+  return tails_first ? PaddedTailWarps(tail_units) + (units - tail_units) : units;
+}
+
 // The last i in [0, count) with begin(i) <= w (begin ascending, begin(0) = 0).
 template <typename Begin>
 __device__ __forceinline__ int ItemOfWarp(Begin begin, int count, int w) {
@@ -781,10 +791,10 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   const int32_t* unit_begin = UnitBegin(set);
   const int32_t* tail_begin = TailBegin(set);
   const int count = set->count;
-  if (w >= unit_begin[count]) return;
+  if (w >= LaunchWarps(unit_begin[count], tail_begin[count], set->tails_first)) return;
   // The warp's item and unit: warp w runs unit w, or (tails first) the warps run every item's
-  // tail units, then every item's bulk units (an item's bulk units begin at unit_begin less the
-  // tail units before it).
+  // tail units, then, from the next whole CTA (PaddedTailWarps), every item's bulk units (an
+  // item's bulk units begin at unit_begin less the tail units before it).
   int item = 0, u = 0;
   if (!set->tails_first) {
     item = ItemOfWarp([&](int i) { return unit_begin[i]; }, count, w);
@@ -792,8 +802,10 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   } else if (w < tail_begin[count]) {
     item = ItemOfWarp([&](int i) { return tail_begin[i]; }, count, w);
     u = unit_begin[item + 1] - unit_begin[item] - (tail_begin[item + 1] - tail_begin[item]) + (w - tail_begin[item]);
+  } else if (w < PaddedTailWarps(tail_begin[count])) {
+    return;  // padding up to the bulk units' first CTA
   } else {
-    const int wb = w - tail_begin[count];
+    const int wb = w - PaddedTailWarps(tail_begin[count]);
     item = ItemOfWarp([&](int i) { return unit_begin[i] - tail_begin[i]; }, count, wb);
     u = wb - (unit_begin[item] - tail_begin[item]);
   }
@@ -1017,13 +1029,13 @@ Status PlanLowBitDecode(const std::vector<DeviceDecodeItem>& items, int free_slo
 Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaStream_t stream) {
   const KernelInfo kernel = KernelFor(set.kernel_class);
   const size_t smem = kernel.shared_bytes();
-  const int units = set.unit_begin.back();
+  const int warps = LaunchWarps(set.unit_begin.back(), set.tail_begin.back(), set.tails_first);
   int most_units = 1, most_queries = 1;
   for (size_t i = 0; i < set.items.size(); ++i) {
     most_units = std::max(most_units, set.unit_begin[i + 1] - set.unit_begin[i]);
     most_queries = std::max(most_queries, set.items[i].rows.n_rows * set.items[i].rows.n_heads);
   }
-  kernel.fn<<<(units + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(device);
+  kernel.fn<<<(warps + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(device);
   // The weights' memory is padded to whole groups of four (the summing loop's loads may be
   // widened by the compiler), the padding zeroed by the kernel.
   const size_t weight_bytes = size_t((most_units + 3) / 4 * 4) * sizeof(float);
