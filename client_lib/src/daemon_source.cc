@@ -23,10 +23,9 @@ struct DaemonSource::Registry : SequenceRegistry<Session, MappedSequence> {
 namespace {
 
 uint8_t* RowAddress(const MappedSequence& s, uint32_t page_tokens, int layer, int kv_head, int32_t token) {
-  // Page layout [kv_head][token][K|V][head_dim] fp16.
-  const uint64_t row_bytes = static_cast<uint64_t>(s.layout.row_bytes());
   const uint32_t page = static_cast<uint32_t>(token) / page_tokens, in_page = static_cast<uint32_t>(token) % page_tokens;
-  return s.page_data[layer][page] + (uint64_t{static_cast<uint32_t>(kv_head)} * page_tokens + in_page) * row_bytes;
+  return s.page_data[layer][page] + PageRowOffset(kv_head, static_cast<int32_t>(in_page),
+                                                  static_cast<int32_t>(page_tokens), s.layout.row_bytes());
 }
 
 // The daemon's Extend makes the page for every layer; their addresses are looked up in the shared

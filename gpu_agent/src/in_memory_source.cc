@@ -112,8 +112,7 @@ Status InMemorySource::EnsurePages(Sequence* seq, int32_t tokens, std::shared_lo
 
 uint8_t* InMemorySource::RowAddress(const Sequence& seq, int layer, int kv_head, int32_t token) const {
   const int32_t page = token / page_tokens_, in_page = token % page_tokens_;
-  return seq.pages[layer][page] +
-         (static_cast<size_t>(kv_head) * page_tokens_ + in_page) * static_cast<size_t>(seq.layout.row_bytes());
+  return seq.pages[layer][page] + PageRowOffset(kv_head, in_page, page_tokens_, seq.layout.row_bytes());
 }
 
 Status InMemorySource::CheckAppend(const Sequence& seq, int layer, int kv_head, int32_t first_token, int32_t n) {

@@ -39,6 +39,12 @@ struct SequenceLayout {
   int64_t row_bytes() const { return int64_t{2} * head_dim * static_cast<int64_t>(sizeof(Half)); }
 };
 
+// Byte offset of a row within its page ([kv_head][token][K|V][head_dim]): token `in_page` of
+// the page (token % page_tokens) of KV head kv_head.
+constexpr int64_t PageRowOffset(int kv_head, int32_t in_page, int32_t page_tokens, int64_t row_bytes) {
+  return (int64_t{kv_head} * page_tokens + in_page) * row_bytes;
+}
+
 struct HostRegion {
   void* base = nullptr;
   size_t bytes = 0;
