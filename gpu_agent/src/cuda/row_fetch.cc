@@ -88,6 +88,23 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
   const int n_kv = shape_.n_kv_heads;
   const int32_t capacity = config_.cache_rows();
+  // First every buffer the fetch writes, so that running out of device memory changes nothing the
+  // fetcher reports (a reservation only grows a buffer whose contents nothing needs yet).
+  if (options_.fetch) {
+    for (SequenceId id : ids) {
+      LayerRows& lr = rows_.at(id)[layer];
+      if (lr.selected == 0) continue;
+      SPECACHE_RETURN_IF_ERROR(lr.rows[1 - lr.cur].Reserve(size_t(n_kv) * config_.max_selected() * row));
+      if (lr.fetches > 0) continue;
+      for (int g = 0; g < 2; ++g) {
+        SPECACHE_RETURN_IF_ERROR(lr.cache_tokens[g].Reserve(size_t(n_kv) * capacity));
+        SPECACHE_RETURN_IF_ERROR(lr.cache_used[g].Reserve(size_t(n_kv) * capacity));
+        SPECACHE_RETURN_IF_ERROR(lr.cache_rows[g].Reserve(size_t(n_kv) * capacity * row));
+        SPECACHE_RETURN_IF_ERROR(lr.cache_count[g].Reserve(n_kv));
+      }
+    }
+  }
+
   FetchWork w;
   w.layer = layer;
   w.ids = ids;
@@ -102,13 +119,8 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
       continue;
     }
     if (lr.selected > 0) {
-      SPECACHE_RETURN_IF_ERROR(lr.rows[next].Reserve(size_t(n_kv) * config_.max_selected() * row));
       if (lr.fetches == 0) {  // the cache starts empty
         for (int g = 0; g < 2; ++g) {
-          SPECACHE_RETURN_IF_ERROR(lr.cache_tokens[g].Reserve(size_t(n_kv) * capacity));
-          SPECACHE_RETURN_IF_ERROR(lr.cache_used[g].Reserve(size_t(n_kv) * capacity));
-          SPECACHE_RETURN_IF_ERROR(lr.cache_rows[g].Reserve(size_t(n_kv) * capacity * row));
-          SPECACHE_RETURN_IF_ERROR(lr.cache_count[g].Reserve(n_kv));
           w.fills.push_back({lr.cache_tokens[g].get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
           w.fills.push_back({lr.cache_count[g].get(), n_kv * sizeof(int32_t), 0});
         }

@@ -156,7 +156,8 @@ class RowFetcher {
     std::vector<SequenceId> task_sequences;  // [tasks]
     std::vector<CacheUpdateTask> updates;
   };
-  // The layer's next selection of these sequences made current, its work planned.
+  // The layer's next selection of these sequences made current, its work planned. Reserves all
+  // the device memory it needs first: on an error (RESOURCE_EXHAUSTED) nothing changed.
   Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids);
   // Queues the work on `stream`; `staged` brings the missed rows first (null: read from pages).
   Status Launch(const FetchWork& work, StagedFetch* staged, cudaStream_t stream) const;
