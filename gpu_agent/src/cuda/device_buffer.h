@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "specache/status.h"
 
@@ -23,7 +24,8 @@ inline Status CudaStatus(cudaError_t err, const std::string& what) {
 }
 
 // A device (or pinned host) array that only grows, by half again at least (a reallocation waits
-// for the device); growing drops the contents.
+// for the device); growing drops the contents. Moving or swapping hands over the allocation
+// without touching the device: a move-assigned buffer frees what it held (waiting for the device).
 template <typename T, bool kPinned = false>
 class Buffer {
  public:
@@ -31,7 +33,16 @@ class Buffer {
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   Buffer(Buffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  Buffer& operator=(Buffer&& o) noexcept {
+    Buffer(std::move(o)).swap(*this);
+    return *this;
+  }
   ~Buffer() { Free(); }
+  void swap(Buffer& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+  }
+  friend void swap(Buffer& a, Buffer& b) noexcept { a.swap(b); }
   Status Reserve(size_t n) {
     if (n <= n_) return Status::Ok();
     if (n_ > 0) n = std::max(n, n_ + n_ / 2);
