@@ -16,6 +16,7 @@ RowFetcher::~RowFetcher() {
   staged_worker_.reset();  // each waits for its last copy out of its pinned memory
   staged_inline_.reset();
   rows_.clear();
+  spare_caches_.clear();
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
   if (deferred_start_) cudaEventDestroy(deferred_start_);
@@ -52,6 +53,16 @@ void RowFetcher::UseStagedSource(FullPrecisionSource* source, SourceWorker* work
   worker_ = worker;
 }
 
+Status RowFetcher::RowCache::Reserve(int n_kv, int32_t capacity, int head_dim) {
+  const size_t entries = size_t(n_kv) * capacity;
+  SPECACHE_RETURN_IF_ERROR(tokens.Reserve(entries));
+  SPECACHE_RETURN_IF_ERROR(used.Reserve(entries));
+  SPECACHE_RETURN_IF_ERROR(count.Reserve(n_kv));
+  return rows.Reserve(entries * 2 * head_dim);
+}
+
+int64_t RowFetcher::RowCache::bytes() const { return tokens.bytes() + used.bytes() + count.bytes() + rows.bytes(); }
+
 void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }
 
 void RowFetcher::RemoveSequence(SequenceId id) { rows_.erase(id); }
@@ -73,8 +84,8 @@ void RowFetcher::Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem
     if (config_.attend_resident) {
       // The whole row cache (it holds the selection); entries past its count are kNoToken.
       const int32_t capacity = lr.fetches > 0 ? config_.cache_rows() : 0;
-      r->sub_tokens = capacity ? lr.cache_tokens[lr.cache_cur].get() + h * capacity : nullptr;
-      r->sub_rows = capacity ? lr.cache_rows[lr.cache_cur].get() + h * capacity * row : nullptr;
+      r->sub_tokens = capacity ? lr.cache.tokens.get() + h * capacity : nullptr;
+      r->sub_rows = capacity ? lr.cache.rows.get() + h * capacity * row : nullptr;
       r->n_sub = capacity;
       continue;
     }
@@ -90,25 +101,26 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   const int32_t capacity = config_.cache_rows();
   // First every buffer the fetch writes, so that running out of device memory changes nothing the
   // fetcher reports (a reservation only grows a buffer whose contents nothing needs yet).
+  size_t fetched = 0;  // sequences whose rows are fetched: each takes a spare cache
   if (options_.fetch) {
     for (SequenceId id : ids) {
       LayerRows& lr = rows_.at(id)[layer];
       if (lr.selected == 0) continue;
       SPECACHE_RETURN_IF_ERROR(lr.rows[1 - lr.cur].Reserve(size_t(n_kv) * config_.max_selected() * row));
-      if (lr.fetches > 0) continue;
-      for (int g = 0; g < 2; ++g) {
-        SPECACHE_RETURN_IF_ERROR(lr.cache_tokens[g].Reserve(size_t(n_kv) * capacity));
-        SPECACHE_RETURN_IF_ERROR(lr.cache_used[g].Reserve(size_t(n_kv) * capacity));
-        SPECACHE_RETURN_IF_ERROR(lr.cache_rows[g].Reserve(size_t(n_kv) * capacity * row));
-        SPECACHE_RETURN_IF_ERROR(lr.cache_count[g].Reserve(n_kv));
-      }
+      if (lr.fetches == 0) SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity, shape_.head_dim));
+      ++fetched;
     }
+  }
+  if (spare_caches_.size() < fetched) spare_caches_.resize(fetched);
+  for (size_t i = 0; i < fetched; ++i) {
+    SPECACHE_RETURN_IF_ERROR(spare_caches_[i].Reserve(n_kv, capacity, shape_.head_dim));
   }
 
   FetchWork w;
   w.layer = layer;
   w.ids = ids;
   FetchCounts counts;
+  size_t spare = 0;
   for (SequenceId id : ids) {
     LayerRows& lr = rows_.at(id)[layer];
     const uint64_t* pages = pages_->Layer(id, layer);  // null for a staged source
@@ -119,21 +131,20 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
       continue;
     }
     if (lr.selected > 0) {
-      if (lr.fetches == 0) {  // the cache starts empty
-        for (int g = 0; g < 2; ++g) {
-          w.fills.push_back({lr.cache_tokens[g].get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
-          w.fills.push_back({lr.cache_count[g].get(), n_kv * sizeof(int32_t), 0});
-        }
+      RowCache& old = lr.cache;
+      RowCache& target = spare_caches_[spare++];
+      if (lr.fetches == 0) {  // the cache starts empty; the update writes all of the target
+        w.fills.push_back({old.tokens.get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
+        w.fills.push_back({old.count.get(), n_kv * sizeof(int32_t), 0});
       }
-      const int cc = lr.cache_cur;
       ++lr.fetches;
       for (int h = 0; h < n_kv; ++h) {
         FetchTask t;
         t.selected = lr.tokens[next].get() + size_t(h) * lr.selected;
         t.n_selected = lr.selected;
-        t.resident = lr.cache_tokens[cc].get() + size_t(h) * capacity;
-        t.resident_rows = lr.cache_rows[cc].get() + size_t(h) * capacity * row;
-        t.resident_count = lr.cache_count[cc].get() + h;
+        t.resident = old.tokens.get() + size_t(h) * capacity;
+        t.resident_rows = old.rows.get() + size_t(h) * capacity * row;
+        t.resident_count = old.count.get() + h;
         t.out_rows = lr.rows[next].get() + size_t(h) * lr.selected * row;
         t.pages = pages;
         t.kv_head = h;
@@ -141,21 +152,23 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
         w.task_sequences.push_back(id);
         CacheUpdateTask u;
         u.old_tokens = t.resident;
-        u.old_used = lr.cache_used[cc].get() + size_t(h) * capacity;
+        u.old_used = old.used.get() + size_t(h) * capacity;
         u.old_rows = t.resident_rows;
         u.old_count = t.resident_count;
         u.selected = t.selected;
         u.selected_rows = t.out_rows;
         u.n_selected = lr.selected;
-        u.new_tokens = lr.cache_tokens[1 - cc].get() + size_t(h) * capacity;
-        u.new_used = lr.cache_used[1 - cc].get() + size_t(h) * capacity;
-        u.new_rows = lr.cache_rows[1 - cc].get() + size_t(h) * capacity * row;
-        u.new_count = lr.cache_count[1 - cc].get() + h;
+        u.new_tokens = target.tokens.get() + size_t(h) * capacity;
+        u.new_used = target.used.get() + size_t(h) * capacity;
+        u.new_rows = target.rows.get() + size_t(h) * capacity * row;
+        u.new_count = target.count.get() + h;
         u.now = lr.fetches;
         u.capacity = capacity;
         w.updates.push_back(u);
       }
-      lr.cache_cur = 1 - cc;
+      // The update's target becomes the layer's cache, and the old cache a spare that a later
+      // update, queued after this one on the same stream, may write (spare_caches_).
+      std::swap(old, target);
     }
     lr.cur = next;
     lr.resident = lr.selected;
@@ -325,7 +338,7 @@ void RowFetcher::AddStats(AgentStats* s) const {
   for (const auto& [id, layers] : rows_) {
     for (const LayerRows& lr : layers) {
       int64_t cache_rows = 0;  // the row caches' sizes live on the device
-      if (lr.fetches > 0 && cudaMemcpy(cached.data(), lr.cache_count[lr.cache_cur].get(), cached.size() * sizeof(int32_t),
+      if (lr.fetches > 0 && cudaMemcpy(cached.data(), lr.cache.count.get(), cached.size() * sizeof(int32_t),
                                        cudaMemcpyDeviceToHost) == cudaSuccess) {
         for (int32_t c : cached) cache_rows += c;
       }
@@ -339,12 +352,11 @@ void RowFetcher::AddStats(AgentStats* s) const {
         }
       }
       s->device_bytes += cache_rows * row + resident * row;
-      for (int g = 0; g < 2; ++g) {
-        s->device_bytes_reserved += lr.tokens[g].bytes() + lr.rows[g].bytes() + lr.cache_tokens[g].bytes() +
-                                    lr.cache_used[g].bytes() + lr.cache_count[g].bytes() + lr.cache_rows[g].bytes();
-      }
+      s->device_bytes_reserved += lr.tokens[0].bytes() + lr.tokens[1].bytes() + lr.rows[0].bytes() +
+                                  lr.rows[1].bytes() + lr.cache.bytes();
     }
   }
+  for (const RowCache& spare : spare_caches_) s->device_bytes_reserved += spare.bytes();
 }
 
 }  // namespace specache::cuda

@@ -5,8 +5,10 @@
 //
 // - Selection and rows come in two generations: the current one is what the attention
 //   substitutes (Substitute); the other receives the next selection (SelectionTarget) and then
-//   its rows (Fetch), which makes it current. The row cache has two generations too: a fetch reads
-//   one and its update writes the other. The cache's sizes are known on the device only.
+//   its rows (Fetch), which makes it current. The row cache is one per (sequence, layer): a fetch
+//   reads it, and its update writes a spare cache from a pool shared by all layers, which then
+//   takes its place while the old cache becomes a spare. The cache's sizes are known on the device
+//   only.
 // - In specache mode the fetch of layer L runs on the fetcher's own stream (StartFetch), after an
 //   event that marks layer L's selection done on the compute stream (MarkSelected); the compute
 //   stream waits for it (WaitFetched) only before layer L's next attention, so later layers never
@@ -67,7 +69,9 @@ class RowFetcher {
   Status Init();
 
   void AddSequence(SequenceId id);
-  // No queued work may still read the sequence's rows.
+  // No queued work may still read the sequence's rows, nor any row cache: its caches may have
+  // been other sequences' (as spares) whose last fetch still reads them (the agent waits for the
+  // streams first).
   void RemoveSequence(SequenceId id);
 
   // Where the top-k writes the (sequence, layer)'s next selection: per_head tokens for each KV
@@ -78,7 +82,9 @@ class RowFetcher {
   void Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem> heads) const;
 
   // Makes the next selection of these sequences' layer current, its rows fetched on `stream`
-  // (staged: on the worker, after the appends handed to it, waiting for it).
+  // (staged: on the worker, after the appends handed to it, waiting for it). A fetcher fetches
+  // either here, always on the same stream, or through StartFetch, never both (the agent's mode
+  // picks): the caches' updates must share one stream (spare_caches_).
   Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
   // Records on the compute stream that the layer's selection is done.
   Status MarkSelected(int layer);
@@ -120,29 +126,42 @@ class RowFetcher {
   // (synchronous: after the streams are idle).
   FetchCounters DeviceCounters() const;
   // Adds the device memory of the rows to the stats: device_bytes (the resident selection and
-  // the row caches' entries, read from the device) and device_bytes_reserved (every buffer).
+  // the row caches' entries, read from the device) and device_bytes_reserved (every buffer, the
+  // spare caches included).
   void AddStats(AgentStats* stats) const;
 
  private:
+  // The row cache (row_cache.h) of one (sequence, layer) on the device, for all its KV heads, or a
+  // spare one. Head h's entries start at h * capacity (KvConfig::cache_rows()); their number is
+  // known on the device only (count), and the tokens past it are kNoToken.
+  struct RowCache {
+    Buffer<int32_t> tokens;  // [n_kv][capacity] ascending per head
+    Buffer<int32_t> used;    // [n_kv][capacity] the fetch number each entry was last selected at
+    Buffer<int32_t> count;   // [n_kv]
+    Buffer<Half> rows;       // [n_kv][capacity][2][head_dim]
+    // Makes the buffers hold a cache of `capacity` rows per head, keeping what they held if they
+    // did already.
+    Status Reserve(int n_kv, int32_t capacity, int head_dim);
+    int64_t bytes() const;
+  };
   // The full-precision rows of one (sequence, layer) on the device, for all its KV heads.
   // - The selection, in two generations: `cur` is what the next attention substitutes, the other
   //   receives the next selection and its fetched rows. Head h's list starts at h * count.
-  // - The row cache (row_cache.h), in two generations too: the fetch reads generation `cache_cur`
-  //   and the update writes the other. Head h's entries start at h * capacity; their number is
-  //   known on the device only (cache_count).
+  // - The row cache: what the next fetch hits, and (KvConfig::attend_resident) what the attention
+  //   substitutes. Reserved at the first fetch; while `fetches` is 0 (before it, and after a failed
+  //   fetch) its contents are void, and the next fetch empties it first.
   struct LayerRows {
     Buffer<int32_t> tokens[2];  // [n_kv][count] ascending per head
     Buffer<Half> rows[2];       // [n_kv][count][2][head_dim]
     int cur = 0;
     int32_t resident = 0;       // per head, in generation cur
     int32_t selected = 0;       // per head, in generation 1 - cur (waiting for the fetch)
-    Buffer<int32_t> cache_tokens[2], cache_used[2], cache_count[2];  // [n_kv][capacity], [n_kv][capacity], [n_kv]
-    Buffer<Half> cache_rows[2];                                      // [n_kv][capacity][2][head_dim]
-    int cache_cur = 0;
-    int32_t fetches = 0;
+    RowCache cache;
+    int32_t fetches = 0;        // since the cache was last emptied
   };
   // One fetch's device work: planned on the agent's thread (Prepare), queued on a stream by the
-  // thread that runs it (Launch). It names device memory only.
+  // thread that runs it (Launch). It names device memory only: the caches it reads and writes
+  // stay allocated while it is queued, whoever holds them by then (spare_caches_).
   struct FetchWork {
     struct Fill {  // a row cache's first use: its tokens all kNoToken, its counts 0
       void* at;
@@ -156,8 +175,10 @@ class RowFetcher {
     std::vector<SequenceId> task_sequences;  // [tasks]
     std::vector<CacheUpdateTask> updates;
   };
-  // The layer's next selection of these sequences made current, its work planned. Reserves all
-  // the device memory it needs first: on an error (RESOURCE_EXHAUSTED) nothing changed.
+  // The layer's next selection of these sequences made current, its work planned: each fetched
+  // sequence's row cache is swapped with a spare, which the work's update writes from the old one.
+  // Reserves all the device memory it needs first: on an error (RESOURCE_EXHAUSTED) nothing
+  // changed.
   Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids);
   // Queues the work on `stream`; `staged` brings the missed rows first (null: read from pages).
   Status Launch(const FetchWork& work, StagedFetch* staged, cudaStream_t stream) const;
@@ -183,6 +204,26 @@ class RowFetcher {
   int join_layer_ = -1;  // kWithinNextAttention: the fetch queued at the last WaitFetched, until JoinFetch
   Buffer<FetchCounters> device_counters_;
   std::map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence
+  // The targets of the cache updates, shared by all (sequence, layer)s: Prepare swaps the first
+  // ones with the caches it fetches for. So the pool only grows to the most sequences one fetch
+  // (of one layer) fetched for, each cache reserved: one layer's caches of the largest batch
+  // (~0.5 MB per sequence at Llama-3-8B shapes, where a second generation of every layer's cache
+  // would be 16 MB). A cache needs no second generation of its own because its old generation is
+  // done with once its update is queued:
+  // - every update runs on one stream (the fetch stream, or Fetch's), in the order of the Prepares
+  //   that planned them: StartFetch queues a deferred fetch before it prepares the next one (and
+  //   prepares none while that fails, so a deferred fetch queued again finds its old cache as it
+  //   was), and the worker runs the staged fetches in the order they were handed to it. So the
+  //   next update that writes a cache put back into the pool runs after this fetch's kernel and
+  //   update, the old cache's last readers on that stream (and, staged, the copy of its tokens to
+  //   the host);
+  // - the only other reader of the old cache is the layer's attention (attend_resident), queued
+  //   on the compute stream before the selection this fetch waits for (MarkSelected, or the
+  //   deferred start recorded after it; Fetch runs on the compute stream itself), and every
+  //   attention queued from now on substitutes the new cache, after waiting for this fetch;
+  // - the host reads a cache (AddStats) only once the streams are idle.
+  // A spare's contents do not matter: the update writes all of the new cache that is read.
+  std::vector<RowCache> spare_caches_;
   int64_t rows_selected_ = 0;
   // Staged only (UseStagedSource): one StagedFetch per stream it stages on (the overlapped fetch
   // on the fetch stream; Fetch and Gather on the stream they are given, the compute stream), both
