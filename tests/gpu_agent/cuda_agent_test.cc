@@ -19,6 +19,7 @@
 #include "specache/in_memory_source.h"
 #include "testing/cuda_device.h"
 #include "testing/drive_batch.h"
+#include "testing/pageless_source.h"
 #include "testing/tiny_model.h"
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -550,6 +551,112 @@ TEST(CudaAgentTest, RaggedBatchesMatchTheCpuAgent) {
     EXPECT_EQ(pair.gpu_source.Length(11, 0, 0).status().code(), StatusCode::kNotFound);
     std::printf("%-16s max |out diff| %.2e, %lld rows fetched, %lld reused\n", name.c_str(), pair.worst,
                 static_cast<long long>(b.rows_fetched), static_cast<long long>(b.rows_reused));
+  }
+#endif
+}
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// testing::DriveBatch with a batch that changes from step to step: after the prefill and a
+// pre-decode step of every prompt's sequence, one decode step per entry of `steps`, of the
+// sequences it names (indices into `prompts`, ascending). Returns every output, in order.
+Result<std::vector<float>> DriveChangingBatches(Agent* agent, const std::vector<int32_t>& prompts,
+                                                const std::vector<std::vector<size_t>>& steps, std::mt19937 rng) {
+  const ModelShape& m = agent->shape();
+  std::vector<SequenceId> ids;
+  std::vector<int32_t> offsets;
+  SPECACHE_RETURN_IF_ERROR(testing::AddSequences(agent, prompts, &ids, &offsets));
+  auto random = [&rng](size_t n, float scale) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = normal(rng);
+    return v;
+  };
+  std::vector<float> outputs;
+  auto run_layers = [&](size_t n) -> Status {
+    for (int l = 0; l < m.n_layers; ++l) {
+      const auto q = random(n * m.n_q_heads * m.head_dim, 1.0f), k = random(n * m.n_kv_heads * m.head_dim, 2.0f),
+                 v = random(n * m.n_kv_heads * m.head_dim, 1.0f);
+      std::vector<float> out(n * m.n_q_heads * m.head_dim);
+      SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()}));
+      SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
+      outputs.insert(outputs.end(), out.begin(), out.end());
+    }
+    return agent->EndStep();
+  };
+  const size_t total = static_cast<size_t>(offsets.back());
+  for (int l = 0; l < m.n_layers; ++l) {
+    const auto q = random(total * m.n_q_heads * m.head_dim, 1.0f), k = random(total * m.n_kv_heads * m.head_dim, 2.0f),
+               v = random(total * m.n_kv_heads * m.head_dim, 1.0f);
+    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, {ids, offsets, q.data(), k.data(), v.data(), nullptr}));
+  }
+  if (const int rows = agent->RowsPerSequence(StepKind::kPreDecode); rows > 0) {
+    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(StepKind::kPreDecode, ids));
+    SPECACHE_RETURN_IF_ERROR(run_layers(ids.size() * rows));
+  }
+  for (const std::vector<size_t>& members : steps) {
+    std::vector<SequenceId> step_ids;
+    for (size_t i : members) step_ids.push_back(ids[i]);
+    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(StepKind::kDecode, step_ids));
+    SPECACHE_RETURN_IF_ERROR(run_layers(step_ids.size() * agent->RowsPerSequence(StepKind::kDecode)));
+  }
+  return outputs;
+}
+#endif
+
+// Sequences that leave the step and join it again (the engine's batch changes from step to step),
+// locally in each fetch overlap and staged: every fetch takes its caches' update targets from one
+// pool of spare caches shared by all (sequence, layer)s, so a cache's memory serves different
+// sequences and layers over time. With every cached row attended (attend_resident), a cache mixed
+// up between them, or overwritten while a fetch or an attention still reads it, would change the
+// outputs and the hits.
+TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 64};
+  const std::vector<std::vector<size_t>> steps{{0, 1, 2}, {1}, {0, 2}, {0, 1, 2}, {2},
+                                               {0, 1}, {1, 2}, {0, 1, 2}, {0}, {0, 1, 2}};
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  c.select = SelectFrom::kUnion;
+  c.top_k_real = 8;
+  c.cached_rows = 80;  // more than two selections: entries leave by their last use
+  c.attend_resident = true;
+  struct Case {
+    const char* name;
+    bool staged;
+    FetchOverlap overlap;
+  } cases[] = {{"from selection", false, FetchOverlap::kFromSelection},
+               {"beside next attention", false, FetchOverlap::kBesideNextAttention},
+               {"within next attention", false, FetchOverlap::kWithinNextAttention},
+               {"staged", true, FetchOverlap::kFromSelection}};
+  for (const Case& cs : cases) {
+    const std::string name = cs.name;
+    InMemorySource cpu_source, paged;
+    testing::PagelessSource pageless;
+    auto cpu = CreateCpuAgent(shape, c, &cpu_source);
+    ASSERT_TRUE(cpu.ok()) << name << ": " << cpu.status().ToString();
+    CudaAgentOptions options{1024};
+    options.fetch_overlap = cs.overlap;
+    FullPrecisionSource* source = cs.staged ? static_cast<FullPrecisionSource*>(&pageless) : &paged;
+    auto device = CreateCudaAgent(shape, c, source, options);
+    ASSERT_TRUE(device.ok()) << name << ": " << device.status().ToString();
+    auto gpu = WrapHostTensors(std::move(*device));
+    ASSERT_TRUE(gpu.ok()) << name << ": " << gpu.status().ToString();
+    auto want = DriveChangingBatches(cpu->get(), prompts, steps, std::mt19937(91));
+    auto got = DriveChangingBatches(gpu->get(), prompts, steps, std::mt19937(91));
+    ASSERT_TRUE(want.ok()) << name << ": " << want.status().ToString();
+    ASSERT_TRUE(got.ok()) << name << ": " << got.status().ToString();
+    ASSERT_EQ(got->size(), want->size()) << name;
+    double worst = 0;
+    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
+    EXPECT_LT(worst, 1e-3) << name;
+    const AgentStats a = (*cpu)->stats(), b = (*gpu)->stats();
+    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+    EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
+    ExpectSameSelections(**gpu, **cpu, shape, prompts.size(), name);
   }
 #endif
 }
