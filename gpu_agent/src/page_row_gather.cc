@@ -1,0 +1,53 @@
+#include "page_row_gather.h"
+
+#include <cstring>
+#include <vector>
+
+#include "parallel_for.h"
+#include "specache/full_precision_source.h"
+
+namespace specache {
+
+int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_tokens, int64_t row_bytes, int32_t skip,
+                       uint8_t* rows, int threads) {
+  // Ranks first, on this thread (a pass over the slots: ~50K at 98 sequences x 8 heads x 64),
+  // each task's first rank kept for its copies.
+  std::vector<int64_t> first(tasks.size());
+  int64_t n_rows = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const PageGatherTask& t = tasks[i];
+    first[i] = n_rows;
+    for (int32_t j = 0; j < t.n; ++j) t.rank[j] = t.wanted[j] == skip ? -1 : static_cast<int32_t>(n_rows++);
+  }
+  // Each row is a random DRAM access (and, at 4 KB pages, a TLB miss): its cache lines are
+  // prefetched kAhead rows before the copy, so that a thread has several rows in flight (H200 host,
+  // 32 x 8K rows of 512 bytes: 25 -> 39 GB/s at 12 threads).
+  constexpr int kAhead = 4;
+  auto row_address = [&](const PageGatherTask& t, int32_t token) {
+    const int32_t page = token / page_tokens;
+    return t.pages[page] + PageRowOffset(t.kv_head, token - page * page_tokens, page_tokens, row_bytes);
+  };
+  auto prefetch = [&](const uint8_t* p) {
+    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(p + line, 0, 0);
+  };
+  ParallelFor(static_cast<int>(tasks.size()), threads, [&](int i, int) {
+    const PageGatherTask& t = tasks[static_cast<size_t>(i)];
+    uint8_t* out = rows + first[static_cast<size_t>(i)] * row_bytes;
+    int32_t ahead = 0;  // the next slot to prefetch
+    auto prefetch_until = [&](int32_t end) {
+      for (; ahead < end && ahead < t.n; ++ahead) {
+        if (t.wanted[ahead] != skip) prefetch(row_address(t, t.wanted[ahead]));
+      }
+    };
+    for (int32_t j = 0; j < t.n; ++j) {
+      prefetch_until(j + kAhead + 1);
+      const int32_t token = t.wanted[j];
+      if (token == skip) continue;
+      std::memcpy(out, row_address(t, token), static_cast<size_t>(row_bytes));
+      out += row_bytes;
+    }
+  });
+  return n_rows;
+}
+
+}  // namespace specache

@@ -1,0 +1,28 @@
+// The host half of the CUDA agent's copy-engine fetch (cuda/copy_engine_fetch.h): the rows the
+// device asked for, read in place from a zero-copy source's host pages (full_precision_source.h)
+// by several threads into one buffer, which a single host-to-device copy then moves. Nothing here
+// touches a device, so it is tested without one.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace specache {
+
+// One (sequence, layer, KV head) of a gather.
+struct PageGatherTask {
+  const uint8_t* const* pages = nullptr;  // host addresses of the (sequence, layer)'s pages, by page index
+  int kv_head = 0;
+  const int32_t* wanted = nullptr;        // [n] per slot: a token whose row is wanted, or `skip`
+  int32_t n = 0;
+  int32_t* rank = nullptr;                // [n] out: the slot's row's index in `rows`, or -1
+};
+
+// Numbers the wanted rows in task order, then slot order (rank), and copies each into
+// rows[rank] ([..][row_bytes]), the copies spread over `threads` threads (OpenMP, when the build
+// has it). Tokens equal to `skip` get rank -1 and no row. The caller checked that every wanted
+// token lies in a page of its task. Returns the number of rows.
+int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_tokens, int64_t row_bytes, int32_t skip,
+                       uint8_t* rows, int threads);
+
+}  // namespace specache

@@ -1,0 +1,85 @@
+// The host half of the CUDA agent's copy-engine fetch: the wanted rows of every task are
+// numbered in task then slot order, skipped slots get -1, and each row is copied from its page of
+// an InMemorySource (the layout the device reads) into its rank, on one thread or several.
+#include "page_row_gather.h"
+
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "specache/cuda_fetch.h"
+#include "specache/in_memory_source.h"
+
+namespace specache {
+namespace {
+
+using cuda::kNoToken;
+constexpr int kHeadDim = 8, kKvHeads = 3, kPageTokens = 16, kTokens = 100;
+constexpr size_t kRow = 2 * kHeadDim;
+
+// Element e of row t of (layer, head): (layer * 3 + head) * 128 + t (exact in fp16).
+float Value(int layer, int head, int token) { return float((layer * kKvHeads + head) * 128 + token); }
+
+TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
+  InMemorySource source(kPageTokens);
+  ASSERT_TRUE(source.CreateSequence(5, {2, kKvHeads, kHeadDim}).ok());
+  for (int l = 0; l < 2; ++l) {
+    for (int h = 0; h < kKvHeads; ++h) {
+      std::vector<Half> rows(kTokens * kRow);
+      for (int t = 0; t < kTokens; ++t) {
+        for (size_t e = 0; e < kRow; ++e) rows[t * kRow + e] = FloatToHalf(Value(l, h, t));
+      }
+      ASSERT_TRUE(source.AppendRows(5, l, h, 0, rows.data(), kTokens).ok());
+    }
+  }
+  std::vector<uint8_t*> pages[2];
+  for (int l = 0; l < 2; ++l) ASSERT_TRUE(source.HostPages(5, l, kTokens, &pages[l]).ok());
+
+  std::mt19937 rng(3);
+  struct Want {
+    int layer, head;
+    std::vector<int32_t> tokens;  // kNoToken: skipped
+  };
+  std::vector<Want> wants;
+  for (int i = 0; i < 40; ++i) {
+    Want w{i % 2, static_cast<int>(rng() % kKvHeads), {}};
+    const int n = i % 9 == 0 ? 0 : 1 + static_cast<int>(rng() % 20);
+    for (int j = 0; j < n; ++j) w.tokens.push_back(rng() % 3 == 0 ? kNoToken : static_cast<int32_t>(rng() % kTokens));
+    wants.push_back(std::move(w));
+  }
+  for (int threads : {1, 4}) {
+    std::vector<std::vector<int32_t>> ranks(wants.size());
+    std::vector<PageGatherTask> tasks;
+    size_t most = 0;
+    for (size_t i = 0; i < wants.size(); ++i) {
+      ranks[i].assign(wants[i].tokens.size(), 12345);
+      tasks.push_back({pages[wants[i].layer].data(), wants[i].head, wants[i].tokens.data(),
+                       static_cast<int32_t>(wants[i].tokens.size()), ranks[i].data()});
+      most += wants[i].tokens.size();
+    }
+    std::vector<Half> rows(most * kRow);
+    const int64_t n = GatherPageRows(tasks, kPageTokens, static_cast<int64_t>(kRow * sizeof(Half)), kNoToken,
+                                     reinterpret_cast<uint8_t*>(rows.data()), threads);
+    int32_t next = 0;
+    for (size_t i = 0; i < wants.size(); ++i) {
+      for (size_t j = 0; j < wants[i].tokens.size(); ++j) {
+        const int32_t token = wants[i].tokens[j];
+        if (token == kNoToken) {
+          EXPECT_EQ(ranks[i][j], -1) << "task " << i << " slot " << j;
+          continue;
+        }
+        ASSERT_EQ(ranks[i][j], next) << "task " << i << " slot " << j;
+        for (size_t e = 0; e < kRow; ++e) {
+          ASSERT_EQ(HalfToFloat(rows[next * kRow + e]), Value(wants[i].layer, wants[i].head, token))
+              << "threads " << threads << " task " << i << " slot " << j;
+        }
+        ++next;
+      }
+    }
+    EXPECT_EQ(n, next) << "threads " << threads;
+  }
+}
+
+}  // namespace
+}  // namespace specache
