@@ -36,4 +36,23 @@ Result<FetchOverlap> ParseFetchOverlap(std::string_view name) {
                                  "' (expected from-selection, beside-next-attention or within-next-attention)");
 }
 
+std::string_view FetchViaName(FetchVia via) {
+  switch (via) {
+    case FetchVia::kSmLoads: return "sm-loads";
+    case FetchVia::kCopyEngine: return "copy-engine";
+  }
+  return "?";
+}
+
+std::vector<std::string> FetchViaNames() {
+  return {std::string(FetchViaName(FetchVia::kSmLoads)), std::string(FetchViaName(FetchVia::kCopyEngine))};
+}
+
+Result<FetchVia> ParseFetchVia(std::string_view name) {
+  for (FetchVia v : {FetchVia::kSmLoads, FetchVia::kCopyEngine}) {
+    if (FetchViaName(v) == name) return v;
+  }
+  return Status::InvalidArgument("unknown fetch route '" + std::string(name) + "' (expected sm-loads or copy-engine)");
+}
+
 }  // namespace specache

@@ -90,6 +90,10 @@ TEST(AgentConfigTest, FetchOverlapNamesRoundTrip) {
     EXPECT_EQ(*ParseFetchOverlap(FetchOverlapName(o)), o);
   }
   EXPECT_EQ(CudaAgentOptions{}.fetch_overlap, FetchOverlap::kFromSelection);
+  for (FetchVia v : {FetchVia::kSmLoads, FetchVia::kCopyEngine}) EXPECT_EQ(*ParseFetchVia(FetchViaName(v)), v);
+  EXPECT_EQ(FetchViaNames().size(), 2u);
+  EXPECT_EQ(CudaAgentOptions{}.fetch_via, FetchVia::kSmLoads);
+  EXPECT_EQ(ParseFetchVia("dma").status().code(), StatusCode::kInvalidArgument);
   const auto bad = ParseFetchOverlap("later");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);

@@ -271,10 +271,23 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
 }
 #endif
 
-// Each fetch overlap on device tensors and a stream of the test's own, with no host wait between
-// the calls (DriveBatchOnDevice), against the CPU agent driven through the same rows: if a fetch
-// were queued after the attention that reads its rows, or joined on the wrong layer, the outputs
-// would part.
+// Each fetch overlap, and the copy-engine route, on device tensors and a stream of the test's
+// own, with no host wait between the calls (DriveBatchOnDevice), against the CPU agent driven
+// through the same rows: if a fetch were queued after the attention that reads its rows, or
+// joined on the wrong layer, the outputs would part.
+// When the overlapped fetch is queued, and how its rows move (CudaAgentOptions).
+struct FetchRoute {
+  FetchOverlap overlap;
+  FetchVia via;
+  std::string Name() const {
+    return std::string(FetchOverlapName(overlap)) + (via == FetchVia::kSmLoads ? "" : " " + std::string(FetchViaName(via)));
+  }
+};
+constexpr FetchRoute kFetchRoutes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
+                                       {FetchOverlap::kBesideNextAttention, FetchVia::kSmLoads},
+                                       {FetchOverlap::kWithinNextAttention, FetchVia::kSmLoads},
+                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine}};
+
 TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -291,13 +304,13 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
   const AgentStats a = (*cpu)->stats();
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  for (FetchOverlap overlap :
-       {FetchOverlap::kFromSelection, FetchOverlap::kBesideNextAttention, FetchOverlap::kWithinNextAttention}) {
-    const std::string name(FetchOverlapName(overlap));
+  for (const FetchRoute& route : kFetchRoutes) {
+    const std::string name = route.Name();
     InMemorySource gpu_source;
     CudaAgentOptions options{1024};
     options.stream = stream;
-    options.fetch_overlap = overlap;
+    options.fetch_overlap = route.overlap;
+    options.fetch_via = route.via;
     auto gpu = CreateCudaAgent(shape, c, &gpu_source, options);
     ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
     auto got = DriveBatchOnDevice(gpu->get(), prompts, 40, std::mt19937(77), stream);
@@ -318,8 +331,10 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
 #endif
 }
 
-// Wherever the speculative fetch is queued (CudaAgentOptions::fetch_overlap), the rows and the
-// results are the same: the paper's rule and the union rule with every cached row attended. This
+// Wherever the speculative fetch is queued (CudaAgentOptions::fetch_overlap), and whichever route
+// its rows take (fetch_via), the rows and the results are the same: the paper's rule, the union
+// rule with every cached row attended, and the adaptive budget (whose padding no route may fetch).
+// This
 // catches a deferred fetch that is never queued, queued for the wrong layer, or planned wrongly;
 // not an ordering error between the streams: the tiny model's agent (WrapHostTensors) copies
 // each layer's output to the host, which waits for the compute stream, and uses the rows a whole
@@ -329,19 +344,20 @@ TEST(CudaAgentTest, EveryFetchOverlapMatchesTheCpuAgent) {
 #ifdef SPECACHE_TEST_HAVE_CUDA
   const testing::TinyModel model({});
   const std::vector<int> prompt = Prompt(300);
-  for (bool union_rule : {false, true}) {
+  for (const char* rule : {"spec", "union", "adaptive union"}) {
     KvConfig c;
     c.top_k = 16;
-    if (union_rule) {
+    if (rule != std::string("spec")) {
       c.select = SelectFrom::kUnion;
       c.real_next = true;
       c.attend_resident = true;
     }
-    for (FetchOverlap overlap :
-         {FetchOverlap::kFromSelection, FetchOverlap::kBesideNextAttention, FetchOverlap::kWithinNextAttention}) {
+    if (rule == std::string("adaptive union")) c.mass = 0.8, c.k_min = 4, c.k_max = 32;
+    for (const FetchRoute& route : kFetchRoutes) {
       CudaAgentOptions options{4096};
-      options.fetch_overlap = overlap;
-      const std::string name = std::string(union_rule ? "union " : "spec ") + std::string(FetchOverlapName(overlap));
+      options.fetch_overlap = route.overlap;
+      options.fetch_via = route.via;
+      const std::string name = std::string(rule) + " " + route.Name();
       auto pair = GenerateOnBoth(model, c, prompt, 24, name, options);
       ASSERT_TRUE(pair.ok()) << pair.status().ToString();
       EXPECT_LT(WorstLogitDifference((*pair)->want, (*pair)->got), 1e-3) << name;
@@ -627,9 +643,11 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
     const char* name;
     bool staged;
     FetchOverlap overlap;
+    FetchVia via = FetchVia::kSmLoads;
   } cases[] = {{"from selection", false, FetchOverlap::kFromSelection},
                {"beside next attention", false, FetchOverlap::kBesideNextAttention},
                {"within next attention", false, FetchOverlap::kWithinNextAttention},
+               {"copy engine", false, FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
                {"staged", true, FetchOverlap::kFromSelection}};
   for (const Case& cs : cases) {
     const std::string name = cs.name;
@@ -639,6 +657,7 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
     ASSERT_TRUE(cpu.ok()) << name << ": " << cpu.status().ToString();
     CudaAgentOptions options{1024};
     options.fetch_overlap = cs.overlap;
+    options.fetch_via = cs.via;
     FullPrecisionSource* source = cs.staged ? static_cast<FullPrecisionSource*>(&pageless) : &paged;
     auto device = CreateCudaAgent(shape, c, source, options);
     ASSERT_TRUE(device.ok()) << name << ": " << device.status().ToString();

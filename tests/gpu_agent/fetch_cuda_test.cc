@@ -1,6 +1,7 @@
 // Label `gpu`: the agent's in-place page kernels against a CPU reference on random data.
 // FetchRows: every output row is the resident copy when the token is resident, else the host
-// row, byte for byte, and the hit/miss counters add up; batches over kMaxTasks are split.
+// row, byte for byte, and the hit/miss counters add up; batches over kMaxTasks are split; the
+// copy-engine route gives the same rows.
 // WriteRows: rows stored from the device read back through the source identically.
 #include "specache/cuda_fetch.h"
 
@@ -22,6 +23,7 @@
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "copy_engine_fetch.h"
 #include "testing/device_buffers.h"
 #endif
 
@@ -131,6 +133,39 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
     EXPECT_EQ(got_counters.fetched, want_fetched);
     EXPECT_EQ(got_counters.reused, want_reused);
+
+    // The copy-engine route (copy_engine_fetch.h) on the same tasks, three times (its two
+    // buffers, then the first again): the missed rows listed by the device, gathered from the pages' host
+    // addresses by three threads, copied up, placed: the same rows and counts.
+    std::vector<uint8_t*> host_pages;
+    ASSERT_TRUE(source.HostPages(1, 0, length, &host_pages).ok());
+    const std::vector<const uint8_t* const*> tables(tasks.size(), host_pages.data());
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    cudaEvent_t ready = nullptr;  // the tasks were written before the test began
+    ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(ready, stream), cudaSuccess);
+    cuda::CopyEngineFetch route(d, page_tokens, 3);
+    for (int pass = 0; pass < 3; ++pass) {
+      for (const cuda::FetchTask& t : tasks) {
+        ASSERT_EQ(cudaMemset(t.out_rows, 0, t.n_selected * row * sizeof(Half)), cudaSuccess);
+      }
+      ASSERT_EQ(cudaMemset(counters, 0, sizeof(cuda::FetchCounters)), cudaSuccess);
+      auto routed = route.Stage(tasks, tables, ready, stream);
+      ASSERT_TRUE(routed.ok()) << routed.status().ToString();
+      ASSERT_TRUE(cuda::FetchRows(routed->data(), n_tasks, d, page_tokens, 7, counters, stream).ok());
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      for (int i = 0; i < n_tasks; ++i) {
+        ASSERT_EQ(testing::Download(tasks[i].out_rows, want[i].size()), want[i])
+            << "copy engine, d=" << d << " task " << i << " pass " << pass;
+      }
+      const cuda::FetchCounters routed_counters = testing::Download(counters, 1)[0];
+      EXPECT_EQ(routed_counters.fetched, want_fetched);
+      EXPECT_EQ(routed_counters.reused, want_reused);
+    }
+    EXPECT_EQ(route.rows_gathered(), 3 * static_cast<int64_t>(want_fetched));
+    cudaEventDestroy(ready);
+    cudaStreamDestroy(stream);
   }
 #endif
 }

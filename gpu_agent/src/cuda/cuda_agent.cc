@@ -33,6 +33,8 @@
 // - CommitQueue (commit_queue.h): rows written to the pages, committed once they landed.
 // - Staged path only: StagedFetch (inside RowFetcher), StagedCommit (staged_commit.h) and the
 //   SourceWorker (../source_worker.h) their source calls run on.
+// - FetchVia::kCopyEngine only (a source with pages, specache mode): CopyEngineFetch (inside
+//   RowFetcher) and a SourceWorker that runs its host part, the gather of each layer's rows.
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -131,8 +133,9 @@ class CudaAgent final : public Agent {
   cuda::ReplicaStore replicas_;
   cuda::RowFetcher rows_;
   cuda::StepPlanner planner_;
-  // Staged path only (null otherwise). The worker is last, so that it goes first: its destructor
-  // runs the jobs still queued, which use the parts above.
+  // Staged path only (null otherwise); the worker also for the copy-engine fetch. The worker is
+  // last, so that it goes first: its destructor runs the jobs still queued, which use the parts
+  // above.
   std::unique_ptr<cuda::StagedCommit> staged_commits_;
   std::unique_ptr<SourceWorker> worker_;
 };
@@ -144,6 +147,11 @@ Status CudaAgent::Init() {
     worker_ = std::make_unique<SourceWorker>([device] { cudaSetDevice(device); });
     staged_commits_ = std::make_unique<cuda::StagedCommit>(source_, shape_.head_dim, worker_.get());
     rows_.UseStagedSource(source_, worker_.get());
+  } else if (options_.fetch_via == FetchVia::kCopyEngine && config_.mode == KvMode::kSpeCache) {
+    int device = 0;
+    SPECACHE_RETURN_IF_ERROR(cuda::CudaStatus(cudaGetDevice(&device), "device"));
+    worker_ = std::make_unique<SourceWorker>([device] { cudaSetDevice(device); });
+    rows_.UseCopyEngine(worker_.get(), options_.fetch_threads);
   }
   SPECACHE_RETURN_IF_ERROR(rows_.Init());
   SPECACHE_RETURN_IF_ERROR(replicas_.Init(options_.device_pool_bytes));

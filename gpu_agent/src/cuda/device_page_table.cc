@@ -45,6 +45,7 @@ Status DevicePageTable::AddSequence(SequenceId id) {
   const size_t entries = static_cast<size_t>(n_layers_) * max_pages_;
   SPECACHE_RETURN_IF_ERROR(t.pages.Reserve(entries));
   SPECACHE_RETURN_IF_ERROR(t.pages_host.Reserve(entries));
+  if (entries > 0) t.host_addresses = std::make_unique<const uint8_t*[]>(entries);
   tables_.emplace(id, std::move(t));
   return Status::Ok();
 }
@@ -53,6 +54,11 @@ void DevicePageTable::RemoveSequence(SequenceId id) { tables_.erase(id); }
 
 const uint64_t* DevicePageTable::Layer(SequenceId id, int layer) const {
   return tables_.at(id).pages.get() + static_cast<size_t>(layer) * max_pages_;
+}
+
+const uint8_t* const* DevicePageTable::HostLayer(SequenceId id, int layer) const {
+  const Table& t = tables_.at(id);
+  return t.host_addresses ? t.host_addresses.get() + static_cast<size_t>(layer) * max_pages_ : nullptr;
 }
 
 Status DevicePageTable::Map(SequenceId id, int32_t tokens) {
@@ -69,7 +75,9 @@ Status DevicePageTable::Map(SequenceId id, int32_t tokens) {
   for (int l = 0; l < n_layers_; ++l) {
     SPECACHE_RETURN_IF_ERROR(source_->HostPages(id, l, tokens, &pages).WithContext("source pages"));
     uint64_t* staged = t->pages_host.get() + static_cast<size_t>(l) * max_pages_;
+    const uint8_t** host = t->host_addresses.get() + static_cast<size_t>(l) * max_pages_;
     for (int32_t p = t->mapped_pages; p < need; ++p) {
+      host[p] = pages[p];
       auto address = DeviceAddress(pages[p]);
       if (!address.ok() && !registered) {  // the source grew: register its new memory once
         SPECACHE_RETURN_IF_ERROR(RegisterNewRegions());

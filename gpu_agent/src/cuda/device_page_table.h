@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 
 #include "device_buffer.h"
 #include "specache/full_precision_source.h"
@@ -49,6 +50,11 @@ class DevicePageTable {
   // Layer `layer`'s page addresses of a registered sequence (device memory, [max_pages]); null
   // for a source without pages.
   const uint64_t* Layer(SequenceId id, int layer) const;
+  // The same pages' host addresses (host memory, [max_pages], entries below the mapped count
+  // valid): what the copy-engine fetch's threads read rows from. Entries are written once, when
+  // mapped, and the array stays where it is until RemoveSequence, so another thread may read the
+  // entries of pages mapped before it was handed the pointer. Null for a source without pages.
+  const uint8_t* const* HostLayer(SequenceId id, int layer) const;
 
   int32_t page_tokens() const { return page_tokens_; }
   // Device memory of all the sequences' tables.
@@ -62,6 +68,7 @@ class DevicePageTable {
   struct Table {
     Buffer<uint64_t> pages;             // [layer][max_pages] GPU-visible page addresses
     Buffer<uint64_t, true> pages_host;  // the same, staged (entries are written once)
+    std::unique_ptr<const uint8_t*[]> host_addresses;  // [layer][max_pages] the pages' host addresses
     int32_t mapped_pages = 0;           // entries filled per layer
   };
   Result<uint64_t> DeviceAddress(const uint8_t* host) const;

@@ -54,12 +54,14 @@ __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, in
     const int32_t token = t.selected[i];
     if (token == kNoToken) continue;  // the adaptive budget's padding: no row
     const int at = Find(t.resident, t.resident_count ? *t.resident_count : t.n_resident, token);
-    if (at < 0 && t.pages == nullptr) {  // the staged fetch put this row into out_rows already
+    if (at < 0 && t.pages == nullptr && t.staged_rank == nullptr) {  // the staged fetch put this row into out_rows already
       if (piece == 0) atomicAdd(&fetched, 1ull);
       continue;
     }
-    const uint4* src = at >= 0 ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(at) * row_pieces
-                               : HostRow(t.pages, page_tokens, t.kv_head, token, row_pieces);
+    const uint4* src = at >= 0        ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(at) * row_pieces
+                       : t.staged_rank ? reinterpret_cast<const uint4*>(t.staged_rows) +
+                                             static_cast<int64_t>(t.staged_rank[i]) * row_pieces
+                                       : HostRow(t.pages, page_tokens, t.kv_head, token, row_pieces);
     reinterpret_cast<uint4*>(t.out_rows)[static_cast<int64_t>(i) * row_pieces + piece] = src[piece];
     if (piece == 0) atomicAdd(at >= 0 ? &reused : &fetched, 1ull);
   }
@@ -67,6 +69,20 @@ __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, in
   if (threadIdx.x == 0 && counters) {
     if (fetched) atomicAdd(&counters->fetched, fetched);
     if (reused) atomicAdd(&counters->reused, reused);
+  }
+}
+
+// A thread per slot of every task (ListMissedRows).
+__global__ void ListMissedKernel(TaskBatch<FetchTask> batch, int32_t stride, int32_t* missed) {
+  const int64_t total = static_cast<int64_t>(batch.count) * stride;
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < total;
+       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const FetchTask& t = batch.tasks[s / stride];
+    const int i = static_cast<int>(s % stride);
+    if (i >= t.n_selected) continue;
+    const int32_t token = t.selected[i];
+    const bool hit = token == kNoToken || Find(t.resident, t.resident_count ? *t.resident_count : t.n_resident, token) >= 0;
+    missed[s] = hit ? kNoToken : token;
   }
 }
 
@@ -239,6 +255,25 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
     FetchKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, max_selected, row_pieces, page_tokens,
                                                                             counters);
     SPECACHE_RETURN_IF_ERROR(LaunchError("fetch kernel"));
+  }
+  return Status::Ok();
+}
+
+Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream) {
+  if (n_tasks < 0 || stride < 0) return Status::InvalidArgument("list missed rows: negative count");
+  for (int first = 0; first < n_tasks; first += kMaxTasks) {
+    TaskBatch<FetchTask> batch;
+    batch.count = std::min(kMaxTasks, n_tasks - first);
+    for (int i = 0; i < batch.count; ++i) {
+      batch.tasks[i] = tasks[first + i];
+      if (batch.tasks[i].n_selected > stride) return Status::InvalidArgument("list missed rows: stride below a selection");
+    }
+    const int64_t slots = int64_t{batch.count} * stride;
+    if (slots == 0) continue;
+    const int blocks = static_cast<int>(std::min<int64_t>(1024, (slots + kThreads - 1) / kThreads));
+    ListMissedKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, stride,
+                                                                                missed + int64_t{first} * stride);
+    SPECACHE_RETURN_IF_ERROR(LaunchError("list missed rows"));
   }
   return Status::Ok();
 }

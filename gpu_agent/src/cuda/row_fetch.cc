@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <thread>
 #include <utility>
 
 #include "../step_protocol.h"
@@ -15,6 +16,7 @@ RowFetcher::RowFetcher(const ModelShape& shape, const KvConfig& config, const Cu
 RowFetcher::~RowFetcher() {
   staged_worker_.reset();  // each waits for its last copy out of its pinned memory
   staged_inline_.reset();
+  copy_engine_.reset();
   rows_.clear();
   spare_caches_.clear();
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
@@ -44,6 +46,10 @@ Status RowFetcher::Init() {
     staged_inline_ = std::make_unique<StagedFetch>(staged_source_, shape_.head_dim);
     handed_.assign(shape_.n_layers, {});
   }
+  if (copy_engine_threads_ > 0) {
+    copy_engine_ = std::make_unique<CopyEngineFetch>(shape_.head_dim, pages_->page_tokens(), copy_engine_threads_);
+    handed_.assign(shape_.n_layers, {});
+  }
   SPECACHE_RETURN_IF_ERROR(device_counters_.Reserve(1));
   return CudaStatus(cudaMemset(device_counters_.get(), 0, sizeof(FetchCounters)), "counters");
 }
@@ -62,6 +68,12 @@ Status RowFetcher::RowCache::Reserve(int n_kv, int32_t capacity, int head_dim) {
 }
 
 int64_t RowFetcher::RowCache::bytes() const { return tokens.bytes() + used.bytes() + count.bytes() + rows.bytes(); }
+
+void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads) {
+  worker_ = worker;
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  copy_engine_threads_ = std::max(1, cores > 0 ? std::min(threads, cores) : threads);
+}
 
 void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }
 
@@ -124,6 +136,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   for (SequenceId id : ids) {
     LayerRows& lr = rows_.at(id)[layer];
     const uint64_t* pages = pages_->Layer(id, layer);  // null for a staged source
+    const uint8_t* const* host_pages = pages_->HostLayer(id, layer);
     const int next = 1 - lr.cur;
     if (!config_.adaptive()) counts.selected += int64_t{lr.selected} * n_kv;  // else counted on the device
     if (!options_.fetch) {  // measuring without the fetch: nothing becomes resident
@@ -150,6 +163,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
         t.kv_head = h;
         w.tasks.push_back(t);
         w.task_sequences.push_back(id);
+        w.host_pages.push_back(host_pages);
         CacheUpdateTask u;
         u.old_tokens = t.resident;
         u.old_used = old.used.get() + size_t(h) * capacity;
@@ -179,7 +193,8 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   return w;
 }
 
-Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, cudaStream_t stream) const {
+Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFetch* copy_engine,
+                          cudaStream_t stream) const {
   for (const FetchWork::Fill& f : w.fills) {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(f.at, f.value, f.bytes, stream), "row cache"));
   }
@@ -187,7 +202,12 @@ Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, cudaStream_t 
     SPECACHE_RETURN_IF_ERROR(
         staged->Stage(w.layer, w.tasks, w.task_sequences, config_.cache_rows(), stream).status());
   }
-  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(w.tasks.size()), shape_.head_dim,
+  std::vector<FetchTask> routed;  // the copy engine's tasks: missed rows from its device copy
+  if (copy_engine) {
+    SPECACHE_ASSIGN_OR_RETURN(routed, copy_engine->Stage(w.tasks, w.host_pages, selected_[w.layer], stream));
+  }
+  const std::vector<FetchTask>& tasks = copy_engine ? routed : w.tasks;
+  SPECACHE_RETURN_IF_ERROR(FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim,
                                      pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream));
   return UpdateRowCaches(w.updates.data(), static_cast<int>(w.updates.size()), shape_.head_dim, stream);
 }
@@ -203,7 +223,7 @@ void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
 }
 
 Status RowFetcher::OnSourceThread(const std::function<Status()>& job) {
-  if (!worker_) return job();
+  if (!staged_source_) return job();  // the copy engine's worker runs only the overlapped fetch
   // Staged: the worker makes every call into the source, in order, so this read comes after the
   // appends handed to it before (the selection may name their rows). The caller waits, so the
   // job may use what it refers to.
@@ -213,7 +233,7 @@ Status RowFetcher::OnSourceThread(const std::function<Status()>& job) {
 
 Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream) {
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids));
-  const Status s = OnSourceThread([&] { return Launch(w, staged_inline_.get(), stream); });
+  const Status s = OnSourceThread([&] { return Launch(w, staged_inline_.get(), nullptr, stream); });
   if (!s.ok()) Forget(layer, ids);
   return s;
 }
@@ -259,7 +279,7 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   }
   auto run = [this, layer, work]() -> Status {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
-    SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), fetch_));
+    SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), copy_engine_.get(), fetch_));
     return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
   };
   if (!worker_) {
@@ -282,7 +302,7 @@ Status RowFetcher::LaunchDeferred() const {
   // (the fills, the fetch and the cache update give the same result run twice).
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(deferred_start_, compute_), "fetch start event"));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, deferred_start_, 0), "wait for the fetch's start"));
-  SPECACHE_RETURN_IF_ERROR(Launch(*deferred_, nullptr, fetch_));
+  SPECACHE_RETURN_IF_ERROR(Launch(*deferred_, nullptr, nullptr, fetch_));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event"));
   deferred_.reset();
   return Status::Ok();

@@ -28,6 +28,11 @@
 //   of being read from mapped pages. The overlapped fetch then runs on the agent's SourceWorker:
 //   StartFetch hands it the layer's work, and WaitFetched joins it before the compute stream waits
 //   for the fetch's event; an error of the source comes back from that WaitFetched.
+// - FetchVia::kCopyEngine (UseCopyEngine, a source with pages) runs the overlapped fetch on the
+//   worker the same way, through CopyEngineFetch (copy_engine_fetch.h): the worker waits for the
+//   layer's list of missed rows, its threads gather them from the pages (their host addresses
+//   captured by Prepare), and one copy moves them; Fetch and Gather still read the pages with SM
+//   loads, on the calling thread.
 //
 // Not thread-safe (the agent is used from one thread; the worker's jobs touch only the device
 // memory and the events their work names, never the fetcher's tables).
@@ -48,6 +53,7 @@
 #include "specache/cuda_attention.h"
 #include "specache/cuda_fetch.h"
 #include "specache/status.h"
+#include "copy_engine_fetch.h"
 #include "staged_fetch.h"
 #include "../source_worker.h"
 
@@ -65,6 +71,9 @@ class RowFetcher {
   // memory, and the overlapped fetch runs on `worker`. Both must outlive the fetcher's use of them
   // (the worker's jobs use the fetcher: its owner destroys the worker first).
   void UseStagedSource(FullPrecisionSource* source, SourceWorker* worker);
+  // Before Init, for a source with pages: the overlapped fetch's rows go by the copy engine, the
+  // host's part on `worker` with `threads` gather threads (FetchVia::kCopyEngine).
+  void UseCopyEngine(SourceWorker* worker, int threads);
   // Makes the fetch stream, the per-layer events and the device counters.
   Status Init();
 
@@ -173,6 +182,7 @@ class RowFetcher {
     std::vector<Fill> fills;
     std::vector<FetchTask> tasks;
     std::vector<SequenceId> task_sequences;  // [tasks]
+    std::vector<const uint8_t* const*> host_pages;  // [tasks] DevicePageTable::HostLayer (null: staged source)
     std::vector<CacheUpdateTask> updates;
   };
   // The layer's next selection of these sequences made current, its work planned: each fetched
@@ -180,8 +190,9 @@ class RowFetcher {
   // Reserves all the device memory it needs first: on an error (RESOURCE_EXHAUSTED) nothing
   // changed.
   Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids);
-  // Queues the work on `stream`; `staged` brings the missed rows first (null: read from pages).
-  Status Launch(const FetchWork& work, StagedFetch* staged, cudaStream_t stream) const;
+  // Queues the work on `stream`; `staged` (a source without pages) or `copy_engine` brings the
+  // missed rows first (both null: FetchRows reads them from the pages).
+  Status Launch(const FetchWork& work, StagedFetch* staged, CopyEngineFetch* copy_engine, cudaStream_t stream) const;
   // Queues the deferred fetch, if any, on the fetch stream behind everything queued so far on the
   // compute stream (its selection included), then records its layer's fetched_ event.
   Status LaunchDeferred() const;
@@ -232,6 +243,9 @@ class RowFetcher {
   SourceWorker* worker_ = nullptr;
   std::unique_ptr<StagedFetch> staged_worker_, staged_inline_;
   std::vector<std::vector<SequenceId>> handed_;  // [layer]
+  // Copy engine only (UseCopyEngine): the overlapped fetch's route, used on the worker only.
+  int copy_engine_threads_ = 0;
+  std::unique_ptr<CopyEngineFetch> copy_engine_;
 };
 
 }  // namespace specache::cuda

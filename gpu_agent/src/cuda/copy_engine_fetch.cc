@@ -1,0 +1,97 @@
+#include "copy_engine_fetch.h"
+
+#include <algorithm>
+
+#include "../page_row_gather.h"
+
+namespace specache::cuda {
+
+CopyEngineFetch::~CopyEngineFetch() {
+  for (cudaEvent_t& e : copied_) {
+    if (!e) continue;
+    cudaEventSynchronize(e);
+    cudaEventDestroy(e);
+  }
+  if (listed_) cudaEventDestroy(listed_);
+  if (lister_) {
+    cudaStreamSynchronize(lister_);
+    cudaStreamDestroy(lister_);
+  }
+}
+
+Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask> tasks,
+                                                      std::span<const uint8_t* const* const> host_pages,
+                                                      cudaEvent_t ready, cudaStream_t stream) {
+  std::vector<FetchTask> out(tasks.begin(), tasks.end());
+  int32_t stride = 0;
+  for (const FetchTask& t : tasks) stride = std::max(stride, t.n_selected);
+  if (stride == 0) return out;
+  if (host_pages.size() != tasks.size()) return Status::InvalidArgument("copy-engine fetch: a page table per task");
+  if (!lister_) {
+    // The list is on the path of the layer's whole fetch: its kernel is scheduled first.
+    int least = 0, greatest = 0;
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&lister_, cudaStreamNonBlocking, greatest), "stream"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&listed_, cudaEventDisableTiming), "event"));
+    for (cudaEvent_t& e : copied_) {
+      SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
+    }
+  }
+  const size_t slots = tasks.size() * static_cast<size_t>(stride);
+  const size_t row = 2 * static_cast<size_t>(head_dim_) * sizeof(Half);
+  const size_t rank_bytes = (slots * sizeof(int32_t) + 15) / 16 * 16;
+  const size_t most_bytes = rank_bytes + slots * row;  // every slot a miss
+  // The list's last reader was the host, in the previous call.
+  SPECACHE_RETURN_IF_ERROR(missed_.Reserve(slots));
+
+  // 1. Which rows the cache lacks, down through the mapping; the host waits for the list.
+  int32_t* missed_on_device = nullptr;
+  SPECACHE_RETURN_IF_ERROR(
+      CudaStatus(cudaHostGetDevicePointer(reinterpret_cast<void**>(&missed_on_device), missed_.get(), 0), "mapped list"));
+  Status queued = CudaStatus(cudaStreamWaitEvent(lister_, ready, 0), "wait for the selection");
+  if (queued.ok()) queued = ListMissedRows(out.data(), static_cast<int>(out.size()), stride, missed_on_device, lister_);
+  if (queued.ok()) queued = CudaStatus(cudaEventRecord(listed_, lister_), "list event");
+  // Waited for even after an error, so that nothing queued writes the list later.
+  const Status listed = CudaStatus(queued.ok() ? cudaEventSynchronize(listed_) : cudaStreamSynchronize(lister_),
+                                   "missed rows to the host");
+  SPECACHE_RETURN_IF_ERROR(queued);
+  SPECACHE_RETURN_IF_ERROR(listed);
+
+  // 2. The missed rows from the pages, behind their ranks, into this call's pinned buffer once its
+  //    last copy (two calls back) is done.
+  const int b = next_;
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied_[b]), "copy-engine fetch"));
+  if (static_cast<size_t>(up_[b].bytes()) < most_bytes || static_cast<size_t>(device_[b].bytes()) < most_bytes) {
+    // The FetchRows two calls back may still read device_[b].
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "copy-engine fetch"));
+    SPECACHE_RETURN_IF_ERROR(up_[b].Reserve(most_bytes));
+    SPECACHE_RETURN_IF_ERROR(device_[b].Reserve(most_bytes));
+  }
+  auto* ranks = reinterpret_cast<int32_t*>(up_[b].get());
+  std::vector<PageGatherTask> gather(out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    gather[i] = {host_pages[i], out[i].kv_head, missed_.get() + i * stride, out[i].n_selected, ranks + i * stride};
+  }
+  const int64_t rows = GatherPageRows(gather, page_tokens_, static_cast<int64_t>(row), kNoToken,
+                                      up_[b].get() + rank_bytes, threads_);
+  rows_gathered_ += rows;
+
+  // 3. Up in one copy; FetchRows reads it from device memory.
+  queued = CudaStatus(cudaMemcpyAsync(device_[b].get(), up_[b].get(), rank_bytes + static_cast<size_t>(rows) * row,
+                                      cudaMemcpyHostToDevice, stream),
+                      "rows to the device");
+  // Recorded after an error too: whatever was queued is what the next use and the destructor wait for.
+  const Status recorded = CudaStatus(cudaEventRecord(copied_[b], stream), "rows to the device");
+  next_ = 1 - b;
+  SPECACHE_RETURN_IF_ERROR(queued);
+  SPECACHE_RETURN_IF_ERROR(recorded);
+  const auto* staged_rows = reinterpret_cast<const Half*>(device_[b].get() + rank_bytes);
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i].pages = nullptr;
+    out[i].staged_rank = reinterpret_cast<const int32_t*>(device_[b].get()) + i * stride;
+    out[i].staged_rows = staged_rows;
+  }
+  return out;
+}
+
+}  // namespace specache::cuda

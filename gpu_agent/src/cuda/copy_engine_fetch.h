@@ -1,0 +1,81 @@
+// The copy-engine route of the CUDA agent's overlapped fetch (FetchVia::kCopyEngine, agent.h),
+// for a source with zero-copy pages: no SM loads host memory, so the fetch takes no SM from the
+// engine's GEMMs while it moves rows. Per layer, Stage does:
+//
+//   1. on a stream of its own, once `ready` (the layer's selection) has fired: ListMissedRows
+//      (cuda_fetch.h), per selected slot the token if the row cache lacks it, into pinned host
+//      memory the device writes through its mapping; the calling thread waits for it (the
+//      selection exists on the device only);
+//   2. on the host: GatherPageRows (../page_row_gather.h) numbers the missed rows and copies them
+//      from the pages into a pinned buffer, on `threads` threads, the ranks in front of the rows;
+//   3. on `stream` (the fetch stream): one host-to-device copy of ranks and rows (a DMA engine)
+//      into device memory;
+//
+// and returns the tasks with staged_rank / staged_rows set, for the FetchRows that follows on
+// `stream`: it places the missed rows from that device copy and the hits from the row cache, and
+// counts them, as on the other routes; the cache update after it is theirs.
+//
+// Layers pipeline: step 1 runs on its own stream so that the next layer's list does not wait
+// behind this layer's copy, FetchRows and cache update on `stream`, and steps 2-3 alternate
+// between two buffers, so the host gathers layer L + 1 while layer L's copy is in flight (at 99
+// sequences x 8K a layer's 25 MB take ~0.65 ms to gather and ~0.45 ms to copy). Buffer reuse:
+// the list is read by the host before the next call lists into it; a pinned buffer is written
+// only after the host waited for its last copy (two calls back); a device buffer's last reader,
+// the FetchRows two calls back, precedes its next copy on `stream`. Growing a buffer waits for
+// `stream` first. The list's stream reads the row cache the fetch stream updates: the update of
+// the layer's previous fetch comes before `ready` (the compute stream waited for that fetch
+// before the selection), and nothing overwrites the cache read here before this call's own
+// update on `stream`.
+// Not thread-safe; one instance per fetch stream (the RowFetcher's, on its worker thread).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "device_buffer.h"
+#include "specache/cuda_fetch.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+class CopyEngineFetch {
+ public:
+  CopyEngineFetch(int head_dim, int32_t page_tokens, int threads)
+      : head_dim_(head_dim), page_tokens_(page_tokens), threads_(threads) {}
+  // Waits for the last copy out of the pinned buffer before freeing it.
+  ~CopyEngineFetch();
+  CopyEngineFetch(const CopyEngineFetch&) = delete;
+  CopyEngineFetch& operator=(const CopyEngineFetch&) = delete;
+
+  // Steps 1-3 above for one layer's tasks; host_pages[i] is the host page table of task i's
+  // (sequence, layer) (DevicePageTable::HostLayer), whose entries cover every selected token;
+  // `ready` fires once the tasks' selections and resident lists are written. The tasks' `pages`
+  // are ignored. Returns the tasks to hand to FetchRows on `stream`. Errors: CUDA's
+  // (RESOURCE_EXHAUSTED for memory); after one, nothing queued reads the pinned buffers later
+  // (the streams are waited for), and the caller queues no FetchRows.
+  Result<std::vector<FetchTask>> Stage(std::span<const FetchTask> tasks, std::span<const uint8_t* const* const> host_pages,
+                                       cudaEvent_t ready, cudaStream_t stream);
+
+  // Rows the host gathered so far (the misses; FetchRows counts them on the device too).
+  int64_t rows_gathered() const { return rows_gathered_; }
+
+ private:
+  int head_dim_;
+  int32_t page_tokens_;
+  int threads_;
+  Buffer<int32_t, true> missed_;  // [tasks][stride], written by the device through its mapping
+  // Two of each, alternating by call: [tasks][stride] int32 ranks, then the rows (16-byte
+  // aligned), pinned and on the device; copied_ is recorded after each one's copy.
+  Buffer<uint8_t, true> up_[2];
+  Buffer<uint8_t> device_[2];
+  cudaEvent_t copied_[2] = {nullptr, nullptr};
+  int next_ = 0;  // the buffers of the next call
+  cudaStream_t lister_ = nullptr;
+  cudaEvent_t listed_ = nullptr;
+  int64_t rows_gathered_ = 0;
+};
+
+}  // namespace specache::cuda
