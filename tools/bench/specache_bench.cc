@@ -79,6 +79,8 @@ struct Options {
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
+  std::vector<std::string> fetch_via;      // step: CudaAgentOptions::fetch_via per row (empty: the default)
+  int fetch_threads = 0;                   // step: CudaAgentOptions::fetch_threads (0: the default)
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   bool profile_step = false;         // step: StepOptions::profile_step
   std::string trace_path;  // reuse: specache-run generate --selection-trace
@@ -301,6 +303,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "within-next-attention")
         ->delimiter(',')
         ->check(CLI::IsMember(FetchOverlapNames()));
+    cmd->add_option("--fetch-via", o->fetch_via,
+                    "how the fetch's rows move, a row each: sm-loads (default), copy-engine")
+        ->delimiter(',')
+        ->check(CLI::IsMember(FetchViaNames()));
+    cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
+        ->check(positive);
   }
   if (std::string_view(suite.name) == "step") {
     cmd->add_flag("--profile-step", o->profile_step,
@@ -393,6 +401,8 @@ int main(int argc, char** argv) {
       if (o.tokens_given) step.context = o.tokens;
       step.fetch_blocks = o.fetch_blocks;
       if (!o.fetch_overlap.empty()) step.fetch_overlap = o.fetch_overlap;
+      if (!o.fetch_via.empty()) step.fetch_via = o.fetch_via;
+      step.fetch_threads = o.fetch_threads;
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;
       ok = o.suite == "step"      ? bench::RunStepSuite(step, &cuda_rows)

@@ -138,7 +138,8 @@ KvConfig StepKvConfig(const std::string& kv) {
 }
 
 AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, int fetch_blocks, bool fetch,
-                  FetchOverlap overlap = FetchOverlap::kFromSelection, bool profile_step = false) {
+                  FetchOverlap overlap = FetchOverlap::kFromSelection, bool profile_step = false,
+                  FetchVia via = FetchVia::kSmLoads, int fetch_threads = 0) {
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30);
@@ -152,6 +153,8 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   options.stream = m.stream;
   options.fetch = fetch;
   options.fetch_overlap = overlap;
+  options.fetch_via = via;
+  if (fetch_threads > 0) options.fetch_threads = fetch_threads;
   if (fetch_blocks > 0) options.fetch_blocks = fetch_blocks;
   const auto created = std::chrono::steady_clock::now();
   auto agent = CreateCudaAgent({kLayers, kQHeads, kKvHeads, kHeadDim}, config, &source, options);
@@ -505,17 +508,29 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
           fetches && !o.fetch_overlap.empty()
               ? o.fetch_overlap
               : std::vector<std::string>{std::string(FetchOverlapName(FetchOverlap::kFromSelection))};
+      // Each overlap with each route; the copy engine ignores the overlap, so it runs with the first only.
+      std::vector<std::pair<std::string, std::string>> routes;
       for (const std::string& name : overlaps) {
+        for (const std::string& via : fetches && !o.fetch_via.empty() ? o.fetch_via : std::vector<std::string>{"sm-loads"}) {
+          if (via == FetchViaName(FetchVia::kCopyEngine) && name != overlaps.front()) continue;
+          routes.emplace_back(name, via);
+        }
+      }
+      for (const auto& [name, via_name] : routes) {
         auto overlap = ParseFetchOverlap(name);
         if (!Ok(overlap.status(), "fetch overlap")) return false;
-        const AgentRun with =
-            fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap, o.profile_step) : without;
+        auto via = ParseFetchVia(via_name);
+        if (!Ok(via.status(), "fetch route")) return false;
+        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap,
+                                                 o.profile_step, *via, o.fetch_threads)
+                                      : without;
         if (with.ms < 0) {
           ok = false;
           continue;
         }
-        // The default overlap keeps the row names of earlier results.
-        const std::string suffix = *overlap == FetchOverlap::kFromSelection ? "" : "_" + name;
+        // The default overlap and route keep the row names of earlier results.
+        const std::string suffix = (*overlap == FetchOverlap::kFromSelection ? "" : "_" + name) +
+                                   (*via == FetchVia::kSmLoads ? "" : "_" + via_name);
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
@@ -526,6 +541,9 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                          {{"batch", batch},
                           {"context", o.context},
                           {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
+                          {"fetch_threads", *via == FetchVia::kCopyEngine
+                                                ? (o.fetch_threads > 0 ? o.fetch_threads : CudaAgentOptions{}.fetch_threads)
+                                                : 0},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},
                           {"ms_step_fetch", with.ms},

@@ -20,6 +20,10 @@ struct StepOptions {
   int fetch_blocks = 0;                     // CudaAgentOptions::fetch_blocks; 0: the agent's default
   // CudaAgentOptions::fetch_overlap, a row each (FetchOverlapName).
   std::vector<std::string> fetch_overlap{"from-selection"};
+  // CudaAgentOptions::fetch_via, a row each per overlap (FetchViaName; copy-engine ignores the
+  // overlap, so it runs once, with the first).
+  std::vector<std::string> fetch_via{"sm-loads"};
+  int fetch_threads = 0;  // CudaAgentOptions::fetch_threads of the copy-engine rows; 0: the agent's default
   // Replicas timed, each a row per batch: specache-1bit, specache-2bit, kivi-1bit (no rows
   // fetched: the low-bit attention alone), specache-1bit-union (specache-run's default selection).
   std::vector<std::string> kv{"specache-1bit"};

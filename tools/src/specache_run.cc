@@ -707,6 +707,13 @@ int main(int argc, char** argv) {
                     "within-next-attention (agent.h, FetchOverlap)")
       ->capture_default_str()
       ->check(CLI::IsMember(specache::FetchOverlapNames()));
+  bench->add_option("--fetch-via", bo.fetch_via,
+                    "how the CUDA agent moves the speculative fetch's rows: sm-loads (the fetch kernel reads the mapped "
+                    "pages) or copy-engine (host threads gather them, one copy per layer; agent.h, FetchVia)")
+      ->capture_default_str()
+      ->check(CLI::IsMember(specache::FetchViaNames()));
+  bench->add_option("--fetch-threads", bo.fetch_threads, "host threads of the copy-engine fetch (0: the agent's default)")
+      ->check(CLI::NonNegativeNumber);
   bench->add_flag("--profile-step", bo.profile_step,
                   "one more untimed decode step of each measured run, between cudaProfilerStart and cudaProfilerStop "
                   "(for ncu --profile-from-start off); with --prefill, the prefill too");

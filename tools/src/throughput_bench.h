@@ -38,6 +38,10 @@ struct ThroughputOptions {
   std::string sdpa_script;              // tools/bench/fp16_baseline.py; empty: no SDPA row
   std::string python = "python3";
   std::string fetch_overlap = "from-selection";  // CudaAgentOptions::fetch_overlap (FetchOverlapName)
+  // CudaAgentOptions::fetch_via (FetchViaName): the copy engine here, where it measured faster
+  // (agent.h); the library's default stays SM loads, which takes no host threads.
+  std::string fetch_via = "copy-engine";
+  int fetch_threads = 0;                         // CudaAgentOptions::fetch_threads; 0: the agent's default
   // One more decode step of each measured run (after the warm-ups, untimed) between
   // cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`; with `prefill`,
   // the prefill too (timed: its time under a profiler is not the figure).
