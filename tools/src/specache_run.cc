@@ -714,6 +714,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember(specache::FetchViaNames()));
   bench->add_option("--fetch-threads", bo.fetch_threads, "host threads of the copy-engine fetch (0: the agent's default)")
       ->check(CLI::NonNegativeNumber);
+  bench->add_option("--fetch-blocks", bo.fetch_blocks,
+                    "most blocks of the fetch kernel, and the CTA slots the attention leaves them (0: the agent's "
+                    "default)")
+      ->check(CLI::NonNegativeNumber);
   bench->add_flag("--profile-step", bo.profile_step,
                   "one more untimed decode step of each measured run, between cudaProfilerStart and cudaProfilerStop "
                   "(for ncu --profile-from-start off); with --prefill, the prefill too");

@@ -120,6 +120,7 @@ class Bench {
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_overlap, ParseFetchOverlap(o_.fetch_overlap));
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_via, ParseFetchVia(o_.fetch_via));
       if (o_.fetch_threads > 0) options.fetch_threads = o_.fetch_threads;
+      if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
       SPECACHE_ASSIGN_OR_RETURN(agent, CreateCudaAgent(shape, config, source.get(), options));
     }
     std::vector<SequenceId> ids;
@@ -321,7 +322,10 @@ class Bench {
     j["ms_gemm"] = run.phases.gemm_ms + run.phases.edges_ms;  // the table's column: all but attention
     j["ms_gemm_layers"] = run.phases.gemm_ms;
     j["ms_step_edges"] = run.phases.edges_ms;
-    if (mode == "specache") j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via;  // the other modes fetch in step, or not at all
+    if (mode == "specache") {
+      j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via;
+      if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
+    }  // the other modes fetch in step, or not at all
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;
     j["ms_fetch_wait"] = run.phases.fetch_wait_ms;

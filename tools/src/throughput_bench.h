@@ -42,6 +42,7 @@ struct ThroughputOptions {
   // (agent.h); the library's default stays SM loads, which takes no host threads.
   std::string fetch_via = "copy-engine";
   int fetch_threads = 0;                         // CudaAgentOptions::fetch_threads; 0: the agent's default
+  int fetch_blocks = 0;                          // CudaAgentOptions::fetch_blocks; 0: the agent's default
   // One more decode step of each measured run (after the warm-ups, untimed) between
   // cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`; with `prefill`,
   // the prefill too (timed: its time under a profiler is not the figure).
