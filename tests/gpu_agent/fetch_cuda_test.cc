@@ -164,6 +164,40 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
       EXPECT_EQ(routed_counters.reused, want_reused);
     }
     EXPECT_EQ(route.rows_gathered(), 3 * static_cast<int64_t>(want_fetched));
+
+    // A row cache's first fetch (RowFetcher's fills): the resident counts are written on `stream`
+    // just before Stage, behind ~1 GB of device copies, and read through resident_count. With
+    // after_stream the list waits for them; one that read the counts before they landed (0 here:
+    // nothing resident) would gather the hits from the pages, which differ from their resident
+    // copies in this test.
+    std::vector<int32_t> counts(tasks.size());
+    for (size_t i = 0; i < tasks.size(); ++i) counts[i] = tasks[i].n_resident;
+    int32_t* device_counts = buf.Zeros<int32_t>(tasks.size());
+    std::vector<cuda::FetchTask> counted = tasks;
+    for (size_t i = 0; i < counted.size(); ++i) counted[i].resident_count = device_counts + i;
+    const size_t delay_bytes = size_t{256} << 20;
+    uint8_t* delay_from = buf.Zeros<uint8_t>(delay_bytes);
+    uint8_t* delay_to = buf.Zeros<uint8_t>(delay_bytes);
+    for (const cuda::FetchTask& t : tasks) {
+      ASSERT_EQ(cudaMemset(t.out_rows, 0, t.n_selected * row * sizeof(Half)), cudaSuccess);
+    }
+    ASSERT_EQ(cudaMemset(counters, 0, sizeof(cuda::FetchCounters)), cudaSuccess);
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_EQ(cudaMemcpyAsync(delay_to, delay_from, delay_bytes, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+    }
+    ASSERT_EQ(cudaMemcpyAsync(device_counts, counts.data(), counts.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                              stream),
+              cudaSuccess);
+    auto first_fetch = route.Stage(counted, tables, ready, stream, /*after_stream=*/true);
+    ASSERT_TRUE(first_fetch.ok()) << first_fetch.status().ToString();
+    ASSERT_TRUE(cuda::FetchRows(first_fetch->data(), n_tasks, d, page_tokens, 7, counters, stream).ok());
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int i = 0; i < n_tasks; ++i) {
+      ASSERT_EQ(testing::Download(tasks[i].out_rows, want[i].size()), want[i]) << "first fetch, d=" << d << " task " << i;
+    }
+    const cuda::FetchCounters first_counters = testing::Download(counters, 1)[0];
+    EXPECT_EQ(first_counters.fetched, want_fetched);
+    EXPECT_EQ(first_counters.reused, want_reused);
     cudaEventDestroy(ready);
     cudaStreamDestroy(stream);
   }

@@ -13,6 +13,7 @@ CopyEngineFetch::~CopyEngineFetch() {
     cudaEventDestroy(e);
   }
   if (listed_) cudaEventDestroy(listed_);
+  if (queued_) cudaEventDestroy(queued_);
   if (lister_) {
     cudaStreamSynchronize(lister_);
     cudaStreamDestroy(lister_);
@@ -21,7 +22,7 @@ CopyEngineFetch::~CopyEngineFetch() {
 
 Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask> tasks,
                                                       std::span<const uint8_t* const* const> host_pages,
-                                                      cudaEvent_t ready, cudaStream_t stream) {
+                                                      cudaEvent_t ready, cudaStream_t stream, bool after_stream) {
   std::vector<FetchTask> out(tasks.begin(), tasks.end());
   int32_t stride = 0;
   for (const FetchTask& t : tasks) stride = std::max(stride, t.n_selected);
@@ -33,6 +34,7 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities"));
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&lister_, cudaStreamNonBlocking, greatest), "stream"));
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&listed_, cudaEventDisableTiming), "event"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming), "event"));
     for (cudaEvent_t& e : copied_) {
       SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
     }
@@ -49,6 +51,10 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
   SPECACHE_RETURN_IF_ERROR(
       CudaStatus(cudaHostGetDevicePointer(reinterpret_cast<void**>(&missed_on_device), missed_.get(), 0), "mapped list"));
   Status queued = CudaStatus(cudaStreamWaitEvent(lister_, ready, 0), "wait for the selection");
+  if (queued.ok() && after_stream) {
+    queued = CudaStatus(cudaEventRecord(queued_, stream), "fetch stream event");
+    if (queued.ok()) queued = CudaStatus(cudaStreamWaitEvent(lister_, queued_, 0), "wait for the fetch stream");
+  }
   if (queued.ok()) queued = ListMissedRows(out.data(), static_cast<int>(out.size()), stride, missed_on_device, lister_);
   if (queued.ok()) queued = CudaStatus(cudaEventRecord(listed_, lister_), "list event");
   // Waited for even after an error, so that nothing queued writes the list later.

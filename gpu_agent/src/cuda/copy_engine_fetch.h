@@ -52,12 +52,15 @@ class CopyEngineFetch {
 
   // Steps 1-3 above for one layer's tasks; host_pages[i] is the host page table of task i's
   // (sequence, layer) (DevicePageTable::HostLayer), whose entries cover every selected token;
-  // `ready` fires once the tasks' selections and resident lists are written. The tasks' `pages`
-  // are ignored. Returns the tasks to hand to FetchRows on `stream`. Errors: CUDA's
-  // (RESOURCE_EXHAUSTED for memory); after one, nothing queued reads the pinned buffers later
+  // `ready` fires once the tasks' selections and resident lists are written. With
+  // `after_stream`, the list also waits for what is queued on `stream` so far: a row cache's
+  // first fetch, whose count and tokens are set there just before (RowFetcher's fills), which
+  // the list would otherwise race with (reading a stale count and tokens, it lists the wrong
+  // rows, or searches past the list's end). The tasks' `pages` are ignored. Returns the tasks to
+  // hand to FetchRows on `stream`. Errors: CUDA's (RESOURCE_EXHAUSTED for memory); after one, nothing queued reads the pinned buffers later
   // (the streams are waited for), and the caller queues no FetchRows.
   Result<std::vector<FetchTask>> Stage(std::span<const FetchTask> tasks, std::span<const uint8_t* const* const> host_pages,
-                                       cudaEvent_t ready, cudaStream_t stream);
+                                       cudaEvent_t ready, cudaStream_t stream, bool after_stream = false);
 
   // Rows the host gathered so far (the misses; FetchRows counts them on the device too).
   int64_t rows_gathered() const { return rows_gathered_; }
@@ -75,6 +78,7 @@ class CopyEngineFetch {
   int next_ = 0;  // the buffers of the next call
   cudaStream_t lister_ = nullptr;
   cudaEvent_t listed_ = nullptr;
+  cudaEvent_t queued_ = nullptr;  // recorded on `stream` for after_stream
   int64_t rows_gathered_ = 0;
 };
 

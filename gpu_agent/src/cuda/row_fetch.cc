@@ -204,7 +204,9 @@ Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFet
   }
   std::vector<FetchTask> routed;  // the copy engine's tasks: missed rows from its device copy
   if (copy_engine) {
-    SPECACHE_ASSIGN_OR_RETURN(routed, copy_engine->Stage(w.tasks, w.host_pages, selected_[w.layer], stream));
+    // A cache's first fetch: the list must see the fills above.
+    SPECACHE_ASSIGN_OR_RETURN(routed,
+                              copy_engine->Stage(w.tasks, w.host_pages, selected_[w.layer], stream, !w.fills.empty()));
   }
   const std::vector<FetchTask>& tasks = copy_engine ? routed : w.tasks;
   SPECACHE_RETURN_IF_ERROR(FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim,
