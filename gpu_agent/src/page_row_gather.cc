@@ -17,7 +17,10 @@ int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_token
   for (size_t i = 0; i < tasks.size(); ++i) {
     const PageGatherTask& t = tasks[i];
     first[i] = n_rows;
-    for (int32_t j = 0; j < t.n; ++j) t.rank[j] = t.wanted[j] == skip ? -1 : static_cast<int32_t>(n_rows++);
+    for (int32_t j = 0; j < t.n; ++j) {
+      const int32_t w = t.wanted[j];
+      t.rank[j] = w == skip ? -1 : w < 0 ? w : static_cast<int32_t>(n_rows++);
+    }
   }
   // Each row is a random DRAM access (and, at 4 KB pages, a TLB miss): its cache lines are
   // prefetched kAhead rows before the copy, so that a thread has several rows in flight (H200 host,
@@ -36,13 +39,13 @@ int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_token
     int32_t ahead = 0;  // the next slot to prefetch
     auto prefetch_until = [&](int32_t end) {
       for (; ahead < end && ahead < t.n; ++ahead) {
-        if (t.wanted[ahead] != skip) prefetch(row_address(t, t.wanted[ahead]));
+        if (t.wanted[ahead] != skip && t.wanted[ahead] >= 0) prefetch(row_address(t, t.wanted[ahead]));
       }
     };
     for (int32_t j = 0; j < t.n; ++j) {
       prefetch_until(j + kAhead + 1);
       const int32_t token = t.wanted[j];
-      if (token == skip) continue;
+      if (token == skip || token < 0) continue;
       std::memcpy(out, row_address(t, token), static_cast<size_t>(row_bytes));
       out += row_bytes;
     }

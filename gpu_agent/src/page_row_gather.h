@@ -13,15 +13,17 @@ namespace specache {
 struct PageGatherTask {
   const uint8_t* const* pages = nullptr;  // host addresses of the (sequence, layer)'s pages, by page index
   int kv_head = 0;
-  const int32_t* wanted = nullptr;        // [n] per slot: a token whose row is wanted, or `skip`
+  const int32_t* wanted = nullptr;        // [n] per slot: a token whose row is wanted, `skip`, or a code < 0
   int32_t n = 0;
-  int32_t* rank = nullptr;                // [n] out: the slot's row's index in `rows`, or -1
+  int32_t* rank = nullptr;                // [n] out: the slot's row's index in `rows`, -1, or the code
 };
 
 // Numbers the wanted rows in task order, then slot order (rank), and copies each into
-// rows[rank] ([..][row_bytes]), the copies spread over `threads` threads (OpenMP, when the build
-// has it). Tokens equal to `skip` get rank -1 and no row. The caller checked that every wanted
-// token lies in a page of its task. Returns the number of rows.
+// rows[rank] ([..][row_bytes]), the copies spread over `threads` threads (ParallelFor). Tokens
+// equal to `skip` get rank -1 and no row; a negative entry is the caller's code for a row it has
+// elsewhere (the device's row cache: ListMissedRows, cuda_fetch.h) and is its slot's rank as it
+// is, with no row. The caller checked that every wanted token lies in a page of its task. Returns
+// the number of rows.
 int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_tokens, int64_t row_bytes, int32_t skip,
                        uint8_t* rows, int threads);
 

@@ -153,6 +153,13 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
       ASSERT_EQ(cudaMemset(counters, 0, sizeof(cuda::FetchCounters)), cudaSuccess);
       auto routed = route.Stage(tasks, tables, ready, stream);
       ASSERT_TRUE(routed.ok()) << routed.status().ToString();
+      if (pass == 0) {  // ranks on some tasks only: refused before anything is queued
+        std::vector<cuda::FetchTask> mixed = *routed;
+        mixed.back().staged_rank = nullptr;
+        mixed.back().staged_rows = nullptr;
+        EXPECT_EQ(cuda::FetchRows(mixed.data(), n_tasks, d, page_tokens, 7, counters, stream).code(),
+                  StatusCode::kInvalidArgument);
+      }
       ASSERT_TRUE(cuda::FetchRows(routed->data(), n_tasks, d, page_tokens, 7, counters, stream).ok());
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       for (int i = 0; i < n_tasks; ++i) {

@@ -1,6 +1,7 @@
 // The host half of the CUDA agent's copy-engine fetch: the wanted rows of every task are
-// numbered in task then slot order, skipped slots get -1, and each row is copied from its page of
-// an InMemorySource (the layout the device reads) into its rank, on one thread or several.
+// numbered in task then slot order, skipped slots get -1, negative codes (rows the device has in
+// its cache) are their own ranks, and each row is copied from its page of an InMemorySource (the
+// layout the device reads) into its rank, on one thread or several.
 #include "page_row_gather.h"
 
 #include <random>
@@ -39,13 +40,18 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
   std::mt19937 rng(3);
   struct Want {
     int layer, head;
-    std::vector<int32_t> tokens;  // kNoToken: skipped
+    std::vector<int32_t> tokens;  // kNoToken: skipped; below 0: a code passed through
   };
   std::vector<Want> wants;
   for (int i = 0; i < 40; ++i) {
     Want w{i % 2, static_cast<int>(rng() % kKvHeads), {}};
     const int n = i % 9 == 0 ? 0 : 1 + static_cast<int>(rng() % 20);
-    for (int j = 0; j < n; ++j) w.tokens.push_back(rng() % 3 == 0 ? kNoToken : static_cast<int32_t>(rng() % kTokens));
+    for (int j = 0; j < n; ++j) {
+      const uint32_t kind = rng() % 4;
+      w.tokens.push_back(kind == 0   ? kNoToken
+                         : kind == 1 ? -2 - static_cast<int32_t>(rng() % 50)
+                                     : static_cast<int32_t>(rng() % kTokens));
+    }
     wants.push_back(std::move(w));
   }
   for (int threads : {1, 4}) {
@@ -65,8 +71,8 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
     for (size_t i = 0; i < wants.size(); ++i) {
       for (size_t j = 0; j < wants[i].tokens.size(); ++j) {
         const int32_t token = wants[i].tokens[j];
-        if (token == kNoToken) {
-          EXPECT_EQ(ranks[i][j], -1) << "task " << i << " slot " << j;
+        if (token == kNoToken || token < 0) {
+          EXPECT_EQ(ranks[i][j], token == kNoToken ? -1 : token) << "task " << i << " slot " << j;
           continue;
         }
         ASSERT_EQ(ranks[i][j], next) << "task " << i << " slot " << j;

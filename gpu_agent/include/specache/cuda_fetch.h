@@ -11,9 +11,10 @@
 //   left as they are and counted as fetched; the kernel copies the hits over their slots.
 //   A task with a staged rank list (the copy-engine fetch, cuda/copy_engine_fetch.h) takes each
 //   missed row from device memory instead: staged_rows[staged_rank[i]], put there by one
-//   host-to-device copy of the rows the host gathered.
+//   host-to-device copy of the rows the host gathered; its ranks also name the hits' rows.
 // - ListMissedRows tells the host which rows that gather needs: per slot, the selected token if
-//   the row cache lacks it, else kNoToken, written to mapped host memory.
+//   the row cache lacks it, else where the cache holds it (-2 - its index), written to mapped
+//   host memory.
 // - WriteRows appends the new tokens' K/V to the host pages (device-to-host stores).
 //
 // Pages follow full_precision_source.h: page p of a (sequence, layer) holds tokens
@@ -38,8 +39,11 @@ struct FetchTask {
   Half* out_rows = nullptr;             // [n_selected][2][head_dim], not overlapping resident_rows
   const uint64_t* pages = nullptr;      // GPU-visible page addresses of the (sequence, layer), or null (staged)
   const int32_t* resident_count = nullptr;  // device memory: n_resident, when only the device knows it
-  // Copy-engine fetch (both or neither): [n_selected] the row of slot i is staged_rows[rank]
-  // ([..][2][head_dim], device memory) when rank >= 0; slots that are hits or padding hold -1.
+  // Copy-engine fetch (both or neither; on every task of a FetchRows call or on none): per slot i
+  // of [n_selected], rank = staged_rank[i] (device memory) says where its row is: rank >= 0,
+  // staged_rows[rank] ([..][2][head_dim], device memory); -2 - j (<= -2), the resident row j (a
+  // hit); -1, no row (padding). `selected` and `resident` are then not read: the ranks came from
+  // ListMissedRows' list, which searched the resident list once.
   const int32_t* staged_rank = nullptr;
   const Half* staged_rows = nullptr;
   int32_t n_selected = 0;
@@ -97,8 +101,8 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
                  FetchCounters* counters, void* stream);
 Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream);
 // For each task i and slot j < n_selected: missed[i * stride + j] = selected[j] when that token
-// is not in the task's resident list, else kNoToken (padding stays kNoToken); slots j in
-// [n_selected, stride) are not written. `missed` is device-visible memory (mapped pinned host
+// is not in the task's resident list, else -2 - (its index in that list); padding stays
+// kNoToken; slots j in [n_selected, stride) are not written. `missed` is device-visible memory (mapped pinned host
 // memory for the copy-engine fetch); stride >= every task's n_selected.
 Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream);
 // One block per task; capacity at most kMaxCacheRows.

@@ -3,17 +3,18 @@
 // engine's GEMMs while it moves rows. Per layer, Stage does:
 //
 //   1. on a stream of its own, once `ready` (the layer's selection) has fired: ListMissedRows
-//      (cuda_fetch.h), per selected slot the token if the row cache lacks it, into pinned host
-//      memory the device writes through its mapping; the calling thread waits for it (the
-//      selection exists on the device only);
+//      (cuda_fetch.h), per selected slot the token if the row cache lacks it, else the cache's
+//      index of the row, into pinned host memory the device writes through its mapping; the
+//      calling thread waits for it (the selection exists on the device only);
 //   2. on the host: GatherPageRows (../page_row_gather.h) numbers the missed rows and copies them
-//      from the pages into a pinned buffer, on `threads` threads, the ranks in front of the rows;
+//      from the pages into a pinned buffer, on `threads` threads, the ranks in front of the rows
+//      (a hit's rank names its cache row: FetchTask::staged_rank);
 //   3. on `stream` (the fetch stream): one host-to-device copy of ranks and rows (a DMA engine)
 //      into device memory;
 //
 // and returns the tasks with staged_rank / staged_rows set, for the FetchRows that follows on
-// `stream`: it places the missed rows from that device copy and the hits from the row cache, and
-// counts them, as on the other routes; the cache update after it is theirs.
+// `stream`: it places the missed rows from that device copy and the hits from the row cache by
+// their ranks, and counts them, as on the other routes; the cache update after it is theirs.
 //
 // Layers pipeline: step 1 runs on its own stream so that the next layer's list does not wait
 // behind this layer's copy, FetchRows and cache update on `stream`, and steps 2-3 alternate
