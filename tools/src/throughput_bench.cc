@@ -322,10 +322,10 @@ class Bench {
     j["ms_gemm"] = run.phases.gemm_ms + run.phases.edges_ms;  // the table's column: all but attention
     j["ms_gemm_layers"] = run.phases.gemm_ms;
     j["ms_step_edges"] = run.phases.edges_ms;
-    if (mode == "specache") {
+    if (mode == "specache") {  // the other modes fetch in step, or not at all
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
-    }  // the other modes fetch in step, or not at all
+    }
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;
     j["ms_fetch_wait"] = run.phases.fetch_wait_ms;

@@ -102,8 +102,8 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
 Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream);
 // For each task i and slot j < n_selected: missed[i * stride + j] = selected[j] when that token
 // is not in the task's resident list, else -2 - (its index in that list); padding stays
-// kNoToken; slots j in [n_selected, stride) are not written. `missed` is device-visible memory (mapped pinned host
-// memory for the copy-engine fetch); stride >= every task's n_selected.
+// kNoToken; slots j in [n_selected, stride) are not written. `missed` is device-visible memory
+// (mapped pinned host memory for the copy-engine fetch); stride >= every task's n_selected.
 Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream);
 // One block per task; capacity at most kMaxCacheRows.
 constexpr int kMaxCacheRows = 16384;

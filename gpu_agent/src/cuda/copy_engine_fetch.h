@@ -58,8 +58,9 @@ class CopyEngineFetch {
   // first fetch, whose count and tokens are set there just before (RowFetcher's fills), which
   // the list would otherwise race with (reading a stale count and tokens, it lists the wrong
   // rows, or searches past the list's end). The tasks' `pages` are ignored. Returns the tasks to
-  // hand to FetchRows on `stream`. Errors: CUDA's (RESOURCE_EXHAUSTED for memory); after one, nothing queued reads the pinned buffers later
-  // (the streams are waited for), and the caller queues no FetchRows.
+  // hand to FetchRows on `stream`. Errors: CUDA's (RESOURCE_EXHAUSTED for memory); after one,
+  // nothing queued reads the pinned buffers later (the streams are waited for), and the caller
+  // queues no FetchRows.
   Result<std::vector<FetchTask>> Stage(std::span<const FetchTask> tasks, std::span<const uint8_t* const* const> host_pages,
                                        cudaEvent_t ready, cudaStream_t stream, bool after_stream = false);
 
