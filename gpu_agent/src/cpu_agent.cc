@@ -110,11 +110,11 @@ class CpuAgent final : public Agent {
     for (const auto& [id, seq] : sequences_) {
       for (const auto& layer : seq.heads) {
         for (const HeadState& h : layer) {
-          // A begun fetch counts as landed (as the CUDA agent's stats, which wait for it): its
-          // rows and the row cache it leaves behind.
+          // A begun fetch counts as landed (as the CUDA agent's stats, which wait for it): the
+          // row cache it leaves behind. On the device the selection's rows are the cache's (the
+          // attention reads them there), so they take no memory of their own.
           const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
-          const size_t rows = h.pending.active ? h.pending.rows.size() + h.pending.sources.size() * row
-                                               : h.resident_rows.size() + h.cache_rows.size();
+          const size_t rows = h.pending.active ? h.pending.sources.size() * row : h.cache_rows.size();
           s.device_bytes += h.replica.device_bytes() + static_cast<int64_t>(rows * sizeof(Half));
           s.full_precision_bytes += int64_t{h.replica.length()} * 2 * shape_.head_dim * static_cast<int64_t>(sizeof(Half));
         }

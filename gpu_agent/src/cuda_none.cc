@@ -15,7 +15,7 @@ Status UnregisterHostMemory(void*) { return NoCuda(); }
 Status LaunchGatherRows(const uint64_t*, void*, int64_t, int, int, void*, const uint32_t*) { return NoCuda(); }
 Status FetchRows(const FetchTask*, int, int, int, int, FetchCounters*, void*) { return NoCuda(); }
 Status WriteRows(const WriteTask*, int, int, int, void*) { return NoCuda(); }
-Status UpdateRowCaches(const CacheUpdateTask*, int, int, void*) { return NoCuda(); }
+Status UpdateRowCaches(const CacheUpdateTask*, int, int, FetchCounters*, void*) { return NoCuda(); }
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeKeyGroupRuns(const KeyGroupRun*, int, int, int, int, void*) { return NoCuda(); }

@@ -120,8 +120,23 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
   v.window_values = buf.Copy(replica.WindowValues(), size_t(length - n_qv) * d);
   cuda::DeviceDecodeRows& r = c.item.rows;
   r.sub_tokens = buf.Copy(sub_tokens.data(), sub_tokens.size());
-  r.sub_rows = buf.Copy(sub_rows.data(), sub_rows.size());
   r.n_sub = static_cast<int32_t>(sub_tokens.size());
+  if (rng() % 2) {
+    // As the agent hands them over: the rows in a row cache, in another order and among other
+    // rows, each found through its slot.
+    c.name += " slots";
+    const size_t row = 2 * size_t(d), n_cache = sub_tokens.size() + 1 + rng() % 7;
+    std::vector<int32_t> order(n_cache);
+    for (size_t i = 0; i < n_cache; ++i) order[i] = static_cast<int32_t>(i);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<int32_t> slots(order.begin(), order.begin() + sub_tokens.size());
+    auto cache = testing::RandomHalves(n_cache * row, rng);
+    for (size_t i = 0; i < slots.size(); ++i) std::copy_n(&sub_rows[i * row], row, &cache[slots[i] * row]);
+    r.sub_rows = buf.Copy(cache.data(), cache.size());
+    r.sub_slots = buf.Copy(slots.data(), slots.size());
+  } else {
+    r.sub_rows = buf.Copy(sub_rows.data(), sub_rows.size());
+  }
   r.q = buf.Copy(q.data(), q.size());
   r.new_keys = buf.Copy(new_k.data(), new_k.size());
   r.new_values = buf.Copy(new_v.data(), new_v.size());

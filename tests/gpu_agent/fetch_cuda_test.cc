@@ -1,7 +1,7 @@
 // Label `gpu`: the agent's in-place page kernels against a CPU reference on random data.
 // FetchRows: every output row is the resident copy when the token is resident, else the host
-// row, byte for byte, and the hit/miss counters add up; batches over kMaxTasks are split; the
-// copy-engine route gives the same rows.
+// row, byte for byte, and the hit/miss counters add up; batches over kMaxTasks are split; by the
+// copy-engine route the row cache's update holds the same rows at the slots it reports.
 // WriteRows: rows stored from the device read back through the source identically.
 #include "specache/cuda_fetch.h"
 
@@ -135,8 +135,10 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     EXPECT_EQ(got_counters.reused, want_reused);
 
     // The copy-engine route (copy_engine_fetch.h) on the same tasks, three times (its two
-    // buffers, then the first again): the missed rows listed by the device, gathered from the pages' host
-    // addresses by three threads, copied up, placed: the same rows and counts.
+    // buffers, then the first again): the missed rows listed by the device, gathered from the
+    // pages' host addresses by three threads, copied up, and taken by the row cache's update by
+    // their ranks (the hits from the old cache): the new cache holds the same rows at the slots
+    // it reports, and the update counts the same hits and misses.
     std::vector<uint8_t*> host_pages;
     ASSERT_TRUE(source.HostPages(1, 0, length, &host_pages).ok());
     const std::vector<const uint8_t* const*> tables(tasks.size(), host_pages.data());
@@ -146,30 +148,65 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
     ASSERT_EQ(cudaEventRecord(ready, stream), cudaSuccess);
     cuda::CopyEngineFetch route(d, page_tokens, 3);
-    for (int pass = 0; pass < 3; ++pass) {
-      for (const cuda::FetchTask& t : tasks) {
-        ASSERT_EQ(cudaMemset(t.out_rows, 0, t.n_selected * row * sizeof(Half)), cudaSuccess);
-      }
-      ASSERT_EQ(cudaMemset(counters, 0, sizeof(cuda::FetchCounters)), cudaSuccess);
-      auto routed = route.Stage(tasks, tables, ready, stream);
+    // Each task's old cache is its resident list (read through resident_count when set, as
+    // RowFetcher does), with room for all of it and the selection: nothing is evicted.
+    std::vector<cuda::CacheUpdateTask> updates(tasks.size());
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const cuda::FetchTask& t = tasks[i];
+      cuda::CacheUpdateTask& u = updates[i];
+      u.old_tokens = t.resident;
+      u.old_used = buf.Zeros<int32_t>(std::max(1, t.n_resident));
+      u.old_rows = t.resident_rows;
+      u.old_count = buf.Copy(std::vector<int32_t>{t.n_resident});
+      u.selected = t.selected;
+      u.n_selected = t.n_selected;
+      u.capacity = t.n_resident + t.n_selected;
+      u.new_tokens = buf.Zeros<int32_t>(u.capacity);
+      u.new_used = buf.Zeros<int32_t>(u.capacity);
+      u.new_rows = buf.Zeros<Half>(u.capacity * row);
+      u.new_count = buf.Zeros<int32_t>(1);
+      u.selected_slots = buf.Zeros<int32_t>(std::max(1, t.n_selected));
+      u.now = 1;
+    }
+    // Stage, the update by ranks, and the check of every task's cache and the counters.
+    auto fetch_by_copy_engine = [&](const std::vector<cuda::FetchTask>& staged_tasks, bool after_stream,
+                                    const std::string& what) {
+      auto routed = route.Stage(staged_tasks, tables, ready, stream, after_stream);
       ASSERT_TRUE(routed.ok()) << routed.status().ToString();
-      if (pass == 0) {  // ranks on some tasks only: refused before anything is queued
-        std::vector<cuda::FetchTask> mixed = *routed;
-        mixed.back().staged_rank = nullptr;
-        mixed.back().staged_rows = nullptr;
-        EXPECT_EQ(cuda::FetchRows(mixed.data(), n_tasks, d, page_tokens, 7, counters, stream).code(),
-                  StatusCode::kInvalidArgument);
+      // Ranked tasks are the cache update's: FetchRows refuses them before queueing anything.
+      EXPECT_EQ(cuda::FetchRows(routed->data(), n_tasks, d, page_tokens, 7, counters, stream).code(),
+                StatusCode::kInvalidArgument);
+      std::vector<cuda::CacheUpdateTask> ranked = updates;
+      for (size_t i = 0; i < ranked.size(); ++i) {
+        ranked[i].old_count = staged_tasks[i].resident_count ? staged_tasks[i].resident_count : updates[i].old_count;
+        ranked[i].staged_rank = (*routed)[i].staged_rank;
+        ranked[i].selected_rows = (*routed)[i].staged_rows;
+        ASSERT_EQ(cudaMemsetAsync(ranked[i].new_rows, 0, ranked[i].capacity * row * sizeof(Half), stream), cudaSuccess);
       }
-      ASSERT_TRUE(cuda::FetchRows(routed->data(), n_tasks, d, page_tokens, 7, counters, stream).ok());
+      ASSERT_EQ(cudaMemsetAsync(counters, 0, sizeof(cuda::FetchCounters), stream), cudaSuccess);
+      ASSERT_TRUE(cuda::UpdateRowCaches(ranked.data(), n_tasks, d, counters, stream).ok());
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       for (int i = 0; i < n_tasks; ++i) {
-        ASSERT_EQ(testing::Download(tasks[i].out_rows, want[i].size()), want[i])
-            << "copy engine, d=" << d << " task " << i << " pass " << pass;
+        const std::vector<int32_t> selected = testing::Download(tasks[i].selected, tasks[i].n_selected);
+        const std::vector<int32_t> slots = testing::Download(ranked[i].selected_slots, tasks[i].n_selected);
+        const std::vector<int32_t> cached = testing::Download(ranked[i].new_tokens, ranked[i].capacity);
+        const std::vector<Half> rows = testing::Download(ranked[i].new_rows, ranked[i].capacity * row);
+        for (int j = 0; j < tasks[i].n_selected; ++j) {
+          if (selected[j] == cuda::kNoToken) {
+            EXPECT_EQ(slots[j], -1) << what << ", d=" << d << " task " << i << " padding slot " << j;
+            continue;
+          }
+          ASSERT_TRUE(slots[j] >= 0 && slots[j] < ranked[i].capacity) << what << " task " << i << " slot " << j;
+          EXPECT_EQ(cached[slots[j]], selected[j]) << what << ", d=" << d << " task " << i << " slot " << j;
+          ASSERT_TRUE(std::equal(want[i].begin() + j * row, want[i].begin() + (j + 1) * row, rows.begin() + slots[j] * row))
+              << what << ", d=" << d << " task " << i << " slot " << j;
+        }
       }
-      const cuda::FetchCounters routed_counters = testing::Download(counters, 1)[0];
-      EXPECT_EQ(routed_counters.fetched, want_fetched);
-      EXPECT_EQ(routed_counters.reused, want_reused);
-    }
+      const cuda::FetchCounters got = testing::Download(counters, 1)[0];
+      EXPECT_EQ(got.fetched, want_fetched) << what;
+      EXPECT_EQ(got.reused, want_reused) << what;
+    };
+    for (int pass = 0; pass < 3; ++pass) fetch_by_copy_engine(tasks, false, "copy engine pass " + std::to_string(pass));
     EXPECT_EQ(route.rows_gathered(), 3 * static_cast<int64_t>(want_fetched));
 
     // A row cache's first fetch (RowFetcher's fills): the resident counts are written on `stream`
@@ -185,26 +222,13 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     const size_t delay_bytes = size_t{256} << 20;
     uint8_t* delay_from = buf.Zeros<uint8_t>(delay_bytes);
     uint8_t* delay_to = buf.Zeros<uint8_t>(delay_bytes);
-    for (const cuda::FetchTask& t : tasks) {
-      ASSERT_EQ(cudaMemset(t.out_rows, 0, t.n_selected * row * sizeof(Half)), cudaSuccess);
-    }
-    ASSERT_EQ(cudaMemset(counters, 0, sizeof(cuda::FetchCounters)), cudaSuccess);
     for (int i = 0; i < 4; ++i) {
       ASSERT_EQ(cudaMemcpyAsync(delay_to, delay_from, delay_bytes, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
     }
     ASSERT_EQ(cudaMemcpyAsync(device_counts, counts.data(), counts.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
                               stream),
               cudaSuccess);
-    auto first_fetch = route.Stage(counted, tables, ready, stream, /*after_stream=*/true);
-    ASSERT_TRUE(first_fetch.ok()) << first_fetch.status().ToString();
-    ASSERT_TRUE(cuda::FetchRows(first_fetch->data(), n_tasks, d, page_tokens, 7, counters, stream).ok());
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    for (int i = 0; i < n_tasks; ++i) {
-      ASSERT_EQ(testing::Download(tasks[i].out_rows, want[i].size()), want[i]) << "first fetch, d=" << d << " task " << i;
-    }
-    const cuda::FetchCounters first_counters = testing::Download(counters, 1)[0];
-    EXPECT_EQ(first_counters.fetched, want_fetched);
-    EXPECT_EQ(first_counters.reused, want_reused);
+    fetch_by_copy_engine(counted, true, "first fetch");
     cudaEventDestroy(ready);
     cudaStreamDestroy(stream);
   }
@@ -311,7 +335,10 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
 
 // The device's cache update equals row_cache.h's rule on random caches and selections (tokens,
 // use marks, rows and counts), for capacities k, 2k, 3k, 700 (more entries than the kernel's
-// threads) and kMaxCacheRows, over two launches' worth of tasks.
+// threads) and kMaxCacheRows, over two launches' worth of tasks. Hits take the old cache's row;
+// every selected token's slot names its entry. Every third task takes its rows by staged ranks
+// (the copy-engine fetch: misses from a shuffled staged array, hits from the old cache), and the
+// update counts those tasks' misses and hits.
 TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -325,6 +352,8 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     std::vector<Half> rows;
   };
   std::vector<Want> want;
+  std::vector<std::vector<int32_t>> slot_want;  // [task] the selection, padding included
+  uint64_t want_fetched = 0, want_reused = 0;   // of the ranked tasks
   const int n_tasks = cuda::kMaxCacheUpdateTasks + 20;
   for (int i = 0; i < n_tasks; ++i) {
     // Task 1 at kMaxCacheRows, nearly full: the shared memory over 48 KB and the int16 positions.
@@ -338,13 +367,24 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     std::sort(selected.begin(), selected.end());
     selected.erase(std::unique(selected.begin(), selected.end()), selected.end());
     const auto old_rows = testing::RandomHalves(old.tokens.size() * row, rng);
+    // Random rows for the hits too: the update must take the old cache's (the fetch copied
+    // those bytes), not these.
     auto sel_rows = testing::RandomHalves(selected.size() * row, rng);
     Want w{old, {}};
     std::vector<bool> hit;
     const auto sources = UpdateRowCache(&w.cache, selected, 7, static_cast<size_t>(capacity), &hit);
+    auto old_index = [&](int32_t token) {
+      return std::lower_bound(old.tokens.begin(), old.tokens.end(), token) - old.tokens.begin();
+    };
     for (int64_t src : sources) {
-      const Half* from = src >= 0 ? &sel_rows[src * row] : &old_rows[(-1 - src) * row];
+      const Half* from = src < 0        ? &old_rows[(-1 - src) * row]
+                         : hit[src]     ? &old_rows[old_index(selected[src]) * row]
+                                        : &sel_rows[src * row];
       w.rows.insert(w.rows.end(), from, from + row);
+    }
+    const bool ranked = i % 3 == 2;
+    if (ranked) {
+      for (bool h : hit) (h ? want_reused : want_fetched) += 1;
     }
     want.push_back(std::move(w));
     std::vector<int32_t> used32(old.used.begin(), old.used.end());
@@ -355,13 +395,33 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     t.old_count = buf.Copy(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())});
     // Odd tasks end their selection in the adaptive budget's padding: the cache holds what it
     // would without it.
+    const size_t n_real = selected.size();
     if (i % 2 == 1) {
       selected.resize(size_t(k), cuda::kNoToken);
       sel_rows.resize(selected.size() * row);
     }
+    if (ranked) {  // the misses' rows in a shuffled staged array, behind another task's rows
+      std::vector<int32_t> ranks(selected.size(), -1), order;
+      for (size_t j = 0; j < n_real; ++j) {
+        if (hit[j]) ranks[j] = -2 - static_cast<int32_t>(old_index(selected[j]));
+        else order.push_back(static_cast<int32_t>(j));
+      }
+      std::shuffle(order.begin(), order.end(), rng);
+      const size_t before = rng() % 5;
+      std::vector<Half> staged = testing::RandomHalves((before + order.size()) * row, rng);
+      for (size_t r = 0; r < order.size(); ++r) {
+        ranks[order[r]] = static_cast<int32_t>(before + r);
+        std::copy_n(&sel_rows[order[r] * row], row, &staged[(before + r) * row]);
+      }
+      t.staged_rank = buf.Copy(ranks);
+      t.selected_rows = buf.Copy(staged);
+    } else {
+      t.selected_rows = buf.Copy(sel_rows);
+    }
+    slot_want.push_back(selected);
     t.selected = buf.Copy(selected);
-    t.selected_rows = buf.Copy(sel_rows);
     t.n_selected = static_cast<int32_t>(selected.size());
+    t.selected_slots = buf.Copy(std::vector<int32_t>(selected.size(), -7));
     t.new_tokens = buf.Copy(std::vector<int32_t>(capacity, -1));
     t.new_used = buf.Copy(std::vector<int32_t>(capacity, -1));
     t.new_rows = buf.Zeros<Half>(capacity * row);
@@ -370,8 +430,12 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     t.capacity = capacity;
     tasks.push_back(t);
   }
-  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, nullptr).ok());
+  auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
+  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, counters, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
+  EXPECT_EQ(got_counters.fetched, want_fetched);
+  EXPECT_EQ(got_counters.reused, want_reused);
   for (int i = 0; i < n_tasks; ++i) {
     const int32_t count = testing::Download(tasks[i].new_count, 1)[0];
     ASSERT_EQ(count, static_cast<int32_t>(want[i].cache.tokens.size())) << "task " << i;
@@ -384,6 +448,16 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     // The rest is marked empty, so the attention can take the whole cache (attend_resident).
     const std::vector<int32_t> all = testing::Download(tasks[i].new_tokens, tasks[i].capacity);
     for (int32_t j = count; j < tasks[i].capacity; ++j) EXPECT_EQ(all[j], cuda::kNoToken) << "task " << i;
+    // Each selected token's slot holds it; the padding's is -1.
+    const std::vector<int32_t> slots = testing::Download(tasks[i].selected_slots, tasks[i].n_selected);
+    for (int32_t j = 0; j < tasks[i].n_selected; ++j) {
+      if (slot_want[i][j] == cuda::kNoToken) {
+        EXPECT_EQ(slots[j], -1) << "task " << i << " slot " << j;
+      } else {
+        ASSERT_TRUE(slots[j] >= 0 && slots[j] < count) << "task " << i << " slot " << j;
+        EXPECT_EQ(all[slots[j]], slot_want[i][j]) << "task " << i << " slot " << j;
+      }
+    }
   }
 #endif
 }

@@ -184,8 +184,8 @@ enum class FetchVia {
                 // SMs, beside the engine's kernels: FetchOverlap)
   kCopyEngine,  // the agent's threads gather the missed rows from the pages into pinned memory and
                 // one copy per layer moves them (a DMA engine: no SM reads host memory); the device
-                // is told which rows to gather through mapped memory, and a short device-side
-                // kernel then places them and the row cache's hits. It costs a host round trip per
+                // is told which rows to gather through mapped memory, and the row cache's update
+                // takes them from that copy (no other device-side pass). It costs a host round trip per
                 // layer (the worker waits for the layer's selection) and fetch_threads host cores.
 };
 // "sm-loads", "copy-engine".

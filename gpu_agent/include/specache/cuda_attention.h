@@ -108,7 +108,10 @@ SPECACHE_HOST_DEVICE inline const Half* ValueHalf(const DeviceReplicaView& v, in
 
 struct DeviceDecodeRows {
   const int32_t* sub_tokens = nullptr;  // [n_sub] ascending
-  const Half* sub_rows = nullptr;       // [n_sub][2][head_dim]
+  const Half* sub_rows = nullptr;       // [rows][2][head_dim]: rows [n_sub], or a row cache (sub_slots)
+  // [n_sub] or null. When set, substituted row i is row sub_slots[i] of sub_rows (the row cache
+  // that the fetch's update left the selection in, cuda_fetch.h); else row i. SubstitutedRow.
+  const int32_t* sub_slots = nullptr;
   int32_t n_sub = 0;
   const float* q = nullptr;             // [n_rows][n_heads][head_dim], rows q_stride apart
   const Half* new_keys = nullptr;       // [n_rows][head_dim], rows kv_stride apart
@@ -151,6 +154,11 @@ inline int64_t DecodeScratchFloats(int32_t length, int n_rows, int n_heads, int 
   const int64_t cuda_cores = queries * width + queries * blocks * 2 + blocks * queries * head_dim;
   const int64_t tensor_cores = queries * (head_dim + 2) * ((width + 63) / 64 + 4);
   return cuda_cores > tensor_cores ? cuda_cores : tensor_cores;
+}
+
+// Substituted row i of `r` (its key, then its value at + head_dim).
+SPECACHE_HOST_DEVICE inline const Half* SubstitutedRow(const DeviceDecodeRows& r, int32_t i, int head_dim) {
+  return r.sub_rows + static_cast<int64_t>(r.sub_slots ? r.sub_slots[i] : i) * 2 * head_dim;
 }
 
 struct DeviceDecodeItem {

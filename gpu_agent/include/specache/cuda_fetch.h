@@ -9,12 +9,14 @@
 //   A task without pages (a source without zero-copy pages: the staged fetch, cuda/staged_fetch.h)
 //   reads no host memory: the rows of its tokens that are not resident are in out_rows already,
 //   left as they are and counted as fetched; the kernel copies the hits over their slots.
-//   A task with a staged rank list (the copy-engine fetch, cuda/copy_engine_fetch.h) takes each
-//   missed row from device memory instead: staged_rows[staged_rank[i]], put there by one
-//   host-to-device copy of the rows the host gathered; its ranks also name the hits' rows.
-// - ListMissedRows tells the host which rows that gather needs: per slot, the selected token if
-//   the row cache lacks it, else where the cache holds it (-2 - its index), written to mapped
-//   host memory.
+// - The copy-engine fetch (cuda/copy_engine_fetch.h) places no rows with FetchRows: ListMissedRows
+//   tells the host which rows to gather (per slot, the selected token if the row cache lacks it,
+//   else where the cache holds it, -2 - its index, written to mapped host memory); the host
+//   copies the missed rows up in one copy, and the row cache's update (UpdateRowCaches) takes
+//   each selected row by that rank: from the copy, or from the old cache.
+// - UpdateRowCaches makes the next row cache: the selection plus the most recent old rows, and
+//   tells the attention where each selected row landed (its slot): the attention substitutes the
+//   selection's rows from the cache (DeviceDecodeRows::sub_slots), so no other copy is made.
 // - WriteRows appends the new tokens' K/V to the host pages (device-to-host stores).
 //
 // Pages follow full_precision_source.h: page p of a (sequence, layer) holds tokens
@@ -39,11 +41,11 @@ struct FetchTask {
   Half* out_rows = nullptr;             // [n_selected][2][head_dim], not overlapping resident_rows
   const uint64_t* pages = nullptr;      // GPU-visible page addresses of the (sequence, layer), or null (staged)
   const int32_t* resident_count = nullptr;  // device memory: n_resident, when only the device knows it
-  // Copy-engine fetch (both or neither; on every task of a FetchRows call or on none): per slot i
-  // of [n_selected], rank = staged_rank[i] (device memory) says where its row is: rank >= 0,
-  // staged_rows[rank] ([..][2][head_dim], device memory); -2 - j (<= -2), the resident row j (a
-  // hit); -1, no row (padding). `selected` and `resident` are then not read: the ranks came from
-  // ListMissedRows' list, which searched the resident list once.
+  // Set by CopyEngineFetch::Stage (both or neither), for the cache update (CacheUpdateTask's
+  // fields of the same names); FetchRows refuses a task with them: per slot i of [n_selected],
+  // rank = staged_rank[i] (device memory) says where its row is: rank >= 0, staged_rows[rank]
+  // ([..][2][head_dim], device memory); -2 - j (<= -2), the resident row j (a hit); -1, no row
+  // (padding). The ranks came from ListMissedRows' list, which searched the resident list once.
   const int32_t* staged_rank = nullptr;
   const Half* staged_rows = nullptr;
   int32_t n_selected = 0;
@@ -56,22 +58,30 @@ struct FetchTask {
 // ascending by token. Counts live on the device (the host never waits for them); the entries
 // past the count hold kNoToken, so the whole cache can be handed to the attention as `capacity`
 // substitutions (KvConfig::attend_resident) without the host knowing the count.
+// Selected row i comes from selected_rows[i] (FetchRows' output), or, with staged ranks (the
+// copy-engine fetch), from selected_rows[rank] (the staged rows) or the old cache's row -2 - rank,
+// which the update then counts as fetched or reused (UpdateRowCaches' counters).
 struct CacheUpdateTask {
   const int32_t* old_tokens = nullptr;  // [*old_count] ascending
   const int32_t* old_used = nullptr;
   const Half* old_rows = nullptr;       // [*old_count][2][head_dim]
   const int32_t* old_count = nullptr;   // device
   const int32_t* selected = nullptr;    // [n_selected] ascending
-  const Half* selected_rows = nullptr;  // [n_selected][2][head_dim] (the fetch's output)
+  // [n_selected][2][head_dim] (FetchRows' output), or with staged_rank FetchTask::staged_rows.
+  const Half* selected_rows = nullptr;
+  const int32_t* staged_rank = nullptr;  // [n_selected] (FetchTask::staged_rank), or null
   int32_t* new_tokens = nullptr;        // [capacity]
   int32_t* new_used = nullptr;
   Half* new_rows = nullptr;             // [capacity][2][head_dim]
   int32_t* new_count = nullptr;         // device
+  // [n_selected] or null: slot i receives the new cache's index of selected[i] (-1 for the
+  // adaptive budget's padding), for the attention (DeviceDecodeRows::sub_slots).
+  int32_t* selected_slots = nullptr;
   int32_t n_selected = 0;
   int32_t now = 0;
   int32_t capacity = 0;                 // >= n_selected
 };
-constexpr int kMaxCacheUpdateTasks = 320;  // per launch (more run as several)
+constexpr int kMaxCacheUpdateTasks = 288;  // per launch (more run as several)
 // Above every token, and what cudaMemset(0x7f) writes. Attention ignores substitutions of tokens
 // that are not quantized.
 constexpr int32_t kNoToken = 0x7f7f7f7f;
@@ -86,7 +96,7 @@ struct WriteTask {
   int32_t kv_head = 0;
 };
 
-// Counters FetchRows adds to (device memory).
+// Counters FetchRows (or, for the copy-engine fetch, UpdateRowCaches) adds to (device memory).
 struct FetchCounters {
   unsigned long long fetched;  // rows read from host pages
   unsigned long long reused;   // rows copied from the resident set
@@ -105,8 +115,9 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tok
 // kNoToken; slots j in [n_selected, stride) are not written. `missed` is device-visible memory
 // (mapped pinned host memory for the copy-engine fetch); stride >= every task's n_selected.
 Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream);
-// One block per task; capacity at most kMaxCacheRows.
+// One block per task; capacity at most kMaxCacheRows. counters (device memory, or null): the
+// ranked tasks' rows fetched (staged) and reused (old cache) are added to it.
 constexpr int kMaxCacheRows = 16384;
-Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, void* stream);
+Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, FetchCounters* counters, void* stream);
 
 }  // namespace specache::cuda

@@ -68,7 +68,7 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
   const int b = next_;
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied_[b]), "copy-engine fetch"));
   if (static_cast<size_t>(up_[b].bytes()) < most_bytes || static_cast<size_t>(device_[b].bytes()) < most_bytes) {
-    // The FetchRows two calls back may still read device_[b].
+    // The cache update two calls back may still read device_[b].
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "copy-engine fetch"));
     SPECACHE_RETURN_IF_ERROR(up_[b].Reserve(most_bytes));
     SPECACHE_RETURN_IF_ERROR(device_[b].Reserve(most_bytes));
@@ -82,7 +82,7 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
                                       up_[b].get() + rank_bytes, threads_);
   rows_gathered_ += rows;
 
-  // 3. Up in one copy; FetchRows reads it from device memory.
+  // 3. Up in one copy; the cache update reads it from device memory.
   queued = CudaStatus(cudaMemcpyAsync(device_[b].get(), up_[b].get(), rank_bytes + static_cast<size_t>(rows) * row,
                                       cudaMemcpyHostToDevice, stream),
                       "rows to the device");

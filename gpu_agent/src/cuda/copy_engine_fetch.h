@@ -12,17 +12,17 @@
 //   3. on `stream` (the fetch stream): one host-to-device copy of ranks and rows (a DMA engine)
 //      into device memory;
 //
-// and returns the tasks with staged_rank / staged_rows set, for the FetchRows that follows on
-// `stream`: it places the missed rows from that device copy and the hits from the row cache by
-// their ranks, and counts them, as on the other routes; the cache update after it is theirs.
+// and returns the tasks with staged_rank / staged_rows set, for the row cache's update that follows
+// on `stream` (UpdateRowCaches): it takes the missed rows from that device copy by their ranks and
+// the hits from the old cache, and counts them, as FetchRows does on the other routes.
 //
 // Layers pipeline: step 1 runs on its own stream so that the next layer's list does not wait
-// behind this layer's copy, FetchRows and cache update on `stream`, and steps 2-3 alternate
+// behind this layer's copy and cache update on `stream`, and steps 2-3 alternate
 // between two buffers, so the host gathers layer L + 1 while layer L's copy is in flight (at 99
 // sequences x 8K a layer's 25 MB take ~0.65 ms to gather and ~0.45 ms to copy). Buffer reuse:
 // the list is read by the host before the next call lists into it; a pinned buffer is written
 // only after the host waited for its last copy (two calls back); a device buffer's last reader,
-// the FetchRows two calls back, precedes its next copy on `stream`. Growing a buffer waits for
+// the cache update two calls back, precedes its next copy on `stream`. Growing a buffer waits for
 // `stream` first. The list's stream reads the row cache the fetch stream updates: the update of
 // the layer's previous fetch comes before `ready` (the compute stream waited for that fetch
 // before the selection), and nothing overwrites the cache read here before this call's own
@@ -58,13 +58,13 @@ class CopyEngineFetch {
   // first fetch, whose count and tokens are set there just before (RowFetcher's fills), which
   // the list would otherwise race with (reading a stale count and tokens, it lists the wrong
   // rows, or searches past the list's end). The tasks' `pages` are ignored. Returns the tasks to
-  // hand to FetchRows on `stream`. Errors: CUDA's (RESOURCE_EXHAUSTED for memory); after one,
+  // hand to the cache update (UpdateRowCaches) on `stream`. Errors: CUDA's (RESOURCE_EXHAUSTED for memory); after one,
   // nothing queued reads the pinned buffers later (the streams are waited for), and the caller
-  // queues no FetchRows.
+  // queues no cache update.
   Result<std::vector<FetchTask>> Stage(std::span<const FetchTask> tasks, std::span<const uint8_t* const* const> host_pages,
                                        cudaEvent_t ready, cudaStream_t stream, bool after_stream = false);
 
-  // Rows the host gathered so far (the misses; FetchRows counts them on the device too).
+  // Rows the host gathered so far (the misses; the cache update counts them on the device too).
   int64_t rows_gathered() const { return rows_gathered_; }
 
  private:

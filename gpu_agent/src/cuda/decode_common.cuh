@@ -129,7 +129,7 @@ __device__ inline float KeyAt(const DeviceReplicaView& v, const DeviceDecodeRows
   const int d = v.head_dim;
   if (token >= v.length) return H2F(r.new_keys[(token - v.length) * r.kv_stride + c]);
   if (token >= v.quantized_keys) return H2F(v.residual_keys[static_cast<size_t>(token - v.quantized_keys) * d + c]);
-  if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + c]);
+  if (sub >= 0) return H2F(SubstitutedRow(r, sub, d)[c]);
   if (v.key_bits == 16) return H2F(KeyHalf(v, token)[c]);
   const int g = token / v.group_size, t = token % v.group_size;
   const int words = v.group_size * v.key_bits / 32;
@@ -140,7 +140,7 @@ __device__ inline float KeyAt(const DeviceReplicaView& v, const DeviceDecodeRows
 // Channel c of the value the output uses for `token`.
 __device__ inline float ValueAt(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token, int sub, int c) {
   const int d = v.head_dim;
-  if (sub >= 0) return H2F(r.sub_rows[static_cast<size_t>(sub) * 2 * d + d + c]);
+  if (sub >= 0) return H2F(SubstitutedRow(r, sub, d)[d + c]);
   if (token >= v.length) return H2F(r.new_values[(token - v.length) * r.kv_stride + c]);
   if (token >= v.quantized_values) return H2F(v.window_values[static_cast<size_t>(token - v.quantized_values) * d + c]);
   if (v.value_bits == 16) return H2F(ValueHalf(v, token)[c]);

@@ -1,7 +1,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <climits>
 #include <atomic>
 #include <string>
 
@@ -72,60 +71,6 @@ __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, in
   }
 }
 
-// The copy-engine route's placement (every task has staged ranks): device memory only, so each
-// thread keeps kInFlight 16-byte pieces in flight, their ranks loaded together first. The ranks
-// say where each row is (FetchTask::staged_rank): no search of the resident list. On the H200 at
-// 32 x 8K with 32 blocks (ncu, a layer's 16K rows): 45 us per layer, against 177 us for the
-// search-per-row kernel above (a dozen dependent loads per round of 256 rows).
-__global__ void PlaceStagedKernel(TaskBatch<FetchTask> batch, int32_t max_selected, int row_pieces,
-                                  FetchCounters* counters) {
-  constexpr int kInFlight = 4;
-  __shared__ unsigned long long fetched, reused;
-  if (threadIdx.x == 0) fetched = reused = 0;
-  __syncthreads();
-  const int32_t total = batch.count * max_selected * row_pieces;  // <= kMaxTasks x 2^14 x 2^6 pieces
-  const int32_t step = static_cast<int32_t>(gridDim.x * blockDim.x);
-  for (int32_t base = static_cast<int32_t>(blockIdx.x * blockDim.x + threadIdx.x); base < total;
-       base += kInFlight * step) {
-    int32_t rank[kInFlight], row[kInFlight], task[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int32_t p = base + u * step;
-      rank[u] = -1;
-      if (p >= total) continue;
-      row[u] = p / row_pieces;
-      task[u] = row[u] / max_selected;
-      const int32_t i = row[u] - task[u] * max_selected;
-      const FetchTask& t = batch.tasks[task[u]];
-      if (i < t.n_selected) rank[u] = t.staged_rank[i];
-    }
-    uint4 piece[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      if (rank[u] == -1) continue;
-      const FetchTask& t = batch.tasks[task[u]];
-      const int32_t p = base + u * step, k = p - row[u] * row_pieces;
-      const uint4* src = rank[u] >= 0 ? reinterpret_cast<const uint4*>(t.staged_rows) + int64_t{rank[u]} * row_pieces
-                                      : reinterpret_cast<const uint4*>(t.resident_rows) + int64_t{-2 - rank[u]} * row_pieces;
-      piece[u] = src[k];
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      if (rank[u] == -1) continue;
-      const FetchTask& t = batch.tasks[task[u]];
-      const int32_t p = base + u * step, k = p - row[u] * row_pieces;
-      const int32_t i = row[u] - task[u] * max_selected;
-      reinterpret_cast<uint4*>(t.out_rows)[int64_t{i} * row_pieces + k] = piece[u];
-      if (k == 0) atomicAdd(rank[u] >= 0 ? &fetched : &reused, 1ull);
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0 && counters) {
-    if (fetched) atomicAdd(&counters->fetched, fetched);
-    if (reused) atomicAdd(&counters->reused, reused);
-  }
-}
-
 // A thread per slot of every task (ListMissedRows).
 __global__ void ListMissedKernel(TaskBatch<FetchTask> batch, int32_t stride, int32_t* missed) {
   const int64_t total = static_cast<int64_t>(batch.count) * stride;
@@ -158,11 +103,11 @@ __global__ void WriteKernel(TaskBatch<WriteTask> batch, int32_t max_rows, int ha
   }
 }
 
-struct CacheBatch {  // by value: kMaxCacheUpdateTasks x 96 bytes fill the 32 KB parameters of sm_70+
+struct CacheBatch {  // by value: kMaxCacheUpdateTasks x 112 bytes fill the 32 KB parameters of sm_70+
   CacheUpdateTask tasks[kMaxCacheUpdateTasks];
   int count;
 };
-static_assert(sizeof(CacheBatch) + 16 <= 32764, "a launch's parameters: the batch and row_pieces");
+static_assert(sizeof(CacheBatch) + 32 <= 32764, "a launch's parameters: the batch, row_pieces and the counters");
 static_assert(kMaxCacheRows <= 0x7fff, "cache positions and their scan are int16 in shared memory");
 
 // Dynamic shared memory of one task's update: kept_before [capacity + 1] and source [capacity]
@@ -195,9 +140,11 @@ __device__ int BlockExclusiveSum(int value) {
 //   2. which unselected old entries stay: fewer than `keep` unselected entries are more recent;
 //   3. each staying old entry and each selected token takes its place in the merged ascending
 //      order (staying entries before it, from a scan, plus selected tokens below it), writing the
-//      token, its use mark and, in shared memory, where its row comes from;
+//      token, its use mark, the selected token's slot and, in shared memory, where its row comes
+//      from: a selected token that the old cache holds (a hit) takes the old row, the same bytes
+//      the fetch copied from it;
 //   4. every thread copies 16-byte pieces of the new rows, consecutive threads consecutive pieces.
-__global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
+__global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces, FetchCounters* counters) {
   const CacheUpdateTask& t = batch.tasks[blockIdx.x];
   const int32_t capacity = t.capacity;
   extern __shared__ int16_t shared[];
@@ -243,19 +190,34 @@ __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
     t.new_used[pos] = t.old_used[o];
     source[pos] = static_cast<int16_t>(o);
   }
+  __shared__ int hits;
+  if (threadIdx.x == 0) hits = 0;
+  __syncthreads();
   for (int32_t i = threadIdx.x; i < n_selected; i += blockDim.x) {
     const int32_t token = t.selected[i];
-    const int32_t pos = i + kept_before[Below(t.old_tokens, n_old, token)];
+    const int32_t o = Below(t.old_tokens, n_old, token);
+    const int32_t pos = i + kept_before[o];
+    const bool hit = o < n_old && t.old_tokens[o] == token;
     t.new_tokens[pos] = token;
     t.new_used[pos] = t.now;
-    source[pos] = static_cast<int16_t>(-1 - i);
+    source[pos] = static_cast<int16_t>(hit ? o : -1 - i);
+    if (t.selected_slots) t.selected_slots[i] = pos;
+    if (hit) atomicAdd(&hits, 1);
+  }
+  if (t.selected_slots) {
+    for (int32_t i = n_selected + threadIdx.x; i < t.n_selected; i += blockDim.x) t.selected_slots[i] = -1;
   }
   const int32_t new_count = kept_before[n_old] + n_selected;
   if (threadIdx.x == 0) *t.new_count = new_count;
   for (int32_t i = new_count + threadIdx.x; i < capacity; i += blockDim.x) t.new_tokens[i] = kNoToken;
   __syncthreads();
+  if (threadIdx.x == 0 && counters && t.staged_rank) {
+    if (hits) atomicAdd(&counters->reused, static_cast<unsigned long long>(hits));
+    if (n_selected > hits) atomicAdd(&counters->fetched, static_cast<unsigned long long>(n_selected - hits));
+  }
   const uint4* old_rows = reinterpret_cast<const uint4*>(t.old_rows);
   const uint4* sel_rows = reinterpret_cast<const uint4*>(t.selected_rows);
+  const int32_t* rank = t.staged_rank;  // a missed row's place among the staged rows, or null
   uint4* new_rows = reinterpret_cast<uint4*>(t.new_rows);
   const int32_t pieces = new_count * row_pieces;
   constexpr int kInFlight = 4;  // loads per thread before its stores
@@ -267,7 +229,7 @@ __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces) {
       if (p >= pieces) break;
       const int32_t row = p / row_pieces, from = source[row];
       piece[u] = (from >= 0 ? old_rows + int64_t{from} * row_pieces
-                            : sel_rows + int64_t{-1 - from} * row_pieces)[p - row * row_pieces];
+                            : sel_rows + int64_t{rank ? rank[-1 - from] : -1 - from} * row_pieces)[p - row * row_pieces];
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
@@ -294,11 +256,9 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
   }
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
   if (row_pieces > kThreads) return Status::InvalidArgument("fetch: rows wider than a block");
-  // The copy-engine route's tasks all carry ranks (and are placed by PlaceStagedKernel), or none does.
-  const auto has_ranks = [](const FetchTask& t) { return t.staged_rank != nullptr; };
-  const bool staged = n_tasks > 0 && has_ranks(tasks[0]);
-  if (staged ? !std::all_of(tasks, tasks + n_tasks, has_ranks) : std::any_of(tasks, tasks + n_tasks, has_ranks)) {
-    return Status::InvalidArgument("fetch: staged ranks on some tasks only");
+  // The copy-engine route's ranked rows are placed by the cache update (UpdateRowCaches).
+  if (std::any_of(tasks, tasks + n_tasks, [](const FetchTask& t) { return t.staged_rank != nullptr; })) {
+    return Status::InvalidArgument("fetch: tasks with staged ranks go to the cache update, not FetchRows");
   }
   for (int first = 0; first < n_tasks; first += kMaxTasks) {
     TaskBatch<FetchTask> batch;
@@ -310,14 +270,6 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
     }
     if (max_selected == 0) continue;
     const int64_t rows = int64_t{batch.count} * max_selected;
-    if (staged) {
-      if (rows * row_pieces > INT32_MAX) return Status::InvalidArgument("fetch: selections too large for one launch");
-      const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, (rows * row_pieces + kThreads - 1) / kThreads));
-      PlaceStagedKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, max_selected, row_pieces,
-                                                                                    counters);
-      SPECACHE_RETURN_IF_ERROR(LaunchError("fetch placement kernel"));
-      continue;
-    }
     const int rows_per_block = kThreads / row_pieces;
     const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, (rows + rows_per_block - 1) / rows_per_block));
     FetchKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, max_selected, row_pieces, page_tokens,
@@ -369,7 +321,7 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tok
   return Status::Ok();
 }
 
-Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, void* stream) {
+Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, FetchCounters* counters, void* stream) {
   if (head_dim <= 0 || head_dim % 8 != 0 || n_tasks < 0) return Status::InvalidArgument("cache update: bad head_dim");
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
   int32_t largest = 0;  // capacity
@@ -389,7 +341,7 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
                                  " rows: " + cudaGetErrorString(err));
     }
   }
-  const int per_set = EqualLaunchSize(n_tasks, kMaxCacheUpdateTasks);  // 784 tasks: 3 x 262
+  const int per_set = EqualLaunchSize(n_tasks, kMaxCacheUpdateTasks);  // 792 tasks: 3 x 264
   for (int first = 0; first < n_tasks; first += per_set) {
     CacheBatch batch;
     batch.count = std::min(per_set, n_tasks - first);
@@ -399,7 +351,7 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
       capacity = std::max(capacity, batch.tasks[i].capacity);
     }
     UpdateCacheKernel<<<batch.count, kThreads, CacheUpdateSharedBytes(capacity), static_cast<cudaStream_t>(stream)>>>(
-        batch, row_pieces);
+        batch, row_pieces, counters);
     SPECACHE_RETURN_IF_ERROR(LaunchError("cache update kernel"));
   }
   return Status::Ok();

@@ -78,8 +78,8 @@ template <int KB, int VB, int D>
 __host__ __device__ constexpr int StageWords() { return D * KB + D + 32 * (D * VB / 32) + 32 * (D / kGroup); }
 
 // Per-warp shared memory, in 32-bit words: two stages (bulk) or the scaled queries [Q][D] and 32
-// value-row pointers (tail), then p [32 tokens][Q + 4], value zero terms [Q][4], substituted-row
-// indices [32].
+// value-row pointers (tail), then p [32 tokens][Q + 4], value zero terms [Q][4], the substituted
+// rows of the block [32] (row index * 32 + token in block).
 template <int KB, int VB, int D, int NT>
 __host__ __device__ constexpr int StagesWords() {
   return 2 * StageWords<KB, VB, D>() > 8 * NT * D + 64 ? 2 * StageWords<KB, VB, D>() : 8 * NT * D + 64;
@@ -415,9 +415,10 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     int n_block_subs = 0;
     uint32_t sub_mask = 0;  // tokens of the block that are substituted
     while (sp < r.n_sub) {
-      const int32_t tk = r.sub_tokens[sp];
+      // The token and its slot loaded together (SubstitutedRow's slot load would wait for the test).
+      const int32_t tk = r.sub_tokens[sp], slot = r.sub_slots ? r.sub_slots[sp] : sp;
       if (tk >= b0 + 32) break;
-      const Half* kf = r.sub_rows + static_cast<size_t>(sp) * 2 * D;
+      const Half* kf = r.sub_rows + static_cast<int64_t>(slot) * 2 * D;
       float part[NT];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) part[nt] = 0.0f;
@@ -440,7 +441,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
         if (t == 0) psm[i * PS + 8 * nt + g] = part[nt];
       }
       sub_mask |= 1u << i;
-      if (lane == 0) sub_list[n_block_subs] = sp;
+      if (lane == 0) sub_list[n_block_subs] = slot * 32 + i;  // its row and its place in the block
       ++n_block_subs;
       ++sp;
     }
@@ -503,9 +504,8 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     __syncwarp();
     // Substituted rows: their fetched values in fp32, and out of the mma operand.
     for (int k = 0; k < n_block_subs; ++k) {
-      const int si = sub_list[k];
-      const int i = r.sub_tokens[si] - b0;
-      const Half* vf = r.sub_rows + static_cast<size_t>(si) * 2 * D + D;
+      const int i = sub_list[k] & 31;
+      const Half* vf = r.sub_rows + static_cast<int64_t>(sub_list[k] >> 5) * 2 * D + D;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const float p_even = psm[i * PS + 8 * nt + 2 * t], p_odd = psm[i * PS + 8 * nt + 2 * t + 1];
@@ -521,7 +521,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     }
     __syncwarp();
     for (int k = 0; k < n_block_subs; ++k) {
-      if (lane < Q) psm[(r.sub_tokens[sub_list[k]] - b0) * PS + lane] = 0.0f;
+      if (lane < Q) psm[(sub_list[k] & 31) * PS + lane] = 0.0f;
     }
     __syncwarp();
     // ---- values: out^T [d x Q] += (codes * scale)^T [d x 32] x p [32 x Q], each m-tile's two
@@ -638,7 +638,7 @@ __device__ __forceinline__ const Half* KeyRow(const DeviceReplicaView& v, const 
   const int d = v.head_dim;
   if (token >= v.length) return r.new_keys + (token - v.length) * r.kv_stride;
   if (token >= v.quantized_keys) return v.residual_keys + static_cast<size_t>(token - v.quantized_keys) * d;
-  if (sub >= 0) return r.sub_rows + static_cast<size_t>(sub) * 2 * d;
+  if (sub >= 0) return SubstitutedRow(r, sub, d);
   return nullptr;
 }
 
@@ -678,7 +678,7 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     const bool valid = token < to;
     const int sub = valid ? FindSubstitute(v, r, token) : -1;
     value_rows[lane] = !valid                        ? nullptr
-                       : sub >= 0                    ? r.sub_rows + static_cast<size_t>(sub) * 2 * D + D
+                       : sub >= 0                    ? SubstitutedRow(r, sub, D) + D
                        : token >= v.length           ? r.new_values + (token - v.length) * r.kv_stride
                        : token >= v.quantized_values ? v.window_values + static_cast<size_t>(token - v.quantized_values) * D
                                                      : nullptr;

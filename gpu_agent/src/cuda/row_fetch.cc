@@ -19,6 +19,7 @@ RowFetcher::~RowFetcher() {
   copy_engine_.reset();
   rows_.clear();
   spare_caches_.clear();
+  fetched_rows_.clear();
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
   if (deferred_start_) cudaEventDestroy(deferred_start_);
@@ -101,13 +102,15 @@ void RowFetcher::Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem
       r->n_sub = capacity;
       continue;
     }
+    // The selection's rows, in the row cache (which holds them since the fetch), by their slots.
     r->sub_tokens = lr.tokens[lr.cur].get() + h * lr.resident;
-    r->sub_rows = lr.rows[lr.cur].get() + h * lr.resident * row;
+    r->sub_slots = lr.slots[lr.cur].get() + h * lr.resident;
+    r->sub_rows = lr.resident > 0 ? lr.cache.rows.get() + h * size_t(config_.cache_rows()) * row : nullptr;
     r->n_sub = lr.resident;
   }
 }
 
-Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<SequenceId>& ids) {
+Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<SequenceId>& ids, bool by_copy_engine) {
   const size_t row = 2 * static_cast<size_t>(shape_.head_dim);
   const int n_kv = shape_.n_kv_heads;
   const int32_t capacity = config_.cache_rows();
@@ -118,7 +121,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
     for (SequenceId id : ids) {
       LayerRows& lr = rows_.at(id)[layer];
       if (lr.selected == 0) continue;
-      SPECACHE_RETURN_IF_ERROR(lr.rows[1 - lr.cur].Reserve(size_t(n_kv) * config_.max_selected() * row));
+      SPECACHE_RETURN_IF_ERROR(lr.slots[1 - lr.cur].Reserve(size_t(n_kv) * config_.max_selected()));
       if (lr.fetches == 0) SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity, shape_.head_dim));
       ++fetched;
     }
@@ -126,6 +129,12 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   if (spare_caches_.size() < fetched) spare_caches_.resize(fetched);
   for (size_t i = 0; i < fetched; ++i) {
     SPECACHE_RETURN_IF_ERROR(spare_caches_[i].Reserve(n_kv, capacity, shape_.head_dim));
+  }
+  if (!by_copy_engine) {
+    if (fetched_rows_.size() < fetched) fetched_rows_.resize(fetched);
+    for (size_t i = 0; i < fetched; ++i) {
+      SPECACHE_RETURN_IF_ERROR(fetched_rows_[i].Reserve(size_t(n_kv) * config_.max_selected() * row));
+    }
   }
 
   FetchWork w;
@@ -145,6 +154,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
     }
     if (lr.selected > 0) {
       RowCache& old = lr.cache;
+      Half* const fetched_rows = by_copy_engine ? nullptr : fetched_rows_[spare].get();
       RowCache& target = spare_caches_[spare++];
       if (lr.fetches == 0) {  // the cache starts empty; the update writes all of the target
         w.fills.push_back({old.tokens.get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
@@ -158,7 +168,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
         t.resident = old.tokens.get() + size_t(h) * capacity;
         t.resident_rows = old.rows.get() + size_t(h) * capacity * row;
         t.resident_count = old.count.get() + h;
-        t.out_rows = lr.rows[next].get() + size_t(h) * lr.selected * row;
+        t.out_rows = fetched_rows ? fetched_rows + size_t(h) * lr.selected * row : nullptr;
         t.pages = pages;
         t.kv_head = h;
         w.tasks.push_back(t);
@@ -176,6 +186,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
         u.new_used = target.used.get() + size_t(h) * capacity;
         u.new_rows = target.rows.get() + size_t(h) * capacity * row;
         u.new_count = target.count.get() + h;
+        u.selected_slots = lr.slots[next].get() + size_t(h) * lr.selected;
         u.now = lr.fetches;
         u.capacity = capacity;
         w.updates.push_back(u);
@@ -202,16 +213,22 @@ Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFet
     SPECACHE_RETURN_IF_ERROR(
         staged->Stage(w.layer, w.tasks, w.task_sequences, config_.cache_rows(), stream).status());
   }
-  std::vector<FetchTask> routed;  // the copy engine's tasks: missed rows from its device copy
   if (copy_engine) {
-    // A cache's first fetch: the list must see the fills above.
-    SPECACHE_ASSIGN_OR_RETURN(routed,
+    // The missed rows go up by the copy engine and the cache update takes them from there by
+    // rank (and counts them); no FetchRows. A cache's first fetch: the list must see the fills above.
+    SPECACHE_ASSIGN_OR_RETURN(const std::vector<FetchTask> routed,
                               copy_engine->Stage(w.tasks, w.host_pages, selected_[w.layer], stream, !w.fills.empty()));
+    std::vector<CacheUpdateTask> updates = w.updates;
+    for (size_t i = 0; i < updates.size(); ++i) {
+      updates[i].staged_rank = routed[i].staged_rank;
+      updates[i].selected_rows = routed[i].staged_rows;
+    }
+    return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, device_counters_.get(),
+                           stream);
   }
-  const std::vector<FetchTask>& tasks = copy_engine ? routed : w.tasks;
-  SPECACHE_RETURN_IF_ERROR(FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim,
+  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(w.tasks.size()), shape_.head_dim,
                                      pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream));
-  return UpdateRowCaches(w.updates.data(), static_cast<int>(w.updates.size()), shape_.head_dim, stream);
+  return UpdateRowCaches(w.updates.data(), static_cast<int>(w.updates.size()), shape_.head_dim, nullptr, stream);
 }
 
 void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
@@ -234,7 +251,7 @@ Status RowFetcher::OnSourceThread(const std::function<Status()>& job) {
 }
 
 Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream) {
-  SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids));
+  SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids, /*by_copy_engine=*/false));
   const Status s = OnSourceThread([&] { return Launch(w, staged_inline_.get(), nullptr, stream); });
   if (!s.ok()) Forget(layer, ids);
   return s;
@@ -272,7 +289,7 @@ Status RowFetcher::MarkSelected(int layer) {
 // (waiting for an event before its record is no wait at all).
 Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());  // two StartFetch without a WaitFetched between
-  SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids));
+  SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids, /*by_copy_engine=*/copy_engine_ != nullptr));
   // std::function copies its callable: the work travels behind a shared pointer.
   auto work = std::make_shared<const FetchWork>(std::move(w));
   if (!worker_ && options_.fetch_overlap != FetchOverlap::kFromSelection) {
@@ -359,26 +376,19 @@ void RowFetcher::AddStats(AgentStats* s) const {
   std::vector<int32_t> cached(static_cast<size_t>(shape_.n_kv_heads));
   for (const auto& [id, layers] : rows_) {
     for (const LayerRows& lr : layers) {
-      int64_t cache_rows = 0;  // the row caches' sizes live on the device
+      // The row caches' sizes live on the device; the selection's rows are among the cache's.
+      int64_t cache_rows = 0;
       if (lr.fetches > 0 && cudaMemcpy(cached.data(), lr.cache.count.get(), cached.size() * sizeof(int32_t),
                                        cudaMemcpyDeviceToHost) == cudaSuccess) {
         for (int32_t c : cached) cache_rows += c;
       }
-      int64_t resident = int64_t{shape_.n_kv_heads} * lr.resident;
-      if (config_.adaptive() && lr.resident > 0) {  // the budget's rows, without its padding
-        std::vector<int32_t> tokens(static_cast<size_t>(resident));
-        resident = 0;
-        if (cudaMemcpy(tokens.data(), lr.tokens[lr.cur].get(), tokens.size() * sizeof(int32_t), cudaMemcpyDeviceToHost) ==
-            cudaSuccess) {
-          resident = std::count_if(tokens.begin(), tokens.end(), [](int32_t t) { return t != kNoToken; });
-        }
-      }
-      s->device_bytes += cache_rows * row + resident * row;
-      s->device_bytes_reserved += lr.tokens[0].bytes() + lr.tokens[1].bytes() + lr.rows[0].bytes() +
-                                  lr.rows[1].bytes() + lr.cache.bytes();
+      s->device_bytes += cache_rows * row;
+      s->device_bytes_reserved += lr.tokens[0].bytes() + lr.tokens[1].bytes() + lr.slots[0].bytes() +
+                                  lr.slots[1].bytes() + lr.cache.bytes();
     }
   }
   for (const RowCache& spare : spare_caches_) s->device_bytes_reserved += spare.bytes();
+  for (const Buffer<Half>& rows : fetched_rows_) s->device_bytes_reserved += rows.bytes();
 }
 
 }  // namespace specache::cuda

@@ -1,14 +1,17 @@
 // The full-precision rows the CUDA agent's attention substitutes for low-bit ones, per (sequence,
 // layer): the selection the top-k wrote, its fetch from the source's pages (read in place by the
-// GPU, cuda_fetch.h) into device row buffers, and the row cache (row_cache.h) through which rows
-// resident from the previous step are copied on the device instead of read again.
+// GPU, cuda_fetch.h), and the row cache (row_cache.h) that holds the selection's rows and through
+// which rows resident from the previous step are copied on the device instead of read again.
 //
-// - Selection and rows come in two generations: the current one is what the attention
-//   substitutes (Substitute); the other receives the next selection (SelectionTarget) and then
-//   its rows (Fetch), which makes it current. The row cache is one per (sequence, layer): a fetch
-//   reads it, and its update writes a spare cache from a pool shared by all layers, which then
-//   takes its place while the old cache becomes a spare. The cache's sizes are known on the device
-//   only.
+// - The selection comes in two generations: the current one is what the attention substitutes
+//   (Substitute); the other receives the next selection (SelectionTarget) and then, from the
+//   fetch, where each of its rows is in the row cache (its slots), which makes it current. The
+//   attention reads the selection's rows from the cache through those slots: the rows have no
+//   other copy. The row cache is one per (sequence, layer): a fetch reads it, and its update
+//   writes a spare cache from a pool shared by all layers, which then takes its place while the
+//   old cache becomes a spare. The cache's sizes are known on the device only.
+// - The fetch's missed rows reach the update either from FetchRows' output (a buffer from a pool
+//   of the fetcher's, like the spares) or, by the copy engine, from its staged copy by rank.
 // - In specache mode the fetch of layer L runs on the fetcher's own stream (StartFetch), after an
 //   event that marks layer L's selection done on the compute stream (MarkSelected); the compute
 //   stream waits for it (WaitFetched) only before layer L's next attention, so later layers never
@@ -134,9 +137,9 @@ class RowFetcher {
   // The device's counts of rows fetched and reused, and of the budget's rows selected
   // (synchronous: after the streams are idle).
   FetchCounters DeviceCounters() const;
-  // Adds the device memory of the rows to the stats: device_bytes (the resident selection and
-  // the row caches' entries, read from the device) and device_bytes_reserved (every buffer, the
-  // spare caches included).
+  // Adds the device memory of the rows to the stats: device_bytes (the row caches' entries, read
+  // from the device; the resident selection's rows are among them) and device_bytes_reserved
+  // (every buffer, the spare caches and FetchRows' output buffers included).
   void AddStats(AgentStats* stats) const;
 
  private:
@@ -155,13 +158,14 @@ class RowFetcher {
   };
   // The full-precision rows of one (sequence, layer) on the device, for all its KV heads.
   // - The selection, in two generations: `cur` is what the next attention substitutes, the other
-  //   receives the next selection and its fetched rows. Head h's list starts at h * count.
+  //   receives the next selection and, from the fetch's cache update, its rows' slots in the
+  //   row cache. Head h's list starts at h * count.
   // - The row cache: what the next fetch hits, and (KvConfig::attend_resident) what the attention
   //   substitutes. Reserved at the first fetch; while `fetches` is 0 (before it, and after a failed
   //   fetch) its contents are void, and the next fetch empties it first.
   struct LayerRows {
     Buffer<int32_t> tokens[2];  // [n_kv][count] ascending per head
-    Buffer<Half> rows[2];       // [n_kv][count][2][head_dim]
+    Buffer<int32_t> slots[2];   // [n_kv][count]: the cache row of each token (head h's from h * capacity)
     int cur = 0;
     int32_t resident = 0;       // per head, in generation cur
     int32_t selected = 0;       // per head, in generation 1 - cur (waiting for the fetch)
@@ -183,13 +187,14 @@ class RowFetcher {
     std::vector<FetchTask> tasks;
     std::vector<SequenceId> task_sequences;  // [tasks]
     std::vector<const uint8_t* const*> host_pages;  // [tasks] DevicePageTable::HostLayer (null: staged source)
-    std::vector<CacheUpdateTask> updates;
+    std::vector<CacheUpdateTask> updates;  // [tasks]: task i's rows go into update i's cache
   };
   // The layer's next selection of these sequences made current, its work planned: each fetched
   // sequence's row cache is swapped with a spare, which the work's update writes from the old one.
-  // Reserves all the device memory it needs first: on an error (RESOURCE_EXHAUSTED) nothing
-  // changed.
-  Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids);
+  // `by_copy_engine`: the work's Launch stages the missed rows by the copy engine (no FetchRows
+  // output buffer). Reserves all the device memory it needs first: on an error
+  // (RESOURCE_EXHAUSTED) nothing changed.
+  Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids, bool by_copy_engine);
   // Queues the work on `stream`; `staged` (a source without pages) or `copy_engine` brings the
   // missed rows first (both null: FetchRows reads them from the pages).
   Status Launch(const FetchWork& work, StagedFetch* staged, CopyEngineFetch* copy_engine, cudaStream_t stream) const;
@@ -235,6 +240,11 @@ class RowFetcher {
   // - the host reads a cache (AddStats) only once the streams are idle.
   // A spare's contents do not matter: the update writes all of the new cache that is read.
   std::vector<RowCache> spare_caches_;
+  // FetchRows' output for the routes other than the copy engine, one per sequence of a fetch
+  // ([n_kv][max_selected][2][head_dim], each reserved once at that size), read by the same
+  // fetch's cache update: the next fetch's FetchRows, which writes it again, runs after that
+  // update on the same stream (as the spares' writes).
+  std::vector<Buffer<Half>> fetched_rows_;
   int64_t rows_selected_ = 0;
   // Staged only (UseStagedSource): one StagedFetch per stream it stages on (the overlapped fetch
   // on the fetch stream; Fetch and Gather on the stream they are given, the compute stream), both

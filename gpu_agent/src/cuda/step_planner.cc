@@ -295,6 +295,7 @@ Status StepPlanner::RankExactly(int layer, std::vector<DeviceDecodeItem>* items,
     sequences.push_back(protocol_->ids()[i / n_kv]);
     it.rows.sub_tokens = every_token_.get();
     it.rows.sub_rows = t.out_rows;
+    it.rows.sub_slots = nullptr;  // rows in token order (the items came with the row cache's slots)
     it.rows.n_sub = it.replica.quantized_keys;
     at += static_cast<size_t>(it.replica.quantized_keys);
   }
