@@ -1,7 +1,7 @@
 // Top-k of the speculative row on the GPU, with the semantics of cpu::SelectTopK: the GQA group's
 // per-head probabilities are reduced per token (mean or max; NaN counts as -inf), the k best tokens
 // are chosen with ties towards the lower index, and written in ascending token order.
-// Radix select on the scores' bits (4 passes of 8 bits, warp-aggregated histogram counts), then
+// Radix select on the scores' bits (digits of 10, 10, 10 and 2 bits, warp-aggregated counts), then
 // one ordered pass. Device pointers.
 #pragma once
 

@@ -3,10 +3,10 @@
 // its own block, from the reduced scores held in shared memory; phase two selects the segment's
 // best k among the parts' candidates (in part order, so ascending tokens and ties towards the
 // lower token survive). A segment of one part is finished in phase one. Both phases use one
-// block-wide radix select (4 passes of 8 bits, warp-aggregated histogram counts) and one ordered
-// pass. With the adaptive budget, phase one also sums each run of 256 scores it holds (one warp per
-// run), and a third launch, a block per segment, sorts the k selected rows by rank, finds the cut
-// and keeps the rows above it.
+// block-wide radix select (digits of 10, 10, 10 and 2 bits, warp-aggregated histogram counts) and
+// one ordered pass. With the adaptive budget, phase one also sums each run of 256 scores it holds
+// (one warp per run), and a third launch, a block per segment, sorts the k selected rows by rank,
+// finds the cut and keeps the rows above it.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
@@ -26,6 +26,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxPartTokens = 8192;  // shared memory of phase one: 32 KiB of scores
 constexpr int kMinPartTokens = 512;
+constexpr unsigned kAllLanes = 0xffffffffu;
 
 // Monotone map from float to uint32 (larger float -> larger key); -inf is the smallest real key.
 __device__ uint32_t OrderKey(float f) {
@@ -63,9 +64,17 @@ __device__ void CountInto(unsigned int* histogram, bool in, uint32_t bin) {
 }
 
 using Scan = cub::BlockScan<int, kThreads>;
+constexpr int kWarpsPerBlock = kThreads / 32;
+// The radix select's digits, from the top: 10, 10, 10 and 2 bits. The first is fine enough (for
+// positive scores: the exponent and one mantissa bit, half an octave) that the later passes find
+// few keys under their prefix: only those keys' lanes count (CountInto), the rest of a pass is
+// one shared load and compare per key.
+constexpr int kRadixBins = 1024;
+constexpr int kBinsPerThread = kRadixBins / kThreads;
 struct SelectShared {
   typename Scan::TempStorage scan;
-  unsigned int histogram[256];
+  unsigned int histogram[kRadixBins];
+  int warp_above[kWarpsPerBlock], warp_equal[kWarpsPerBlock];
   uint32_t prefix, mask;
   int remaining;
 };
@@ -84,54 +93,85 @@ __device__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh
     sh.remaining = k;  // how many of the best we still have to place at or below the prefix
   }
   __syncthreads();
-  // Radix select of the k-th largest key, 8 bits at a time from the top.
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.histogram[i] = 0;
+  // Radix select of the k-th largest key, one digit at a time from the top.
+#pragma unroll 1
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = pass < 3 ? 22 - 10 * pass : 0;
+    const uint32_t digit_mask = pass < 3 ? 0x3FFu : 0x3u;
+    for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh.histogram[i] = 0;
     __syncthreads();
     const uint32_t prefix = sh.prefix, mask = sh.mask;
     for (int32_t base = 0; base < n; base += blockDim.x) {  // whole warps iterate together
       const int32_t j = base + threadIdx.x;
       const uint32_t key = j < n ? OrderKey(score[j]) : 0;
-      CountInto(sh.histogram, j < n && (key & mask) == prefix, (key >> shift) & 0xFF);
+      CountInto(sh.histogram, j < n && (key & mask) == prefix, (key >> shift) & digit_mask);
     }
     __syncthreads();
-    // The digit holding the k-th best: bins from the top, summed by one scan (thread t holds bin
-    // 255 - t); exactly one digit has the running count cross `remaining`.
+    // The digit holding the k-th best: thread t holds bins kRadixBins - 1 - (kBinsPerThread t + i)
+    // (from the top); one scan sums the threads' counts, and the one thread whose run crosses
+    // `remaining` walks its bins to the digit.
     const int remaining = sh.remaining;
-    const int count = static_cast<int>(sh.histogram[255 - threadIdx.x]);
+    int bins[kBinsPerThread];
+    int count = 0;
+#pragma unroll
+    for (int i = 0; i < kBinsPerThread; ++i) {
+      bins[i] = static_cast<int>(sh.histogram[kRadixBins - 1 - (kBinsPerThread * threadIdx.x + i)]);
+      count += bins[i];
+    }
     int from_top = 0;
     Scan(sh.scan).InclusiveSum(count, from_top);
-    if (from_top >= remaining && from_top - count < remaining) {
-      sh.prefix = prefix | (static_cast<uint32_t>(255 - threadIdx.x) << shift);
-      sh.mask = mask | (0xFFu << shift);
-      sh.remaining = remaining - (from_top - count);  // keys equal to the final threshold to take
+    int above = from_top - count;  // keys under the prefix in the bins above this thread's
+    if (above < remaining && from_top >= remaining) {
+#pragma unroll
+      for (int i = 0; i < kBinsPerThread; ++i) {
+        if (above + bins[i] >= remaining) {
+          const uint32_t digit = kRadixBins - 1 - (kBinsPerThread * threadIdx.x + i);
+          sh.prefix = prefix | (digit << shift);
+          sh.mask = mask | (digit_mask << shift);
+          sh.remaining = remaining - above;  // keys equal to the final threshold to take
+          break;
+        }
+        above += bins[i];
+      }
     }
     __syncthreads();
   }
   const uint32_t threshold = sh.prefix;
   const int take_equal = sh.remaining;
 
-  // Ordered pass: each thread owns a contiguous run of tokens; it counts what it takes, one scan
-  // places the runs, and each writes its tokens in order (ascending overall). Of the keys equal to
-  // the threshold, the take_equal with the lowest indices are taken.
-  const int32_t per = (n + blockDim.x - 1) / blockDim.x;
-  const int32_t lo = min(n, static_cast<int32_t>(threadIdx.x) * per), hi = min(n, lo + per);
+  // Ordered pass: warp w owns a contiguous chunk of the keys and walks it 32 consecutive keys at a
+  // time (conflict-free shared loads); ballots count and place what it takes. Of the keys equal
+  // to the threshold, the take_equal with the lowest indices are taken.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned below_lane = (1u << lane) - 1;
+  const int32_t chunk = (n + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int32_t lo = min(n, warp * chunk), hi = min(n, lo + chunk);
   int above = 0, equal = 0;
-  for (int32_t j = lo; j < hi; ++j) {
-    const uint32_t key = OrderKey(score[j]);
-    above += key > threshold;
-    equal += key == threshold;
+  for (int32_t b = lo; b < hi; b += 32) {
+    const int32_t j = b + lane;
+    const uint32_t key = j < hi ? OrderKey(score[j]) : 0;
+    above += __popc(__ballot_sync(kAllLanes, j < hi && key > threshold));
+    equal += __popc(__ballot_sync(kAllLanes, j < hi && key == threshold));
   }
-  int equal_before = 0, equal_total = 0;
-  Scan(sh.scan).ExclusiveSum(equal, equal_before, equal_total);
+  if (lane == 0) sh.warp_above[warp] = above, sh.warp_equal[warp] = equal;
   __syncthreads();
+  int equal_before = 0, taken_before = 0;
+  for (int w = 0; w < warp; ++w) {
+    taken_before += sh.warp_above[w] + max(0, min(sh.warp_equal[w], take_equal - equal_before));
+    equal_before += sh.warp_equal[w];
+  }
   const int take_mine = max(0, min(equal, take_equal - equal_before));
-  int pos = 0, taken = 0;
-  Scan(sh.scan).ExclusiveSum(above + take_mine, pos, taken);
-  int equal_taken = 0;
-  for (int32_t j = lo; j < hi; ++j) {
-    const uint32_t key = OrderKey(score[j]);
-    if (key > threshold || (key == threshold && equal_taken++ < take_mine)) emit(j, pos++);
+  int pos = taken_before, equal_seen = 0;
+  for (int32_t b = lo; b < hi; b += 32) {
+    const int32_t j = b + lane;
+    const uint32_t key = j < hi ? OrderKey(score[j]) : 0;
+    const bool is_equal = j < hi && key == threshold;
+    const unsigned equals = __ballot_sync(kAllLanes, is_equal);
+    const bool take = (j < hi && key > threshold) || (is_equal && equal_seen + __popc(equals & below_lane) < take_mine);
+    const unsigned takes = __ballot_sync(kAllLanes, take);
+    if (take) emit(j, pos + __popc(takes & below_lane));
+    pos += __popc(takes);
+    equal_seen += __popc(equals);
   }
   __syncthreads();  // `sh` and `score` may be reused by the caller
 }
@@ -205,7 +245,22 @@ __global__ void TopKPartKernel(TopKBatch batch, int n_heads, bool use_max) {
   const int32_t m = parts == 1 ? n : min(batch.part_tokens, n - lo);
   // A lone part longer than shared memory holds keeps its scores in the segment's scratch.
   float* score = m <= batch.part_tokens ? part_scores : seg.scratch;
-  for (int32_t j = threadIdx.x; j < m; j += blockDim.x) score[j] = ReducedScore(seg, n_heads, lo + j, use_max);
+  // Four tokens' loads issued before any store: the compiler keeps a load behind an earlier
+  // store that may alias it (the scores may be in global scratch).
+  constexpr int kTokensInFlight = 4;
+  for (int32_t j0 = threadIdx.x; j0 < m; j0 += kTokensInFlight * blockDim.x) {
+    float reduced[kTokensInFlight];
+#pragma unroll
+    for (int u = 0; u < kTokensInFlight; ++u) {
+      const int32_t j = j0 + u * static_cast<int32_t>(blockDim.x);
+      reduced[u] = j < m ? ReducedScore(seg, n_heads, lo + j, use_max) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kTokensInFlight; ++u) {
+      const int32_t j = j0 + u * static_cast<int32_t>(blockDim.x);
+      if (j < m) score[j] = reduced[u];
+    }
+  }
   __syncthreads();
   if (batch.mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
   if (parts == 1) {
