@@ -40,7 +40,8 @@ TEST(RunSupportTest, ModeSpecsTakeSelectionOptionsAfterSlashes) {
   EXPECT_EQ(paper->extra_rows(), 0);
   EXPECT_EQ(ModeLabel(*paper), "specache-1bit+spec+no-resident");
 
-  auto other = ToConfig(defaults, "specache:2/topk-real=16/no-next/mass=0.9/k-min=8/k-max=96/cached-rows=300");
+  auto other =
+      ToConfig(defaults, "specache:2/topk-real=16/no-next/mass=0.9/k-min=8/k-max=96/cached-rows=300/reduction=max");
   ASSERT_TRUE(other.ok()) << other.status().ToString();
   EXPECT_EQ(other->key_bits, 2);
   EXPECT_EQ(other->extra_rows(), 16);
@@ -49,7 +50,9 @@ TEST(RunSupportTest, ModeSpecsTakeSelectionOptionsAfterSlashes) {
   EXPECT_EQ(other->k_min, 8);
   EXPECT_EQ(other->k_max, 96);
   EXPECT_EQ(other->cache_rows(), 300);
-  EXPECT_EQ(ModeLabel(*other), "specache-2bit+union16+no-next+mass0.9k8-96+cache300");
+  EXPECT_EQ(other->reduction, GroupReduction::kMax);
+  EXPECT_EQ(ModeLabel(*other), "specache-2bit+union16+no-next+mass0.9k8-96+cache300+max");
+  EXPECT_EQ(ToConfig(defaults, "specache:1/reduction=median").status().code(), StatusCode::kInvalidArgument);
 
   auto oracle = ToConfig(defaults, "specache-oracle:1/no-resident");
   ASSERT_TRUE(oracle.ok());

@@ -52,6 +52,8 @@ Status ApplyModeOption(const std::string& option, KvOptions* o) {
     o->real_next = false;
   } else if (key == "select") {
     o->select = value;
+  } else if (key == "reduction") {
+    o->reduction = value;
   } else if (key == "mass") {
     try {
       size_t used = 0;
@@ -73,7 +75,7 @@ Status ApplyModeOption(const std::string& option, KvOptions* o) {
   } else {
     return Status::InvalidArgument("unknown mode option '" + option +
                                    "' (select=, topk=, topk-real=, next, no-next, resident, no-resident, mass=, k-min=, k-max=, "
-                                   "cached-rows=)");
+                                   "cached-rows=, reduction=)");
   }
   return Status::Ok();
 }
@@ -152,6 +154,7 @@ std::string ModeLabel(const KvConfig& c) {
   }
   if (c.attend_resident != d.attend_resident) label += c.attend_resident ? "+resident" : "+no-resident";
   if (c.cached_rows != d.cached_rows) label += "+cache" + std::to_string(c.cache_rows());
+  if (c.reduction != d.reduction) label += "+" + std::string(GroupReductionName(c.reduction));
   return label;
 }
 
