@@ -24,6 +24,7 @@
 
 #include "specache/cuda_replica.h"
 #include "lowbit_decode.h"
+#include "mma_codes.h"
 #include "testing/device_buffers.h"
 #endif
 
@@ -45,12 +46,13 @@ struct DecodeCase {
 
 // The CPU replica's quantized tokens in device blocks of the agent's layout, written through the
 // kernels' own accessors (on the host images), the blocks in reverse order in memory: the
-// kernels must follow the table, not assume one array.
-void UploadBlocks(const HeadReplica& replica, const ReplicaParams& p, cuda::DeviceReplicaView& v, DeviceBuffers& buf) {
+// kernels must follow the table, not assume one array. Returns the table's host copy.
+std::vector<const uint8_t*> UploadBlocks(const HeadReplica& replica, const ReplicaParams& p, cuda::DeviceReplicaView& v,
+                                         DeviceBuffers& buf) {
   v.layout = cuda::MakeReplicaBlockLayout(p);
   const int32_t n_qk = replica.quantized_keys(), n_qv = replica.quantized_values(), T = v.layout.block_tokens;
   const int32_t n_blocks = (std::max(n_qk, n_qv) + T - 1) / T;
-  if (n_blocks == 0) return;
+  if (n_blocks == 0) return {};
   const size_t bytes = static_cast<size_t>(v.layout.bytes);
   std::vector<uint8_t> image(n_blocks * bytes);
   std::vector<const uint8_t*> host(n_blocks);
@@ -81,12 +83,33 @@ void UploadBlocks(const HeadReplica& replica, const ReplicaParams& p, cuda::Devi
   std::vector<const uint8_t*> table(n_blocks);
   for (int32_t b = 0; b < n_blocks; ++b) table[b] = device + (n_blocks - 1 - b) * bytes;
   v.blocks = buf.Copy(table);
+  return table;
 }
 
-DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads, std::mt19937& rng, DeviceBuffers& buf) {
+// Rewrites the whole groups of an uploaded 1-bit replica in the mma layout, as a replica made with
+// mma codes keeps them (the lean path then reads them).
+void PackWholeGroups(cuda::DeviceReplicaView& v, const std::vector<const uint8_t*>& table, DeviceBuffers& buf) {
+  cuda::DeviceReplicaView dv = v;
+  dv.blocks = table.data();  // the device addresses, on the host
+  float* bound = buf.Zeros<float>(1);
+  std::vector<cuda::MmaGroupTask> tasks;
+  for (int32_t g = 0; g < std::min(v.quantized_keys, v.quantized_values) / 32; ++g) {
+    tasks.push_back({const_cast<uint32_t*>(cuda::KeyCodes(dv, g)), const_cast<Half*>(cuda::KeyScales(dv, g)),
+                     const_cast<Half*>(cuda::KeyZeros(dv, g)), const_cast<uint32_t*>(cuda::ValueCodes(dv, g * 32)),
+                     const_cast<Half*>(cuda::ValueScales(dv, g * 32)), const_cast<Half*>(cuda::ValueZeros(dv, g * 32)),
+                     bound});
+  }
+  EXPECT_TRUE(cuda::PackMmaGroups(tasks.data(), static_cast<int>(tasks.size()), v.head_dim, nullptr).ok());
+  v.mma_codes = 1;
+  v.key_scale_bound = bound;
+}
+
+// mma: the replica's whole groups in the mma layout (1-bit, at most 8 queries): the lean path.
+DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads, std::mt19937& rng, DeviceBuffers& buf,
+                          bool mma = false) {
   DecodeCase c;
   c.name = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " rows=" + std::to_string(n_rows) +
-           " length=" + std::to_string(length);
+           " length=" + std::to_string(length) + (mma ? " mma" : "");
   ReplicaParams p{d, bits, bits, 32, 64};
   HeadReplica replica(p);
   const auto keys = testing::RandomHalves(size_t(length) * d, rng), values = testing::RandomHalves(size_t(length) * d, rng);
@@ -115,7 +138,8 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
   v.length = length;
   v.quantized_keys = n_qk;
   v.quantized_values = n_qv;
-  UploadBlocks(replica, p, v, buf);
+  const std::vector<const uint8_t*> table = UploadBlocks(replica, p, v, buf);
+  if (mma) PackWholeGroups(v, table, buf);
   v.residual_keys = buf.Copy(replica.ResidualKeys(), size_t(length - n_qk) * d);
   v.window_values = buf.Copy(replica.WindowValues(), size_t(length - n_qv) * d);
   cuda::DeviceDecodeRows& r = c.item.rows;
@@ -157,7 +181,10 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
 
 // The same query operands (cpu::QueryOperand) and ~22-bit probabilities, float32 sums in another
 // order: relative error of the outputs and probabilities <= 1e-5 (measured ~1e-7).
+// The lean path (mma codes) rounds its values' operands p * scale to fp16: outputs within 1e-3
+// (measured up to 4.5e-4 on these random rows), probabilities as above.
 void ExpectMatches(const DecodeCase& c, double output_tolerance = 1e-5) {
+  if (c.item.replica.mma_codes) output_tolerance = std::max(output_tolerance, 1e-3);
   const std::vector<float> got = testing::Download(c.item.rows.out, c.want.size()),
                            got_probs = testing::Download(c.item.rows.probs, c.want_probs.size());
   const double output_error = testing::RelativeError(got, std::vector<double>(c.want.begin(), c.want.end()));
@@ -188,11 +215,14 @@ TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
     for (int bits : {1, 2, 4, 16}) {
       for (int n_rows : {1, 2}) {
         for (int32_t length : {40, 700}) {
-          DeviceBuffers buf;
-          const DecodeCase c = MakeDecodeCase(d, bits, n_rows, length, 4, rng, buf);
-          ASSERT_TRUE(cuda::AttendDecodeRows(c.item.replica, c.item.rows, nullptr).ok());
-          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          ExpectMatches(c);
+          for (const bool mma : {false, true}) {
+            if (mma && bits != 1) continue;
+            DeviceBuffers buf;
+            const DecodeCase c = MakeDecodeCase(d, bits, n_rows, length, 4, rng, buf, mma);
+            ASSERT_TRUE(cuda::AttendDecodeRows(c.item.replica, c.item.rows, nullptr).ok());
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            ExpectMatches(c);
+          }
         }
       }
     }
@@ -216,7 +246,13 @@ TEST(CudaAttentionTest, RaggedBatchMatchesTheCpuReference) {
     const int bit_widths[] = {1, 2, 4, 16};
     for (int i = 0; i < 300; ++i) {
       const int32_t length = 1 + static_cast<int32_t>(rng() % (i % 9 == 0 ? 3000 : 400));
-      cases.push_back(MakeDecodeCase(d, bit_widths[i % 4], 1 + i % 2, length, 1 + i % 4, rng, buf));
+      // Every other 1-bit item in the mma layout (the lean path's classes beside the others).
+      cases.push_back(MakeDecodeCase(d, bit_widths[i % 4], 1 + i % 2, length, 1 + i % 4, rng, buf, i % 8 == 4));
+      items.push_back(cases.back().item);
+    }
+    for (int i = 0; i < 24; ++i) {  // 1-bit items in the mma layout of 1..8 queries
+      const int32_t length = 1 + static_cast<int32_t>(rng() % 3000);
+      cases.push_back(MakeDecodeCase(d, 1, 1 + i % 2, length, 1 + (i / 2) % 4, rng, buf, true));
       items.push_back(cases.back().item);
     }
     ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), nullptr, &plan).ok());

@@ -3,7 +3,9 @@
 // attention over it equals the CPU's over the CPU replica.
 #include "specache/cuda_replica.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <random>
@@ -20,6 +22,7 @@
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "mma_codes.h"
 #include "testing/device_buffers.h"
 #endif
 
@@ -34,8 +37,10 @@ std::vector<T> Host(const T* host, size_t n) {
   return std::vector<T>(host, host + n);
 }
 
-// Every array of the device replica equals the CPU replica's, byte for byte.
-void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu, int G, int bits) {
+// Every array of the device replica equals the CPU replica's, byte for byte; with mma codes, the
+// groups whose keys and values are both quantized hold the same codes in the mma layout, and the
+// key scale bound is the largest key scale of those groups.
+void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu, int G, int bits, bool mma = false) {
   ASSERT_EQ(gpu.length(), cpu.length());
   ASSERT_EQ(gpu.quantized_keys(), cpu.quantized_keys());
   ASSERT_EQ(gpu.quantized_values(), cpu.quantized_values());
@@ -63,17 +68,43 @@ void ExpectSameBytes(const HeadReplica& cpu, const cuda::DeviceHeadReplica& gpu,
     }
   } else {
     const size_t kw = d * WordsPerGroup(G, bits), vw = vg * WordsPerGroup(G, bits);
+    const size_t whole = mma ? std::min<size_t>(groups * G, nqv) / 32 : 0;  // groups in the mma layout
+    ASSERT_EQ(view.mma_codes != 0, mma) << where;
+    float bound = 0.0f;
+    for (size_t g = 0; g < whole; ++g) {
+      const int32_t gi = static_cast<int32_t>(g);
+      const cuda::NaturalGroupArrays n = cuda::UnpackMmaGroup(
+          {cuda::KeyCodes(view, gi), cuda::KeyScales(view, gi), cuda::KeyZeros(view, gi), cuda::ValueCodes(view, gi * 32),
+           cuda::ValueScales(view, gi * 32), cuda::ValueZeros(view, gi * 32)},
+          static_cast<int>(d));
+      ASSERT_EQ(n.key_codes, Host(cpu.KeyGroupCodes(gi), d)) << where << " mma group " << g;
+      ASSERT_EQ(n.key_scale, Host(cpu.KeyGroupScale(gi), d)) << where << " mma group " << g;
+      ASSERT_EQ(n.key_zero, Host(cpu.KeyGroupZero(gi), d)) << where << " mma group " << g;
+      for (int t = 0; t < 32; ++t) {
+        ASSERT_EQ(Host(n.value_codes.data() + t * vw, vw), Host(cpu.ValueCodes(gi * 32 + t), vw)) << where << " mma group " << g;
+        ASSERT_EQ(Host(n.value_scale.data() + t * vg, vg), Host(cpu.ValueScale(gi * 32 + t), vg)) << where << " mma group " << g;
+        ASSERT_EQ(Host(n.value_zero.data() + t * vg, vg), Host(cpu.ValueZero(gi * 32 + t), vg)) << where << " mma group " << g;
+      }
+      for (size_t c = 0; c < d; ++c) bound = std::max(bound, HalfToFloat(cpu.KeyGroupScale(gi)[c]));
+    }
+    if (mma) {
+      EXPECT_EQ(Download(view.key_scale_bound, 1)[0], bound) << where;
+    }
     for (size_t g = 0; g < groups; ++g) {
       const int32_t gi = static_cast<int32_t>(g);
-      ASSERT_EQ(Host(cuda::KeyCodes(view, gi), kw), Host(cpu.KeyGroupCodes(gi), kw)) << where << " group " << g;
-      ASSERT_EQ(Host(cuda::KeyScales(view, gi), d), Host(cpu.KeyGroupScale(gi), d)) << where << " group " << g;
-      ASSERT_EQ(Host(cuda::KeyZeros(view, gi), d), Host(cpu.KeyGroupZero(gi), d)) << where << " group " << g;
+      if (g >= whole) {
+        ASSERT_EQ(Host(cuda::KeyCodes(view, gi), kw), Host(cpu.KeyGroupCodes(gi), kw)) << where << " group " << g;
+        ASSERT_EQ(Host(cuda::KeyScales(view, gi), d), Host(cpu.KeyGroupScale(gi), d)) << where << " group " << g;
+        ASSERT_EQ(Host(cuda::KeyZeros(view, gi), d), Host(cpu.KeyGroupZero(gi), d)) << where << " group " << g;
+      }
     }
     for (size_t t = 0; t < nqv; ++t) {
       const int32_t ti = static_cast<int32_t>(t);
-      ASSERT_EQ(Host(cuda::ValueCodes(view, ti), vw), Host(cpu.ValueCodes(ti), vw)) << where << " value " << t;
-      ASSERT_EQ(Host(cuda::ValueScales(view, ti), vg), Host(cpu.ValueScale(ti), vg)) << where << " value " << t;
-      ASSERT_EQ(Host(cuda::ValueZeros(view, ti), vg), Host(cpu.ValueZero(ti), vg)) << where << " value " << t;
+      if (t / 32 >= whole) {
+        ASSERT_EQ(Host(cuda::ValueCodes(view, ti), vw), Host(cpu.ValueCodes(ti), vw)) << where << " value " << t;
+        ASSERT_EQ(Host(cuda::ValueScales(view, ti), vg), Host(cpu.ValueScale(ti), vg)) << where << " value " << t;
+        ASSERT_EQ(Host(cuda::ValueZeros(view, ti), vg), Host(cpu.ValueZero(ti), vg)) << where << " value " << t;
+      }
     }
   }
   const size_t residual = cpu.length() - cpu.quantized_keys(), window = cpu.length() - nqv;
@@ -135,6 +166,77 @@ TEST(CudaReplicaTest, SameBytesAsTheCpuReplicaAndTheSameAttention) {
   ASSERT_TRUE(small.ok());
   EXPECT_EQ((*small)->Append(nullptr, nullptr, 11).code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(cuda::DeviceHeadReplica::Create({64, 3, 1, 32, 64}, 10, nullptr).status().code(), StatusCode::kInvalidArgument);
+#endif
+}
+
+// A replica made with mma codes: after prompts and batched one-token appends (groups becoming
+// whole through either), the whole groups hold the CPU replica's codes in the mma layout, the
+// others as they are, the bound is the largest key scale of the whole groups; the attention over
+// it (the lean path) is the reference's. Parameters the layout does not cover are refused.
+TEST(CudaReplicaTest, MmaCodesHoldTheCpuReplicasCodes) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(41);
+  EXPECT_EQ(cuda::DeviceHeadReplica::Create({128, 2, 2, 32, 64}, 100, nullptr, nullptr, true).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::DeviceHeadReplica::Create({96, 1, 1, 32, 64}, 100, nullptr, nullptr, true).status().code(),
+            StatusCode::kInvalidArgument);
+  for (int d : {64, 128}) {
+    const ReplicaParams p{d, 1, 1, 32, 64};
+    HeadReplica cpu(p);
+    auto gpu = cuda::DeviceHeadReplica::Create(p, 4000, nullptr, nullptr, true);
+    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+    testing::DeviceBuffers buf;
+    Half* d_k = buf.Allocate<Half>(1300 * d);
+    Half* d_v = buf.Allocate<Half>(1300 * d);
+    for (int n : {1, 40, 200, 1, 700, 63}) {
+      const auto k = testing::RandomHalves(size_t(n) * d, rng), v = testing::RandomHalves(size_t(n) * d, rng);
+      cpu.Append(k.data(), v.data(), n);
+      ASSERT_EQ(cudaMemcpy(d_k, k.data(), k.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(d_v, v.data(), v.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_TRUE((*gpu)->Append(d_k, d_v, n).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ExpectSameBytes(cpu, **gpu, 32, 1, true);
+    }
+    for (int step = 0; step < 70; ++step) {  // the decode step's path: AppendTokens
+      const auto k = testing::RandomHalves(d, rng), v = testing::RandomHalves(d, rng);
+      cpu.Append(k.data(), v.data(), 1);
+      ASSERT_EQ(cudaMemcpy(d_k, k.data(), k.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(d_v, v.data(), v.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_TRUE(cuda::DeviceHeadReplica::AppendTokens({gpu->get()}, {d_k}, {d_v}).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      if (step % 10 == 9) ExpectSameBytes(cpu, **gpu, 32, 1, true);
+    }
+    // Attention over both: two rows, GQA 4 (8 queries), no substitution; the lean path's values
+    // are fp16 products (outputs within ~1e-4, probabilities as the reference's).
+    const int heads = 4, rows = 2;
+    const auto q = testing::RandomFloats(size_t(rows) * heads * d, rng, 0.5f);
+    const auto nk = testing::RandomHalves(size_t(rows) * d, rng), nv = testing::RandomHalves(size_t(rows) * d, rng);
+    const int32_t n_candidates = cpu.quantized_keys();
+    std::vector<float> want(size_t(rows) * heads * d), want_probs(size_t(heads) * n_candidates);
+    cpu::AttentionWorkspace ws;
+    cpu::AttendDecodeRows(cpu, {}, q.data(), nk.data(), nv.data(), rows, heads, 1.0f / std::sqrt(float(d)), want.data(), 1,
+                          n_candidates, want_probs.data(), &ws);
+    cuda::DeviceDecodeRows r;
+    r.q = buf.Copy(q);
+    r.new_keys = buf.Copy(nk);
+    r.new_values = buf.Copy(nv);
+    r.n_rows = rows;
+    r.n_heads = heads;
+    r.scale = 1.0f / std::sqrt(float(d));
+    r.out = buf.Allocate<float>(want.size());
+    r.probs_row = 1;
+    r.n_candidates = n_candidates;
+    r.probs = buf.Allocate<float>(want_probs.size());
+    r.scratch = buf.Allocate<float>(static_cast<size_t>(cuda::DecodeScratchFloats(cpu.length(), rows, heads, d)));
+    ASSERT_TRUE(cuda::AttendDecodeRows((*gpu)->view(), r, nullptr).ok());
+    const std::vector<float> got = Download(r.out, want.size()), got_probs = Download(r.probs, want_probs.size());
+    const double error = testing::RelativeError(got, std::vector<double>(want.begin(), want.end()));
+    std::printf("d=%d: the lean path's outputs' relative error %.3g\n", d, error);
+    EXPECT_LT(error, 1e-3) << "d=" << d;
+    EXPECT_LT(testing::RelativeError(got_probs, std::vector<double>(want_probs.begin(), want_probs.end())), 1e-5)
+        << "d=" << d;
+  }
 #endif
 }
 

@@ -307,8 +307,20 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   std::printf("%-6s %5s %12s %12s %12s %12s %12s %11s %10s\n", "batch", "bits", "ms_attend", "us_enqueue", "ms_topk",
               "ms_topk_mass", "MB_read", "GBps", "of_HBM");
   bool ok = hbm > 0;
+  // 1-bit twice: in the mma layout (the lean path, what the agent uses: "1m") and not (the
+  // previous tensor-core kernel, for comparison).
+  struct Variant {
+    int bits;
+    bool mma;
+  };
+  const Variant variants[] = {{1, true}, {1, false}, {2, false}};
   for (int batch : o.batches) {
-    for (int bits : {1, 2}) {
+    for (const Variant& variant : variants) {
+      const int bits = variant.bits;
+      const std::string label = std::to_string(bits) + (variant.mma ? "m" : "");
+      int major = 0;
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+      if (variant.mma && major < 8) continue;  // the lean path's mma needs sm_80+
       const int items = batch * kKvHeads;
       ReplicaParams params{kHeadDim, bits, bits, 32, 64};
       std::vector<std::unique_ptr<cuda::DeviceHeadReplica>> replicas;
@@ -339,7 +351,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       std::vector<cuda::TopKSegment> segments;
       double bytes = 0;
       for (int i = 0; i < items && ok; ++i) {
-        auto rep = cuda::DeviceHeadReplica::Create(params, o.context + 8, stream);
+        auto rep = cuda::DeviceHeadReplica::Create(params, o.context + 8, stream, nullptr, variant.mma);
         if (!Ok(rep.status(), "replica")) { ok = false; break; }
         Fill(k.p, int64_t(o.context) * kHeadDim, 100 + i, 2.0f, stream);
         Fill(v.p, int64_t(o.context) * kHeadDim, 200 + i, 1.0f, stream);
@@ -390,10 +402,11 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host_start).count() / 20;
       cudaStreamSynchronize(stream);
       const double gbps = bytes / (attend_ms * 1e-3) / 1e9;
-      std::printf("%-6d %5d %12.4f %12.1f %12.4f %12.4f %12.2f %11.0f %10.3f\n", batch, bits, attend_ms, host_us, topk_ms,
-                  budget_ms, bytes / 1e6, gbps, gbps / hbm);
-      rows->push_back({"b" + std::to_string(batch) + "_bits" + std::to_string(bits) + "_ctx" + std::to_string(o.context),
-                       {{"batch", batch}, {"bits", bits}, {"context", o.context}, {"ms_attend_layer", attend_ms},
+      std::printf("%-6d %5s %12.4f %12.1f %12.4f %12.4f %12.2f %11.0f %10.3f\n", batch, label.c_str(), attend_ms, host_us,
+                  topk_ms, budget_ms, bytes / 1e6, gbps, gbps / hbm);
+      rows->push_back({"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context),
+                       {{"batch", batch}, {"bits", bits}, {"mma_codes", variant.mma ? 1 : 0}, {"context", o.context},
+                        {"ms_attend_layer", attend_ms},
                         {"ms_topk_layer", topk_ms}, {"ms_topk_mass_layer", budget_ms}, {"us_enqueue", host_us}, {"bytes_read", bytes}, {"gbps", gbps}, {"hbm_gbps", hbm},
                         {"fraction_of_hbm", gbps / hbm}}});
     }

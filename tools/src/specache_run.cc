@@ -718,6 +718,11 @@ int main(int argc, char** argv) {
                     "most blocks of the fetch kernel, and the CTA slots the attention leaves them (0: the agent's "
                     "default)")
       ->check(CLI::NonNegativeNumber);
+  bench->add_option("--replica-layout", bo.replica_layout,
+                    "mma: 1-bit replicas in the decode attention's mma layout (its lean path; agent.h, "
+                    "CudaAgentOptions::mma_codes); natural: the previous layout and kernel, for comparison")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"mma", "natural"}));
   bench->add_flag("--profile-step", bo.profile_step,
                   "one more untimed decode step of each measured run, between cudaProfilerStart and cudaProfilerStop "
                   "(for ncu --profile-from-start off); with --prefill, the prefill too");

@@ -121,6 +121,7 @@ class Bench {
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_via, ParseFetchVia(o_.fetch_via));
       if (o_.fetch_threads > 0) options.fetch_threads = o_.fetch_threads;
       if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
+      options.mma_codes = o_.replica_layout != "natural";
       SPECACHE_ASSIGN_OR_RETURN(agent, CreateCudaAgent(shape, config, source.get(), options));
     }
     std::vector<SequenceId> ids;
@@ -323,7 +324,7 @@ class Bench {
     j["ms_gemm_layers"] = run.phases.gemm_ms;
     j["ms_step_edges"] = run.phases.edges_ms;
     if (mode == "specache") {  // the other modes fetch in step, or not at all
-      j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via;
+      j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
     }
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);

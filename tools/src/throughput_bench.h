@@ -43,6 +43,7 @@ struct ThroughputOptions {
   std::string fetch_via = "copy-engine";
   int fetch_threads = 0;                         // CudaAgentOptions::fetch_threads; 0: the agent's default
   int fetch_blocks = 0;                          // CudaAgentOptions::fetch_blocks; 0: the agent's default
+  std::string replica_layout = "mma";            // mma or natural: CudaAgentOptions::mma_codes
   // One more decode step of each measured run (after the warm-ups, untimed) between
   // cudaProfilerStart and cudaProfilerStop, for `ncu --profile-from-start off`; with `prefill`,
   // the prefill too (timed: its time under a profiler is not the figure).

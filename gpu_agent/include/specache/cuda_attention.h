@@ -60,6 +60,12 @@ struct DeviceReplicaView {
   const uint8_t* const* blocks = nullptr;
   const Half* residual_keys = nullptr;  // [length - quantized_keys][head_dim]
   const Half* window_values = nullptr;  // [length - quantized_values][head_dim]
+  // Nonzero: the 32-token groups below min(quantized_keys, quantized_values) hold their key and
+  // value code words in the mma layout of the low-bit decode's lean path (mma_codes.h), not the
+  // layout above; only that path reads them. key_scale_bound (device memory) is then at least
+  // every key scale of those groups.
+  int32_t mma_codes = 0;
+  const float* key_scale_bound = nullptr;
 };
 
 // The block holding `token`.

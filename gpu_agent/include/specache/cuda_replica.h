@@ -19,6 +19,8 @@
 
 namespace specache::cuda {
 
+struct MmaGroupTask;  // mma_codes.h
+
 // The block layout of replicas with these parameters: block_tokens = lcm(R, 128) tokens (whole
 // residual flushes and whole 32-token decode blocks), parts 16-byte aligned, blocks 256-byte.
 ReplicaBlockLayout MakeReplicaBlockLayout(const ReplicaParams& params);
@@ -64,10 +66,15 @@ class DeviceHeadReplica {
  public:
   // At most capacity_tokens tokens (the block table's length). `pool` (shared, must outlive the
   // replica, made for the same parameters) gives the blocks; null: the replica makes a pool of
-  // its own for its whole capacity (tests, tools). INVALID_ARGUMENT for parameters the kernels do not support; UNAVAILABLE
-  // without a device, RESOURCE_EXHAUSTED when device memory runs out.
+  // its own for its whole capacity (tests, tools). mma_codes: keep the groups whose keys and
+  // values are both quantized in the low-bit decode's mma layout (mma_codes.h; only for
+  // MmaCodesEligible parameters, and only where every item decoded from it has at most 8 queries:
+  // the lean path reads those groups, and only it can). INVALID_ARGUMENT for parameters the
+  // kernels do not support; UNAVAILABLE without a device, RESOURCE_EXHAUSTED when device memory
+  // runs out.
   static Result<std::unique_ptr<DeviceHeadReplica>> Create(const ReplicaParams& params, int32_t capacity_tokens,
-                                                           void* stream, DeviceBlockPool* pool = nullptr);
+                                                           void* stream, DeviceBlockPool* pool = nullptr,
+                                                           bool mma_codes = false);
   // Gives its blocks back to the pool: no queued work may still read them.
   ~DeviceHeadReplica();
   DeviceHeadReplica(const DeviceHeadReplica&) = delete;
@@ -130,12 +137,18 @@ class DeviceHeadReplica {
   Status RetireOldestValues(int32_t m);
   // The window's compaction when its start passed R.
   Status CompactWindow();
+  // With mma codes: the groups that became whole in keys and values since the last call
+  // (packed_groups_ .. min(quantized keys, quantized values) / 32), as PackMmaGroups tasks.
+  void TakeWholeGroups(std::vector<MmaGroupTask>* tasks);
+  Status PackWholeGroups();
   struct Buffers;
   ReplicaParams params_;
   int32_t capacity_ = 0, max_blocks_ = 0;
   void* stream_ = nullptr;
   int32_t length_ = 0, key_groups_ = 0, residual_ = 0, quantized_values_ = 0;
   int32_t window_begin_ = 0, window_count_ = 0;  // tokens of the window buffer in use
+  bool mma_codes_ = false;
+  int32_t packed_groups_ = 0;  // with mma codes: the groups [0, packed_groups_) are in the mma layout
   std::unique_ptr<DeviceBlockPool> own_pool_;    // when none was given; destroyed after the blocks go back
   DeviceBlockPool* pool_ = nullptr;
   std::vector<uint8_t*> blocks_;                 // host copy of the block table

@@ -466,7 +466,11 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
     DeviceDecodeItem it = items[i];
     if (it.rows.q_stride == 0) it.rows.q_stride = int64_t{it.rows.n_heads} * it.replica.head_dim;
     if (it.rows.kv_stride == 0) it.rows.kv_stride = it.replica.head_dim;
-    (LowBitDecodeEligible(it) ? fast : rest).push_back(it);
+    const bool eligible = LowBitDecodeEligible(it);
+    if (!eligible && it.replica.mma_codes) {  // the mma layout's groups: only the lean path reads them
+      return Status::InvalidArgument("decode attention: a replica in the mma layout needs an item of at most 8 queries");
+    }
+    (eligible ? fast : rest).push_back(it);
   }
   std::vector<LowBitSet> sets;
   if (!fast.empty()) SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(fast, plan->free_slots(), &sets));

@@ -79,7 +79,7 @@ class CudaAgent final : public Agent {
         compute_(static_cast<cudaStream_t>(o.stream)),
         commits_(source, shape.n_kv_heads),
         pages_(source, shape.n_layers, o.capacity_tokens, compute_),
-        replicas_(shape, ReplicaParamsOf(shape, config), o.capacity_tokens, compute_),
+        replicas_(shape, ReplicaParamsOf(shape, config), o.capacity_tokens, compute_, o.mma_codes),
         rows_(shape, config, o, &pages_, compute_),
         planner_(shape, config, o, &protocol_, &replicas_, &rows_, &pages_, compute_) {}
   ~CudaAgent() override;

@@ -9,6 +9,7 @@
 #include "specache/cuda_replica.h"
 #include "specache/cuda_tensors.h"
 #include "specache/quantizer.h"
+#include "mma_codes.h"
 
 namespace specache::cuda {
 namespace {
@@ -52,13 +53,15 @@ struct DeviceHeadReplica::Buffers {
   Half* key_residual = nullptr;  // [R][d]
   Half* window = nullptr;        // [3R][d]: window_begin .. +window_count in use
   uint8_t** table = nullptr;     // [max_blocks] device addresses of the blocks
+  float* key_scale_bound = nullptr;  // with mma codes: DeviceReplicaView::key_scale_bound
   ~Buffers() {
     if (memory) cudaFree(memory);
   }
 };
 
 Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const ReplicaParams& p, int32_t capacity,
-                                                                     void* stream, DeviceBlockPool* pool) {
+                                                                     void* stream, DeviceBlockPool* pool,
+                                                                     bool mma_codes) {
   const bool packed_k = IsPackedBitWidth(p.key_bits), packed_v = IsPackedBitWidth(p.value_bits);
   if ((!packed_k && p.key_bits != 16) || (!packed_v && p.value_bits != 16)) {
     return Status::InvalidArgument("bits must be 1, 2, 4 or 16");
@@ -68,7 +71,11 @@ Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const Repli
     return Status::InvalidArgument("group_size must be 32..128 (x32), divide head_dim and R; head_dim a multiple of 32");
   }
   if (capacity <= 0) return Status::InvalidArgument("capacity must be positive");
+  if (mma_codes && !MmaCodesEligible(p)) {
+    return Status::InvalidArgument("mma codes need 1-bit keys and values, G = 32 and head_dim 64 or 128");
+  }
   std::unique_ptr<DeviceHeadReplica> r(new DeviceHeadReplica());
+  r->mma_codes_ = mma_codes;
   r->params_ = p;
   r->capacity_ = capacity;
   r->stream_ = stream;
@@ -86,12 +93,16 @@ Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const Repli
   Buffers& b = *r->b_;
   const size_t row = size_t(p.head_dim) * sizeof(Half), R = p.residual_tokens;
   const size_t window_at = R * row, table_at = (4 * R * row + 255) / 256 * 256;
-  b.bytes = static_cast<int64_t>(table_at + size_t(r->max_blocks_) * sizeof(uint8_t*));
+  const size_t bound_at = table_at + size_t(r->max_blocks_) * sizeof(uint8_t*);
+  b.bytes = static_cast<int64_t>(bound_at + sizeof(float));
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(&b.memory, static_cast<size_t>(b.bytes)), "replica buffers"));
   auto* base = static_cast<uint8_t*>(b.memory);
   b.key_residual = reinterpret_cast<Half*>(base);
   b.window = reinterpret_cast<Half*>(base + window_at);
   b.table = reinterpret_cast<uint8_t**>(base + table_at);
+  b.key_scale_bound = reinterpret_cast<float*>(base + bound_at);
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(b.key_scale_bound, 0, sizeof(float), static_cast<cudaStream_t>(stream)),
+                                "key scale bound"));
   return Result<std::unique_ptr<DeviceHeadReplica>>(std::move(r));
 }
 
@@ -227,7 +238,24 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
   }
   if (window_begin_ > R) SPECACHE_RETURN_IF_ERROR(CompactWindow());
   length_ += n;
-  return Status::Ok();
+  return PackWholeGroups();
+}
+
+void DeviceHeadReplica::TakeWholeGroups(std::vector<MmaGroupTask>* tasks) {
+  if (!mma_codes_) return;
+  const int32_t whole = std::min(quantized_keys(), quantized_values_) / 32;
+  const ReplicaBlockLayout& l = pool_->layout();
+  for (; packed_groups_ < whole; ++packed_groups_) {
+    const ValueTokenTask v = ValueSlot(packed_groups_ * 32, nullptr);
+    tasks->push_back({KeyCodesAt(packed_groups_), KeyScaleAt(packed_groups_, l.key_scale),
+                      KeyScaleAt(packed_groups_, l.key_zero), v.codes, v.scale, v.zero, b_->key_scale_bound});
+  }
+}
+
+Status DeviceHeadReplica::PackWholeGroups() {
+  std::vector<MmaGroupTask> tasks;
+  TakeWholeGroups(&tasks);
+  return tasks.empty() ? Status::Ok() : PackMmaGroups(tasks.data(), static_cast<int>(tasks.size()), params_.head_dim, stream_);
 }
 
 Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G key groups, in one block
@@ -359,7 +387,10 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
         CopyRows(retire_half.data(), static_cast<int>(retire_half.size()), d * static_cast<int>(sizeof(Half)), stream));
   }
   for (DeviceHeadReplica* r : compact) SPECACHE_RETURN_IF_ERROR(r->CompactWindow());
-  return Status::Ok();
+  std::vector<MmaGroupTask> whole;  // after the quantization above, on the same stream
+  for (DeviceHeadReplica* r : replicas) r->TakeWholeGroups(&whole);
+  if (whole.empty()) return Status::Ok();
+  return PackMmaGroups(whole.data(), static_cast<int>(whole.size()), p.head_dim, stream);
 }
 
 DeviceReplicaView DeviceHeadReplica::view() const {
@@ -375,6 +406,8 @@ DeviceReplicaView DeviceHeadReplica::view() const {
   v.blocks = b_->table;
   v.residual_keys = b_->key_residual;
   v.window_values = b_->window + static_cast<size_t>(window_begin_) * params_.head_dim;
+  v.mma_codes = mma_codes_ ? 1 : 0;
+  v.key_scale_bound = mma_codes_ ? b_->key_scale_bound : nullptr;
   return v;
 }
 

@@ -27,6 +27,7 @@
 #include "decode_common.cuh"
 #include "device_info.h"
 #include "lowbit_decode.h"
+#include "mma_codes.h"
 #include "mma_fp16.cuh"
 
 namespace specache::cuda {
@@ -243,6 +244,21 @@ __device__ __forceinline__ uint32_t HalfPair(const uint32_t* words, int i, int j
   return static_cast<uint32_t>(h[i]) | (static_cast<uint32_t>(h[j]) << 16);
 }
 
+// The index of the first substituted row at or after token t0 (the list is ascending), found by
+// lane 0 and given to the warp.
+__device__ __forceinline__ int FirstSubstituteFrom(const DeviceDecodeRows& r, int32_t t0, int lane) {
+  int sp = 0;
+  if (lane == 0) {
+    int lo = 0, hi = r.n_sub;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (r.sub_tokens[mid] < t0) lo = mid + 1; else hi = mid;
+    }
+    sp = lo;
+  }
+  return __shfl_sync(kAll, sp, 0);
+}
+
 // One bulk unit: tokens [t0, t1) (whole blocks of 32, quantized keys and values), each block's
 // bytes copied to shared memory one block ahead of the compute (cp.async, two stages).
 template <int KB, int VB, int D, int NT>
@@ -331,17 +347,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     l[nt][0] = l[nt][1] = 0.0f;
     zv[nt][0] = zv[nt][1] = 0.0f;
   }
-  // First substituted row at or after t0 (the list is ascending).
-  int sp = 0;
-  if (lane == 0) {
-    int lo = 0, hi = r.n_sub;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (r.sub_tokens[mid] < t0) lo = mid + 1; else hi = mid;
-    }
-    sp = lo;
-  }
-  sp = __shfl_sync(kAll, sp, 0);
+  int sp = FirstSubstituteFrom(r, t0, lane);
 
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
@@ -631,6 +637,314 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
   }
 }
 
+// ---- The lean path: items of replicas in the mma layout (mma_codes.h), 1-bit keys and values, at
+// most 8 queries. Per 32-token block and warp:
+//   S [queries x 32 tokens] = (q (x) key scale) [q x d] x bits [d x 32]: A = the fp16 query operand
+//       (QueryOperand, times 2^-k so that no product with a key scale overflows: key_scale_bound)
+//       times the block's channel scales, as an exact hi + lo pair of fp16 products (rows g and
+//       g + 8 of A: C's rows g and g + 8 are summed); B = one AND
+//       per register of the lane's mma-layout key words (a bit as a normal fp16 power of two,
+//       divided out of C); plus the key zeros' term sum_c q_c z_c as one mma per k-step. Exact
+//       products, fp32 sums: the scores are the CPU reference's up to the order of the sums.
+//   out^T [d x queries] += bits^T [d x 32] x (p kP (x) value scale) [32 x queries]: S's C
+//       registers are the values' B operand (P^T) without shared memory; B = the fp16 product of
+//       fp16(p kP) and the token's group scale (outputs within 1e-3 relative of the fp32
+//       reference, up to 4.9e-4 measured on random rows); A = one AND per register of the lane's
+//       value words; the zeros' term as one mma
+//       per k-step (A's row g = channel group g's zeros).
+// Substituted rows: their scores from the fetched key (fp32) before the softmax; their p out of B
+// and their fetched value added to the accumulators in fp32.
+// p scaled before its fp16 rounding, so that fp16(p kLeanP) * scale stays normal for the weights
+// that matter; a value scale must stay below 1023 (65504 / kLeanP) for the product to be finite.
+constexpr float kLeanP = 64.0f;
+
+// Group j (bits 4j..4j+3 of each half) of a word at bits 10..13, where each bit alone is a normal
+// fp16 power of two (MmaBitWeight).
+__device__ __forceinline__ uint32_t GroupAt10(uint32_t w, int j) { return j < 3 ? w << (10 - 4 * j) : w >> 2; }
+__device__ __forceinline__ uint32_t BitOperand(uint32_t x, int i) { return x & (0x04000400u << i); }
+__device__ __forceinline__ uint32_t Mul2(uint32_t a, uint32_t b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return AsU32(r);
+}
+// a * b - hi, rounded: with hi = Mul2(a, b), the exact rest of the product (22 bits fit two fp16).
+__device__ __forceinline__ uint32_t Rest2(uint32_t a, uint32_t b, uint32_t hi) {
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
+                            __hneg2(*reinterpret_cast<const __half2*>(&hi)));
+  return AsU32(r);
+}
+
+// The lane's W words of a group's mma-layout codes (or W words at `codes` with lane 0) in shared
+// memory, 8-byte (W = 2) or 16-byte (W = 4) aligned: WarpWords and StageWords are multiples of 4.
+template <int W>
+__device__ __forceinline__ void LaneWords(const uint32_t* codes, int lane, uint32_t (&w)[W]) {
+  if constexpr (W == 4) {
+    const uint4 x = reinterpret_cast<const uint4*>(codes)[lane];
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+  } else {
+    static_assert(W == 2, "head_dim 64 or 128");
+    const uint2 x = reinterpret_cast<const uint2*>(codes)[lane];
+    w[0] = x.x, w[1] = x.y;
+  }
+}
+
+template <int D>
+__device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
+                             int lane) {
+  constexpr int KS = D / 16, MT = D / 16, NGV = D / kGroup, W = D / 32;
+  constexpr int SW = StageWords<1, 1, D>();
+  const DeviceReplicaView& v = it.replica;
+  const DeviceDecodeRows& r = it.rows;
+  const int g = lane >> 2, t = lane & 3;
+  const int queries = r.n_rows * r.n_heads;  // <= 8 (LowBitDecodeEligible)
+  // Per warp, after the stages: the block's substituted rows (row index * 32 + token in block),
+  // then the lanes' query operands [ks][lane] (one 8-byte load per k-step instead of 2 KS
+  // registers held through the loop).
+  int* sub_list = reinterpret_cast<int*>(ws + StagesWords<1, 1, D, 1>());
+  uint2* qops = reinterpret_cast<uint2*>(ws + StagesWords<1, 1, D, 1>() + 32);
+  static_assert(StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS <= ItemOffsetWords<1, 1, D, 1>(), "room for the operands");
+
+  BlockWalk walk(v, t0);
+  walk.Issue<1, 1, D>(ws, lane, t0 + 32 < t1);
+  CpAsyncCommit();
+
+  // Query g's A operands: channels 16 ks + 2t, +1 ([ks][0]) and + 8, + 9 ([ks][1]) of its
+  // QueryOperand rounding, times 2^-k: the largest channel is below 2^14, so with k >= the bound's
+  // exponent every product with a key scale stays below 2^15 (fp16 holds 65504).
+  float unscale;  // 2^(k - e) * scale: C to scores
+  {
+    const float* query = g < queries ? r.q + QueryAt(r, g, D) : nullptr;
+    float x[KS][4];
+    float mx = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        x[ks][j] = query ? query[16 * ks + 2 * t + (j & 1) + 8 * (j >> 1)] : 0.0f;
+        mx = fmaxf(mx, fabsf(x[ks][j]));
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
+    const int e = decode::QueryOperandExponent(mx);
+    const float bound = v.key_scale_bound ? *v.key_scale_bound : 0.0f;
+    const int k = max(0, ((__float_as_int(bound) >> 23) & 0xff) - 127);  // bound < 2^(k + 1)
+    const float up = decode::Pow2(e);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      // Rounded at 2^e like the CPU's QueryOperand, then scaled by 2^-k (exact but where tiny).
+      const __half2 h01 = __floats2half2_rn(x[ks][0] * up, x[ks][1] * up), h89 = __floats2half2_rn(x[ks][2] * up, x[ks][3] * up);
+      const __half2 down = __float2half2_rn(decode::Pow2(-k));
+      qops[ks * 32 + lane] = make_uint2(AsU32(__hmul2(h01, down)), AsU32(__hmul2(h89, down)));
+    }
+    unscale = decode::Pow2(k - e) * r.scale;
+  }
+  // Query g's raw scores, for the top-k (the probabilities row, or the real row for the union rule).
+  float* scores_out = nullptr;
+  if (g < queries) {
+    float* const row = decode::ScoresOfRow(r, g / r.n_heads);
+    if (row) scores_out = row + static_cast<size_t>(g % r.n_heads) * r.n_candidates;
+  }
+  const int32_t scores_end = r.n_candidates;
+
+  float m = -INFINITY, l = 0.0f;  // query g's
+  float acc[MT][4], zv[4];         // out^T: rows 16 mt + g (+8), queries 2t, 2t + 1; zv: row g = channel group g
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    zv[i] = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][i] = 0.0f;
+  }
+  int sp = FirstSubstituteFrom(r, t0, lane);
+  // The next substituted token, loaded a block ahead of its test (INT32_MAX: none).
+  int32_t next_sub = sp < r.n_sub ? r.sub_tokens[sp] : INT32_MAX;
+
+  int stage = 0;
+  for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
+    if (b0 + 32 < t1) walk.Issue<1, 1, D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
+    CpAsyncCommit();
+    CpAsyncWaitButOne();
+    __syncwarp();
+    const uint32_t* kc = ws + stage * SW;
+    const uint32_t* kscale = kc + D;  // mma-layout pairs (mma_codes.h): this lane's at t 2KS
+    const uint32_t* kzero = kscale + D / 2;
+    const uint32_t* vcodes = kzero + D / 2;
+    const uint32_t* vscale = vcodes + D;  // this lane's at t 4 NGV
+    const uint32_t* vzero = vscale + 16 * NGV;  // row g's (g < NGV) at (g 4 + t) 4
+
+    // ---- scores: c[nt] = C of the block's tokens 8 nt + .. (weight MmaBitWeight(nt)), rows g the
+    // products' hi parts and rows g + 8 their rest (A's rows g + 8 hold the rest); zc = q . z.
+    uint32_t kw[W];
+    LaneWords<W>(kc, lane, kw);
+    float c[4][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[nt][i] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint2 qa = qops[ks * 32 + lane];
+      // Pairs (ks, kh = 0, 1): two k-steps' in one 16-byte load (the compiler merges them).
+      const uint2 sp = reinterpret_cast<const uint2*>(kscale + t * 2 * KS)[ks];
+      const uint2 zp = reinterpret_cast<const uint2*>(kzero + t * 2 * KS)[ks];
+      const uint32_t s01 = sp.x, s89 = sp.y, z01 = zp.x, z89 = zp.y;
+      const uint32_t h0 = Mul2(qa.x, s01), h2 = Mul2(qa.y, s89);
+      const uint32_t r0 = Rest2(qa.x, s01, h0), r2 = Rest2(qa.y, s89, h2);
+      Mma(zc, qa.x, 0u, qa.y, 0u, z01, z89);
+      const uint32_t x0 = GroupAt10(kw[(2 * ks) / 4], (2 * ks) % 4), x1 = GroupAt10(kw[(2 * ks + 1) / 4], (2 * ks + 1) % 4);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) Mma(c[nt], h0, r0, h2, r2, BitOperand(x0, nt), BitOperand(x1, nt));
+    }
+    float sc[4][2];  // query g, tokens b0 + 8 nt + 2t + j
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf(c[nt][j] + c[nt][j + 2], MmaBitUnweight(nt), zc[0]) * unscale;
+    // Substituted rows in this block: query g's score from the fetched key (fp32, the quad's 4 x 32
+    // channels summed), given to the lane whose slot holds the token.
+    int n_block_subs = 0;
+    uint32_t sub_mask = 0;
+    while (next_sub < b0 + 32) {
+      const int32_t tk = next_sub, slot = r.sub_slots ? r.sub_slots[sp] : sp;
+      const Half* kf = r.sub_rows + static_cast<int64_t>(slot) * 2 * D;
+      float part = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const float2 k01 = LoadHalf2(kf + 16 * ks + 2 * t), k89 = LoadHalf2(kf + 16 * ks + 2 * t + 8);
+        const uint2 qa = qops[ks * 32 + lane];
+        const float2 q01 = QueryPair(qa.x), q89 = QueryPair(qa.y);
+        part += q01.x * k01.x + q01.y * k01.y + q89.x * k89.x + q89.y * k89.y;
+      }
+      part += __shfl_xor_sync(kAll, part, 1);
+      part += __shfl_xor_sync(kAll, part, 2);
+      const int i = tk - b0;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (i == 8 * nt + 2 * t + j) sc[nt][j] = part * unscale;
+      sub_mask |= 1u << i;
+      if (lane == 0) sub_list[n_block_subs] = slot * 32 + i;
+      ++n_block_subs;
+      ++sp;
+      next_sub = sp < r.n_sub ? r.sub_tokens[sp] : INT32_MAX;
+    }
+    if (scores_out) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int32_t tok = b0 + 8 * nt + 2 * t + j;
+          if (tok < scores_end) StoreGlobalOutput(scores_out + tok, sc[nt][j]);
+        }
+    }
+    // ---- online softmax of query g (its 32 scores are in the quad).
+    float bm = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) bm = fmaxf(bm, fmaxf(sc[nt][0], sc[nt][1]));
+    bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 1));
+    bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 2));
+    const float mn = fmaxf(m, bm);
+    if (__any_sync(kAll, mn != m)) {  // rescaled only when some query's max grew (after the first blocks, rarely)
+      const float alpha = mn == m ? 1.0f : __expf(m - mn);  // 0 from m = -inf
+      l *= alpha;
+      const float a_even = __shfl_sync(kAll, alpha, 8 * t), a_odd = __shfl_sync(kAll, alpha, 8 * t + 4);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc[mt][0] *= a_even, acc[mt][2] *= a_even, acc[mt][1] *= a_odd, acc[mt][3] *= a_odd;
+      zv[0] *= a_even, zv[1] *= a_odd;
+    }
+    m = mn;
+    const float mn_log2e = mn == -INFINITY ? 0.0f : mn * kLog2e;
+    float p[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        p[nt][j] = ExpFrom(sc[nt][j], mn_log2e);
+        l += p[nt][j];
+      }
+    // Substituted rows: their fetched values, weighted by p of queries 2t and 2t + 1, into the
+    // accumulators (in their units: MmaBitWeight(mt % 4) * kLeanP), and their p out of B.
+    for (int k = 0; k < n_block_subs; ++k) {
+      const int i = sub_list[k] & 31;
+      float mine = 0.0f;  // p of query g for token i, in the lane holding it
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (i == 8 * nt + 2 * t + j) mine = p[nt][j];
+      const int holder = (i % 8) / 2;  // t of the lanes holding token i
+      const float p_even = __shfl_sync(kAll, mine, 4 * (2 * t) + holder) * kLeanP;
+      const float p_odd = __shfl_sync(kAll, mine, 4 * (2 * t + 1) + holder) * kLeanP;
+      const Half* vf = r.sub_rows + static_cast<int64_t>(sub_list[k] >> 5) * 2 * D + D;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float w = MmaBitWeight(mt % 4);
+        const float v0 = H2F(vf[16 * mt + g]) * w, v1 = H2F(vf[16 * mt + g + 8]) * w;
+        acc[mt][0] += p_even * v0;
+        acc[mt][1] += p_odd * v0;
+        acc[mt][2] += p_even * v1;
+        acc[mt][3] += p_odd * v1;
+      }
+    }
+    if (sub_mask != 0) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if ((sub_mask >> (8 * nt + 2 * t + j)) & 1u) p[nt][j] = 0.0f;
+    }
+    // ---- values. pb[ks][kh]: p kLeanP of tokens 16 ks + 8 kh + 2t, +1 (S's n-tile 2 ks + kh), query g.
+    uint32_t pb[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) pb[nt / 2][nt % 2] = HalfPairOf(p[nt][0] * kLeanP, p[nt][1] * kLeanP);
+    uint32_t vw[W];
+    LaneWords<W>(vcodes, lane, vw);
+    const uint4 vz = g < NGV ? reinterpret_cast<const uint4*>(vzero)[g * 4 + t] : make_uint4(0u, 0u, 0u, 0u);
+    const uint32_t vzp[4] = {vz.x, vz.y, vz.z, vz.w};  // [2 ks + kh]
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      Mma(zv, vzp[2 * ks], 0u, vzp[2 * ks + 1], 0u, pb[ks][0], pb[ks][1]);
+      uint32_t s0[NGV], s1[NGV];  // the scale pairs of the two k-halves, per channel group
+      LaneWords<NGV>(vscale + (t * 4 + 2 * ks) * NGV, 0, s0);
+      LaneWords<NGV>(vscale + (t * 4 + 2 * ks + 1) * NGV, 0, s1);
+#pragma unroll
+      for (int cg = 0; cg < NGV; ++cg) {
+        const uint32_t b0 = Mul2(pb[ks][0], s0[cg]);
+        const uint32_t b1 = Mul2(pb[ks][1], s1[cg]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int mt = 2 * cg + h;
+          uint32_t a[4];
+#pragma unroll
+          for (int rr = 0; rr < 4; ++rr) {
+            const int cc = (2 * rr + ks) * (D / 64) + mt / 4;
+            a[rr] = BitOperand(GroupAt10(vw[cc / 4], cc % 4), mt % 4);
+          }
+          Mma(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
+        }
+      }
+    }
+    __syncwarp();  // this stage and sub_list are rewritten by the next blocks
+  }
+
+  // ---- the unit's partial result: per query max, sum, and out + the zeros' term.
+  l += __shfl_xor_sync(kAll, l, 1);
+  l += __shfl_xor_sync(kAll, l, 2);
+  float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
+  float* stats = r.scratch + static_cast<size_t>(units) * queries * D + static_cast<size_t>(u) * queries * 2;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int cg = mt / 2;
+    const float z0 = __shfl_sync(kAll, zv[0], 4 * cg + t), z1 = __shfl_sync(kAll, zv[1], 4 * cg + t);
+    const float w = MmaBitUnweight(mt % 4) * (1.0f / kLeanP);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int q = 2 * t + (e & 1), ch = 16 * mt + g + 8 * (e >> 1);
+      if (q < queries) partial[q * D + ch] = acc[mt][e] * w + ((e & 1) ? z1 : z0) * (1.0f / kLeanP);
+    }
+  }
+  if (t == 0 && g < queries) stats[g * 2] = m, stats[g * 2 + 1] = l;
+}
+
 // Where the fp16 row of `token`'s key is (residual, the step's new rows, a substituted row), or
 // null for a quantized key.
 __device__ __forceinline__ const Half* KeyRow(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token,
@@ -782,9 +1096,12 @@ __device__ __forceinline__ int ItemOfWarp(Begin begin, int count, int w) {
   return lo;
 }
 
-// One n-tile: registers capped for kMinCtasOneTile CTAs per SM (see there).
-template <int KB, int VB, int D, int NT>
+// One n-tile: registers capped for kMinCtasOneTile CTAs per SM (see there). kLean: the items'
+// replicas are in the mma layout (KB = VB = 1, NT = 1): LeanBulkUnit for their bulk.
+template <int KB, int VB, int D, int NT, bool kLean = false>
 __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) LowBitDecodeKernel(const DeviceItemSet* set) {
+  static_assert(!kLean || (KB == 1 && VB == 1 && NT == 1), "the lean path: 1-bit keys and values, one query tile");
+  static_assert(WarpWords<KB, VB, D, NT>() % 4 == 0 && StageWords<KB, VB, D>() % 4 == 0, "16-byte aligned stages");
   extern __shared__ uint32_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int w = blockIdx.x * kWarps + warp;
@@ -822,7 +1139,11 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   const int32_t bulk_end = BulkEnd(it.replica);
   if (u < bulk_units) {
     const int32_t t0 = u * chunk_blocks * 32;
-    BulkUnit<KB, VB, D, NT>(it, u, units, t0, min(bulk_end, t0 + chunk_blocks * 32), ws, lane);
+    if constexpr (kLean) {
+      LeanBulkUnit<D>(it, u, units, t0, min(bulk_end, t0 + chunk_blocks * 32), ws, lane);
+    } else {
+      BulkUnit<KB, VB, D, NT>(it, u, units, t0, min(bulk_end, t0 + chunk_blocks * 32), ws, lane);
+    }
   } else {
     const int32_t per = TailUnitTokens(it, set->tail_units), from_token = bulk_end + (u - bulk_units) * per;
     TailUnit<KB, VB, D, NT>(it, u, units, from_token, min(it.replica.length + it.rows.n_rows, from_token + per), ws,
@@ -907,9 +1228,11 @@ std::array<KernelInfo, 2> Tiles() {
 
 int QueryTiles(const DeviceDecodeItem& it) { return it.rows.n_rows * it.rows.n_heads <= 8 ? 1 : 2; }
 
-// The (key bits, value bits, head_dim, n-tiles) class of an eligible item, 0..15.
-constexpr int kClasses = 16;
+// The (key bits, value bits, head_dim, n-tiles) class of an eligible item, 0..15; 16 and 17 the
+// lean path's (mma-layout replicas, head_dim 64 and 128).
+constexpr int kClasses = 18;
 int ClassOf(const DeviceDecodeItem& it) {
+  if (it.replica.mma_codes) return 16 + (it.replica.head_dim == 128);
   return (((it.replica.key_bits - 1) * 2 + (it.replica.value_bits - 1)) * 2 + (it.replica.head_dim == 128)) * 2 +
          QueryTiles(it) - 1;
 }
@@ -919,7 +1242,10 @@ KernelInfo KernelFor(int cls) {
   static const std::array<std::array<KernelInfo, 2>, 8> table = {
       Tiles<1, 1, 64>(), Tiles<1, 1, 128>(), Tiles<1, 2, 64>(), Tiles<1, 2, 128>(),
       Tiles<2, 1, 64>(), Tiles<2, 1, 128>(), Tiles<2, 2, 64>(), Tiles<2, 2, 128>()};
-  return table[cls / 2][cls % 2];
+  static const std::array<KernelInfo, 2> lean = {
+      KernelInfo{LowBitDecodeKernel<1, 1, 64, 1, true>, WarpWords<1, 1, 64, 1>()},
+      KernelInfo{LowBitDecodeKernel<1, 1, 128, 1, true>, WarpWords<1, 1, 128, 1>()}};
+  return cls >= 16 ? lean[cls - 16] : table[cls / 2][cls % 2];
 }
 
 // Whether the current device runs mma.m16n8k16 with fp16 operands (sm_80+), asked once per device.
@@ -986,9 +1312,30 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
   // of work a slot runs, in blocks (a bulk unit holds at most the longest item's blocks).
   const int64_t chunk_sharing = fitting_chunk(tail_units);
   const int64_t chunk_after_tails = fitting_chunk(0);
-  const bool tails_first =
+  bool tails_first =
       tail_units > 0 && std::min(chunk_after_tails, most_blocks) + tail_cost < std::min(chunk_sharing, most_blocks);
-  const int64_t chunk = tails_first ? chunk_after_tails : chunk_sharing;
+  int64_t chunk = tails_first ? chunk_after_tails : chunk_sharing;
+  if (cls >= 16) {
+    // The lean path reads at a large share of HBM bandwidth, so empty warp slots cost: one wave of
+    // whole-item units left a quarter of them empty at 99 x 8K (1584 bulk units on 2112 slots).
+    // Over chunks of at least 16 blocks and both orders, the fewest blocks a slot runs: rounds of
+    // units (several waves when that fills the slots better) times the chunk, with the tails
+    // sharing the slots or first (then their cost added); the larger chunk among equals (fewer
+    // partials to merge). H200, one layer: 99 x 8K, tails first, chunk 32: 0.368 ms (one wave of
+    // 127, the general plan: 0.454); 32 x 8K, tails sharing, chunk 37: 0.127 ms (tails first,
+    // chunk 32: 0.159).
+    int64_t best = -1;
+    for (int64_t n = 1; n <= 64; ++n) {
+      const int64_t c = std::max<int64_t>((most_blocks + n - 1) / n, 16), units = bulk_units_with(c);
+      for (const bool first : {false, true}) {
+        const int64_t slots = first ? wave : wave - tail_units;
+        if (slots <= 0) continue;
+        const int64_t span = (units + slots - 1) / slots * c + (first ? tail_cost : 0);
+        if (best < 0 || span < best || (span == best && c > chunk)) best = span, chunk = c, tails_first = first && tail_units > 0;
+      }
+      if (c == 16) break;
+    }
+  }
   set->kernel_class = cls;
   set->chunk_blocks = static_cast<int>(chunk);
   set->tail_units = most_tail;
@@ -1046,9 +1393,12 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
                             : Status::Unavailable(std::string("low-bit decode kernels: ") + cudaGetErrorString(err));
 }
 
+bool LowBitDecodeAvailable() { return DeviceHasMma(); }
+
 bool LowBitDecodeEligible(const DeviceDecodeItem& item) {
   const DeviceReplicaView& v = item.replica;
   const int queries = item.rows.n_rows * item.rows.n_heads;
+  if (v.mma_codes && queries > 8) return false;  // the lean path's single query tile
   return (v.key_bits == 1 || v.key_bits == 2) && (v.value_bits == 1 || v.value_bits == 2) &&
          (v.head_dim == 64 || v.head_dim == 128) && v.group_size == kGroup && queries >= 1 && queries <= kMaxQ &&
          DeviceHasMma();

@@ -20,6 +20,13 @@
 //       as one more mma (A's row g = channel group g's zeros).
 // Substituted rows: their scores are recomputed from the fetched key (fp32) before the softmax,
 // their weight is taken out of the mma operand and their fetched value added in fp32.
+//
+// The lean path: items of replicas in the mma layout (DeviceReplicaView::mma_codes; 1-bit keys
+// and values, at most 8 queries) have classes of their own, whose bulk units read each block's
+// operand bits with one load per lane and one AND per operand register (mma_codes.h,
+// LeanBulkUnit in lowbit_decode.cu for the arithmetic), and whose plan may run several waves of
+// smaller units. Their scores and probabilities are exact as above; their outputs carry an fp16
+// product per value operand (within 1e-3 of the fp32 reference).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,7 +40,10 @@ namespace specache::cuda {
 
 struct DeviceItemSet;  // decode_common.cuh
 
-// Whether `item` can take the tensor-core path (see above for the conditions).
+// Whether the current device runs the tensor-core path (sm_80+).
+bool LowBitDecodeAvailable();
+// Whether `item` can take the tensor-core path (see above for the conditions; an item of a
+// replica in the mma layout only with at most 8 queries, on its lean path).
 bool LowBitDecodeEligible(const DeviceDecodeItem& item);
 
 // One launch of the tensor-core path: items of one (key bits, value bits, head_dim, query tiles)

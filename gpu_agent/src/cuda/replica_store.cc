@@ -1,13 +1,19 @@
 #include "replica_store.h"
 
+#include "lowbit_decode.h"
+#include "mma_codes.h"
+
 #include <string>
 #include <utility>
 
 namespace specache::cuda {
 
 ReplicaStore::ReplicaStore(const ModelShape& shape, const ReplicaParams& params, int32_t capacity_tokens,
-                           cudaStream_t stream)
-    : shape_(shape), params_(params), capacity_tokens_(capacity_tokens), stream_(stream) {}
+                           cudaStream_t stream, bool mma_codes)
+    : shape_(shape), params_(params), capacity_tokens_(capacity_tokens), stream_(stream),
+      // The lean decode path reads items of at most 8 queries: a KV head's GQA heads times the
+      // step's two rows (the real and the speculative token).
+      mma_codes_(mma_codes && MmaCodesEligible(params) && LowBitDecodeAvailable() && 2 * shape.group_size() <= 8) {}
 
 Status ReplicaStore::Init(int64_t pool_bytes) {
   SPECACHE_ASSIGN_OR_RETURN(pool_, DeviceBlockPool::Create(params_, pool_bytes));
@@ -19,7 +25,7 @@ Status ReplicaStore::AddSequence(SequenceId id) {
   for (auto& layer : replicas) {
     layer.resize(shape_.n_kv_heads);
     for (auto& r : layer) {
-      SPECACHE_ASSIGN_OR_RETURN(r, DeviceHeadReplica::Create(params_, capacity_tokens_, stream_, pool_.get()));
+      SPECACHE_ASSIGN_OR_RETURN(r, DeviceHeadReplica::Create(params_, capacity_tokens_, stream_, pool_.get(), mma_codes_));
     }
   }
   replicas_.emplace(id, std::move(replicas));

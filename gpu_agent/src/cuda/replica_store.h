@@ -24,8 +24,11 @@ namespace specache::cuda {
 
 class ReplicaStore {
  public:
-  // Replicas of `params`, up to capacity_tokens tokens each, their work queued on `stream`.
-  ReplicaStore(const ModelShape& shape, const ReplicaParams& params, int32_t capacity_tokens, cudaStream_t stream);
+  // Replicas of `params`, up to capacity_tokens tokens each, their work queued on `stream`; in the
+  // mma layout (DeviceHeadReplica::Create) when mma_codes and the parameters, the device and the
+  // GQA group allow it.
+  ReplicaStore(const ModelShape& shape, const ReplicaParams& params, int32_t capacity_tokens, cudaStream_t stream,
+               bool mma_codes = true);
   // Makes the pool (DeviceBlockPool::Create: pool_bytes > 0 fixed, 0 growing).
   Status Init(int64_t pool_bytes);
 
@@ -63,6 +66,8 @@ class ReplicaStore {
   ReplicaParams params_;
   int32_t capacity_tokens_;
   cudaStream_t stream_;
+  // Whether the replicas keep their whole groups in the lean decode path's mma layout.
+  bool mma_codes_ = false;
   std::unique_ptr<DeviceBlockPool> pool_;  // before replicas_: they give blocks back to it
   std::map<SequenceId, Replicas> replicas_;
 };
