@@ -224,7 +224,7 @@ struct CudaAgentOptions {
   // 1-bit replicas (group 32, head_dim 64 or 128, at most 4 query heads per KV head) keep the
   // groups whose keys and values are both quantized in the decode attention's mma layout, which
   // its lean path reads with one load and one AND per operand: at Llama-3-8B shapes on the H200,
-  // one layer's attention at 99 x 8K in 0.19 instead of 0.64 ms. false: the previous layout and
+  // one layer's attention at 99 x 8K in 0.37 instead of 0.62 ms. false: the previous layout and
   // kernel, only for measuring the difference (specache-run bench --replica-layout natural).
   bool mma_codes = true;
 };
