@@ -82,6 +82,7 @@ struct Options {
   std::vector<std::string> fetch_via;      // step: CudaAgentOptions::fetch_via per row (empty: the default)
   int fetch_threads = 0;                   // step: CudaAgentOptions::fetch_threads (0: the default)
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
+  std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
   bool profile_step = false;         // step: StepOptions::profile_step
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
@@ -309,6 +310,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->check(CLI::IsMember(FetchViaNames()));
     cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
         ->check(positive);
+    cmd->add_option("--replica-layout", o->replica_layout,
+                    "mma: 1-bit replicas in the lean decode path's layout (the agent's default); natural: the "
+                    "previous layout and kernel (rows suffixed _natural)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"mma", "natural"}));
   }
   if (std::string_view(suite.name) == "step") {
     cmd->add_flag("--profile-step", o->profile_step,
@@ -403,6 +409,7 @@ int main(int argc, char** argv) {
       if (!o.fetch_overlap.empty()) step.fetch_overlap = o.fetch_overlap;
       if (!o.fetch_via.empty()) step.fetch_via = o.fetch_via;
       step.fetch_threads = o.fetch_threads;
+      step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;
       ok = o.suite == "step"      ? bench::RunStepSuite(step, &cuda_rows)

@@ -139,7 +139,7 @@ KvConfig StepKvConfig(const std::string& kv) {
 
 AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, int fetch_blocks, bool fetch,
                   FetchOverlap overlap = FetchOverlap::kFromSelection, bool profile_step = false,
-                  FetchVia via = FetchVia::kSmLoads, int fetch_threads = 0) {
+                  FetchVia via = FetchVia::kSmLoads, int fetch_threads = 0, bool mma_codes = true) {
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30);
@@ -154,6 +154,7 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   options.fetch = fetch;
   options.fetch_overlap = overlap;
   options.fetch_via = via;
+  options.mma_codes = mma_codes;
   if (fetch_threads > 0) options.fetch_threads = fetch_threads;
   if (fetch_blocks > 0) options.fetch_blocks = fetch_blocks;
   const auto created = std::chrono::steady_clock::now();
@@ -512,7 +513,8 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     for (const std::string& kv : o.kv) {
       // kivi fetches nothing: one run is both columns, and one overlap.
       const bool fetches = StepKvConfig(kv).fetches_rows();
-      const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, false);
+      const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, false,
+                                        FetchOverlap::kFromSelection, false, FetchVia::kSmLoads, 0, o.mma_codes);
       if (without.ms < 0) {
         ok = false;
         continue;
@@ -535,7 +537,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         auto via = ParseFetchVia(via_name);
         if (!Ok(via.status(), "fetch route")) return false;
         const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap,
-                                                 o.profile_step, *via, o.fetch_threads)
+                                                 o.profile_step, *via, o.fetch_threads, o.mma_codes)
                                       : without;
         if (with.ms < 0) {
           ok = false;
@@ -543,7 +545,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         }
         // The default overlap and route keep the row names of earlier results.
         const std::string suffix = (*overlap == FetchOverlap::kFromSelection ? "" : "_" + name) +
-                                   (*via == FetchVia::kSmLoads ? "" : "_" + via_name);
+                                   (*via == FetchVia::kSmLoads ? "" : "_" + via_name) + (o.mma_codes ? "" : "_natural");
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;

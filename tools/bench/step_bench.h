@@ -24,6 +24,9 @@ struct StepOptions {
   // overlap, so it runs once, with the first).
   std::vector<std::string> fetch_via{"sm-loads"};
   int fetch_threads = 0;  // CudaAgentOptions::fetch_threads of the copy-engine rows; 0: the agent's default
+  // CudaAgentOptions::mma_codes: 1-bit replicas in the lean decode path's layout (rows named as
+  // before) or not (rows suffixed _natural), for the A/B of the two attention kernels.
+  bool mma_codes = true;
   // Replicas timed, each a row per batch: specache-1bit, specache-2bit, kivi-1bit (no rows
   // fetched: the low-bit attention alone), specache-1bit-union (specache-run's default selection).
   std::vector<std::string> kv{"specache-1bit"};
