@@ -468,7 +468,8 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
     if (it.rows.kv_stride == 0) it.rows.kv_stride = it.replica.head_dim;
     const bool eligible = LowBitDecodeEligible(it);
     if (!eligible && it.replica.mma_codes) {  // the mma layout's groups: only the lean path reads them
-      return Status::InvalidArgument("decode attention: a replica in the mma layout needs an item of at most 8 queries");
+      return Status::InvalidArgument("decode attention: a replica in the mma layout needs an item of at most " +
+                                     std::to_string(kLeanMaxQueries) + " queries");
     }
     (eligible ? fast : rest).push_back(it);
   }

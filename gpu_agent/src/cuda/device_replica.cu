@@ -101,8 +101,10 @@ Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const Repli
   b.window = reinterpret_cast<Half*>(base + window_at);
   b.table = reinterpret_cast<uint8_t**>(base + table_at);
   b.key_scale_bound = reinterpret_cast<float*>(base + bound_at);
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(b.key_scale_bound, 0, sizeof(float), static_cast<cudaStream_t>(stream)),
-                                "key scale bound"));
+  if (mma_codes) {  // read only through the view of a replica with mma codes
+    SPECACHE_RETURN_IF_ERROR(Cuda(
+        cudaMemsetAsync(b.key_scale_bound, 0, sizeof(float), static_cast<cudaStream_t>(stream)), "key scale bound"));
+  }
   return Result<std::unique_ptr<DeviceHeadReplica>>(std::move(r));
 }
 

@@ -695,7 +695,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   const DeviceReplicaView& v = it.replica;
   const DeviceDecodeRows& r = it.rows;
   const int g = lane >> 2, t = lane & 3;
-  const int queries = r.n_rows * r.n_heads;  // <= 8 (LowBitDecodeEligible)
+  const int queries = r.n_rows * r.n_heads;  // <= kLeanMaxQueries (LowBitDecodeEligible)
   // Per warp, after the stages: the block's substituted rows (row index * 32 + token in block),
   // then the lanes' query operands [ks][lane] (one 8-byte load per k-step instead of 2 KS
   // registers held through the loop).
@@ -1398,7 +1398,7 @@ bool LowBitDecodeAvailable() { return DeviceHasMma(); }
 bool LowBitDecodeEligible(const DeviceDecodeItem& item) {
   const DeviceReplicaView& v = item.replica;
   const int queries = item.rows.n_rows * item.rows.n_heads;
-  if (v.mma_codes && queries > 8) return false;  // the lean path's single query tile
+  if (v.mma_codes && queries > kLeanMaxQueries) return false;
   return (v.key_bits == 1 || v.key_bits == 2) && (v.value_bits == 1 || v.value_bits == 2) &&
          (v.head_dim == 64 || v.head_dim == 128) && v.group_size == kGroup && queries >= 1 && queries <= kMaxQ &&
          DeviceHasMma();

@@ -42,6 +42,8 @@ struct DeviceItemSet;  // decode_common.cuh
 
 // Whether the current device runs the tensor-core path (sm_80+).
 bool LowBitDecodeAvailable();
+// Most queries (rows x GQA heads) of an item the lean path takes: one n-tile of the values' mma.
+constexpr int kLeanMaxQueries = 8;
 // Whether `item` can take the tensor-core path (see above for the conditions; an item of a
 // replica in the mma layout only with at most 8 queries, on its lean path).
 bool LowBitDecodeEligible(const DeviceDecodeItem& item);

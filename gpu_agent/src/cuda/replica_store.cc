@@ -11,9 +11,10 @@ namespace specache::cuda {
 ReplicaStore::ReplicaStore(const ModelShape& shape, const ReplicaParams& params, int32_t capacity_tokens,
                            cudaStream_t stream, bool mma_codes)
     : shape_(shape), params_(params), capacity_tokens_(capacity_tokens), stream_(stream),
-      // The lean decode path reads items of at most 8 queries: a KV head's GQA heads times the
-      // step's two rows (the real and the speculative token).
-      mma_codes_(mma_codes && MmaCodesEligible(params) && LowBitDecodeAvailable() && 2 * shape.group_size() <= 8) {}
+      // The lean decode path takes items of at most kLeanMaxQueries queries: a KV head's GQA heads
+      // times the step's two rows (the real and the speculative token).
+      mma_codes_(mma_codes && MmaCodesEligible(params) && LowBitDecodeAvailable() &&
+                 2 * shape.group_size() <= kLeanMaxQueries) {}
 
 Status ReplicaStore::Init(int64_t pool_bytes) {
   SPECACHE_ASSIGN_OR_RETURN(pool_, DeviceBlockPool::Create(params_, pool_bytes));
