@@ -44,12 +44,13 @@ struct DecodeCase {
   std::string name;
 };
 
-// The CPU replica's quantized tokens in device blocks of the agent's layout, written through the
-// kernels' own accessors (on the host images), the blocks in reverse order in memory: the
-// kernels must follow the table, not assume one array. Returns the table's host copy.
+// The CPU replica's quantized tokens in device blocks of the agent's layout (interleaved by
+// group, as replicas with mma codes keep them, with `interleave`), written through the kernels'
+// own accessors (on the host images), the blocks in reverse order in memory: the kernels must
+// follow the table, not assume one array. Returns the table's host copy.
 std::vector<const uint8_t*> UploadBlocks(const HeadReplica& replica, const ReplicaParams& p, cuda::DeviceReplicaView& v,
-                                         DeviceBuffers& buf) {
-  v.layout = cuda::MakeReplicaBlockLayout(p);
+                                         DeviceBuffers& buf, bool interleave = false) {
+  v.layout = cuda::MakeReplicaBlockLayout(p, interleave);
   const int32_t n_qk = replica.quantized_keys(), n_qv = replica.quantized_values(), T = v.layout.block_tokens;
   const int32_t n_blocks = (std::max(n_qk, n_qv) + T - 1) / T;
   if (n_blocks == 0) return {};
@@ -138,7 +139,7 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
   v.length = length;
   v.quantized_keys = n_qk;
   v.quantized_values = n_qv;
-  const std::vector<const uint8_t*> table = UploadBlocks(replica, p, v, buf);
+  const std::vector<const uint8_t*> table = UploadBlocks(replica, p, v, buf, mma);
   if (mma) PackWholeGroups(v, table, buf);
   v.residual_keys = buf.Copy(replica.ResidualKeys(), size_t(length - n_qk) * d);
   v.window_values = buf.Copy(replica.WindowValues(), size_t(length - n_qv) * d);

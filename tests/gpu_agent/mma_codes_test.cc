@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "cuda/mma_codes.h"
+#ifdef SPECACHE_TEST_HAVE_CUDA
+#include "specache/cuda_replica.h"
+#endif
 
 namespace specache {
 namespace {
@@ -83,6 +86,83 @@ TEST(MmaCodesLayoutTest, BitWeightsAreTheFp16ValuesOfBitsTenToThirteen) {
   EXPECT_FALSE(cuda::MmaCodesEligible({128, 1, 1, 64, 128}));
   EXPECT_FALSE(cuda::MmaCodesEligible({96, 1, 1, 32, 64}));
 }
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// Every byte a block's parts cover, through the kernels' accessors (on a host block): each byte
+// of the block in at most one part, and in one exactly when `whole` (no padding between parts).
+void ExpectPartsTileTheBlock(const ReplicaParams& p, const cuda::ReplicaBlockLayout& l, bool whole) {
+  std::vector<uint8_t> block(l.bytes);
+  const uint8_t* table[1] = {block.data()};
+  cuda::DeviceReplicaView v;
+  v.head_dim = p.head_dim, v.group_size = p.group_size, v.key_bits = p.key_bits, v.value_bits = p.value_bits;
+  v.layout = l;
+  v.blocks = table;
+  std::vector<int> covered(l.bytes, 0);
+  auto mark = [&](const void* at, int64_t bytes) {
+    const int64_t from = static_cast<const uint8_t*>(at) - block.data();
+    ASSERT_GE(from, 0);
+    ASSERT_LE(from + bytes, l.bytes);
+    for (int64_t i = from; i < from + bytes; ++i) ++covered[i];
+  };
+  const int d = p.head_dim, G = p.group_size;
+  for (int g = 0; g < l.block_tokens / G; ++g) {
+    mark(cuda::KeyCodes(v, g), int64_t{d} * G * p.key_bits / 8);
+    mark(cuda::KeyScales(v, g), 2 * d);
+    mark(cuda::KeyZeros(v, g), 2 * d);
+  }
+  for (int t = 0; t < l.block_tokens; ++t) {
+    mark(cuda::ValueCodes(v, t), int64_t{d} * p.value_bits / 8);
+    mark(cuda::ValueScales(v, t), 2 * (d / G));
+    mark(cuda::ValueZeros(v, t), 2 * (d / G));
+  }
+  for (int64_t i = 0; i < l.bytes; ++i) {
+    ASSERT_LE(covered[i], 1) << "byte " << i << " of a block in two parts";
+    if (whole) {
+      ASSERT_EQ(covered[i], 1) << "byte " << i << " of a block in no part";
+    }
+  }
+}
+
+// Replicas with mma codes keep each 32-token group's parts together, in the order the lean path
+// stages them (key codes, key scales, key zeros, value codes, value scales, value zeros), in
+// blocks as large as the other layout's (one pool serves both).
+TEST(MmaCodesLayoutTest, BlocksInterleavedByGroupHoldEachGroupAsOnePiece) {
+  for (int d : {64, 128}) {
+    for (int R : {32, 64, 128, 96}) {
+      const ReplicaParams p{d, 1, 1, 32, R};
+      const cuda::ReplicaBlockLayout natural = cuda::MakeReplicaBlockLayout(p);
+      const cuda::ReplicaBlockLayout l = cuda::MakeReplicaBlockLayout(p, true);
+      SCOPED_TRACE("d=" + std::to_string(d) + " R=" + std::to_string(R));
+      EXPECT_EQ(natural.group_bytes, 0);
+      EXPECT_EQ(l.group_bytes, cuda::MmaGroupBytes(d));
+      EXPECT_EQ(l.bytes, natural.bytes);
+      EXPECT_EQ(l.block_tokens, natural.block_tokens);
+      ExpectPartsTileTheBlock(p, l, l.bytes == l.block_tokens / 32 * l.group_bytes);
+      ExpectPartsTileTheBlock(p, natural, false);
+      std::vector<uint8_t> block(l.bytes);
+      const uint8_t* table[1] = {block.data()};
+      cuda::DeviceReplicaView v;
+      v.head_dim = d, v.group_size = 32, v.layout = l, v.blocks = table;
+      for (int g = 0; g < l.block_tokens / 32; ++g) {
+        const uint8_t* group = block.data() + int64_t{g} * l.group_bytes;
+        EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::KeyCodes(v, g)), group);
+        EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::KeyScales(v, g)), group + 4 * d);
+        EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::KeyZeros(v, g)), group + 6 * d);
+        EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::ValueCodes(v, 32 * g)), group + 8 * d);
+        EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::ValueScales(v, 32 * g)), group + 12 * d);
+        EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::ValueZeros(v, 32 * g)), group + 14 * d);
+        // Token 32 g + 31's value parts: the last rows of the group's value parts.
+        EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::ValueCodes(v, 32 * g + 31)), group + 8 * d + 31 * (d / 8));
+        EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::ValueZeros(v, 32 * g + 31)), group + 14 * d + 31 * (d / 16));
+      }
+    }
+  }
+  // Only packed keys and values with G = 32 interleave.
+  EXPECT_EQ(cuda::MakeReplicaBlockLayout({128, 16, 1, 32, 64}, true).group_bytes, 0);
+  EXPECT_EQ(cuda::MakeReplicaBlockLayout({128, 1, 1, 64, 128}, true).group_bytes, 0);
+  EXPECT_EQ(cuda::MakeReplicaBlockLayout({128, 2, 2, 32, 64}, true).group_bytes, 2 * cuda::MmaGroupBytes(128) - 8 * 128);
+}
+#endif
 
 }  // namespace
 }  // namespace specache

@@ -37,6 +37,12 @@ namespace specache::cuda {
 // and zeros (or fp16 keys) and their values' codes, scales and zeros (or fp16 values) -- at these
 // byte offsets from the block's start (each 16-byte aligned: the kernels copy 16-byte pieces).
 // 32-bit fields: the layout travels in every kernel's parameters.
+//
+// Interleaved by group (group_bytes != 0; replicas in the mma layout: packed keys and values,
+// G = 32): the six parts of each 32-token group lie together, group j of a block (its tokens
+// 32j..32j+31) at j * group_bytes, each part at its offset below from there, with the shapes
+// below for block_tokens = 32. The lean decode path copies a group's bytes as one piece. The
+// accessors below (KeyPartOffset, ValuePartOffset) place every part in either layout.
 struct ReplicaBlockLayout {
   int32_t block_tokens = 0;  // a multiple of the group size and of 32
   int32_t key_codes = 0;     // [block_tokens / G][head_dim][G * key_bits / 32] words
@@ -48,7 +54,21 @@ struct ReplicaBlockLayout {
   int32_t value_zero = 0;
   int32_t value_half = 0;    // [block_tokens][head_dim] fp16 (16-bit values)
   int32_t bytes = 0;         // of one block
+  int32_t group_bytes = 0;   // nonzero: the parts interleaved per 32-token group (above)
 };
+
+// Byte offset in its block of part `part` (a layout offset) of the key group `group` of the
+// block, whose bytes per group are `natural_bytes` in the layout that is not interleaved.
+SPECACHE_HOST_DEVICE inline int64_t KeyPartOffset(const ReplicaBlockLayout& l, int32_t part, int32_t group,
+                                                  int64_t natural_bytes) {
+  return part + static_cast<int64_t>(group) * (l.group_bytes ? l.group_bytes : natural_bytes);
+}
+// Byte offset in its block of part `part` of token `in` of the block, `token_bytes` per token.
+SPECACHE_HOST_DEVICE inline int64_t ValuePartOffset(const ReplicaBlockLayout& l, int32_t part, int32_t in,
+                                                    int64_t token_bytes) {
+  return l.group_bytes ? part + static_cast<int64_t>(in / 32) * l.group_bytes + static_cast<int64_t>(in % 32) * token_bytes
+                       : part + static_cast<int64_t>(in) * token_bytes;
+}
 
 // One replica as the kernels see it (see head_replica.h for the quantized formats).
 struct DeviceReplicaView {
@@ -62,8 +82,9 @@ struct DeviceReplicaView {
   const Half* window_values = nullptr;  // [length - quantized_values][head_dim]
   // Nonzero: the 32-token groups below min(quantized_keys, quantized_values) hold their key and
   // value code words in the mma layout of the low-bit decode's lean path (mma_codes.h), not the
-  // layout above; only that path reads them. key_scale_bound (device memory) is then at least
-  // every key scale of those groups.
+  // layout above; only that path reads them, and only with the layout interleaved by group
+  // (group_bytes = 16 head_dim). key_scale_bound (device memory) is then at least every key
+  // scale of those groups.
   int32_t mma_codes = 0;
   const float* key_scale_bound = nullptr;
 };
@@ -75,17 +96,17 @@ SPECACHE_HOST_DEVICE inline const uint8_t* ReplicaBlock(const DeviceReplicaView&
 // Key group g's codes [head_dim][G * key_bits / 32].
 SPECACHE_HOST_DEVICE inline const uint32_t* KeyCodes(const DeviceReplicaView& v, int32_t g) {
   const int32_t token = g * v.group_size, in = (token % v.layout.block_tokens) / v.group_size;
-  return reinterpret_cast<const uint32_t*>(ReplicaBlock(v, token) + v.layout.key_codes) +
-         static_cast<int64_t>(in) * v.head_dim * (v.group_size * v.key_bits / 32);
+  return reinterpret_cast<const uint32_t*>(
+      ReplicaBlock(v, token) + KeyPartOffset(v.layout, v.layout.key_codes, in, int64_t{v.head_dim} * v.group_size * v.key_bits / 8));
 }
 // Key group g's scales and zeros [head_dim].
 SPECACHE_HOST_DEVICE inline const Half* KeyScales(const DeviceReplicaView& v, int32_t g) {
   const int32_t token = g * v.group_size, in = (token % v.layout.block_tokens) / v.group_size;
-  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.key_scale) + static_cast<int64_t>(in) * v.head_dim;
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + KeyPartOffset(v.layout, v.layout.key_scale, in, v.head_dim * 2));
 }
 SPECACHE_HOST_DEVICE inline const Half* KeyZeros(const DeviceReplicaView& v, int32_t g) {
   const int32_t token = g * v.group_size, in = (token % v.layout.block_tokens) / v.group_size;
-  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.key_zero) + static_cast<int64_t>(in) * v.head_dim;
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + KeyPartOffset(v.layout, v.layout.key_zero, in, v.head_dim * 2));
 }
 // A 16-bit key's row [head_dim].
 SPECACHE_HOST_DEVICE inline const Half* KeyHalf(const DeviceReplicaView& v, int32_t token) {
@@ -94,17 +115,19 @@ SPECACHE_HOST_DEVICE inline const Half* KeyHalf(const DeviceReplicaView& v, int3
 }
 // A value token's codes [head_dim / G][G * value_bits / 32], scales and zeros [head_dim / G].
 SPECACHE_HOST_DEVICE inline const uint32_t* ValueCodes(const DeviceReplicaView& v, int32_t token) {
-  return reinterpret_cast<const uint32_t*>(ReplicaBlock(v, token) + v.layout.value_codes) +
-         static_cast<int64_t>(token % v.layout.block_tokens) * (v.head_dim / v.group_size) *
-             (v.group_size * v.value_bits / 32);
+  return reinterpret_cast<const uint32_t*>(ReplicaBlock(v, token) +
+                                           ValuePartOffset(v.layout, v.layout.value_codes, token % v.layout.block_tokens,
+                                                           int64_t{v.head_dim} * v.value_bits / 8));
 }
 SPECACHE_HOST_DEVICE inline const Half* ValueScales(const DeviceReplicaView& v, int32_t token) {
-  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.value_scale) +
-         static_cast<int64_t>(token % v.layout.block_tokens) * (v.head_dim / v.group_size);
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + ValuePartOffset(v.layout, v.layout.value_scale,
+                                                                                 token % v.layout.block_tokens,
+                                                                                 v.head_dim / v.group_size * 2));
 }
 SPECACHE_HOST_DEVICE inline const Half* ValueZeros(const DeviceReplicaView& v, int32_t token) {
-  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + v.layout.value_zero) +
-         static_cast<int64_t>(token % v.layout.block_tokens) * (v.head_dim / v.group_size);
+  return reinterpret_cast<const Half*>(ReplicaBlock(v, token) + ValuePartOffset(v.layout, v.layout.value_zero,
+                                                                                 token % v.layout.block_tokens,
+                                                                                 v.head_dim / v.group_size * 2));
 }
 // A 16-bit value's row [head_dim].
 SPECACHE_HOST_DEVICE inline const Half* ValueHalf(const DeviceReplicaView& v, int32_t token) {

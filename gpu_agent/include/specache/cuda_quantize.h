@@ -21,9 +21,10 @@ Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int g
                            uint32_t* codes, Half* scale, Half* zero, void* stream);
 
 // Runs of key groups (or value tokens), each quantized into its own contiguous destination (one
-// replica block's): what QuantizeKeyGroups (QuantizeValueTokens) does for one run, for many runs in
-// one launch per kMaxQuantizeRuns runs (a prompt's blocks, not a launch per block). Runs of 0 are
-// skipped; one launch holds at most 2^30 groups (tokens).
+// replica block's, or one 32-token group's when the block is interleaved by group): what
+// QuantizeKeyGroups (QuantizeValueTokens) does for one run, for many runs in one launch per
+// kMaxQuantizeRuns runs (an 8K prompt's 256 groups, not a launch per block or group; ~11 KB of
+// kernel parameters). Runs of 0 are skipped; one launch holds at most 2^30 groups (tokens).
 struct KeyGroupRun {
   const Half* keys = nullptr;  // [n_groups][group_size][head_dim]
   uint32_t* codes = nullptr;   // [n_groups][head_dim][group_size*bits/32]
@@ -38,7 +39,7 @@ struct ValueTokenRun {
   Half* zero = nullptr;
   int32_t n_tokens = 0;
 };
-constexpr int kMaxQuantizeRuns = 64;
+constexpr int kMaxQuantizeRuns = 256;
 Status QuantizeKeyGroupRuns(const KeyGroupRun* runs, int n_runs, int group_size, int head_dim, int bits, void* stream);
 Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_dim, int group_size, int bits,
                               void* stream);

@@ -23,7 +23,11 @@ struct MmaGroupTask;  // mma_codes.h
 
 // The block layout of replicas with these parameters: block_tokens = lcm(R, 128) tokens (whole
 // residual flushes and whole 32-token decode blocks), parts 16-byte aligned, blocks 256-byte.
-ReplicaBlockLayout MakeReplicaBlockLayout(const ReplicaParams& params);
+// interleave_groups: the parts interleaved per 32-token group (ReplicaBlockLayout::group_bytes),
+// as replicas with mma codes keep them; only for packed keys and values with G = 32 (otherwise
+// the layout is not interleaved). Both layouts of one ReplicaParams have the same block bytes,
+// so their replicas can share a pool.
+ReplicaBlockLayout MakeReplicaBlockLayout(const ReplicaParams& params, bool interleave_groups = false);
 
 // Device memory for the blocks of replicas of one ReplicaParams: one pool per agent, shared by
 // all its sequences. Not thread-safe (an agent is used from one thread).
@@ -119,7 +123,7 @@ class DeviceHeadReplica {
   uint8_t* BlockAt(int32_t token) const;
   // Where the replica's parts for a key group or a token are (device addresses, host arithmetic).
   uint32_t* KeyCodesAt(int32_t group) const;
-  Half* KeyScaleAt(int32_t group, int64_t part_offset) const;  // the scales' or the zeros' part
+  Half* KeyScaleAt(int32_t group, int32_t part_offset) const;  // the scales' or the zeros' part (a layout offset)
   Half* KeyHalfAt(int32_t token) const;
   ValueTokenTask ValueSlot(int32_t token, const Half* value) const;
   Half* ValueHalfAt(int32_t token) const;
@@ -148,6 +152,7 @@ class DeviceHeadReplica {
   int32_t length_ = 0, key_groups_ = 0, residual_ = 0, quantized_values_ = 0;
   int32_t window_begin_ = 0, window_count_ = 0;  // tokens of the window buffer in use
   bool mma_codes_ = false;
+  ReplicaBlockLayout layout_;  // the pool's blocks, interleaved by group with mma codes
   int32_t packed_groups_ = 0;  // with mma codes: the groups [0, packed_groups_) are in the mma layout
   std::unique_ptr<DeviceBlockPool> own_pool_;    // when none was given; destroyed after the blocks go back
   DeviceBlockPool* pool_ = nullptr;

@@ -462,19 +462,22 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
   auto* s = static_cast<cudaStream_t>(stream);
   // Strides resolved; the items the tensor-core path takes go there, the others below.
   std::vector<DeviceDecodeItem> fast, rest;
+  fast.reserve(n_items);
+  const bool lowbit = LowBitDecodeAvailable();
   for (int i = 0; i < n_items; ++i) {
     DeviceDecodeItem it = items[i];
     if (it.rows.q_stride == 0) it.rows.q_stride = int64_t{it.rows.n_heads} * it.replica.head_dim;
     if (it.rows.kv_stride == 0) it.rows.kv_stride = it.replica.head_dim;
-    const bool eligible = LowBitDecodeEligible(it);
+    const bool eligible = LowBitDecodeEligible(it, lowbit);
     if (!eligible && it.replica.mma_codes) {  // the mma layout's groups: only the lean path reads them
       return Status::InvalidArgument("decode attention: a replica in the mma layout needs an item of at most " +
-                                     std::to_string(kLeanMaxQueries) + " queries");
+                                     std::to_string(kLeanMaxQueries) +
+                                     " queries and its blocks interleaved by group (ReplicaBlockLayout::group_bytes)");
     }
     (eligible ? fast : rest).push_back(it);
   }
   std::vector<LowBitSet> sets;
-  if (!fast.empty()) SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(fast, plan->free_slots(), &sets));
+  if (!fast.empty()) SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(std::move(fast), plan->free_slots(), &sets));
   // One slot for every set of the call: the low-bit sets, then the CUDA-core set; one copy.
   std::vector<size_t> offsets;
   size_t bytes = 0;

@@ -24,12 +24,15 @@ Status Cuda(cudaError_t err, const char* what) {
 
 }  // namespace
 
-ReplicaBlockLayout MakeReplicaBlockLayout(const ReplicaParams& p) {
+ReplicaBlockLayout MakeReplicaBlockLayout(const ReplicaParams& p, bool interleave_groups) {
   ReplicaBlockLayout l;
   // Whole residual flushes (R tokens) and whole 32-token blocks of the decode kernels fit in one
   // block; 128 tokens at least, so that the table stays short.
   l.block_tokens = std::lcm(std::max(p.residual_tokens, 32), 128);
-  const int64_t T = l.block_tokens, d = p.head_dim, G = p.group_size;
+  const bool interleaved = interleave_groups && p.group_size == 32 && IsPackedBitWidth(p.key_bits) &&
+                           IsPackedBitWidth(p.value_bits);
+  // Interleaved, the parts below are one 32-token group's; the block repeats them per group.
+  const int64_t T = interleaved ? 32 : l.block_tokens, d = p.head_dim, G = p.group_size;
   int64_t at = 0;
   auto part = [&](int64_t bytes) {
     const int64_t offset = at;
@@ -49,6 +52,10 @@ ReplicaBlockLayout MakeReplicaBlockLayout(const ReplicaParams& p) {
     l.value_zero = part(T * (d / G) * 2);
   } else {
     l.value_half = part(T * d * 2);
+  }
+  if (interleaved) {  // each part a multiple of 16 bytes: a block is as large as without interleaving
+    l.group_bytes = static_cast<int32_t>(at);
+    at *= l.block_tokens / 32;
   }
   l.bytes = static_cast<int32_t>(Up(at, kAlign));  // megabytes at most (lcm(R, 128) fp16 rows)
   return l;

@@ -79,7 +79,10 @@ Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const Repli
   r->params_ = p;
   r->capacity_ = capacity;
   r->stream_ = stream;
-  const ReplicaBlockLayout layout = MakeReplicaBlockLayout(p);
+  // Replicas with mma codes keep each group's parts together (the lean path copies a group as one
+  // piece); the pool's blocks have the same size either way.
+  const ReplicaBlockLayout layout = MakeReplicaBlockLayout(p, mma_codes);
+  r->layout_ = layout;
   r->max_blocks_ = (capacity + layout.block_tokens - 1) / layout.block_tokens;
   if (pool == nullptr) {  // a pool of its own, for its whole capacity
     SPECACHE_ASSIGN_OR_RETURN(r->own_pool_, DeviceBlockPool::Create(p, int64_t{r->max_blocks_} * layout.bytes));
@@ -159,30 +162,32 @@ void DeviceHeadReplica::ReleaseUnused() {
 uint8_t* DeviceHeadReplica::BlockAt(int32_t token) const { return blocks_[token / pool_->layout().block_tokens]; }
 
 uint32_t* DeviceHeadReplica::KeyCodesAt(int32_t group) const {
-  const ReplicaBlockLayout& l = pool_->layout();
+  const ReplicaBlockLayout& l = layout_;
   const int32_t token = group * params_.group_size, in = (token % l.block_tokens) / params_.group_size;
-  return reinterpret_cast<uint32_t*>(BlockAt(token) + l.key_codes) +
-         size_t(in) * params_.head_dim * WordsPerGroup(params_.group_size, params_.key_bits);
+  return reinterpret_cast<uint32_t*>(
+      BlockAt(token) + KeyPartOffset(l, l.key_codes, in, int64_t{params_.head_dim} * WordsPerGroup(params_.group_size, params_.key_bits) * 4));
 }
-Half* DeviceHeadReplica::KeyScaleAt(int32_t group, int64_t part_offset) const {
-  const ReplicaBlockLayout& l = pool_->layout();
+Half* DeviceHeadReplica::KeyScaleAt(int32_t group, int32_t part_offset) const {
+  const ReplicaBlockLayout& l = layout_;
   const int32_t token = group * params_.group_size, in = (token % l.block_tokens) / params_.group_size;
-  return reinterpret_cast<Half*>(BlockAt(token) + part_offset) + size_t(in) * params_.head_dim;
+  return reinterpret_cast<Half*>(BlockAt(token) + KeyPartOffset(l, part_offset, in, int64_t{params_.head_dim} * 2));
 }
 Half* DeviceHeadReplica::KeyHalfAt(int32_t token) const {
-  const ReplicaBlockLayout& l = pool_->layout();
+  const ReplicaBlockLayout& l = layout_;
   return reinterpret_cast<Half*>(BlockAt(token) + l.key_half) + size_t(token % l.block_tokens) * params_.head_dim;
 }
 ValueTokenTask DeviceHeadReplica::ValueSlot(int32_t token, const Half* value) const {
-  const ReplicaBlockLayout& l = pool_->layout();
+  const ReplicaBlockLayout& l = layout_;
   const int vg = params_.head_dim / params_.group_size;
-  const size_t in = token % l.block_tokens;
+  const int32_t in = token % l.block_tokens;
   uint8_t* block = BlockAt(token);
-  return {value, reinterpret_cast<uint32_t*>(block + l.value_codes) + in * vg * WordsPerGroup(params_.group_size, params_.value_bits),
-          reinterpret_cast<Half*>(block + l.value_scale) + in * vg, reinterpret_cast<Half*>(block + l.value_zero) + in * vg};
+  return {value,
+          reinterpret_cast<uint32_t*>(block + ValuePartOffset(l, l.value_codes, in, int64_t{vg} * WordsPerGroup(params_.group_size, params_.value_bits) * 4)),
+          reinterpret_cast<Half*>(block + ValuePartOffset(l, l.value_scale, in, int64_t{vg} * 2)),
+          reinterpret_cast<Half*>(block + ValuePartOffset(l, l.value_zero, in, int64_t{vg} * 2))};
 }
 Half* DeviceHeadReplica::ValueHalfAt(int32_t token) const {
-  const ReplicaBlockLayout& l = pool_->layout();
+  const ReplicaBlockLayout& l = layout_;
   return reinterpret_cast<Half*>(BlockAt(token) + l.value_half) + size_t(token % l.block_tokens) * params_.head_dim;
 }
 
@@ -246,7 +251,7 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
 void DeviceHeadReplica::TakeWholeGroups(std::vector<MmaGroupTask>* tasks) {
   if (!mma_codes_) return;
   const int32_t whole = std::min(quantized_keys(), quantized_values_) / 32;
-  const ReplicaBlockLayout& l = pool_->layout();
+  const ReplicaBlockLayout& l = layout_;
   for (; packed_groups_ < whole; ++packed_groups_) {
     const ValueTokenTask v = ValueSlot(packed_groups_ * 32, nullptr);
     tasks->push_back({KeyCodesAt(packed_groups_), KeyScaleAt(packed_groups_, l.key_scale),
@@ -269,11 +274,13 @@ Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G k
 Status DeviceHeadReplica::StoreKeyGroups(const Half* keys, int32_t groups) {
   const ReplicaParams& p = params_;
   const int d = p.head_dim, G = p.group_size;
-  const ReplicaBlockLayout& l = pool_->layout();
-  const int32_t per_block = l.block_tokens / G;  // a multiple of R/G: block_tokens = lcm(R, 128)
-  std::vector<KeyGroupRun> runs;                  // a run per block: one launch for them all
-  while (groups > 0) {  // per block: a block's groups are contiguous, the next block's are elsewhere
-    const int32_t g = std::min<int32_t>(groups, per_block - key_groups_ % per_block);
+  const ReplicaBlockLayout& l = layout_;
+  // Groups in a run are contiguous: a block's (block_tokens = lcm(R, 128), a multiple of R), or
+  // one group when the block's parts are interleaved by group.
+  const int32_t per_run = l.group_bytes ? 1 : l.block_tokens / G;
+  std::vector<KeyGroupRun> runs;  // one launch for them all
+  while (groups > 0) {
+    const int32_t g = std::min<int32_t>(groups, per_run - key_groups_ % per_run);
     if (IsPackedBitWidth(p.key_bits)) {
       runs.push_back({keys, KeyCodesAt(key_groups_), KeyScaleAt(key_groups_, l.key_scale),
                       KeyScaleAt(key_groups_, l.key_zero), g});
@@ -294,9 +301,11 @@ Status DeviceHeadReplica::StoreKeyGroups(const Half* keys, int32_t groups) {
 Status DeviceHeadReplica::StoreValues(const Half* values, int32_t m) {
   const ReplicaParams& p = params_;
   const int d = p.head_dim;
-  const int32_t T = pool_->layout().block_tokens;
-  std::vector<ValueTokenRun> runs;  // a run per block: one launch for them all
-  while (m > 0) {  // per block: a block's slots are contiguous, the next block's are elsewhere
+  // Slots in a run are contiguous: a block's, or a 32-token group's when the block's parts are
+  // interleaved by group.
+  const int32_t T = layout_.group_bytes ? 32 : layout_.block_tokens;
+  std::vector<ValueTokenRun> runs;  // one launch for them all
+  while (m > 0) {
     const int32_t n = std::min<int32_t>(m, T - quantized_values_ % T);
     if (IsPackedBitWidth(p.value_bits)) {
       const ValueTokenTask t = ValueSlot(quantized_values_, values);
@@ -404,7 +413,7 @@ DeviceReplicaView DeviceHeadReplica::view() const {
   v.length = length_;
   v.quantized_keys = quantized_keys();
   v.quantized_values = quantized_values_;
-  v.layout = pool_->layout();
+  v.layout = layout_;
   v.blocks = b_->table;
   v.residual_keys = b_->key_residual;
   v.window_values = b_->window + static_cast<size_t>(window_begin_) * params_.head_dim;

@@ -197,6 +197,19 @@ struct BlockWalk {
   template <int KB, int VB, int D>
   __device__ __forceinline__ void Issue(uint32_t* stage, int lane, bool more) {
     IssueBlock<KB, VB, D>(v.layout, ahead, in, stage, lane);
+    Advance(more);
+  }
+  // The same for a replica block interleaved by group (ReplicaBlockLayout::group_bytes): the
+  // group's parts are already in the stage's order, one piece of StageWords (LowBitDecodeEligible:
+  // the lean path's items have group_bytes = MmaGroupBytes(D)).
+  template <int D>
+  __device__ __forceinline__ void IssueGroup(uint32_t* stage, int lane, bool more) {
+    constexpr int kBytes = 4 * StageWords<1, 1, D>();
+    static_assert(kBytes == MmaGroupBytes(D), "a group's parts in the stage's order");
+    StageCopy<kBytes>(stage, ahead + (in / 32) * kBytes, lane);
+    Advance(more);
+  }
+  __device__ __forceinline__ void Advance(bool more) {
     in += 32;
     if (in == v.layout.block_tokens) in = 0, ++index;
     if (more) ahead = v.blocks[index];
@@ -704,7 +717,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   static_assert(StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS <= ItemOffsetWords<1, 1, D, 1>(), "room for the operands");
 
   BlockWalk walk(v, t0);
-  walk.Issue<1, 1, D>(ws, lane, t0 + 32 < t1);
+  walk.IssueGroup<D>(ws, lane, t0 + 32 < t1);
   CpAsyncCommit();
 
   // Query g's A operands: channels 16 ks + 2t, +1 ([ks][0]) and + 8, + 9 ([ks][1]) of its
@@ -759,7 +772,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
-    if (b0 + 32 < t1) walk.Issue<1, 1, D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
+    if (b0 + 32 < t1) walk.IssueGroup<D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
     CpAsyncCommit();
     CpAsyncWaitButOne();
     __syncwarp();
@@ -1277,17 +1290,34 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
   const int most_tail = static_cast<int>(std::clamp<int64_t>(wave / (8 * int64_t(items.size())), 1, kMaxTailUnits));
   int64_t blocks = 0, tail_units = 0, most_blocks = 2;
   int64_t tail_cost = 0;  // the longest tail unit, in bulk blocks (a tail block on the CUDA cores: ~3, by instruction counts)
+  // How many items have each bulk length ({blocks, items}): the searches below count units over
+  // these, not over the items (a batch has few lengths; walking 792 items of 256 bytes for each
+  // candidate chunk cost ~150 us of host time per layer at 99 x 8K).
+  std::vector<std::pair<int64_t, int64_t>> lengths;
+  lengths.reserve(items.size());
   for (const DeviceDecodeItem& it : items) {
-    blocks += BulkEnd(it.replica) / 32;
-    most_blocks = std::max<int64_t>(most_blocks, BulkEnd(it.replica) / 32);
+    const int64_t b = BulkEnd(it.replica) / 32;
+    blocks += b;
+    most_blocks = std::max(most_blocks, b);
+    lengths.push_back({b, 1});
     const int tails = TailUnits(it, most_tail);
     tail_units += tails;
     if (tails > 0) tail_cost = std::max<int64_t>(tail_cost, 3 * TailUnitTokens(it, most_tail) / 32);
   }
+  std::sort(lengths.begin(), lengths.end());
+  size_t distinct = 0;
+  for (const auto& [b, n] : lengths) {
+    if (distinct > 0 && lengths[distinct - 1].first == b) {
+      lengths[distinct - 1].second += n;
+    } else {
+      lengths[distinct++] = {b, n};
+    }
+  }
+  lengths.resize(distinct);
   // The bulk units of `chunk` blocks each, over all items.
   auto bulk_units_with = [&](int64_t chunk) {
     int64_t n = 0;
-    for (const DeviceDecodeItem& it : items) n += (BulkEnd(it.replica) / 32 + chunk - 1) / chunk;
+    for (const auto& [b, count] : lengths) n += (b + chunk - 1) / chunk * count;
     return n;
   };
   // The smallest chunk whose bulk units, with `beside` other units, fit one wave: units are
@@ -1361,9 +1391,14 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
 
 }  // namespace
 
-Status PlanLowBitDecode(const std::vector<DeviceDecodeItem>& items, int free_slots, std::vector<LowBitSet>* sets) {
+Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets) {
   std::vector<DeviceDecodeItem> by_class[kClasses];
-  for (const DeviceDecodeItem& it : items) by_class[ClassOf(it)].push_back(it);
+  const int first = items.empty() ? 0 : ClassOf(items[0]);
+  if (std::all_of(items.begin(), items.end(), [&](const DeviceDecodeItem& it) { return ClassOf(it) == first; })) {
+    by_class[first] = std::move(items);  // the usual call: one class, no copy
+  } else {
+    for (const DeviceDecodeItem& it : items) by_class[ClassOf(it)].push_back(it);
+  }
   sets->clear();
   for (int cls = 0; cls < kClasses; ++cls) {
     if (by_class[cls].empty()) continue;
@@ -1395,13 +1430,13 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
 
 bool LowBitDecodeAvailable() { return DeviceHasMma(); }
 
-bool LowBitDecodeEligible(const DeviceDecodeItem& item) {
+bool LowBitDecodeEligible(const DeviceDecodeItem& item, bool available) {
   const DeviceReplicaView& v = item.replica;
   const int queries = item.rows.n_rows * item.rows.n_heads;
-  if (v.mma_codes && queries > kLeanMaxQueries) return false;
+  if (v.mma_codes && (queries > kLeanMaxQueries || v.layout.group_bytes != MmaGroupBytes(v.head_dim))) return false;
   return (v.key_bits == 1 || v.key_bits == 2) && (v.value_bits == 1 || v.value_bits == 2) &&
          (v.head_dim == 64 || v.head_dim == 128) && v.group_size == kGroup && queries >= 1 && queries <= kMaxQ &&
-         DeviceHasMma();
+         available;
 }
 
 }  // namespace specache::cuda

@@ -45,8 +45,9 @@ bool LowBitDecodeAvailable();
 // Most queries (rows x GQA heads) of an item the lean path takes: one n-tile of the values' mma.
 constexpr int kLeanMaxQueries = 8;
 // Whether `item` can take the tensor-core path (see above for the conditions; an item of a
-// replica in the mma layout only with at most 8 queries, on its lean path).
-bool LowBitDecodeEligible(const DeviceDecodeItem& item);
+// replica in the mma layout only with at most 8 queries, on its lean path), `available` being
+// LowBitDecodeAvailable() (asked once per batch: it asks the driver for the current device).
+bool LowBitDecodeEligible(const DeviceDecodeItem& item, bool available);
 
 // One launch of the tensor-core path: items of one (key bits, value bits, head_dim, query tiles)
 // class, each item's work cut into units (bulk units of chunk_blocks blocks of 32 tokens, then up
@@ -65,8 +66,8 @@ struct LowBitSet {
 };
 
 // One set per class present among `items`, its units one wave of the GPU less `free_slots` CTA
-// slots (DecodePlan::set_free_slots).
-Status PlanLowBitDecode(const std::vector<DeviceDecodeItem>& items, int free_slots, std::vector<LowBitSet>* sets);
+// slots (DecodePlan::set_free_slots). Items of one class move into their set uncopied.
+Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets);
 
 // The attention kernel and the merge of a planned set, whose bytes (WriteItemSet of its items,
 // unit_begin, tail_begin and tails_first) are at `device`.

@@ -40,6 +40,11 @@ namespace specache::cuda {
 inline bool MmaCodesEligible(const ReplicaParams& p) {
   return p.key_bits == 1 && p.value_bits == 1 && p.group_size == 32 && (p.head_dim == 64 || p.head_dim == 128);
 }
+// Bytes of one group's parts: key and value codes (4 D each), key scales and zeros (2 D each),
+// value scales and zeros (2 D each). A replica with mma codes keeps its blocks interleaved by
+// group (MakeReplicaBlockLayout), so ReplicaBlockLayout::group_bytes is this, and the lean path
+// copies a group as one piece of this many bytes.
+SPECACHE_HOST_DEVICE constexpr int MmaGroupBytes(int head_dim) { return 16 * head_dim; }
 
 struct MmaBitPlace {
   int lane, word, bit;  // word within the lane's D / 32
