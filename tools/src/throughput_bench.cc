@@ -181,6 +181,8 @@ class Bench {
       run.phases.edges_ms = p.edges_ms / p.steps;
       run.phases.attention_ms = p.attention_ms / p.steps;
       run.phases.fetch_wait_ms = p.fetch_wait_ms / p.steps;
+      run.phases.enqueue_host_ms = p.enqueue_host_ms / p.steps;
+      run.phases.agent_host_ms = p.agent_host_ms / p.steps;
       run.phases.steps = p.steps;
     }
     run.stats = agent->stats();
@@ -330,6 +332,10 @@ class Bench {
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;
     j["ms_fetch_wait"] = run.phases.fetch_wait_ms;
+    // The host's time to enqueue a step, and its part in the agent's calls (PhaseTimes): near
+    // ms_step, the step waits for the host, not the GPU.
+    j["ms_enqueue_host"] = run.phases.enqueue_host_ms;
+    j["ms_agent_host"] = run.phases.agent_host_ms;
     j["fetched_bytes_per_token"] = run.fetched_bytes_per_token;
     j["gpu_kv_bytes"] = run.stats.device_bytes_reserved;
     j["gpu_kv_bytes_in_use"] = run.stats.device_bytes;
@@ -410,6 +416,10 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
                j["ms_topk"].get<double>(), j["ms_fetch_wait"].get<double>(),
                j["fetched_bytes_per_token"].get<double>() / 1e3, j["gpu_kv_ratio"].get<double>(),
                Gb(j["device_bytes_used"].get<double>()).c_str(), Gb(j["host_rss_bytes"].get<double>()).c_str());
+  if (j.contains("ms_enqueue_host")) {
+    std::fprintf(stderr, "%6s %-17s host: %.2f ms to enqueue a step, %.2f of them in the agent's calls\n", "", "",
+                 j["ms_enqueue_host"].get<double>(), j["ms_agent_host"].get<double>());
+  }
   if (j.contains("sdpa")) {
     const nlohmann::json& s = j["sdpa"];
     if (s.contains("tokens_per_s")) {

@@ -24,6 +24,12 @@ struct PhaseTimes {
   double attention_ms = 0;   // the agent's DecodeLayer and StartPrefetch: attention, the top-k of the
                              // speculative modes, and the synchronous fetch of specache-nonspec
   double fetch_wait_ms = 0;  // the stream stalled in WaitPrefetch for rows still in flight
+  // Host time (steady clock), not GPU time: the host's enqueueing of the whole step, up to its
+  // final wait for the stream; and its part inside the agent's calls (BeginStep, WaitPrefetch,
+  // DecodeLayer, StartPrefetch, EndStep). A step whose enqueue_host_ms nears its wall time is
+  // bound by the host, whatever its kernels take.
+  double enqueue_host_ms = 0;
+  double agent_host_ms = 0;
   int64_t steps = 0;
 };
 

@@ -2,10 +2,23 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <string>
 
 namespace specache::gpu {
 namespace {
+
+// Host time spent in the calls it times (steady clock).
+struct HostClock {
+  double ms = 0;
+  template <typename Call>
+  Status Time(Call call) {
+    const auto start = std::chrono::steady_clock::now();
+    Status status = call();
+    ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    return status;
+  }
+};
 
 Status Cuda(cudaError_t e, const std::string& what) {
   if (e == cudaSuccess) return Status::Ok();
@@ -117,6 +130,7 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
   const LlamaConfig& c = model_->config();
   const int n = static_cast<int>(tokens.size());
   const int rows = agent_->RowsPerSequence(kind);
+  const auto begun = std::chrono::steady_clock::now();
   SPECACHE_RETURN_IF_ERROR(model_->Reserve(n));
   void* s = model_->stream();
   marks_ = 0;
@@ -126,16 +140,21 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), positions.data(), n * sizeof(int32_t),
                                                 cudaMemcpyHostToDevice, Stream(s)), "step positions"));
   SPECACHE_RETURN_IF_ERROR(model_->Embed(model_->device_tokens(), n));
-  SPECACHE_RETURN_IF_ERROR(agent_->BeginStep(kind, ids_));
+  HostClock agent_clock;
+  SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->BeginStep(kind, ids_); }));
   SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   Status status = Status::Ok();
   for (int l = 0; l < c.n_layers && status.ok(); ++l) {
     status = model_->ProjectQkv(l, n, model_->device_positions());
     if (status.ok()) status = Mark(Phase::kGemm);
-    if (status.ok()) status = agent_->WaitPrefetch(l);
+    if (status.ok()) status = agent_clock.Time([&] { return agent_->WaitPrefetch(l); });
     if (status.ok()) status = Mark(Phase::kFetchWait);
-    if (status.ok()) status = agent_->DecodeLayer(l, {model_->q(), model_->k(), model_->v(), model_->attn()});
-    if (status.ok()) status = agent_->StartPrefetch(l);  // specache: overlaps the later layers
+    if (status.ok()) {
+      status = agent_clock.Time([&] {
+        SPECACHE_RETURN_IF_ERROR(agent_->DecodeLayer(l, {model_->q(), model_->k(), model_->v(), model_->attn()}));
+        return agent_->StartPrefetch(l);  // specache: overlaps the later layers
+      });
+    }
     if (status.ok()) status = Mark(Phase::kAttention);
     if (status.ok()) status = model_->FinishLayer(l, n);
   }
@@ -144,7 +163,7 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
     agent_->AbortStep();
     return status;
   }
-  SPECACHE_RETURN_IF_ERROR(agent_->EndStep());
+  SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->EndStep(); }));
   SPECACHE_RETURN_IF_ERROR(model_->Logits(0, n));
   SPECACHE_RETURN_IF_ERROR(model_->Argmax(n));
   argmax_host_.resize(n);
@@ -158,6 +177,10 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
                                   "logits"));
   }
   SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
+  if (timing_) {
+    times_.enqueue_host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begun).count();
+    times_.agent_host_ms += agent_clock.ms;
+  }
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(s)), "decode step"));
   return CollectTimes();
 }
