@@ -47,17 +47,9 @@ Status WriteTables(const std::vector<std::pair<uint8_t**, uint8_t*>>& writes, cu
 
 // The fixed device arrays of one replica: the key residual, the value window and the block table,
 // in one allocation.
-struct DeviceHeadReplica::Buffers {
-  void* memory = nullptr;
-  int64_t bytes = 0;
-  Half* key_residual = nullptr;  // [R][d]
-  Half* window = nullptr;        // [3R][d]: window_begin .. +window_count in use
-  uint8_t** table = nullptr;     // [max_blocks] device addresses of the blocks
-  float* key_scale_bound = nullptr;  // with mma codes: DeviceReplicaView::key_scale_bound
-  ~Buffers() {
-    if (memory) cudaFree(memory);
-  }
-};
+DeviceHeadReplica::Buffers::~Buffers() {
+  if (memory) cudaFree(memory);
+}
 
 Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const ReplicaParams& p, int32_t capacity,
                                                                      void* stream, DeviceBlockPool* pool,
@@ -92,8 +84,7 @@ Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const Repli
   }
   r->pool_ = pool;
   r->blocks_.reserve(r->max_blocks_);
-  r->b_ = std::make_unique<Buffers>();
-  Buffers& b = *r->b_;
+  Buffers& b = r->b_;
   const size_t row = size_t(p.head_dim) * sizeof(Half), R = p.residual_tokens;
   const size_t window_at = R * row, table_at = (4 * R * row + 255) / 256 * 256;
   const size_t bound_at = table_at + size_t(r->max_blocks_) * sizeof(uint8_t*);
@@ -144,7 +135,7 @@ Status DeviceHeadReplica::Reserve(const std::vector<DeviceHeadReplica*>& replica
   for (DeviceHeadReplica* r : replicas) {
     for (int32_t i = static_cast<int32_t>(r->blocks_.size()); i < r->BlocksFor(r->length_ + extra_tokens); ++i) {
       r->blocks_.push_back(taken[next]);
-      writes.emplace_back(r->b_->table + i, taken[next]);
+      writes.emplace_back(r->b_.table + i, taken[next]);
       ++next;
     }
   }
@@ -197,7 +188,7 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
   const ReplicaParams& p = params_;
   const int d = p.head_dim, R = p.residual_tokens, G = p.group_size;
   const cudaStream_t s = static_cast<cudaStream_t>(stream_);
-  Buffers& b = *b_;
+  Buffers& b = b_;
   const size_t row = static_cast<size_t>(d) * sizeof(Half);
   // The final state of HeadReplica's token-by-token rule, with a few launches per replica block
   // instead of several per R tokens (a prompt of 8K tokens was ~640 launches per head and layer):
@@ -255,7 +246,7 @@ void DeviceHeadReplica::TakeWholeGroups(std::vector<MmaGroupTask>* tasks) {
   for (; packed_groups_ < whole; ++packed_groups_) {
     const ValueTokenTask v = ValueSlot(packed_groups_ * 32, nullptr);
     tasks->push_back({KeyCodesAt(packed_groups_), KeyScaleAt(packed_groups_, l.key_scale),
-                      KeyScaleAt(packed_groups_, l.key_zero), v.codes, v.scale, v.zero, b_->key_scale_bound});
+                      KeyScaleAt(packed_groups_, l.key_zero), v.codes, v.scale, v.zero, b_.key_scale_bound});
   }
 }
 
@@ -266,7 +257,7 @@ Status DeviceHeadReplica::PackWholeGroups() {
 }
 
 Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G key groups, in one block
-  SPECACHE_RETURN_IF_ERROR(StoreKeyGroups(b_->key_residual, params_.residual_tokens / params_.group_size));
+  SPECACHE_RETURN_IF_ERROR(StoreKeyGroups(b_.key_residual, params_.residual_tokens / params_.group_size));
   residual_ = 0;
   return Status::Ok();
 }
@@ -324,7 +315,7 @@ Status DeviceHeadReplica::StoreValues(const Half* values, int32_t m) {
 }
 
 Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m values leave the window
-  SPECACHE_RETURN_IF_ERROR(StoreValues(b_->window + static_cast<size_t>(window_begin_) * params_.head_dim, m));
+  SPECACHE_RETURN_IF_ERROR(StoreValues(b_.window + static_cast<size_t>(window_begin_) * params_.head_dim, m));
   window_begin_ += m;
   window_count_ -= m;
   return Status::Ok();
@@ -332,7 +323,7 @@ Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m value
 
 Status DeviceHeadReplica::CompactWindow() {  // [begin, begin + count) -> [0, count), no overlap as count <= R < begin
   const int d = params_.head_dim;
-  Buffers& b = *b_;
+  Buffers& b = b_;
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.window, b.window + static_cast<size_t>(window_begin_) * d,
                                                 window_count_ * d * sizeof(Half), cudaMemcpyDeviceToDevice,
                                                 static_cast<cudaStream_t>(stream_)),
@@ -362,7 +353,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   std::vector<RowCopy> copies;
   copies.reserve(2 * replicas.size());
   for (size_t i = 0; i < replicas.size(); ++i) {  // residual_ < R and window_count_ <= R: both rows have room
-    Buffers& b = *replicas[i]->b_;
+    Buffers& b = replicas[i]->b_;
     copies.push_back({keys[i], b.key_residual + static_cast<size_t>(replicas[i]->residual_) * d});
     copies.push_back({values[i], b.window + static_cast<size_t>(replicas[i]->window_begin_ + replicas[i]->window_count_) * d});
   }
@@ -377,7 +368,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     ++r->length_;
     if (r->residual_ == R) SPECACHE_RETURN_IF_ERROR(r->FlushKeyGroups());
     if (r->window_count_ > R) {
-      const Half* oldest = r->b_->window + static_cast<size_t>(r->window_begin_) * d;
+      const Half* oldest = r->b_.window + static_cast<size_t>(r->window_begin_) * d;
       if (packed_values) {
         retire.push_back(r->ValueSlot(r->quantized_values_, oldest));
       } else {
@@ -414,11 +405,11 @@ DeviceReplicaView DeviceHeadReplica::view() const {
   v.quantized_keys = quantized_keys();
   v.quantized_values = quantized_values_;
   v.layout = layout_;
-  v.blocks = b_->table;
-  v.residual_keys = b_->key_residual;
-  v.window_values = b_->window + static_cast<size_t>(window_begin_) * params_.head_dim;
+  v.blocks = b_.table;
+  v.residual_keys = b_.key_residual;
+  v.window_values = b_.window + static_cast<size_t>(window_begin_) * params_.head_dim;
   v.mma_codes = mma_codes_ ? 1 : 0;
-  v.key_scale_bound = mma_codes_ ? b_->key_scale_bound : nullptr;
+  v.key_scale_bound = mma_codes_ ? b_.key_scale_bound : nullptr;
   return v;
 }
 
@@ -433,10 +424,10 @@ int64_t DeviceHeadReplica::device_bytes() const {
   return bytes;
 }
 
-int64_t DeviceHeadReplica::fixed_bytes() const { return b_->bytes; }
+int64_t DeviceHeadReplica::fixed_bytes() const { return b_.bytes; }
 
 int64_t DeviceHeadReplica::reserved_bytes() const {
-  return b_->bytes + static_cast<int64_t>(blocks_.size()) * pool_->layout().bytes;
+  return b_.bytes + static_cast<int64_t>(blocks_.size()) * pool_->layout().bytes;
 }
 
 }  // namespace specache::cuda

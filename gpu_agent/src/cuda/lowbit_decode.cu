@@ -670,6 +670,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
 // p scaled before its fp16 rounding, so that fp16(p kLeanP) * scale stays normal for the weights
 // that matter; a value scale must stay below 1023 (65504 / kLeanP) for the product to be finite.
 constexpr float kLeanP = 64.0f;
+constexpr float kLeanPLog2 = 6.0f;  // log2(kLeanP): the exponent adds it, so p comes out times kLeanP
 
 // Group j (bits 4j..4j+3 of each half) of a word at bits 10..13, where each bit alone is a normal
 // fp16 power of two (MmaBitWeight).
@@ -750,6 +751,10 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     }
     unscale = decode::Pow2(k - e) * r.scale;
   }
+  // C of n-tile nt to scores: MmaBitUnweight(nt) * unscale (a power of two times unscale).
+  float to_score[4];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) to_score[nt] = MmaBitUnweight(nt) * unscale;
   // Query g's raw scores, for the top-k (the probabilities row, or the real row for the union rule).
   float* scores_out = nullptr;
   if (g < queries) {
@@ -767,12 +772,22 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     for (int mt = 0; mt < MT; ++mt) acc[mt][i] = 0.0f;
   }
   int sp = FirstSubstituteFrom(r, t0, lane);
-  // The next substituted token, loaded a block ahead of its test (INT32_MAX: none).
+  // The next substituted token and its row, loaded a block ahead of their use (INT32_MAX: none);
+  // its fetched rows are prefetched into L1 once, at the next block's start (ncu: the loads of
+  // the fetched rows were the kernel's largest single stalls, ~5% of its samples).
   int32_t next_sub = sp < r.n_sub ? r.sub_tokens[sp] : INT32_MAX;
+  int32_t next_slot = sp < r.n_sub ? (r.sub_slots ? r.sub_slots[sp] : sp) : 0;
+  bool prefetched = false;
 
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
     if (b0 + 32 < t1) walk.IssueGroup<D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
+    if (!prefetched && next_sub < t1) {
+      constexpr int kLines = 4 * D / 128;  // a fetched key and value row: 2 D halves
+      const char* row = reinterpret_cast<const char*>(r.sub_rows + static_cast<int64_t>(next_slot) * 2 * D);
+      if (lane < kLines) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + lane * 128));
+      prefetched = true;
+    }
     CpAsyncCommit();
     CpAsyncWaitButOne();
     __syncwarp();
@@ -807,16 +822,17 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
       for (int nt = 0; nt < 4; ++nt) Mma(c[nt], h0, r0, h2, r2, BitOperand(x0, nt), BitOperand(x1, nt));
     }
     float sc[4][2];  // query g, tokens b0 + 8 nt + 2t + j
+    const float zs = zc[0] * unscale;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf(c[nt][j] + c[nt][j + 2], MmaBitUnweight(nt), zc[0]) * unscale;
+      for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf(c[nt][j] + c[nt][j + 2], to_score[nt], zs);
     // Substituted rows in this block: query g's score from the fetched key (fp32, the quad's 4 x 32
     // channels summed), given to the lane whose slot holds the token.
     int n_block_subs = 0;
     uint32_t sub_mask = 0;
     while (next_sub < b0 + 32) {
-      const int32_t tk = next_sub, slot = r.sub_slots ? r.sub_slots[sp] : sp;
+      const int32_t tk = next_sub, slot = next_slot;
       const Half* kf = r.sub_rows + static_cast<int64_t>(slot) * 2 * D;
       float part = 0.0f;
 #pragma unroll
@@ -839,6 +855,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
       ++n_block_subs;
       ++sp;
       next_sub = sp < r.n_sub ? r.sub_tokens[sp] : INT32_MAX;
+      next_slot = sp < r.n_sub ? (r.sub_slots ? r.sub_slots[sp] : sp) : 0;
+      prefetched = false;
     }
     if (scores_out) {
 #pragma unroll
@@ -865,7 +883,9 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
       zv[0] *= a_even, zv[1] *= a_odd;
     }
     m = mn;
-    const float mn_log2e = mn == -INFINITY ? 0.0f : mn * kLog2e;
+    // p kLeanP (the values' B operands' scale, whose fp16 rounding it precedes) straight from the
+    // exponent; l sums it and is divided by kLeanP at the end.
+    const float mn_log2e = mn == -INFINITY ? 0.0f : fmaf(mn, kLog2e, -kLeanPLog2);
     float p[4][2];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
@@ -885,8 +905,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         for (int j = 0; j < 2; ++j)
           if (i == 8 * nt + 2 * t + j) mine = p[nt][j];
       const int holder = (i % 8) / 2;  // t of the lanes holding token i
-      const float p_even = __shfl_sync(kAll, mine, 4 * (2 * t) + holder) * kLeanP;
-      const float p_odd = __shfl_sync(kAll, mine, 4 * (2 * t + 1) + holder) * kLeanP;
+      const float p_even = __shfl_sync(kAll, mine, 4 * (2 * t) + holder);  // p kLeanP
+      const float p_odd = __shfl_sync(kAll, mine, 4 * (2 * t + 1) + holder);
       const Half* vf = r.sub_rows + static_cast<int64_t>(sub_list[k] >> 5) * 2 * D + D;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -908,7 +928,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     // ---- values. pb[ks][kh]: p kLeanP of tokens 16 ks + 8 kh + 2t, +1 (S's n-tile 2 ks + kh), query g.
     uint32_t pb[2][2];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) pb[nt / 2][nt % 2] = HalfPairOf(p[nt][0] * kLeanP, p[nt][1] * kLeanP);
+    for (int nt = 0; nt < 4; ++nt) pb[nt / 2][nt % 2] = HalfPairOf(p[nt][0], p[nt][1]);
     uint32_t vw[W];
     LaneWords<W>(vcodes, lane, vw);
     const uint4 vz = g < NGV ? reinterpret_cast<const uint4*>(vzero)[g * 4 + t] : make_uint4(0u, 0u, 0u, 0u);
@@ -955,7 +975,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
       if (q < queries) partial[q * D + ch] = acc[mt][e] * w + ((e & 1) ? z1 : z0) * (1.0f / kLeanP);
     }
   }
-  if (t == 0 && g < queries) stats[g * 2] = m, stats[g * 2 + 1] = l;
+  if (t == 0 && g < queries) stats[g * 2] = m, stats[g * 2 + 1] = l * (1.0f / kLeanP);  // l summed p kLeanP
 }
 
 // Where the fp16 row of `token`'s key is (residual, the step's new rows, a substituted row), or

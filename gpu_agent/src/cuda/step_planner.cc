@@ -67,8 +67,10 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
   plan.items.reserve(n_seq * n_kv);
   plan.probs_offsets.assign(n_seq, 0);
   size_t scratch = 0, probs = 0;
+  std::vector<const ReplicaStore::Heads*> heads_of(n_seq);  // one lookup per sequence
   for (size_t s = 0; s < n_seq; ++s) {
-    const DeviceHeadReplica& rep0 = *replicas_->Layer(ids[s], layer)[0];
+    heads_of[s] = &replicas_->Layer(ids[s], layer);
+    const DeviceHeadReplica& rep0 = *(*heads_of[s])[0];
     plan.candidates[s] = TopKCandidates(config_, appends, rep0.length(), rep0.quantized_keys());
     plan.probs_offsets[s] = probs;
     probs += size_t(n_kv) * group * std::max<int32_t>(plan.candidates[s], 1);
@@ -86,7 +88,7 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
   scratch = 0;
   for (size_t s = 0; s < n_seq; ++s) {
     const int32_t candidates = plan.candidates[s];
-    const ReplicaStore::Heads& heads = replicas_->Layer(ids[s], layer);
+    const ReplicaStore::Heads& heads = *heads_of[s];
     for (int h = 0; h < n_kv; ++h) {
       const DeviceHeadReplica& rep = *heads[h];
       DeviceDecodeItem it;
@@ -161,6 +163,7 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan) {
   for (int32_t n : plan.candidates) scratch += size_t(n_kv) * TopKScratchFloats(std::max(n, 0), adaptive);
   SPECACHE_RETURN_IF_ERROR(topk_scratch_.Reserve(std::max<size_t>(scratch, 1)));
   std::vector<TopKSegment> segments;
+  segments.reserve(ids.size() * n_kv);
   // kReal with real_next ranks a copy of the scores that credits each token with its predecessor's.
   const bool shift = config_.real_next && config_.mode == KvMode::kSpeCache && config_.select == SelectFrom::kReal;
   std::vector<ShiftTask> shifts;
@@ -211,6 +214,9 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
   std::vector<MaskTask> masks;
   std::vector<MergeTask> merges;
   std::vector<ShiftTask> shifts;
+  const size_t segments = ids.size() * n_kv;  // each vector holds at most one entry per segment
+  all.reserve(segments), primary.reserve(segments), others.reserve(segments), masks.reserve(segments);
+  merges.reserve(segments);
   scratch = 0;
   shifted = 0;
   size_t slot = 0;
