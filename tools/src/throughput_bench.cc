@@ -332,8 +332,8 @@ class Bench {
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;
     j["ms_fetch_wait"] = run.phases.fetch_wait_ms;
-    // The host's time to enqueue a step, and its part in the agent's calls (PhaseTimes): near
-    // ms_step, the step waits for the host, not the GPU.
+    // The host's time to enqueue a step, and its part in the agent's calls (PhaseTimes): well
+    // below ms_step, the GPU is the bound; near it, the host's work or its waits for the GPU.
     j["ms_enqueue_host"] = run.phases.enqueue_host_ms;
     j["ms_agent_host"] = run.phases.agent_host_ms;
     j["fetched_bytes_per_token"] = run.fetched_bytes_per_token;

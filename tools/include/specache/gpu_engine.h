@@ -26,8 +26,10 @@ struct PhaseTimes {
   double fetch_wait_ms = 0;  // the stream stalled in WaitPrefetch for rows still in flight
   // Host time (steady clock), not GPU time: the host's enqueueing of the whole step, up to its
   // final wait for the stream; and its part inside the agent's calls (BeginStep, WaitPrefetch,
-  // DecodeLayer, StartPrefetch, EndStep). A step whose enqueue_host_ms nears its wall time is
-  // bound by the host, whatever its kernels take.
+  // DecodeLayer, StartPrefetch, EndStep). Well below the step's wall time, the GPU is the bound.
+  // Near it, either the host's own work is, or the host waited for the GPU (a full launch queue,
+  // a synchronisation): the fp16 row at 32K, GPU-bound, enqueues for 110 of its 110 ms. Which of
+  // the two: the host's stacks (tools/profile).
   double enqueue_host_ms = 0;
   double agent_host_ms = 0;
   int64_t steps = 0;
