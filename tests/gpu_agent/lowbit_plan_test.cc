@@ -1,0 +1,123 @@
+// The tensor-core decode attention's plan (gpu_agent/src/cuda/lowbit_decode.h) on the host: it is
+// made without a device (a device's SM count and occupancy only size the wave), so CI checks what
+// the kernels rely on: every item's bulk blocks cut into whole units of chunk_blocks, none empty,
+// its tail units counted, the items of a class in their set in order. The kernels' results over
+// such plans are the gpu-labelled CudaAttentionTest.
+#include <gtest/gtest.h>
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "cuda/lowbit_decode.h"
+
+namespace specache {
+namespace {
+
+// An item of `length` tokens whose keys are quantized in groups of 32 up to a residual of
+// `residual` tokens and whose values keep a window of 64, with `rows` rows of 4 GQA heads.
+cuda::DeviceDecodeItem Item(int32_t length, int32_t residual, bool mma, int head_dim = 128, int rows = 2) {
+  cuda::DeviceDecodeItem it;
+  it.replica.head_dim = head_dim;
+  it.replica.group_size = 32;
+  it.replica.key_bits = it.replica.value_bits = 1;
+  it.replica.length = length;
+  it.replica.quantized_keys = std::max(0, (length - residual) / 32 * 32);
+  it.replica.quantized_values = std::max(0, length - 64);
+  it.replica.mma_codes = mma ? 1 : 0;
+  it.rows.n_rows = rows;
+  it.rows.n_heads = 4;
+  return it;
+}
+
+// Blocks of 32 tokens whose keys and values are both quantized: what the bulk units cover.
+int32_t BulkBlocks(const cuda::DeviceDecodeItem& it) {
+  return std::min(it.replica.quantized_keys, it.replica.quantized_values & ~31) / 32;
+}
+
+void ExpectUnitsCoverTheItems(const cuda::LowBitSet& set, const std::vector<cuda::DeviceDecodeItem>& want) {
+  ASSERT_EQ(set.items.size(), want.size());
+  ASSERT_EQ(set.unit_begin.size(), want.size() + 1);
+  ASSERT_EQ(set.tail_begin.size(), want.size() + 1);
+  ASSERT_GE(set.chunk_blocks, 2);
+  ASSERT_GE(set.tail_units, 1);
+  ASSERT_LE(set.tail_units, 4);
+  EXPECT_EQ(set.unit_begin[0], 0);
+  EXPECT_EQ(set.tail_begin[0], 0);
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(set.items[i].replica.length, want[i].replica.length) << "item " << i << " moved out of order";
+    const int32_t blocks = BulkBlocks(want[i]);
+    const int32_t bulk_units = (blocks + set.chunk_blocks - 1) / set.chunk_blocks;
+    const int32_t tails = set.tail_begin[i + 1] - set.tail_begin[i];
+    const int32_t tail_blocks = (want[i].replica.length + want[i].rows.n_rows - blocks * 32 + 31) / 32;
+    EXPECT_EQ(tails, std::min(tail_blocks, set.tail_units)) << "item " << i;
+    EXPECT_EQ(set.unit_begin[i + 1] - set.unit_begin[i], bulk_units + tails) << "item " << i;
+    // Whole units: the last one holds at least one block.
+    if (bulk_units > 0) {
+      EXPECT_GT(blocks, (bulk_units - 1) * set.chunk_blocks) << "item " << i;
+    }
+  }
+}
+
+TEST(LowBitPlanTest, RaggedBatchesAreCutIntoWholeUnits) {
+  std::mt19937 rng(7);
+  for (const bool mma : {true, false}) {
+    for (const int n : {1, 8, 99, 792}) {
+      std::vector<cuda::DeviceDecodeItem> items;
+      std::uniform_int_distribution<int32_t> length(40, 33000);
+      for (int i = 0; i < n; ++i) items.push_back(Item(length(rng), 1 + static_cast<int32_t>(rng() % 64), mma));
+      for (const int free_slots : {0, 16}) {
+        std::vector<cuda::LowBitSet> sets;
+        ASSERT_TRUE(cuda::PlanLowBitDecode(items, free_slots, &sets).ok());
+        ASSERT_EQ(sets.size(), 1u) << "one class";
+        SCOPED_TRACE(std::string(mma ? "lean" : "natural") + " n=" + std::to_string(n));
+        ExpectUnitsCoverTheItems(sets[0], items);
+        // The lean path's units take at least 16 blocks (its chunk search starts there).
+        if (mma) {
+          EXPECT_GE(sets[0].chunk_blocks, 16);
+        }
+      }
+    }
+  }
+}
+
+TEST(LowBitPlanTest, EqualLengthsAndOneLongItemShareAPlan) {
+  // 792 equal items (one length for the histogram) and the same with one item 4x as long: the
+  // long one gets more units of the same chunk, the others are unchanged.
+  std::vector<cuda::DeviceDecodeItem> items(792, Item(8192 + 2, 5, true));
+  std::vector<cuda::LowBitSet> sets;
+  ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets).ok());
+  ASSERT_EQ(sets.size(), 1u);
+  ExpectUnitsCoverTheItems(sets[0], items);
+  items[400] = Item(4 * 8192, 5, true);
+  ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets).ok());
+  ExpectUnitsCoverTheItems(sets[0], items);
+  const int32_t long_units = sets[0].unit_begin[401] - sets[0].unit_begin[400];
+  const int32_t short_units = sets[0].unit_begin[1] - sets[0].unit_begin[0];
+  EXPECT_GT(long_units, short_units);
+}
+
+TEST(LowBitPlanTest, ClassesGetSetsOfTheirOwnInOrder) {
+  // Lean (mma codes) and natural items of head_dim 64 and 128, interleaved: a set per class, each
+  // with its items in the order given.
+  std::vector<cuda::DeviceDecodeItem> items;
+  for (int i = 0; i < 40; ++i) items.push_back(Item(1000 + 97 * i, 17, i % 2 == 0, i % 4 < 2 ? 128 : 64));
+  std::vector<cuda::LowBitSet> sets;
+  ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets).ok());
+  ASSERT_EQ(sets.size(), 4u);
+  for (int a = 0; a + 1 < static_cast<int>(sets.size()); ++a) EXPECT_LT(sets[a].kernel_class, sets[a + 1].kernel_class);
+  for (const cuda::LowBitSet& set : sets) {
+    std::vector<cuda::DeviceDecodeItem> want;
+    for (const auto& it : items) {
+      if (it.replica.mma_codes == set.items[0].replica.mma_codes && it.replica.head_dim == set.items[0].replica.head_dim) {
+        want.push_back(it);
+      }
+    }
+    ExpectUnitsCoverTheItems(set, want);
+  }
+}
+
+}  // namespace
+}  // namespace specache
+#endif
