@@ -28,16 +28,24 @@ TEST(RunSupportTest, ModeSpecsTakeSelectionOptionsAfterSlashes) {
   auto plain = ToConfig(defaults, "specache:1");
   ASSERT_TRUE(plain.ok()) << plain.status().ToString();
   EXPECT_EQ(plain->select, SelectFrom::kUnion);
-  EXPECT_EQ(plain->extra_rows(), 64);
+  EXPECT_EQ(plain->extra_rows(), 96);
   EXPECT_TRUE(plain->real_next);
   EXPECT_TRUE(plain->attend_resident);
+  EXPECT_EQ(plain->cache_rows(), kDefaultCachedRows);
   EXPECT_EQ(ModeLabel(*plain), "specache-1bit");
+  // The default cache grows with the selection past it (twice the rows selected), and an explicit
+  // size is kept.
+  EXPECT_EQ(ToConfig(defaults, "specache:1/topk=600")->cache_rows(), 2 * (600 + 96));
+  EXPECT_EQ(ToConfig(defaults, "specache:1/cached-rows=256")->cache_rows(), 256);
+  EXPECT_EQ(ModeLabel(*ToConfig(defaults, "specache:1/cached-rows=256")), "specache-1bit+cache256");
+  EXPECT_EQ(ToConfig(defaults, "kivi:1")->cached_rows, 0) << "no row cache without fetched rows";
 
   auto paper = ToConfig(defaults, "specache:1/select=spec/no-resident/topk=64");
   ASSERT_TRUE(paper.ok()) << paper.status().ToString();
   EXPECT_EQ(paper->select, SelectFrom::kSpeculative);
   EXPECT_FALSE(paper->attend_resident);
   EXPECT_EQ(paper->extra_rows(), 0);
+  EXPECT_EQ(paper->cache_rows(), kDefaultCachedRows);
   EXPECT_EQ(ModeLabel(*paper), "specache-1bit+spec+no-resident");
 
   auto other =

@@ -30,9 +30,10 @@ cores=$(nproc)
 jobs=${JOBS:-$(( cores / 2 > 0 ? cores / 2 : 1 ))}
 threads=${THREADS:-2}
 backend=${BACKEND:-cpu}
-# Every rule is spelled out (the paper's: select=spec, no-resident, k=64) so that it stays the
-# same whatever specache-run's defaults become; "specache:1" alone is the current default.
-modes=${MODES:-full,kivi:1,specache:1/select=spec/no-resident/topk=64,specache:1,specache:1/select=spec/resident,specache:1/select=real/resident/no-next,specache:1/select=real/resident/next,specache:1/select=union/topk-real=32/resident/no-next,specache:1/select=union/topk-real=32/next/no-resident,specache:1/select=union/topk-real=64/resident/no-next,specache:1/select=union/topk-real=64/resident/next,specache:1/select=spec/resident/mass=0.9/k-min=16/k-max=128,specache-nonspec:1/no-resident,specache-oracle:1/no-resident,specache-oracle:1/resident}
+# Every rule is spelled out, its row cache too (the paper's: select=spec, no-resident, k=64, 128
+# rows: twice its selection), so that it stays the same whatever specache-run's defaults become;
+# "specache:1" alone is the current default.
+modes=${MODES:-full,kivi:1,specache:1/select=spec/no-resident/topk=64/cached-rows=128,specache:1,specache:1/select=spec/resident/cached-rows=128,specache:1/select=real/resident/no-next/cached-rows=128,specache:1/select=real/resident/next/cached-rows=128,specache:1/select=union/topk-real=32/resident/no-next/cached-rows=192,specache:1/select=union/topk-real=32/next/no-resident/cached-rows=192,specache:1/select=union/topk-real=64/resident/no-next/cached-rows=256,specache:1/select=union/topk-real=64/resident/next/cached-rows=256,specache:1/select=spec/resident/mass=0.9/k-min=16/k-max=128/cached-rows=256,specache-nonspec:1/no-resident/cached-rows=128,specache-oracle:1/no-resident/cached-rows=128,specache-oracle:1/resident/cached-rows=128}
 needle="The secret password for the blue door is PINEAPPLE."
 question="What is the secret password for the blue door?"
 

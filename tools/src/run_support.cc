@@ -1,5 +1,7 @@
 #include "run_support.h"
 
+#include <algorithm>
+
 #include "specache/device_probe.h"
 #include "specache/host_tensor_agent.h"
 #include "memory_breakdown.h"
@@ -125,6 +127,7 @@ Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   c.mass = o.mass;
   c.k_min = o.k_min;
   c.k_max = o.k_max;
+  if (c.fetches_rows() && c.cached_rows == 0) c.cached_rows = std::max(kDefaultCachedRows, 2 * c.max_selected());
   return c;
 }
 

@@ -75,7 +75,8 @@ void AddKvOptions(CLI::App* app, KvOptions* o) {
   app->add_option("--residual", o->residual, "full-precision residual window R (tokens)")->capture_default_str();
   app->add_option("--topk", o->topk, "rows fetched per KV head and layer (specache)")->capture_default_str();
   app->add_option("--cached-rows", o->cached_rows,
-                  "rows kept on the device per KV head and layer for reuse (0: 2 x topk; at least topk)")
+                  "rows kept on the device per KV head and layer for reuse (0: the larger of 1024 and twice the "
+                  "rows selected; at least the rows selected)")
       ->capture_default_str();
   app->add_option("--reduction", o->reduction, "GQA reduction of scores for top-k: mean or max")->capture_default_str();
   AddSelectionOptions(app, o);
