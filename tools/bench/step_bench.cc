@@ -137,9 +137,10 @@ KvConfig StepKvConfig(const std::string& kv) {
   return config;
 }
 
-AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, int fetch_blocks, bool fetch,
-                  FetchOverlap overlap = FetchOverlap::kFromSelection, bool profile_step = false,
-                  FetchVia via = FetchVia::kSmLoads, int fetch_threads = 0, bool mma_codes = true) {
+// One agent's run: `options` says what the run varies (fetch, its overlap and route, threads,
+// blocks, the replica layout); the capacity and the stream are set here.
+AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, CudaAgentOptions options,
+                  bool profile_step = false) {
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30);
@@ -148,15 +149,8 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   // the timed prefill, where ~34 GB of new pages for 32 x 8K would be registered otherwise.
   source.Reserve({kLayers, kKvHeads, kHeadDim}, batch, context + warm + steps + 8);
   const KvConfig config = StepKvConfig(kv);
-  CudaAgentOptions options;
   options.capacity_tokens = context + warm + steps + 8;
   options.stream = m.stream;
-  options.fetch = fetch;
-  options.fetch_overlap = overlap;
-  options.fetch_via = via;
-  options.mma_codes = mma_codes;
-  if (fetch_threads > 0) options.fetch_threads = fetch_threads;
-  if (fetch_blocks > 0) options.fetch_blocks = fetch_blocks;
   const auto created = std::chrono::steady_clock::now();
   auto agent = CreateCudaAgent({kLayers, kQHeads, kKvHeads, kHeadDim}, config, &source, options);
   if (!Ok(agent.status(), "agent")) return run;
@@ -315,12 +309,12 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     bool mma;
   };
   const Variant variants[] = {{1, true}, {1, false}, {2, false}};
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
   for (int batch : o.batches) {
     for (const Variant& variant : variants) {
       const int bits = variant.bits;
       const std::string label = std::to_string(bits) + (variant.mma ? "m" : "");
-      int major = 0;
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
       if (variant.mma && major < 8) continue;  // the lean path's mma needs sm_80+
       const int items = batch * kKvHeads;
       ReplicaParams params{kHeadDim, bits, bits, 32, 64};
@@ -513,8 +507,12 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     for (const std::string& kv : o.kv) {
       // kivi fetches nothing: one run is both columns, and one overlap.
       const bool fetches = StepKvConfig(kv).fetches_rows();
-      const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, false,
-                                        FetchOverlap::kFromSelection, false, FetchVia::kSmLoads, 0, o.mma_codes);
+      CudaAgentOptions base;  // what every run of the row shares
+      base.mma_codes = o.mma_codes;
+      if (o.fetch_blocks > 0) base.fetch_blocks = o.fetch_blocks;
+      CudaAgentOptions no_fetch = base;
+      no_fetch.fetch = false;
+      const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, no_fetch);
       if (without.ms < 0) {
         ok = false;
         continue;
@@ -536,9 +534,11 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         if (!Ok(overlap.status(), "fetch overlap")) return false;
         auto via = ParseFetchVia(via_name);
         if (!Ok(via.status(), "fetch route")) return false;
-        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.fetch_blocks, true, *overlap,
-                                                 o.profile_step, *via, o.fetch_threads, o.mma_codes)
-                                      : without;
+        CudaAgentOptions fetch = base;
+        fetch.fetch_overlap = *overlap;
+        fetch.fetch_via = *via;
+        if (o.fetch_threads > 0) fetch.fetch_threads = o.fetch_threads;
+        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, fetch, o.profile_step) : without;
         if (with.ms < 0) {
           ok = false;
           continue;
