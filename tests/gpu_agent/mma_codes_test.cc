@@ -88,15 +88,26 @@ TEST(MmaCodesLayoutTest, BitWeightsAreTheFp16ValuesOfBitsTenToThirteen) {
 }
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
+// One replica block on the host and a view of replicas of `p` whose only block it is, for the
+// kernels' accessors (whose pointers then lie in `bytes`).
+struct HostBlock {
+  HostBlock(const ReplicaParams& p, const cuda::ReplicaBlockLayout& l) : bytes(l.bytes), table{bytes.data()} {
+    view.head_dim = p.head_dim, view.group_size = p.group_size, view.key_bits = p.key_bits, view.value_bits = p.value_bits;
+    view.layout = l;
+    view.blocks = table;
+  }
+  HostBlock(const HostBlock&) = delete;
+  std::vector<uint8_t> bytes;
+  const uint8_t* table[1];
+  cuda::DeviceReplicaView view;
+};
+
 // Every byte a block's parts cover, through the kernels' accessors (on a host block): each byte
 // of the block in at most one part, and in one exactly when `whole` (no padding between parts).
 void ExpectPartsTileTheBlock(const ReplicaParams& p, const cuda::ReplicaBlockLayout& l, bool whole) {
-  std::vector<uint8_t> block(l.bytes);
-  const uint8_t* table[1] = {block.data()};
-  cuda::DeviceReplicaView v;
-  v.head_dim = p.head_dim, v.group_size = p.group_size, v.key_bits = p.key_bits, v.value_bits = p.value_bits;
-  v.layout = l;
-  v.blocks = table;
+  const HostBlock host(p, l);
+  const std::vector<uint8_t>& block = host.bytes;
+  const cuda::DeviceReplicaView& v = host.view;
   std::vector<int> covered(l.bytes, 0);
   auto mark = [&](const void* at, int64_t bytes) {
     const int64_t from = static_cast<const uint8_t*>(at) - block.data();
@@ -139,12 +150,10 @@ TEST(MmaCodesLayoutTest, BlocksInterleavedByGroupHoldEachGroupAsOnePiece) {
       EXPECT_EQ(l.block_tokens, natural.block_tokens);
       ExpectPartsTileTheBlock(p, l, l.bytes == l.block_tokens / 32 * l.group_bytes);
       ExpectPartsTileTheBlock(p, natural, false);
-      std::vector<uint8_t> block(l.bytes);
-      const uint8_t* table[1] = {block.data()};
-      cuda::DeviceReplicaView v;
-      v.head_dim = d, v.group_size = 32, v.layout = l, v.blocks = table;
+      const HostBlock host(p, l);
+      const cuda::DeviceReplicaView& v = host.view;
       for (int g = 0; g < l.block_tokens / 32; ++g) {
-        const uint8_t* group = block.data() + int64_t{g} * l.group_bytes;
+        const uint8_t* group = host.bytes.data() + int64_t{g} * l.group_bytes;
         EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::KeyCodes(v, g)), group);
         EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::KeyScales(v, g)), group + 4 * d);
         EXPECT_EQ(reinterpret_cast<const uint8_t*>(cuda::KeyZeros(v, g)), group + 6 * d);
