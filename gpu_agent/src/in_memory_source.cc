@@ -197,4 +197,20 @@ Status InMemorySource::CommitRows(SequenceId sequence, int layer, int kv_head, i
   return Status::Ok();
 }
 
+Status InMemorySource::CommitLayerRows(SequenceId sequence, int layer, int n_kv_heads, int32_t first_token, int32_t n) {
+  std::shared_lock lock(mutex_);
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * seq, Find(sequence, layer, 0));
+  if (n_kv_heads != seq->layout.n_kv_heads) {
+    return Status::InvalidArgument("commit of " + std::to_string(n_kv_heads) + " kv heads; the layout has " +
+                                   std::to_string(seq->layout.n_kv_heads));
+  }
+  for (int h = 0; h < n_kv_heads; ++h) SPECACHE_RETURN_IF_ERROR(CheckAppend(*seq, layer, h, first_token, n));
+  if (int64_t{PagesOf(*seq)} * page_tokens_ < int64_t{first_token} + n) {
+    return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
+  }
+  int32_t* lengths = seq->lengths.data() + static_cast<size_t>(layer) * n_kv_heads;
+  for (int h = 0; h < n_kv_heads; ++h) lengths[h] = first_token + n;
+  return Status::Ok();
+}
+
 }  // namespace specache

@@ -229,6 +229,32 @@ TEST(InMemorySourceTest, PagesAreFixedInsideRegionsAndWrittenInPlace) {
   EXPECT_EQ(s.HostPages(3, 0, 1, &again).code(), StatusCode::kNotFound);
 }
 
+// A layer's commit of every head is all or nothing in the in-memory source, with CommitRows' rules.
+TEST(InMemorySourceTest, LayerCommitsEveryHeadOrNone) {
+  const int page_tokens = 4, n_kv = 3, d = 8;
+  InMemorySource s(page_tokens);
+  ASSERT_TRUE(s.CreateSequence(1, {2, n_kv, d}).ok());
+  std::vector<uint8_t*> pages;
+  ASSERT_TRUE(s.HostPages(1, 0, 5, &pages).ok());
+  ASSERT_TRUE(s.CommitLayerRows(1, 0, n_kv, 0, 5).ok());
+  for (int h = 0; h < n_kv; ++h) EXPECT_EQ(*s.Length(1, 0, h), 5);
+  EXPECT_EQ(*s.Length(1, 1, 0), 0);  // the other layer is untouched
+  // Head 2 one row ahead: the next commit of the layer is a hole for it, and nothing changes.
+  ASSERT_TRUE(s.CommitRows(1, 0, 2, 5, 1).ok());
+  EXPECT_EQ(s.CommitLayerRows(1, 0, n_kv, 5, 1).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*s.Length(1, 0, 0), 5);
+  EXPECT_EQ(*s.Length(1, 0, 1), 5);
+  EXPECT_EQ(s.CommitLayerRows(1, 0, n_kv, 5, 9).code(), StatusCode::kFailedPrecondition);  // beyond the pages
+  EXPECT_EQ(s.CommitLayerRows(1, 0, n_kv - 1, 5, 1).code(), StatusCode::kInvalidArgument);  // not the layout
+  EXPECT_EQ(s.CommitLayerRows(2, 0, n_kv, 0, 1).code(), StatusCode::kNotFound);
+  // The source's default (head by head) agrees where the commit is valid.
+  FullPrecisionSource& base = s;
+  ASSERT_TRUE(s.CommitRows(1, 0, 0, 5, 1).ok());
+  ASSERT_TRUE(s.CommitRows(1, 0, 1, 5, 1).ok());
+  ASSERT_TRUE(base.FullPrecisionSource::CommitLayerRows(1, 0, n_kv, 6, 2).ok());
+  for (int h = 0; h < n_kv; ++h) EXPECT_EQ(*s.Length(1, 0, h), 8);
+}
+
 // Reserve carves the pages up front: sequences of that layout then take them without new regions
 // (a CUDA agent registers the regions once, at its creation, instead of during a prefill).
 TEST(InMemorySourceTest, ReservedPagesServeLaterSequencesWithoutNewRegions) {

@@ -103,12 +103,18 @@ class DeviceHeadReplica {
                              const std::vector<const Half*>& values);
 
   int32_t length() const { return length_; }
+  // Tokens its blocks hold: up to this length, appends take no block from the pool.
+  int32_t reserved_tokens() const;
   int32_t quantized_keys() const { return key_groups_ * params_.group_size; }
   int32_t quantized_values() const { return quantized_values_; }
   const ReplicaParams& params() const { return params_; }
   // The view's block table is in device memory; block_addresses() is its host copy (tests and
   // tools reading the blocks back).
   DeviceReplicaView view() const;
+  // A hint for the CPU to start loading what view() and the appends read of this replica: a loop
+  // over thousands of replicas (a decode step's) calls it a few replicas ahead, so that their
+  // cache misses overlap instead of stalling one after another.
+  void Prefetch() const;
   const std::vector<uint8_t*>& block_addresses() const { return blocks_; }
   // Bytes of device memory in use for this head (the same accounting as HeadReplica::device_bytes).
   int64_t device_bytes() const;

@@ -114,6 +114,13 @@ class FullPrecisionSource {
     (void)sequence, (void)layer, (void)kv_head, (void)first_token, (void)n;
     return Status::Unimplemented("this source has no zero-copy pages");
   }
+  // CommitRows for every KV head of (sequence, layer), the same rows of each: the CUDA agent's
+  // per-layer commit. The default commits head by head and stops at the first error (the heads
+  // before it stay committed); a source may do it in one go.
+  virtual Status CommitLayerRows(SequenceId sequence, int layer, int n_kv_heads, int32_t first_token, int32_t n) {
+    for (int h = 0; h < n_kv_heads; ++h) SPECACHE_RETURN_IF_ERROR(CommitRows(sequence, layer, h, first_token, n));
+    return Status::Ok();
+  }
 };
 
 }  // namespace specache

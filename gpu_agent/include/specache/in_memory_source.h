@@ -45,6 +45,8 @@ class InMemorySource final : public FullPrecisionSource {
   std::vector<HostRegion> host_regions() const override;
   Status HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) override;
   Status CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) override;
+  // Every head checked first, then all committed: nothing changes on an error.
+  Status CommitLayerRows(SequenceId sequence, int layer, int n_kv_heads, int32_t first_token, int32_t n) override;
 
  private:
   struct Sequence {

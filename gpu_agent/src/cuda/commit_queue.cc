@@ -41,9 +41,7 @@ Status CommitQueue::CommitLanded(bool wait) {
       SPECACHE_RETURN_IF_ERROR(CudaStatus(e, "page writes"));
     }
     for (const PendingCommit& c : b.commits) {
-      for (int h = 0; h < n_kv_heads_; ++h) {
-        SPECACHE_RETURN_IF_ERROR(source_->CommitRows(c.id, c.layer, h, c.first, c.n).WithContext("source"));
-      }
+      SPECACHE_RETURN_IF_ERROR(source_->CommitLayerRows(c.id, c.layer, n_kv_heads_, c.first, c.n).WithContext("source"));
     }
     free_events_.push_back(b.landed);
     in_flight_.pop_front();

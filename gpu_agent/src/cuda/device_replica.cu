@@ -142,6 +142,10 @@ Status DeviceHeadReplica::Reserve(const std::vector<DeviceHeadReplica*>& replica
   return WriteTables(writes, static_cast<cudaStream_t>(replicas[0]->stream_));
 }
 
+int32_t DeviceHeadReplica::reserved_tokens() const {
+  return std::min<int32_t>(capacity_, static_cast<int32_t>(blocks_.size()) * pool_->layout().block_tokens);
+}
+
 void DeviceHeadReplica::ReleaseUnused() {
   const int32_t keep = BlocksFor(length_);
   while (static_cast<int32_t>(blocks_.size()) > keep) {
@@ -340,28 +344,37 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   if (replicas.empty()) return Status::Ok();
   const ReplicaParams& p = replicas[0]->params_;
   void* stream = replicas[0]->stream_;
-  for (const DeviceHeadReplica* r : replicas) {
+  const int d = p.head_dim, R = p.residual_tokens;
+  // Two passes over the replicas (at 99 x 8K a layer appends to 792 of them, each its own object):
+  // the checks and the rows' copies, then the counters and the launches that follow the copies.
+  bool reserve = false;
+  std::vector<RowCopy> copies;
+  copies.reserve(2 * replicas.size());
+  constexpr size_t kAhead = 8;  // replicas prefetched ahead
+  for (size_t i = 0; i < std::min(kAhead, replicas.size()); ++i) replicas[i]->Prefetch();
+  for (size_t i = 0; i < replicas.size(); ++i) {  // residual_ < R and window_count_ <= R: both rows have room
+    if (i + kAhead < replicas.size()) replicas[i + kAhead]->Prefetch();
+    const DeviceHeadReplica* r = replicas[i];
     const ReplicaParams& q = r->params_;
     if (q.head_dim != p.head_dim || q.key_bits != p.key_bits || q.value_bits != p.value_bits ||
         q.group_size != p.group_size || q.residual_tokens != p.residual_tokens || r->stream_ != stream) {
       return Status::InvalidArgument("replicas of one batched append must share parameters and stream");
     }
+    reserve = reserve || r->length_ >= r->reserved_tokens();
+    copies.push_back({keys[i], r->b_.key_residual + static_cast<size_t>(r->residual_) * d});
+    copies.push_back({values[i], r->b_.window + static_cast<size_t>(r->window_begin_ + r->window_count_) * d});
   }
-  SPECACHE_RETURN_IF_ERROR(Reserve(replicas, 1));  // usually a no-op: the engine's step reserved them
-  const int d = p.head_dim, R = p.residual_tokens;
-  const bool packed_values = IsPackedBitWidth(p.value_bits);
-  std::vector<RowCopy> copies;
-  copies.reserve(2 * replicas.size());
-  for (size_t i = 0; i < replicas.size(); ++i) {  // residual_ < R and window_count_ <= R: both rows have room
-    Buffers& b = replicas[i]->b_;
-    copies.push_back({keys[i], b.key_residual + static_cast<size_t>(replicas[i]->residual_) * d});
-    copies.push_back({values[i], b.window + static_cast<size_t>(replicas[i]->window_begin_ + replicas[i]->window_count_) * d});
-  }
+  // Usually not needed: the engine's step reserved the blocks (the agent's BeginStep).
+  if (reserve) SPECACHE_RETURN_IF_ERROR(Reserve(replicas, 1));
   SPECACHE_RETURN_IF_ERROR(CopyRows(copies.data(), static_cast<int>(copies.size()), d * static_cast<int>(sizeof(Half)), stream));
-  // The window's oldest value leaves it (steady state: one per token), for all replicas at once.
+  // The window's oldest value leaves it (steady state: one per token), for all replicas at once;
+  // the groups made whole are packed after that quantization, on the same stream.
+  const bool packed_values = IsPackedBitWidth(p.value_bits);
   std::vector<ValueTokenTask> retire;
   std::vector<RowCopy> retire_half;
   std::vector<DeviceHeadReplica*> compact;
+  std::vector<MmaGroupTask> whole;
+  retire.reserve(replicas.size());
   for (DeviceHeadReplica* r : replicas) {
     ++r->residual_;
     ++r->window_count_;
@@ -379,6 +392,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
       --r->window_count_;
       if (r->window_begin_ > R) compact.push_back(r);
     }
+    r->TakeWholeGroups(&whole);
   }
   if (!retire.empty()) {
     SPECACHE_RETURN_IF_ERROR(
@@ -389,10 +403,13 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
         CopyRows(retire_half.data(), static_cast<int>(retire_half.size()), d * static_cast<int>(sizeof(Half)), stream));
   }
   for (DeviceHeadReplica* r : compact) SPECACHE_RETURN_IF_ERROR(r->CompactWindow());
-  std::vector<MmaGroupTask> whole;  // after the quantization above, on the same stream
-  for (DeviceHeadReplica* r : replicas) r->TakeWholeGroups(&whole);
   if (whole.empty()) return Status::Ok();
   return PackMmaGroups(whole.data(), static_cast<int>(whole.size()), p.head_dim, stream);
+}
+
+void DeviceHeadReplica::Prefetch() const {
+  const char* at = reinterpret_cast<const char*>(this);
+  for (size_t line = 0; line < sizeof(DeviceHeadReplica); line += 64) __builtin_prefetch(at + line);
 }
 
 DeviceReplicaView DeviceHeadReplica::view() const {

@@ -3,6 +3,7 @@
 #include "lowbit_decode.h"
 #include "mma_codes.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -22,8 +23,9 @@ Status ReplicaStore::Init(int64_t pool_bytes) {
 }
 
 Status ReplicaStore::AddSequence(SequenceId id) {
-  Replicas replicas(shape_.n_layers);
-  for (auto& layer : replicas) {
+  Sequence replicas;
+  replicas.layers.resize(shape_.n_layers);
+  for (auto& layer : replicas.layers) {
     layer.resize(shape_.n_kv_heads);
     for (auto& r : layer) {
       SPECACHE_ASSIGN_OR_RETURN(r, DeviceHeadReplica::Create(params_, capacity_tokens_, stream_, pool_.get(), mma_codes_));
@@ -38,20 +40,24 @@ void ReplicaStore::RemoveSequence(SequenceId id) { replicas_.erase(id); }
 Result<int32_t> ReplicaStore::Length(SequenceId id, int layer) const {
   auto it = replicas_.find(id);
   if (it == replicas_.end()) return Status::NotFound("sequence " + std::to_string(id) + " is not registered");
-  return it->second[layer][0]->length();
+  return it->second.layers[layer][0]->length();
 }
 
-bool ReplicaStore::Empty(SequenceId id) const {
-  bool empty = true;
-  for (const auto& layer : replicas_.at(id)) empty = empty && layer[0]->length() == 0;
-  return empty;
+bool ReplicaStore::Empty(SequenceId id) const { return Longest(replicas_.at(id)) == 0; }
+
+int32_t ReplicaStore::Longest(const Sequence& s) {
+  int32_t longest = 0;
+  for (const auto& layer : s.layers) longest = std::max(longest, layer[0]->length());
+  return longest;
 }
 
 Status ReplicaStore::Reserve(std::span<const SequenceId> ids, int32_t tokens) {
   std::vector<DeviceHeadReplica*> all;
   for (size_t i = 0; i < ids.size(); ++i) {
+    Sequence& seq = replicas_.at(ids[i]);
+    if (tokens >= 0 && int64_t{Longest(seq)} + tokens <= seq.covered) continue;  // its blocks hold them already
     all.clear();
-    for (auto& layer : replicas_.at(ids[i])) {
+    for (auto& layer : seq.layers) {
       for (auto& r : layer) all.push_back(r.get());
     }
     const Status s = DeviceHeadReplica::Reserve(all, tokens);
@@ -60,13 +66,18 @@ Status ReplicaStore::Reserve(std::span<const SequenceId> ids, int32_t tokens) {
       return s.WithContext("sequence " + std::to_string(ids[i]) + ": device blocks for " + std::to_string(tokens) +
                            " more tokens");
     }
+    int32_t covered = all.empty() ? 0 : all[0]->reserved_tokens();
+    for (const DeviceHeadReplica* r : all) covered = std::min(covered, r->reserved_tokens());
+    seq.covered = covered;
   }
   return Status::Ok();
 }
 
 void ReplicaStore::ReleaseUnused(std::span<const SequenceId> ids) {
   for (SequenceId id : ids) {
-    for (auto& layer : replicas_.at(id)) {
+    Sequence& seq = replicas_.at(id);
+    seq.covered = 0;
+    for (auto& layer : seq.layers) {
       for (auto& r : layer) r->ReleaseUnused();
     }
   }
@@ -78,7 +89,7 @@ void ReplicaStore::AddStats(AgentStats* s) const {
   s->device_pool_used_bytes = pool_->used_bytes();
   s->device_bytes_reserved += s->device_pool_bytes;
   for (const auto& [id, replicas] : replicas_) {
-    for (const auto& layer : replicas) {
+    for (const auto& layer : replicas.layers) {
       for (const auto& r : layer) {
         s->device_bytes += r->device_bytes();
         s->device_bytes_reserved += r->fixed_bytes();  // its blocks are in the pool's figure

@@ -45,12 +45,13 @@ class ReplicaStore {
   bool Empty(SequenceId id) const;
   // The replicas of a registered sequence's layer, one per KV head.
   using Heads = std::vector<std::unique_ptr<DeviceHeadReplica>>;
-  Heads& Layer(SequenceId id, int layer) { return replicas_.at(id)[layer]; }
-  const Heads& Layer(SequenceId id, int layer) const { return replicas_.at(id)[layer]; }
+  Heads& Layer(SequenceId id, int layer) { return replicas_.at(id).layers[layer]; }
+  const Heads& Layer(SequenceId id, int layer) const { return replicas_.at(id).layers[layer]; }
 
   // Takes the pool blocks each sequence needs for `tokens` more tokens at every layer and KV head,
   // all or nothing: RESOURCE_EXHAUSTED naming the first sequence that cannot have them, and no
-  // sequence keeps a block it took here.
+  // sequence keeps a block it took here. A sequence whose blocks already hold that many is not
+  // walked replica by replica (the decode step's case: a block lasts block_tokens steps).
   Status Reserve(std::span<const SequenceId> ids, int32_t tokens);
   // Gives back the blocks that these sequences' replicas hold beyond their length.
   void ReleaseUnused(std::span<const SequenceId> ids);
@@ -60,7 +61,15 @@ class ReplicaStore {
   void AddStats(AgentStats* stats) const;
 
  private:
-  using Replicas = std::vector<Heads>;  // [layer][kv_head]
+  struct Sequence {
+    std::vector<Heads> layers;  // [layer][kv_head]
+    // Every replica of the sequence has blocks for at least this many tokens: a lower bound, set
+    // by Reserve and cleared by ReleaseUnused (blocks taken elsewhere, e.g. by Append, only raise
+    // the truth above it).
+    int32_t covered = 0;
+  };
+  // The most tokens any replica of the sequence holds (the heads of a layer hold the same).
+  static int32_t Longest(const Sequence& s);
 
   ModelShape shape_;
   ReplicaParams params_;
@@ -69,7 +78,7 @@ class ReplicaStore {
   // Whether the replicas keep their whole groups in the lean decode path's mma layout.
   bool mma_codes_ = false;
   std::unique_ptr<DeviceBlockPool> pool_;  // before replicas_: they give blocks back to it
-  std::map<SequenceId, Replicas> replicas_;
+  std::map<SequenceId, Sequence> replicas_;
 };
 
 }  // namespace specache::cuda

@@ -86,9 +86,15 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
     SPECACHE_RETURN_IF_ERROR(real_stats_.Reserve(n_seq * n_kv * group * 2));
   }
   scratch = 0;
+  if (n_seq > 0) {
+    for (const auto& rep : *heads_of[0]) rep->Prefetch();
+  }
   for (size_t s = 0; s < n_seq; ++s) {
     const int32_t candidates = plan.candidates[s];
     const ReplicaStore::Heads& heads = *heads_of[s];
+    if (s + 1 < n_seq) {  // the next sequence's replicas load while this one's items are made
+      for (const auto& rep : *heads_of[s + 1]) rep->Prefetch();
+    }
     for (int h = 0; h < n_kv; ++h) {
       const DeviceHeadReplica& rep = *heads[h];
       DeviceDecodeItem it;
