@@ -24,7 +24,7 @@ namespace specache::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxPartTokens = 8192;  // shared memory of phase one: 32 KiB of scores
+constexpr int kMaxPartTokens = 8192;  // shared memory of phase one: 32 KiB of scores (and its list, 4 KiB)
 constexpr int kMinPartTokens = 512;
 constexpr unsigned kAllLanes = 0xffffffffu;
 
@@ -67,22 +67,44 @@ using Scan = cub::BlockScan<int, kThreads>;
 constexpr int kWarpsPerBlock = kThreads / 32;
 // The radix select's digits, from the top: 10, 10, 10 and 2 bits. The first is fine enough (for
 // positive scores: the exponent and one mantissa bit, half an octave) that the later passes find
-// few keys under their prefix: only those keys' lanes count (CountInto), the rest of a pass is
-// one shared load and compare per key.
+// few keys under their prefix. Given room for a list (phase one: kListKeys indices in shared
+// memory), those keys' indices are listed once, after the first pass, and the later passes walk
+// the list alone (ncu, 99 x 8K: the four passes over every key were ~35% of phase one's
+// instructions). Otherwise, or when the first digit's bin holds more than kListKeys keys (scores
+// barely spread), the later passes walk every key, counting only those under the prefix
+// (CountInto).
 constexpr int kRadixBins = 1024;
 constexpr int kBinsPerThread = kRadixBins / kThreads;
+constexpr int kListKeys = 1024;
 struct SelectShared {
   typename Scan::TempStorage scan;
   unsigned int histogram[kRadixBins];
   int warp_above[kWarpsPerBlock], warp_equal[kWarpsPerBlock];
   uint32_t prefix, mask;
   int remaining;
+  int in_bin;      // keys in the bin the last pass chose
+  int list_count;  // -1: no list (the later passes walk every key)
 };
+
+// Appends j to the list when `in` (one shared atomic per warp; the list's order is not kept).
+// Every lane of the warp must call it.
+__device__ void ListInto(int32_t* list, int* count, bool in, int32_t j) {
+  const unsigned in_lanes = __ballot_sync(0xffffffffu, in);
+  if (in_lanes == 0) return;
+  const int lane = threadIdx.x & 31, leader = __ffs(in_lanes) - 1;
+  int at = 0;
+  if (lane == leader) at = atomicAdd(count, __popc(in_lanes));
+  at = __shfl_sync(0xffffffffu, at, leader);
+  if (in) list[at + __popc(in_lanes & ((1u << lane) - 1))] = j;
+}
 
 // The min(k, n) best of score[0, n) (ties towards the lower index), emit(j, position) called for
 // each in ascending j with positions 0, 1, ... The whole block calls it; score is read-only.
+// list: kListKeys ints of shared memory for the later passes (above), or null. Inlined, so that
+// scores in shared memory are read with shared loads.
 template <typename Emit>
-__device__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh, Emit emit) {
+__device__ __forceinline__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh, int32_t* list,
+                                          Emit emit) {
   if (k >= n) {
     for (int32_t j = threadIdx.x; j < n; j += blockDim.x) emit(j, j);
     return;
@@ -91,6 +113,7 @@ __device__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh
     sh.prefix = 0;
     sh.mask = 0;
     sh.remaining = k;  // how many of the best we still have to place at or below the prefix
+    sh.list_count = -1;
   }
   __syncthreads();
   // Radix select of the k-th largest key, one digit at a time from the top.
@@ -101,10 +124,19 @@ __device__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh
     for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh.histogram[i] = 0;
     __syncthreads();
     const uint32_t prefix = sh.prefix, mask = sh.mask;
-    for (int32_t base = 0; base < n; base += blockDim.x) {  // whole warps iterate together
-      const int32_t j = base + threadIdx.x;
-      const uint32_t key = j < n ? OrderKey(score[j]) : 0;
-      CountInto(sh.histogram, j < n && (key & mask) == prefix, (key >> shift) & digit_mask);
+    const int listed = sh.list_count;
+    if (listed >= 0) {  // the keys under the prefix, listed after the first pass
+      for (int32_t base = 0; base < listed; base += blockDim.x) {
+        const int32_t i = base + threadIdx.x;
+        const uint32_t key = i < listed ? OrderKey(score[list[i]]) : 0;
+        CountInto(sh.histogram, i < listed && (key & mask) == prefix, (key >> shift) & digit_mask);
+      }
+    } else {
+      for (int32_t base = 0; base < n; base += blockDim.x) {  // whole warps iterate together
+        const int32_t j = base + threadIdx.x;
+        const uint32_t key = j < n ? OrderKey(score[j]) : 0;
+        CountInto(sh.histogram, j < n && (key & mask) == prefix, (key >> shift) & digit_mask);
+      }
     }
     __syncthreads();
     // The digit holding the k-th best: thread t holds bins kRadixBins - 1 - (kBinsPerThread t + i)
@@ -129,12 +161,23 @@ __device__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh
           sh.prefix = prefix | (digit << shift);
           sh.mask = mask | (digit_mask << shift);
           sh.remaining = remaining - above;  // keys equal to the final threshold to take
+          sh.in_bin = bins[i];
           break;
         }
         above += bins[i];
       }
     }
     __syncthreads();
+    if (pass == 0 && list && sh.in_bin <= kListKeys) {  // list the first digit's keys for the later passes
+      if (threadIdx.x == 0) sh.list_count = 0;
+      __syncthreads();
+      const uint32_t first_prefix = sh.prefix, first_mask = sh.mask;
+      for (int32_t base = 0; base < n; base += blockDim.x) {
+        const int32_t j = base + threadIdx.x;
+        ListInto(list, &sh.list_count, j < n && (OrderKey(score[j < n ? j : 0]) & first_mask) == first_prefix, j);
+      }
+      __syncthreads();
+    }
   }
   const uint32_t threshold = sh.prefix;
   const int take_equal = sh.remaining;
@@ -193,7 +236,9 @@ __device__ __forceinline__ float Normalised(float v, float m, float l) {
 
 // Reduced score of token j: the GQA group's probabilities (normalised on the fly when the
 // segment has statistics), summed in head order as the CPU does, or their max; NaN is -inf.
-__device__ float ReducedScore(const TopKSegment& seg, int n_heads, int32_t j, bool use_max) {
+// inv_heads: 1 / n_heads when n_heads is a power of two (the sum times it is the sum / n_heads,
+// bit for bit, without a correctly rounded division per token), else 0.
+__device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_heads, int32_t j, bool use_max) {
   float s = use_max ? -INFINITY : 0.0f;
   for (int h = 0; h < n_heads; ++h) {
     float v = seg.probs[static_cast<size_t>(h) * seg.n + j];
@@ -201,7 +246,7 @@ __device__ float ReducedScore(const TopKSegment& seg, int n_heads, int32_t j, bo
     if (isnan(v)) v = -INFINITY;
     s = use_max ? fmaxf(s, v) : __fadd_rn(s, v);
   }
-  return use_max ? s : __fdiv_rn(s, static_cast<float>(n_heads));
+  return use_max ? s : inv_heads != 0.0f ? __fmul_rn(s, inv_heads) : __fdiv_rn(s, static_cast<float>(n_heads));
 }
 
 // The positive part of a reduced score: what the candidates' mass adds.
@@ -231,10 +276,16 @@ __device__ void SumRuns(const float* score, int32_t m, int32_t first, float* run
   }
 }
 
+// Phase one's dynamic shared memory: the part's scores and the radix select's list.
+constexpr size_t PartSharedBytes(int part_tokens) {
+  return (static_cast<size_t>(part_tokens) + kListKeys) * sizeof(float);
+}
+
 // Block (part, segment), phase one. A segment of one part writes its tokens; otherwise the part's
 // candidates go to the segment's scratch: scores at [part * k], tokens at [parts * k + part * k].
-__global__ void TopKPartKernel(TopKBatch batch, int n_heads, bool use_max) {
-  extern __shared__ float part_scores[];  // [P] when the part fits, else unused
+// Five blocks per SM (48 registers; its two inlined selections alone took 56, which left four).
+__global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch batch, int n_heads, bool use_max) {
+  extern __shared__ float part_scores[];  // [P] when the part fits, else unused; then the list [kListKeys]
   __shared__ SelectShared sh;
   const TopKSegment& seg = batch.segments[blockIdx.y];
   const int32_t n = seg.n;
@@ -243,36 +294,46 @@ __global__ void TopKPartKernel(TopKBatch batch, int n_heads, bool use_max) {
   const int32_t lo = parts == 1 ? 0 : static_cast<int32_t>(blockIdx.x) * batch.part_tokens;
   if ((parts == 1 && blockIdx.x > 0) || lo >= n || n <= 0) return;
   const int32_t m = parts == 1 ? n : min(batch.part_tokens, n - lo);
+  int32_t* list = reinterpret_cast<int32_t*>(part_scores + batch.part_tokens);
+  const float inv_heads = (n_heads & (n_heads - 1)) == 0 ? 1.0f / static_cast<float>(n_heads) : 0.0f;
+  // The part's reduced scores at `score`, then its selection. Called with the shared array or
+  // the segment's scratch, each inlined, so that the compiler knows shared memory's accesses.
+  auto reduce_and_select = [&](float* score) {
+    // Four tokens' loads issued before any store: the compiler keeps a load behind an earlier
+    // store that may alias it (the scores may be in global scratch).
+    constexpr int kTokensInFlight = 4;
+    for (int32_t j0 = threadIdx.x; j0 < m; j0 += kTokensInFlight * blockDim.x) {
+      float reduced[kTokensInFlight];
+#pragma unroll
+      for (int u = 0; u < kTokensInFlight; ++u) {
+        const int32_t j = j0 + u * static_cast<int32_t>(blockDim.x);
+        reduced[u] = j < m ? ReducedScore(seg, n_heads, inv_heads, lo + j, use_max) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kTokensInFlight; ++u) {
+        const int32_t j = j0 + u * static_cast<int32_t>(blockDim.x);
+        if (j < m) score[j] = reduced[u];
+      }
+    }
+    __syncthreads();
+    if (batch.mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
+    if (parts == 1) {
+      BlockTopK(score, m, k, sh, list, [&](int32_t j, int pos) { seg.tokens[pos] = j; });
+      return;
+    }
+    float* cand_score = seg.scratch + static_cast<size_t>(blockIdx.x) * k;
+    int32_t* cand_token = reinterpret_cast<int32_t*>(seg.scratch) + static_cast<size_t>(parts + blockIdx.x) * k;
+    BlockTopK(score, m, k, sh, list, [&](int32_t j, int pos) {
+      cand_score[pos] = score[j];
+      cand_token[pos] = lo + j;
+    });
+  };
   // A lone part longer than shared memory holds keeps its scores in the segment's scratch.
-  float* score = m <= batch.part_tokens ? part_scores : seg.scratch;
-  // Four tokens' loads issued before any store: the compiler keeps a load behind an earlier
-  // store that may alias it (the scores may be in global scratch).
-  constexpr int kTokensInFlight = 4;
-  for (int32_t j0 = threadIdx.x; j0 < m; j0 += kTokensInFlight * blockDim.x) {
-    float reduced[kTokensInFlight];
-#pragma unroll
-    for (int u = 0; u < kTokensInFlight; ++u) {
-      const int32_t j = j0 + u * static_cast<int32_t>(blockDim.x);
-      reduced[u] = j < m ? ReducedScore(seg, n_heads, lo + j, use_max) : 0.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < kTokensInFlight; ++u) {
-      const int32_t j = j0 + u * static_cast<int32_t>(blockDim.x);
-      if (j < m) score[j] = reduced[u];
-    }
+  if (m <= batch.part_tokens) {
+    reduce_and_select(part_scores);
+  } else {
+    reduce_and_select(seg.scratch);
   }
-  __syncthreads();
-  if (batch.mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
-  if (parts == 1) {
-    BlockTopK(score, m, k, sh, [&](int32_t j, int pos) { seg.tokens[pos] = j; });
-    return;
-  }
-  float* cand_score = seg.scratch + static_cast<size_t>(blockIdx.x) * k;
-  int32_t* cand_token = reinterpret_cast<int32_t*>(seg.scratch) + static_cast<size_t>(parts + blockIdx.x) * k;
-  BlockTopK(score, m, k, sh, [&](int32_t j, int pos) {
-    cand_score[pos] = score[j];
-    cand_token[pos] = lo + j;
-  });
 }
 
 // Block per segment, phase two: the best k of its parts' candidates.
@@ -298,7 +359,7 @@ __global__ void TopKMergeKernel(TopKBatch batch) {
     count += m;
   }
   __syncthreads();
-  BlockTopK(merged, count, k, sh, [&](int32_t j, int pos) { seg.tokens[pos] = tokens[j]; });
+  BlockTopK(merged, count, k, sh, nullptr, [&](int32_t j, int pos) { seg.tokens[pos] = tokens[j]; });
 }
 
 // The largest float f with OrderKey(f) == key.
@@ -324,7 +385,7 @@ __global__ void BudgetKernel(TopKBatch batch, int n_heads, bool use_max, TopKBud
   while (width < kept) width *= 2;
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
     // Scores are recomputed as phase one computed them (same function, same inputs: same bits).
-    keys[i] = i < kept ? (static_cast<unsigned long long>(OrderKey(ReducedScore(seg, n_heads, seg.tokens[i], use_max))) << 32) |
+    keys[i] = i < kept ? (static_cast<unsigned long long>(OrderKey(ReducedScore(seg, n_heads, 0.0f, seg.tokens[i], use_max))) << 32) |
                              (0xFFFFFFFFu - static_cast<uint32_t>(i))
                        : 0ull;  // below every real key (OrderKey(-inf) > 0)
   }
@@ -396,7 +457,7 @@ int PartBlocksPerSm() {
   return KnownForCurrentDevice(known, 4, [](int) {
     int blocks = 0;
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, TopKPartKernel, kThreads,
-                                                         size_t{kMaxPartTokens} * sizeof(float)) == cudaSuccess &&
+                                                         PartSharedBytes(kMaxPartTokens)) == cudaSuccess &&
                    blocks >= 1
                ? blocks : 4;
   });
@@ -461,7 +522,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
                                      " tokens)");
     }
     const unsigned n = static_cast<unsigned>(batch.count);
-    TopKPartKernel<<<dim3(max_parts, n), kThreads, size_t{static_cast<unsigned>(batch.part_tokens)} * sizeof(float), s>>>(
+    TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(batch.part_tokens), s>>>(
         batch, n_heads, reduction == GroupReduction::kMax);
     if (max_parts > 1) TopKMergeKernel<<<n, kThreads, size_t(max_parts) * k * 2 * sizeof(float), s>>>(batch);
     if (budget) {
