@@ -3,8 +3,8 @@
 // its own block, from the reduced scores held in shared memory; phase two selects the segment's
 // best k among the parts' candidates (in part order, so ascending tokens and ties towards the
 // lower token survive). A segment of one part is finished in phase one. Both phases use one
-// block-wide radix select (digits of 10, 10, 10 and 2 bits, warp-aggregated histogram counts) and
-// one ordered pass. With the adaptive budget, phase one also sums each run of 256 scores it holds
+// block-wide radix select (digits of 10, 10, 10 and 2 bits, warp-aggregated histogram counts;
+// phase one's later passes over a list of the first digit's keys) and one ordered pass. With the adaptive budget, phase one also sums each run of 256 scores it holds
 // (one warp per run), and a third launch, a block per segment, sorts the k selected rows by rank,
 // finds the cut and keeps the rows above it.
 #include <cuda_runtime.h>
