@@ -103,6 +103,21 @@ Status DaemonSource::CommitRows(SequenceId sequence, int layer, int kv_head, int
   return Status::Ok();
 }
 
+Status DaemonSource::CommitLayerRows(SequenceId sequence, int layer, int n_kv_heads, int32_t first_token, int32_t n) {
+  SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));
+  if (n_kv_heads != s->layout.n_kv_heads) {
+    return Status::InvalidArgument("commit of " + std::to_string(n_kv_heads) + " kv heads; the layout has " +
+                                   std::to_string(s->layout.n_kv_heads));
+  }
+  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * lengths, Registry::LengthOf(s, layer, 0));  // the layer's heads in a row
+  for (int h = 0; h < n_kv_heads; ++h) SPECACHE_RETURN_IF_ERROR(Registry::CheckNextRows("commit", lengths[h], first_token, n));
+  if (uint64_t{s->pages.load(std::memory_order_acquire)} * page_tokens_ < uint64_t(first_token) + n) {
+    return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
+  }
+  for (int h = 0; h < n_kv_heads; ++h) lengths[h].store(first_token + n, std::memory_order_release);
+  return Status::Ok();
+}
+
 Status DaemonSource::ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
                               Half* out) const {
   SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));

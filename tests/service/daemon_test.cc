@@ -373,6 +373,17 @@ TEST(DaemonSourceTest, PagesLieInTheSessionChunksAndAreWrittenInPlace) {
   ASSERT_TRUE(source.ReadRows(5, 2, 1, tokens.data(), 18, back.data()).ok());
   EXPECT_EQ(back, rows);
   EXPECT_EQ(*source.Length(5, 2, 1), 18);
+  // A layer's commit of every head: all or nothing, with CommitRows' rules (the layout has 2 heads).
+  ASSERT_TRUE(source.CommitLayerRows(5, 1, 2, 0, 20).ok());
+  EXPECT_EQ(*source.Length(5, 1, 0), 20);
+  EXPECT_EQ(*source.Length(5, 1, 1), 20);
+  EXPECT_EQ(source.CommitLayerRows(5, 2, 2, 0, 18).code(), StatusCode::kFailedPrecondition);  // head 1 is at 18
+  EXPECT_EQ(*source.Length(5, 2, 0), 0);
+  EXPECT_EQ(source.CommitLayerRows(5, 1, 2, 20, 100).code(), StatusCode::kFailedPrecondition);  // beyond the pages
+  EXPECT_EQ(source.CommitLayerRows(5, 1, 1, 20, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(source.CommitLayerRows(5, 9, 2, 20, 1).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(source.CommitLayerRows(6, 1, 2, 0, 1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(*source.Length(5, 1, 0), 20);
 }
 
 // capacity_tokens bounds a sequence's length even where the last page has room past it: the

@@ -32,6 +32,8 @@ class SPECACHE_CLIENT_API DaemonSource final : public FullPrecisionSource {
   std::vector<HostRegion> host_regions() const override;  // the session's chunks
   Status HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) override;
   Status CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) override;
+  // Every head checked first, then all committed: nothing changes on an error.
+  Status CommitLayerRows(SequenceId sequence, int layer, int n_kv_heads, int32_t first_token, int32_t n) override;
 
   uint64_t extend_rpcs() const { return session_->extend_rpcs(); }
   // The daemon's sequence id behind an agent sequence (for specachectl cross-checks).
