@@ -244,9 +244,11 @@ TEST(InMemorySourceTest, LayerCommitsEveryHeadOrNone) {
   EXPECT_EQ(s.CommitLayerRows(1, 0, n_kv, 5, 1).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(*s.Length(1, 0, 0), 5);
   EXPECT_EQ(*s.Length(1, 0, 1), 5);
-  EXPECT_EQ(s.CommitLayerRows(1, 0, n_kv, 5, 9).code(), StatusCode::kFailedPrecondition);  // beyond the pages
+  EXPECT_EQ(s.CommitLayerRows(1, 1, n_kv, 0, 9).code(), StatusCode::kFailedPrecondition);  // beyond the 2 pages
+  EXPECT_EQ(*s.Length(1, 1, 0), 0);
   EXPECT_EQ(s.CommitLayerRows(1, 0, n_kv - 1, 5, 1).code(), StatusCode::kInvalidArgument);  // not the layout
   EXPECT_EQ(s.CommitLayerRows(2, 0, n_kv, 0, 1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(*s.Length(1, 0, 2), 6);
   // The source's default (head by head) agrees where the commit is valid.
   FullPrecisionSource& base = s;
   ASSERT_TRUE(s.CommitRows(1, 0, 0, 5, 1).ok());

@@ -107,7 +107,7 @@ TEST(CudaTopKTest, ListedAndUnlistedRadixPassesEqualTheCpuSelection) {
       std::vector<int32_t> want;
       std::vector<float> scratch;
       cpu::SelectTopK(probs[i].data(), heads, n, k, red, &want, &scratch);
-      ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "shape " << i << " reduction " << static_cast<int>(red);
+      ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "segment " << i << ", shape " << i % 4 << ", reduction " << static_cast<int>(red);
     }
   }
 #endif

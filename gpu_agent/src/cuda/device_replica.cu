@@ -1,6 +1,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -143,7 +144,7 @@ Status DeviceHeadReplica::Reserve(const std::vector<DeviceHeadReplica*>& replica
 }
 
 int32_t DeviceHeadReplica::reserved_tokens() const {
-  return std::min<int32_t>(capacity_, static_cast<int32_t>(blocks_.size()) * pool_->layout().block_tokens);
+  return std::min<int32_t>(capacity_, static_cast<int32_t>(blocks_.size()) * layout_.block_tokens);
 }
 
 void DeviceHeadReplica::ReleaseUnused() {
@@ -408,8 +409,10 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
 }
 
 void DeviceHeadReplica::Prefetch() const {
-  const char* at = reinterpret_cast<const char*>(this);
-  for (size_t line = 0; line < sizeof(DeviceHeadReplica); line += 64) __builtin_prefetch(at + line);
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(this) & ~(kLine - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(this) + sizeof(DeviceHeadReplica);
+  for (uintptr_t line = first; line < end; line += kLine) __builtin_prefetch(reinterpret_cast<const void*>(line));
 }
 
 DeviceReplicaView DeviceHeadReplica::view() const {

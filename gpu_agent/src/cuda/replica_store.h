@@ -68,7 +68,9 @@ class ReplicaStore {
     // the truth above it).
     int32_t covered = 0;
   };
-  // The most tokens any replica of the sequence holds (the heads of a layer hold the same).
+  // The most tokens any replica of the sequence holds. Reads head 0 of each layer: the heads of a
+  // layer are appended together, head 0 first (the agent's prefill and decode), so no head of a
+  // layer is longer than its head 0, even after an append that failed part-way.
   static int32_t Longest(const Sequence& s);
 
   ModelShape shape_;
