@@ -42,6 +42,19 @@ Status EnsureMapped(SequenceRegistry<Session, MappedSequence>& registry, MappedS
   });
 }
 
+// Commits n rows at first_token to `heads` heads of one layer, whose lengths are lengths[0, heads):
+// every head and the pages checked first, then all committed.
+Status CommitHeads(const MappedSequence& s, uint32_t page_tokens, std::atomic<int32_t>* lengths, int heads,
+                   int32_t first_token, int32_t n) {
+  using Checks = SequenceRegistry<Session, MappedSequence>;
+  for (int h = 0; h < heads; ++h) SPECACHE_RETURN_IF_ERROR(Checks::CheckNextRows("commit", lengths[h], first_token, n));
+  if (uint64_t{s.pages.load(std::memory_order_acquire)} * page_tokens < uint64_t(first_token) + n) {
+    return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
+  }
+  for (int h = 0; h < heads; ++h) lengths[h].store(first_token + n, std::memory_order_release);
+  return Status::Ok();
+}
+
 }  // namespace
 
 DaemonSource::DaemonSource(Session* session, uint32_t page_tokens, uint32_t capacity_tokens)
@@ -95,12 +108,7 @@ Status DaemonSource::HostPages(SequenceId sequence, int layer, int32_t tokens, s
 Status DaemonSource::CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) {
   SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));
   SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s, layer, kv_head));
-  SPECACHE_RETURN_IF_ERROR(Registry::CheckNextRows("commit", *length, first_token, n));
-  if (uint64_t{s->pages.load(std::memory_order_acquire)} * page_tokens_ < uint64_t(first_token) + n) {
-    return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
-  }
-  length->store(first_token + n, std::memory_order_release);
-  return Status::Ok();
+  return CommitHeads(*s, page_tokens_, length, 1, first_token, n);
 }
 
 Status DaemonSource::CommitLayerRows(SequenceId sequence, int layer, int n_kv_heads, int32_t first_token, int32_t n) {
@@ -110,12 +118,7 @@ Status DaemonSource::CommitLayerRows(SequenceId sequence, int layer, int n_kv_he
                                    std::to_string(s->layout.n_kv_heads));
   }
   SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * lengths, Registry::LengthOf(s, layer, 0));  // the layer's heads in a row
-  for (int h = 0; h < n_kv_heads; ++h) SPECACHE_RETURN_IF_ERROR(Registry::CheckNextRows("commit", lengths[h], first_token, n));
-  if (uint64_t{s->pages.load(std::memory_order_acquire)} * page_tokens_ < uint64_t(first_token) + n) {
-    return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
-  }
-  for (int h = 0; h < n_kv_heads; ++h) lengths[h].store(first_token + n, std::memory_order_release);
-  return Status::Ok();
+  return CommitHeads(*s, page_tokens_, lengths, n_kv_heads, first_token, n);
 }
 
 Status DaemonSource::ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,

@@ -186,15 +186,21 @@ Status InMemorySource::HostPages(SequenceId sequence, int layer, int32_t tokens,
   return Status::Ok();
 }
 
-Status InMemorySource::CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) {
-  std::shared_lock lock(mutex_);
-  SPECACHE_ASSIGN_OR_RETURN(Sequence * seq, Find(sequence, layer, kv_head));
-  SPECACHE_RETURN_IF_ERROR(CheckAppend(*seq, layer, kv_head, first_token, n));
+Status InMemorySource::CommitHeadsLocked(Sequence* seq, int layer, int first_head, int heads, int32_t first_token,
+                                         int32_t n) const {
+  for (int h = first_head; h < first_head + heads; ++h) SPECACHE_RETURN_IF_ERROR(CheckAppend(*seq, layer, h, first_token, n));
   if (int64_t{PagesOf(*seq)} * page_tokens_ < int64_t{first_token} + n) {
     return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
   }
-  seq->lengths[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head] = first_token + n;
+  int32_t* lengths = seq->lengths.data() + static_cast<size_t>(layer) * seq->layout.n_kv_heads;
+  for (int h = first_head; h < first_head + heads; ++h) lengths[h] = first_token + n;
   return Status::Ok();
+}
+
+Status InMemorySource::CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) {
+  std::shared_lock lock(mutex_);
+  SPECACHE_ASSIGN_OR_RETURN(Sequence * seq, Find(sequence, layer, kv_head));
+  return CommitHeadsLocked(seq, layer, kv_head, 1, first_token, n);
 }
 
 Status InMemorySource::CommitLayerRows(SequenceId sequence, int layer, int n_kv_heads, int32_t first_token, int32_t n) {
@@ -204,13 +210,7 @@ Status InMemorySource::CommitLayerRows(SequenceId sequence, int layer, int n_kv_
     return Status::InvalidArgument("commit of " + std::to_string(n_kv_heads) + " kv heads; the layout has " +
                                    std::to_string(seq->layout.n_kv_heads));
   }
-  for (int h = 0; h < n_kv_heads; ++h) SPECACHE_RETURN_IF_ERROR(CheckAppend(*seq, layer, h, first_token, n));
-  if (int64_t{PagesOf(*seq)} * page_tokens_ < int64_t{first_token} + n) {
-    return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
-  }
-  int32_t* lengths = seq->lengths.data() + static_cast<size_t>(layer) * n_kv_heads;
-  for (int h = 0; h < n_kv_heads; ++h) lengths[h] = first_token + n;
-  return Status::Ok();
+  return CommitHeadsLocked(seq, layer, 0, n_kv_heads, first_token, n);
 }
 
 }  // namespace specache

@@ -69,6 +69,9 @@ class InMemorySource final : public FullPrecisionSource {
   uint8_t* RowAddress(const Sequence& seq, int layer, int kv_head, int32_t token) const;
   // Checks an append/commit of n rows at first_token against the triple's length.
   static Status CheckAppend(const Sequence& seq, int layer, int kv_head, int32_t first_token, int32_t n);
+  // Commits n rows at first_token to heads [first_head, first_head + heads) of a layer: every head
+  // and the pages checked first, then all committed. Caller holds mutex_.
+  Status CommitHeadsLocked(Sequence* seq, int layer, int first_head, int heads, int32_t first_token, int32_t n) const;
 
   int32_t page_tokens_;
   size_t slab_bytes_;

@@ -4,9 +4,10 @@
 // best k among the parts' candidates (in part order, so ascending tokens and ties towards the
 // lower token survive). A segment of one part is finished in phase one. Both phases use one
 // block-wide radix select (digits of 10, 10, 10 and 2 bits, warp-aggregated histogram counts;
-// phase one's later passes over a list of the first digit's keys) and one ordered pass. With the adaptive budget, phase one also sums each run of 256 scores it holds
-// (one warp per run), and a third launch, a block per segment, sorts the k selected rows by rank,
-// finds the cut and keeps the rows above it.
+// phase one's later passes over a list of the first digit's keys) and one ordered pass. With the
+// adaptive budget, phase one also sums each run of 256 scores it holds (one warp per run), and a
+// third launch, a block per segment, sorts the k selected rows by rank, finds the cut and keeps
+// the rows above it.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
@@ -24,7 +25,7 @@ namespace specache::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxPartTokens = 8192;  // shared memory of phase one: 32 KiB of scores (and its list, 4 KiB)
+constexpr int kMaxPartTokens = 8192;  // shared memory of phase one: 32 KiB of scores, then the list's 4 KiB
 constexpr int kMinPartTokens = 512;
 constexpr unsigned kAllLanes = 0xffffffffu;
 
@@ -384,7 +385,8 @@ __global__ void BudgetKernel(TopKBatch batch, int n_heads, bool use_max, TopKBud
   int width = 1;
   while (width < kept) width *= 2;
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
-    // Scores are recomputed as phase one computed them (same function, same inputs: same bits).
+    // Scores are recomputed as phase one computed them: the same function and inputs, dividing by
+    // the group where phase one multiplies by its power-of-two inverse (the same bits).
     keys[i] = i < kept ? (static_cast<unsigned long long>(OrderKey(ReducedScore(seg, n_heads, 0.0f, seg.tokens[i], use_max))) << 32) |
                              (0xFFFFFFFFu - static_cast<uint32_t>(i))
                        : 0ull;  // below every real key (OrderKey(-inf) > 0)
@@ -488,8 +490,8 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     }
     // Phase one in one wave where parts of up to 4096 tokens do it: the smallest part (whole
     // 256-token steps) whose blocks all fit the GPU at once. About 8 blocks per SM, rounded up per
-    // segment, ran 1.3-1.5 waves at 32 and 99 x 8K (6 fit on an H200 then; 5 now, at 48 registers): top-k 0.053 -> 0.044 ms at
-    // 32 x 8K, 0.163 -> 0.149 at 99. Longer parts stay at about 8 blocks per SM: 24 x 32K in one
+    // segment, ran 1.3-1.5 waves at 32 and 99 x 8K (6 fit on an H200 then; 5 now, at 48
+    // registers): top-k 0.053 -> 0.044 ms at 32 x 8K, 0.163 -> 0.149 at 99. Longer parts stay at about 8 blocks per SM: 24 x 32K in one
     // wave of 8192-token parts took 0.161 ms against 0.152 in 1.45 waves of 6144.
     constexpr int kOneWavePartTokens = 4096;
     const int64_t slots = int64_t{PartBlocksPerSm()} * MultiprocessorCount();
