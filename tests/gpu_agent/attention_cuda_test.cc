@@ -231,6 +231,28 @@ TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
 #endif
 }
 
+// GQA groups of 5 and 8 with both rows: 10 and 16 queries, the tensor-core kernels' two query
+// tiles (at head_dim 128 over 48 KB of shared memory per CTA, which the launch must opt into).
+TEST(CudaAttentionTest, WideGroupsMatchTheCpuReference) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(41);
+  for (int d : {64, 128}) {
+    for (int bits : {1, 2}) {
+      for (int group : {5, 8}) {
+        for (int32_t length : {40, 700}) {
+          DeviceBuffers buf;
+          const DecodeCase c = MakeDecodeCase(d, bits, 2, length, group, rng, buf);
+          ASSERT_TRUE(cuda::AttendDecodeRows(c.item.replica, c.item.rows, nullptr).ok()) << c.name << " group=" << group;
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << c.name << " group=" << group;
+          ExpectMatches(c);
+        }
+      }
+    }
+  }
+#endif
+}
+
 // A ragged batch (lengths, bits, rows and GQA groups differ per item): 300 items in one call,
 // planned in device memory (one launch per class of items, any number of items), and the same
 // plan used again for a second call while the first may still run: every item as the reference

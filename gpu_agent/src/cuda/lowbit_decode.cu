@@ -29,6 +29,7 @@
 #include "lowbit_decode.h"
 #include "mma_codes.h"
 #include "mma_fp16.cuh"
+#include "shared_memory_opt_in.cuh"
 
 namespace specache::cuda {
 namespace {
@@ -1281,6 +1282,15 @@ KernelInfo KernelFor(int cls) {
   return cls >= 16 ? lean[cls - 16] : table[cls / 2][cls % 2];
 }
 
+// Allows the class's kernel its shared memory on the current device (two query tiles at head_dim
+// 128 take ~62 KB per CTA, over the 48 KB a launch gets without opting in): before its occupancy
+// is asked and before each launch (the attribute is set once per kernel and device).
+cudaError_t AllowSharedMemoryOf(int cls) {
+  static std::atomic<bool> allowed[kClasses][kMaxOptInDevices] = {};
+  const KernelInfo kernel = KernelFor(cls);
+  return AllowDynamicSharedMemory(kernel.fn, kernel.shared_bytes(), allowed[cls]);
+}
+
 // Whether the current device runs mma.m16n8k16 with fp16 operands (sm_80+), asked once per device.
 bool DeviceHasMma() {
   static std::atomic<int> known[kMaxKnownDevices] = {};  // 1 yes, 2 no
@@ -1298,7 +1308,8 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
   const int ctas_per_sm = KnownForCurrentDevice(known_ctas[cls], 1, [cls](int) {
     const KernelInfo kernel = KernelFor(cls);
     int ctas = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel.fn, kWarps * 32, kernel.shared_bytes()) ==
+    return AllowSharedMemoryOf(cls) == cudaSuccess &&
+                   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel.fn, kWarps * 32, kernel.shared_bytes()) ==
                        cudaSuccess &&
                    ctas >= 1
                ? ctas : 1;
@@ -1431,6 +1442,9 @@ Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std
 Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaStream_t stream) {
   const KernelInfo kernel = KernelFor(set.kernel_class);
   const size_t smem = kernel.shared_bytes();
+  if (const cudaError_t err = AllowSharedMemoryOf(set.kernel_class); err != cudaSuccess) {
+    return Status::Unavailable(std::string("low-bit decode: shared memory opt-in: ") + cudaGetErrorString(err));
+  }
   const int warps = LaunchWarps(set.unit_begin.back(), set.tail_begin.back(), set.tails_first);
   int most_units = 1, most_queries = 1;
   for (size_t i = 0; i < set.items.size(); ++i) {
