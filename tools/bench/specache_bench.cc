@@ -84,6 +84,7 @@ struct Options {
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
   bool profile_step = false;         // step: StepOptions::profile_step
+  int attend_rows = 0;               // attend: StepOptions::attend_rows
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
   std::vector<int> batches;  // step: sequences per step (empty: the suite's default)
@@ -316,6 +317,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->capture_default_str()
         ->check(CLI::IsMember({"mma", "natural"}));
   }
+  if (std::string_view(suite.name) == "attend") {
+    cmd->add_option("--attend-rows", o->attend_rows,
+                    "substituted (full-precision) rows per KV head, spread over the context (default: k, 64; "
+                    "specache-run's default selection attends its whole row cache, 1024 rows)")
+        ->check(positive);
+  }
   if (std::string_view(suite.name) == "step") {
     cmd->add_flag("--profile-step", o->profile_step,
                   "one more untimed decode step of each run with the fetch, between cudaProfilerStart and "
@@ -412,6 +419,7 @@ int main(int argc, char** argv) {
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;
+      step.attend_rows = o.attend_rows;
       ok = o.suite == "step"      ? bench::RunStepSuite(step, &cuda_rows)
            : o.suite == "layers"  ? bench::RunLayersSuite(step, &cuda_rows)
            : o.suite == "prefill" ? bench::RunPrefillSuite(step, &cuda_rows)

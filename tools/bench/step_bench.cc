@@ -297,8 +297,9 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   if (!stream) return false;
   const double hbm = DeviceCopyGBps(stream);
   const int group = kQHeads / kKvHeads, n_rows = 2, queries = n_rows * group;
-  std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, k=%d substituted rows, context %d; "
-              "HBM (d2d copy, read+write) %.0f GB/s ==\n", kKvHeads, group, kTopK, o.context, hbm);
+  const int n_sub = o.attend_rows > 0 ? std::min(o.attend_rows, o.context / 2) : kTopK;  // substituted rows per item
+  std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, %d substituted rows, context %d; "
+              "HBM (d2d copy, read+write) %.0f GB/s ==\n", kKvHeads, group, n_sub, o.context, hbm);
   std::printf("%-6s %5s %12s %12s %12s %12s %12s %11s %10s\n", "batch", "bits", "ms_attend", "us_enqueue", "ms_topk",
               "ms_topk_mass", "MB_read", "GBps", "of_HBM");
   bool ok = hbm > 0;
@@ -320,12 +321,12 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       ReplicaParams params{kHeadDim, bits, bits, 32, 64};
       std::vector<std::unique_ptr<cuda::DeviceHeadReplica>> replicas;
       DeviceArray<Half> k(size_t(o.context) * kHeadDim), v(size_t(o.context) * kHeadDim);
-      DeviceArray<Half> new_kv(size_t(n_rows) * kHeadDim), subs(size_t(items) * kTopK * 2 * kHeadDim);
+      DeviceArray<Half> new_kv(size_t(n_rows) * kHeadDim), subs(size_t(items) * n_sub * 2 * kHeadDim);
       DeviceArray<float> q(size_t(items) * queries * kHeadDim), out(size_t(items) * queries * kHeadDim);
       DeviceArray<float> probs(size_t(items) * group * o.context), stats(size_t(items) * group * 2);
       const int64_t topk_per = cuda::TopKScratchFloats(o.context, true);  // room for the budget's run sums
       DeviceArray<float> topk_scratch(size_t(items) * topk_per);
-      DeviceArray<int32_t> sub_tokens(size_t(items) * kTopK), selected(size_t(items) * kTopK);
+      DeviceArray<int32_t> sub_tokens(size_t(items) * n_sub), selected(size_t(items) * kTopK);
       const int64_t scratch_per = cuda::DecodeScratchFloats(o.context, n_rows, group, kHeadDim);
       DeviceArray<float> scratch(size_t(items) * scratch_per);
       if (!k.p || !v.p || !subs.p || !q.p || !out.p || !probs.p || !stats.p || !topk_scratch.p || !sub_tokens.p ||
@@ -334,13 +335,14 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         continue;
       }
       Fill(new_kv.p, int64_t(n_rows) * kHeadDim, 5, 1.0f, stream);
-      Fill(subs.p, int64_t(items) * kTopK * 2 * kHeadDim, 6, 1.0f, stream);
+      Fill(subs.p, int64_t(items) * n_sub * 2 * kHeadDim, 6, 1.0f, stream);
       Fill(q.p, int64_t(items) * queries * kHeadDim, 7, 1.0f, stream);
-      // Substituted rows: k tokens spread evenly over the quantized ones (ascending).
-      std::vector<int32_t> tokens(size_t(items) * kTopK);
+      // Substituted rows: n_sub distinct tokens spread evenly over the quantized ones (ascending):
+      // row j in stride j's span, at an offset that varies with j and the item.
+      std::vector<int32_t> tokens(size_t(items) * n_sub);
+      const int32_t stride = (o.context - 128) / n_sub;
       for (int i = 0; i < items; ++i)
-        for (int j = 0; j < kTopK; ++j) tokens[size_t(i) * kTopK + j] = (j * 127 + i) % (o.context - 128) / kTopK * kTopK + j;
-      for (int i = 0; i < items; ++i) std::sort(tokens.begin() + size_t(i) * kTopK, tokens.begin() + size_t(i + 1) * kTopK);
+        for (int j = 0; j < n_sub; ++j) tokens[size_t(i) * n_sub + j] = j * stride + (j * 127 + i) % stride;
       cudaMemcpy(sub_tokens.p, tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice);
       std::vector<cuda::DeviceDecodeItem> batch_items;
       std::vector<cuda::TopKSegment> segments;
@@ -354,9 +356,9 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         cuda::DeviceDecodeItem it;
         it.replica = (*rep)->view();
         cuda::DeviceDecodeRows& r = it.rows;
-        r.sub_tokens = sub_tokens.p + size_t(i) * kTopK;
-        r.sub_rows = subs.p + size_t(i) * kTopK * 2 * kHeadDim;
-        r.n_sub = kTopK;
+        r.sub_tokens = sub_tokens.p + size_t(i) * n_sub;
+        r.sub_rows = subs.p + size_t(i) * n_sub * 2 * kHeadDim;
+        r.n_sub = n_sub;
         r.q = q.p + size_t(i) * queries * kHeadDim;
         r.out = out.p + size_t(i) * queries * kHeadDim;
         r.new_keys = r.new_values = new_kv.p;
@@ -368,7 +370,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         r.probs = probs.p + size_t(i) * group * o.context;
         r.probs_stats = stats.p + size_t(i) * group * 2;
         r.scratch = scratch.p + size_t(i) * scratch_per;
-        bytes += ReplicaReadBytes(it.replica) + double(kTopK) * 2 * kHeadDim * 2;
+        bytes += ReplicaReadBytes(it.replica) + double(n_sub) * 2 * kHeadDim * 2;
         batch_items.push_back(it);
         segments.push_back({r.probs, selected.p + size_t(i) * kTopK, topk_scratch.p + size_t(i) * topk_per,
                             r.n_candidates, r.probs_stats});

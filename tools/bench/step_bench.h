@@ -34,6 +34,9 @@ struct StepOptions {
   // untimed) between cudaProfilerStart and cudaProfilerStop: `ncu --profile-from-start off`
   // then profiles exactly one step's kernels, whatever the prefill and the agent's creation launched.
   bool profile_step = false;
+  // attend: substituted rows per KV head, spread evenly over the context; 0: k (64). specache-run's
+  // default selection attends every row of its row cache (1024 rows once the cache is full).
+  int attend_rows = 0;
 };
 
 
