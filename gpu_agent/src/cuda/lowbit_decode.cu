@@ -828,36 +828,48 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf(c[nt][j] + c[nt][j + 2], to_score[nt], zs);
-    // Substituted rows in this block: query g's score from the fetched key (fp32, the quad's 4 x 32
-    // channels summed), given to the lane whose slot holds the token.
+    // Substituted rows in this block: listed first (sub_list: row * 32 + token in block), then
+    // their scores eight rows at a time as one mma chain over the fetched keys (B: column g = the
+    // group's row g, k = channels, as in the key codes' mma; A = the query operands, rows g + 8
+    // zero): exact fp16 products summed in fp32, each score then given to the lane whose slot
+    // holds its token. (One row's dot product on the CUDA cores took ~190 instructions; with
+    // specache-run's row cache attended, ~4 rows a block.)
     int n_block_subs = 0;
     uint32_t sub_mask = 0;
     while (next_sub < b0 + 32) {
-      const int32_t tk = next_sub, slot = next_slot;
-      const Half* kf = r.sub_rows + static_cast<int64_t>(slot) * 2 * D;
-      float part = 0.0f;
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const float2 k01 = LoadHalf2(kf + 16 * ks + 2 * t), k89 = LoadHalf2(kf + 16 * ks + 2 * t + 8);
-        const uint2 qa = qops[ks * 32 + lane];
-        const float2 q01 = QueryPair(qa.x), q89 = QueryPair(qa.y);
-        part += q01.x * k01.x + q01.y * k01.y + q89.x * k89.x + q89.y * k89.y;
-      }
-      part += __shfl_xor_sync(kAll, part, 1);
-      part += __shfl_xor_sync(kAll, part, 2);
-      const int i = tk - b0;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-          if (i == 8 * nt + 2 * t + j) sc[nt][j] = part * unscale;
+      const int i = next_sub - b0;
       sub_mask |= 1u << i;
-      if (lane == 0) sub_list[n_block_subs] = slot * 32 + i;
+      if (lane == 0) sub_list[n_block_subs] = next_slot * 32 + i;
       ++n_block_subs;
       ++sp;
       next_sub = sp < r.n_sub ? r.sub_tokens[sp] : INT32_MAX;
       next_slot = sp < r.n_sub ? (r.sub_slots ? r.sub_slots[sp] : sp) : 0;
       prefetched = false;
+    }
+    __syncwarp();  // sub_list written
+    for (int s0 = 0; s0 < n_block_subs; s0 += 8) {
+      const int in_group = min(8, n_block_subs - s0);
+      // Row g's channel pairs 8 ks + t (channels 16 ks + 2t, +1) and 8 ks + t + 4 (+ 8, + 9).
+      const uint32_t* kt = nullptr;
+      if (g < in_group) {
+        kt = reinterpret_cast<const uint32_t*>(r.sub_rows + static_cast<int64_t>(sub_list[s0 + g] >> 5) * 2 * D) + t;
+      }
+      float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // query g's scores of the group's rows 2t, 2t + 1 (cs[0], cs[1])
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t k01 = kt ? __ldg(kt + 8 * ks) : 0u, k89 = kt ? __ldg(kt + 8 * ks + 4) : 0u;
+        const uint2 qa = qops[ks * 32 + lane];
+        Mma(cs, qa.x, 0u, qa.y, 0u, k01, k89);
+      }
+      for (int q = 0; q < in_group; ++q) {
+        const float score = __shfl_sync(kAll, (q & 1) ? cs[1] : cs[0], 4 * g + q / 2) * unscale;
+        const int i = sub_list[s0 + q] & 31;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            if (i == 8 * nt + 2 * t + j) sc[nt][j] = score;
+      }
     }
     if (scores_out) {
 #pragma unroll
