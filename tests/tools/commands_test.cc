@@ -115,6 +115,24 @@ TEST(CommandLineTest, AMalformedPrefillShapeStopsTheBenchAtOnce) {
   }
 }
 
+// A mode the bench does not know, or selection options it cannot apply, stop it the same way;
+// the message names the mode as given.
+TEST(CommandLineTest, ABadBenchModeStopsTheBenchAtOnce) {
+  const struct {
+    std::string kv, message;
+  } cases[] = {
+      {"spec", "--kv is fp16, kivi, specache, specache-nonspec or full-offload, not 'spec'"},
+      {"kivi/resident", "--kv 'kivi/resident': selection options apply to specache and specache-nonspec"},
+      {"specache/select=bogus", "--kv 'specache/select=bogus': unknown selection 'bogus'"},
+      {"specache/no-such-option", "--kv 'specache/no-such-option'"},
+  };
+  for (const auto& c : cases) {
+    const Outcome r = Shell(std::string(SPECACHE_RUN_PATH) + " bench --kv " + c.kv);
+    EXPECT_EQ(r.code, 1) << c.kv << ": " << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.kv << ": " << r.output;
+  }
+}
+
 // Output checks -------------------------------------------------------------------------------
 
 class OutputPathsCommandTest : public ::testing::Test {

@@ -690,7 +690,10 @@ int main(int argc, char** argv) {
   bench->add_option("--gpu-mem-budget", bench_args.budget, "GPU memory for weights + KV + workspace (48GB, 40GiB, bytes)")
       ->capture_default_str();
   bench->add_option("--kv", bench_args.modes,
-                    "mode (repeatable): fp16, kivi, specache, specache-nonspec, full-offload (default: all)")
+                    "mode (repeatable): fp16, kivi, specache, specache-nonspec, full-offload (default: all); "
+                    "specache and specache-nonspec run the paper's rule (k rows, only they attended), or, with "
+                    "options after '/' (e.g. specache/select=union, as --modes elsewhere), specache-run's "
+                    "generation defaults with those options")
       ->delimiter(',');
   bench->add_option("--bits", bo.bits, "bits of the low-bit replica")->capture_default_str();
   bench->add_option("--group", bo.group, "quantization group G")->capture_default_str();

@@ -13,6 +13,7 @@
 
 #include "llama_kernels.h"
 #include "offload_agent.h"
+#include "run_support.h"
 #include "specache/agent.h"
 #include "specache/cuda_topk.h"
 #include "specache/device_probe.h"
@@ -25,6 +26,9 @@ namespace {
 
 using gpu::GpuEngine;
 using gpu::GpuLlama;
+
+// A mode's name without the selection options after it ("specache/select=union" -> "specache").
+std::string BaseMode(const std::string& mode) { return mode.substr(0, mode.find('/')); }
 
 Status Cuda(cudaError_t e, const std::string& what) {
   if (e == cudaSuccess) return Status::Ok();
@@ -84,6 +88,16 @@ class Bench {
   }
 
   Result<KvConfig> Config(const std::string& mode) const {
+    if (mode.find('/') != std::string::npos) {
+      // "specache/select=union/...": specache-run's mode syntax (run_support.h) over its generation
+      // defaults (union, the row cache attended), with this command's bits, group, residual, topk.
+      KvOptions kv;
+      kv.bits = o_.bits;
+      kv.group = o_.group;
+      kv.residual = o_.residual;
+      kv.topk = o_.topk;
+      return ToConfig(kv, mode);
+    }
     KvConfig k;
     k.key_bits = k.value_bits = o_.bits;
     k.group_size = o_.group;
@@ -260,11 +274,12 @@ class Bench {
 
   Result<nlohmann::json> Measure(const std::string& mode, int context, int64_t mem_available) {
     nlohmann::json j{{"context", context}, {"mode", mode}, {"budget_bytes", o_.gpu_budget_bytes}};
-    if (mode != "fp16" && mode != "full-offload") {
+    const std::string base = BaseMode(mode);
+    if (base != "fp16" && base != "full-offload") {
       j["bits"] = o_.bits;
       j["group"] = o_.group;
       j["residual"] = o_.residual;
-      if (mode != "kivi") j["topk"] = o_.topk;
+      if (base != "kivi") j["topk"] = o_.topk;
     }
     const int64_t budget = static_cast<int64_t>(o_.gpu_budget_bytes);
     SPECACHE_ASSIGN_OR_RETURN(Run one, RunMode(mode, 1, context, true));
@@ -315,7 +330,7 @@ class Bench {
       j["capped_by"] = "gpu budget (measured)";
     }
     double topk_ms = 0;
-    if (mode == "specache" || mode == "specache-nonspec") {
+    if (base == "specache" || base == "specache-nonspec") {
       SPECACHE_ASSIGN_OR_RETURN(topk_ms, TopKMs(run.batch, context));
     }
     const int64_t fp16_kv = Fp16BytesPerSequence(context) * run.batch;
@@ -325,7 +340,7 @@ class Bench {
     j["ms_gemm"] = run.phases.gemm_ms + run.phases.edges_ms;  // the table's column: all but attention
     j["ms_gemm_layers"] = run.phases.gemm_ms;
     j["ms_step_edges"] = run.phases.edges_ms;
-    if (mode == "specache") {  // the other modes fetch in step, or not at all
+    if (base == "specache") {  // the other modes fetch in step, or not at all
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
     }
@@ -445,6 +460,18 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
       return Status::InvalidArgument("--prefill is BxT, e.g. 8x8192, not '" + o.prefill + "'");
     }
   }
+  for (const std::string& m : o.modes) {
+    const std::string base = BaseMode(m);
+    if (base != "fp16" && base != "kivi" && base != "specache" && base != "specache-nonspec" && base != "full-offload") {
+      return Status::InvalidArgument("--kv is fp16, kivi, specache, specache-nonspec or full-offload, not '" + m + "'");
+    }
+    if (base != m) {  // options after '/': checked before anything is measured
+      if (base != "specache" && base != "specache-nonspec") {
+        return Status::InvalidArgument("--kv '" + m + "': selection options apply to specache and specache-nonspec");
+      }
+      SPECACHE_RETURN_IF_ERROR(ToConfig(KvOptions{}, m).status().WithContext("--kv '" + m + "'"));
+    }
+  }
   SPECACHE_ASSIGN_OR_RETURN(CudaDeviceInfo device, ProbeCudaDevice());
   LlamaConfig config;
   if (o.shape == "llama3-8b") {
@@ -453,11 +480,6 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
     config = gpu::SmolLm2Config();
   } else {
     return Status::InvalidArgument("--shape is llama3-8b or smollm2, not '" + o.shape + "'");
-  }
-  for (const std::string& m : o.modes) {
-    if (m != "fp16" && m != "kivi" && m != "specache" && m != "specache-nonspec" && m != "full-offload") {
-      return Status::InvalidArgument("--kv is fp16, kivi, specache, specache-nonspec or full-offload, not '" + m + "'");
-    }
   }
   const int64_t mem_available = ProcBytes("/proc/meminfo", "MemAvailable");
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaFree(nullptr), "CUDA context"));

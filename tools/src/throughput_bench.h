@@ -12,7 +12,9 @@
 //
 // Modes: fp16 (the CUDA agent in `full`: the whole fp16 KV on the GPU; PyTorch SDPA's step at the
 // same batch is run next to it by tools/bench/fp16_baseline.py when --sdpa-script is given),
-// kivi, specache, specache-nonspec (the --bits/--group/--residual/--topk options) and
+// kivi, specache, specache-nonspec (the --bits/--group/--residual/--topk options; the paper's row
+// selection: k rows, only they attended; written "specache/OPTION/..." specache-run's generation
+// defaults (run_support.h: the union, the row cache attended) with the options after '/') and
 // full-offload (offload_agent.h: every row fetched from host RAM each step).
 #pragma once
 
