@@ -30,6 +30,18 @@ using gpu::GpuLlama;
 // A mode's name without the selection options after it ("specache/select=union" -> "specache").
 std::string BaseMode(const std::string& mode) { return mode.substr(0, mode.find('/')); }
 
+// The config of a mode written with specache-run's options after '/' (run_support.h's syntax):
+// specache-run's generation defaults (the union, the row cache attended) with this command's
+// bits, group, residual and topk, then the options.
+Result<KvConfig> OptionedModeConfig(const ThroughputOptions& o, const std::string& mode) {
+  KvOptions kv;
+  kv.bits = o.bits;
+  kv.group = o.group;
+  kv.residual = o.residual;
+  kv.topk = o.topk;
+  return ToConfig(kv, mode);
+}
+
 Status Cuda(cudaError_t e, const std::string& what) {
   if (e == cudaSuccess) return Status::Ok();
   if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": " + cudaGetErrorString(e));
@@ -88,16 +100,7 @@ class Bench {
   }
 
   Result<KvConfig> Config(const std::string& mode) const {
-    if (mode.find('/') != std::string::npos) {
-      // "specache/select=union/...": specache-run's mode syntax (run_support.h) over its generation
-      // defaults (union, the row cache attended), with this command's bits, group, residual, topk.
-      KvOptions kv;
-      kv.bits = o_.bits;
-      kv.group = o_.group;
-      kv.residual = o_.residual;
-      kv.topk = o_.topk;
-      return ToConfig(kv, mode);
-    }
+    if (BaseMode(mode) != mode) return OptionedModeConfig(o_, mode);
     KvConfig k;
     k.key_bits = k.value_bits = o_.bits;
     k.group_size = o_.group;
@@ -469,7 +472,7 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
       if (base != "specache" && base != "specache-nonspec") {
         return Status::InvalidArgument("--kv '" + m + "': selection options apply to specache and specache-nonspec");
       }
-      SPECACHE_RETURN_IF_ERROR(ToConfig(KvOptions{}, m).status().WithContext("--kv '" + m + "'"));
+      SPECACHE_RETURN_IF_ERROR(OptionedModeConfig(o, m).status().WithContext("--kv '" + m + "'"));
     }
   }
   SPECACHE_ASSIGN_OR_RETURN(CudaDeviceInfo device, ProbeCudaDevice());
