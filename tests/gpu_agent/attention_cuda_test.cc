@@ -106,19 +106,20 @@ void PackWholeGroups(cuda::DeviceReplicaView& v, const std::vector<const uint8_t
 }
 
 // mma: the replica's whole groups in the mma layout (1-bit, at most 8 queries): the lean path.
+// sub_one_in: each quantized key is substituted with probability 1 / sub_one_in.
 DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads, std::mt19937& rng, DeviceBuffers& buf,
-                          bool mma = false) {
+                          bool mma = false, int sub_one_in = 3) {
   DecodeCase c;
   c.name = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " rows=" + std::to_string(n_rows) +
-           " length=" + std::to_string(length) + (mma ? " mma" : "");
+           " length=" + std::to_string(length) + (mma ? " mma" : "") + " sub 1/" + std::to_string(sub_one_in);
   ReplicaParams p{d, bits, bits, 32, 64};
   HeadReplica replica(p);
   const auto keys = testing::RandomHalves(size_t(length) * d, rng), values = testing::RandomHalves(size_t(length) * d, rng);
   replica.Append(keys.data(), values.data(), length);
   const int32_t n_qk = replica.quantized_keys(), n_qv = replica.quantized_values();
-  // Substitute a random third of the quantized keys with perturbed full-precision rows.
+  // Substitute a random share of the quantized keys (a third by default) with other full-precision rows.
   std::vector<int32_t> sub_tokens;
-  for (int32_t t = 0; t < n_qk; ++t) if (rng() % 3 == 0) sub_tokens.push_back(t);
+  for (int32_t t = 0; t < n_qk; ++t) if (rng() % sub_one_in == 0) sub_tokens.push_back(t);
   const auto sub_rows = testing::RandomHalves(sub_tokens.size() * 2 * d, rng);
   const auto q = testing::RandomFloats(size_t(n_rows) * heads * d, rng, 0.5f);
   const auto new_k = testing::RandomHalves(size_t(n_rows) * d, rng), new_v = testing::RandomHalves(size_t(n_rows) * d, rng);
@@ -224,6 +225,29 @@ TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
             ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
             ExpectMatches(c);
           }
+        }
+      }
+    }
+  }
+#endif
+}
+
+// Blocks of 32 tokens with more substituted rows than one group of the kernels' sixteen (every
+// token, every other), as when the agent attends a row cache of recent rows: the lean path adds
+// their values sixteen rows at a time.
+TEST(CudaAttentionTest, DenselySubstitutedBlocksMatchTheCpuReference) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(41);
+  for (int d : {64, 128}) {
+    for (int n_rows : {1, 2}) {
+      for (int sub_one_in : {1, 2}) {
+        for (const bool mma : {false, true}) {
+          DeviceBuffers buf;
+          const DecodeCase c = MakeDecodeCase(d, 1, n_rows, 700, 4, rng, buf, mma, sub_one_in);
+          ASSERT_TRUE(cuda::AttendDecodeRows(c.item.replica, c.item.rows, nullptr).ok());
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          ExpectMatches(c);
         }
       }
     }

@@ -666,8 +666,8 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
 //       reference, up to 4.9e-4 measured on random rows); A = one AND per register of the lane's
 //       value words; the zeros' term as one mma
 //       per k-step (A's row g = channel group g's zeros).
-// Substituted rows: their scores from the fetched key (fp32) before the softmax; their p out of B
-// and their fetched value added to the accumulators in fp32.
+// Substituted rows: their scores by an mma over the fetched keys before the softmax, their p out
+// of B, and their fetched values added as an mma (A = the values transposed, B = p as hi + lo).
 // p scaled before its fp16 rounding, so that fp16(p kLeanP) * scale stays normal for the weights
 // that matter; a value scale must stay below 1023 (65504 / kLeanP) for the product to be finite.
 constexpr float kLeanP = 64.0f;
@@ -702,6 +702,59 @@ __device__ __forceinline__ void LaneWords(const uint32_t* codes, int lane, uint3
   }
 }
 
+// The values of a block's n substituted rows (n > 0, listed in sub_list, their scores in
+// sub_scores [row][query]), weighted by p kLeanP of each query, added to out^T's accumulators (in
+// their units: MmaBitWeight(mt % 4) * kLeanP). Sixteen rows at a time, one mma per m-tile and p
+// part: A = the rows' fetched values transposed (channels x rows: lane (g, t) loads row g's
+// channel pairs 16 mt + 2t, + 8 as 32-bit words, as for the keys, and movmatrix gives A's
+// registers), B = p kLeanP as hi + lo fp16 parts (k = row, n = query g), each m-tile's products
+// summed in fresh accumulators and added in fp32. (Row by row on the CUDA cores this took ~117
+// instructions a row; with specache-run's row cache attended, ~4 rows a block.)
+template <int D>
+__device__ __forceinline__ void LeanSubstitutedValues(const DeviceDecodeRows& r, const int* sub_list,
+                                                      const float* sub_scores, int n, float mn_log2e, int lane,
+                                                      float (&acc)[D / 16][4]) {
+  constexpr int MT = D / 16;
+  const int g = lane >> 2, t = lane & 3;
+  __syncwarp();  // sub_scores written by the quads that scored the rows
+  for (int s0 = 0; s0 < n; s0 += 16) {
+    const int rows = min(16, n - s0);
+    float pk[4];  // p kLeanP of query g for the group's rows 2t, 2t + 1, 2t + 8, 2t + 9
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = 2 * t + (i & 1) + 8 * (i >> 1);
+      pk[i] = row < rows ? ExpFrom(sub_scores[(s0 + row) * kLeanMaxQueries + g], mn_log2e) : 0.0f;
+    }
+    uint32_t bh0, bl0, bh1, bl1;
+    Split(pk[0], pk[1], bh0, bl0);
+    Split(pk[2], pk[3], bh1, bl1);
+    // Rows g and g + 8 of the group: their value halves, from channel pair 2t.
+    auto value_words = [&](int row) -> const uint32_t* {
+      if (row >= rows) return nullptr;
+      return reinterpret_cast<const uint32_t*>(r.sub_rows + static_cast<int64_t>(sub_list[s0 + row] >> 5) * 2 * D + D) + t;
+    };
+    const uint32_t* v_lo = value_words(g);
+    const uint32_t* v_hi = value_words(g + 8);
+    const bool upper = rows > 8;  // warp-uniform: rows 8..15 (A's a2, a3) are not all zero
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint32_t a0 = mma::Transposed8x8(v_lo ? __ldg(v_lo + 8 * mt) : 0u);
+      const uint32_t a1 = mma::Transposed8x8(v_lo ? __ldg(v_lo + 8 * mt + 4) : 0u);
+      uint32_t a2 = 0u, a3 = 0u;
+      if (upper) {
+        a2 = mma::Transposed8x8(v_hi ? __ldg(v_hi + 8 * mt) : 0u);
+        a3 = mma::Transposed8x8(v_hi ? __ldg(v_hi + 8 * mt + 4) : 0u);
+      }
+      float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // channels 16 mt + g (+ 8), queries 2t, 2t + 1: acc[mt]'s layout
+      Mma(cv, a0, a1, a2, a3, bh0, bh1);
+      Mma(cv, a0, a1, a2, a3, bl0, bl1);
+      const float w = MmaBitWeight(mt % 4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][e] = fmaf(cv[e], w, acc[mt][e]);
+    }
+  }
+}
+
 template <int D>
 __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
                              int lane) {
@@ -713,10 +766,12 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   const int queries = r.n_rows * r.n_heads;  // <= kLeanMaxQueries (LowBitDecodeEligible)
   // Per warp, after the stages: the block's substituted rows (row index * 32 + token in block),
   // then the lanes' query operands [ks][lane] (one 8-byte load per k-step instead of 2 KS
-  // registers held through the loop).
+  // registers held through the loop), then the substituted rows' scores [32 rows][8 queries].
   int* sub_list = reinterpret_cast<int*>(ws + StagesWords<1, 1, D, 1>());
   uint2* qops = reinterpret_cast<uint2*>(ws + StagesWords<1, 1, D, 1>() + 32);
-  static_assert(StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS <= ItemOffsetWords<1, 1, D, 1>(), "room for the operands");
+  float* sub_scores = reinterpret_cast<float*>(ws + StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS);
+  static_assert(StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS + 32 * kLeanMaxQueries <= ItemOffsetWords<1, 1, D, 1>(),
+                "room for the operands and the substituted rows' scores");
 
   BlockWalk walk(v, t0);
   walk.IssueGroup<D>(ws, lane, t0 + 32 < t1);
@@ -861,8 +916,12 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         const uint2 qa = qops[ks * 32 + lane];
         Mma(cs, qa.x, 0u, qa.y, 0u, k01, k89);
       }
+      // Query g's scores of rows s0 + 2t, +1, kept for their values' p (B's layout: k = row, n = g).
+      const float cs0 = cs[0] * unscale, cs1 = cs[1] * unscale;
+      if (s0 + 2 * t < n_block_subs) sub_scores[(s0 + 2 * t) * kLeanMaxQueries + g] = cs0;
+      if (s0 + 2 * t + 1 < n_block_subs) sub_scores[(s0 + 2 * t + 1) * kLeanMaxQueries + g] = cs1;
       for (int q = 0; q < in_group; ++q) {
-        const float score = __shfl_sync(kAll, (q & 1) ? cs[1] : cs[0], 4 * g + q / 2) * unscale;
+        const float score = __shfl_sync(kAll, (q & 1) ? cs1 : cs0, 4 * g + q / 2);
         const int i = sub_list[s0 + q] & 31;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
@@ -907,30 +966,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         p[nt][j] = ExpFrom(sc[nt][j], mn_log2e);
         l += p[nt][j];
       }
-    // Substituted rows: their fetched values, weighted by p of queries 2t and 2t + 1, into the
-    // accumulators (in their units: MmaBitWeight(mt % 4) * kLeanP), and their p out of B.
-    for (int k = 0; k < n_block_subs; ++k) {
-      const int i = sub_list[k] & 31;
-      float mine = 0.0f;  // p of query g for token i, in the lane holding it
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-          if (i == 8 * nt + 2 * t + j) mine = p[nt][j];
-      const int holder = (i % 8) / 2;  // t of the lanes holding token i
-      const float p_even = __shfl_sync(kAll, mine, 4 * (2 * t) + holder);  // p kLeanP
-      const float p_odd = __shfl_sync(kAll, mine, 4 * (2 * t + 1) + holder);
-      const Half* vf = r.sub_rows + static_cast<int64_t>(sub_list[k] >> 5) * 2 * D + D;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const float w = MmaBitWeight(mt % 4);
-        const float v0 = H2F(vf[16 * mt + g]) * w, v1 = H2F(vf[16 * mt + g + 8]) * w;
-        acc[mt][0] += p_even * v0;
-        acc[mt][1] += p_odd * v0;
-        acc[mt][2] += p_even * v1;
-        acc[mt][3] += p_odd * v1;
-      }
-    }
+    // Substituted tokens: their p out of B (their values are added after the bulk's).
     if (sub_mask != 0) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
@@ -969,7 +1005,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         }
       }
     }
-    __syncwarp();  // this stage and sub_list are rewritten by the next blocks
+    if (n_block_subs > 0) LeanSubstitutedValues<D>(r, sub_list, sub_scores, n_block_subs, mn_log2e, lane, acc);
+    __syncwarp();  // this stage, sub_list and sub_scores are rewritten by the next blocks
   }
 
   // ---- the unit's partial result: per query max, sum, and out + the zeros' term.

@@ -59,4 +59,18 @@ __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* row) {
 #endif
 }
 
+// The transpose of an 8 x 8 fp16 matrix held one row pair per lane (lane l: row l / 4, cols
+// 2 (l % 4), +1, as A's or C's registers): lane l gets (rows 2 (l % 4), +1 of col l / 4), as in A
+// when the matrix's rows run along A's k (e.g. rows of values that A must hold transposed).
+__device__ __forceinline__ uint32_t Transposed8x8(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+#else
+  __trap();
+  return 0;
+#endif
+}
+
 }  // namespace specache::cuda::mma
