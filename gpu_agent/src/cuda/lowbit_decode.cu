@@ -702,6 +702,46 @@ __device__ __forceinline__ void LaneWords(const uint32_t* codes, int lane, uint3
   }
 }
 
+// The substituted rows ahead of a unit's current block, a window of 32 held a lane each: lane i
+// has entry `base + i` of the item's ascending list (token INT32_MAX past its end), and the
+// entries before `used` are listed already. Warp-uniform but for the lane's own entry.
+struct SubstituteWindow {
+  int base, used = 0;
+  int32_t token, slot;
+
+  __device__ SubstituteWindow(const DeviceDecodeRows& r, int first, int lane) : base(first) { Load(r, lane); }
+  __device__ __forceinline__ void Load(const DeviceDecodeRows& r, int lane) {
+    const int i = base + lane;
+    token = i < r.n_sub ? r.sub_tokens[i] : INT32_MAX;
+    slot = i < r.n_sub ? (r.sub_slots ? r.sub_slots[i] : i) : 0;
+  }
+  // Prefetches into L1 the fetched key and value rows of the window's tokens in [from, to).
+  template <int D>
+  __device__ __forceinline__ void Prefetch(const DeviceDecodeRows& r, int32_t from, int32_t to, int lane) const {
+    if (lane < used || token < from || token >= to) return;
+    constexpr int kLines = 4 * D / 128;  // a fetched key and value row: 2 D halves
+    const char* row = reinterpret_cast<const char*>(r.sub_rows + static_cast<int64_t>(slot) * 2 * D);
+#pragma unroll
+    for (int l = 0; l < kLines; ++l) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + l * 128));
+  }
+  // Lists block [b0, b0 + 32)'s rows in `list` (row index * 32 + token in block, ascending), sets
+  // their bits in `mask` and returns their count; the window moves on by 32 when used up.
+  __device__ __forceinline__ int ListBlock(const DeviceDecodeRows& r, int32_t b0, int lane, int* list, uint32_t& mask) {
+    int n = 0;
+    for (;;) {
+      const bool mine = lane >= used && token < b0 + 32;  // the entries are ascending: a run from `used`
+      const unsigned in = __ballot_sync(kAll, mine);
+      if (mine) list[n + lane - used] = slot * 32 + (token - b0);
+      mask |= __reduce_or_sync(kAll, mine ? 1u << (token - b0) : 0u);
+      const int c = __popc(in);
+      n += c, used += c;
+      if (used < 32) return n;
+      base += 32, used = 0;
+      Load(r, lane);
+    }
+  }
+};
+
 // The values of a block's n substituted rows (n > 0, listed in sub_list, their scores in
 // sub_scores [row][query]), weighted by p kLeanP of each query, added to out^T's accumulators (in
 // their units: MmaBitWeight(mt % 4) * kLeanP). Sixteen rows at a time, one mma per m-tile and p
@@ -827,23 +867,17 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][i] = 0.0f;
   }
-  int sp = FirstSubstituteFrom(r, t0, lane);
-  // The next substituted token and its row, loaded a block ahead of their use (INT32_MAX: none);
-  // its fetched rows are prefetched into L1 once, at the next block's start (ncu: the loads of
-  // the fetched rows were the kernel's largest single stalls, ~5% of its samples).
-  int32_t next_sub = sp < r.n_sub ? r.sub_tokens[sp] : INT32_MAX;
-  int32_t next_slot = sp < r.n_sub ? (r.sub_slots ? r.sub_slots[sp] : sp) : 0;
-  bool prefetched = false;
+  // The next 32 substituted rows from the unit's first: a lane each (SubstituteWindow), so a
+  // block's rows are listed with one ballot and the next block's fetched rows are prefetched into
+  // L1 a block ahead of their use (ncu: the loads of the fetched rows were the kernel's largest
+  // single stalls, ~5% of its samples, when one row was prefetched at its block's start).
+  SubstituteWindow subs(r, FirstSubstituteFrom(r, t0, lane), lane);
+  subs.Prefetch<D>(r, t0, min(t1, t0 + 32), lane);
 
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
     if (b0 + 32 < t1) walk.IssueGroup<D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
-    if (!prefetched && next_sub < t1) {
-      constexpr int kLines = 4 * D / 128;  // a fetched key and value row: 2 D halves
-      const char* row = reinterpret_cast<const char*>(r.sub_rows + static_cast<int64_t>(next_slot) * 2 * D);
-      if (lane < kLines) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + lane * 128));
-      prefetched = true;
-    }
+    subs.Prefetch<D>(r, b0 + 32, min(t1, b0 + 64), lane);
     CpAsyncCommit();
     CpAsyncWaitButOne();
     __syncwarp();
@@ -889,18 +923,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     // zero): exact fp16 products summed in fp32, each score then given to the lane whose slot
     // holds its token. (One row's dot product on the CUDA cores took ~190 instructions; with
     // specache-run's row cache attended, ~4 rows a block.)
-    int n_block_subs = 0;
     uint32_t sub_mask = 0;
-    while (next_sub < b0 + 32) {
-      const int i = next_sub - b0;
-      sub_mask |= 1u << i;
-      if (lane == 0) sub_list[n_block_subs] = next_slot * 32 + i;
-      ++n_block_subs;
-      ++sp;
-      next_sub = sp < r.n_sub ? r.sub_tokens[sp] : INT32_MAX;
-      next_slot = sp < r.n_sub ? (r.sub_slots ? r.sub_slots[sp] : sp) : 0;
-      prefetched = false;
-    }
+    const int n_block_subs = subs.ListBlock(r, b0, lane, sub_list, sub_mask);
     __syncwarp();  // sub_list written
     for (int s0 = 0; s0 < n_block_subs; s0 += 8) {
       const int in_group = min(8, n_block_subs - s0);
