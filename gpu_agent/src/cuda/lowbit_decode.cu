@@ -217,12 +217,6 @@ struct BlockWalk {
   }
 };
 
-__device__ __forceinline__ float2 QueryPair(uint32_t h2) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
-}
-__device__ __forceinline__ float2 LoadHalf2(const Half* p) {
-  return __half22float2(__ldg(reinterpret_cast<const __half2*>(p)));
-}
 
 // Channel of k-step ks (16 channels) and slot j (0..3) that lane quad position t feeds to B.
 __device__ __forceinline__ int ChannelOf(int ks, int j, int t) { return 16 * ks + 2 * t + (j & 1) + 8 * (j >> 1); }
@@ -271,6 +265,109 @@ __device__ __forceinline__ int FirstSubstituteFrom(const DeviceDecodeRows& r, in
     sp = lo;
   }
   return __shfl_sync(kAll, sp, 0);
+}
+
+// A fetched row's key (part 0) or value (part 1) halves as 32-bit channel pairs, from pair `pair`:
+// the row of a block's sub_list entry (row index * 32 + token in block).
+template <int D>
+__device__ __forceinline__ const uint32_t* FetchedRowWords(const DeviceDecodeRows& r, int entry, int part, int pair) {
+  return reinterpret_cast<const uint32_t*>(r.sub_rows + static_cast<int64_t>(entry >> 5) * 2 * D + part * D) + pair;
+}
+
+// The substituted rows ahead of a unit's current block, a window of 32 held a lane each: lane i
+// has entry `base + i` of the item's ascending list (token INT32_MAX past its end), and the
+// entries before `used` are listed already. Warp-uniform but for the lane's own entry.
+struct SubstituteWindow {
+  int base, used = 0;
+  int32_t token, slot;
+
+  __device__ SubstituteWindow(const DeviceDecodeRows& r, int first, int lane) : base(first) { Load(r, lane); }
+  __device__ __forceinline__ void Load(const DeviceDecodeRows& r, int lane) {
+    const int i = base + lane;
+    token = i < r.n_sub ? r.sub_tokens[i] : INT32_MAX;
+    slot = i < r.n_sub ? (r.sub_slots ? r.sub_slots[i] : i) : 0;
+  }
+  // Prefetches into L1 the fetched key and value rows of the window's tokens in [from, to).
+  template <int D>
+  __device__ __forceinline__ void Prefetch(const DeviceDecodeRows& r, int32_t from, int32_t to, int lane) const {
+    if (lane < used || token < from || token >= to) return;
+    constexpr int kLines = 4 * D / 128;  // a fetched key and value row: 2 D halves
+    const char* row = reinterpret_cast<const char*>(r.sub_rows + static_cast<int64_t>(slot) * 2 * D);
+#pragma unroll
+    for (int l = 0; l < kLines; ++l) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + l * 128));
+  }
+  // Lists block [b0, b0 + 32)'s rows in `list` (row index * 32 + token in block, ascending), sets
+  // their bits in `mask` and returns their count; the window moves on by 32 when used up.
+  __device__ __forceinline__ int ListBlock(const DeviceDecodeRows& r, int32_t b0, int lane, int* list, uint32_t& mask) {
+    int n = 0;
+    for (;;) {
+      const bool mine = lane >= used && token < b0 + 32;  // the entries are ascending: a run from `used`
+      const unsigned in = __ballot_sync(kAll, mine);
+      if (mine) list[n + lane - used] = slot * 32 + (token - b0);
+      mask |= __reduce_or_sync(kAll, mine ? 1u << (token - b0) : 0u);
+      const int c = __popc(in);
+      n += c, used += c;
+      if (used < 32) return n;
+      base += 32, used = 0;
+      Load(r, lane);
+    }
+  }
+};
+
+// The values of a block's n substituted rows (n > 0, listed in sub_list), weighted by each
+// query's p, added to out^T's accumulators: sixteen rows at a time, one mma per m-tile, n-tile and
+// p part. A = the rows' fetched values transposed (channels x rows: lane (g, t) loads row g's
+// channel pairs 16 mt + 2t, + 8 as 32-bit words, as for the keys' scores, and movmatrix gives A's
+// registers), B = p as hi + lo fp16 parts (k = row, n = query), each product summed in fresh
+// accumulators (C: channels 16 mt + g (+ 8), queries 8 nt + 2t, + 1, out^T's layout) that `add`
+// takes: add(mt, nt, c). p_at(row, nt): p of the list's row `row` for query 8 nt + g, in the
+// scale B takes (fp16's normal range). (Row by row on the CUDA cores this took ~117 instructions
+// a row; with specache-run's row cache attended, ~4 rows a block.)
+template <int D, int NT, class PAt, class Add>
+__device__ __forceinline__ void AddSubstitutedValues(const DeviceDecodeRows& r, const int* sub_list, int n, int lane,
+                                                     PAt p_at, Add add) {
+  constexpr int MT = D / 16;
+  const int g = lane >> 2, t = lane & 3;
+  for (int s0 = 0; s0 < n; s0 += 16) {
+    const int rows = min(16, n - s0);
+    uint32_t bh[NT][2], bl[NT][2];  // [nt][b0, b1]: rows 2t, 2t + 1 and 2t + 8, 2t + 9 of the group
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float pk[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = 2 * t + (i & 1) + 8 * (i >> 1);
+        pk[i] = row < rows ? p_at(s0 + row, nt) : 0.0f;
+      }
+      Split(pk[0], pk[1], bh[nt][0], bl[nt][0]);
+      Split(pk[2], pk[3], bh[nt][1], bl[nt][1]);
+    }
+    // Rows g and g + 8 of the group: their value halves, from channel pair 2t.
+    auto value_words = [&](int row) -> const uint32_t* {
+      if (row >= rows) return nullptr;
+      return FetchedRowWords<D>(r, sub_list[s0 + row], 1, t);
+    };
+    const uint32_t* v_lo = value_words(g);
+    const uint32_t* v_hi = value_words(g + 8);
+    const bool upper = rows > 8;  // warp-uniform: rows 8..15 (A's a2, a3) are not all zero
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint32_t a0 = mma::Transposed8x8(v_lo ? __ldg(v_lo + 8 * mt) : 0u);
+      const uint32_t a1 = mma::Transposed8x8(v_lo ? __ldg(v_lo + 8 * mt + 4) : 0u);
+      uint32_t a2 = 0u, a3 = 0u;
+      if (upper) {
+        a2 = mma::Transposed8x8(v_hi ? __ldg(v_hi + 8 * mt) : 0u);
+        a3 = mma::Transposed8x8(v_hi ? __ldg(v_hi + 8 * mt + 4) : 0u);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        Mma(c, a0, a1, a2, a3, bh[nt][0], bh[nt][1]);
+        Mma(c, a0, a1, a2, a3, bl[nt][0], bl[nt][1]);
+        add(mt, nt, c);
+      }
+    }
+  }
 }
 
 // One bulk unit: tokens [t0, t1) (whole blocks of 32, quantized keys and values), each block's
@@ -361,11 +458,14 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     l[nt][0] = l[nt][1] = 0.0f;
     zv[nt][0] = zv[nt][1] = 0.0f;
   }
-  int sp = FirstSubstituteFrom(r, t0, lane);
+  // The substituted rows ahead, a lane each; their fetched rows prefetched a block ahead.
+  SubstituteWindow subs(r, FirstSubstituteFrom(r, t0, lane), lane);
+  subs.Prefetch<D>(r, t0, min(t1, t0 + 32), lane);
 
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
     if (b0 + 32 < t1) walk.Issue<KB, VB, D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
+    subs.Prefetch<D>(r, b0 + 32, min(t1, b0 + 64), lane);
     CpAsyncCommit();
     CpAsyncWaitButOne();
     __syncwarp();
@@ -428,42 +528,47 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
           const int j = i & 1;
           score[mt][nt][i] = fmaf(sc[mt][nt][i] + zk[nt][j], q_unscale[nt][j], q_bias[nt][j]);
         }
-    // Substituted rows in this block: scores from the fetched keys (fp32), staged in psm (free
-    // until the softmax writes p) at [token in block][query] and then taken by the lanes whose C
-    // slots hold those tokens. (Assigned straight into `score` by a runtime test per slot, the
-    // compiler kept the whole array in local memory, stored and reloaded every block.)
-    int n_block_subs = 0;
+    // Substituted rows in this block: listed, then scored sixteen at a time by an mma over their
+    // fetched keys (A: rows g, g + 8 x channels, loaded as 32-bit channel pairs; B: the queries'
+    // operands; exact fp16 products summed in fp32), staged in psm (free until the softmax writes
+    // p) at [token in block][query] and then taken by the lanes whose C slots hold those tokens.
+    // (Assigned straight into `score` by a runtime test per slot, the compiler kept the whole
+    // array in local memory, stored and reloaded every block.)
     uint32_t sub_mask = 0;  // tokens of the block that are substituted
-    while (sp < r.n_sub) {
-      // The token and its slot loaded together (SubstitutedRow's slot load would wait for the test).
-      const int32_t tk = r.sub_tokens[sp], slot = r.sub_slots ? r.sub_slots[sp] : sp;
-      if (tk >= b0 + 32) break;
-      const Half* kf = r.sub_rows + static_cast<int64_t>(slot) * 2 * D;
-      float part[NT];
+    const int n_block_subs = subs.ListBlock(r, b0, lane, sub_list, sub_mask);
+    if (n_block_subs > 0) {
+      __syncwarp();  // sub_list written
+      for (int s0 = 0; s0 < n_block_subs; s0 += 16) {
+        const int rows = min(16, n_block_subs - s0);
+        auto key_words = [&](int row) -> const uint32_t* {  // row's key halves from channel pair 2t
+          if (row >= rows) return nullptr;
+          return FetchedRowWords<D>(r, sub_list[s0 + row], 0, t);
+        };
+        const uint32_t* k_lo = key_words(g);
+        const uint32_t* k_hi = key_words(g + 8);
+        float c[NT][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) part[nt] = 0.0f;
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const float2 k01 = LoadHalf2(kf + 16 * ks + 2 * t), k89 = LoadHalf2(kf + 16 * ks + 2 * t + 8);
+          for (int e = 0; e < 4; ++e) c[nt][e] = 0.0f;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint2 b = bqs[(nt * KS + ks) * 32 + lane];
-          const float2 q01 = QueryPair(b.x), q89 = QueryPair(b.y);
-          part[nt] += q01.x * k01.x + q01.y * k01.y + q89.x * k89.x + q89.y * k89.y;
+        for (int ks = 0; ks < KS; ++ks) {
+          const uint32_t a0 = k_lo ? __ldg(k_lo + 8 * ks) : 0u, a2 = k_lo ? __ldg(k_lo + 8 * ks + 4) : 0u;
+          const uint32_t a1 = k_hi ? __ldg(k_hi + 8 * ks) : 0u, a3 = k_hi ? __ldg(k_hi + 8 * ks + 4) : 0u;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint2 b = bqs[(nt * KS + ks) * 32 + lane];
+            Mma(c[nt], a0, a1, a2, a3, b.x, b.y);
+          }
         }
-      }
-      const int i = tk - b0;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {  // lane 4g ends with query 8 nt + g's score
-        part[nt] *= row_unscale[nt];
-        part[nt] += __shfl_xor_sync(kAll, part[nt], 1);
-        part[nt] += __shfl_xor_sync(kAll, part[nt], 2);
-        if (t == 0) psm[i * PS + 8 * nt + g] = part[nt];
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // C: the group's rows g (+ 8), queries 8 nt + 2t (+ 1)
+            const int row = g + 8 * (e >> 1), q = 8 * nt + 2 * t + (e & 1);
+            if (row < rows && q < queries) psm[(sub_list[s0 + row] & 31) * PS + q] = c[nt][e] * q_unscale[nt][e & 1];
+          }
       }
-      sub_mask |= 1u << i;
-      if (lane == 0) sub_list[n_block_subs] = slot * 32 + i;  // its row and its place in the block
-      ++n_block_subs;
-      ++sp;
     }
     if (sub_mask != 0) {
       __syncwarp();
@@ -522,22 +627,16 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
           }
       }
     __syncwarp();
-    // Substituted rows: their fetched values in fp32, and out of the mma operand.
-    for (int k = 0; k < n_block_subs; ++k) {
-      const int i = sub_list[k] & 31;
-      const Half* vf = r.sub_rows + static_cast<int64_t>(sub_list[k] >> 5) * 2 * D + D;
+    // Substituted rows: their fetched values (p kPScale from psm; acc holds p-weighted sums), and
+    // out of the mma operand.
+    if (n_block_subs > 0) {
+      AddSubstitutedValues<D, NT>(
+          r, sub_list, n_block_subs, lane,
+          [&](int row, int nt) { return psm[(sub_list[row] & 31) * PS + 8 * nt + g] * kPScale; },
+          [&](int mt, int nt, const float (&c)[4]) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float p_even = psm[i * PS + 8 * nt + 2 * t], p_odd = psm[i * PS + 8 * nt + 2 * t + 1];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const float v0 = H2F(vf[16 * mt + g]), v1 = H2F(vf[16 * mt + g + 8]);
-          acc[mt][nt][0] += p_even * v0;
-          acc[mt][nt][1] += p_odd * v0;
-          acc[mt][nt][2] += p_even * v1;
-          acc[mt][nt][3] += p_odd * v1;
-        }
-      }
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = fmaf(c[e], 1.0f / kPScale, acc[mt][nt][e]);
+          });
     }
     __syncwarp();
     for (int k = 0; k < n_block_subs; ++k) {
@@ -702,99 +801,6 @@ __device__ __forceinline__ void LaneWords(const uint32_t* codes, int lane, uint3
   }
 }
 
-// The substituted rows ahead of a unit's current block, a window of 32 held a lane each: lane i
-// has entry `base + i` of the item's ascending list (token INT32_MAX past its end), and the
-// entries before `used` are listed already. Warp-uniform but for the lane's own entry.
-struct SubstituteWindow {
-  int base, used = 0;
-  int32_t token, slot;
-
-  __device__ SubstituteWindow(const DeviceDecodeRows& r, int first, int lane) : base(first) { Load(r, lane); }
-  __device__ __forceinline__ void Load(const DeviceDecodeRows& r, int lane) {
-    const int i = base + lane;
-    token = i < r.n_sub ? r.sub_tokens[i] : INT32_MAX;
-    slot = i < r.n_sub ? (r.sub_slots ? r.sub_slots[i] : i) : 0;
-  }
-  // Prefetches into L1 the fetched key and value rows of the window's tokens in [from, to).
-  template <int D>
-  __device__ __forceinline__ void Prefetch(const DeviceDecodeRows& r, int32_t from, int32_t to, int lane) const {
-    if (lane < used || token < from || token >= to) return;
-    constexpr int kLines = 4 * D / 128;  // a fetched key and value row: 2 D halves
-    const char* row = reinterpret_cast<const char*>(r.sub_rows + static_cast<int64_t>(slot) * 2 * D);
-#pragma unroll
-    for (int l = 0; l < kLines; ++l) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + l * 128));
-  }
-  // Lists block [b0, b0 + 32)'s rows in `list` (row index * 32 + token in block, ascending), sets
-  // their bits in `mask` and returns their count; the window moves on by 32 when used up.
-  __device__ __forceinline__ int ListBlock(const DeviceDecodeRows& r, int32_t b0, int lane, int* list, uint32_t& mask) {
-    int n = 0;
-    for (;;) {
-      const bool mine = lane >= used && token < b0 + 32;  // the entries are ascending: a run from `used`
-      const unsigned in = __ballot_sync(kAll, mine);
-      if (mine) list[n + lane - used] = slot * 32 + (token - b0);
-      mask |= __reduce_or_sync(kAll, mine ? 1u << (token - b0) : 0u);
-      const int c = __popc(in);
-      n += c, used += c;
-      if (used < 32) return n;
-      base += 32, used = 0;
-      Load(r, lane);
-    }
-  }
-};
-
-// The values of a block's n substituted rows (n > 0, listed in sub_list, their scores in
-// sub_scores [row][query]), weighted by p kLeanP of each query, added to out^T's accumulators (in
-// their units: MmaBitWeight(mt % 4) * kLeanP). Sixteen rows at a time, one mma per m-tile and p
-// part: A = the rows' fetched values transposed (channels x rows: lane (g, t) loads row g's
-// channel pairs 16 mt + 2t, + 8 as 32-bit words, as for the keys, and movmatrix gives A's
-// registers), B = p kLeanP as hi + lo fp16 parts (k = row, n = query g), each m-tile's products
-// summed in fresh accumulators and added in fp32. (Row by row on the CUDA cores this took ~117
-// instructions a row; with specache-run's row cache attended, ~4 rows a block.)
-template <int D>
-__device__ __forceinline__ void LeanSubstitutedValues(const DeviceDecodeRows& r, const int* sub_list,
-                                                      const float* sub_scores, int n, float mn_log2e, int lane,
-                                                      float (&acc)[D / 16][4]) {
-  constexpr int MT = D / 16;
-  const int g = lane >> 2, t = lane & 3;
-  __syncwarp();  // sub_scores written by the quads that scored the rows
-  for (int s0 = 0; s0 < n; s0 += 16) {
-    const int rows = min(16, n - s0);
-    float pk[4];  // p kLeanP of query g for the group's rows 2t, 2t + 1, 2t + 8, 2t + 9
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = 2 * t + (i & 1) + 8 * (i >> 1);
-      pk[i] = row < rows ? ExpFrom(sub_scores[(s0 + row) * kLeanMaxQueries + g], mn_log2e) : 0.0f;
-    }
-    uint32_t bh0, bl0, bh1, bl1;
-    Split(pk[0], pk[1], bh0, bl0);
-    Split(pk[2], pk[3], bh1, bl1);
-    // Rows g and g + 8 of the group: their value halves, from channel pair 2t.
-    auto value_words = [&](int row) -> const uint32_t* {
-      if (row >= rows) return nullptr;
-      return reinterpret_cast<const uint32_t*>(r.sub_rows + static_cast<int64_t>(sub_list[s0 + row] >> 5) * 2 * D + D) + t;
-    };
-    const uint32_t* v_lo = value_words(g);
-    const uint32_t* v_hi = value_words(g + 8);
-    const bool upper = rows > 8;  // warp-uniform: rows 8..15 (A's a2, a3) are not all zero
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const uint32_t a0 = mma::Transposed8x8(v_lo ? __ldg(v_lo + 8 * mt) : 0u);
-      const uint32_t a1 = mma::Transposed8x8(v_lo ? __ldg(v_lo + 8 * mt + 4) : 0u);
-      uint32_t a2 = 0u, a3 = 0u;
-      if (upper) {
-        a2 = mma::Transposed8x8(v_hi ? __ldg(v_hi + 8 * mt) : 0u);
-        a3 = mma::Transposed8x8(v_hi ? __ldg(v_hi + 8 * mt + 4) : 0u);
-      }
-      float cv[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // channels 16 mt + g (+ 8), queries 2t, 2t + 1: acc[mt]'s layout
-      Mma(cv, a0, a1, a2, a3, bh0, bh1);
-      Mma(cv, a0, a1, a2, a3, bl0, bl1);
-      const float w = MmaBitWeight(mt % 4);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][e] = fmaf(cv[e], w, acc[mt][e]);
-    }
-  }
-}
-
 template <int D>
 __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
                              int lane) {
@@ -931,7 +937,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
       // Row g's channel pairs 8 ks + t (channels 16 ks + 2t, +1) and 8 ks + t + 4 (+ 8, + 9).
       const uint32_t* kt = nullptr;
       if (g < in_group) {
-        kt = reinterpret_cast<const uint32_t*>(r.sub_rows + static_cast<int64_t>(sub_list[s0 + g] >> 5) * 2 * D) + t;
+        kt = FetchedRowWords<D>(r, sub_list[s0 + g], 0, t);
       }
       float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // query g's scores of the group's rows 2t, 2t + 1 (cs[0], cs[1])
 #pragma unroll
@@ -1029,7 +1035,19 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         }
       }
     }
-    if (n_block_subs > 0) LeanSubstitutedValues<D>(r, sub_list, sub_scores, n_block_subs, mn_log2e, lane, acc);
+    if (n_block_subs > 0) {
+      // p kLeanP from the rows' scores (sub_scores [row][query]); acc in its units:
+      // MmaBitWeight(mt % 4) * kLeanP.
+      __syncwarp();  // sub_scores written by the quads that scored the rows
+      AddSubstitutedValues<D, 1>(
+          r, sub_list, n_block_subs, lane,
+          [&](int row, int) { return ExpFrom(sub_scores[row * kLeanMaxQueries + g], mn_log2e); },
+          [&](int mt, int, const float (&c)[4]) {
+            const float w = MmaBitWeight(mt % 4);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][e] = fmaf(c[e], w, acc[mt][e]);
+          });
+    }
     __syncwarp();  // this stage, sub_list and sub_scores are rewritten by the next blocks
   }
 
