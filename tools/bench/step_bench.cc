@@ -293,11 +293,17 @@ double ReplicaReadBytes(const cuda::DeviceReplicaView& v) {
 }  // namespace
 
 bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
+  // Substituted rows per item: tokens below context - 128 (the quantized ones), one per stride.
+  const int quantized = o.context - 128;
+  if (quantized < 1) {
+    std::fprintf(stderr, "attend: --tokens must be over 128 (the substituted rows lie below context - 128)\n");
+    return false;
+  }
   cudaStream_t stream = SuiteStream("attend");
   if (!stream) return false;
   const double hbm = DeviceCopyGBps(stream);
   const int group = kQHeads / kKvHeads, n_rows = 2, queries = n_rows * group;
-  const int n_sub = o.attend_rows > 0 ? std::min(o.attend_rows, o.context / 2) : kTopK;  // substituted rows per item
+  const int n_sub = std::min({o.attend_rows > 0 ? o.attend_rows : kTopK, o.context / 2, quantized});
   std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, %d substituted rows, context %d; "
               "HBM (d2d copy, read+write) %.0f GB/s ==\n", kKvHeads, group, n_sub, o.context, hbm);
   std::printf("%-6s %5s %12s %12s %12s %12s %12s %11s %10s\n", "batch", "bits", "ms_attend", "us_enqueue", "ms_topk",
@@ -340,7 +346,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       // Substituted rows: n_sub distinct tokens spread evenly over the quantized ones (ascending):
       // row j in stride j's span, at an offset that varies with j and the item.
       std::vector<int32_t> tokens(size_t(items) * n_sub);
-      const int32_t stride = (o.context - 128) / n_sub;
+      const int32_t stride = quantized / n_sub;  // >= 1
       for (int i = 0; i < items; ++i)
         for (int j = 0; j < n_sub; ++j) tokens[size_t(i) * n_sub + j] = j * stride + (j * 127 + i) % stride;
       cudaMemcpy(sub_tokens.p, tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice);
