@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -233,8 +234,8 @@ TEST(CudaAttentionTest, DecodeRowsMatchTheCpuReference) {
 }
 
 // Blocks of 32 tokens with more substituted rows than one group of the kernels' sixteen (every
-// token, every other), as when the agent attends a row cache of recent rows: the lean path adds
-// their values sixteen rows at a time.
+// token, every other), as when the agent attends a row cache of recent rows: the kernels score
+// them and add their values sixteen rows at a time.
 TEST(CudaAttentionTest, DenselySubstitutedBlocksMatchTheCpuReference) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -242,9 +243,12 @@ TEST(CudaAttentionTest, DenselySubstitutedBlocksMatchTheCpuReference) {
   for (int d : {64, 128}) {
     for (int n_rows : {1, 2}) {
       for (int sub_one_in : {1, 2}) {
-        for (const bool mma : {false, true}) {
+        // 1 and 2 bits, GQA 4 and 8 (8 with both rows: the two-query-tile kernels), the lean path
+        // where it applies (1 bit, at most 8 queries).
+        for (const auto& [bits, heads, mma] : {std::tuple{1, 4, false}, std::tuple{1, 4, true}, std::tuple{2, 4, false},
+                                               std::tuple{2, 8, false}}) {
           DeviceBuffers buf;
-          const DecodeCase c = MakeDecodeCase(d, 1, n_rows, 700, 4, rng, buf, mma, sub_one_in);
+          const DecodeCase c = MakeDecodeCase(d, bits, n_rows, 700, heads, rng, buf, mma, sub_one_in);
           ASSERT_TRUE(cuda::AttendDecodeRows(c.item.replica, c.item.rows, nullptr).ok());
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           ExpectMatches(c);

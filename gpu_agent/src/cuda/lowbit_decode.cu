@@ -267,6 +267,17 @@ __device__ __forceinline__ int FirstSubstituteFrom(const DeviceDecodeRows& r, in
   return __shfl_sync(kAll, sp, 0);
 }
 
+// The OR of the warp's x. (__reduce_or_sync is sm_80+; the kernels that call this run on sm_80+
+// only, but the file also builds for older targets.)
+__device__ __forceinline__ uint32_t BitsOfWarp(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_or_sync(kAll, x);
+#else
+  for (int o = 16; o > 0; o >>= 1) x |= __shfl_xor_sync(kAll, x, o);
+  return x;
+#endif
+}
+
 // A fetched row's key (part 0) or value (part 1) halves as 32-bit channel pairs, from pair `pair`:
 // the row of a block's sub_list entry (row index * 32 + token in block).
 template <int D>
@@ -304,7 +315,7 @@ struct SubstituteWindow {
       const bool mine = lane >= used && token < b0 + 32;  // the entries are ascending: a run from `used`
       const unsigned in = __ballot_sync(kAll, mine);
       if (mine) list[n + lane - used] = slot * 32 + (token - b0);
-      mask |= __reduce_or_sync(kAll, mine ? 1u << (token - b0) : 0u);
+      mask |= BitsOfWarp(mine ? 1u << (token - b0) : 0u);
       const int c = __popc(in);
       n += c, used += c;
       if (used < 32) return n;
