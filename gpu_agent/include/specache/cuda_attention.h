@@ -136,7 +136,9 @@ SPECACHE_HOST_DEVICE inline const Half* ValueHalf(const DeviceReplicaView& v, in
 }
 
 struct DeviceDecodeRows {
-  const int32_t* sub_tokens = nullptr;  // [n_sub] strictly ascending (the kernels list a block's rows by rank)
+  // [n_sub] ascending, each token of the context at most once (the kernels list a block's rows by
+  // rank); padding past the context (kNoToken, a row cache's empty entries) may repeat.
+  const int32_t* sub_tokens = nullptr;
   const Half* sub_rows = nullptr;       // [rows][2][head_dim]: rows [n_sub], or a row cache (sub_slots)
   // [n_sub] or null. When set, substituted row i is row sub_slots[i] of sub_rows (the row cache
   // that the fetch's update left the selection in, cuda_fetch.h); else row i. SubstitutedRow.
