@@ -217,7 +217,6 @@ struct BlockWalk {
   }
 };
 
-
 // Channel of k-step ks (16 channels) and slot j (0..3) that lane quad position t feeds to B.
 __device__ __forceinline__ int ChannelOf(int ks, int j, int t) { return 16 * ks + 2 * t + (j & 1) + 8 * (j >> 1); }
 
@@ -278,11 +277,15 @@ __device__ __forceinline__ uint32_t BitsOfWarp(uint32_t x) {
 #endif
 }
 
-// A fetched row's key (part 0) or value (part 1) halves as 32-bit channel pairs, from pair `pair`:
-// the row of a block's sub_list entry (row index * 32 + token in block).
+// Row `row` of the group of `rows` substituted rows listed from sub_list[s0] (entries: row index
+// * 32 + token in block): its fetched key (part 0) or value (part 1) halves as 32-bit channel
+// pairs, from pair `pair`; null past the group (the mma operands' zero rows).
 template <int D>
-__device__ __forceinline__ const uint32_t* FetchedRowWords(const DeviceDecodeRows& r, int entry, int part, int pair) {
-  return reinterpret_cast<const uint32_t*>(r.sub_rows + static_cast<int64_t>(entry >> 5) * 2 * D + part * D) + pair;
+__device__ __forceinline__ const uint32_t* GroupRowWords(const DeviceDecodeRows& r, const int* sub_list, int s0, int rows,
+                                                         int row, int part, int pair) {
+  if (row >= rows) return nullptr;
+  return reinterpret_cast<const uint32_t*>(r.sub_rows + static_cast<int64_t>(sub_list[s0 + row] >> 5) * 2 * D + part * D) +
+         pair;
 }
 
 // The substituted rows ahead of a unit's current block, a window of 32 held a lane each: lane i
@@ -292,7 +295,10 @@ struct SubstituteWindow {
   int base, used = 0;
   int32_t token, slot;
 
-  __device__ SubstituteWindow(const DeviceDecodeRows& r, int first, int lane) : base(first) { Load(r, lane); }
+  // From the first entry at or after token t0.
+  __device__ SubstituteWindow(const DeviceDecodeRows& r, int32_t t0, int lane) : base(FirstSubstituteFrom(r, t0, lane)) {
+    Load(r, lane);
+  }
   __device__ __forceinline__ void Load(const DeviceDecodeRows& r, int lane) {
     const int i = base + lane;
     token = i < r.n_sub ? r.sub_tokens[i] : INT32_MAX;
@@ -354,12 +360,8 @@ __device__ __forceinline__ void AddSubstitutedValues(const DeviceDecodeRows& r, 
       Split(pk[2], pk[3], bh[nt][1], bl[nt][1]);
     }
     // Rows g and g + 8 of the group: their value halves, from channel pair 2t.
-    auto value_words = [&](int row) -> const uint32_t* {
-      if (row >= rows) return nullptr;
-      return FetchedRowWords<D>(r, sub_list[s0 + row], 1, t);
-    };
-    const uint32_t* v_lo = value_words(g);
-    const uint32_t* v_hi = value_words(g + 8);
+    const uint32_t* v_lo = GroupRowWords<D>(r, sub_list, s0, rows, g, 1, t);
+    const uint32_t* v_hi = GroupRowWords<D>(r, sub_list, s0, rows, g + 8, 1, t);
     const bool upper = rows > 8;  // warp-uniform: rows 8..15 (A's a2, a3) are not all zero
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -470,7 +472,7 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
     zv[nt][0] = zv[nt][1] = 0.0f;
   }
   // The substituted rows ahead, a lane each; their fetched rows prefetched a block ahead.
-  SubstituteWindow subs(r, FirstSubstituteFrom(r, t0, lane), lane);
+  SubstituteWindow subs(r, t0, lane);
   subs.Prefetch<D>(r, t0, min(t1, t0 + 32), lane);
 
   int stage = 0;
@@ -551,12 +553,9 @@ __device__ void BulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t
       __syncwarp();  // sub_list written
       for (int s0 = 0; s0 < n_block_subs; s0 += 16) {
         const int rows = min(16, n_block_subs - s0);
-        auto key_words = [&](int row) -> const uint32_t* {  // row's key halves from channel pair 2t
-          if (row >= rows) return nullptr;
-          return FetchedRowWords<D>(r, sub_list[s0 + row], 0, t);
-        };
-        const uint32_t* k_lo = key_words(g);
-        const uint32_t* k_hi = key_words(g + 8);
+        // Rows g and g + 8 of the group: their key halves, from channel pair 2t.
+        const uint32_t* k_lo = GroupRowWords<D>(r, sub_list, s0, rows, g, 0, t);
+        const uint32_t* k_hi = GroupRowWords<D>(r, sub_list, s0, rows, g + 8, 0, t);
         float c[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -888,7 +887,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   // block's rows are listed with one ballot and the next block's fetched rows are prefetched into
   // L1 a block ahead of their use (ncu: the loads of the fetched rows were the kernel's largest
   // single stalls, ~5% of its samples, when one row was prefetched at its block's start).
-  SubstituteWindow subs(r, FirstSubstituteFrom(r, t0, lane), lane);
+  SubstituteWindow subs(r, t0, lane);
   subs.Prefetch<D>(r, t0, min(t1, t0 + 32), lane);
 
   int stage = 0;
@@ -946,10 +945,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     for (int s0 = 0; s0 < n_block_subs; s0 += 8) {
       const int in_group = min(8, n_block_subs - s0);
       // Row g's channel pairs 8 ks + t (channels 16 ks + 2t, +1) and 8 ks + t + 4 (+ 8, + 9).
-      const uint32_t* kt = nullptr;
-      if (g < in_group) {
-        kt = FetchedRowWords<D>(r, sub_list[s0 + g], 0, t);
-      }
+      const uint32_t* kt = GroupRowWords<D>(r, sub_list, s0, in_group, g, 0, t);
       float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // query g's scores of the group's rows 2t, 2t + 1 (cs[0], cs[1])
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
