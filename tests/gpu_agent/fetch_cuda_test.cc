@@ -85,6 +85,8 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     DeviceBuffers buf;
     std::vector<cuda::FetchTask> tasks;
     std::vector<std::vector<Half>> want;
+    std::vector<int32_t*> cache_slots;          // [task] the row cache's slots (device)
+    std::vector<std::vector<Half>> caches;      // [task] the row cache's rows as they start
     uint64_t want_fetched = 0, want_reused = 0;
     const int n_tasks = cuda::kMaxTasks + 44;
     for (int i = 0; i < n_tasks; ++i) {
@@ -112,17 +114,31 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
       // not counted.
       std::vector<int32_t> padded = selected;
       if (i % 3 == 1) padded.resize(selected.size() + 1 + rng() % 9, cuda::kNoToken);
+      // The resident rows lie in a row cache with room for them and the selection, at the slots
+      // of a permutation of its rows (shuffled for even i, the identity for odd i, whose fetch
+      // task every other time names no slots); the free rows hold garbage.
+      const int32_t capacity = static_cast<int32_t>(resident.size() + padded.size());
+      std::vector<int32_t> slots(capacity);
+      for (int32_t r = 0; r < capacity; ++r) slots[r] = r;
+      if (i % 2 == 0) std::shuffle(slots.begin(), slots.end(), rng);
+      std::vector<Half> cache_rows = testing::RandomHalves(size_t(capacity) * row, rng);
+      for (size_t r = 0; r < resident.size(); ++r) {
+        std::copy_n(&resident_rows[r * row], row, &cache_rows[size_t(slots[r]) * row]);
+      }
       cuda::FetchTask t;
       t.selected = buf.Copy(padded);
       t.n_selected = static_cast<int32_t>(padded.size());
       t.resident = buf.Copy(resident);
-      t.resident_rows = buf.Copy(resident_rows);
+      t.resident_rows = buf.Copy(cache_rows);
+      t.resident_slots = i % 4 == 1 ? nullptr : buf.Copy(slots);
       t.n_resident = static_cast<int32_t>(resident.size());
       t.out_rows = buf.Zeros<Half>(padded.size() * row);
       t.pages = mapped.table;
       t.kv_head = h;
       tasks.push_back(t);
       want.push_back(std::move(expect));
+      cache_slots.push_back(buf.Copy(slots));
+      caches.push_back(std::move(cache_rows));
     }
     auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
     ASSERT_TRUE(cuda::FetchRows(tasks.data(), n_tasks, d, page_tokens, 7, counters, nullptr).ok());
@@ -149,21 +165,28 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     ASSERT_EQ(cudaEventRecord(ready, stream), cudaSuccess);
     cuda::CopyEngineFetch route(d, page_tokens, 3);
     // Each task's old cache is its resident list (read through resident_count when set, as
-    // RowFetcher does), with room for all of it and the selection: nothing is evicted.
+    // RowFetcher does) over the row cache above, with room for all of it and the selection:
+    // nothing is evicted, and the misses go into the free rows. Each pass starts from the rows as
+    // they were (`pristine`), so a pass that wrote no row would not pass on an earlier one's.
     std::vector<cuda::CacheUpdateTask> updates(tasks.size());
+    std::vector<const Half*> pristine(tasks.size());
     for (size_t i = 0; i < tasks.size(); ++i) {
       const cuda::FetchTask& t = tasks[i];
       cuda::CacheUpdateTask& u = updates[i];
-      u.old_tokens = t.resident;
-      u.old_used = buf.Zeros<int32_t>(std::max(1, t.n_resident));
-      u.old_rows = t.resident_rows;
+      u.capacity = t.n_resident + t.n_selected;
+      std::vector<int32_t> resident = testing::Download(t.resident, t.n_resident);
+      resident.resize(u.capacity, cuda::kNoToken);  // the list's entries past its count
+      u.old_tokens = buf.Copy(resident);
+      u.old_used = buf.Zeros<int32_t>(u.capacity);
+      u.old_slots = cache_slots[i];
       u.old_count = buf.Copy(std::vector<int32_t>{t.n_resident});
       u.selected = t.selected;
       u.n_selected = t.n_selected;
-      u.capacity = t.n_resident + t.n_selected;
+      u.rows = const_cast<Half*>(t.resident_rows);
+      pristine[i] = buf.Copy(caches[i]);
       u.new_tokens = buf.Zeros<int32_t>(u.capacity);
       u.new_used = buf.Zeros<int32_t>(u.capacity);
-      u.new_rows = buf.Zeros<Half>(u.capacity * row);
+      u.new_slots = buf.Zeros<int32_t>(u.capacity);
       u.new_count = buf.Zeros<int32_t>(1);
       u.selected_slots = buf.Zeros<int32_t>(std::max(1, t.n_selected));
       u.now = 1;
@@ -181,7 +204,9 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
         ranked[i].old_count = staged_tasks[i].resident_count ? staged_tasks[i].resident_count : updates[i].old_count;
         ranked[i].staged_rank = (*routed)[i].staged_rank;
         ranked[i].selected_rows = (*routed)[i].staged_rows;
-        ASSERT_EQ(cudaMemsetAsync(ranked[i].new_rows, 0, ranked[i].capacity * row * sizeof(Half), stream), cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(ranked[i].rows, pristine[i], ranked[i].capacity * row * sizeof(Half),
+                                  cudaMemcpyDeviceToDevice, stream),
+                  cudaSuccess);
       }
       ASSERT_EQ(cudaMemsetAsync(counters, 0, sizeof(cuda::FetchCounters), stream), cudaSuccess);
       ASSERT_TRUE(cuda::UpdateRowCaches(ranked.data(), n_tasks, d, counters, stream).ok());
@@ -190,14 +215,21 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
         const std::vector<int32_t> selected = testing::Download(tasks[i].selected, tasks[i].n_selected);
         const std::vector<int32_t> slots = testing::Download(ranked[i].selected_slots, tasks[i].n_selected);
         const std::vector<int32_t> cached = testing::Download(ranked[i].new_tokens, ranked[i].capacity);
-        const std::vector<Half> rows = testing::Download(ranked[i].new_rows, ranked[i].capacity * row);
+        const std::vector<int32_t> cache_slot = testing::Download(ranked[i].new_slots, ranked[i].capacity);
+        const std::vector<Half> rows = testing::Download(ranked[i].rows, ranked[i].capacity * row);
+        std::vector<int32_t> at_slot(ranked[i].capacity, cuda::kNoToken);  // the token each slot's row is
+        for (int32_t e = 0; e < ranked[i].capacity; ++e) {
+          ASSERT_TRUE(cache_slot[e] >= 0 && cache_slot[e] < ranked[i].capacity) << what << " task " << i;
+          ASSERT_EQ(at_slot[cache_slot[e]], cuda::kNoToken) << what << " task " << i << ": slot named twice";
+          at_slot[cache_slot[e]] = cached[e];
+        }
         for (int j = 0; j < tasks[i].n_selected; ++j) {
           if (selected[j] == cuda::kNoToken) {
             EXPECT_EQ(slots[j], -1) << what << ", d=" << d << " task " << i << " padding slot " << j;
             continue;
           }
           ASSERT_TRUE(slots[j] >= 0 && slots[j] < ranked[i].capacity) << what << " task " << i << " slot " << j;
-          EXPECT_EQ(cached[slots[j]], selected[j]) << what << ", d=" << d << " task " << i << " slot " << j;
+          EXPECT_EQ(at_slot[slots[j]], selected[j]) << what << ", d=" << d << " task " << i << " slot " << j;
           ASSERT_TRUE(std::equal(want[i].begin() + j * row, want[i].begin() + (j + 1) * row, rows.begin() + slots[j] * row))
               << what << ", d=" << d << " task " << i << " slot " << j;
         }
@@ -335,10 +367,14 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
 
 // The device's cache update equals row_cache.h's rule on random caches and selections (tokens,
 // use marks, rows and counts), for capacities k, 2k, 3k, 700 (more entries than the kernel's
-// threads) and kMaxCacheRows, over two launches' worth of tasks. Hits take the old cache's row;
-// every selected token's slot names its entry. Every third task takes its rows by staged ranks
-// (the copy-engine fetch: misses from a shuffled staged array, hits from the old cache), and the
-// update counts those tasks' misses and hits.
+// threads) and kMaxCacheRows, over two launches' worth of tasks. Use marks repeat (ties go to the
+// higher token) or, every fifth task, spread over all of int32 (every byte of the ranking's key).
+// The rows stay in place: the old cache's rows lie at a shuffled permutation of slots, every entry
+// that stays or is selected again keeps its slot and row (hits take the old cache's row, not the
+// fetched one), the misses' rows land in free slots, and each new list names every slot once.
+// An empty old cache's slots are garbage (all free). Every selected token's slot names its row.
+// Every third task takes its rows by staged ranks (the copy-engine fetch: misses from a shuffled
+// staged array), and the update counts those tasks' misses and hits.
 TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -349,7 +385,8 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   std::vector<cuda::CacheUpdateTask> tasks;
   struct Want {
     RowCacheEntries cache;
-    std::vector<Half> rows;
+    std::vector<Half> rows;         // [entry]
+    std::vector<int32_t> old_slot;  // [entry]: the slot it keeps, or -1 (a miss: any free slot)
   };
   std::vector<Want> want;
   std::vector<std::vector<int32_t>> slot_want;  // [task] the selection, padding included
@@ -361,38 +398,50 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     RowCacheEntries old;
     old.tokens = i == 1 ? RandomTokens(40000, capacity - 3, rng)
                         : RandomTokens(5000, static_cast<int>(rng() % (capacity + 1)), rng);
-    for (size_t j = 0; j < old.tokens.size(); ++j) old.used.push_back(static_cast<int64_t>(rng() % 6));
+    for (size_t j = 0; j < old.tokens.size(); ++j) {
+      old.used.push_back(i % 5 == 4 ? int64_t{static_cast<int32_t>(rng())} : static_cast<int64_t>(rng() % 6));
+    }
     auto selected = RandomTokens(5000, 1 + static_cast<int>(rng() % k), rng);  // later padded to k, for odd i
     for (int32_t t : old.tokens) if (rng() % 3 == 0 && selected.size() < size_t(k)) selected.push_back(t);
     std::sort(selected.begin(), selected.end());
     selected.erase(std::unique(selected.begin(), selected.end()), selected.end());
-    const auto old_rows = testing::RandomHalves(old.tokens.size() * row, rng);
-    // Random rows for the hits too: the update must take the old cache's (the fetch copied
-    // those bytes), not these.
+    // The old cache: entry j's row at rows[slots[j]]; the slots past the count are the free ones
+    // (garbage when the cache is empty).
+    std::vector<int32_t> slots(capacity);
+    for (int32_t r = 0; r < capacity; ++r) slots[r] = r;
+    std::shuffle(slots.begin(), slots.end(), rng);
+    if (old.tokens.empty()) {
+      for (int32_t& s : slots) s = -5 - static_cast<int32_t>(rng() % 1000);
+    }
+    const auto rows = testing::RandomHalves(size_t(capacity) * row, rng);
+    // Random rows for the hits too: the update must keep the old cache's, not take these.
     auto sel_rows = testing::RandomHalves(selected.size() * row, rng);
-    Want w{old, {}};
+    Want w{old, {}, {}};
     std::vector<bool> hit;
     const auto sources = UpdateRowCache(&w.cache, selected, 7, static_cast<size_t>(capacity), &hit);
     auto old_index = [&](int32_t token) {
       return std::lower_bound(old.tokens.begin(), old.tokens.end(), token) - old.tokens.begin();
     };
     for (int64_t src : sources) {
-      const Half* from = src < 0        ? &old_rows[(-1 - src) * row]
-                         : hit[src]     ? &old_rows[old_index(selected[src]) * row]
-                                        : &sel_rows[src * row];
+      const int64_t from_old = src < 0 ? -1 - src : hit[src] ? old_index(selected[src]) : -1;
+      const Half* from = from_old >= 0 ? &rows[size_t(slots[from_old]) * row] : &sel_rows[src * row];
       w.rows.insert(w.rows.end(), from, from + row);
+      w.old_slot.push_back(from_old >= 0 ? slots[from_old] : -1);
     }
     const bool ranked = i % 3 == 2;
     if (ranked) {
       for (bool h : hit) (h ? want_reused : want_fetched) += 1;
     }
     want.push_back(std::move(w));
-    std::vector<int32_t> used32(old.used.begin(), old.used.end());
+    std::vector<int32_t> tokens32 = old.tokens, used32(old.used.begin(), old.used.end());
+    tokens32.resize(capacity, cuda::kNoToken);
+    used32.resize(capacity, -3);
     cuda::CacheUpdateTask t;
-    t.old_tokens = buf.Copy(old.tokens);
+    t.old_tokens = buf.Copy(tokens32);
     t.old_used = buf.Copy(used32);
-    t.old_rows = buf.Copy(old_rows);
+    t.old_slots = buf.Copy(slots);
     t.old_count = buf.Copy(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())});
+    t.rows = buf.Copy(rows);
     // Odd tasks end their selection in the adaptive budget's padding: the cache holds what it
     // would without it.
     const size_t n_real = selected.size();
@@ -424,7 +473,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     t.selected_slots = buf.Copy(std::vector<int32_t>(selected.size(), -7));
     t.new_tokens = buf.Copy(std::vector<int32_t>(capacity, -1));
     t.new_used = buf.Copy(std::vector<int32_t>(capacity, -1));
-    t.new_rows = buf.Zeros<Half>(capacity * row);
+    t.new_slots = buf.Copy(std::vector<int32_t>(capacity, -1));
     t.new_count = buf.Copy(std::vector<int32_t>{-1});
     t.now = 7;
     t.capacity = capacity;
@@ -441,24 +490,44 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     ASSERT_EQ(count, static_cast<int32_t>(want[i].cache.tokens.size())) << "task " << i;
     const std::vector<int32_t> tokens = testing::Download(tasks[i].new_tokens, count),
                                used = testing::Download(tasks[i].new_used, count);
-    const std::vector<Half> rows = testing::Download(tasks[i].new_rows, size_t(count) * row);
     EXPECT_EQ(tokens, want[i].cache.tokens) << "task " << i;
     EXPECT_EQ(std::vector<int64_t>(used.begin(), used.end()), want[i].cache.used) << "task " << i;
-    EXPECT_EQ(rows, want[i].rows) << "task " << i;
+    // Every slot named once; each entry's row at its slot, the kept ones where they were.
+    const std::vector<int32_t> new_slots = testing::Download(tasks[i].new_slots, tasks[i].capacity);
+    const std::vector<Half> rows = testing::Download(tasks[i].rows, size_t(tasks[i].capacity) * row);
+    std::vector<bool> named(tasks[i].capacity, false);
+    for (int32_t e = 0; e < tasks[i].capacity; ++e) {
+      ASSERT_TRUE(new_slots[e] >= 0 && new_slots[e] < tasks[i].capacity) << "task " << i << " entry " << e;
+      ASSERT_FALSE(named[new_slots[e]]) << "task " << i << ": slot " << new_slots[e] << " named twice";
+      named[new_slots[e]] = true;
+    }
+    for (int32_t e = 0; e < count; ++e) {
+      if (want[i].old_slot[e] >= 0) {
+        EXPECT_EQ(new_slots[e], want[i].old_slot[e]) << "task " << i << " entry " << e;
+      }
+      ASSERT_TRUE(std::equal(want[i].rows.begin() + e * row, want[i].rows.begin() + (e + 1) * row,
+                             rows.begin() + size_t(new_slots[e]) * row))
+          << "task " << i << " entry " << e;
+    }
     // The rest is marked empty, so the attention can take the whole cache (attend_resident).
     const std::vector<int32_t> all = testing::Download(tasks[i].new_tokens, tasks[i].capacity);
     for (int32_t j = count; j < tasks[i].capacity; ++j) EXPECT_EQ(all[j], cuda::kNoToken) << "task " << i;
-    // Each selected token's slot holds it; the padding's is -1.
+    // Each selected token's slot is its entry's; the padding's is -1.
     const std::vector<int32_t> slots = testing::Download(tasks[i].selected_slots, tasks[i].n_selected);
     for (int32_t j = 0; j < tasks[i].n_selected; ++j) {
       if (slot_want[i][j] == cuda::kNoToken) {
         EXPECT_EQ(slots[j], -1) << "task " << i << " slot " << j;
       } else {
-        ASSERT_TRUE(slots[j] >= 0 && slots[j] < count) << "task " << i << " slot " << j;
-        EXPECT_EQ(all[slots[j]], slot_want[i][j]) << "task " << i << " slot " << j;
+        const auto e = std::lower_bound(all.begin(), all.begin() + count, slot_want[i][j]) - all.begin();
+        ASSERT_TRUE(e < count && all[e] == slot_want[i][j]) << "task " << i << " slot " << j;
+        EXPECT_EQ(slots[j], new_slots[e]) << "task " << i << " slot " << j;
       }
     }
   }
+  // The slots the attention reads through are required.
+  std::vector<cuda::CacheUpdateTask> without = {tasks[0]};
+  without[0].selected_slots = nullptr;
+  EXPECT_EQ(cuda::UpdateRowCaches(without.data(), 1, d, nullptr, nullptr).code(), StatusCode::kInvalidArgument);
 #endif
 }
 

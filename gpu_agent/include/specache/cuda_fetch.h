@@ -17,6 +17,9 @@
 // - UpdateRowCaches makes the next row cache: the selection plus the most recent old rows, and
 //   tells the attention where each selected row landed (its slot): the attention substitutes the
 //   selection's rows from the cache (DeviceDecodeRows::sub_slots), so no other copy is made.
+//   A cache is a list (ascending tokens, each with its use mark and slot) and rows by slot: rows
+//   never move; the update writes a new list and only the missed rows, into the slots of the
+//   entries it evicts.
 // - WriteRows appends the new tokens' K/V to the host pages (device-to-host stores).
 //
 // Pages follow full_precision_source.h: page p of a (sequence, layer) holds tokens
@@ -37,14 +40,17 @@ namespace specache::cuda {
 struct FetchTask {
   const int32_t* selected = nullptr;    // [n_selected] ascending: the rows wanted next
   const int32_t* resident = nullptr;    // [n_resident] ascending: the rows on the device now
-  const Half* resident_rows = nullptr;  // [n_resident][2][head_dim]
+  // resident[j]'s row is resident_rows[resident_slots[j]] ([..][2][head_dim]: a row cache's rows,
+  // UpdateRowCaches), or resident_rows[j] when resident_slots is null.
+  const Half* resident_rows = nullptr;
+  const int32_t* resident_slots = nullptr;
   Half* out_rows = nullptr;             // [n_selected][2][head_dim], not overlapping resident_rows
   const uint64_t* pages = nullptr;      // GPU-visible page addresses of the (sequence, layer), or null (staged)
   const int32_t* resident_count = nullptr;  // device memory: n_resident, when only the device knows it
   // Set by CopyEngineFetch::Stage (both or neither), for the cache update (CacheUpdateTask's
   // fields of the same names); FetchRows refuses a task with them: per slot i of [n_selected],
   // rank = staged_rank[i] (device memory) says where its row is: rank >= 0, staged_rows[rank]
-  // ([..][2][head_dim], device memory); -2 - j (<= -2), the resident row j (a hit); -1, no row
+  // ([..][2][head_dim], device memory); -2 - j (<= -2), the resident entry j (a hit); -1, no row
   // (padding). The ranks came from ListMissedRows' list, which searched the resident list once.
   const int32_t* staged_rank = nullptr;
   const Half* staged_rows = nullptr;
@@ -58,30 +64,37 @@ struct FetchTask {
 // ascending by token. Counts live on the device (the host never waits for them); the entries
 // past the count hold kNoToken, so the whole cache can be handed to the attention as `capacity`
 // substitutions (KvConfig::attend_resident) without the host knowing the count.
-// Selected row i comes from selected_rows[i] (FetchRows' output), or, with staged ranks (the
-// copy-engine fetch), from selected_rows[rank] (the staged rows) or the old cache's row -2 - rank,
-// which the update then counts as fetched or reused (UpdateRowCaches' counters).
+// A cache's rows stay in their slots of `rows`: an entry that stays or is selected again keeps its
+// slot, and a missed row is written into a free one (an evicted entry's, or one never used). Its
+// list, old and new, is [capacity] of each field: entries [0, count) live, their slots distinct,
+// and the new list's slots past its count are the free slots, so that every list the update
+// writes names each slot of [0, capacity) once. An old list of count 0 may hold anything (a fresh
+// cache: every slot free).
+// Missed row i comes from selected_rows[i] (FetchRows' output), or, with staged ranks (the
+// copy-engine fetch), from selected_rows[rank]; the update counts those tasks' rows as fetched or
+// reused (UpdateRowCaches' counters).
 struct CacheUpdateTask {
-  const int32_t* old_tokens = nullptr;  // [*old_count] ascending
-  const int32_t* old_used = nullptr;
-  const Half* old_rows = nullptr;       // [*old_count][2][head_dim]
+  const int32_t* old_tokens = nullptr;  // [capacity] ascending to *old_count
+  const int32_t* old_used = nullptr;    // [capacity]
+  const int32_t* old_slots = nullptr;   // [capacity]
   const int32_t* old_count = nullptr;   // device
   const int32_t* selected = nullptr;    // [n_selected] ascending
   // [n_selected][2][head_dim] (FetchRows' output), or with staged_rank FetchTask::staged_rows.
   const Half* selected_rows = nullptr;
   const int32_t* staged_rank = nullptr;  // [n_selected] (FetchTask::staged_rank), or null
-  int32_t* new_tokens = nullptr;        // [capacity]
-  int32_t* new_used = nullptr;
-  Half* new_rows = nullptr;             // [capacity][2][head_dim]
+  Half* rows = nullptr;                 // [capacity][2][head_dim] by slot: read and written in place
+  int32_t* new_tokens = nullptr;        // [capacity], none of the new list's arrays overlapping the old's
+  int32_t* new_used = nullptr;          // [capacity]
+  int32_t* new_slots = nullptr;         // [capacity]
   int32_t* new_count = nullptr;         // device
-  // [n_selected] or null: slot i receives the new cache's index of selected[i] (-1 for the
+  // [n_selected], required: slot i receives the slot of selected[i]'s row in `rows` (-1 for the
   // adaptive budget's padding), for the attention (DeviceDecodeRows::sub_slots).
   int32_t* selected_slots = nullptr;
   int32_t n_selected = 0;
   int32_t now = 0;
   int32_t capacity = 0;                 // >= n_selected
 };
-constexpr int kMaxCacheUpdateTasks = 288;  // per launch (more run as several)
+constexpr int kMaxCacheUpdateTasks = 264;  // per launch (more run as several)
 // Above every token, and what cudaMemset(0x7f) writes. Attention ignores substitutions of tokens
 // that are not quantized.
 constexpr int32_t kNoToken = 0x7f7f7f7f;

@@ -59,7 +59,8 @@ __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, in
       if (piece == 0) atomicAdd(&fetched, 1ull);
       continue;
     }
-    const uint4* src = at >= 0 ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(at) * row_pieces
+    const int32_t resident_row = at >= 0 && t.resident_slots ? t.resident_slots[at] : at;
+    const uint4* src = at >= 0 ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(resident_row) * row_pieces
                                : HostRow(t.pages, page_tokens, t.kv_head, token, row_pieces);
     reinterpret_cast<uint4*>(t.out_rows)[static_cast<int64_t>(i) * row_pieces + piece] = src[piece];
     if (piece == 0) atomicAdd(at >= 0 ? &reused : &fetched, 1ull);
@@ -103,24 +104,28 @@ __global__ void WriteKernel(TaskBatch<WriteTask> batch, int32_t max_rows, int ha
   }
 }
 
-struct CacheBatch {  // by value: kMaxCacheUpdateTasks x 112 bytes fill the 32 KB parameters of sm_70+
+struct CacheBatch {  // by value: kMaxCacheUpdateTasks x 120 bytes fill the 32 KB parameters of sm_70+
   CacheUpdateTask tasks[kMaxCacheUpdateTasks];
   int count;
 };
 static_assert(sizeof(CacheBatch) + 32 <= 32764, "a launch's parameters: the batch, row_pieces and the counters");
-static_assert(kMaxCacheRows <= 0x7fff, "cache positions and their scan are int16 in shared memory");
+static_assert(kMaxCacheRows <= 0x7fff, "cache positions, slots and their scans are int16 in shared memory");
 
-// Dynamic shared memory of one task's update: kept_before [capacity + 1] and source [capacity]
-// (int16), then selected and stays [capacity] (bytes).
-constexpr size_t CacheUpdateSharedBytes(int capacity) { return 2 * (size_t(capacity) + 1) + 4 * size_t(capacity); }
+// Dynamic shared memory of one task's update: kept_before [capacity + 1] and free_slots
+// [capacity] (int16), then flags [capacity] (bytes).
+constexpr size_t CacheUpdateSharedBytes(int capacity) { return 2 * (size_t(capacity) + 1) + 3 * size_t(capacity); }
 
-// Whether (used_a, token_a) is more recent than (used_b, token_b): later use, then higher token.
-__device__ bool MoreRecent(int32_t used_a, int32_t token_a, int32_t used_b, int32_t token_b) {
-  return used_a > used_b || (used_a == used_b && token_a > token_b);
+// flags[o] of old entry o (passes 1 to 4).
+constexpr uint8_t kSelectedAgain = 1, kStays = 2;
+
+// An entry's recency as one unsigned key: later use first, then higher token (row_cache.h).
+__device__ uint64_t RecencyKey(int32_t used, int32_t token) {
+  return uint64_t{uint32_t(used) ^ 0x80000000u} << 32 | (uint32_t(token) ^ 0x80000000u);
 }
 
-// The sum of `value` over the block's threads before this one (kThreads threads, all calling).
-__device__ int BlockExclusiveSum(int value) {
+// The sum of `value` over the block's threads before this one; *total (when given) the sum over
+// all. kThreads threads, all calling; between two calls the block must pass a __syncthreads.
+__device__ int BlockExclusiveSum(int value, int* total = nullptr) {
   __shared__ int warp_sums[kThreads / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int inclusive = value;
@@ -130,111 +135,185 @@ __device__ int BlockExclusiveSum(int value) {
   }
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
-  int before = 0;
-  for (int w = 0; w < warp; ++w) before += warp_sums[w];
+  int before = 0, all = 0;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    if (w < warp) before += warp_sums[w];
+    all += warp_sums[w];
+  }
+  if (total) *total = all;
   return before + inclusive - value;
 }
 
-// Block b updates task b's cache in four passes:
-//   1. which old entries are selected again;
-//   2. which unselected old entries stay: fewer than `keep` unselected entries are more recent;
-//   3. each staying old entry and each selected token takes its place in the merged ascending
-//      order (staying entries before it, from a scan, plus selected tokens below it), writing the
-//      token, its use mark, the selected token's slot and, in shared memory, where its row comes
-//      from: a selected token that the old cache holds (a hit) takes the old row, the same bytes
-//      the fetch copied from it;
-//   4. every thread copies 16-byte pieces of the new rows, consecutive threads consecutive pieces.
+// The keep-th largest recency key among the old entries not selected again, of which there are
+// more than keep > 0: a radix select over the key's bytes, most significant first. Each pass
+// counts the next byte of the keys that match the bytes found so far, a bin per thread, and takes
+// the byte where the count of larger keys reaches what is still wanted. The keys are distinct
+// (tokens are), so exactly the `keep` most recent of those entries have a key at or above it.
+// All kThreads threads call it.
+__device__ uint64_t KeepThreshold(const CacheUpdateTask& t, int32_t n_old, const uint8_t* flags, int32_t keep) {
+  static_assert(kThreads == 256, "a bin of a byte per thread");
+  __shared__ int bins[256];
+  __shared__ int chosen_byte, chosen_larger;
+  uint64_t prefix = 0, mask = 0;
+  int32_t want = keep;  // the sought key is the want-th largest of the keys matching prefix
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    bins[threadIdx.x] = 0;
+    __syncthreads();
+    for (int32_t o = threadIdx.x; o < n_old; o += kThreads) {
+      if (flags[o] & kSelectedAgain) continue;
+      const uint64_t key = RecencyKey(t.old_used[o], t.old_tokens[o]);
+      if ((key & mask) == prefix) atomicAdd(&bins[(key >> shift) & 0xff], 1);
+    }
+    __syncthreads();
+    const int byte = 255 - static_cast<int>(threadIdx.x), count = bins[byte];
+    const int larger = BlockExclusiveSum(count);  // matching keys with a larger byte here
+    if (larger < want && want <= larger + count) chosen_byte = byte, chosen_larger = larger;
+    __syncthreads();
+    prefix |= uint64_t(chosen_byte) << shift;
+    mask |= uint64_t{0xff} << shift;
+    want -= chosen_larger;
+    __syncthreads();  // bins, chosen_* and the scan's sums are written again
+  }
+  return prefix;
+}
+
+// Block b updates task b's cache (CacheUpdateTask) in six passes:
+//   1. which old entries are selected again (they keep their slots);
+//   2. which others stay: all if they fit in `keep`, else the `keep` most recent (KeepThreshold);
+//   3. scans: the staying entries before each old entry (kept_before), and the free slots in
+//      order: those of the entries that neither stay nor are selected, then those past the old
+//      count (free_slots);
+//   4. each staying entry takes its place in the merged ascending order (staying entries before
+//      it plus selected tokens below it), with its use mark and slot;
+//   5. each selected token takes its place (its index plus the staying entries below it): a hit
+//      keeps its old slot, the m-th miss takes the m-th free slot; the slots left over follow the
+//      new count;
+//   6. the missed rows are copied into their slots, 16-byte pieces, consecutive threads
+//      consecutive pieces. Nothing else moves.
 __global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces, FetchCounters* counters) {
   const CacheUpdateTask& t = batch.tasks[blockIdx.x];
   const int32_t capacity = t.capacity;
   extern __shared__ int16_t shared[];
-  int16_t* kept_before = shared;                 // [capacity + 1]: staying old entries before entry o
-  int16_t* source = kept_before + capacity + 1;  // [capacity]: new row j comes from old entry o >= 0 or selection -1 - o
-  uint8_t* selected = reinterpret_cast<uint8_t*>(source + capacity);  // [capacity]
-  uint8_t* stays = selected + capacity;                               // [capacity]
+  int16_t* kept_before = shared;                      // [capacity + 1]
+  int16_t* free_slots = kept_before + capacity + 1;   // [capacity]
+  // [capacity]: old entry o's kSelectedAgain | kStays in passes 1-4; from pass 5, whether
+  // selected token i is a miss.
+  uint8_t* flags = reinterpret_cast<uint8_t*>(free_slots + capacity);
+  __shared__ int unselected;
   const int32_t n_old = min(*t.old_count, capacity);
   const int32_t n_selected = Below(t.selected, t.n_selected, kNoToken);  // without the budget's padding
   const int32_t keep = max(0, capacity - n_selected);
-  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    selected[o] = Find(t.selected, n_selected, t.old_tokens[o]) >= 0 ? 1 : 0;
-  }
+  if (threadIdx.x == 0) unselected = 0;
   __syncthreads();
+  int others = 0;
   for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    int32_t newer = 0;
-    if (!selected[o]) {
-      for (int32_t c = 0; c < n_old && newer < keep; ++c) {
-        if (!selected[c] && MoreRecent(t.old_used[c], t.old_tokens[c], t.old_used[o], t.old_tokens[o])) ++newer;
-      }
+    const bool again = Find(t.selected, n_selected, t.old_tokens[o]) >= 0;
+    flags[o] = again ? kSelectedAgain : 0;
+    others += again ? 0 : 1;
+  }
+  if (others) atomicAdd(&unselected, others);
+  __syncthreads();
+  const bool all_stay = unselected <= keep;  // uniform
+  const uint64_t threshold = keep == 0 || all_stay ? 0 : KeepThreshold(t, n_old, flags, keep);
+  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
+    if (keep > 0 && !(flags[o] & kSelectedAgain) && (all_stay || RecencyKey(t.old_used[o], t.old_tokens[o]) >= threshold)) {
+      flags[o] |= kStays;
     }
-    stays[o] = !selected[o] && newer < keep ? 1 : 0;
   }
   __syncthreads();
-  // Thread i scans its run of ceil(n_old / kThreads) consecutive entries; the last thread ends
-  // with the total.
-  const int32_t run = (n_old + kThreads - 1) / kThreads;
-  const int32_t first = min(n_old, static_cast<int32_t>(threadIdx.x) * run), last = min(n_old, first + run);
-  int count = 0;
-  for (int32_t o = first; o < last; ++o) count += stays[o];
-  int before = BlockExclusiveSum(count);
-  for (int32_t o = first; o < last; ++o) {
-    kept_before[o] = static_cast<int16_t>(before);
-    before += stays[o];
+  {  // 3. Thread i scans its run of consecutive entries; the last thread's run ends the total.
+    const int32_t run = (n_old + kThreads - 1) / kThreads;
+    const int32_t first = min(n_old, static_cast<int32_t>(threadIdx.x) * run), last = min(n_old, first + run);
+    int count = 0;
+    for (int32_t o = first; o < last; ++o) count += flags[o] & kStays ? 1 : 0;
+    int before = BlockExclusiveSum(count);
+    for (int32_t o = first; o < last; ++o) {
+      kept_before[o] = static_cast<int16_t>(before);
+      before += flags[o] & kStays ? 1 : 0;
+    }
+    if (threadIdx.x == kThreads - 1) kept_before[n_old] = static_cast<int16_t>(before);
   }
-  if (threadIdx.x == kThreads - 1) kept_before[n_old] = static_cast<int16_t>(before);
   __syncthreads();
+  {  // A fresh cache (no old entries) has every slot free, in order.
+    const int32_t run = (capacity + kThreads - 1) / kThreads;
+    const int32_t first = min(capacity, static_cast<int32_t>(threadIdx.x) * run), last = min(capacity, first + run);
+    auto is_free = [&](int32_t c) { return c >= n_old || !(flags[c] & (kStays | kSelectedAgain)); };
+    int count = 0;
+    for (int32_t c = first; c < last; ++c) count += is_free(c) ? 1 : 0;
+    int before = BlockExclusiveSum(count);
+    for (int32_t c = first; c < last; ++c) {
+      if (is_free(c)) free_slots[before++] = static_cast<int16_t>(n_old == 0 ? c : t.old_slots[c]);
+    }
+  }
   for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    if (!stays[o]) continue;
+    if (!(flags[o] & kStays)) continue;
     const int32_t token = t.old_tokens[o];
     const int32_t pos = kept_before[o] + Below(t.selected, n_selected, token);
     t.new_tokens[pos] = token;
     t.new_used[pos] = t.old_used[o];
-    source[pos] = static_cast<int16_t>(o);
+    t.new_slots[pos] = t.old_slots[o];
   }
-  __shared__ int hits;
-  if (threadIdx.x == 0) hits = 0;
-  __syncthreads();
-  for (int32_t i = threadIdx.x; i < n_selected; i += blockDim.x) {
-    const int32_t token = t.selected[i];
-    const int32_t o = Below(t.old_tokens, n_old, token);
-    const int32_t pos = i + kept_before[o];
-    const bool hit = o < n_old && t.old_tokens[o] == token;
-    t.new_tokens[pos] = token;
-    t.new_used[pos] = t.now;
-    source[pos] = static_cast<int16_t>(hit ? o : -1 - i);
-    if (t.selected_slots) t.selected_slots[i] = pos;
-    if (hit) atomicAdd(&hits, 1);
-  }
-  if (t.selected_slots) {
+  __syncthreads();  // flags now name the selection's misses; the scan's sums are written again
+  int hits = 0;
+  {
+    const int32_t run = (n_selected + kThreads - 1) / kThreads;
+    const int32_t first = min(n_selected, static_cast<int32_t>(threadIdx.x) * run), last = min(n_selected, first + run);
+    auto old_index = [&](int32_t i) { return Below(t.old_tokens, n_old, t.selected[i]); };
+    auto is_hit = [&](int32_t i, int32_t o) { return o < n_old && t.old_tokens[o] == t.selected[i]; };
+    int misses = 0;
+    for (int32_t i = first; i < last; ++i) misses += is_hit(i, old_index(i)) ? 0 : 1;
+    int all_misses = 0;
+    int miss = BlockExclusiveSum(misses, &all_misses);  // this run's first miss's free slot
+    for (int32_t i = first; i < last; ++i) {
+      const int32_t o = old_index(i), pos = i + kept_before[o];
+      const bool hit = is_hit(i, o);
+      const int32_t slot = hit ? t.old_slots[o] : free_slots[miss++];
+      t.new_tokens[pos] = t.selected[i];
+      t.new_used[pos] = t.now;
+      t.new_slots[pos] = slot;
+      t.selected_slots[i] = slot;
+      flags[i] = hit ? 0 : 1;
+      hits += hit ? 1 : 0;
+    }
     for (int32_t i = n_selected + threadIdx.x; i < t.n_selected; i += blockDim.x) t.selected_slots[i] = -1;
+    const int32_t new_count = kept_before[n_old] + n_selected;
+    if (threadIdx.x == 0) *t.new_count = new_count;
+    for (int32_t j = new_count + threadIdx.x; j < capacity; j += blockDim.x) {
+      t.new_tokens[j] = kNoToken;
+      t.new_slots[j] = free_slots[all_misses + j - new_count];
+    }
   }
-  const int32_t new_count = kept_before[n_old] + n_selected;
-  if (threadIdx.x == 0) *t.new_count = new_count;
-  for (int32_t i = new_count + threadIdx.x; i < capacity; i += blockDim.x) t.new_tokens[i] = kNoToken;
-  __syncthreads();
-  if (threadIdx.x == 0 && counters && t.staged_rank) {
-    if (hits) atomicAdd(&counters->reused, static_cast<unsigned long long>(hits));
-    if (n_selected > hits) atomicAdd(&counters->fetched, static_cast<unsigned long long>(n_selected - hits));
+  if (counters && t.staged_rank) {
+    __shared__ int block_hits;
+    if (threadIdx.x == 0) block_hits = 0;
+    __syncthreads();
+    if (hits) atomicAdd(&block_hits, hits);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (block_hits) atomicAdd(&counters->reused, static_cast<unsigned long long>(block_hits));
+      if (n_selected > block_hits) atomicAdd(&counters->fetched, static_cast<unsigned long long>(n_selected - block_hits));
+    }
   }
-  const uint4* old_rows = reinterpret_cast<const uint4*>(t.old_rows);
+  __syncthreads();  // the misses' flags and slots
   const uint4* sel_rows = reinterpret_cast<const uint4*>(t.selected_rows);
   const int32_t* rank = t.staged_rank;  // a missed row's place among the staged rows, or null
-  uint4* new_rows = reinterpret_cast<uint4*>(t.new_rows);
-  const int32_t pieces = new_count * row_pieces;
+  uint4* rows = reinterpret_cast<uint4*>(t.rows);
+  const int32_t pieces = n_selected * row_pieces;
   constexpr int kInFlight = 4;  // loads per thread before its stores
   for (int32_t base = threadIdx.x; base < pieces; base += kInFlight * kThreads) {
     uint4 piece[kInFlight];
+    int64_t to[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int32_t p = base + u * kThreads;
-      if (p >= pieces) break;
-      const int32_t row = p / row_pieces, from = source[row];
-      piece[u] = (from >= 0 ? old_rows + int64_t{from} * row_pieces
-                            : sel_rows + int64_t{rank ? rank[-1 - from] : -1 - from} * row_pieces)[p - row * row_pieces];
+      const int32_t p = base + u * kThreads, i = p / row_pieces, in_row = p - i * row_pieces;
+      to[u] = -1;
+      if (p >= pieces || !flags[i]) continue;
+      to[u] = int64_t{t.selected_slots[i]} * row_pieces + in_row;
+      piece[u] = sel_rows[int64_t{rank ? rank[i] : i} * row_pieces + in_row];
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int32_t p = base + u * kThreads;
-      if (p < pieces) new_rows[p] = piece[u];
+      if (to[u] >= 0) rows[to[u]] = piece[u];
     }
   }
 }
@@ -329,10 +408,13 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
     if (tasks[i].capacity < tasks[i].n_selected || tasks[i].capacity > kMaxCacheRows) {
       return Status::InvalidArgument("cache update: capacity below the selection or above kMaxCacheRows");
     }
+    if (tasks[i].n_selected > 0 && tasks[i].selected_slots == nullptr) {
+      return Status::InvalidArgument("cache update: selected_slots is required (the missed rows' slots)");
+    }
     largest = std::max(largest, tasks[i].capacity);
   }
-  // Caches of up to ~8K rows fit the 48 KB a kernel gets unasked (every GPU); larger ones opt in
-  // to what kMaxCacheRows needs (96 KB: sm_80+; older GPUs refuse it, with this error).
+  // Caches of up to ~9.8K rows fit the 48 KB a kernel gets unasked (every GPU); larger ones opt in
+  // to what kMaxCacheRows needs (80 KB: sm_80+; older GPUs refuse it, with this error).
   if (CacheUpdateSharedBytes(largest) > (size_t{48} << 10)) {
     static std::atomic<bool> allowed[kMaxOptInDevices] = {};
     const cudaError_t err = AllowDynamicSharedMemory(UpdateCacheKernel, CacheUpdateSharedBytes(kMaxCacheRows), allowed);

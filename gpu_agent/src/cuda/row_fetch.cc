@@ -18,7 +18,7 @@ RowFetcher::~RowFetcher() {
   staged_inline_.reset();
   copy_engine_.reset();
   rows_.clear();
-  spare_caches_.clear();
+  spare_lists_.clear();
   fetched_rows_.clear();
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
@@ -60,15 +60,15 @@ void RowFetcher::UseStagedSource(FullPrecisionSource* source, SourceWorker* work
   worker_ = worker;
 }
 
-Status RowFetcher::RowCache::Reserve(int n_kv, int32_t capacity, int head_dim) {
+Status RowFetcher::CacheList::Reserve(int n_kv, int32_t capacity) {
   const size_t entries = size_t(n_kv) * capacity;
   SPECACHE_RETURN_IF_ERROR(tokens.Reserve(entries));
   SPECACHE_RETURN_IF_ERROR(used.Reserve(entries));
-  SPECACHE_RETURN_IF_ERROR(count.Reserve(n_kv));
-  return rows.Reserve(entries * 2 * head_dim);
+  SPECACHE_RETURN_IF_ERROR(slots.Reserve(entries));
+  return count.Reserve(n_kv);
 }
 
-int64_t RowFetcher::RowCache::bytes() const { return tokens.bytes() + used.bytes() + count.bytes() + rows.bytes(); }
+int64_t RowFetcher::CacheList::bytes() const { return tokens.bytes() + used.bytes() + slots.bytes() + count.bytes(); }
 
 void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads) {
   worker_ = worker;
@@ -98,14 +98,15 @@ void RowFetcher::Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem
       // The whole row cache (it holds the selection); entries past its count are kNoToken.
       const int32_t capacity = lr.fetches > 0 ? config_.cache_rows() : 0;
       r->sub_tokens = capacity ? lr.cache.tokens.get() + h * capacity : nullptr;
-      r->sub_rows = capacity ? lr.cache.rows.get() + h * capacity * row : nullptr;
+      r->sub_slots = capacity ? lr.cache.slots.get() + h * capacity : nullptr;
+      r->sub_rows = capacity ? lr.cache_rows.get() + h * capacity * row : nullptr;
       r->n_sub = capacity;
       continue;
     }
     // The selection's rows, in the row cache (which holds them since the fetch), by their slots.
     r->sub_tokens = lr.tokens[lr.cur].get() + h * lr.resident;
     r->sub_slots = lr.slots[lr.cur].get() + h * lr.resident;
-    r->sub_rows = lr.resident > 0 ? lr.cache.rows.get() + h * size_t(config_.cache_rows()) * row : nullptr;
+    r->sub_rows = lr.resident > 0 ? lr.cache_rows.get() + h * size_t(config_.cache_rows()) * row : nullptr;
     r->n_sub = lr.resident;
   }
 }
@@ -116,20 +117,21 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   const int32_t capacity = config_.cache_rows();
   // First every buffer the fetch writes, so that running out of device memory changes nothing the
   // fetcher reports (a reservation only grows a buffer whose contents nothing needs yet).
-  size_t fetched = 0;  // sequences whose rows are fetched: each takes a spare cache
+  size_t fetched = 0;  // sequences whose rows are fetched: each takes a spare list
   if (options_.fetch) {
     for (SequenceId id : ids) {
       LayerRows& lr = rows_.at(id)[layer];
       if (lr.selected == 0) continue;
       SPECACHE_RETURN_IF_ERROR(lr.slots[1 - lr.cur].Reserve(size_t(n_kv) * config_.max_selected()));
-      if (lr.fetches == 0) SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity, shape_.head_dim));
+      if (lr.fetches == 0) {
+        SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity));
+        SPECACHE_RETURN_IF_ERROR(lr.cache_rows.Reserve(size_t(n_kv) * capacity * row));
+      }
       ++fetched;
     }
   }
-  if (spare_caches_.size() < fetched) spare_caches_.resize(fetched);
-  for (size_t i = 0; i < fetched; ++i) {
-    SPECACHE_RETURN_IF_ERROR(spare_caches_[i].Reserve(n_kv, capacity, shape_.head_dim));
-  }
+  if (spare_lists_.size() < fetched) spare_lists_.resize(fetched);
+  for (size_t i = 0; i < fetched; ++i) SPECACHE_RETURN_IF_ERROR(spare_lists_[i].Reserve(n_kv, capacity));
   if (!by_copy_engine) {
     if (fetched_rows_.size() < fetched) fetched_rows_.resize(fetched);
     for (size_t i = 0; i < fetched; ++i) {
@@ -153,9 +155,10 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
       continue;
     }
     if (lr.selected > 0) {
-      RowCache& old = lr.cache;
+      CacheList& old = lr.cache;
+      Half* const cache_rows = lr.cache_rows.get();
       Half* const fetched_rows = by_copy_engine ? nullptr : fetched_rows_[spare].get();
-      RowCache& target = spare_caches_[spare++];
+      CacheList& target = spare_lists_[spare++];
       if (lr.fetches == 0) {  // the cache starts empty; the update writes all of the target
         w.fills.push_back({old.tokens.get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
         w.fills.push_back({old.count.get(), n_kv * sizeof(int32_t), 0});
@@ -166,7 +169,8 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
         t.selected = lr.tokens[next].get() + size_t(h) * lr.selected;
         t.n_selected = lr.selected;
         t.resident = old.tokens.get() + size_t(h) * capacity;
-        t.resident_rows = old.rows.get() + size_t(h) * capacity * row;
+        t.resident_rows = cache_rows + size_t(h) * capacity * row;
+        t.resident_slots = old.slots.get() + size_t(h) * capacity;
         t.resident_count = old.count.get() + h;
         t.out_rows = fetched_rows ? fetched_rows + size_t(h) * lr.selected * row : nullptr;
         t.pages = pages;
@@ -177,22 +181,23 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
         CacheUpdateTask u;
         u.old_tokens = t.resident;
         u.old_used = old.used.get() + size_t(h) * capacity;
-        u.old_rows = t.resident_rows;
+        u.old_slots = t.resident_slots;
         u.old_count = t.resident_count;
         u.selected = t.selected;
         u.selected_rows = t.out_rows;
         u.n_selected = lr.selected;
         u.new_tokens = target.tokens.get() + size_t(h) * capacity;
         u.new_used = target.used.get() + size_t(h) * capacity;
-        u.new_rows = target.rows.get() + size_t(h) * capacity * row;
+        u.rows = cache_rows + size_t(h) * capacity * row;
+        u.new_slots = target.slots.get() + size_t(h) * capacity;
         u.new_count = target.count.get() + h;
         u.selected_slots = lr.slots[next].get() + size_t(h) * lr.selected;
         u.now = lr.fetches;
         u.capacity = capacity;
         w.updates.push_back(u);
       }
-      // The update's target becomes the layer's cache, and the old cache a spare that a later
-      // update, queued after this one on the same stream, may write (spare_caches_).
+      // The update's target becomes the layer's list, and the old list a spare that a later
+      // update, queued after this one on the same stream, may write (spare_lists_).
       std::swap(old, target);
     }
     lr.cur = next;
@@ -384,10 +389,10 @@ void RowFetcher::AddStats(AgentStats* s) const {
       }
       s->device_bytes += cache_rows * row;
       s->device_bytes_reserved += lr.tokens[0].bytes() + lr.tokens[1].bytes() + lr.slots[0].bytes() +
-                                  lr.slots[1].bytes() + lr.cache.bytes();
+                                  lr.slots[1].bytes() + lr.cache.bytes() + lr.cache_rows.bytes();
     }
   }
-  for (const RowCache& spare : spare_caches_) s->device_bytes_reserved += spare.bytes();
+  for (const CacheList& spare : spare_lists_) s->device_bytes_reserved += spare.bytes();
   for (const Buffer<Half>& rows : fetched_rows_) s->device_bytes_reserved += rows.bytes();
 }
 

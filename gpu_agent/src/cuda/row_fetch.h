@@ -7,9 +7,11 @@
 //   (Substitute); the other receives the next selection (SelectionTarget) and then, from the
 //   fetch, where each of its rows is in the row cache (its slots), which makes it current. The
 //   attention reads the selection's rows from the cache through those slots: the rows have no
-//   other copy. The row cache is one per (sequence, layer): a fetch reads it, and its update
-//   writes a spare cache from a pool shared by all layers, which then takes its place while the
-//   old cache becomes a spare. The cache's sizes are known on the device only.
+//   other copy. The row cache is one per (sequence, layer): its rows stay in their slots, and a
+//   fetch's update writes only the missed rows, into free slots, and a new list (tokens, use
+//   marks, slots) into a spare list from a pool shared by all layers, which then takes the old
+//   list's place while the old list becomes a spare. The cache's sizes are known on the device
+//   only.
 // - The fetch's missed rows reach the update either from FetchRows' output (a buffer from a pool
 //   of the fetcher's, like the spares) or, by the copy engine, from its staged copy by rank.
 // - In specache mode the fetch of layer L runs on the fetcher's own stream (StartFetch), after an
@@ -96,7 +98,7 @@ class RowFetcher {
   // Makes the next selection of these sequences' layer current, its rows fetched on `stream`
   // (staged: on the worker, after the appends handed to it, waiting for it). A fetcher fetches
   // either here, always on the same stream, or through StartFetch, never both (the agent's mode
-  // picks): the caches' updates must share one stream (spare_caches_).
+  // picks): the caches' updates must share one stream (spare_lists_).
   Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
   // Records on the compute stream that the layer's selection is done.
   Status MarkSelected(int layer);
@@ -139,21 +141,22 @@ class RowFetcher {
   FetchCounters DeviceCounters() const;
   // Adds the device memory of the rows to the stats: device_bytes (the row caches' entries, read
   // from the device; the resident selection's rows are among them) and device_bytes_reserved
-  // (every buffer, the spare caches and FetchRows' output buffers included).
+  // (every buffer, the spare lists and FetchRows' output buffers included).
   void AddStats(AgentStats* stats) const;
 
  private:
-  // The row cache (row_cache.h) of one (sequence, layer) on the device, for all its KV heads, or a
-  // spare one. Head h's entries start at h * capacity (KvConfig::cache_rows()); their number is
-  // known on the device only (count), and the tokens past it are kNoToken.
-  struct RowCache {
+  // The list of the row cache (row_cache.h) of one (sequence, layer) on the device, for all its KV
+  // heads, or a spare one (CacheUpdateTask): head h's entries start at h * capacity
+  // (KvConfig::cache_rows()); their number is known on the device only (count), the tokens past it
+  // are kNoToken, and the slots name where each entry's row lies in the layer's cache_rows.
+  struct CacheList {
     Buffer<int32_t> tokens;  // [n_kv][capacity] ascending per head
     Buffer<int32_t> used;    // [n_kv][capacity] the fetch number each entry was last selected at
+    Buffer<int32_t> slots;   // [n_kv][capacity]: the entries' rows, then the free slots
     Buffer<int32_t> count;   // [n_kv]
-    Buffer<Half> rows;       // [n_kv][capacity][2][head_dim]
-    // Makes the buffers hold a cache of `capacity` rows per head, keeping what they held if they
+    // Makes the buffers hold a list of `capacity` entries per head, keeping what they held if they
     // did already.
-    Status Reserve(int n_kv, int32_t capacity, int head_dim);
+    Status Reserve(int n_kv, int32_t capacity);
     int64_t bytes() const;
   };
   // The full-precision rows of one (sequence, layer) on the device, for all its KV heads.
@@ -169,12 +172,13 @@ class RowFetcher {
     int cur = 0;
     int32_t resident = 0;       // per head, in generation cur
     int32_t selected = 0;       // per head, in generation 1 - cur (waiting for the fetch)
-    RowCache cache;
+    CacheList cache;
+    Buffer<Half> cache_rows;    // [n_kv][capacity][2][head_dim] by slot: rows never move (CacheUpdateTask)
     int32_t fetches = 0;        // since the cache was last emptied
   };
   // One fetch's device work: planned on the agent's thread (Prepare), queued on a stream by the
   // thread that runs it (Launch). It names device memory only: the caches it reads and writes
-  // stay allocated while it is queued, whoever holds them by then (spare_caches_).
+  // stay allocated while it is queued, whoever holds them by then (spare_lists_).
   struct FetchWork {
     struct Fill {  // a row cache's first use: its tokens all kNoToken, its counts 0
       void* at;
@@ -190,7 +194,8 @@ class RowFetcher {
     std::vector<CacheUpdateTask> updates;  // [tasks]: task i's rows go into update i's cache
   };
   // The layer's next selection of these sequences made current, its work planned: each fetched
-  // sequence's row cache is swapped with a spare, which the work's update writes from the old one.
+  // sequence's row cache list is swapped with a spare, which the work's update writes from the old
+  // one (the rows stay: the update writes the missed ones into free slots).
   // `by_copy_engine`: the work's Launch stages the missed rows by the copy engine (no FetchRows
   // output buffer). Reserves all the device memory it needs first: on an error
   // (RESOURCE_EXHAUSTED) nothing changed.
@@ -220,12 +225,13 @@ class RowFetcher {
   int join_layer_ = -1;  // kWithinNextAttention: the fetch queued at the last WaitFetched, until JoinFetch
   Buffer<FetchCounters> device_counters_;
   std::map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence
-  // The targets of the cache updates, shared by all (sequence, layer)s: Prepare swaps the first
-  // ones with the caches it fetches for. So the pool only grows to the most sequences one fetch
-  // (of one layer) fetched for, each cache reserved: one layer's caches of the largest batch
-  // (~0.5 MB per sequence at Llama-3-8B shapes, where a second generation of every layer's cache
-  // would be 16 MB). A cache needs no second generation of its own because its old generation is
-  // done with once its update is queued:
+  // The targets of the cache updates' lists, shared by all (sequence, layer)s: Prepare swaps the
+  // first ones with the lists of the caches it fetches for. So the pool only grows to the most
+  // sequences one fetch (of one layer) fetched for: one layer's lists of the largest batch (~96 KB
+  // per sequence at Llama-3-8B shapes with 1024-row caches). A list needs no second generation of
+  // its own because its old generation is done with once its update is queued, and the rows, in
+  // place, need none because the update writes only slots that no entry of either list that a
+  // queued reader may read still names (the old list's evicted entries):
   // - every update runs on one stream (the fetch stream, or Fetch's), in the order of the Prepares
   //   that planned them: StartFetch queues a deferred fetch before it prepares the next one (and
   //   prepares none while that fails, so a deferred fetch queued again finds its old cache as it
@@ -233,13 +239,13 @@ class RowFetcher {
   //   next update that writes a cache put back into the pool runs after this fetch's kernel and
   //   update, the old cache's last readers on that stream (and, staged, the copy of its tokens to
   //   the host);
-  // - the only other reader of the old cache is the layer's attention (attend_resident), queued
+  // - the only other reader of the old cache (list and rows) is the layer's attention, queued
   //   on the compute stream before the selection this fetch waits for (MarkSelected, or the
   //   deferred start recorded after it; Fetch runs on the compute stream itself), and every
   //   attention queued from now on substitutes the new cache, after waiting for this fetch;
   // - the host reads a cache (AddStats) only once the streams are idle.
-  // A spare's contents do not matter: the update writes all of the new cache that is read.
-  std::vector<RowCache> spare_caches_;
+  // A spare's contents do not matter: the update writes all of the new list.
+  std::vector<CacheList> spare_lists_;
   // FetchRows' output for the routes other than the copy engine, one per sequence of a fetch
   // ([n_kv][max_selected][2][head_dim], each reserved once at that size), read by the same
   // fetch's cache update: the next fetch's FetchRows, which writes it again, runs after that
