@@ -45,6 +45,18 @@ Result<double> TimeGpu(int repeats, const std::function<Status()>& launch) {
   return Median(ms);
 }
 
+// A sysfs setting's first line ("always [madvise] never"), or "unknown".
+std::string SysfsSetting(const char* path) {
+  std::FILE* f = std::fopen(path, "r");
+  if (!f) return "unknown";
+  char line[256] = {};
+  const bool read = std::fgets(line, sizeof(line), f) != nullptr;
+  std::fclose(f);
+  std::string v = read ? line : "unknown";
+  while (!v.empty() && (v.back() == '\n' || v.back() == ' ')) v.pop_back();
+  return v;
+}
+
 // Device and pinned buffers of one measurement, freed on every path.
 struct Buffers {
   uint8_t* d_copy = nullptr;   // the contiguous copy's destination
@@ -112,14 +124,20 @@ bool RunGatherSuite(const GatherOptions& o, std::vector<GatherRow>* rows) {
   const int agent_blocks = CudaAgentOptions{}.fetch_blocks;
   const int wide_blocks = o.max_blocks > 0 ? o.max_blocks : 2 * sms;
   RegisteredHostPages pool;
-  if (!pool.Create(o.host_gib)) return false;
+  if (!pool.Create(o.host_gib, o.backing)) return false;
   const uint64_t page_slots = pool.page_slots();
   std::printf("\ngather: the agent's fetch kernel (cuda::FetchRows: per-sequence page tables, selections on the "
               "device, no resident rows)\n");
-  std::printf("%d GiB of host pages (%llu pages of 256 KiB in %d memfd chunks), set up and registered in %.1f s; "
+  std::printf("%d GiB of host pages (%llu pages of 256 KiB in %d chunks of 256 MiB), set up and registered in %.1f s; "
               "%d blocks (the agent's default) and %d blocks x 256 threads\n",
               o.host_gib, static_cast<unsigned long long>(page_slots), pool.chunks(), pool.setup_seconds(),
               agent_blocks, wide_blocks);
+  const double huge_share = pool.huge_bytes() < 0 ? -1.0 : double(pool.huge_bytes()) / double(pool.bytes());
+  std::printf("host pages: %s; mapped by 2 MiB pages: %s; THP enabled %s, shmem_enabled %s\n",
+              HostPageBackingName(o.backing),
+              huge_share < 0 ? "unknown (no /proc/self/smaps)" : (std::to_string(int(100 * huge_share + 0.5)) + "%").c_str(),
+              SysfsSetting("/sys/kernel/mm/transparent_hugepage/enabled").c_str(),
+              SysfsSetting("/sys/kernel/mm/transparent_hugepage/shmem_enabled").c_str());
   std::printf("%5s %7s %7s %9s %11s %11s %11s %7s %11s %7s  %s\n", "B", "context", "rows", "MB", "agent GB/s",
               "wide GB/s", "H2D GB/s", "ratio", "CPU+copy", "ratio", "goal (best fetch / H2D)");
 
@@ -157,7 +175,9 @@ bool RunGatherSuite(const GatherOptions& o, std::vector<GatherRow>* rows) {
                         {"ratio", ratio},
                         {"cpu_gather_copy_gbps", cpu_gbs},
                         {"cpu_ratio", cpu_gbs / h2d_gbs},
-                        {"rows_wrong", static_cast<double>(m->wrong)}}});
+                        {"rows_wrong", static_cast<double>(m->wrong)},
+                        {"host_gib", static_cast<double>(o.host_gib)},
+                        {"huge_page_share", huge_share}}});
       if (m->wrong) return false;
     }
   }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bench_row.h"
+#include "host_pages.h"
 
 namespace specache::bench {
 
@@ -15,6 +16,7 @@ struct GatherOptions {
   int host_gib = 16;    // host memory the pages are spread over
   int repeats = 20;
   int max_blocks = 0;   // the wide launch's blocks; 0: 2 per SM
+  HostPageBacking backing = HostPageBacking::kBase;  // what backs the host pages
 };
 
 using GatherRow = BenchRow;

@@ -13,30 +13,114 @@
 
 namespace specache::bench {
 
+const char* HostPageBackingName(HostPageBacking b) {
+  switch (b) {
+    case HostPageBacking::kBase: return "base";
+    case HostPageBacking::kHugeShmem: return "thp-shmem";
+    case HostPageBacking::kHugeAnon: return "thp-anon";
+  }
+  return "?";
+}
+
+bool ParseHostPageBacking(const std::string& name, HostPageBacking* out) {
+  for (HostPageBacking b : {HostPageBacking::kBase, HostPageBacking::kHugeShmem, HostPageBacking::kHugeAnon}) {
+    if (name == HostPageBackingName(b)) {
+      *out = b;
+      return true;
+    }
+  }
+  return false;
+}
+
+namespace {
+
+constexpr uint64_t kHugePageBytes = uint64_t{2} << 20;
+
+// Sum of the huge-page fields of /proc/self/smaps over the mappings that start inside a chunk.
+int64_t HugeBytesIn(const std::vector<uint8_t*>& chunks, uint64_t chunk_bytes) {
+  std::FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (!f) return -1;
+  int64_t kib = 0;
+  bool inside = false;
+  char line[512];
+  while (std::fgets(line, sizeof(line), f)) {
+    unsigned long long start = 0, end = 0;
+    if (std::sscanf(line, "%llx-%llx ", &start, &end) == 2) {  // a mapping's header line
+      inside = std::any_of(chunks.begin(), chunks.end(), [&](const uint8_t* c) {
+        const auto base = reinterpret_cast<uintptr_t>(c);
+        return start >= base && start < base + chunk_bytes;
+      });
+      continue;
+    }
+    long long v = 0;
+    if (inside && (std::sscanf(line, "AnonHugePages: %lld kB", &v) == 1 || std::sscanf(line, "ShmemPmdMapped: %lld kB", &v) == 1 ||
+                   std::sscanf(line, "FilePmdMapped: %lld kB", &v) == 1)) {
+      kib += v;
+    }
+  }
+  std::fclose(f);
+  return kib * 1024;
+}
+
+}  // namespace
+
 RegisteredHostPages::~RegisteredHostPages() {
   for (size_t c = 0; c < chunks_.size(); ++c) {
     if (c < device_.size()) (void)cuda::UnregisterHostMemory(chunks_[c]);  // nothing to do on failure
-    munmap(chunks_[c], kChunkBytes);
   }
+  for (size_t m = 0; m < mappings_.size(); ++m) munmap(mappings_[m], mapping_bytes_[m]);
 }
 
-bool RegisteredHostPages::Create(int gib) {
+bool RegisteredHostPages::Create(int gib, HostPageBacking backing) {
   const auto t0 = std::chrono::steady_clock::now();
+  backing_ = backing;
   const int n = static_cast<int>((uint64_t{static_cast<uint32_t>(gib)} << 30) / kChunkBytes);
+  const bool huge = backing != HostPageBacking::kBase;
   for (int c = 0; c < n; ++c) {
-    const int fd = memfd_create("bench-chunk", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, kChunkBytes) != 0) {
-      std::printf("host pages: memfd chunk %d: %s\n", c, std::strerror(errno));
-      if (fd >= 0) close(fd);
-      return false;
+    // A huge backing needs the chunk 2 MiB-aligned: it goes into a reserved span one huge page
+    // longer, which is unmapped whole at the end.
+    const size_t span = huge ? kChunkBytes + kHugePageBytes : kChunkBytes;
+    void* reserved = nullptr;
+    uint8_t* at = nullptr;
+    if (backing == HostPageBacking::kHugeAnon) {
+      reserved = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (reserved == MAP_FAILED) {
+        std::printf("host pages: mmap anonymous chunk %d: %s\n", c, std::strerror(errno));
+        return false;
+      }
+      at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(reserved) + kHugePageBytes - 1) & ~(kHugePageBytes - 1));
+    } else {
+      const int fd = memfd_create("bench-chunk", MFD_CLOEXEC);
+      if (fd < 0 || ftruncate(fd, kChunkBytes) != 0) {
+        std::printf("host pages: memfd chunk %d: %s\n", c, std::strerror(errno));
+        if (fd >= 0) close(fd);
+        return false;
+      }
+      if (huge) {
+        reserved = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (reserved == MAP_FAILED) {
+          std::printf("host pages: reserve chunk %d: %s\n", c, std::strerror(errno));
+          close(fd);
+          return false;
+        }
+        at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(reserved) + kHugePageBytes - 1) & ~(kHugePageBytes - 1));
+      }
+      void* p = mmap(at, kChunkBytes, PROT_READ | PROT_WRITE, MAP_SHARED | (at ? MAP_FIXED : 0), fd, 0);
+      close(fd);
+      if (p == MAP_FAILED) {
+        std::printf("host pages: mmap chunk %d: %s\n", c, std::strerror(errno));
+        if (reserved) munmap(reserved, span);
+        return false;
+      }
+      if (!reserved) reserved = p;
+      at = static_cast<uint8_t*>(p);
     }
-    void* p = mmap(nullptr, kChunkBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) {
-      std::printf("host pages: mmap chunk %d: %s\n", c, std::strerror(errno));
-      return false;
+    mappings_.push_back(reserved);
+    mapping_bytes_.push_back(span);
+    if (huge && madvise(at, kChunkBytes, MADV_HUGEPAGE) != 0 && c == 0) {
+      std::printf("host pages: madvise(MADV_HUGEPAGE): %s (base pages then)\n", std::strerror(errno));
     }
-    chunks_.push_back(static_cast<uint8_t*>(p));
+    chunks_.push_back(at);
   }
   std::vector<std::thread> workers;
   const int threads = static_cast<int>(std::max(1u, std::min(16u, std::thread::hardware_concurrency())));
@@ -46,6 +130,7 @@ bool RegisteredHostPages::Create(int gib) {
     });
   }
   for (auto& w : workers) w.join();
+  huge_bytes_ = HugeBytesIn(chunks_, kChunkBytes);
   for (uint8_t* c : chunks_) {
     auto d = cuda::RegisterHostMemory(c, kChunkBytes);
     if (!d.ok()) {

@@ -76,6 +76,7 @@ struct Options {
   int head_dim = 128;
   int repeats = 7;
   int host_gib = 16;
+  std::string host_pages = "base";  // gather: what backs the host pages (bench::HostPageBacking)
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
@@ -291,6 +292,14 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->capture_default_str()
         ->check(positive);
   }
+  if (std::string_view(suite.name) == "gather") {
+    cmd->add_option("--host-pages", o->host_pages,
+                    "what backs the host pages: base (memfd, 4 KiB pages, as the daemon's), thp-shmem (memfd with "
+                    "MADV_HUGEPAGE) or thp-anon (anonymous memory with MADV_HUGEPAGE); the run reports the share "
+                    "the kernel mapped by 2 MiB pages")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"base", "thp-shmem", "thp-anon"}));
+  }
   if (suite.batches) {
     cmd->add_option("--batches", o->batches, "sequences per step, e.g. 1,8,16,32 (contend: the first)")
         ->delimiter(',')
@@ -400,7 +409,9 @@ int main(int argc, char** argv) {
 #ifdef SPECACHE_BENCH_CUDA
     std::vector<bench::BenchRow> cuda_rows;
     if (o.suite == "gather") {
-      ok = bench::RunGatherSuite({o.host_gib, std::max(o.repeats, 20), 0}, &cuda_rows);
+      bench::GatherOptions gather{o.host_gib, std::max(o.repeats, 20), 0};
+      bench::ParseHostPageBacking(o.host_pages, &gather.backing);  // checked by the option
+      ok = bench::RunGatherSuite(gather, &cuda_rows);
     } else if (o.suite == "contend") {
       bench::ContendOptions contend;
       contend.host_gib = o.host_gib;
