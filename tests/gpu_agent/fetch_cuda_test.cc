@@ -367,7 +367,8 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
 
 // The device's cache update equals row_cache.h's rule on random caches and selections (tokens,
 // use marks, rows and counts), for capacities k, 2k, 3k, 700 (more entries than the kernel's
-// threads) and kMaxCacheRows, over two launches' worth of tasks. Use marks repeat (ties go to the
+// threads), 9700 (under 48 KB of dynamic shared memory, over it with the static part) and
+// kMaxCacheRows, over two launches' worth of tasks. Use marks repeat (ties go to the
 // higher token) or, every fifth task, spread over all of int32 (every byte of the ranking's key).
 // The rows stay in place: the old cache's rows lie at a shuffled permutation of slots, every entry
 // that stays or is selected again keeps its slot and row (hits take the old cache's row, not the
@@ -394,7 +395,8 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   const int n_tasks = cuda::kMaxCacheUpdateTasks + 20;
   for (int i = 0; i < n_tasks; ++i) {
     // Task 1 at kMaxCacheRows, nearly full: the shared memory over 48 KB and the int16 positions.
-    const int capacity = i == 1 ? cuda::kMaxCacheRows : i % 11 == 0 ? 700 : k * (1 + i % 3);
+    // Task 3 at 9700 rows: dynamic shared memory under 48 KB, but not with the kernel's static part.
+    const int capacity = i == 1 ? cuda::kMaxCacheRows : i == 3 ? 9700 : i % 11 == 0 ? 700 : k * (1 + i % 3);
     RowCacheEntries old;
     old.tokens = i == 1 ? RandomTokens(40000, capacity - 3, rng)
                         : RandomTokens(5000, static_cast<int>(rng() % (capacity + 1)), rng);
@@ -479,6 +481,10 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     t.capacity = capacity;
     tasks.push_back(t);
   }
+  // Task 3 alone first, before any launch of a larger cache made the kernel opt in (the update
+  // gives the same result run twice: the old list is not written, the misses land in the same slots).
+  ASSERT_TRUE(cuda::UpdateRowCaches(&tasks[3], 1, d, nullptr, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
   ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, counters, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
