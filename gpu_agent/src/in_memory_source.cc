@@ -1,5 +1,7 @@
 #include "specache/in_memory_source.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -10,11 +12,12 @@ namespace specache {
 namespace {
 
 constexpr size_t kAlign = 4096;
+constexpr size_t kHugePage = size_t{2} << 20;
 
 }  // namespace
 
-InMemorySource::InMemorySource(int32_t page_tokens, size_t slab_bytes)
-    : page_tokens_(std::max<int32_t>(page_tokens, 1)), slab_bytes_(slab_bytes) {}
+InMemorySource::InMemorySource(int32_t page_tokens, size_t slab_bytes, bool huge_pages)
+    : page_tokens_(std::max<int32_t>(page_tokens, 1)), slab_bytes_(slab_bytes), huge_pages_(huge_pages) {}
 
 InMemorySource::~InMemorySource() {
   for (const HostRegion& r : slabs_) std::free(r.base);
@@ -64,9 +67,13 @@ size_t InMemorySource::PageBytes(const SequenceLayout& layout) const {
 }
 
 void InMemorySource::AddSlabLocked(size_t page_bytes) {
-  const size_t bytes = std::max(slab_bytes_, (page_bytes + kAlign - 1) / kAlign * kAlign);
-  auto* slab = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
+  const size_t least = std::max(slab_bytes_, page_bytes);
+  const size_t align = huge_pages_ && least >= kHugePage ? kHugePage : kAlign;
+  const size_t bytes = (least + align - 1) / align * align;
+  auto* slab = static_cast<uint8_t*>(std::aligned_alloc(align, bytes));
   if (slab == nullptr) throw std::bad_alloc();
+  // Before any page is touched, so that the first touch faults in huge pages.
+  if (align == kHugePage) (void)madvise(slab, bytes, MADV_HUGEPAGE);
   slabs_.push_back({slab, bytes});
   auto& free = free_pages_[page_bytes];
   for (size_t at = bytes / page_bytes; at-- > 0;) free.push_back(slab + at * page_bytes);

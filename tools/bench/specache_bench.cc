@@ -60,6 +60,7 @@
 #include "specache/head_replica.h"
 #include "specache/quantizer.h"
 #include "specache/version.h"
+#include "host_gather_bench.h"
 #include "reuse_bench.h"
 #ifdef SPECACHE_BENCH_CUDA
 #include "contention_bench.h"
@@ -77,6 +78,7 @@ struct Options {
   int repeats = 7;
   int host_gib = 16;
   std::string host_pages = "base";  // gather: what backs the host pages (bench::HostPageBacking)
+  int gather_threads = 12;          // host-gather: GatherPageRows' threads (the agent's copy-engine default)
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
@@ -266,6 +268,8 @@ constexpr Suite kSuites[] = {
      false, false},
     {"reuse", "bytes fetched per token with and without the row cache, from a selection trace", false, false, false,
      false, false, false, true},
+    {"host-gather", "the copy-engine fetch's host gather over base and transparent huge pages (no GPU needed)", false,
+     false, true, true, false, false, false},
 };
 
 // Adds `suite`'s options to `cmd`, bound to `o`.
@@ -289,6 +293,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
   if (suite.repeats) cmd->add_option("--repeats", o->repeats, "timed runs after one warm-up")->capture_default_str()->check(positive);
   if (suite.host_gib) {
     cmd->add_option("--host-gib", o->host_gib, "registered host memory the pages spread over (GiB)")
+        ->capture_default_str()
+        ->check(positive);
+  }
+  if (std::string_view(suite.name) == "host-gather") {
+    cmd->add_option("--gather-threads", o->gather_threads, "threads of the gather (the agent's copy-engine fetch: 12)")
         ->capture_default_str()
         ->check(positive);
   }
@@ -399,6 +408,11 @@ int main(int argc, char** argv) {
   if (o.suite == "memory") ok = Memory(o, &rows);
   if (o.suite == "quantize") Quantize(o, &rows);
   if (o.suite == "attention") Attention(o, &rows);
+  if (o.suite == "host-gather") {
+    std::vector<bench::BenchRow> gathered;
+    ok = bench::RunHostGatherSuite({o.host_gib, o.gather_threads, o.repeats}, &gathered);
+    for (auto& r : gathered) rows.push_back({"host-gather", r.name, r.values});
+  }
   if (o.suite == "reuse") {
     std::vector<bench::BenchRow> reuse;
     ok = bench::RunReuseSuite({o.trace_path, o.row_bytes, {2, 4}}, &reuse);

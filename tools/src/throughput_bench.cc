@@ -126,7 +126,7 @@ class Bench {
     const int warm = probe ? 1 : 2, steps = probe ? 0 : o_.steps;
     const int capacity = context + 2 * (warm + steps) + 8;
     // The full precision in process memory, in large slabs (each is registered with the GPU).
-    auto source = std::make_unique<InMemorySource>(64, size_t{256} << 20);
+    auto source = std::make_unique<InMemorySource>(64, size_t{256} << 20, o_.host_huge_pages);
     std::unique_ptr<Agent> agent;
     if (mode == "full-offload") {
       SPECACHE_ASSIGN_OR_RETURN(agent, gpu::CreateOffloadAgent(shape, {capacity, model_->stream()}));
@@ -345,6 +345,7 @@ class Bench {
     j["ms_step_edges"] = run.phases.edges_ms;
     if (base == "specache") {  // the other modes fetch in step, or not at all
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
+      j["host_huge_pages"] = o_.host_huge_pages;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
     }
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
@@ -377,7 +378,7 @@ class Bench {
     // The host pages exist and are registered with the GPU before the prefill, as a daemon's are
     // when an agent attaches (cudaHostRegister takes ~0.5 s per GB): timed apart, as ms_setup.
     const auto setup_start = std::chrono::steady_clock::now();
-    auto source = std::make_unique<InMemorySource>(64, size_t{256} << 20);
+    auto source = std::make_unique<InMemorySource>(64, size_t{256} << 20, o_.host_huge_pages);
     source->Reserve({c.n_layers, c.n_kv_heads, c.head_dim}, batch, tokens + 8);
     CudaAgentOptions options;
     options.capacity_tokens = tokens + 8;

@@ -19,8 +19,12 @@ namespace specache {
 
 class InMemorySource final : public FullPrecisionSource {
  public:
-  // Pages are carved from slabs of slab_bytes (or one page, if larger).
-  explicit InMemorySource(int32_t page_tokens = 64, size_t slab_bytes = size_t{4} << 20);
+  // Pages are carved from slabs of slab_bytes (or one page, if larger). With huge_pages, slabs of
+  // 2 MiB or more are 2 MiB-aligned and asked for transparent huge pages (madvise(MADV_HUGEPAGE),
+  // a hint: base pages where the kernel declines): a fetch reads random rows across the whole
+  // source, and each 4 KiB page it touches is a TLB miss for the host's gather threads and a
+  // translation for the GPU's zero-copy reads.
+  explicit InMemorySource(int32_t page_tokens = 64, size_t slab_bytes = size_t{4} << 20, bool huge_pages = true);
   ~InMemorySource() override;
   InMemorySource(const InMemorySource&) = delete;
   InMemorySource& operator=(const InMemorySource&) = delete;
@@ -75,6 +79,7 @@ class InMemorySource final : public FullPrecisionSource {
 
   int32_t page_tokens_;
   size_t slab_bytes_;
+  bool huge_pages_;
   mutable std::shared_mutex mutex_;
   std::map<SequenceId, std::unique_ptr<Sequence>> sequences_;
   std::vector<HostRegion> slabs_;

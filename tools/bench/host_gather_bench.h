@@ -1,0 +1,24 @@
+// specache-bench host-gather: the host half of the copy-engine fetch (page_row_gather.h), which
+// copies the rows the device missed out of the source's pages into one buffer. Llama-3-8B-shaped
+// sequences of 8K tokens fill an InMemorySource of --host-gib GiB; each (sequence, layer, KV head)
+// wants 64 random rows, as one decode step's fetch with nothing reused. Timed twice in one run:
+// slabs of base pages, then slabs asked for transparent huge pages (InMemorySource's huge_pages),
+// and the ratio. Needs no GPU (it is the host's work; the GPU host is where it matters).
+#pragma once
+
+#include <vector>
+
+#include "bench_row.h"
+
+namespace specache::bench {
+
+struct HostGatherOptions {
+  int host_gib = 8;   // the source's size: whole sequences of 1 GiB (8K tokens x 32 layers x 8 heads x 512 B)
+  int threads = 2;    // GatherPageRows' threads
+  int repeats = 7;
+};
+
+// Prints a table; false when a source could not be built.
+bool RunHostGatherSuite(const HostGatherOptions& options, std::vector<BenchRow>* rows);
+
+}  // namespace specache::bench
