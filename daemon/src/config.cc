@@ -212,7 +212,7 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
   }
   DaemonConfig c;
   static const char* kKnown[] = {"socket", "attach_socket", "pool_bytes", "chunk_bytes", "prefault_threads",
-                                 "lock_memory", "lease_ms", "max_sequences_per_session", "max_page_refs_per_session",
+                                 "lock_memory", "huge_pages", "lease_ms", "max_sequences_per_session", "max_page_refs_per_session",
                                  "metrics_addr", "log_format", "log_level", "tenants", "spill", "access", "limits",
                                  "remote"};
   for (const auto& [key, node] : t) {
@@ -258,6 +258,11 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
     auto v = n->value<bool>();
     if (!v) return Status::InvalidArgument("config: lock_memory must be true or false");
     c.lock_memory = *v;
+  }
+  if (const toml::node* n = t.get("huge_pages")) {
+    auto v = n->value<bool>();
+    if (!v) return Status::InvalidArgument("config: huge_pages must be true or false");
+    c.huge_pages = *v;
   }
   if (const toml::node* n = t.get("spill")) {
     const toml::table* sp = n->as_table();

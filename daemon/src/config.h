@@ -6,6 +6,7 @@
 //   chunk_bytes = "64MiB"
 //   prefault_threads = 4
 //   lock_memory = true                      # mlock the pool (needs LimitMEMLOCK=infinity)
+//   huge_pages = true                       # ask for transparent huge pages (ChunkPoolOptions)
 //   lease_ms = 2000                         # attach within this, or the session is reclaimed
 //   max_sequences_per_session = 256
 //   max_page_refs_per_session = 1048576
@@ -108,6 +109,7 @@ struct DaemonConfig {
   uint64_t chunk_bytes = uint64_t{64} << 20;
   int prefault_threads = 4;
   bool lock_memory = true;
+  bool huge_pages = true;
   uint32_t lease_ms = 2000;
   uint32_t max_sequences_per_session = 256;
   uint32_t max_page_refs_per_session = 1 << 20;

@@ -134,7 +134,8 @@ SocketFile SocketFileOf(const DaemonConfig& c, const std::string& path) {
 }
 
 Status ReservePool(State* d) {
-  ChunkPoolOptions o{d->config.pool_bytes, d->config.chunk_bytes, d->config.prefault_threads, d->config.lock_memory};
+  ChunkPoolOptions o{d->config.pool_bytes, d->config.chunk_bytes, d->config.prefault_threads, d->config.lock_memory,
+                     d->config.huge_pages};
   const auto start = std::chrono::steady_clock::now();
   SPECACHE_ASSIGN_OR_RETURN(d->pool, ChunkPool::Create(o));
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

@@ -83,6 +83,46 @@ TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
 // A holder letting go while the chunk comes back (the attach thread closing its copy of a
 // descriptor it sent, racing the client's close request) is waited for, within kLetGoMs: the
 // chunk is zeroed and reused, not replaced and charged.
+// With huge_pages, chunks of 2 MiB or more start on 2 MiB boundaries (so the kernel can back them
+// by huge pages where its shmem setting allows), a replaced chunk too, and still read and write as
+// before; smaller chunks and huge_pages = false keep the page alignment.
+TEST(ChunkPoolTest, HugePageChunksStartOnTwoMiBBoundaries) {
+  constexpr uint64_t kHuge = uint64_t{2} << 20;
+  for (const bool huge : {true, false}) {
+    auto pool = ChunkPool::Create({3 * (uint64_t{4} << 20), uint64_t{4} << 20, 2, false, huge});
+    ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+    ChunkPool& p = **pool;
+    auto a = p.Take(3, 7);
+    ASSERT_TRUE(a.ok());
+    for (uint32_t c : *a) {
+      if (huge) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(p.data(c)) % kHuge, 0u) << "chunk " << c;
+      }
+      std::memset(p.data(c), 0x5A, p.chunk_bytes());
+    }
+    auto held = p.ShareFd((*a)[0]);  // held elsewhere: its return makes a new chunk
+    ASSERT_TRUE(held.ok());
+    void* mapped = mmap(nullptr, p.chunk_bytes(), PROT_READ, MAP_SHARED, *held, 0);
+    ASSERT_NE(mapped, MAP_FAILED);
+    ASSERT_TRUE(p.Return(*a).ok());
+    EXPECT_EQ(p.replaced_chunks(), 1u);
+    auto b = p.Take(3, 8);
+    ASSERT_TRUE(b.ok());
+    for (uint32_t c : *b) {
+      if (huge) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(p.data(c)) % kHuge, 0u) << "chunk " << c << " after the return";
+      }
+      for (uint64_t i = 0; i < p.chunk_bytes(); i += 4093) ASSERT_EQ(p.data(c)[i], 0) << "chunk " << c << " byte " << i;
+    }
+    EXPECT_EQ(static_cast<const uint8_t*>(mapped)[123], 0x5A) << "the holder's memory is its own";
+    munmap(mapped, p.chunk_bytes());
+    close(*held);
+  }
+  auto small = ChunkPool::Create({uint64_t{1} << 20, uint64_t{256} << 10, 1, false, true});
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*small)->data(0)) % 4096, 0u);
+}
+
 TEST(ChunkPoolTest, AHolderLettingGoDuringTheReturnIsWaitedFor) {
   auto pool = ChunkPool::Create(SmallPool());
   ASSERT_TRUE(pool.ok());

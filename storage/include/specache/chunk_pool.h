@@ -33,6 +33,11 @@ struct ChunkPoolOptions {
   uint64_t chunk_bytes = uint64_t{64} << 20;  // multiple of the page size (4 KiB)
   int prefault_threads = 4;
   bool lock_memory = true;
+  // Chunks of 2 MiB or more mapped at 2 MiB boundaries and asked for transparent huge pages
+  // (MADV_HUGEPAGE; shmem THP needs the host's /sys/kernel/mm/transparent_hugepage/shmem_enabled
+  // at "advise" or "always", else base pages): a fetch reads random rows over the whole pool, and
+  // each base page it touches is a TLB miss for the host's gather threads.
+  bool huge_pages = true;
 };
 
 class ChunkPool {
