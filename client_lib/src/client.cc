@@ -16,6 +16,7 @@
 #include "client_impl.h"
 #include "session_calls.h"
 #include "specache/attach_protocol.h"
+#include "specache/chunk_mapping.h"
 #include "specache/fd_passing.h"
 #include "specache/shm_layout.h"
 #include "specache/v1/control.grpc.pb.h"
@@ -96,7 +97,7 @@ struct Session::Impl {
     }
     chunk_bytes = r.chunk_bytes;
     for (size_t i = 1; i < fds.size(); ++i) {
-      void* c = mmap(nullptr, chunk_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], 0);
+      void* c = MapChunk(fds[i], chunk_bytes, /*huge=*/true);  // as the daemon maps it (chunk_mapping.h)
       if (c == MAP_FAILED) return Status::ResourceExhausted("mmap chunk: " + std::string(std::strerror(errno)));
       chunks.push_back(static_cast<uint8_t*>(c));
     }

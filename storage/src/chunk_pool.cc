@@ -12,32 +12,12 @@
 #include <thread>
 #include <vector>
 
+#include "specache/chunk_mapping.h"
+
 namespace specache {
 namespace {
 
 constexpr uint64_t kPageSize = 4096;
-constexpr uint64_t kHugePageSize = uint64_t{2} << 20;
-
-// Maps `bytes` of the memfd read-write. With `huge`, at a 2 MiB boundary (a reservation one huge
-// page longer, the chunk mapped over it, the rest given back) and asked for transparent huge pages
-// before anything touches it: the kernel backs it by 2 MiB pages where its shmem_enabled setting
-// allows "advise" (or "always"), else by base pages as without.
-void* MapChunk(int fd, uint64_t bytes, bool huge) {
-  if (!huge) return mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const uint64_t span = bytes + kHugePageSize;
-  auto* reserved = static_cast<uint8_t*>(mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
-  if (reserved == MAP_FAILED) return MAP_FAILED;
-  auto* at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(reserved) + kHugePageSize - 1) & ~(kHugePageSize - 1));
-  void* p = mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
-  if (p == MAP_FAILED) {
-    munmap(reserved, span);
-    return MAP_FAILED;
-  }
-  if (at > reserved) munmap(reserved, static_cast<size_t>(at - reserved));
-  if (reserved + span > at + bytes) munmap(at + bytes, static_cast<size_t>(reserved + span - (at + bytes)));
-  (void)madvise(p, bytes, MADV_HUGEPAGE);  // a hint: base pages where the kernel declines
-  return p;
-}
 
 Status Errno(const std::string& what) {
   const int e = errno;
@@ -138,7 +118,7 @@ Status ChunkPool::MakeChunk(Chunk* c, bool prefault) {
     close(fd);
     return s;
   }
-  void* p = MapChunk(fd, options_.chunk_bytes, options_.huge_pages && options_.chunk_bytes >= kHugePageSize);
+  void* p = MapChunk(fd, options_.chunk_bytes, options_.huge_pages);
   if (p == MAP_FAILED) {
     Status s = Errno("mmap chunk");
     close(fd);
