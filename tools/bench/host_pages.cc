@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "specache/chunk_mapping.h"
 #include "specache/cuda_gather.h"
 
 namespace specache::bench {
@@ -33,8 +34,6 @@ bool ParseHostPageBacking(const std::string& name, HostPageBacking* out) {
 }
 
 namespace {
-
-constexpr uint64_t kHugePageBytes = uint64_t{2} << 20;
 
 // Sum of the huge-page fields of /proc/self/smaps over the mappings that start inside a chunk.
 int64_t HugeBytesIn(const std::vector<uint8_t*>& chunks, uint64_t chunk_bytes) {
@@ -77,9 +76,9 @@ bool RegisteredHostPages::Create(int gib, HostPageBacking backing) {
   const int n = static_cast<int>((uint64_t{static_cast<uint32_t>(gib)} << 30) / kChunkBytes);
   const bool huge = backing != HostPageBacking::kBase;
   for (int c = 0; c < n; ++c) {
-    // A huge backing needs the chunk 2 MiB-aligned: it goes into a reserved span one huge page
-    // longer, which is unmapped whole at the end.
-    const size_t span = huge ? kChunkBytes + kHugePageBytes : kChunkBytes;
+    // Anonymous huge pages need the chunk 2 MiB-aligned: it goes into a mapping one huge page
+    // longer, unmapped whole at the end (memfd chunks: MapChunk aligns them).
+    const size_t span = kChunkBytes + kHugePageBytes;
     void* reserved = nullptr;
     uint8_t* at = nullptr;
     if (backing == HostPageBacking::kHugeAnon) {
@@ -96,28 +95,18 @@ bool RegisteredHostPages::Create(int gib, HostPageBacking backing) {
         if (fd >= 0) close(fd);
         return false;
       }
-      if (huge) {
-        reserved = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (reserved == MAP_FAILED) {
-          std::printf("host pages: reserve chunk %d: %s\n", c, std::strerror(errno));
-          close(fd);
-          return false;
-        }
-        at = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(reserved) + kHugePageBytes - 1) & ~(kHugePageBytes - 1));
-      }
-      void* p = mmap(at, kChunkBytes, PROT_READ | PROT_WRITE, MAP_SHARED | (at ? MAP_FIXED : 0), fd, 0);
+      void* p = MapChunk(fd, kChunkBytes, huge);  // as the daemon maps its chunks (chunk_mapping.h)
       close(fd);
       if (p == MAP_FAILED) {
         std::printf("host pages: mmap chunk %d: %s\n", c, std::strerror(errno));
-        if (reserved) munmap(reserved, span);
         return false;
       }
-      if (!reserved) reserved = p;
+      reserved = p;
       at = static_cast<uint8_t*>(p);
     }
     mappings_.push_back(reserved);
-    mapping_bytes_.push_back(span);
-    if (huge && madvise(at, kChunkBytes, MADV_HUGEPAGE) != 0 && c == 0) {
+    mapping_bytes_.push_back(backing == HostPageBacking::kHugeAnon ? span : kChunkBytes);
+    if (backing == HostPageBacking::kHugeAnon && madvise(at, kChunkBytes, MADV_HUGEPAGE) != 0 && c == 0) {
       std::printf("host pages: madvise(MADV_HUGEPAGE): %s (base pages then)\n", std::strerror(errno));
     }
     chunks_.push_back(at);
