@@ -24,9 +24,7 @@ void* MapChunk(int fd, uint64_t bytes, bool huge) {
   }
   if (at > reserved) munmap(reserved, static_cast<size_t>(at - reserved));
   if (reserved + span > at + bytes) munmap(at + bytes, static_cast<size_t>(reserved + span - (at + bytes)));
-  const int err = errno;
   (void)madvise(p, bytes, MADV_HUGEPAGE);  // a hint: base pages where the kernel declines
-  errno = err;
   return p;
 }
 
