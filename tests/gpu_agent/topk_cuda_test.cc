@@ -181,6 +181,37 @@ TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
 #endif
 }
 
+// A large k over long segments, many at once (so that phase one's parts are 8K tokens long on an
+// H200): three parts of k = 2048 candidates each fill the merge's shared memory (48 KiB of scores
+// and tokens, past what a launch gets unasked once the merge's static arrays count). Each segment
+// equals the CPU's selection.
+TEST(CudaTopKTest, MergeOfTheMostCandidatesEqualsTheCpuSelection) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(43);
+  const int heads = 2, k = 2048, count = 300;
+  const int32_t n = 24576;
+  testing::DeviceBuffers buf;
+  std::vector<cuda::TopKSegment> segments;
+  std::vector<std::vector<float>> probs;
+  for (int i = 0; i < count; ++i) {
+    std::vector<float> p(size_t(heads) * n);
+    for (auto& x : p) x = rng() % 5 == 0 ? 0.125f : static_cast<float>(rng() % 1000000) / 1e6f;
+    segments.push_back({buf.Copy(p), buf.Allocate<int32_t>(k), buf.Allocate<float>(n), n});
+    ASSERT_TRUE(segments.back().probs && segments.back().tokens && segments.back().scratch);
+    probs.push_back(std::move(p));
+  }
+  ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), count, heads, k, GroupReduction::kMean, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int i = 0; i < count; ++i) {
+    std::vector<int32_t> want;
+    std::vector<float> scratch;
+    cpu::SelectTopK(probs[i].data(), heads, n, k, GroupReduction::kMean, &want, &scratch);
+    ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "segment " << i;
+  }
+#endif
+}
+
 // The adaptive budget on random segments in one batch (ragged n, none a multiple of 256 but one,
 // long ones cut into parts, peaked and flat scores, exact ties, NaN): for several masses and
 // bounds, each segment's count and kept rows equal cpu::SelectRows's, the rest of its k_max slots

@@ -413,11 +413,10 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
     }
     largest = std::max(largest, tasks[i].capacity);
   }
-  // A kernel gets 48 KB of shared memory unasked (every GPU), its static part included (the radix
-  // select's bins, the scan's sums: ~1.1 KB, under the 2 KB allowed here), so caches of up to ~9.4K
-  // rows need nothing more; larger ones opt in to what kMaxCacheRows needs (80 KB of dynamic
-  // memory: sm_80+; older GPUs refuse it, with this error).
-  if (CacheUpdateSharedBytes(largest) + (size_t{2} << 10) > (size_t{48} << 10)) {
+  // The largest cache (kMaxCacheRows: ~80 KB of dynamic memory, sm_80+) with the kernel's static
+  // arrays passes the 48 KB a launch gets unasked: the opt-in, once per device. Older GPUs refuse
+  // it, with this error.
+  if (n_tasks > 0) {
     static std::atomic<bool> allowed[kMaxOptInDevices] = {};
     const cudaError_t err = AllowDynamicSharedMemory(UpdateCacheKernel, CacheUpdateSharedBytes(kMaxCacheRows), allowed);
     if (err != cudaSuccess) {

@@ -1,5 +1,5 @@
-// The opt-in a kernel needs before a launch with more than 48 KiB of dynamic shared memory, made
-// once per (kernel, device).
+// The opt-in a kernel needs before a launch whose shared memory passes 48 KiB, made once per
+// (kernel, device).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,18 +11,29 @@ namespace specache::cuda {
 
 constexpr int kMaxOptInDevices = 64;
 
-// Allows `kernel` up to `bytes` of dynamic shared memory on the current device. `allowed` is the
-// kernel's own flag array (a function-local static); setting the attribute twice from two threads
-// is harmless, so the flag is only a shortcut. `bytes` must be the same on every call for a kernel.
+// What every launch gets unasked: 48 KiB of shared memory, static and dynamic together.
+constexpr size_t kUnaskedSharedBytes = size_t{48} << 10;
+
+// Allows `kernel` up to `bytes` of dynamic shared memory on the current device. A launch gets
+// kUnaskedSharedBytes for its static and dynamic shared memory together, so the kernel's static
+// size (read once per device, cudaFuncGetAttributes) counts: a kernel with 1 KiB of static arrays
+// needs the opt-in from 47 KiB of dynamic memory. `allowed` is the kernel's own flag array (a
+// function-local static); setting the attribute twice from two threads is harmless, so the flag is
+// only a shortcut. `bytes` must be the largest the kernel is ever launched with, the same on every
+// call. A GPU without enough shared memory refuses the attribute: that error is returned.
 template <typename Kernel>
 cudaError_t AllowDynamicSharedMemory(Kernel kernel, size_t bytes, std::atomic<bool> (&allowed)[kMaxOptInDevices]) {
-  if (bytes <= (size_t{48} << 10)) return cudaSuccess;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (device < 0 || device >= kMaxOptInDevices) return cudaErrorInvalidDevice;
   if (allowed[device].load(std::memory_order_acquire)) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  cudaFuncAttributes attributes{};
+  err = cudaFuncGetAttributes(&attributes, kernel);
+  if (err != cudaSuccess) return err;
+  if (attributes.sharedSizeBytes + bytes > kUnaskedSharedBytes) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  }
   if (err == cudaSuccess) allowed[device].store(true, std::memory_order_release);
   return err;
 }

@@ -18,6 +18,7 @@
 
 #include "device_info.h"
 #include "launch_sets.h"
+#include "shared_memory_opt_in.cuh"
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_topk.h"
 
@@ -277,6 +278,13 @@ __device__ void SumRuns(const float* score, int32_t m, int32_t first, float* run
   }
 }
 
+// The merge's dynamic shared memory holds every part's k candidates (score and token): at most
+// this many, 48 KiB, which with the merge's static arrays needs the opt-in.
+constexpr int kMaxMergeCandidates = 6144;
+constexpr size_t MergeSharedBytes(int64_t candidates) {
+  return static_cast<size_t>(candidates) * 2 * sizeof(float);
+}
+
 // Phase one's dynamic shared memory: the part's scores and the radix select's list.
 constexpr size_t PartSharedBytes(int part_tokens) {
   return (static_cast<size_t>(part_tokens) + kListKeys) * sizeof(float);
@@ -509,24 +517,30 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
       const int64_t eight_per_sm = int64_t{8} * MultiprocessorCount();
       batch.part_tokens = rounded_part((total + eight_per_sm - 1) / eight_per_sm);
     }
-    // k candidates per part must fit the merge's shared memory (48 KiB: 6K scores + tokens).
+    // k candidates per part must fit the merge's shared memory (kMaxMergeCandidates).
     while (batch.part_tokens < kMaxPartTokens) {
       int most = 1;
       for (int i = 0; i < batch.count; ++i) most = std::max(most, PartsOf(batch.segments[i].n, batch.part_tokens, k));
-      if (most == 1 || int64_t{most} * k <= 6144) break;
+      if (most == 1 || int64_t{most} * k <= kMaxMergeCandidates) break;
       batch.part_tokens = std::min(2 * batch.part_tokens, kMaxPartTokens);  // parts of 3840 tokens double past it
     }
     int max_parts = 1;
     for (int i = 0; i < batch.count; ++i) max_parts = std::max(max_parts, PartsOf(batch.segments[i].n, batch.part_tokens, k));
-    if (max_parts > 1 && int64_t{max_parts} * k > 6144) {
-      return Status::InvalidArgument("top-k: more than 6144 candidates to merge (k " + std::to_string(k) +
+    if (max_parts > 1 && int64_t{max_parts} * k > kMaxMergeCandidates) {
+      return Status::InvalidArgument("top-k: more than " + std::to_string(kMaxMergeCandidates) +
+                                     " candidates to merge (k " + std::to_string(k) +
                                      " over segments of up to " + std::to_string(int64_t{max_parts} * batch.part_tokens) +
                                      " tokens)");
     }
     const unsigned n = static_cast<unsigned>(batch.count);
     TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(batch.part_tokens), s>>>(
         batch, n_heads, reduction == GroupReduction::kMax);
-    if (max_parts > 1) TopKMergeKernel<<<n, kThreads, size_t(max_parts) * k * 2 * sizeof(float), s>>>(batch);
+    if (max_parts > 1) {
+      static std::atomic<bool> allowed[kMaxOptInDevices] = {};
+      const cudaError_t err = AllowDynamicSharedMemory(TopKMergeKernel, MergeSharedBytes(kMaxMergeCandidates), allowed);
+      if (err != cudaSuccess) return Status::Unavailable(std::string("top-k merge: ") + cudaGetErrorString(err));
+      TopKMergeKernel<<<n, kThreads, MergeSharedBytes(int64_t{max_parts} * k), s>>>(batch);
+    }
     if (budget) {
       int32_t most = 0;
       for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, batch.segments[i].n));
