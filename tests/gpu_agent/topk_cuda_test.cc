@@ -31,7 +31,8 @@ TEST(CudaTopKTest, EqualsTheCpuSelectionExactly) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(29);
-  const int heads = 4, segments = 6;
+  const int segments = 6;
+  for (int heads : {1, 2, 3, 4, 8})  // the group sizes phase one reads with compiled loops, and another
   for (int32_t n : {1, 63, 64, 65, 1000, 8192}) {
     for (int k : {1, 64, 128, 100000}) {
       for (GroupReduction red : {GroupReduction::kMean, GroupReduction::kMax}) {
@@ -58,7 +59,8 @@ TEST(CudaTopKTest, EqualsTheCpuSelectionExactly) {
           std::vector<float> scratch;
           cpu::SelectTopK(probs.data() + size_t(s) * heads * n, heads, n, k, red, &want, &scratch);
           const std::vector<int32_t> mine(got.begin() + size_t(s) * out_k, got.begin() + size_t(s + 1) * out_k);
-          ASSERT_EQ(mine, want) << "n=" << n << " k=" << k << " reduction=" << static_cast<int>(red) << " segment " << s;
+          ASSERT_EQ(mine, want) << "heads=" << heads << " n=" << n << " k=" << k
+                                << " reduction=" << static_cast<int>(red) << " segment " << s;
         }
         cudaFree(d_probs);
         cudaFree(d_scratch);
@@ -149,7 +151,8 @@ TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(37);
   std::normal_distribution<float> normal(0.0f, 2.0f);
-  const int heads = 4, k = 64;
+  const int k = 64;
+  for (int heads : {4, 3, 8})
   for (GroupReduction red : {GroupReduction::kMean, GroupReduction::kMax}) {
     testing::DeviceBuffers buf;
     std::vector<cuda::TopKSegment> segments;
@@ -175,7 +178,7 @@ TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
       std::vector<int32_t> want;
       std::vector<float> scratch;
       cpu::SelectTopK(probs[i].data(), heads, segments[i].n, k, red, &want, &scratch);
-      ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "n=" << segments[i].n;
+      ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "heads=" << heads << " n=" << segments[i].n;
     }
   }
 #endif

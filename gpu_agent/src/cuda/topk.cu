@@ -236,19 +236,70 @@ __device__ __forceinline__ float Normalised(float v, float m, float l) {
   return __fdividef(e, l);
 }
 
+// One head's probability v of a token folded into its group's reduction s, in head order as the
+// CPU folds them: normalised first when the segment has statistics; NaN is -inf.
+__device__ __forceinline__ float FoldHead(float s, float v, const float* stats, int h, bool use_max) {
+  if (stats) v = Normalised(v, stats[2 * h], stats[2 * h + 1]);
+  if (isnan(v)) v = -INFINITY;
+  return use_max ? fmaxf(s, v) : __fadd_rn(s, v);
+}
+
+// The group's reduction after its last head: the max, or the sum / n_heads. inv_heads: 1 / n_heads
+// when n_heads is a power of two (the sum times it is the sum / n_heads, bit for bit, without a
+// correctly rounded division per token), else 0.
+__device__ __forceinline__ float FinishedReduction(float s, int n_heads, float inv_heads, bool use_max) {
+  return use_max ? s : inv_heads != 0.0f ? __fmul_rn(s, inv_heads) : __fdiv_rn(s, static_cast<float>(n_heads));
+}
+
 // Reduced score of token j: the GQA group's probabilities (normalised on the fly when the
-// segment has statistics), summed in head order as the CPU does, or their max; NaN is -inf.
-// inv_heads: 1 / n_heads when n_heads is a power of two (the sum times it is the sum / n_heads,
-// bit for bit, without a correctly rounded division per token), else 0.
+// segment has statistics), summed in head order as the CPU does, or their max.
 __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_heads, int32_t j, bool use_max) {
   float s = use_max ? -INFINITY : 0.0f;
-  for (int h = 0; h < n_heads; ++h) {
-    float v = seg.probs[static_cast<size_t>(h) * seg.n + j];
-    if (seg.stats) v = Normalised(v, seg.stats[2 * h], seg.stats[2 * h + 1]);
-    if (isnan(v)) v = -INFINITY;
-    s = use_max ? fmaxf(s, v) : __fadd_rn(s, v);
+  for (int h = 0; h < n_heads; ++h) s = FoldHead(s, seg.probs[static_cast<size_t>(h) * seg.n + j], seg.stats, h, use_max);
+  return FinishedReduction(s, n_heads, inv_heads, use_max);
+}
+
+// score[j] = the reduced score of token lo + j, j < m, the block's threads striding over j.
+// kHeads > 0 is the group's size known when compiled: a thread issues the loads of all its
+// kTokens tokens' heads (8 loads: 16 spilled under the kernel's 48 registers) before it folds any.
+// With a loop over a run-time head count a thread had about one load in flight, and phase one read
+// its scores at under 1 TB/s. kHeads = 0: any n_heads, four tokens at a time. Four tokens' stores come after their loads either way: the
+// compiler keeps a load behind an earlier store that may alias it (score may be global scratch).
+template <int kHeads>
+__device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg, int n_heads, float inv_heads,
+                                           int32_t lo, int32_t m, bool use_max) {
+  constexpr int kTokens = kHeads == 0 ? 4 : kHeads >= 8 ? 1 : 8 / kHeads;
+  const int32_t stride = static_cast<int32_t>(blockDim.x);
+  for (int32_t j0 = threadIdx.x; j0 < m; j0 += kTokens * stride) {
+    float reduced[kTokens];
+    if constexpr (kHeads > 0) {
+      float v[kTokens][kHeads];
+#pragma unroll
+      for (int u = 0; u < kTokens; ++u) {
+        const int32_t j = j0 + u * stride;
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) v[u][h] = j < m ? seg.probs[static_cast<size_t>(h) * seg.n + lo + j] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kTokens; ++u) {
+        float s = use_max ? -INFINITY : 0.0f;
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) s = FoldHead(s, v[u][h], seg.stats, h, use_max);
+        reduced[u] = FinishedReduction(s, kHeads, inv_heads, use_max);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kTokens; ++u) {
+        const int32_t j = j0 + u * stride;
+        reduced[u] = j < m ? ReducedScore(seg, n_heads, inv_heads, lo + j, use_max) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kTokens; ++u) {
+      const int32_t j = j0 + u * stride;
+      if (j < m) score[j] = reduced[u];
+    }
   }
-  return use_max ? s : inv_heads != 0.0f ? __fmul_rn(s, inv_heads) : __fdiv_rn(s, static_cast<float>(n_heads));
 }
 
 // The positive part of a reduced score: what the candidates' mass adds.
@@ -308,21 +359,12 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch batch, i
   // The part's reduced scores at `score`, then its selection. Called with the shared array or
   // the segment's scratch, each inlined, so that the compiler knows shared memory's accesses.
   auto reduce_and_select = [&](float* score) {
-    // Four tokens' loads issued before any store: the compiler keeps a load behind an earlier
-    // store that may alias it (the scores may be in global scratch).
-    constexpr int kTokensInFlight = 4;
-    for (int32_t j0 = threadIdx.x; j0 < m; j0 += kTokensInFlight * blockDim.x) {
-      float reduced[kTokensInFlight];
-#pragma unroll
-      for (int u = 0; u < kTokensInFlight; ++u) {
-        const int32_t j = j0 + u * static_cast<int32_t>(blockDim.x);
-        reduced[u] = j < m ? ReducedScore(seg, n_heads, inv_heads, lo + j, use_max) : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kTokensInFlight; ++u) {
-        const int32_t j = j0 + u * static_cast<int32_t>(blockDim.x);
-        if (j < m) score[j] = reduced[u];
-      }
+    switch (n_heads) {  // the GQA groups of the models served: 1 to 8 query heads a KV head
+      case 1: ReduceInto<1>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
+      case 2: ReduceInto<2>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
+      case 4: ReduceInto<4>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
+      case 8: ReduceInto<8>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
+      default: ReduceInto<0>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
     }
     __syncthreads();
     if (batch.mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
