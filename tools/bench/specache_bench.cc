@@ -84,6 +84,7 @@ struct Options {
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
   std::vector<std::string> fetch_via;      // step: CudaAgentOptions::fetch_via per row (empty: the default)
   int fetch_threads = 0;                   // step: CudaAgentOptions::fetch_threads (0: the default)
+  bool host_huge_pages = true;             // step: the host pages' slabs ask for transparent huge pages
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
   bool profile_step = false;         // step: StepOptions::profile_step
@@ -329,6 +330,8 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->check(CLI::IsMember(FetchViaNames()));
     cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
         ->check(positive);
+    cmd->add_flag("--host-huge-pages,!--no-host-huge-pages", o->host_huge_pages,
+                  "ask for transparent huge pages for the host pages the fetch gathers from (default on)");
     cmd->add_option("--replica-layout", o->replica_layout,
                     "mma: 1-bit replicas in the lean decode path's layout (the agent's default); natural: the "
                     "previous layout and kernel (rows suffixed _natural)")
@@ -441,6 +444,7 @@ int main(int argc, char** argv) {
       if (!o.fetch_overlap.empty()) step.fetch_overlap = o.fetch_overlap;
       if (!o.fetch_via.empty()) step.fetch_via = o.fetch_via;
       step.fetch_threads = o.fetch_threads;
+      step.host_huge_pages = o.host_huge_pages;
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;

@@ -139,11 +139,11 @@ KvConfig StepKvConfig(const std::string& kv) {
 
 // One agent's run: `options` says what the run varies (fetch, its overlap and route, threads,
 // blocks, the replica layout); the capacity and the stream are set here.
-AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, CudaAgentOptions options,
-                  bool profile_step = false) {
+AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, bool host_huge_pages,
+                  CudaAgentOptions options, bool profile_step = false) {
   AgentRun run;
   const int warm = 3;
-  InMemorySource source(64, size_t{1} << 30);
+  InMemorySource source(64, size_t{1} << 30, host_huge_pages);
   // The pages carved before the agent exists, as a daemon's pool exists before its engines: the
   // agent registers them (cudaHostRegister) at its creation, timed apart (ms_register), not inside
   // the timed prefill, where ~34 GB of new pages for 32 x 8K would be registered otherwise.
@@ -520,7 +520,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       if (o.fetch_blocks > 0) base.fetch_blocks = o.fetch_blocks;
       CudaAgentOptions no_fetch = base;
       no_fetch.fetch = false;
-      const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, no_fetch);
+      const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, no_fetch);
       if (without.ms < 0) {
         ok = false;
         continue;
@@ -546,7 +546,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         fetch.fetch_overlap = *overlap;
         fetch.fetch_via = *via;
         if (o.fetch_threads > 0) fetch.fetch_threads = o.fetch_threads;
-        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, fetch, o.profile_step) : without;
+        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, fetch, o.profile_step) : without;
         if (with.ms < 0) {
           ok = false;
           continue;
@@ -567,6 +567,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"fetch_threads", *via == FetchVia::kCopyEngine
                                                 ? (o.fetch_threads > 0 ? o.fetch_threads : CudaAgentOptions{}.fetch_threads)
                                                 : 0},
+                          {"host_huge_pages", o.host_huge_pages ? 1 : 0},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},
                           {"ms_step_fetch", with.ms},

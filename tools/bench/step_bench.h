@@ -37,6 +37,9 @@ struct StepOptions {
   // attend: substituted rows per KV head, spread evenly over the context; 0: k (64). specache-run's
   // default selection attends every row of its row cache (1024 rows once the cache is full).
   int attend_rows = 0;
+  // The host pages' slabs ask for transparent huge pages (InMemorySource's default), or not: the
+  // copy-engine fetch's host gather walks random rows over them.
+  bool host_huge_pages = true;
 };
 
 
