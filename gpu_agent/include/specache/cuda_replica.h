@@ -14,6 +14,7 @@
 
 #include "specache/cuda_attention.h"
 #include "specache/cuda_quantize.h"
+#include "specache/cuda_tensors.h"
 #include "specache/head_replica.h"
 #include "specache/status.h"
 
@@ -140,6 +141,9 @@ class DeviceHeadReplica {
   // groups: a copy per block). key_groups_ must be a multiple of R/G and `groups` too (groups are
   // made R tokens at a time, as the residual would).
   Status StoreKeyGroups(const Half* keys, int32_t groups);
+  // StoreKeyGroups without its launch: the quantization runs are added to `runs`, for the caller's
+  // one launch over many replicas (fp16 groups are still copied here, a copy per block).
+  Status AddKeyGroupRuns(const Half* keys, int32_t groups, std::vector<KeyGroupRun>* runs);
   // `m` value rows at `values` ([m][d] fp16, device) become the next quantized (or fp16) values:
   // one launch for all the replica blocks they fall in (fp16 values: a copy per block).
   Status StoreValues(const Half* values, int32_t m);
@@ -147,6 +151,9 @@ class DeviceHeadReplica {
   Status RetireOldestValues(int32_t m);
   // The window's compaction when its start passed R.
   Status CompactWindow();
+  // CompactWindow's copy as one span of the returned number of rows ([rows][d] fp16, to the
+  // window's start), for the caller's one launch over many replicas; the window's start moves now.
+  int32_t TakeWindowCompaction(RowCopy* span);
   // With mma codes: the groups that became whole in keys and values since the last call
   // (packed_groups_ .. min(quantized keys, quantized values) / 32), as PackMmaGroups tasks.
   void TakeWholeGroups(std::vector<MmaGroupTask>* tasks);

@@ -268,18 +268,25 @@ Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G k
 }
 
 Status DeviceHeadReplica::StoreKeyGroups(const Half* keys, int32_t groups) {
+  std::vector<KeyGroupRun> runs;  // one launch for them all
+  SPECACHE_RETURN_IF_ERROR(AddKeyGroupRuns(keys, groups, &runs));
+  if (runs.empty()) return Status::Ok();  // fp16 keys, copied
+  const ReplicaParams& p = params_;
+  return QuantizeKeyGroupRuns(runs.data(), static_cast<int>(runs.size()), p.group_size, p.head_dim, p.key_bits, stream_);
+}
+
+Status DeviceHeadReplica::AddKeyGroupRuns(const Half* keys, int32_t groups, std::vector<KeyGroupRun>* runs) {
   const ReplicaParams& p = params_;
   const int d = p.head_dim, G = p.group_size;
   const ReplicaBlockLayout& l = layout_;
   // Groups in a run are contiguous: a block's (block_tokens = lcm(R, 128), a multiple of R), or
   // one group when the block's parts are interleaved by group.
   const int32_t per_run = l.group_bytes ? 1 : l.block_tokens / G;
-  std::vector<KeyGroupRun> runs;  // one launch for them all
   while (groups > 0) {
     const int32_t g = std::min<int32_t>(groups, per_run - key_groups_ % per_run);
     if (IsPackedBitWidth(p.key_bits)) {
-      runs.push_back({keys, KeyCodesAt(key_groups_), KeyScaleAt(key_groups_, l.key_scale),
-                      KeyScaleAt(key_groups_, l.key_zero), g});
+      runs->push_back({keys, KeyCodesAt(key_groups_), KeyScaleAt(key_groups_, l.key_scale),
+                       KeyScaleAt(key_groups_, l.key_zero), g});
     } else {
       SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(KeyHalfAt(key_groups_ * G), keys,
                                                     static_cast<size_t>(g) * G * d * sizeof(Half),
@@ -290,8 +297,7 @@ Status DeviceHeadReplica::StoreKeyGroups(const Half* keys, int32_t groups) {
     key_groups_ += g;
     groups -= g;
   }
-  if (runs.empty()) return Status::Ok();  // fp16 keys, copied above
-  return QuantizeKeyGroupRuns(runs.data(), static_cast<int>(runs.size()), G, d, p.key_bits, stream_);
+  return Status::Ok();
 }
 
 Status DeviceHeadReplica::StoreValues(const Half* values, int32_t m) {
@@ -327,14 +333,18 @@ Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m value
 }
 
 Status DeviceHeadReplica::CompactWindow() {  // [begin, begin + count) -> [0, count), no overlap as count <= R < begin
+  RowCopy span;
+  const int32_t rows = TakeWindowCompaction(&span);
+  return Cuda(cudaMemcpyAsync(span.dst, span.src, static_cast<size_t>(rows) * params_.head_dim * sizeof(Half),
+                              cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
+              "value window compaction");
+}
+
+int32_t DeviceHeadReplica::TakeWindowCompaction(RowCopy* span) {
   const int d = params_.head_dim;
-  Buffers& b = b_;
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.window, b.window + static_cast<size_t>(window_begin_) * d,
-                                                window_count_ * d * sizeof(Half), cudaMemcpyDeviceToDevice,
-                                                static_cast<cudaStream_t>(stream_)),
-                                "value window compaction"));
+  *span = {b_.window + static_cast<size_t>(window_begin_) * d, b_.window};
   window_begin_ = 0;
-  return Status::Ok();
+  return window_count_;
 }
 
 Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& replicas,
@@ -375,12 +385,16 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   std::vector<RowCopy> retire_half;
   std::vector<DeviceHeadReplica*> compact;
   std::vector<MmaGroupTask> whole;
+  std::vector<KeyGroupRun> key_runs;  // the full residuals' key groups, one launch for every replica
   retire.reserve(replicas.size());
   for (DeviceHeadReplica* r : replicas) {
     ++r->residual_;
     ++r->window_count_;
     ++r->length_;
-    if (r->residual_ == R) SPECACHE_RETURN_IF_ERROR(r->FlushKeyGroups());
+    if (r->residual_ == R) {  // FlushKeyGroups, its launch shared
+      SPECACHE_RETURN_IF_ERROR(r->AddKeyGroupRuns(r->b_.key_residual, R / p.group_size, &key_runs));
+      r->residual_ = 0;
+    }
     if (r->window_count_ > R) {
       const Half* oldest = r->b_.window + static_cast<size_t>(r->window_begin_) * d;
       if (packed_values) {
@@ -395,6 +409,11 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     }
     r->TakeWholeGroups(&whole);
   }
+  // Before the groups made whole are packed (PackMmaGroups reads the quantized keys).
+  if (!key_runs.empty()) {
+    SPECACHE_RETURN_IF_ERROR(
+        QuantizeKeyGroupRuns(key_runs.data(), static_cast<int>(key_runs.size()), p.group_size, d, p.key_bits, stream));
+  }
   if (!retire.empty()) {
     SPECACHE_RETURN_IF_ERROR(
         QuantizeValueTokenBatch(retire.data(), static_cast<int>(retire.size()), d, p.group_size, p.value_bits, stream));
@@ -403,7 +422,27 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     SPECACHE_RETURN_IF_ERROR(
         CopyRows(retire_half.data(), static_cast<int>(retire_half.size()), d * static_cast<int>(sizeof(Half)), stream));
   }
-  for (DeviceHeadReplica* r : compact) SPECACHE_RETURN_IF_ERROR(r->CompactWindow());
+  // The windows' compactions after the retired values were read, one launch per span length
+  // (every one R rows in the steady state): a copy each was a launch of its own per replica.
+  if (!compact.empty()) {
+    std::vector<std::pair<int32_t, RowCopy>> spans;
+    spans.reserve(compact.size());
+    for (DeviceHeadReplica* r : compact) {
+      RowCopy span;
+      const int32_t rows = r->TakeWindowCompaction(&span);
+      if (rows > 0) spans.push_back({rows, span});
+    }
+    std::stable_sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<RowCopy> same;
+    for (size_t i = 0; i < spans.size(); ++i) {
+      same.push_back(spans[i].second);
+      if (i + 1 == spans.size() || spans[i + 1].first != spans[i].first) {
+        SPECACHE_RETURN_IF_ERROR(CopyRows(same.data(), static_cast<int>(same.size()),
+                                          spans[i].first * d * static_cast<int>(sizeof(Half)), stream));
+        same.clear();
+      }
+    }
+  }
   if (whole.empty()) return Status::Ok();
   return PackMmaGroups(whole.data(), static_cast<int>(whole.size()), p.head_dim, stream);
 }
