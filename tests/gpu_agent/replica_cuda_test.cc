@@ -242,13 +242,19 @@ TEST(CudaReplicaTest, MmaCodesHoldTheCpuReplicasCodes) {
 
 // The decode step's batched one-token appends leave each replica as a plain Append would (and as
 // the CPU replica): replicas at different lengths, so flushes and compactions fall on different
-// steps.
+// steps. The last case has 300 replicas in the lean path's mma layout: a step's flushes pass the
+// 256 runs of one quantization launch, and the groups they make whole are packed after them.
 TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(37);
-  for (int bits : {1, 2, 16}) {
-    const int d = 64, G = 32, R = 64, n = 37, steps = 150;
+  struct Case {
+    int bits, n;
+    bool mma;
+  };
+  for (const Case c : {Case{1, 37, false}, Case{2, 37, false}, Case{16, 37, false}, Case{1, 300, true}}) {
+    const int bits = c.bits, n = c.n;
+    const int d = 64, G = 32, R = 64, steps = 150;
     const ReplicaParams p{d, bits, bits, G, R};
     std::vector<HeadReplica> cpu(n, HeadReplica(p));
     // One pool for all, as in the agent: the replicas' blocks interleave in memory.
@@ -258,7 +264,7 @@ TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
     Half* rows = nullptr;
     ASSERT_EQ(cudaMalloc(&rows, size_t(2) * 300 * d * sizeof(Half)), cudaSuccess);
     for (int i = 0; i < n; ++i) {
-      auto r = cuda::DeviceHeadReplica::Create(p, 1000, nullptr, pool->get());
+      auto r = cuda::DeviceHeadReplica::Create(p, 1000, nullptr, pool->get(), c.mma);
       ASSERT_TRUE(r.ok());
       gpu.push_back(std::move(r).value());
       const int first = static_cast<int>(rng() % 300);
@@ -286,7 +292,7 @@ TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
       ASSERT_TRUE(cuda::DeviceHeadReplica::AppendTokens(replicas, keys, values).ok());
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    for (int i = 0; i < n; ++i) ExpectSameBytes(cpu[i], *gpu[i], G, bits);
+    for (int i = 0; i < n; ++i) ExpectSameBytes(cpu[i], *gpu[i], G, bits, c.mma);
     gpu.clear();
     EXPECT_EQ((*pool)->used_bytes(), 0) << "every block back in the pool";
     cudaFree(rows);

@@ -385,7 +385,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   std::vector<RowCopy> retire_half;
   std::vector<DeviceHeadReplica*> compact;
   std::vector<MmaGroupTask> whole;
-  std::vector<KeyGroupRun> key_runs;  // the full residuals' key groups, one launch for every replica
+  std::vector<KeyGroupRun> key_runs;  // the full residuals' key groups, quantized together
   retire.reserve(replicas.size());
   for (DeviceHeadReplica* r : replicas) {
     ++r->residual_;
@@ -422,26 +422,17 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     SPECACHE_RETURN_IF_ERROR(
         CopyRows(retire_half.data(), static_cast<int>(retire_half.size()), d * static_cast<int>(sizeof(Half)), stream));
   }
-  // The windows' compactions after the retired values were read, one launch per span length
-  // (every one R rows in the steady state): a copy each was a launch of its own per replica.
+  // The windows' compactions after the retired values were read, copied together (a copy each
+  // was a launch of its own per replica). A compaction follows a retire, which leaves R values in
+  // the window: every span is R rows.
   if (!compact.empty()) {
-    std::vector<std::pair<int32_t, RowCopy>> spans;
-    spans.reserve(compact.size());
-    for (DeviceHeadReplica* r : compact) {
-      RowCopy span;
-      const int32_t rows = r->TakeWindowCompaction(&span);
-      if (rows > 0) spans.push_back({rows, span});
+    std::vector<RowCopy> spans(compact.size());
+    for (size_t i = 0; i < compact.size(); ++i) {
+      const int32_t rows = compact[i]->TakeWindowCompaction(&spans[i]);
+      if (rows != R) return Status::Internal("a window compaction of " + std::to_string(rows) + " rows, not R");
     }
-    std::stable_sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    std::vector<RowCopy> same;
-    for (size_t i = 0; i < spans.size(); ++i) {
-      same.push_back(spans[i].second);
-      if (i + 1 == spans.size() || spans[i + 1].first != spans[i].first) {
-        SPECACHE_RETURN_IF_ERROR(CopyRows(same.data(), static_cast<int>(same.size()),
-                                          spans[i].first * d * static_cast<int>(sizeof(Half)), stream));
-        same.clear();
-      }
-    }
+    SPECACHE_RETURN_IF_ERROR(
+        CopyRows(spans.data(), static_cast<int>(spans.size()), R * d * static_cast<int>(sizeof(Half)), stream));
   }
   if (whole.empty()) return Status::Ok();
   return PackMmaGroups(whole.data(), static_cast<int>(whole.size()), p.head_dim, stream);

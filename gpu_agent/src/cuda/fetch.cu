@@ -420,8 +420,8 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
     static std::atomic<bool> allowed[kMaxOptInDevices] = {};
     const cudaError_t err = AllowDynamicSharedMemory(UpdateCacheKernel, CacheUpdateSharedBytes(kMaxCacheRows), allowed);
     if (err != cudaSuccess) {
-      return Status::Unavailable("cache update: the shared memory of a cache of " + std::to_string(largest) +
-                                 " rows: " + cudaGetErrorString(err));
+      return Status::Unavailable("cache update: the shared memory of a cache of " + std::to_string(kMaxCacheRows) +
+                                 " rows (kMaxCacheRows, the opt-in's size): " + cudaGetErrorString(err));
     }
   }
   const int per_set = EqualLaunchSize(n_tasks, kMaxCacheUpdateTasks);  // 792 tasks: 3 x 264

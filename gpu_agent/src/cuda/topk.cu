@@ -263,8 +263,9 @@ __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_hea
 // kHeads > 0 is the group's size known when compiled: a thread issues the loads of all its
 // kTokens tokens' heads (8 loads: 16 spilled under the kernel's 48 registers) before it folds any.
 // With a loop over a run-time head count a thread had about one load in flight, and phase one read
-// its scores at under 1 TB/s. kHeads = 0: any n_heads, four tokens at a time. Four tokens' stores come after their loads either way: the
-// compiler keeps a load behind an earlier store that may alias it (score may be global scratch).
+// its scores at under 1 TB/s. kHeads = 0: any n_heads, four tokens at a time. A thread's stores
+// come after all its loads either way: the compiler keeps a load behind an earlier store that may
+// alias it (score may be global scratch).
 template <int kHeads>
 __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg, int n_heads, float inv_heads,
                                            int32_t lo, int32_t m, bool use_max) {
@@ -359,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch batch, i
   // The part's reduced scores at `score`, then its selection. Called with the shared array or
   // the segment's scratch, each inlined, so that the compiler knows shared memory's accesses.
   auto reduce_and_select = [&](float* score) {
-    switch (n_heads) {  // the GQA groups of the models served: 1 to 8 query heads a KV head
+    switch (n_heads) {  // the common GQA groups compiled; 3, 5, 6, 7 and larger take the loop
       case 1: ReduceInto<1>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
       case 2: ReduceInto<2>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
       case 4: ReduceInto<4>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
@@ -574,15 +575,15 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
                                      " over segments of up to " + std::to_string(int64_t{max_parts} * batch.part_tokens) +
                                      " tokens)");
     }
-    const unsigned n = static_cast<unsigned>(batch.count);
-    TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(batch.part_tokens), s>>>(
-        batch, n_heads, reduction == GroupReduction::kMax);
-    if (max_parts > 1) {
+    if (max_parts > 1) {  // before anything is queued: a refusal leaves the stream as it was
       static std::atomic<bool> allowed[kMaxOptInDevices] = {};
       const cudaError_t err = AllowDynamicSharedMemory(TopKMergeKernel, MergeSharedBytes(kMaxMergeCandidates), allowed);
       if (err != cudaSuccess) return Status::Unavailable(std::string("top-k merge: ") + cudaGetErrorString(err));
-      TopKMergeKernel<<<n, kThreads, MergeSharedBytes(int64_t{max_parts} * k), s>>>(batch);
     }
+    const unsigned n = static_cast<unsigned>(batch.count);
+    TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(batch.part_tokens), s>>>(
+        batch, n_heads, reduction == GroupReduction::kMax);
+    if (max_parts > 1) TopKMergeKernel<<<n, kThreads, MergeSharedBytes(int64_t{max_parts} * k), s>>>(batch);
     if (budget) {
       int32_t most = 0;
       for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, batch.segments[i].n));
