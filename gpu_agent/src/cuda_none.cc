@@ -30,7 +30,9 @@ Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, 
   return NoCuda();
 }
 Status SelectTopK(const float*, int, int, int32_t, int, GroupReduction, int32_t*, float*, void*) { return NoCuda(); }
-Status SelectTopKBatch(const TopKSegment*, int, int, int, GroupReduction, void*, const TopKBudget*) { return NoCuda(); }
+Status SelectTopKBatch(const TopKSegment*, int, int, int, GroupReduction, void*, const TopKBudget*, DecodePlan*) {
+  return NoCuda();
+}
 
 }  // namespace specache::cuda
 

@@ -388,13 +388,16 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &plan), "attend");
       });
       const double topk_ms = MedianMs(stream, 20, [&] {
-        return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream), "top-k");
+        return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream, nullptr,
+                                        &plan),
+                  "top-k");
       });
       // The adaptive budget over the same scores (k_max = k, mass 0.9, k_min 8): the top-k, its run
       // sums and the budget's own launch (cuda_topk.h).
       const cuda::TopKBudget budget{0.9f, 8, nullptr};
       const double budget_ms = MedianMs(stream, 20, [&] {
-        return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream, &budget),
+        return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream, &budget,
+                                        &plan),
                   "top-k with the budget");
       });
       if (attend_ms < 0 || topk_ms < 0 || budget_ms < 0) { ok = false; continue; }

@@ -15,6 +15,7 @@
 #include "offload_agent.h"
 #include "run_support.h"
 #include "specache/agent.h"
+#include "specache/cuda_attention.h"
 #include "specache/cuda_topk.h"
 #include "specache/device_probe.h"
 #include "specache/gpu_engine.h"
@@ -223,10 +224,11 @@ class Bench {
       segs.push_back({probs.p + size_t(i) * group * context, selected.p + size_t(i) * o_.topk,
                       scratch.p + size_t(i) * context, context, nullptr});
     }
+    cuda::DecodePlan plan;  // as the agent's planner gives it
     auto layers = [&]() -> Status {
       for (int l = 0; l < c.n_layers; ++l) {
         SPECACHE_RETURN_IF_ERROR(
-            cuda::SelectTopKBatch(segs.data(), segments, group, o_.topk, GroupReduction::kMean, s));
+            cuda::SelectTopKBatch(segs.data(), segments, group, o_.topk, GroupReduction::kMean, s, nullptr, &plan));
       }
       return Status::Ok();
     };

@@ -199,7 +199,7 @@ struct DeviceDecodeItem {
 
 // Where AttendDecodeBatch puts its launch plan: the items and the split of their work, copied to
 // device memory in one copy per call, so a call takes any number of items and no kernel carries
-// them in its parameters. A ring of slots (pinned host memory + device memory, grown as calls
+// them in its parameters (SelectTopKBatch's segments go the same way, cuda_topk.h). A ring of slots (pinned host memory + device memory, grown as calls
 // need); a slot is written again only after the copy that read it has run, so the host can run a
 // few calls ahead of the device and no call waits for the device unless the ring is full.
 //
@@ -220,7 +220,8 @@ class DecodePlan {
   void set_free_slots(int slots) { free_slots_ = slots < 0 ? 0 : slots; }
   int free_slots() const { return free_slots_; }
 
-  struct Impl;  // the slots (attention.cu)
+  struct Impl;  // the slots (decode_plan_slots.h)
+  Impl* impl() const { return impl_; }  // for the agent's kernels that read a plan's slots
 
  private:
   friend Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream, DecodePlan* plan);

@@ -13,13 +13,17 @@
 
 namespace specache::cuda {
 
+class DecodePlan;  // cuda_attention.h
+
 // probs:  [segments][n_heads][n] (one segment per KV head or (sequence, KV head))
 // tokens: [segments][min(k, n)] ascending;  scratch: [segments][n] floats.
 Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int k, GroupReduction reduction,
                   int32_t* tokens, float* scratch, void* stream);
 
 // Segments of different lengths in one set of launches (up to kMaxTopKSegments per set, more are
-// split): the decode step's (sequence, KV head) pairs. A long segment is cut into parts selected
+// split): the decode step's (sequence, KV head) pairs. Each set's segments go to device memory
+// through `plan` (cuda_attention.h: the decode step's plan, whose slots the attention uses too;
+// null: a plan of the call's own, which it waits for before returning). A long segment is cut into parts selected
 // by blocks of their own, then merged (topk.cu), so small batches still fill the GPU; the parts'
 // candidates live in `scratch`. INVALID_ARGUMENT when more than 6144 candidates would have to be
 // merged for one segment (k x parts).
@@ -34,7 +38,7 @@ struct TopKSegment {
   // With a budget: device memory that receives the rows kept, or null.
   int32_t* count = nullptr;
 };
-constexpr int kMaxTopKSegments = 640;  // per set of launches (their parameters hold the segments)
+constexpr int kMaxTopKSegments = 640;  // per set of launches (sets of equal sizes: 99 x 8 segments are 396 + 396)
 
 // The adaptive budget (KvConfig::mass; cpu::BudgetRows, selection.h), applied after the top k
 // (k = k_max) on the device: each segment keeps its fewest best rows whose positive reduced scores,
@@ -57,6 +61,6 @@ inline int64_t TopKScratchFloats(int32_t n, bool budget) {
 
 // budget: null for the plain top-k.
 Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
-                       void* stream, const TopKBudget* budget = nullptr);
+                       void* stream, const TopKBudget* budget = nullptr, DecodePlan* plan = nullptr);
 
 }  // namespace specache::cuda

@@ -193,7 +193,7 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan) {
   }
   SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
   return SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.primary_rows(),
-                         config_.reduction, compute_, adaptive ? &budget : nullptr);
+                         config_.reduction, compute_, adaptive ? &budget : nullptr, &plan_);
 }
 
 Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
@@ -257,14 +257,16 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
     }
   }
   SPECACHE_RETURN_IF_ERROR(
-      SelectTopKBatch(all.data(), static_cast<int>(all.size()), group, k + extra, config_.reduction, compute_));
+      SelectTopKBatch(all.data(), static_cast<int>(all.size()), group, k + extra, config_.reduction, compute_, nullptr,
+                      &plan_));
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k, config_.reduction, compute_,
-                      adaptive ? &budget : nullptr));
+                      adaptive ? &budget : nullptr, &plan_));
   SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
   SPECACHE_RETURN_IF_ERROR(MaskTokens(masks.data(), static_cast<int>(masks.size()), group, compute_));
   SPECACHE_RETURN_IF_ERROR(
-      SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, compute_));
+      SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, compute_, nullptr,
+                      &plan_));
   if (adaptive) {
     return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), compute_);
   }

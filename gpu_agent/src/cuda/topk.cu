@@ -13,9 +13,11 @@
 #include <cub/block/block_scan.cuh>
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <string>
 #include <vector>
 
+#include "decode_plan_slots.h"
 #include "device_info.h"
 #include "launch_sets.h"
 #include "shared_memory_opt_in.cuh"
@@ -36,15 +38,15 @@ __device__ uint32_t OrderKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-struct TopKBatch {  // by value (kMaxTopKSegments x 48 bytes: within the 32764 bytes of kernel parameters
-                    // that sm_70+ takes since CUDA 12.1)
-  TopKSegment segments[kMaxTopKSegments];
+struct TopKBatch {  // in device memory, a slot of the call's DecodePlan: the fields, then [count] segments
   int count;
   int part_tokens;  // P
   int k;
   bool mass;  // phase one sums the runs of scores into scratch[n, n + runs) (the budget's total)
+  TopKSegment segments[kMaxTopKSegments];
 };
-static_assert(sizeof(TopKBatch) + 64 <= 32764, "a launch's parameters: the batch and a few scalars");
+// The bytes of a batch of `count` segments: the upload stops after the last.
+size_t BatchBytes(int count) { return offsetof(TopKBatch, segments) + static_cast<size_t>(count) * sizeof(TopKSegment); }
 static_assert(cpu::kMassRunTokens == kThreads && kThreads == 256, "a run of the mass is one block's width, 8 per lane");
 
 // Parts of a segment of n candidates: several when their candidates (score + token per slot)
@@ -345,17 +347,24 @@ constexpr size_t PartSharedBytes(int part_tokens) {
 // Block (part, segment), phase one. A segment of one part writes its tokens; otherwise the part's
 // candidates go to the segment's scratch: scores at [part * k], tokens at [parts * k + part * k].
 // Five blocks per SM (48 registers; its two inlined selections alone took 56, which left four).
-__global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch batch, int n_heads, bool use_max) {
+// The batch's scalars are parameters (constant-bank operands) and the block's segment is copied
+// into shared memory first: read from the batch in global memory, the compiler held them in
+// registers through the selection (ptxas: 164 bytes of spill loads; 76 this way, none when the
+// whole batch was a parameter). Measured no slower than the parameter: one layer's top-k at
+// 32 x 8K 0.039 -> 0.036 ms, 99 x 8K 0.117 -> 0.114 (H200).
+__global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(const TopKBatch* __restrict__ in, int k, int part_tokens,
+                                                               bool mass, int n_heads, bool use_max) {
   extern __shared__ float part_scores[];  // [P] when the part fits, else unused; then the list [kListKeys]
   __shared__ SelectShared sh;
-  const TopKSegment& seg = batch.segments[blockIdx.y];
+  __shared__ TopKSegment seg;
+  if (threadIdx.x == 0) seg = in->segments[blockIdx.y];
+  __syncthreads();
   const int32_t n = seg.n;
-  const int k = batch.k;
-  const int parts = PartsOf(n, batch.part_tokens, k);
-  const int32_t lo = parts == 1 ? 0 : static_cast<int32_t>(blockIdx.x) * batch.part_tokens;
+  const int parts = PartsOf(n, part_tokens, k);
+  const int32_t lo = parts == 1 ? 0 : static_cast<int32_t>(blockIdx.x) * part_tokens;
   if ((parts == 1 && blockIdx.x > 0) || lo >= n || n <= 0) return;
-  const int32_t m = parts == 1 ? n : min(batch.part_tokens, n - lo);
-  int32_t* list = reinterpret_cast<int32_t*>(part_scores + batch.part_tokens);
+  const int32_t m = parts == 1 ? n : min(part_tokens, n - lo);
+  int32_t* list = reinterpret_cast<int32_t*>(part_scores + part_tokens);
   const float inv_heads = (n_heads & (n_heads - 1)) == 0 ? 1.0f / static_cast<float>(n_heads) : 0.0f;
   // The part's reduced scores at `score`, then its selection. Called with the shared array or
   // the segment's scratch, each inlined, so that the compiler knows shared memory's accesses.
@@ -368,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch batch, i
       default: ReduceInto<0>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
     }
     __syncthreads();
-    if (batch.mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
+    if (mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
     if (parts == 1) {
       BlockTopK(score, m, k, sh, list, [&](int32_t j, int pos) { seg.tokens[pos] = j; });
       return;
@@ -381,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch batch, i
     });
   };
   // A lone part longer than shared memory holds keeps its scores in the segment's scratch.
-  if (m <= batch.part_tokens) {
+  if (m <= part_tokens) {
     reduce_and_select(part_scores);
   } else {
     reduce_and_select(seg.scratch);
@@ -389,7 +398,8 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch batch, i
 }
 
 // Block per segment, phase two: the best k of its parts' candidates.
-__global__ void TopKMergeKernel(TopKBatch batch) {
+__global__ void TopKMergeKernel(const TopKBatch* __restrict__ in) {
+  const TopKBatch& batch = *in;
   extern __shared__ float merged[];  // scores [parts * k], then tokens [parts * k]
   __shared__ SelectShared sh;
   const TopKSegment& seg = batch.segments[blockIdx.x];
@@ -424,7 +434,8 @@ __device__ float FromOrderKey(uint32_t key) {
 // ascending: a 64-bit key of the score's order key and the complement of the row's index) in
 // shared memory; one thread walks the ranks summing the positive scores until the goal (after
 // k_min rows); the rows above the cut keep their ascending order, the rest become kNoToken.
-__global__ void BudgetKernel(TopKBatch batch, int n_heads, bool use_max, TopKBudget budget) {
+__global__ void BudgetKernel(const TopKBatch* __restrict__ in, int n_heads, bool use_max, TopKBudget budget) {
+  const TopKBatch& batch = *in;
   extern __shared__ unsigned long long keys[];  // [width]: a power of two >= kept
   __shared__ unsigned char keep[kMaxBudgetRows];
   __shared__ int32_t cut;
@@ -519,7 +530,11 @@ int PartBlocksPerSm() {
 }  // namespace
 
 Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
-                       void* stream, const TopKBudget* budget) {
+                       void* stream, const TopKBudget* budget, DecodePlan* plan) {
+  if (plan == nullptr) {
+    DecodePlan own;  // its destructor waits for its slots
+    return SelectTopKBatch(segments, count, n_heads, k, reduction, stream, budget, &own);
+  }
   if (count < 0 || n_heads <= 0) return Status::InvalidArgument("bad top-k shape");
   if (k <= 0) return Status::Ok();
   if (budget && (!(budget->mass > 0 && budget->mass <= 1) || budget->k_min < 1 || k > kMaxBudgetRows)) {
@@ -580,18 +595,23 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
       const cudaError_t err = AllowDynamicSharedMemory(TopKMergeKernel, MergeSharedBytes(kMaxMergeCandidates), allowed);
       if (err != cudaSuccess) return Status::Unavailable(std::string("top-k merge: ") + cudaGetErrorString(err));
     }
+    // The batch to the device (a few KB; as a kernel parameter it cost the host ~3x a plain
+    // launch, three launches a set), read there by the set's kernels.
+    SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->UploadBytes(&batch, BatchBytes(batch.count), s));
+    const auto* device_batch = static_cast<const TopKBatch*>(up.device);
     const unsigned n = static_cast<unsigned>(batch.count);
     TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(batch.part_tokens), s>>>(
-        batch, n_heads, reduction == GroupReduction::kMax);
-    if (max_parts > 1) TopKMergeKernel<<<n, kThreads, MergeSharedBytes(int64_t{max_parts} * k), s>>>(batch);
+        device_batch, batch.k, batch.part_tokens, batch.mass, n_heads, reduction == GroupReduction::kMax);
+    if (max_parts > 1) TopKMergeKernel<<<n, kThreads, MergeSharedBytes(int64_t{max_parts} * k), s>>>(device_batch);
     if (budget) {
       int32_t most = 0;
       for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, batch.segments[i].n));
       size_t width = 1;
       while (width < static_cast<size_t>(most)) width *= 2;
-      BudgetKernel<<<n, kThreads, width * sizeof(unsigned long long), s>>>(batch, n_heads,
+      BudgetKernel<<<n, kThreads, width * sizeof(unsigned long long), s>>>(device_batch, n_heads,
                                                                            reduction == GroupReduction::kMax, *budget);
     }
+    SPECACHE_RETURN_IF_ERROR(plan->impl()->Finish(up, s));
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return Status::Unavailable(std::string("top-k kernels: ") + cudaGetErrorString(err));
   }

@@ -1,0 +1,132 @@
+// DecodePlan's slots (cuda_attention.h), for the kernels of the decode step that take their work
+// from device memory: the attention (attention.cu) and the top-k (topk.cu). Internal to the agent.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "specache/cuda_attention.h"
+
+namespace specache::cuda {
+
+// The slots of a plan. A slot's host bytes are written by the host, copied to its device bytes on
+// the plan's copy stream as soon as the call is made (the copy engine is idle then, so the copy
+// is done long before the attention's turn on its stream, which only waits for `copied`), read
+// there by the kernels; `done` is recorded after the last of them, and the slot is written again
+// only after it completed.
+struct DecodePlan::Impl {
+  struct Slot {
+    void* host = nullptr;    // pinned
+    void* device = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t copied = nullptr, done = nullptr;
+    bool recorded = false;   // `done` recorded and not yet waited for
+  };
+  static constexpr int kRing = 64;  // calls the host may run ahead of the device (attention and top-k: ~3 a layer)
+  std::vector<Slot> ring = std::vector<Slot>(kRing);
+  std::vector<Slot> captured;       // copied from by CUDA graphs: never rewritten
+  int next = 0;
+  int device = -1;
+  cudaStream_t copy = nullptr;
+  cudaEvent_t fork = nullptr;       // a captured call's copy joins the capture through it
+
+  // (A captured slot's events belong to the graph's capture: they are never waited for.)
+  static void Free(Slot& s) {
+    if (s.recorded) cudaEventSynchronize(s.done);
+    if (s.done) cudaEventDestroy(s.done);
+    if (s.copied) cudaEventDestroy(s.copied);
+    if (s.host) cudaFreeHost(s.host);
+    if (s.device) cudaFree(s.device);
+    s = Slot{};
+  }
+  ~Impl() {
+    for (Slot& s : ring) Free(s);
+    for (Slot& s : captured) Free(s);
+    if (fork) cudaEventDestroy(fork);
+    if (copy) cudaStreamDestroy(copy);
+  }
+  // A slot of at least `bytes` that no copy or kernel still reads.
+  Result<Slot*> Take(size_t bytes, bool capturing) {
+    int current = 0;
+    if (cudaGetDevice(&current) != cudaSuccess) return Status::Unavailable("decode plan: no CUDA device");
+    if (device < 0) device = current;
+    if (device != current) return Status::InvalidArgument("decode plan: a plan serves the device it was first used on");
+    if (copy == nullptr && (cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking) != cudaSuccess ||
+                            cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) != cudaSuccess)) {
+      return Status::Unavailable("decode plan: cannot create its copy stream");
+    }
+    Slot* s = nullptr;
+    if (capturing) {
+      captured.emplace_back();
+      s = &captured.back();
+    } else {
+      s = &ring[next];
+      next = (next + 1) % kRing;
+      if (s->recorded && cudaEventSynchronize(s->done) != cudaSuccess) {
+        return Status::Unavailable("decode plan: waiting for a slot failed");
+      }
+      s->recorded = false;
+    }
+    if (s->bytes < bytes) {
+      const size_t grown = std::max<size_t>({bytes, 2 * s->bytes, 64 << 10});
+      if (s->host) cudaFreeHost(s->host), s->host = nullptr;
+      if (s->device) cudaFree(s->device), s->device = nullptr;
+      s->bytes = 0;
+      if (cudaHostAlloc(&s->host, grown, cudaHostAllocDefault) != cudaSuccess ||
+          cudaMalloc(&s->device, grown) != cudaSuccess) {
+        cudaGetLastError();
+        return Status::ResourceExhausted("decode plan: cannot allocate " + std::to_string(grown) + " bytes");
+      }
+      s->bytes = grown;
+    }
+    if (s->copied == nullptr && (cudaEventCreateWithFlags(&s->copied, cudaEventDisableTiming) != cudaSuccess ||
+                                 cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming) != cudaSuccess)) {
+      return Status::Unavailable("decode plan: cannot create its events");
+    }
+    return s;
+  }
+  // Copies the slot's first `bytes` to the device; `stream` waits for the copy.
+  Status Copy(Slot* s, size_t bytes, cudaStream_t stream, bool capturing) {
+    // A captured copy must hang off the capturing stream to join the graph.
+    if (capturing && (cudaEventRecord(fork, stream) != cudaSuccess || cudaStreamWaitEvent(copy, fork, 0) != cudaSuccess)) {
+      return Status::Unavailable("decode attention: plan copy in a capture");
+    }
+    if (cudaMemcpyAsync(s->device, s->host, bytes, cudaMemcpyHostToDevice, copy) != cudaSuccess ||
+        cudaEventRecord(s->copied, copy) != cudaSuccess || cudaStreamWaitEvent(stream, s->copied, 0) != cudaSuccess) {
+      return Status::Unavailable(std::string("decode attention: plan copy: ") + cudaGetErrorString(cudaGetLastError()));
+    }
+    return Status::Ok();
+  }
+
+  // One call's bytes on the device: Upload takes a slot, copies `bytes` from `host` into it and
+  // makes `stream` wait for the copy; the call's kernels read `device`; Finish, after the last of
+  // them is queued (also after a failed launch: the copy was queued), lets the slot be written
+  // again once they ran.
+  struct Upload {
+    Slot* slot = nullptr;
+    const void* device = nullptr;
+    bool capturing = false;
+  };
+  Result<Upload> UploadBytes(const void* host, size_t bytes, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) return Status::Unavailable("decode plan: stream state");
+    Upload up;
+    up.capturing = capture == cudaStreamCaptureStatusActive;
+    SPECACHE_ASSIGN_OR_RETURN(up.slot, Take(bytes, up.capturing));
+    std::copy_n(static_cast<const char*>(host), bytes, static_cast<char*>(up.slot->host));
+    SPECACHE_RETURN_IF_ERROR(Copy(up.slot, bytes, stream, up.capturing));
+    up.device = up.slot->device;
+    return up;
+  }
+  Status Finish(const Upload& up, cudaStream_t stream) {
+    if (up.capturing) return Status::Ok();
+    if (cudaEventRecord(up.slot->done, stream) != cudaSuccess) return Status::Unavailable("decode plan: plan event");
+    up.slot->recorded = true;
+    return Status::Ok();
+  }
+};
+
+}  // namespace specache::cuda
