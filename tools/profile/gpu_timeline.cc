@@ -6,8 +6,8 @@
 // SPECACHE_TIMELINE_OUT (default gpu_timeline.csv): one line per record,
 //   kind,stream,start_ns,end_ns,name
 // tools/profile/gpu_timeline.py turns it into what the ncu sum cannot show: how long the GPU ran
-// nothing (the span less the union of every record), per stream, and the longest gaps of the
-// busiest stream with the records around them.
+// nothing (the span less the union of every record), each stream's busy time, and the longest gaps
+// in which no kernel ran on any stream, with the records around them.
 //
 // The program's own cudaProfilerStart/Stop are replaced (nothing else profiles in such a run).
 // Only the first start-stop span is recorded. Errors go to stderr; the program runs on regardless.

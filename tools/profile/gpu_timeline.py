@@ -97,9 +97,10 @@ def main():
     ends = sorted(records, key=lambda r: r[1])
     print(f"\nlongest {a.gaps} of those gaps (us, at ms from the start): the record that ended before, the one that began after")
     end_times = [r[1] for r in ends]
+    start_times = [r[0] for r in records]
     for g, s, e in sorted(gaps, reverse=True)[: a.gaps]:
         before = ends[bisect.bisect_right(end_times, s) - 1]
-        after = records[bisect.bisect_left([r[0] for r in records], e)]
+        after = records[bisect.bisect_left(start_times, e)]
         print(f"{g / 1e3:9.1f} @ {(s - t0) / 1e6:8.3f}  {short(before[4], 40):40s} -> {short(after[4], 40)}")
 
 

@@ -199,9 +199,10 @@ struct DeviceDecodeItem {
 
 // Where AttendDecodeBatch puts its launch plan: the items and the split of their work, copied to
 // device memory in one copy per call, so a call takes any number of items and no kernel carries
-// them in its parameters (SelectTopKBatch's segments go the same way, cuda_topk.h). A ring of slots (pinned host memory + device memory, grown as calls
-// need); a slot is written again only after the copy that read it has run, so the host can run a
-// few calls ahead of the device and no call waits for the device unless the ring is full.
+// them in its parameters (SelectTopKBatch's segments go the same way, cuda_topk.h). A ring of
+// slots (pinned host memory + device memory, grown as calls need); a slot is written again only
+// after the copy that read it has run, so the host can run a few calls ahead of the device and no
+// call waits for the device unless the ring is full.
 //
 // CUDA graphs: a call made while its stream is being captured copies from a slot kept for the
 // graph (never rewritten), so replaying the graph replays the same plan: keep the plan alive as

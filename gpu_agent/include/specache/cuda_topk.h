@@ -23,9 +23,9 @@ Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int 
 // Segments of different lengths in one set of launches (up to kMaxTopKSegments per set, more are
 // split): the decode step's (sequence, KV head) pairs. Each set's segments go to device memory
 // through `plan` (cuda_attention.h: the decode step's plan, whose slots the attention uses too;
-// null: a plan of the call's own, which it waits for before returning). A long segment is cut into parts selected
-// by blocks of their own, then merged (topk.cu), so small batches still fill the GPU; the parts'
-// candidates live in `scratch`. INVALID_ARGUMENT when more than 6144 candidates would have to be
+// null: a plan of the call's own, which it waits for before returning). A long segment is cut
+// into parts selected by blocks of their own, then merged (topk.cu), so small batches still fill
+// the GPU; the parts' candidates live in `scratch`. INVALID_ARGUMENT when more than 6144 candidates would have to be
 // merged for one segment (k x parts).
 struct TopKSegment {
   const float* probs = nullptr;  // [n_heads][n]
