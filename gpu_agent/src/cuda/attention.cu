@@ -396,19 +396,16 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
   for (const LowBitSet& set : sets) offsets.push_back(bytes), bytes += ItemSetBytes(static_cast<int>(set.items.size()));
   const size_t rest_offset = bytes;
   if (!rest.empty()) bytes += ItemSetBytes(static_cast<int>(rest.size()));
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess) return Status::Unavailable("decode attention: stream state");
-  const bool capturing = capture == cudaStreamCaptureStatusActive;
-  SPECACHE_ASSIGN_OR_RETURN(DecodePlan::Impl::Slot * slot, plan->impl_->Take(bytes, capturing));
-  char* host = static_cast<char*>(slot->host);
-  const char* device = static_cast<const char*>(slot->device);
+  SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl_->Begin(bytes, s));
+  char* host = static_cast<char*>(up.host);
+  const char* device = static_cast<const char*>(up.device);
   for (size_t i = 0; i < sets.size(); ++i) {
     const LowBitSet& set = sets[i];
     WriteItemSet(host + offsets[i], set.items,
                  ItemSetUnits{&set.unit_begin, &set.tail_begin, set.chunk_blocks, set.tail_units, set.tails_first});
   }
   if (!rest.empty()) WriteItemSet(host + rest_offset, rest, ItemSetUnits{});
-  SPECACHE_RETURN_IF_ERROR(plan->impl_->Copy(slot, bytes, s, capturing));
+  SPECACHE_RETURN_IF_ERROR(plan->impl_->Send(up, bytes, s));
   const Status status = [&]() -> Status {
     for (size_t i = 0; i < sets.size(); ++i) {
       SPECACHE_RETURN_IF_ERROR(LaunchLowBitSet(sets[i], reinterpret_cast<const DeviceItemSet*>(device + offsets[i]), s));
@@ -416,10 +413,7 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
     if (rest.empty()) return Status::Ok();
     return LaunchCudaCoreSet(rest, reinterpret_cast<const DeviceItemSet*>(device + rest_offset), s);
   }();
-  if (!capturing) {  // also after a failed launch: the copy was enqueued
-    if (cudaEventRecord(slot->done, s) != cudaSuccess) return Status::Unavailable("decode attention: plan event");
-    slot->recorded = true;
-  }
+  SPECACHE_RETURN_IF_ERROR(plan->impl_->Finish(up, s));  // also after a failed launch: the copy was queued
   return status;
 }
 

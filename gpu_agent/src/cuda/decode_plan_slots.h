@@ -92,35 +92,36 @@ struct DecodePlan::Impl {
   Status Copy(Slot* s, size_t bytes, cudaStream_t stream, bool capturing) {
     // A captured copy must hang off the capturing stream to join the graph.
     if (capturing && (cudaEventRecord(fork, stream) != cudaSuccess || cudaStreamWaitEvent(copy, fork, 0) != cudaSuccess)) {
-      return Status::Unavailable("decode attention: plan copy in a capture");
+      return Status::Unavailable("decode plan: copy in a capture");
     }
     if (cudaMemcpyAsync(s->device, s->host, bytes, cudaMemcpyHostToDevice, copy) != cudaSuccess ||
         cudaEventRecord(s->copied, copy) != cudaSuccess || cudaStreamWaitEvent(stream, s->copied, 0) != cudaSuccess) {
-      return Status::Unavailable(std::string("decode attention: plan copy: ") + cudaGetErrorString(cudaGetLastError()));
+      return Status::Unavailable(std::string("decode plan: copy: ") + cudaGetErrorString(cudaGetLastError()));
     }
     return Status::Ok();
   }
 
-  // One call's bytes on the device: Upload takes a slot, copies `bytes` from `host` into it and
-  // makes `stream` wait for the copy; the call's kernels read `device`; Finish, after the last of
-  // them is queued (also after a failed launch: the copy was queued), lets the slot be written
-  // again once they ran.
+  // One call's bytes on the device, in three steps: Begin takes a slot of at least `bytes` (the
+  // call writes them at `host`), Send copies them and makes `stream` wait for the copy (the call's
+  // kernels then read `device`), Finish, after the call's last kernel is queued (also after a
+  // failed launch: the copy was queued), lets the slot be written again once those kernels ran.
   struct Upload {
     Slot* slot = nullptr;
+    void* host = nullptr;
     const void* device = nullptr;
-    bool capturing = false;
+    bool capturing = false;  // the stream is being captured into a graph: a slot kept for it
   };
-  Result<Upload> UploadBytes(const void* host, size_t bytes, cudaStream_t stream) {
+  Result<Upload> Begin(size_t bytes, cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) return Status::Unavailable("decode plan: stream state");
     Upload up;
     up.capturing = capture == cudaStreamCaptureStatusActive;
     SPECACHE_ASSIGN_OR_RETURN(up.slot, Take(bytes, up.capturing));
-    std::copy_n(static_cast<const char*>(host), bytes, static_cast<char*>(up.slot->host));
-    SPECACHE_RETURN_IF_ERROR(Copy(up.slot, bytes, stream, up.capturing));
+    up.host = up.slot->host;
     up.device = up.slot->device;
     return up;
   }
+  Status Send(const Upload& up, size_t bytes, cudaStream_t stream) { return Copy(up.slot, bytes, stream, up.capturing); }
   Status Finish(const Upload& up, cudaStream_t stream) {
     if (up.capturing) return Status::Ok();
     if (cudaEventRecord(up.slot->done, stream) != cudaSuccess) return Status::Unavailable("decode plan: plan event");

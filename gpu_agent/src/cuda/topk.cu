@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -597,7 +598,10 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     }
     // The batch to the device (a few KB; as a kernel parameter it cost the host ~3x a plain
     // launch, three launches a set), read there by the set's kernels.
-    SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->UploadBytes(&batch, BatchBytes(batch.count), s));
+    const size_t batch_bytes = BatchBytes(batch.count);
+    SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(batch_bytes, s));
+    std::memcpy(up.host, &batch, batch_bytes);
+    SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, batch_bytes, s));
     const auto* device_batch = static_cast<const TopKBatch*>(up.device);
     const unsigned n = static_cast<unsigned>(batch.count);
     TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(batch.part_tokens), s>>>(
