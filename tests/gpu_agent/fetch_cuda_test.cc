@@ -1,6 +1,6 @@
 // Label `gpu`: the agent's in-place page kernels against a CPU reference on random data.
 // FetchRows: every output row is the resident copy when the token is resident, else the host
-// row, byte for byte, and the hit/miss counters add up; batches over kMaxTasks are split; by the
+// row, byte for byte, and the hit/miss counters add up over 300 tasks in one launch; by the
 // copy-engine route the row cache's update holds the same rows at the slots it reports.
 // WriteRows: rows stored from the device read back through the source identically.
 #include "specache/cuda_fetch.h"
@@ -88,7 +88,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     std::vector<int32_t*> cache_slots;          // [task] the row cache's slots (device)
     std::vector<std::vector<Half>> caches;      // [task] the row cache's rows as they start
     uint64_t want_fetched = 0, want_reused = 0;
-    const int n_tasks = cuda::kMaxTasks + 44;
+    const int n_tasks = 300;  // more than a launch took when the tasks were its parameters (256)
     for (int i = 0; i < n_tasks; ++i) {
       const int h = static_cast<int>(rng() % n_kv);
       const auto selected = RandomTokens(length, i % 7 == 0 ? 0 : 1 + static_cast<int>(rng() % 64), rng);
@@ -392,7 +392,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   std::vector<Want> want;
   std::vector<std::vector<int32_t>> slot_want;  // [task] the selection, padding included
   uint64_t want_fetched = 0, want_reused = 0;   // of the ranked tasks
-  const int n_tasks = cuda::kMaxCacheUpdateTasks + 20;
+  const int n_tasks = 284;  // more than a launch took when the tasks were its parameters (264)
   for (int i = 0; i < n_tasks; ++i) {
     // Task 1 at kMaxCacheRows, nearly full: the shared memory over 48 KB and the int16 positions.
     // Task 3 at 9700 rows: dynamic shared memory under 48 KB, but not with the kernel's static part.

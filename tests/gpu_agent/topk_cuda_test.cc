@@ -115,13 +115,13 @@ TEST(CudaTopKTest, ListedAndUnlistedRadixPassesEqualTheCpuSelection) {
 #endif
 }
 
-// Segments of different lengths in one batched call (more than one launch's worth): each equals
-// the CPU's selection of its own probabilities.
+// Segments of different lengths in one batched call (1500: more than a by-value batch held): each
+// equals the CPU's selection of its own probabilities.
 TEST(CudaTopKTest, RaggedBatchEqualsTheCpuSelection) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(31);
-  const int heads = 4, k = 64, count = cuda::kMaxTopKSegments + 9;
+  const int heads = 4, k = 64, count = 1500;
   std::vector<std::vector<float>> probs(count);
   testing::DeviceBuffers buf;
   std::vector<cuda::TopKSegment> segments(count);
@@ -140,6 +140,39 @@ TEST(CudaTopKTest, RaggedBatchEqualsTheCpuSelection) {
     std::vector<float> scratch;
     if (n > 0) cpu::SelectTopK(probs[i].data(), heads, n, k, GroupReduction::kMean, &want, &scratch);
     ASSERT_EQ(testing::Download(segments[i].tokens, std::min<int32_t>(k, n)), want) << "segment " << i << " n=" << n;
+  }
+#endif
+}
+
+// More segments than one set of launches takes (kMaxTopKSegments, the grid's rows): split into two
+// sets, each segment still the CPU's selection. Short segments in three shared buffers.
+TEST(CudaTopKTest, MoreSegmentsThanOneSetAreSplit) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(37);
+  const int heads = 2, k = 4, count = cuda::kMaxTopKSegments + 9;
+  std::vector<int32_t> n(count);
+  std::vector<size_t> at(count + 1, 0);
+  for (int i = 0; i < count; ++i) n[i] = static_cast<int32_t>(i % 37), at[i + 1] = at[i] + static_cast<size_t>(n[i]);
+  std::vector<float> probs(at[count] * heads);
+  for (auto& p : probs) p = static_cast<float>(rng() % 1000) / 1e3f;
+  testing::DeviceBuffers buf;
+  const float* d_probs = buf.Copy(probs);
+  int32_t* d_tokens = buf.Allocate<int32_t>(size_t(count) * k);
+  float* d_scratch = buf.Allocate<float>(at[count]);
+  ASSERT_TRUE(d_probs && d_tokens && d_scratch);
+  std::vector<cuda::TopKSegment> segments(count);
+  for (int i = 0; i < count; ++i) {
+    segments[i] = {d_probs + at[i] * heads, d_tokens + size_t(i) * k, d_scratch + at[i], n[i]};
+  }
+  ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), count, heads, k, GroupReduction::kMean, nullptr).ok());
+  const std::vector<int32_t> got = testing::Download(d_tokens, size_t(count) * k);
+  for (int i = 0; i < count; ++i) {
+    std::vector<int32_t> want;
+    std::vector<float> scratch;
+    if (n[i] > 0) cpu::SelectTopK(probs.data() + at[i] * heads, heads, n[i], k, GroupReduction::kMean, &want, &scratch);
+    const std::vector<int32_t> mine(got.begin() + size_t(i) * k, got.begin() + size_t(i) * k + want.size());
+    ASSERT_EQ(mine, want) << "segment " << i << " n=" << n[i];
   }
 #endif
 }

@@ -59,7 +59,7 @@ Status DeviceFetch::Create(const TopKRows& rows) {
 
 Status DeviceFetch::Launch(int max_blocks, void* stream) const {
   return cuda::FetchRows(tasks_.data(), static_cast<int>(tasks_.size()), kHeadDim, kPageTokens, max_blocks, nullptr,
-                         stream);
+                         stream, &plan_);
 }
 
 Status DeviceFetch::ClearRows() const { return CudaError("cudaMemset", cudaMemset(d_rows_, 0, bytes())); }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "host_pages.h"
+#include "specache/cuda_attention.h"
 #include "specache/cuda_fetch.h"
 #include "specache/status.h"
 
@@ -24,7 +25,7 @@ class DeviceFetch {
 
   // Uploads the page tables and selections of `rows` to the current device and builds the tasks.
   Status Create(const TopKRows& rows);
-  // One FetchRows launch of every task (split at cuda::kMaxTasks, as the agent's is) on `stream`.
+  // One FetchRows launch of every task on `stream`.
   Status Launch(int max_blocks, void* stream) const;
   // Zeroes the output rows (before a checked launch, so that stale rows cannot pass the check).
   Status ClearRows() const;
@@ -39,6 +40,7 @@ class DeviceFetch {
   int32_t* d_tokens_ = nullptr;
   uint64_t* d_pages_ = nullptr;
   Half* d_rows_ = nullptr;
+  mutable cuda::DecodePlan plan_{cuda::DecodePlan::SlotReads::kInPlace};  // the tasks, as the agent's fetch reads them
 };
 
 }  // namespace specache::bench

@@ -209,7 +209,14 @@ struct DeviceDecodeItem {
 // long as the graph. One plan per thread of calls (not thread-safe). UNAVAILABLE without CUDA.
 class DecodePlan {
  public:
-  DecodePlan();
+  // Where the kernels read a slot. kDeviceCopy: a copy in device memory, made on a side stream
+  // (the attention's items and the top-k's segments, which many threads read). kInPlace: the
+  // pinned host bytes themselves, over PCIe (small task lists whose threads read a task each: no
+  // copy that could queue behind the fetch's large copies on the copy engine; measured on the
+  // H200, task lists copied to the device made the fetch's missed-row list wait for them and the
+  // step wait 14-21 ms for the fetch at 98 x 8K, where the attention read in place ran 35-55% slower).
+  enum class SlotReads { kDeviceCopy, kInPlace };
+  explicit DecodePlan(SlotReads reads = SlotReads::kDeviceCopy);
   ~DecodePlan();  // waits for the device to finish reading the slots
   DecodePlan(const DecodePlan&) = delete;
   DecodePlan& operator=(const DecodePlan&) = delete;

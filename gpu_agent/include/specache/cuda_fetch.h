@@ -24,8 +24,11 @@
 //
 // Pages follow full_precision_source.h: page p of a (sequence, layer) holds tokens
 // [p * page_tokens, (p + 1) * page_tokens), laid out [kv_head][token][K|V][head_dim] fp16;
-// `pages` are the GPU-visible page addresses. Device pointers; streams as void*. Tasks travel in
-// the kernel's parameters, up to kMaxTasks per launch (more are split across launches).
+// `pages` are the GPU-visible page addresses. Device pointers; streams as void*. Each call is one
+// launch over all its tasks, which reach the kernel through a slot of `plan` (cuda_attention.h;
+// the agent's plans here read in place, DecodePlan::SlotReads::kInPlace; one plan per thread of
+// calls). A null plan is one of the call's own, which waits for the kernel before the call
+// returns: for tests and one-off calls.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +37,8 @@
 #include "specache/status.h"
 
 namespace specache::cuda {
+
+class DecodePlan;  // cuda_attention.h
 
 // A selection may end in kNoToken entries (the adaptive budget's padding, cuda_topk.h): they are
 // no rows, and FetchRows and UpdateRowCaches skip them.
@@ -94,7 +99,6 @@ struct CacheUpdateTask {
   int32_t now = 0;
   int32_t capacity = 0;                 // >= n_selected
 };
-constexpr int kMaxCacheUpdateTasks = 264;  // per launch (more run as several)
 // Above every token, and what cudaMemset(0x7f) writes. Attention ignores substitutions of tokens
 // that are not quantized.
 constexpr int32_t kNoToken = 0x7f7f7f7f;
@@ -116,21 +120,22 @@ struct FetchCounters {
   unsigned long long selected;  // rows the adaptive budget kept (SelectTopKBatch adds them; FetchRows does not)
 };
 
-constexpr int kMaxTasks = 256;
-
 // max_blocks bounds the SMs the fetch takes from the layers it overlaps. head_dim: a multiple of 8;
 // page_tokens: positive when a task has pages.
 Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
-                 FetchCounters* counters, void* stream);
-Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream);
+                 FetchCounters* counters, void* stream, DecodePlan* plan = nullptr);
+Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream,
+                 DecodePlan* plan = nullptr);
 // For each task i and slot j < n_selected: missed[i * stride + j] = selected[j] when that token
 // is not in the task's resident list, else -2 - (its index in that list); padding stays
 // kNoToken; slots j in [n_selected, stride) are not written. `missed` is device-visible memory
 // (mapped pinned host memory for the copy-engine fetch); stride >= every task's n_selected.
-Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream);
+Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream,
+                      DecodePlan* plan = nullptr);
 // One block per task; capacity at most kMaxCacheRows. counters (device memory, or null): the
 // ranked tasks' rows fetched (staged) and reused (old cache) are added to it.
 constexpr int kMaxCacheRows = 16384;
-Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, FetchCounters* counters, void* stream);
+Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, FetchCounters* counters, void* stream,
+                       DecodePlan* plan = nullptr);
 
 }  // namespace specache::cuda

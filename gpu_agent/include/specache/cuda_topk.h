@@ -21,7 +21,7 @@ Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int 
                   int32_t* tokens, float* scratch, void* stream);
 
 // Segments of different lengths in one set of launches (up to kMaxTopKSegments per set, more are
-// split): the decode step's (sequence, KV head) pairs. Each set's segments go to device memory
+// split into sets of equal size): the decode step's (sequence, KV head) pairs. Each set's segments go to device memory
 // through `plan` (cuda_attention.h: the decode step's plan, whose slots the attention uses too;
 // null: a plan of the call's own, which it waits for before returning). A long segment is cut
 // into parts selected by blocks of their own, then merged (topk.cu), so small batches still fill
@@ -38,7 +38,7 @@ struct TopKSegment {
   // With a budget: device memory that receives the rows kept, or null.
   int32_t* count = nullptr;
 };
-constexpr int kMaxTopKSegments = 640;  // per set of launches (sets of equal sizes: 99 x 8 segments are 396 + 396)
+constexpr int kMaxTopKSegments = 65535;  // per set of launches: a segment is a row of the grid (CUDA's y limit)
 
 // The adaptive budget (KvConfig::mass; cpu::BudgetRows, selection.h), applied after the top k
 // (k = k_max) on the device: each segment keeps its fewest best rows whose positive reduced scores,

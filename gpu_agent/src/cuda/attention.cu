@@ -310,7 +310,7 @@ Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32
 }
 
 
-DecodePlan::DecodePlan() : impl_(new Impl) {}
+DecodePlan::DecodePlan(SlotReads reads) : impl_(new Impl) { impl_->in_place = reads == SlotReads::kInPlace; }
 DecodePlan::~DecodePlan() { delete impl_; }
 
 namespace {

@@ -22,7 +22,8 @@ CopyEngineFetch::~CopyEngineFetch() {
 
 Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask> tasks,
                                                       std::span<const uint8_t* const* const> host_pages,
-                                                      cudaEvent_t ready, cudaStream_t stream, bool after_stream) {
+                                                      cudaEvent_t ready, cudaStream_t stream, bool after_stream,
+                                                      DecodePlan* plan) {
   std::vector<FetchTask> out(tasks.begin(), tasks.end());
   int32_t stride = 0;
   for (const FetchTask& t : tasks) stride = std::max(stride, t.n_selected);
@@ -55,7 +56,7 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
     queued = CudaStatus(cudaEventRecord(queued_, stream), "fetch stream event");
     if (queued.ok()) queued = CudaStatus(cudaStreamWaitEvent(lister_, queued_, 0), "wait for the fetch stream");
   }
-  if (queued.ok()) queued = ListMissedRows(out.data(), static_cast<int>(out.size()), stride, missed_on_device, lister_);
+  if (queued.ok()) queued = ListMissedRows(out.data(), static_cast<int>(out.size()), stride, missed_on_device, lister_, plan);
   if (queued.ok()) queued = CudaStatus(cudaEventRecord(listed_, lister_), "list event");
   // Waited for even after an error, so that nothing queued writes the list later.
   const Status listed = CudaStatus(queued.ok() ? cudaEventSynchronize(listed_) : cudaStreamSynchronize(lister_),

@@ -58,11 +58,13 @@ class CopyEngineFetch {
   // first fetch, whose count and tokens are set there just before (RowFetcher's fills), which
   // the list would otherwise race with (reading a stale count and tokens, it lists the wrong
   // rows, or searches past the list's end). The tasks' `pages` are ignored. Returns the tasks to
-  // hand to the cache update (UpdateRowCaches) on `stream`. Errors: CUDA's (RESOURCE_EXHAUSTED for memory); after one,
-  // nothing queued reads the pinned buffers later (the streams are waited for), and the caller
-  // queues no cache update.
+  // hand to the cache update (UpdateRowCaches) on `stream`. The list's tasks go through `plan`
+  // (the calling thread's; null: one of its own, waited for). Errors: CUDA's (RESOURCE_EXHAUSTED
+  // for memory); after one, nothing queued reads the pinned buffers later (the streams are waited
+  // for), and the caller queues no cache update.
   Result<std::vector<FetchTask>> Stage(std::span<const FetchTask> tasks, std::span<const uint8_t* const* const> host_pages,
-                                       cudaEvent_t ready, cudaStream_t stream, bool after_stream = false);
+                                       cudaEvent_t ready, cudaStream_t stream, bool after_stream = false,
+                                       DecodePlan* plan = nullptr);
 
   // Rows the host gathered so far (the misses; the cache update counts them on the device too).
   int64_t rows_gathered() const { return rows_gathered_; }

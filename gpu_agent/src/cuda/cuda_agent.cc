@@ -133,6 +133,9 @@ class CudaAgent final : public Agent {
   cuda::ReplicaStore replicas_;
   cuda::RowFetcher rows_;
   cuda::StepPlanner planner_;
+  // The page writes' task lists (WriteNewRows, on the agent's thread), read in place: a copy on
+  // the compute stream's path could queue behind the fetch's on the copy engine.
+  cuda::DecodePlan writes_plan_{cuda::DecodePlan::SlotReads::kInPlace};
   // Staged path only (null otherwise); the worker also for the copy-engine fetch. The worker is
   // last, so that it goes first: its destructor runs the jobs still queued, which use the parts
   // above.
@@ -178,7 +181,8 @@ Status CudaAgent::WriteNewRows(int layer, std::span<const cuda::WriteTask> write
     SPECACHE_RETURN_IF_ERROR(staged_commits_->Stage(layer, writes, sequences, compute_));
     return staged_commits_->Record(compute_);
   }
-  return cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), shape_.head_dim, pages_.page_tokens(), compute_);
+  return cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), shape_.head_dim, pages_.page_tokens(), compute_,
+                         &writes_plan_);
 }
 
 void CudaAgent::NoteWritten(SequenceId id, int layer, int32_t first, int32_t n) {

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -12,15 +13,16 @@
 
 namespace specache::cuda {
 
-// The slots of a plan. A slot's host bytes are written by the host, copied to its device bytes on
-// the plan's copy stream as soon as the call is made (the copy engine is idle then, so the copy
-// is done long before the attention's turn on its stream, which only waits for `copied`), read
-// there by the kernels; `done` is recorded after the last of them, and the slot is written again
-// only after it completed.
+// The slots of a plan. A slot's host bytes are written by the host and, with device copies,
+// copied to its device bytes on the plan's copy stream as soon as the call is made (the copy is
+// usually done long before the kernels' turn on their stream, which only waits for `copied`), read
+// there by the kernels; in place (mapped), the kernels read the host bytes. `done` is recorded
+// after the last kernel, and the slot is written again only after it completed.
 struct DecodePlan::Impl {
   struct Slot {
     void* host = nullptr;    // pinned
-    void* device = nullptr;
+    void* device = nullptr;  // or, mapped, the device's address of `host`
+    bool mapped = false;
     size_t bytes = 0;
     cudaEvent_t copied = nullptr, done = nullptr;
     bool recorded = false;   // `done` recorded and not yet waited for
@@ -30,6 +32,7 @@ struct DecodePlan::Impl {
   std::vector<Slot> captured;       // copied from by CUDA graphs: never rewritten
   int next = 0;
   int device = -1;
+  bool in_place = false;  // DecodePlan::SlotReads::kInPlace: no device copy, the kernels read `host`
   cudaStream_t copy = nullptr;
   cudaEvent_t fork = nullptr;       // a captured call's copy joins the capture through it
 
@@ -39,7 +42,7 @@ struct DecodePlan::Impl {
     if (s.done) cudaEventDestroy(s.done);
     if (s.copied) cudaEventDestroy(s.copied);
     if (s.host) cudaFreeHost(s.host);
-    if (s.device) cudaFree(s.device);
+    if (s.device && !s.mapped) cudaFree(s.device);
     s = Slot{};
   }
   ~Impl() {
@@ -73,10 +76,14 @@ struct DecodePlan::Impl {
     if (s->bytes < bytes) {
       const size_t grown = std::max<size_t>({bytes, 2 * s->bytes, 64 << 10});
       if (s->host) cudaFreeHost(s->host), s->host = nullptr;
-      if (s->device) cudaFree(s->device), s->device = nullptr;
+      if (s->device && !s->mapped) cudaFree(s->device);
+      s->device = nullptr;
       s->bytes = 0;
-      if (cudaHostAlloc(&s->host, grown, cudaHostAllocDefault) != cudaSuccess ||
-          cudaMalloc(&s->device, grown) != cudaSuccess) {
+      s->mapped = in_place;
+      if (in_place ? cudaHostAlloc(&s->host, grown, cudaHostAllocMapped) != cudaSuccess ||
+                          cudaHostGetDevicePointer(&s->device, s->host, 0) != cudaSuccess
+                    : cudaHostAlloc(&s->host, grown, cudaHostAllocDefault) != cudaSuccess ||
+                          cudaMalloc(&s->device, grown) != cudaSuccess) {
         cudaGetLastError();
         return Status::ResourceExhausted("decode plan: cannot allocate " + std::to_string(grown) + " bytes");
       }
@@ -90,6 +97,7 @@ struct DecodePlan::Impl {
   }
   // Copies the slot's first `bytes` to the device; `stream` waits for the copy.
   Status Copy(Slot* s, size_t bytes, cudaStream_t stream, bool capturing) {
+    if (s->mapped) return Status::Ok();  // read in place
     // A captured copy must hang off the capturing stream to join the graph.
     if (capturing && (cudaEventRecord(fork, stream) != cudaSuccess || cudaStreamWaitEvent(copy, fork, 0) != cudaSuccess)) {
       return Status::Unavailable("decode plan: copy in a capture");
@@ -129,5 +137,25 @@ struct DecodePlan::Impl {
     return Status::Ok();
   }
 };
+
+// Runs `launch(device_tasks)`, which queues kernels on `stream` that read tasks[0, n) through a
+// slot of `plan` (null: an in-place plan of the call's own, which waits for the kernels before
+// this returns). The slot is released after the launch, also after a failed one. For the batched
+// kernels whose task lists were kernel parameters (32 KB at most: a few hundred tasks a launch,
+// and ~2x a plain launch's host cost each).
+template <typename T, typename Launch>
+Status WithDeviceTasks(DecodePlan* plan, const T* tasks, int n, cudaStream_t stream, Launch&& launch) {
+  if (plan == nullptr) {
+    DecodePlan own(DecodePlan::SlotReads::kInPlace);
+    return WithDeviceTasks(&own, tasks, n, stream, launch);
+  }
+  const size_t bytes = static_cast<size_t>(std::max(n, 1)) * sizeof(T);
+  SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(bytes, stream));
+  if (n > 0) std::memcpy(up.host, tasks, static_cast<size_t>(n) * sizeof(T));
+  SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, bytes, stream));
+  const Status launched = launch(static_cast<const T*>(up.device));
+  SPECACHE_RETURN_IF_ERROR(plan->impl()->Finish(up, stream));
+  return launched;
+}
 
 }  // namespace specache::cuda

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "specache/cuda_fetch.h"
-#include "launch_sets.h"
+#include "decode_plan_slots.h"
 #include "shared_memory_opt_in.cuh"
 #include "sorted_tokens.cuh"
 
@@ -13,12 +13,6 @@ namespace specache::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T>
-struct TaskBatch {  // passed by value: 256 tasks fit the 32 KB parameter space of sm_70+
-  T tasks[kMaxTasks];
-  int count;
-};
 
 __device__ const uint4* HostRow(const uint64_t* pages, int page_tokens, int kv_head, int32_t token, int row_pieces) {
   const int32_t page = token / page_tokens, in_page = token - page * page_tokens;
@@ -38,18 +32,18 @@ __device__ int Find(const int32_t* list, int n, int32_t token) {
 
 // A group of row_pieces threads per row; rows of all tasks are spread over the grid. Tasks with
 // pages (SM loads from the host) or staged inline (no pages, no ranks).
-__global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, int row_pieces, int page_tokens,
-                            FetchCounters* counters) {
+__global__ void FetchKernel(const FetchTask* __restrict__ tasks, int count, int32_t max_selected, int row_pieces,
+                            int page_tokens, FetchCounters* counters) {
   __shared__ unsigned long long fetched, reused;
   if (threadIdx.x == 0) fetched = reused = 0;
   __syncthreads();
   const int rows_per_block = blockDim.x / row_pieces;
   const int slot = threadIdx.x / row_pieces, piece = threadIdx.x % row_pieces;
-  const int64_t total = static_cast<int64_t>(batch.count) * max_selected;
+  const int64_t total = static_cast<int64_t>(count) * max_selected;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * rows_per_block + slot; r < total;
        r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
     if (slot >= rows_per_block) break;
-    const FetchTask& t = batch.tasks[r / max_selected];
+    const FetchTask& t = tasks[r / max_selected];
     const int i = static_cast<int>(r % max_selected);
     if (i >= t.n_selected) continue;
     const int32_t token = t.selected[i];
@@ -73,11 +67,11 @@ __global__ void FetchKernel(TaskBatch<FetchTask> batch, int32_t max_selected, in
 }
 
 // A thread per slot of every task (ListMissedRows).
-__global__ void ListMissedKernel(TaskBatch<FetchTask> batch, int32_t stride, int32_t* missed) {
-  const int64_t total = static_cast<int64_t>(batch.count) * stride;
+__global__ void ListMissedKernel(const FetchTask* __restrict__ tasks, int count, int32_t stride, int32_t* missed) {
+  const int64_t total = static_cast<int64_t>(count) * stride;
   for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < total;
        s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const FetchTask& t = batch.tasks[s / stride];
+    const FetchTask& t = tasks[s / stride];
     const int i = static_cast<int>(s % stride);
     if (i >= t.n_selected) continue;
     const int32_t token = t.selected[i];
@@ -87,14 +81,15 @@ __global__ void ListMissedKernel(TaskBatch<FetchTask> batch, int32_t stride, int
 }
 
 // One thread per 16-byte piece of a row: K pieces first, then V.
-__global__ void WriteKernel(TaskBatch<WriteTask> batch, int32_t max_rows, int half_pieces, int page_tokens) {
+__global__ void WriteKernel(const WriteTask* __restrict__ tasks, int count, int32_t max_rows, int half_pieces,
+                            int page_tokens) {
   const int row_pieces = 2 * half_pieces;
-  const int64_t total = static_cast<int64_t>(batch.count) * max_rows * row_pieces;
+  const int64_t total = static_cast<int64_t>(count) * max_rows * row_pieces;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < total;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = p / row_pieces;
     const int piece = static_cast<int>(p - row * row_pieces);
-    const WriteTask& t = batch.tasks[row / max_rows];
+    const WriteTask& t = tasks[row / max_rows];
     const int32_t i = static_cast<int32_t>(row % max_rows);
     if (i >= t.n) continue;
     const bool value = piece >= half_pieces;
@@ -104,11 +99,6 @@ __global__ void WriteKernel(TaskBatch<WriteTask> batch, int32_t max_rows, int ha
   }
 }
 
-struct CacheBatch {  // by value: kMaxCacheUpdateTasks x 120 bytes fill the 32 KB parameters of sm_70+
-  CacheUpdateTask tasks[kMaxCacheUpdateTasks];
-  int count;
-};
-static_assert(sizeof(CacheBatch) + 32 <= 32764, "a launch's parameters: the batch, row_pieces and the counters");
 static_assert(kMaxCacheRows <= 0x7fff, "cache positions, slots and their scans are int16 in shared memory");
 
 // Dynamic shared memory of one task's update: kept_before [capacity + 1] and free_slots
@@ -190,8 +180,13 @@ __device__ uint64_t KeepThreshold(const CacheUpdateTask& t, int32_t n_old, const
 //      new count;
 //   6. the missed rows are copied into their slots, 16-byte pieces, consecutive threads
 //      consecutive pieces. Nothing else moves.
-__global__ void UpdateCacheKernel(CacheBatch batch, int row_pieces, FetchCounters* counters) {
-  const CacheUpdateTask& t = batch.tasks[blockIdx.x];
+__global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int row_pieces, FetchCounters* counters) {
+  // The block's task in shared memory: read through a reference to global memory, its fields
+  // would be loaded again after the block's global stores.
+  __shared__ CacheUpdateTask task;
+  if (threadIdx.x == 0) task = tasks[blockIdx.x];
+  __syncthreads();
+  const CacheUpdateTask& t = task;
   const int32_t capacity = t.capacity;
   extern __shared__ int16_t shared[];
   int16_t* kept_before = shared;                      // [capacity + 1]
@@ -326,7 +321,7 @@ Status LaunchError(const char* what) {
 }  // namespace
 
 Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
-                 FetchCounters* counters, void* stream) {
+                 FetchCounters* counters, void* stream, DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || max_blocks <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("fetch: head_dim must be a positive multiple of 8, blocks positive");
   }
@@ -339,68 +334,57 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
   if (std::any_of(tasks, tasks + n_tasks, [](const FetchTask& t) { return t.staged_rank != nullptr; })) {
     return Status::InvalidArgument("fetch: tasks with staged ranks go to the cache update, not FetchRows");
   }
-  for (int first = 0; first < n_tasks; first += kMaxTasks) {
-    TaskBatch<FetchTask> batch;
-    batch.count = std::min(kMaxTasks, n_tasks - first);
-    int32_t max_selected = 0;
-    for (int i = 0; i < batch.count; ++i) {
-      batch.tasks[i] = tasks[first + i];
-      max_selected = std::max(max_selected, batch.tasks[i].n_selected);
-    }
-    if (max_selected == 0) continue;
-    const int64_t rows = int64_t{batch.count} * max_selected;
-    const int rows_per_block = kThreads / row_pieces;
-    const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, (rows + rows_per_block - 1) / rows_per_block));
-    FetchKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, max_selected, row_pieces, page_tokens,
-                                                                            counters);
-    SPECACHE_RETURN_IF_ERROR(LaunchError("fetch kernel"));
-  }
-  return Status::Ok();
+  int32_t max_selected = 0;
+  for (int i = 0; i < n_tasks; ++i) max_selected = std::max(max_selected, tasks[i].n_selected);
+  if (max_selected == 0) return Status::Ok();
+  const int64_t rows = int64_t{n_tasks} * max_selected;
+  const int rows_per_block = kThreads / row_pieces;
+  const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, (rows + rows_per_block - 1) / rows_per_block));
+  auto* s = static_cast<cudaStream_t>(stream);
+  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const FetchTask* on_device) {
+    FetchKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_selected, row_pieces, page_tokens, counters);
+    return LaunchError("fetch kernel");
+  });
 }
 
-Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream) {
+Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream,
+                      DecodePlan* plan) {
   if (n_tasks < 0 || stride < 0) return Status::InvalidArgument("list missed rows: negative count");
-  for (int first = 0; first < n_tasks; first += kMaxTasks) {
-    TaskBatch<FetchTask> batch;
-    batch.count = std::min(kMaxTasks, n_tasks - first);
-    for (int i = 0; i < batch.count; ++i) {
-      batch.tasks[i] = tasks[first + i];
-      if (batch.tasks[i].n_selected > stride) return Status::InvalidArgument("list missed rows: stride below a selection");
-    }
-    const int64_t slots = int64_t{batch.count} * stride;
-    if (slots == 0) continue;
-    const int blocks = static_cast<int>(std::min<int64_t>(1024, (slots + kThreads - 1) / kThreads));
-    ListMissedKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, stride,
-                                                                                missed + int64_t{first} * stride);
-    SPECACHE_RETURN_IF_ERROR(LaunchError("list missed rows"));
+  for (int i = 0; i < n_tasks; ++i) {
+    if (tasks[i].n_selected > stride) return Status::InvalidArgument("list missed rows: stride below a selection");
   }
-  return Status::Ok();
+  const int64_t slots = int64_t{n_tasks} * stride;
+  if (slots == 0) return Status::Ok();
+  const int blocks = static_cast<int>(std::min<int64_t>(1024, (slots + kThreads - 1) / kThreads));
+  auto* s = static_cast<cudaStream_t>(stream);
+  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const FetchTask* on_device) {
+    ListMissedKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, stride, missed);
+    return LaunchError("list missed rows");
+  });
 }
 
-Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream) {
+Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream, DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || page_tokens <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("write: head_dim must be a positive multiple of 8, page_tokens positive");
   }
   const int half_pieces = head_dim * static_cast<int>(sizeof(Half)) / 16;
-  for (int first = 0; first < n_tasks; first += kMaxTasks) {
-    TaskBatch<WriteTask> batch;
-    batch.count = std::min(kMaxTasks, n_tasks - first);
-    int32_t max_rows = 0;
-    for (int i = 0; i < batch.count; ++i) {
-      batch.tasks[i] = tasks[first + i];
-      if (batch.tasks[i].stride % 8 != 0) return Status::InvalidArgument("write: row stride must keep 16-byte alignment");
-      max_rows = std::max(max_rows, batch.tasks[i].n);
-    }
-    if (max_rows == 0) continue;
-    const int64_t pieces = int64_t{batch.count} * max_rows * 2 * half_pieces;
-    const int blocks = static_cast<int>(std::min<int64_t>(1024, (pieces + kThreads - 1) / kThreads));
-    WriteKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(batch, max_rows, half_pieces, page_tokens);
-    SPECACHE_RETURN_IF_ERROR(LaunchError("write kernel"));
+  int32_t max_rows = 0;
+  for (int i = 0; i < n_tasks; ++i) {
+    if (tasks[i].stride % 8 != 0) return Status::InvalidArgument("write: row stride must keep 16-byte alignment");
+    max_rows = std::max(max_rows, tasks[i].n);
   }
-  return Status::Ok();
+  if (max_rows == 0) return Status::Ok();
+  const int64_t pieces = int64_t{n_tasks} * max_rows * 2 * half_pieces;
+  const int blocks = static_cast<int>(std::min<int64_t>(1024, (pieces + kThreads - 1) / kThreads));
+  auto* s = static_cast<cudaStream_t>(stream);
+  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const WriteTask* on_device) {
+    WriteKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_rows, half_pieces, page_tokens);
+    return LaunchError("write kernel");
+  });
 }
 
-Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, FetchCounters* counters, void* stream) {
+Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, FetchCounters* counters, void* stream,
+                       DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || n_tasks < 0) return Status::InvalidArgument("cache update: bad head_dim");
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
   int32_t largest = 0;  // capacity
@@ -413,31 +397,21 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
     }
     largest = std::max(largest, tasks[i].capacity);
   }
+  if (n_tasks == 0) return Status::Ok();
   // The largest cache (kMaxCacheRows: ~80 KB of dynamic memory, sm_80+) with the kernel's static
   // arrays passes the 48 KB a launch gets unasked: the opt-in, once per device. Older GPUs refuse
   // it, with this error.
-  if (n_tasks > 0) {
-    static std::atomic<bool> allowed[kMaxOptInDevices] = {};
-    const cudaError_t err = AllowDynamicSharedMemory(UpdateCacheKernel, CacheUpdateSharedBytes(kMaxCacheRows), allowed);
-    if (err != cudaSuccess) {
-      return Status::Unavailable("cache update: the shared memory of a cache of " + std::to_string(kMaxCacheRows) +
-                                 " rows (kMaxCacheRows, the opt-in's size): " + cudaGetErrorString(err));
-    }
+  static std::atomic<bool> allowed[kMaxOptInDevices] = {};
+  const cudaError_t err = AllowDynamicSharedMemory(UpdateCacheKernel, CacheUpdateSharedBytes(kMaxCacheRows), allowed);
+  if (err != cudaSuccess) {
+    return Status::Unavailable("cache update: the shared memory of a cache of " + std::to_string(kMaxCacheRows) +
+                               " rows (kMaxCacheRows, the opt-in's size): " + cudaGetErrorString(err));
   }
-  const int per_set = EqualLaunchSize(n_tasks, kMaxCacheUpdateTasks);  // 792 tasks: 3 x 264
-  for (int first = 0; first < n_tasks; first += per_set) {
-    CacheBatch batch;
-    batch.count = std::min(per_set, n_tasks - first);
-    int32_t capacity = 0;
-    for (int i = 0; i < batch.count; ++i) {
-      batch.tasks[i] = tasks[first + i];
-      capacity = std::max(capacity, batch.tasks[i].capacity);
-    }
-    UpdateCacheKernel<<<batch.count, kThreads, CacheUpdateSharedBytes(capacity), static_cast<cudaStream_t>(stream)>>>(
-        batch, row_pieces, counters);
-    SPECACHE_RETURN_IF_ERROR(LaunchError("cache update kernel"));
-  }
-  return Status::Ok();
+  auto* s = static_cast<cudaStream_t>(stream);
+  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const CacheUpdateTask* on_device) {
+    UpdateCacheKernel<<<n_tasks, kThreads, CacheUpdateSharedBytes(largest), s>>>(on_device, row_pieces, counters);
+    return LaunchError("cache update kernel");
+  });
 }
 
 }  // namespace specache::cuda

@@ -210,7 +210,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
 }
 
 Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFetch* copy_engine,
-                          cudaStream_t stream) const {
+                          cudaStream_t stream, DecodePlan* plan) const {
   for (const FetchWork::Fill& f : w.fills) {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(f.at, f.value, f.bytes, stream), "row cache"));
   }
@@ -222,18 +222,18 @@ Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFet
     // The missed rows go up by the copy engine and the cache update takes them from there by
     // rank (and counts them); no FetchRows. A cache's first fetch: the list must see the fills above.
     SPECACHE_ASSIGN_OR_RETURN(const std::vector<FetchTask> routed,
-                              copy_engine->Stage(w.tasks, w.host_pages, selected_[w.layer], stream, !w.fills.empty()));
+                              copy_engine->Stage(w.tasks, w.host_pages, selected_[w.layer], stream, !w.fills.empty(), plan));
     std::vector<CacheUpdateTask> updates = w.updates;
     for (size_t i = 0; i < updates.size(); ++i) {
       updates[i].staged_rank = routed[i].staged_rank;
       updates[i].selected_rows = routed[i].staged_rows;
     }
     return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, device_counters_.get(),
-                           stream);
+                           stream, plan);
   }
   SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(w.tasks.size()), shape_.head_dim,
-                                     pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream));
-  return UpdateRowCaches(w.updates.data(), static_cast<int>(w.updates.size()), shape_.head_dim, nullptr, stream);
+                                     pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream, plan));
+  return UpdateRowCaches(w.updates.data(), static_cast<int>(w.updates.size()), shape_.head_dim, nullptr, stream, plan);
 }
 
 void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
@@ -246,28 +246,28 @@ void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
   }
 }
 
-Status RowFetcher::OnSourceThread(const std::function<Status()>& job) {
-  if (!staged_source_) return job();  // the copy engine's worker runs only the overlapped fetch
+Status RowFetcher::OnSourceThread(const std::function<Status(DecodePlan*)>& job) {
+  if (!staged_source_) return job(&caller_plan_);  // the copy engine's worker runs only the overlapped fetch
   // Staged: the worker makes every call into the source, in order, so this read comes after the
   // appends handed to it before (the selection may name their rows). The caller waits, so the
   // job may use what it refers to.
-  worker_->Submit(SourceWorker::kCallerKey, job);
+  worker_->Submit(SourceWorker::kCallerKey, [this, &job] { return job(&worker_plan_); });
   return worker_->Wait(SourceWorker::kCallerKey);
 }
 
 Status RowFetcher::Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream) {
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids, /*by_copy_engine=*/false));
-  const Status s = OnSourceThread([&] { return Launch(w, staged_inline_.get(), nullptr, stream); });
+  const Status s = OnSourceThread([&](DecodePlan* plan) { return Launch(w, staged_inline_.get(), nullptr, stream, plan); });
   if (!s.ok()) Forget(layer, ids);
   return s;
 }
 
 Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span<const SequenceId> sequences,
                           cudaStream_t stream) {
-  return OnSourceThread([&]() -> Status {
+  return OnSourceThread([&](DecodePlan* plan) -> Status {
     if (staged_inline_) SPECACHE_RETURN_IF_ERROR(staged_inline_->Stage(layer, tasks, sequences, 0, stream).status());
     return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, pages_->page_tokens(),
-                     options_.fetch_blocks, nullptr, stream);
+                     options_.fetch_blocks, nullptr, stream, plan);
   });
 }
 
@@ -303,7 +303,8 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   }
   auto run = [this, layer, work]() -> Status {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
-    SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), copy_engine_.get(), fetch_));
+    SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), copy_engine_.get(), fetch_,
+                                    worker_ ? &worker_plan_ : &caller_plan_));
     return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
   };
   if (!worker_) {
@@ -326,7 +327,7 @@ Status RowFetcher::LaunchDeferred() const {
   // (the fills, the fetch and the cache update give the same result run twice).
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(deferred_start_, compute_), "fetch start event"));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, deferred_start_, 0), "wait for the fetch's start"));
-  SPECACHE_RETURN_IF_ERROR(Launch(*deferred_, nullptr, nullptr, fetch_));
+  SPECACHE_RETURN_IF_ERROR(Launch(*deferred_, nullptr, nullptr, fetch_, &caller_plan_));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event"));
   deferred_.reset();
   return Status::Ok();

@@ -201,15 +201,18 @@ class RowFetcher {
   // (RESOURCE_EXHAUSTED) nothing changed.
   Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids, bool by_copy_engine);
   // Queues the work on `stream`; `staged` (a source without pages) or `copy_engine` brings the
-  // missed rows first (both null: FetchRows reads them from the pages).
-  Status Launch(const FetchWork& work, StagedFetch* staged, CopyEngineFetch* copy_engine, cudaStream_t stream) const;
+  // missed rows first (both null: FetchRows reads them from the pages). The kernels' task lists go
+  // through `plan`, the one of the thread that calls (PlanOfWorker, PlanOfCaller).
+  Status Launch(const FetchWork& work, StagedFetch* staged, CopyEngineFetch* copy_engine, cudaStream_t stream,
+                DecodePlan* plan) const;
   // Queues the deferred fetch, if any, on the fetch stream behind everything queued so far on the
   // compute stream (its selection included), then records its layer's fetched_ event.
   Status LaunchDeferred() const;
   // After a failed fetch: the sequences hold no rows at the layer, and their caches start over.
   void Forget(int layer, const std::vector<SequenceId>& ids);
-  // Runs `job` now: on this thread, or staged on the worker, waiting for it.
-  Status OnSourceThread(const std::function<Status()>& job);
+  // Runs `job` now: on this thread, or staged on the worker, waiting for it; with the plan of the
+  // thread it runs on.
+  Status OnSourceThread(const std::function<Status(DecodePlan*)>& job);
 
   ModelShape shape_;
   KvConfig config_;
@@ -262,6 +265,10 @@ class RowFetcher {
   // Copy engine only (UseCopyEngine): the overlapped fetch's route, used on the worker only.
   int copy_engine_threads_ = 0;
   std::unique_ptr<CopyEngineFetch> copy_engine_;
+  // The task lists of the kernels queued from the worker's thread and from the caller's (a plan
+  // serves one thread), read in place: a copy would queue behind the fetch's own on the copy
+  // engine. Each destructor waits for the kernels that read its slots.
+  mutable DecodePlan worker_plan_{DecodePlan::SlotReads::kInPlace}, caller_plan_{DecodePlan::SlotReads::kInPlace};
 };
 
 }  // namespace specache::cuda

@@ -39,15 +39,18 @@ __device__ uint32_t OrderKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-struct TopKBatch {  // in device memory, a slot of the call's DecodePlan: the fields, then [count] segments
+struct TopKBatch {  // in device memory, a slot of the call's DecodePlan: these fields, then [count] segments (SegmentsOf)
   int count;
   int part_tokens;  // P
   int k;
   bool mass;  // phase one sums the runs of scores into scratch[n, n + runs) (the budget's total)
-  TopKSegment segments[kMaxTopKSegments];
 };
-// The bytes of a batch of `count` segments: the upload stops after the last.
-size_t BatchBytes(int count) { return offsetof(TopKBatch, segments) + static_cast<size_t>(count) * sizeof(TopKSegment); }
+constexpr size_t kSegmentsOffset = (sizeof(TopKBatch) + alignof(TopKSegment) - 1) / alignof(TopKSegment) * alignof(TopKSegment);
+__host__ __device__ const TopKSegment* SegmentsOf(const TopKBatch* batch) {
+  return reinterpret_cast<const TopKSegment*>(reinterpret_cast<const char*>(batch) + kSegmentsOffset);
+}
+// The bytes of a batch of `count` segments.
+size_t BatchBytes(int count) { return kSegmentsOffset + static_cast<size_t>(count) * sizeof(TopKSegment); }
 static_assert(cpu::kMassRunTokens == kThreads && kThreads == 256, "a run of the mass is one block's width, 8 per lane");
 
 // Parts of a segment of n candidates: several when their candidates (score + token per slot)
@@ -358,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(const TopKBatch* _
   extern __shared__ float part_scores[];  // [P] when the part fits, else unused; then the list [kListKeys]
   __shared__ SelectShared sh;
   __shared__ TopKSegment seg;
-  if (threadIdx.x == 0) seg = in->segments[blockIdx.y];
+  if (threadIdx.x == 0) seg = SegmentsOf(in)[blockIdx.y];
   __syncthreads();
   const int32_t n = seg.n;
   const int parts = PartsOf(n, part_tokens, k);
@@ -403,7 +406,7 @@ __global__ void TopKMergeKernel(const TopKBatch* __restrict__ in) {
   const TopKBatch& batch = *in;
   extern __shared__ float merged[];  // scores [parts * k], then tokens [parts * k]
   __shared__ SelectShared sh;
-  const TopKSegment& seg = batch.segments[blockIdx.x];
+  const TopKSegment& seg = SegmentsOf(in)[blockIdx.x];
   const int32_t n = seg.n;
   const int k = batch.k;
   const int parts = PartsOf(n, batch.part_tokens, k);
@@ -441,7 +444,7 @@ __global__ void BudgetKernel(const TopKBatch* __restrict__ in, int n_heads, bool
   __shared__ unsigned char keep[kMaxBudgetRows];
   __shared__ int32_t cut;
   __shared__ Scan::TempStorage scan;
-  const TopKSegment& seg = batch.segments[blockIdx.x];
+  const TopKSegment& seg = SegmentsOf(in)[blockIdx.x];
   const int32_t n = seg.n;
   if (n <= 0) return;
   const int kept = min(batch.k, n);
@@ -543,17 +546,17 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
                                    std::to_string(kMaxBudgetRows) + " (k " + std::to_string(k) + ")");
   }
   auto* s = static_cast<cudaStream_t>(stream);
-  const int per_set = EqualLaunchSize(count, kMaxTopKSegments);  // 99 x 8 segments: 396 + 396
+  const int per_set = EqualLaunchSize(count, kMaxTopKSegments);  // one set unless the grid's rows run out
   for (int first = 0; first < count; first += per_set) {
     TopKBatch batch;
     batch.count = std::min(per_set, count - first);
     batch.k = k;
     batch.mass = budget != nullptr;
+    const TopKSegment* const set = segments + first;
     int64_t total = 0;
     for (int i = 0; i < batch.count; ++i) {
-      batch.segments[i] = segments[first + i];
-      if (batch.segments[i].n < 0) return Status::InvalidArgument("negative candidate count");
-      total += batch.segments[i].n;
+      if (set[i].n < 0) return Status::InvalidArgument("negative candidate count");
+      total += set[i].n;
     }
     // Phase one in one wave where parts of up to 4096 tokens do it: the smallest part (whole
     // 256-token steps) whose blocks all fit the GPU at once. About 8 blocks per SM, rounded up per
@@ -564,7 +567,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     const int64_t slots = int64_t{PartBlocksPerSm()} * MultiprocessorCount();
     auto blocks_with = [&](int part_tokens) {
       int64_t blocks = 0;
-      for (int i = 0; i < batch.count; ++i) blocks += PartsOf(batch.segments[i].n, part_tokens, k);
+      for (int i = 0; i < batch.count; ++i) blocks += PartsOf(set[i].n, part_tokens, k);
       return blocks;
     };
     auto rounded_part = [](int64_t tokens) {
@@ -579,12 +582,12 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     // k candidates per part must fit the merge's shared memory (kMaxMergeCandidates).
     while (batch.part_tokens < kMaxPartTokens) {
       int most = 1;
-      for (int i = 0; i < batch.count; ++i) most = std::max(most, PartsOf(batch.segments[i].n, batch.part_tokens, k));
+      for (int i = 0; i < batch.count; ++i) most = std::max(most, PartsOf(set[i].n, batch.part_tokens, k));
       if (most == 1 || int64_t{most} * k <= kMaxMergeCandidates) break;
       batch.part_tokens = std::min(2 * batch.part_tokens, kMaxPartTokens);  // parts of 3840 tokens double past it
     }
     int max_parts = 1;
-    for (int i = 0; i < batch.count; ++i) max_parts = std::max(max_parts, PartsOf(batch.segments[i].n, batch.part_tokens, k));
+    for (int i = 0; i < batch.count; ++i) max_parts = std::max(max_parts, PartsOf(set[i].n, batch.part_tokens, k));
     if (max_parts > 1 && int64_t{max_parts} * k > kMaxMergeCandidates) {
       return Status::InvalidArgument("top-k: more than " + std::to_string(kMaxMergeCandidates) +
                                      " candidates to merge (k " + std::to_string(k) +
@@ -596,11 +599,12 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
       const cudaError_t err = AllowDynamicSharedMemory(TopKMergeKernel, MergeSharedBytes(kMaxMergeCandidates), allowed);
       if (err != cudaSuccess) return Status::Unavailable(std::string("top-k merge: ") + cudaGetErrorString(err));
     }
-    // The batch to the device (a few KB; as a kernel parameter it cost the host ~3x a plain
-    // launch, three launches a set), read there by the set's kernels.
+    // The batch to the device (as a kernel parameter it cost the host ~3x a plain launch and
+    // capped a set at 640 segments), read there by the set's kernels.
     const size_t batch_bytes = BatchBytes(batch.count);
     SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(batch_bytes, s));
-    std::memcpy(up.host, &batch, batch_bytes);
+    std::memcpy(up.host, &batch, sizeof(batch));
+    std::memcpy(static_cast<char*>(up.host) + kSegmentsOffset, set, static_cast<size_t>(batch.count) * sizeof(TopKSegment));
     SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, batch_bytes, s));
     const auto* device_batch = static_cast<const TopKBatch*>(up.device);
     const unsigned n = static_cast<unsigned>(batch.count);
@@ -609,7 +613,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     if (max_parts > 1) TopKMergeKernel<<<n, kThreads, MergeSharedBytes(int64_t{max_parts} * k), s>>>(device_batch);
     if (budget) {
       int32_t most = 0;
-      for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, batch.segments[i].n));
+      for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, set[i].n));
       size_t width = 1;
       while (width < static_cast<size_t>(most)) width *= 2;
       BudgetKernel<<<n, kThreads, width * sizeof(unsigned long long), s>>>(device_batch, n_heads,
