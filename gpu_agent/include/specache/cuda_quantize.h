@@ -10,6 +10,8 @@
 
 namespace specache::cuda {
 
+class DecodePlan;  // cuda_attention.h
+
 // keys: [n_groups][group_size][head_dim] fp16 (token-major groups, one after another).
 // codes: [n_groups][head_dim][group_size*bits/32], scale/zero: [n_groups][head_dim].
 Status QuantizeKeyGroups(const Half* keys, int n_groups, int group_size, int head_dim, int bits, uint32_t* codes,
@@ -45,16 +47,15 @@ Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_di
                               void* stream);
 
 // One value token of some replica: what QuantizeValueTokens does for n_tokens = 1, for many
-// replicas in one launch (the decode step's appends). Up to kMaxValueTokenTasks per launch; more
-// are split.
+// replicas in one launch (the decode step's appends), the tasks through a slot of `plan`
+// (cuda_attention.h; null: a plan of the call's own, which waits for the kernel).
 struct ValueTokenTask {
   const Half* value = nullptr;  // [head_dim]
   uint32_t* codes = nullptr;    // [head_dim/group_size][group_size*bits/32]
   Half* scale = nullptr;        // [head_dim/group_size]
   Half* zero = nullptr;
 };
-constexpr int kMaxValueTokenTasks = 512;
 Status QuantizeValueTokenBatch(const ValueTokenTask* tasks, int n_tasks, int head_dim, int group_size, int bits,
-                               void* stream);
+                               void* stream, DecodePlan* plan = nullptr);
 
 }  // namespace specache::cuda

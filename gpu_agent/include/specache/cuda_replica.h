@@ -76,10 +76,12 @@ class DeviceHeadReplica {
   // MmaCodesEligible parameters, and only where every item decoded from it has at most 8 queries:
   // the lean path reads those groups, and only it can). INVALID_ARGUMENT for parameters the
   // kernels do not support; UNAVAILABLE without a device, RESOURCE_EXHAUSTED when device memory
-  // runs out.
+  // runs out. `tasks` (must outlive the replica; one per thread of calls, cuda_attention.h) is the
+  // plan through which its launches' task lists go (the appends' copies, quantization and packing);
+  // null: each such launch makes a plan of its own and waits for it (tests, tools).
   static Result<std::unique_ptr<DeviceHeadReplica>> Create(const ReplicaParams& params, int32_t capacity_tokens,
                                                            void* stream, DeviceBlockPool* pool = nullptr,
-                                                           bool mma_codes = false);
+                                                           bool mma_codes = false, DecodePlan* tasks = nullptr);
   // Gives its blocks back to the pool: no queued work may still read them.
   ~DeviceHeadReplica();
   DeviceHeadReplica(const DeviceHeadReplica&) = delete;
@@ -98,8 +100,8 @@ class DeviceHeadReplica {
   Status Append(const Half* keys, const Half* values, int32_t n);
   // One token to each of many replicas (distinct, same parameters, same stream): keys[i] and
   // values[i] ([head_dim] fp16) go to replicas[i]. The same state as Append(.., 1) on each, in a
-  // few launches for all of them (the decode step's path); the rare flushes (a full key group,
-  // the window's compaction) run per replica.
+  // few launches for all of them (the decode step's path), their task lists through the first
+  // replica's plan (Create); the rare flushes (a full key group, the window's compaction) run per replica.
   static Status AppendTokens(const std::vector<DeviceHeadReplica*>& replicas, const std::vector<const Half*>& keys,
                              const std::vector<const Half*>& values);
 
@@ -177,6 +179,7 @@ class DeviceHeadReplica {
   ReplicaParams params_;
   int32_t capacity_ = 0, max_blocks_ = 0;
   void* stream_ = nullptr;
+  DecodePlan* tasks_ = nullptr;  // Create's `tasks`
   int32_t length_ = 0, key_groups_ = 0, residual_ = 0, quantized_values_ = 0;
   int32_t window_begin_ = 0, window_count_ = 0;  // tokens of the window buffer in use
   bool mma_codes_ = false;

@@ -9,16 +9,18 @@
 
 namespace specache::cuda {
 
+class DecodePlan;  // cuda_attention.h
+
 // dst[i][c] = fp16(src[i * src_stride + c]) (round to nearest even, as FloatToHalf) for i < n, c < d.
 Status FloatRowsToHalf(const float* src, int32_t n, int d, int64_t src_stride, Half* dst, void* stream);
 // Copies of many small rows (device to device) in one launch: dst[i] = src[i], row_bytes each (a
-// multiple of 16, 16-byte aligned). Up to kMaxRowCopies per launch; more are split.
+// multiple of 16, 16-byte aligned). The copies reach the kernel through a slot of `plan`
+// (cuda_attention.h; null: a plan of the call's own, which waits for the kernel).
 struct RowCopy {
   const void* src = nullptr;
   void* dst = nullptr;
 };
-constexpr int kMaxRowCopies = 1024;
-Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream);
+Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream, DecodePlan* plan = nullptr);
 
 // rows[i] = [k[i] | v[i]] ([n][2][d]), the layout of a full-precision source row.
 Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, void* stream);

@@ -54,7 +54,7 @@ DeviceHeadReplica::Buffers::~Buffers() {
 
 Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const ReplicaParams& p, int32_t capacity,
                                                                      void* stream, DeviceBlockPool* pool,
-                                                                     bool mma_codes) {
+                                                                     bool mma_codes, DecodePlan* tasks) {
   const bool packed_k = IsPackedBitWidth(p.key_bits), packed_v = IsPackedBitWidth(p.value_bits);
   if ((!packed_k && p.key_bits != 16) || (!packed_v && p.value_bits != 16)) {
     return Status::InvalidArgument("bits must be 1, 2, 4 or 16");
@@ -72,6 +72,7 @@ Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const Repli
   r->params_ = p;
   r->capacity_ = capacity;
   r->stream_ = stream;
+  r->tasks_ = tasks;
   // Replicas with mma codes keep each group's parts together (the lean path copies a group as one
   // piece); the pool's blocks have the same size either way.
   const ReplicaBlockLayout layout = MakeReplicaBlockLayout(p, mma_codes);
@@ -258,7 +259,8 @@ void DeviceHeadReplica::TakeWholeGroups(std::vector<MmaGroupTask>* tasks) {
 Status DeviceHeadReplica::PackWholeGroups() {
   std::vector<MmaGroupTask> tasks;
   TakeWholeGroups(&tasks);
-  return tasks.empty() ? Status::Ok() : PackMmaGroups(tasks.data(), static_cast<int>(tasks.size()), params_.head_dim, stream_);
+  return tasks.empty() ? Status::Ok()
+                       : PackMmaGroups(tasks.data(), static_cast<int>(tasks.size()), params_.head_dim, stream_, tasks_);
 }
 
 Status DeviceHeadReplica::FlushKeyGroups() {  // the full residual becomes R/G key groups, in one block
@@ -355,6 +357,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   if (replicas.empty()) return Status::Ok();
   const ReplicaParams& p = replicas[0]->params_;
   void* stream = replicas[0]->stream_;
+  DecodePlan* plan = replicas[0]->tasks_;
   const int d = p.head_dim, R = p.residual_tokens;
   // Two passes over the replicas (at 99 x 8K a layer appends to 792 of them, each its own object):
   // the checks and the rows' copies, then the counters and the launches that follow the copies.
@@ -377,7 +380,8 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   }
   // Usually not needed: the engine's step reserved the blocks (the agent's BeginStep).
   if (reserve) SPECACHE_RETURN_IF_ERROR(Reserve(replicas, 1));
-  SPECACHE_RETURN_IF_ERROR(CopyRows(copies.data(), static_cast<int>(copies.size()), d * static_cast<int>(sizeof(Half)), stream));
+  SPECACHE_RETURN_IF_ERROR(
+      CopyRows(copies.data(), static_cast<int>(copies.size()), d * static_cast<int>(sizeof(Half)), stream, plan));
   // The window's oldest value leaves it (steady state: one per token), for all replicas at once;
   // the groups made whole are packed after that quantization, on the same stream.
   const bool packed_values = IsPackedBitWidth(p.value_bits);
@@ -416,11 +420,13 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   }
   if (!retire.empty()) {
     SPECACHE_RETURN_IF_ERROR(
-        QuantizeValueTokenBatch(retire.data(), static_cast<int>(retire.size()), d, p.group_size, p.value_bits, stream));
+        QuantizeValueTokenBatch(retire.data(), static_cast<int>(retire.size()), d, p.group_size, p.value_bits, stream,
+                                plan));
   }
   if (!retire_half.empty()) {
     SPECACHE_RETURN_IF_ERROR(
-        CopyRows(retire_half.data(), static_cast<int>(retire_half.size()), d * static_cast<int>(sizeof(Half)), stream));
+        CopyRows(retire_half.data(), static_cast<int>(retire_half.size()), d * static_cast<int>(sizeof(Half)), stream,
+                 plan));
   }
   // The windows' compactions after the retired values were read, copied together (a copy each
   // was a launch of its own per replica). A compaction follows a retire, which leaves R values in
@@ -432,10 +438,10 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
       if (rows != R) return Status::Internal("a window compaction of " + std::to_string(rows) + " rows, not R");
     }
     SPECACHE_RETURN_IF_ERROR(
-        CopyRows(spans.data(), static_cast<int>(spans.size()), R * d * static_cast<int>(sizeof(Half)), stream));
+        CopyRows(spans.data(), static_cast<int>(spans.size()), R * d * static_cast<int>(sizeof(Half)), stream, plan));
   }
   if (whole.empty()) return Status::Ok();
-  return PackMmaGroups(whole.data(), static_cast<int>(whole.size()), p.head_dim, stream);
+  return PackMmaGroups(whole.data(), static_cast<int>(whole.size()), p.head_dim, stream, plan);
 }
 
 void DeviceHeadReplica::Prefetch() const {

@@ -8,27 +8,23 @@
 #include <string>
 
 #include "mma_codes.h"
+#include "decode_plan_slots.h"
 
 namespace specache::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMaxTasks = 256;  // per launch: 56 bytes each, within the kernel parameters' 32764 bytes
-struct TaskBatch {
-  MmaGroupTask tasks[kMaxTasks];
-  int n;
-};
 
 template <int D>
-__global__ void PackMmaGroupsKernel(TaskBatch batch) {
+__global__ void PackMmaGroupsKernel(const MmaGroupTask* __restrict__ tasks, int n) {
   constexpr int W = D / 32;  // words per lane, of the keys and of the values
   // The group's natural arrays: key codes, value codes [D words], then key scales, key zeros
   // [D halves], value scales, value zeros [32 x D / 32 = D halves]: 4 D words.
   __shared__ uint32_t natural[kWarps][4 * D];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int i = blockIdx.x * kWarps + warp;
-  if (i >= batch.n) return;
-  const MmaGroupTask task = batch.tasks[i];
+  if (i >= n) return;
+  const MmaGroupTask task = tasks[i];
   uint32_t* keys = natural[warp];
   uint32_t* values = natural[warp] + D;
   Half* halves = reinterpret_cast<Half*>(natural[warp] + 2 * D);  // [4][D]
@@ -83,22 +79,21 @@ __global__ void PackMmaGroupsKernel(TaskBatch batch) {
 
 }  // namespace
 
-Status PackMmaGroups(const MmaGroupTask* tasks, int n, int head_dim, void* stream) {
+Status PackMmaGroups(const MmaGroupTask* tasks, int n, int head_dim, void* stream, DecodePlan* plan) {
   if (head_dim != 64 && head_dim != 128) return Status::InvalidArgument("mma codes: head_dim must be 64 or 128");
+  if (n < 0) return Status::InvalidArgument("mma codes: negative task count");
+  if (n == 0) return Status::Ok();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  for (int first = 0; first < n; first += kMaxTasks) {
-    TaskBatch batch;
-    batch.n = std::min(kMaxTasks, n - first);
-    std::copy(tasks + first, tasks + first + batch.n, batch.tasks);
-    const int blocks = (batch.n + kWarps - 1) / kWarps;
+  const int blocks = (n + kWarps - 1) / kWarps;
+  return WithDeviceTasks(plan, tasks, n, s, [&](const MmaGroupTask* on_device) {
     if (head_dim == 64) {
-      PackMmaGroupsKernel<64><<<blocks, kWarps * 32, 0, s>>>(batch);
+      PackMmaGroupsKernel<64><<<blocks, kWarps * 32, 0, s>>>(on_device, n);
     } else {
-      PackMmaGroupsKernel<128><<<blocks, kWarps * 32, 0, s>>>(batch);
+      PackMmaGroupsKernel<128><<<blocks, kWarps * 32, 0, s>>>(on_device, n);
     }
-  }
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("mma codes: ") + cudaGetErrorString(err));
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("mma codes: ") + cudaGetErrorString(err));
+  });
 }
 
 NaturalGroupArrays UnpackMmaGroup(const MmaGroupArrays& mma, int head_dim) {

@@ -100,8 +100,9 @@ struct MmaGroupTask {
   Half* value_zero = nullptr;
   float* scale_bound = nullptr;
 };
-// Rewrites the groups in the mma layout, queued on `stream` (after their quantization).
-Status PackMmaGroups(const MmaGroupTask* tasks, int n, int head_dim, void* stream);
+// Rewrites the groups in the mma layout, queued on `stream` (after their quantization), in one
+// launch; the tasks go through a slot of `plan` (null: a plan of the call's own, which waits).
+Status PackMmaGroups(const MmaGroupTask* tasks, int n, int head_dim, void* stream, DecodePlan* plan = nullptr);
 
 // Host-side inverse, for tests: a group's natural arrays (each the size of its mma-layout one)
 // from the mma layout.

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "specache/cuda_quantize.h"
+#include "decode_plan_slots.h"
 
 namespace specache::cuda {
 namespace {
@@ -127,19 +128,15 @@ __global__ void QuantizeValueTokenRunsKernel(RunBatch<ValueTokenRun> batch, int 
                          group_size, bits, r.codes + first * (group_size * bits / 32), r.scale + first, r.zero + first);
 }
 
-struct ValueTokenBatch {  // by value (kMaxValueTokenTasks x 32 bytes fit the parameter space)
-  ValueTokenTask tasks[kMaxValueTokenTasks];
-  int count;
-};
-
 // One warp per (task, channel group).
-__global__ void QuantizeValueTokenBatchKernel(ValueTokenBatch batch, int head_dim, int group_size, int bits) {
+__global__ void QuantizeValueTokenBatchKernel(const ValueTokenTask* __restrict__ tasks, int count, int head_dim,
+                                              int group_size, int bits) {
   const int groups = head_dim / group_size;
-  const int run = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (run >= batch.count * groups) return;
-  const ValueTokenTask& t = batch.tasks[run / groups];
-  QuantizeValueGroupWarp(reinterpret_cast<const __half*>(t.value), run % groups, group_size, bits, t.codes, t.scale,
-                         t.zero);
+  const int64_t run = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (run >= static_cast<int64_t>(count) * groups) return;
+  const ValueTokenTask& t = tasks[run / groups];
+  QuantizeValueGroupWarp(reinterpret_cast<const __half*>(t.value), static_cast<int>(run % groups), group_size, bits,
+                         t.codes, t.scale, t.zero);
 }
 
 Status Check(int group_size, int head_dim, int bits) {
@@ -221,20 +218,19 @@ Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int g
 }
 
 Status QuantizeValueTokenBatch(const ValueTokenTask* tasks, int n_tasks, int head_dim, int group_size, int bits,
-                               void* stream) {
+                               void* stream, DecodePlan* plan) {
   SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
   if (head_dim % group_size != 0) return Status::InvalidArgument("group_size must divide head_dim");
+  if (n_tasks < 0) return Status::InvalidArgument("negative task count");
+  if (n_tasks == 0) return Status::Ok();
   constexpr int kWarps = 8;
-  for (int first = 0; first < n_tasks; first += kMaxValueTokenTasks) {
-    ValueTokenBatch batch;
-    batch.count = std::min(kMaxValueTokenTasks, n_tasks - first);
-    for (int i = 0; i < batch.count; ++i) batch.tasks[i] = tasks[first + i];
-    const int runs = batch.count * (head_dim / group_size);
-    QuantizeValueTokenBatchKernel<<<(runs + kWarps - 1) / kWarps, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
-        batch, head_dim, group_size, bits);
-    SPECACHE_RETURN_IF_ERROR(Launched("value quantization kernel (batch)"));
-  }
-  return Status::Ok();
+  const int64_t runs = int64_t{n_tasks} * (head_dim / group_size);
+  auto* s = static_cast<cudaStream_t>(stream);
+  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const ValueTokenTask* on_device) {
+    QuantizeValueTokenBatchKernel<<<static_cast<unsigned>((runs + kWarps - 1) / kWarps), kWarps * 32, 0, s>>>(
+        on_device, n_tasks, head_dim, group_size, bits);
+    return Launched("value quantization kernel (batch)");
+  });
 }
 
 }  // namespace specache::cuda

@@ -28,7 +28,8 @@ Status ReplicaStore::AddSequence(SequenceId id) {
   for (auto& layer : replicas.layers) {
     layer.resize(shape_.n_kv_heads);
     for (auto& r : layer) {
-      SPECACHE_ASSIGN_OR_RETURN(r, DeviceHeadReplica::Create(params_, capacity_tokens_, stream_, pool_.get(), mma_codes_));
+      SPECACHE_ASSIGN_OR_RETURN(
+          r, DeviceHeadReplica::Create(params_, capacity_tokens_, stream_, pool_.get(), mma_codes_, &tasks_));
     }
   }
   replicas_.emplace(id, std::move(replicas));

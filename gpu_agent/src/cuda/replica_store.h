@@ -80,6 +80,9 @@ class ReplicaStore {
   // Whether the replicas keep their whole groups in the lean decode path's mma layout.
   bool mma_codes_ = false;
   std::unique_ptr<DeviceBlockPool> pool_;  // before replicas_: they give blocks back to it
+  // The task lists of the replicas' launches (appends, packing), read in place (a copy could queue
+  // behind the fetch's on the copy engine). Before replicas_, which point to it.
+  DecodePlan tasks_{DecodePlan::SlotReads::kInPlace};
   std::map<SequenceId, Sequence> replicas_;
 };
 

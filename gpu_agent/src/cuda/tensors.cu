@@ -4,6 +4,7 @@
 #include <string>
 
 #include "specache/cuda_tensors.h"
+#include "decode_plan_slots.h"
 
 namespace specache::cuda {
 namespace {
@@ -25,17 +26,12 @@ __global__ void InterleaveKernel(const __half* k, const __half* v, int64_t total
   }
 }
 
-struct RowCopyBatch {  // by value: kMaxRowCopies x 16 bytes fit the parameter space
-  RowCopy copies[kMaxRowCopies];
-  int count;
-};
-
 // One thread per 16-byte piece.
-__global__ void CopyRowsKernel(RowCopyBatch batch, int pieces_per_row) {
-  const int64_t total = static_cast<int64_t>(batch.count) * pieces_per_row;
+__global__ void CopyRowsKernel(const RowCopy* __restrict__ copies, int count, int pieces_per_row) {
+  const int64_t total = static_cast<int64_t>(count) * pieces_per_row;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const RowCopy& c = batch.copies[i / pieces_per_row];
+    const RowCopy& c = copies[i / pieces_per_row];
     const int piece = static_cast<int>(i % pieces_per_row);
     static_cast<uint4*>(c.dst)[piece] = static_cast<const uint4*>(c.src)[piece];
   }
@@ -66,17 +62,16 @@ Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, 
   return Launched("K/V interleave kernel");
 }
 
-Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream) {
+Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream, DecodePlan* plan) {
   if (row_bytes <= 0 || row_bytes % 16 != 0) return Status::InvalidArgument("row_bytes must be a positive multiple of 16");
-  for (int first = 0; first < n; first += kMaxRowCopies) {
-    RowCopyBatch batch;
-    batch.count = std::min(kMaxRowCopies, n - first);
-    for (int i = 0; i < batch.count; ++i) batch.copies[i] = copies[first + i];
-    const int64_t pieces = int64_t{batch.count} * (row_bytes / 16);
-    CopyRowsKernel<<<Blocks(pieces), 256, 0, static_cast<cudaStream_t>(stream)>>>(batch, row_bytes / 16);
-    SPECACHE_RETURN_IF_ERROR(Launched("row copy kernel"));
-  }
-  return Status::Ok();
+  if (n < 0) return Status::InvalidArgument("negative row copy count");
+  if (n == 0) return Status::Ok();
+  const int64_t pieces = int64_t{n} * (row_bytes / 16);
+  auto* s = static_cast<cudaStream_t>(stream);
+  return WithDeviceTasks(plan, copies, n, s, [&](const RowCopy* on_device) {
+    CopyRowsKernel<<<Blocks(pieces), 256, 0, s>>>(on_device, n, row_bytes / 16);
+    return Launched("row copy kernel");
+  });
 }
 
 }  // namespace specache::cuda
