@@ -1,6 +1,6 @@
 // How a batch of `count` items whose launches take at most `max_per_launch` each splits into
-// launches of equal size: 792 top-k segments at 640 per launch run as 396 + 396, not 640 + 152,
-// whose small second launch would fill the GPU poorly.
+// launches of equal size, so that no small last launch fills the GPU poorly: the top-k's sets of
+// segments (at most kMaxTopKSegments, the grid's rows), 65544 segments as 32772 + 32772.
 #pragma once
 
 namespace specache::cuda {

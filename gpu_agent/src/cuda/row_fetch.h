@@ -202,7 +202,7 @@ class RowFetcher {
   Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids, bool by_copy_engine);
   // Queues the work on `stream`; `staged` (a source without pages) or `copy_engine` brings the
   // missed rows first (both null: FetchRows reads them from the pages). The kernels' task lists go
-  // through `plan`, the one of the thread that calls (PlanOfWorker, PlanOfCaller).
+  // through `plan`, the one of the thread that calls (worker_plan_, caller_plan_).
   Status Launch(const FetchWork& work, StagedFetch* staged, CopyEngineFetch* copy_engine, cudaStream_t stream,
                 DecodePlan* plan) const;
   // Queues the deferred fetch, if any, on the fetch stream behind everything queued so far on the
