@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Reads gpu_timeline.csv (tools/profile/gpu_timeline.cc) and prints where the GPU's time went in
 the recorded span: how long no record of any stream ran (idle), each stream's busy time, the
-kernels' times as they ran (concurrently), and the longest idle gaps with what came before and
-after them.
+kernels' times as they ran (concurrently), and the longest gaps in which no kernel ran, with the
+record that ended before each, the one that began after (and its stream), and the copies and
+memsets that ran during it (a kernel that waits for a copy queued behind another on the copy
+engine shows as a gap that a large copy spans).
 
   gpu_timeline.py gpu_timeline.csv [--gaps 15] [--names 60]
 """
@@ -43,6 +45,11 @@ def union(intervals):
         else:
             merged.append([s, e])
     return merged
+
+
+def copies_during(records, start, end):
+    """The copies and memsets that ran for some of [start, end)."""
+    return [r for r in records if r[2] != "K" and r[0] < end and r[1] > start]
 
 
 def short(name, width):
@@ -101,7 +108,10 @@ def main():
     for g, s, e in sorted(gaps, reverse=True)[: a.gaps]:
         before = ends[bisect.bisect_right(end_times, s) - 1]
         after = records[bisect.bisect_left(start_times, e)]
-        print(f"{g / 1e3:9.1f} @ {(s - t0) / 1e6:8.3f}  {short(before[4], 40):40s} -> {short(after[4], 40)}")
+        print(f"{g / 1e3:9.1f} @ {(s - t0) / 1e6:8.3f}  {short(before[4], 40):40s} -> {short(after[4], 40)}"
+              f" (stream {after[3]})")
+        for c in copies_during(records, s, e):
+            print(f"{'':22s}during: {c[4]} on stream {c[3]}, {(c[0] - s) / 1e3:+.1f} to {(c[1] - s) / 1e3:+.1f} us")
 
 
 if __name__ == "__main__":

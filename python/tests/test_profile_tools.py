@@ -1,0 +1,28 @@
+"""tools/profile/gpu_timeline.py on a small hand-made timeline: the idle gap before a kernel is
+listed with the copies that ran during it, so a kernel waiting behind a large copy shows."""
+
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "profile" / "gpu_timeline.py"
+
+
+def test_a_gap_lists_the_copies_that_ran_during_it(tmp_path):
+    csv = tmp_path / "timeline.csv"
+    csv.write_text(
+        "kind,stream,start_ns,end_ns,name\n"
+        "K,7,0,100000,FirstKernel\n"
+        "C,9,50000,600000,copy HtoD 26214400\n"   # spans the gap
+        "C,13,120000,130000,copy HtoD 65536\n"     # inside it
+        "S,9,900000,910000,memset 64\n"            # after it: not listed
+        "K,7,650000,700000,AttentionKernel\n"
+        "K,7,702000,710000,MergeKernel\n")
+    out = subprocess.run([sys.executable, str(SCRIPT), str(csv), "--gaps", "1"], capture_output=True, text=True,
+                         check=True).stdout
+    gap = out[out.index("longest 1 of those gaps"):].splitlines()
+    assert "550.0" in gap[1] and "FirstKernel" in gap[1] and "AttentionKernel (stream 7)" in gap[1]
+    assert gap[2].split() == ["during:", "copy", "HtoD", "26214400", "on", "stream", "9,", "-50.0", "to", "+500.0", "us"]
+    assert gap[3].split()[1:4] == ["copy", "HtoD", "65536"]
+    assert len(gap) == 4, out
