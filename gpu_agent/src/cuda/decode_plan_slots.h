@@ -135,9 +135,22 @@ struct DecodePlan::Impl {
   Status Send(const Upload& up, size_t bytes, cudaStream_t stream) { return Copy(up.slot, bytes, stream, up.capturing); }
   Status Finish(const Upload& up, cudaStream_t stream) {
     if (up.capturing) return Status::Ok();
-    if (cudaEventRecord(up.slot->done, stream) != cudaSuccess) return Status::Unavailable("decode plan: plan event");
+    if (cudaEventRecord(up.slot->done, stream) != cudaSuccess) {
+      // Without the event nothing would tell when the slot is free: wait for its readers here.
+      cudaStreamSynchronize(stream);
+      return Status::Unavailable("decode plan: plan event");
+    }
     up.slot->recorded = true;
     return Status::Ok();
+  }
+  // A plan made for one call (a null plan given) frees its slots when the call returns: refused on
+  // a stream being captured, whose graph would read them later.
+  static Status OwnPlanAllowed(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) return Status::Unavailable("decode plan: stream state");
+    return capture == cudaStreamCaptureStatusNone
+               ? Status::Ok()
+               : Status::InvalidArgument("decode plan: a stream being captured needs a plan that outlives the graph");
   }
 };
 
@@ -149,6 +162,7 @@ struct DecodePlan::Impl {
 template <typename T, typename Launch>
 Status WithDeviceTasks(DecodePlan* plan, const T* tasks, int n, cudaStream_t stream, Launch&& launch) {
   if (plan == nullptr) {
+    SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(stream));
     DecodePlan own(DecodePlan::SlotReads::kInPlace);
     return WithDeviceTasks(&own, tasks, n, stream, launch);
   }
