@@ -364,7 +364,7 @@ TEST(CudaAttentionTest, TailsFirstOrderMatchesTheCpuReference) {
 
 // The decode attention captured in a CUDA graph (relaxed capture: the plan may allocate) and
 // replayed, after the plan's ring was reused by other calls: the replay gives the same outputs,
-// bit for bit, as the direct call.
+// bit for bit, as the direct call. A call without a plan is refused on the capturing stream.
 TEST(CudaAttentionTest, ACapturedGraphReplaysTheSameAttention) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -387,8 +387,11 @@ TEST(CudaAttentionTest, ACapturedGraphReplaysTheSameAttention) {
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
   const Status captured = cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), stream, &plan);
+  // Without a plan the call's own would free its slot on return, while the graph still reads it.
+  const Status planless = cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), stream);
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_TRUE(captured.ok()) << captured.ToString();
+  EXPECT_EQ(planless.code(), StatusCode::kInvalidArgument) << planless.ToString();
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   // Other calls go through the ring meanwhile (with other items): the graph's plan stays its own.

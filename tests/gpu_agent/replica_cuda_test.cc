@@ -242,8 +242,10 @@ TEST(CudaReplicaTest, MmaCodesHoldTheCpuReplicasCodes) {
 
 // The decode step's batched one-token appends leave each replica as a plain Append would (and as
 // the CPU replica): replicas at different lengths, so flushes and compactions fall on different
-// steps. The last case has 300 replicas in the lean path's mma layout: a step's flushes pass the
-// 256 runs of one quantization launch, and the groups they make whole are packed after them.
+// steps. The last cases have 300 and 600 replicas in the lean path's mma layout: a step's flushes
+// pass the 256 runs of one quantization launch, and the groups they make whole are packed after
+// them; their task lists go through one in-place plan, as the agent's (600: more row copies and
+// value tasks a step than one launch took when they were its parameters, 1024 and 512).
 TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -252,8 +254,10 @@ TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
     int bits, n;
     bool mma;
   };
-  for (const Case c : {Case{1, 37, false}, Case{2, 37, false}, Case{16, 37, false}, Case{1, 300, true}}) {
+  for (const Case c : {Case{1, 37, false}, Case{2, 37, false}, Case{16, 37, false}, Case{1, 300, true},
+                       Case{1, 600, true}}) {
     const int bits = c.bits, n = c.n;
+    cuda::DecodePlan plan(cuda::DecodePlan::SlotReads::kInPlace);  // outlives the replicas, which use it
     const int d = 64, G = 32, R = 64, steps = 150;
     const ReplicaParams p{d, bits, bits, G, R};
     std::vector<HeadReplica> cpu(n, HeadReplica(p));
@@ -264,7 +268,7 @@ TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
     Half* rows = nullptr;
     ASSERT_EQ(cudaMalloc(&rows, size_t(2) * 300 * d * sizeof(Half)), cudaSuccess);
     for (int i = 0; i < n; ++i) {
-      auto r = cuda::DeviceHeadReplica::Create(p, 1000, nullptr, pool->get(), c.mma);
+      auto r = cuda::DeviceHeadReplica::Create(p, 1000, nullptr, pool->get(), c.mma, c.mma ? &plan : nullptr);
       ASSERT_TRUE(r.ok());
       gpu.push_back(std::move(r).value());
       const int first = static_cast<int>(rng() % 300);

@@ -197,16 +197,18 @@ struct DeviceDecodeItem {
   DeviceDecodeRows rows;
 };
 
-// Where AttendDecodeBatch puts its launch plan: the items and the split of their work, copied to
-// device memory in one copy per call, so a call takes any number of items and no kernel carries
-// them in its parameters (SelectTopKBatch's segments go the same way, cuda_topk.h). A ring of
-// slots (pinned host memory + device memory, grown as calls need); a slot is written again only
-// after the copy that read it has run, so the host can run a few calls ahead of the device and no
-// call waits for the device unless the ring is full.
+// Where AttendDecodeBatch puts its launch plan: the items and the split of their work, written to
+// pinned host memory and (kDeviceCopy, below) copied to device memory once per call, so a call
+// takes any number of items and no kernel carries them in its parameters (SelectTopKBatch's
+// segments, the fetch's and the appends' task lists go the same way). A ring of slots (grown as
+// calls need); a slot is written again only after the kernels that read it have run, so the host
+// can run a few calls ahead of the device and no call waits for the device unless the ring is full.
 //
-// CUDA graphs: a call made while its stream is being captured copies from a slot kept for the
-// graph (never rewritten), so replaying the graph replays the same plan: keep the plan alive as
-// long as the graph. One plan per thread of calls (not thread-safe). UNAVAILABLE without CUDA.
+// CUDA graphs: a call made while its stream is being captured reads a slot kept for the graph
+// (never rewritten, 64 KB or more pinned each until the plan goes), so replaying the graph
+// replays the same plan: keep the plan alive as long as the graph. A call given no plan (one of its
+// own, freed on return) is refused on a capturing stream (INVALID_ARGUMENT). One plan per thread
+// of calls (not thread-safe). UNAVAILABLE without CUDA.
 class DecodePlan {
  public:
   // Where the kernels read a slot. kDeviceCopy: a copy in device memory, made on a side stream
@@ -214,7 +216,8 @@ class DecodePlan {
   // pinned host bytes themselves, over PCIe (small task lists whose threads read a task each: no
   // copy that could queue behind the fetch's large copies on the copy engine; measured on the
   // H200, task lists copied to the device made the fetch's missed-row list wait for them and the
-  // step wait 14-21 ms for the fetch at 98 x 8K, where the attention read in place ran 35-55% slower).
+  // step wait 14-21 ms for the fetch at 8K, 98 sequences, where the attention read in place ran
+  // 35-55% slower).
   enum class SlotReads { kDeviceCopy, kInPlace };
   explicit DecodePlan(SlotReads reads = SlotReads::kDeviceCopy);
   ~DecodePlan();  // waits for the device to finish reading the slots

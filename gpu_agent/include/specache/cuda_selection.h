@@ -3,8 +3,8 @@
 // real row's scores (they become NaN, which every top-k ranks lowest), SelectTopKBatch then picks
 // the real row's best others, and MergeSelections joins the two ascending lists into one. Device
 // pointers; streams as void*. With KvConfig::real_next, WithPredecessors first credits each token
-// with its predecessor's score. Tasks travel in the kernels' parameters, kMaxSelectionTasks per
-// launch (more are split across launches).
+// with its predecessor's score. One launch per call, its tasks through a slot of `plan`
+// (cuda_attention.h; null: a plan of the call's own, which waits for the kernel).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,8 @@
 #include "specache/status.h"
 
 namespace specache::cuda {
+
+class DecodePlan;  // cuda_attention.h
 
 struct MaskTask {
   float* scores = nullptr;          // [n_heads][n]
@@ -37,19 +39,18 @@ struct ShiftTask {
   int32_t n = 0;
 };
 
-constexpr int kMaxSelectionTasks = 256;
-
 // scores[h][token] = NaN for every listed token, in every head of the group (kNoToken entries,
 // the adaptive budget's padding, are skipped).
-Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream);
-Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream);
+Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream, DecodePlan* plan = nullptr);
+Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream, DecodePlan* plan = nullptr);
 // The union with the adaptive budget: `a` holds the budget's rows then kNoToken padding (cuda_topk.h),
 // `b` the real row's best others ranked with a's rows masked. When fewer than nb others exist, b
 // also holds some of a's rows: they count once. `out` [na + nb] receives a's rows and b's others,
 // ascending, then kNoToken; each task's count is added to *rows (device memory) when rows is set.
 // na + nb at most kMaxBudgetMerge.
 constexpr int kMaxBudgetMerge = 8192;
-Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream);
-Status WithPredecessors(const ShiftTask* tasks, int n_tasks, int n_heads, void* stream);
+Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream,
+                             DecodePlan* plan = nullptr);
+Status WithPredecessors(const ShiftTask* tasks, int n_tasks, int n_heads, void* stream, DecodePlan* plan = nullptr);
 
 }  // namespace specache::cuda

@@ -418,6 +418,7 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
 }
 
 Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream) {
+  SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(static_cast<cudaStream_t>(stream)));
   DecodePlan plan;  // its destructor waits for the slot
   return AttendDecodeBatch(items, n_items, stream, &plan);
 }

@@ -83,10 +83,15 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
                                       up_[b].get() + rank_bytes, threads_);
   rows_gathered_ += rows;
 
-  // 3. Up in one copy; the cache update reads it from device memory.
-  queued = CudaStatus(cudaMemcpyAsync(device_[b].get(), up_[b].get(), rank_bytes + static_cast<size_t>(rows) * row,
-                                      cudaMemcpyHostToDevice, stream),
-                      "rows to the device");
+  // 3. Up in pieces of kCopyPieceBytes; the cache update reads them from device memory. Copies in
+  //    one direction run one at a time on the copy engine: a piece at a time, another stream's
+  //    small copy (a launch plan's upload) waits for a piece, not for the layer's whole rows.
+  const size_t total = rank_bytes + static_cast<size_t>(rows) * row;
+  for (size_t at = 0; at < total && queued.ok(); at += kCopyPieceBytes) {
+    queued = CudaStatus(cudaMemcpyAsync(device_[b].get() + at, up_[b].get() + at, std::min(kCopyPieceBytes, total - at),
+                                        cudaMemcpyHostToDevice, stream),
+                        "rows to the device");
+  }
   // Recorded after an error too: whatever was queued is what the next use and the destructor wait for.
   const Status recorded = CudaStatus(cudaEventRecord(copied_[b], stream), "rows to the device");
   next_ = 1 - b;

@@ -69,6 +69,11 @@ class CopyEngineFetch {
   // Rows the host gathered so far (the misses; the cache update counts them on the device too).
   int64_t rows_gathered() const { return rows_gathered_; }
 
+  // The rows go up in copies of at most this many bytes (~40 us each at PCIe 5's ~50 GB/s): the
+  // copy engine runs copies of one direction one at a time, so a small upload on another stream
+  // waits for one piece rather than for a layer's rows (26 MB at 99 x 8K).
+  static constexpr size_t kCopyPieceBytes = size_t{2} << 20;
+
  private:
   int head_dim_;
   int32_t page_tokens_;

@@ -23,11 +23,10 @@ namespace specache::cuda {
 // after the last kernel, and the slot is written again only after it completed.
 struct DecodePlan::Impl {
   struct Slot {
-    void* host = nullptr;    // pinned
-    void* device = nullptr;  // or, mapped, the device's address of `host`
-    bool mapped = false;
+    void* host = nullptr;    // pinned (mapped in place)
+    void* device = nullptr;  // device memory, or in place the device's address of `host`
     size_t bytes = 0;
-    cudaEvent_t copied = nullptr, done = nullptr;
+    cudaEvent_t copied = nullptr, done = nullptr;  // `copied`: device copies only
     bool recorded = false;   // `done` recorded and not yet waited for
   };
   static constexpr int kRing = 64;  // calls the host may run ahead of the device (attention and top-k: ~3 a layer)
@@ -36,16 +35,16 @@ struct DecodePlan::Impl {
   int next = 0;
   int device = -1;
   bool in_place = false;  // DecodePlan::SlotReads::kInPlace: no device copy, the kernels read `host`
-  cudaStream_t copy = nullptr;
+  cudaStream_t copy = nullptr;      // device copies only, as `fork`
   cudaEvent_t fork = nullptr;       // a captured call's copy joins the capture through it
 
   // (A captured slot's events belong to the graph's capture: they are never waited for.)
-  static void Free(Slot& s) {
+  void Free(Slot& s) const {
     if (s.recorded) cudaEventSynchronize(s.done);
     if (s.done) cudaEventDestroy(s.done);
     if (s.copied) cudaEventDestroy(s.copied);
     if (s.host) cudaFreeHost(s.host);
-    if (s.device && !s.mapped) cudaFree(s.device);
+    if (s.device && !in_place) cudaFree(s.device);
     s = Slot{};
   }
   ~Impl() {
@@ -60,8 +59,9 @@ struct DecodePlan::Impl {
     if (cudaGetDevice(&current) != cudaSuccess) return Status::Unavailable("decode plan: no CUDA device");
     if (device < 0) device = current;
     if (device != current) return Status::InvalidArgument("decode plan: a plan serves the device it was first used on");
-    if (copy == nullptr && (cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking) != cudaSuccess ||
-                            cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) != cudaSuccess)) {
+    if (!in_place && copy == nullptr &&
+        (cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking) != cudaSuccess ||
+         cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) != cudaSuccess)) {
       return Status::Unavailable("decode plan: cannot create its copy stream");
     }
     Slot* s = nullptr;
@@ -79,10 +79,9 @@ struct DecodePlan::Impl {
     if (s->bytes < bytes) {
       const size_t grown = std::max<size_t>({bytes, 2 * s->bytes, 64 << 10});
       if (s->host) cudaFreeHost(s->host), s->host = nullptr;
-      if (s->device && !s->mapped) cudaFree(s->device);
+      if (s->device && !in_place) cudaFree(s->device);
       s->device = nullptr;
       s->bytes = 0;
-      s->mapped = in_place;
       if (in_place ? cudaHostAlloc(&s->host, grown, cudaHostAllocMapped) != cudaSuccess ||
                           cudaHostGetDevicePointer(&s->device, s->host, 0) != cudaSuccess
                     : cudaHostAlloc(&s->host, grown, cudaHostAllocDefault) != cudaSuccess ||
@@ -92,15 +91,15 @@ struct DecodePlan::Impl {
       }
       s->bytes = grown;
     }
-    if (s->copied == nullptr && (cudaEventCreateWithFlags(&s->copied, cudaEventDisableTiming) != cudaSuccess ||
-                                 cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming) != cudaSuccess)) {
+    if ((s->done == nullptr && cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming) != cudaSuccess) ||
+        (!in_place && s->copied == nullptr && cudaEventCreateWithFlags(&s->copied, cudaEventDisableTiming) != cudaSuccess)) {
       return Status::Unavailable("decode plan: cannot create its events");
     }
     return s;
   }
   // Copies the slot's first `bytes` to the device; `stream` waits for the copy.
   Status Copy(Slot* s, size_t bytes, cudaStream_t stream, bool capturing) {
-    if (s->mapped) return Status::Ok();  // read in place
+    if (in_place) return Status::Ok();  // read in place
     // A captured copy must hang off the capturing stream to join the graph.
     if (capturing && (cudaEventRecord(fork, stream) != cudaSuccess || cudaStreamWaitEvent(copy, fork, 0) != cudaSuccess)) {
       return Status::Unavailable("decode plan: copy in a capture");
@@ -135,9 +134,22 @@ struct DecodePlan::Impl {
   Status Send(const Upload& up, size_t bytes, cudaStream_t stream) { return Copy(up.slot, bytes, stream, up.capturing); }
   Status Finish(const Upload& up, cudaStream_t stream) {
     if (up.capturing) return Status::Ok();
-    if (cudaEventRecord(up.slot->done, stream) != cudaSuccess) return Status::Unavailable("decode plan: plan event");
+    if (cudaEventRecord(up.slot->done, stream) != cudaSuccess) {
+      // Without the event nothing would tell when the slot is free: wait for its readers here.
+      cudaStreamSynchronize(stream);
+      return Status::Unavailable("decode plan: plan event");
+    }
     up.slot->recorded = true;
     return Status::Ok();
+  }
+  // A plan made for one call (a null plan given) frees its slots when the call returns: refused on
+  // a stream being captured, whose graph would read them later.
+  static Status OwnPlanAllowed(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) return Status::Unavailable("decode plan: stream state");
+    return capture == cudaStreamCaptureStatusNone
+               ? Status::Ok()
+               : Status::InvalidArgument("decode plan: a stream being captured needs a plan that outlives the graph");
   }
 };
 
@@ -149,6 +161,7 @@ struct DecodePlan::Impl {
 template <typename T, typename Launch>
 Status WithDeviceTasks(DecodePlan* plan, const T* tasks, int n, cudaStream_t stream, Launch&& launch) {
   if (plan == nullptr) {
+    SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(stream));
     DecodePlan own(DecodePlan::SlotReads::kInPlace);
     return WithDeviceTasks(&own, tasks, n, stream, launch);
   }

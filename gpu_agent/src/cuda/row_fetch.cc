@@ -14,6 +14,8 @@ RowFetcher::RowFetcher(const ModelShape& shape, const KvConfig& config, const Cu
     : shape_(shape), config_(config), options_(options), pages_(pages), compute_(compute) {}
 
 RowFetcher::~RowFetcher() {
+  // The fetch stream's kernels read the plans' slots and write the buffers below: done first.
+  if (fetch_) cudaStreamSynchronize(fetch_);
   staged_worker_.reset();  // each waits for its last copy out of its pinned memory
   staged_inline_.reset();
   copy_engine_.reset();

@@ -8,20 +8,25 @@
 #include "specache/cuda_fetch.h"
 #include "sorted_tokens.cuh"
 #include "specache/cuda_selection.h"
+#include "decode_plan_slots.h"
 
 namespace specache::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 
+// Block `task`'s task, copied once into shared memory (the tasks may be read in place from host
+// memory, DecodePlan::SlotReads::kInPlace: one read a block, not one per thread and field).
 template <typename T>
-struct Batch {  // by value: 256 tasks of at most 32 bytes
-  T tasks[kMaxSelectionTasks];
-  int count;
-};
+__device__ const T& TaskOfBlock(const T* tasks, unsigned task) {
+  __shared__ T mine;
+  if (threadIdx.x == 0) mine = tasks[task];
+  __syncthreads();
+  return mine;
+}
 
-__global__ void MaskKernel(Batch<MaskTask> batch, int n_heads) {
-  const MaskTask& t = batch.tasks[blockIdx.x];
+__global__ void MaskKernel(const MaskTask* __restrict__ tasks, int n_heads) {
+  const MaskTask& t = TaskOfBlock(tasks, blockIdx.x);
   for (int64_t i = threadIdx.x; i < int64_t{t.count} * n_heads; i += blockDim.x) {
     const int h = static_cast<int>(i / t.count);
     const int32_t token = t.tokens[i % t.count];
@@ -33,8 +38,8 @@ __global__ void MaskKernel(Batch<MaskTask> batch, int n_heads) {
 // 2^31: the host checks), four per thread. (One block per task walked a task's ~32K scores with
 // 256 threads: 0.29 ms a layer at 99 x 8K for ~208 MB, ~6x its bytes' time.)
 constexpr int kShiftSlice = 4 * kThreads;
-__global__ void ShiftKernel(Batch<ShiftTask> batch, int n_heads) {
-  const ShiftTask& t = batch.tasks[blockIdx.y];
+__global__ void ShiftKernel(const ShiftTask* __restrict__ tasks, int n_heads) {
+  const ShiftTask& t = TaskOfBlock(tasks, blockIdx.y);
   const int32_t total = t.n * n_heads, end = min(total, static_cast<int32_t>(blockIdx.x + 1) * kShiftSlice);
   for (int32_t i = static_cast<int32_t>(blockIdx.x) * kShiftSlice + threadIdx.x; i < end; i += blockDim.x) {
     const int32_t j = i % t.n;
@@ -44,8 +49,8 @@ __global__ void ShiftKernel(Batch<ShiftTask> batch, int n_heads) {
 }
 
 // Each token's place in the merged list is its index plus the other list's tokens below it.
-__global__ void MergeKernel(Batch<MergeTask> batch) {
-  const MergeTask& t = batch.tasks[blockIdx.x];
+__global__ void MergeKernel(const MergeTask* __restrict__ tasks) {
+  const MergeTask& t = TaskOfBlock(tasks, blockIdx.x);
   for (int32_t i = threadIdx.x; i < t.na; i += blockDim.x) t.out[i + Below(t.b, t.nb, t.a[i])] = t.a[i];
   for (int32_t j = threadIdx.x; j < t.nb; j += blockDim.x) t.out[j + Below(t.a, t.na, t.b[j])] = t.b[j];
 }
@@ -53,11 +58,11 @@ __global__ void MergeKernel(Batch<MergeTask> batch) {
 // The budget's union. fresh_before[j]: b's entries in [0, j) that are not in a (one block scan
 // over per-thread runs). A new b entry lands at fresh_before[j] + (a's rows below it); a's row i
 // at i + fresh_before[b's entries below it] (none of those equals it).
-__global__ void BudgetMergeKernel(Batch<MergeTask> batch, unsigned long long* rows) {
+__global__ void BudgetMergeKernel(const MergeTask* __restrict__ tasks, unsigned long long* rows) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int32_t fresh_before[kMaxBudgetMerge + 1];
-  const MergeTask& t = batch.tasks[blockIdx.x];
+  const MergeTask& t = TaskOfBlock(tasks, blockIdx.x);
   const int32_t na = Below(t.a, t.na, kNoToken);  // the budget's rows, without its padding
   auto is_new = [&](int32_t token) {
     const int32_t at = Below(t.a, na, token);
@@ -84,52 +89,59 @@ __global__ void BudgetMergeKernel(Batch<MergeTask> batch, unsigned long long* ro
   if (threadIdx.x == 0 && rows) atomicAdd(rows, static_cast<unsigned long long>(count));
 }
 
+// One launch over all the tasks (`launch(device_tasks)` queues it), through `plan`.
 template <typename T, typename Launch>
-Status InBatches(const T* tasks, int n_tasks, const char* what, Launch launch) {
+Status OneLaunch(DecodePlan* plan, const T* tasks, int n_tasks, const char* what, cudaStream_t stream, Launch launch) {
   if (n_tasks < 0) return Status::InvalidArgument(std::string(what) + ": negative task count");
-  for (int first = 0; first < n_tasks; first += kMaxSelectionTasks) {
-    Batch<T> batch;
-    batch.count = std::min(kMaxSelectionTasks, n_tasks - first);
-    std::copy_n(tasks + first, batch.count, batch.tasks);
-    launch(batch);
+  if (n_tasks == 0) return Status::Ok();
+  return WithDeviceTasks(plan, tasks, n_tasks, stream, [&](const T* on_device) {
+    launch(on_device);
     const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
-  }
-  return Status::Ok();
+    return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
+  });
 }
 
 }  // namespace
 
-Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream) {
+Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream, DecodePlan* plan) {
   if (n_heads <= 0) return Status::InvalidArgument("mask: n_heads must be positive");
-  return InBatches(tasks, n_tasks, "mask kernel", [&](const Batch<MaskTask>& b) {
-    MaskKernel<<<b.count, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b, n_heads);
+  auto* s = static_cast<cudaStream_t>(stream);
+  return OneLaunch(plan, tasks, n_tasks, "mask kernel", s, [&](const MaskTask* t) {
+    MaskKernel<<<n_tasks, kThreads, 0, s>>>(t, n_heads);
   });
 }
 
-Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream) {
-  return InBatches(tasks, n_tasks, "merge kernel", [&](const Batch<MergeTask>& b) {
-    MergeKernel<<<b.count, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
+Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream, DecodePlan* plan) {
+  auto* s = static_cast<cudaStream_t>(stream);
+  return OneLaunch(plan, tasks, n_tasks, "merge kernel", s, [&](const MergeTask* t) {
+    MergeKernel<<<n_tasks, kThreads, 0, s>>>(t);
   });
 }
 
-Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream) {
+Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream,
+                             DecodePlan* plan) {
   for (int i = 0; i < n_tasks; ++i) {
     if (tasks[i].na + tasks[i].nb > kMaxBudgetMerge) return Status::InvalidArgument("budget merge: lists too long");
   }
-  return InBatches(tasks, n_tasks, "budget merge kernel", [&](const Batch<MergeTask>& b) {
-    BudgetMergeKernel<<<b.count, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b, rows);
+  auto* s = static_cast<cudaStream_t>(stream);
+  return OneLaunch(plan, tasks, n_tasks, "budget merge kernel", s, [&](const MergeTask* t) {
+    BudgetMergeKernel<<<n_tasks, kThreads, 0, s>>>(t, rows);
   });
 }
 
-Status WithPredecessors(const ShiftTask* tasks, int n_tasks, int n_heads, void* stream) {
+Status WithPredecessors(const ShiftTask* tasks, int n_tasks, int n_heads, void* stream, DecodePlan* plan) {
   if (n_heads <= 0) return Status::InvalidArgument("shift: n_heads must be positive");
   int64_t most = 0;  // the largest task's scores
   for (int i = 0; i < n_tasks; ++i) most = std::max(most, int64_t{tasks[i].n} * n_heads);
   if (most >= int64_t{1} << 31) return Status::InvalidArgument("shift: a task of 2^31 scores or more");
   const unsigned slices = static_cast<unsigned>(std::max<int64_t>(1, (most + kShiftSlice - 1) / kShiftSlice));
-  return InBatches(tasks, n_tasks, "shift kernel", [&](const Batch<ShiftTask>& b) {
-    ShiftKernel<<<dim3(slices, b.count), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b, n_heads);
+  auto* s = static_cast<cudaStream_t>(stream);
+  return OneLaunch(plan, tasks, n_tasks, "shift kernel", s, [&](const ShiftTask* t) {
+    constexpr int kMaxRows = 65535;  // a task is a row of the grid
+    for (int first = 0; first < n_tasks; first += kMaxRows) {
+      ShiftKernel<<<dim3(slices, static_cast<unsigned>(std::min(kMaxRows, n_tasks - first))), kThreads, 0, s>>>(
+          t + first, n_heads);
+    }
   });
 }
 

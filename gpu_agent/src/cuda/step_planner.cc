@@ -191,7 +191,8 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan) {
       scratch += TopKScratchFloats(n, adaptive);
     }
   }
-  SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
+  SPECACHE_RETURN_IF_ERROR(
+      WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_, &selection_tasks_));
   return SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.primary_rows(),
                          config_.reduction, compute_, adaptive ? &budget : nullptr, &plan_);
 }
@@ -262,15 +263,18 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k, config_.reduction, compute_,
                       adaptive ? &budget : nullptr, &plan_));
-  SPECACHE_RETURN_IF_ERROR(WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_));
-  SPECACHE_RETURN_IF_ERROR(MaskTokens(masks.data(), static_cast<int>(masks.size()), group, compute_));
+  SPECACHE_RETURN_IF_ERROR(
+      WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_, &selection_tasks_));
+  SPECACHE_RETURN_IF_ERROR(
+      MaskTokens(masks.data(), static_cast<int>(masks.size()), group, compute_, &selection_tasks_));
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, compute_, nullptr,
                       &plan_));
   if (adaptive) {
-    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), compute_);
+    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), compute_,
+                                 &selection_tasks_);
   }
-  return MergeSelections(merges.data(), static_cast<int>(merges.size()), compute_);
+  return MergeSelections(merges.data(), static_cast<int>(merges.size()), compute_, &selection_tasks_);
 }
 
 Status StepPlanner::RankExactly(int layer, std::vector<DeviceDecodeItem>* items, cudaStream_t stream) {

@@ -102,6 +102,8 @@ class StepPlanner {
   // The attention's launch plans. In specache mode it leaves the fetch's blocks their slots on the
   // GPU, so that a fetch started before an attention kernel runs beside it instead of after it.
   DecodePlan plan_;
+  // The selection rule's small task lists (mask, shift, merge: a task per block), read in place.
+  DecodePlan selection_tasks_{DecodePlan::SlotReads::kInPlace};
 
   // Scratch, grown as needed.
   Buffer<float> scores_, probs_, probs_stats_, topk_scratch_;

@@ -536,6 +536,7 @@ int PartBlocksPerSm() {
 Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
                        void* stream, const TopKBudget* budget, DecodePlan* plan) {
   if (plan == nullptr) {
+    SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(static_cast<cudaStream_t>(stream)));
     DecodePlan own;  // its destructor waits for its slots
     return SelectTopKBatch(segments, count, n_heads, k, reduction, stream, budget, &own);
   }
