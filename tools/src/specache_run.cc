@@ -734,6 +734,12 @@ int main(int argc, char** argv) {
   bench->add_flag("--profile-step", bo.profile_step,
                   "one more untimed decode step of each measured run, between cudaProfilerStart and cudaProfilerStop "
                   "(for ncu --profile-from-start off); with --prefill, the prefill too");
+  bench->add_option("--host-delay-us", bo.host_delay_us,
+                    "a probe: the host busy-waits this long before each layer's attention of every decode step; if the "
+                    "step grows by layers x this, the host's pace sets the step's (0: none)")
+      ->check(CLI::NonNegativeNumber);
+  bench->add_flag("--host-delay-before-projections", bo.host_delay_before_projections,
+                  "--host-delay-us before each layer's first products instead of its attention");
   bench->add_option("--prefill", bo.prefill,
                     "BxT, e.g. 8x8192: also time the whole model's prefill of B prompts of T tokens (specache), next "
                     "to PyTorch's fp16 prefill with --sdpa-script");

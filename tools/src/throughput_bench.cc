@@ -163,6 +163,7 @@ class Bench {
       SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(model_->stream())), "prefill"));
     }
     GpuEngine engine(model_, agent.get());
+    engine.set_host_delay_us(o_.host_delay_us, o_.host_delay_before_projections);
     std::vector<int32_t> lengths(batch, context), tokens(batch);
     for (int s = 0; s < batch; ++s) tokens[s] = static_cast<int32_t>((7919u * (s + 1)) % uint32_t(c.vocab));
     SPECACHE_RETURN_IF_ERROR(engine.Start(ids, lengths, tokens));
@@ -494,9 +495,13 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   Bench bench(o, model.get(), baseline_free);
   std::fprintf(stderr,
                "bench: %s shape, RANDOM weights (%.2f GB fp16), %s (%.0f GB), budget %.1f GB, host MemAvailable %.0f GB, "
-               "%d timed steps\n",
+               "%d timed steps%s\n",
                o.shape.c_str(), model->weight_bytes() / 1e9, device.name.c_str(), device.total_memory_bytes / 1e9,
-               o.gpu_budget_bytes / 1e9, mem_available / 1e9, o.steps);
+               o.gpu_budget_bytes / 1e9, mem_available / 1e9, o.steps,
+               o.host_delay_us > 0 ? (", PROBE: the host waits " + std::to_string(o.host_delay_us) + " us before each layer's " +
+                                      (o.host_delay_before_projections ? "products" : "attention"))
+                                         .c_str()
+                                   : "");
   std::fprintf(stderr, "%6s %-17s %6s %-12s %9s %7s %8s %7s %7s %7s %7s %10s %7s %7s %7s\n", "ctx", "mode", "batch",
                "capped_by", "tok/s", "vs_fp16", "ms_step", "gemm", "attn", "topk", "fetchw", "KB_fetch/t", "kv/fp16",
                "GPU_GB", "host_GB");

@@ -57,6 +57,10 @@ struct ThroughputOptions {
   // and page writes), next to PyTorch's fp16 prefill (SDPA + cuBLAS) when --sdpa-script is given.
   // Empty: none.
   std::string prefill;
+  // GpuEngine::set_host_delay_us of every decode step: a probe of whether the host's pace sets
+  // the step's (the step grows by n_layers x this when it does). 0: none.
+  int host_delay_us = 0;
+  bool host_delay_before_projections = false;  // the delay before each layer's products instead
 };
 
 // Runs every (context, mode); one JSON object per row (see the .cc for the fields), a table on

@@ -64,6 +64,14 @@ class GpuEngine {
   void set_phase_timing(bool on) { timing_ = on; }
   const PhaseTimes& phase_times() const { return times_; }
   void reset_phase_times() { times_ = {}; }
+  // A probe for benchmarks (causal profiling): each decode step busy-waits `us` microseconds on
+  // the host before each layer's attention is planned (or, `before_projections`, before the
+  // layer's first products are queued). If the step grows by n_layers x us, the host's pace sets
+  // the step's; if it does not, the GPU had that much slack. 0: none.
+  void set_host_delay_us(int us, bool before_projections = false) {
+    host_delay_us_ = us;
+    delay_before_projections_ = before_projections;
+  }
   std::span<const int32_t> speculative_tokens() const { return speculative_; }
   int64_t steps() const { return steps_; }
 
@@ -74,6 +82,7 @@ class GpuEngine {
   Status RunStep(StepKind kind, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
                  std::vector<float>* logits);
   Status Mark(Phase phase_before);
+  void HostDelay() const;  // set_host_delay_us's wait
   Status CollectTimes();
 
   GpuLlama* model_;
@@ -86,6 +95,8 @@ class GpuEngine {
   int64_t steps_ = 0;
 
   bool timing_ = false;
+  int host_delay_us_ = 0;  // set_host_delay_us
+  bool delay_before_projections_ = false;
   PhaseTimes times_;
   std::vector<void*> events_;  // cudaEvent_t pool
   size_t marks_ = 0;           // events recorded this step
