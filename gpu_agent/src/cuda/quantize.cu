@@ -122,14 +122,16 @@ struct KeyGroupTask {
   Half* zero;
 };
 
-// Block = one warp per channel of task blockIdx.x's group; grid = tasks x ceil(head_dim / warps).
+// Block = task blockIdx.x's group, its warps over the channels: the task (read in place from host
+// memory) is read once per group, not once per few channels.
 __global__ void QuantizeKeyGroupTasksKernel(const KeyGroupTask* __restrict__ tasks, int group_size, int head_dim,
                                             int bits) {
-  const KeyGroupTask& t = TaskOfBlock(tasks, blockIdx.x);  // before any warp leaves: it synchronises
-  const int d = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
-  if (d >= head_dim) return;
-  QuantizeKeyChannelWarp(reinterpret_cast<const __half*>(t.keys), d, group_size, head_dim, bits, t.codes, t.scale,
-                         t.zero);
+  const KeyGroupTask& t = TaskOfBlock(tasks, blockIdx.x);
+  const int warps = blockDim.x / 32;
+  for (int d = threadIdx.x / 32; d < head_dim; d += warps) {
+    QuantizeKeyChannelWarp(reinterpret_cast<const __half*>(t.keys), d, group_size, head_dim, bits, t.codes, t.scale,
+                           t.zero);
+  }
 }
 
 // The calling warp quantizes channel group g of one value token.
@@ -224,6 +226,9 @@ Status QuantizeKeyGroupTasks(const KeyGroupRun* runs, int n_runs, int group_size
   if (n_runs < 0) return Status::InvalidArgument("negative run count");
   const int words = group_size * bits / 32;
   std::vector<KeyGroupTask> tasks;
+  int64_t groups = 0;
+  for (int i = 0; i < n_runs; ++i) groups += std::max(runs[i].n_groups, 0);
+  tasks.reserve(static_cast<size_t>(std::min<int64_t>(groups, std::numeric_limits<int>::max())));
   for (int i = 0; i < n_runs; ++i) {
     const KeyGroupRun& r = runs[i];
     if (r.n_groups < 0) return Status::InvalidArgument("negative run length");
@@ -236,12 +241,11 @@ Status QuantizeKeyGroupTasks(const KeyGroupRun* runs, int n_runs, int group_size
     }
   }
   if (tasks.empty()) return Status::Ok();
-  constexpr int kWarps = 4;
+  constexpr int kWarps = 8;
   const int n = static_cast<int>(tasks.size());
   auto* s = static_cast<cudaStream_t>(stream);
   return WithDeviceTasks(plan, tasks.data(), n, s, [&](const KeyGroupTask* on_device) {
-    const dim3 grid(static_cast<unsigned>(n), (head_dim + kWarps - 1) / kWarps);
-    QuantizeKeyGroupTasksKernel<<<grid, kWarps * 32, 0, s>>>(on_device, group_size, head_dim, bits);
+    QuantizeKeyGroupTasksKernel<<<static_cast<unsigned>(n), kWarps * 32, 0, s>>>(on_device, group_size, head_dim, bits);
     return Launched("key quantization kernel (tasks)");
   });
 }
