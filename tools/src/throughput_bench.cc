@@ -351,7 +351,10 @@ class Bench {
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       j["host_huge_pages"] = o_.host_huge_pages;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
-      if (o_.fetch_copy_piece_kb >= 0) j["fetch_copy_piece_kb"] = o_.fetch_copy_piece_kb;
+      if (o_.fetch_via == "copy-engine") {  // the piece in effect, the agent's default included
+        j["fetch_copy_piece_kb"] =
+            o_.fetch_copy_piece_kb >= 0 ? int64_t{o_.fetch_copy_piece_kb} : CudaAgentOptions{}.fetch_copy_piece_bytes >> 10;
+      }
     }
     if (o_.host_delay_us > 0) {  // a probe's row (ThroughputOptions::host_delay_us)
       j["host_delay_us"] = o_.host_delay_us;

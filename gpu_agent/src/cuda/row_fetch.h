@@ -265,7 +265,7 @@ class RowFetcher {
   std::vector<std::vector<SequenceId>> handed_;  // [layer]
   // Copy engine only (UseCopyEngine): the overlapped fetch's route, used on the worker only.
   int copy_engine_threads_ = 0;
-  int64_t copy_piece_bytes_ = 0;  // UseCopyEngine's
+  int64_t copy_piece_bytes_ = CopyEngineFetch::kCopyPieceBytes;  // UseCopyEngine's
   std::unique_ptr<CopyEngineFetch> copy_engine_;
   // The task lists of the kernels queued from the worker's thread and from the caller's (a plan
   // serves one thread), read in place: a copy would queue behind the fetch's own on the copy
