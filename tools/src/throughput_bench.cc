@@ -138,6 +138,7 @@ class Bench {
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_overlap, ParseFetchOverlap(o_.fetch_overlap));
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_via, ParseFetchVia(o_.fetch_via));
       if (o_.fetch_threads > 0) options.fetch_threads = o_.fetch_threads;
+      if (o_.fetch_copy_piece_kb >= 0) options.fetch_copy_piece_bytes = int64_t{o_.fetch_copy_piece_kb} << 10;
       if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
       options.mma_codes = o_.replica_layout != "natural";
       SPECACHE_ASSIGN_OR_RETURN(agent, CreateCudaAgent(shape, config, source.get(), options));
@@ -350,6 +351,14 @@ class Bench {
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       j["host_huge_pages"] = o_.host_huge_pages;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
+      if (o_.fetch_via == "copy-engine") {  // the piece in effect, the agent's default included
+        j["fetch_copy_piece_kb"] =
+            o_.fetch_copy_piece_kb >= 0 ? int64_t{o_.fetch_copy_piece_kb} : CudaAgentOptions{}.fetch_copy_piece_bytes >> 10;
+      }
+    }
+    if (o_.host_delay_us > 0) {  // a probe's row (ThroughputOptions::host_delay_us)
+      j["host_delay_us"] = o_.host_delay_us;
+      j["host_delay_before"] = o_.host_delay_before_projections ? "products" : "attention";
     }
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;

@@ -214,6 +214,11 @@ struct CudaAgentOptions {
   // at 8K (99 sequences) and +11% at 32K (24), the engine's GEMMs no longer sharing the SMs.
   FetchVia fetch_via = FetchVia::kSmLoads;
   int fetch_threads = 12;
+  // kCopyEngine: a layer's rows go up in copies of at most this many bytes (0: one copy). Copies
+  // of one direction run one at a time on the copy engine, so the step's own small uploads (the
+  // attention's and the top-k's task lists) wait for one piece, not for the layer's rows (26 MB
+  // at 99 x 8K); smaller pieces cost a driver call each.
+  int64_t fetch_copy_piece_bytes = int64_t{2} << 20;
   // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
   // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence
   // that needs a block the pool no longer has gets RESOURCE_EXHAUSTED (PrefillLayer, BeginStep)
