@@ -138,6 +138,7 @@ class Bench {
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_overlap, ParseFetchOverlap(o_.fetch_overlap));
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_via, ParseFetchVia(o_.fetch_via));
       if (o_.fetch_threads > 0) options.fetch_threads = o_.fetch_threads;
+      if (o_.plan_threads > 0) options.plan_threads = o_.plan_threads;
       if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
       options.mma_codes = o_.replica_layout != "natural";
       SPECACHE_ASSIGN_OR_RETURN(agent, CreateCudaAgent(shape, config, source.get(), options));
@@ -350,6 +351,7 @@ class Bench {
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       j["host_huge_pages"] = o_.host_huge_pages;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
+      if (o_.plan_threads > 0) j["plan_threads"] = o_.plan_threads;
     }
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;
