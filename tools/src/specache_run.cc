@@ -726,6 +726,9 @@ int main(int argc, char** argv) {
                     "the copy-engine fetch's rows go up in copies of at most this many KiB (0: one copy a layer; "
                     "default: the agent's, 2048)")
       ->check(CLI::Range(0, 1 << 20));
+  bench->add_option("--plan-threads", bo.plan_threads,
+                    "host threads that build a decode layer's attention items (0: the agent's default, 1)")
+      ->check(CLI::Range(0, 64));
   bench->add_option("--fetch-blocks", bo.fetch_blocks,
                     "most blocks of the fetch kernel, and the CTA slots the attention leaves them (0: the agent's "
                     "default)")

@@ -139,6 +139,7 @@ class Bench {
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_via, ParseFetchVia(o_.fetch_via));
       if (o_.fetch_threads > 0) options.fetch_threads = o_.fetch_threads;
       if (o_.fetch_copy_piece_kb >= 0) options.fetch_copy_piece_bytes = int64_t{o_.fetch_copy_piece_kb} << 10;
+      if (o_.plan_threads > 0) options.plan_threads = o_.plan_threads;
       if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
       options.mma_codes = o_.replica_layout != "natural";
       SPECACHE_ASSIGN_OR_RETURN(agent, CreateCudaAgent(shape, config, source.get(), options));
@@ -351,6 +352,7 @@ class Bench {
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       j["host_huge_pages"] = o_.host_huge_pages;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
+      if (o_.plan_threads > 0) j["plan_threads"] = o_.plan_threads;
       if (o_.fetch_via == "copy-engine") {  // the piece in effect, the agent's default included
         j["fetch_copy_piece_kb"] =
             o_.fetch_copy_piece_kb >= 0 ? int64_t{o_.fetch_copy_piece_kb} : CudaAgentOptions{}.fetch_copy_piece_bytes >> 10;

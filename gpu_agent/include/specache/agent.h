@@ -219,6 +219,11 @@ struct CudaAgentOptions {
   // attention's and the top-k's task lists) wait for one piece, not for the layer's rows (26 MB
   // at 99 x 8K); smaller pieces cost a driver call each.
   int64_t fetch_copy_piece_bytes = int64_t{2} << 20;
+  // Host threads that build a decode layer's attention items (one per sequence and KV head; the
+  // calling thread is one of them). The layer's planning is on the GPU's critical path when the
+  // batch is large (at 2K, 382 sequences: 3056 items a layer, ~12% of the host's step); 1: the
+  // calling thread alone.
+  int plan_threads = 1;
   // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
   // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence
   // that needs a block the pool no longer has gets RESOURCE_EXHAUSTED (PrefillLayer, BeginStep)

@@ -406,6 +406,7 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
   if (options.device_pool_bytes < 0) return Status::InvalidArgument("device_pool_bytes must be >= 0");
   if (options.fetch_copy_piece_bytes < 0) return Status::InvalidArgument("fetch_copy_piece_bytes must be >= 0");
+  if (options.plan_threads < 1) return Status::InvalidArgument("plan_threads must be at least 1");
   if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
     return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +
                                    " and k_max + top_k_real up to " + std::to_string(cuda::kMaxBudgetMerge));

@@ -13,7 +13,8 @@
 //
 // Every cuda::AttendDecodeBatch of the agent is launched from here (Attend). The planner owns the
 // scratch this needs and grows it as needed; the step it plans is the StepProtocol's current one.
-// Not thread-safe (the agent is used from one thread).
+// Not thread-safe (the agent is used from one thread); Plan builds the items on
+// CudaAgentOptions::plan_threads threads of its own, which only read the replicas and the fetcher.
 #pragma once
 
 #include <cuda_runtime.h>
