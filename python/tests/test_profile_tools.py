@@ -1,5 +1,6 @@
-"""tools/profile/gpu_timeline.py on a small hand-made timeline: the idle gap before a kernel is
-listed with the copies that ran during it, so a kernel waiting behind a large copy shows."""
+"""The profile tools on small hand-made inputs. tools/profile/gpu_timeline.py: the idle gap
+before a kernel is listed with the copies that ran during it, so a kernel waiting behind a large
+copy shows; tools/profile/host_profile.py: time inside libraries is charged to their callers."""
 
 import pathlib
 import subprocess
@@ -26,3 +27,26 @@ def test_a_gap_lists_the_copies_that_ran_during_it(tmp_path):
     assert gap[2].split() == ["during:", "copy", "HtoD", "26214400", "on", "stream", "9,", "-50.0", "to", "+500.0", "us"]
     assert gap[3].split()[1:4] == ["copy", "HtoD", "65536"]
     assert len(gap) == 4, out
+
+
+def test_library_self_time_is_charged_to_the_named_caller():
+    """tools/profile/host_profile.py: a sample whose innermost frames are in modules named only
+    by their file (the C library, the driver) is charged to the first named frame below them."""
+    sys.path.insert(0, str(REPO / "tools" / "profile"))
+    try:
+        import host_profile
+    finally:
+        sys.path.pop(0)
+    unnamed = {"libc.so.6", "libcuda.so.1"}
+    stacks = [
+        ["libc.so.6", "WriteItemSet", "AttendDecodeBatch", "main"],
+        ["libc.so.6", "libcuda.so.1", "Launch", "main"],   # through the driver: charged past it
+        ["libcuda.so.1", "RunStep", "main"],
+        ["libcuda.so.1", "RunStep", "main"],
+        ["WriteItemSet", "libc.so.6", "main"],            # a named innermost frame: not charged
+        ["libc.so.6"],                                     # nothing named below
+    ]
+    charged = host_profile.charge_to_callers(stacks, unnamed)
+    assert dict(charged["libc.so.6"]) == {"WriteItemSet": 1, "Launch": 1, "?": 1}
+    assert dict(charged["libcuda.so.1"]) == {"RunStep": 2}
+    assert set(charged) == {"libc.so.6", "libcuda.so.1"}

@@ -10,7 +10,9 @@ other module (the C library, the driver's libcuda) is named by its file. Prints 
 inclusive (the function anywhere on the stack, counted once per sample) and self (the innermost
 named frame), and with --focus the callers and callees of one function; --within keeps only the
 samples with that function on the stack (e.g. GpuEngine::RunStep: the decode steps, not the
-setup or the teardown).
+setup or the teardown). The self time spent inside modules named only by their file (the C
+library's memcpy, the driver's launches and waits: their frames say nothing of who called them)
+is then charged to the first frame of a named module below them, per module.
 """
 import argparse
 import bisect
@@ -46,7 +48,9 @@ def local_copy(module, binaries):
     return None  # named by its file: a module of the machine that ran may differ from the local one
 
 
-def symbolize(maps, samples, binaries):
+def symbolize(maps, samples, binaries, unnamed=None):
+    """Each sample's frames as function names; modules without a local copy are named by their
+    file, and those names are added to `unnamed` (a set) when given."""
     starts = [m[0] for m in maps]
     where = {}  # pc -> (module, file address)
     for s in samples:
@@ -69,6 +73,8 @@ def symbolize(maps, samples, binaries):
         addrs = sorted(addrs)
         label = os.path.basename(module)
         if copy is None:
+            if unnamed is not None:
+                unnamed.add(label)
             for a in addrs:
                 names[(module, a)] = label
             continue
@@ -78,6 +84,21 @@ def symbolize(maps, samples, binaries):
             fn = out[2 * k] if 2 * k < len(out) else "??"
             names[(module, a)] = fn if fn != "??" else label
     return [[names[where[pc]] for pc in s] for s in samples]
+
+
+def charge_to_callers(stacks, unnamed):
+    """For the samples whose innermost frame is in a module named only by its file: per such
+    module, how many samples, and a Counter of the first frame below its frames that is not in one
+    ("?" when the whole stack is)."""
+    by_module = collections.defaultdict(collections.Counter)
+    for st in stacks:
+        if not st or st[0] not in unnamed:
+            continue
+        k = 0
+        while k < len(st) and st[k] in unnamed:
+            k += 1
+        by_module[st[0]][st[k] if k < len(st) else "?"] += 1
+    return by_module
 
 
 def short(name, width=110):
@@ -95,7 +116,8 @@ def main():
     maps, samples = read(a.samples)
     if not samples:
         sys.exit("no samples")
-    stacks = symbolize(maps, samples, a.binary)
+    unnamed = set()
+    stacks = symbolize(maps, samples, a.binary, unnamed)
     if a.within:
         total = len(stacks)
         stacks = [st for st in stacks if any(a.within in fn for fn in st)]
@@ -116,6 +138,13 @@ def main():
     print("\n== self (innermost frame)")
     for fn, c in self_.most_common(a.top):
         print(f"{100.0 * c / n:6.1f}%  {short(fn)}")
+    charged = charge_to_callers(stacks, unnamed)
+    if charged:
+        print("\n== self time in modules named by file, charged to the first named frame below")
+        for module, callers in sorted(charged.items(), key=lambda kv: -sum(kv[1].values())):
+            print(f"{100.0 * sum(callers.values()) / n:6.1f}%  {module}")
+            for fn, c in callers.most_common(8):
+                print(f"  {100.0 * c / n:6.1f}%  {short(fn)}")
     for focus in a.focus:
         callers, callees, hits = collections.Counter(), collections.Counter(), 0
         for st in stacks:
