@@ -351,8 +351,8 @@ class Bench {
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       j["host_huge_pages"] = o_.host_huge_pages;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
-      if (o_.plan_threads > 0) j["plan_threads"] = o_.plan_threads;
     }
+    if (o_.plan_threads > 0 && base != "full-offload") j["plan_threads"] = o_.plan_threads;  // every CUDA agent's
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;
     j["ms_fetch_wait"] = run.phases.fetch_wait_ms;
