@@ -352,7 +352,6 @@ class Bench {
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       j["host_huge_pages"] = o_.host_huge_pages;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
-      if (o_.plan_threads > 0) j["plan_threads"] = o_.plan_threads;
       if (o_.fetch_via == "copy-engine") {  // the piece in effect, the agent's default included
         j["fetch_copy_piece_kb"] =
             o_.fetch_copy_piece_kb >= 0 ? int64_t{o_.fetch_copy_piece_kb} : CudaAgentOptions{}.fetch_copy_piece_bytes >> 10;
@@ -362,6 +361,7 @@ class Bench {
       j["host_delay_us"] = o_.host_delay_us;
       j["host_delay_before"] = o_.host_delay_before_projections ? "products" : "attention";
     }
+    if (o_.plan_threads > 0 && base != "full-offload") j["plan_threads"] = o_.plan_threads;  // every CUDA agent's
     j["ms_attention"] = std::max(0.0, run.phases.attention_ms - topk_ms);
     j["ms_topk"] = topk_ms;
     j["ms_fetch_wait"] = run.phases.fetch_wait_ms;

@@ -222,7 +222,8 @@ struct CudaAgentOptions {
   // Host threads that build a decode layer's attention items (one per sequence and KV head; the
   // calling thread is one of them). The layer's planning is on the GPU's critical path when the
   // batch is large (at 2K, 382 sequences: 3056 items a layer, ~12% of the host's step); 1: the
-  // calling thread alone.
+  // calling thread alone. At most the machine's cores (with the copy-engine fetch, mind its
+  // fetch_threads gathering at the same time); without OpenMP in the build, one thread.
   int plan_threads = 1;
   // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
   // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <span>
+#include <thread>
 
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_selection.h"
@@ -25,6 +26,8 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
       pages_(pages),
       compute_(compute) {
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  plan_threads_ = std::max(1, cores > 0 ? std::min(options.plan_threads, cores) : options.plan_threads);
   if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
 }
 
@@ -135,8 +138,8 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
   // A range of at least kPlanSequencesPerThread sequences per thread: below that, waking the
   // threads costs more than the items (a few us a sequence).
   constexpr size_t kPlanSequencesPerThread = 16;
-  const int threads = static_cast<int>(
-      std::min<size_t>(static_cast<size_t>(options_.plan_threads), std::max<size_t>(n_seq / kPlanSequencesPerThread, 1)));
+  const int threads = static_cast<int>(std::min<size_t>(
+      static_cast<size_t>(plan_threads_), std::max<size_t>(n_seq / kPlanSequencesPerThread, 1)));
   if (threads <= 1) {
     make_items(0, n_seq);
   } else {

@@ -100,6 +100,7 @@ class StepPlanner {
   const DevicePageTable* pages_;
   cudaStream_t compute_;
   float scale_ = 1.0f;
+  int plan_threads_ = 1;  // options_.plan_threads, at most the machine's cores
   // The attention's launch plans. In specache mode it leaves the fetch's blocks their slots on the
   // GPU, so that a fetch started before an attention kernel runs beside it instead of after it.
   DecodePlan plan_;
