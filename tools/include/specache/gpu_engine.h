@@ -82,7 +82,9 @@ class GpuEngine {
   Status RunStep(StepKind kind, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
                  std::vector<float>* logits);
   Status Mark(Phase phase_before);
-  void HostDelay() const;  // set_host_delay_us's wait
+  // set_host_delay_us's wait, at the point named (before the layer's products, or its attention)
+  // when it is the point chosen.
+  void HostDelay(bool before_projections) const;
   Status CollectTimes();
 
   GpuLlama* model_;

@@ -125,8 +125,8 @@ Status GpuEngine::CollectTimes() {
   return Status::Ok();
 }
 
-void GpuEngine::HostDelay() const {
-  if (host_delay_us_ <= 0) return;
+void GpuEngine::HostDelay(bool before_projections) const {
+  if (host_delay_us_ <= 0 || before_projections != delay_before_projections_) return;
   // A busy wait, as host work would be (set_host_delay_us).
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(host_delay_us_);
   while (std::chrono::steady_clock::now() < until) {
@@ -153,10 +153,10 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
   SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   Status status = Status::Ok();
   for (int l = 0; l < c.n_layers && status.ok(); ++l) {
-    if (delay_before_projections_) HostDelay();
+    HostDelay(/*before_projections=*/true);
     status = model_->ProjectQkv(l, n, model_->device_positions());
     if (status.ok()) status = Mark(Phase::kGemm);
-    if (!delay_before_projections_) HostDelay();
+    HostDelay(/*before_projections=*/false);
     if (status.ok()) status = agent_clock.Time([&] { return agent_->WaitPrefetch(l); });
     if (status.ok()) status = Mark(Phase::kFetchWait);
     if (status.ok()) {
