@@ -62,6 +62,11 @@ class StepPlanner {
   // fetcher's next selection (kUnion ranks the real row too, from the same pass).
   Status AttendAndSelect(int layer, const LayerPlan& plan);
 
+  // Whether the attention leaves CTA slots for a fetch kernel (CudaAgentOptions::fetch_blocks, in
+  // specache mode; the default): no, when the fetch's rows move on the copy engine (no fetch
+  // kernel holds SMs beside the attention then), so the attention's units get the whole GPU.
+  void LeaveSlotsForFetch(bool leave);
+
   // The fp16 K/V of the last Plan ([row][n_kv][head_dim]).
   const Half* new_keys() const { return k_.get(); }
   const Half* new_values() const { return v_.get(); }
