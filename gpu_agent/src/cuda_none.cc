@@ -27,6 +27,7 @@ DecodePlan::DecodePlan(SlotReads) : impl_(new Impl) {}
 DecodePlan::~DecodePlan() { delete impl_; }
 Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*, DecodePlan*) { return NoCuda(); }
 Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*) { return NoCuda(); }
+Status AttendDecodeBatch(std::vector<DeviceDecodeItem>, void*, DecodePlan*) { return NoCuda(); }
 Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, int, float, float*, float*, void*) {
   return NoCuda();
 }

@@ -303,7 +303,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     SPECACHE_RETURN_IF_ERROR(rows_.Fetch(layer, protocol_.ids(), compute_));
     SPECACHE_RETURN_IF_ERROR(planner_.AttendWithFetchedRows(layer, &plan));
   } else {
-    SPECACHE_RETURN_IF_ERROR(planner_.AttendAndSelect(layer, plan));
+    SPECACHE_RETURN_IF_ERROR(planner_.AttendAndSelect(layer, &plan));
     if (config_.fetches_rows()) SPECACHE_RETURN_IF_ERROR(rows_.MarkSelected(layer));
     SPECACHE_RETURN_IF_ERROR(rows_.JoinFetch());  // FetchOverlap::kWithinNextAttention
   }

@@ -158,7 +158,7 @@ Status StepPlanner::AttendPlainAndSelect(int layer, const LayerPlan& plan) {
   std::vector<DeviceDecodeItem> plain = plan.items;
   for (auto& it : plain) it.rows.n_sub = 0;
   if (config_.mode == KvMode::kSpeCacheOracle) SPECACHE_RETURN_IF_ERROR(RankExactly(layer, &plain, compute_));
-  SPECACHE_RETURN_IF_ERROR(Attend(plain));
+  SPECACHE_RETURN_IF_ERROR(Attend(std::move(plain)));
   return Select(layer, plan);
 }
 
@@ -169,18 +169,18 @@ Status StepPlanner::AttendWithFetchedRows(int layer, LayerPlan* plan) {
     rows_->Substitute(ids[s], layer, std::span(plan->items).subspan(s * n_kv, n_kv));
   }
   for (DeviceDecodeItem& it : plan->items) it.rows.probs = nullptr;
-  return Attend(plan->items);
+  return Attend(std::move(plan->items));
 }
 
-Status StepPlanner::AttendAndSelect(int layer, const LayerPlan& plan) {
+Status StepPlanner::AttendAndSelect(int layer, LayerPlan* plan) {
   const bool selects = config_.fetches_rows();
-  SPECACHE_RETURN_IF_ERROR(Attend(plan.items));  // with the real row's scores for the union rule
-  if (selects) SPECACHE_RETURN_IF_ERROR(Select(layer, plan));
+  SPECACHE_RETURN_IF_ERROR(Attend(std::move(plan->items)));  // with the real row's scores for the union rule
+  if (selects) SPECACHE_RETURN_IF_ERROR(Select(layer, *plan));
   return Status::Ok();
 }
 
-Status StepPlanner::Attend(const std::vector<DeviceDecodeItem>& items) {
-  return AttendDecodeBatch(items.data(), static_cast<int>(items.size()), compute_, &plan_);
+Status StepPlanner::Attend(std::vector<DeviceDecodeItem> items) {
+  return AttendDecodeBatch(std::move(items), compute_, &plan_);
 }
 
 Status StepPlanner::Select(int layer, const LayerPlan& plan) {

@@ -56,11 +56,13 @@ class StepPlanner {
   // replica alone (the oracle's over every full-precision row), then the top-k into the
   // fetcher's next selection. The plan's outputs are overwritten by AttendWithFetchedRows.
   Status AttendPlainAndSelect(int layer, const LayerPlan& plan);
-  // The attention with the fetched selection substituted (after RowFetcher::Fetch).
+  // The attention with the fetched selection substituted (after RowFetcher::Fetch). The plan's
+  // items move into the launch (plan->items is empty after).
   Status AttendWithFetchedRows(int layer, LayerPlan* plan);
   // The attention, then in the modes that fetch rows the top-k for the next step into the
-  // fetcher's next selection (kUnion ranks the real row too, from the same pass).
-  Status AttendAndSelect(int layer, const LayerPlan& plan);
+  // fetcher's next selection (kUnion ranks the real row too, from the same pass). The plan's items
+  // move into the launch (plan->items is empty after; the selection reads the rest of the plan).
+  Status AttendAndSelect(int layer, LayerPlan* plan);
 
   // Whether the attention leaves CTA slots for a fetch kernel (CudaAgentOptions::fetch_blocks, in
   // specache mode; the default): no, when the fetch's rows move on the copy engine (no fetch
@@ -76,7 +78,7 @@ class StepPlanner {
 
  private:
   // The only launch of the batched decode attention.
-  Status Attend(const std::vector<DeviceDecodeItem>& items);
+  Status Attend(std::vector<DeviceDecodeItem> items);
   // Top-k of each sequence's candidates into the fetcher's next selection.
   Status Select(int layer, const LayerPlan& plan);
   // The row-selection rule beyond the plain top-k (selection.h), in functions of their own:
