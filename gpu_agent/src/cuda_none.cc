@@ -20,12 +20,14 @@ Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeKeyGroupRuns(const KeyGroupRun*, int, int, int, int, void*) { return NoCuda(); }
 Status QuantizeValueTokenRuns(const ValueTokenRun*, int, int, int, int, void*) { return NoCuda(); }
+Status QuantizeKeyGroupTasks(const KeyGroupRun*, int, int, int, int, void*, DecodePlan*) { return NoCuda(); }
 Status AttendDecodeRows(const DeviceReplicaView&, const DeviceDecodeRows&, void*) { return NoCuda(); }
 struct DecodePlan::Impl {};
 DecodePlan::DecodePlan(SlotReads) : impl_(new Impl) {}
 DecodePlan::~DecodePlan() { delete impl_; }
 Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*, DecodePlan*) { return NoCuda(); }
 Status AttendDecodeBatch(const DeviceDecodeItem*, int, void*) { return NoCuda(); }
+Status AttendDecodeBatch(std::vector<DeviceDecodeItem>, void*, DecodePlan*) { return NoCuda(); }
 Status AttendPrefill(const float*, const Half*, const Half*, int32_t, int, int, int, float, float*, float*, void*) {
   return NoCuda();
 }

@@ -680,6 +680,57 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
 #endif
 }
 
+// A layer's items built on several host threads (CudaAgentOptions::plan_threads) give the same
+// outputs, bit for bit, and the same selections as on one: 72 ragged sequences (16 or more a
+// thread, so 4 threads plan), the union rule with its resident rows, the copy-engine fetch as
+// the throughput bench runs it; batches that change from step to step. And fewer than one thread
+// is refused.
+TEST(CudaAgentTest, ItemsPlannedOnSeveralThreadsEqualOneThread) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{2, 8, 2, 64};
+  std::vector<int32_t> prompts;
+  for (int i = 0; i < 72; ++i) prompts.push_back(40 + (i * 37) % 230);
+  std::vector<size_t> all(prompts.size()), some;
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  for (size_t i = 0; i < all.size(); i += 2) some.push_back(i);
+  const std::vector<std::vector<size_t>> steps{all, all, some, all};
+  KvConfig c;
+  c.top_k = 24;
+  c.select = SelectFrom::kUnion;
+  c.top_k_real = 8;
+  c.cached_rows = 80;
+  c.attend_resident = true;
+  std::vector<float> outputs[2];
+  std::unique_ptr<Agent> agents[2];
+  InMemorySource sources[2];
+  for (int t = 0; t < 2; ++t) {
+    CudaAgentOptions options{1024};
+    options.fetch_via = FetchVia::kCopyEngine;
+    options.plan_threads = t == 0 ? 1 : 4;
+    auto device = CreateCudaAgent(shape, c, &sources[t], options);
+    ASSERT_TRUE(device.ok()) << device.status().ToString();
+    auto wrapped = WrapHostTensors(std::move(*device));
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status().ToString();
+    agents[t] = std::move(*wrapped);
+    auto got = DriveChangingBatches(agents[t].get(), prompts, steps, std::mt19937(93));
+    ASSERT_TRUE(got.ok()) << "plan_threads " << options.plan_threads << ": " << got.status().ToString();
+    outputs[t] = std::move(*got);
+  }
+  ASSERT_EQ(outputs[1].size(), outputs[0].size());
+  EXPECT_TRUE(outputs[1] == outputs[0]) << "4 planning threads changed the outputs";
+  const AgentStats a = agents[0]->stats(), b = agents[1]->stats();
+  EXPECT_EQ(b.rows_selected, a.rows_selected);
+  EXPECT_EQ(b.rows_fetched, a.rows_fetched);
+  EXPECT_EQ(b.rows_reused, a.rows_reused);
+  ExpectSameSelections(*agents[1], *agents[0], shape, prompts.size(), "plan threads");
+  CudaAgentOptions none{1024};
+  none.plan_threads = 0;
+  InMemorySource source;
+  EXPECT_EQ(CreateCudaAgent(shape, c, &source, none).status().code(), StatusCode::kInvalidArgument);
+#endif
+}
+
 // A device pool too small for every sequence: the sequence that asks for blocks the pool no longer
 // has is refused with RESOURCE_EXHAUSTED, before anything of it changed; the others decode on
 // exactly as they would alone (outputs equal to the CPU agent's), and every block comes back.

@@ -1,6 +1,7 @@
 // Label `gpu`: the CUDA quantization kernels are bit-identical to the CPU reference (codes, scale
 // and zero) on random fp16 inputs, degenerate groups included, and in runs to scattered
-// destinations. Skips without a device.
+// destinations (by value, and as a task per key group through a plan). Skips without a device
+// (fails under SPECACHE_REQUIRE_GPU).
 #include "specache/cuda_quantize.h"
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "specache/cuda_attention.h"
 #include "testing/device_buffers.h"
 #endif
 
@@ -176,9 +178,26 @@ TEST(CudaQuantizeTest, RunsIntoScatteredDestinationsMatchTheCpuBitForBit) {
     EXPECT_EQ(testing::Download(d_vc, vc.size()), want_vc) << "value codes, bits " << bits;
     EXPECT_EQ(testing::Download(d_vs, vs.size()), want_vs) << "value scales";
     EXPECT_EQ(testing::Download(d_vz, vz.size()), want_vz) << "value zeros";
+    // The same runs as one task per group (the decode step's way: hundreds of groups in one
+    // launch), through an in-place plan as the replicas' appends use, then through none.
+    for (bool own_plan : {false, true}) {
+      ASSERT_EQ(cudaMemset(d_kc, 0, kc.size() * sizeof(uint32_t)), cudaSuccess);
+      ASSERT_EQ(cudaMemset(d_ks, 0, ks.size() * sizeof(Half)), cudaSuccess);
+      ASSERT_EQ(cudaMemset(d_kz, 0, kz.size() * sizeof(Half)), cudaSuccess);
+      cuda::DecodePlan plan(cuda::DecodePlan::SlotReads::kInPlace);
+      ASSERT_TRUE(cuda::QuantizeKeyGroupTasks(kruns.data(), n_runs, group, head_dim, bits, nullptr,
+                                              own_plan ? nullptr : &plan)
+                      .ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(testing::Download(d_kc, kc.size()), want_kc) << "key codes by task, bits " << bits << ", own plan " << own_plan;
+      EXPECT_EQ(testing::Download(d_ks, ks.size()), want_ks) << "key scales by task";
+      EXPECT_EQ(testing::Download(d_kz, kz.size()), want_kz) << "key zeros by task";
+    }
+    EXPECT_GT(total_groups, cuda::kMaxQuantizeRuns) << "more groups than one launch of runs holds";
   }
   cuda::KeyGroupRun negative{nullptr, nullptr, nullptr, nullptr, -1};
   EXPECT_EQ(cuda::QuantizeKeyGroupRuns(&negative, 1, group, head_dim, 1, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::QuantizeKeyGroupTasks(&negative, 1, group, head_dim, 1, nullptr).code(), StatusCode::kInvalidArgument);
 #endif
 }
 

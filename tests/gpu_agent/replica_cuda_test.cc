@@ -242,20 +242,22 @@ TEST(CudaReplicaTest, MmaCodesHoldTheCpuReplicasCodes) {
 
 // The decode step's batched one-token appends leave each replica as a plain Append would (and as
 // the CPU replica): replicas at different lengths, so flushes and compactions fall on different
-// steps. The last cases have 300 and 600 replicas in the lean path's mma layout: a step's flushes
-// pass the 256 runs of one quantization launch, and the groups they make whole are packed after
-// them; their task lists go through one in-place plan, as the agent's (600: more row copies and
-// value tasks a step than one launch took when they were its parameters, 1024 and 512).
+// steps. The last cases have 300 and 600 replicas in the lean path's mma layout, the groups they
+// make whole packed after their keys are quantized; their task lists go through one in-place
+// plan, as the agent's (600: more row copies and value tasks a step than one launch took when they
+// were its parameters, 1024 and 512). The 600 start at lengths equal modulo R, as a decode batch's
+// replicas of one sequence and layer are, so their residuals flush in the same steps: 1200 key
+// groups in one launch (runs by value took 256 a launch).
 TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(37);
   struct Case {
     int bits, n;
-    bool mma;
+    bool mma, same_phase;
   };
-  for (const Case c : {Case{1, 37, false}, Case{2, 37, false}, Case{16, 37, false}, Case{1, 300, true},
-                       Case{1, 600, true}}) {
+  for (const Case c : {Case{1, 37, false, false}, Case{2, 37, false, false}, Case{16, 37, false, false},
+                       Case{1, 300, true, false}, Case{1, 600, true, true}}) {
     const int bits = c.bits, n = c.n;
     cuda::DecodePlan plan(cuda::DecodePlan::SlotReads::kInPlace);  // outlives the replicas, which use it
     const int d = 64, G = 32, R = 64, steps = 150;
@@ -271,7 +273,7 @@ TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
       auto r = cuda::DeviceHeadReplica::Create(p, 1000, nullptr, pool->get(), c.mma, c.mma ? &plan : nullptr);
       ASSERT_TRUE(r.ok());
       gpu.push_back(std::move(r).value());
-      const int first = static_cast<int>(rng() % 300);
+      const int first = c.same_phase ? static_cast<int>(rng() % 4) * R + 7 : static_cast<int>(rng() % 300);
       const auto k = testing::RandomHalves(size_t(first) * d, rng), v = testing::RandomHalves(size_t(first) * d, rng);
       cpu[i].Append(k.data(), v.data(), first);
       cudaMemcpy(rows, k.data(), k.size() * 2, cudaMemcpyHostToDevice);

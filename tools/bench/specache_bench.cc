@@ -89,6 +89,8 @@ struct Options {
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
   bool profile_step = false;         // step: StepOptions::profile_step
   int attend_rows = 0;               // attend: StepOptions::attend_rows
+  int attend_free_slots = 0;         // attend: StepOptions::attend_free_slots
+  bool attend_random_rows = false;   // attend: StepOptions::attend_random_rows
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
   std::vector<int> batches;  // step: sequences per step (empty: the suite's default)
@@ -343,6 +345,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "substituted (full-precision) rows per KV head, spread over the context (default: k, 64; "
                     "specache-run's default selection attends its whole row cache, 1024 rows)")
         ->check(positive);
+    cmd->add_option("--free-slots", o->attend_free_slots,
+                    "CTA slots the attention's plan leaves free, as the agent's leaves its fetch_blocks (32) in "
+                    "specache mode (default 0: none)")
+        ->check(CLI::NonNegativeNumber);
+    cmd->add_flag("--random-rows", o->attend_random_rows,
+                  "the substituted rows at random places, as a step's top-k picks them (default: spread evenly)");
   }
   if (std::string_view(suite.name) == "step") {
     cmd->add_flag("--profile-step", o->profile_step,
@@ -449,6 +457,8 @@ int main(int argc, char** argv) {
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;
       step.attend_rows = o.attend_rows;
+      step.attend_free_slots = o.attend_free_slots;
+      step.attend_random_rows = o.attend_random_rows;
       ok = o.suite == "step"      ? bench::RunStepSuite(step, &cuda_rows)
            : o.suite == "layers"  ? bench::RunLayersSuite(step, &cuda_rows)
            : o.suite == "prefill" ? bench::RunPrefillSuite(step, &cuda_rows)

@@ -10,6 +10,8 @@
 #include <functional>
 #include <cstdio>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -304,8 +306,10 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   const double hbm = DeviceCopyGBps(stream);
   const int group = kQHeads / kKvHeads, n_rows = 2, queries = n_rows * group;
   const int n_sub = std::min({o.attend_rows > 0 ? o.attend_rows : kTopK, o.context / 2, quantized});
-  std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, %d substituted rows, context %d; "
-              "HBM (d2d copy, read+write) %.0f GB/s ==\n", kKvHeads, group, n_sub, o.context, hbm);
+  std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, %d substituted rows (%s), context %d, %d CTA "
+              "slots left free; HBM (d2d copy, read+write) %.0f GB/s ==\n",
+              kKvHeads, group, n_sub, o.attend_random_rows ? "at random" : "spread evenly", o.context,
+              o.attend_free_slots, hbm);
   std::printf("%-6s %5s %12s %12s %12s %12s %12s %11s %10s\n", "batch", "bits", "ms_attend", "us_enqueue", "ms_topk",
               "ms_topk_mass", "MB_read", "GBps", "of_HBM");
   bool ok = hbm > 0;
@@ -343,12 +347,26 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       Fill(new_kv.p, int64_t(n_rows) * kHeadDim, 5, 1.0f, stream);
       Fill(subs.p, int64_t(items) * n_sub * 2 * kHeadDim, 6, 1.0f, stream);
       Fill(q.p, int64_t(items) * queries * kHeadDim, 7, 1.0f, stream);
-      // Substituted rows: n_sub distinct tokens spread evenly over the quantized ones (ascending):
-      // row j in stride j's span, at an offset that varies with j and the item.
+      // Substituted rows: n_sub distinct tokens over the quantized ones (ascending), spread evenly
+      // (row j in stride j's span, at an offset that varies with j and the item) or, with
+      // attend_random_rows, drawn at random as a step's top-k picks them.
       std::vector<int32_t> tokens(size_t(items) * n_sub);
       const int32_t stride = quantized / n_sub;  // >= 1
-      for (int i = 0; i < items; ++i)
-        for (int j = 0; j < n_sub; ++j) tokens[size_t(i) * n_sub + j] = j * stride + (j * 127 + i) % stride;
+      for (int i = 0; i < items; ++i) {
+        int32_t* mine = tokens.data() + size_t(i) * n_sub;
+        if (o.attend_random_rows) {
+          std::mt19937 rng(1000u + static_cast<uint32_t>(i));
+          std::vector<int32_t> all(static_cast<size_t>(quantized));
+          std::iota(all.begin(), all.end(), 0);
+          for (int j = 0; j < n_sub; ++j) {  // a partial Fisher-Yates shuffle: n_sub distinct tokens
+            std::swap(all[j], all[j + rng() % (all.size() - j)]);
+          }
+          std::sort(all.begin(), all.begin() + n_sub);
+          std::copy_n(all.begin(), n_sub, mine);
+        } else {
+          for (int j = 0; j < n_sub; ++j) mine[j] = j * stride + (j * 127 + i) % stride;
+        }
+      }
       cudaMemcpy(sub_tokens.p, tokens.data(), tokens.size() * 4, cudaMemcpyHostToDevice);
       std::vector<cuda::DeviceDecodeItem> batch_items;
       std::vector<cuda::TopKSegment> segments;
@@ -384,6 +402,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       }
       if (!ok || !Ok(cudaStreamSynchronize(stream), "replicas")) { ok = false; continue; }
       cuda::DecodePlan plan;
+      plan.set_free_slots(o.attend_free_slots);
       const double attend_ms = MedianMs(stream, 20, [&] {
         return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &plan), "attend");
       });
@@ -414,7 +433,8 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                        {{"batch", batch}, {"bits", bits}, {"mma_codes", variant.mma ? 1 : 0}, {"context", o.context},
                         {"ms_attend_layer", attend_ms},
                         {"ms_topk_layer", topk_ms}, {"ms_topk_mass_layer", budget_ms}, {"us_enqueue", host_us}, {"bytes_read", bytes}, {"gbps", gbps}, {"hbm_gbps", hbm},
-                        {"fraction_of_hbm", gbps / hbm}}});
+                        {"fraction_of_hbm", gbps / hbm}, {"free_slots", o.attend_free_slots},
+                        {"random_rows", o.attend_random_rows ? 1 : 0}}});
     }
   }
   std::printf("       per layer; x32 layers for a step. of_HBM = GBps / HBM (goal >= 0.5 for B >= 8).\n");

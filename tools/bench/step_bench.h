@@ -37,6 +37,12 @@ struct StepOptions {
   // attend: substituted rows per KV head, spread evenly over the context; 0: k (64). specache-run's
   // default selection attends every row of its row cache (1024 rows once the cache is full).
   int attend_rows = 0;
+  // attend: CTA slots the attention's plan leaves free (DecodePlan::set_free_slots), as the agent's
+  // does for the fetch in specache mode (its fetch_blocks, 32); 0: none, the plan of a bare call.
+  int attend_free_slots = 0;
+  // attend: the substituted rows drawn at random (distinct, ascending, a seed per item), as a
+  // step's top-k picks them, instead of spread one per stride (which balances the units).
+  bool attend_random_rows = false;
   // The host pages' slabs ask for transparent huge pages (InMemorySource's default), or not: the
   // copy-engine fetch's host gather walks random rows over them.
   bool host_huge_pages = true;

@@ -722,6 +722,13 @@ int main(int argc, char** argv) {
                   "ask for transparent huge pages for the full-precision rows' host memory (default on): the fetch's "
                   "random row reads then miss the TLB far less (GatherPageRows over 8 GiB of pages: 1.5-2x on a 2-core x86 machine; 0.95x on a 16-core H200 host)")
       ->capture_default_str();
+  bench->add_option("--fetch-copy-piece-kb", bo.fetch_copy_piece_kb,
+                    "the copy-engine fetch's rows go up in copies of at most this many KiB (0: one copy a layer; "
+                    "default: the agent's, 2048)")
+      ->check(CLI::Range(0, 1 << 20));
+  bench->add_option("--plan-threads", bo.plan_threads,
+                    "host threads that build a decode layer's attention items (0: the agent's default, 1)")
+      ->check(CLI::Range(0, 64));
   bench->add_option("--fetch-blocks", bo.fetch_blocks,
                     "most blocks of the fetch kernel, and the CTA slots the attention leaves them (0: the agent's "
                     "default)")

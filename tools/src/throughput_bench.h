@@ -44,6 +44,9 @@ struct ThroughputOptions {
   // (agent.h); the library's default stays SM loads, which takes no host threads.
   std::string fetch_via = "copy-engine";
   int fetch_threads = 0;                         // CudaAgentOptions::fetch_threads; 0: the agent's default
+  // CudaAgentOptions::fetch_copy_piece_bytes in KiB; -1: the agent's default, 0: one copy a layer.
+  int fetch_copy_piece_kb = -1;
+  int plan_threads = 0;                          // CudaAgentOptions::plan_threads; 0: the agent's default
   // The host pages' slabs asked for transparent huge pages (InMemorySource's huge_pages).
   bool host_huge_pages = true;
   int fetch_blocks = 0;                          // CudaAgentOptions::fetch_blocks; 0: the agent's default

@@ -198,7 +198,8 @@ struct CudaAgentOptions {
   int32_t capacity_tokens = 32768;  // most tokens per sequence (the length of its block and page tables)
   void* stream = nullptr;           // the engine's cudaStream_t: the agent's compute is queued on it
   int fetch_blocks = 32;            // most blocks of the fetch kernel; in specache mode the attention leaves them
-                                    // as many CTA slots on the GPU, so a fetch runs beside it
+                                    // as many CTA slots on the GPU, so a fetch runs beside it (not with
+                                    // fetch_via = kCopyEngine: no fetch kernel then)
   // false: only for measuring what the fetch costs (specache-bench step). Rows are selected as
   // usual but none is fetched, so the attention substitutes nothing; results are not SpeCache's.
   bool fetch = true;
@@ -214,6 +215,17 @@ struct CudaAgentOptions {
   // at 8K (99 sequences) and +11% at 32K (24), the engine's GEMMs no longer sharing the SMs.
   FetchVia fetch_via = FetchVia::kSmLoads;
   int fetch_threads = 12;
+  // kCopyEngine: a layer's rows go up in copies of at most this many bytes (0: one copy). Copies
+  // of one direction run one at a time on the copy engine, so the step's own small uploads (the
+  // attention's and the top-k's task lists) wait for one piece, not for the layer's rows (26 MB
+  // at 99 x 8K); smaller pieces cost a driver call each.
+  int64_t fetch_copy_piece_bytes = int64_t{2} << 20;
+  // Host threads that build a decode layer's attention items (one per sequence and KV head; the
+  // calling thread is one of them). The layer's planning is on the GPU's critical path when the
+  // batch is large (at 2K, 382 sequences: 3056 items a layer, ~12% of the host's step); 1: the
+  // calling thread alone. At most the machine's cores (with the copy-engine fetch, mind its
+  // fetch_threads gathering at the same time); without OpenMP in the build, one thread.
+  int plan_threads = 1;
   // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
   // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence
   // that needs a block the pool no longer has gets RESOURCE_EXHAUSTED (PrefillLayer, BeginStep)

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "specache/half.h"
 #include "specache/status.h"
@@ -235,13 +236,16 @@ class DecodePlan {
   Impl* impl() const { return impl_; }  // for the agent's kernels that read a plan's slots
 
  private:
-  friend Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream, DecodePlan* plan);
+  friend Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, DecodePlan* plan);
   Impl* impl_;
   int free_slots_ = 0;
 };
 
 // The decode attention of many items in one set of launches, planned in `plan`.
 Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream, DecodePlan* plan);
+// The same, the items moved in: the host copies them once (into the plan's slot), not twice (a
+// layer's items at 99 x 8K are ~200 KB).
+Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, DecodePlan* plan);
 // The same with a plan of its own, which it waits for before returning (tests, one-off calls).
 Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream);
 // One item (a plan of its own, as above).

@@ -45,6 +45,12 @@ constexpr int kMaxQuantizeRuns = 256;
 Status QuantizeKeyGroupRuns(const KeyGroupRun* runs, int n_runs, int group_size, int head_dim, int bits, void* stream);
 Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_dim, int group_size, int bits,
                               void* stream);
+// What QuantizeKeyGroupRuns does, in one launch for any number of runs: a task per key group
+// through a slot of `plan` (cuda_attention.h; null: a plan of the call's own, which waits for the
+// kernel), not the runs by value in the launch's parameters. The decode step's appends (a run per
+// replica whose residual filled, every replica of a layer in the same step) go this way.
+Status QuantizeKeyGroupTasks(const KeyGroupRun* runs, int n_runs, int group_size, int head_dim, int bits, void* stream,
+                             DecodePlan* plan = nullptr);
 
 // One value token of some replica: what QuantizeValueTokens does for n_tokens = 1, for many
 // replicas in one launch (the decode step's appends), the tasks through a slot of `plan`

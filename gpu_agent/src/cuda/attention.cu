@@ -367,17 +367,22 @@ Status LaunchCudaCoreSet(const std::vector<DeviceDecodeItem>& items, const Devic
 }  // namespace
 
 Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream, DecodePlan* plan) {
-  if (plan == nullptr) return Status::InvalidArgument("decode attention: no plan");
   if (n_items < 0) return Status::InvalidArgument("decode attention: negative item count");
-  for (int i = 0; i < n_items; ++i) SPECACHE_RETURN_IF_ERROR(Validate(items[i]));
+  return AttendDecodeBatch(std::vector<DeviceDecodeItem>(items, items + n_items), stream, plan);
+}
+
+Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, DecodePlan* plan) {
+  if (plan == nullptr) return Status::InvalidArgument("decode attention: no plan");
+  const int n_items = static_cast<int>(items.size());
+  for (const DeviceDecodeItem& it : items) SPECACHE_RETURN_IF_ERROR(Validate(it));
   if (n_items == 0) return Status::Ok();
   auto* s = static_cast<cudaStream_t>(stream);
-  // Strides resolved; the items the tensor-core path takes go there, the others below.
+  // Strides resolved in place; the items the tensor-core path takes go there (all of them, the
+  // usual call: moved, not copied), the others below.
   std::vector<DeviceDecodeItem> fast, rest;
-  fast.reserve(n_items);
   const bool lowbit = LowBitDecodeAvailable();
-  for (int i = 0; i < n_items; ++i) {
-    DeviceDecodeItem it = items[i];
+  bool all_fast = true;
+  for (DeviceDecodeItem& it : items) {
     if (it.rows.q_stride == 0) it.rows.q_stride = int64_t{it.rows.n_heads} * it.replica.head_dim;
     if (it.rows.kv_stride == 0) it.rows.kv_stride = it.replica.head_dim;
     const bool eligible = LowBitDecodeEligible(it, lowbit);
@@ -386,7 +391,12 @@ Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* strea
                                      std::to_string(kLeanMaxQueries) +
                                      " queries and its blocks interleaved by group (ReplicaBlockLayout::group_bytes)");
     }
-    (eligible ? fast : rest).push_back(it);
+    all_fast = all_fast && eligible;
+  }
+  if (all_fast) {
+    fast = std::move(items);
+  } else {
+    for (const DeviceDecodeItem& it : items) (LowBitDecodeEligible(it, lowbit) ? fast : rest).push_back(it);
   }
   std::vector<LowBitSet> sets;
   if (!fast.empty()) SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(std::move(fast), plan->free_slots(), &sets));

@@ -83,12 +83,13 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
                                       up_[b].get() + rank_bytes, threads_);
   rows_gathered_ += rows;
 
-  // 3. Up in pieces of kCopyPieceBytes; the cache update reads them from device memory. Copies in
+  // 3. Up in pieces of piece_bytes_; the cache update reads them from device memory. Copies in
   //    one direction run one at a time on the copy engine: a piece at a time, another stream's
   //    small copy (a launch plan's upload) waits for a piece, not for the layer's whole rows.
   const size_t total = rank_bytes + static_cast<size_t>(rows) * row;
-  for (size_t at = 0; at < total && queued.ok(); at += kCopyPieceBytes) {
-    queued = CudaStatus(cudaMemcpyAsync(device_[b].get() + at, up_[b].get() + at, std::min(kCopyPieceBytes, total - at),
+  const size_t piece = piece_bytes_ > 0 ? static_cast<size_t>(piece_bytes_) : total;
+  for (size_t at = 0; at < total && queued.ok(); at += piece) {
+    queued = CudaStatus(cudaMemcpyAsync(device_[b].get() + at, up_[b].get() + at, std::min(piece, total - at),
                                         cudaMemcpyHostToDevice, stream),
                         "rows to the device");
   }

@@ -44,8 +44,9 @@ namespace specache::cuda {
 
 class CopyEngineFetch {
  public:
-  CopyEngineFetch(int head_dim, int32_t page_tokens, int threads)
-      : head_dim_(head_dim), page_tokens_(page_tokens), threads_(threads) {}
+  // piece_bytes: the rows go up in copies of at most this many bytes (0: one copy a layer).
+  CopyEngineFetch(int head_dim, int32_t page_tokens, int threads, int64_t piece_bytes = kCopyPieceBytes)
+      : head_dim_(head_dim), page_tokens_(page_tokens), threads_(threads), piece_bytes_(piece_bytes) {}
   // Waits for the last copy out of the pinned buffer before freeing it.
   ~CopyEngineFetch();
   CopyEngineFetch(const CopyEngineFetch&) = delete;
@@ -69,15 +70,16 @@ class CopyEngineFetch {
   // Rows the host gathered so far (the misses; the cache update counts them on the device too).
   int64_t rows_gathered() const { return rows_gathered_; }
 
-  // The rows go up in copies of at most this many bytes (~40 us each at PCIe 5's ~50 GB/s): the
-  // copy engine runs copies of one direction one at a time, so a small upload on another stream
-  // waits for one piece rather than for a layer's rows (26 MB at 99 x 8K).
-  static constexpr size_t kCopyPieceBytes = size_t{2} << 20;
+  // The default piece (~40 us at PCIe 5's ~50 GB/s, ~100 us measured in a profiled 99 x 8K step):
+  // the copy engine runs copies of one direction one at a time, so a small upload on another
+  // stream waits for one piece rather than for a layer's rows (26 MB at 99 x 8K).
+  static constexpr int64_t kCopyPieceBytes = int64_t{2} << 20;
 
  private:
   int head_dim_;
   int32_t page_tokens_;
   int threads_;
+  int64_t piece_bytes_;
   Buffer<int32_t, true> missed_;  // [tasks][stride], written by the device through its mapping
   // Two of each, alternating by call: [tasks][stride] int32 ranks, then the rows (16-byte
   // aligned), pinned and on the device; copied_ is recorded after each one's copy.

@@ -154,7 +154,8 @@ Status CudaAgent::Init() {
     int device = 0;
     SPECACHE_RETURN_IF_ERROR(cuda::CudaStatus(cudaGetDevice(&device), "device"));
     worker_ = std::make_unique<SourceWorker>([device] { cudaSetDevice(device); });
-    rows_.UseCopyEngine(worker_.get(), options_.fetch_threads);
+    rows_.UseCopyEngine(worker_.get(), options_.fetch_threads, options_.fetch_copy_piece_bytes);
+    planner_.LeaveSlotsForFetch(false);  // no fetch kernel runs beside the attention
   }
   SPECACHE_RETURN_IF_ERROR(rows_.Init());
   SPECACHE_RETURN_IF_ERROR(replicas_.Init(options_.device_pool_bytes));
@@ -302,7 +303,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     SPECACHE_RETURN_IF_ERROR(rows_.Fetch(layer, protocol_.ids(), compute_));
     SPECACHE_RETURN_IF_ERROR(planner_.AttendWithFetchedRows(layer, &plan));
   } else {
-    SPECACHE_RETURN_IF_ERROR(planner_.AttendAndSelect(layer, plan));
+    SPECACHE_RETURN_IF_ERROR(planner_.AttendAndSelect(layer, &plan));
     if (config_.fetches_rows()) SPECACHE_RETURN_IF_ERROR(rows_.MarkSelected(layer));
     SPECACHE_RETURN_IF_ERROR(rows_.JoinFetch());  // FetchOverlap::kWithinNextAttention
   }
@@ -405,6 +406,8 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (options.capacity_tokens <= 0) return Status::InvalidArgument("capacity_tokens must be positive");
   if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
   if (options.device_pool_bytes < 0) return Status::InvalidArgument("device_pool_bytes must be >= 0");
+  if (options.fetch_copy_piece_bytes < 0) return Status::InvalidArgument("fetch_copy_piece_bytes must be >= 0");
+  if (options.plan_threads < 1) return Status::InvalidArgument("plan_threads must be at least 1");
   if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
     return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +
                                    " and k_max + top_k_real up to " + std::to_string(cuda::kMaxBudgetMerge));

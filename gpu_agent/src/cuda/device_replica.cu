@@ -415,8 +415,8 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   }
   // Before the groups made whole are packed (PackMmaGroups reads the quantized keys).
   if (!key_runs.empty()) {
-    SPECACHE_RETURN_IF_ERROR(
-        QuantizeKeyGroupRuns(key_runs.data(), static_cast<int>(key_runs.size()), p.group_size, d, p.key_bits, stream));
+    SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroupTasks(key_runs.data(), static_cast<int>(key_runs.size()), p.group_size, d,
+                                                   p.key_bits, stream, plan));
   }
   if (!retire.empty()) {
     SPECACHE_RETURN_IF_ERROR(

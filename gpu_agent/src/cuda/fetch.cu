@@ -5,6 +5,7 @@
 #include <string>
 
 #include "specache/cuda_fetch.h"
+#include "block_task.cuh"
 #include "decode_plan_slots.h"
 #include "shared_memory_opt_in.cuh"
 #include "sorted_tokens.cuh"
@@ -183,10 +184,7 @@ __device__ uint64_t KeepThreshold(const CacheUpdateTask& t, int32_t n_old, const
 __global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int row_pieces, FetchCounters* counters) {
   // The block's task in shared memory: read through a reference to global memory, its fields
   // would be loaded again after the block's global stores.
-  __shared__ CacheUpdateTask task;
-  if (threadIdx.x == 0) task = tasks[blockIdx.x];
-  __syncthreads();
-  const CacheUpdateTask& t = task;
+  const CacheUpdateTask& t = TaskOfBlock(tasks, blockIdx.x);
   const int32_t capacity = t.capacity;
   extern __shared__ int16_t shared[];
   int16_t* kept_before = shared;                      // [capacity + 1]

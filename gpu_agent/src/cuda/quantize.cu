@@ -2,9 +2,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "specache/cuda_quantize.h"
+#include "block_task.cuh"
 #include "decode_plan_slots.h"
 
 namespace specache::cuda {
@@ -89,19 +92,46 @@ __device__ int RunOf(const RunBatch<Run>& b, int32_t i, int32_t* local) {
   return lo;
 }
 
+// The calling warp quantizes channel d of one key group: keys [group_size][head_dim], codes
+// [head_dim][group_size * bits / 32], scale and zero [head_dim].
+__device__ void QuantizeKeyChannelWarp(const __half* keys, int d, int group_size, int head_dim, int bits,
+                                       uint32_t* codes, uint16_t* scale, uint16_t* zero) {
+  const int lane = threadIdx.x & 31, per_lane = group_size / 32;
+  float x[4];
+  for (int j = 0; j < per_lane; ++j) x[j] = __half2float(keys[static_cast<size_t>(lane + 32 * j) * head_dim + d]);
+  const int words = group_size * bits / 32;
+  QuantizeRunWarp(x, per_lane, bits, codes + static_cast<size_t>(d) * words, scale + d, zero + d);
+}
+
 // Block = one warp per channel of one key group; grid = groups of all runs x ceil(head_dim / warps).
 __global__ void QuantizeKeyGroupRunsKernel(RunBatch<KeyGroupRun> batch, int group_size, int head_dim, int bits) {
   const int d = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
   if (d >= head_dim) return;  // whole warps leave together
   int32_t group = 0;
   const KeyGroupRun& r = batch.runs[RunOf(batch, static_cast<int32_t>(blockIdx.x), &group)];
-  const int lane = threadIdx.x & 31, per_lane = group_size / 32;
-  float x[4];
-  const __half* g = reinterpret_cast<const __half*>(r.keys) + static_cast<size_t>(group) * group_size * head_dim;
-  for (int j = 0; j < per_lane; ++j) x[j] = __half2float(g[static_cast<size_t>(lane + 32 * j) * head_dim + d]);
-  const int words = group_size * bits / 32;
-  const size_t slot = static_cast<size_t>(group) * head_dim + d;
-  QuantizeRunWarp(x, per_lane, bits, r.codes + slot * words, r.scale + slot, r.zero + slot);
+  const size_t first = static_cast<size_t>(group) * head_dim;
+  QuantizeKeyChannelWarp(reinterpret_cast<const __half*>(r.keys) + first * group_size, d, group_size, head_dim, bits,
+                         r.codes + first * (group_size * bits / 32), r.scale + first, r.zero + first);
+}
+
+// One key group of a KeyGroupRun (QuantizeKeyGroupTasks' unit of work).
+struct KeyGroupTask {
+  const Half* keys;  // [group_size][head_dim]
+  uint32_t* codes;   // [head_dim][group_size * bits / 32]
+  Half* scale;       // [head_dim]
+  Half* zero;
+};
+
+// Block = task blockIdx.x's group, its warps over the channels: the task (read in place from host
+// memory) is read once per group, not once per few channels.
+__global__ void QuantizeKeyGroupTasksKernel(const KeyGroupTask* __restrict__ tasks, int group_size, int head_dim,
+                                            int bits) {
+  const KeyGroupTask& t = TaskOfBlock(tasks, blockIdx.x);
+  const int warps = blockDim.x / 32;
+  for (int d = threadIdx.x / 32; d < head_dim; d += warps) {
+    QuantizeKeyChannelWarp(reinterpret_cast<const __half*>(t.keys), d, group_size, head_dim, bits, t.codes, t.scale,
+                           t.zero);
+  }
 }
 
 // The calling warp quantizes channel group g of one value token.
@@ -188,6 +218,36 @@ Status QuantizeKeyGroupRuns(const KeyGroupRun* runs, int n_runs, int group_size,
                           batch, group_size, head_dim, bits);
                       return Launched("key quantization kernel");
                     });
+}
+
+Status QuantizeKeyGroupTasks(const KeyGroupRun* runs, int n_runs, int group_size, int head_dim, int bits, void* stream,
+                             DecodePlan* plan) {
+  SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
+  if (n_runs < 0) return Status::InvalidArgument("negative run count");
+  const int words = group_size * bits / 32;
+  std::vector<KeyGroupTask> tasks;
+  int64_t groups = 0;
+  for (int i = 0; i < n_runs; ++i) groups += std::max(runs[i].n_groups, 0);
+  tasks.reserve(static_cast<size_t>(std::min<int64_t>(groups, std::numeric_limits<int>::max())));
+  for (int i = 0; i < n_runs; ++i) {
+    const KeyGroupRun& r = runs[i];
+    if (r.n_groups < 0) return Status::InvalidArgument("negative run length");
+    if (static_cast<int64_t>(tasks.size()) + r.n_groups > int64_t{std::numeric_limits<int>::max()}) {
+      return Status::InvalidArgument("too many key groups for one launch");
+    }
+    for (int32_t g = 0; g < r.n_groups; ++g) {
+      const size_t first = static_cast<size_t>(g) * head_dim;
+      tasks.push_back({r.keys + first * group_size, r.codes + first * words, r.scale + first, r.zero + first});
+    }
+  }
+  if (tasks.empty()) return Status::Ok();
+  constexpr int kWarps = 8;
+  const int n = static_cast<int>(tasks.size());
+  auto* s = static_cast<cudaStream_t>(stream);
+  return WithDeviceTasks(plan, tasks.data(), n, s, [&](const KeyGroupTask* on_device) {
+    QuantizeKeyGroupTasksKernel<<<static_cast<unsigned>(n), kWarps * 32, 0, s>>>(on_device, group_size, head_dim, bits);
+    return Launched("key quantization kernel (tasks)");
+  });
 }
 
 Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_dim, int group_size, int bits,

@@ -50,7 +50,8 @@ Status RowFetcher::Init() {
     handed_.assign(shape_.n_layers, {});
   }
   if (copy_engine_threads_ > 0) {
-    copy_engine_ = std::make_unique<CopyEngineFetch>(shape_.head_dim, pages_->page_tokens(), copy_engine_threads_);
+    copy_engine_ = std::make_unique<CopyEngineFetch>(shape_.head_dim, pages_->page_tokens(), copy_engine_threads_,
+                                                     copy_piece_bytes_);
     handed_.assign(shape_.n_layers, {});
   }
   SPECACHE_RETURN_IF_ERROR(device_counters_.Reserve(1));
@@ -72,8 +73,9 @@ Status RowFetcher::CacheList::Reserve(int n_kv, int32_t capacity) {
 
 int64_t RowFetcher::CacheList::bytes() const { return tokens.bytes() + used.bytes() + slots.bytes() + count.bytes(); }
 
-void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads) {
+void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes) {
   worker_ = worker;
+  copy_piece_bytes_ = piece_bytes;
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   copy_engine_threads_ = std::max(1, cores > 0 ? std::min(threads, cores) : threads);
 }

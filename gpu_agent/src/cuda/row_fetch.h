@@ -77,8 +77,9 @@ class RowFetcher {
   // (the worker's jobs use the fetcher: its owner destroys the worker first).
   void UseStagedSource(FullPrecisionSource* source, SourceWorker* worker);
   // Before Init, for a source with pages: the overlapped fetch's rows go by the copy engine, the
-  // host's part on `worker` with `threads` gather threads (FetchVia::kCopyEngine).
-  void UseCopyEngine(SourceWorker* worker, int threads);
+  // host's part on `worker` with `threads` gather threads (FetchVia::kCopyEngine), up in copies
+  // of at most `piece_bytes` (0: one a layer; CudaAgentOptions::fetch_copy_piece_bytes).
+  void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes);
   // Makes the fetch stream, the per-layer events and the device counters.
   Status Init();
 
@@ -264,6 +265,7 @@ class RowFetcher {
   std::vector<std::vector<SequenceId>> handed_;  // [layer]
   // Copy engine only (UseCopyEngine): the overlapped fetch's route, used on the worker only.
   int copy_engine_threads_ = 0;
+  int64_t copy_piece_bytes_ = CopyEngineFetch::kCopyPieceBytes;  // UseCopyEngine's
   std::unique_ptr<CopyEngineFetch> copy_engine_;
   // The task lists of the kernels queued from the worker's thread and from the caller's (a plan
   // serves one thread), read in place: a copy would queue behind the fetch's own on the copy

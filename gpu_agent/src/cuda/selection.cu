@@ -8,22 +8,13 @@
 #include "specache/cuda_fetch.h"
 #include "sorted_tokens.cuh"
 #include "specache/cuda_selection.h"
+#include "block_task.cuh"
 #include "decode_plan_slots.h"
 
 namespace specache::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-// Block `task`'s task, copied once into shared memory (the tasks may be read in place from host
-// memory, DecodePlan::SlotReads::kInPlace: one read a block, not one per thread and field).
-template <typename T>
-__device__ const T& TaskOfBlock(const T* tasks, unsigned task) {
-  __shared__ T mine;
-  if (threadIdx.x == 0) mine = tasks[task];
-  __syncthreads();
-  return mine;
-}
 
 __global__ void MaskKernel(const MaskTask* __restrict__ tasks, int n_heads) {
   const MaskTask& t = TaskOfBlock(tasks, blockIdx.x);

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <span>
+#include <thread>
 
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_selection.h"
 #include "specache/cuda_tensors.h"
 #include "specache/cuda_topk.h"
+#include "../parallel_for.h"
 #include "prefill_attention.h"
 
 namespace specache::cuda {
@@ -24,7 +26,13 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
       pages_(pages),
       compute_(compute) {
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
-  if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  plan_threads_ = std::max(1, cores > 0 ? std::min(options.plan_threads, cores) : options.plan_threads);
+  LeaveSlotsForFetch(true);
+}
+
+void StepPlanner::LeaveSlotsForFetch(bool leave) {
+  plan_.set_free_slots(leave && config_.mode == KvMode::kSpeCache ? options_.fetch_blocks : 0);
 }
 
 Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, int32_t n) {
@@ -64,16 +72,18 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
 
   LayerPlan plan;
   plan.candidates.resize(n_seq);
-  plan.items.reserve(n_seq * n_kv);
+  plan.items.resize(n_seq * n_kv);
   plan.probs_offsets.assign(n_seq, 0);
   size_t scratch = 0, probs = 0;
   std::vector<const ReplicaStore::Heads*> heads_of(n_seq);  // one lookup per sequence
+  std::vector<size_t> scratch_of(n_seq);                    // where sequence s's scratch starts
   for (size_t s = 0; s < n_seq; ++s) {
     heads_of[s] = &replicas_->Layer(ids[s], layer);
     const DeviceHeadReplica& rep0 = *(*heads_of[s])[0];
     plan.candidates[s] = TopKCandidates(config_, appends, rep0.length(), rep0.quantized_keys());
     plan.probs_offsets[s] = probs;
     probs += size_t(n_kv) * group * std::max<int32_t>(plan.candidates[s], 1);
+    scratch_of[s] = scratch;
     scratch += static_cast<size_t>(DecodeScratchFloats(rep0.length(), n_rows, group, d)) * n_kv;
   }
   SPECACHE_RETURN_IF_ERROR(scores_.Reserve(scratch));
@@ -85,45 +95,61 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
     SPECACHE_RETURN_IF_ERROR(real_probs_.Reserve(std::max<size_t>(probs, 1)));
     SPECACHE_RETURN_IF_ERROR(real_stats_.Reserve(n_seq * n_kv * group * 2));
   }
-  scratch = 0;
-  if (n_seq > 0) {
-    for (const auto& rep : *heads_of[0]) rep->Prefetch();
-  }
-  for (size_t s = 0; s < n_seq; ++s) {
-    const int32_t candidates = plan.candidates[s];
-    const ReplicaStore::Heads& heads = *heads_of[s];
-    if (s + 1 < n_seq) {  // the next sequence's replicas load while this one's items are made
-      for (const auto& rep : *heads_of[s + 1]) rep->Prefetch();
+  // Sequences [first, end)'s items: every write goes to their own items, every read is of state
+  // nothing changes during the planning (the replicas, the fetcher's rows), so ranges of sequences
+  // are made on options_.plan_threads threads at once.
+  const auto make_items = [&](size_t first, size_t end) {
+    if (first < end) {
+      for (const auto& rep : *heads_of[first]) rep->Prefetch();
     }
-    for (int h = 0; h < n_kv; ++h) {
-      const DeviceHeadReplica& rep = *heads[h];
-      DeviceDecodeItem it;
-      it.replica = rep.view();
-      DeviceDecodeRows& r = it.rows;
-      const size_t first_row = s * n_rows;
-      r.q = rows.q + (first_row * n_q + size_t(h) * group) * d;
-      r.out = rows.out + (first_row * n_q + size_t(h) * group) * d;
-      r.q_stride = int64_t{n_q} * d;
-      r.new_keys = k_.get() + (first_row * n_kv + h) * d;
-      r.new_values = v_.get() + (first_row * n_kv + h) * d;
-      r.kv_stride = int64_t{n_kv} * d;
-      r.n_rows = n_rows;
-      r.n_heads = group;
-      r.scale = scale_;
-      r.probs_row = probs_row;
-      r.n_candidates = candidates;
-      r.probs = selects && candidates > 0 ? probs_.get() + plan.probs_offsets[s] + size_t(h) * group * candidates
-                                          : nullptr;
-      r.probs_stats = ProbsStats(s, h);
-      if (ranks_real && r.probs) {
-        r.real_probs = RealProbs(plan, s, h, candidates);
-        r.real_probs_stats = RealStats(s, h);
+    for (size_t s = first; s < end; ++s) {
+      const int32_t candidates = plan.candidates[s];
+      const ReplicaStore::Heads& heads = *heads_of[s];
+      if (s + 1 < end) {  // the next sequence's replicas load while this one's items are made
+        for (const auto& rep : *heads_of[s + 1]) rep->Prefetch();
       }
-      r.scratch = scores_.get() + scratch;
-      scratch += static_cast<size_t>(DecodeScratchFloats(rep.length(), n_rows, group, d));
-      plan.items.push_back(it);
+      size_t at = scratch_of[s];
+      for (int h = 0; h < n_kv; ++h) {
+        const DeviceHeadReplica& rep = *heads[h];
+        DeviceDecodeItem& it = plan.items[s * n_kv + h];
+        it.replica = rep.view();
+        DeviceDecodeRows& r = it.rows;
+        const size_t first_row = s * n_rows;
+        r.q = rows.q + (first_row * n_q + size_t(h) * group) * d;
+        r.out = rows.out + (first_row * n_q + size_t(h) * group) * d;
+        r.q_stride = int64_t{n_q} * d;
+        r.new_keys = k_.get() + (first_row * n_kv + h) * d;
+        r.new_values = v_.get() + (first_row * n_kv + h) * d;
+        r.kv_stride = int64_t{n_kv} * d;
+        r.n_rows = n_rows;
+        r.n_heads = group;
+        r.scale = scale_;
+        r.probs_row = probs_row;
+        r.n_candidates = candidates;
+        r.probs = selects && candidates > 0 ? probs_.get() + plan.probs_offsets[s] + size_t(h) * group * candidates
+                                            : nullptr;
+        r.probs_stats = ProbsStats(s, h);
+        if (ranks_real && r.probs) {
+          r.real_probs = RealProbs(plan, s, h, candidates);
+          r.real_probs_stats = RealStats(s, h);
+        }
+        r.scratch = scores_.get() + at;
+        at += static_cast<size_t>(DecodeScratchFloats(rep.length(), n_rows, group, d));
+      }
+      rows_->Substitute(ids[s], layer, std::span(plan.items).subspan(s * n_kv, n_kv));
     }
-    rows_->Substitute(ids[s], layer, std::span(plan.items).subspan(s * n_kv, n_kv));
+  };
+  // A range of at least kPlanSequencesPerThread sequences per thread: below that, waking the
+  // threads costs more than the items (a few us a sequence).
+  constexpr size_t kPlanSequencesPerThread = 16;
+  const int threads = static_cast<int>(std::min<size_t>(
+      static_cast<size_t>(plan_threads_), std::max<size_t>(n_seq / kPlanSequencesPerThread, 1)));
+  if (threads <= 1) {
+    make_items(0, n_seq);
+  } else {
+    ParallelFor(threads, threads, [&](int t, int) {
+      make_items(n_seq * static_cast<size_t>(t) / threads, n_seq * static_cast<size_t>(t + 1) / threads);
+    });
   }
   return plan;
 }
@@ -132,7 +158,7 @@ Status StepPlanner::AttendPlainAndSelect(int layer, const LayerPlan& plan) {
   std::vector<DeviceDecodeItem> plain = plan.items;
   for (auto& it : plain) it.rows.n_sub = 0;
   if (config_.mode == KvMode::kSpeCacheOracle) SPECACHE_RETURN_IF_ERROR(RankExactly(layer, &plain, compute_));
-  SPECACHE_RETURN_IF_ERROR(Attend(plain));
+  SPECACHE_RETURN_IF_ERROR(Attend(std::move(plain)));
   return Select(layer, plan);
 }
 
@@ -143,18 +169,18 @@ Status StepPlanner::AttendWithFetchedRows(int layer, LayerPlan* plan) {
     rows_->Substitute(ids[s], layer, std::span(plan->items).subspan(s * n_kv, n_kv));
   }
   for (DeviceDecodeItem& it : plan->items) it.rows.probs = nullptr;
-  return Attend(plan->items);
+  return Attend(std::move(plan->items));
 }
 
-Status StepPlanner::AttendAndSelect(int layer, const LayerPlan& plan) {
+Status StepPlanner::AttendAndSelect(int layer, LayerPlan* plan) {
   const bool selects = config_.fetches_rows();
-  SPECACHE_RETURN_IF_ERROR(Attend(plan.items));  // with the real row's scores for the union rule
-  if (selects) SPECACHE_RETURN_IF_ERROR(Select(layer, plan));
+  SPECACHE_RETURN_IF_ERROR(Attend(std::move(plan->items)));  // with the real row's scores for the union rule
+  if (selects) SPECACHE_RETURN_IF_ERROR(Select(layer, *plan));
   return Status::Ok();
 }
 
-Status StepPlanner::Attend(const std::vector<DeviceDecodeItem>& items) {
-  return AttendDecodeBatch(items.data(), static_cast<int>(items.size()), compute_, &plan_);
+Status StepPlanner::Attend(std::vector<DeviceDecodeItem> items) {
+  return AttendDecodeBatch(std::move(items), compute_, &plan_);
 }
 
 Status StepPlanner::Select(int layer, const LayerPlan& plan) {

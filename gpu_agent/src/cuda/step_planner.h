@@ -13,7 +13,8 @@
 //
 // Every cuda::AttendDecodeBatch of the agent is launched from here (Attend). The planner owns the
 // scratch this needs and grows it as needed; the step it plans is the StepProtocol's current one.
-// Not thread-safe (the agent is used from one thread).
+// Not thread-safe (the agent is used from one thread); Plan builds the items on
+// CudaAgentOptions::plan_threads threads of its own, which only read the replicas and the fetcher.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -55,11 +56,18 @@ class StepPlanner {
   // replica alone (the oracle's over every full-precision row), then the top-k into the
   // fetcher's next selection. The plan's outputs are overwritten by AttendWithFetchedRows.
   Status AttendPlainAndSelect(int layer, const LayerPlan& plan);
-  // The attention with the fetched selection substituted (after RowFetcher::Fetch).
+  // The attention with the fetched selection substituted (after RowFetcher::Fetch). The plan's
+  // items move into the launch (plan->items is empty after).
   Status AttendWithFetchedRows(int layer, LayerPlan* plan);
   // The attention, then in the modes that fetch rows the top-k for the next step into the
-  // fetcher's next selection (kUnion ranks the real row too, from the same pass).
-  Status AttendAndSelect(int layer, const LayerPlan& plan);
+  // fetcher's next selection (kUnion ranks the real row too, from the same pass). The plan's items
+  // move into the launch (plan->items is empty after; the selection reads the rest of the plan).
+  Status AttendAndSelect(int layer, LayerPlan* plan);
+
+  // Whether the attention leaves CTA slots for a fetch kernel (CudaAgentOptions::fetch_blocks, in
+  // specache mode; the default): no, when the fetch's rows move on the copy engine (no fetch
+  // kernel holds SMs beside the attention then), so the attention's units get the whole GPU.
+  void LeaveSlotsForFetch(bool leave);
 
   // The fp16 K/V of the last Plan ([row][n_kv][head_dim]).
   const Half* new_keys() const { return k_.get(); }
@@ -70,7 +78,7 @@ class StepPlanner {
 
  private:
   // The only launch of the batched decode attention.
-  Status Attend(const std::vector<DeviceDecodeItem>& items);
+  Status Attend(std::vector<DeviceDecodeItem> items);
   // Top-k of each sequence's candidates into the fetcher's next selection.
   Status Select(int layer, const LayerPlan& plan);
   // The row-selection rule beyond the plain top-k (selection.h), in functions of their own:
@@ -99,6 +107,7 @@ class StepPlanner {
   const DevicePageTable* pages_;
   cudaStream_t compute_;
   float scale_ = 1.0f;
+  int plan_threads_ = 1;  // options_.plan_threads, at most the machine's cores
   // The attention's launch plans. In specache mode it leaves the fetch's blocks their slots on the
   // GPU, so that a fetch started before an attention kernel runs beside it instead of after it.
   DecodePlan plan_;
