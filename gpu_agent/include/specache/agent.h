@@ -198,8 +198,7 @@ struct CudaAgentOptions {
   int32_t capacity_tokens = 32768;  // most tokens per sequence (the length of its block and page tables)
   void* stream = nullptr;           // the engine's cudaStream_t: the agent's compute is queued on it
   int fetch_blocks = 32;            // most blocks of the fetch kernel; in specache mode the attention leaves them
-                                    // as many CTA slots on the GPU, so a fetch runs beside it (not with
-                                    // fetch_via = kCopyEngine: no fetch kernel then)
+                                    // as many CTA slots on the GPU, so a fetch runs beside it
   // false: only for measuring what the fetch costs (specache-bench step). Rows are selected as
   // usual but none is fetched, so the attention substitutes nothing; results are not SpeCache's.
   bool fetch = true;

@@ -155,7 +155,6 @@ Status CudaAgent::Init() {
     SPECACHE_RETURN_IF_ERROR(cuda::CudaStatus(cudaGetDevice(&device), "device"));
     worker_ = std::make_unique<SourceWorker>([device] { cudaSetDevice(device); });
     rows_.UseCopyEngine(worker_.get(), options_.fetch_threads, options_.fetch_copy_piece_bytes);
-    planner_.LeaveSlotsForFetch(false);  // no fetch kernel runs beside the attention
   }
   SPECACHE_RETURN_IF_ERROR(rows_.Init());
   SPECACHE_RETURN_IF_ERROR(replicas_.Init(options_.device_pool_bytes));

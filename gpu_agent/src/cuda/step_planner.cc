@@ -28,11 +28,7 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   plan_threads_ = std::max(1, cores > 0 ? std::min(options.plan_threads, cores) : options.plan_threads);
-  LeaveSlotsForFetch(true);
-}
-
-void StepPlanner::LeaveSlotsForFetch(bool leave) {
-  plan_.set_free_slots(leave && config_.mode == KvMode::kSpeCache ? options_.fetch_blocks : 0);
+  if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
 }
 
 Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, int32_t n) {

@@ -64,11 +64,6 @@ class StepPlanner {
   // move into the launch (plan->items is empty after; the selection reads the rest of the plan).
   Status AttendAndSelect(int layer, LayerPlan* plan);
 
-  // Whether the attention leaves CTA slots for a fetch kernel (CudaAgentOptions::fetch_blocks, in
-  // specache mode; the default): no, when the fetch's rows move on the copy engine (no fetch
-  // kernel holds SMs beside the attention then), so the attention's units get the whole GPU.
-  void LeaveSlotsForFetch(bool leave);
-
   // The fp16 K/V of the last Plan ([row][n_kv][head_dim]).
   const Half* new_keys() const { return k_.get(); }
   const Half* new_values() const { return v_.get(); }
