@@ -442,9 +442,11 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
     return;
   }
   const double tok = j["tokens_per_s"].get<double>();
-  std::fprintf(stderr, "%6d %-17s %6d %-12s %9.0f %6.2fx %8.2f %7.2f %7.2f %7.2f %7.2f %10.1f %7.3f %7s %7s\n",
+  char ratio[16] = "      -";  // no fp16 step measured before this row (--kv without fp16, or after it)
+  if (fp16_tokens > 0) std::snprintf(ratio, sizeof(ratio), "%6.2fx", tok / fp16_tokens);
+  std::fprintf(stderr, "%6d %-17s %6d %-12s %9.0f %7s %8.2f %7.2f %7.2f %7.2f %7.2f %10.1f %7.3f %7s %7s\n",
                j["context"].get<int>(), j["mode"].get<std::string>().c_str(), j["batch"].get<int>(),
-               j["capped_by"].get<std::string>().substr(0, 12).c_str(), tok, fp16_tokens > 0 ? tok / fp16_tokens : 0.0,
+               j["capped_by"].get<std::string>().substr(0, 12).c_str(), tok, ratio,
                j["ms_step"].get<double>(), j["ms_gemm"].get<double>(), j["ms_attention"].get<double>(),
                j["ms_topk"].get<double>(), j["ms_fetch_wait"].get<double>(),
                j["fetched_bytes_per_token"].get<double>() / 1e3, j["gpu_kv_ratio"].get<double>(),
@@ -519,6 +521,7 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   std::vector<nlohmann::json> rows;
   for (int context : o.contexts) {
     double fp16_tokens = 0;
+    std::string fp16_baseline;  // which fp16 step the ratios divide by ("agent" or "sdpa")
     for (const std::string& mode : o.modes) {
       auto measured = bench.Measure(mode, context, mem_available);
       // A mode that cannot run (out of pinned host memory, say) is reported in its row; the
@@ -536,13 +539,16 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
         // the strong one (the agent's own full mode attends on the CUDA cores, ~9x slower at 28 x 8K
         // on the H200).
         fp16_tokens = j["tokens_per_s"].get<double>();
-        j["fp16_baseline"] = "agent";
+        fp16_baseline = "agent";
         if (j.contains("sdpa") && j["sdpa"].contains("tokens_per_s") && j["sdpa"]["tokens_per_s"].get<double>() > fp16_tokens) {
           fp16_tokens = j["sdpa"]["tokens_per_s"].get<double>();
-          j["fp16_baseline"] = "sdpa";
+          fp16_baseline = "sdpa";
         }
       }
-      if (fp16_tokens > 0 && j.contains("tokens_per_s")) j["speedup_vs_fp16"] = j["tokens_per_s"].get<double>() / fp16_tokens;
+      if (fp16_tokens > 0 && j.contains("tokens_per_s")) {
+        j["speedup_vs_fp16"] = j["tokens_per_s"].get<double>() / fp16_tokens;
+        j["fp16_baseline"] = fp16_baseline, j["fp16_baseline_tokens_per_s"] = fp16_tokens;
+      }
       PrintRow(j, fp16_tokens);
       rows.push_back(std::move(j));
     }
@@ -577,7 +583,7 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
                "DecodeLayer less the top-k; topk = the top-k measured alone; fetchw = the stream waiting for prefetched "
                "rows. kv/fp16 = GPU KV bytes held / fp16 KV bytes of the batch. vs_fp16 = tok/s over the faster fp16 "
                "step at the budget's fp16 batch: PyTorch SDPA's when --sdpa-script ran, else the agent's full mode "
-               "(a weak baseline: its attention runs on the CUDA cores).\n");
+               "(a weak baseline: its attention runs on the CUDA cores); -: no fp16 row measured before it (list fp16 first).\n");
   return rows;
 }
 

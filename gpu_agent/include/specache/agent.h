@@ -183,7 +183,7 @@ enum class FetchVia {
   kSmLoads,     // the fetch kernel's blocks load them from the mapped host pages (up to fetch_blocks
                 // SMs, beside the engine's kernels: FetchOverlap)
   kCopyEngine,  // the agent's threads gather the missed rows from the pages into pinned memory and
-                // one copy per layer moves them (a DMA engine: no SM reads host memory); the device
+                // copies move them (fetch_copy_piece_bytes each: a DMA engine, no SM reads host memory); the device
                 // is told which rows to gather through mapped memory, and the row cache's update
                 // takes them from that copy (no other device-side pass). It costs a host round trip per
                 // layer (the worker waits for the layer's selection) and fetch_threads host cores.
