@@ -225,16 +225,19 @@ Status QuantizeKeyGroupTasks(const KeyGroupRun* runs, int n_runs, int group_size
   SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
   if (n_runs < 0) return Status::InvalidArgument("negative run count");
   const int words = group_size * bits / 32;
-  std::vector<KeyGroupTask> tasks;
+  // The runs checked and their groups counted first, so that nothing is allocated for a bad call.
   int64_t groups = 0;
-  for (int i = 0; i < n_runs; ++i) groups += std::max(runs[i].n_groups, 0);
-  tasks.reserve(static_cast<size_t>(std::min<int64_t>(groups, std::numeric_limits<int>::max())));
+  for (int i = 0; i < n_runs; ++i) {
+    if (runs[i].n_groups < 0) return Status::InvalidArgument("negative run length");
+    groups += runs[i].n_groups;
+  }
+  if (groups > int64_t{std::numeric_limits<int>::max()}) {
+    return Status::InvalidArgument("too many key groups for one launch");
+  }
+  std::vector<KeyGroupTask> tasks;
+  tasks.reserve(static_cast<size_t>(groups));
   for (int i = 0; i < n_runs; ++i) {
     const KeyGroupRun& r = runs[i];
-    if (r.n_groups < 0) return Status::InvalidArgument("negative run length");
-    if (static_cast<int64_t>(tasks.size()) + r.n_groups > int64_t{std::numeric_limits<int>::max()}) {
-      return Status::InvalidArgument("too many key groups for one launch");
-    }
     for (int32_t g = 0; g < r.n_groups; ++g) {
       const size_t first = static_cast<size_t>(g) * head_dim;
       tasks.push_back({r.keys + first * group_size, r.codes + first * words, r.scale + first, r.zero + first});
