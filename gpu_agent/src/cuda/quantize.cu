@@ -178,11 +178,6 @@ Status Check(int group_size, int head_dim, int bits) {
   return Status::Ok();
 }
 
-Status Launched(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 // Launches `launch(batch, items)` for runs[0..n) in batches of kMaxQuantizeRuns; `size` is a run's
 // item count (groups or tokens).
 template <typename Run, typename Size, typename Launch>
@@ -216,7 +211,7 @@ Status QuantizeKeyGroupRuns(const KeyGroupRun* runs, int n_runs, int group_size,
                       const dim3 grid(groups, (head_dim + kWarps - 1) / kWarps);
                       QuantizeKeyGroupRunsKernel<<<grid, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
                           batch, group_size, head_dim, bits);
-                      return Launched("key quantization kernel");
+                      return LaunchStatus("key quantization kernel");
                     });
 }
 
@@ -244,9 +239,9 @@ Status QuantizeKeyGroupTasks(const KeyGroupRun* runs, int n_runs, int group_size
   constexpr int kWarps = 8;
   const int n = static_cast<int>(tasks.size());
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, tasks.data(), n, s, [&](const KeyGroupTask* on_device) {
+  const char* what = "key quantization kernel (tasks)";
+  return WithDeviceTasks(plan, tasks.data(), n, s, what, [&](const KeyGroupTask* on_device) {
     QuantizeKeyGroupTasksKernel<<<static_cast<unsigned>(n), kWarps * 32, 0, s>>>(on_device, group_size, head_dim, bits);
-    return Launched("key quantization kernel (tasks)");
   });
 }
 
@@ -261,7 +256,7 @@ Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_di
                       QuantizeValueTokenRunsKernel<<<static_cast<unsigned>((warps + kWarps - 1) / kWarps), kWarps * 32,
                                                      0, static_cast<cudaStream_t>(stream)>>>(batch, head_dim, group_size,
                                                                                              bits);
-                      return Launched("value quantization kernel");
+                      return LaunchStatus("value quantization kernel");
                     });
 }
 
@@ -286,10 +281,10 @@ Status QuantizeValueTokenBatch(const ValueTokenTask* tasks, int n_tasks, int hea
   constexpr int kWarps = 8;
   const int64_t runs = int64_t{n_tasks} * (head_dim / group_size);
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const ValueTokenTask* on_device) {
+  const char* what = "value quantization kernel (batch)";
+  return WithDeviceTasks(plan, tasks, n_tasks, s, what, [&](const ValueTokenTask* on_device) {
     QuantizeValueTokenBatchKernel<<<static_cast<unsigned>((runs + kWarps - 1) / kWarps), kWarps * 32, 0, s>>>(
         on_device, n_tasks, head_dim, group_size, bits);
-    return Launched("value quantization kernel (batch)");
   });
 }
 
