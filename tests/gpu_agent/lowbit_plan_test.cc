@@ -118,6 +118,37 @@ TEST(LowBitPlanTest, ClassesGetSetsOfTheirOwnInOrder) {
   }
 }
 
+TEST(LowBitPlanTest, AForcedSplitAndOrderAreKept) {
+  // DecodePlan::force_units: the chunk and the order as given (a chunk below 2 taken as 2), the
+  // units still cut whole; kChosen leaves each to the plan.
+  std::mt19937 rng(11);
+  for (const bool mma : {true, false}) {
+    std::vector<cuda::DeviceDecodeItem> items;
+    std::uniform_int_distribution<int32_t> length(40, 9000);
+    for (int i = 0; i < 99; ++i) items.push_back(Item(length(rng), 1 + static_cast<int32_t>(rng() % 64), mma));
+    using Order = cuda::DecodePlan::UnitOrder;
+    const std::pair<Order, cuda::TailOrder> orders[] = {{Order::kTailsShared, cuda::kTailsShared},
+                                                        {Order::kTailsFirst, cuda::kTailsFirst},
+                                                        {Order::kTailsLast, cuda::kTailsLast}};
+    for (const int chunk : {1, 2, 24, 300}) {
+      for (const auto& [forced, want] : orders) {
+        std::vector<cuda::LowBitSet> sets;
+        ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets, chunk, forced).ok());
+        ASSERT_EQ(sets.size(), 1u);
+        SCOPED_TRACE(std::string(mma ? "lean" : "natural") + " chunk=" + std::to_string(chunk));
+        EXPECT_EQ(sets[0].chunk_blocks, std::max(chunk, 2));
+        EXPECT_EQ(sets[0].tail_order, want);
+        ExpectUnitsCoverTheItems(sets[0], items);
+      }
+    }
+    std::vector<cuda::LowBitSet> chosen, chunk_only;
+    ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &chosen).ok());
+    ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &chunk_only, 24, Order::kChosen).ok());
+    EXPECT_EQ(chunk_only[0].chunk_blocks, 24);
+    EXPECT_NE(chosen[0].tail_order, cuda::kTailsLast) << "the plan's model does not choose the tails last yet";
+  }
+}
+
 }  // namespace
 }  // namespace specache
 #endif

@@ -1207,14 +1207,16 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   }
 }
 
-// Warps before the first bulk unit in the tails-first order: the tail units, rounded up to whole
-// CTAs (the padding warps exit at once). A CTA stays resident until its last warp ends, so a CTA
-// holding both a short tail unit and a long bulk unit would keep the tail's slot for the bulk's
-// time instead of handing it to the wave's next bulk unit.
-__host__ __device__ inline int32_t PaddedTailWarps(int32_t tail_units) { return (tail_units + kWarps - 1) / kWarps * kWarps; }
-// Warps the launch runs: every unit, plus the tails-first order's padding.
-__host__ __device__ inline int32_t LaunchWarps(int32_t units, int32_t tail_units, bool tails_first) {
-  return tails_first ? PaddedTailWarps(tail_units) + (units - tail_units) : units;
+// Warps of the units that run first in the tails-first or -last order (the tail units, or the
+// bulk units), rounded up to whole CTAs (the padding warps exit at once). A CTA stays resident
+// until its last warp ends, so a CTA holding both a short tail unit and a long bulk unit would
+// keep the tail's slot for the bulk's time instead of handing it to the wave's next unit.
+__host__ __device__ inline int32_t PaddedWarps(int32_t units) { return (units + kWarps - 1) / kWarps * kWarps; }
+// Warps the launch runs: every unit, plus the padding of the tails-first or -last order.
+__host__ __device__ inline int32_t LaunchWarps(int32_t units, int32_t tail_units, int32_t order) {
+  if (order == kTailsFirst) return PaddedWarps(tail_units) + (units - tail_units);
+  if (order == kTailsLast) return PaddedWarps(units - tail_units) + tail_units;
+  return units;
 }
 
 // The last i in [0, count) with begin(i) <= w (begin ascending, begin(0) = 0).
@@ -1240,23 +1242,43 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   const int32_t* unit_begin = UnitBegin(set);
   const int32_t* tail_begin = TailBegin(set);
   const int count = set->count;
-  if (w >= LaunchWarps(unit_begin[count], tail_begin[count], set->tails_first)) return;
-  // The warp's item and unit: warp w runs unit w, or (tails first) the warps run every item's
-  // tail units, then, from the next whole CTA (PaddedTailWarps), every item's bulk units (an
-  // item's bulk units begin at unit_begin less the tail units before it).
+  const int32_t order = set->tail_order;
+  if (w >= LaunchWarps(unit_begin[count], tail_begin[count], order)) return;
+  // The warp's item and unit: warp w runs unit w (kTailsShared), or the warps run every item's
+  // tail units then, from the next whole CTA (PaddedWarps), every item's bulk units (kTailsFirst),
+  // or the bulk units then the tail units (kTailsLast). An item's bulk units begin at unit_begin
+  // less the tail units before it, its tail units after its bulk units.
+  const int32_t bulk_total = unit_begin[count] - tail_begin[count];
+  const auto tail_unit = [&](int wt, int* item_of, int* u_of) {  // the launch's tail unit wt
+    const int i = ItemOfWarp([&](int j) { return tail_begin[j]; }, count, wt);
+    *item_of = i;
+    *u_of = unit_begin[i + 1] - unit_begin[i] - (tail_begin[i + 1] - tail_begin[i]) + (wt - tail_begin[i]);
+  };
+  const auto bulk_unit = [&](int wb, int* item_of, int* u_of) {  // the launch's bulk unit wb
+    const int i = ItemOfWarp([&](int j) { return unit_begin[j] - tail_begin[j]; }, count, wb);
+    *item_of = i;
+    *u_of = wb - (unit_begin[i] - tail_begin[i]);
+  };
   int item = 0, u = 0;
-  if (!set->tails_first) {
+  if (order == kTailsFirst) {
+    if (w < tail_begin[count]) {
+      tail_unit(w, &item, &u);
+    } else if (w < PaddedWarps(tail_begin[count])) {
+      return;  // padding up to the bulk units' first CTA
+    } else {
+      bulk_unit(w - PaddedWarps(tail_begin[count]), &item, &u);
+    }
+  } else if (order == kTailsLast) {
+    if (w < bulk_total) {
+      bulk_unit(w, &item, &u);
+    } else if (w < PaddedWarps(bulk_total)) {
+      return;  // padding up to the tail units' first CTA
+    } else {
+      tail_unit(w - PaddedWarps(bulk_total), &item, &u);
+    }
+  } else {
     item = ItemOfWarp([&](int i) { return unit_begin[i]; }, count, w);
     u = w - unit_begin[item];
-  } else if (w < tail_begin[count]) {
-    item = ItemOfWarp([&](int i) { return tail_begin[i]; }, count, w);
-    u = unit_begin[item + 1] - unit_begin[item] - (tail_begin[item + 1] - tail_begin[item]) + (w - tail_begin[item]);
-  } else if (w < PaddedTailWarps(tail_begin[count])) {
-    return;  // padding up to the bulk units' first CTA
-  } else {
-    const int wb = w - PaddedTailWarps(tail_begin[count]);
-    item = ItemOfWarp([&](int i) { return unit_begin[i] - tail_begin[i]; }, count, wb);
-    u = wb - (unit_begin[item] - tail_begin[item]);
   }
   uint32_t* ws = smem + warp * WarpWords<KB, VB, D, NT>();
   static_assert(sizeof(DeviceDecodeItem) % 8 == 0, "the item is copied in 8-byte words");
@@ -1400,7 +1422,8 @@ bool DeviceHasMma() {
 }
 
 // The chunk and the unit table of one class's items: one wave of the GPU less `free_slots` CTAs.
-Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, LowBitSet* set) {
+Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int forced_chunk_blocks,
+               DecodePlan::UnitOrder forced_order, LowBitSet* set) {
   // The class's CTAs per SM (its shared memory is fixed): asked once per device, not per plan.
   static std::atomic<int> known_ctas[kClasses][kMaxKnownDevices] = {};
   const int ctas_per_sm = KnownForCurrentDevice(known_ctas[cls], 1, [cls](int) {
@@ -1495,10 +1518,19 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
       if (c == 16) break;
     }
   }
+  TailOrder order = tails_first ? kTailsFirst : kTailsShared;
+  // Forced (DecodePlan::force_units): benchmarks and tests of the other splits and orders.
+  if (forced_chunk_blocks > 0) chunk = std::max(forced_chunk_blocks, 2);
+  switch (forced_order) {
+    case DecodePlan::UnitOrder::kChosen: break;
+    case DecodePlan::UnitOrder::kTailsShared: order = kTailsShared; break;
+    case DecodePlan::UnitOrder::kTailsFirst: order = kTailsFirst; break;
+    case DecodePlan::UnitOrder::kTailsLast: order = kTailsLast; break;
+  }
   set->kernel_class = cls;
   set->chunk_blocks = static_cast<int>(chunk);
   set->tail_units = most_tail;
-  set->tails_first = tails_first;
+  set->tail_order = order;
   set->unit_begin.assign(1, 0);
   set->tail_begin.assign(1, 0);
   int64_t units = 0, tails = 0;
@@ -1520,7 +1552,8 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
 
 }  // namespace
 
-Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets) {
+Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets,
+                        int forced_chunk_blocks, DecodePlan::UnitOrder forced_order) {
   std::vector<DeviceDecodeItem> by_class[kClasses];
   const int first = items.empty() ? 0 : ClassOf(items[0]);
   if (std::all_of(items.begin(), items.end(), [&](const DeviceDecodeItem& it) { return ClassOf(it) == first; })) {
@@ -1532,7 +1565,8 @@ Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std
   for (int cls = 0; cls < kClasses; ++cls) {
     if (by_class[cls].empty()) continue;
     sets->emplace_back();
-    SPECACHE_RETURN_IF_ERROR(PlanSet(cls, std::move(by_class[cls]), free_slots, &sets->back()));
+    SPECACHE_RETURN_IF_ERROR(
+        PlanSet(cls, std::move(by_class[cls]), free_slots, forced_chunk_blocks, forced_order, &sets->back()));
   }
   return Status::Ok();
 }
@@ -1543,7 +1577,7 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
   if (const cudaError_t err = AllowSharedMemoryOf(set.kernel_class); err != cudaSuccess) {
     return Status::Unavailable(std::string("low-bit decode: shared memory opt-in: ") + cudaGetErrorString(err));
   }
-  const int warps = LaunchWarps(set.unit_begin.back(), set.tail_begin.back(), set.tails_first);
+  const int warps = LaunchWarps(set.unit_begin.back(), set.tail_begin.back(), set.tail_order);
   int most_units = 1, most_queries = 1;
   for (size_t i = 0; i < set.items.size(); ++i) {
     most_units = std::max(most_units, set.unit_begin[i + 1] - set.unit_begin[i]);

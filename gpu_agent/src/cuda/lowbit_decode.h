@@ -40,6 +40,10 @@ namespace specache::cuda {
 
 struct DeviceItemSet;  // decode_common.cuh
 
+// The tensor-core path's warp orders (LowBitSet, DeviceItemSet::tail_order): DecodePlan::UnitOrder
+// less kChosen.
+enum TailOrder : int32_t { kTailsShared = 0, kTailsFirst = 1, kTailsLast = 2 };
+
 // Whether the current device runs the tensor-core path (sm_80+).
 bool LowBitDecodeAvailable();
 // Most queries (rows x GQA heads) of an item the lean path takes: one n-tile of the values' mma.
@@ -51,26 +55,30 @@ bool LowBitDecodeEligible(const DeviceDecodeItem& item, bool available);
 
 // One launch of the tensor-core path: items of one (key bits, value bits, head_dim, query tiles)
 // class, each item's work cut into units (bulk units of chunk_blocks blocks of 32 tokens, then up
-// to 4 tail units). Either all units share one wave of the GPU, or (tails_first) the tail units
-// run first and the bulk units alone fill the wave, taking the tails' slots as they finish: the
-// plan takes the second when the tails are short next to a bulk unit. Sharing the wave, a short
-// tail's warp sits idle in its CTA while the bulk runs (at 99 x 8K, 792 of 1984 warps).
+// to 4 tail units). Either all units share one wave of the GPU (kTailsShared), or the tail units
+// run first and the bulk units alone fill the wave, taking the tails' slots as they finish
+// (kTailsFirst): the plan takes the second when the tails are short next to a bulk unit. Sharing
+// the wave, a short tail's warp sits idle in its CTA while the bulk runs (at 99 x 8K, 792 of 1984
+// warps). kTailsLast (only when forced: DecodePlan::force_units, not yet in the plan's model):
+// the bulk units first, the tails' CTAs in the slots the bulk leaves empty or frees first.
 struct LowBitSet {
   int kernel_class = 0;
   int chunk_blocks = 0;
   int tail_units = 0;  // most tail units per item
-  bool tails_first = false;
+  TailOrder tail_order = kTailsShared;
   std::vector<DeviceDecodeItem> items;  // strides resolved, all eligible
   std::vector<int32_t> unit_begin;      // [items + 1]: item i's units are [unit_begin[i], unit_begin[i + 1])
   std::vector<int32_t> tail_begin;      // [items + 1]: prefix sums of the items' tail units
 };
 
 // One set per class present among `items`, its units one wave of the GPU less `free_slots` CTA
-// slots (DecodePlan::set_free_slots). Items of one class move into their set uncopied.
-Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets);
+// slots (DecodePlan::set_free_slots), or as forced (DecodePlan::force_units: a chunk > 0, an
+// order other than kChosen). Items of one class move into their set uncopied.
+Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets,
+                        int forced_chunk_blocks = 0, DecodePlan::UnitOrder forced_order = DecodePlan::UnitOrder::kChosen);
 
 // The attention kernel and the merge of a planned set, whose bytes (WriteItemSet of its items,
-// unit_begin, tail_begin and tails_first) are at `device`.
+// unit_begin, tail_begin and tail_order) are at `device`.
 Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaStream_t stream);
 
 }  // namespace specache::cuda
