@@ -323,6 +323,13 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     std::fprintf(stderr, "attend: --tokens must be over 128 (the substituted rows lie below context - 128)\n");
     return false;
   }
+  for (const std::string& spec : o.attend_unit_plans) {
+    if (!ParseUnitPlan(spec)) {
+      std::fprintf(stderr, "attend: --unit-plans: \"%s\" is not CHUNK/ORDER (ORDER chosen, shared, first, last)\n",
+                   spec.c_str());
+      return false;
+    }
+  }
   cudaStream_t stream = SuiteStream("attend");
   if (!stream) return false;
   const double hbm = DeviceCopyGBps(stream);
@@ -459,13 +466,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                         {"random_rows", o.attend_random_rows ? 1 : 0}}});
       // The lean path with its work split forced, against the plan's own split just above.
       for (const std::string& spec : variant.mma ? o.attend_unit_plans : std::vector<std::string>{}) {
-        const auto forced = ParseUnitPlan(spec);
-        if (!forced) {
-          std::fprintf(stderr, "attend: --unit-plans: \"%s\" is not CHUNK/ORDER (ORDER chosen, shared, first, last)\n",
-                       spec.c_str());
-          ok = false;
-          continue;
-        }
+        const auto forced = ParseUnitPlan(spec);  // checked before the suite's first run
         cuda::DecodePlan forced_plan;
         forced_plan.set_free_slots(o.attend_free_slots);
         forced_plan.force_units(forced->first, forced->second);
@@ -480,7 +481,8 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         rows->push_back({"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context) + "_units_" +
                              spec,
                          {{"batch", batch}, {"bits", bits}, {"mma_codes", 1}, {"context", o.context},
-                          {"forced_chunk_blocks", forced->first}, {"forced_order", static_cast<int>(forced->second)},
+                          {"forced_chunk_blocks", forced_plan.forced_chunk_blocks()},
+                          {"forced_order", static_cast<int>(forced->second)},  // DecodePlan::UnitOrder
                           {"ms_attend_layer", ms}, {"over_planned", ms / attend_ms},
                           {"gbps", forced_gbps}, {"fraction_of_hbm", forced_gbps / hbm},
                           {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0}}});

@@ -359,9 +359,7 @@ Status LaunchCudaCoreSet(const std::vector<DeviceDecodeItem>& items, const Devic
     ValuesKernel<kMaxQueries><<<grid, value_threads, weight_bytes, s>>>(device);
   }
   ReduceKernel<<<dim3((queries * head_dim + kThreads - 1) / kThreads, n), kThreads, 0, s>>>(device);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok()
-                            : Status::Unavailable(std::string("decode attention kernels: ") + cudaGetErrorString(err));
+  return LaunchStatus("decode attention kernels");
 }
 
 }  // namespace

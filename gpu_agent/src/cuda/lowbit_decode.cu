@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cp_async.cuh"
+#include "cuda_status.h"
 #include "decode_common.cuh"
 #include "device_info.h"
 #include "lowbit_decode.h"
@@ -41,7 +42,7 @@ using mma::Split;
 using decode::H2F;
 using decode::QueryAt;
 
-constexpr int kWarps = 4;        // warps (units) per CTA
+constexpr int kWarps = kLowBitWarpsPerCta;  // warps (units) per CTA
 // CTAs per SM the one-tile kernels are compiled for: 128 registers, 16 warps per SM. H200, 1-bit,
 // attention per layer: 0.49 ms at 32 x 8K and 0.25 ms at 8 x 32K, against 0.50 and 0.30 at 3 CTAs
 // (168 registers; fewer warps to hide the latency of each block's dependent chain).
@@ -1207,29 +1208,6 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   }
 }
 
-// Warps of the units that run first in the tails-first or -last order (the tail units, or the
-// bulk units), rounded up to whole CTAs (the padding warps exit at once). A CTA stays resident
-// until its last warp ends, so a CTA holding both a short tail unit and a long bulk unit would
-// keep the tail's slot for the bulk's time instead of handing it to the wave's next unit.
-__host__ __device__ inline int32_t PaddedWarps(int32_t units) { return (units + kWarps - 1) / kWarps * kWarps; }
-// Warps the launch runs: every unit, plus the padding of the tails-first or -last order.
-__host__ __device__ inline int32_t LaunchWarps(int32_t units, int32_t tail_units, int32_t order) {
-  if (order == kTailsFirst) return PaddedWarps(tail_units) + (units - tail_units);
-  if (order == kTailsLast) return PaddedWarps(units - tail_units) + tail_units;
-  return units;
-}
-
-// The last i in [0, count) with begin(i) <= w (begin ascending, begin(0) = 0).
-template <typename Begin>
-__device__ __forceinline__ int ItemOfWarp(Begin begin, int count, int w) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (begin(mid) <= w) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 // One n-tile: registers capped for kMinCtasOneTile CTAs per SM (see there). kLean: the items'
 // replicas are in the mma layout (KB = VB = 1, NT = 1): LeanBulkUnit for their bulk.
 template <int KB, int VB, int D, int NT, bool kLean = false>
@@ -1242,44 +1220,9 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   const int32_t* unit_begin = UnitBegin(set);
   const int32_t* tail_begin = TailBegin(set);
   const int count = set->count;
-  const int32_t order = set->tail_order;
-  if (w >= LaunchWarps(unit_begin[count], tail_begin[count], order)) return;
-  // The warp's item and unit: warp w runs unit w (kTailsShared), or the warps run every item's
-  // tail units then, from the next whole CTA (PaddedWarps), every item's bulk units (kTailsFirst),
-  // or the bulk units then the tail units (kTailsLast). An item's bulk units begin at unit_begin
-  // less the tail units before it, its tail units after its bulk units.
-  const int32_t bulk_total = unit_begin[count] - tail_begin[count];
-  const auto tail_unit = [&](int wt, int* item_of, int* u_of) {  // the launch's tail unit wt
-    const int i = ItemOfWarp([&](int j) { return tail_begin[j]; }, count, wt);
-    *item_of = i;
-    *u_of = unit_begin[i + 1] - unit_begin[i] - (tail_begin[i + 1] - tail_begin[i]) + (wt - tail_begin[i]);
-  };
-  const auto bulk_unit = [&](int wb, int* item_of, int* u_of) {  // the launch's bulk unit wb
-    const int i = ItemOfWarp([&](int j) { return unit_begin[j] - tail_begin[j]; }, count, wb);
-    *item_of = i;
-    *u_of = wb - (unit_begin[i] - tail_begin[i]);
-  };
+  // The warp's item and unit in the set's order (UnitOfWarp); past the units or padding: none.
   int item = 0, u = 0;
-  if (order == kTailsFirst) {
-    if (w < tail_begin[count]) {
-      tail_unit(w, &item, &u);
-    } else if (w < PaddedWarps(tail_begin[count])) {
-      return;  // padding up to the bulk units' first CTA
-    } else {
-      bulk_unit(w - PaddedWarps(tail_begin[count]), &item, &u);
-    }
-  } else if (order == kTailsLast) {
-    if (w < bulk_total) {
-      bulk_unit(w, &item, &u);
-    } else if (w < PaddedWarps(bulk_total)) {
-      return;  // padding up to the tail units' first CTA
-    } else {
-      tail_unit(w - PaddedWarps(bulk_total), &item, &u);
-    }
-  } else {
-    item = ItemOfWarp([&](int i) { return unit_begin[i]; }, count, w);
-    u = w - unit_begin[item];
-  }
+  if (!UnitOfWarp(unit_begin, tail_begin, count, set->tail_order, w, &item, &u)) return;
   uint32_t* ws = smem + warp * WarpWords<KB, VB, D, NT>();
   static_assert(sizeof(DeviceDecodeItem) % 8 == 0, "the item is copied in 8-byte words");
   uint64_t* item_words = reinterpret_cast<uint64_t*>(ws + ItemOffsetWords<KB, VB, D, NT>());
@@ -1520,7 +1463,9 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   }
   TailOrder order = tails_first ? kTailsFirst : kTailsShared;
   // Forced (DecodePlan::force_units): benchmarks and tests of the other splits and orders.
-  if (forced_chunk_blocks > 0) chunk = std::max(forced_chunk_blocks, 2);
+  // A chunk past the longest item's blocks is one unit an item, as that item's blocks (no larger:
+  // t0 + chunk * 32 must stay within int).
+  if (forced_chunk_blocks > 0) chunk = std::clamp<int64_t>(forced_chunk_blocks, 2, std::max<int64_t>(most_blocks, 2));
   switch (forced_order) {
     case DecodePlan::UnitOrder::kChosen: break;
     case DecodePlan::UnitOrder::kTailsShared: order = kTailsShared; break;
@@ -1589,9 +1534,7 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
   const size_t weight_bytes = size_t((most_units + 3) / 4 * 4) * sizeof(float);
   MergeKernel<<<dim3(static_cast<unsigned>(set.items.size()), most_queries), set.items[0].replica.head_dim, weight_bytes,
                 stream>>>(device);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok()
-                            : Status::Unavailable(std::string("low-bit decode kernels: ") + cudaGetErrorString(err));
+  return LaunchStatus("low-bit decode kernels");
 }
 
 bool LowBitDecodeAvailable() { return DeviceHasMma(); }

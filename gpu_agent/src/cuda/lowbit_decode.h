@@ -44,6 +44,75 @@ struct DeviceItemSet;  // decode_common.cuh
 // less kChosen.
 enum TailOrder : int32_t { kTailsShared = 0, kTailsFirst = 1, kTailsLast = 2 };
 
+// Warps (units) per CTA of the tensor-core attention.
+constexpr int kLowBitWarpsPerCta = 4;
+// Warps of the units that run first in the tails-first or -last order (the tail units, or the
+// bulk units), rounded up to whole CTAs (the padding warps exit at once). A CTA stays resident
+// until its last warp ends, so a CTA holding both a short tail unit and a long bulk unit would
+// keep the tail's slot for the bulk's time instead of handing it to the wave's next unit.
+SPECACHE_HOST_DEVICE inline int32_t PaddedWarps(int32_t units) {
+  return (units + kLowBitWarpsPerCta - 1) / kLowBitWarpsPerCta * kLowBitWarpsPerCta;
+}
+// Warps the launch runs: every unit, plus the padding of the tails-first or -last order.
+SPECACHE_HOST_DEVICE inline int32_t LaunchWarps(int32_t units, int32_t tail_units, int32_t order) {
+  if (order == kTailsFirst) return PaddedWarps(tail_units) + (units - tail_units);
+  if (order == kTailsLast) return PaddedWarps(units - tail_units) + tail_units;
+  return units;
+}
+// The last i in [0, count) with begin(i) <= w, begin(i) = first[i] - (less ? less[i] : 0)
+// ascending from 0.
+SPECACHE_HOST_DEVICE inline int ItemOfWarp(const int32_t* first, const int32_t* less, int count, int w) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first[mid] - (less ? less[mid] : 0) <= w) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+// Which unit warp w of a launch runs (DeviceItemSet's unit_begin and tail_begin over `count`
+// items, `order` a TailOrder): true with its item and the unit's index among the item's units
+// (its bulk units first, then its tail units), false for a warp past the units or a padding warp.
+// kTailsShared: warp w runs unit w (the items' units in order). kTailsFirst: every item's tail
+// units, then from the next whole CTA every item's bulk units. kTailsLast: the bulk units, then
+// from the next whole CTA the tail units. An item's bulk units begin at unit_begin less the tail
+// units before it.
+SPECACHE_HOST_DEVICE inline bool UnitOfWarp(const int32_t* unit_begin, const int32_t* tail_begin, int count,
+                                            int32_t order, int w, int* item, int* unit) {
+  if (w >= LaunchWarps(unit_begin[count], tail_begin[count], order)) return false;
+  const int32_t tails = tail_begin[count], bulk = unit_begin[count] - tails;
+  int wt = -1, wb = -1;  // the launch's tail unit, or bulk unit, this warp runs
+  if (order == kTailsFirst) {
+    if (w < tails) {
+      wt = w;
+    } else if (w >= PaddedWarps(tails)) {
+      wb = w - PaddedWarps(tails);
+    }
+  } else if (order == kTailsLast) {
+    if (w < bulk) {
+      wb = w;
+    } else if (w >= PaddedWarps(bulk)) {
+      wt = w - PaddedWarps(bulk);
+    }
+  } else {
+    *item = ItemOfWarp(unit_begin, nullptr, count, w);
+    *unit = w - unit_begin[*item];
+    return true;
+  }
+  if (wt >= 0) {
+    const int i = ItemOfWarp(tail_begin, nullptr, count, wt);
+    *item = i;
+    *unit = unit_begin[i + 1] - unit_begin[i] - (tail_begin[i + 1] - tail_begin[i]) + (wt - tail_begin[i]);
+    return true;
+  }
+  if (wb >= 0) {
+    const int i = ItemOfWarp(unit_begin, tail_begin, count, wb);
+    *item = i;
+    *unit = wb - (unit_begin[i] - tail_begin[i]);
+    return true;
+  }
+  return false;  // padding up to the next order's first CTA
+}
+
 // Whether the current device runs the tensor-core path (sm_80+).
 bool LowBitDecodeAvailable();
 // Most queries (rows x GQA heads) of an item the lean path takes: one n-tile of the values' mma.
