@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -365,8 +366,9 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     const DeviceHeadReplica* r = replicas[i];
     const ReplicaParams& q = r->params_;
     if (q.head_dim != p.head_dim || q.key_bits != p.key_bits || q.value_bits != p.value_bits ||
-        q.group_size != p.group_size || q.residual_tokens != p.residual_tokens || r->stream_ != stream) {
-      return Status::InvalidArgument("replicas of one batched append must share parameters and stream");
+        q.group_size != p.group_size || q.residual_tokens != p.residual_tokens || r->stream_ != stream ||
+        std::memcmp(&r->layout_, &replicas[0]->layout_, sizeof(ReplicaBlockLayout)) != 0) {
+      return Status::InvalidArgument("replicas of one batched append must share parameters, block layout and stream");
     }
     reserve = reserve || r->length_ >= r->reserved_tokens();
     copies.push_back({keys[i], r->b_.key_residual + static_cast<size_t>(r->residual_) * d});
@@ -379,7 +381,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   // The window's oldest value leaves it (steady state: one per token), for all replicas at once;
   // the groups made whole are packed after that quantization, on the same stream.
   const bool packed_values = IsPackedBitWidth(p.value_bits);
-  std::vector<ValueTokenTask> retire;
+  std::vector<ValueRetireTask> retire;
   std::vector<RowCopy> retire_half;
   std::vector<DeviceHeadReplica*> compact;
   std::vector<MmaGroupTask> whole;
@@ -396,7 +398,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     if (r->window_count_ > R) {
       const Half* oldest = r->b_.window + static_cast<size_t>(r->window_begin_) * d;
       if (packed_values) {
-        retire.push_back(r->ValueSlot(r->quantized_values_, oldest));
+        retire.push_back({oldest, r->b_.table, r->quantized_values_});  // its block found on the device
       } else {
         retire_half.push_back({oldest, r->ValueHalfAt(r->quantized_values_)});
       }
@@ -414,8 +416,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   }
   if (!retire.empty()) {
     SPECACHE_RETURN_IF_ERROR(
-        QuantizeValueTokenBatch(retire.data(), static_cast<int>(retire.size()), d, p.group_size, p.value_bits, stream,
-                                plan));
+        QuantizeValueTokensInBlocks(retire.data(), static_cast<int>(retire.size()), replicas[0]->view(), stream, plan));
   }
   if (!retire_half.empty()) {
     SPECACHE_RETURN_IF_ERROR(
