@@ -344,7 +344,8 @@ TEST(CudaAttentionTest, TailsFirstOrderMatchesTheCpuReference) {
         std::vector<cuda::LowBitSet> sets;
         ASSERT_TRUE(cuda::PlanLowBitDecode(items, free_slots, &sets).ok());
         ASSERT_EQ(sets.size(), 1u);
-        EXPECT_EQ(sets[0].tails_first, free_slots != 0) << "d=" << d << " bits=" << bits;
+        EXPECT_EQ(sets[0].tail_order, free_slots != 0 ? cuda::kTailsFirst : cuda::kTailsShared)
+            << "d=" << d << " bits=" << bits;
         cuda::DecodePlan plan;
         plan.set_free_slots(free_slots);
         for (const DecodeCase& c : cases) {
@@ -356,6 +357,58 @@ TEST(CudaAttentionTest, TailsFirstOrderMatchesTheCpuReference) {
         // A unit of ~45 blocks sums its outputs in another order than the CPU: 2-bit outputs
         // measured 1.5e-5 (the probabilities stay within 1e-5).
         for (const DecodeCase& c : cases) ExpectMatches(c, free_slots ? 3e-5 : 1e-5);
+      }
+    }
+  }
+#endif
+}
+
+// Every forced split and order of the tensor-core attention (DecodePlan::force_units), on the
+// lean path's items (mma layout, 1-bit) and the natural layout's, ragged lengths with short items
+// of tail units only: the reference's outputs and probabilities whichever warp runs which unit.
+TEST(CudaAttentionTest, EveryForcedUnitOrderMatchesTheCpuReference) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(41);
+  for (const bool mma : {true, false}) {
+    DeviceBuffers buf;
+    std::vector<DecodeCase> cases;
+    std::vector<cuda::DeviceDecodeItem> items;
+    for (int i = 0; i < 21; ++i) {
+      const int32_t length = i % 7 == 3 ? 20 + i : 200 + static_cast<int32_t>(rng() % 2600);
+      cases.push_back(MakeDecodeCase(i % 2 ? 64 : 128, 1, 2, length, 4, rng, buf, mma));
+      items.push_back(cases.back().item);
+    }
+    ASSERT_TRUE(std::all_of(items.begin(), items.end(), [](const cuda::DeviceDecodeItem& it) {
+      return cuda::LowBitDecodeEligible(it, cuda::LowBitDecodeAvailable());
+    })) << "every item on the tensor-core path";
+    using Order = cuda::DecodePlan::UnitOrder;
+    for (const int chunk : {2, 16, 0}) {
+      std::vector<std::vector<float>> first_outputs;  // the shared order's, per case
+      for (const Order order : {Order::kTailsShared, Order::kTailsFirst, Order::kTailsLast}) {
+        cuda::DecodePlan plan;
+        plan.force_units(chunk, order);
+        for (const DecodeCase& c : cases) {  // NaN everywhere the kernels write: nothing stale passes
+          ASSERT_EQ(cudaMemset(c.item.rows.out, 0xff, c.want.size() * sizeof(float)), cudaSuccess);
+          if (!c.want_probs.empty()) {
+            ASSERT_EQ(cudaMemset(c.item.rows.probs, 0xff, c.want_probs.size() * sizeof(float)), cudaSuccess);
+          }
+        }
+        ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), nullptr, &plan).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        SCOPED_TRACE(std::string(mma ? "lean" : "natural") + " order " + std::to_string(static_cast<int>(order)) +
+                     " chunk " + std::to_string(chunk));
+        for (size_t i = 0; i < cases.size(); ++i) {
+          const DecodeCase& c = cases[i];
+          ExpectMatches(c, 3e-5);
+          // The merge sums an item's units in unit order, whichever warp ran which: bit-equal.
+          const std::vector<float> out = testing::Download(c.item.rows.out, c.want.size());
+          if (order == Order::kTailsShared) {
+            first_outputs.push_back(out);
+          } else {
+            EXPECT_EQ(std::memcmp(out.data(), first_outputs[i].data(), out.size() * sizeof(float)), 0) << c.name;
+          }
+        }
       }
     }
   }

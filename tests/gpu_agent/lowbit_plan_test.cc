@@ -118,6 +118,82 @@ TEST(LowBitPlanTest, ClassesGetSetsOfTheirOwnInOrder) {
   }
 }
 
+TEST(LowBitPlanTest, AForcedSplitAndOrderAreKept) {
+  // DecodePlan::force_units: the chunk and the order as given (a chunk below 2 taken as 2), the
+  // units still cut whole; kChosen leaves each to the plan.
+  std::mt19937 rng(11);
+  for (const bool mma : {true, false}) {
+    std::vector<cuda::DeviceDecodeItem> items;
+    std::uniform_int_distribution<int32_t> length(40, 9000);
+    for (int i = 0; i < 99; ++i) items.push_back(Item(length(rng), 1 + static_cast<int32_t>(rng() % 64), mma));
+    using Order = cuda::DecodePlan::UnitOrder;
+    const std::pair<Order, cuda::TailOrder> orders[] = {{Order::kTailsShared, cuda::kTailsShared},
+                                                        {Order::kTailsFirst, cuda::kTailsFirst},
+                                                        {Order::kTailsLast, cuda::kTailsLast}};
+    int32_t most_blocks = 2;
+    for (const auto& it : items) most_blocks = std::max(most_blocks, BulkBlocks(it));
+    // Past the longest item's blocks a chunk is taken as those blocks (one unit an item).
+    for (const int chunk : {1, 2, 24, 300, 1 << 30}) {
+      for (const auto& [forced, want] : orders) {
+        std::vector<cuda::LowBitSet> sets;
+        ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets, chunk, forced).ok());
+        ASSERT_EQ(sets.size(), 1u);
+        SCOPED_TRACE(std::string(mma ? "lean" : "natural") + " chunk=" + std::to_string(chunk));
+        EXPECT_EQ(sets[0].chunk_blocks, std::clamp(chunk, 2, most_blocks));
+        EXPECT_EQ(sets[0].tail_order, want);
+        ExpectUnitsCoverTheItems(sets[0], items);
+      }
+    }
+    std::vector<cuda::LowBitSet> chosen, chunk_only;
+    ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &chosen).ok());
+    ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &chunk_only, 24, Order::kChosen).ok());
+    EXPECT_EQ(chunk_only[0].chunk_blocks, 24);
+    EXPECT_EQ(chunk_only[0].tail_order, chosen[0].tail_order) << "a forced chunk alone leaves the order to the plan";
+  }
+}
+
+TEST(LowBitPlanTest, EveryOrderRunsEachUnitOnceAndPadsToWholeCtas) {
+  // UnitOfWarp, the kernel's map from a warp to its (item, unit), over random unit tables (items
+  // with no bulk units, no tail units, or none at all among them): in each order every unit of
+  // every item is run by exactly one warp of the launch's whole CTAs, and in the tails-first and
+  // -last orders no CTA holds both a tail unit and a bulk unit.
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int count = 1 + static_cast<int>(rng() % 9);
+    std::vector<int32_t> unit_begin{0}, tail_begin{0};
+    for (int i = 0; i < count; ++i) {
+      const int32_t bulk = static_cast<int32_t>(rng() % 4 == 0 ? 0 : rng() % 7);
+      const int32_t tails = static_cast<int32_t>(rng() % 5);
+      unit_begin.push_back(unit_begin.back() + bulk + tails);
+      tail_begin.push_back(tail_begin.back() + tails);
+    }
+    for (const int32_t order : {cuda::kTailsShared, cuda::kTailsFirst, cuda::kTailsLast}) {
+      const int warps = cuda::LaunchWarps(unit_begin.back(), tail_begin.back(), order);
+      const int ctas = (warps + cuda::kLowBitWarpsPerCta - 1) / cuda::kLowBitWarpsPerCta;
+      std::vector<int> runs(static_cast<size_t>(unit_begin.back()), 0);
+      for (int c = 0; c < ctas; ++c) {
+        bool bulk_in_cta = false, tail_in_cta = false;
+        for (int w = c * cuda::kLowBitWarpsPerCta; w < (c + 1) * cuda::kLowBitWarpsPerCta; ++w) {
+          int item = -1, unit = -1;
+          if (!cuda::UnitOfWarp(unit_begin.data(), tail_begin.data(), count, order, w, &item, &unit)) continue;
+          ASSERT_GE(item, 0);
+          ASSERT_LT(item, count);
+          const int32_t units = unit_begin[item + 1] - unit_begin[item];
+          const int32_t bulk = units - (tail_begin[item + 1] - tail_begin[item]);
+          ASSERT_GE(unit, 0);
+          ASSERT_LT(unit, units) << "order " << order << " warp " << w;
+          ++runs[static_cast<size_t>(unit_begin[item] + unit)];
+          (unit < bulk ? bulk_in_cta : tail_in_cta) = true;
+        }
+        if (order != cuda::kTailsShared) {
+          EXPECT_FALSE(bulk_in_cta && tail_in_cta) << "order " << order << " CTA " << c;
+        }
+      }
+      for (size_t i = 0; i < runs.size(); ++i) ASSERT_EQ(runs[i], 1) << "order " << order << " unit " << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace specache
 #endif

@@ -242,7 +242,9 @@ TEST(CudaReplicaTest, MmaCodesHoldTheCpuReplicasCodes) {
 
 // The decode step's batched one-token appends leave each replica as a plain Append would (and as
 // the CPU replica): replicas at different lengths, so flushes and compactions fall on different
-// steps. The last cases have 300 and 600 replicas in the lean path's mma layout, the groups they
+// steps; 1, 2 and 4 bits at head_dim 64, G = 32, and 2 bits at head_dim 128, G = 64 (the values
+// leaving the windows are quantized into blocks the kernel finds from the device block tables).
+// The last cases have 300 and 600 replicas in the lean path's mma layout, the groups they
 // make whole packed after their keys are quantized; their task lists go through one in-place
 // plan, as the agent's (600: more row copies and value tasks a step than one launch took when they
 // were its parameters, 1024 and 512). The 600 start at lengths equal modulo R, as a decode batch's
@@ -255,12 +257,14 @@ TEST(CudaReplicaTest, BatchedTokenAppendsEqualSingleAppends) {
   struct Case {
     int bits, n;
     bool mma, same_phase;
+    int d = 64, G = 32;
   };
-  for (const Case c : {Case{1, 37, false, false}, Case{2, 37, false, false}, Case{16, 37, false, false},
-                       Case{1, 300, true, false}, Case{1, 600, true, true}}) {
+  for (const Case c : {Case{1, 37, false, false}, Case{2, 37, false, false}, Case{4, 37, false, false},
+                       Case{2, 37, false, false, 128, 64}, Case{16, 37, false, false}, Case{1, 300, true, false},
+                       Case{1, 600, true, true}}) {
     const int bits = c.bits, n = c.n;
     cuda::DecodePlan plan(cuda::DecodePlan::SlotReads::kInPlace);  // outlives the replicas, which use it
-    const int d = 64, G = 32, R = 64, steps = 150;
+    const int d = c.d, G = c.G, R = 64, steps = 150;
     const ReplicaParams p{d, bits, bits, G, R};
     std::vector<HeadReplica> cpu(n, HeadReplica(p));
     // One pool for all, as in the agent: the replicas' blocks interleave in memory.

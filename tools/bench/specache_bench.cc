@@ -91,6 +91,7 @@ struct Options {
   int attend_rows = 0;               // attend: StepOptions::attend_rows
   int attend_free_slots = 0;         // attend: StepOptions::attend_free_slots
   bool attend_random_rows = false;   // attend: StepOptions::attend_random_rows
+  std::vector<std::string> attend_unit_plans;  // attend: StepOptions::attend_unit_plans
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
   std::vector<int> batches;  // step: sequences per step (empty: the suite's default)
@@ -349,6 +350,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "CTA slots the attention's plan leaves free, as the agent's leaves its fetch_blocks (32) in "
                     "specache mode (default 0: none)")
         ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--unit-plans", o->attend_unit_plans,
+                    "more timings of the lean path's attention (1m), its work split forced: CHUNK/ORDER, e.g. "
+                    "16/last,32/shared (CHUNK 32-token blocks a bulk unit, 0: the plan's; ORDER chosen, shared, "
+                    "first, last: where the tail units run)")
+        ->delimiter(',');
     cmd->add_flag("--random-rows", o->attend_random_rows,
                   "the substituted rows at random places, as a step's top-k picks them (default: spread evenly)");
   }
@@ -459,6 +465,7 @@ int main(int argc, char** argv) {
       step.attend_rows = o.attend_rows;
       step.attend_free_slots = o.attend_free_slots;
       step.attend_random_rows = o.attend_random_rows;
+      step.attend_unit_plans = o.attend_unit_plans;
       ok = o.suite == "step"      ? bench::RunStepSuite(step, &cuda_rows)
            : o.suite == "layers"  ? bench::RunLayersSuite(step, &cuda_rows)
            : o.suite == "prefill" ? bench::RunPrefillSuite(step, &cuda_rows)

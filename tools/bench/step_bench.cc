@@ -11,8 +11,10 @@
 #include <cstdio>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_stats.h"
@@ -294,12 +296,39 @@ double ReplicaReadBytes(const cuda::DeviceReplicaView& v) {
 
 }  // namespace
 
+namespace {
+
+// "CHUNK/ORDER" of --unit-plans (StepOptions::attend_unit_plans), or nothing when malformed.
+std::optional<std::pair<int, cuda::DecodePlan::UnitOrder>> ParseUnitPlan(const std::string& spec) {
+  using Order = cuda::DecodePlan::UnitOrder;
+  const size_t slash = spec.find('/');
+  if (slash == std::string::npos || slash == 0) return std::nullopt;
+  int chunk = 0;
+  const std::string digits = spec.substr(0, slash), order = spec.substr(slash + 1);
+  if (digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  chunk = std::stoi(digits);
+  if (order == "chosen") return std::pair{chunk, Order::kChosen};
+  if (order == "shared") return std::pair{chunk, Order::kTailsShared};
+  if (order == "first") return std::pair{chunk, Order::kTailsFirst};
+  if (order == "last") return std::pair{chunk, Order::kTailsLast};
+  return std::nullopt;
+}
+
+}  // namespace
+
 bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   // Substituted rows per item: tokens below context - 128 (the quantized ones), one per stride.
   const int quantized = o.context - 128;
   if (quantized < 1) {
     std::fprintf(stderr, "attend: --tokens must be over 128 (the substituted rows lie below context - 128)\n");
     return false;
+  }
+  for (const std::string& spec : o.attend_unit_plans) {
+    if (!ParseUnitPlan(spec)) {
+      std::fprintf(stderr, "attend: --unit-plans: \"%s\" is not CHUNK/ORDER (ORDER chosen, shared, first, last)\n",
+                   spec.c_str());
+      return false;
+    }
   }
   cudaStream_t stream = SuiteStream("attend");
   if (!stream) return false;
@@ -435,6 +464,29 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                         {"ms_topk_layer", topk_ms}, {"ms_topk_mass_layer", budget_ms}, {"us_enqueue", host_us}, {"bytes_read", bytes}, {"gbps", gbps}, {"hbm_gbps", hbm},
                         {"fraction_of_hbm", gbps / hbm}, {"free_slots", o.attend_free_slots},
                         {"random_rows", o.attend_random_rows ? 1 : 0}}});
+      // The lean path with its work split forced, against the plan's own split just above.
+      for (const std::string& spec : variant.mma ? o.attend_unit_plans : std::vector<std::string>{}) {
+        const auto forced = ParseUnitPlan(spec);  // checked before the suite's first run
+        cuda::DecodePlan forced_plan;
+        forced_plan.set_free_slots(o.attend_free_slots);
+        forced_plan.force_units(forced->first, forced->second);
+        const double ms = MedianMs(stream, 20, [&] {
+          return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &forced_plan), "attend (forced units)");
+        });
+        if (ms < 0) { ok = false; continue; }
+        const double forced_gbps = bytes / (ms * 1e-3) / 1e9;
+        std::printf("%-6d %5s %12.4f %12s %12s %12s %12.2f %11.0f %10.3f  units %s (%.3fx the plan's)\n", batch,
+                    label.c_str(), ms, "", "", "", bytes / 1e6, forced_gbps, forced_gbps / hbm, spec.c_str(),
+                    ms / attend_ms);
+        rows->push_back({"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context) + "_units_" +
+                             spec,
+                         {{"batch", batch}, {"bits", bits}, {"mma_codes", 1}, {"context", o.context},
+                          {"forced_chunk_blocks", forced_plan.forced_chunk_blocks()},
+                          {"forced_order", static_cast<int>(forced->second)},  // DecodePlan::UnitOrder
+                          {"ms_attend_layer", ms}, {"over_planned", ms / attend_ms},
+                          {"gbps", forced_gbps}, {"fraction_of_hbm", forced_gbps / hbm},
+                          {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0}}});
+      }
     }
   }
   std::printf("       per layer; x32 layers for a step. of_HBM = GBps / HBM (goal >= 0.5 for B >= 8).\n");

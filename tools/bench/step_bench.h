@@ -43,6 +43,10 @@ struct StepOptions {
   // attend: the substituted rows drawn at random (distinct, ascending, a seed per item), as a
   // step's top-k picks them, instead of spread one per stride (which balances the units).
   bool attend_random_rows = false;
+  // attend: more timings of the lean path's (1m) attention, each with its work split forced
+  // (cuda::DecodePlan::force_units): "CHUNK/ORDER", CHUNK 32-token blocks per bulk unit (0: the
+  // plan's), ORDER chosen, shared, first or last (the tail units' place among the warps).
+  std::vector<std::string> attend_unit_plans;
   // The host pages' slabs ask for transparent huge pages (InMemorySource's default), or not: the
   // copy-engine fetch's host gather walks random rows over them.
   bool host_huge_pages = true;

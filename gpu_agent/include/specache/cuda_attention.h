@@ -232,6 +232,20 @@ class DecodePlan {
   void set_free_slots(int slots) { free_slots_ = slots < 0 ? 0 : slots; }
   int free_slots() const { return free_slots_; }
 
+  // The order of the tensor-core attention's warps: each item's tail units (its last, partly
+  // quantized blocks) sharing the bulk units' wave, first (the bulk units then take their slots as
+  // they finish) or last (in the slots the bulk units leave empty or free first).
+  enum class UnitOrder { kChosen, kTailsShared, kTailsFirst, kTailsLast };
+  // For benchmarks and tests: the tensor-core attention's work split as given instead of chosen by
+  // the plan's model: bulk units of `chunk_blocks` 32-token blocks (0: chosen; below 2 taken as
+  // 2) in `order` (kChosen: chosen). Default: both chosen.
+  void force_units(int chunk_blocks, UnitOrder order) {
+    forced_chunk_blocks_ = chunk_blocks <= 0 ? 0 : (chunk_blocks < 2 ? 2 : chunk_blocks);
+    forced_order_ = order;
+  }
+  int forced_chunk_blocks() const { return forced_chunk_blocks_; }
+  UnitOrder forced_order() const { return forced_order_; }
+
   struct Impl;  // the slots (decode_plan_slots.h)
   Impl* impl() const { return impl_; }  // for the agent's kernels that read a plan's slots
 
@@ -239,6 +253,8 @@ class DecodePlan {
   friend Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, DecodePlan* plan);
   Impl* impl_;
   int free_slots_ = 0;
+  int forced_chunk_blocks_ = 0;
+  UnitOrder forced_order_ = UnitOrder::kChosen;
 };
 
 // The decode attention of many items in one set of launches, planned in `plan`.

@@ -10,7 +10,8 @@
 
 namespace specache::cuda {
 
-class DecodePlan;  // cuda_attention.h
+class DecodePlan;          // cuda_attention.h
+struct DeviceReplicaView;  // cuda_attention.h
 
 // keys: [n_groups][group_size][head_dim] fp16 (token-major groups, one after another).
 // codes: [n_groups][head_dim][group_size*bits/32], scale/zero: [n_groups][head_dim].
@@ -52,16 +53,28 @@ Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_di
 Status QuantizeKeyGroupTasks(const KeyGroupRun* runs, int n_runs, int group_size, int head_dim, int bits, void* stream,
                              DecodePlan* plan = nullptr);
 
-// One value token of some replica: what QuantizeValueTokens does for n_tokens = 1, for many
-// replicas in one launch (the decode step's appends), the tasks through a slot of `plan`
-// (cuda_attention.h; null: a plan of the call's own, which waits for the kernel).
+// Where one value token's quantized parts go: codes [head_dim/group_size][group_size*bits/32],
+// scales and zeros [head_dim/group_size] (DeviceHeadReplica::ValueSlot finds them on the host).
 struct ValueTokenTask {
   const Half* value = nullptr;  // [head_dim]
-  uint32_t* codes = nullptr;    // [head_dim/group_size][group_size*bits/32]
-  Half* scale = nullptr;        // [head_dim/group_size]
+  uint32_t* codes = nullptr;
+  Half* scale = nullptr;
   Half* zero = nullptr;
 };
-Status QuantizeValueTokenBatch(const ValueTokenTask* tasks, int n_tasks, int head_dim, int group_size, int bits,
-                               void* stream, DecodePlan* plan = nullptr);
+
+// One value token of some replica quantized into the replica's blocks, its place found on the
+// device from the replica's block table (so the host reads none): token `token` of the replica's
+// quantized values (the accessors of cuda_attention.h: ValueCodes, ValueScales, ValueZeros).
+struct ValueRetireTask {
+  const Half* value = nullptr;           // [head_dim]
+  const uint8_t* const* blocks = nullptr;  // the replica's block table, device memory (DeviceReplicaView::blocks)
+  int32_t token = 0;
+};
+// What QuantizeValueTokens does for n_tokens = 1, for many replicas in one launch (the decode
+// step's appends, a value leaving each replica's window), the tasks through a slot of `plan`
+// (cuda_attention.h; null: a plan of the call's own, which waits for the kernel). `geometry`: what
+// the tasks' replicas share (head_dim, group_size, value_bits, layout); its other fields unused.
+Status QuantizeValueTokensInBlocks(const ValueRetireTask* tasks, int n_tasks, const DeviceReplicaView& geometry,
+                                   void* stream, DecodePlan* plan = nullptr);
 
 }  // namespace specache::cuda

@@ -359,9 +359,7 @@ Status LaunchCudaCoreSet(const std::vector<DeviceDecodeItem>& items, const Devic
     ValuesKernel<kMaxQueries><<<grid, value_threads, weight_bytes, s>>>(device);
   }
   ReduceKernel<<<dim3((queries * head_dim + kThreads - 1) / kThreads, n), kThreads, 0, s>>>(device);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok()
-                            : Status::Unavailable(std::string("decode attention kernels: ") + cudaGetErrorString(err));
+  return LaunchStatus("decode attention kernels");
 }
 
 }  // namespace
@@ -399,7 +397,10 @@ Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, Deco
     for (const DeviceDecodeItem& it : items) (LowBitDecodeEligible(it, lowbit) ? fast : rest).push_back(it);
   }
   std::vector<LowBitSet> sets;
-  if (!fast.empty()) SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(std::move(fast), plan->free_slots(), &sets));
+  if (!fast.empty()) {
+    SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(std::move(fast), plan->free_slots(), &sets, plan->forced_chunk_blocks(),
+                                              plan->forced_order()));
+  }
   // One slot for every set of the call: the low-bit sets, then the CUDA-core set; one copy.
   std::vector<size_t> offsets;
   size_t bytes = 0;
@@ -412,7 +413,7 @@ Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, Deco
   for (size_t i = 0; i < sets.size(); ++i) {
     const LowBitSet& set = sets[i];
     WriteItemSet(host + offsets[i], set.items,
-                 ItemSetUnits{&set.unit_begin, &set.tail_begin, set.chunk_blocks, set.tail_units, set.tails_first});
+                 ItemSetUnits{&set.unit_begin, &set.tail_begin, set.chunk_blocks, set.tail_units, set.tail_order});
   }
   if (!rest.empty()) WriteItemSet(host + rest_offset, rest, ItemSetUnits{});
   SPECACHE_RETURN_IF_ERROR(plan->impl_->Send(up, bytes, s));

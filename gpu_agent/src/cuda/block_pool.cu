@@ -7,6 +7,7 @@
 
 #include "specache/cuda_replica.h"
 #include "specache/quantizer.h"
+#include "cuda_status.h"
 
 namespace specache::cuda {
 namespace {
@@ -14,13 +15,6 @@ namespace {
 constexpr int64_t kAlign = 256;  // every block starts 256-byte aligned; parts 16-byte aligned within
 
 int64_t Up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
-
-Status Cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::Ok();
-  cudaGetLastError();
-  if (err == cudaErrorMemoryAllocation) return Status::ResourceExhausted(std::string(what) + ": out of device memory");
-  return Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 }  // namespace
 
@@ -83,7 +77,7 @@ DeviceBlockPool::~DeviceBlockPool() {
 
 Status DeviceBlockPool::AddSlab(int64_t blocks) {
   void* p = nullptr;
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(&p, static_cast<size_t>(blocks * layout_.bytes)), "device block pool"));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, static_cast<size_t>(blocks * layout_.bytes)), "device block pool"));
   slabs_.push_back(p);
   reserved_ += blocks * layout_.bytes;
   auto* base = static_cast<uint8_t*>(p);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "lowbit_decode.h"
 #include "specache/cuda_attention.h"
 
 namespace specache::cuda {
@@ -17,16 +18,19 @@ namespace specache::cuda {
 // One launch's items in device memory (a DecodePlan slot holds one per launch): this header, then
 // unit_begin[count + 1] (the tensor-core path: item i's units are [unit_begin[i],
 // unit_begin[i + 1]), its bulk units first, then its tail units), tail_begin[count + 1] (item i's
-// tail units are the launch's [tail_begin[i], tail_begin[i + 1]) in the tails-first order), then
+// tail units are the launch's [tail_begin[i], tail_begin[i + 1]) in the tails-first and -last
+// orders), then
 // the items at `items_offset` bytes from the header (16-byte aligned).
 struct DeviceItemSet {
   int32_t count = 0;
   int32_t chunk_blocks = 0;   // the tensor-core path: 32-token blocks per bulk unit
   int32_t items_offset = 0;
   int32_t tail_units = 0;     // the tensor-core path: most tail units per item
-  // The tensor-core path's warp order: 0, warp w runs unit w (the items' units in order, one
-  // wave); 1, the warps run every item's tail units first, then the bulk units (LowBitSet).
-  int32_t tails_first = 0;
+  // The tensor-core path's warp order (LowBitSet, TailOrder): kTailsShared, warp w runs unit w
+  // (the items' units in order); kTailsFirst, the warps run every item's tail units, then from
+  // the next whole CTA the bulk units; kTailsLast, the bulk units, then from the next whole CTA
+  // the tail units.
+  int32_t tail_order = 0;
 };
 
 __host__ __device__ inline const int32_t* UnitBegin(const DeviceItemSet* s) {
@@ -50,7 +54,7 @@ struct ItemSetUnits {
   const std::vector<int32_t>* unit_begin = nullptr;  // [count + 1]
   const std::vector<int32_t>* tail_begin = nullptr;  // [count + 1]
   int chunk_blocks = 0, tail_units = 0;
-  bool tails_first = false;
+  TailOrder tail_order = kTailsShared;
 };
 // Writes a set at `host` (ItemSetBytes(items.size()) bytes). The alignment padding is left as it
 // is (no kernel reads it).
@@ -60,7 +64,7 @@ inline void WriteItemSet(void* host, const std::vector<DeviceDecodeItem>& items,
   header.count = count;
   header.chunk_blocks = units.chunk_blocks;
   header.tail_units = units.tail_units;
-  header.tails_first = units.tails_first ? 1 : 0;
+  header.tail_order = units.tail_order;
   header.items_offset = static_cast<int32_t>(ItemSetItemsOffset(count));
   char* at = static_cast<char*>(host);
   std::memcpy(at, &header, sizeof(header));

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_status.h"
 #include "specache/cuda_attention.h"
 
 namespace specache::cuda {
@@ -156,21 +157,24 @@ struct DecodePlan::Impl {
 
 // Runs `launch(device_tasks)`, which queues kernels on `stream` that read tasks[0, n) through a
 // slot of `plan` (null: an in-place plan of the call's own, which waits for the kernels before
-// this returns). The slot is released after the launch, also after a failed one. For the batched
-// kernels whose task lists were kernel parameters (32 KB at most: a few hundred tasks a launch,
-// and ~2x a plain launch's host cost each).
+// this returns), and checks that they were accepted (LaunchStatus: `what` names them in the
+// error). The slot is released after the launch, also after a failed one. For the batched kernels
+// whose task lists were kernel parameters (32 KB at most: a few hundred tasks a launch, and ~2x a
+// plain launch's host cost each).
 template <typename T, typename Launch>
-Status WithDeviceTasks(DecodePlan* plan, const T* tasks, int n, cudaStream_t stream, Launch&& launch) {
+Status WithDeviceTasks(DecodePlan* plan, const T* tasks, int n, cudaStream_t stream, const char* what,
+                       Launch&& launch) {
   if (plan == nullptr) {
     SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(stream));
     DecodePlan own(DecodePlan::SlotReads::kInPlace);
-    return WithDeviceTasks(&own, tasks, n, stream, launch);
+    return WithDeviceTasks(&own, tasks, n, stream, what, launch);
   }
   const size_t bytes = static_cast<size_t>(std::max(n, 1)) * sizeof(T);
   SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(bytes, stream));
   if (n > 0) std::memcpy(up.host, tasks, static_cast<size_t>(n) * sizeof(T));
   SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, bytes, stream));
-  const Status launched = launch(static_cast<const T*>(up.device));
+  launch(static_cast<const T*>(up.device));
+  const Status launched = LaunchStatus(what);
   SPECACHE_RETURN_IF_ERROR(plan->impl()->Finish(up, stream));
   return launched;
 }

@@ -1,5 +1,5 @@
-// What the CUDA agent's parts share: CUDA errors as Status, and the growing device buffer their
-// scratch and per-sequence rows live in.
+// The growing device buffer the CUDA agent's scratch and per-sequence rows live in (and, through
+// cuda_status.h, CUDA errors as Status).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,18 +10,10 @@
 #include <string>
 #include <utility>
 
+#include "cuda_status.h"
 #include "specache/status.h"
 
 namespace specache::cuda {
-
-// OK, or `what` with the CUDA error: RESOURCE_EXHAUSTED when device memory ran out, else
-// UNAVAILABLE. Clears the error so that the next call does not see it again.
-inline Status CudaStatus(cudaError_t err, const std::string& what) {
-  if (err == cudaSuccess) return Status::Ok();
-  cudaGetLastError();
-  if (err == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": out of device memory");
-  return Status::Unavailable(what + ": " + cudaGetErrorString(err));
-}
 
 // A device (or pinned host) array that only grows, by half again at least (a reallocation waits
 // for the device); growing drops the contents. Moving or swapping hands over the allocation

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -10,17 +11,11 @@
 #include "specache/cuda_replica.h"
 #include "specache/cuda_tensors.h"
 #include "specache/quantizer.h"
+#include "cuda_status.h"
 #include "mma_codes.h"
 
 namespace specache::cuda {
 namespace {
-
-Status Cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::Ok();
-  cudaGetLastError();
-  if (err == cudaErrorMemoryAllocation) return Status::ResourceExhausted(std::string(what) + ": out of device memory");
-  return Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 // Block-table entries written on the device in one launch for many replicas (kernel parameters).
 constexpr int kTableWrites = 128;
@@ -41,7 +36,7 @@ Status WriteTables(const std::vector<std::pair<uint8_t**, uint8_t*>>& writes, cu
     for (int i = 0; i < w.n; ++i) w.slot[i] = writes[first + i].first, w.block[i] = writes[first + i].second;
     WriteTableKernel<<<1, kTableWrites, 0, stream>>>(w);
   }
-  return Cuda(cudaGetLastError(), "block table");
+  return CudaStatus(cudaGetLastError(), "block table");
 }
 
 }  // namespace
@@ -91,14 +86,14 @@ Result<std::unique_ptr<DeviceHeadReplica>> DeviceHeadReplica::Create(const Repli
   const size_t window_at = R * row, table_at = (4 * R * row + 255) / 256 * 256;
   const size_t bound_at = table_at + size_t(r->max_blocks_) * sizeof(uint8_t*);
   b.bytes = static_cast<int64_t>(bound_at + sizeof(float));
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(&b.memory, static_cast<size_t>(b.bytes)), "replica buffers"));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&b.memory, static_cast<size_t>(b.bytes)), "replica buffers"));
   auto* base = static_cast<uint8_t*>(b.memory);
   b.key_residual = reinterpret_cast<Half*>(base);
   b.window = reinterpret_cast<Half*>(base + window_at);
   b.table = reinterpret_cast<uint8_t**>(base + table_at);
   b.key_scale_bound = reinterpret_cast<float*>(base + bound_at);
   if (mma_codes) {  // read only through the view of a replica with mma codes
-    SPECACHE_RETURN_IF_ERROR(Cuda(
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(
         cudaMemsetAsync(b.key_scale_bound, 0, sizeof(float), static_cast<cudaStream_t>(stream)), "key scale bound"));
   }
   return Result<std::unique_ptr<DeviceHeadReplica>>(std::move(r));
@@ -207,7 +202,7 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
   int32_t k_done = 0;
   if (residual_ > 0) {
     k_done = std::min<int32_t>(n, R - residual_);
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.key_residual + static_cast<size_t>(residual_) * d, keys,
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(b.key_residual + static_cast<size_t>(residual_) * d, keys,
                                                   k_done * row, cudaMemcpyDeviceToDevice, s), "key residual copy"));
     residual_ += k_done;
     if (residual_ == R) SPECACHE_RETURN_IF_ERROR(FlushKeyGroups());
@@ -218,7 +213,7 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
     k_done += whole;
   }
   if (k_done < n) {  // then residual_ is 0 (flushed, or never topped up)
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.key_residual + static_cast<size_t>(residual_) * d,
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(b.key_residual + static_cast<size_t>(residual_) * d,
                                                   keys + static_cast<size_t>(k_done) * d, (n - k_done) * row,
                                                   cudaMemcpyDeviceToDevice, s), "key residual copy"));
     residual_ += n - k_done;
@@ -235,7 +230,7 @@ Status DeviceHeadReplica::Append(const Half* keys, const Half* values, int32_t n
   // the input fits in its 3R rows.
   const int32_t add = n - retire_input;
   if (add > 0) {
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(b.window + static_cast<size_t>(window_begin_ + window_count_) * d,
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(b.window + static_cast<size_t>(window_begin_ + window_count_) * d,
                                                   values + static_cast<size_t>(retire_input) * d, add * row,
                                                   cudaMemcpyDeviceToDevice, s), "value window copy"));
     window_count_ += add;
@@ -290,7 +285,7 @@ Status DeviceHeadReplica::AddKeyGroupRuns(const Half* keys, int32_t groups, std:
       runs->push_back({keys, KeyCodesAt(key_groups_), KeyScaleAt(key_groups_, l.key_scale),
                        KeyScaleAt(key_groups_, l.key_zero), g});
     } else {
-      SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(KeyHalfAt(key_groups_ * G), keys,
+      SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(KeyHalfAt(key_groups_ * G), keys,
                                                     static_cast<size_t>(g) * G * d * sizeof(Half),
                                                     cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
                                     "fp16 key groups"));
@@ -315,7 +310,7 @@ Status DeviceHeadReplica::StoreValues(const Half* values, int32_t m) {
       const ValueTokenTask t = ValueSlot(quantized_values_, values);
       runs.push_back({values, t.codes, t.scale, t.zero, n});
     } else {
-      SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(ValueHalfAt(quantized_values_), values, n * d * sizeof(Half),
+      SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(ValueHalfAt(quantized_values_), values, n * d * sizeof(Half),
                                                     cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
                                     "fp16 value copy"));
     }
@@ -337,7 +332,7 @@ Status DeviceHeadReplica::RetireOldestValues(int32_t m) {  // the oldest m value
 Status DeviceHeadReplica::CompactWindow() {  // [begin, begin + count) -> [0, count), no overlap as count <= R < begin
   RowCopy span;
   const int32_t rows = TakeWindowCompaction(&span);
-  return Cuda(cudaMemcpyAsync(span.dst, span.src, static_cast<size_t>(rows) * params_.head_dim * sizeof(Half),
+  return CudaStatus(cudaMemcpyAsync(span.dst, span.src, static_cast<size_t>(rows) * params_.head_dim * sizeof(Half),
                               cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
               "value window compaction");
 }
@@ -371,8 +366,9 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     const DeviceHeadReplica* r = replicas[i];
     const ReplicaParams& q = r->params_;
     if (q.head_dim != p.head_dim || q.key_bits != p.key_bits || q.value_bits != p.value_bits ||
-        q.group_size != p.group_size || q.residual_tokens != p.residual_tokens || r->stream_ != stream) {
-      return Status::InvalidArgument("replicas of one batched append must share parameters and stream");
+        q.group_size != p.group_size || q.residual_tokens != p.residual_tokens || r->stream_ != stream ||
+        std::memcmp(&r->layout_, &replicas[0]->layout_, sizeof(ReplicaBlockLayout)) != 0) {
+      return Status::InvalidArgument("replicas of one batched append must share parameters, block layout and stream");
     }
     reserve = reserve || r->length_ >= r->reserved_tokens();
     copies.push_back({keys[i], r->b_.key_residual + static_cast<size_t>(r->residual_) * d});
@@ -385,7 +381,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   // The window's oldest value leaves it (steady state: one per token), for all replicas at once;
   // the groups made whole are packed after that quantization, on the same stream.
   const bool packed_values = IsPackedBitWidth(p.value_bits);
-  std::vector<ValueTokenTask> retire;
+  std::vector<ValueRetireTask> retire;
   std::vector<RowCopy> retire_half;
   std::vector<DeviceHeadReplica*> compact;
   std::vector<MmaGroupTask> whole;
@@ -402,7 +398,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     if (r->window_count_ > R) {
       const Half* oldest = r->b_.window + static_cast<size_t>(r->window_begin_) * d;
       if (packed_values) {
-        retire.push_back(r->ValueSlot(r->quantized_values_, oldest));
+        retire.push_back({oldest, r->b_.table, r->quantized_values_});  // its block found on the device
       } else {
         retire_half.push_back({oldest, r->ValueHalfAt(r->quantized_values_)});
       }
@@ -420,8 +416,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   }
   if (!retire.empty()) {
     SPECACHE_RETURN_IF_ERROR(
-        QuantizeValueTokenBatch(retire.data(), static_cast<int>(retire.size()), d, p.group_size, p.value_bits, stream,
-                                plan));
+        QuantizeValueTokensInBlocks(retire.data(), static_cast<int>(retire.size()), replicas[0]->view(), stream, plan));
   }
   if (!retire_half.empty()) {
     SPECACHE_RETURN_IF_ERROR(

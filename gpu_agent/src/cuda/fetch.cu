@@ -311,11 +311,6 @@ __global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int
   }
 }
 
-Status LaunchError(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 }  // namespace
 
 Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
@@ -339,9 +334,8 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
   const int rows_per_block = kThreads / row_pieces;
   const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, (rows + rows_per_block - 1) / rows_per_block));
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const FetchTask* on_device) {
+  return WithDeviceTasks(plan, tasks, n_tasks, s, "fetch kernel", [&](const FetchTask* on_device) {
     FetchKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_selected, row_pieces, page_tokens, counters);
-    return LaunchError("fetch kernel");
   });
 }
 
@@ -355,9 +349,8 @@ Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32
   if (slots == 0) return Status::Ok();
   const int blocks = static_cast<int>(std::min<int64_t>(1024, (slots + kThreads - 1) / kThreads));
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const FetchTask* on_device) {
+  return WithDeviceTasks(plan, tasks, n_tasks, s, "list missed rows", [&](const FetchTask* on_device) {
     ListMissedKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, stride, missed);
-    return LaunchError("list missed rows");
   });
 }
 
@@ -375,9 +368,8 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tok
   const int64_t pieces = int64_t{n_tasks} * max_rows * 2 * half_pieces;
   const int blocks = static_cast<int>(std::min<int64_t>(1024, (pieces + kThreads - 1) / kThreads));
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const WriteTask* on_device) {
+  return WithDeviceTasks(plan, tasks, n_tasks, s, "write kernel", [&](const WriteTask* on_device) {
     WriteKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_rows, half_pieces, page_tokens);
-    return LaunchError("write kernel");
   });
 }
 
@@ -406,9 +398,8 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
                                " rows (kMaxCacheRows, the opt-in's size): " + cudaGetErrorString(err));
   }
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const CacheUpdateTask* on_device) {
+  return WithDeviceTasks(plan, tasks, n_tasks, s, "cache update kernel", [&](const CacheUpdateTask* on_device) {
     UpdateCacheKernel<<<n_tasks, kThreads, CacheUpdateSharedBytes(largest), s>>>(on_device, row_pieces, counters);
-    return LaunchError("cache update kernel");
   });
 }
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cp_async.cuh"
+#include "cuda_status.h"
 #include "decode_common.cuh"
 #include "device_info.h"
 #include "lowbit_decode.h"
@@ -41,7 +42,7 @@ using mma::Split;
 using decode::H2F;
 using decode::QueryAt;
 
-constexpr int kWarps = 4;        // warps (units) per CTA
+constexpr int kWarps = kLowBitWarpsPerCta;  // warps (units) per CTA
 // CTAs per SM the one-tile kernels are compiled for: 128 registers, 16 warps per SM. H200, 1-bit,
 // attention per layer: 0.49 ms at 32 x 8K and 0.25 ms at 8 x 32K, against 0.50 and 0.30 at 3 CTAs
 // (168 registers; fewer warps to hide the latency of each block's dependent chain).
@@ -1207,27 +1208,6 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   }
 }
 
-// Warps before the first bulk unit in the tails-first order: the tail units, rounded up to whole
-// CTAs (the padding warps exit at once). A CTA stays resident until its last warp ends, so a CTA
-// holding both a short tail unit and a long bulk unit would keep the tail's slot for the bulk's
-// time instead of handing it to the wave's next bulk unit.
-__host__ __device__ inline int32_t PaddedTailWarps(int32_t tail_units) { return (tail_units + kWarps - 1) / kWarps * kWarps; }
-// Warps the launch runs: every unit, plus the tails-first order's padding.
-__host__ __device__ inline int32_t LaunchWarps(int32_t units, int32_t tail_units, bool tails_first) {
-  return tails_first ? PaddedTailWarps(tail_units) + (units - tail_units) : units;
-}
-
-// The last i in [0, count) with begin(i) <= w (begin ascending, begin(0) = 0).
-template <typename Begin>
-__device__ __forceinline__ int ItemOfWarp(Begin begin, int count, int w) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (begin(mid) <= w) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 // One n-tile: registers capped for kMinCtasOneTile CTAs per SM (see there). kLean: the items'
 // replicas are in the mma layout (KB = VB = 1, NT = 1): LeanBulkUnit for their bulk.
 template <int KB, int VB, int D, int NT, bool kLean = false>
@@ -1240,24 +1220,9 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   const int32_t* unit_begin = UnitBegin(set);
   const int32_t* tail_begin = TailBegin(set);
   const int count = set->count;
-  if (w >= LaunchWarps(unit_begin[count], tail_begin[count], set->tails_first)) return;
-  // The warp's item and unit: warp w runs unit w, or (tails first) the warps run every item's
-  // tail units, then, from the next whole CTA (PaddedTailWarps), every item's bulk units (an
-  // item's bulk units begin at unit_begin less the tail units before it).
+  // The warp's item and unit in the set's order (UnitOfWarp); past the units or padding: none.
   int item = 0, u = 0;
-  if (!set->tails_first) {
-    item = ItemOfWarp([&](int i) { return unit_begin[i]; }, count, w);
-    u = w - unit_begin[item];
-  } else if (w < tail_begin[count]) {
-    item = ItemOfWarp([&](int i) { return tail_begin[i]; }, count, w);
-    u = unit_begin[item + 1] - unit_begin[item] - (tail_begin[item + 1] - tail_begin[item]) + (w - tail_begin[item]);
-  } else if (w < PaddedTailWarps(tail_begin[count])) {
-    return;  // padding up to the bulk units' first CTA
-  } else {
-    const int wb = w - PaddedTailWarps(tail_begin[count]);
-    item = ItemOfWarp([&](int i) { return unit_begin[i] - tail_begin[i]; }, count, wb);
-    u = wb - (unit_begin[item] - tail_begin[item]);
-  }
+  if (!UnitOfWarp(unit_begin, tail_begin, count, set->tail_order, w, &item, &u)) return;
   uint32_t* ws = smem + warp * WarpWords<KB, VB, D, NT>();
   static_assert(sizeof(DeviceDecodeItem) % 8 == 0, "the item is copied in 8-byte words");
   uint64_t* item_words = reinterpret_cast<uint64_t*>(ws + ItemOffsetWords<KB, VB, D, NT>());
@@ -1400,7 +1365,8 @@ bool DeviceHasMma() {
 }
 
 // The chunk and the unit table of one class's items: one wave of the GPU less `free_slots` CTAs.
-Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, LowBitSet* set) {
+Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int forced_chunk_blocks,
+               DecodePlan::UnitOrder forced_order, LowBitSet* set) {
   // The class's CTAs per SM (its shared memory is fixed): asked once per device, not per plan.
   static std::atomic<int> known_ctas[kClasses][kMaxKnownDevices] = {};
   const int ctas_per_sm = KnownForCurrentDevice(known_ctas[cls], 1, [cls](int) {
@@ -1495,10 +1461,21 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
       if (c == 16) break;
     }
   }
+  TailOrder order = tails_first ? kTailsFirst : kTailsShared;
+  // Forced (DecodePlan::force_units): benchmarks and tests of the other splits and orders.
+  // A chunk past the longest item's blocks is one unit an item, as that item's blocks (no larger:
+  // t0 + chunk * 32 must stay within int).
+  if (forced_chunk_blocks > 0) chunk = std::clamp<int64_t>(forced_chunk_blocks, 2, std::max<int64_t>(most_blocks, 2));
+  switch (forced_order) {
+    case DecodePlan::UnitOrder::kChosen: break;
+    case DecodePlan::UnitOrder::kTailsShared: order = kTailsShared; break;
+    case DecodePlan::UnitOrder::kTailsFirst: order = kTailsFirst; break;
+    case DecodePlan::UnitOrder::kTailsLast: order = kTailsLast; break;
+  }
   set->kernel_class = cls;
   set->chunk_blocks = static_cast<int>(chunk);
   set->tail_units = most_tail;
-  set->tails_first = tails_first;
+  set->tail_order = order;
   set->unit_begin.assign(1, 0);
   set->tail_begin.assign(1, 0);
   int64_t units = 0, tails = 0;
@@ -1520,7 +1497,8 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, Low
 
 }  // namespace
 
-Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets) {
+Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets,
+                        int forced_chunk_blocks, DecodePlan::UnitOrder forced_order) {
   std::vector<DeviceDecodeItem> by_class[kClasses];
   const int first = items.empty() ? 0 : ClassOf(items[0]);
   if (std::all_of(items.begin(), items.end(), [&](const DeviceDecodeItem& it) { return ClassOf(it) == first; })) {
@@ -1532,7 +1510,8 @@ Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std
   for (int cls = 0; cls < kClasses; ++cls) {
     if (by_class[cls].empty()) continue;
     sets->emplace_back();
-    SPECACHE_RETURN_IF_ERROR(PlanSet(cls, std::move(by_class[cls]), free_slots, &sets->back()));
+    SPECACHE_RETURN_IF_ERROR(
+        PlanSet(cls, std::move(by_class[cls]), free_slots, forced_chunk_blocks, forced_order, &sets->back()));
   }
   return Status::Ok();
 }
@@ -1543,7 +1522,7 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
   if (const cudaError_t err = AllowSharedMemoryOf(set.kernel_class); err != cudaSuccess) {
     return Status::Unavailable(std::string("low-bit decode: shared memory opt-in: ") + cudaGetErrorString(err));
   }
-  const int warps = LaunchWarps(set.unit_begin.back(), set.tail_begin.back(), set.tails_first);
+  const int warps = LaunchWarps(set.unit_begin.back(), set.tail_begin.back(), set.tail_order);
   int most_units = 1, most_queries = 1;
   for (size_t i = 0; i < set.items.size(); ++i) {
     most_units = std::max(most_units, set.unit_begin[i + 1] - set.unit_begin[i]);
@@ -1555,9 +1534,7 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
   const size_t weight_bytes = size_t((most_units + 3) / 4 * 4) * sizeof(float);
   MergeKernel<<<dim3(static_cast<unsigned>(set.items.size()), most_queries), set.items[0].replica.head_dim, weight_bytes,
                 stream>>>(device);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok()
-                            : Status::Unavailable(std::string("low-bit decode kernels: ") + cudaGetErrorString(err));
+  return LaunchStatus("low-bit decode kernels");
 }
 
 bool LowBitDecodeAvailable() { return DeviceHasMma(); }

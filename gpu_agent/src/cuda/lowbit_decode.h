@@ -40,6 +40,79 @@ namespace specache::cuda {
 
 struct DeviceItemSet;  // decode_common.cuh
 
+// The tensor-core path's warp orders (LowBitSet, DeviceItemSet::tail_order): DecodePlan::UnitOrder
+// less kChosen.
+enum TailOrder : int32_t { kTailsShared = 0, kTailsFirst = 1, kTailsLast = 2 };
+
+// Warps (units) per CTA of the tensor-core attention.
+constexpr int kLowBitWarpsPerCta = 4;
+// Warps of the units that run first in the tails-first or -last order (the tail units, or the
+// bulk units), rounded up to whole CTAs (the padding warps exit at once). A CTA stays resident
+// until its last warp ends, so a CTA holding both a short tail unit and a long bulk unit would
+// keep the tail's slot for the bulk's time instead of handing it to the wave's next unit.
+SPECACHE_HOST_DEVICE inline int32_t PaddedWarps(int32_t units) {
+  return (units + kLowBitWarpsPerCta - 1) / kLowBitWarpsPerCta * kLowBitWarpsPerCta;
+}
+// Warps the launch runs: every unit, plus the padding of the tails-first or -last order.
+SPECACHE_HOST_DEVICE inline int32_t LaunchWarps(int32_t units, int32_t tail_units, int32_t order) {
+  if (order == kTailsFirst) return PaddedWarps(tail_units) + (units - tail_units);
+  if (order == kTailsLast) return PaddedWarps(units - tail_units) + tail_units;
+  return units;
+}
+// The last i in [0, count) with begin(i) <= w, begin(i) = first[i] - (less ? less[i] : 0)
+// ascending from 0.
+SPECACHE_HOST_DEVICE inline int ItemOfWarp(const int32_t* first, const int32_t* less, int count, int w) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first[mid] - (less ? less[mid] : 0) <= w) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+// Which unit warp w of a launch runs (DeviceItemSet's unit_begin and tail_begin over `count`
+// items, `order` a TailOrder): true with its item and the unit's index among the item's units
+// (its bulk units first, then its tail units), false for a warp past the units or a padding warp.
+// kTailsShared: warp w runs unit w (the items' units in order). kTailsFirst: every item's tail
+// units, then from the next whole CTA every item's bulk units. kTailsLast: the bulk units, then
+// from the next whole CTA the tail units. An item's bulk units begin at unit_begin less the tail
+// units before it.
+SPECACHE_HOST_DEVICE inline bool UnitOfWarp(const int32_t* unit_begin, const int32_t* tail_begin, int count,
+                                            int32_t order, int w, int* item, int* unit) {
+  if (w >= LaunchWarps(unit_begin[count], tail_begin[count], order)) return false;
+  const int32_t tails = tail_begin[count], bulk = unit_begin[count] - tails;
+  int wt = -1, wb = -1;  // the launch's tail unit, or bulk unit, this warp runs
+  if (order == kTailsFirst) {
+    if (w < tails) {
+      wt = w;
+    } else if (w >= PaddedWarps(tails)) {
+      wb = w - PaddedWarps(tails);
+    }
+  } else if (order == kTailsLast) {
+    if (w < bulk) {
+      wb = w;
+    } else if (w >= PaddedWarps(bulk)) {
+      wt = w - PaddedWarps(bulk);
+    }
+  } else {
+    *item = ItemOfWarp(unit_begin, nullptr, count, w);
+    *unit = w - unit_begin[*item];
+    return true;
+  }
+  if (wt >= 0) {
+    const int i = ItemOfWarp(tail_begin, nullptr, count, wt);
+    *item = i;
+    *unit = unit_begin[i + 1] - unit_begin[i] - (tail_begin[i + 1] - tail_begin[i]) + (wt - tail_begin[i]);
+    return true;
+  }
+  if (wb >= 0) {
+    const int i = ItemOfWarp(unit_begin, tail_begin, count, wb);
+    *item = i;
+    *unit = wb - (unit_begin[i] - tail_begin[i]);
+    return true;
+  }
+  return false;  // padding up to the next order's first CTA
+}
+
 // Whether the current device runs the tensor-core path (sm_80+).
 bool LowBitDecodeAvailable();
 // Most queries (rows x GQA heads) of an item the lean path takes: one n-tile of the values' mma.
@@ -51,26 +124,30 @@ bool LowBitDecodeEligible(const DeviceDecodeItem& item, bool available);
 
 // One launch of the tensor-core path: items of one (key bits, value bits, head_dim, query tiles)
 // class, each item's work cut into units (bulk units of chunk_blocks blocks of 32 tokens, then up
-// to 4 tail units). Either all units share one wave of the GPU, or (tails_first) the tail units
-// run first and the bulk units alone fill the wave, taking the tails' slots as they finish: the
-// plan takes the second when the tails are short next to a bulk unit. Sharing the wave, a short
-// tail's warp sits idle in its CTA while the bulk runs (at 99 x 8K, 792 of 1984 warps).
+// to 4 tail units). Either all units share one wave of the GPU (kTailsShared), or the tail units
+// run first and the bulk units alone fill the wave, taking the tails' slots as they finish
+// (kTailsFirst): the plan takes the second when the tails are short next to a bulk unit. Sharing
+// the wave, a short tail's warp sits idle in its CTA while the bulk runs (at 99 x 8K, 792 of 1984
+// warps). kTailsLast (only when forced: DecodePlan::force_units, not yet in the plan's model):
+// the bulk units first, the tails' CTAs in the slots the bulk leaves empty or frees first.
 struct LowBitSet {
   int kernel_class = 0;
   int chunk_blocks = 0;
   int tail_units = 0;  // most tail units per item
-  bool tails_first = false;
+  TailOrder tail_order = kTailsShared;
   std::vector<DeviceDecodeItem> items;  // strides resolved, all eligible
   std::vector<int32_t> unit_begin;      // [items + 1]: item i's units are [unit_begin[i], unit_begin[i + 1])
   std::vector<int32_t> tail_begin;      // [items + 1]: prefix sums of the items' tail units
 };
 
 // One set per class present among `items`, its units one wave of the GPU less `free_slots` CTA
-// slots (DecodePlan::set_free_slots). Items of one class move into their set uncopied.
-Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets);
+// slots (DecodePlan::set_free_slots), or as forced (DecodePlan::force_units: a chunk > 0, an
+// order other than kChosen). Items of one class move into their set uncopied.
+Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets,
+                        int forced_chunk_blocks = 0, DecodePlan::UnitOrder forced_order = DecodePlan::UnitOrder::kChosen);
 
 // The attention kernel and the merge of a planned set, whose bytes (WriteItemSet of its items,
-// unit_begin, tail_begin and tails_first) are at `device`.
+// unit_begin, tail_begin and tail_order) are at `device`.
 Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaStream_t stream);
 
 }  // namespace specache::cuda

@@ -85,14 +85,12 @@ Status PackMmaGroups(const MmaGroupTask* tasks, int n, int head_dim, void* strea
   if (n == 0) return Status::Ok();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int blocks = (n + kWarps - 1) / kWarps;
-  return WithDeviceTasks(plan, tasks, n, s, [&](const MmaGroupTask* on_device) {
+  return WithDeviceTasks(plan, tasks, n, s, "mma codes", [&](const MmaGroupTask* on_device) {
     if (head_dim == 64) {
       PackMmaGroupsKernel<64><<<blocks, kWarps * 32, 0, s>>>(on_device, n);
     } else {
       PackMmaGroupsKernel<128><<<blocks, kWarps * 32, 0, s>>>(on_device, n);
     }
-    const cudaError_t err = cudaGetLastError();
-    return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string("mma codes: ") + cudaGetErrorString(err));
   });
 }
 

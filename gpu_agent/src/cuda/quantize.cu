@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "specache/cuda_attention.h"
 #include "specache/cuda_quantize.h"
 #include "block_task.cuh"
 #include "decode_plan_slots.h"
@@ -158,15 +159,18 @@ __global__ void QuantizeValueTokenRunsKernel(RunBatch<ValueTokenRun> batch, int 
                          group_size, bits, r.codes + first * (group_size * bits / 32), r.scale + first, r.zero + first);
 }
 
-// One warp per (task, channel group).
-__global__ void QuantizeValueTokenBatchKernel(const ValueTokenTask* __restrict__ tasks, int count, int head_dim,
-                                              int group_size, int bits) {
-  const int groups = head_dim / group_size;
+// One warp per (task, channel group): the token's parts located in its replica's block, as the
+// attention reads them.
+__global__ void QuantizeValueTokensInBlocksKernel(const ValueRetireTask* __restrict__ tasks, int count,
+                                                  DeviceReplicaView v) {
+  const int groups = v.head_dim / v.group_size;
   const int64_t run = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (run >= static_cast<int64_t>(count) * groups) return;
-  const ValueTokenTask& t = tasks[run / groups];
-  QuantizeValueGroupWarp(reinterpret_cast<const __half*>(t.value), static_cast<int>(run % groups), group_size, bits,
-                         t.codes, t.scale, t.zero);
+  const ValueRetireTask& t = tasks[run / groups];
+  v.blocks = t.blocks;
+  QuantizeValueGroupWarp(reinterpret_cast<const __half*>(t.value), static_cast<int>(run % groups), v.group_size,
+                         v.value_bits, const_cast<uint32_t*>(ValueCodes(v, t.token)),
+                         const_cast<Half*>(ValueScales(v, t.token)), const_cast<Half*>(ValueZeros(v, t.token)));
 }
 
 Status Check(int group_size, int head_dim, int bits) {
@@ -176,11 +180,6 @@ Status Check(int group_size, int head_dim, int bits) {
   }
   if (head_dim <= 0 || head_dim % 8 != 0) return Status::InvalidArgument("head_dim must be a positive multiple of 8");
   return Status::Ok();
-}
-
-Status Launched(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
 // Launches `launch(batch, items)` for runs[0..n) in batches of kMaxQuantizeRuns; `size` is a run's
@@ -216,7 +215,7 @@ Status QuantizeKeyGroupRuns(const KeyGroupRun* runs, int n_runs, int group_size,
                       const dim3 grid(groups, (head_dim + kWarps - 1) / kWarps);
                       QuantizeKeyGroupRunsKernel<<<grid, kWarps * 32, 0, static_cast<cudaStream_t>(stream)>>>(
                           batch, group_size, head_dim, bits);
-                      return Launched("key quantization kernel");
+                      return LaunchStatus("key quantization kernel");
                     });
 }
 
@@ -247,9 +246,9 @@ Status QuantizeKeyGroupTasks(const KeyGroupRun* runs, int n_runs, int group_size
   constexpr int kWarps = 8;
   const int n = static_cast<int>(tasks.size());
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, tasks.data(), n, s, [&](const KeyGroupTask* on_device) {
+  const char* what = "key quantization kernel (tasks)";
+  return WithDeviceTasks(plan, tasks.data(), n, s, what, [&](const KeyGroupTask* on_device) {
     QuantizeKeyGroupTasksKernel<<<static_cast<unsigned>(n), kWarps * 32, 0, s>>>(on_device, group_size, head_dim, bits);
-    return Launched("key quantization kernel (tasks)");
   });
 }
 
@@ -264,7 +263,7 @@ Status QuantizeValueTokenRuns(const ValueTokenRun* runs, int n_runs, int head_di
                       QuantizeValueTokenRunsKernel<<<static_cast<unsigned>((warps + kWarps - 1) / kWarps), kWarps * 32,
                                                      0, static_cast<cudaStream_t>(stream)>>>(batch, head_dim, group_size,
                                                                                              bits);
-                      return Launched("value quantization kernel");
+                      return LaunchStatus("value quantization kernel");
                     });
 }
 
@@ -280,19 +279,21 @@ Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int g
   return QuantizeValueTokenRuns(&run, 1, head_dim, group_size, bits, stream);
 }
 
-Status QuantizeValueTokenBatch(const ValueTokenTask* tasks, int n_tasks, int head_dim, int group_size, int bits,
-                               void* stream, DecodePlan* plan) {
+Status QuantizeValueTokensInBlocks(const ValueRetireTask* tasks, int n_tasks, const DeviceReplicaView& geometry,
+                                   void* stream, DecodePlan* plan) {
+  const int head_dim = geometry.head_dim, group_size = geometry.group_size, bits = geometry.value_bits;
   SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
   if (head_dim % group_size != 0) return Status::InvalidArgument("group_size must divide head_dim");
+  if (geometry.layout.block_tokens <= 0) return Status::InvalidArgument("value quantization: no block layout");
   if (n_tasks < 0) return Status::InvalidArgument("negative task count");
   if (n_tasks == 0) return Status::Ok();
   constexpr int kWarps = 8;
   const int64_t runs = int64_t{n_tasks} * (head_dim / group_size);
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, tasks, n_tasks, s, [&](const ValueTokenTask* on_device) {
-    QuantizeValueTokenBatchKernel<<<static_cast<unsigned>((runs + kWarps - 1) / kWarps), kWarps * 32, 0, s>>>(
-        on_device, n_tasks, head_dim, group_size, bits);
-    return Launched("value quantization kernel (batch)");
+  const char* what = "value quantization kernel (in blocks)";
+  return WithDeviceTasks(plan, tasks, n_tasks, s, what, [&](const ValueRetireTask* on_device) {
+    QuantizeValueTokensInBlocksKernel<<<static_cast<unsigned>((runs + kWarps - 1) / kWarps), kWarps * 32, 0, s>>>(
+        on_device, n_tasks, geometry);
   });
 }
 

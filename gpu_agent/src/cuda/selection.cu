@@ -85,11 +85,7 @@ template <typename T, typename Launch>
 Status OneLaunch(DecodePlan* plan, const T* tasks, int n_tasks, const char* what, cudaStream_t stream, Launch launch) {
   if (n_tasks < 0) return Status::InvalidArgument(std::string(what) + ": negative task count");
   if (n_tasks == 0) return Status::Ok();
-  return WithDeviceTasks(plan, tasks, n_tasks, stream, [&](const T* on_device) {
-    launch(on_device);
-    const cudaError_t err = cudaGetLastError();
-    return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
-  });
+  return WithDeviceTasks(plan, tasks, n_tasks, stream, what, launch);
 }
 
 }  // namespace

@@ -37,11 +37,6 @@ __global__ void CopyRowsKernel(const RowCopy* __restrict__ copies, int count, in
   }
 }
 
-Status Launched(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::Ok() : Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
 int Blocks(int64_t total) { return static_cast<int>(std::min<int64_t>(1024, (total + 255) / 256)); }
 
 }  // namespace
@@ -51,7 +46,7 @@ Status FloatRowsToHalf(const float* src, int32_t n, int d, int64_t src_stride, H
   if (total <= 0) return Status::Ok();
   FloatRowsToHalfKernel<<<Blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       src, total, d, src_stride, reinterpret_cast<__half*>(dst));
-  return Launched("float to fp16 kernel");
+  return LaunchStatus("float to fp16 kernel");
 }
 
 Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, void* stream) {
@@ -59,7 +54,7 @@ Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, 
   if (total <= 0) return Status::Ok();
   InterleaveKernel<<<Blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __half*>(k), reinterpret_cast<const __half*>(v), total, d, reinterpret_cast<__half*>(rows));
-  return Launched("K/V interleave kernel");
+  return LaunchStatus("K/V interleave kernel");
 }
 
 Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream, DecodePlan* plan) {
@@ -68,9 +63,8 @@ Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream, Decod
   if (n == 0) return Status::Ok();
   const int64_t pieces = int64_t{n} * (row_bytes / 16);
   auto* s = static_cast<cudaStream_t>(stream);
-  return WithDeviceTasks(plan, copies, n, s, [&](const RowCopy* on_device) {
+  return WithDeviceTasks(plan, copies, n, s, "row copy kernel", [&](const RowCopy* on_device) {
     CopyRowsKernel<<<Blocks(pieces), 256, 0, s>>>(on_device, n, row_bytes / 16);
-    return Launched("row copy kernel");
   });
 }
 

@@ -621,8 +621,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
                                                                            reduction == GroupReduction::kMax, *budget);
     }
     SPECACHE_RETURN_IF_ERROR(plan->impl()->Finish(up, s));
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return Status::Unavailable(std::string("top-k kernels: ") + cudaGetErrorString(err));
+    SPECACHE_RETURN_IF_ERROR(LaunchStatus("top-k kernels"));
   }
   return Status::Ok();
 }
