@@ -152,6 +152,33 @@ TEST(LowBitPlanTest, AForcedSplitAndOrderAreKept) {
   }
 }
 
+TEST(LowBitPlanTest, TheLeanPathsTailsGoFirstOrLastWithDenseSubstitutedRows) {
+  // The lean path's order (PlanSet): never sharing the wave; the tails first with few substituted
+  // rows (the paper's 64 at 8K), last once they are one token in 16 or more (a 1024-row cache at
+  // 8K). The general kernels keep their own rule: with the whole GPU free they share the wave.
+  for (const int n : {32, 99}) {
+    for (const int32_t sub : {0, 64, 507, 508, 1024}) {
+      std::vector<cuda::DeviceDecodeItem> items(size_t(n) * 8, Item(8192 + 2, 5, true));
+      for (auto& it : items) it.rows.n_sub = sub;
+      for (const int free_slots : {0, 32}) {
+        std::vector<cuda::LowBitSet> sets;
+        ASSERT_TRUE(cuda::PlanLowBitDecode(items, free_slots, &sets).ok());
+        ASSERT_EQ(sets.size(), 1u);
+        SCOPED_TRACE("n=" + std::to_string(n) + " rows=" + std::to_string(sub));
+        ExpectUnitsCoverTheItems(sets[0], items);
+        // 254 bulk blocks an item (8128 tokens): 508 rows are one in 16 of them.
+        ASSERT_EQ(BulkBlocks(items[0]), 254);
+        EXPECT_EQ(sets[0].tail_order, sub >= 508 ? cuda::kTailsLast : cuda::kTailsFirst);
+      }
+    }
+  }
+  std::vector<cuda::DeviceDecodeItem> natural(99 * 8, Item(8192 + 2, 5, false));
+  for (auto& it : natural) it.rows.n_sub = 1024;
+  std::vector<cuda::LowBitSet> sets;
+  ASSERT_TRUE(cuda::PlanLowBitDecode(natural, 0, &sets).ok());
+  EXPECT_NE(sets[0].tail_order, cuda::kTailsLast) << "only the lean path puts the tails last";
+}
+
 TEST(LowBitPlanTest, EveryOrderRunsEachUnitOnceAndPadsToWholeCtas) {
   // UnitOfWarp, the kernel's map from a warp to its (item, unit), over random unit tables (items
   // with no bulk units, no tail units, or none at all among them): in each order every unit of

@@ -1440,28 +1440,32 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   bool tails_first =
       tail_units > 0 && std::min(chunk_after_tails, most_blocks) + tail_cost < std::min(chunk_sharing, most_blocks);
   int64_t chunk = tails_first ? chunk_after_tails : chunk_sharing;
+  bool tails_last = false;
   if (cls >= 16) {
     // The lean path reads at a large share of HBM bandwidth, so empty warp slots cost: one wave of
     // whole-item units left a quarter of them empty at 99 x 8K (1584 bulk units on 2112 slots).
-    // Over chunks of at least 16 blocks and both orders, the fewest blocks a slot runs: rounds of
-    // units (several waves when that fills the slots better) times the chunk, with the tails
-    // sharing the slots or first (then their cost added); the larger chunk among equals (fewer
-    // partials to merge). H200, one layer: 99 x 8K, tails first, chunk 32: 0.368 ms (one wave of
-    // 127, the general plan: 0.454); 32 x 8K, tails sharing, chunk 37: 0.127 ms (tails first,
-    // chunk 32: 0.159).
-    int64_t best = -1;
+    // Over chunks of at least 16 blocks, the fewest blocks a slot runs: rounds of units (several
+    // waves when that fills the slots better) times the chunk; the larger chunk among equals
+    // (fewer partials to merge). The tails never share the wave here: at the same chunk, tails
+    // first beat sharing in all nine splits of the H200 sweep (attend --free-slots 32
+    // --random-rows --unit-plans, 99 x 8K, 32 x 8K, 24 x 32K; 5-25% faster), as a CTA mixing a
+    // tail unit and bulk units holds the tail's slot for the bulk's time. The tails go last
+    // instead when the substituted rows are dense (one token in 16 or more, as with the row cache
+    // attended: 1024 rows at 8K): bulk units of random cost then finish unevenly and the tails
+    // fill the slots they free (0.93-0.95x the tails-first time at 99 and 32 x 8K; at 64 rows
+    // tails first won 8 of 9 splits).
+    int64_t best = -1, substituted = 0;
+    for (const DeviceDecodeItem& it : items) substituted += it.rows.n_sub;
     for (int64_t n = 1; n <= 64; ++n) {
       const int64_t c = std::max<int64_t>((most_blocks + n - 1) / n, 16), units = bulk_units_with(c);
-      for (const bool first : {false, true}) {
-        const int64_t slots = first ? wave : wave - tail_units;
-        if (slots <= 0) continue;
-        const int64_t span = (units + slots - 1) / slots * c + (first ? tail_cost : 0);
-        if (best < 0 || span < best || (span == best && c > chunk)) best = span, chunk = c, tails_first = first && tail_units > 0;
-      }
+      const int64_t span = (units + wave - 1) / wave * c;
+      if (best < 0 || span < best || (span == best && c > chunk)) best = span, chunk = c;
       if (c == 16) break;
     }
+    tails_first = tail_units > 0;
+    tails_last = tail_units > 0 && substituted * 16 >= blocks * 32;
   }
-  TailOrder order = tails_first ? kTailsFirst : kTailsShared;
+  TailOrder order = tails_last ? kTailsLast : tails_first ? kTailsFirst : kTailsShared;
   // Forced (DecodePlan::force_units): benchmarks and tests of the other splits and orders.
   // A chunk past the longest item's blocks is one unit an item, as that item's blocks (no larger:
   // t0 + chunk * 32 must stay within int).

@@ -126,10 +126,11 @@ bool LowBitDecodeEligible(const DeviceDecodeItem& item, bool available);
 // class, each item's work cut into units (bulk units of chunk_blocks blocks of 32 tokens, then up
 // to 4 tail units). Either all units share one wave of the GPU (kTailsShared), or the tail units
 // run first and the bulk units alone fill the wave, taking the tails' slots as they finish
-// (kTailsFirst): the plan takes the second when the tails are short next to a bulk unit. Sharing
-// the wave, a short tail's warp sits idle in its CTA while the bulk runs (at 99 x 8K, 792 of 1984
-// warps). kTailsLast (only when forced: DecodePlan::force_units, not yet in the plan's model):
-// the bulk units first, the tails' CTAs in the slots the bulk leaves empty or frees first.
+// (kTailsFirst), or the bulk units run first and the tails' CTAs take the slots the bulk leaves
+// empty or frees first (kTailsLast). Sharing the wave, a short tail's warp sits idle in its CTA
+// while the bulk runs (at 99 x 8K, 792 of 1984 warps). The general kernels' plan puts the tails
+// first when they are short next to a bulk unit, else shares; the lean path's never shares, and
+// puts the tails last when the substituted rows are dense (PlanSet: the H200 sweep behind it).
 struct LowBitSet {
   int kernel_class = 0;
   int chunk_blocks = 0;
