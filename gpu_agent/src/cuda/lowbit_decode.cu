@@ -330,6 +330,32 @@ struct SubstituteWindow {
       Load(r, lane);
     }
   }
+  // Block [b0, b0 + 32)'s rows as a mask of their tokens in the block (ListBlock without the list).
+  __device__ __forceinline__ uint32_t MaskBlock(const DeviceDecodeRows& r, int32_t b0, int lane) {
+    uint32_t mask = 0;
+    for (;;) {
+      const bool mine = lane >= used && token < b0 + 32;
+      mask |= BitsOfWarp(mine ? 1u << (token - b0) : 0u);
+      used += __popc(__ballot_sync(kAll, mine));
+      if (used < 32) return mask;
+      base += 32, used = 0;
+      Load(r, lane);
+    }
+  }
+  // The next rows before token t1, at most the rest of the window (<= 32): list[i] = row index *
+  // 32 and tokens[i] its token, in ascending order; returns their count, 0 when none is left.
+  // Their fetched key and value rows are prefetched into L1 as they are listed, so that the
+  // loads of all of them are in flight at once (D: the rows' halves).
+  template <int D>
+  __device__ __forceinline__ int ListBefore(const DeviceDecodeRows& r, int32_t t1, int lane, int* list, int* tokens) {
+    if (used == 32) base += 32, used = 0, Load(r, lane);
+    Prefetch<D>(r, INT32_MIN, t1, lane);
+    const bool mine = lane >= used && token < t1;  // the entries are ascending: a run from `used`
+    if (mine) list[lane - used] = slot * 32, tokens[lane - used] = token;
+    const int n = __popc(__ballot_sync(kAll, mine));
+    used += n;
+    return n;
+  }
 };
 
 // The values of a block's n substituted rows (n > 0, listed in sub_list), weighted by each
@@ -821,14 +847,16 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   const DeviceDecodeRows& r = it.rows;
   const int g = lane >> 2, t = lane & 3;
   const int queries = r.n_rows * r.n_heads;  // <= kLeanMaxQueries (LowBitDecodeEligible)
-  // Per warp, after the stages: the block's substituted rows (row index * 32 + token in block),
+  // Per warp, after the stages: up to 32 substituted rows (row index * 32),
   // then the lanes' query operands [ks][lane] (one 8-byte load per k-step instead of 2 KS
-  // registers held through the loop), then the substituted rows' scores [32 rows][8 queries].
+  // registers held through the loop), then the substituted rows' scores [32 rows][8 queries] and
+  // their tokens [32].
   int* sub_list = reinterpret_cast<int*>(ws + StagesWords<1, 1, D, 1>());
   uint2* qops = reinterpret_cast<uint2*>(ws + StagesWords<1, 1, D, 1>() + 32);
   float* sub_scores = reinterpret_cast<float*>(ws + StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS);
-  static_assert(StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS + 32 * kLeanMaxQueries <= ItemOffsetWords<1, 1, D, 1>(),
-                "room for the operands and the substituted rows' scores");
+  int* sub_tokens = reinterpret_cast<int*>(sub_scores + 32 * kLeanMaxQueries);
+  static_assert(StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS + 32 * kLeanMaxQueries + 32 <= ItemOffsetWords<1, 1, D, 1>(),
+                "room for the operands and the substituted rows' scores and tokens");
 
   BlockWalk walk(v, t0);
   walk.IssueGroup<D>(ws, lane, t0 + 32 < t1);
@@ -884,17 +912,17 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][i] = 0.0f;
   }
-  // The next 32 substituted rows from the unit's first: a lane each (SubstituteWindow), so a
-  // block's rows are listed with one ballot and the next block's fetched rows are prefetched into
-  // L1 a block ahead of their use (ncu: the loads of the fetched rows were the kernel's largest
-  // single stalls, ~5% of its samples, when one row was prefetched at its block's start).
-  SubstituteWindow subs(r, t0, lane);
-  subs.Prefetch<D>(r, t0, min(t1, t0 + 32), lane);
+  // The substituted rows, a lane each (SubstituteWindow). A block only masks its rows' tokens out
+  // of its softmax (one ballot: `subs`); the rows are attended after the unit's blocks, up to 32
+  // at a time (`unit_subs`, below the loop). Attended in their blocks, a block's one or two rows
+  // took a path of ~365 instructions of their own (ncu, 99 x 8K, 64 rows: 14% of the kernel's
+  // stall samples); after the blocks they share their mma and their loads' latency.
+  SubstituteWindow subs(r, t0, lane), unit_subs(r, t0, lane);
 
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
     if (b0 + 32 < t1) walk.IssueGroup<D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
-    subs.Prefetch<D>(r, b0 + 32, min(t1, b0 + 64), lane);
+    if (b0 + 32 >= t1) unit_subs.Prefetch<D>(r, t0, t1, lane);  // the first rows of the pass after the blocks
     CpAsyncCommit();
     CpAsyncWaitButOne();
     __syncwarp();
@@ -934,39 +962,14 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf(c[nt][j] + c[nt][j + 2], to_score[nt], zs);
-    // Substituted rows in this block: listed first (sub_list: row * 32 + token in block), then
-    // their scores eight rows at a time as one mma chain over the fetched keys (B: column g = the
-    // group's row g, k = channels, as in the key codes' mma; A = the query operands, rows g + 8
-    // zero): exact fp16 products summed in fp32, each score then given to the lane whose slot
-    // holds its token. (One row's dot product on the CUDA cores took ~190 instructions; with
-    // specache-run's row cache attended, ~4 rows a block.)
-    uint32_t sub_mask = 0;
-    const int n_block_subs = subs.ListBlock(r, b0, lane, sub_list, sub_mask);
-    __syncwarp();  // sub_list written
-    for (int s0 = 0; s0 < n_block_subs; s0 += 8) {
-      const int in_group = min(8, n_block_subs - s0);
-      // Row g's channel pairs 8 ks + t (channels 16 ks + 2t, +1) and 8 ks + t + 4 (+ 8, + 9).
-      const uint32_t* kt = GroupRowWords<D>(r, sub_list, s0, in_group, g, 0, t);
-      float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // query g's scores of the group's rows 2t, 2t + 1 (cs[0], cs[1])
+    // Substituted tokens: out of this block's softmax (their rows are attended after the blocks).
+    const uint32_t sub_mask = subs.MaskBlock(r, b0, lane);
+    if (sub_mask != 0) {
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const uint32_t k01 = kt ? __ldg(kt + 8 * ks) : 0u, k89 = kt ? __ldg(kt + 8 * ks + 4) : 0u;
-        const uint2 qa = qops[ks * 32 + lane];
-        Mma(cs, qa.x, 0u, qa.y, 0u, k01, k89);
-      }
-      // Query g's scores of rows s0 + 2t, +1, kept for their values' p (B's layout: k = row, n = g).
-      const float cs0 = cs[0] * unscale, cs1 = cs[1] * unscale;
-      if (s0 + 2 * t < n_block_subs) sub_scores[(s0 + 2 * t) * kLeanMaxQueries + g] = cs0;
-      if (s0 + 2 * t + 1 < n_block_subs) sub_scores[(s0 + 2 * t + 1) * kLeanMaxQueries + g] = cs1;
-      for (int q = 0; q < in_group; ++q) {
-        const float score = __shfl_sync(kAll, (q & 1) ? cs1 : cs0, 4 * g + q / 2);
-        const int i = sub_list[s0 + q] & 31;
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            if (i == 8 * nt + 2 * t + j) sc[nt][j] = score;
-      }
+        for (int j = 0; j < 2; ++j)
+          if ((sub_mask >> (8 * nt + 2 * t + j)) & 1u) sc[nt][j] = -INFINITY;
     }
     if (scores_out) {
 #pragma unroll
@@ -1004,14 +1007,6 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         p[nt][j] = ExpFrom(sc[nt][j], mn_log2e);
         l += p[nt][j];
       }
-    // Substituted tokens: their p out of B (their values are added after the bulk's).
-    if (sub_mask != 0) {
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-          if ((sub_mask >> (8 * nt + 2 * t + j)) & 1u) p[nt][j] = 0.0f;
-    }
     // ---- values. pb[ks][kh]: p kLeanP of tokens 16 ks + 8 kh + 2t, +1 (S's n-tile 2 ks + kh), query g.
     uint32_t pb[2][2];
 #pragma unroll
@@ -1043,20 +1038,67 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         }
       }
     }
-    if (n_block_subs > 0) {
-      // p kLeanP from the rows' scores (sub_scores [row][query]); acc in its units:
-      // MmaBitWeight(mt % 4) * kLeanP.
-      __syncwarp();  // sub_scores written by the quads that scored the rows
-      AddSubstitutedValues<D, 1>(
-          r, sub_list, n_block_subs, lane,
-          [&](int row, int) { return ExpFrom(sub_scores[row * kLeanMaxQueries + g], mn_log2e); },
-          [&](int mt, int, const float (&c)[4]) {
-            const float w = MmaBitWeight(mt % 4);
+    __syncwarp();  // this stage is rewritten by the next blocks' copies
+  }
+
+  // ---- the unit's substituted rows, up to 32 at a time: their scores as one mma chain per eight
+  // rows over the fetched keys (B: column g = the group's row g, k = channels, as in the key
+  // codes' mma; A = the query operands, rows g + 8 zero), exact fp16 products summed in fp32; the
+  // running max raised by them (the accumulators rescaled as for a block), then their values added
+  // as mma over the fetched values (AddSubstitutedValues). Their exact scores replace the -inf the
+  // blocks stored for the top-k.
+  for (;;) {
+    const int n = unit_subs.ListBefore<D>(r, t1, lane, sub_list, sub_tokens);
+    if (n == 0) break;
+    __syncwarp();  // sub_list and sub_tokens written
+    for (int s0 = 0; s0 < n; s0 += 8) {
+      const int in_group = min(8, n - s0);
+      // Row g's channel pairs 8 ks + t (channels 16 ks + 2t, +1) and 8 ks + t + 4 (+ 8, + 9).
+      const uint32_t* kt = GroupRowWords<D>(r, sub_list, s0, in_group, g, 0, t);
+      float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // query g's scores of the group's rows 2t, 2t + 1 (cs[0], cs[1])
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][e] = fmaf(c[e], w, acc[mt][e]);
-          });
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t k01 = kt ? __ldg(kt + 8 * ks) : 0u, k89 = kt ? __ldg(kt + 8 * ks + 4) : 0u;
+        const uint2 qa = qops[ks * 32 + lane];
+        Mma(cs, qa.x, 0u, qa.y, 0u, k01, k89);
+      }
+      if (s0 + 2 * t < n) sub_scores[(s0 + 2 * t) * kLeanMaxQueries + g] = cs[0] * unscale;
+      if (s0 + 2 * t + 1 < n) sub_scores[(s0 + 2 * t + 1) * kLeanMaxQueries + g] = cs[1] * unscale;
     }
-    __syncwarp();  // this stage, sub_list and sub_scores are rewritten by the next blocks
+    __syncwarp();  // sub_scores written by the quads that scored the rows
+    // Query g's largest of the rows (the quad's lanes take every fourth row).
+    float bm = -INFINITY;
+    for (int k = t; k < n; k += 4) bm = fmaxf(bm, sub_scores[k * kLeanMaxQueries + g]);
+    bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 1));
+    bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 2));
+    const float mn = fmaxf(m, bm);
+    if (__any_sync(kAll, mn != m)) {
+      const float alpha = mn == m ? 1.0f : __expf(m - mn);  // 0 from m = -inf
+      l *= alpha;
+      const float a_even = __shfl_sync(kAll, alpha, 8 * t), a_odd = __shfl_sync(kAll, alpha, 8 * t + 4);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc[mt][0] *= a_even, acc[mt][2] *= a_even, acc[mt][1] *= a_odd, acc[mt][3] *= a_odd;
+      zv[0] *= a_even, zv[1] *= a_odd;
+    }
+    m = mn;
+    const float mn_log2e = fmaf(mn, kLog2e, -kLeanPLog2);  // mn is a row's score: finite
+    for (int k = t; k < n; k += 4) l += ExpFrom(sub_scores[k * kLeanMaxQueries + g], mn_log2e);
+    // p kLeanP from the rows' scores (sub_scores [row][query]); acc in its units:
+    // MmaBitWeight(mt % 4) * kLeanP.
+    AddSubstitutedValues<D, 1>(
+        r, sub_list, n, lane, [&](int row, int) { return ExpFrom(sub_scores[row * kLeanMaxQueries + g], mn_log2e); },
+        [&](int mt, int, const float (&c)[4]) {
+          const float w = MmaBitWeight(mt % 4);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][e] = fmaf(c[e], w, acc[mt][e]);
+        });
+    if (scores_out) {  // after the blocks' stores of the same tokens (other lanes: ordered by the __syncwarp above)
+      for (int k = t; k < n; k += 4) {
+        const int32_t tok = sub_tokens[k];
+        if (tok < scores_end) StoreGlobalOutput(scores_out + tok, sub_scores[k * kLeanMaxQueries + g]);
+      }
+    }
+    __syncwarp();  // sub_list, sub_tokens and sub_scores are rewritten by the next rows
   }
 
   // ---- the unit's partial result: per query max, sum, and out + the zeros' term.
