@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -109,7 +110,8 @@ void PackWholeGroups(cuda::DeviceReplicaView& v, const std::vector<const uint8_t
 // mma: the replica's whole groups in the mma layout (1-bit, at most 8 queries): the lean path.
 // sub_one_in: each quantized key is substituted with probability 1 / sub_one_in.
 DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads, std::mt19937& rng, DeviceBuffers& buf,
-                          bool mma = false, int sub_one_in = 3) {
+                          bool mma = false, int sub_one_in = 3,
+                          const std::function<bool(int32_t)>& substituted = nullptr) {
   DecodeCase c;
   c.name = "d=" + std::to_string(d) + " bits=" + std::to_string(bits) + " rows=" + std::to_string(n_rows) +
            " length=" + std::to_string(length) + (mma ? " mma" : "") + " sub 1/" + std::to_string(sub_one_in);
@@ -118,9 +120,12 @@ DecodeCase MakeDecodeCase(int d, int bits, int n_rows, int32_t length, int heads
   const auto keys = testing::RandomHalves(size_t(length) * d, rng), values = testing::RandomHalves(size_t(length) * d, rng);
   replica.Append(keys.data(), values.data(), length);
   const int32_t n_qk = replica.quantized_keys(), n_qv = replica.quantized_values();
-  // Substitute a random share of the quantized keys (a third by default) with other full-precision rows.
+  // Substitute a random share of the quantized keys (a third by default), or those `substituted`
+  // picks, with other full-precision rows.
   std::vector<int32_t> sub_tokens;
-  for (int32_t t = 0; t < n_qk; ++t) if (rng() % sub_one_in == 0) sub_tokens.push_back(t);
+  for (int32_t t = 0; t < n_qk; ++t) {
+    if (substituted ? substituted(t) : rng() % sub_one_in == 0) sub_tokens.push_back(t);
+  }
   const auto sub_rows = testing::RandomHalves(sub_tokens.size() * 2 * d, rng);
   const auto q = testing::RandomFloats(size_t(n_rows) * heads * d, rng, 0.5f);
   const auto new_k = testing::RandomHalves(size_t(n_rows) * d, rng), new_v = testing::RandomHalves(size_t(n_rows) * d, rng);
@@ -357,6 +362,55 @@ TEST(CudaAttentionTest, TailsFirstOrderMatchesTheCpuReference) {
         // A unit of ~45 blocks sums its outputs in another order than the CPU: 2-bit outputs
         // measured 1.5e-5 (the probabilities stay within 1e-5).
         for (const DecodeCase& c : cases) ExpectMatches(c, free_slots ? 3e-5 : 1e-5);
+      }
+    }
+  }
+#endif
+}
+
+// The lean path attends a unit's substituted rows after its blocks, up to 32 at a time (a block
+// only masks their tokens out of its softmax): patterns random densities rarely make, under
+// forced splits of 2, 3 and 16 blocks a unit. Whole blocks substituted at a unit's start and in its
+// middle; exactly 32 and 64 rows ending at a unit's end (full windows); 40 rows across a unit
+// boundary; rows in the tail only (none in the bulk); dense rows (several chunks a unit). Outputs
+// and probabilities are NaN-filled first, so a score left unwritten fails.
+TEST(CudaAttentionTest, PatternedSubstitutionsOnTheLeanPathMatchTheCpuReference) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(43);
+  const int32_t length = 1100;
+  const std::pair<const char*, std::function<bool(int32_t)>> patterns[] = {
+      {"whole first and middle blocks", [](int32_t t) { return t < 32 || (t >= 128 && t < 160) || t % 7 == 0; }},
+      {"full windows ending at a unit's end", [](int32_t t) { return (t >= 64 && t < 128) || (t >= 256 && t < 288); }},
+      {"40 rows across a unit boundary", [](int32_t t) { return t >= 20 && t < 60; }},
+      {"tail only", [](int32_t t) { return t >= 1024; }},
+      {"dense", [](int32_t t) { return t % 3 != 0; }},
+  };
+  using Order = cuda::DecodePlan::UnitOrder;
+  for (const int d : {64, 128}) {
+    for (const int n_rows : {1, 2}) {
+      for (const auto& [name, pattern] : patterns) {
+        DeviceBuffers buf;
+        const DecodeCase c = MakeDecodeCase(d, 1, n_rows, length, 4, rng, buf, true, 3, pattern);
+        ASSERT_TRUE(cuda::LowBitDecodeEligible(c.item, cuda::LowBitDecodeAvailable())) << c.name;
+        // The bulk (blocks whose keys and values are both quantized) ends at token 1024: the
+        // tail-only pattern's rows lie past it, in the tail units' tokens.
+        const cuda::DeviceReplicaView& v = c.item.replica;
+        ASSERT_EQ(std::min(v.quantized_keys, v.quantized_values) / 32 * 32, 1024) << c.name;
+        ASSERT_GT(v.quantized_keys, 1024) << c.name;
+        for (const int chunk : {2, 3, 16}) {
+          cuda::DecodePlan plan;
+          plan.force_units(chunk, Order::kChosen);
+          ASSERT_EQ(cudaMemset(c.item.rows.out, 0xff, c.want.size() * sizeof(float)), cudaSuccess);
+          ASSERT_EQ(cudaMemset(c.item.rows.probs, 0xff, c.want_probs.size() * sizeof(float)), cudaSuccess);
+          if (c.item.rows.real_probs) {
+            ASSERT_EQ(cudaMemset(c.item.rows.real_probs, 0xff, c.want_real.size() * sizeof(float)), cudaSuccess);
+          }
+          ASSERT_TRUE(cuda::AttendDecodeBatch(&c.item, 1, nullptr, &plan).ok());
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          SCOPED_TRACE(std::string(name) + ", chunk " + std::to_string(chunk));
+          ExpectMatches(c, 3e-5);
+        }
       }
     }
   }

@@ -917,7 +917,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   // at a time (`unit_subs`, below the loop). Attended in their blocks, a block's one or two rows
   // took a path of ~365 instructions of their own (ncu, 99 x 8K, 64 rows: 14% of the kernel's
   // stall samples); after the blocks they share their mma and their loads' latency.
-  SubstituteWindow subs(r, t0, lane), unit_subs(r, t0, lane);
+  SubstituteWindow subs(r, t0, lane);
+  SubstituteWindow unit_subs = subs;  // the same entries (one search and load for both)
 
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
