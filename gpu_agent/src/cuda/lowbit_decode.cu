@@ -838,6 +838,24 @@ __device__ __forceinline__ void LaneWords(const uint32_t* codes, int lane, uint3
   }
 }
 
+// The lean unit's online softmax: query g's running max m raised to mn (>= m; every lane of the
+// warp calls it). Only when some query's max grew are its sum l (this lane's part), out^T's
+// accumulators (queries 2t, 2t + 1 of this lane: the alphas of lanes 8t and 8t + 4) and the
+// zeros' terms zv rescaled by exp(m - mn) (0 from m = -inf).
+template <int MT>
+__device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, float (&acc)[MT][4], float (&zv)[4],
+                                                int t) {
+  if (__any_sync(kAll, mn != m)) {
+    const float alpha = mn == m ? 1.0f : __expf(m - mn);
+    l *= alpha;
+    const float a_even = __shfl_sync(kAll, alpha, 8 * t), a_odd = __shfl_sync(kAll, alpha, 8 * t + 4);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] *= a_even, acc[mt][2] *= a_even, acc[mt][1] *= a_odd, acc[mt][3] *= a_odd;
+    zv[0] *= a_even, zv[1] *= a_odd;
+  }
+  m = mn;
+}
+
 template <int D>
 __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
                              int lane) {
@@ -988,15 +1006,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 1));
     bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 2));
     const float mn = fmaxf(m, bm);
-    if (__any_sync(kAll, mn != m)) {  // rescaled only when some query's max grew (after the first blocks, rarely)
-      const float alpha = mn == m ? 1.0f : __expf(m - mn);  // 0 from m = -inf
-      l *= alpha;
-      const float a_even = __shfl_sync(kAll, alpha, 8 * t), a_odd = __shfl_sync(kAll, alpha, 8 * t + 4);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc[mt][0] *= a_even, acc[mt][2] *= a_even, acc[mt][1] *= a_odd, acc[mt][3] *= a_odd;
-      zv[0] *= a_even, zv[1] *= a_odd;
-    }
-    m = mn;
+    RaiseRunningMax(m, mn, l, acc, zv, t);  // after the first blocks, rarely
     // p kLeanP (the values' B operands' scale, whose fp16 rounding it precedes) straight from the
     // exponent; l sums it and is divided by kLeanP at the end.
     const float mn_log2e = mn == -INFINITY ? 0.0f : fmaf(mn, kLog2e, -kLeanPLog2);
@@ -1073,15 +1083,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 1));
     bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 2));
     const float mn = fmaxf(m, bm);
-    if (__any_sync(kAll, mn != m)) {
-      const float alpha = mn == m ? 1.0f : __expf(m - mn);  // 0 from m = -inf
-      l *= alpha;
-      const float a_even = __shfl_sync(kAll, alpha, 8 * t), a_odd = __shfl_sync(kAll, alpha, 8 * t + 4);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc[mt][0] *= a_even, acc[mt][2] *= a_even, acc[mt][1] *= a_odd, acc[mt][3] *= a_odd;
-      zv[0] *= a_even, zv[1] *= a_odd;
-    }
-    m = mn;
+    RaiseRunningMax(m, mn, l, acc, zv, t);
     const float mn_log2e = fmaf(mn, kLog2e, -kLeanPLog2);  // mn is a row's score: finite
     for (int k = t; k < n; k += 4) l += ExpFrom(sub_scores[k * kLeanMaxQueries + g], mn_log2e);
     // p kLeanP from the rows' scores (sub_scores [row][query]); acc in its units:
