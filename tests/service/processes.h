@@ -5,6 +5,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -66,9 +68,19 @@ struct Child {
 };
 
 // `stderr_path`: the child's stderr goes to that file (created or truncated); else it is ours.
-inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv, const std::string& stderr_path = "") {
+// `env`: "NAME=value" entries the child gets besides ours (made before the fork: the child only
+// calls async-signal-safe functions until it execs).
+inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv, const std::string& stderr_path = "",
+                                    const std::vector<std::string>& env = {}) {
   int pipefd[2];
   if (pipe2(pipefd, O_CLOEXEC) != 0) return nullptr;
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
   auto c = std::make_unique<Child>();
   c->pid = fork();
   if (c->pid == 0) {
@@ -77,10 +89,7 @@ inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv, const 
       const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
       if (err >= 0) dup2(err, 2);
     }
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    execv(args[0], args.data());
+    execve(args[0], args.data(), envp.data());
     _exit(127);
   }
   close(pipefd[1]);
@@ -140,7 +149,10 @@ struct DaemonProcess {
     return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
 
-  // Returns false if the daemon did not come up within 10 s.
+  // Returns false if the daemon did not come up within 10 s. Up means serving: it told a notify
+  // socket of ours READY=1, as it tells systemd, after both sockets got their mode and listen.
+  // (Their files exist from bind(), before the chmod: waiting for the files let a test see the
+  // mode bind() left.)
   bool Start(const std::string& config_toml = "", std::vector<std::string> extra = {}) {
     char tmpl[] = "/tmp/specached-test-XXXXXX";
     dir = mkdtemp(tmpl);
@@ -160,14 +172,31 @@ struct DaemonProcess {
       argv.push_back(dir + "/specached.toml");
     }
     argv.insert(argv.end(), extra.begin(), extra.end());
-    child = Spawn(argv, capture_log ? log_path() : "");
-    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (std::chrono::steady_clock::now() < end) {
-      if (std::filesystem::exists(socket + ".attach")) return true;
-      if ((exit_code = child->Wait(0)) >= 0) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const std::string notify_path = dir + "/notify.sock";
+    const int notify = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (notify < 0 || notify_path.size() >= sizeof(addr.sun_path)) return false;
+    std::copy(notify_path.begin(), notify_path.end(), addr.sun_path);
+    if (::bind(notify, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(notify);
+      return false;
     }
-    return false;
+    child = Spawn(argv, capture_log ? log_path() : "", {"NOTIFY_SOCKET=" + notify_path});
+    bool ready = false;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!ready && std::chrono::steady_clock::now() < end) {
+      pollfd p{notify, POLLIN, 0};
+      if (poll(&p, 1, 10) > 0) {
+        char message[4096];
+        const ssize_t n = recv(notify, message, sizeof message, 0);
+        ready = n > 0 && std::string(message, static_cast<size_t>(n)).find("READY=1") != std::string::npos;
+      } else if ((exit_code = child->Wait(0)) >= 0) {
+        break;
+      }
+    }
+    close(notify);
+    return ready;
   }
   ~DaemonProcess() {
     child.reset();
