@@ -314,14 +314,18 @@ struct SubstituteWindow {
 #pragma unroll
     for (int l = 0; l < kLines; ++l) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + l * 128));
   }
-  // Lists block [b0, b0 + 32)'s rows in `list` (row index * 32 + token in block, ascending), sets
-  // their bits in `mask` and returns their count; the window moves on by 32 when used up.
+  // Lists block [b0, b0 + 32)'s rows in `list` (row index * 32 + token in block, ascending; with
+  // kList only), sets their bits in `mask` and returns their count; the window moves on by 32 when
+  // used up.
+  template <bool kList = true>
   __device__ __forceinline__ int ListBlock(const DeviceDecodeRows& r, int32_t b0, int lane, int* list, uint32_t& mask) {
     int n = 0;
     for (;;) {
       const bool mine = lane >= used && token < b0 + 32;  // the entries are ascending: a run from `used`
       const unsigned in = __ballot_sync(kAll, mine);
-      if (mine) list[n + lane - used] = slot * 32 + (token - b0);
+      if constexpr (kList) {
+        if (mine) list[n + lane - used] = slot * 32 + (token - b0);
+      }
       mask |= BitsOfWarp(mine ? 1u << (token - b0) : 0u);
       const int c = __popc(in);
       n += c, used += c;
@@ -333,14 +337,8 @@ struct SubstituteWindow {
   // Block [b0, b0 + 32)'s rows as a mask of their tokens in the block (ListBlock without the list).
   __device__ __forceinline__ uint32_t MaskBlock(const DeviceDecodeRows& r, int32_t b0, int lane) {
     uint32_t mask = 0;
-    for (;;) {
-      const bool mine = lane >= used && token < b0 + 32;
-      mask |= BitsOfWarp(mine ? 1u << (token - b0) : 0u);
-      used += __popc(__ballot_sync(kAll, mine));
-      if (used < 32) return mask;
-      base += 32, used = 0;
-      Load(r, lane);
-    }
+    ListBlock<false>(r, b0, lane, nullptr, mask);
+    return mask;
   }
   // The next rows before token t1, at most the rest of the window (<= 32): list[i] = row index *
   // 32 and tokens[i] its token, in ascending order; returns their count, 0 when none is left.
@@ -1428,7 +1426,7 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   // Tail units take at most an eighth of the wave (a tail of a few blocks is cheap next to a bulk
   // unit of many; at 256 items x 3 tail units they took a third of the slots).
   const int most_tail = static_cast<int>(std::clamp<int64_t>(wave / (8 * int64_t(items.size())), 1, kMaxTailUnits));
-  int64_t blocks = 0, tail_units = 0, most_blocks = 2;
+  int64_t blocks = 0, tail_units = 0, most_blocks = 2, substituted = 0;
   int64_t tail_cost = 0;  // the longest tail unit, in bulk blocks (a tail block on the CUDA cores: ~3, by instruction counts)
   // How many items have each bulk length ({blocks, items}): the searches below count units over
   // these, not over the items (a batch has few lengths; walking 792 items of 256 bytes for each
@@ -1440,6 +1438,7 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
     blocks += b;
     most_blocks = std::max(most_blocks, b);
     lengths.push_back({b, 1});
+    substituted += it.rows.n_sub;
     const int tails = TailUnits(it, most_tail);
     tail_units += tails;
     if (tails > 0) tail_cost = std::max<int64_t>(tail_cost, 3 * TailUnitTokens(it, most_tail) / 32);
@@ -1478,14 +1477,8 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
     }
     return chunk;
   };
-  // The tails in the wave, or first (their slots then taken by bulk units): by the longest chain
-  // of work a slot runs, in blocks (a bulk unit holds at most the longest item's blocks).
-  const int64_t chunk_sharing = fitting_chunk(tail_units);
-  const int64_t chunk_after_tails = fitting_chunk(0);
-  bool tails_first =
-      tail_units > 0 && std::min(chunk_after_tails, most_blocks) + tail_cost < std::min(chunk_sharing, most_blocks);
-  int64_t chunk = tails_first ? chunk_after_tails : chunk_sharing;
-  bool tails_last = false;
+  int64_t chunk = 0;
+  TailOrder order = kTailsShared;
   if (cls >= 16) {
     // The lean path reads at a large share of HBM bandwidth, so empty warp slots cost: one wave of
     // whole-item units left a quarter of them empty at 99 x 8K (1584 bulk units on 2112 slots).
@@ -1499,18 +1492,24 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
     // attended: 1024 rows at 8K): bulk units of random cost then finish unevenly and the tails
     // fill the slots they free (0.93-0.95x the tails-first time at 99 and 32 x 8K; at 64 rows
     // tails first won 8 of 9 splits).
-    int64_t best = -1, substituted = 0;
-    for (const DeviceDecodeItem& it : items) substituted += it.rows.n_sub;
+    int64_t best = -1;
     for (int64_t n = 1; n <= 64; ++n) {
       const int64_t c = std::max<int64_t>((most_blocks + n - 1) / n, 16), units = bulk_units_with(c);
       const int64_t span = (units + wave - 1) / wave * c;
       if (best < 0 || span < best || (span == best && c > chunk)) best = span, chunk = c;
       if (c == 16) break;
     }
-    tails_first = tail_units > 0;
-    tails_last = tail_units > 0 && substituted * 16 >= blocks * 32;
+    if (tail_units > 0) order = substituted * 16 >= blocks * 32 ? kTailsLast : kTailsFirst;
+  } else {
+    // The tails in the wave, or first (their slots then taken by bulk units): by the longest chain
+    // of work a slot runs, in blocks (a bulk unit holds at most the longest item's blocks).
+    const int64_t chunk_sharing = fitting_chunk(tail_units);
+    const int64_t chunk_after_tails = fitting_chunk(0);
+    const bool tails_first =
+        tail_units > 0 && std::min(chunk_after_tails, most_blocks) + tail_cost < std::min(chunk_sharing, most_blocks);
+    chunk = tails_first ? chunk_after_tails : chunk_sharing;
+    order = tails_first ? kTailsFirst : kTailsShared;
   }
-  TailOrder order = tails_last ? kTailsLast : tails_first ? kTailsFirst : kTailsShared;
   // Forced (DecodePlan::force_units): benchmarks and tests of the other splits and orders.
   // A chunk past the longest item's blocks is one unit an item, as that item's blocks (no larger:
   // t0 + chunk * 32 must stay within int).
