@@ -73,28 +73,30 @@ TEST(CudaTopKTest, EqualsTheCpuSelectionExactly) {
 
 // The radix select's two ways through its later passes (topk.cu): over the listed keys of the
 // first digit's bin (scores spread over many octaves; ties at the threshold inside the list) and
-// over every key (more than the list holds in that bin: scores within half an octave). 200
-// segments of 8K tokens, so that the parts are long enough (over 2K tokens) for the second. Each
-// segment equals the CPU's selection, one head's probabilities repeated over the group.
+// over every key (more than the list holds in that bin: scores within half an octave, 1500 keys
+// in the top bin, 6144 exact ties at the threshold). 200 segments of 8K tokens, so that the parts
+// are long enough (over 2K tokens) for the second. Each segment equals the CPU's selection, one
+// head's probabilities repeated over the group.
 TEST(CudaTopKTest, ListedAndUnlistedRadixPassesEqualTheCpuSelection) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(41);
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
-  const int heads = 4, k = 64;
+  const int heads = 4, k = 64, shapes = 5;
   const int32_t n = 8192;
   testing::DeviceBuffers buf;
   std::vector<cuda::TopKSegment> segments;
   std::vector<std::vector<float>> probs;
   for (int i = 0; i < 200; ++i) {
-    const int shape = i % 4;
+    const int shape = i % shapes;
     std::vector<float> one(n);
     for (int32_t j = 0; j < n; ++j) {
       switch (shape) {
         case 0: one[j] = std::exp(-30.0f * unit(rng)); break;               // spread: a short list
         case 1: one[j] = 0.9f + 0.0999f * unit(rng); break;                  // flat: every key in one bin
         case 2: one[j] = j % 16 == 0 ? 0.5f : j % 97 == 0 ? 0.75f : 0.01f * unit(rng); break;  // ties at the threshold
-        default: one[j] = j < 1500 ? 0.6f + 0.01f * unit(rng) : 0.001f * unit(rng); break;  // 1500 in the top bin
+        case 3: one[j] = j < 1500 ? 0.6f + 0.01f * unit(rng) : 0.001f * unit(rng); break;  // 1500 in the top bin
+        default: one[j] = j % 4 != 0 ? 0.5f : j % 256 == 4 ? 0.7f : 0.4f * unit(rng); break;  // 6144 tied at the threshold
       }
     }
     std::vector<float> p;
@@ -109,7 +111,7 @@ TEST(CudaTopKTest, ListedAndUnlistedRadixPassesEqualTheCpuSelection) {
       std::vector<int32_t> want;
       std::vector<float> scratch;
       cpu::SelectTopK(probs[i].data(), heads, n, k, red, &want, &scratch);
-      ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "segment " << i << ", shape " << i % 4 << ", reduction " << static_cast<int>(red);
+      ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "segment " << i << ", shape " << i % shapes << ", reduction " << static_cast<int>(red);
     }
   }
 #endif

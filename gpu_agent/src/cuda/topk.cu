@@ -4,7 +4,8 @@
 // best k among the parts' candidates (in part order, so ascending tokens and ties towards the
 // lower token survive). A segment of one part is finished in phase one. Both phases use one
 // block-wide radix select (digits of 10, 10, 10 and 2 bits, warp-aggregated histogram counts;
-// phase one's later passes over a list of the first digit's keys) and one ordered pass. With the
+// phase one counts the first digit as it reduces the scores, and its later passes walk a list of
+// the first digit's keys) and one ordered pass. With the
 // adaptive budget, phase one also sums each run of 256 scores it holds (one warp per run), and a
 // third launch, a block per segment, sorts the k selected rows by rank, finds the cut and keeps
 // the rows above it.
@@ -71,6 +72,9 @@ __device__ void CountInto(unsigned int* histogram, bool in, uint32_t bin) {
   if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&histogram[bin], static_cast<unsigned>(__popc(peers)));
 }
 
+// The first radix digit (below) of a key: its top 10 bits.
+constexpr int kFirstDigitShift = 22;
+
 using Scan = cub::BlockScan<int, kThreads>;
 constexpr int kWarpsPerBlock = kThreads / 32;
 // The radix select's digits, from the top: 10, 10, 10 and 2 bits. The first is fine enough (for
@@ -108,11 +112,13 @@ __device__ void ListInto(int32_t* list, int* count, bool in, int32_t j) {
 
 // The min(k, n) best of score[0, n) (ties towards the lower index), emit(j, position) called for
 // each in ascending j with positions 0, 1, ... The whole block calls it; score is read-only.
-// list: kListKeys ints of shared memory for the later passes (above), or null. Inlined, so that
-// scores in shared memory are read with shared loads.
+// list: kListKeys ints of shared memory for the later passes (above), or null. first_counted: the
+// caller has counted every key's first digit into sh.histogram (CountFirstDigit, from a histogram
+// it zeroed), so the first pass does not walk the keys. Inlined, so that scores in shared memory
+// are read with shared loads.
 template <typename Emit>
 __device__ __forceinline__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh, int32_t* list,
-                                          Emit emit) {
+                                          bool first_counted, Emit emit) {
   if (k >= n) {
     for (int32_t j = threadIdx.x; j < n; j += blockDim.x) emit(j, j);
     return;
@@ -127,13 +133,18 @@ __device__ __forceinline__ void BlockTopK(const float* score, int32_t n, int k, 
   // Radix select of the k-th largest key, one digit at a time from the top.
 #pragma unroll 1
   for (int pass = 0; pass < 4; ++pass) {
-    const int shift = pass < 3 ? 22 - 10 * pass : 0;
+    const int shift = pass < 3 ? kFirstDigitShift - 10 * pass : 0;
     const uint32_t digit_mask = pass < 3 ? 0x3FFu : 0x3u;
-    for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh.histogram[i] = 0;
+    const bool counted = pass == 0 && first_counted;
+    if (!counted) {
+      for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh.histogram[i] = 0;
+    }
     __syncthreads();
     const uint32_t prefix = sh.prefix, mask = sh.mask;
     const int listed = sh.list_count;
-    if (listed >= 0) {  // the keys under the prefix, listed after the first pass
+    if (counted) {
+      // the histogram is the caller's
+    } else if (listed >= 0) {  // the keys under the prefix, listed after the first pass
       for (int32_t base = 0; base < listed; base += blockDim.x) {
         const int32_t i = base + threadIdx.x;
         const uint32_t key = i < listed ? OrderKey(score[list[i]]) : 0;
@@ -234,18 +245,29 @@ __device__ __forceinline__ void BlockTopK(const float* score, int32_t n, int k, 
 // selections differ from the CPU's only between probabilities that close. Most agent tests
 // compare selections exactly (fixed seeds): gpu_agent_device_test passed with it on an H200; run
 // it again after any change here. The same inputs give the same bits, so BudgetKernel's
-// recomputation equals phase one's.
-__device__ __forceinline__ float Normalised(float v, float m, float l) {
-  constexpr float kLog2e = 1.4426950408889634f;
+// recomputation equals phase one's. The division is e times the approximate reciprocal of l, the
+// bits of __fdividef(e, l) for a normal l (a softmax's sum is >= 1), so that phase one takes each
+// head's two constants (HeadScale) once per block from shared memory: per token and head it had
+// loaded both statistics and recomputed them (~10 of its instructions; ncu, 24 x 32K).
+constexpr float kLog2e = 1.4426950408889634f;
+struct HeadScale {
+  float neg_m_log2e;  // -m log2(e)
+  float inv_l;        // 1 / l, approximate
+};
+__device__ __forceinline__ HeadScale HeadScaleOf(const float* stats, int h) {
+  return {-stats[2 * h] * kLog2e, __fdividef(1.0f, stats[2 * h + 1])};
+}
+__device__ __forceinline__ float Normalised(float v, HeadScale hs) {
   float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(v, kLog2e, -m * kLog2e)));
-  return __fdividef(e, l);
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(v, kLog2e, hs.neg_m_log2e)));
+  return e * hs.inv_l;
 }
 
 // One head's probability v of a token folded into its group's reduction s, in head order as the
-// CPU folds them: normalised first when the segment has statistics; NaN is -inf.
-__device__ __forceinline__ float FoldHead(float s, float v, const float* stats, int h, bool use_max) {
-  if (stats) v = Normalised(v, stats[2 * h], stats[2 * h + 1]);
+// CPU folds them: normalised first when the segment has statistics (hs: that head's HeadScale,
+// else null); NaN is -inf.
+__device__ __forceinline__ float FoldHead(float s, float v, const HeadScale* hs, bool use_max) {
+  if (hs) v = Normalised(v, *hs);
   if (isnan(v)) v = -INFINITY;
   return use_max ? fmaxf(s, v) : __fadd_rn(s, v);
 }
@@ -261,11 +283,18 @@ __device__ __forceinline__ float FinishedReduction(float s, int n_heads, float i
 // segment has statistics), summed in head order as the CPU does, or their max.
 __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_heads, int32_t j, bool use_max) {
   float s = use_max ? -INFINITY : 0.0f;
-  for (int h = 0; h < n_heads; ++h) s = FoldHead(s, seg.probs[static_cast<size_t>(h) * seg.n + j], seg.stats, h, use_max);
+  for (int h = 0; h < n_heads; ++h) {
+    const HeadScale hs = seg.stats ? HeadScaleOf(seg.stats, h) : HeadScale{};
+    s = FoldHead(s, seg.probs[static_cast<size_t>(h) * seg.n + j], seg.stats ? &hs : nullptr, use_max);
+  }
   return FinishedReduction(s, n_heads, inv_heads, use_max);
 }
 
-// score[j] = the reduced score of token lo + j, j < m, the block's threads striding over j.
+// score[j] = the reduced score of token lo + j, j < m, the block's threads striding over j (with
+// kHeads > 0 the heads' HeadScale from `scales`, null without statistics), and
+// each key's first radix digit counted into `histogram` (BlockTopK's first pass, here while the
+// next loads are in flight instead of in a pass of its own over the scores; ncu, 24 x 32K: that
+// pass was ~26% of phase one's stall samples). A warp's lanes iterate together (CountInto).
 // kHeads > 0 is the group's size known when compiled: a thread issues the loads of all its
 // kTokens tokens' heads (8 loads: 16 spilled under the kernel's 48 registers) before it folds any.
 // With a loop over a run-time head count a thread had about one load in flight, and phase one read
@@ -274,10 +303,13 @@ __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_hea
 // alias it (score may be global scratch).
 template <int kHeads>
 __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg, int n_heads, float inv_heads,
-                                           int32_t lo, int32_t m, bool use_max) {
+                                           int32_t lo, int32_t m, bool use_max, const HeadScale* scales,
+                                           unsigned int* histogram) {
   constexpr int kTokens = kHeads == 0 ? 4 : kHeads >= 8 ? 1 : 8 / kHeads;
   const int32_t stride = static_cast<int32_t>(blockDim.x);
-  for (int32_t j0 = threadIdx.x; j0 < m; j0 += kTokens * stride) {
+  const int lane = threadIdx.x & 31;
+  for (int32_t w0 = threadIdx.x - lane; w0 < m; w0 += kTokens * stride) {
+    const int32_t j0 = w0 + lane;
     float reduced[kTokens];
     if constexpr (kHeads > 0) {
       float v[kTokens][kHeads];
@@ -291,7 +323,7 @@ __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg,
       for (int u = 0; u < kTokens; ++u) {
         float s = use_max ? -INFINITY : 0.0f;
 #pragma unroll
-        for (int h = 0; h < kHeads; ++h) s = FoldHead(s, v[u][h], seg.stats, h, use_max);
+        for (int h = 0; h < kHeads; ++h) s = FoldHead(s, v[u][h], scales ? scales + h : nullptr, use_max);
         reduced[u] = FinishedReduction(s, kHeads, inv_heads, use_max);
       }
     } else {
@@ -305,6 +337,7 @@ __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg,
     for (int u = 0; u < kTokens; ++u) {
       const int32_t j = j0 + u * stride;
       if (j < m) score[j] = reduced[u];
+      CountInto(histogram, j < m, OrderKey(reduced[u]) >> kFirstDigitShift);
     }
   }
 }
@@ -362,6 +395,7 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(const TopKBatch* _
   __shared__ SelectShared sh;
   __shared__ TopKSegment seg;
   if (threadIdx.x == 0) seg = SegmentsOf(in)[blockIdx.y];
+  for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh.histogram[i] = 0;  // ReduceInto counts into it
   __syncthreads();
   const int32_t n = seg.n;
   const int parts = PartsOf(n, part_tokens, k);
@@ -370,25 +404,31 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(const TopKBatch* _
   const int32_t m = parts == 1 ? n : min(part_tokens, n - lo);
   int32_t* list = reinterpret_cast<int32_t*>(part_scores + part_tokens);
   const float inv_heads = (n_heads & (n_heads - 1)) == 0 ? 1.0f / static_cast<float>(n_heads) : 0.0f;
+  // The heads' HeadScale, for the compiled groups (ReduceInto<kHeads> with kHeads <= 8).
+  constexpr int kScaledHeads = 8;
+  __shared__ HeadScale head_scales[kScaledHeads];
+  const HeadScale* scales = seg.stats != nullptr && n_heads <= kScaledHeads ? head_scales : nullptr;
+  if (scales && threadIdx.x < n_heads) head_scales[threadIdx.x] = HeadScaleOf(seg.stats, threadIdx.x);
+  __syncthreads();
   // The part's reduced scores at `score`, then its selection. Called with the shared array or
   // the segment's scratch, each inlined, so that the compiler knows shared memory's accesses.
   auto reduce_and_select = [&](float* score) {
     switch (n_heads) {  // the common GQA groups compiled; 3, 5, 6, 7 and larger take the loop
-      case 1: ReduceInto<1>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
-      case 2: ReduceInto<2>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
-      case 4: ReduceInto<4>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
-      case 8: ReduceInto<8>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
-      default: ReduceInto<0>(score, seg, n_heads, inv_heads, lo, m, use_max); break;
+      case 1: ReduceInto<1>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      case 2: ReduceInto<2>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      case 4: ReduceInto<4>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      case 8: ReduceInto<8>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      default: ReduceInto<0>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
     }
     __syncthreads();
     if (mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
     if (parts == 1) {
-      BlockTopK(score, m, k, sh, list, [&](int32_t j, int pos) { seg.tokens[pos] = j; });
+      BlockTopK(score, m, k, sh, list, true, [&](int32_t j, int pos) { seg.tokens[pos] = j; });
       return;
     }
     float* cand_score = seg.scratch + static_cast<size_t>(blockIdx.x) * k;
     int32_t* cand_token = reinterpret_cast<int32_t*>(seg.scratch) + static_cast<size_t>(parts + blockIdx.x) * k;
-    BlockTopK(score, m, k, sh, list, [&](int32_t j, int pos) {
+    BlockTopK(score, m, k, sh, list, true, [&](int32_t j, int pos) {
       cand_score[pos] = score[j];
       cand_token[pos] = lo + j;
     });
@@ -425,7 +465,7 @@ __global__ void TopKMergeKernel(const TopKBatch* __restrict__ in) {
     count += m;
   }
   __syncthreads();
-  BlockTopK(merged, count, k, sh, nullptr, [&](int32_t j, int pos) { seg.tokens[pos] = tokens[j]; });
+  BlockTopK(merged, count, k, sh, nullptr, false, [&](int32_t j, int pos) { seg.tokens[pos] = tokens[j]; });
 }
 
 // The largest float f with OrderKey(f) == key.
