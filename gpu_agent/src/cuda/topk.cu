@@ -113,7 +113,7 @@ __device__ void ListInto(int32_t* list, int* count, bool in, int32_t j) {
 // The min(k, n) best of score[0, n) (ties towards the lower index), emit(j, position) called for
 // each in ascending j with positions 0, 1, ... The whole block calls it; score is read-only.
 // list: kListKeys ints of shared memory for the later passes (above), or null. first_counted: the
-// caller has counted every key's first digit into sh.histogram (CountFirstDigit, from a histogram
+// caller has counted every key's first digit into sh.histogram (ReduceInto, into a histogram
 // it zeroed), so the first pass does not walk the keys. Inlined, so that scores in shared memory
 // are read with shared loads.
 template <typename Emit>
