@@ -11,9 +11,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -22,11 +24,14 @@
 #include <thread>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 namespace specache::testing {
 
 struct Child {
-  pid_t pid = -1;
-  int out = -1;  // the child's stdout
+  pid_t pid = -1;  // -1: not started (Spawn failed) or already reaped
+  int out = -1;    // the child's stdout
+  int exit_code = -1;  // once reaped
 
   // A line of stdout, or "" after timeout / EOF.
   std::string ReadLine(int timeout_ms) {
@@ -42,14 +47,17 @@ struct Child {
     }
     return line;
   }
-  // Exit code (128 + signal when killed), or -1 if still running after timeout_ms.
+  // Exit code (128 + signal when killed), or -1 if still running after timeout_ms or never
+  // started. Once reaped, the same code again (waitpid(-1) would reap any other child).
   int Wait(int timeout_ms) {
+    if (pid <= 0) return exit_code;
     const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     do {
       int status = 0;
       if (waitpid(pid, &status, WNOHANG) == pid) {
         pid = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        return exit_code;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     } while (std::chrono::steady_clock::now() < end);
@@ -69,11 +77,16 @@ struct Child {
 
 // `stderr_path`: the child's stderr goes to that file (created or truncated); else it is ours.
 // `env`: "NAME=value" entries the child gets besides ours (made before the fork: the child only
-// calls async-signal-safe functions until it execs).
+// calls async-signal-safe functions until it execs). Never null: when the pipe or the fork fails,
+// the test fails and the Child is one that never started (no output, Wait -1).
 inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv, const std::string& stderr_path = "",
                                     const std::vector<std::string>& env = {}) {
+  auto c = std::make_unique<Child>();
   int pipefd[2];
-  if (pipe2(pipefd, O_CLOEXEC) != 0) return nullptr;
+  if (pipe2(pipefd, O_CLOEXEC) != 0) {
+    ADD_FAILURE() << "Spawn " << (argv.empty() ? "" : argv[0]) << ": pipe2: " << std::strerror(errno);
+    return c;
+  }
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -81,8 +94,8 @@ inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv, const 
   for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
   for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
   envp.push_back(nullptr);
-  auto c = std::make_unique<Child>();
   c->pid = fork();
+  const int fork_errno = errno;
   if (c->pid == 0) {
     dup2(pipefd[1], 1);
     if (!stderr_path.empty()) {
@@ -93,6 +106,11 @@ inline std::unique_ptr<Child> Spawn(const std::vector<std::string>& argv, const 
     _exit(127);
   }
   close(pipefd[1]);
+  if (c->pid < 0) {
+    ADD_FAILURE() << "Spawn " << argv[0] << ": fork: " << std::strerror(fork_errno);
+    close(pipefd[0]);
+    return c;
+  }
   c->out = pipefd[0];
   return c;
 }
