@@ -191,10 +191,11 @@ struct DaemonProcess {
     }
     argv.insert(argv.end(), extra.begin(), extra.end());
     const std::string notify_path = dir + "/notify.sock";
-    const int notify = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
-    if (notify < 0 || notify_path.size() >= sizeof(addr.sun_path)) return false;
+    if (notify_path.size() >= sizeof(addr.sun_path)) return false;
+    const int notify = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (notify < 0) return false;
     std::copy(notify_path.begin(), notify_path.end(), addr.sun_path);
     if (::bind(notify, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
       close(notify);
