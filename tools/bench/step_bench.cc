@@ -435,28 +435,25 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       const double attend_ms = MedianMs(stream, 20, [&] {
         return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &plan), "attend");
       });
-      const double topk_ms = MedianMs(stream, 20, [&] {
-        return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream, nullptr,
-                                        &plan),
-                  "top-k");
-      });
+      // One layer's top-k over the segments' scores as they are now (`budget`: the adaptive one, or
+      // null), median milliseconds.
+      auto topk_ms_of = [&](const cuda::TopKBudget* budget, const char* what) {
+        return MedianMs(stream, 20, [&] {
+          return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream, budget,
+                                          &plan),
+                    what);
+        });
+      };
+      const double topk_ms = topk_ms_of(nullptr, "top-k");
       // The adaptive budget over the same scores (k_max = k, mass 0.9, k_min 8): the top-k, its run
       // sums and the budget's own launch (cuda_topk.h).
       const cuda::TopKBudget budget{0.9f, 8, nullptr};
-      const double budget_ms = MedianMs(stream, 20, [&] {
-        return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream, &budget,
-                                        &plan),
-                  "top-k with the budget");
-      });
+      const double budget_ms = topk_ms_of(&budget, "top-k with the budget");
       // The top-k over scores within 0.2% of each other, as of a head that attends evenly (every key
       // in the radix select's first bin): the probabilities overwritten by raw scores in
       // [-1e-3, 1e-3), normalised by the attention's statistics. The attention rewrites them below.
       Fill(probs.p, int64_t(items) * group * o.context, 9, 1e-3f, stream);
-      const double flat_ms = MedianMs(stream, 20, [&] {
-        return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream, nullptr,
-                                        &plan),
-                  "top-k over flat scores");
-      });
+      const double flat_ms = topk_ms_of(nullptr, "top-k over flat scores");
       if (attend_ms < 0 || topk_ms < 0 || budget_ms < 0 || flat_ms < 0) { ok = false; continue; }
       // Host time to enqueue one layer's attention (the launches, not the kernels).
       const auto host_start = std::chrono::steady_clock::now();
