@@ -264,11 +264,11 @@ __device__ __forceinline__ float Normalised(float v, HeadScale hs) {
 }
 
 // One head's probability v of a token folded into its group's reduction s, in head order as the
-// CPU folds them: normalised first by that head's HeadScale hs when the segment has statistics
-// (`normalise`); NaN is -inf. hs is taken by value: a pointer to a local HeadScale put it in local
-// memory, loaded per token and head.
-__device__ __forceinline__ float FoldHead(float s, float v, bool normalise, HeadScale hs, bool use_max) {
-  if (normalise) v = Normalised(v, hs);
+// CPU folds them: normalised first when the segment has statistics (hs: that head's HeadScale in
+// shared memory, else null; never a local's address, which would put the local in local memory);
+// NaN is -inf.
+__device__ __forceinline__ float FoldHead(float s, float v, const HeadScale* hs, bool use_max) {
+  if (hs) v = Normalised(v, *hs);
   if (isnan(v)) v = -INFINITY;
   return use_max ? fmaxf(s, v) : __fadd_rn(s, v);
 }
@@ -285,11 +285,11 @@ __device__ __forceinline__ float FinishedReduction(float s, int n_heads, float i
 // HeadScale in shared memory, or null to compute them here from the statistics (the same bits).
 __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_heads, int32_t j, bool use_max,
                               const HeadScale* scales) {
-  const bool normalise = seg.stats != nullptr;
   float s = use_max ? -INFINITY : 0.0f;
   for (int h = 0; h < n_heads; ++h) {
-    const HeadScale hs = scales ? scales[h] : normalise ? HeadScaleOf(seg.stats, h) : HeadScale{};
-    s = FoldHead(s, seg.probs[static_cast<size_t>(h) * seg.n + j], normalise, hs, use_max);
+    float v = seg.probs[static_cast<size_t>(h) * seg.n + j];
+    if (seg.stats) v = Normalised(v, scales ? scales[h] : HeadScaleOf(seg.stats, h));
+    s = FoldHead(s, v, nullptr, use_max);
   }
   return FinishedReduction(s, n_heads, inv_heads, use_max);
 }
@@ -328,7 +328,7 @@ __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg,
       for (int u = 0; u < kTokens; ++u) {
         float s = use_max ? -INFINITY : 0.0f;
 #pragma unroll
-        for (int h = 0; h < kHeads; ++h) s = FoldHead(s, v[u][h], scales != nullptr, scales ? scales[h] : HeadScale{}, use_max);
+        for (int h = 0; h < kHeads; ++h) s = FoldHead(s, v[u][h], scales ? scales + h : nullptr, use_max);
         reduced[u] = FinishedReduction(s, kHeads, inv_heads, use_max);
       }
     } else {
