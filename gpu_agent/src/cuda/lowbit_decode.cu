@@ -130,6 +130,10 @@ __device__ __forceinline__ float ExpFrom(float x, float m_log2e) {
 __device__ __forceinline__ void StoreGlobalOutput(float* p, float v) {
   asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v));
 }
+// The same for two floats at p (8-byte aligned).
+__device__ __forceinline__ void StoreGlobalOutputPair(float* p, float v0, float v1) {
+  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1));
+}
 
 // A operand from four row words: rows 0, 1 masked by the scale pair s01 (a0 at byte b_lo, a1 at
 // byte b_hi), rows 2, 3 by s23 (a2, a3).
@@ -295,10 +299,18 @@ __device__ __forceinline__ const uint32_t* GroupRowWords(const DeviceDecodeRows&
 struct SubstituteWindow {
   int base, used = 0;
   int32_t token, slot;
+  // The token of entry `used` (INT32_MAX past the list's end), or INT32_MIN when the window is used
+  // up (used = 32): a block before it holds none of the rows, known without a ballot (MaskBlock).
+  int32_t next;
 
   // From the first entry at or after token t0.
   __device__ SubstituteWindow(const DeviceDecodeRows& r, int32_t t0, int lane) : base(FirstSubstituteFrom(r, t0, lane)) {
     Load(r, lane);
+    Refresh();
+  }
+  __device__ __forceinline__ void Refresh() {
+    const int32_t at = __shfl_sync(kAll, token, used & 31);
+    next = used < 32 ? at : INT32_MIN;
   }
   __device__ __forceinline__ void Load(const DeviceDecodeRows& r, int lane) {
     const int i = base + lane;
@@ -329,13 +341,20 @@ struct SubstituteWindow {
       mask |= BitsOfWarp(mine ? 1u << (token - b0) : 0u);
       const int c = __popc(in);
       n += c, used += c;
-      if (used < 32) return n;
+      if (used < 32) {
+        if (c > 0) Refresh();
+        return n;
+      }
       base += 32, used = 0;
       Load(r, lane);
+      Refresh();
     }
   }
   // Block [b0, b0 + 32)'s rows as a mask of their tokens in the block (ListBlock without the list).
+  // Most blocks hold none: those return at the first test (the ballots and the OR took ~25
+  // instructions a block of the lean path).
   __device__ __forceinline__ uint32_t MaskBlock(const DeviceDecodeRows& r, int32_t b0, int lane) {
+    if (next >= b0 + 32) return 0u;
     uint32_t mask = 0;
     ListBlock<false>(r, b0, lane, nullptr, mask);
     return mask;
@@ -352,6 +371,7 @@ struct SubstituteWindow {
     if (mine) list[lane - used] = slot * 32, tokens[lane - used] = token;
     const int n = __popc(__ballot_sync(kAll, mine));
     used += n;
+    Refresh();
     return n;
   }
 };
@@ -854,6 +874,14 @@ __device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, fl
   m = mn;
 }
 
+// The zeros' term of two k-steps from one mma: A = the quad of their query operands (rows g:
+// k-step 2kk's, rows g + 8: 2kk + 1's, as they are stored), B = the lanes' key zeros of k-step
+// 2kk + (g & 1), so that the even columns hold 2kk's zeros and the odd ones 2kk + 1's. C's
+// [g][2t] (c[0]) is then query g's 2kk term and [g + 8][2t + 1] (c[3]) its 2kk + 1 term; the
+// other two are cross terms, unused. (One mma per k-step with A = {q, 0, q', 0} took four moves
+// to build each A: 8 mma and ~32 moves a block, now 4 and none.)
+__device__ __forceinline__ float ZeroTermOfPair(const float (&zc)[4]) { return zc[0] + zc[3]; }
+
 template <int D>
 __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
                              int lane) {
@@ -864,11 +892,11 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   const int g = lane >> 2, t = lane & 3;
   const int queries = r.n_rows * r.n_heads;  // <= kLeanMaxQueries (LowBitDecodeEligible)
   // Per warp, after the stages: up to 32 substituted rows (row index * 32),
-  // then the lanes' query operands [ks][lane] (one 8-byte load per k-step instead of 2 KS
-  // registers held through the loop), then the substituted rows' scores [32 rows][8 queries] and
-  // their tokens [32].
+  // then the lanes' query operands of k-steps 2kk and 2kk + 1 as one quad [kk][lane] (QueryQuad:
+  // one 16-byte load per two k-steps instead of 2 KS registers held through the loop), then the
+  // substituted rows' scores [32 rows][8 queries] and their tokens [32].
   int* sub_list = reinterpret_cast<int*>(ws + StagesWords<1, 1, D, 1>());
-  uint2* qops = reinterpret_cast<uint2*>(ws + StagesWords<1, 1, D, 1>() + 32);
+  uint4* qquads = reinterpret_cast<uint4*>(ws + StagesWords<1, 1, D, 1>() + 32);
   float* sub_scores = reinterpret_cast<float*>(ws + StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS);
   int* sub_tokens = reinterpret_cast<int*>(sub_scores + 32 * kLeanMaxQueries);
   static_assert(StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS + 32 * kLeanMaxQueries + 32 <= ItemOffsetWords<1, 1, D, 1>(),
@@ -904,7 +932,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
       // Rounded at 2^e like the CPU's QueryOperand, then scaled by 2^-k (exact but where tiny).
       const __half2 h01 = __floats2half2_rn(x[ks][0] * up, x[ks][1] * up), h89 = __floats2half2_rn(x[ks][2] * up, x[ks][3] * up);
       const __half2 down = __float2half2_rn(decode::Pow2(-k));
-      qops[ks * 32 + lane] = make_uint2(AsU32(__hmul2(h01, down)), AsU32(__hmul2(h89, down)));
+      uint32_t* quad = reinterpret_cast<uint32_t*>(qquads + (ks / 2) * 32 + lane);
+      quad[ks % 2] = AsU32(__hmul2(h01, down)), quad[2 + ks % 2] = AsU32(__hmul2(h89, down));
     }
     unscale = decode::Pow2(k - e) * r.scale;
   }
@@ -919,6 +948,10 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     if (row) scores_out = row + static_cast<size_t>(g % r.n_heads) * r.n_candidates;
   }
   const int32_t scores_end = r.n_candidates;
+  // A block's scores as four 8-byte stores when the row is 8-byte aligned (b0 and 2t are even)
+  // and the block lies below scores_end: one base address, no test per token (eight tested stores
+  // took ~40 instructions a block).
+  const bool scores_pairs = scores_out != nullptr && (reinterpret_cast<uintptr_t>(scores_out) & 7) == 0;
 
   float m = -INFINITY, l = 0.0f;  // query g's
   float acc[MT][4], zv[4];         // out^T: rows 16 mt + g (+8), queries 2t, 2t + 1; zv: row g = channel group g
@@ -960,21 +993,27 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 #pragma unroll
       for (int i = 0; i < 4; ++i) c[nt][i] = 0.0f;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const uint2 qa = qops[ks * 32 + lane];
-      // Pairs (ks, kh = 0, 1): two k-steps' in one 16-byte load (the compiler merges them).
-      const uint2 sp = reinterpret_cast<const uint2*>(kscale + t * 2 * KS)[ks];
-      const uint2 zp = reinterpret_cast<const uint2*>(kzero + t * 2 * KS)[ks];
-      const uint32_t s01 = sp.x, s89 = sp.y, z01 = zp.x, z89 = zp.y;
-      const uint32_t h0 = Mul2(qa.x, s01), h2 = Mul2(qa.y, s89);
-      const uint32_t r0 = Rest2(qa.x, s01, h0), r2 = Rest2(qa.y, s89, h2);
-      Mma(zc, qa.x, 0u, qa.y, 0u, z01, z89);
-      const uint32_t x0 = GroupAt10(kw[(2 * ks) / 4], (2 * ks) % 4), x1 = GroupAt10(kw[(2 * ks + 1) / 4], (2 * ks + 1) % 4);
+    for (int kk = 0; kk < KS / 2; ++kk) {
+      const uint4 quad = qquads[kk * 32 + lane];
+      // The zeros' term of k-steps 2kk and 2kk + 1 in one mma (ZeroTermOfPair).
+      const uint2 zp = reinterpret_cast<const uint2*>(kzero + t * 2 * KS)[2 * kk + (g & 1)];
+      Mma(zc, quad.x, quad.y, quad.z, quad.w, zp.x, zp.y);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) Mma(c[nt], h0, r0, h2, r2, BitOperand(x0, nt), BitOperand(x1, nt));
+      for (int kh = 0; kh < 2; ++kh) {
+        const int ks = 2 * kk + kh;
+        const uint32_t q01 = kh == 0 ? quad.x : quad.y, q89 = kh == 0 ? quad.z : quad.w;
+        // Pairs (ks, kh = 0, 1): two k-steps' in one 16-byte load (the compiler merges them).
+        const uint2 sp = reinterpret_cast<const uint2*>(kscale + t * 2 * KS)[ks];
+        const uint32_t s01 = sp.x, s89 = sp.y;
+        const uint32_t h0 = Mul2(q01, s01), h2 = Mul2(q89, s89);
+        const uint32_t r0 = Rest2(q01, s01, h0), r2 = Rest2(q89, s89, h2);
+        const uint32_t x0 = GroupAt10(kw[(2 * ks) / 4], (2 * ks) % 4), x1 = GroupAt10(kw[(2 * ks + 1) / 4], (2 * ks + 1) % 4);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) Mma(c[nt], h0, r0, h2, r2, BitOperand(x0, nt), BitOperand(x1, nt));
+      }
     }
     float sc[4][2];  // query g, tokens b0 + 8 nt + 2t + j
-    const float zs = zc[0] * unscale;
+    const float zs = ZeroTermOfPair(zc) * unscale;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -988,7 +1027,11 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         for (int j = 0; j < 2; ++j)
           if ((sub_mask >> (8 * nt + 2 * t + j)) & 1u) sc[nt][j] = -INFINITY;
     }
-    if (scores_out) {
+    if (scores_pairs && b0 + 32 <= scores_end) {  // tokens 2t, 2t + 1 of each n-tile: adjacent
+      float* const at = scores_out + b0 + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair(at + 8 * nt, sc[nt][0], sc[nt][1]);
+    } else if (scores_out) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -1068,8 +1111,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const uint32_t k01 = kt ? __ldg(kt + 8 * ks) : 0u, k89 = kt ? __ldg(kt + 8 * ks + 4) : 0u;
-        const uint2 qa = qops[ks * 32 + lane];
-        Mma(cs, qa.x, 0u, qa.y, 0u, k01, k89);
+        const uint4 quad = qquads[(ks / 2) * 32 + lane];
+        Mma(cs, ks % 2 == 0 ? quad.x : quad.y, 0u, ks % 2 == 0 ? quad.z : quad.w, 0u, k01, k89);
       }
       if (s0 + 2 * t < n) sub_scores[(s0 + 2 * t) * kLeanMaxQueries + g] = cs[0] * unscale;
       if (s0 + 2 * t + 1 < n) sub_scores[(s0 + 2 * t + 1) * kLeanMaxQueries + g] = cs[1] * unscale;
