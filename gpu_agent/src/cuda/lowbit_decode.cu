@@ -158,15 +158,16 @@ __device__ __forceinline__ void MmaParts(float (&c)[4], const uint32_t (&a)[4], 
 
 // Copies kBytes (a multiple of 16, both ends 16-byte aligned) with the warp's lanes: unrolled, the
 // last piece predicated (a loop on the lane's offset cost a branch and its bookkeeping per copy).
+// The lane's two addresses are formed once; the pieces are constant offsets from them (an int
+// offset per piece cost a sign extension and a 64-bit add each).
 template <int kBytes>
 __device__ __forceinline__ void StageCopy(uint32_t* dst, const void* src, int lane) {
   static_assert(kBytes % 16 == 0, "whole 16-byte pieces");
+  char* const to = reinterpret_cast<char*>(dst) + lane * 16;
+  const char* const from = static_cast<const char*>(src) + lane * 16;
 #pragma unroll
   for (int i0 = 0; i0 < kBytes; i0 += 32 * 16) {
-    const int i = i0 + lane * 16;
-    if (kBytes - i0 >= 32 * 16 || i < kBytes) {
-      CpAsync16(reinterpret_cast<char*>(dst) + i, static_cast<const char*>(src) + i);
-    }
+    if (kBytes - i0 >= 32 * 16 || i0 + lane * 16 < kBytes) CpAsync16(to + i0, from + i0);
   }
 }
 
@@ -256,19 +257,23 @@ __device__ __forceinline__ uint32_t HalfPair(const uint32_t* words, int i, int j
   return static_cast<uint32_t>(h[i]) | (static_cast<uint32_t>(h[j]) << 16);
 }
 
-// The index of the first substituted row at or after token t0 (the list is ascending), found by
-// lane 0 and given to the warp.
+// The index of the first substituted row at or after token t0 (the list is ascending), searched
+// by the whole warp: the answer lies in [lo, hi]; each round every lane reads the last entry of
+// one 32nd of the range and the ballot of those below t0 narrows it to one 32nd, so that a list
+// of up to 1024 rows takes two rounds of loads (a binary search by one lane took log2 n dependent
+// loads, ~6-10 at a unit's start, where no other work hides them).
 __device__ __forceinline__ int FirstSubstituteFrom(const DeviceDecodeRows& r, int32_t t0, int lane) {
-  int sp = 0;
-  if (lane == 0) {
-    int lo = 0, hi = r.n_sub;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (r.sub_tokens[mid] < t0) lo = mid + 1; else hi = mid;
-    }
-    sp = lo;
+  int lo = 0, hi = r.n_sub;
+  while (hi > lo) {
+    const int step = (hi - lo + 31) / 32;  // 1 in the last round: lane i reads entry lo + i
+    const int at = lo + (lane + 1) * step - 1;
+    const bool below = at < hi && r.sub_tokens[at] < t0;  // a prefix of the lanes (ascending)
+    const int c = __popc(__ballot_sync(kAll, below));
+    if (step == 1) return lo + c;
+    hi = min(hi, lo + (c + 1) * step - 1);  // lane c's entry is >= t0 (or past hi)
+    lo += c * step;
   }
-  return __shfl_sync(kAll, sp, 0);
+  return lo;
 }
 
 // The OR of the warp's x. (__reduce_or_sync is sm_80+; the kernels that call this run on sm_80+
@@ -905,6 +910,14 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   BlockWalk walk(v, t0);
   walk.IssueGroup<D>(ws, lane, t0 + 32 < t1);
   CpAsyncCommit();
+  // The substituted rows, a lane each (SubstituteWindow). A block only masks its rows' tokens out
+  // of its softmax (one ballot: `subs`); the rows are attended after the unit's blocks, up to 32
+  // at a time (`unit_subs`, below the loop). Attended in their blocks, a block's one or two rows
+  // took a path of ~365 instructions of their own (ncu, 99 x 8K, 64 rows: 14% of the kernel's
+  // stall samples); after the blocks they share their mma and their loads' latency.
+  SubstituteWindow subs(r, t0, lane);
+  SubstituteWindow unit_subs = subs;  // the same entries (one search and load for both), found
+  // while the first block's copy is in flight, before the query's loads
 
   // Query g's A operands: channels 16 ks + 2t, +1 ([ks][0]) and + 8, + 9 ([ks][1]) of its
   // QueryOperand rounding, times 2^-k: the largest channel is below 2^14, so with k >= the bound's
@@ -961,14 +974,6 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][i] = 0.0f;
   }
-  // The substituted rows, a lane each (SubstituteWindow). A block only masks its rows' tokens out
-  // of its softmax (one ballot: `subs`); the rows are attended after the unit's blocks, up to 32
-  // at a time (`unit_subs`, below the loop). Attended in their blocks, a block's one or two rows
-  // took a path of ~365 instructions of their own (ncu, 99 x 8K, 64 rows: 14% of the kernel's
-  // stall samples); after the blocks they share their mma and their loads' latency.
-  SubstituteWindow subs(r, t0, lane);
-  SubstituteWindow unit_subs = subs;  // the same entries (one search and load for both)
-
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
     if (b0 + 32 < t1) walk.IssueGroup<D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
