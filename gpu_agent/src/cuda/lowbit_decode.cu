@@ -130,6 +130,10 @@ __device__ __forceinline__ float ExpFrom(float x, float m_log2e) {
 __device__ __forceinline__ void StoreGlobalOutput(float* p, float v) {
   asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v));
 }
+// The same for two floats at p (8-byte aligned).
+__device__ __forceinline__ void StoreGlobalOutputPair(float* p, float v0, float v1) {
+  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1));
+}
 
 // A operand from four row words: rows 0, 1 masked by the scale pair s01 (a0 at byte b_lo, a1 at
 // byte b_hi), rows 2, 3 by s23 (a2, a3).
@@ -154,15 +158,16 @@ __device__ __forceinline__ void MmaParts(float (&c)[4], const uint32_t (&a)[4], 
 
 // Copies kBytes (a multiple of 16, both ends 16-byte aligned) with the warp's lanes: unrolled, the
 // last piece predicated (a loop on the lane's offset cost a branch and its bookkeeping per copy).
+// The lane's two addresses are formed once; the pieces are constant offsets from them (an int
+// offset per piece cost a sign extension and a 64-bit add each).
 template <int kBytes>
 __device__ __forceinline__ void StageCopy(uint32_t* dst, const void* src, int lane) {
   static_assert(kBytes % 16 == 0, "whole 16-byte pieces");
+  char* const to = reinterpret_cast<char*>(dst) + lane * 16;
+  const char* const from = static_cast<const char*>(src) + lane * 16;
 #pragma unroll
   for (int i0 = 0; i0 < kBytes; i0 += 32 * 16) {
-    const int i = i0 + lane * 16;
-    if (kBytes - i0 >= 32 * 16 || i < kBytes) {
-      CpAsync16(reinterpret_cast<char*>(dst) + i, static_cast<const char*>(src) + i);
-    }
+    if (kBytes - i0 >= 32 * 16 || i0 + lane * 16 < kBytes) CpAsync16(to + i0, from + i0);
   }
 }
 
@@ -252,19 +257,23 @@ __device__ __forceinline__ uint32_t HalfPair(const uint32_t* words, int i, int j
   return static_cast<uint32_t>(h[i]) | (static_cast<uint32_t>(h[j]) << 16);
 }
 
-// The index of the first substituted row at or after token t0 (the list is ascending), found by
-// lane 0 and given to the warp.
+// The index of the first substituted row at or after token t0 (the list is ascending), searched
+// by the whole warp: the answer lies in [lo, hi]; each round every lane reads the last entry of
+// one 32nd of the range and the ballot of those below t0 narrows it to one 32nd, so that a list
+// of up to 1024 rows takes two rounds of loads (a binary search by one lane took log2 n dependent
+// loads, ~6-10 at a unit's start, where no other work hides them).
 __device__ __forceinline__ int FirstSubstituteFrom(const DeviceDecodeRows& r, int32_t t0, int lane) {
-  int sp = 0;
-  if (lane == 0) {
-    int lo = 0, hi = r.n_sub;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (r.sub_tokens[mid] < t0) lo = mid + 1; else hi = mid;
-    }
-    sp = lo;
+  int lo = 0, hi = r.n_sub;
+  while (hi > lo) {
+    const int step = (hi - lo + 31) / 32;  // 1 in the last round: lane i reads entry lo + i
+    const int at = lo + (lane + 1) * step - 1;
+    const bool below = at < hi && r.sub_tokens[at] < t0;  // a prefix of the lanes (ascending)
+    const int c = __popc(__ballot_sync(kAll, below));
+    if (step == 1) return lo + c;
+    hi = min(hi, lo + (c + 1) * step - 1);  // lane c's entry is >= t0 (or past hi)
+    lo += c * step;
   }
-  return __shfl_sync(kAll, sp, 0);
+  return lo;
 }
 
 // The OR of the warp's x. (__reduce_or_sync is sm_80+; the kernels that call this run on sm_80+
@@ -295,10 +304,18 @@ __device__ __forceinline__ const uint32_t* GroupRowWords(const DeviceDecodeRows&
 struct SubstituteWindow {
   int base, used = 0;
   int32_t token, slot;
+  // The token of entry `used` (INT32_MAX past the list's end), or INT32_MIN when the window is used
+  // up (used = 32): a block before it holds none of the rows, known without a ballot (MaskBlock).
+  int32_t next;
 
   // From the first entry at or after token t0.
   __device__ SubstituteWindow(const DeviceDecodeRows& r, int32_t t0, int lane) : base(FirstSubstituteFrom(r, t0, lane)) {
     Load(r, lane);
+    Refresh();
+  }
+  __device__ __forceinline__ void Refresh() {
+    const int32_t at = __shfl_sync(kAll, token, used & 31);
+    next = used < 32 ? at : INT32_MIN;
   }
   __device__ __forceinline__ void Load(const DeviceDecodeRows& r, int lane) {
     const int i = base + lane;
@@ -329,13 +346,20 @@ struct SubstituteWindow {
       mask |= BitsOfWarp(mine ? 1u << (token - b0) : 0u);
       const int c = __popc(in);
       n += c, used += c;
-      if (used < 32) return n;
+      if (used < 32) {
+        if (c > 0) Refresh();
+        return n;
+      }
       base += 32, used = 0;
       Load(r, lane);
+      Refresh();
     }
   }
   // Block [b0, b0 + 32)'s rows as a mask of their tokens in the block (ListBlock without the list).
+  // Most blocks hold none: those return at the first test (the ballots and the OR took ~25
+  // instructions a block of the lean path).
   __device__ __forceinline__ uint32_t MaskBlock(const DeviceDecodeRows& r, int32_t b0, int lane) {
+    if (next >= b0 + 32) return 0u;
     uint32_t mask = 0;
     ListBlock<false>(r, b0, lane, nullptr, mask);
     return mask;
@@ -352,6 +376,7 @@ struct SubstituteWindow {
     if (mine) list[lane - used] = slot * 32, tokens[lane - used] = token;
     const int n = __popc(__ballot_sync(kAll, mine));
     used += n;
+    Refresh();
     return n;
   }
 };
@@ -854,6 +879,14 @@ __device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, fl
   m = mn;
 }
 
+// The zeros' term of two k-steps from one mma: A = the quad of their query operands (rows g:
+// k-step 2kk's, rows g + 8: 2kk + 1's, as they are stored), B = the lanes' key zeros of k-step
+// 2kk + (g & 1), so that the even columns hold 2kk's zeros and the odd ones 2kk + 1's. C's
+// [g][2t] (c[0]) is then query g's 2kk term and [g + 8][2t + 1] (c[3]) its 2kk + 1 term; the
+// other two are cross terms, unused. (One mma per k-step with A = {q, 0, q', 0} took four moves
+// to build each A: 8 mma and ~32 moves a block, now 4 and none.)
+__device__ __forceinline__ float ZeroTermOfPair(const float (&zc)[4]) { return zc[0] + zc[3]; }
+
 template <int D>
 __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
                              int lane) {
@@ -864,11 +897,11 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   const int g = lane >> 2, t = lane & 3;
   const int queries = r.n_rows * r.n_heads;  // <= kLeanMaxQueries (LowBitDecodeEligible)
   // Per warp, after the stages: up to 32 substituted rows (row index * 32),
-  // then the lanes' query operands [ks][lane] (one 8-byte load per k-step instead of 2 KS
-  // registers held through the loop), then the substituted rows' scores [32 rows][8 queries] and
-  // their tokens [32].
+  // then the lanes' query operands of k-steps 2kk and 2kk + 1 as one quad [kk][lane] (QueryQuad:
+  // one 16-byte load per two k-steps instead of 2 KS registers held through the loop), then the
+  // substituted rows' scores [32 rows][8 queries] and their tokens [32].
   int* sub_list = reinterpret_cast<int*>(ws + StagesWords<1, 1, D, 1>());
-  uint2* qops = reinterpret_cast<uint2*>(ws + StagesWords<1, 1, D, 1>() + 32);
+  uint4* qquads = reinterpret_cast<uint4*>(ws + StagesWords<1, 1, D, 1>() + 32);
   float* sub_scores = reinterpret_cast<float*>(ws + StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS);
   int* sub_tokens = reinterpret_cast<int*>(sub_scores + 32 * kLeanMaxQueries);
   static_assert(StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS + 32 * kLeanMaxQueries + 32 <= ItemOffsetWords<1, 1, D, 1>(),
@@ -877,6 +910,14 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   BlockWalk walk(v, t0);
   walk.IssueGroup<D>(ws, lane, t0 + 32 < t1);
   CpAsyncCommit();
+  // The substituted rows, a lane each (SubstituteWindow). A block only masks its rows' tokens out
+  // of its softmax (one ballot: `subs`); the rows are attended after the unit's blocks, up to 32
+  // at a time (`unit_subs`, below the loop). Attended in their blocks, a block's one or two rows
+  // took a path of ~365 instructions of their own (ncu, 99 x 8K, 64 rows: 14% of the kernel's
+  // stall samples); after the blocks they share their mma and their loads' latency.
+  SubstituteWindow subs(r, t0, lane);
+  SubstituteWindow unit_subs = subs;  // the same entries (one search and load for both), found
+  // while the first block's copy is in flight, before the query's loads
 
   // Query g's A operands: channels 16 ks + 2t, +1 ([ks][0]) and + 8, + 9 ([ks][1]) of its
   // QueryOperand rounding, times 2^-k: the largest channel is below 2^14, so with k >= the bound's
@@ -904,7 +945,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
       // Rounded at 2^e like the CPU's QueryOperand, then scaled by 2^-k (exact but where tiny).
       const __half2 h01 = __floats2half2_rn(x[ks][0] * up, x[ks][1] * up), h89 = __floats2half2_rn(x[ks][2] * up, x[ks][3] * up);
       const __half2 down = __float2half2_rn(decode::Pow2(-k));
-      qops[ks * 32 + lane] = make_uint2(AsU32(__hmul2(h01, down)), AsU32(__hmul2(h89, down)));
+      uint32_t* quad = reinterpret_cast<uint32_t*>(qquads + (ks / 2) * 32 + lane);
+      quad[ks % 2] = AsU32(__hmul2(h01, down)), quad[2 + ks % 2] = AsU32(__hmul2(h89, down));
     }
     unscale = decode::Pow2(k - e) * r.scale;
   }
@@ -919,6 +961,10 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     if (row) scores_out = row + static_cast<size_t>(g % r.n_heads) * r.n_candidates;
   }
   const int32_t scores_end = r.n_candidates;
+  // A block's scores as four 8-byte stores when the row is 8-byte aligned (b0 and 2t are even)
+  // and the block lies below scores_end: one base address, no test per token (eight tested stores
+  // took ~40 instructions a block).
+  const bool scores_pairs = scores_out != nullptr && (reinterpret_cast<uintptr_t>(scores_out) & 7) == 0;
 
   float m = -INFINITY, l = 0.0f;  // query g's
   float acc[MT][4], zv[4];         // out^T: rows 16 mt + g (+8), queries 2t, 2t + 1; zv: row g = channel group g
@@ -928,14 +974,6 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][i] = 0.0f;
   }
-  // The substituted rows, a lane each (SubstituteWindow). A block only masks its rows' tokens out
-  // of its softmax (one ballot: `subs`); the rows are attended after the unit's blocks, up to 32
-  // at a time (`unit_subs`, below the loop). Attended in their blocks, a block's one or two rows
-  // took a path of ~365 instructions of their own (ncu, 99 x 8K, 64 rows: 14% of the kernel's
-  // stall samples); after the blocks they share their mma and their loads' latency.
-  SubstituteWindow subs(r, t0, lane);
-  SubstituteWindow unit_subs = subs;  // the same entries (one search and load for both)
-
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
     if (b0 + 32 < t1) walk.IssueGroup<D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
@@ -960,21 +998,27 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 #pragma unroll
       for (int i = 0; i < 4; ++i) c[nt][i] = 0.0f;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const uint2 qa = qops[ks * 32 + lane];
-      // Pairs (ks, kh = 0, 1): two k-steps' in one 16-byte load (the compiler merges them).
-      const uint2 sp = reinterpret_cast<const uint2*>(kscale + t * 2 * KS)[ks];
-      const uint2 zp = reinterpret_cast<const uint2*>(kzero + t * 2 * KS)[ks];
-      const uint32_t s01 = sp.x, s89 = sp.y, z01 = zp.x, z89 = zp.y;
-      const uint32_t h0 = Mul2(qa.x, s01), h2 = Mul2(qa.y, s89);
-      const uint32_t r0 = Rest2(qa.x, s01, h0), r2 = Rest2(qa.y, s89, h2);
-      Mma(zc, qa.x, 0u, qa.y, 0u, z01, z89);
-      const uint32_t x0 = GroupAt10(kw[(2 * ks) / 4], (2 * ks) % 4), x1 = GroupAt10(kw[(2 * ks + 1) / 4], (2 * ks + 1) % 4);
+    for (int kk = 0; kk < KS / 2; ++kk) {
+      const uint4 quad = qquads[kk * 32 + lane];
+      // The zeros' term of k-steps 2kk and 2kk + 1 in one mma (ZeroTermOfPair).
+      const uint2 zp = reinterpret_cast<const uint2*>(kzero + t * 2 * KS)[2 * kk + (g & 1)];
+      Mma(zc, quad.x, quad.y, quad.z, quad.w, zp.x, zp.y);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) Mma(c[nt], h0, r0, h2, r2, BitOperand(x0, nt), BitOperand(x1, nt));
+      for (int kh = 0; kh < 2; ++kh) {
+        const int ks = 2 * kk + kh;
+        const uint32_t q01 = kh == 0 ? quad.x : quad.y, q89 = kh == 0 ? quad.z : quad.w;
+        // Pairs (ks, kh = 0, 1): two k-steps' in one 16-byte load (the compiler merges them).
+        const uint2 sp = reinterpret_cast<const uint2*>(kscale + t * 2 * KS)[ks];
+        const uint32_t s01 = sp.x, s89 = sp.y;
+        const uint32_t h0 = Mul2(q01, s01), h2 = Mul2(q89, s89);
+        const uint32_t r0 = Rest2(q01, s01, h0), r2 = Rest2(q89, s89, h2);
+        const uint32_t x0 = GroupAt10(kw[(2 * ks) / 4], (2 * ks) % 4), x1 = GroupAt10(kw[(2 * ks + 1) / 4], (2 * ks + 1) % 4);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) Mma(c[nt], h0, r0, h2, r2, BitOperand(x0, nt), BitOperand(x1, nt));
+      }
     }
     float sc[4][2];  // query g, tokens b0 + 8 nt + 2t + j
-    const float zs = zc[0] * unscale;
+    const float zs = ZeroTermOfPair(zc) * unscale;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -988,7 +1032,11 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         for (int j = 0; j < 2; ++j)
           if ((sub_mask >> (8 * nt + 2 * t + j)) & 1u) sc[nt][j] = -INFINITY;
     }
-    if (scores_out) {
+    if (scores_pairs && b0 + 32 <= scores_end) {  // tokens 2t, 2t + 1 of each n-tile: adjacent
+      float* const at = scores_out + b0 + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair(at + 8 * nt, sc[nt][0], sc[nt][1]);
+    } else if (scores_out) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -1068,8 +1116,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const uint32_t k01 = kt ? __ldg(kt + 8 * ks) : 0u, k89 = kt ? __ldg(kt + 8 * ks + 4) : 0u;
-        const uint2 qa = qops[ks * 32 + lane];
-        Mma(cs, qa.x, 0u, qa.y, 0u, k01, k89);
+        const uint4 quad = qquads[(ks / 2) * 32 + lane];
+        Mma(cs, ks % 2 == 0 ? quad.x : quad.y, 0u, ks % 2 == 0 ? quad.z : quad.w, 0u, k01, k89);
       }
       if (s0 + 2 * t < n) sub_scores[(s0 + 2 * t) * kLeanMaxQueries + g] = cs[0] * unscale;
       if (s0 + 2 * t + 1 < n) sub_scores[(s0 + 2 * t + 1) * kLeanMaxQueries + g] = cs[1] * unscale;

@@ -264,8 +264,9 @@ __device__ __forceinline__ float Normalised(float v, HeadScale hs) {
 }
 
 // One head's probability v of a token folded into its group's reduction s, in head order as the
-// CPU folds them: normalised first when the segment has statistics (hs: that head's HeadScale,
-// else null); NaN is -inf.
+// CPU folds them: normalised first when the segment has statistics (hs: that head's HeadScale in
+// shared memory, else null; never a local's address, which would put the local in local memory);
+// NaN is -inf.
 __device__ __forceinline__ float FoldHead(float s, float v, const HeadScale* hs, bool use_max) {
   if (hs) v = Normalised(v, *hs);
   if (isnan(v)) v = -INFINITY;
@@ -280,18 +281,22 @@ __device__ __forceinline__ float FinishedReduction(float s, int n_heads, float i
 }
 
 // Reduced score of token j: the GQA group's probabilities (normalised on the fly when the
-// segment has statistics), summed in head order as the CPU does, or their max.
-__device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_heads, int32_t j, bool use_max) {
+// segment has statistics), summed in head order as the CPU does, or their max. `scales`: the heads'
+// HeadScale in shared memory, or null to compute them here from the statistics (the same bits).
+__device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_heads, int32_t j, bool use_max,
+                              const HeadScale* scales) {
   float s = use_max ? -INFINITY : 0.0f;
   for (int h = 0; h < n_heads; ++h) {
-    const HeadScale hs = seg.stats ? HeadScaleOf(seg.stats, h) : HeadScale{};
-    s = FoldHead(s, seg.probs[static_cast<size_t>(h) * seg.n + j], seg.stats ? &hs : nullptr, use_max);
+    float v = seg.probs[static_cast<size_t>(h) * seg.n + j];
+    if (seg.stats) v = Normalised(v, scales ? scales[h] : HeadScaleOf(seg.stats, h));
+    s = FoldHead(s, v, nullptr, use_max);
   }
   return FinishedReduction(s, n_heads, inv_heads, use_max);
 }
 
 // score[j] = the reduced score of token lo + j, j < m, the block's threads striding over j (with
-// kHeads > 0 the heads' HeadScale from `scales`, null without statistics), and
+// the heads' HeadScale from `scales`: shared memory for groups of up to 8 heads with statistics,
+// else null: without statistics, or computed per token for larger groups), and
 // each key's first radix digit counted into `histogram` (BlockTopK's first pass, here while the
 // next loads are in flight instead of in a pass of its own over the scores; ncu, 24 x 32K: that
 // pass was ~26% of phase one's stall samples). A warp's lanes iterate together (CountInto).
@@ -330,7 +335,7 @@ __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg,
 #pragma unroll
       for (int u = 0; u < kTokens; ++u) {
         const int32_t j = j0 + u * stride;
-        reduced[u] = j < m ? ReducedScore(seg, n_heads, inv_heads, lo + j, use_max) : 0.0f;
+        reduced[u] = j < m ? ReducedScore(seg, n_heads, inv_heads, lo + j, use_max, scales) : 0.0f;
       }
     }
 #pragma unroll
@@ -404,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(const TopKBatch* _
   const int32_t m = parts == 1 ? n : min(part_tokens, n - lo);
   int32_t* list = reinterpret_cast<int32_t*>(part_scores + part_tokens);
   const float inv_heads = (n_heads & (n_heads - 1)) == 0 ? 1.0f / static_cast<float>(n_heads) : 0.0f;
-  // The heads' HeadScale, for the compiled groups (ReduceInto<kHeads> with kHeads <= 8).
+  // The heads' HeadScale, for groups of up to 8 heads (the compiled ones and 3, 5, 6, 7).
   constexpr int kScaledHeads = 8;
   __shared__ HeadScale head_scales[kScaledHeads];
   const HeadScale* scales = seg.stats != nullptr && n_heads <= kScaledHeads ? head_scales : nullptr;
@@ -493,7 +498,7 @@ __global__ void BudgetKernel(const TopKBatch* __restrict__ in, int n_heads, bool
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
     // Scores are recomputed as phase one computed them: the same function and inputs, dividing by
     // the group where phase one multiplies by its power-of-two inverse (the same bits).
-    keys[i] = i < kept ? (static_cast<unsigned long long>(OrderKey(ReducedScore(seg, n_heads, 0.0f, seg.tokens[i], use_max))) << 32) |
+    keys[i] = i < kept ? (static_cast<unsigned long long>(OrderKey(ReducedScore(seg, n_heads, 0.0f, seg.tokens[i], use_max, nullptr))) << 32) |
                              (0xFFFFFFFFu - static_cast<uint32_t>(i))
                        : 0ull;  // below every real key (OrderKey(-inf) > 0)
   }
