@@ -258,22 +258,10 @@ __device__ __forceinline__ uint32_t HalfPair(const uint32_t* words, int i, int j
 }
 
 // The index of the first substituted row at or after token t0 (the list is ascending), searched
-// by the whole warp: the answer lies in [lo, hi]; each round every lane reads the last entry of
-// one 32nd of the range and the ballot of those below t0 narrows it to one 32nd, so that a list
-// of up to 1024 rows takes two rounds of loads (a binary search by one lane took log2 n dependent
-// loads, ~6-10 at a unit's start, where no other work hides them).
-__device__ __forceinline__ int FirstSubstituteFrom(const DeviceDecodeRows& r, int32_t t0, int lane) {
-  int lo = 0, hi = r.n_sub;
-  while (hi > lo) {
-    const int step = (hi - lo + 31) / 32;  // 1 in the last round: lane i reads entry lo + i
-    const int at = lo + (lane + 1) * step - 1;
-    const bool below = at < hi && r.sub_tokens[at] < t0;  // a prefix of the lanes (ascending)
-    const int c = __popc(__ballot_sync(kAll, below));
-    if (step == 1) return lo + c;
-    hi = min(hi, lo + (c + 1) * step - 1);  // lane c's entry is >= t0 (or past hi)
-    lo += c * step;
-  }
-  return lo;
+// by the whole warp (PrefixLength: two rounds of loads for up to 1024 rows; a binary search by one
+// lane took log2 n dependent loads at a unit's start).
+__device__ __forceinline__ int FirstSubstituteFrom(const DeviceDecodeRows& r, int32_t t0) {
+  return PrefixLength(r.n_sub, [&](int i) { return r.sub_tokens[i] < t0; });
 }
 
 // The OR of the warp's x. (__reduce_or_sync is sm_80+; the kernels that call this run on sm_80+
@@ -309,7 +297,7 @@ struct SubstituteWindow {
   int32_t next;
 
   // From the first entry at or after token t0.
-  __device__ SubstituteWindow(const DeviceDecodeRows& r, int32_t t0, int lane) : base(FirstSubstituteFrom(r, t0, lane)) {
+  __device__ SubstituteWindow(const DeviceDecodeRows& r, int32_t t0, int lane) : base(FirstSubstituteFrom(r, t0)) {
     Load(r, lane);
     Refresh();
   }
