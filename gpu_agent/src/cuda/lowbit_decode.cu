@@ -1328,6 +1328,26 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   }
 }
 
+// A merge's statistics of query q (its max mx and sum of exponentials over the item): the real
+// row's statistics, or the probabilities row's (or its probabilities themselves, in place, the
+// merge's threads `first`, `first + step`, ... striding over them; `first` 0 writes the pair).
+__device__ void MergedRowStatistics(const DeviceDecodeRows& r, int q, float mx, float sum, int first, int step) {
+  float* pair = nullptr;
+  if (float* real_stats = decode::RealRowStats(r, q / r.n_heads)) {
+    pair = real_stats + (q % r.n_heads) * 2;
+  } else if (r.probs && q / r.n_heads == r.probs_row) {
+    const int h = q % r.n_heads;
+    if (r.probs_stats) {
+      pair = r.probs_stats + h * 2;
+    } else {
+      const float inv_sum = 1.0f / sum;
+      float* row = r.probs + static_cast<size_t>(h) * r.n_candidates;
+      for (int32_t j = first; j < r.n_candidates; j += step) row[j] = expf(row[j] - mx) * inv_sum;
+    }
+  }
+  if (pair != nullptr && first == 0) pair[0] = mx, pair[1] = sum;
+}
+
 // Units whose partial results a merge lane loads before the units' statistics (MergeKernel).
 constexpr int kMergeHeldUnits = 8;
 // Most units an item of a set may have for MergeKernel; sets of longer items take
@@ -1423,17 +1443,7 @@ __global__ void MergeKernel(const DeviceItemSet* set) {
   for (int i = 0; i < 4; ++i) {
     if (i < cpl) r.out[QueryAt(r, q, d) + lane + 32 * i] = ((o[0][i] + o[1][i]) + (o[2][i] + o[3][i])) * inv_sum;
   }
-  if (float* real_stats = decode::RealRowStats(r, q / r.n_heads)) {
-    if (lane == 0) real_stats[(q % r.n_heads) * 2] = mx, real_stats[(q % r.n_heads) * 2 + 1] = sum;
-  } else if (r.probs && q / r.n_heads == r.probs_row) {
-    const int h = q % r.n_heads;
-    if (r.probs_stats) {
-      if (lane == 0) r.probs_stats[h * 2] = mx, r.probs_stats[h * 2 + 1] = sum;
-    } else {
-      float* row = r.probs + static_cast<size_t>(h) * r.n_candidates;
-      for (int32_t j = lane; j < r.n_candidates; j += 32) row[j] = expf(row[j] - mx) * inv_sum;
-    }
-  }
+  MergedRowStatistics(r, q, mx, sum, lane, 32);
 }
 
 // MergeKernel's work for sets whose items have more than kMergeWarpUnits units: block (item,
@@ -1487,17 +1497,7 @@ __global__ void MergeKernelPerChannel(const DeviceItemSet* set) {
     for (; u < units; ++u) o[0] += at[u * stride] * weight[u];
     r.out[QueryAt(r, q, d) + c] = ((o[0] + o[1]) + (o[2] + o[3])) * inv_sum;
   }
-  if (float* stats = decode::RealRowStats(r, q / r.n_heads)) {
-    if (threadIdx.x == 0) stats[(q % r.n_heads) * 2] = mx, stats[(q % r.n_heads) * 2 + 1] = sum;
-  } else if (r.probs && q / r.n_heads == r.probs_row) {
-    const int h = q % r.n_heads;
-    if (r.probs_stats) {
-      if (threadIdx.x == 0) r.probs_stats[h * 2] = mx, r.probs_stats[h * 2 + 1] = sum;
-    } else {
-      float* row = r.probs + static_cast<size_t>(h) * r.n_candidates;
-      for (int32_t j = threadIdx.x; j < r.n_candidates; j += blockDim.x) row[j] = expf(row[j] - mx) * inv_sum;
-    }
-  }
+  MergedRowStatistics(r, q, mx, sum, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
 }
 
 struct KernelInfo {
