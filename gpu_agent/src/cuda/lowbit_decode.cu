@@ -1361,8 +1361,9 @@ constexpr int kMergeWarpUnits = 16;
 // the rest eight or four units at a time; the units' weights are shuffled from the lane that
 // computed them. Under ncu on the H200: 19.3 us a layer at 99 x 8K and 10.5 at 32 x 8K, against
 // MergeKernelPerChannel's 27.1 and 12.6 (a thread per channel waits for each group of four loads
-// in turn, and a thread per output took three waves at 99 x 8K).
-__global__ void MergeKernel(const DeviceItemSet* set) {
+// in turn, and a thread per output took three waves at 99 x 8K). Bounded for kMaxQ queries (512
+// threads): without the bound it took 126 registers, a hair under what 512 threads may use.
+__global__ void __launch_bounds__(kMaxQ * 32) MergeKernel(const DeviceItemSet* set) {
   const DeviceDecodeItem& it = SetItems(set)[blockIdx.x];
   const DeviceDecodeRows& r = it.rows;
   const int d = it.replica.head_dim, queries = r.n_rows * r.n_heads;
