@@ -886,9 +886,10 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   const int g = lane >> 2, t = lane & 3;
   const int queries = r.n_rows * r.n_heads;  // <= kLeanMaxQueries (LowBitDecodeEligible)
   // Per warp, after the stages: up to 32 substituted rows (row index * 32),
-  // then the lanes' query operands of k-steps 2kk and 2kk + 1 as one quad [kk][lane] (QueryQuad:
-  // one 16-byte load per two k-steps instead of 2 KS registers held through the loop), then the
-  // substituted rows' scores [32 rows][8 queries] and their tokens [32].
+  // then the lanes' query operands of k-steps 2kk and 2kk + 1 as one quad [kk][lane] (one 16-byte
+  // load per two k-steps instead of 2 KS registers held through the loop; the quad is also the
+  // zeros' term's A, ZeroTermOfPair), then the substituted rows' scores [32 rows][8 queries] and
+  // their tokens [32].
   int* sub_list = reinterpret_cast<int*>(ws + StagesWords<1, 1, D, 1>());
   uint4* qquads = reinterpret_cast<uint4*>(ws + StagesWords<1, 1, D, 1>() + 32);
   float* sub_scores = reinterpret_cast<float*>(ws + StagesWords<1, 1, D, 1>() + 32 + 2 * 32 * KS);
@@ -904,9 +905,9 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   // at a time (`unit_subs`, below the loop). Attended in their blocks, a block's one or two rows
   // took a path of ~365 instructions of their own (ncu, 99 x 8K, 64 rows: 14% of the kernel's
   // stall samples); after the blocks they share their mma and their loads' latency.
+  // Found while the first block's copy is in flight, before the query's loads.
   SubstituteWindow subs(r, t0, lane);
-  SubstituteWindow unit_subs = subs;  // the same entries (one search and load for both), found
-  // while the first block's copy is in flight, before the query's loads
+  SubstituteWindow unit_subs = subs;  // the same entries (one search and load for both)
 
   // Query g's A operands: channels 16 ks + 2t, +1 ([ks][0]) and + 8, + 9 ([ks][1]) of its
   // QueryOperand rounding, times 2^-k: the largest channel is below 2^14, so with k >= the bound's
