@@ -179,13 +179,15 @@ constexpr int kMaxDecodeQueries = 32;
 // Floats of scratch one item needs. The CUDA-core path: its raw scores, each score block's
 // softmax statistics (max and sum of exponentials per query) and the partial sums of its value
 // blocks. The tensor-core path: a partial result (outputs, max, sum per query) per unit of at
-// least 64 tokens, plus up to 4 tail units.
+// least 64 tokens, plus up to 4 tail units. A multiple of 4, so that items' scratch carved one
+// after another from an aligned buffer stays 16-byte aligned (the partial results are written 16
+// bytes at a time where they are).
 inline int64_t DecodeScratchFloats(int32_t length, int n_rows, int n_heads, int head_dim) {
   const int64_t width = int64_t{length} + n_rows, queries = int64_t{n_rows} * n_heads;
   const int64_t blocks = (width + kDecodeBlockTokens - 1) / kDecodeBlockTokens;
   const int64_t cuda_cores = queries * width + queries * blocks * 2 + blocks * queries * head_dim;
   const int64_t tensor_cores = queries * (head_dim + 2) * ((width + 63) / 64 + 4);
-  return cuda_cores > tensor_cores ? cuda_cores : tensor_cores;
+  return ((cuda_cores > tensor_cores ? cuda_cores : tensor_cores) + 3) / 4 * 4;
 }
 
 // Substituted row i of `r` (its key, then its value at + head_dim).

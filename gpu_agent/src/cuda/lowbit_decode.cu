@@ -900,34 +900,40 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   BlockWalk walk(v, t0);
   walk.IssueGroup<D>(ws, lane, t0 + 32 < t1);
   CpAsyncCommit();
+  // Query g's channels 16 ks + 2t, +1 ([ks][0], [ks][1]) and + 8, + 9 ([ks][2], [ks][3]), loaded
+  // before the window's search so that both wait for memory together (loaded after it, their
+  // latency was ~2.6% of the kernel's stall samples at 32 x 8K).
+  float x[KS][4];
+  const float bound = v.key_scale_bound ? *v.key_scale_bound : 0.0f;  // the key scales' (key_scale_bound)
+  {
+    const float* query = g < queries ? r.q + QueryAt(r, g, D) : nullptr;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[ks][j] = query ? query[16 * ks + 2 * t + (j & 1) + 8 * (j >> 1)] : 0.0f;
+  }
   // The substituted rows, a lane each (SubstituteWindow). A block only masks its rows' tokens out
   // of its softmax (one ballot: `subs`); the rows are attended after the unit's blocks, up to 32
   // at a time (`unit_subs`, below the loop). Attended in their blocks, a block's one or two rows
   // took a path of ~365 instructions of their own (ncu, 99 x 8K, 64 rows: 14% of the kernel's
   // stall samples); after the blocks they share their mma and their loads' latency.
-  // Found while the first block's copy is in flight, before the query's loads.
+  // Found while the first block's copy and the query's loads are in flight.
   SubstituteWindow subs(r, t0, lane);
   SubstituteWindow unit_subs = subs;  // the same entries (one search and load for both)
 
-  // Query g's A operands: channels 16 ks + 2t, +1 ([ks][0]) and + 8, + 9 ([ks][1]) of its
-  // QueryOperand rounding, times 2^-k: the largest channel is below 2^14, so with k >= the bound's
-  // exponent every product with a key scale stays below 2^15 (fp16 holds 65504).
+  // Query g's A operands: its channels (x) at their QueryOperand rounding, times 2^-k: the largest
+  // channel is below 2^14, so with k >= the bound's exponent every product with a key scale stays
+  // below 2^15 (fp16 holds 65504).
   float unscale;  // 2^(k - e) * scale: C to scores
   {
-    const float* query = g < queries ? r.q + QueryAt(r, g, D) : nullptr;
-    float x[KS][4];
     float mx = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        x[ks][j] = query ? query[16 * ks + 2 * t + (j & 1) + 8 * (j >> 1)] : 0.0f;
-        mx = fmaxf(mx, fabsf(x[ks][j]));
-      }
+      for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fabsf(x[ks][j]));
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
     const int e = decode::QueryOperandExponent(mx);
-    const float bound = v.key_scale_bound ? *v.key_scale_bound : 0.0f;
     const int k = max(0, ((__float_as_int(bound) >> 23) & 0xff) - 127);  // bound < 2^(k + 1)
     const float up = decode::Pow2(e);
 #pragma unroll
@@ -1140,11 +1146,17 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     __syncwarp();  // sub_list, sub_tokens and sub_scores are rewritten by the next rows
   }
 
-  // ---- the unit's partial result: per query max, sum, and out + the zeros' term.
+  // ---- the unit's partial result: per query max, sum, and out + the zeros' term. out goes through
+  // the stages (free now: no copy is in flight after the last block) as rows [query][D + 4] (the
+  // pad spreads a store's lanes over all 32 banks), then to global memory a 16-byte store per lane
+  // and row piece: written straight from the accumulators it took 32 tested scalar stores a lane
+  // and ~440 instructions a unit (ncu, 32 x 8K: 6.6% of the kernel's stall samples).
   l += __shfl_xor_sync(kAll, l, 1);
   l += __shfl_xor_sync(kAll, l, 2);
-  float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
-  float* stats = r.scratch + static_cast<size_t>(units) * queries * D + static_cast<size_t>(u) * queries * 2;
+  constexpr int kOutRow = D + 4;
+  static_assert(kLeanMaxQueries * kOutRow <= StagesWords<1, 1, D, 1>(), "the staged output fits the stages");
+  float* staged = reinterpret_cast<float*>(ws);
+  __syncwarp();  // every lane is done with the stages
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int cg = mt / 2;
@@ -1152,9 +1164,22 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     const float w = MmaBitUnweight(mt % 4) * (1.0f / kLeanP);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int q = 2 * t + (e & 1), ch = 16 * mt + g + 8 * (e >> 1);
-      if (q < queries) partial[q * D + ch] = acc[mt][e] * w + ((e & 1) ? z1 : z0) * (1.0f / kLeanP);
+      const int q = 2 * t + (e & 1), ch = 16 * mt + g + 8 * (e >> 1);  // q < kLeanMaxQueries: rows past `queries` unused
+      staged[q * kOutRow + ch] = acc[mt][e] * w + ((e & 1) ? z1 : z0) * (1.0f / kLeanP);
     }
+  }
+  __syncwarp();
+  float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
+  float* stats = r.scratch + static_cast<size_t>(units) * queries * D + static_cast<size_t>(u) * queries * 2;
+  constexpr int kPieces = D / 4;  // 16-byte pieces a row
+  if ((reinterpret_cast<uintptr_t>(partial) & 15) == 0) {
+    for (int i = lane; i < queries * kPieces; i += 32) {
+      const int q = i / kPieces, c = 4 * (i % kPieces);
+      reinterpret_cast<float4*>(partial)[i] = *reinterpret_cast<const float4*>(staged + q * kOutRow + c);
+    }
+  } else {  // scratch not 16-byte aligned: a lane per channel
+    for (int q = 0; q < queries; ++q)
+      for (int c = lane; c < D; c += 32) partial[q * D + c] = staged[q * kOutRow + c];
   }
   if (t == 0 && g < queries) stats[g * 2] = m, stats[g * 2 + 1] = l * (1.0f / kLeanP);  // l summed p kLeanP
 }
@@ -1351,9 +1376,10 @@ __device__ void MergedRowStatistics(const DeviceDecodeRows& r, int q, float mx, 
 
 // Units whose partial results a merge lane loads before the units' statistics (MergeKernel).
 constexpr int kMergeHeldUnits = 8;
-// Most units an item of a set may have for MergeKernel; sets of longer items take
-// MergeKernelPerChannel.
+// Most units an item of a set may have for MergeKernel (at most a warp's lanes: a lane holds a
+// unit's statistics); sets of longer items take MergeKernelPerChannel.
 constexpr int kMergeWarpUnits = 16;
+static_assert(kMergeWarpUnits <= 32, "a unit's statistics a lane");
 
 // Block (item), warp q (query q), lane l (channels l + 32 i), for sets whose items have at most
 // kMergeWarpUnits units: the item's units' partial results for the query combined in unit order
@@ -1380,25 +1406,20 @@ __global__ void __launch_bounds__(kMaxQ * 32) MergeKernel(const DeviceItemSet* s
   for (int u = 0; u < kMergeHeldUnits; ++u)
 #pragma unroll
     for (int i = 0; i < 4; ++i) held[u][i] = u < units && i < cpl ? at[u * stride + 32 * i] : 0.0f;
-  // The max over units, then each unit's weight exp(m_u - max) (lane u % 32's, for its chunk of
-  // 32 units) and the sum of l_u * weight.
-  float mx = -INFINITY;
-  for (int u = lane; u < units; u += 32) mx = fmaxf(mx, stats[(u * queries + q) * 2]);
+  // Lane u < units holds unit u's statistics and, after the max over units, its weight
+  // exp(m_u - max) (0 for an empty unit); the sum of l_u * weight is lane 0's tree.
+  const float mu = lane < units ? stats[(lane * queries + q) * 2] : -INFINITY;
+  float mx = mu;
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, o));
-  auto weight = [&](int u) {  // unit u's weight, u < units
-    const float mu = stats[(u * queries + q) * 2];
-    return mu == -INFINITY ? 0.0f : __expf(mu - mx);
-  };
-  float sum = 0.0f;
-  for (int u = lane; u < units; u += 32) sum += stats[(u * queries + q) * 2 + 1] * weight(u);
+  const float w_lane = mu == -INFINITY ? 0.0f : __expf(mu - mx);
+  float sum = lane < units ? stats[(lane * queries + q) * 2 + 1] * w_lane : 0.0f;
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(kAll, sum, o);
-  sum = __shfl_sync(kAll, sum, 0);  // lane 0's tree: the same bits in every lane
+  sum = __shfl_sync(kAll, sum, 0);  // the same bits in every lane
   const float inv_sum = 1.0f / sum;
   // Four independent sums (unit u into o[u % 4] while a group of four is whole, the rest into
   // o[0]), combined in a fixed order.
   const int whole = units / 4 * 4;
   float o[4][4] = {};  // [u % 4][channel i]
-  float w_lane = lane < units ? weight(lane) : 0.0f;  // units [0, 32)'s weights, a lane each
 #pragma unroll
   for (int u = 0; u < kMergeHeldUnits; ++u) {
     const float w = __shfl_sync(kAll, w_lane, u);
@@ -1411,7 +1432,6 @@ __global__ void __launch_bounds__(kMaxQ * 32) MergeKernel(const DeviceItemSet* s
   // four.
   auto add_units = [&](int u0, auto batch) {
     constexpr int kBatch = decltype(batch)::value;
-    if (u0 % 32 == 0) w_lane = u0 + lane < units ? weight(u0 + lane) : 0.0f;  // the next chunk's
     float x[kBatch][4];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k)
@@ -1419,7 +1439,7 @@ __global__ void __launch_bounds__(kMaxQ * 32) MergeKernel(const DeviceItemSet* s
       for (int i = 0; i < 4; ++i) x[k][i] = i < cpl ? at[(u0 + k) * stride + 32 * i] : 0.0f;
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const float w = __shfl_sync(kAll, w_lane, (u0 + k) % 32);
+      const float w = __shfl_sync(kAll, w_lane, u0 + k);
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[k % 4][i] += x[k][i] * w;
     }
@@ -1428,8 +1448,7 @@ __global__ void __launch_bounds__(kMaxQ * 32) MergeKernel(const DeviceItemSet* s
   for (; u0 + 8 <= whole; u0 += 8) add_units(u0, std::integral_constant<int, 8>{});
   for (; u0 < whole; u0 += 4) add_units(u0, std::integral_constant<int, 4>{});
   for (int u = whole; u < units; ++u) {  // at most three
-    if (u % 32 == 0) w_lane = u + lane < units ? weight(u + lane) : 0.0f;
-    const float w = __shfl_sync(kAll, w_lane, u % 32);
+    const float w = __shfl_sync(kAll, w_lane, u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if (i < cpl) {
