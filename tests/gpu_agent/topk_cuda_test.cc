@@ -21,6 +21,7 @@
 #ifdef SPECACHE_TEST_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "specache/cuda_attention.h"
 #include "testing/device_buffers.h"
 #endif
 
@@ -216,6 +217,58 @@ TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
       ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "heads=" << heads << " n=" << segments[i].n;
     }
   }
+#endif
+}
+
+// The selection captured in a CUDA graph and replayed over new scores: segments of several parts
+// (whose last part to finish merges, counted in the plan's upload) give the CPU's selection on
+// every replay, not only the first (the counters start from zero each time).
+TEST(CudaTopKTest, ACapturedGraphReplaysTheSelectionOverNewScores) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(47);
+  const int heads = 4, k = 64;
+  const std::vector<int32_t> lengths = {32768, 20000, 8000, 700, 65536};
+  testing::DeviceBuffers buf;
+  std::vector<cuda::TopKSegment> segments;
+  for (int32_t n : lengths) {
+    segments.push_back({buf.Allocate<float>(size_t(heads) * n), buf.Allocate<int32_t>(k), buf.Allocate<float>(n), n});
+    ASSERT_TRUE(segments.back().probs && segments.back().tokens && segments.back().scratch);
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cuda::DecodePlan plan;
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  const Status captured = cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k,
+                                                GroupReduction::kMean, stream, nullptr, &plan);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(captured.ok()) << captured.ToString();
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 3; ++replay) {
+    std::vector<std::vector<float>> probs;
+    for (const cuda::TopKSegment& seg : segments) {
+      std::vector<float> p(size_t(heads) * seg.n);
+      for (auto& x : p) x = static_cast<float>(rng() % 1000000) / 1e6f;
+      ASSERT_EQ(cudaMemcpy(const_cast<float*>(seg.probs), p.data(), p.size() * sizeof(float), cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemset(seg.tokens, 0xff, k * sizeof(int32_t)), cudaSuccess);
+      probs.push_back(std::move(p));
+    }
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (size_t i = 0; i < segments.size(); ++i) {
+      std::vector<int32_t> want;
+      std::vector<float> scratch;
+      cpu::SelectTopK(probs[i].data(), heads, segments[i].n, k, GroupReduction::kMean, &want, &scratch);
+      ASSERT_EQ(testing::Download(segments[i].tokens, want.size()), want)
+          << "replay " << replay << " n=" << segments[i].n;
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 #endif
 }
 

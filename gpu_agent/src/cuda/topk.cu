@@ -1,8 +1,8 @@
 // Top-k across the whole GPU. A segment of n candidates is cut into parts of P tokens (P chosen
-// per launch so that there are several blocks per SM): phase one selects each part's best k in
-// its own block, from the reduced scores held in shared memory; phase two selects the segment's
-// best k among the parts' candidates (in part order, so ascending tokens and ties towards the
-// lower token survive). A segment of one part is finished in phase one. Both phases use one
+// per launch so that there are several blocks per SM): each block selects its part's best k from
+// the reduced scores held in shared memory, and the segment's last part to finish (a counter per
+// segment) then selects the segment's best k among the parts' candidates (in part order, so
+// ascending tokens and ties towards the lower token survive). Both selections use one
 // block-wide radix select (digits of 10, 10, 10 and 2 bits, warp-aggregated histogram counts;
 // phase one counts the first digit as it reduces the scores, and its later passes walk a list of
 // the first digit's keys) and one ordered pass. With the
@@ -40,7 +40,9 @@ __device__ uint32_t OrderKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-struct TopKBatch {  // in device memory, a slot of the call's DecodePlan: these fields, then [count] segments (SegmentsOf)
+// In device memory, a slot of the call's DecodePlan: these fields, then [count] segments
+// (SegmentsOf), then [count] counters of finished parts (PartsDoneOf), zero in the upload.
+struct TopKBatch {
   int count;
   int part_tokens;  // P
   int k;
@@ -50,8 +52,13 @@ constexpr size_t kSegmentsOffset = (sizeof(TopKBatch) + alignof(TopKSegment) - 1
 __host__ __device__ const TopKSegment* SegmentsOf(const TopKBatch* batch) {
   return reinterpret_cast<const TopKSegment*>(reinterpret_cast<const char*>(batch) + kSegmentsOffset);
 }
+static_assert(sizeof(TopKSegment) % alignof(unsigned int) == 0, "the counters follow the segments");
+__host__ __device__ size_t PartsDoneOffset(int count) { return kSegmentsOffset + static_cast<size_t>(count) * sizeof(TopKSegment); }
+__device__ unsigned int* PartsDoneOf(TopKBatch* batch) {
+  return reinterpret_cast<unsigned int*>(reinterpret_cast<char*>(batch) + PartsDoneOffset(batch->count));
+}
 // The bytes of a batch of `count` segments.
-size_t BatchBytes(int count) { return kSegmentsOffset + static_cast<size_t>(count) * sizeof(TopKSegment); }
+size_t BatchBytes(int count) { return PartsDoneOffset(count) + static_cast<size_t>(count) * sizeof(unsigned int); }
 static_assert(cpu::kMassRunTokens == kThreads && kThreads == 256, "a run of the mass is one block's width, 8 per lane");
 
 // Parts of a segment of n candidates: several when their candidates (score + token per slot)
@@ -374,31 +381,35 @@ __device__ void SumRuns(const float* score, int32_t m, int32_t first, float* run
   }
 }
 
-// The merge's dynamic shared memory holds every part's k candidates (score and token): at most
-// this many, 48 KiB, which with the merge's static arrays needs the opt-in.
+// A segment's merge holds every part's k candidates (score and token) in shared memory: at most
+// this many (48 KiB of them, beside the list and the static arrays: the opt-in).
 constexpr int kMaxMergeCandidates = 6144;
-constexpr size_t MergeSharedBytes(int64_t candidates) {
-  return static_cast<size_t>(candidates) * 2 * sizeof(float);
-}
 
-// Phase one's dynamic shared memory: the part's scores and the radix select's list.
-constexpr size_t PartSharedBytes(int part_tokens) {
-  return (static_cast<size_t>(part_tokens) + kListKeys) * sizeof(float);
+// TopKPartKernel's dynamic shared memory: `room` floats for the part's scores or, in a segment's
+// last part, the parts' candidates (2 k parts), then the radix select's list.
+constexpr int ScoreRoom(int part_tokens, int k, int most_parts) {
+  return most_parts > 1 ? std::max(part_tokens, 2 * k * most_parts) : part_tokens;
 }
+constexpr size_t PartSharedBytes(int room) { return (static_cast<size_t>(room) + kListKeys) * sizeof(float); }
 
-// Block (part, segment), phase one. A segment of one part writes its tokens; otherwise the part's
-// candidates go to the segment's scratch: scores at [part * k], tokens at [parts * k + part * k].
+// Block (part, segment). A segment of one part writes its tokens; otherwise the part's candidates
+// go to the segment's scratch (scores at [part * k], tokens at [parts * k + part * k]) and the
+// segment's last part to finish (its counter in the batch) merges them: the best k of the parts'
+// candidates, which took a kernel of its own before (10 us a layer at 32 x 8K under ncu, for
+// selections of a few hundred candidates a segment).
 // Five blocks per SM (48 registers; its two inlined selections alone took 56, which left four).
 // The batch's scalars are parameters (constant-bank operands) and the block's segment is copied
 // into shared memory first: read from the batch in global memory, the compiler held them in
 // registers through the selection (ptxas: 164 bytes of spill loads; 76 this way, none when the
 // whole batch was a parameter). Measured no slower than the parameter: one layer's top-k at
 // 32 x 8K 0.039 -> 0.036 ms, 99 x 8K 0.117 -> 0.114 (H200).
-__global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(const TopKBatch* __restrict__ in, int k, int part_tokens,
-                                                               bool mass, int n_heads, bool use_max) {
-  extern __shared__ float part_scores[];  // [P] when the part fits, else unused; then the list [kListKeys]
+__global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch* __restrict__ in, int k, int part_tokens,
+                                                               int room, bool mass, int n_heads, bool use_max) {
+  // [room]: the part's scores (when they fit) or the segment's candidates; then the list [kListKeys]
+  extern __shared__ float part_scores[];
   __shared__ SelectShared sh;
   __shared__ TopKSegment seg;
+  __shared__ bool last_part;
   if (threadIdx.x == 0) seg = SegmentsOf(in)[blockIdx.y];
   for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh.histogram[i] = 0;  // ReduceInto counts into it
   __syncthreads();
@@ -407,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(const TopKBatch* _
   const int32_t lo = parts == 1 ? 0 : static_cast<int32_t>(blockIdx.x) * part_tokens;
   if ((parts == 1 && blockIdx.x > 0) || lo >= n || n <= 0) return;
   const int32_t m = parts == 1 ? n : min(part_tokens, n - lo);
-  int32_t* list = reinterpret_cast<int32_t*>(part_scores + part_tokens);
+  int32_t* list = reinterpret_cast<int32_t*>(part_scores + room);
   const float inv_heads = (n_heads & (n_heads - 1)) == 0 ? 1.0f / static_cast<float>(n_heads) : 0.0f;
   // The heads' HeadScale, for groups of up to 8 heads (the compiled ones and 3, 5, 6, 7).
   constexpr int kScaledHeads = 8;
@@ -444,33 +455,31 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(const TopKBatch* _
   } else {
     reduce_and_select(seg.scratch);
   }
-}
-
-// Block per segment, phase two: the best k of its parts' candidates.
-__global__ void TopKMergeKernel(const TopKBatch* __restrict__ in) {
-  const TopKBatch& batch = *in;
-  extern __shared__ float merged[];  // scores [parts * k], then tokens [parts * k]
-  __shared__ SelectShared sh;
-  const TopKSegment& seg = SegmentsOf(in)[blockIdx.x];
-  const int32_t n = seg.n;
-  const int k = batch.k;
-  const int parts = PartsOf(n, batch.part_tokens, k);
-  if (parts == 1 || n <= 0) return;
-  int32_t* tokens = reinterpret_cast<int32_t*>(merged + static_cast<size_t>(parts) * k);
-  // Candidates in part order; a part of m tokens left min(k, m).
-  int32_t count = 0;
-  for (int p = 0; p < parts; ++p) {
-    const int32_t m = min(k, min(batch.part_tokens, n - p * batch.part_tokens));
-    const float* cand_score = seg.scratch + static_cast<size_t>(p) * k;
-    const int32_t* cand_token = reinterpret_cast<const int32_t*>(seg.scratch) + static_cast<size_t>(parts + p) * k;
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-      merged[count + i] = cand_score[i];
-      tokens[count + i] = cand_token[i];
-    }
-    count += m;
+  if (parts == 1) return;
+  // The last part: every thread's candidate stores made visible before the block counts itself
+  // done (BlockTopK ended with a barrier); the block that counts last merges.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int* done = PartsDoneOf(in) + blockIdx.y;
+    last_part = atomicAdd(done, 1u) == static_cast<unsigned>(parts - 1);
+    if (last_part) *done = 0;  // every part has counted: zero for a replay of the same upload (a graph's)
+    __threadfence();
   }
   __syncthreads();
-  BlockTopK(merged, count, k, sh, nullptr, false, [&](int32_t j, int pos) { seg.tokens[pos] = tokens[j]; });
+  if (!last_part) return;
+  // The parts' candidates in part order (the last part may leave fewer than k: it has min(k, m)),
+  // read past L1 (other SMs wrote them), scores then tokens in shared memory.
+  const int32_t count = (parts - 1) * k + min(k, n - (parts - 1) * part_tokens);
+  float* merged = part_scores;
+  int32_t* tokens = reinterpret_cast<int32_t*>(part_scores + count);
+  for (int32_t i = threadIdx.x; i < count; i += blockDim.x) {
+    const int p = i / k, c = i % k;
+    merged[i] = __ldcg(seg.scratch + static_cast<size_t>(p) * k + c);
+    tokens[i] = __ldcg(reinterpret_cast<const int32_t*>(seg.scratch) + static_cast<size_t>(parts + p) * k + c);
+  }
+  __syncthreads();
+  BlockTopK(merged, count, k, sh, list, false, [&](int32_t j, int pos) { seg.tokens[pos] = tokens[j]; });
 }
 
 // The largest float f with OrderKey(f) == key.
@@ -640,9 +649,11 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
                                      " over segments of up to " + std::to_string(int64_t{max_parts} * batch.part_tokens) +
                                      " tokens)");
     }
+    const int room = ScoreRoom(batch.part_tokens, k, max_parts);
     if (max_parts > 1) {  // before anything is queued: a refusal leaves the stream as it was
       static std::atomic<bool> allowed[kMaxOptInDevices] = {};
-      const cudaError_t err = AllowDynamicSharedMemory(TopKMergeKernel, MergeSharedBytes(kMaxMergeCandidates), allowed);
+      const cudaError_t err =
+          AllowDynamicSharedMemory(TopKPartKernel, PartSharedBytes(2 * kMaxMergeCandidates), allowed);
       if (err != cudaSuccess) return Status::Unavailable(std::string("top-k merge: ") + cudaGetErrorString(err));
     }
     // The batch to the device (as a kernel parameter it cost the host ~3x a plain launch and
@@ -651,12 +662,13 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(batch_bytes, s));
     std::memcpy(up.host, &batch, sizeof(batch));
     std::memcpy(static_cast<char*>(up.host) + kSegmentsOffset, set, static_cast<size_t>(batch.count) * sizeof(TopKSegment));
+    std::memset(static_cast<char*>(up.host) + PartsDoneOffset(batch.count), 0,
+                static_cast<size_t>(batch.count) * sizeof(unsigned int));
     SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, batch_bytes, s));
-    const auto* device_batch = static_cast<const TopKBatch*>(up.device);
+    auto* device_batch = static_cast<TopKBatch*>(const_cast<void*>(up.device));  // the kernel counts parts in it
     const unsigned n = static_cast<unsigned>(batch.count);
-    TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(batch.part_tokens), s>>>(
-        device_batch, batch.k, batch.part_tokens, batch.mass, n_heads, reduction == GroupReduction::kMax);
-    if (max_parts > 1) TopKMergeKernel<<<n, kThreads, MergeSharedBytes(int64_t{max_parts} * k), s>>>(device_batch);
+    TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(room), s>>>(
+        device_batch, batch.k, batch.part_tokens, room, batch.mass, n_heads, reduction == GroupReduction::kMax);
     if (budget) {
       int32_t most = 0;
       for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, set[i].n));
