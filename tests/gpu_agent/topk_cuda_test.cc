@@ -222,7 +222,8 @@ TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
 
 // The selection captured in a CUDA graph and replayed over new scores: segments of several parts
 // (whose last part to finish merges, counted in the plan's upload) give the CPU's selection on
-// every replay, not only the first (the counters start from zero each time).
+// every replay, not only the first (the counters start from zero each time), ties across parts
+// included.
 TEST(CudaTopKTest, ACapturedGraphReplaysTheSelectionOverNewScores) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -250,7 +251,8 @@ TEST(CudaTopKTest, ACapturedGraphReplaysTheSelectionOverNewScores) {
     std::vector<std::vector<float>> probs;
     for (const cuda::TopKSegment& seg : segments) {
       std::vector<float> p(size_t(heads) * seg.n);
-      for (auto& x : p) x = static_cast<float>(rng() % 1000000) / 1e6f;
+      // The second replay's scores take 8 values: ties everywhere, across the parts too.
+      for (auto& x : p) x = replay == 1 ? static_cast<float>(rng() % 8) / 8.0f : static_cast<float>(rng() % 1000000) / 1e6f;
       ASSERT_EQ(cudaMemcpy(const_cast<float*>(seg.probs), p.data(), p.size() * sizeof(float), cudaMemcpyHostToDevice),
                 cudaSuccess);
       ASSERT_EQ(cudaMemset(seg.tokens, 0xff, k * sizeof(int32_t)), cudaSuccess);
