@@ -1184,6 +1184,16 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   if (t == 0 && g < queries) stats[g * 2] = m, stats[g * 2 + 1] = l * (1.0f / kLeanP);  // l summed p kLeanP
 }
 
+// Asks L1 for the D halves at `row` (null: nothing), 128-byte lines; `row` 16-byte aligned.
+template <int D>
+__device__ __forceinline__ void PrefetchRowL1(const Half* row) {
+  if (row == nullptr) return;
+  const char* at = reinterpret_cast<const char*>(row);
+  const char* const end = at + D * sizeof(Half);
+  for (at = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) & ~uintptr_t{127}); at < end; at += 128)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(at));
+}
+
 // Where the fp16 row of `token`'s key is (residual, the step's new rows, a substituted row), or
 // null for a quantized key.
 __device__ __forceinline__ const Half* KeyRow(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token,
@@ -1230,16 +1240,23 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     const int32_t token = b0 + lane;
     const bool valid = token < to;
     const int sub = valid ? FindSubstitute(v, r, token) : -1;
-    value_rows[lane] = !valid                        ? nullptr
-                       : sub >= 0                    ? SubstitutedRow(r, sub, D) + D
-                       : token >= v.length           ? r.new_values + (token - v.length) * r.kv_stride
-                       : token >= v.quantized_values ? v.window_values + static_cast<size_t>(token - v.quantized_values) * D
-                                                     : nullptr;
+    const Half* const value_row = !valid                        ? nullptr
+                                  : sub >= 0                    ? SubstitutedRow(r, sub, D) + D
+                                  : token >= v.length           ? r.new_values + (token - v.length) * r.kv_stride
+                                  : token >= v.quantized_values ? v.window_values + static_cast<size_t>(token - v.quantized_values) * D
+                                                                : nullptr;
+    const Half* const key_row = valid ? KeyRow(v, r, token, sub) : nullptr;
+    value_rows[lane] = value_row;
+    // The lane's fp16 rows into L1 before they are read: the key row's loads follow at once, the
+    // value rows' after the block's scores, a row at a time by every lane (without it those
+    // waited on memory for ~half of the tail units' stall samples, ncu at 32 x 8K).
+    PrefetchRowL1<D>(key_row);
+    PrefetchRowL1<D>(value_row);
     float s[Q];
 #pragma unroll
     for (int q = 0; q < Q; ++q) s[q] = 0.0f;
     if (valid) {
-      const Half* row = KeyRow(v, r, token, sub);
+      const Half* row = key_row;
       if (row != nullptr) {
         for (int c = 0; c < D; c += 8) {
           const uint4 x = *reinterpret_cast<const uint4*>(row + c);
