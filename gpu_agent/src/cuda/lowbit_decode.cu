@@ -27,6 +27,7 @@
 #include "cp_async.cuh"
 #include "cuda_status.h"
 #include "decode_common.cuh"
+#include "dependent_launch.cuh"
 #include "device_info.h"
 #include "lowbit_decode.h"
 #include "mma_codes.h"
@@ -1338,6 +1339,7 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   static_assert(!kLean || (KB == 1 && VB == 1 && NT == 1), "the lean path: 1-bit keys and values, one query tile");
   static_assert(WarpWords<KB, VB, D, NT>() % 4 == 0 && StageWords<KB, VB, D>() % 4 == 0, "16-byte aligned stages");
   extern __shared__ uint32_t smem[];
+  AllowDependentLaunch();  // the merge's CTAs may take the slots this kernel's last wave frees
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int w = blockIdx.x * kWarps + warp;
   const int32_t* unit_begin = UnitBegin(set);
@@ -1408,6 +1410,8 @@ static_assert(kMergeWarpUnits <= 32, "a unit's statistics a lane");
 // in turn, and a thread per output took three waves at 99 x 8K). Bounded for kMaxQ queries (512
 // threads): without the bound it took 126 registers, a hair under what 512 threads may use.
 __global__ void __launch_bounds__(kMaxQ * 32) MergeKernel(const DeviceItemSet* set) {
+  WaitForPrerequisite();  // the decode kernel's partial results (LaunchAfter)
+  AllowDependentLaunch();
   const DeviceDecodeItem& it = SetItems(set)[blockIdx.x];
   const DeviceDecodeRows& r = it.rows;
   const int d = it.replica.head_dim, queries = r.n_rows * r.n_heads;
@@ -1491,6 +1495,8 @@ __global__ void __launch_bounds__(kMaxQ * 32) MergeKernel(const DeviceItemSet* s
 __global__ void MergeKernelPerChannel(const DeviceItemSet* set) {
   extern __shared__ float weight[];  // [units, rounded up to 4]
   __shared__ float reduce[32];
+  WaitForPrerequisite();  // the decode kernel's partial results (LaunchAfter)
+  AllowDependentLaunch();
   const DeviceDecodeItem& it = SetItems(set)[blockIdx.x];
   const DeviceDecodeRows& r = it.rows;
   const int d = it.replica.head_dim, queries = r.n_rows * r.n_heads, q = blockIdx.y;
@@ -1761,16 +1767,21 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
     most_queries = std::max(most_queries, set.items[i].rows.n_rows * set.items[i].rows.n_heads);
   }
   kernel.fn<<<(warps + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(device);
+  SPECACHE_RETURN_IF_ERROR(LaunchStatus("low-bit decode kernel"));
+  // The merge as the decode kernel's programmatic dependent (dependent_launch.cuh).
   const unsigned items = static_cast<unsigned>(set.items.size());
+  cudaError_t err = cudaSuccess;
   if (most_units <= kMergeWarpUnits) {
-    MergeKernel<<<items, most_queries * 32, 0, stream>>>(device);  // a warp per query
+    err = LaunchAfter(MergeKernel, dim3(items), dim3(most_queries * 32), 0, stream, device);  // a warp per query
   } else {
     // The weights' memory is padded to whole groups of four (the summing loop's loads may be
     // widened by the compiler), the padding zeroed by the kernel.
     const size_t weight_bytes = size_t((most_units + 3) / 4 * 4) * sizeof(float);
-    MergeKernelPerChannel<<<dim3(items, most_queries), set.items[0].replica.head_dim, weight_bytes, stream>>>(device);
+    err = LaunchAfter(MergeKernelPerChannel, dim3(items, most_queries), dim3(set.items[0].replica.head_dim),
+                      weight_bytes, stream, device);
   }
-  return LaunchStatus("low-bit decode kernels");
+  if (err != cudaSuccess) (void)cudaGetLastError();  // returned here, not left for the next check
+  return CudaStatus(err, "low-bit decode merge");
 }
 
 bool LowBitDecodeAvailable() { return DeviceHasMma(); }

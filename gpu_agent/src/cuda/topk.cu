@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "decode_plan_slots.h"
+#include "dependent_launch.cuh"
 #include "device_info.h"
 #include "launch_sets.h"
 #include "shared_memory_opt_in.cuh"
@@ -412,6 +413,8 @@ __global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch* __restr
   __shared__ bool last_part;
   if (threadIdx.x == 0) seg = SegmentsOf(in)[blockIdx.y];
   for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh.histogram[i] = 0;  // ReduceInto counts into it
+  WaitForPrerequisite();  // the scores and statistics of the kernels before (LaunchAfter)
+  AllowDependentLaunch();
   __syncthreads();
   const int32_t n = seg.n;
   const int parts = PartsOf(n, part_tokens, k);
@@ -523,6 +526,7 @@ __device__ float FromOrderKey(uint32_t key) {
 // shared memory; one thread walks the ranks summing the positive scores until the goal (after
 // k_min rows); the rows above the cut keep their ascending order, the rest become kNoToken.
 __global__ void BudgetKernel(const TopKBatch* __restrict__ in, int n_heads, bool use_max, TopKBudget budget) {
+  WaitForPrerequisite();  // the selection (LaunchAfter)
   const TopKBatch& batch = *in;
   extern __shared__ unsigned long long keys[];  // [width]: a power of two >= kept
   __shared__ unsigned char keep[kMaxBudgetRows];
@@ -697,18 +701,24 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, batch_bytes, s));
     auto* device_batch = static_cast<TopKBatch*>(const_cast<void*>(up.device));  // the kernel counts parts in it
     const unsigned n = static_cast<unsigned>(batch.count);
-    TopKPartKernel<<<dim3(max_parts, n), kThreads, PartSharedBytes(room), s>>>(
-        device_batch, batch.k, batch.part_tokens, room, batch.mass, n_heads, reduction == GroupReduction::kMax);
+    // Each kernel as its predecessor's programmatic dependent (dependent_launch.cuh).
+    cudaError_t err = LaunchAfter(TopKPartKernel, dim3(max_parts, n), dim3(kThreads), PartSharedBytes(room), s,
+                                  device_batch, batch.k, batch.part_tokens, room, static_cast<bool>(batch.mass), n_heads,
+                                  reduction == GroupReduction::kMax);
     if (budget) {
       int32_t most = 0;
       for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, set[i].n));
       size_t width = 1;
       while (width < static_cast<size_t>(most)) width *= 2;
-      BudgetKernel<<<n, kThreads, width * sizeof(unsigned long long), s>>>(device_batch, n_heads,
-                                                                           reduction == GroupReduction::kMax, *budget);
+      if (err == cudaSuccess) {
+        err = LaunchAfter(BudgetKernel, dim3(n), dim3(kThreads), width * sizeof(unsigned long long), s,
+                          static_cast<const TopKBatch*>(device_batch), n_heads, reduction == GroupReduction::kMax,
+                          *budget);
+      }
     }
+    if (err != cudaSuccess) (void)cudaGetLastError();  // returned here, not left for the next check
     SPECACHE_RETURN_IF_ERROR(plan->impl()->Finish(up, s));
-    SPECACHE_RETURN_IF_ERROR(LaunchStatus("top-k kernels"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(err, "top-k kernels"));
   }
   return Status::Ok();
 }
