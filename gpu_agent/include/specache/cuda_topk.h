@@ -24,9 +24,10 @@ Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int 
 // split into sets of equal size): the decode step's (sequence, KV head) pairs. Each set's segments go to device memory
 // through `plan` (cuda_attention.h: the decode step's plan, whose slots the attention uses too;
 // null: a plan of the call's own, which it waits for before returning). A long segment is cut
-// into parts selected by blocks of their own, then merged (topk.cu), so small batches still fill
-// the GPU; the parts' candidates live in `scratch`. INVALID_ARGUMENT when more than 6144 candidates would have to be
-// merged for one segment (k x parts).
+// into parts selected by blocks of their own, then merged by the last of them to finish
+// (topk.cu), so small batches still fill the GPU; the parts' candidates live in `scratch`.
+// INVALID_ARGUMENT when more than 6144 candidates would have to be merged for one segment
+// (k x parts).
 struct TopKSegment {
   const float* probs = nullptr;  // [n_heads][n]
   int32_t* tokens = nullptr;     // [min(k, n)] ascending
