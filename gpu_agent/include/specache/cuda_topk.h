@@ -27,7 +27,8 @@ Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int 
 // into parts selected by blocks of their own, then merged by the last of them to finish
 // (topk.cu), so small batches still fill the GPU; the parts' candidates live in `scratch`.
 // INVALID_ARGUMENT when more than 6144 candidates would have to be merged for one segment
-// (k x parts).
+// (k x parts). The parts count themselves done in the plan's slot: a captured graph's slot is
+// its own, so two executable graphs instantiated from one capture must not run at once.
 struct TopKSegment {
   const float* probs = nullptr;  // [n_heads][n]
   int32_t* tokens = nullptr;     // [min(k, n)] ascending

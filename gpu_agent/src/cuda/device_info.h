@@ -34,4 +34,14 @@ int KnownForCurrentDevice(std::atomic<int> (&known)[kMaxKnownDevices], int fallb
   return value;
 }
 
+// Whether the current device's compute capability is at least `major`.0, asked once per device
+// and kept in `known` (the caller's function-local static); false when it cannot be asked.
+inline bool CurrentDeviceAtLeast(std::atomic<int> (&known)[kMaxKnownDevices], int major) {
+  return KnownForCurrentDevice(known, 2, [major](int device) {
+           int have = 0;
+           return cudaDeviceGetAttribute(&have, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && have >= major
+                      ? 1 : 2;
+         }) == 1;
+}
+
 }  // namespace specache::cuda

@@ -1589,12 +1589,8 @@ cudaError_t AllowSharedMemoryOf(int cls) {
 
 // Whether the current device runs mma.m16n8k16 with fp16 operands (sm_80+), asked once per device.
 bool DeviceHasMma() {
-  static std::atomic<int> known[kMaxKnownDevices] = {};  // 1 yes, 2 no
-  return KnownForCurrentDevice(known, 2, [](int device) {
-           int major = 0;
-           return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8
-                      ? 1 : 2;
-         }) == 1;
+  static std::atomic<int> known[kMaxKnownDevices] = {};
+  return CurrentDeviceAtLeast(known, 8);
 }
 
 // The chunk and the unit table of one class's items: one wave of the GPU less `free_slots` CTAs.
@@ -1772,12 +1768,12 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
   const unsigned items = static_cast<unsigned>(set.items.size());
   cudaError_t err = cudaSuccess;
   if (most_units <= kMergeWarpUnits) {
-    err = LaunchAfter(MergeKernel, dim3(items), dim3(most_queries * 32), 0, stream, device);  // a warp per query
+    err = LaunchAfter<MergeKernel>(dim3(items), dim3(most_queries * 32), 0, stream, device);  // a warp per query
   } else {
     // The weights' memory is padded to whole groups of four (the summing loop's loads may be
     // widened by the compiler), the padding zeroed by the kernel.
     const size_t weight_bytes = size_t((most_units + 3) / 4 * 4) * sizeof(float);
-    err = LaunchAfter(MergeKernelPerChannel, dim3(items, most_queries), dim3(set.items[0].replica.head_dim),
+    err = LaunchAfter<MergeKernelPerChannel>(dim3(items, most_queries), dim3(set.items[0].replica.head_dim),
                       weight_bytes, stream, device);
   }
   if (err != cudaSuccess) (void)cudaGetLastError();  // returned here, not left for the next check

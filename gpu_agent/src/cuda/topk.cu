@@ -702,7 +702,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     auto* device_batch = static_cast<TopKBatch*>(const_cast<void*>(up.device));  // the kernel counts parts in it
     const unsigned n = static_cast<unsigned>(batch.count);
     // Each kernel as its predecessor's programmatic dependent (dependent_launch.cuh).
-    cudaError_t err = LaunchAfter(TopKPartKernel, dim3(max_parts, n), dim3(kThreads), PartSharedBytes(room), s,
+    cudaError_t err = LaunchAfter<TopKPartKernel>(dim3(max_parts, n), dim3(kThreads), PartSharedBytes(room), s,
                                   device_batch, batch.k, batch.part_tokens, room, static_cast<bool>(batch.mass), n_heads,
                                   reduction == GroupReduction::kMax);
     if (budget) {
@@ -711,7 +711,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
       size_t width = 1;
       while (width < static_cast<size_t>(most)) width *= 2;
       if (err == cudaSuccess) {
-        err = LaunchAfter(BudgetKernel, dim3(n), dim3(kThreads), width * sizeof(unsigned long long), s,
+        err = LaunchAfter<BudgetKernel>(dim3(n), dim3(kThreads), width * sizeof(unsigned long long), s,
                           static_cast<const TopKBatch*>(device_batch), n_heads, reduction == GroupReduction::kMax,
                           *budget);
       }
