@@ -5,10 +5,10 @@
 // ascending tokens and ties towards the lower token survive). Both selections use one
 // block-wide radix select (digits of 10, 10, 10 and 2 bits, warp-aggregated histogram counts;
 // phase one counts the first digit as it reduces the scores, and its later passes walk a list of
-// the first digit's keys) and one ordered pass. With the
-// adaptive budget, phase one also sums each run of 256 scores it holds (one warp per run), and a
-// third launch, a block per segment, sorts the k selected rows by rank, finds the cut and keeps
-// the rows above it.
+// the first digit's keys) and one ordered pass, except merges of at most 256 candidates, which
+// rank them (a candidate a thread). With the adaptive budget, phase one also sums each run of 256
+// scores it holds (one warp per run), and a second launch, a block per segment, sorts the k
+// selected rows by rank, finds the cut and keeps the rows above it.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
