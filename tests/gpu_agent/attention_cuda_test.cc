@@ -508,6 +508,8 @@ TEST(CudaAttentionTest, ACapturedGraphReplaysTheSameAttention) {
   }
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   for (const DecodeCase& c : cases) ASSERT_EQ(cudaMemset(c.item.rows.out, 0, c.want.size() * sizeof(float)), cudaSuccess);
+  // cudaMemset is asynchronous, on the legacy stream, which `stream` (non-blocking) does not wait for.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   for (size_t i = 0; i < cases.size(); ++i) {

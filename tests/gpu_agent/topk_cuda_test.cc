@@ -258,6 +258,11 @@ TEST(CudaTopKTest, ACapturedGraphReplaysTheSelectionOverNewScores) {
       ASSERT_EQ(cudaMemset(seg.tokens, 0xff, k * sizeof(int32_t)), cudaSuccess);
       probs.push_back(std::move(p));
     }
+    // cudaMemcpy from pageable memory may return before its copy lands, and cudaMemset is
+    // asynchronous; both go to the legacy stream, which `stream` (non-blocking) does not wait for.
+    // Without this the graph read some of the last segment's scores before they were written
+    // (one replay failed once on the H200).
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     for (size_t i = 0; i < segments.size(); ++i) {
