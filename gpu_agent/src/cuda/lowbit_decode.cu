@@ -1206,10 +1206,250 @@ __device__ __forceinline__ const Half* KeyRow(const DeviceReplicaView& v, const 
   return nullptr;
 }
 
+// Whether a tail unit scores its blocks on the tensor cores (TailScoresMma): 1-bit keys (the
+// tail's quantized key groups keep the plain layout, a code word per channel), one query tile.
+template <int KB, int D, int NT>
+constexpr bool kTailMmaScores = KB == 1 && NT == 1 && (D == 64 || D == 128);
+
+// The tail's query operands for TailScoresMma, in the first D * 4 words of `quads` (shared
+// memory): quad [kk][lane] holds query g's (g = lane / 4, t = lane % 4) channels 32 kk + 8 t .. +7
+// as fp16 pairs, its QueryOperand (cpu_attention.h) times 2^e, the query's own exponent; zeros for
+// the padding queries. Returns 2^-e * scale of queries 2t and 2t + 1 (unscale[2]: C to scores).
+// Each lane writes the channels it holds, lane + 32 i, as halves.
+template <int D>
+__device__ __forceinline__ void StoreTailQueryOperands(const DeviceDecodeRows& r, int queries, uint32_t* quads, int lane,
+                                                       float (&unscale)[2]) {
+  constexpr int Q = 8;
+  unsigned short* halves = reinterpret_cast<unsigned short*>(quads);
+  const int t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    const float* row = q < queries ? r.q + QueryAt(r, q, D) : nullptr;
+    const int e = row ? decode::WarpQueryOperandExponent(row, D, lane) : 0;
+#pragma unroll
+    for (int c = lane; c < D; c += 32) {
+      const __half h = __float2half_rn(row ? row[c] * decode::Pow2(e) : 0.0f);
+      // Channel c is half c % 8 of the quad of lane 4 q + (c % 32) / 8, k-step pair c / 32.
+      halves[((c / 32) * 32 + 4 * q + (c % 32) / 8) * 8 + c % 8] = __half_as_ushort(h);
+    }
+    if (q == 2 * t) unscale[0] = decode::Pow2(-e) * r.scale;
+    if (q == 2 * t + 1) unscale[1] = decode::Pow2(-e) * r.scale;
+  }
+  __syncwarp();
+}
+
+// A tail block's raw scores on the tensor cores, into p_rows[token][q] (row stride PS floats):
+// S^T = K Q^T over 16 tokens an m-tile (A = the keys: rows tokens, k = channels; B = the query
+// operands, StoreTailQueryOperands), two m-tiles, D / 16 k-steps. The k index is permuted the same
+// way in A and B (k-steps 2 kk + h take channels 32 kk + 8 t + 4 h + {0, 1} as k = 2t, 2t + 1 and
+// + {2, 3} as 2t + 8, 2t + 9), so that a lane's operands of two k-steps are one 16-byte load of
+// eight channels. A key row (fp16: residual, new or substituted) is loaded as it is; a quantized
+// key (the block's group in the plain layout, 1-bit) is its scale or 0 (exact in fp16), its
+// zeros' term q . z added in fp32 from an mma whose A rows are all the zeros. The products are
+// exact; the tensor cores sum them in fp32. key_row: the fp16 key row of token b0 + lane (null
+// for a quantized key or a token past the tail's end, whose score the caller masks).
+template <int D, int PS>
+__device__ __forceinline__ void TailScoresMma(const DeviceReplicaView& v, int32_t b0, const Half* key_row,
+                                              const uint32_t* quads, const float (&unscale)[2], float* p_rows,
+                                              int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  // The block's keys are all quantized (whole groups: quantized_keys is a multiple of 32), but for
+  // the substituted ones, or none is.
+  const bool quantized_block = b0 < v.quantized_keys;
+  const int32_t group = b0 / kGroup;
+  const uint32_t* codes = quantized_block ? KeyCodes(v, group) : nullptr;
+  const Half* scales = quantized_block ? KeyScales(v, group) : nullptr;
+  const Half* zeros = quantized_block ? KeyZeros(v, group) : nullptr;
+  // Rows of tokens 16 mt + 8 hr + g, this lane's rows of A.
+  const Half* rows[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      rows[mt][hr] = reinterpret_cast<const Half*>(
+          __shfl_sync(kAll, reinterpret_cast<unsigned long long>(key_row), 16 * mt + 8 * hr + g));
+  float c[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[mt][i] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < D / 32; ++kk) {
+    const uint4 qw = reinterpret_cast<const uint4*>(quads)[kk * 32 + lane];
+    const uint32_t b[4] = {qw.x, qw.y, qw.z, qw.w};  // [2 h]: b0 of k-step 2 kk + h, [2 h + 1]: its b1
+    uint32_t a[2][2][4] = {};                        // [mt][h][A register]
+    const int c0 = 32 * kk + 8 * t;                  // the lane's eight channels
+    if (quantized_block) {
+      // Token 16 mt + g's code bit of a channel word shifted to the msb of byte 2 mt (+ 8: 2 mt + 1).
+      const uint4 w0 = __ldg(reinterpret_cast<const uint4*>(codes + c0));
+      const uint4 w1 = __ldg(reinterpret_cast<const uint4*>(codes + c0 + 4));
+      const uint4 sp = __ldg(reinterpret_cast<const uint4*>(scales + c0));
+      const uint4 zp = __ldg(reinterpret_cast<const uint4*>(zeros + c0));
+      const uint32_t x[8] = {w0.x << (7 - g), w0.y << (7 - g), w0.z << (7 - g), w0.w << (7 - g),
+                             w1.x << (7 - g), w1.y << (7 - g), w1.z << (7 - g), w1.w << (7 - g)};
+      const uint32_t s[4] = {sp.x, sp.y, sp.z, sp.w}, z[4] = {zp.x, zp.y, zp.z, zp.w};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          a[mt][h][0] = MaskPair(x[4 * h], x[4 * h + 1], 2 * mt) & s[2 * h];
+          a[mt][h][1] = MaskPair(x[4 * h], x[4 * h + 1], 2 * mt + 1) & s[2 * h];
+          a[mt][h][2] = MaskPair(x[4 * h + 2], x[4 * h + 3], 2 * mt) & s[2 * h + 1];
+          a[mt][h][3] = MaskPair(x[4 * h + 2], x[4 * h + 3], 2 * mt + 1) & s[2 * h + 1];
+        }
+        Mma(zc, z[2 * h], z[2 * h], z[2 * h + 1], z[2 * h + 1], b[2 * h], b[2 * h + 1]);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        if (rows[mt][hr] == nullptr) continue;
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(rows[mt][hr] + c0));
+        a[mt][0][hr] = w.x, a[mt][0][2 + hr] = w.y, a[mt][1][hr] = w.z, a[mt][1][2 + hr] = w.w;
+      }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) Mma(c[mt], a[mt][h][0], a[mt][h][1], a[mt][h][2], a[mt][h][3], b[2 * h], b[2 * h + 1]);
+  }
+  // C: tokens 16 mt + g (+ 8 for e >= 2), queries 2t + (e & 1).
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int token = 16 * mt + g + 8 * (e >> 1), q = 2 * t + (e & 1);
+      const bool quantized = quantized_block && rows[mt][e >> 1] == nullptr;
+      p_rows[token * PS + q] = (c[mt][e] + (quantized ? zc[e & 1] : 0.0f)) * unscale[e & 1];
+    }
+  __syncwarp();
+}
+
+// Whether a tail unit also adds its blocks' values on the tensor cores (TailValuesMma): 1-bit
+// values too.
+template <int KB, int VB, int D, int NT>
+constexpr bool kTailMmaValues = kTailMmaScores<KB, D, NT> && VB == 1;
+// p times this before its split into fp16 parts (p <= 1): the lo part keeps p's bits down to
+// ~2^-34 instead of fp16's subnormal floor 2^-24.
+constexpr float kTailP = 1024.0f;
+
+// A tail block's values weighted by p, added to out^T's accumulators (acc[mt]: rows = channels,
+// TailValueChannel; cols = queries 2t, 2t + 1): out^T = V^T P^T, two k-steps of 16 tokens, m-tiles
+// of 16 channels. B = p of tokens 16 ks + 2t, +1 (+ 8), query g, from p_rows[token][q] (row stride
+// PS) times kTailP as fp16 hi + lo parts. A = the values transposed: lane (g, t) loads eight
+// channels 32 j + 8 t .. +7 of tokens 16 ks + g and 16 ks + 8 + g (one 16-byte load each) and
+// movmatrix turns each of the four channel pairs into A's registers, so that m-tile 2 j + p holds
+// the channels of pairs 2p and 2p + 1 (TailValueChannel). A value row (fp16: window, new or
+// substituted; value_rows[token in block], null for none) is loaded as it is; a quantized value
+// (1-bit, plain layout: a code word per 32-channel group, bit = channel) is its scale or 0, and
+// its zero enters through a second A whose rows are the tokens' zeros. Fresh accumulators per
+// block, added in fp32 (the tensor cores truncate). Tokens past the tail's end have p = 0 and no row.
+template <int D, int PS>
+__device__ __forceinline__ void TailValuesMma(const DeviceReplicaView& v, int32_t b0, const Half* const* value_rows,
+                                              const float* p_rows, float (&acc)[D / 16][4], int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  // Tokens below quantized_values have quantized values (but for substituted ones): only in a
+  // unit's first block, where BulkEnd cut the value window's group.
+  const bool quantized_block = b0 < v.quantized_values;
+  // Their replica block (the 32 tokens lie in one) and the block's token b0: a quantized value's
+  // parts at offsets, as ValueCodes and the others find them, without a division per token.
+  const uint8_t* const block = quantized_block ? ReplicaBlock(v, b0) : nullptr;
+  const int32_t in0 = b0 % v.layout.block_tokens;
+  auto value_part = [&](int32_t part, int in_block, int64_t token_bytes) {
+    return block + ValuePartOffset(v.layout, part, in0 + in_block, token_bytes);
+  };
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    uint32_t bh[2], bl[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int tok = 16 * ks + 2 * t + 8 * i;
+      Split(p_rows[tok * PS + g] * kTailP, p_rows[(tok + 1) * PS + g] * kTailP, bh[i], bl[i]);
+    }
+    // This lane's rows before the transpose: tokens 16 ks + g (r = 0) and 16 ks + 8 + g (r = 1).
+    // A quantized one's code words and scales (codes[r] null for a row or a token past the end).
+    const Half* rows[2];
+    const uint32_t* codes[2] = {nullptr, nullptr};
+    const Half* scales[2] = {nullptr, nullptr};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int in = 16 * ks + 8 * r + g;
+      rows[r] = value_rows[in];
+      if (quantized_block && rows[r] == nullptr && b0 + in < v.quantized_values) {
+        codes[r] = reinterpret_cast<const uint32_t*>(value_part(v.layout.value_codes, in, D / 8));
+        scales[r] = reinterpret_cast<const Half*>(value_part(v.layout.value_scale, in, D / 32 * 2));
+      }
+    }
+    // The zeros' A: tokens 16 ks + 2t + {0, 1, 8, 9} (quantized ones; null for rows).
+    const Half* zeros[4] = {nullptr, nullptr, nullptr, nullptr};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int in = 16 * ks + 2 * t + (i & 1) + 8 * (i >> 1);
+      if (quantized_block && b0 + in < v.quantized_values && value_rows[in] == nullptr) {
+        zeros[i] = reinterpret_cast<const Half*>(value_part(v.layout.value_zero, in, D / 32 * 2));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      uint32_t w[2][4];  // [r][word]: channels 32 j + 8 t + 2 word, + 1 of row r's token
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (rows[r] != nullptr) {
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(rows[r] + 32 * j + 8 * t));
+          w[r][0] = x.x, w[r][1] = x.y, w[r][2] = x.z, w[r][3] = x.w;
+        } else if (codes[r] != nullptr) {
+          const uint32_t code = codes[r][j] >> (8 * t);
+          const uint32_t scale = scales[r][j];
+          const uint32_t pair = scale | (scale << 16);
+#pragma unroll
+          for (int word = 0; word < 4; ++word) {
+            const uint32_t bits = code >> (2 * word);
+            w[r][word] = (((bits & 1u) ? 0x0000FFFFu : 0u) | ((bits & 2u) ? 0xFFFF0000u : 0u)) & pair;
+          }
+        } else {
+#pragma unroll
+          for (int word = 0; word < 4; ++word) w[r][word] = 0u;
+        }
+      }
+      uint32_t az01 = 0u, az89 = 0u;  // zeros of tokens 2t, 2t + 1 and 2t + 8, 2t + 9
+      if (quantized_block) {
+        Half z[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) z[i] = zeros[i] != nullptr ? zeros[i][j] : Half{0};
+        az01 = static_cast<uint32_t>(z[0]) | (static_cast<uint32_t>(z[1]) << 16);
+        az89 = static_cast<uint32_t>(z[2]) | (static_cast<uint32_t>(z[3]) << 16);
+      }
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const uint32_t a0 = mma::Transposed8x8(w[0][2 * p]), a1 = mma::Transposed8x8(w[0][2 * p + 1]);
+        const uint32_t a2 = mma::Transposed8x8(w[1][2 * p]), a3 = mma::Transposed8x8(w[1][2 * p + 1]);
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        Mma(c, a0, a1, a2, a3, bh[0], bh[1]);
+        Mma(c, a0, a1, a2, a3, bl[0], bl[1]);
+        if (quantized_block) {  // warp-uniform
+          Mma(c, az01, az01, az89, az89, bh[0], bh[1]);
+          Mma(c, az01, az01, az89, az89, bl[0], bl[1]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[2 * j + p][e] = fmaf(c[e], 1.0f / kTailP, acc[2 * j + p][e]);
+      }
+    }
+  }
+}
+// The channel of TailValuesMma's accumulator acc[mt][e] in lane group g (its query: 2t + (e & 1)).
+__device__ __forceinline__ int TailValueChannel(int mt, int e, int g) {
+  return 32 * (mt / 2) + 8 * (g >> 1) + 4 * (mt % 2) + 2 * (e >> 1) + (g & 1);
+}
+
 // One tail unit: tokens [from, to) of whatever kind (residual keys, value window, the step's new
-// rows, causal among themselves), 32 at a time with an online softmax: a lane per token for the
-// scores (queries from shared memory, fp16 key rows read 8 channels at a time) and a lane per
-// channel for the values, on the CUDA cores.
+// rows, causal among themselves), 32 at a time with an online softmax (a lane per token, the
+// scores and p through shared memory). Where kTailMmaScores / kTailMmaValues (1-bit, one query
+// tile) the scores and the values are mma (TailScoresMma, TailValuesMma); else a lane per token
+// for the scores (queries from shared memory, fp16 key rows read 8 channels at a time) and a lane
+// per channel for the values, on the CUDA cores. On the H200 (one layer, the lean path) the mma
+// tail made the attention 11% faster at 32 x 8K, 27% at 16 x 8K (there the tails end the kernel),
+// 6% at 99 x 8K, 8% at 8 x 32K and 2% at 24 x 32K: a tail block on the CUDA cores ran ~10x the
+// instructions of a bulk block.
 template <int KB, int VB, int D, int NT>
 __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t from, int32_t to, uint32_t* ws,
                          int lane) {
@@ -1217,26 +1457,40 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   const DeviceReplicaView& v = it.replica;
   const DeviceDecodeRows& r = it.rows;
   const int queries = r.n_rows * r.n_heads;
-  float* qsm = reinterpret_cast<float*>(ws);  // [Q][D]: QueryOperand(q) * scale
+  constexpr bool kMmaScores = kTailMmaScores<KB, D, NT>;
+  // [Q][D]: QueryOperand(q) * scale, or with kMmaScores the mma's query operands (D * 4 words).
+  float* qsm = reinterpret_cast<float*>(ws);
   float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
   // The fp16 value rows of the block's tokens (null: a quantized value), after the queries.
   const Half** value_rows = reinterpret_cast<const Half**>(qsm + Q * D);
+  float unscale[2] = {0.0f, 0.0f};  // kMmaScores: C to scores, queries 2 (lane % 4), + 1
+  if constexpr (kMmaScores) {
+    static_assert(D * 4 <= Q * D, "the query operands fit the queries' room");
+    StoreTailQueryOperands<D>(r, queries, ws, lane, unscale);
+  } else {
 #pragma unroll
-  for (int q = 0; q < Q; ++q) {
-    const float* row = q < queries ? r.q + QueryAt(r, q, D) : nullptr;
-    const int e = row ? decode::WarpQueryOperandExponent(row, D, lane) : 0;
+    for (int q = 0; q < Q; ++q) {
+      const float* row = q < queries ? r.q + QueryAt(r, q, D) : nullptr;
+      const int e = row ? decode::WarpQueryOperandExponent(row, D, lane) : 0;
 #pragma unroll
-    for (int c = lane; c < D; c += 32) qsm[q * D + c] = row ? decode::QueryOperandChannel(row[c], e) * r.scale : 0.0f;
+      for (int c = lane; c < D; c += 32) qsm[q * D + c] = row ? decode::QueryOperandChannel(row[c], e) * r.scale : 0.0f;
+    }
+    __syncwarp();
   }
-  __syncwarp();
-  float m[Q], l[Q], acc[Q][CPL];
+  // acc: [q][k] query q's channel lane + 32 k, or with kMmaValues out^T's registers [mt][e]
+  // (TailValuesMma: channel TailValueChannel(mt, e, g), query 2t + (e & 1)).
+  constexpr bool kMmaValues = kTailMmaValues<KB, VB, D, NT>;
+  constexpr int AR = kMmaValues ? D / 16 : Q, AC = kMmaValues ? 4 : CPL;
+  float m[Q], l[Q], acc[AR][AC];
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
     m[q] = -INFINITY;
     l[q] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < CPL; ++k) acc[q][k] = 0.0f;
   }
+#pragma unroll
+  for (int i = 0; i < AR; ++i)
+#pragma unroll
+    for (int k = 0; k < AC; ++k) acc[i][k] = 0.0f;
   for (int32_t b0 = from; b0 < to; b0 += 32) {
     const int32_t token = b0 + lane;
     const bool valid = token < to;
@@ -1257,7 +1511,11 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     float s[Q];
 #pragma unroll
     for (int q = 0; q < Q; ++q) s[q] = 0.0f;
-    if (valid) {
+    if constexpr (kMmaScores) {
+      TailScoresMma<D, PS>(v, b0, key_row, ws, unscale, psm, lane);
+#pragma unroll
+      for (int q = 0; q < Q; ++q) s[q] = psm[lane * PS + q];
+    } else if (valid) {
       const Half* row = key_row;
       if (row != nullptr) {
         for (int c = 0; c < D; c += 8) {
@@ -1283,6 +1541,7 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
         }
       }
     }
+    float alpha_even = 1.0f, alpha_odd = 1.0f;  // kMmaValues: queries 2t and 2t + 1's
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
       float score = -INFINITY;
@@ -1298,37 +1557,62 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
       for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kAll, sum, o);
       m[q] = mn;
       l[q] = l[q] * alpha + sum;
+      if constexpr (kMmaValues) {
+        if (q == 2 * (lane & 3)) alpha_even = alpha;
+        if (q == 2 * (lane & 3) + 1) alpha_odd = alpha;
+      } else {
 #pragma unroll
-      for (int k = 0; k < CPL; ++k) acc[q][k] *= alpha;
+        for (int k = 0; k < CPL; ++k) acc[q][k] *= alpha;
+      }
       psm[lane * PS + q] = p;
     }
     __syncwarp();
-    const int32_t n = min(32, to - b0);
+    if constexpr (kMmaValues) {
+#pragma unroll
+      for (int mt = 0; mt < AR; ++mt) {
+        acc[mt][0] *= alpha_even, acc[mt][2] *= alpha_even, acc[mt][1] *= alpha_odd, acc[mt][3] *= alpha_odd;
+      }
+      TailValuesMma<D, PS>(v, b0, value_rows, psm, acc, lane);
+    } else {
+      const int32_t n = min(32, to - b0);
 #pragma unroll 4
-    for (int j = 0; j < n; ++j) {
-      const Half* row = value_rows[j];
-      // No row: a quantized value (lane's channel in group k is lane), its parts found once.
-      const uint32_t* codes = row != nullptr ? nullptr : ValueCodes(v, b0 + j);
-      const Half* scales = row != nullptr ? nullptr : ValueScales(v, b0 + j);
-      const Half* zeros = row != nullptr ? nullptr : ValueZeros(v, b0 + j);
+      for (int j = 0; j < n; ++j) {
+        const Half* row = value_rows[j];
+        // No row: a quantized value (lane's channel in group k is lane), its parts found once.
+        const uint32_t* codes = row != nullptr ? nullptr : ValueCodes(v, b0 + j);
+        const Half* scales = row != nullptr ? nullptr : ValueScales(v, b0 + j);
+        const Half* zeros = row != nullptr ? nullptr : ValueZeros(v, b0 + j);
 #pragma unroll
-      for (int k = 0; k < CPL; ++k) {
-        const float val = row != nullptr ? H2F(row[lane + 32 * k])
-                                         : static_cast<float>(decode::Code(codes + k * VB, lane, VB)) * H2F(scales[k]) +
-                                               H2F(zeros[k]);
+        for (int k = 0; k < CPL; ++k) {
+          const float val = row != nullptr ? H2F(row[lane + 32 * k])
+                                           : static_cast<float>(decode::Code(codes + k * VB, lane, VB)) * H2F(scales[k]) +
+                                                 H2F(zeros[k]);
 #pragma unroll
-        for (int q = 0; q < Q; ++q) acc[q][k] += psm[j * PS + q] * val;
+          for (int q = 0; q < Q; ++q) acc[q][k] += psm[j * PS + q] * val;
+        }
       }
     }
-    __syncwarp();
+    __syncwarp();  // psm and value_rows are rewritten by the next block
   }
   float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
   float* stats = r.scratch + static_cast<size_t>(units) * queries * D + static_cast<size_t>(u) * queries * 2;
+  if constexpr (kMmaValues) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < AR; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int q = 2 * t + (e & 1);
+        if (q < queries) partial[q * D + TailValueChannel(mt, e, g)] = acc[mt][e];
+      }
+  }
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
     if (q >= queries) break;
+    if constexpr (!kMmaValues) {
 #pragma unroll
-    for (int k = 0; k < CPL; ++k) partial[q * D + lane + 32 * k] = acc[q][k];
+      for (int k = 0; k < CPL; ++k) partial[q * D + lane + 32 * k] = acc[q][k];
+    }
     if (lane == 0) stats[q * 2] = m[q], stats[q * 2 + 1] = l[q];
   }
 }
@@ -1616,7 +1900,9 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   // unit of many; at 256 items x 3 tail units they took a third of the slots).
   const int most_tail = static_cast<int>(std::clamp<int64_t>(wave / (8 * int64_t(items.size())), 1, kMaxTailUnits));
   int64_t blocks = 0, tail_units = 0, most_blocks = 2, substituted = 0;
-  int64_t tail_cost = 0;  // the longest tail unit, in bulk blocks (a tail block on the CUDA cores: ~3, by instruction counts)
+  // The longest tail unit, in bulk blocks: 3 a tail block, as estimated from instruction counts
+  // for the CUDA-core tail; not measured again since the 1-bit tails went to the tensor cores.
+  int64_t tail_cost = 0;
   // How many items have each bulk length ({blocks, items}): the searches below count units over
   // these, not over the items (a batch has few lengths; walking 792 items of 256 bytes for each
   // candidate chunk cost ~150 us of host time per layer at 99 x 8K).
