@@ -1268,11 +1268,7 @@ __device__ __forceinline__ void TailScoresMma(const DeviceReplicaView& v, int32_
     for (int hr = 0; hr < 2; ++hr)
       rows[mt][hr] = reinterpret_cast<const Half*>(
           __shfl_sync(kAll, reinterpret_cast<unsigned long long>(key_row), 16 * mt + 8 * hr + g));
-  float c[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[mt][i] = 0.0f;
+  float c[2][4] = {}, zc[4] = {};  // S^T's m-tiles; the zeros' term (every row the same)
 #pragma unroll
   for (int kk = 0; kk < D / 32; ++kk) {
     const uint4 qw = reinterpret_cast<const uint4*>(quads)[kk * 32 + lane];
