@@ -1206,10 +1206,11 @@ __device__ __forceinline__ const Half* KeyRow(const DeviceReplicaView& v, const 
   return nullptr;
 }
 
-// Whether a tail unit scores its blocks on the tensor cores (TailScoresMma): 1-bit keys (the
-// tail's quantized key groups keep the plain layout, a code word per channel), one query tile.
-template <int KB, int D, int NT>
-constexpr bool kTailMmaScores = KB == 1 && NT == 1 && (D == 64 || D == 128);
+// Whether a kernel's tail units run on the tensor cores (TailUnitMma): 1-bit keys and values (the
+// tail's quantized groups keep the plain layout, a code word per channel or per 32-channel
+// group), one query tile.
+template <int KB, int VB, int D, int NT>
+constexpr bool kTailMma = KB == 1 && VB == 1 && NT == 1 && (D == 64 || D == 128);
 
 // The tail's query operands for TailScoresMma, in the first D * 4 words of `quads` (shared
 // memory): quad [kk][lane] holds query g's (g = lane / 4, t = lane % 4) channels 32 kk + 8 t .. +7
@@ -1238,8 +1239,8 @@ __device__ __forceinline__ void StoreTailQueryOperands(const DeviceDecodeRows& r
   __syncwarp();
 }
 
-// A tail block's raw scores on the tensor cores, into p_rows[token][q] (row stride PS floats):
-// S^T = K Q^T over 16 tokens an m-tile (A = the keys: rows tokens, k = channels; B = the query
+// A tail block's scores on the tensor cores, into sc[mt][e] (token 16 mt + g + 8 (e >> 1) of the
+// block, query 2t + (e & 1), times the query's unscale: raw scores, unmasked): S^T = K Q^T over 16 tokens an m-tile (A = the keys: rows tokens, k = channels; B = the query
 // operands, StoreTailQueryOperands), two m-tiles, D / 16 k-steps. The k index is permuted the same
 // way in A and B (k-steps 2 kk + h take channels 32 kk + 8 t + 4 h + {0, 1} as k = 2t, 2t + 1 and
 // + {2, 3} as 2t + 8, 2t + 9), so that a lane's operands of two k-steps are one 16-byte load of
@@ -1248,9 +1249,9 @@ __device__ __forceinline__ void StoreTailQueryOperands(const DeviceDecodeRows& r
 // zeros' term q . z added in fp32 from an mma whose A rows are all the zeros. The products are
 // exact; the tensor cores sum them in fp32. key_row: the fp16 key row of token b0 + lane (null
 // for a quantized key or a token past the tail's end, whose score the caller masks).
-template <int D, int PS>
+template <int D>
 __device__ __forceinline__ void TailScoresMma(const DeviceReplicaView& v, int32_t b0, const Half* key_row,
-                                              const uint32_t* quads, const float (&unscale)[2], float* p_rows,
+                                              const uint32_t* quads, const float (&unscale)[2], float (&sc)[2][4],
                                               int lane) {
   const int g = lane >> 2, t = lane & 3;
   // The block's keys are all quantized (whole groups: quantized_keys is a multiple of 32), but for
@@ -1314,17 +1315,11 @@ __device__ __forceinline__ void TailScoresMma(const DeviceReplicaView& v, int32_
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int token = 16 * mt + g + 8 * (e >> 1), q = 2 * t + (e & 1);
       const bool quantized = quantized_block && rows[mt][e >> 1] == nullptr;
-      p_rows[token * PS + q] = (c[mt][e] + (quantized ? zc[e & 1] : 0.0f)) * unscale[e & 1];
+      sc[mt][e] = (c[mt][e] + (quantized ? zc[e & 1] : 0.0f)) * unscale[e & 1];
     }
-  __syncwarp();
 }
 
-// Whether a tail unit also adds its blocks' values on the tensor cores (TailValuesMma): 1-bit
-// values too.
-template <int KB, int VB, int D, int NT>
-constexpr bool kTailMmaValues = kTailMmaScores<KB, D, NT> && VB == 1;
 // p times this before its split into fp16 parts (p <= 1): the lo part keeps p's bits down to
 // ~2^-34 instead of fp16's subnormal floor 2^-24.
 constexpr float kTailP = 1024.0f;
@@ -1437,15 +1432,108 @@ __device__ __forceinline__ int TailValueChannel(int mt, int e, int g) {
   return 32 * (mt / 2) + 8 * (g >> 1) + 4 * (mt % 2) + 2 * (e >> 1) + (g & 1);
 }
 
+// One tail unit on the tensor cores (kTailMma: 1-bit keys and values, one query tile): tokens
+// [from, to) as TailUnit takes them, 32 at a time. The scores (TailScoresMma) stay in the mma's
+// registers for the online softmax: a lane holds queries 2t and 2t + 1 (their running max m and
+// its part of the sum l) for tokens 16 mt + g (+ 8), the max over a query's tokens three shuffles
+// across the lane groups; p goes to shared memory ([token][query]) for the values' B
+// (TailValuesMma). On the CUDA cores a tail block ran ~10x a bulk block's instructions; with the
+// scores and values as mma (the softmax then a lane per token and query, the scores through shared
+// memory) the attention took, on the H200 a layer: 32 x 8K 0.1180 -> 0.1054 ms, 16 x 8K 0.0892 ->
+// 0.0652 (there the tails end the kernel), 99 x 8K 0.2870 -> 0.2690, 8 x 32K 0.1058 -> 0.0976;
+// with the softmax in the registers 32 x 8K 0.1062 -> 0.1028, 16 x 8K 0.0658 -> 0.0617, the other
+// shapes within 0.7%.
+template <int D>
+__device__ void TailUnitMma(const DeviceDecodeItem& it, int u, int units, int32_t from, int32_t to, uint32_t* ws,
+                            int stages_words, int lane) {
+  constexpr int Q = 8, PS = Q + 4;
+  const DeviceReplicaView& v = it.replica;
+  const DeviceDecodeRows& r = it.rows;
+  const int queries = r.n_rows * r.n_heads;
+  const int g = lane >> 2, t = lane & 3;
+  // Per warp: the query operands (D * 4 words), the block's value rows [32] at word 8 D (where
+  // TailUnit keeps them, after its [Q][D] queries), p [32 tokens][PS] after the stages.
+  const Half** value_rows = reinterpret_cast<const Half**>(ws + Q * D);
+  float* psm = reinterpret_cast<float*>(ws + stages_words);
+  float unscale[2];  // queries 2t, 2t + 1: C to scores
+  StoreTailQueryOperands<D>(r, queries, ws, lane, unscale);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // queries 2t, 2t + 1 (l: this lane's tokens)
+  float acc[D / 16][4] = {};  // out^T (TailValuesMma: channel TailValueChannel(mt, e, g), query 2t + (e & 1))
+  for (int32_t b0 = from; b0 < to; b0 += 32) {
+    const int32_t token = b0 + lane;
+    const bool valid = token < to;
+    const int sub = valid ? FindSubstitute(v, r, token) : -1;
+    const Half* const value_row = !valid                        ? nullptr
+                                  : sub >= 0                    ? SubstitutedRow(r, sub, D) + D
+                                  : token >= v.length           ? r.new_values + (token - v.length) * r.kv_stride
+                                  : token >= v.quantized_values ? v.window_values + static_cast<size_t>(token - v.quantized_values) * D
+                                                                : nullptr;
+    const Half* const key_row = valid ? KeyRow(v, r, token, sub) : nullptr;
+    value_rows[lane] = value_row;
+    PrefetchRowL1<D>(key_row);  // into L1 before the mma's lanes read them (TailUnit)
+    PrefetchRowL1<D>(value_row);
+    float sc[2][4];
+    TailScoresMma<D>(v, b0, key_row, ws, unscale, sc, lane);
+    // Masks: tokens past the end, the step's new rows causal among themselves (query row q / n_heads
+    // sees new rows up to its own), padding queries. The candidates' scores go out for the top-k.
+    float bm[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int32_t tok = b0 + 16 * mt + g + 8 * (e >> 1);
+        const int q = 2 * t + (e & 1);
+        const bool in = tok < to && q < queries;
+        if (!in || (tok >= v.length && tok - v.length > q / r.n_heads)) sc[mt][e] = -INFINITY;
+        float* const scores = in && tok < r.n_candidates ? decode::ScoresOfRow(r, q / r.n_heads) : nullptr;
+        if (scores) scores[static_cast<size_t>(q % r.n_heads) * r.n_candidates + tok] = sc[mt][e];
+        bm[e & 1] = fmaxf(bm[e & 1], sc[mt][e]);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      for (int o = 4; o < 32; o <<= 1) bm[j] = fmaxf(bm[j], __shfl_xor_sync(kAll, bm[j], o));
+      const float mn = fmaxf(m[j], bm[j]);
+      alpha[j] = mn == -INFINITY ? 1.0f : __expf(m[j] - mn);
+      l[j] *= alpha[j];
+      m[j] = mn;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = e & 1;
+        const float p = m[j] == -INFINITY ? 0.0f : __expf(sc[mt][e] - m[j]);
+        l[j] += p;
+        psm[(16 * mt + g + 8 * (e >> 1)) * PS + 2 * t + j] = p;
+      }
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) acc[mt][0] *= alpha[0], acc[mt][2] *= alpha[0], acc[mt][1] *= alpha[1], acc[mt][3] *= alpha[1];
+    __syncwarp();  // p and value_rows written
+    TailValuesMma<D, PS>(v, b0, value_rows, psm, acc, lane);
+    __syncwarp();  // psm and value_rows are rewritten by the next block
+  }
+  float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
+  float* stats = r.scratch + static_cast<size_t>(units) * queries * D + static_cast<size_t>(u) * queries * 2;
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int q = 2 * t + (e & 1);
+      if (q < queries) partial[q * D + TailValueChannel(mt, e, g)] = acc[mt][e];
+    }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    for (int o = 4; o < 32; o <<= 1) l[j] += __shfl_xor_sync(kAll, l[j], o);
+    const int q = 2 * t + j;
+    if (g == 0 && q < queries) stats[q * 2] = m[j], stats[q * 2 + 1] = l[j];
+  }
+}
+
 // One tail unit: tokens [from, to) of whatever kind (residual keys, value window, the step's new
-// rows, causal among themselves), 32 at a time with an online softmax (a lane per token, the
-// scores and p through shared memory). Where kTailMmaScores / kTailMmaValues (1-bit, one query
-// tile) the scores and the values are mma (TailScoresMma, TailValuesMma); else a lane per token
-// for the scores (queries from shared memory, fp16 key rows read 8 channels at a time) and a lane
-// per channel for the values, on the CUDA cores. On the H200 (one layer, the lean path) the mma
-// tail made the attention 11% faster at 32 x 8K, 27% at 16 x 8K (there the tails end the kernel),
-// 6% at 99 x 8K, 8% at 8 x 32K and 2% at 24 x 32K: a tail block on the CUDA cores ran ~10x the
-// instructions of a bulk block.
+// rows, causal among themselves), 32 at a time with an online softmax: a lane per token for the
+// scores (queries from shared memory, fp16 key rows read 8 channels at a time) and a lane per
+// channel for the values, on the CUDA cores.
 template <int KB, int VB, int D, int NT>
 __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t from, int32_t to, uint32_t* ws,
                          int lane) {
@@ -1453,40 +1541,26 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   const DeviceReplicaView& v = it.replica;
   const DeviceDecodeRows& r = it.rows;
   const int queries = r.n_rows * r.n_heads;
-  constexpr bool kMmaScores = kTailMmaScores<KB, D, NT>;
-  // [Q][D]: QueryOperand(q) * scale, or with kMmaScores the mma's query operands (D * 4 words).
-  float* qsm = reinterpret_cast<float*>(ws);
+  float* qsm = reinterpret_cast<float*>(ws);  // [Q][D]: QueryOperand(q) * scale
   float* psm = reinterpret_cast<float*>(ws + StagesWords<KB, VB, D, NT>());
   // The fp16 value rows of the block's tokens (null: a quantized value), after the queries.
   const Half** value_rows = reinterpret_cast<const Half**>(qsm + Q * D);
-  float unscale[2] = {0.0f, 0.0f};  // kMmaScores: C to scores, queries 2 (lane % 4), + 1
-  if constexpr (kMmaScores) {
-    static_assert(D * 4 <= Q * D, "the query operands fit the queries' room");
-    StoreTailQueryOperands<D>(r, queries, ws, lane, unscale);
-  } else {
 #pragma unroll
-    for (int q = 0; q < Q; ++q) {
-      const float* row = q < queries ? r.q + QueryAt(r, q, D) : nullptr;
-      const int e = row ? decode::WarpQueryOperandExponent(row, D, lane) : 0;
+  for (int q = 0; q < Q; ++q) {
+    const float* row = q < queries ? r.q + QueryAt(r, q, D) : nullptr;
+    const int e = row ? decode::WarpQueryOperandExponent(row, D, lane) : 0;
 #pragma unroll
-      for (int c = lane; c < D; c += 32) qsm[q * D + c] = row ? decode::QueryOperandChannel(row[c], e) * r.scale : 0.0f;
-    }
-    __syncwarp();
+    for (int c = lane; c < D; c += 32) qsm[q * D + c] = row ? decode::QueryOperandChannel(row[c], e) * r.scale : 0.0f;
   }
-  // acc: [q][k] query q's channel lane + 32 k, or with kMmaValues out^T's registers [mt][e]
-  // (TailValuesMma: channel TailValueChannel(mt, e, g), query 2t + (e & 1)).
-  constexpr bool kMmaValues = kTailMmaValues<KB, VB, D, NT>;
-  constexpr int AR = kMmaValues ? D / 16 : Q, AC = kMmaValues ? 4 : CPL;
-  float m[Q], l[Q], acc[AR][AC];
+  __syncwarp();
+  float m[Q], l[Q], acc[Q][CPL];
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
     m[q] = -INFINITY;
     l[q] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) acc[q][k] = 0.0f;
   }
-#pragma unroll
-  for (int i = 0; i < AR; ++i)
-#pragma unroll
-    for (int k = 0; k < AC; ++k) acc[i][k] = 0.0f;
   for (int32_t b0 = from; b0 < to; b0 += 32) {
     const int32_t token = b0 + lane;
     const bool valid = token < to;
@@ -1507,11 +1581,7 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     float s[Q];
 #pragma unroll
     for (int q = 0; q < Q; ++q) s[q] = 0.0f;
-    if constexpr (kMmaScores) {
-      TailScoresMma<D, PS>(v, b0, key_row, ws, unscale, psm, lane);
-#pragma unroll
-      for (int q = 0; q < Q; ++q) s[q] = psm[lane * PS + q];
-    } else if (valid) {
+    if (valid) {
       const Half* row = key_row;
       if (row != nullptr) {
         for (int c = 0; c < D; c += 8) {
@@ -1537,7 +1607,6 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
         }
       }
     }
-    float alpha_even = 1.0f, alpha_odd = 1.0f;  // kMmaValues: queries 2t and 2t + 1's
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
       float score = -INFINITY;
@@ -1553,62 +1622,37 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
       for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kAll, sum, o);
       m[q] = mn;
       l[q] = l[q] * alpha + sum;
-      if constexpr (kMmaValues) {
-        if (q == 2 * (lane & 3)) alpha_even = alpha;
-        if (q == 2 * (lane & 3) + 1) alpha_odd = alpha;
-      } else {
 #pragma unroll
-        for (int k = 0; k < CPL; ++k) acc[q][k] *= alpha;
-      }
+      for (int k = 0; k < CPL; ++k) acc[q][k] *= alpha;
       psm[lane * PS + q] = p;
     }
     __syncwarp();
-    if constexpr (kMmaValues) {
-#pragma unroll
-      for (int mt = 0; mt < AR; ++mt) {
-        acc[mt][0] *= alpha_even, acc[mt][2] *= alpha_even, acc[mt][1] *= alpha_odd, acc[mt][3] *= alpha_odd;
-      }
-      TailValuesMma<D, PS>(v, b0, value_rows, psm, acc, lane);
-    } else {
-      const int32_t n = min(32, to - b0);
+    const int32_t n = min(32, to - b0);
 #pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const Half* row = value_rows[j];
-        // No row: a quantized value (lane's channel in group k is lane), its parts found once.
-        const uint32_t* codes = row != nullptr ? nullptr : ValueCodes(v, b0 + j);
-        const Half* scales = row != nullptr ? nullptr : ValueScales(v, b0 + j);
-        const Half* zeros = row != nullptr ? nullptr : ValueZeros(v, b0 + j);
+    for (int j = 0; j < n; ++j) {
+      const Half* row = value_rows[j];
+      // No row: a quantized value (lane's channel in group k is lane), its parts found once.
+      const uint32_t* codes = row != nullptr ? nullptr : ValueCodes(v, b0 + j);
+      const Half* scales = row != nullptr ? nullptr : ValueScales(v, b0 + j);
+      const Half* zeros = row != nullptr ? nullptr : ValueZeros(v, b0 + j);
 #pragma unroll
-        for (int k = 0; k < CPL; ++k) {
-          const float val = row != nullptr ? H2F(row[lane + 32 * k])
-                                           : static_cast<float>(decode::Code(codes + k * VB, lane, VB)) * H2F(scales[k]) +
-                                                 H2F(zeros[k]);
+      for (int k = 0; k < CPL; ++k) {
+        const float val = row != nullptr ? H2F(row[lane + 32 * k])
+                                         : static_cast<float>(decode::Code(codes + k * VB, lane, VB)) * H2F(scales[k]) +
+                                               H2F(zeros[k]);
 #pragma unroll
-          for (int q = 0; q < Q; ++q) acc[q][k] += psm[j * PS + q] * val;
-        }
+        for (int q = 0; q < Q; ++q) acc[q][k] += psm[j * PS + q] * val;
       }
     }
-    __syncwarp();  // psm and value_rows are rewritten by the next block
+    __syncwarp();
   }
   float* partial = r.scratch + static_cast<size_t>(u) * queries * D;
   float* stats = r.scratch + static_cast<size_t>(units) * queries * D + static_cast<size_t>(u) * queries * 2;
-  if constexpr (kMmaValues) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < AR; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int q = 2 * t + (e & 1);
-        if (q < queries) partial[q * D + TailValueChannel(mt, e, g)] = acc[mt][e];
-      }
-  }
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
     if (q >= queries) break;
-    if constexpr (!kMmaValues) {
 #pragma unroll
-      for (int k = 0; k < CPL; ++k) partial[q * D + lane + 32 * k] = acc[q][k];
-    }
+    for (int k = 0; k < CPL; ++k) partial[q * D + lane + 32 * k] = acc[q][k];
     if (lane == 0) stats[q * 2] = m[q], stats[q * 2 + 1] = l[q];
   }
 }
@@ -1651,8 +1695,12 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
     }
   } else {
     const int32_t per = TailUnitTokens(it, set->tail_units), from_token = bulk_end + (u - bulk_units) * per;
-    TailUnit<KB, VB, D, NT>(it, u, units, from_token, min(it.replica.length + it.rows.n_rows, from_token + per), ws,
-                            lane);
+    const int32_t to_token = min(it.replica.length + it.rows.n_rows, from_token + per);
+    if constexpr (kTailMma<KB, VB, D, NT>) {
+      TailUnitMma<D>(it, u, units, from_token, to_token, ws, StagesWords<KB, VB, D, NT>(), lane);
+    } else {
+      TailUnit<KB, VB, D, NT>(it, u, units, from_token, to_token, ws, lane);
+    }
   }
 }
 
