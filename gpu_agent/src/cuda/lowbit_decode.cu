@@ -1206,6 +1206,17 @@ __device__ __forceinline__ const Half* KeyRow(const DeviceReplicaView& v, const 
   return nullptr;
 }
 
+// Where the fp16 row of `token`'s value is (a substituted row, the step's new rows, the value
+// window), or null for a quantized value.
+template <int D>
+__device__ __forceinline__ const Half* ValueRow(const DeviceReplicaView& v, const DeviceDecodeRows& r, int32_t token,
+                                                int sub) {
+  if (sub >= 0) return SubstitutedRow(r, sub, D) + D;
+  if (token >= v.length) return r.new_values + (token - v.length) * r.kv_stride;
+  if (token >= v.quantized_values) return v.window_values + static_cast<size_t>(token - v.quantized_values) * D;
+  return nullptr;
+}
+
 // Whether a kernel's tail units run on the tensor cores (TailUnitMma): 1-bit keys and values (the
 // tail's quantized groups keep the plain layout, a code word per channel or per 32-channel
 // group), one query tile.
@@ -1463,11 +1474,7 @@ __device__ void TailUnitMma(const DeviceDecodeItem& it, int u, int units, int32_
     const int32_t token = b0 + lane;
     const bool valid = token < to;
     const int sub = valid ? FindSubstitute(v, r, token) : -1;
-    const Half* const value_row = !valid                        ? nullptr
-                                  : sub >= 0                    ? SubstitutedRow(r, sub, D) + D
-                                  : token >= v.length           ? r.new_values + (token - v.length) * r.kv_stride
-                                  : token >= v.quantized_values ? v.window_values + static_cast<size_t>(token - v.quantized_values) * D
-                                                                : nullptr;
+    const Half* const value_row = valid ? ValueRow<D>(v, r, token, sub) : nullptr;
     const Half* const key_row = valid ? KeyRow(v, r, token, sub) : nullptr;
     value_rows[lane] = value_row;
     PrefetchRowL1<D>(key_row);  // into L1 before the mma's lanes read them (TailUnit)
@@ -1565,11 +1572,7 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
     const int32_t token = b0 + lane;
     const bool valid = token < to;
     const int sub = valid ? FindSubstitute(v, r, token) : -1;
-    const Half* const value_row = !valid                        ? nullptr
-                                  : sub >= 0                    ? SubstitutedRow(r, sub, D) + D
-                                  : token >= v.length           ? r.new_values + (token - v.length) * r.kv_stride
-                                  : token >= v.quantized_values ? v.window_values + static_cast<size_t>(token - v.quantized_values) * D
-                                                                : nullptr;
+    const Half* const value_row = valid ? ValueRow<D>(v, r, token, sub) : nullptr;
     const Half* const key_row = valid ? KeyRow(v, r, token, sub) : nullptr;
     value_rows[lane] = value_row;
     // The lane's fp16 rows into L1 before they are read: the key row's loads follow at once, the
