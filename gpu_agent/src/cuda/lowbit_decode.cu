@@ -1217,6 +1217,22 @@ __device__ __forceinline__ const Half* ValueRow(const DeviceReplicaView& v, cons
   return nullptr;
 }
 
+// A tail block's start for lane's token (`valid`: before the unit's end): its value row into
+// value_rows[lane], both its fp16 rows asked of L1 (the key row's loads follow at once, the value
+// rows' after the block's scores; on the H200 16 x 8K ran 6% faster with the CUDA-core tail, whose
+// units end the kernel there), its key row returned (null: a quantized key, or none).
+template <int D>
+__device__ __forceinline__ const Half* StartTailBlock(const DeviceReplicaView& v, const DeviceDecodeRows& r,
+                                                      int32_t token, bool valid, const Half** value_rows, int lane) {
+  const int sub = valid ? FindSubstitute(v, r, token) : -1;
+  const Half* const value_row = valid ? ValueRow<D>(v, r, token, sub) : nullptr;
+  const Half* const key_row = valid ? KeyRow(v, r, token, sub) : nullptr;
+  value_rows[lane] = value_row;
+  PrefetchRowL1<D>(key_row);
+  PrefetchRowL1<D>(value_row);
+  return key_row;
+}
+
 // Whether a kernel's tail units run on the tensor cores (TailUnitMma): 1-bit keys and values (the
 // tail's quantized groups keep the plain layout, a code word per channel or per 32-channel
 // group), one query tile.
@@ -1473,12 +1489,7 @@ __device__ void TailUnitMma(const DeviceDecodeItem& it, int u, int units, int32_
   for (int32_t b0 = from; b0 < to; b0 += 32) {
     const int32_t token = b0 + lane;
     const bool valid = token < to;
-    const int sub = valid ? FindSubstitute(v, r, token) : -1;
-    const Half* const value_row = valid ? ValueRow<D>(v, r, token, sub) : nullptr;
-    const Half* const key_row = valid ? KeyRow(v, r, token, sub) : nullptr;
-    value_rows[lane] = value_row;
-    PrefetchRowL1<D>(key_row);  // into L1 before the mma's lanes read them (TailUnit)
-    PrefetchRowL1<D>(value_row);
+    const Half* const key_row = StartTailBlock<D>(v, r, token, valid, value_rows, lane);
     float sc[2][4];
     TailScoresMma<D>(v, b0, key_row, ws, unscale, sc, lane);
     // Masks: tokens past the end, the step's new rows causal among themselves (query row q / n_heads
@@ -1571,16 +1582,7 @@ __device__ void TailUnit(const DeviceDecodeItem& it, int u, int units, int32_t f
   for (int32_t b0 = from; b0 < to; b0 += 32) {
     const int32_t token = b0 + lane;
     const bool valid = token < to;
-    const int sub = valid ? FindSubstitute(v, r, token) : -1;
-    const Half* const value_row = valid ? ValueRow<D>(v, r, token, sub) : nullptr;
-    const Half* const key_row = valid ? KeyRow(v, r, token, sub) : nullptr;
-    value_rows[lane] = value_row;
-    // The lane's fp16 rows into L1 before they are read: the key row's loads follow at once, the
-    // value rows' after the block's scores, a row at a time by every lane. Measured on the H200:
-    // 16 x 8K 6% faster (there the tail units end the kernel), other shapes even; ncu at 32 x 8K
-    // still shows the value loop waiting on its loads (the quantized values' codes as much as rows).
-    PrefetchRowL1<D>(key_row);
-    PrefetchRowL1<D>(value_row);
+    const Half* const key_row = StartTailBlock<D>(v, r, token, valid, value_rows, lane);
     float s[Q];
 #pragma unroll
     for (int q = 0; q < Q; ++q) s[q] = 0.0f;
