@@ -4,7 +4,8 @@
 // value are both quantized, in whole blocks of 32 tokens, as many units as fill one wave of the
 // GPU (less the CTA slots the plan leaves free; see LowBitSet for the tails' place in it); up to 4
 // tail units cover the rest (residual keys, value window, the step's new rows,
-// causal among themselves) on the CUDA cores. One warp runs one unit with an online softmax and
+// causal among themselves), on the tensor cores for 1-bit replicas with one query tile
+// (TailUnitMma), else on the CUDA cores. One warp runs one unit with an online softmax and
 // writes a partial result (per query: running max, sum of exponentials, unnormalised output); a
 // merge kernel combines an item's units in order, writes the outputs and the probabilities row's
 // statistics (or the probabilities).
