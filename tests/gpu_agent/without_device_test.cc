@@ -1,9 +1,13 @@
 // Label `unit`: what the CUDA entry points do on a machine without a usable device (CI, the
 // development machine, a build without CUDA): they return UNAVAILABLE, never crash, so an engine
 // can fall back to the CPU agent. With a device present these skip: the `gpu` tests cover it.
+#include <cstdint>
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include "specache/agent.h"
+#include "specache/cuda_attention.h"
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_gather.h"
 #include "specache/device_probe.h"
@@ -42,6 +46,33 @@ TEST(WithoutDeviceTest, ARowCacheAboveTheKernelsLimitIsInvalidEverywhere) {
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
 #endif
 }
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// Checked before any device work, so with or without a device: fp16 rows the kernels would read
+// 16 bytes at a time from an address that is not 16-byte aligned (cuda_attention.h) are refused.
+// The addresses are never read.
+TEST(WithoutDeviceTest, MisalignedRowsAreRefusedBeforeAnyDeviceWork) {
+  auto at = [](uintptr_t a) { return reinterpret_cast<const Half*>(a); };
+  cuda::DeviceDecodeItem base;
+  base.replica.head_dim = 64;
+  base.rows.new_keys = base.rows.new_values = at(0x10000);
+  cuda::DecodePlan plan;
+  for (int field = 0; field < 6; ++field) {
+    cuda::DeviceDecodeItem it = base;
+    switch (field) {
+      case 0: it.rows.new_values = at(0x10008); break;
+      case 1: it.rows.new_keys = at(0x10002); break;
+      case 2: it.replica.residual_keys = at(0x20004); break;
+      case 3: it.replica.window_values = at(0x20008); break;
+      case 4: it.rows.sub_rows = at(0x30002); break;
+      default: it.rows.kv_stride = 68; break;  // 136 bytes between rows
+    }
+    const Status s = cuda::AttendDecodeBatch(&it, 1, nullptr, &plan);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "field " << field << ": " << s.ToString();
+    EXPECT_NE(s.message().find("16-byte aligned"), std::string::npos) << s.ToString();
+  }
+}
+#endif
 
 TEST(WithoutDeviceTest, RegisteringHostMemoryIsUnavailable) {
   SKIP_IF_A_DEVICE_IS_PRESENT();

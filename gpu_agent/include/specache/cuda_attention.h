@@ -136,6 +136,9 @@ SPECACHE_HOST_DEVICE inline const Half* ValueHalf(const DeviceReplicaView& v, in
          static_cast<int64_t>(token % v.layout.block_tokens) * v.head_dim;
 }
 
+// The fp16 rows handed to the kernels (residual keys, the value window, the step's new rows, the
+// substituted rows) must start 16-byte aligned, kv_stride a multiple of 8 elements: the kernels
+// read them 16 bytes at a time. AttendDecodeBatch refuses others (INVALID_ARGUMENT).
 struct DeviceDecodeRows {
   // [n_sub] ascending, each token of the context at most once (the kernels list a block's rows by
   // rank); padding past the context (kNoToken, a row cache's empty entries) may repeat.

@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -327,6 +328,14 @@ Status Validate(const DeviceDecodeItem& item) {
   if (rows.probs && (rows.probs_row < 0 || rows.probs_row >= rows.n_rows ||
                      rows.n_candidates > replica.length + rows.probs_row + 1)) {
     return Status::InvalidArgument("probs row or candidate count out of range");
+  }
+  // The kernels read fp16 rows 16 bytes at a time (cuda_attention.h, DeviceDecodeRows).
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  if (!aligned(replica.residual_keys) || !aligned(replica.window_values) || !aligned(rows.new_keys) ||
+      !aligned(rows.new_values) || !aligned(rows.sub_rows) || rows.kv_stride % 8 != 0) {
+    return Status::InvalidArgument(
+        "key and value rows (residual, window, new, substituted) must start 16-byte aligned, kv_stride a multiple "
+        "of 8");
   }
   return Status::Ok();
 }

@@ -1366,8 +1366,9 @@ template <int D, int PS>
 __device__ __forceinline__ void TailValuesMma(const DeviceReplicaView& v, int32_t b0, const Half* const* value_rows,
                                               const float* p_rows, float (&acc)[D / 16][4], int lane) {
   const int g = lane >> 2, t = lane & 3;
-  // Tokens below quantized_values have quantized values (but for substituted ones): only in a
-  // unit's first block, where BulkEnd cut the value window's group.
+  // Tokens below quantized_values have quantized values (but for substituted ones): with the
+  // HeadReplica's rule (quantized keys >= quantized values) only in the tail's first block, where
+  // BulkEnd cut the value window's group; any block is handled, token by token.
   const bool quantized_block = b0 < v.quantized_values;
   // Their replica block (the 32 tokens lie in one) and the block's token b0: a quantized value's
   // parts at offsets, as ValueCodes and the others find them, without a division per token.
