@@ -1949,7 +1949,7 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   // Tail units take at most an eighth of the wave (a tail of a few blocks is cheap next to a bulk
   // unit of many; at 256 items x 3 tail units they took a third of the slots).
   const int most_tail = static_cast<int>(std::clamp<int64_t>(wave / (8 * int64_t(items.size())), 1, kMaxTailUnits));
-  int64_t blocks = 0, tail_units = 0, most_blocks = 2, substituted = 0;
+  int64_t blocks = 0, tail_units = 0, most_blocks = 2;
   // The longest tail unit, in bulk blocks: 3 a tail block, as estimated from instruction counts
   // for the CUDA-core tail; not measured again since the 1-bit tails went to the tensor cores.
   int64_t tail_cost = 0;
@@ -1963,7 +1963,6 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
     blocks += b;
     most_blocks = std::max(most_blocks, b);
     lengths.push_back({b, 1});
-    substituted += it.rows.n_sub;
     const int tails = TailUnits(it, most_tail);
     tail_units += tails;
     if (tails > 0) tail_cost = std::max<int64_t>(tail_cost, 3 * TailUnitTokens(it, most_tail) / 32);
@@ -2005,26 +2004,41 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   int64_t chunk = 0;
   TailOrder order = kTailsShared;
   if (cls >= 16) {
-    // The lean path reads at a large share of HBM bandwidth, so empty warp slots cost: one wave of
-    // whole-item units left a quarter of them empty at 99 x 8K (1584 bulk units on 2112 slots).
-    // Over chunks of at least 16 blocks, the fewest blocks a slot runs: rounds of units (several
-    // waves when that fills the slots better) times the chunk; the larger chunk among equals
-    // (fewer partials to merge). The tails never share the wave here: at the same chunk, tails
-    // first beat sharing in all nine splits of the H200 sweep (attend --free-slots 32
-    // --random-rows --unit-plans, 99 x 8K, 32 x 8K, 24 x 32K; 5-25% faster), as a CTA mixing a
-    // tail unit and bulk units holds the tail's slot for the bulk's time. The tails go last
-    // instead when the substituted rows are dense (one token in 16 or more, as with the row cache
-    // attended: 1024 rows at 8K): bulk units of random cost then finish unevenly and the tails
-    // fill the slots they free (0.93-0.95x the tails-first time at 99 and 32 x 8K; at 64 rows
-    // tails first won 8 of 9 splits).
-    int64_t best = -1;
+    // The lean path: the tails last (their CTAs take the slots the bulk leaves empty or frees
+    // first), and the chunk of least estimated cost over the chunks of at least 16 blocks:
+    //   c (m + 2) + 4 U / SMs + (30 tail blocks' time when the bulk and tail CTAs overflow the slots),
+    // U the bulk units, m = ceil(U / 4 / SMs) the most bulk CTAs an SM gets (a unit's time falls as
+    // its SM holds fewer: throughput ~ m / (m + 2)), 4 blocks of a unit's own cost (its start,
+    // partial result and share of the merge). Fitted by least squares to an H200 sweep of 16 shapes
+    // x 13 chunks x both orders (tail_mma_plans_h200_r29.txt, call c5; leave-one-shape-out regret
+    // 1.022-1.028 against the previous plan's 1.064). Tails first had cost 10-20% wherever the
+    // tails' CTAs gave the busiest SM one bulk CTA more. Against that previous plan on the H200
+    // (plan_dealer_h200_r30.txt: two rounds each, 16 shapes): 0.96x its time over all (geometric
+    // mean), 0.85-0.89x at 48 and 64 x 8K, 0.92x at 32 x 8K, but 1.05x at 12 x 8K and 1.08x at
+    // 16 x 8K, where it puts the tails last at a chunk (16, 22) that one wave holds with its
+    // tails: there tails first won (an order effect of the CTAs' placement that the cost leaves
+    // out).
+    // The overflow test counts every CTA slot of the GPU, the ones left free for the fetch too:
+    // the sweep it was fitted to planned with 32 slots free but ran no fetch beside; the step at
+    // 32 x 8K with the fetch (which holds them) ran 18.7 ms against the previous plan's 19.1.
+    const double sms = static_cast<double>(MultiprocessorCount());
+    const int64_t all_ctas = int64_t{MultiprocessorCount()} * ctas_per_sm;
+    const int64_t tail_ctas = (tail_units + kWarps - 1) / kWarps;
+    int64_t tail_blocks = 0;  // the longest tail unit's blocks
+    for (const DeviceDecodeItem& it : items) {
+      if (TailUnits(it, most_tail) > 0) tail_blocks = std::max<int64_t>(tail_blocks, TailUnitTokens(it, most_tail) / 32);
+    }
+    double best = -1.0;
     for (int64_t n = 1; n <= 64; ++n) {
       const int64_t c = std::max<int64_t>((most_blocks + n - 1) / n, 16), units = bulk_units_with(c);
-      const int64_t span = (units + wave - 1) / wave * c;
-      if (best < 0 || span < best || (span == best && c > chunk)) best = span, chunk = c;
+      const int64_t bulk_ctas = (units + kWarps - 1) / kWarps;
+      const double m = std::ceil(static_cast<double>(bulk_ctas) / sms);
+      const double cost = static_cast<double>(c) * (m + 2.0) + 4.0 * static_cast<double>(units) / sms +
+                          (bulk_ctas + tail_ctas > all_ctas ? 30.0 * static_cast<double>(tail_blocks) : 0.0);
+      if (best < 0.0 || cost < best || (cost == best && c > chunk)) best = cost, chunk = c;
       if (c == 16) break;
     }
-    if (tail_units > 0) order = substituted * 16 >= blocks * 32 ? kTailsLast : kTailsFirst;
+    if (tail_units > 0) order = kTailsLast;
   } else {
     // The tails in the wave, or first (their slots then taken by bulk units): by the longest chain
     // of work a slot runs, in blocks (a bulk unit holds at most the longest item's blocks).

@@ -153,8 +153,8 @@ bool LowBitDecodeEligible(const DeviceDecodeItem& item, bool available);
 // (kTailsFirst), or the bulk units run first and the tails' CTAs take the slots the bulk leaves
 // empty or frees first (kTailsLast). Sharing the wave, a short tail's warp sits idle in its CTA
 // while the bulk runs (at 99 x 8K, 792 of 1984 warps). The general kernels' plan puts the tails
-// first when they are short next to a bulk unit, else shares; the lean path's never shares, and
-// puts the tails last when the substituted rows are dense (PlanSet: the H200 sweep behind it).
+// first when they are short next to a bulk unit, else shares; the lean path's puts the tails last
+// (PlanSet: the H200 sweep behind it).
 struct LowBitSet {
   int kernel_class = 0;
   int chunk_blocks = 0;
