@@ -91,6 +91,7 @@ struct Options {
   int attend_rows = 0;               // attend: StepOptions::attend_rows
   int attend_free_slots = 0;         // attend: StepOptions::attend_free_slots
   bool attend_random_rows = false;   // attend: StepOptions::attend_random_rows
+  uint32_t attend_rows_seed = 1000;  // attend: StepOptions::attend_rows_seed
   std::vector<std::string> attend_unit_plans;  // attend: StepOptions::attend_unit_plans
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
@@ -357,6 +358,8 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->delimiter(',');
     cmd->add_flag("--random-rows", o->attend_random_rows,
                   "the substituted rows at random places, as a step's top-k picks them (default: spread evenly)");
+    cmd->add_option("--rows-seed", o->attend_rows_seed,
+                    "with --random-rows: the draw's seed (item i's rows from seed + i; default 1000)");
   }
   if (std::string_view(suite.name) == "step") {
     cmd->add_flag("--profile-step", o->profile_step,
@@ -465,6 +468,7 @@ int main(int argc, char** argv) {
       step.attend_rows = o.attend_rows;
       step.attend_free_slots = o.attend_free_slots;
       step.attend_random_rows = o.attend_random_rows;
+      step.attend_rows_seed = o.attend_rows_seed;
       step.attend_unit_plans = o.attend_unit_plans;
       ok = o.suite == "step"      ? bench::RunStepSuite(step, &cuda_rows)
            : o.suite == "layers"  ? bench::RunLayersSuite(step, &cuda_rows)

@@ -335,10 +335,11 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   const double hbm = DeviceCopyGBps(stream);
   const int group = kQHeads / kKvHeads, n_rows = 2, queries = n_rows * group;
   const int n_sub = std::min({o.attend_rows > 0 ? o.attend_rows : kTopK, o.context / 2, quantized});
+  const std::string placed =
+      o.attend_random_rows ? "at random, seed " + std::to_string(o.attend_rows_seed) : std::string("spread evenly");
   std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, %d substituted rows (%s), context %d, %d CTA "
               "slots left free; HBM (d2d copy, read+write) %.0f GB/s ==\n",
-              kKvHeads, group, n_sub, o.attend_random_rows ? "at random" : "spread evenly", o.context,
-              o.attend_free_slots, hbm);
+              kKvHeads, group, n_sub, placed.c_str(), o.context, o.attend_free_slots, hbm);
   std::printf("%-6s %5s %12s %12s %12s %12s %12s %12s %11s %10s\n", "batch", "bits", "ms_attend", "us_enqueue", "ms_topk",
               "ms_topk_mass", "ms_topk_flat", "MB_read", "GBps", "of_HBM");
   bool ok = hbm > 0;
@@ -384,7 +385,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       for (int i = 0; i < items; ++i) {
         int32_t* mine = tokens.data() + size_t(i) * n_sub;
         if (o.attend_random_rows) {
-          std::mt19937 rng(1000u + static_cast<uint32_t>(i));
+          std::mt19937 rng(o.attend_rows_seed + static_cast<uint32_t>(i));
           std::vector<int32_t> all(static_cast<size_t>(quantized));
           std::iota(all.begin(), all.end(), 0);
           for (int j = 0; j < n_sub; ++j) {  // a partial Fisher-Yates shuffle: n_sub distinct tokens
@@ -469,7 +470,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                         {"ms_attend_layer", attend_ms},
                         {"ms_topk_layer", topk_ms}, {"ms_topk_mass_layer", budget_ms}, {"ms_topk_flat_layer", flat_ms}, {"us_enqueue", host_us}, {"bytes_read", bytes}, {"gbps", gbps}, {"hbm_gbps", hbm},
                         {"fraction_of_hbm", gbps / hbm}, {"free_slots", o.attend_free_slots},
-                        {"random_rows", o.attend_random_rows ? 1 : 0}}});
+                        {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed}}});
       // The lean path with its work split forced, against the plan's own split just above.
       for (const std::string& spec : variant.mma ? o.attend_unit_plans : std::vector<std::string>{}) {
         const auto forced = ParseUnitPlan(spec);  // checked before the suite's first run
@@ -491,7 +492,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"forced_order", static_cast<int>(forced->second)},  // DecodePlan::UnitOrder
                           {"ms_attend_layer", ms}, {"over_planned", ms / attend_ms},
                           {"gbps", forced_gbps}, {"fraction_of_hbm", forced_gbps / hbm},
-                          {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0}}});
+                          {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed}}});
       }
     }
   }

@@ -43,6 +43,9 @@ struct StepOptions {
   // attend: the substituted rows drawn at random (distinct, ascending, a seed per item), as a
   // step's top-k picks them, instead of spread one per stride (which balances the units).
   bool attend_random_rows = false;
+  // attend: the random rows' draw (item i's generator seeded with rows_seed + i): the same draw in
+  // every run of one seed; other seeds tell a plan's systematic effects from the draw's.
+  uint32_t attend_rows_seed = 1000;
   // attend: more timings of the lean path's (1m) attention, each with its work split forced
   // (cuda::DecodePlan::force_units): "CHUNK/ORDER", CHUNK 32-token blocks per bulk unit (0: the
   // plan's), ORDER chosen, shared, first or last (the tail units' place among the warps).
