@@ -668,6 +668,30 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
       const int64_t eight_per_sm = int64_t{8} * MultiprocessorCount();
       batch.part_tokens = rounded_part((total + eight_per_sm - 1) / eight_per_sm);
     }
+    // Parts long enough that a segment's merge ranks its candidates (at most kThreads: one pass)
+    // instead of a radix select of its own after phase one's, where parts of up to
+    // kOneWavePartTokens do it with a block for every two SMs or more: at small batches the parts
+    // were short (512-1792 tokens at 4-16 x 8K) and the merge of their 320-1024 candidates a second
+    // select in series. On the H200 (plan_dealer_h200_r30.txt, call t1): one layer's top-k at
+    // 4 x 8K 0.0209 -> 0.0183 ms, 8 x 8K 0.0230 -> 0.0204, 12 x 8K 0.0268 -> 0.0233, 16 x 8K
+    // 0.0280 -> 0.0266. Parts of up to 8192 tokens (the 32K batches) were 5-14% slower at 4, 8 and
+    // 24 x 32K (one part's own work grew 2-4x) though 7% faster at 12 and 16 x 32K.
+    {
+      auto most_parts_with = [&](int part_tokens) {
+        int most = 1;
+        for (int i = 0; i < batch.count; ++i) most = std::max(most, PartsOf(set[i].n, part_tokens, k));
+        return most;
+      };
+      int ranked = batch.part_tokens;
+      while (ranked < kOneWavePartTokens && most_parts_with(ranked) > 1 &&
+             int64_t{most_parts_with(ranked)} * k > kThreads) {
+        ranked += 256;
+      }
+      if (ranked != batch.part_tokens && most_parts_with(ranked) * int64_t{k} <= kThreads &&
+          blocks_with(ranked) >= MultiprocessorCount() / 2) {
+        batch.part_tokens = ranked;
+      }
+    }
     // k candidates per part must fit the merge's shared memory (kMaxMergeCandidates).
     while (batch.part_tokens < kMaxPartTokens) {
       int most = 1;
