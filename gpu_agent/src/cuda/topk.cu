@@ -26,13 +26,12 @@
 #include "shared_memory_opt_in.cuh"
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_topk.h"
+#include "topk_parts.h"
 
 namespace specache::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kMaxPartTokens = 8192;  // shared memory of phase one: 32 KiB of scores, then the list's 4 KiB
-constexpr int kMinPartTokens = 512;
+constexpr int kThreads = kTopKThreads;  // topk_parts.h, with the parts' bounds
 constexpr unsigned kAllLanes = 0xffffffffu;
 
 // Monotone map from float to uint32 (larger float -> larger key); -inf is the smallest real key.
@@ -61,14 +60,6 @@ __device__ unsigned int* PartsDoneOf(TopKBatch* batch) {
 // The bytes of a batch of `count` segments.
 size_t BatchBytes(int count) { return PartsDoneOffset(count) + static_cast<size_t>(count) * sizeof(unsigned int); }
 static_assert(cpu::kMassRunTokens == kThreads && kThreads == 256, "a run of the mass is one block's width, 8 per lane");
-
-// Parts of a segment of n candidates: several when their candidates (score + token per slot)
-// fit the segment's scratch, else one.
-__host__ __device__ int PartsOf(int32_t n, int part_tokens, int k) {
-  if (n <= part_tokens) return 1;
-  const int parts = (n + part_tokens - 1) / part_tokens;
-  return 2 * static_cast<int64_t>(k) * parts <= n ? parts : 1;
-}
 
 // Adds 1 to histogram[bin] for every lane with `in`, one shared atomic per distinct bin per warp
 // (the keys of one segment share their top digits, so plain atomics would serialise). Every lane
@@ -383,8 +374,7 @@ __device__ void SumRuns(const float* score, int32_t m, int32_t first, float* run
 }
 
 // A segment's merge holds every part's k candidates (score and token) in shared memory: at most
-// this many (48 KiB of them, beside the list and the static arrays: the opt-in).
-constexpr int kMaxMergeCandidates = 6144;
+// kMaxMergeCandidates (topk_parts.h; 48 KiB of them, beside the list and the static arrays: the opt-in).
 
 // TopKPartKernel's dynamic shared memory: `room` floats for the part's scores or, in a segment's
 // last part, the parts' candidates (2 k parts), then the radix select's list.
@@ -642,71 +632,10 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     batch.k = k;
     batch.mass = budget != nullptr;
     const TopKSegment* const set = segments + first;
-    int64_t total = 0;
-    for (int i = 0; i < batch.count; ++i) {
-      if (set[i].n < 0) return Status::InvalidArgument("negative candidate count");
-      total += set[i].n;
-    }
-    // Phase one in one wave where parts of up to 4096 tokens do it: the smallest part (whole
-    // 256-token steps) whose blocks all fit the GPU at once. About 8 blocks per SM, rounded up per
-    // segment, ran 1.3-1.5 waves at 32 and 99 x 8K (6 fit on an H200 then; 5 now, at 48
-    // registers): top-k 0.053 -> 0.044 ms at 32 x 8K, 0.163 -> 0.149 at 99. Longer parts stay at about 8 blocks per SM: 24 x 32K in one
-    // wave of 8192-token parts took 0.161 ms against 0.152 in 1.45 waves of 6144.
-    constexpr int kOneWavePartTokens = 4096;
-    const int64_t slots = int64_t{PartBlocksPerSm()} * MultiprocessorCount();
-    auto blocks_with = [&](int part_tokens) {
-      int64_t blocks = 0;
-      for (int i = 0; i < batch.count; ++i) blocks += PartsOf(set[i].n, part_tokens, k);
-      return blocks;
-    };
-    auto rounded_part = [](int64_t tokens) {
-      return static_cast<int>(std::clamp<int64_t>((tokens + 255) / 256 * 256, kMinPartTokens, kMaxPartTokens));
-    };
-    batch.part_tokens = rounded_part((total + slots - 1) / slots);
-    while (batch.part_tokens < kOneWavePartTokens && blocks_with(batch.part_tokens) > slots) batch.part_tokens += 256;
-    if (batch.part_tokens > kOneWavePartTokens || blocks_with(batch.part_tokens) > slots) {
-      const int64_t eight_per_sm = int64_t{8} * MultiprocessorCount();
-      batch.part_tokens = rounded_part((total + eight_per_sm - 1) / eight_per_sm);
-    }
-    // Parts long enough that a segment's merge ranks its candidates (at most kThreads: one pass)
-    // instead of a radix select of its own after phase one's, where parts of up to
-    // kOneWavePartTokens do it with a block for every two SMs or more: at small batches the parts
-    // were short (512-1792 tokens at 4-16 x 8K) and the merge of their 320-1024 candidates a second
-    // select in series. On the H200 (plan_dealer_h200_r30.txt, call t1): one layer's top-k at
-    // 4 x 8K 0.0209 -> 0.0183 ms, 8 x 8K 0.0230 -> 0.0204, 12 x 8K 0.0268 -> 0.0233, 16 x 8K
-    // 0.0280 -> 0.0266. Parts of up to 8192 tokens (the 32K batches) were 5-14% slower at 4, 8 and
-    // 24 x 32K (one part's own work grew 2-4x) though 7% faster at 12 and 16 x 32K.
-    {
-      auto most_parts_with = [&](int part_tokens) {
-        int most = 1;
-        for (int i = 0; i < batch.count; ++i) most = std::max(most, PartsOf(set[i].n, part_tokens, k));
-        return most;
-      };
-      int ranked = batch.part_tokens;
-      while (ranked < kOneWavePartTokens && most_parts_with(ranked) > 1 &&
-             int64_t{most_parts_with(ranked)} * k > kThreads) {
-        ranked += 256;
-      }
-      if (ranked != batch.part_tokens && most_parts_with(ranked) * int64_t{k} <= kThreads &&
-          blocks_with(ranked) >= MultiprocessorCount() / 2) {
-        batch.part_tokens = ranked;
-      }
-    }
-    // k candidates per part must fit the merge's shared memory (kMaxMergeCandidates).
-    while (batch.part_tokens < kMaxPartTokens) {
-      int most = 1;
-      for (int i = 0; i < batch.count; ++i) most = std::max(most, PartsOf(set[i].n, batch.part_tokens, k));
-      if (most == 1 || int64_t{most} * k <= kMaxMergeCandidates) break;
-      batch.part_tokens = std::min(2 * batch.part_tokens, kMaxPartTokens);  // parts of 3840 tokens double past it
-    }
-    int max_parts = 1;
-    for (int i = 0; i < batch.count; ++i) max_parts = std::max(max_parts, PartsOf(set[i].n, batch.part_tokens, k));
-    if (max_parts > 1 && int64_t{max_parts} * k > kMaxMergeCandidates) {
-      return Status::InvalidArgument("top-k: more than " + std::to_string(kMaxMergeCandidates) +
-                                     " candidates to merge (k " + std::to_string(k) +
-                                     " over segments of up to " + std::to_string(int64_t{max_parts} * batch.part_tokens) +
-                                     " tokens)");
-    }
+    TopKParts cut;
+    SPECACHE_RETURN_IF_ERROR(ChooseTopKParts(set, batch.count, k, MultiprocessorCount(), PartBlocksPerSm(), &cut));
+    batch.part_tokens = cut.part_tokens;
+    const int max_parts = cut.max_parts;
     const int room = ScoreRoom(batch.part_tokens, k, max_parts);
     if (max_parts > 1) {  // before anything is queued: a refusal leaves the stream as it was
       static std::atomic<bool> allowed[kMaxOptInDevices] = {};

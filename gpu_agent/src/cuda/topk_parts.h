@@ -1,0 +1,105 @@
+// How the top-k (topk.cu) cuts a set of segments into parts, on the host: a segment of n
+// candidates is cut into parts of P tokens, a block each, and the segment's last part to finish
+// merges the parts' k candidates each. The choice needs no device (the GPU's SMs and phase one's
+// blocks per SM only size the wave), so CI checks it (topk_parts_test.cc); the kernels' results
+// over such cuts are the gpu-labelled CudaTopKTest.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "specache/cuda_attention.h"  // SPECACHE_HOST_DEVICE
+#include "specache/cuda_topk.h"
+#include "specache/status.h"
+
+namespace specache::cuda {
+
+constexpr int kTopKThreads = 256;          // a phase-one block's threads: a merge of at most this many candidates ranks them
+constexpr int kMaxPartTokens = 8192;       // shared memory of phase one: 32 KiB of scores, then the list's 4 KiB
+constexpr int kMinPartTokens = 512;
+constexpr int kOneWavePartTokens = 4096;   // the longest part a one-wave cut may take (ChooseTopKParts)
+constexpr int kMaxMergeCandidates = 6144;  // a segment's merge holds its parts' candidates in shared memory
+
+// Parts of a segment of n candidates: several when their candidates (score + token per slot) fit
+// the segment's scratch, else one.
+SPECACHE_HOST_DEVICE inline int PartsOf(int32_t n, int part_tokens, int k) {
+  if (n <= part_tokens) return 1;
+  const int parts = (n + part_tokens - 1) / part_tokens;
+  return 2 * static_cast<int64_t>(k) * parts <= n ? parts : 1;
+}
+
+// A set's cut: P, and the most parts a segment has (its merge's candidates: max_parts k).
+struct TopKParts {
+  int part_tokens = kMinPartTokens;
+  int max_parts = 1;
+};
+
+// The cut of segments[0, count) for k rows on a GPU of `sms` SMs holding `blocks_per_sm` phase-one
+// blocks each (k >= 1, counts >= 0). In order:
+// - One wave where parts of up to 4096 tokens do it: the smallest part (whole 256-token steps)
+//   whose blocks all fit the GPU at once. About 8 blocks per SM, rounded up per segment, ran
+//   1.3-1.5 waves at 32 and 99 x 8K (6 fit on an H200 then; 5 now, at 48 registers): top-k 0.053 ->
+//   0.044 ms at 32 x 8K, 0.163 -> 0.149 at 99. Longer parts stay at about 8 blocks per SM: 24 x 32K
+//   in one wave of 8192-token parts took 0.161 ms against 0.152 in 1.45 waves of 6144.
+// - Parts long enough that a segment's merge ranks its candidates (at most kTopKThreads: one pass)
+//   instead of a radix select of its own after phase one's, where parts of up to
+//   kOneWavePartTokens do it with a block for every two SMs or more: at small batches the parts
+//   were short (512-1792 tokens at 4-16 x 8K) and the merge of their 320-1024 candidates a second
+//   select in series. On the H200 (plan_dealer_h200_r30.txt, call t1): one layer's top-k at
+//   4 x 8K 0.0209 -> 0.0183 ms, 8 x 8K 0.0230 -> 0.0204, 12 x 8K 0.0268 -> 0.0233, 16 x 8K
+//   0.0280 -> 0.0266. Parts of up to 8192 tokens (the 32K batches) were 5-14% slower at 4, 8 and
+//   24 x 32K (one part's own work grew 2-4x) though 7% faster at 12 and 16 x 32K.
+// - A merge's candidates within kMaxMergeCandidates: the parts doubled until they are (up to
+//   kMaxPartTokens), else INVALID_ARGUMENT (segments of over ~786K candidates at k = 64).
+inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int sms, int blocks_per_sm,
+                              TopKParts* cut) {
+  int64_t total = 0;
+  for (int i = 0; i < count; ++i) {
+    if (segments[i].n < 0) return Status::InvalidArgument("negative candidate count");
+    total += segments[i].n;
+  }
+  const int64_t slots = int64_t{std::max(blocks_per_sm, 1)} * std::max(sms, 1);
+  auto blocks_with = [&](int part_tokens) {
+    int64_t blocks = 0;
+    for (int i = 0; i < count; ++i) blocks += PartsOf(segments[i].n, part_tokens, k);
+    return blocks;
+  };
+  auto most_parts_with = [&](int part_tokens) {
+    int most = 1;
+    for (int i = 0; i < count; ++i) most = std::max(most, PartsOf(segments[i].n, part_tokens, k));
+    return most;
+  };
+  auto rounded_part = [](int64_t tokens) {
+    return static_cast<int>(std::clamp<int64_t>((tokens + 255) / 256 * 256, kMinPartTokens, kMaxPartTokens));
+  };
+  int part = rounded_part((total + slots - 1) / slots);
+  while (part < kOneWavePartTokens && blocks_with(part) > slots) part += 256;
+  if (part > kOneWavePartTokens || blocks_with(part) > slots) {
+    const int64_t eight_per_sm = int64_t{8} * std::max(sms, 1);
+    part = rounded_part((total + eight_per_sm - 1) / eight_per_sm);
+  }
+  int ranked = part;
+  while (ranked < kOneWavePartTokens && most_parts_with(ranked) > 1 && int64_t{most_parts_with(ranked)} * k > kTopKThreads) {
+    ranked += 256;
+  }
+  if (ranked != part && int64_t{most_parts_with(ranked)} * k <= kTopKThreads && blocks_with(ranked) >= sms / 2) {
+    part = ranked;
+  }
+  while (part < kMaxPartTokens) {
+    const int most = most_parts_with(part);
+    if (most == 1 || int64_t{most} * k <= kMaxMergeCandidates) break;
+    part = std::min(2 * part, kMaxPartTokens);  // parts of 3840 tokens double past it
+  }
+  const int max_parts = most_parts_with(part);
+  if (max_parts > 1 && int64_t{max_parts} * k > kMaxMergeCandidates) {
+    return Status::InvalidArgument("top-k: more than " + std::to_string(kMaxMergeCandidates) +
+                                   " candidates to merge (k " + std::to_string(k) + " over segments of up to " +
+                                   std::to_string(int64_t{max_parts} * part) + " tokens)");
+  }
+  cut->part_tokens = part;
+  cut->max_parts = max_parts;
+  return Status::Ok();
+}
+
+}  // namespace specache::cuda

@@ -1,0 +1,129 @@
+// The top-k's cut of its segments into parts (gpu_agent/src/cuda/topk_parts.h) on the host, at
+// the H200's geometry (132 SMs, five phase-one blocks an SM) for the agent's segments (a sequence's
+// KV head: context - 128 candidates, k = 64 rows, Llama-3-8B's 8 KV heads) and over random sets:
+// what the kernels rely on (whole 256-token parts within the bounds, a merge within its shared
+// memory) and the choices the H200 measurements behind the rules made. The kernels' results over
+// such cuts are the gpu-labelled CudaTopKTest.
+#include "cuda/topk_parts.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+namespace specache {
+namespace {
+
+constexpr int kSms = 132, kBlocksPerSm = 5, kRows = 64, kKvHeads = 8;
+
+std::vector<cuda::TopKSegment> Segments(int count, int32_t n) {
+  std::vector<cuda::TopKSegment> segments(static_cast<size_t>(count));
+  for (cuda::TopKSegment& s : segments) s.n = n;
+  return segments;
+}
+
+cuda::TopKParts Cut(const std::vector<cuda::TopKSegment>& segments, int k = kRows, int sms = kSms,
+                    int blocks_per_sm = kBlocksPerSm) {
+  cuda::TopKParts cut;
+  const Status s = cuda::ChooseTopKParts(segments.data(), static_cast<int>(segments.size()), k, sms, blocks_per_sm, &cut);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return cut;
+}
+
+int64_t Blocks(const std::vector<cuda::TopKSegment>& segments, const cuda::TopKParts& cut, int k = kRows) {
+  int64_t blocks = 0;
+  for (const cuda::TopKSegment& s : segments) blocks += cuda::PartsOf(s.n, cut.part_tokens, k);
+  return blocks;
+}
+
+TEST(TopKPartsTest, SmallBatchesAt8KAreCutSoThatEachSegmentsMergeRanksItsCandidates) {
+  // Before, 512-1792-token parts left each segment 320-1024 candidates for a second radix select.
+  for (const int batch : {4, 8, 12, 16}) {
+    const auto segments = Segments(batch * kKvHeads, 8192 - 128);
+    const cuda::TopKParts cut = Cut(segments);
+    EXPECT_EQ(cut.part_tokens, 2048) << "batch " << batch;
+    EXPECT_EQ(cut.max_parts, 4) << "batch " << batch;
+    EXPECT_LE(cut.max_parts * kRows, cuda::kTopKThreads) << "a candidate a thread";
+    EXPECT_GE(Blocks(segments, cut), kSms / 2) << "batch " << batch;
+  }
+}
+
+TEST(TopKPartsTest, LargerBatchesKeepTheirOneWaveOrEightPerSmCut) {
+  struct Shape {
+    int batch, context, part_tokens, max_parts;
+  };
+  // 24 and 32 x 8K: one wave; 99 x 8K: about eight blocks an SM; 4 x 32K: one wave of short parts,
+  // whose merge (19 x 64 candidates) stays a radix select: 8192-token parts measured slower there.
+  for (const Shape& shape : {Shape{24, 8192, 2816, 3}, Shape{32, 8192, 4096, 2}, Shape{99, 8192, 6144, 2},
+                             Shape{4, 32768, 1792, 19}}) {
+    const auto segments = Segments(shape.batch * kKvHeads, shape.context - 128);
+    const cuda::TopKParts cut = Cut(segments);
+    EXPECT_EQ(cut.part_tokens, shape.part_tokens) << shape.batch << " x " << shape.context;
+    EXPECT_EQ(cut.max_parts, shape.max_parts) << shape.batch << " x " << shape.context;
+  }
+}
+
+TEST(TopKPartsTest, RandomSetsGetWholePartsWithinTheBoundsAndMergesThatFit) {
+  std::mt19937 rng(61);
+  int refused = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int count = 1 + static_cast<int>(rng() % 600);
+    const int k = std::vector<int>{1, 16, 64, 128, 256}[rng() % 5];
+    const int sms = std::vector<int>{1, 8, 132}[rng() % 3], blocks_per_sm = 1 + static_cast<int>(rng() % 5);
+    const int32_t longest = std::vector<int32_t>{300, 9000, 70000, 900000}[rng() % 4];
+    std::vector<cuda::TopKSegment> segments(static_cast<size_t>(count));
+    for (cuda::TopKSegment& s : segments) s.n = static_cast<int32_t>(rng() % (longest + 1));
+    cuda::TopKParts cut;
+    const Status s = cuda::ChooseTopKParts(segments.data(), count, k, sms, blocks_per_sm, &cut);
+    int most_at_longest_parts = 1;
+    for (const cuda::TopKSegment& seg : segments) {
+      most_at_longest_parts = std::max(most_at_longest_parts, cuda::PartsOf(seg.n, cuda::kMaxPartTokens, k));
+    }
+    if (!s.ok()) {
+      // Refused only when even the longest parts leave a merge too large for shared memory.
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+      EXPECT_GT(int64_t{most_at_longest_parts} * k, cuda::kMaxMergeCandidates) << s.ToString();
+      ++refused;
+      continue;
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    EXPECT_EQ(cut.part_tokens % 256, 0);
+    EXPECT_GE(cut.part_tokens, cuda::kMinPartTokens);
+    EXPECT_LE(cut.part_tokens, cuda::kMaxPartTokens);
+    int most = 1;
+    for (const cuda::TopKSegment& seg : segments) {
+      const int parts = cuda::PartsOf(seg.n, cut.part_tokens, k);
+      most = std::max(most, parts);
+      if (parts > 1) {
+        EXPECT_GE(int64_t{parts} * cut.part_tokens, seg.n) << "the parts cover the segment";
+        EXPECT_LT(int64_t{parts - 1} * cut.part_tokens, seg.n) << "no empty part";
+        EXPECT_LE(2 * int64_t{k} * parts, seg.n) << "the candidates fit the segment's scratch";
+      }
+    }
+    EXPECT_EQ(cut.max_parts, most);
+    EXPECT_TRUE(cut.max_parts == 1 || int64_t{cut.max_parts} * k <= cuda::kMaxMergeCandidates);
+  }
+  EXPECT_GT(refused, 0) << "the draws reach the merge's limit";
+  EXPECT_LT(refused, 200);
+}
+
+TEST(TopKPartsTest, NegativeCountsAreRefusedAndEmptySetsCut) {
+  auto segments = Segments(3, 5000);
+  segments[1].n = -1;
+  cuda::TopKParts cut;
+  EXPECT_EQ(cuda::ChooseTopKParts(segments.data(), 3, kRows, kSms, kBlocksPerSm, &cut).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(cuda::ChooseTopKParts(nullptr, 0, kRows, kSms, kBlocksPerSm, &cut).ok());
+  EXPECT_EQ(cut.max_parts, 1);
+  // A segment of a million candidates: even 123 parts of 8192 at k = 64 (7872 candidates) are too
+  // many to merge. At k = 32 its one-wave parts (1536 tokens, 652 of them) double until the merge
+  // fits: 163 parts of 6144 (5216 candidates).
+  const auto long_one = Segments(1, 1000000);
+  EXPECT_EQ(cuda::ChooseTopKParts(long_one.data(), 1, 64, kSms, kBlocksPerSm, &cut).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(cuda::ChooseTopKParts(long_one.data(), 1, 32, kSms, kBlocksPerSm, &cut).ok());
+  EXPECT_EQ(cut.part_tokens, 6144);
+  EXPECT_EQ(cut.max_parts, 163);
+}
+
+}  // namespace
+}  // namespace specache
