@@ -53,14 +53,27 @@ TEST(TopKPartsTest, LargerBatchesKeepTheirOneWaveOrEightPerSmCut) {
   struct Shape {
     int batch, context, part_tokens, max_parts;
   };
-  // 24 and 32 x 8K: one wave; 99 x 8K: about eight blocks an SM; 4 x 32K: one wave of short parts,
-  // whose merge (19 x 64 candidates) stays a radix select: 8192-token parts measured slower there.
+  // 24 and 32 x 8K: one wave; 99 x 8K: about eight blocks an SM; 4 and 8 x 32K: one wave of short
+  // parts, whose merges (19 and 10 x 64 candidates) stay radix selects: 8192-token parts measured
+  // slower there (128 and 256 blocks); 24 x 32K: eight an SM (8192-token parts would need 768
+  // blocks, over a wave).
   for (const Shape& shape : {Shape{24, 8192, 2816, 3}, Shape{32, 8192, 4096, 2}, Shape{99, 8192, 6144, 2},
-                             Shape{4, 32768, 1792, 19}}) {
+                             Shape{4, 32768, 1792, 19}, Shape{8, 32768, 3328, 10}, Shape{24, 32768, 6144, 6}}) {
     const auto segments = Segments(shape.batch * kKvHeads, shape.context - 128);
     const cuda::TopKParts cut = Cut(segments);
     EXPECT_EQ(cut.part_tokens, shape.part_tokens) << shape.batch << " x " << shape.context;
     EXPECT_EQ(cut.max_parts, shape.max_parts) << shape.batch << " x " << shape.context;
+  }
+}
+
+TEST(TopKPartsTest, MidBatchesAt32KTake8192TokenPartsThatFillOneWave) {
+  // 12, 16, 20 x 32K: 384, 512, 640 blocks of 8192 tokens, 2.9-4.8 an SM, in one wave of 660.
+  for (const int batch : {12, 16, 20}) {
+    const auto segments = Segments(batch * kKvHeads, 32768 - 128);
+    const cuda::TopKParts cut = Cut(segments);
+    EXPECT_EQ(cut.part_tokens, cuda::kMaxPartTokens) << "batch " << batch;
+    EXPECT_EQ(cut.max_parts, 4) << "batch " << batch;
+    EXPECT_LE(Blocks(segments, cut), int64_t{kSms} * kBlocksPerSm) << "batch " << batch;
   }
 }
 

@@ -49,7 +49,8 @@ struct TopKParts {
 //   select in series. On the H200 (plan_dealer_h200_r30.txt, call t1): one layer's top-k at
 //   4 x 8K 0.0209 -> 0.0183 ms, 8 x 8K 0.0230 -> 0.0204, 12 x 8K 0.0268 -> 0.0233, 16 x 8K
 //   0.0280 -> 0.0266. Parts of up to 8192 tokens (the 32K batches) were 5-14% slower at 4, 8 and
-//   24 x 32K (one part's own work grew 2-4x) though 7% faster at 12 and 16 x 32K.
+//   24 x 32K (one part's own work grew 2-4x) though 7% faster at 12 and 16 x 32K: longer parts
+//   only where their blocks fill one wave at 2.5 an SM or more (below).
 // - A merge's candidates within kMaxMergeCandidates: the parts doubled until they are (up to
 //   kMaxPartTokens), else INVALID_ARGUMENT (segments of over ~786K candidates at k = 64).
 inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int sms, int blocks_per_sm,
@@ -85,6 +86,19 @@ inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int
   }
   if (ranked != part && int64_t{most_parts_with(ranked)} * k <= kTopKThreads && blocks_with(ranked) >= sms / 2) {
     part = ranked;
+  } else if (int64_t{most_parts_with(part)} * k > kTopKThreads) {
+    // Longer parts still (up to kMaxPartTokens) where they fill the GPU in one wave at 2.5 blocks
+    // an SM or more: at 12 and 16 x 32K (384 and 512 blocks of 8192 tokens) the merges ranked
+    // ran 7% faster (call t1), while at 4 and 8 x 32K (128 and 256 blocks) a part's 2-4x own work
+    // cost more than the second select, and at 24 x 32K (768 blocks, over a wave) too. With this
+    // rule (call t2, three rounds): 12 x 32K 0.0554 -> 0.0510 ms, 16 x 32K 0.0641 -> 0.0597,
+    // 20 x 32K (not measured before) 0.0769 -> 0.0677; 8 and 24 x 32K keep their cuts.
+    int longer = std::max(ranked, part);
+    while (longer < kMaxPartTokens && int64_t{most_parts_with(longer)} * k > kTopKThreads) longer += 256;
+    const int64_t blocks = blocks_with(longer);
+    if (int64_t{most_parts_with(longer)} * k <= kTopKThreads && 2 * blocks >= 5 * int64_t{sms} && blocks <= slots) {
+      part = longer;
+    }
   }
   while (part < kMaxPartTokens) {
     const int most = most_parts_with(part);
