@@ -23,6 +23,8 @@
 
 #include "specache/cuda_attention.h"
 #include "testing/device_buffers.h"
+#include "device_info.h"  // gpu_agent/src/cuda: the SMs
+#include "topk_parts.h"   // the cut into parts
 #endif
 
 namespace specache {
@@ -216,6 +218,53 @@ TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
       cpu::SelectTopK(probs[i].data(), heads, segments[i].n, k, red, &want, &scratch);
       ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "heads=" << heads << " n=" << segments[i].n;
     }
+  }
+#endif
+}
+
+// Segments long enough for the cut's longest ranked parts (topk_parts.h): one 32640-token segment
+// per SM (as 33 x 32K sequences' KV heads on an H200) is cut into 4 parts of 8192 tokens, whose
+// 4 x 64 candidates a segment's last part ranks; the selection is the CPU's.
+TEST(CudaTopKTest, LongRankedPartsEqualTheCpuSelection) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(53);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int k = 64, heads = 4, count = cuda::MultiprocessorCount();
+  const int32_t n = 32768 - 128;
+  std::vector<cuda::TopKSegment> cut_of(static_cast<size_t>(count));
+  for (auto& seg : cut_of) seg.n = n;
+  for (const int blocks_per_sm : {4, 5}) {  // the phase-one occupancy: 5 on an H200
+    cuda::TopKParts cut;
+    ASSERT_TRUE(cuda::ChooseTopKParts(cut_of.data(), count, k, count, blocks_per_sm, &cut).ok());
+    ASSERT_EQ(cut.part_tokens, cuda::kMaxPartTokens) << "blocks per SM " << blocks_per_sm;
+    ASSERT_EQ(cut.max_parts, 4);
+  }
+  testing::DeviceBuffers buf;
+  std::vector<cuda::TopKSegment> segments;
+  std::vector<std::vector<float>> probs;
+  for (int i = 0; i < count; ++i) {
+    std::vector<float> raw(size_t(heads) * n), stats(size_t(heads) * 2), p(raw.size());
+    for (auto& x : raw) x = normal(rng);
+    for (int h = 0; h < heads; ++h) {
+      const float* row = raw.data() + size_t(h) * n;
+      const float m = *std::max_element(row, row + n);
+      float sum = 0.0f;
+      for (int32_t j = 0; j < n; ++j) sum += std::exp(row[j] - m);
+      stats[2 * h] = m;
+      stats[2 * h + 1] = sum;
+      for (int32_t j = 0; j < n; ++j) p[size_t(h) * n + j] = std::exp(row[j] - m) / sum;
+    }
+    segments.push_back({buf.Copy(raw), buf.Allocate<int32_t>(k), buf.Allocate<float>(n), n, buf.Copy(stats)});
+    probs.push_back(std::move(p));
+  }
+  ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), count, heads, k, GroupReduction::kMean, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int i = 0; i < count; ++i) {
+    std::vector<int32_t> want;
+    std::vector<float> scratch;
+    cpu::SelectTopK(probs[i].data(), heads, n, k, GroupReduction::kMean, &want, &scratch);
+    ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "segment " << i;
   }
 #endif
 }
