@@ -182,6 +182,44 @@ TEST(CudaTopKTest, MoreSegmentsThanOneSetAreSplit) {
 #endif
 }
 
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// A segment of n raw scores per head (from `normal`) with its heads' softmax statistics (max, sum),
+// as the attention leaves them; its probabilities exp(score - max) / sum, which the CPU selects
+// from, appended to `probs`.
+cuda::TopKSegment SegmentWithStatistics(int heads, int32_t n, int k, std::mt19937& rng,
+                                        std::normal_distribution<float>& normal, testing::DeviceBuffers& buf,
+                                        std::vector<std::vector<float>>* probs) {
+  std::vector<float> raw(size_t(heads) * n), stats(size_t(heads) * 2), p(raw.size());
+  for (auto& x : raw) x = normal(rng);
+  for (int h = 0; h < heads; ++h) {
+    const float* row = raw.data() + size_t(h) * n;
+    const float m = *std::max_element(row, row + n);
+    float sum = 0.0f;
+    for (int32_t j = 0; j < n; ++j) sum += std::exp(row[j] - m);
+    stats[2 * h] = m;
+    stats[2 * h + 1] = sum;
+    for (int32_t j = 0; j < n; ++j) p[size_t(h) * n + j] = std::exp(row[j] - m) / sum;
+  }
+  probs->push_back(std::move(p));
+  return {buf.Copy(raw), buf.Allocate<int32_t>(k), buf.Allocate<float>(n), n, buf.Copy(stats)};
+}
+
+// Selects k rows of each segment (GQA groups of `heads`, their mean) and expects each segment's
+// rows to be the CPU's selection from its probabilities.
+void ExpectTheCpuSelection(const std::vector<cuda::TopKSegment>& segments, const std::vector<std::vector<float>>& probs,
+                           int heads, int k) {
+  ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k,
+                                    GroupReduction::kMean, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (size_t i = 0; i < segments.size(); ++i) {
+    std::vector<int32_t> want;
+    std::vector<float> scratch;
+    cpu::SelectTopK(probs[i].data(), heads, segments[i].n, k, GroupReduction::kMean, &want, &scratch);
+    ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "segment " << i;
+  }
+}
+#endif
+
 // Long segments (cut into many parts and merged) given as raw scores plus per-head softmax
 // statistics: each equals the CPU's selection of the probabilities exp(score - max) / sum.
 TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
@@ -196,19 +234,7 @@ TEST(CudaTopKTest, LongSegmentsWithStatisticsEqualTheCpuSelection) {
     std::vector<cuda::TopKSegment> segments;
     std::vector<std::vector<float>> probs;
     for (int32_t n : {32768, 100000, 5000, 700}) {
-      std::vector<float> raw(size_t(heads) * n), stats(size_t(heads) * 2), p(raw.size());
-      for (auto& x : raw) x = normal(rng);
-      for (int h = 0; h < heads; ++h) {
-        const float* row = raw.data() + size_t(h) * n;
-        const float m = *std::max_element(row, row + n);
-        float sum = 0.0f;
-        for (int32_t j = 0; j < n; ++j) sum += std::exp(row[j] - m);
-        stats[2 * h] = m;
-        stats[2 * h + 1] = sum;
-        for (int32_t j = 0; j < n; ++j) p[size_t(h) * n + j] = std::exp(row[j] - m) / sum;
-      }
-      segments.push_back({buf.Copy(raw), buf.Allocate<int32_t>(k), buf.Allocate<float>(n), n, buf.Copy(stats)});
-      probs.push_back(std::move(p));
+      segments.push_back(SegmentWithStatistics(heads, n, k, rng, normal, buf, &probs));
     }
     ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k, red, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -244,28 +270,9 @@ TEST(CudaTopKTest, LongRankedPartsEqualTheCpuSelection) {
   std::vector<cuda::TopKSegment> segments;
   std::vector<std::vector<float>> probs;
   for (int i = 0; i < count; ++i) {
-    std::vector<float> raw(size_t(heads) * n), stats(size_t(heads) * 2), p(raw.size());
-    for (auto& x : raw) x = normal(rng);
-    for (int h = 0; h < heads; ++h) {
-      const float* row = raw.data() + size_t(h) * n;
-      const float m = *std::max_element(row, row + n);
-      float sum = 0.0f;
-      for (int32_t j = 0; j < n; ++j) sum += std::exp(row[j] - m);
-      stats[2 * h] = m;
-      stats[2 * h + 1] = sum;
-      for (int32_t j = 0; j < n; ++j) p[size_t(h) * n + j] = std::exp(row[j] - m) / sum;
-    }
-    segments.push_back({buf.Copy(raw), buf.Allocate<int32_t>(k), buf.Allocate<float>(n), n, buf.Copy(stats)});
-    probs.push_back(std::move(p));
+    segments.push_back(SegmentWithStatistics(heads, n, k, rng, normal, buf, &probs));
   }
-  ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), count, heads, k, GroupReduction::kMean, nullptr).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (int i = 0; i < count; ++i) {
-    std::vector<int32_t> want;
-    std::vector<float> scratch;
-    cpu::SelectTopK(probs[i].data(), heads, n, k, GroupReduction::kMean, &want, &scratch);
-    ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "segment " << i;
-  }
+  ExpectTheCpuSelection(segments, probs, heads, k);
 #endif
 }
 
@@ -348,14 +355,7 @@ TEST(CudaTopKTest, MergeOfTheMostCandidatesEqualsTheCpuSelection) {
     ASSERT_TRUE(segments.back().probs && segments.back().tokens && segments.back().scratch);
     probs.push_back(std::move(p));
   }
-  ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), count, heads, k, GroupReduction::kMean, nullptr).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (int i = 0; i < count; ++i) {
-    std::vector<int32_t> want;
-    std::vector<float> scratch;
-    cpu::SelectTopK(probs[i].data(), heads, n, k, GroupReduction::kMean, &want, &scratch);
-    ASSERT_EQ(testing::Download(segments[i].tokens, k), want) << "segment " << i;
-  }
+  ExpectTheCpuSelection(segments, probs, heads, k);
 #endif
 }
 
