@@ -1950,9 +1950,8 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   // unit of many; at 256 items x 3 tail units they took a third of the slots).
   const int most_tail = static_cast<int>(std::clamp<int64_t>(wave / (8 * int64_t(items.size())), 1, kMaxTailUnits));
   int64_t blocks = 0, tail_units = 0, most_blocks = 2;
-  // The longest tail unit, in bulk blocks: 3 a tail block, as estimated from instruction counts
-  // for the CUDA-core tail; not measured again since the 1-bit tails went to the tensor cores.
-  int64_t tail_cost = 0;
+  // The longest tail unit's 32-token blocks (TailUnitTokens is whole blocks).
+  int64_t tail_blocks = 0;
   // How many items have each bulk length ({blocks, items}): the searches below count units over
   // these, not over the items (a batch has few lengths; walking 792 items of 256 bytes for each
   // candidate chunk cost ~150 us of host time per layer at 99 x 8K).
@@ -1965,7 +1964,7 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
     lengths.push_back({b, 1});
     const int tails = TailUnits(it, most_tail);
     tail_units += tails;
-    if (tails > 0) tail_cost = std::max<int64_t>(tail_cost, 3 * TailUnitTokens(it, most_tail) / 32);
+    if (tails > 0) tail_blocks = std::max<int64_t>(tail_blocks, TailUnitTokens(it, most_tail) / 32);
   }
   std::sort(lengths.begin(), lengths.end());
   size_t distinct = 0;
@@ -2021,13 +2020,9 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
     // The overflow test counts every CTA slot of the GPU, the ones left free for the fetch too:
     // the sweep it was fitted to planned with 32 slots free but ran no fetch beside; the step at
     // 32 x 8K with the fetch (which holds them) ran 18.7 ms against the previous plan's 19.1.
-    const double sms = static_cast<double>(MultiprocessorCount());
-    const int64_t all_ctas = int64_t{MultiprocessorCount()} * ctas_per_sm;
+    const int64_t sm_count = MultiprocessorCount(), all_ctas = sm_count * ctas_per_sm;
+    const double sms = static_cast<double>(sm_count);
     const int64_t tail_ctas = (tail_units + kWarps - 1) / kWarps;
-    int64_t tail_blocks = 0;  // the longest tail unit's blocks
-    for (const DeviceDecodeItem& it : items) {
-      if (TailUnits(it, most_tail) > 0) tail_blocks = std::max<int64_t>(tail_blocks, TailUnitTokens(it, most_tail) / 32);
-    }
     double best = -1.0;
     for (int64_t n = 1; n <= 64; ++n) {
       const int64_t c = std::max<int64_t>((most_blocks + n - 1) / n, 16), units = bulk_units_with(c);
@@ -2041,7 +2036,10 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
     if (tail_units > 0) order = kTailsLast;
   } else {
     // The tails in the wave, or first (their slots then taken by bulk units): by the longest chain
-    // of work a slot runs, in blocks (a bulk unit holds at most the longest item's blocks).
+    // of work a slot runs, in blocks (a bulk unit holds at most the longest item's blocks). The
+    // longest tail unit costs 3 bulk blocks a tail block, as estimated from instruction counts for
+    // the CUDA-core tail; not measured again since the 1-bit tails went to the tensor cores.
+    const int64_t tail_cost = 3 * tail_blocks;
     const int64_t chunk_sharing = fitting_chunk(tail_units);
     const int64_t chunk_after_tails = fitting_chunk(0);
     const bool tails_first =

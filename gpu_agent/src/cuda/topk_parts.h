@@ -80,25 +80,22 @@ inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int
     const int64_t eight_per_sm = int64_t{8} * std::max(sms, 1);
     part = rounded_part((total + eight_per_sm - 1) / eight_per_sm);
   }
-  int ranked = part;
-  while (ranked < kOneWavePartTokens && most_parts_with(ranked) > 1 && int64_t{most_parts_with(ranked)} * k > kTopKThreads) {
-    ranked += 256;
-  }
-  if (ranked != part && int64_t{most_parts_with(ranked)} * k <= kTopKThreads && blocks_with(ranked) >= sms / 2) {
-    part = ranked;
-  } else if (int64_t{most_parts_with(part)} * k > kTopKThreads) {
-    // Longer parts still (up to kMaxPartTokens) where they fill the GPU in one wave at 2.5 blocks
-    // an SM or more: at 12 and 16 x 32K (384 and 512 blocks of 8192 tokens) the merges ranked
-    // ran 7% faster (call t1), while at 4 and 8 x 32K (128 and 256 blocks) a part's 2-4x own work
-    // cost more than the second select, and at 24 x 32K (768 blocks, over a wave) too. With this
-    // rule (call t2, three rounds): 12 x 32K 0.0554 -> 0.0510 ms, 16 x 32K 0.0641 -> 0.0597,
-    // 20 x 32K (not measured before) 0.0769 -> 0.0677; 8 and 24 x 32K keep their cuts.
-    int longer = std::max(ranked, part);
-    while (longer < kMaxPartTokens && int64_t{most_parts_with(longer)} * k > kTopKThreads) longer += 256;
-    const int64_t blocks = blocks_with(longer);
-    if (int64_t{most_parts_with(longer)} * k <= kTopKThreads && 2 * blocks >= 5 * int64_t{sms} && blocks <= slots) {
-      part = longer;
-    }
+  // The shortest part from here (whole 256-token steps, up to kMaxPartTokens) whose merge ranks
+  // (at most kTopKThreads candidates a segment); taken when up to kOneWavePartTokens long with a block for
+  // every two SMs or more, or longer while its blocks fill one wave at 2.5 an SM or more: at 12
+  // and 16 x 32K (384 and 512 blocks of 8192 tokens) the merges ranked ran 7% faster (call t1),
+  // while at 4 and 8 x 32K (128 and 256 blocks) a part's 2-4x own work cost more than the second
+  // select, and at 24 x 32K (768 blocks, over a wave) too. With the longer parts (call t2, three
+  // rounds): 12 x 32K 0.0554 -> 0.0510 ms, 16 x 32K 0.0641 -> 0.0597, 20 x 32K (not measured
+  // before) 0.0769 -> 0.0677; 8 and 24 x 32K keep their cuts.
+  auto merge_ranks = [&](int part_tokens) { return int64_t{most_parts_with(part_tokens)} * k <= kTopKThreads; };
+  if (part < kMaxPartTokens && !merge_ranks(part)) {
+    int ranked = part + 256;
+    while (ranked < kMaxPartTokens && !merge_ranks(ranked)) ranked += 256;
+    const int64_t blocks = blocks_with(ranked);
+    const bool short_enough = ranked <= kOneWavePartTokens && blocks >= sms / 2;
+    const bool fills_one_wave = ranked > kOneWavePartTokens && 2 * blocks >= 5 * int64_t{sms} && blocks <= slots;
+    if (merge_ranks(ranked) && (short_enough || fills_one_wave)) part = ranked;
   }
   while (part < kMaxPartTokens) {
     const int most = most_parts_with(part);
