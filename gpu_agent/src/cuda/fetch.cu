@@ -31,8 +31,16 @@ __device__ int Find(const int32_t* list, int n, int32_t token) {
   return -1;
 }
 
-// A group of row_pieces threads per row; rows of all tasks are spread over the grid. Tasks with
-// pages (SM loads from the host) or staged inline (no pages, no ranks).
+// Rows a thread group has in flight: each host row read over PCIe waits ~1-2 us plus an address
+// translation (4 KiB pages over a span of GiBs), so one row at a time leaves the link idle. A
+// group resolves kRowsInFlight rows (task, token, resident search), issues their loads, then their
+// stores (gather bench, 32 blocks, 32 GiB of pages: 15.6 GB/s with one row in flight).
+constexpr int kRowsInFlight = 4;
+
+// A group of row_pieces threads per row; rows of all tasks are spread over the grid, each block
+// taking rows_per_block * kRowsInFlight consecutive rows a round (a task's rows ascend by token,
+// so a round's rows lie near one another in a page). Tasks with pages (SM loads from the host) or
+// staged inline (no pages, no ranks).
 __global__ void FetchKernel(const FetchTask* __restrict__ tasks, int count, int32_t max_selected, int row_pieces,
                             int page_tokens, FetchCounters* counters) {
   __shared__ unsigned long long fetched, reused;
@@ -41,24 +49,42 @@ __global__ void FetchKernel(const FetchTask* __restrict__ tasks, int count, int3
   const int rows_per_block = blockDim.x / row_pieces;
   const int slot = threadIdx.x / row_pieces, piece = threadIdx.x % row_pieces;
   const int64_t total = static_cast<int64_t>(count) * max_selected;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * rows_per_block + slot; r < total;
-       r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+  const int64_t round = static_cast<int64_t>(rows_per_block) * kRowsInFlight;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * round + slot; first < total;
+       first += static_cast<int64_t>(gridDim.x) * round) {
     if (slot >= rows_per_block) break;
-    const FetchTask& t = tasks[r / max_selected];
-    const int i = static_cast<int>(r % max_selected);
-    if (i >= t.n_selected) continue;
-    const int32_t token = t.selected[i];
-    if (token == kNoToken) continue;  // the adaptive budget's padding: no row
-    const int at = Find(t.resident, t.resident_count ? *t.resident_count : t.n_resident, token);
-    if (at < 0 && t.pages == nullptr) {  // the staged fetch put this row into out_rows already
-      if (piece == 0) atomicAdd(&fetched, 1ull);
-      continue;
+    const uint4* src[kRowsInFlight];
+    uint4* dst[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      src[u] = nullptr;
+      const int64_t r = first + static_cast<int64_t>(u) * rows_per_block;
+      if (r >= total) continue;
+      const FetchTask& t = tasks[r / max_selected];
+      const int i = static_cast<int>(r % max_selected);
+      if (i >= t.n_selected) continue;
+      const int32_t token = t.selected[i];
+      if (token == kNoToken) continue;  // the adaptive budget's padding: no row
+      const int at = Find(t.resident, t.resident_count ? *t.resident_count : t.n_resident, token);
+      if (at < 0 && t.pages == nullptr) {  // the staged fetch put this row into out_rows already
+        if (piece == 0) atomicAdd(&fetched, 1ull);
+        continue;
+      }
+      const int32_t resident_row = at >= 0 && t.resident_slots ? t.resident_slots[at] : at;
+      src[u] = at >= 0 ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(resident_row) * row_pieces
+                       : HostRow(t.pages, page_tokens, t.kv_head, token, row_pieces);
+      dst[u] = reinterpret_cast<uint4*>(t.out_rows) + static_cast<int64_t>(i) * row_pieces;
+      if (piece == 0) atomicAdd(at >= 0 ? &reused : &fetched, 1ull);
     }
-    const int32_t resident_row = at >= 0 && t.resident_slots ? t.resident_slots[at] : at;
-    const uint4* src = at >= 0 ? reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(resident_row) * row_pieces
-                               : HostRow(t.pages, page_tokens, t.kv_head, token, row_pieces);
-    reinterpret_cast<uint4*>(t.out_rows)[static_cast<int64_t>(i) * row_pieces + piece] = src[piece];
-    if (piece == 0) atomicAdd(at >= 0 ? &reused : &fetched, 1ull);
+    uint4 value[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      if (src[u]) value[u] = src[u][piece];
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      if (src[u]) dst[u][piece] = value[u];
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0 && counters) {
@@ -331,8 +357,8 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
   for (int i = 0; i < n_tasks; ++i) max_selected = std::max(max_selected, tasks[i].n_selected);
   if (max_selected == 0) return Status::Ok();
   const int64_t rows = int64_t{n_tasks} * max_selected;
-  const int rows_per_block = kThreads / row_pieces;
-  const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, (rows + rows_per_block - 1) / rows_per_block));
+  const int64_t rows_per_round = int64_t{kThreads / row_pieces} * kRowsInFlight;
+  const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, (rows + rows_per_round - 1) / rows_per_round));
   auto* s = static_cast<cudaStream_t>(stream);
   return WithDeviceTasks(plan, tasks, n_tasks, s, "fetch kernel", [&](const FetchTask* on_device) {
     FetchKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_selected, row_pieces, page_tokens, counters);
