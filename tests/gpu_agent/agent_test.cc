@@ -94,7 +94,7 @@ TEST(AgentConfigTest, FetchOverlapNamesRoundTrip) {
   EXPECT_EQ(CudaAgentOptions{}.fetch_overlap, FetchOverlap::kFromSelection);
   for (FetchVia v : {FetchVia::kSmLoads, FetchVia::kCopyEngine}) EXPECT_EQ(*ParseFetchVia(FetchViaName(v)), v);
   EXPECT_EQ(FetchViaNames().size(), 2u);
-  EXPECT_EQ(CudaAgentOptions{}.fetch_via, FetchVia::kSmLoads);
+  EXPECT_EQ(CudaAgentOptions{}.fetch_via, FetchVia::kCopyEngine);
   EXPECT_EQ(ParseFetchVia("dma").status().code(), StatusCode::kInvalidArgument);
   const auto bad = ParseFetchOverlap("later");
   ASSERT_FALSE(bad.ok());

@@ -239,7 +239,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
       EXPECT_EQ(got.reused, want_reused) << what;
     };
     for (int pass = 0; pass < 3; ++pass) fetch_by_copy_engine(tasks, false, "copy engine pass " + std::to_string(pass));
-    EXPECT_EQ(route.rows_gathered(), 3 * static_cast<int64_t>(want_fetched));
+    EXPECT_EQ(route.times().rows_gathered, 3 * static_cast<int64_t>(want_fetched));
 
     // A row cache's first fetch (RowFetcher's fills): the resident counts are written on `stream`
     // just before Stage, behind ~1 GB of device copies, and read through resident_count. With

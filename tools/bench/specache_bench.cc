@@ -84,6 +84,7 @@ struct Options {
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
   std::vector<std::string> fetch_via;      // step: CudaAgentOptions::fetch_via per row (empty: the default)
   int fetch_threads = 0;                   // step: CudaAgentOptions::fetch_threads (0: the default)
+  int fetch_copy_piece_kb = -1;            // step: CudaAgentOptions::fetch_copy_piece_bytes / 1024 (-1: the default)
   bool host_huge_pages = true;             // step: the host pages' slabs ask for transparent huge pages
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
@@ -329,9 +330,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->delimiter(',')
         ->check(CLI::IsMember(FetchOverlapNames()));
     cmd->add_option("--fetch-via", o->fetch_via,
-                    "how the fetch's rows move, a row each: sm-loads (default), copy-engine")
+                    "how the fetch's rows move, a row each: sm-loads, copy-engine (default: the agent's, copy-engine)")
         ->delimiter(',')
         ->check(CLI::IsMember(FetchViaNames()));
+    cmd->add_option("--fetch-copy-piece-kb", o->fetch_copy_piece_kb,
+                    "KiB of the copy-engine rows' copies (0: one copy a layer; default: the agent's)")
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
         ->check(positive);
     cmd->add_flag("--host-huge-pages,!--no-host-huge-pages", o->host_huge_pages,
@@ -461,6 +465,7 @@ int main(int argc, char** argv) {
       if (!o.fetch_overlap.empty()) step.fetch_overlap = o.fetch_overlap;
       if (!o.fetch_via.empty()) step.fetch_via = o.fetch_via;
       step.fetch_threads = o.fetch_threads;
+      step.fetch_copy_piece_kb = o.fetch_copy_piece_kb;
       step.host_huge_pages = o.host_huge_pages;
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;

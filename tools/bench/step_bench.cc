@@ -118,6 +118,8 @@ struct AgentRun {
   double pool_used = 0, pool_bytes = 0;                // of the reserved: the replica block pool
   double prefill_ms = 0;  // the agent's store-only prefill of every sequence, all layers (device time)
   double register_ms = 0;  // creating the agent, mostly registering the source's reserved pages (host time)
+  // The copy-engine fetch's worker per timed step (AgentStats' fetch_host_*), ms.
+  double list_wait_ms = 0, buffer_wait_ms = 0, gather_ms = 0;
 };
 
 // One agent over `batch` fresh sequences of `context` random tokens: prefill, pre-decode, then
@@ -228,6 +230,10 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   run.pool_bytes = static_cast<double>(after.device_pool_bytes);
   const double selected = static_cast<double>(after.rows_selected - before.rows_selected);
   run.reused_fraction = selected > 0 ? (after.rows_reused - before.rows_reused) / selected : 0;
+  auto per_step_ms = [&](int64_t after_ns, int64_t before_ns) { return (after_ns - before_ns) / 1e6 / steps; };
+  run.list_wait_ms = per_step_ms(after.fetch_host_list_wait_ns, before.fetch_host_list_wait_ns);
+  run.buffer_wait_ms = per_step_ms(after.fetch_host_buffer_wait_ns, before.fetch_host_buffer_wait_ns);
+  run.gather_ms = per_step_ms(after.fetch_host_gather_ns, before.fetch_host_gather_ns);
   return run;
 }
 
@@ -614,7 +620,10 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       // Each overlap with each route; the copy engine ignores the overlap, so it runs with the first only.
       std::vector<std::pair<std::string, std::string>> routes;
       for (const std::string& name : overlaps) {
-        for (const std::string& via : fetches && !o.fetch_via.empty() ? o.fetch_via : std::vector<std::string>{"sm-loads"}) {
+        const std::vector<std::string> vias =
+            fetches && !o.fetch_via.empty() ? o.fetch_via
+                                            : std::vector<std::string>{std::string(FetchViaName(CudaAgentOptions{}.fetch_via))};
+        for (const std::string& via : vias) {
           if (via == FetchViaName(FetchVia::kCopyEngine) && name != overlaps.front()) continue;
           routes.emplace_back(name, via);
         }
@@ -628,12 +637,14 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         fetch.fetch_overlap = *overlap;
         fetch.fetch_via = *via;
         if (o.fetch_threads > 0) fetch.fetch_threads = o.fetch_threads;
+        if (o.fetch_copy_piece_kb >= 0) fetch.fetch_copy_piece_bytes = int64_t{o.fetch_copy_piece_kb} * 1024;
         const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, fetch, o.profile_step) : without;
         if (with.ms < 0) {
           ok = false;
           continue;
         }
-        // The default overlap and route keep the row names of earlier results.
+        // The default overlap and the SM loads keep the row names of earlier results (the copy
+        // engine, the agent's default route since, is named).
         const std::string suffix = (*overlap == FetchOverlap::kFromSelection ? "" : "_" + name) +
                                    (*via == FetchVia::kSmLoads ? "" : "_" + via_name) + (o.mma_codes ? "" : "_natural");
         const double ratio = with.ms / without.ms;
@@ -642,6 +653,11 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         std::printf("%-36s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f %11.1f\n",
                     (kv + suffix).c_str(), batch, layers_ms, without.ms, with.ms, ratio, with.bytes_per_step / 1e6,
                     with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3), with.prefill_ms);
+        if (*via == FetchVia::kCopyEngine) {
+          std::printf("%-36s its worker, ms a step: list wait %.3f, buffer wait %.3f, gather %.3f (%.1f GB/s)\n", "",
+                      with.list_wait_ms, with.buffer_wait_ms, with.gather_ms,
+                      with.gather_ms > 0 ? with.bytes_per_step / (with.gather_ms * 1e-3) / 1e9 : 0.0);
+        }
         rows->push_back({kv + suffix + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
                          {{"batch", batch},
                           {"context", o.context},
@@ -650,6 +666,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                                                 ? (o.fetch_threads > 0 ? o.fetch_threads : CudaAgentOptions{}.fetch_threads)
                                                 : 0},
                           {"host_huge_pages", o.host_huge_pages ? 1 : 0},
+                          {"fetch_copy_piece_bytes", *via == FetchVia::kCopyEngine ? fetch.fetch_copy_piece_bytes : 0},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},
                           {"ms_step_fetch", with.ms},
@@ -668,6 +685,9 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"blocks_over_fp16_kv", with.pool_used / batch / fp16_kv},
                           {"reused_fraction", with.reused_fraction},
                           {"gbps_needed_to_hide_under_layers", hide_gbps},
+                          {"ms_fetch_host_list_wait", with.list_wait_ms},
+                          {"ms_fetch_host_buffer_wait", with.buffer_wait_ms},
+                          {"ms_fetch_host_gather", with.gather_ms},
                           {"tokens_per_s", batch / (with.ms * 1e-3)}}});
       }
     }

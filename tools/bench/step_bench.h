@@ -21,9 +21,10 @@ struct StepOptions {
   // CudaAgentOptions::fetch_overlap, a row each (FetchOverlapName).
   std::vector<std::string> fetch_overlap{"from-selection"};
   // CudaAgentOptions::fetch_via, a row each per overlap (FetchViaName; copy-engine ignores the
-  // overlap, so it runs once, with the first).
-  std::vector<std::string> fetch_via{"sm-loads"};
+  // overlap, so it runs once, with the first). Empty: the agent's default.
+  std::vector<std::string> fetch_via;
   int fetch_threads = 0;  // CudaAgentOptions::fetch_threads of the copy-engine rows; 0: the agent's default
+  int fetch_copy_piece_kb = -1;  // CudaAgentOptions::fetch_copy_piece_bytes / 1024 of those rows; -1: the default
   // CudaAgentOptions::mma_codes: 1-bit replicas in the lean decode path's layout (rows named as
   // before) or not (rows suffixed _natural), for the A/B of the two attention kernels.
   bool mma_codes = true;

@@ -94,6 +94,13 @@ struct AgentStats {
   int64_t rows_reused = 0;           // selected rows already resident from the previous step
   int64_t bytes_fetched = 0;         // rows_fetched * row bytes
   int64_t steps = 0;                 // EndStep calls of kind kDecode
+  // The CUDA agent's copy-engine fetch (FetchVia::kCopyEngine): where its worker thread's time
+  // went, all steps. A step whose fetch is not hidden waits for this thread: list waits that
+  // grow point at the device (the selection comes late), buffer waits at the link, gather time
+  // at host memory.
+  int64_t fetch_host_list_wait_ns = 0;    // waiting for the device's lists of missed rows
+  int64_t fetch_host_buffer_wait_ns = 0;  // waiting for a pinned buffer's copy to the device
+  int64_t fetch_host_gather_ns = 0;       // gathering the missed rows from host pages
 };
 
 class Agent {
@@ -208,11 +215,13 @@ struct CudaAgentOptions {
   // sequences x 8K, 8.4 MB of scattered 512-byte rows, in ~0.22 ms, 8 in ~0.33; the link takes
   // ~55 GB/s). The fetch is then queued at the selection (fetch_overlap does not apply). Ignored
   // for a source without zero-copy pages (always staged) and by the modes that fetch for the
-  // step itself (nonspec, oracle: they read the pages with SM loads). Measured on the H200
-  // (Llama-3-8B shapes, random data): the step with the fetch over the step without, 32 x 8K,
-  // 1.29 (kSmLoads) against 1.18; 8 x 8K 1.16 against 1.18; specache-run bench at 48 GB +7% tok/s
-  // at 8K (99 sequences) and +11% at 32K (24), the engine's GEMMs no longer sharing the SMs.
-  FetchVia fetch_via = FetchVia::kSmLoads;
+  // step itself (nonspec, oracle: they read the pages with SM loads). The default: on the H200
+  // (Llama-3-8B shapes, random data, specache-bench step) the step with the fetch over the step
+  // without, kSmLoads against kCopyEngine: 32 x 8K 1.44 against 1.21-1.34 (the fetch kernel with
+  // four rows in flight; one at a time it was 1.86-1.94), 8 x 8K 1.20 against 1.06-1.07, 1 x 8K
+  // 1.05-1.07 against 1.04-1.05; specache-run bench at 48 GB +7% tok/s at 8K (99 sequences) and
+  // +11% at 32K (24), the engine's GEMMs no longer sharing the SMs. kSmLoads needs no host core.
+  FetchVia fetch_via = FetchVia::kCopyEngine;
   int fetch_threads = 12;
   // kCopyEngine: a layer's rows go up in copies of at most this many bytes (0: one copy). Copies
   // of one direction run one at a time on the copy engine, so the step's own small uploads (the

@@ -1,6 +1,7 @@
 #include "copy_engine_fetch.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "../page_row_gather.h"
 
@@ -18,6 +19,18 @@ CopyEngineFetch::~CopyEngineFetch() {
     cudaStreamSynchronize(lister_);
     cudaStreamDestroy(lister_);
   }
+}
+
+namespace {
+
+int64_t NanosSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+CopyEngineFetch::Times CopyEngineFetch::times() const {
+  return {list_wait_ns_.load(), buffer_wait_ns_.load(), gather_ns_.load(), rows_gathered_.load()};
 }
 
 Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask> tasks,
@@ -47,10 +60,12 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
   // The list's last reader was the host, in the previous call.
   SPECACHE_RETURN_IF_ERROR(missed_.Reserve(slots));
 
-  // 1. Which rows the cache lacks, down through the mapping; the host waits for the list.
+  // 1. Which rows the cache lacks, down through the mapping; the host waits for the list (for the
+  //    layer's selection, then the list's kernel: list_wait_ns_).
   int32_t* missed_on_device = nullptr;
   SPECACHE_RETURN_IF_ERROR(
       CudaStatus(cudaHostGetDevicePointer(reinterpret_cast<void**>(&missed_on_device), missed_.get(), 0), "mapped list"));
+  auto waited = std::chrono::steady_clock::now();
   Status queued = CudaStatus(cudaStreamWaitEvent(lister_, ready, 0), "wait for the selection");
   if (queued.ok() && after_stream) {
     queued = CudaStatus(cudaEventRecord(queued_, stream), "fetch stream event");
@@ -61,12 +76,14 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
   // Waited for even after an error, so that nothing queued writes the list later.
   const Status listed = CudaStatus(queued.ok() ? cudaEventSynchronize(listed_) : cudaStreamSynchronize(lister_),
                                    "missed rows to the host");
+  list_wait_ns_ += NanosSince(waited);
   SPECACHE_RETURN_IF_ERROR(queued);
   SPECACHE_RETURN_IF_ERROR(listed);
 
   // 2. The missed rows from the pages, behind their ranks, into this call's pinned buffer once its
   //    last copy (two calls back) is done.
   const int b = next_;
+  waited = std::chrono::steady_clock::now();
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied_[b]), "copy-engine fetch"));
   if (static_cast<size_t>(up_[b].bytes()) < most_bytes || static_cast<size_t>(device_[b].bytes()) < most_bytes) {
     // The cache update two calls back may still read device_[b].
@@ -74,13 +91,16 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
     SPECACHE_RETURN_IF_ERROR(up_[b].Reserve(most_bytes));
     SPECACHE_RETURN_IF_ERROR(device_[b].Reserve(most_bytes));
   }
+  buffer_wait_ns_ += NanosSince(waited);
   auto* ranks = reinterpret_cast<int32_t*>(up_[b].get());
   std::vector<PageGatherTask> gather(out.size());
   for (size_t i = 0; i < out.size(); ++i) {
     gather[i] = {host_pages[i], out[i].kv_head, missed_.get() + i * stride, out[i].n_selected, ranks + i * stride};
   }
+  const auto gathering = std::chrono::steady_clock::now();
   const int64_t rows = GatherPageRows(gather, page_tokens_, static_cast<int64_t>(row), kNoToken,
                                       up_[b].get() + rank_bytes, threads_);
+  gather_ns_ += NanosSince(gathering);
   rows_gathered_ += rows;
 
   // 3. Up in pieces of piece_bytes_; the cache update reads them from device memory. Copies in

@@ -27,11 +27,13 @@
 // the layer's previous fetch comes before `ready` (the compute stream waited for that fetch
 // before the selection), and nothing overwrites the cache read here before this call's own
 // update on `stream`.
-// Not thread-safe; one instance per fetch stream (the RowFetcher's, on its worker thread).
+// Not thread-safe (times() aside); one instance per fetch stream (the RowFetcher's, on its worker
+// thread).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -67,8 +69,14 @@ class CopyEngineFetch {
                                        cudaEvent_t ready, cudaStream_t stream, bool after_stream = false,
                                        DecodePlan* plan = nullptr);
 
-  // Rows the host gathered so far (the misses; the cache update counts them on the device too).
-  int64_t rows_gathered() const { return rows_gathered_; }
+  // Where the worker's time went, since creation (AgentStats' fetch_host_*); any thread may ask.
+  struct Times {
+    int64_t list_wait_ns = 0;    // waiting for the device's lists of missed rows
+    int64_t buffer_wait_ns = 0;  // waiting for a pinned buffer's copy two layers back
+    int64_t gather_ns = 0;       // gathering the missed rows from the pages
+    int64_t rows_gathered = 0;   // the misses (the cache update counts them on the device too)
+  };
+  Times times() const;
 
   // The default piece (~40 us at PCIe 5's ~50 GB/s, ~100 us measured in a profiled 99 x 8K step):
   // the copy engine runs copies of one direction one at a time, so a small upload on another
@@ -90,7 +98,8 @@ class CopyEngineFetch {
   cudaStream_t lister_ = nullptr;
   cudaEvent_t listed_ = nullptr;
   cudaEvent_t queued_ = nullptr;  // recorded on `stream` for after_stream
-  int64_t rows_gathered_ = 0;
+  // Written by the worker, read by times() on the agent's thread.
+  std::atomic<int64_t> list_wait_ns_{0}, buffer_wait_ns_{0}, gather_ns_{0}, rows_gathered_{0};
 };
 
 }  // namespace specache::cuda

@@ -398,6 +398,12 @@ void RowFetcher::AddStats(AgentStats* s) const {
     }
   }
   for (const CacheList& spare : spare_lists_) s->device_bytes_reserved += spare.bytes();
+  if (copy_engine_) {
+    const CopyEngineFetch::Times t = copy_engine_->times();
+    s->fetch_host_list_wait_ns += t.list_wait_ns;
+    s->fetch_host_buffer_wait_ns += t.buffer_wait_ns;
+    s->fetch_host_gather_ns += t.gather_ns;
+  }
   for (const Buffer<Half>& rows : fetched_rows_) s->device_bytes_reserved += rows.bytes();
 }
 
