@@ -65,6 +65,8 @@ def test_prefill_store_only_then_decode():
     agent.end_step()
     assert agent.sequence_length(1) == 71
     assert agent.stats()["steps"] == 1
+    # The CUDA agent's copy-engine worker alone has host time to report.
+    assert agent.stats()["fetch_host_gather_ns"] == 0
 
 
 def test_config_and_shape_read_back():

@@ -269,6 +269,10 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
   j["rows_fetched"] = s.rows_fetched;
   j["rows_reused"] = s.rows_reused;
   j["bytes_fetched"] = s.bytes_fetched;
+  // The CUDA agent's copy-engine fetch: its worker thread's waits and gathers (agent.h).
+  j["fetch_host_list_wait_ns"] = s.fetch_host_list_wait_ns;
+  j["fetch_host_buffer_wait_ns"] = s.fetch_host_buffer_wait_ns;
+  j["fetch_host_gather_ns"] = s.fetch_host_gather_ns;
   // The resident-row cache: bytes per decode step with it, and without it (every selected row).
   if (s.steps > 0 && s.rows_selected > 0) {
     const double row_bytes = static_cast<double>(s.bytes_fetched) / std::max<int64_t>(s.rows_fetched, 1);
