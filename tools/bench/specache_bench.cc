@@ -89,6 +89,8 @@ struct Options {
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
   bool profile_step = false;         // step: StepOptions::profile_step
+  bool profile_no_fetch = false;     // step: StepOptions::profile_no_fetch
+  int plan_threads = 0;              // step: CudaAgentOptions::plan_threads (0: the default)
   int attend_rows = 0;               // attend: StepOptions::attend_rows
   int attend_free_slots = 0;         // attend: StepOptions::attend_free_slots
   bool attend_random_rows = false;   // attend: StepOptions::attend_random_rows
@@ -336,6 +338,9 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_option("--fetch-copy-piece-kb", o->fetch_copy_piece_kb,
                     "KiB of the copy-engine rows' copies (0: one copy a layer; default: the agent's)")
         ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--plan-threads", o->plan_threads,
+                    "host threads that build a layer's attention items (default: the agent's, 1)")
+        ->check(CLI::PositiveNumber);
     cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
         ->check(positive);
     cmd->add_flag("--host-huge-pages,!--no-host-huge-pages", o->host_huge_pages,
@@ -369,6 +374,8 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_flag("--profile-step", o->profile_step,
                   "one more untimed decode step of each run with the fetch, between cudaProfilerStart and "
                   "cudaProfilerStop (for ncu --profile-from-start off)");
+    cmd->add_flag("--profile-no-fetch", o->profile_no_fetch,
+                  "with --profile-step: profile the runs without the fetch instead");
   }
   if (std::string_view(suite.name) == "step") {
     cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit; "
@@ -470,6 +477,8 @@ int main(int argc, char** argv) {
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;
+      step.profile_no_fetch = o.profile_no_fetch;
+      step.plan_threads = o.plan_threads;
       step.attend_rows = o.attend_rows;
       step.attend_free_slots = o.attend_free_slots;
       step.attend_random_rows = o.attend_random_rows;

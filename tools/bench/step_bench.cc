@@ -606,9 +606,11 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       CudaAgentOptions base;  // what every run of the row shares
       base.mma_codes = o.mma_codes;
       if (o.fetch_blocks > 0) base.fetch_blocks = o.fetch_blocks;
+      if (o.plan_threads > 0) base.plan_threads = o.plan_threads;
       CudaAgentOptions no_fetch = base;
       no_fetch.fetch = false;
-      const AgentRun without = RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, no_fetch);
+      const AgentRun without =
+          RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, no_fetch, o.profile_step && o.profile_no_fetch);
       if (without.ms < 0) {
         ok = false;
         continue;
@@ -638,7 +640,9 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         fetch.fetch_via = *via;
         if (o.fetch_threads > 0) fetch.fetch_threads = o.fetch_threads;
         if (o.fetch_copy_piece_kb >= 0) fetch.fetch_copy_piece_bytes = int64_t{o.fetch_copy_piece_kb} * 1024;
-        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, fetch, o.profile_step) : without;
+        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, fetch,
+                                                       o.profile_step && !o.profile_no_fetch)
+                                              : without;
         if (with.ms < 0) {
           ok = false;
           continue;

@@ -35,6 +35,8 @@ struct StepOptions {
   // untimed) between cudaProfilerStart and cudaProfilerStop: `ncu --profile-from-start off`
   // then profiles exactly one step's kernels, whatever the prefill and the agent's creation launched.
   bool profile_step = false;
+  bool profile_no_fetch = false;  // the profiled step in the runs without the fetch instead
+  int plan_threads = 0;  // CudaAgentOptions::plan_threads of every run; 0: the agent's default
   // attend: substituted rows per KV head, spread evenly over the context; 0: k (64). specache-run's
   // default selection attends every row of its row cache (1024 rows once the cache is full).
   int attend_rows = 0;
