@@ -170,8 +170,14 @@ CudaAgent::~CudaAgent() {
 }
 
 Status CudaAgent::WaitForStreams() const {
-  SPECACHE_RETURN_IF_ERROR(rows_.WaitForFetchStream());
-  return cuda::CudaStatus(cudaStreamSynchronize(compute_), "compute stream");
+  // Every stream is waited for even after one failed (the destructor frees what they use); the
+  // first error is returned.
+  const Status selection = planner_.WaitForSelection();
+  const Status fetch = rows_.WaitForFetchStream();
+  const Status compute = cuda::CudaStatus(cudaStreamSynchronize(compute_), "compute stream");
+  if (!selection.ok()) return selection;
+  if (!fetch.ok()) return fetch;
+  return compute;
 }
 
 Status CudaAgent::WriteNewRows(int layer, std::span<const cuda::WriteTask> writes, std::span<const SequenceId> sequences) {
@@ -303,7 +309,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     SPECACHE_RETURN_IF_ERROR(planner_.AttendWithFetchedRows(layer, &plan));
   } else {
     SPECACHE_RETURN_IF_ERROR(planner_.AttendAndSelect(layer, &plan));
-    if (config_.fetches_rows()) SPECACHE_RETURN_IF_ERROR(rows_.MarkSelected(layer));
+    if (config_.fetches_rows()) SPECACHE_RETURN_IF_ERROR(rows_.MarkSelected(layer, planner_.selection_stream()));
     SPECACHE_RETURN_IF_ERROR(rows_.JoinFetch());  // FetchOverlap::kWithinNextAttention
   }
   if (protocol_.kind() == StepKind::kDecode) SPECACHE_RETURN_IF_ERROR(AppendRealTokens(layer));
@@ -356,11 +362,13 @@ Status CudaAgent::WaitPrefetch(int layer) {
 Status CudaAgent::EndStep() {
   SPECACHE_ASSIGN_OR_RETURN(bool decode, protocol_.End());
   if (decode) ++counters_.steps;
+  SPECACHE_RETURN_IF_ERROR(planner_.JoinSelection());  // the step's last selection behind the engine's stream
   return RecordWrites();
 }
 
 void CudaAgent::AbortStep() {
   protocol_.Abort();
+  (void)planner_.JoinSelection();
   (void)RecordWrites();  // appends already queued are kept (agent.h)
 }
 

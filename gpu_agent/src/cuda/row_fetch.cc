@@ -275,19 +275,22 @@ Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span
   });
 }
 
-Status RowFetcher::MarkSelected(int layer) {
-  return CudaStatus(cudaEventRecord(selected_[layer], compute_), "selection event");
+Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
+  return CudaStatus(cudaEventRecord(selected_[layer], stream ? stream : compute_), "selection event");
 }
 
 // The overlapped fetch of layer L, in order (both paths):
-//   compute: ... top-k of L, record selected_[L] (MarkSelected) ... later layers ...
+//   compute: ... attention of L ... later layers ...
+//   select:  (forked after that attention) top-k of L, record selected_[L] (MarkSelected);
+//            joined by the compute stream before L + 1's attention
 //   fetch:   wait selected_[L]; [staged: selection down, host waits; source reads; rows up];
 //            fetch kernel (hits from the cache); cache update; record fetched_[L]
 //   compute: (next step, before L's attention) wait fetched_[L] (WaitFetched)
 // Local: the agent's thread queues the fetch stream's part right here (kFromSelection), or at the
 // next WaitFetched (of layer L + 1, or of the next step's first layer after the last), waiting for
-// deferred_start_ recorded there on the compute stream instead of selected_[L], which comes
-// before it; kWithinNextAttention adds, at that layer's JoinFetch,
+// deferred_start_ recorded there on the compute stream, and for selected_[L] (the compute stream
+// joins L's selection only at L + 1's attention, after that WaitFetched); kWithinNextAttention
+// adds, at that layer's JoinFetch,
 //   compute: (after the attention and selection of L + 1) wait fetched_[L]
 // Staged: the worker does,
 // because its middle waits on the host; the agent's thread queues nothing on the fetch stream, so
@@ -331,6 +334,8 @@ Status RowFetcher::LaunchDeferred() const {
   // (the fills, the fetch and the cache update give the same result run twice).
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(deferred_start_, compute_), "fetch start event"));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, deferred_start_, 0), "wait for the fetch's start"));
+  // The selection may run on a stream of its own (StepPlanner), not yet joined by the compute stream.
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
   SPECACHE_RETURN_IF_ERROR(Launch(*deferred_, nullptr, nullptr, fetch_, &caller_plan_));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event"));
   deferred_.reset();

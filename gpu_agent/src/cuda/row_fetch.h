@@ -15,7 +15,8 @@
 // - The fetch's missed rows reach the update either from FetchRows' output (a buffer from a pool
 //   of the fetcher's, like the spares) or, by the copy engine, from its staged copy by rank.
 // - In specache mode the fetch of layer L runs on the fetcher's own stream (StartFetch), after an
-//   event that marks layer L's selection done on the compute stream (MarkSelected); the compute
+//   event that marks layer L's selection done on the stream it ran on (MarkSelected: the
+//   planner's selection stream, forked from the compute stream after the attention); the compute
 //   stream waits for it (WaitFetched) only before layer L's next attention, so later layers never
 //   wait for it. The other modes fetch on the compute stream (Fetch).
 // - When that fetch is queued is CudaAgentOptions::fetch_overlap (agent.h): at StartFetch, or
@@ -101,8 +102,9 @@ class RowFetcher {
   // either here, always on the same stream, or through StartFetch, never both (the agent's mode
   // picks): the caches' updates must share one stream (spare_lists_).
   Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
-  // Records on the compute stream that the layer's selection is done.
-  Status MarkSelected(int layer);
+  // Records on `stream` (null: the compute stream), where the layer's selection was queued, that
+  // it is done.
+  Status MarkSelected(int layer, cudaStream_t stream = nullptr);
   // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
   // waits for it. Local: queued now, or (fetch_overlap) at the next WaitFetched of any layer or
   // WaitForFetchStream, to run beside the attention queued after it. Staged: the work is handed to
@@ -207,7 +209,8 @@ class RowFetcher {
   Status Launch(const FetchWork& work, StagedFetch* staged, CopyEngineFetch* copy_engine, cudaStream_t stream,
                 DecodePlan* plan) const;
   // Queues the deferred fetch, if any, on the fetch stream behind everything queued so far on the
-  // compute stream (its selection included), then records its layer's fetched_ event.
+  // compute stream and behind its layer's selection (selected_: the selection runs on a stream of
+  // its own), then records its layer's fetched_ event.
   Status LaunchDeferred() const;
   // After a failed fetch: the sequences hold no rows at the layer, and their caches start over.
   void Forget(int layer, const std::vector<SequenceId>& ids);
@@ -244,8 +247,9 @@ class RowFetcher {
   //   update, the old cache's last readers on that stream (and, staged, the copy of its tokens to
   //   the host);
   // - the only other reader of the old cache (list and rows) is the layer's attention, queued
-  //   on the compute stream before the selection this fetch waits for (MarkSelected, or the
-  //   deferred start recorded after it; Fetch runs on the compute stream itself), and every
+  //   on the compute stream before the selection this fetch waits for (MarkSelected: the
+  //   selection forks off after the attention; or the deferred start recorded after it; Fetch
+  //   runs on the compute stream itself), and every
   //   attention queued from now on substitutes the new cache, after waiting for this fetch;
   // - the host reads a cache (AddStats) only once the streams are idle.
   // A spare's contents do not matter: the update writes all of the new list.

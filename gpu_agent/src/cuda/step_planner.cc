@@ -31,6 +31,15 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
   if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
 }
 
+StepPlanner::~StepPlanner() {
+  if (select_) {
+    cudaStreamSynchronize(select_);
+    cudaStreamDestroy(select_);
+  }
+  if (attended_) cudaEventDestroy(attended_);
+  if (selected_) cudaEventDestroy(selected_);
+}
+
 Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, int32_t n) {
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
   SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n_kv) * n * d));
@@ -155,7 +164,7 @@ Status StepPlanner::AttendPlainAndSelect(int layer, const LayerPlan& plan) {
   for (auto& it : plain) it.rows.n_sub = 0;
   if (config_.mode == KvMode::kSpeCacheOracle) SPECACHE_RETURN_IF_ERROR(RankExactly(layer, &plain, compute_));
   SPECACHE_RETURN_IF_ERROR(Attend(std::move(plain)));
-  return Select(layer, plan);
+  return Select(layer, plan, compute_);  // the fetch for this step follows on the compute stream
 }
 
 Status StepPlanner::AttendWithFetchedRows(int layer, LayerPlan* plan) {
@@ -171,16 +180,50 @@ Status StepPlanner::AttendWithFetchedRows(int layer, LayerPlan* plan) {
 Status StepPlanner::AttendAndSelect(int layer, LayerPlan* plan) {
   const bool selects = config_.fetches_rows();
   SPECACHE_RETURN_IF_ERROR(Attend(std::move(plan->items)));  // with the real row's scores for the union rule
-  if (selects) SPECACHE_RETURN_IF_ERROR(Select(layer, *plan));
+  if (!selects) return Status::Ok();
+  // The selection forks off the compute stream after the attention (its scores and statistics)
+  // and runs beside the engine's kernels that follow; the next attention joins it (Attend).
+  // Each made once; one that failed is asked for again at the next call.
+  if (!select_) {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&select_, cudaStreamNonBlocking), "selection stream"));
+  }
+  if (!attended_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&attended_, cudaEventDisableTiming), "event"));
+  if (!selected_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&selected_, cudaEventDisableTiming), "event"));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(attended_, compute_), "attention event"));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(select_, attended_, 0), "wait for the attention"));
+  const Status selected = Select(layer, *plan, select_);
+  // Whatever Select queued (all of it, or up to a failed launch) is what the join waits for.
+  const Status recorded = CudaStatus(cudaEventRecord(selected_, select_), "selection event");
+  if (recorded.ok()) {
+    selection_pending_ = true;
+  } else {
+    // selected_ still holds an older record: no later attention may start before this
+    // selection's kernels are done with the scores.
+    cudaStreamSynchronize(select_);
+  }
+  SPECACHE_RETURN_IF_ERROR(selected);
+  return recorded;
+}
+
+Status StepPlanner::JoinSelection() {
+  if (!selection_pending_) return Status::Ok();
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, selected_, 0), "wait for the selection"));
+  selection_pending_ = false;  // only once the wait is queued: a failed join is tried again
   return Status::Ok();
 }
 
+Status StepPlanner::WaitForSelection() const {
+  return select_ ? CudaStatus(cudaStreamSynchronize(select_), "selection stream") : Status::Ok();
+}
+
 Status StepPlanner::Attend(std::vector<DeviceDecodeItem> items) {
+  // The previous layer's selection still reads the scores and statistics this attention writes.
+  SPECACHE_RETURN_IF_ERROR(JoinSelection());
   return AttendDecodeBatch(std::move(items), compute_, &plan_);
 }
 
-Status StepPlanner::Select(int layer, const LayerPlan& plan) {
-  if (config_.extra_rows() > 0) return SelectUnion(layer, plan);
+Status StepPlanner::Select(int layer, const LayerPlan& plan, cudaStream_t stream) {
+  if (config_.extra_rows() > 0) return SelectUnion(layer, plan, stream);
   const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
   const auto& ids = protocol_->ids();
   // The adaptive budget keeps its rows at the front of each head's k_max (cuda_topk.h) and counts
@@ -214,12 +257,12 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan) {
     }
   }
   SPECACHE_RETURN_IF_ERROR(
-      WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_, &selection_tasks_));
+      WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, stream, &selection_tasks_));
   return SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.primary_rows(),
-                         config_.reduction, compute_, adaptive ? &budget : nullptr, &plan_);
+                         config_.reduction, stream, adaptive ? &budget : nullptr, &plan_);
 }
 
-Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
+Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t stream) {
   // selection.h: the primary top-k, then the real row's best extra_rows() others, merged. A
   // segment with no more candidates than both together selects them all. With the adaptive budget
   // every segment is merged: the merge drops the real row's picks that are primary (fewer others
@@ -280,23 +323,23 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan) {
     }
   }
   SPECACHE_RETURN_IF_ERROR(
-      SelectTopKBatch(all.data(), static_cast<int>(all.size()), group, k + extra, config_.reduction, compute_, nullptr,
+      SelectTopKBatch(all.data(), static_cast<int>(all.size()), group, k + extra, config_.reduction, stream, nullptr,
                       &plan_));
   SPECACHE_RETURN_IF_ERROR(
-      SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k, config_.reduction, compute_,
+      SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k, config_.reduction, stream,
                       adaptive ? &budget : nullptr, &plan_));
   SPECACHE_RETURN_IF_ERROR(
-      WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, compute_, &selection_tasks_));
+      WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, stream, &selection_tasks_));
   SPECACHE_RETURN_IF_ERROR(
-      MaskTokens(masks.data(), static_cast<int>(masks.size()), group, compute_, &selection_tasks_));
+      MaskTokens(masks.data(), static_cast<int>(masks.size()), group, stream, &selection_tasks_));
   SPECACHE_RETURN_IF_ERROR(
-      SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, compute_, nullptr,
+      SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, stream, nullptr,
                       &plan_));
   if (adaptive) {
-    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), compute_,
+    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), stream,
                                  &selection_tasks_);
   }
-  return MergeSelections(merges.data(), static_cast<int>(merges.size()), compute_, &selection_tasks_);
+  return MergeSelections(merges.data(), static_cast<int>(merges.size()), stream, &selection_tasks_);
 }
 
 Status StepPlanner::RankExactly(int layer, std::vector<DeviceDecodeItem>* items, cudaStream_t stream) {

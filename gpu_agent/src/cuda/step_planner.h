@@ -45,6 +45,10 @@ class StepPlanner {
   StepPlanner(const ModelShape& shape, const KvConfig& config, const CudaAgentOptions& options,
               const StepProtocol* protocol, const ReplicaStore* replicas, RowFetcher* rows,
               const DevicePageTable* pages, cudaStream_t compute);
+  // Waits for its selection stream.
+  ~StepPlanner();
+  StepPlanner(const StepPlanner&) = delete;
+  StepPlanner& operator=(const StepPlanner&) = delete;
 
   // Rows [first, first + n) of the prompt batch (one sequence's): every KV head's K/V to fp16 and,
   // when batch.out is given, the exact causal attention of every query head into it.
@@ -62,7 +66,18 @@ class StepPlanner {
   // The attention, then in the modes that fetch rows the top-k for the next step into the
   // fetcher's next selection (kUnion ranks the real row too, from the same pass). The plan's items
   // move into the launch (plan->items is empty after; the selection reads the rest of the plan).
+  // The selection runs on a stream of its own (selection_stream()), forked from the compute stream
+  // after the attention, beside what the engine queues after it; the next Attend, or
+  // JoinSelection, makes the compute stream wait for it.
   Status AttendAndSelect(int layer, LayerPlan* plan);
+  // Where AttendAndSelect's selection runs (null before the first): the fetch's start event for
+  // the layer is recorded there (RowFetcher::MarkSelected).
+  cudaStream_t selection_stream() const { return select_; }
+  // The compute stream waits for the last selection (the step's end: everything the step queued
+  // is then behind the engine's stream).
+  Status JoinSelection();
+  // The host waits for the selection stream.
+  Status WaitForSelection() const;
 
   // The fp16 K/V of the last Plan ([row][n_kv][head_dim]).
   const Half* new_keys() const { return k_.get(); }
@@ -72,14 +87,14 @@ class StepPlanner {
   const Half* prefill_values(int h) const { return v_.get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
 
  private:
-  // The only launch of the batched decode attention.
+  // The only launch of the batched decode attention (after joining a pending selection).
   Status Attend(std::vector<DeviceDecodeItem> items);
-  // Top-k of each sequence's candidates into the fetcher's next selection.
-  Status Select(int layer, const LayerPlan& plan);
+  // Top-k of each sequence's candidates into the fetcher's next selection, on `stream`.
+  Status Select(int layer, const LayerPlan& plan, cudaStream_t stream);
   // The row-selection rule beyond the plain top-k (selection.h), in functions of their own:
   // kUnion's mask-select-merge (the real row's scores come from the attention's own pass, into
   // real_probs_), and the oracle's exact ranking over every full-precision row.
-  Status SelectUnion(int layer, const LayerPlan& plan);
+  Status SelectUnion(int layer, const LayerPlan& plan, cudaStream_t stream);
   Status RankExactly(int layer, std::vector<DeviceDecodeItem>* items, cudaStream_t stream);
   // Softmax statistics of sequence s (of the step), KV head h: [GQA head][2].
   float* ProbsStats(size_t s, int h) {
@@ -101,6 +116,14 @@ class StepPlanner {
   RowFetcher* rows_;
   const DevicePageTable* pages_;
   cudaStream_t compute_;
+  // AttendAndSelect's selection: its stream, the fork after the attention, the selection's end,
+  // and whether the compute stream has yet to wait for that end. One set serves every layer: the
+  // selection reads the planner's scratch (probs_, probs_stats_, the union's), which the next
+  // attention overwrites, so that attention waits for it (Attend); it overlaps the engine's work
+  // between two attentions (the output projection, the MLP, the next layer's QKV).
+  cudaStream_t select_ = nullptr;
+  cudaEvent_t attended_ = nullptr, selected_ = nullptr;
+  bool selection_pending_ = false;
   float scale_ = 1.0f;
   int plan_threads_ = 1;  // options_.plan_threads, at most the machine's cores
   // The attention's launch plans. In specache mode it leaves the fetch's blocks their slots on the
