@@ -75,8 +75,12 @@ inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int
     return static_cast<int>(std::clamp<int64_t>((tokens + 255) / 256 * 256, kMinPartTokens, kMaxPartTokens));
   };
   int part = rounded_part((total + slots - 1) / slots);
-  while (part < kOneWavePartTokens && blocks_with(part) > slots) part += 256;
-  if (part > kOneWavePartTokens || blocks_with(part) > slots) {
+  bool one_wave = blocks_with(part) <= slots;
+  while (part < kOneWavePartTokens && !one_wave) {
+    part += 256;
+    one_wave = blocks_with(part) <= slots;
+  }
+  if (part > kOneWavePartTokens || !one_wave) {
     const int64_t eight_per_sm = int64_t{8} * std::max(sms, 1);
     part = rounded_part((total + eight_per_sm - 1) / eight_per_sm);
   }
@@ -91,18 +95,23 @@ inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int
   auto merge_ranks = [&](int part_tokens) { return int64_t{most_parts_with(part_tokens)} * k <= kTopKThreads; };
   if (part < kMaxPartTokens && !merge_ranks(part)) {
     int ranked = part + 256;
-    while (ranked < kMaxPartTokens && !merge_ranks(ranked)) ranked += 256;
-    const int64_t blocks = blocks_with(ranked);
-    const bool short_enough = ranked <= kOneWavePartTokens && blocks >= sms / 2;
-    const bool fills_one_wave = ranked > kOneWavePartTokens && 2 * blocks >= 5 * int64_t{sms} && blocks <= slots;
-    if (merge_ranks(ranked) && (short_enough || fills_one_wave)) part = ranked;
+    bool ranks = merge_ranks(ranked);
+    while (ranked < kMaxPartTokens && !ranks) {
+      ranked += 256;
+      ranks = merge_ranks(ranked);
+    }
+    if (ranks) {
+      const int64_t blocks = blocks_with(ranked);
+      const bool short_enough = ranked <= kOneWavePartTokens && blocks >= sms / 2;
+      const bool fills_one_wave = ranked > kOneWavePartTokens && 2 * blocks >= 5 * int64_t{sms} && blocks <= slots;
+      if (short_enough || fills_one_wave) part = ranked;
+    }
   }
-  while (part < kMaxPartTokens) {
-    const int most = most_parts_with(part);
-    if (most == 1 || int64_t{most} * k <= kMaxMergeCandidates) break;
+  int max_parts = most_parts_with(part);
+  while (part < kMaxPartTokens && max_parts > 1 && int64_t{max_parts} * k > kMaxMergeCandidates) {
     part = std::min(2 * part, kMaxPartTokens);  // parts of 3840 tokens double past it
+    max_parts = most_parts_with(part);
   }
-  const int max_parts = most_parts_with(part);
   if (max_parts > 1 && int64_t{max_parts} * k > kMaxMergeCandidates) {
     return Status::InvalidArgument("top-k: more than " + std::to_string(kMaxMergeCandidates) +
                                    " candidates to merge (k " + std::to_string(k) + " over segments of up to " +
