@@ -276,7 +276,7 @@ Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span
 }
 
 Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
-  return CudaStatus(cudaEventRecord(selected_[layer], stream ? stream : compute_), "selection event");
+  return CudaStatus(cudaEventRecord(selected_[layer], stream), "selection event");
 }
 
 // The overlapped fetch of layer L, in order (both paths):

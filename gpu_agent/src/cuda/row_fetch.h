@@ -102,9 +102,9 @@ class RowFetcher {
   // either here, always on the same stream, or through StartFetch, never both (the agent's mode
   // picks): the caches' updates must share one stream (spare_lists_).
   Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
-  // Records on `stream` (null: the compute stream), where the layer's selection was queued, that
-  // it is done.
-  Status MarkSelected(int layer, cudaStream_t stream = nullptr);
+  // Records on `stream`, where the layer's selection was queued (StepPlanner::selection_stream()),
+  // that it is done.
+  Status MarkSelected(int layer, cudaStream_t stream);
   // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
   // waits for it. Local: queued now, or (fetch_overlap) at the next WaitFetched of any layer or
   // WaitForFetchStream, to run beside the attention queued after it. Staged: the work is handed to
