@@ -19,7 +19,9 @@ struct PageGatherTask {
 };
 
 // Numbers the wanted rows in task order, then slot order (rank), and copies each into
-// rows[rank] ([..][row_bytes]), the copies spread over `threads` threads (ParallelFor). Tokens
+// rows[rank] ([..][row_bytes]), the copies spread over `threads` threads (ParallelFor), with
+// streaming stores on x86-64 when `rows` and row_bytes allow 16-byte vectors (the rows go to the
+// copy engine next, not to this CPU), fenced before it returns. Tokens
 // equal to `skip` get rank -1 and no row; a negative entry is the caller's code for a row it has
 // elsewhere (the device's row cache: ListMissedRows, cuda_fetch.h) and is its slot's rank as it
 // is, with no row. The caller checked that every wanted token lies in a page of its task. Returns

@@ -1,10 +1,13 @@
 // The host half of the CUDA agent's copy-engine fetch: the wanted rows of every task are
 // numbered in task then slot order, skipped slots get -1, negative codes (rows the device has in
 // its cache) are their own ranks, and each row is copied from its page of an InMemorySource (the
-// layout the device reads) into its rank, on one thread or several.
+// layout the device reads) into its rank, on one thread or several, into an output aligned for
+// the streaming stores and one that is not (the plain copy).
 #include "page_row_gather.h"
 
+#include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -54,7 +57,7 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
     }
     wants.push_back(std::move(w));
   }
-  for (int threads : {1, 4}) {
+  for (const auto& [threads, offset] : {std::pair{1, 0}, std::pair{4, 0}, std::pair{4, 2}}) {
     std::vector<std::vector<int32_t>> ranks(wants.size());
     std::vector<PageGatherTask> tasks;
     size_t most = 0;
@@ -64,9 +67,17 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
                        static_cast<int32_t>(wants[i].tokens.size()), ranks[i].data()});
       most += wants[i].tokens.size();
     }
-    std::vector<Half> rows(most * kRow);
-    const int64_t n = GatherPageRows(tasks, kPageTokens, static_cast<int64_t>(kRow * sizeof(Half)), kNoToken,
-                                     reinterpret_cast<uint8_t*>(rows.data()), threads);
+    alignas(16) static uint8_t buffer[64 << 10];
+    ASSERT_LE(offset + most * kRow * sizeof(Half), sizeof(buffer));
+    std::memset(buffer, 0xff, sizeof(buffer));  // no row left from the last round (0xffff is a NaN)
+    uint8_t* out = buffer + offset;
+    auto row_value = [&](size_t at) {
+      Half h;
+      std::memcpy(&h, out + at * sizeof(Half), sizeof(h));
+      return HalfToFloat(h);
+    };
+    const int64_t n = GatherPageRows(tasks, kPageTokens, static_cast<int64_t>(kRow * sizeof(Half)), kNoToken, out,
+                                     threads);
     int32_t next = 0;
     for (size_t i = 0; i < wants.size(); ++i) {
       for (size_t j = 0; j < wants[i].tokens.size(); ++j) {
@@ -77,13 +88,13 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
         }
         ASSERT_EQ(ranks[i][j], next) << "task " << i << " slot " << j;
         for (size_t e = 0; e < kRow; ++e) {
-          ASSERT_EQ(HalfToFloat(rows[next * kRow + e]), Value(wants[i].layer, wants[i].head, token))
-              << "threads " << threads << " task " << i << " slot " << j;
+          ASSERT_EQ(row_value(next * kRow + e), Value(wants[i].layer, wants[i].head, token))
+              << "threads " << threads << " offset " << offset << " task " << i << " slot " << j;
         }
         ++next;
       }
     }
-    EXPECT_EQ(n, next) << "threads " << threads;
+    EXPECT_EQ(n, next) << "threads " << threads << " offset " << offset;
   }
 }
 
