@@ -90,6 +90,7 @@ struct Options {
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
   bool profile_step = false;         // step: StepOptions::profile_step
   bool profile_no_fetch = false;     // step: StepOptions::profile_no_fetch
+  bool no_model_graphs = false;      // step: !StepOptions::model_graphs
   int plan_threads = 0;              // step: CudaAgentOptions::plan_threads (0: the default)
   int attend_rows = 0;               // attend: StepOptions::attend_rows
   int attend_free_slots = 0;         // attend: StepOptions::attend_free_slots
@@ -376,6 +377,9 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                   "cudaProfilerStop (for ncu --profile-from-start off)");
     cmd->add_flag("--profile-no-fetch", o->profile_no_fetch,
                   "with --profile-step: profile the runs without the fetch instead");
+    cmd->add_flag("--no-model-graphs", o->no_model_graphs,
+                  "launch the model's products and small kernels one by one on every call instead of replaying "
+                  "them from CUDA graphs (GpuLlama::SetDecodeGraphs)");
   }
   if (std::string_view(suite.name) == "step") {
     cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit; "
@@ -478,6 +482,7 @@ int main(int argc, char** argv) {
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;
       step.profile_no_fetch = o.profile_no_fetch;
+      step.model_graphs = !o.no_model_graphs;
       step.plan_threads = o.plan_threads;
       step.attend_rows = o.attend_rows;
       step.attend_free_slots = o.attend_free_slots;

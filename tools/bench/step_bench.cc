@@ -65,10 +65,11 @@ struct Model {
   std::unique_ptr<gpu::GpuLlama> llama;
   cudaStream_t stream = nullptr;
 
-  bool Init(int rows) {
+  bool Init(int rows, bool graphs = true) {
     auto m = gpu::GpuLlama::Random(gpu::Llama3_8bConfig(), 1, /*tied_head=*/true);
     if (!Ok(m.status(), "model")) return false;
     llama = std::move(*m);
+    llama->SetDecodeGraphs(graphs);
     stream = static_cast<cudaStream_t>(llama->stream());
     if (!Ok(llama->Reserve(rows), "model buffers")) return false;
     // Every row at position 0: the step's timing does not depend on the positions.
@@ -578,9 +579,10 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   int max_batch = 1;
   for (int b : o.batches) max_batch = std::max(max_batch, b);
   Model m;
-  if (!m.Init(2 * max_batch)) return false;
-  std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, k=%d, context %d, fetch blocks %s ==\n",
-              kTopK, o.context, o.fetch_blocks > 0 ? std::to_string(o.fetch_blocks).c_str() : "default");
+  if (!m.Init(2 * max_batch, o.model_graphs)) return false;
+  std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, k=%d, context %d, fetch blocks %s, model graphs %s ==\n",
+              kTopK, o.context, o.fetch_blocks > 0 ? std::to_string(o.fetch_blocks).c_str() : "default",
+              o.model_graphs ? "on" : "off");
   std::printf("%-36s %-6s %12s %12s %12s %9s %13s %11s %12s %10s %11s\n", "kv", "batch", "ms_layers", "ms_no_fetch",
               "ms_fetch", "ratio", "MB_per_step", "reused", "GBps_to_hide", "tok_per_s", "ms_prefill");
   bool ok = true;

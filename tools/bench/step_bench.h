@@ -37,6 +37,9 @@ struct StepOptions {
   bool profile_step = false;
   bool profile_no_fetch = false;  // the profiled step in the runs without the fetch instead
   int plan_threads = 0;  // CudaAgentOptions::plan_threads of every run; 0: the agent's default
+  // The model's decode graphs (GpuLlama::SetDecodeGraphs): its products and small kernels replayed
+  // from CUDA graphs, as an engine's decode runs them; off: launched one by one on every call.
+  bool model_graphs = true;
   // attend: substituted rows per KV head, spread evenly over the context; 0: k (64). specache-run's
   // default selection attends every row of its row cache (1024 rows once the cache is full).
   int attend_rows = 0;

@@ -747,6 +747,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   bench->add_flag("--host-delay-before-projections", bo.host_delay_before_projections,
                   "--host-delay-us before each layer's first products instead of its attention");
+  bench->add_flag("!--no-model-graphs", bo.model_graphs,
+                  "launch the model's products and small kernels one by one in every decode step instead of replaying "
+                  "them from CUDA graphs");
   bench->add_option("--prefill", bo.prefill,
                     "BxT, e.g. 8x8192: also time the whole model's prefill of B prompts of T tokens (specache), next "
                     "to PyTorch's fp16 prefill with --sdpa-script");

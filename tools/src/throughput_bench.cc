@@ -360,6 +360,7 @@ class Bench {
             o_.fetch_copy_piece_kb >= 0 ? int64_t{o_.fetch_copy_piece_kb} : CudaAgentOptions{}.fetch_copy_piece_bytes >> 10;
       }
     }
+    j["model_graphs"] = o_.model_graphs;
     if (o_.host_delay_us > 0) {  // a probe's row (ThroughputOptions::host_delay_us)
       j["host_delay_us"] = o_.host_delay_us;
       j["host_delay_before"] = o_.host_delay_before_projections ? "products" : "attention";
@@ -508,12 +509,13 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaFree(nullptr), "CUDA context"));
   const int64_t baseline_free = DeviceFree();
   SPECACHE_ASSIGN_OR_RETURN(auto model, GpuLlama::Random(config, 1, /*tied_head=*/o.shape == "smollm2"));
+  model->SetDecodeGraphs(o.model_graphs);
   Bench bench(o, model.get(), baseline_free);
   std::fprintf(stderr,
                "bench: %s shape, RANDOM weights (%.2f GB fp16), %s (%.0f GB), budget %.1f GB, host MemAvailable %.0f GB, "
-               "%d timed steps%s\n",
+               "%d timed steps, model graphs %s%s\n",
                o.shape.c_str(), model->weight_bytes() / 1e9, device.name.c_str(), device.total_memory_bytes / 1e9,
-               o.gpu_budget_bytes / 1e9, mem_available / 1e9, o.steps,
+               o.gpu_budget_bytes / 1e9, mem_available / 1e9, o.steps, o.model_graphs ? "on" : "off",
                o.host_delay_us > 0 ? (", PROBE: the host waits " + std::to_string(o.host_delay_us) + " us before each layer's " +
                                       (o.host_delay_before_projections ? "products" : "attention"))
                                          .c_str()

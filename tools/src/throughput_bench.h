@@ -64,6 +64,8 @@ struct ThroughputOptions {
   // the step's (the step grows by n_layers x this when it does). 0: none.
   int host_delay_us = 0;
   bool host_delay_before_projections = false;  // the delay before each layer's products instead
+  // GpuLlama::SetDecodeGraphs: the model's decode calls replayed from CUDA graphs (as an engine's).
+  bool model_graphs = true;
 };
 
 // Runs every (context, mode); one JSON object per row (see the .cc for the fields), a table on

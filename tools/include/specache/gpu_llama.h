@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "specache/half.h"
 #include "specache/kv_config.h"
@@ -75,9 +76,35 @@ class GpuLlama {
   // argmax()[i] = the largest logit's index of logits() row i, i < n.
   Status Argmax(int n);
 
+  // Decode graphs (on by default): a call of ProjectQkv or FinishLayer for a layer with the same
+  // rows (at most kMaxGraphRows) and positions as that layer's previous call is captured once into
+  // a CUDA graph and replayed from then on, so a decode step's matrix products and small kernels
+  // cost the host one graph launch per call instead of cuBLAS's per-call work and each kernel's
+  // launch (the GPU runs the same kernels on the same buffers). The first call of a shape runs as
+  // it is; so does every call while the stream is being captured by the caller, and every call
+  // after a capture failed (then graphs stay off, silently: the calls' results are the same).
+  // Reserve drops the graphs when it moves the buffers. Off: every call launches its kernels.
+  static constexpr int kMaxGraphRows = kMaxLogitRows;
+  void SetDecodeGraphs(bool on);
+  bool decode_graphs() const { return graphs_on_ && !graphs_failed_; }
+  // Graphs launched so far (for tests and benchmarks: 0 when graphs are off or failed).
+  int64_t graph_launches() const { return graph_launches_; }
+
  private:
   GpuLlama() = default;
   Status Init(const LlamaConfig& config, void* stream, bool tied_head);
+  // One layer's captured call: its key (rows, positions) and, from its second call with that
+  // key, its graph (cudaGraphExec_t).
+  struct LayerGraph {
+    int n = -1;
+    const int32_t* positions = nullptr;
+    void* exec = nullptr;
+  };
+  // Runs `launch` (the call's kernels on the stream) eagerly, or through g's graph (Decode graphs
+  // above); captures it when g's key repeats.
+  template <typename Launch>
+  Status Replayed(LayerGraph& g, int n, const int32_t* positions, Launch&& launch);
+  void DropGraphs();
   // y[n][out] (fp32, += when accumulate) = x[n][in] (fp16) x W[out][in]^T (fp16).
   Status Gemm(const Half* x, int n, int in, const Half* w, int out, float* y, bool accumulate);
 
@@ -108,6 +135,10 @@ class GpuLlama {
         *gate_up_ = nullptr, *logits_ = nullptr;
   Half *normed_ = nullptr, *attn_h_ = nullptr, *act_ = nullptr;
   int32_t *tokens_ = nullptr, *positions_ = nullptr, *argmax_ = nullptr;
+
+  bool graphs_on_ = true, graphs_failed_ = false;
+  std::vector<LayerGraph> qkv_graphs_, finish_graphs_;  // [layer]
+  int64_t graph_launches_ = 0;
 
   template <typename T>
   Result<T*> Allocate(size_t n, std::vector<void*>* list);

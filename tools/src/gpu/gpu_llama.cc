@@ -77,6 +77,14 @@ Status GpuLlama::Init(const LlamaConfig& c, void* stream, bool tied_head) {
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasCreate failed");
   blas_ = h;
   if (cublasSetStream(h, Stream(stream_)) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasSetStream failed");
+  {  // A workspace of the model's own (after cublasSetStream, which resets it): cuBLAS allocates
+     // none in the calls, so they can be captured (decode graphs). 32 MiB: cuBLAS's advice for Hopper.
+    constexpr size_t kBlasWorkspace = size_t{32} << 20;
+    SPECACHE_ASSIGN_OR_RETURN(void* workspace, Allocate<uint8_t>(kBlasWorkspace, &allocations_));
+    if (cublasSetWorkspace(h, workspace, kBlasWorkspace) != CUBLAS_STATUS_SUCCESS) {
+      return Status::Unavailable("cublasSetWorkspace failed");
+    }
+  }
   const size_t d = c.d_model, qkv = size_t(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, qw = size_t(c.n_heads) * c.head_dim;
   const size_t ff = c.d_ff, vocab = c.vocab;
   SPECACHE_ASSIGN_OR_RETURN(embedding_, Allocate<Half>(vocab * d, &allocations_));
@@ -110,6 +118,7 @@ Status GpuLlama::Init(const LlamaConfig& c, void* stream, bool tied_head) {
 
 GpuLlama::~GpuLlama() {
   if (stream_) cudaStreamSynchronize(Stream(stream_));
+  DropGraphs();
   for (void* p : activations_) cudaFree(p);
   for (void* p : allocations_) cudaFree(p);
   if (blas_) cublasDestroy(Blas(blas_));
@@ -176,6 +185,7 @@ int64_t GpuLlama::workspace_bytes() const { return activation_bytes_; }
 Status GpuLlama::Reserve(int rows) {
   if (rows <= rows_) return Status::Ok();
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(stream_)), "model stream"));
+  DropGraphs();  // they name the buffers freed here
   for (void* p : activations_) cudaFree(p);
   activations_.clear();
   rows_ = 0;
@@ -204,6 +214,58 @@ Status GpuLlama::Reserve(int rows) {
   return Status::Ok();
 }
 
+void GpuLlama::SetDecodeGraphs(bool on) {
+  if (!on) DropGraphs();
+  graphs_on_ = on;
+}
+
+void GpuLlama::DropGraphs() {
+  for (auto* graphs : {&qkv_graphs_, &finish_graphs_}) {
+    for (LayerGraph& g : *graphs) {
+      if (g.exec) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g.exec));
+      g = LayerGraph{};
+    }
+  }
+}
+
+template <typename Launch>
+Status GpuLlama::Replayed(LayerGraph& g, int n, const int32_t* positions, Launch&& launch) {
+  cudaStream_t s = Stream(stream_);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (!graphs_on_ || graphs_failed_ || n > kMaxGraphRows || cudaStreamIsCapturing(s, &capturing) != cudaSuccess ||
+      capturing != cudaStreamCaptureStatusNone) {
+    return launch();  // (the caller's capture, if any, takes the kernels as they are)
+  }
+  if (g.n != n || g.positions != positions) {  // a new shape: run as it is, captured if it repeats
+    if (g.exec) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g.exec));
+    g = LayerGraph{n, positions, nullptr};
+    return launch();
+  }
+  if (!g.exec) {
+    // Thread-local: the agent's other threads (its fetch worker) go on calling CUDA meanwhile.
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      graphs_failed_ = true;
+      return launch();
+    }
+    const Status captured = launch();
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamEndCapture(s, &graph);
+    cudaGraphExec_t exec = nullptr;
+    if (captured.ok() && e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph) cudaGraphDestroy(graph);
+    if (!captured.ok() || e != cudaSuccess || exec == nullptr) {
+      // Nothing captured ran: run the call as it is, and leave graphs off.
+      (void)cudaGetLastError();
+      graphs_failed_ = true;
+      return captured.ok() ? launch() : captured;
+    }
+    g.exec = exec;
+  }
+  ++graph_launches_;
+  return Cuda(cudaGraphLaunch(static_cast<cudaGraphExec_t>(g.exec), s), "decode graph");
+}
+
 Status GpuLlama::Gemm(const Half* x, int n, int in, const Half* w, int out, float* y, bool accumulate) {
   // Row-major y[n][out] is column-major y^T[out][n] = W x^T: W[out][in] row-major is a
   // column-major [in][out] matrix, used transposed.
@@ -225,10 +287,13 @@ Status GpuLlama::ProjectQkv(int layer, int n, const int32_t* device_positions) {
   if (n > rows_) return Status::InvalidArgument("ProjectQkv of more rows than reserved");
   const Layer& w = layers_[layer];
   const int width = (c_.n_heads + 2 * c_.n_kv_heads) * c_.head_dim;
-  RmsNormToHalf(x_, n, c_.d_model, w.attn_norm, c_.rms_eps, normed_, stream_);
-  SPECACHE_RETURN_IF_ERROR(Gemm(normed_, n, c_.d_model, w.wqkv, width, qkv_, false));
-  SplitQkvRope(qkv_, n, c_.n_heads, c_.n_kv_heads, c_.head_dim, device_positions, inv_freq_, q_, k_, v_, stream_);
-  return Cuda(cudaGetLastError(), "projections");
+  qkv_graphs_.resize(layers_.size());
+  return Replayed(qkv_graphs_[layer], n, device_positions, [&]() -> Status {
+    RmsNormToHalf(x_, n, c_.d_model, w.attn_norm, c_.rms_eps, normed_, stream_);
+    SPECACHE_RETURN_IF_ERROR(Gemm(normed_, n, c_.d_model, w.wqkv, width, qkv_, false));
+    SplitQkvRope(qkv_, n, c_.n_heads, c_.n_kv_heads, c_.head_dim, device_positions, inv_freq_, q_, k_, v_, stream_);
+    return Cuda(cudaGetLastError(), "projections");
+  });
 }
 
 Status GpuLlama::FinishLayer(int layer, int n) {
@@ -236,13 +301,16 @@ Status GpuLlama::FinishLayer(int layer, int n) {
   if (n > rows_) return Status::InvalidArgument("FinishLayer of more rows than reserved");
   const Layer& w = layers_[layer];
   const int qw = c_.n_heads * c_.head_dim;
-  FloatToHalf(attn_, attn_h_, int64_t{n} * qw, stream_);
-  SPECACHE_RETURN_IF_ERROR(Gemm(attn_h_, n, qw, w.wo, c_.d_model, x_, /*accumulate=*/true));
-  RmsNormToHalf(x_, n, c_.d_model, w.ffn_norm, c_.rms_eps, normed_, stream_);
-  SPECACHE_RETURN_IF_ERROR(Gemm(normed_, n, c_.d_model, w.wgate_up, 2 * c_.d_ff, gate_up_, false));
-  SiluMul(gate_up_, act_, n, c_.d_ff, stream_);
-  SPECACHE_RETURN_IF_ERROR(Gemm(act_, n, c_.d_ff, w.wdown, c_.d_model, x_, /*accumulate=*/true));
-  return Cuda(cudaGetLastError(), "layer output");
+  finish_graphs_.resize(layers_.size());
+  return Replayed(finish_graphs_[layer], n, nullptr, [&]() -> Status {
+    FloatToHalf(attn_, attn_h_, int64_t{n} * qw, stream_);
+    SPECACHE_RETURN_IF_ERROR(Gemm(attn_h_, n, qw, w.wo, c_.d_model, x_, /*accumulate=*/true));
+    RmsNormToHalf(x_, n, c_.d_model, w.ffn_norm, c_.rms_eps, normed_, stream_);
+    SPECACHE_RETURN_IF_ERROR(Gemm(normed_, n, c_.d_model, w.wgate_up, 2 * c_.d_ff, gate_up_, false));
+    SiluMul(gate_up_, act_, n, c_.d_ff, stream_);
+    SPECACHE_RETURN_IF_ERROR(Gemm(act_, n, c_.d_ff, w.wdown, c_.d_model, x_, /*accumulate=*/true));
+    return Cuda(cudaGetLastError(), "layer output");
+  });
 }
 
 Status GpuLlama::Logits(int first_row, int n) {

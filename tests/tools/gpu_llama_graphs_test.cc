@@ -1,0 +1,111 @@
+// GpuLlama's decode graphs (SetDecodeGraphs): decode steps through captured CUDA graphs give
+// bit-equal logits to the same steps launched kernel by kernel, while the shapes change (rows,
+// the positions' buffer), across a Reserve that moves the buffers, and inside a caller's own
+// capture of the stream. Random weights of SmolLM2-135M's shapes; needs a device (label gpu).
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "specache/gpu_llama.h"
+#include "testing/cuda_device.h"
+
+namespace specache::gpu {
+namespace {
+
+struct ModelRun {
+  std::unique_ptr<GpuLlama> model;
+  int32_t* positions = nullptr;  // a buffer of the test's own, for the shapes' second pointer
+};
+
+ModelRun Make(bool graphs) {
+  ModelRun r;
+  auto m = GpuLlama::Random(SmolLm2Config(), 7, /*tied_head=*/true);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  if (!m.ok()) return r;
+  r.model = std::move(*m);
+  r.model->SetDecodeGraphs(graphs);
+  EXPECT_TRUE(r.model->Reserve(8).ok());
+  EXPECT_EQ(cudaMalloc(&r.positions, 64 * sizeof(int32_t)), cudaSuccess);
+  return r;
+}
+
+// One decode step of n rows at `position`: every layer's projections, the attention output taken
+// as the queries themselves (attn and q have the same shape), the layer's rest; then the logits.
+std::vector<float> Step(ModelRun& r, int n, int32_t position, bool own_positions) {
+  GpuLlama& m = *r.model;
+  auto* stream = static_cast<cudaStream_t>(m.stream());
+  const int32_t* positions = own_positions ? r.positions : m.device_positions();
+  std::vector<int32_t> host(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) host[static_cast<size_t>(i)] = position + i;
+  EXPECT_EQ(cudaMemcpyAsync(const_cast<int32_t*>(positions), host.data(), host.size() * sizeof(int32_t),
+                            cudaMemcpyHostToDevice, stream), cudaSuccess);
+  for (int i = 0; i < n; ++i) host[static_cast<size_t>(i)] = (position * 31 + i * 17) % m.config().vocab;
+  EXPECT_EQ(cudaMemcpyAsync(m.device_tokens(), host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
+            cudaSuccess);
+  EXPECT_TRUE(m.Embed(m.device_tokens(), n).ok());
+  const size_t q_bytes = size_t(n) * m.config().n_heads * m.config().head_dim * sizeof(float);
+  for (int l = 0; l < m.config().n_layers; ++l) {
+    EXPECT_TRUE(m.ProjectQkv(l, n, positions).ok());
+    EXPECT_EQ(cudaMemcpyAsync(m.attn(), m.q(), q_bytes, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+    EXPECT_TRUE(m.FinishLayer(l, n).ok());
+  }
+  EXPECT_TRUE(m.Logits(0, n).ok());
+  std::vector<float> logits(size_t(n) * m.config().vocab);
+  EXPECT_EQ(cudaMemcpyAsync(logits.data(), m.logits(), logits.size() * sizeof(float), cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  return logits;
+}
+
+void ExpectBitEqual(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what;
+}
+
+TEST(GpuLlamaGraphsTest, ReplayedStepsEqualLaunchedStepsAsShapesChange) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+  ModelRun plain = Make(false), graphed = Make(true);
+  ASSERT_TRUE(plain.model && graphed.model);
+  // (rows, own positions' buffer): repeats (captured from the second, replayed from the third),
+  // new row counts, the other positions' buffer, and back.
+  const std::vector<std::pair<int, bool>> shapes = {{4, false}, {4, false}, {4, false}, {4, false}, {2, false},
+                                                    {2, false}, {2, false}, {4, true},  {4, true},  {4, true},
+                                                    {4, false}, {4, false}, {4, false}};
+  int32_t position = 3;
+  for (size_t i = 0; i < shapes.size(); ++i, position += 5) {
+    const auto [n, own] = shapes[i];
+    ExpectBitEqual(Step(plain, n, position, own), Step(graphed, n, position, own), "step");
+  }
+  EXPECT_EQ(plain.model->graph_launches(), 0);
+  EXPECT_TRUE(graphed.model->decode_graphs());
+  // Per layer, a key's first call runs as it is and every later one goes through its graph
+  // (captured at the second). ProjectQkv's keys (rows, positions): 4 calls, 3 through the graph;
+  // 3 (2); 3 (2); 3 (2). FinishLayer's (rows only): 4 (3); 3 (2); 6 (5).
+  EXPECT_EQ(graphed.model->graph_launches(), int64_t{graphed.model->config().n_layers} * ((3 + 2 + 2 + 2) + (3 + 2 + 5)));
+
+  // A Reserve that moves the buffers drops the graphs: the same steps still agree.
+  ASSERT_TRUE(plain.model->Reserve(16).ok());
+  ASSERT_TRUE(graphed.model->Reserve(16).ok());
+  for (int i = 0; i < 3; ++i, position += 5) ExpectBitEqual(Step(plain, 8, position, false), Step(graphed, 8, position, false), "after Reserve");
+
+  // Inside the caller's own capture the calls run as they are (captured by the caller's graph).
+  auto* stream = static_cast<cudaStream_t>(graphed.model->stream());
+  const int64_t before = graphed.model->graph_launches();
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  for (int l = 0; l < graphed.model->config().n_layers; ++l) ASSERT_TRUE(graphed.model->FinishLayer(l, 8).ok());
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphDestroy(graph);
+  EXPECT_EQ(graphed.model->graph_launches(), before);
+  EXPECT_TRUE(graphed.model->decode_graphs());
+  ExpectBitEqual(Step(plain, 8, position, false), Step(graphed, 8, position, false), "after the caller's capture");
+
+  for (ModelRun* r : {&plain, &graphed}) cudaFree(r->positions);
+}
+
+}  // namespace
+}  // namespace specache::gpu
