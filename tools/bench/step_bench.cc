@@ -670,6 +670,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
                           {"fetch_threads", *via == FetchVia::kCopyEngine ? fetch.fetch_threads : 0},
                           {"host_huge_pages", o.host_huge_pages ? 1 : 0},
+                          {"model_graphs", o.model_graphs ? 1 : 0},
                           {"fetch_copy_piece_bytes", *via == FetchVia::kCopyEngine ? fetch.fetch_copy_piece_bytes : 0},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},

@@ -82,12 +82,16 @@ class GpuLlama {
   // cost the host one graph launch per call instead of cuBLAS's per-call work and each kernel's
   // launch (the GPU runs the same kernels on the same buffers). The first call of a shape runs as
   // it is; so does every call while the stream is being captured by the caller, and every call
-  // after a capture failed (then graphs stay off, silently: the calls' results are the same).
-  // Reserve drops the graphs when it moves the buffers. Off: every call launches its kernels.
+  // after a capture failed (then graphs stay off until SetDecodeGraphs(true), silently: the calls'
+  // results are the same). One graph is kept per layer and call: a caller whose rows change every
+  // call or two gains nothing (each capture is replayed once or never). Reserve drops the graphs
+  // when it moves the buffers. A stream given at creation must be non-blocking (a blocking
+  // stream's capture breaks on any thread's use of the legacy default stream): on a blocking one
+  // graphs stay off. Off: every call launches its kernels.
   static constexpr int kMaxGraphRows = kMaxLogitRows;
   void SetDecodeGraphs(bool on);
   bool decode_graphs() const { return graphs_on_ && !graphs_failed_; }
-  // Graphs launched so far (for tests and benchmarks: 0 when graphs are off or failed).
+  // Graphs launched so far (for tests and benchmarks; none while graphs are off).
   int64_t graph_launches() const { return graph_launches_; }
 
  private:
@@ -136,6 +140,7 @@ class GpuLlama {
   Half *normed_ = nullptr, *attn_h_ = nullptr, *act_ = nullptr;
   int32_t *tokens_ = nullptr, *positions_ = nullptr, *argmax_ = nullptr;
 
+  bool graphs_allowed_ = true;  // false on a blocking stream of the caller's
   bool graphs_on_ = true, graphs_failed_ = false;
   std::vector<LayerGraph> qkv_graphs_, finish_graphs_;  // [layer]
   int64_t graph_launches_ = 0;

@@ -67,6 +67,12 @@ Status GpuLlama::Init(const LlamaConfig& c, void* stream, bool tied_head) {
   c_ = c;
   if (stream) {
     stream_ = stream;
+    // A blocking stream's capture breaks whenever any thread uses the legacy default stream
+    // meanwhile (the agent's synchronous copies do): decode graphs only on non-blocking streams.
+    unsigned int flags = 0;
+    graphs_allowed_ = cudaStreamGetFlags(Stream(stream), &flags) == cudaSuccess && (flags & cudaStreamNonBlocking) != 0;
+    (void)cudaGetLastError();
+    graphs_on_ = graphs_allowed_;
   } else {
     cudaStream_t s = nullptr;
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"));
@@ -216,7 +222,8 @@ Status GpuLlama::Reserve(int rows) {
 
 void GpuLlama::SetDecodeGraphs(bool on) {
   if (!on) DropGraphs();
-  graphs_on_ = on;
+  graphs_on_ = on && graphs_allowed_;
+  graphs_failed_ = false;  // asked again: try again
 }
 
 void GpuLlama::DropGraphs() {
@@ -255,15 +262,17 @@ Status GpuLlama::Replayed(LayerGraph& g, int n, const int32_t* positions, Launch
     if (captured.ok() && e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
     if (graph) cudaGraphDestroy(graph);
     if (!captured.ok() || e != cudaSuccess || exec == nullptr) {
-      // Nothing captured ran: run the call as it is, and leave graphs off.
+      // Nothing captured ran (an error inside the capture may be the capture's own): run the call
+      // as it is, whose status is the call's, and leave graphs off.
       (void)cudaGetLastError();
       graphs_failed_ = true;
-      return captured.ok() ? launch() : captured;
+      return launch();
     }
     g.exec = exec;
   }
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaGraphLaunch(static_cast<cudaGraphExec_t>(g.exec), s), "decode graph"));
   ++graph_launches_;
-  return Cuda(cudaGraphLaunch(static_cast<cudaGraphExec_t>(g.exec), s), "decode graph");
+  return Status::Ok();
 }
 
 Status GpuLlama::Gemm(const Half* x, int n, int in, const Half* w, int out, float* y, bool accumulate) {
