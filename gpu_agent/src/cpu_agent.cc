@@ -219,7 +219,23 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
       std::copy_n(values.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d + d);
     }
     errors[item] = source_->AppendRows(batch.sequences[s], layer, h, 0, rows.data(), n).WithContext("source");
-    if (errors[item].ok()) states[s]->heads[layer][h].replica.Append(keys.data(), values.data(), n);
+    if (!errors[item].ok()) return;
+    HeadState& head = states[s]->heads[layer][h];
+    const bool first_call = head.replica.length() == 0;
+    head.replica.Append(keys.data(), values.data(), n);
+    if (config_.seed_rows > 0 && batch.q && first_call && head.cache.tokens.empty()) {
+      // KvConfig::seed_rows: the row cache starts with the quantized tokens the prompt's last
+      // token attends most, their rows from this call's own K/V (nothing fetched).
+      const float* last_q = batch.q + ((static_cast<size_t>(first + n - 1) * n_q) + static_cast<size_t>(h) * group) * d;
+      cpu::SeedTokens(last_q, keys.data(), group, n, d, scale_, head.replica.quantized_keys(),
+                      std::min(config_.seed_rows, config_.cache_rows()), config_.reduction, &head.cache.tokens);
+      head.cache.used.assign(head.cache.tokens.size(), 0);  // used before any fetch: the first to leave
+      head.cache_rows.resize(head.cache.tokens.size() * 2 * static_cast<size_t>(d));
+      for (size_t i = 0; i < head.cache.tokens.size(); ++i) {
+        std::copy_n(rows.data() + static_cast<size_t>(head.cache.tokens[i]) * 2 * d, 2 * d,
+                    head.cache_rows.data() + i * 2 * d);
+      }
+    }
   });
   for (const Status& e : errors) SPECACHE_RETURN_IF_ERROR(e);
   return Status::Ok();

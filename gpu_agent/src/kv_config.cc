@@ -104,6 +104,9 @@ Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {
     return Status::InvalidArgument("cached_rows must be 0 (twice the rows selected) or at least the rows selected (" +
                                    std::to_string(c.max_selected()) + ")");
   }
+  if (c.seed_rows < 0 || (c.seed_rows > 0 && c.mode != KvMode::kSpeCache)) {
+    return Status::InvalidArgument("seed_rows must be 0, or positive in specache mode (the row cache seeded at prefill)");
+  }
   return Status::Ok();
 }
 
@@ -123,6 +126,7 @@ std::string DescribeKvConfig(const KvConfig& c) {
       if (c.real_next) s += " next";
     }
     if (c.attend_resident) s += " attend-resident";
+    if (c.seed_rows > 0) s += " seed=" + std::to_string(c.seed_rows);
   }
   return s;
 }

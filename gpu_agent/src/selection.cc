@@ -1,5 +1,7 @@
 #include "specache/selection.h"
 
+#include "specache/cpu_attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -109,6 +111,35 @@ void SelectRows(const KvConfig& c, const float* primary_probs, const float* real
   const size_t primary = tokens->size();
   tokens->insert(tokens->end(), scratch->extra.begin(), scratch->extra.end());
   std::inplace_merge(tokens->begin(), tokens->begin() + static_cast<std::ptrdiff_t>(primary), tokens->end());
+}
+
+void SeedTokens(const float* q, const Half* keys, int n_heads, int32_t n, int d, float scale, int32_t candidates,
+                int count, GroupReduction reduction, std::vector<int32_t>* tokens) {
+  tokens->clear();
+  candidates = std::min(candidates, n);
+  if (count <= 0 || candidates <= 0) return;
+  // Per head: the softmax over all n keys (the prompt token's real attention), kept for the
+  // candidates only.
+  std::vector<float> probs(static_cast<size_t>(n_heads) * candidates), logits(static_cast<size_t>(n));
+  for (int h = 0; h < n_heads; ++h) {
+    const float* qh = q + static_cast<size_t>(h) * d;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int32_t j = 0; j < n; ++j) {
+      const Half* k = keys + static_cast<size_t>(j) * d;
+      float dot = 0.0f;
+      for (int c = 0; c < d; ++c) dot += qh[c] * HalfToFloat(k[c]);
+      logits[static_cast<size_t>(j)] = dot * scale;
+      mx = std::max(mx, logits[static_cast<size_t>(j)]);
+    }
+    double sum = 0.0;
+    for (int32_t j = 0; j < n; ++j) sum += std::exp(static_cast<double>(logits[static_cast<size_t>(j)] - mx));
+    for (int32_t j = 0; j < candidates; ++j) {
+      probs[static_cast<size_t>(h) * candidates + j] =
+          static_cast<float>(std::exp(static_cast<double>(logits[static_cast<size_t>(j)] - mx)) / sum);
+    }
+  }
+  std::vector<float> scratch;
+  SelectTopK(probs.data(), n_heads, candidates, std::min(count, candidates), reduction, tokens, &scratch);
 }
 
 }  // namespace specache::cpu

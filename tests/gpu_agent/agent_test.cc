@@ -501,6 +501,56 @@ TEST(AgentTest, PrefetchSelectsTopKOfQuantizedTokensAndCountsReuse) {
 // A source whose reads complete only when finished (as rows coming over the network do): the
 // agent starts them in StartPrefetch and finishes them in WaitPrefetch, or in DecodeLayer when the
 // engine did not wait, with the same outputs as a source that reads at once.
+// KvConfig::seed_rows: a row cache seeded at prefill with every quantized token (the store-only
+// prefill given q) serves every later selection without a fetch, and, with only the selection
+// attended, changes no output or selection against the same run unseeded (which fetches).
+TEST(AgentTest, ARowCacheSeededAtPrefillFetchesNothingItHoldsAndChangesNoOutput) {
+  std::mt19937 rng(31);
+  const int n = 200;  // 192 quantized keys at R = 64
+  Prompt p(n, rng);
+  KvConfig plain = Config(KvMode::kSpeCache, 1, 16);
+  plain.cached_rows = 256;
+  KvConfig seeded = plain;
+  seeded.seed_rows = 256;  // more than the candidates: all 192
+  Fixture a(plain), b(seeded);
+  const SequenceId ids[] = {3};
+  const int32_t offsets[] = {0, n};
+  for (Fixture* f : {&a, &b}) {
+    ASSERT_TRUE(f->agent->AddSequence(3).ok());
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      ASSERT_TRUE(f->agent->PrefillLayer(l, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), nullptr}).ok());
+    }
+  }
+  EXPECT_GT(b.agent->stats().device_bytes, a.agent->stats().device_bytes);  // the seeds' rows
+  const size_t qw = 4 * 64, kw = 2 * 64;
+  for (int step = 0; step < 4; ++step) {
+    const StepKind kind = step == 0 ? StepKind::kPreDecode : StepKind::kDecode;
+    const int rows = a.agent->RowsPerSequence(kind);
+    std::vector<float> q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
+                       v = testing::RandomFloats(rows * kw, rng);
+    std::vector<float> out_a(rows * qw), out_b(rows * qw);
+    for (auto [f, out] : {std::pair{&a, &out_a}, std::pair{&b, &out_b}}) {
+      ASSERT_TRUE(f->agent->BeginStep(kind, ids).ok());
+      for (int l = 0; l < kShape.n_layers; ++l) {
+        ASSERT_TRUE(f->agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out->data()}).ok());
+        ASSERT_TRUE(f->agent->StartPrefetch(l).ok());
+        ASSERT_TRUE(f->agent->WaitPrefetch(l).ok());
+      }
+      ASSERT_TRUE(f->agent->EndStep().ok());
+    }
+    EXPECT_EQ(out_a, out_b) << "step " << step;
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      EXPECT_EQ(*a.agent->SelectedTokens(3, l, 1), *b.agent->SelectedTokens(3, l, 1)) << "step " << step;
+    }
+  }
+  const AgentStats sa = a.agent->stats(), sb = b.agent->stats();
+  EXPECT_EQ(sa.rows_selected, sb.rows_selected);
+  EXPECT_GT(sa.rows_fetched, 0);
+  EXPECT_EQ(sb.rows_fetched, 0);
+  EXPECT_EQ(sb.rows_reused, sb.rows_selected);
+  EXPECT_EQ(sb.bytes_fetched, 0);
+}
+
 class DeferredSource final : public FullPrecisionSource {
  public:
   Status CreateSequence(SequenceId s, const SequenceLayout& l) override { return inner_.CreateSequence(s, l); }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <random>
 
@@ -180,6 +181,73 @@ TEST(SelectionTest, ConfigChecksTheNewOptions) {
   EXPECT_EQ(*ParseKvMode("specache-oracle"), KvMode::kSpeCacheOracle);
   EXPECT_EQ(*ParseSelectFrom("union"), SelectFrom::kUnion);
   EXPECT_FALSE(ParseSelectFrom("both").ok());
+}
+
+// SeedTokens against a reference written out here: per head the softmax of scale * q.k over all
+// n keys (double), the mean (or max) over the group, the best `count` of the candidates (ties: the
+// lower token), ascending; random inputs, a few keys planted along the queries.
+TEST(SelectionTest, SeedTokensAreTheCandidatesTheLastQueryAttendsMost) {
+  std::mt19937 rng(21);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int heads = 1 + trial % 4, d = trial % 2 ? 64 : 32;
+    const int32_t n = 20 + static_cast<int32_t>(rng() % 300), candidates = static_cast<int32_t>(rng() % (n + 8));
+    const int count = 1 + static_cast<int>(rng() % 80);
+    const GroupReduction reduction = trial % 3 == 0 ? GroupReduction::kMax : GroupReduction::kMean;
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> q(static_cast<size_t>(heads) * d);
+    for (float& x : q) x = normal(rng);
+    std::vector<Half> keys(static_cast<size_t>(n) * d);
+    for (Half& k : keys) k = FloatToHalf(normal(rng));
+    for (int planted = 0; planted < 5; ++planted) {  // keys along head 0's query: clear winners
+      const size_t j = rng() % static_cast<size_t>(n);
+      for (int c = 0; c < d; ++c) keys[j * d + c] = FloatToHalf(q[static_cast<size_t>(c)] * (2.0f + planted));
+    }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    std::vector<int32_t> got;
+    cpu::SeedTokens(q.data(), keys.data(), heads, n, d, scale, candidates, count, reduction, &got);
+
+    std::vector<double> score(static_cast<size_t>(std::min(candidates, n)), reduction == GroupReduction::kMax ? -1.0 : 0.0);
+    for (int h = 0; h < heads; ++h) {
+      std::vector<double> logit(static_cast<size_t>(n));
+      double mx = -1e300, sum = 0;
+      for (int32_t j = 0; j < n; ++j) {
+        double dot = 0;
+        for (int c = 0; c < d; ++c) dot += double(q[size_t(h) * d + c]) * HalfToFloat(keys[size_t(j) * d + c]);
+        logit[size_t(j)] = dot * scale;
+        mx = std::max(mx, logit[size_t(j)]);
+      }
+      for (double l : logit) sum += std::exp(l - mx);
+      for (size_t j = 0; j < score.size(); ++j) {
+        const double p = std::exp(logit[j] - mx) / sum;
+        score[j] = reduction == GroupReduction::kMax ? std::max(score[j], p) : score[j] + p / heads;
+      }
+    }
+    std::vector<int32_t> want(score.size());
+    for (size_t j = 0; j < want.size(); ++j) want[j] = static_cast<int32_t>(j);
+    std::stable_sort(want.begin(), want.end(), [&](int32_t a, int32_t b) { return score[size_t(a)] > score[size_t(b)]; });
+    want.resize(std::min(want.size(), static_cast<size_t>(count)));
+    std::sort(want.begin(), want.end());
+    // float against double: a pair of near-equal scores at the cut may swap; the rest must agree.
+    ASSERT_EQ(got.size(), want.size()) << "trial " << trial;
+    EXPECT_TRUE(std::is_sorted(got.begin(), got.end()));
+    std::vector<int32_t> common;
+    std::set_intersection(got.begin(), got.end(), want.begin(), want.end(), std::back_inserter(common));
+    EXPECT_GE(common.size() + 1, want.size()) << "trial " << trial;
+    for (int32_t t : got) EXPECT_LT(t, std::min(candidates, n));
+  }
+}
+
+TEST(SelectionTest, SeedRowsOnlyInSpeCacheMode) {
+  const ModelShape shape{2, 4, 2, 64};
+  KvConfig c = Config(KvMode::kSpeCache, 16);
+  c.seed_rows = 64;
+  EXPECT_TRUE(ValidateKvConfig(c, shape).ok());
+  EXPECT_NE(DescribeKvConfig(c).find("seed=64"), std::string::npos);
+  c.seed_rows = -1;
+  EXPECT_NE(ValidateKvConfig(c, shape).message().find("seed_rows"), std::string::npos);
+  c = Config(KvMode::kKivi, 16);
+  c.seed_rows = 8;
+  EXPECT_NE(ValidateKvConfig(c, shape).message().find("seed_rows"), std::string::npos);
 }
 
 constexpr int kPrompt = 300;

@@ -88,7 +88,8 @@ Result<PrefillResult> Prefill(const LlamaModel& model, std::span<Agent* const> a
       CausalAttention(q.data(), k.data(), v.data(), n, c.n_heads, c.n_kv_heads, c.head_dim, attn.data());
     }
     for (size_t a = first_store; a < agents.size(); ++a) {
-      SPECACHE_RETURN_IF_ERROR(agents[a]->PrefillLayer(l, {ids, offsets, nullptr, k.data(), v.data(), nullptr}));
+      // q too: an agent that seeds its row cache at prefill (KvConfig::seed_rows) reads it.
+      SPECACHE_RETURN_IF_ERROR(agents[a]->PrefillLayer(l, {ids, offsets, q.data(), k.data(), v.data(), nullptr}));
     }
     model.FinishLayer(l, attn.data(), n, x.data(), &scratch);
   }

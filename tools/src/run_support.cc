@@ -74,10 +74,12 @@ Status ApplyModeOption(const std::string& option, KvOptions* o) {
     SPECACHE_ASSIGN_OR_RETURN(o->k_max, ParseCount(key, value));
   } else if (key == "cached-rows") {
     SPECACHE_ASSIGN_OR_RETURN(o->cached_rows, ParseCount(key, value));
+  } else if (key == "seed") {
+    SPECACHE_ASSIGN_OR_RETURN(o->seed_rows, ParseCount(key, value));
   } else {
     return Status::InvalidArgument("unknown mode option '" + option +
                                    "' (select=, topk=, topk-real=, next, no-next, resident, no-resident, mass=, k-min=, k-max=, "
-                                   "cached-rows=, reduction=)");
+                                   "cached-rows=, seed=, reduction=)");
   }
   return Status::Ok();
 }
@@ -127,6 +129,7 @@ Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   c.mass = o.mass;
   c.k_min = o.k_min;
   c.k_max = o.k_max;
+  c.seed_rows = o.seed_rows;
   if (c.fetches_rows() && c.cached_rows == 0) c.cached_rows = std::max(kDefaultCachedRows, 2 * c.max_selected());
   return c;
 }
@@ -158,6 +161,7 @@ std::string ModeLabel(const KvConfig& c) {
   if (c.attend_resident != d.attend_resident) label += c.attend_resident ? "+resident" : "+no-resident";
   if (c.cached_rows != d.cached_rows) label += "+cache" + std::to_string(c.cache_rows());
   if (c.reduction != d.reduction) label += "+" + std::string(GroupReductionName(c.reduction));
+  if (c.seed_rows != d.seed_rows) label += "+seed" + std::to_string(c.seed_rows);
   return label;
 }
 
@@ -251,6 +255,7 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
     j["real_next"] = c.real_next;
     j["attend_resident"] = c.attend_resident;
     j["mass"] = c.mass;
+    j["seed_rows"] = c.seed_rows;
     if (c.adaptive()) {
       j["k_min"] = c.k_min;
       j["k_max"] = c.k_max;

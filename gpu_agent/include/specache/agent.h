@@ -67,7 +67,7 @@ struct PrefillBatch {
   // [total_tokens][n_q_heads][head_dim] attention output. May be null (then q may be too): the K/V
   // are only stored, for an engine that runs the prompt's attention with its own kernel (it must
   // use the fp16-rounded K/V to match `full` decode), or that loads the same prompt into several
-  // agents.
+  // agents. A q given without out is read only to seed the row cache (KvConfig::seed_rows).
   float* out = nullptr;
 };
 

@@ -91,6 +91,12 @@ struct KvConfig {
   double mass = 0;
   int k_min = 0;
   int k_max = 0;
+  // Rows a row cache starts with at prefill (kSpeCache; 0: none): the best of the prompt's
+  // quantized tokens by the prompt's last token's exact attention (cpu::SeedTokens), at most
+  // cache_rows(), their rows taken from the prefill's own K/V (nothing fetched: on a GPU the
+  // prompt's K/V are on the device then). Needs PrefillBatch::q; a sequence's first prefill call
+  // seeds, later ones do not. The CPU backend only, for now (the CUDA agent refuses it).
+  int seed_rows = 0;
 
   // The bits that actually apply: kFull stores everything in 16 bits whatever key_bits say.
   int effective_key_bits() const { return mode == KvMode::kFull ? 16 : key_bits; }

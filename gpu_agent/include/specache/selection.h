@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "specache/half.h"
 #include "specache/kv_config.h"
 
 namespace specache::cpu {
@@ -53,5 +54,13 @@ int32_t BudgetRows(const KvConfig& config, const float* score, int32_t n, std::v
 // pre-decode step, whose one row is both).
 void SelectRows(const KvConfig& config, const float* primary_probs, const float* real_probs, int n_heads, int32_t n,
                 std::vector<int32_t>* tokens, SelectionScratch* scratch);
+
+// The rows a row cache is seeded with at prefill (KvConfig::seed_rows): the best `count` of
+// tokens [0, candidates) by the exact attention of one query row of the GQA group (q: [n_heads]
+// [d], the prompt's last token) over keys [0, n) ([n][d], fp16 as stored): per head the softmax
+// of scale * q.k over all n keys, reduced per token as the selection reduces (SelectTopK's ties:
+// the lower token). Ascending; min(count, candidates) tokens.
+void SeedTokens(const float* q, const Half* keys, int n_heads, int32_t n, int d, float scale, int32_t candidates,
+                int count, GroupReduction reduction, std::vector<int32_t>* tokens);
 
 }  // namespace specache::cpu

@@ -410,6 +410,9 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
                                                FullPrecisionSource* source, const CudaAgentOptions& options) {
   SPECACHE_RETURN_IF_ERROR(ValidateKvConfig(config, shape));
   if (source == nullptr) return Status::InvalidArgument("a full-precision source is required");
+  if (config.seed_rows > 0) {
+    return Status::Unimplemented("seed_rows (the row cache seeded at prefill) runs on the CPU backend only for now");
+  }
   if (options.capacity_tokens <= 0) return Status::InvalidArgument("capacity_tokens must be positive");
   if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
   if (options.device_pool_bytes < 0) return Status::InvalidArgument("device_pool_bytes must be >= 0");
