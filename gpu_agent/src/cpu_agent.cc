@@ -183,6 +183,9 @@ class CpuAgent final : public Agent {
 
 Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   SPECACHE_RETURN_IF_ERROR(protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return LengthAt(id, l); }));
+  if (config_.seed_rows > 0 && batch.q == nullptr) {
+    return Status::InvalidArgument("seed_rows: the prefill must give the prompt's queries (PrefillBatch::q)");
+  }
   const size_t n_seq = batch.sequences.size();
   std::vector<SequenceState*> states(n_seq);
   for (size_t i = 0; i < n_seq; ++i) states[i] = &sequences_.at(batch.sequences[i]);
@@ -221,15 +224,19 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     errors[item] = source_->AppendRows(batch.sequences[s], layer, h, 0, rows.data(), n).WithContext("source");
     if (!errors[item].ok()) return;
     HeadState& head = states[s]->heads[layer][h];
-    const bool first_call = head.replica.length() == 0;
     head.replica.Append(keys.data(), values.data(), n);
-    if (config_.seed_rows > 0 && batch.q && first_call && head.cache.tokens.empty()) {
+    if (config_.seed_rows > 0) {
       // KvConfig::seed_rows: the row cache starts with the quantized tokens the prompt's last
-      // token attends most, their rows from this call's own K/V (nothing fetched).
+      // token attends most, their rows from this call's own K/V (nothing fetched). A sequence is
+      // prefilled once (StepProtocol::CheckPrefill), into an empty cache.
       const float* last_q = batch.q + ((static_cast<size_t>(first + n - 1) * n_q) + static_cast<size_t>(h) * group) * d;
+      std::vector<int32_t> rank;
       cpu::SeedTokens(last_q, keys.data(), group, n, d, scale_, head.replica.quantized_keys(),
-                      std::min(config_.seed_rows, config_.cache_rows()), config_.reduction, &head.cache.tokens);
-      head.cache.used.assign(head.cache.tokens.size(), 0);  // used before any fetch: the first to leave
+                      std::min(config_.seed_rows, config_.cache_rows()), config_.reduction, &head.cache.tokens, &rank);
+      // Marked used before any fetch (fetch numbers start at 1), the least attended longest ago:
+      // the seeds leave the cache before any fetched row, the weakest first.
+      head.cache.used.resize(rank.size());
+      for (size_t i = 0; i < rank.size(); ++i) head.cache.used[i] = -int64_t{rank[i]};
       head.cache_rows.resize(head.cache.tokens.size() * 2 * static_cast<size_t>(d));
       for (size_t i = 0; i < head.cache.tokens.size(); ++i) {
         std::copy_n(rows.data() + static_cast<size_t>(head.cache.tokens[i]) * 2 * d, 2 * d,

@@ -1,6 +1,5 @@
 #include "specache/selection.h"
 
-#include "specache/cpu_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -114,8 +113,9 @@ void SelectRows(const KvConfig& c, const float* primary_probs, const float* real
 }
 
 void SeedTokens(const float* q, const Half* keys, int n_heads, int32_t n, int d, float scale, int32_t candidates,
-                int count, GroupReduction reduction, std::vector<int32_t>* tokens) {
+                int count, GroupReduction reduction, std::vector<int32_t>* tokens, std::vector<int32_t>* rank) {
   tokens->clear();
+  if (rank) rank->clear();
   candidates = std::min(candidates, n);
   if (count <= 0 || candidates <= 0) return;
   // Per head: the softmax over all n keys (the prompt token's real attention), kept for the
@@ -138,8 +138,26 @@ void SeedTokens(const float* q, const Half* keys, int n_heads, int32_t n, int d,
           static_cast<float>(std::exp(static_cast<double>(logits[static_cast<size_t>(j)] - mx)) / sum);
     }
   }
-  std::vector<float> scratch;
-  SelectTopK(probs.data(), n_heads, candidates, std::min(count, candidates), reduction, tokens, &scratch);
+  std::vector<float> score;
+  ReduceGroupScores(probs.data(), n_heads, candidates, reduction, &score);
+  std::vector<int32_t> order(static_cast<size_t>(candidates));
+  std::iota(order.begin(), order.end(), 0);
+  const size_t take = static_cast<size_t>(std::min(count, candidates));
+  auto better = [&score](int32_t a, int32_t b) {
+    return score[static_cast<size_t>(a)] > score[static_cast<size_t>(b)] ||
+           (score[static_cast<size_t>(a)] == score[static_cast<size_t>(b)] && a < b);
+  };
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(take), order.end(), better);
+  order.resize(take);
+  *tokens = order;
+  std::sort(tokens->begin(), tokens->end());
+  if (rank) {
+    rank->resize(take);
+    for (size_t r = 0; r < take; ++r) {
+      (*rank)[static_cast<size_t>(std::lower_bound(tokens->begin(), tokens->end(), order[r]) - tokens->begin())] =
+          static_cast<int32_t>(r);
+    }
+  }
 }
 
 }  // namespace specache::cpu

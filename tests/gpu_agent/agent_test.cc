@@ -1,5 +1,8 @@
 #include "specache/agent.h"
 
+#include <algorithm>
+#include <cmath>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <random>
@@ -10,6 +13,7 @@
 
 #include "specache/in_memory_source.h"
 #include "specache/row_cache.h"
+#include "specache/selection.h"
 #include "testing/reference.h"
 
 namespace specache {
@@ -498,9 +502,6 @@ TEST(AgentTest, PrefetchSelectsTopKOfQuantizedTokensAndCountsReuse) {
   EXPECT_EQ(s.device_bytes_reserved, s.device_bytes);  // the CPU backend allocates nothing ahead
 }
 
-// A source whose reads complete only when finished (as rows coming over the network do): the
-// agent starts them in StartPrefetch and finishes them in WaitPrefetch, or in DecodeLayer when the
-// engine did not wait, with the same outputs as a source that reads at once.
 // KvConfig::seed_rows: a row cache seeded at prefill with every quantized token (the store-only
 // prefill given q) serves every later selection without a fetch, and, with only the selection
 // attended, changes no output or selection against the same run unseeded (which fetches).
@@ -551,6 +552,98 @@ TEST(AgentTest, ARowCacheSeededAtPrefillFetchesNothingItHoldsAndChangesNoOutput)
   EXPECT_EQ(sb.bytes_fetched, 0);
 }
 
+// KvConfig::seed_rows in part, in a ragged batch with GQA: each (sequence, layer, KV head)'s cache
+// starts with cpu::SeedTokens of its own last prompt token's query heads over its own keys, so
+// the pre-decode step's fetch reuses exactly the selected tokens among those seeds; then steps
+// overflow the cache (the seeds leave first) with the counts consistent, the selection alone or
+// every resident row attended.
+TEST(AgentTest, ASeededRowCacheHoldsEachSequencesLastQueryBestRows) {
+  for (bool resident : {false, true}) {
+    std::mt19937 rng(41);
+    const int lengths[] = {150, 260};  // 128 and 256 quantized keys at R = 64
+    Prompt p(lengths[0] + lengths[1], rng);
+    KvConfig c = Config(KvMode::kSpeCache, 1, 16);
+    c.cached_rows = 48;
+    c.seed_rows = 24;
+    c.attend_resident = resident;
+    Fixture f(c);
+    const SequenceId ids[] = {7, 9};
+    const int32_t offsets[] = {0, lengths[0], lengths[0] + lengths[1]};
+    for (SequenceId id : ids) ASSERT_TRUE(f.agent->AddSequence(id).ok());
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      ASSERT_TRUE(f.agent->PrefillLayer(l, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), nullptr}).ok());
+    }
+    const int group = kShape.n_q_heads / kShape.n_kv_heads, d = kShape.head_dim;
+    std::vector<std::vector<int32_t>> seeds;  // [sequence][kv head]: the same for both layers
+    for (int s = 0; s < 2; ++s) {
+      for (int h = 0; h < kShape.n_kv_heads; ++h) {
+        std::vector<Half> keys(size_t(lengths[s]) * d);
+        for (int t = 0; t < lengths[s]; ++t) {
+          for (int e = 0; e < d; ++e) {
+            keys[size_t(t) * d + e] = FloatToHalf(p.k[(size_t(offsets[s] + t) * kShape.n_kv_heads + h) * d + e]);
+          }
+        }
+        const float* last_q = p.q.data() + (size_t(offsets[s + 1] - 1) * kShape.n_q_heads + size_t(h) * group) * d;
+        seeds.emplace_back();
+        cpu::SeedTokens(last_q, keys.data(), group, lengths[s], d, 1.0f / 8.0f, lengths[s] / 64 * 64, 24,
+                        GroupReduction::kMean, &seeds.back());
+        ASSERT_EQ(seeds.back().size(), 24u);
+      }
+    }
+    const size_t qw = 4 * 64, kw = 2 * 64;
+    for (int step = 0; step < 6; ++step) {
+      const StepKind kind = step == 0 ? StepKind::kPreDecode : StepKind::kDecode;
+      const int rows = 2 * f.agent->RowsPerSequence(kind);
+      std::vector<float> q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
+                         v = testing::RandomFloats(rows * kw, rng), out(rows * qw);
+      ASSERT_TRUE(f.agent->BeginStep(kind, ids).ok());
+      for (int l = 0; l < kShape.n_layers; ++l) {
+        ASSERT_TRUE(f.agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()}).ok());
+        ASSERT_TRUE(f.agent->StartPrefetch(l).ok());
+        ASSERT_TRUE(f.agent->WaitPrefetch(l).ok());
+      }
+      ASSERT_TRUE(f.agent->EndStep().ok());
+      for (float x : out) ASSERT_TRUE(std::isfinite(x));
+      const AgentStats st = f.agent->stats();
+      EXPECT_EQ(st.rows_fetched + st.rows_reused, st.rows_selected) << "step " << step;
+      if (step == 0) {  // the first fetch: its hits are exactly the selected seeds
+        int64_t hits = 0;
+        for (int s = 0; s < 2; ++s) {
+          for (int l = 0; l < kShape.n_layers; ++l) {
+            for (int h = 0; h < kShape.n_kv_heads; ++h) {
+              const std::vector<int32_t> sel = *f.agent->SelectedTokens(ids[s], l, h);
+              const std::vector<int32_t>& seed = seeds[size_t(s) * kShape.n_kv_heads + h];
+              std::vector<int32_t> common;
+              std::set_intersection(sel.begin(), sel.end(), seed.begin(), seed.end(), std::back_inserter(common));
+              hits += static_cast<int64_t>(common.size());
+            }
+          }
+        }
+        EXPECT_EQ(st.rows_reused, hits) << "resident " << resident;
+        EXPECT_GT(hits, 0);
+      }
+    }
+  }
+}
+
+// A prefill without the prompt's queries cannot seed: refused, nothing stored.
+TEST(AgentTest, SeedRowsNeedThePrefillsQueries) {
+  std::mt19937 rng(2);
+  Prompt p(100, rng);
+  KvConfig c = Config(KvMode::kSpeCache, 1, 16);
+  c.seed_rows = 8;
+  Fixture f(c);
+  const SequenceId ids[] = {1};
+  const int32_t offsets[] = {0, 100};
+  ASSERT_TRUE(f.agent->AddSequence(1).ok());
+  EXPECT_EQ(f.agent->PrefillLayer(0, {ids, offsets, nullptr, p.k.data(), p.v.data(), nullptr}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(*f.agent->SequenceLength(1), 0);
+}
+
+// A source whose reads complete only when finished (as rows coming over the network do): the
+// agent starts them in StartPrefetch and finishes them in WaitPrefetch, or in DecodeLayer when the
+// engine did not wait, with the same outputs as a source that reads at once.
 class DeferredSource final : public FullPrecisionSource {
  public:
   Status CreateSequence(SequenceId s, const SequenceLayout& l) override { return inner_.CreateSequence(s, l); }

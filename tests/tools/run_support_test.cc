@@ -69,6 +69,22 @@ TEST(RunSupportTest, ModeSpecsTakeSelectionOptionsAfterSlashes) {
   EXPECT_EQ(ModeLabel(*ToConfig(defaults, "kivi:1")), "kivi-1bit");
 }
 
+// --seed-rows applies to specache only: full and kivi (and the reference a fidelity run builds with
+// kv = full) take the same options without a row cache to seed.
+TEST(RunSupportTest, SeedRowsGoToSpeCacheModesOnly) {
+  KvOptions o;
+  o.seed_rows = 512;
+  EXPECT_EQ(ToConfig(o, "specache:1")->seed_rows, 512);
+  EXPECT_EQ(ModeLabel(*ToConfig(o, "specache:1")), "specache-1bit+seed512");
+  for (const char* mode : {"full", "kivi:1", "specache-nonspec:1", "specache-oracle:1"}) {
+    auto c = ToConfig(o, mode);
+    ASSERT_TRUE(c.ok()) << mode << ": " << c.status().ToString();
+    EXPECT_EQ(c->seed_rows, 0) << mode;
+    EXPECT_TRUE(ValidateKvConfig(*c, {2, 4, 2, 64}).ok()) << mode;
+  }
+  EXPECT_EQ(ToConfig(KvOptions{}, "specache:1/seed=64")->seed_rows, 64);
+}
+
 TEST(RunSupportTest, BadModeOptionsAreNamed) {
   const KvOptions defaults;
   for (const char* spec : {"specache:1/sellect=spec", "specache:1/topk=many", "specache:1/mass=lots",

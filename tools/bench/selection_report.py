@@ -18,7 +18,7 @@ import sys
 def is_paper_rule(run):
     return (run.get("kv") == "specache" and run.get("key_bits") == 1 and run.get("value_bits") == 1
             and run.get("select") == "spec" and not run.get("attend_resident") and run.get("mass", 0) == 0
-            and run.get("topk") == 64)
+            and run.get("topk") == 64 and not run.get("seed_rows"))
 
 
 def rule(run):
@@ -39,6 +39,8 @@ def rule(run):
         name += " next"
     name += " resident" if run.get("attend_resident") else ""
     name += f" cache={run['cached_rows']}"
+    if run.get("seed_rows"):
+        name += f" seed={run['seed_rows']}"
     return name
 
 

@@ -88,8 +88,10 @@ Result<PrefillResult> Prefill(const LlamaModel& model, std::span<Agent* const> a
       CausalAttention(q.data(), k.data(), v.data(), n, c.n_heads, c.n_kv_heads, c.head_dim, attn.data());
     }
     for (size_t a = first_store; a < agents.size(); ++a) {
-      // q too: an agent that seeds its row cache at prefill (KvConfig::seed_rows) reads it.
-      SPECACHE_RETURN_IF_ERROR(agents[a]->PrefillLayer(l, {ids, offsets, q.data(), k.data(), v.data(), nullptr}));
+      // q only for an agent that seeds its row cache at prefill (KvConfig::seed_rows): a wrapped
+      // CUDA agent would copy it to the device for nothing.
+      const float* seed_q = agents[a]->config().seed_rows > 0 ? q.data() : nullptr;
+      SPECACHE_RETURN_IF_ERROR(agents[a]->PrefillLayer(l, {ids, offsets, seed_q, k.data(), v.data(), nullptr}));
     }
     model.FinishLayer(l, attn.data(), n, x.data(), &scratch);
   }

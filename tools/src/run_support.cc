@@ -129,7 +129,7 @@ Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   c.mass = o.mass;
   c.k_min = o.k_min;
   c.k_max = o.k_max;
-  c.seed_rows = o.seed_rows;
+  c.seed_rows = c.mode == KvMode::kSpeCache ? o.seed_rows : 0;  // (full, kivi and the others have no row cache to seed)
   if (c.fetches_rows() && c.cached_rows == 0) c.cached_rows = std::max(kDefaultCachedRows, 2 * c.max_selected());
   return c;
 }
@@ -180,6 +180,9 @@ Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvCo
   const bool cuda = backend == "cuda" || (backend == "auto" && gpu_usable);
   if (backend != "cpu" && backend != "cuda" && backend != "auto") {
     return Status::InvalidArgument("--backend is auto, cpu or cuda, not '" + backend + "'");
+  }
+  if (cuda && config.seed_rows > 0) {
+    return Status::InvalidArgument("--seed-rows (mode option seed=) runs on the CPU backend only for now: add --backend cpu");
   }
   if (cuda) {
     CudaAgentOptions options;
@@ -280,7 +283,7 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
   j["fetch_host_gather_ns"] = s.fetch_host_gather_ns;
   // The resident-row cache: bytes per decode step with it, and without it (every selected row).
   if (s.steps > 0 && s.rows_selected > 0) {
-    const double row_bytes = static_cast<double>(s.bytes_fetched) / std::max<int64_t>(s.rows_fetched, 1);
+    const double row_bytes = 2.0 * run.agent->shape().head_dim * sizeof(Half);  // K and V of one token and KV head
     j["fetch_bytes_per_step"] = static_cast<double>(s.bytes_fetched) / s.steps;
     j["fetch_bytes_per_step_without_reuse"] = static_cast<double>(s.rows_selected) * row_bytes / s.steps;
     j["fetch_ratio_to_no_reuse"] = static_cast<double>(s.rows_fetched) / s.rows_selected;

@@ -94,8 +94,9 @@ struct KvConfig {
   // Rows a row cache starts with at prefill (kSpeCache; 0: none): the best of the prompt's
   // quantized tokens by the prompt's last token's exact attention (cpu::SeedTokens), at most
   // cache_rows(), their rows taken from the prefill's own K/V (nothing fetched: on a GPU the
-  // prompt's K/V are on the device then). Needs PrefillBatch::q; a sequence's first prefill call
-  // seeds, later ones do not. The CPU backend only, for now (the CUDA agent refuses it).
+  // prompt's K/V are on the device then). Needs PrefillBatch::q (INVALID_ARGUMENT without it). The
+  // seeds leave the cache before any fetched row, the least attended first. The CPU backend only,
+  // for now (the CUDA agent refuses it).
   int seed_rows = 0;
 
   // The bits that actually apply: kFull stores everything in 16 bits whatever key_bits say.

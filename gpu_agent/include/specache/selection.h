@@ -59,8 +59,9 @@ void SelectRows(const KvConfig& config, const float* primary_probs, const float*
 // tokens [0, candidates) by the exact attention of one query row of the GQA group (q: [n_heads]
 // [d], the prompt's last token) over keys [0, n) ([n][d], fp16 as stored): per head the softmax
 // of scale * q.k over all n keys, reduced per token as the selection reduces (SelectTopK's ties:
-// the lower token). Ascending; min(count, candidates) tokens.
+// the lower token). Ascending; min(count, candidates) tokens; rank[i] (when asked) is tokens[i]'s
+// place in that order, 0 the best.
 void SeedTokens(const float* q, const Half* keys, int n_heads, int32_t n, int d, float scale, int32_t candidates,
-                int count, GroupReduction reduction, std::vector<int32_t>* tokens);
+                int count, GroupReduction reduction, std::vector<int32_t>* tokens, std::vector<int32_t>* rank = nullptr);
 
 }  // namespace specache::cpu
