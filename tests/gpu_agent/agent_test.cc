@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <span>
 #include <tuple>
 #include <vector>
 
@@ -44,6 +45,17 @@ Status PrefillAll(Agent* agent, std::span<const SequenceId> ids, std::span<const
     SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, {ids, offsets, p->q.data(), p->k.data(), p->v.data(), p->out.data()}));
   }
   return Status::Ok();
+}
+
+// One step of every layer: each layer's rows decoded, its next rows prefetched and waited for.
+Status StepAllLayers(Agent* agent, StepKind kind, std::span<const SequenceId> ids, const DecodeRows& rows) {
+  SPECACHE_RETURN_IF_ERROR(agent->BeginStep(kind, ids));
+  for (int l = 0; l < kShape.n_layers; ++l) {
+    SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, rows));
+    SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
+    SPECACHE_RETURN_IF_ERROR(agent->WaitPrefetch(l));
+  }
+  return agent->EndStep();
 }
 
 struct Fixture {
@@ -476,13 +488,7 @@ TEST(AgentTest, PrefetchSelectsTopKOfQuantizedTokensAndCountsReuse) {
                        out(rows * qw);
     std::mt19937 qrng(1);
     for (auto& x : q) x = std::normal_distribution<float>(0, 0.5f)(qrng) + 0.01f * step;
-    ASSERT_TRUE(f.agent->BeginStep(kind, ids).ok());
-    for (int l = 0; l < kShape.n_layers; ++l) {
-      ASSERT_TRUE(f.agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()}).ok());
-      ASSERT_TRUE(f.agent->StartPrefetch(l).ok());
-      ASSERT_TRUE(f.agent->WaitPrefetch(l).ok());
-    }
-    ASSERT_TRUE(f.agent->EndStep().ok());
+    ASSERT_TRUE(StepAllLayers(f.agent.get(), kind, ids, {q.data(), k.data(), v.data(), out.data()}).ok());
     for (int l = 0; l < kShape.n_layers; ++l) {
       const auto sel = *f.agent->SelectedTokens(5, l, 0);
       ASSERT_EQ(sel.size(), 16u);
@@ -531,13 +537,7 @@ TEST(AgentTest, ARowCacheSeededAtPrefillFetchesNothingItHoldsAndChangesNoOutput)
                        v = testing::RandomFloats(rows * kw, rng);
     std::vector<float> out_a(rows * qw), out_b(rows * qw);
     for (auto [f, out] : {std::pair{&a, &out_a}, std::pair{&b, &out_b}}) {
-      ASSERT_TRUE(f->agent->BeginStep(kind, ids).ok());
-      for (int l = 0; l < kShape.n_layers; ++l) {
-        ASSERT_TRUE(f->agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out->data()}).ok());
-        ASSERT_TRUE(f->agent->StartPrefetch(l).ok());
-        ASSERT_TRUE(f->agent->WaitPrefetch(l).ok());
-      }
-      ASSERT_TRUE(f->agent->EndStep().ok());
+      ASSERT_TRUE(StepAllLayers(f->agent.get(), kind, ids, {q.data(), k.data(), v.data(), out->data()}).ok());
     }
     EXPECT_EQ(out_a, out_b) << "step " << step;
     for (int l = 0; l < kShape.n_layers; ++l) {
@@ -596,13 +596,7 @@ TEST(AgentTest, ASeededRowCacheHoldsEachSequencesLastQueryBestRows) {
       const int rows = 2 * f.agent->RowsPerSequence(kind);
       std::vector<float> q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
                          v = testing::RandomFloats(rows * kw, rng), out(rows * qw);
-      ASSERT_TRUE(f.agent->BeginStep(kind, ids).ok());
-      for (int l = 0; l < kShape.n_layers; ++l) {
-        ASSERT_TRUE(f.agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()}).ok());
-        ASSERT_TRUE(f.agent->StartPrefetch(l).ok());
-        ASSERT_TRUE(f.agent->WaitPrefetch(l).ok());
-      }
-      ASSERT_TRUE(f.agent->EndStep().ok());
+      ASSERT_TRUE(StepAllLayers(f.agent.get(), kind, ids, {q.data(), k.data(), v.data(), out.data()}).ok());
       for (float x : out) ASSERT_TRUE(std::isfinite(x));
       const AgentStats st = f.agent->stats();
       EXPECT_EQ(st.rows_fetched + st.rows_reused, st.rows_selected) << "step " << step;
