@@ -1,6 +1,5 @@
 #include "specache/selection.h"
 
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -121,6 +120,7 @@ void SeedTokens(const float* q, const Half* keys, int n_heads, int32_t n, int d,
   // Per head: the softmax over all n keys (the prompt token's real attention), kept for the
   // candidates only.
   std::vector<float> probs(static_cast<size_t>(n_heads) * candidates), logits(static_cast<size_t>(n));
+  std::vector<double> weights(static_cast<size_t>(n));
   for (int h = 0; h < n_heads; ++h) {
     const float* qh = q + static_cast<size_t>(h) * d;
     float mx = -std::numeric_limits<float>::infinity();
@@ -132,23 +132,19 @@ void SeedTokens(const float* q, const Half* keys, int n_heads, int32_t n, int d,
       mx = std::max(mx, logits[static_cast<size_t>(j)]);
     }
     double sum = 0.0;
-    for (int32_t j = 0; j < n; ++j) sum += std::exp(static_cast<double>(logits[static_cast<size_t>(j)] - mx));
+    for (int32_t j = 0; j < n; ++j) {
+      weights[static_cast<size_t>(j)] = std::exp(static_cast<double>(logits[static_cast<size_t>(j)] - mx));
+      sum += weights[static_cast<size_t>(j)];
+    }
     for (int32_t j = 0; j < candidates; ++j) {
-      probs[static_cast<size_t>(h) * candidates + j] =
-          static_cast<float>(std::exp(static_cast<double>(logits[static_cast<size_t>(j)] - mx)) / sum);
+      probs[static_cast<size_t>(h) * candidates + j] = static_cast<float>(weights[static_cast<size_t>(j)] / sum);
     }
   }
   std::vector<float> score;
   ReduceGroupScores(probs.data(), n_heads, candidates, reduction, &score);
-  std::vector<int32_t> order(static_cast<size_t>(candidates));
-  std::iota(order.begin(), order.end(), 0);
-  const size_t take = static_cast<size_t>(std::min(count, candidates));
-  auto better = [&score](int32_t a, int32_t b) {
-    return score[static_cast<size_t>(a)] > score[static_cast<size_t>(b)] ||
-           (score[static_cast<size_t>(a)] == score[static_cast<size_t>(b)] && a < b);
-  };
-  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(take), order.end(), better);
-  order.resize(take);
+  std::vector<int32_t> order;  // the seeds in rank order
+  RankBest(score.data(), candidates, count, &order);
+  const size_t take = order.size();
   *tokens = order;
   std::sort(tokens->begin(), tokens->end());
   if (rank) {

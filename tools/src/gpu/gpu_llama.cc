@@ -105,6 +105,8 @@ Status GpuLlama::Init(const LlamaConfig& c, void* stream, bool tied_head) {
   SPECACHE_ASSIGN_OR_RETURN(inv_freq_, Allocate<float>(c.head_dim / 2, &allocations_));
   weight_bytes_ += int64_t(d * sizeof(float));
   layers_.resize(c.n_layers);
+  qkv_graphs_.resize(layers_.size());
+  finish_graphs_.resize(layers_.size());
   for (Layer& l : layers_) {
     SPECACHE_ASSIGN_OR_RETURN(l.attn_norm, Allocate<float>(d, &allocations_));
     SPECACHE_ASSIGN_OR_RETURN(l.ffn_norm, Allocate<float>(d, &allocations_));
@@ -296,7 +298,6 @@ Status GpuLlama::ProjectQkv(int layer, int n, const int32_t* device_positions) {
   if (n > rows_) return Status::InvalidArgument("ProjectQkv of more rows than reserved");
   const Layer& w = layers_[layer];
   const int width = (c_.n_heads + 2 * c_.n_kv_heads) * c_.head_dim;
-  qkv_graphs_.resize(layers_.size());
   return Replayed(qkv_graphs_[layer], n, device_positions, [&]() -> Status {
     RmsNormToHalf(x_, n, c_.d_model, w.attn_norm, c_.rms_eps, normed_, stream_);
     SPECACHE_RETURN_IF_ERROR(Gemm(normed_, n, c_.d_model, w.wqkv, width, qkv_, false));
@@ -310,7 +311,6 @@ Status GpuLlama::FinishLayer(int layer, int n) {
   if (n > rows_) return Status::InvalidArgument("FinishLayer of more rows than reserved");
   const Layer& w = layers_[layer];
   const int qw = c_.n_heads * c_.head_dim;
-  finish_graphs_.resize(layers_.size());
   return Replayed(finish_graphs_[layer], n, nullptr, [&]() -> Status {
     FloatToHalf(attn_, attn_h_, int64_t{n} * qw, stream_);
     SPECACHE_RETURN_IF_ERROR(Gemm(attn_h_, n, qw, w.wo, c_.d_model, x_, /*accumulate=*/true));
