@@ -41,6 +41,7 @@ std::vector<int> Prompt(int n) {
 // driven through the same ragged batch with the same random rows (testing::DriveBatch).
 struct RaggedPair {
   InMemorySource cpu_source, gpu_source;
+  testing::PagelessSource gpu_pageless;  // the CUDA agent's source on the staged path
   std::unique_ptr<Agent> cpu, gpu;
   std::vector<float> want, got;  // every output of the CPU and of the CUDA agent, in order
   double worst = 0;              // max |got - want|
@@ -617,6 +618,32 @@ Result<std::vector<float>> DriveChangingBatches(Agent* agent, const std::vector<
   }
   return outputs;
 }
+
+// DriveChangingBatches on the CPU agent and the CUDA agent (behind host tensors) with the same
+// random rows, each over its own source: the CUDA agent's with pages, or (`staged`) without.
+Status DriveChangingOnBoth(const ModelShape& shape, const KvConfig& c, const CudaAgentOptions& options, bool staged,
+                           const std::vector<int32_t>& prompts, const std::vector<std::vector<size_t>>& steps,
+                           uint32_t seed, RaggedPair* p) {
+  SPECACHE_ASSIGN_OR_RETURN(p->cpu, CreateCpuAgent(shape, c, &p->cpu_source));
+  FullPrecisionSource* source = staged ? static_cast<FullPrecisionSource*>(&p->gpu_pageless) : &p->gpu_source;
+  SPECACHE_ASSIGN_OR_RETURN(auto gpu, CreateCudaAgent(shape, c, source, options));
+  SPECACHE_ASSIGN_OR_RETURN(p->gpu, WrapHostTensors(std::move(gpu)));
+  SPECACHE_ASSIGN_OR_RETURN(p->want, DriveChangingBatches(p->cpu.get(), prompts, steps, std::mt19937(seed)));
+  SPECACHE_ASSIGN_OR_RETURN(p->got, DriveChangingBatches(p->gpu.get(), prompts, steps, std::mt19937(seed)));
+  if (p->got.size() != p->want.size()) return Status::Internal("the two agents gave outputs of different lengths");
+  for (size_t i = 0; i < p->want.size(); ++i) p->worst = std::max(p->worst, double(std::fabs(p->got[i] - p->want[i])));
+  return Status::Ok();
+}
+
+// The two agents of a pair gave the same outputs (within float rounding), counts and selections.
+void ExpectSameRun(const RaggedPair& pair, const ModelShape& shape, size_t n_sequences, const std::string& name) {
+  EXPECT_LT(pair.worst, 1e-3) << name;
+  const AgentStats a = pair.cpu->stats(), b = pair.gpu->stats();
+  EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+  EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+  EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
+  ExpectSameSelections(*pair.gpu, *pair.cpu, shape, n_sequences, name);
+}
 #endif
 
 // Sequences that leave the step and join it again (the engine's batch changes from step to step),
@@ -650,33 +677,77 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
                {"copy engine", false, FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
                {"staged", true, FetchOverlap::kFromSelection}};
   for (const Case& cs : cases) {
-    const std::string name = cs.name;
-    InMemorySource cpu_source, paged;
-    testing::PagelessSource pageless;
-    auto cpu = CreateCpuAgent(shape, c, &cpu_source);
-    ASSERT_TRUE(cpu.ok()) << name << ": " << cpu.status().ToString();
     CudaAgentOptions options{1024};
     options.fetch_overlap = cs.overlap;
     options.fetch_via = cs.via;
-    FullPrecisionSource* source = cs.staged ? static_cast<FullPrecisionSource*>(&pageless) : &paged;
-    auto device = CreateCudaAgent(shape, c, source, options);
-    ASSERT_TRUE(device.ok()) << name << ": " << device.status().ToString();
-    auto gpu = WrapHostTensors(std::move(*device));
-    ASSERT_TRUE(gpu.ok()) << name << ": " << gpu.status().ToString();
-    auto want = DriveChangingBatches(cpu->get(), prompts, steps, std::mt19937(91));
-    auto got = DriveChangingBatches(gpu->get(), prompts, steps, std::mt19937(91));
-    ASSERT_TRUE(want.ok()) << name << ": " << want.status().ToString();
-    ASSERT_TRUE(got.ok()) << name << ": " << got.status().ToString();
-    ASSERT_EQ(got->size(), want->size()) << name;
-    double worst = 0;
-    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
-    EXPECT_LT(worst, 1e-3) << name;
-    const AgentStats a = (*cpu)->stats(), b = (*gpu)->stats();
-    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
-    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
-    EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
-    ExpectSameSelections(**gpu, **cpu, shape, prompts.size(), name);
+    RaggedPair pair;
+    const Status driven = DriveChangingOnBoth(shape, c, options, cs.staged, prompts, steps, 91, &pair);
+    ASSERT_TRUE(driven.ok()) << cs.name << ": " << driven.ToString();
+    ExpectSameRun(pair, shape, prompts.size(), cs.name);
   }
+#endif
+}
+
+// KvConfig::seed_rows: each (sequence, layer)'s row cache starts with the CPU agent's seeds, in
+// the CPU agent's eviction order (seed_rows.h), on every fetch route: so through a batch that
+// changes from step to step and overflows the caches (the seeds leave first, the least attended
+// first) both agents reuse and fetch the same rows and, with every resident row attended (the
+// seeds from the first step on), give the same outputs. Seeding changes what is fetched: the
+// same run unseeded fetches more.
+TEST(CudaAgentTest, RowCachesSeededAtPrefillMatchTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 64, 1};
+  const std::vector<std::vector<size_t>> steps{{0, 1, 2, 3}, {1, 3}, {0, 1, 2, 3}, {0, 2}, {0, 1, 2, 3}, {1}, {0, 1, 2, 3}};
+  struct Case {
+    const char* name;
+    bool staged;
+    FetchVia via;
+  } cases[] = {{"sm loads", false, FetchVia::kSmLoads}, {"copy engine", false, FetchVia::kCopyEngine}, {"staged", true, FetchVia::kSmLoads}};
+  for (bool resident : {false, true}) {
+    KvConfig c;
+    c.top_k = 16;
+    c.cached_rows = 40;
+    c.seed_rows = 32;  // the first fetch's misses already push seeds out
+    c.attend_resident = resident;
+    KvConfig unseeded = c;
+    unseeded.seed_rows = 0;
+    InMemorySource plain_source;
+    auto plain = CreateCpuAgent(shape, unseeded, &plain_source);
+    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+    ASSERT_TRUE(DriveChangingBatches(plain->get(), prompts, steps, std::mt19937(93)).ok());
+    for (const Case& cs : cases) {
+      const std::string name = std::string(cs.name) + (resident ? ", resident attended" : "");
+      CudaAgentOptions options{1024};
+      options.fetch_via = cs.via;
+      RaggedPair pair;
+      const Status driven = DriveChangingOnBoth(shape, c, options, cs.staged, prompts, steps, 93, &pair);
+      ASSERT_TRUE(driven.ok()) << name << ": " << driven.ToString();
+      ExpectSameRun(pair, shape, prompts.size(), name);
+      const AgentStats a = pair.cpu->stats(), b = pair.gpu->stats();
+      EXPECT_EQ(b.device_bytes, a.device_bytes) << name;  // the caches' rows, the seeds' among them
+      EXPECT_LT(b.rows_fetched, (*plain)->stats().rows_fetched) << name << ": seeding saved no fetch";
+      std::printf("%-32s max |out diff| %.2e, %lld rows fetched (%lld unseeded), %lld reused\n", name.c_str(), pair.worst,
+                  static_cast<long long>(b.rows_fetched), static_cast<long long>((*plain)->stats().rows_fetched),
+                  static_cast<long long>(b.rows_reused));
+    }
+  }
+  // Seeding needs the prompt's queries: a prefill without them is refused, nothing stored.
+  KvConfig c;
+  c.seed_rows = 8;
+  InMemorySource source;
+  auto gpu = CreateCudaAgent(shape, c, &source, {1024});
+  ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+  auto wrapped = WrapHostTensors(std::move(*gpu));
+  ASSERT_TRUE(wrapped.ok());
+  std::vector<float> k(size_t(100) * shape.n_kv_heads * shape.head_dim, 0.5f), v = k;
+  const SequenceId ids[] = {1};
+  const int32_t offsets[] = {0, 100};
+  ASSERT_TRUE((*wrapped)->AddSequence(1).ok());
+  EXPECT_EQ((*wrapped)->PrefillLayer(0, {ids, offsets, nullptr, k.data(), v.data(), nullptr}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(*(*wrapped)->SequenceLength(1), 0);
 #endif
 }
 

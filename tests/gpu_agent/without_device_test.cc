@@ -47,21 +47,6 @@ TEST(WithoutDeviceTest, ARowCacheAboveTheKernelsLimitIsInvalidEverywhere) {
 #endif
 }
 
-// With or without a device: the row cache seeded at prefill is the CPU backend's only, and the
-// CUDA agent says so (a build without CUDA has no CUDA agent at all).
-TEST(WithoutDeviceTest, SeedRowsAreRefusedByTheCudaAgent) {
-  InMemorySource source;
-  KvConfig config;
-  config.seed_rows = 64;
-  const Status s = CreateCudaAgent({2, 4, 2, 64}, config, &source).status();
-#ifdef SPECACHE_TEST_HAVE_CUDA
-  EXPECT_EQ(s.code(), StatusCode::kUnimplemented) << s.ToString();
-  EXPECT_NE(s.message().find("seed_rows"), std::string::npos) << s.ToString();
-#else
-  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-#endif
-}
-
 #ifdef SPECACHE_TEST_HAVE_CUDA
 // Checked before any device work, so with or without a device: fp16 rows the kernels would read
 // 16 bytes at a time from an address that is not 16-byte aligned (cuda_attention.h) are refused.

@@ -181,9 +181,6 @@ Result<std::unique_ptr<ModeRun>> MakeModeRun(const LlamaModel& model, const KvCo
   if (backend != "cpu" && backend != "cuda" && backend != "auto") {
     return Status::InvalidArgument("--backend is auto, cpu or cuda, not '" + backend + "'");
   }
-  if (cuda && config.seed_rows > 0) {
-    return Status::InvalidArgument("--seed-rows (mode option seed=) runs on the CPU backend only for now: add --backend cpu");
-  }
   if (cuda) {
     CudaAgentOptions options;
     options.capacity_tokens = model.config().context_length;

@@ -63,7 +63,7 @@ void AddSelectionOptions(CLI::App* app, KvOptions* o) {
   app->add_option("--k-max", o->k_max, "most rows of the adaptive budget")->capture_default_str();
   app->add_option("--seed-rows", o->seed_rows,
                   "rows the row cache starts with at prefill: the quantized tokens the prompt's last token attends "
-                  "most, from the prompt's own K/V, nothing fetched (CPU backend; 0: none)")
+                  "most, from the prompt's own K/V, nothing fetched (0: none)")
       ->capture_default_str();
 }
 

@@ -95,8 +95,8 @@ struct KvConfig {
   // quantized tokens by the prompt's last token's exact attention (cpu::SeedTokens), at most
   // cache_rows(), their rows taken from the prefill's own K/V (nothing fetched: on a GPU the
   // prompt's K/V are on the device then). Needs PrefillBatch::q (INVALID_ARGUMENT without it). The
-  // seeds leave the cache before any fetched row, the least attended first. The CPU backend only,
-  // for now (the CUDA agent refuses it).
+  // seeds leave the cache before any fetched row, the least attended first. Both backends, the
+  // same seeds and ranks (the CUDA agent's kernels compute the CPU's scores in the CPU's order).
   int seed_rows = 0;
 
   // The bits that actually apply: kFull stores everything in 16 bits whatever key_bits say.

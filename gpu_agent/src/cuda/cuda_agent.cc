@@ -244,6 +244,9 @@ Status CudaAgent::ReleaseSequence(SequenceId id) {
 Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   SPECACHE_RETURN_IF_ERROR(
       protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return replicas_.Length(id, l); }));
+  if (config_.seed_rows > 0 && batch.q == nullptr) {
+    return Status::InvalidArgument("seed_rows: the prefill must give the prompt's queries (PrefillBatch::q)");
+  }
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads;
   // A sequence's first prefilled layer takes its blocks at every layer, so that a pool too small
   // refuses it here, before anything of it (or of the batch) changed.
@@ -268,6 +271,13 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     SPECACHE_RETURN_IF_ERROR(WriteNewRows(layer, writes, std::vector<SequenceId>(n_kv, id)));
     for (int h = 0; h < n_kv; ++h) {
       SPECACHE_RETURN_IF_ERROR(replicas_.Layer(id, layer)[h]->Append(planner_.prefill_keys(h), planner_.prefill_values(h), n));
+    }
+    // KvConfig::seed_rows: the layer's row cache starts with the quantized tokens the prompt's last
+    // token attends most (seed_rows.h). Only where rows are fetched and become resident.
+    if (config_.seed_rows > 0 && config_.fetches_rows() && options_.fetch) {
+      const float* last_q = batch.q + size_t(first + n - 1) * shape_.n_q_heads * d;
+      SPECACHE_RETURN_IF_ERROR(rows_.Seed(id, layer, last_q, planner_.prefill_keys(0), planner_.prefill_values(0), n,
+                                          replicas_.Layer(id, layer)[0]->quantized_keys(), planner_.scale()));
     }
     NoteWritten(id, layer, 0, n);
   }
@@ -410,9 +420,6 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
                                                FullPrecisionSource* source, const CudaAgentOptions& options) {
   SPECACHE_RETURN_IF_ERROR(ValidateKvConfig(config, shape));
   if (source == nullptr) return Status::InvalidArgument("a full-precision source is required");
-  if (config.seed_rows > 0) {
-    return Status::Unimplemented("seed_rows (the row cache seeded at prefill) runs on the CPU backend only for now");
-  }
   if (options.capacity_tokens <= 0) return Status::InvalidArgument("capacity_tokens must be positive");
   if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
   if (options.device_pool_bytes < 0) return Status::InvalidArgument("device_pool_bytes must be >= 0");

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "specache/cuda_fetch.h"
+#include "block_select.cuh"
 #include "block_task.cuh"
 #include "decode_plan_slots.h"
 #include "shared_memory_opt_in.cuh"
@@ -13,7 +14,7 @@
 namespace specache::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kListThreads;  // the cache update calls block_select.cuh
 
 __device__ const uint4* HostRow(const uint64_t* pages, int page_tokens, int kv_head, int32_t token, int row_pieces) {
   const int32_t page = token / page_tokens, in_page = token - page * page_tokens;
@@ -140,58 +141,15 @@ __device__ uint64_t RecencyKey(int32_t used, int32_t token) {
   return uint64_t{uint32_t(used) ^ 0x80000000u} << 32 | (uint32_t(token) ^ 0x80000000u);
 }
 
-// The sum of `value` over the block's threads before this one; *total (when given) the sum over
-// all. kThreads threads, all calling; between two calls the block must pass a __syncthreads.
-__device__ int BlockExclusiveSum(int value, int* total = nullptr) {
-  __shared__ int warp_sums[kThreads / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int inclusive = value;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += up;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  int before = 0, all = 0;
-  for (int w = 0; w < kThreads / 32; ++w) {
-    if (w < warp) before += warp_sums[w];
-    all += warp_sums[w];
-  }
-  if (total) *total = all;
-  return before + inclusive - value;
-}
-
 // The keep-th largest recency key among the old entries not selected again, of which there are
-// more than keep > 0: a radix select over the key's bytes, most significant first. Each pass
-// counts the next byte of the keys that match the bytes found so far, a bin per thread, and takes
-// the byte where the count of larger keys reaches what is still wanted. The keys are distinct
-// (tokens are), so exactly the `keep` most recent of those entries have a key at or above it.
-// All kThreads threads call it.
+// more than keep > 0 (KthLargestKey: keys are distinct, as tokens are, so exactly the `keep` most
+// recent of those entries have a key at or above it). All kThreads threads call it.
 __device__ uint64_t KeepThreshold(const CacheUpdateTask& t, int32_t n_old, const uint8_t* flags, int32_t keep) {
-  static_assert(kThreads == 256, "a bin of a byte per thread");
-  __shared__ int bins[256];
-  __shared__ int chosen_byte, chosen_larger;
-  uint64_t prefix = 0, mask = 0;
-  int32_t want = keep;  // the sought key is the want-th largest of the keys matching prefix
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    bins[threadIdx.x] = 0;
-    __syncthreads();
-    for (int32_t o = threadIdx.x; o < n_old; o += kThreads) {
-      if (flags[o] & kSelectedAgain) continue;
-      const uint64_t key = RecencyKey(t.old_used[o], t.old_tokens[o]);
-      if ((key & mask) == prefix) atomicAdd(&bins[(key >> shift) & 0xff], 1);
-    }
-    __syncthreads();
-    const int byte = 255 - static_cast<int>(threadIdx.x), count = bins[byte];
-    const int larger = BlockExclusiveSum(count);  // matching keys with a larger byte here
-    if (larger < want && want <= larger + count) chosen_byte = byte, chosen_larger = larger;
-    __syncthreads();
-    prefix |= uint64_t(chosen_byte) << shift;
-    mask |= uint64_t{0xff} << shift;
-    want -= chosen_larger;
-    __syncthreads();  // bins, chosen_* and the scan's sums are written again
-  }
-  return prefix;
+  return KthLargestKey(n_old, keep, [&](int32_t o, uint64_t* key) {
+    if (flags[o] & kSelectedAgain) return false;
+    *key = RecencyKey(t.old_used[o], t.old_tokens[o]);
+    return true;
+  });
 }
 
 // Block b updates task b's cache (CacheUpdateTask) in six passes:

@@ -5,6 +5,7 @@
 #include <thread>
 #include <utility>
 
+#include "seed_rows.h"
 #include "../step_protocol.h"
 
 namespace specache::cuda {
@@ -84,6 +85,37 @@ void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<Laye
 
 void RowFetcher::RemoveSequence(SequenceId id) { rows_.erase(id); }
 
+Status RowFetcher::Seed(SequenceId id, int layer, const float* last_q, const Half* keys, const Half* values, int32_t n,
+                        int32_t candidates, float scale) {
+  LayerRows& lr = rows_.at(id)[layer];
+  const int n_kv = shape_.n_kv_heads, group = shape_.group_size(), d = shape_.head_dim;
+  const int32_t capacity = config_.cache_rows();
+  SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity));
+  SPECACHE_RETURN_IF_ERROR(lr.cache_rows.Reserve(size_t(n_kv) * capacity * 2 * d));
+  SPECACHE_RETURN_IF_ERROR(seed_logits_.Reserve(size_t(n_kv) * SeedScratchFloats(group, n)));
+  std::vector<SeedTask> tasks(static_cast<size_t>(n_kv));
+  for (int h = 0; h < n_kv; ++h) {
+    SeedTask& t = tasks[static_cast<size_t>(h)];
+    t.q = last_q + size_t(h) * group * d;
+    t.keys = keys + size_t(h) * n * d;
+    t.values = values + size_t(h) * n * d;
+    t.logits = seed_logits_.get() + size_t(h) * SeedScratchFloats(group, n);
+    t.n = n;
+    t.candidates = std::min(candidates, n);
+    t.take = SeedCount(config_.seed_rows, t.candidates, capacity);
+    t.tokens = lr.cache.tokens.get() + size_t(h) * capacity;
+    t.used = lr.cache.used.get() + size_t(h) * capacity;
+    t.slots = lr.cache.slots.get() + size_t(h) * capacity;
+    t.list_count = lr.cache.count.get() + h;
+    t.rows = lr.cache_rows.get() + size_t(h) * capacity * 2 * d;
+    t.capacity = capacity;
+  }
+  SPECACHE_RETURN_IF_ERROR(
+      SeedRowCaches(tasks.data(), n_kv, group, d, scale, config_.reduction, compute_, &caller_plan_));
+  lr.seeded = true;
+  return Status::Ok();
+}
+
 Result<int32_t*> RowFetcher::SelectionTarget(SequenceId id, int layer, int32_t per_head) {
   LayerRows& lr = rows_.at(id)[layer];
   lr.selected = per_head;
@@ -100,7 +132,7 @@ void RowFetcher::Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem
     DeviceDecodeRows* r = &heads[h].rows;
     if (config_.attend_resident) {
       // The whole row cache (it holds the selection); entries past its count are kNoToken.
-      const int32_t capacity = lr.fetches > 0 ? config_.cache_rows() : 0;
+      const int32_t capacity = lr.filled() ? config_.cache_rows() : 0;
       r->sub_tokens = capacity ? lr.cache.tokens.get() + h * capacity : nullptr;
       r->sub_slots = capacity ? lr.cache.slots.get() + h * capacity : nullptr;
       r->sub_rows = capacity ? lr.cache_rows.get() + h * capacity * row : nullptr;
@@ -163,7 +195,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
       Half* const cache_rows = lr.cache_rows.get();
       Half* const fetched_rows = by_copy_engine ? nullptr : fetched_rows_[spare].get();
       CacheList& target = spare_lists_[spare++];
-      if (lr.fetches == 0) {  // the cache starts empty; the update writes all of the target
+      if (!lr.filled()) {  // the cache starts empty; the update writes all of the target
         w.fills.push_back({old.tokens.get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
         w.fills.push_back({old.count.get(), n_kv * sizeof(int32_t), 0});
       }
@@ -247,6 +279,7 @@ void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
     LayerRows& lr = it->second[layer];
     lr.resident = 0;
     lr.fetches = 0;  // the next fetch fills the caches afresh
+    lr.seeded = false;
   }
 }
 
@@ -393,7 +426,7 @@ void RowFetcher::AddStats(AgentStats* s) const {
     for (const LayerRows& lr : layers) {
       // The row caches' sizes live on the device; the selection's rows are among the cache's.
       int64_t cache_rows = 0;
-      if (lr.fetches > 0 && cudaMemcpy(cached.data(), lr.cache.count.get(), cached.size() * sizeof(int32_t),
+      if (lr.filled() && cudaMemcpy(cached.data(), lr.cache.count.get(), cached.size() * sizeof(int32_t),
                                        cudaMemcpyDeviceToHost) == cudaSuccess) {
         for (int32_t c : cached) cache_rows += c;
       }

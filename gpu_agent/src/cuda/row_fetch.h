@@ -90,6 +90,14 @@ class RowFetcher {
   // streams first).
   void RemoveSequence(SequenceId id);
 
+  // KvConfig::seed_rows: the (sequence, layer)'s row cache starts with each KV head's seeds
+  // (seed_rows.h), queued on the compute stream; at prefill, before the layer's first fetch.
+  // last_q: the prompt's last token's query heads, [n_q_heads][head_dim] float; keys and values:
+  // the prompt's fp16 rows, [n_kv][n][head_dim]; the seeds come from tokens [0, candidates). All
+  // device memory, read by the queued kernels. Reserves first: on an error nothing changed.
+  Status Seed(SequenceId id, int layer, const float* last_q, const Half* keys, const Half* values, int32_t n,
+              int32_t candidates, float scale);
+
   // Where the top-k writes the (sequence, layer)'s next selection: per_head tokens for each KV
   // head, head h's at h * per_head, ascending (device memory; null when per_head is 0).
   Result<int32_t*> SelectionTarget(SequenceId id, int layer, int32_t per_head);
@@ -167,8 +175,9 @@ class RowFetcher {
   //   receives the next selection and, from the fetch's cache update, its rows' slots in the
   //   row cache. Head h's list starts at h * count.
   // - The row cache: what the next fetch hits, and (KvConfig::attend_resident) what the attention
-  //   substitutes. Reserved at the first fetch; while `fetches` is 0 (before it, and after a failed
-  //   fetch) its contents are void, and the next fetch empties it first.
+  //   substitutes. Reserved at the first fetch (or seeding); while it holds no entries (!filled():
+  //   before the first fetch unless seeded, and after a failed fetch) its contents are void, and
+  //   the next fetch empties it first.
   struct LayerRows {
     Buffer<int32_t> tokens[2];  // [n_kv][count] ascending per head
     Buffer<int32_t> slots[2];   // [n_kv][count]: the cache row of each token (head h's from h * capacity)
@@ -178,6 +187,8 @@ class RowFetcher {
     CacheList cache;
     Buffer<Half> cache_rows;    // [n_kv][capacity][2][head_dim] by slot: rows never move (CacheUpdateTask)
     int32_t fetches = 0;        // since the cache was last emptied
+    bool seeded = false;        // its list was written at prefill (Seed), until a failed fetch voids it
+    bool filled() const { return fetches > 0 || seeded; }
   };
   // One fetch's device work: planned on the agent's thread (Prepare), queued on a stream by the
   // thread that runs it (Launch). It names device memory only: the caches it reads and writes
@@ -259,6 +270,7 @@ class RowFetcher {
   // fetch's cache update: the next fetch's FetchRows, which writes it again, runs after that
   // update on the same stream (as the spares' writes).
   std::vector<Buffer<Half>> fetched_rows_;
+  Buffer<float> seed_logits_;  // Seed's scratch, queued on the compute stream like its readers
   int64_t rows_selected_ = 0;
   // Staged only (UseStagedSource): one StagedFetch per stream it stages on (the overlapped fetch
   // on the fetch stream; Fetch and Gather on the stream they are given, the compute stream), both

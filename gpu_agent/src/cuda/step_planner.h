@@ -85,6 +85,8 @@ class StepPlanner {
   // KV head h's fp16 K/V of the last PrefillSequence ([n][head_dim]).
   const Half* prefill_keys(int h) const { return k_.get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
   const Half* prefill_values(int h) const { return v_.get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
+  // The attention's softmax scale, 1 / sqrt(head_dim).
+  float scale() const { return scale_; }
 
  private:
   // The only launch of the batched decode attention (after joining a pending selection).
