@@ -83,6 +83,10 @@ TEST(RunSupportTest, SeedRowsGoToSpeCacheModesOnly) {
     EXPECT_TRUE(ValidateKvConfig(*c, {2, 4, 2, 64}).ok()) << mode;
   }
   EXPECT_EQ(ToConfig(KvOptions{}, "specache:1/seed=64")->seed_rows, 64);
+  // specache-run seeds 1024 rows unless told otherwise; a label names only a count other than that.
+  EXPECT_EQ(ToConfig(KvOptions{}, "specache:1")->seed_rows, 1024);
+  EXPECT_EQ(ModeLabel(*ToConfig(KvOptions{}, "specache:1")), "specache-1bit");
+  EXPECT_EQ(ModeLabel(*ToConfig(KvOptions{}, "specache:1/seed=0")), "specache-1bit+seed0");
 }
 
 TEST(RunSupportTest, BadModeOptionsAreNamed) {

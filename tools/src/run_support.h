@@ -58,7 +58,10 @@ struct KvOptions {
   bool attend_resident = true;   // attend with every row of the row cache
   double mass = 0;               // adaptive budget: attention mass to reach; 0: fixed topk
   int k_min = 16, k_max = 128;   // the adaptive budget's bounds
-  int seed_rows = 0;             // rows the row cache starts with at prefill (KvConfig::seed_rows)
+  // specache: rows the row cache starts with at prefill (KvConfig::seed_rows; 0: none). 1024 by
+  // the grid (docs/method.md): with the rules above, full precision's needles at 0.37x the paper
+  // rule's fetched bytes. The library's KvConfig seeds nothing unless asked (it needs the prompt's q).
+  int seed_rows = 1024;
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")
   std::string backend = "auto";        // agent backend: auto (cuda when a GPU is usable), cpu, cuda

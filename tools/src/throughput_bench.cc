@@ -151,14 +151,17 @@ class Bench {
     }
     {  // store-only prefill of random K/V, a sequence at a time
       const size_t kv = size_t(context) * c.n_kv_heads * c.head_dim;
-      DeviceArray<float> k(kv), v(kv);
-      if (!k.p || !v.p) return Status::ResourceExhausted("prefill buffers");
+      // Random queries too where the row cache is seeded at prefill (KvConfig::seed_rows needs them).
+      const size_t qn = config.seed_rows > 0 ? size_t(context) * c.n_heads * c.head_dim : 0;
+      DeviceArray<float> k(kv), v(kv), q(qn);
+      if (!k.p || !v.p || (qn && !q.p)) return Status::ResourceExhausted("prefill buffers");
       const int32_t offsets[] = {0, context};
       for (int l = 0; l < c.n_layers; ++l) {
         for (int s = 0; s < batch; ++s) {
           gpu::Fill(k.p, int64_t(kv), 1000u + 97u * l + 7919u * s, 2.0f, model_->stream());
           gpu::Fill(v.p, int64_t(kv), 2000u + 89u * l + 7919u * s, 1.0f, model_->stream());
-          PrefillBatch b{std::span<const SequenceId>(&ids[s], 1), offsets, nullptr, k.p, v.p, nullptr};
+          if (qn) gpu::Fill(q.p, int64_t(qn), 3000u + 83u * l + 7919u * s, 1.0f, model_->stream());
+          PrefillBatch b{std::span<const SequenceId>(&ids[s], 1), offsets, qn ? q.p : nullptr, k.p, v.p, nullptr};
           SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, b));
         }
       }
