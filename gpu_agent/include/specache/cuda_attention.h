@@ -209,6 +209,10 @@ struct DeviceDecodeItem {
 // segments, the fetch's and the appends' task lists go the same way). A ring of slots (grown as
 // calls need); a slot is written again only after the kernels that read it have run, so the host
 // can run a few calls ahead of the device and no call waits for the device unless the ring is full.
+// The host learns that from one event for several calls in a row on one stream, recorded on that
+// stream up to a few calls later: a stream given to a call must stay valid, and not be captured by
+// anyone else, until the plan's next call on another stream has returned, or until the plan is
+// destroyed (which then waits for the whole device).
 //
 // CUDA graphs: a call made while its stream is being captured reads a slot kept for the graph
 // (never rewritten, 64 KB or more pinned each until the plan goes), so replaying the graph

@@ -21,17 +21,33 @@ namespace specache::cuda {
 // The slots of a plan. A slot's host bytes are written by the host and, with device copies,
 // copied to its device bytes on the plan's copy stream as soon as the call is made (the copy is
 // usually done long before the kernels' turn on their stream, which only waits for `copied`), read
-// there by the kernels; in place (mapped), the kernels read the host bytes. `done` is recorded
-// after the last kernel, and the slot is written again only after it completed.
+// there by the kernels; in place (mapped), the kernels read the host bytes. The slot is written
+// again only after an event recorded after its last kernel completed.
+//
+// That event is shared: the slots of up to kReleaseEvery calls in a row on one stream (the
+// release group) are released by one event, recorded after the group's last call (on that
+// stream: it follows every kernel of the group) into that call's slot's `done`, and waited for
+// once. A group is closed (its event recorded) when it is full, when a call comes on another
+// stream (its stream is the one the previous call used), and before any of its slots can be taken
+// again (its oldest slot half a ring from its next turn); so one event record and at most one wait
+// serve kReleaseEvery calls instead of one each (a layer of the agent makes ~5 such calls on its
+// thread). The slots of a group still open when the plan goes are waited for with the whole device
+// (cudaDeviceSynchronize: their stream may be gone by then). An error of a group's event comes
+// back from the call that closes the group.
 struct DecodePlan::Impl {
   struct Slot {
     void* host = nullptr;    // pinned (mapped in place)
     void* device = nullptr;  // device memory, or in place the device's address of `host`
     size_t bytes = 0;
     cudaEvent_t copied = nullptr, done = nullptr;  // `copied`: device copies only
-    bool recorded = false;   // `done` recorded and not yet waited for
+    // The ring slot whose `done` releases this one (its group's last), once `recorded`: recorded
+    // and not yet waited for by this slot. A `done` waited for is `waited` until recorded again.
+    int release = -1;
+    bool recorded = false;
+    bool waited = false;
   };
   static constexpr int kRing = 64;  // calls the host may run ahead of the device (attention and top-k: ~3 a layer)
+  static constexpr int kReleaseEvery = 8;  // calls of a release group at most
   std::vector<Slot> ring = std::vector<Slot>(kRing);
   std::vector<Slot> captured;       // copied from by CUDA graphs: never rewritten
   int next = 0;
@@ -39,10 +55,13 @@ struct DecodePlan::Impl {
   bool in_place = false;  // DecodePlan::SlotReads::kInPlace: no device copy, the kernels read `host`
   cudaStream_t copy = nullptr;      // device copies only, as `fork`
   cudaEvent_t fork = nullptr;       // a captured call's copy joins the capture through it
+  // The open release group: the ring slots of the last calls on `group_stream`, oldest first,
+  // whose kernels are queued and whose event is not recorded yet.
+  std::vector<int> group;
+  cudaStream_t group_stream = nullptr;
 
   // (A captured slot's events belong to the graph's capture: they are never waited for.)
   void Free(Slot& s) const {
-    if (s.recorded) cudaEventSynchronize(s.done);
     if (s.done) cudaEventDestroy(s.done);
     if (s.copied) cudaEventDestroy(s.copied);
     if (s.host) cudaFreeHost(s.host);
@@ -50,10 +69,36 @@ struct DecodePlan::Impl {
     s = Slot{};
   }
   ~Impl() {
+    // Every reader of a slot done before any slot (or event) goes.
+    if (!group.empty()) cudaDeviceSynchronize();
+    for (const Slot& s : ring) {
+      if (!s.recorded) continue;
+      Slot& release = ring[s.release];
+      if (!release.waited) cudaEventSynchronize(release.done);
+      release.waited = true;
+    }
     for (Slot& s : ring) Free(s);
     for (Slot& s : captured) Free(s);
     if (fork) cudaEventDestroy(fork);
     if (copy) cudaStreamDestroy(copy);
+  }
+  // Records the open group's event on its stream: its slots are released once it completes. When
+  // it cannot be recorded, the host waits for the stream instead (the slots are then free).
+  Status CloseGroup() {
+    if (group.empty()) return Status::Ok();
+    const int last = group.back();
+    const bool recorded = cudaEventRecord(ring[last].done, group_stream) == cudaSuccess;
+    if (!recorded) {
+      cudaGetLastError();
+      cudaStreamSynchronize(group_stream);
+    }
+    ring[last].waited = false;
+    for (int i : group) {
+      ring[i].release = last;
+      ring[i].recorded = recorded;
+    }
+    group.clear();
+    return recorded ? Status::Ok() : Status::Unavailable("decode plan: plan event");
   }
   // A slot of at least `bytes` that no copy or kernel still reads.
   Result<Slot*> Take(size_t bytes, bool capturing) {
@@ -71,10 +116,17 @@ struct DecodePlan::Impl {
       captured.emplace_back();
       s = &captured.back();
     } else {
+      // The open group closes before its oldest slot is half a ring from being taken again (this
+      // one at the latest), so that the wait below is for kernels queued long ago.
+      if (!group.empty() && (group.front() - next + kRing) % kRing < kRing / 2) SPECACHE_RETURN_IF_ERROR(CloseGroup());
       s = &ring[next];
       next = (next + 1) % kRing;
-      if (s->recorded && cudaEventSynchronize(s->done) != cudaSuccess) {
-        return Status::Unavailable("decode plan: waiting for a slot failed");
+      if (s->recorded) {
+        Slot& release = ring[s->release];
+        if (!release.waited && cudaEventSynchronize(release.done) != cudaSuccess) {
+          return Status::Unavailable("decode plan: waiting for a slot failed");
+        }
+        release.waited = true;
       }
       s->recorded = false;
     }
@@ -134,15 +186,14 @@ struct DecodePlan::Impl {
     return up;
   }
   Status Send(const Upload& up, size_t bytes, cudaStream_t stream) { return Copy(up.slot, bytes, stream, up.capturing); }
+  // The slot joins the open release group (a group on another stream is closed first).
   Status Finish(const Upload& up, cudaStream_t stream) {
     if (up.capturing) return Status::Ok();
-    if (cudaEventRecord(up.slot->done, stream) != cudaSuccess) {
-      // Without the event nothing would tell when the slot is free: wait for its readers here.
-      cudaStreamSynchronize(stream);
-      return Status::Unavailable("decode plan: plan event");
-    }
-    up.slot->recorded = true;
-    return Status::Ok();
+    const Status closed = group_stream != stream ? CloseGroup() : Status::Ok();
+    group_stream = stream;
+    group.push_back(static_cast<int>(up.slot - ring.data()));
+    SPECACHE_RETURN_IF_ERROR(closed);
+    return static_cast<int>(group.size()) < kReleaseEvery ? Status::Ok() : CloseGroup();
   }
   // A plan made for one call (a null plan given) frees its slots when the call returns: refused on
   // a stream being captured, whose graph would read them later.

@@ -259,7 +259,7 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan, cudaStream_t stream
   SPECACHE_RETURN_IF_ERROR(
       WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, stream, &selection_tasks_));
   return SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), group, config_.primary_rows(),
-                         config_.reduction, stream, adaptive ? &budget : nullptr, &plan_);
+                         config_.reduction, stream, adaptive ? &budget : nullptr, &topk_plan_);
 }
 
 Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t stream) {
@@ -324,17 +324,17 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t s
   }
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(all.data(), static_cast<int>(all.size()), group, k + extra, config_.reduction, stream, nullptr,
-                      &plan_));
+                      &topk_plan_));
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(primary.data(), static_cast<int>(primary.size()), group, k, config_.reduction, stream,
-                      adaptive ? &budget : nullptr, &plan_));
+                      adaptive ? &budget : nullptr, &topk_plan_));
   SPECACHE_RETURN_IF_ERROR(
       WithPredecessors(shifts.data(), static_cast<int>(shifts.size()), group, stream, &selection_tasks_));
   SPECACHE_RETURN_IF_ERROR(
       MaskTokens(masks.data(), static_cast<int>(masks.size()), group, stream, &selection_tasks_));
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, stream, nullptr,
-                      &plan_));
+                      &topk_plan_));
   if (adaptive) {
     return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), stream,
                                  &selection_tasks_);

@@ -131,6 +131,10 @@ class StepPlanner {
   // The attention's launch plans. In specache mode it leaves the fetch's blocks their slots on the
   // GPU, so that a fetch started before an attention kernel runs beside it instead of after it.
   DecodePlan plan_;
+  // The top-k's segments: a plan apart from the attention's, so that each plan's calls stay on
+  // one stream (the selection's runs on select_ in specache mode) and release their slots in
+  // groups (decode_plan_slots.h) instead of one event a call.
+  DecodePlan topk_plan_;
   // The selection rule's small task lists (mask, shift, merge: a task per block), read in place.
   DecodePlan selection_tasks_{DecodePlan::SlotReads::kInPlace};
 
