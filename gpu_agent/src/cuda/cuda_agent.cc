@@ -318,8 +318,7 @@ Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
     SPECACHE_RETURN_IF_ERROR(rows_.Fetch(layer, protocol_.ids(), compute_));
     SPECACHE_RETURN_IF_ERROR(planner_.AttendWithFetchedRows(layer, &plan));
   } else {
-    SPECACHE_RETURN_IF_ERROR(planner_.AttendAndSelect(layer, &plan));
-    if (config_.fetches_rows()) SPECACHE_RETURN_IF_ERROR(rows_.MarkSelected(layer, planner_.selection_stream()));
+    SPECACHE_RETURN_IF_ERROR(planner_.AttendAndSelect(layer, &plan));  // marks the fetch's start (MarkSelected)
     SPECACHE_RETURN_IF_ERROR(rows_.JoinFetch());  // FetchOverlap::kWithinNextAttention
   }
   if (protocol_.kind() == StepKind::kDecode) SPECACHE_RETURN_IF_ERROR(AppendRealTokens(layer));

@@ -110,9 +110,11 @@ class RowFetcher {
   // either here, always on the same stream, or through StartFetch, never both (the agent's mode
   // picks): the caches' updates must share one stream (spare_lists_).
   Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
-  // Records on `stream`, where the layer's selection was queued (StepPlanner::selection_stream()),
-  // that it is done.
+  // Records on `stream`, where the layer's selection was queued (StepPlanner::AttendAndSelect, on
+  // its selection stream), that it is done, in selection_done(layer): the planner's join waits
+  // for that event too, until the layer's next MarkSelected.
   Status MarkSelected(int layer, cudaStream_t stream);
+  cudaEvent_t selection_done(int layer) const { return selected_[layer]; }
   // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
   // waits for it. Local: queued now, or (fetch_overlap) at the next WaitFetched of any layer or
   // WaitForFetchStream, to run beside the attention queued after it. Staged: the work is handed to

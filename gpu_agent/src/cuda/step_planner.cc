@@ -37,7 +37,6 @@ StepPlanner::~StepPlanner() {
     cudaStreamDestroy(select_);
   }
   if (attended_) cudaEventDestroy(attended_);
-  if (selected_) cudaEventDestroy(selected_);
 }
 
 Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, int32_t n) {
@@ -188,17 +187,18 @@ Status StepPlanner::AttendAndSelect(int layer, LayerPlan* plan) {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&select_, cudaStreamNonBlocking), "selection stream"));
   }
   if (!attended_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&attended_, cudaEventDisableTiming), "event"));
-  if (!selected_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&selected_, cudaEventDisableTiming), "event"));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(attended_, compute_), "attention event"));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(select_, attended_, 0), "wait for the attention"));
   const Status selected = Select(layer, *plan, select_);
-  // Whatever Select queued (all of it, or up to a failed launch) is what the join waits for.
-  const Status recorded = CudaStatus(cudaEventRecord(selected_, select_), "selection event");
+  // Whatever Select queued (all of it, or up to a failed launch) is what the join waits for: the
+  // fetcher's event of the layer, which its fetch waits for too (one record serves both).
+  const Status recorded = rows_->MarkSelected(layer, select_);
   if (recorded.ok()) {
+    selection_end_ = rows_->selection_done(layer);
     selection_pending_ = true;
   } else {
-    // selected_ still holds an older record: no later attention may start before this
-    // selection's kernels are done with the scores.
+    // No event marks this selection's end: no later attention may start before its kernels are
+    // done with the scores.
     cudaStreamSynchronize(select_);
   }
   SPECACHE_RETURN_IF_ERROR(selected);
@@ -207,7 +207,7 @@ Status StepPlanner::AttendAndSelect(int layer, LayerPlan* plan) {
 
 Status StepPlanner::JoinSelection() {
   if (!selection_pending_) return Status::Ok();
-  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, selected_, 0), "wait for the selection"));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, selection_end_, 0), "wait for the selection"));
   selection_pending_ = false;  // only once the wait is queued: a failed join is tried again
   return Status::Ok();
 }

@@ -66,13 +66,11 @@ class StepPlanner {
   // The attention, then in the modes that fetch rows the top-k for the next step into the
   // fetcher's next selection (kUnion ranks the real row too, from the same pass). The plan's items
   // move into the launch (plan->items is empty after; the selection reads the rest of the plan).
-  // The selection runs on a stream of its own (selection_stream()), forked from the compute stream
-  // after the attention, beside what the engine queues after it; the next Attend, or
-  // JoinSelection, makes the compute stream wait for it.
+  // The selection runs on a stream of its own, forked from the compute stream after the
+  // attention, beside what the engine queues after it; the next Attend, or JoinSelection, makes
+  // the compute stream wait for it. The selection's end is the fetcher's event of the layer
+  // (RowFetcher::MarkSelected, recorded here), which its fetch waits for.
   Status AttendAndSelect(int layer, LayerPlan* plan);
-  // Where AttendAndSelect's selection runs (null before the first): the fetch's start event for
-  // the layer is recorded there (RowFetcher::MarkSelected).
-  cudaStream_t selection_stream() const { return select_; }
   // The compute stream waits for the last selection (the step's end: everything the step queued
   // is then behind the engine's stream).
   Status JoinSelection();
@@ -118,13 +116,14 @@ class StepPlanner {
   RowFetcher* rows_;
   const DevicePageTable* pages_;
   cudaStream_t compute_;
-  // AttendAndSelect's selection: its stream, the fork after the attention, the selection's end,
-  // and whether the compute stream has yet to wait for that end. One set serves every layer: the
+  // AttendAndSelect's selection: its stream, the fork after the attention, the selection's end
+  // (the fetcher's event of the last selection's layer), and whether the compute stream has yet
+  // to wait for that end. One stream serves every layer: the
   // selection reads the planner's scratch (probs_, probs_stats_, the union's), which the next
   // attention overwrites, so that attention waits for it (Attend); it overlaps the engine's work
   // between two attentions (the output projection, the MLP, the next layer's QKV).
   cudaStream_t select_ = nullptr;
-  cudaEvent_t attended_ = nullptr, selected_ = nullptr;
+  cudaEvent_t attended_ = nullptr, selection_end_ = nullptr;
   bool selection_pending_ = false;
   float scale_ = 1.0f;
   int plan_threads_ = 1;  // options_.plan_threads, at most the machine's cores
