@@ -335,6 +335,8 @@ Status CudaAgent::AppendRealTokens(int layer) {
   std::vector<SequenceId> owners;  // [writes]
   std::vector<cuda::DeviceHeadReplica*> replicas;
   std::vector<const Half*> keys, values;
+  const size_t n = ids.size() * n_kv;  // one allocation each, not one per doubling
+  writes.reserve(n), owners.reserve(n), replicas.reserve(n), keys.reserve(n), values.reserve(n);
   for (size_t s = 0; s < ids.size(); ++s) {
     cuda::ReplicaStore::Heads& heads = replicas_.Layer(ids[s], layer);
     const uint64_t* pages = pages_.Layer(ids[s], layer);

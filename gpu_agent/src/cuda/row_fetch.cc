@@ -178,6 +178,8 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   FetchWork w;
   w.layer = layer;
   w.ids = ids;
+  const size_t n_tasks = fetched * n_kv;  // one allocation each, not one per doubling
+  w.tasks.reserve(n_tasks), w.task_sequences.reserve(n_tasks), w.host_pages.reserve(n_tasks), w.updates.reserve(n_tasks);
   FetchCounts counts;
   size_t spare = 0;
   for (SequenceId id : ids) {
