@@ -218,7 +218,11 @@ Status WithDeviceTasks(DecodePlan* plan, const T* tasks, int n, cudaStream_t str
   if (plan == nullptr) {
     SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(stream));
     DecodePlan own(DecodePlan::SlotReads::kInPlace);
-    return WithDeviceTasks(&own, tasks, n, stream, what, launch);
+    const Status done = WithDeviceTasks(&own, tasks, n, stream, what, launch);
+    // Its group closed on `stream` now, so that the plan's end waits for this stream's kernels
+    // only, not for the whole device.
+    const Status closed = own.impl()->CloseGroup();
+    return done.ok() ? closed : done;
   }
   const size_t bytes = static_cast<size_t>(std::max(n, 1)) * sizeof(T);
   SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(bytes, stream));
