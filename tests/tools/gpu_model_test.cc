@@ -1,9 +1,10 @@
 // The whole model on the GPU (GpuLlama + CUDA agent + GpuEngine) against the CPU reference engine
 // on the real model (SmolLM2-135M): greedy tokens in `full` for three prompts of 40 to 2000
 // tokens; where they part, the logits at that position must differ by < 0.05 (fp16 weights and
-// cuBLAS sums against float32 weights and OpenBLAS). SpeCache with k >= n equals full on the GPU,
-// and a ragged batch decodes as each sequence alone (same rule at a first divergence). Needs a
-// device (label gpu) and the model.
+// cuBLAS sums against float32 weights and OpenBLAS). SpeCache with k >= n equals full on the GPU;
+// specache-run's own 1-bit SpeCache (seeded at prefill) gives the CPU engine's tokens; and a ragged
+// batch decodes as each sequence alone (same rule at a first divergence). Needs a device (label
+// gpu) and the model.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -61,10 +62,10 @@ class GpuModelTest : public ::testing::Test {
   }
 
 
-  // The CPU engine with the CPU agent in `full`.
-  static Decoded Cpu(const std::vector<int32_t>& prompt) {
+  // The CPU engine with the CPU agent in `config`.
+  static Decoded Cpu(const std::vector<int32_t>& prompt, const KvConfig& config = KvConfig{KvMode::kFull}) {
     Decoded d;
-    auto run = run::MakeModeRun(*model_->model, KvConfig{KvMode::kFull});
+    auto run = run::MakeModeRun(*model_->model, config);
     EXPECT_TRUE(run.ok());
     Agent* agents[] = {(*run)->agent.get()};
     auto pre = Prefill(*model_->model, agents, 1, prompt);
@@ -168,6 +169,21 @@ TEST_F(GpuModelTest, SpeCacheWithTopKCoveringTheContextEqualsFull) {
   const auto specache = Gpu(spec, prompts);
   for (size_t i = 0; i < prompts.size(); ++i) {
     ExpectSameTokensOrNearTie("full vs specache k >= n, prompt " + std::to_string(i), full[i], specache[i]);
+  }
+}
+
+// specache-run's own SpeCache 1-bit (its defaults: the union of both rows' rankings, every
+// resident row attended, the row cache seeded at prefill from the prompt's last query) on the GPU
+// against the CPU engine with the CPU agent: the same rule on both backends, so the same tokens, or
+// a near-tie where they first part.
+TEST_F(GpuModelTest, SpecacheRunsDefaultOneBitOnTheGpuGivesTheCpuEnginesTokens) {
+  const Result<KvConfig> config = run::ToConfig(run::KvOptions{}, "specache:1");
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  ASSERT_GT(config->seed_rows, 0);
+  for (const auto& prompt : {prompts_[1], prompts_[2]}) {
+    ExpectSameTokensOrNearTie("specache-1bit (specache-run's defaults), CPU vs GPU, prompt of " +
+                                  std::to_string(prompt.size()) + " tokens",
+                              Cpu(prompt, *config), Gpu(*config, {prompt})[0]);
   }
 }
 
