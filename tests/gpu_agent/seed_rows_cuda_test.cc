@@ -38,7 +38,8 @@ TEST(CudaSeedRowsTest, SeedsRanksAndRowsEqualTheCpuRule) {
   // Shorter and longer than a logits block (256 tokens), candidates at and below n, no seed, one,
   // some, all candidates and more than there are.
   const Prompt prompts[] = {{1, 0, 8, 8},      {70, 64, 8, 16},      {300, 256, 24, 48}, {300, 256, 256, 256},
-                            {513, 448, 1000, 1024}, {2100, 2048, 64, 130}, {4100, 4096, 1024, 1024}, {200, 192, 0, 4}};
+                            {513, 448, 1000, 1024}, {2100, 2048, 64, 130}, {4100, 4096, 1024, 1024}, {200, 192, 0, 4},
+                            {9000, 8960, 5000, 5000}};  // more seeds than the ranking keeps in shared memory
   for (int d : {64, 128}) {
     for (int group : {1, 3, 4, 8}) {
       for (GroupReduction reduction : {GroupReduction::kMean, GroupReduction::kMax}) {

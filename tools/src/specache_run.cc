@@ -755,8 +755,8 @@ int main(int argc, char** argv) {
                   "launch the model's products and small kernels one by one in every decode step instead of replaying "
                   "them from CUDA graphs");
   bench->add_option("--prefill", bo.prefill,
-                    "BxT, e.g. 8x8192: also time the whole model's prefill of B prompts of T tokens (specache), next "
-                    "to PyTorch's fp16 prefill with --sdpa-script");
+                    "BxT, e.g. 8x8192: also time the whole model's prefill of B prompts of T tokens in each specache "
+                    "mode of --kv (plain specache when none), the first next to PyTorch's fp16 prefill with --sdpa-script");
   bench->add_flag("--json", bench_args.json, "print one JSON object per row on stdout");
   bench->add_option("--json-out", bench_args.json_out, "also write all rows to this file (a JSON array)");
   bench->add_option("--plot", bench_args.plot, "write tokens/s over context per mode as a PNG");

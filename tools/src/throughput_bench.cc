@@ -391,11 +391,12 @@ class Bench {
     return j;
   }
 
-  // The whole model's prefill of `batch` prompts of `tokens` random tokens in specache mode:
-  // GpuEngine::Prefill's wall time (it returns once every prompt's first token is on the host).
-  Result<nlohmann::json> Prefill(int batch, int tokens) {
+  // The whole model's prefill of `batch` prompts of `tokens` random tokens in `mode` (a specache
+  // mode): GpuEngine::Prefill's wall time (it returns once every prompt's first token is on the host).
+  // With `sdpa`, PyTorch's fp16 prefill of the same shapes beside it (--sdpa-script).
+  Result<nlohmann::json> Prefill(int batch, int tokens, const std::string& mode, bool sdpa) {
     const LlamaConfig& c = model_->config();
-    SPECACHE_ASSIGN_OR_RETURN(KvConfig config, Config("specache"));
+    SPECACHE_ASSIGN_OR_RETURN(KvConfig config, Config(mode));
     // The host pages exist and are registered with the GPU before the prefill, as a daemon's are
     // when an agent attaches (cudaHostRegister takes ~0.5 s per GB): timed apart, as ms_setup.
     const auto setup_start = std::chrono::steady_clock::now();
@@ -423,10 +424,10 @@ class Bench {
     if (o_.profile_step) cudaProfilerStop();
     SPECACHE_RETURN_IF_ERROR(prefilled);
     const gpu::PhaseTimes& p = engine.phase_times();
-    nlohmann::json j{{"suite", "prefill"}, {"mode", "specache"}, {"batch", batch}, {"tokens", tokens}, {"ms_prefill", ms},
+    nlohmann::json j{{"suite", "prefill"}, {"mode", mode}, {"batch", batch}, {"tokens", tokens}, {"ms_prefill", ms},
                      {"ms_gemm", p.gemm_ms}, {"ms_agent", p.attention_ms}, {"ms_embed", p.edges_ms},
                      {"ms_setup", ms_setup}};
-    if (!o_.sdpa_script.empty() && o_.shape == "llama3-8b") j["sdpa"] = SdpaPrefill(batch, tokens);
+    if (sdpa && !o_.sdpa_script.empty() && o_.shape == "llama3-8b") j["sdpa"] = SdpaPrefill(batch, tokens);
     return j;
   }
 
@@ -562,26 +563,37 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
     }
   }
   if (!o.prefill.empty()) {
-    const int batch = prefill_batch, tokens = prefill_tokens;
-    auto measured = bench.Prefill(batch, tokens);
-    nlohmann::json j = measured.ok() ? *measured
-                                     : nlohmann::json{{"suite", "prefill"}, {"batch", batch}, {"tokens", tokens},
-                                                      {"note", "failed: " + measured.status().ToString()}};
-    j["shape"] = o.shape;
-    j["weights"] = "random";
-    j["device"] = device.name;
-    if (j.contains("ms_prefill")) {
-      std::fprintf(stderr, "prefill %d x %d (specache, the whole model): %.1f ms (GPU: gemm %.1f, agent %.1f)", batch,
-                   tokens, j["ms_prefill"].get<double>(), j["ms_gemm"].get<double>(), j["ms_agent"].get<double>());
-      if (j.contains("sdpa") && j["sdpa"].contains("ms_prefill")) {
-        const double sdpa = j["sdpa"]["ms_prefill"].get<double>();
-        std::fprintf(stderr, "; PyTorch fp16 (SDPA + cuBLAS): %.1f ms (%.2fx)", sdpa, j["ms_prefill"].get<double>() / sdpa);
+    // Every specache mode of --kv (plain specache when none is), PyTorch's beside the first.
+    std::vector<std::string> prefill_modes;
+    for (const std::string& m : o.modes) {
+      if (BaseMode(m) == "specache" && std::find(prefill_modes.begin(), prefill_modes.end(), m) == prefill_modes.end()) {
+        prefill_modes.push_back(m);
       }
-      std::fprintf(stderr, "\n");
-    } else {
-      std::fprintf(stderr, "prefill %d x %d: %s\n", batch, tokens, j.value("note", j.dump()).c_str());
     }
-    rows.push_back(std::move(j));
+    if (prefill_modes.empty()) prefill_modes.push_back("specache");
+    const int batch = prefill_batch, tokens = prefill_tokens;
+    for (const std::string& mode : prefill_modes) {
+      auto measured = bench.Prefill(batch, tokens, mode, mode == prefill_modes.front());
+      nlohmann::json j = measured.ok() ? *measured
+                                       : nlohmann::json{{"suite", "prefill"}, {"mode", mode}, {"batch", batch},
+                                                        {"tokens", tokens}, {"note", "failed: " + measured.status().ToString()}};
+      j["shape"] = o.shape;
+      j["weights"] = "random";
+      j["device"] = device.name;
+      if (j.contains("ms_prefill")) {
+        std::fprintf(stderr, "prefill %d x %d (%s, the whole model): %.1f ms (GPU: gemm %.1f, agent %.1f)", batch, tokens,
+                     mode.c_str(), j["ms_prefill"].get<double>(), j["ms_gemm"].get<double>(), j["ms_agent"].get<double>());
+        if (j.contains("sdpa") && j["sdpa"].contains("ms_prefill")) {
+          const double sdpa = j["sdpa"]["ms_prefill"].get<double>();
+          std::fprintf(stderr, "; PyTorch fp16 (SDPA + cuBLAS): %.1f ms (%.2fx)", sdpa,
+                       j["ms_prefill"].get<double>() / sdpa);
+        }
+        std::fprintf(stderr, "\n");
+      } else {
+        std::fprintf(stderr, "prefill %d x %d (%s): %s\n", batch, tokens, mode.c_str(), j.value("note", j.dump()).c_str());
+      }
+      rows.push_back(std::move(j));
+    }
   }
   std::fprintf(stderr,
                "tok/s: decode tokens per second of the batch (random weights: the figures are speeds, not text). "

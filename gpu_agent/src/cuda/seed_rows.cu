@@ -15,6 +15,8 @@ namespace specache::cuda {
 namespace {
 
 constexpr int kMaxHeadDim = 256;
+// Seeds whose keys the ranking reads from shared memory (32 KiB); more read them from the scores.
+constexpr int32_t kSharedRankKeys = 4096;
 
 // Block (x, task): the logits scale * q_g.k_j of tokens j in [x * kListThreads, +kListThreads) for
 // every query head g of the task, a thread per token, summed channel by channel as
@@ -65,13 +67,16 @@ __device__ uint64_t SeedKey(float score, int32_t token) {
 //      first row (a thread reads and writes only its own tokens there);
 //   3. the threshold of the `take` best (KthLargestKey), then the seeds in ascending order, each
 //      in the slot of its place (a scan of per-thread runs);
-//   4. each seed's rank (the seeds with a larger key) as its use mark, -rank; the rest of the list;
+//   4. each seed's rank (the seeds with a larger key, their keys kept in shared memory from pass 3
+//      when they fit) as its use mark, -rank; the rest of the list;
 //   5. the seeds' rows copied into their slots, 16-byte pieces.
 __global__ void SeedSelectKernel(const SeedTask* __restrict__ tasks, int group, int row_pieces, bool use_max) {
   const SeedTask& t = TaskOfBlock(tasks, blockIdx.x);
-  extern __shared__ double stats[];  // [group] sums, then [group] maxima (as doubles)
+  // [group] sums, [group] maxima (as doubles), then the seeds' keys when take <= kSharedRankKeys.
+  extern __shared__ double stats[];
   double* sums = stats;
   double* maxima = stats + group;
+  uint64_t* seed_keys = reinterpret_cast<uint64_t*>(stats + 2 * group);
   const int32_t n = t.n;
   for (int g = 0; g < group; ++g) {
     const float* l = t.logits + static_cast<int64_t>(g) * n;
@@ -85,6 +90,7 @@ __global__ void SeedSelectKernel(const SeedTask* __restrict__ tasks, int group, 
   }
   __syncthreads();
   const int32_t candidates = t.candidates, take = t.take;
+  const bool keys_shared = take <= kSharedRankKeys;
   float* score = t.logits;  // [candidates], over head 0's logits
   for (int32_t j = threadIdx.x; j < candidates; j += kListThreads) {
     float s = use_max ? -INFINITY : 0.0f;
@@ -115,17 +121,20 @@ __global__ void SeedSelectKernel(const SeedTask* __restrict__ tasks, int group, 
     }
     int pos = BlockExclusiveSum(count);
     for (int32_t j = first; j < last && count > 0; ++j) {
-      if (SeedKey(score[j], j) < threshold) continue;
+      const uint64_t key = SeedKey(score[j], j);
+      if (key < threshold) continue;
       t.tokens[pos] = j;
       t.slots[pos] = pos;
+      if (keys_shared) seed_keys[pos] = key;
       ++pos;
     }
   }
-  __syncthreads();  // the seeds' tokens, read by every thread below
+  __syncthreads();  // the seeds' tokens and keys, read by every thread below
+  auto key_at = [&](int32_t i) { return keys_shared ? seed_keys[i] : SeedKey(score[t.tokens[i]], t.tokens[i]); };
   for (int32_t i = threadIdx.x; i < take; i += kListThreads) {
-    const uint64_t mine = SeedKey(score[t.tokens[i]], t.tokens[i]);
+    const uint64_t mine = key_at(i);
     int32_t rank = 0;
-    for (int32_t o = 0; o < take; ++o) rank += SeedKey(score[t.tokens[o]], t.tokens[o]) > mine ? 1 : 0;
+    for (int32_t o = 0; o < take; ++o) rank += key_at(o) > mine ? 1 : 0;
     t.used[i] = -rank;
   }
   for (int32_t i = take + threadIdx.x; i < t.capacity; i += kListThreads) {
@@ -150,7 +159,7 @@ Status SeedRowCaches(const SeedTask* tasks, int n_tasks, int group, int head_dim
   if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > kMaxHeadDim || group <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("seed rows: head_dim must be a multiple of 8 up to 256, the group positive");
   }
-  int32_t longest = 0;
+  int32_t longest = 0, shared_keys = 0;
   for (int i = 0; i < n_tasks; ++i) {
     const SeedTask& t = tasks[i];
     if (t.capacity < 0 || t.capacity > kMaxCacheRows || t.n < 0 || t.candidates < 0 || t.candidates > t.n ||
@@ -160,11 +169,15 @@ Status SeedRowCaches(const SeedTask* tasks, int n_tasks, int group, int head_dim
           "than the cache holds");
     }
     longest = std::max(longest, t.n);
+    if (t.take <= kSharedRankKeys) shared_keys = std::max(shared_keys, t.take);
   }
   if (n_tasks == 0) return Status::Ok();
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
-  const size_t q_bytes = size_t(group) * head_dim * sizeof(float), stats_bytes = 2 * size_t(group) * sizeof(double);
-  if (q_bytes > 48 * 1024) return Status::InvalidArgument("seed rows: a GQA group's queries above 48 KB");
+  const size_t q_bytes = size_t(group) * head_dim * sizeof(float);
+  const size_t stats_bytes = 2 * size_t(group) * sizeof(double) + size_t(shared_keys) * sizeof(uint64_t);
+  if (q_bytes > 48 * 1024 || stats_bytes > 48 * 1024) {
+    return Status::InvalidArgument("seed rows: a GQA group's queries or statistics above 48 KB");
+  }
   const dim3 logits_grid(static_cast<unsigned>(std::max(1, (longest + kListThreads - 1) / kListThreads)),
                          static_cast<unsigned>(n_tasks));
   const bool use_max = reduction == GroupReduction::kMax;
