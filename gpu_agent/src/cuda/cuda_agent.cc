@@ -264,6 +264,11 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     const int32_t first = batch.token_offsets[s], n = batch.token_offsets[s + 1] - first;
     SPECACHE_RETURN_IF_ERROR(pages_.Map(id, n));
     SPECACHE_RETURN_IF_ERROR(planner_.PrefillSequence(batch, first, n));
+    // KvConfig::seed_rows: the layer's row cache starts with the quantized tokens the prompt's last
+    // token attends most (seed_rows.h), seeded from here beside the page writes and appends below.
+    // Only where rows are fetched and become resident.
+    const bool seeds = config_.seed_rows > 0 && config_.fetches_rows() && options_.fetch;
+    if (seeds) SPECACHE_RETURN_IF_ERROR(rows_.SeedFrom());
     std::vector<cuda::WriteTask> writes;
     for (int h = 0; h < n_kv; ++h) {
       writes.push_back({planner_.prefill_keys(h), planner_.prefill_values(h), pages_.Layer(id, layer), d, 0, n, h});
@@ -272,9 +277,7 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     for (int h = 0; h < n_kv; ++h) {
       SPECACHE_RETURN_IF_ERROR(replicas_.Layer(id, layer)[h]->Append(planner_.prefill_keys(h), planner_.prefill_values(h), n));
     }
-    // KvConfig::seed_rows: the layer's row cache starts with the quantized tokens the prompt's last
-    // token attends most (seed_rows.h). Only where rows are fetched and become resident.
-    if (config_.seed_rows > 0 && config_.fetches_rows() && options_.fetch) {
+    if (seeds) {
       const float* last_q = batch.q + size_t(first + n - 1) * shape_.n_q_heads * d;
       SPECACHE_RETURN_IF_ERROR(rows_.Seed(id, layer, last_q, planner_.prefill_keys(0), planner_.prefill_values(0), n,
                                           replicas_.Layer(id, layer)[0]->quantized_keys(), planner_.scale()));

@@ -26,6 +26,9 @@ RowFetcher::~RowFetcher() {
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
   if (deferred_start_) cudaEventDestroy(deferred_start_);
+  if (seed_) cudaStreamSynchronize(seed_), cudaStreamDestroy(seed_);
+  if (seed_from_) cudaEventDestroy(seed_from_);
+  if (seeded_) cudaEventDestroy(seeded_);
   if (fetch_) cudaStreamDestroy(fetch_);
 }
 
@@ -85,8 +88,18 @@ void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<Laye
 
 void RowFetcher::RemoveSequence(SequenceId id) { rows_.erase(id); }
 
+Status RowFetcher::SeedFrom() {
+  if (!seed_) {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&seed_, cudaStreamNonBlocking), "seed stream"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&seed_from_, cudaEventDisableTiming), "event"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&seeded_, cudaEventDisableTiming), "event"));
+  }
+  return CudaStatus(cudaEventRecord(seed_from_, compute_), "seed start event");
+}
+
 Status RowFetcher::Seed(SequenceId id, int layer, const float* last_q, const Half* keys, const Half* values, int32_t n,
                         int32_t candidates, float scale) {
+  if (!seed_) return Status::FailedPrecondition("seed rows: Seed without SeedFrom");
   LayerRows& lr = rows_.at(id)[layer];
   const int n_kv = shape_.n_kv_heads, group = shape_.group_size(), d = shape_.head_dim;
   const int32_t capacity = config_.cache_rows();
@@ -110,8 +123,18 @@ Status RowFetcher::Seed(SequenceId id, int layer, const float* last_q, const Hal
     t.rows = lr.cache_rows.get() + size_t(h) * capacity * 2 * d;
     t.capacity = capacity;
   }
-  SPECACHE_RETURN_IF_ERROR(
-      SeedRowCaches(tasks.data(), n_kv, group, d, scale, config_.reduction, compute_, &caller_plan_));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(seed_, seed_from_, 0), "wait for the prompt's rows"));
+  const Status queued = SeedRowCaches(tasks.data(), n_kv, group, d, scale, config_.reduction, seed_, &seed_plan_);
+  // Joined whatever was queued (also up to a failed launch): the compute stream's later work may
+  // rewrite what the seeding reads.
+  const Status joined = CudaStatus(cudaEventRecord(seeded_, seed_), "seed end event");
+  if (joined.ok()) {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, seeded_, 0), "wait for the seeding"));
+  } else {
+    cudaStreamSynchronize(seed_);
+  }
+  SPECACHE_RETURN_IF_ERROR(queued);
+  SPECACHE_RETURN_IF_ERROR(joined);
   lr.seeded = true;
   return Status::Ok();
 }

@@ -91,10 +91,15 @@ class RowFetcher {
   void RemoveSequence(SequenceId id);
 
   // KvConfig::seed_rows: the (sequence, layer)'s row cache starts with each KV head's seeds
-  // (seed_rows.h), queued on the compute stream; at prefill, before the layer's first fetch.
-  // last_q: the prompt's last token's query heads, [n_q_heads][head_dim] float; keys and values:
-  // the prompt's fp16 rows, [n_kv][n][head_dim]; the seeds come from tokens [0, candidates). All
-  // device memory, read by the queued kernels. Reserves first: on an error nothing changed.
+  // (seed_rows.h); at prefill, before the layer's first fetch. In two calls, so that the seeding
+  // runs beside what the caller queues between them (the sequence's page writes and appends):
+  // SeedFrom marks where on the compute stream the prompt's K/V (and q) are ready; Seed queues the
+  // seeding on the fetcher's seed stream from there, and makes the compute stream wait for it
+  // (work queued after Seed, such as the next sequence's prefill, which rewrites those K/V, runs
+  // after it). last_q: the prompt's last token's query heads, [n_q_heads][head_dim] float; keys
+  // and values: the prompt's fp16 rows, [n_kv][n][head_dim]; the seeds come from tokens
+  // [0, candidates). All device memory. Reserves first: on an error nothing changed.
+  Status SeedFrom();
   Status Seed(SequenceId id, int layer, const float* last_q, const Half* keys, const Half* values, int32_t n,
               int32_t candidates, float scale);
 
@@ -239,6 +244,10 @@ class RowFetcher {
   cudaStream_t fetch_ = nullptr;
   std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
   cudaEvent_t deferred_start_ = nullptr;          // where on the compute stream the deferred fetch begins
+  // The seeding's stream (made at the first SeedFrom), where it starts on the compute stream, and
+  // its end, which the compute stream waits for.
+  cudaStream_t seed_ = nullptr;
+  cudaEvent_t seed_from_ = nullptr, seeded_ = nullptr;
   // The local overlapped fetch started but not yet queued (StartFetch to the next WaitFetched or
   // WaitForFetchStream), its layer in it. Mutable: queueing it changes nothing the fetcher reports.
   mutable std::shared_ptr<const FetchWork> deferred_;
@@ -272,7 +281,7 @@ class RowFetcher {
   // fetch's cache update: the next fetch's FetchRows, which writes it again, runs after that
   // update on the same stream (as the spares' writes).
   std::vector<Buffer<Half>> fetched_rows_;
-  Buffer<float> seed_logits_;  // Seed's scratch, queued on the compute stream like its readers
+  Buffer<float> seed_logits_;  // Seed's scratch: the next Seed's kernels run after this one's (one stream)
   int64_t rows_selected_ = 0;
   // Staged only (UseStagedSource): one StagedFetch per stream it stages on (the overlapped fetch
   // on the fetch stream; Fetch and Gather on the stream they are given, the compute stream), both
@@ -289,6 +298,8 @@ class RowFetcher {
   // serves one thread), read in place: a copy would queue behind the fetch's own on the copy
   // engine. Each destructor waits for the kernels that read its slots.
   mutable DecodePlan worker_plan_{DecodePlan::SlotReads::kInPlace}, caller_plan_{DecodePlan::SlotReads::kInPlace};
+  // Seed's task lists (on the seed stream: a plan's calls stay on one stream, decode_plan_slots.h).
+  DecodePlan seed_plan_{DecodePlan::SlotReads::kInPlace};
 };
 
 }  // namespace specache::cuda
