@@ -438,9 +438,8 @@ Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, Deco
 }
 
 Status AttendDecodeBatch(const DeviceDecodeItem* items, int n_items, void* stream) {
-  SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(static_cast<cudaStream_t>(stream)));
-  DecodePlan plan;  // its destructor waits for the slot
-  return AttendDecodeBatch(items, n_items, stream, &plan);
+  return WithOwnPlan(static_cast<cudaStream_t>(stream), DecodePlan::SlotReads::kDeviceCopy,
+                     [&](DecodePlan* own) { return AttendDecodeBatch(items, n_items, stream, own); });
 }
 
 Status AttendDecodeRows(const DeviceReplicaView& replica, const DeviceDecodeRows& rows, void* stream) {

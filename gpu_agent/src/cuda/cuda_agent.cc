@@ -268,7 +268,7 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     // token attends most (seed_rows.h), seeded from here beside the page writes and appends below.
     // Only where rows are fetched and become resident.
     const bool seeds = config_.seed_rows > 0 && config_.fetches_rows() && options_.fetch;
-    if (seeds) SPECACHE_RETURN_IF_ERROR(rows_.SeedFrom());
+    if (seeds) SPECACHE_RETURN_IF_ERROR(rows_.SeedFrom(id, layer, n));  // reserves first: fails before any write
     std::vector<cuda::WriteTask> writes;
     for (int h = 0; h < n_kv; ++h) {
       writes.push_back({planner_.prefill_keys(h), planner_.prefill_values(h), pages_.Layer(id, layer), d, 0, n, h});
@@ -277,12 +277,12 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     for (int h = 0; h < n_kv; ++h) {
       SPECACHE_RETURN_IF_ERROR(replicas_.Layer(id, layer)[h]->Append(planner_.prefill_keys(h), planner_.prefill_values(h), n));
     }
+    NoteWritten(id, layer, 0, n);
     if (seeds) {
       const float* last_q = batch.q + size_t(first + n - 1) * shape_.n_q_heads * d;
       SPECACHE_RETURN_IF_ERROR(rows_.Seed(id, layer, last_q, planner_.prefill_keys(0), planner_.prefill_values(0), n,
                                           replicas_.Layer(id, layer)[0]->quantized_keys(), planner_.scale()));
     }
-    NoteWritten(id, layer, 0, n);
   }
   return RecordWrites();
 }

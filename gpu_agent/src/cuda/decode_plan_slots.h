@@ -27,13 +27,16 @@ namespace specache::cuda {
 // That event is shared: the slots of up to kReleaseEvery calls in a row on one stream (the
 // release group) are released by one event, recorded after the group's last call (on that
 // stream: it follows every kernel of the group) into that call's slot's `done`, and waited for
-// once. A group is closed (its event recorded) when it is full, when a call comes on another
-// stream (its stream is the one the previous call used), and before any of its slots can be taken
-// again (its oldest slot half a ring from its next turn); so one event record and at most one wait
-// serve kReleaseEvery calls instead of one each (a layer of the agent makes ~5 such calls on its
-// thread). The slots of a group still open when the plan goes are waited for with the whole device
-// (cudaDeviceSynchronize: their stream may be gone by then). An error of a group's event comes
-// back from the call that closes the group.
+// once. A group is closed (its event recorded) when it is full, and before any of its slots can be
+// taken again (its oldest slot half a ring from its next turn); so one event record and at most
+// one wait serve kReleaseEvery calls instead of one each. Only while every call of the plan came on
+// one stream: once a call comes on another stream, the open group is closed there (its stream is
+// the one the previous call used, which must still be valid and not captured by anyone else) and
+// from then on each call's slot has its own event, recorded in the call, as a plan that serves
+// several streams (the fetch's) always had. The slots of a group still open when the plan goes are
+// waited for with the whole device of the plan (cudaDeviceSynchronize: their stream may be gone by
+// then); a plan made for one call closes its group first (WithOwnPlan). An error of a group's
+// event comes back from the call that closes the group.
 struct DecodePlan::Impl {
   struct Slot {
     void* host = nullptr;    // pinned (mapped in place)
@@ -46,7 +49,7 @@ struct DecodePlan::Impl {
     bool recorded = false;
     bool waited = false;
   };
-  static constexpr int kRing = 64;  // calls the host may run ahead of the device (attention and top-k: ~3 a layer)
+  static constexpr int kRing = 64;  // calls the host may run ahead of the device on one plan
   static constexpr int kReleaseEvery = 8;  // calls of a release group at most
   std::vector<Slot> ring = std::vector<Slot>(kRing);
   std::vector<Slot> captured;       // copied from by CUDA graphs: never rewritten
@@ -59,6 +62,7 @@ struct DecodePlan::Impl {
   // whose kernels are queued and whose event is not recorded yet.
   std::vector<int> group;
   cudaStream_t group_stream = nullptr;
+  bool one_stream = true;  // every call so far on group_stream: calls are grouped
 
   // (A captured slot's events belong to the graph's capture: they are never waited for.)
   void Free(Slot& s) const {
@@ -70,7 +74,13 @@ struct DecodePlan::Impl {
   }
   ~Impl() {
     // Every reader of a slot done before any slot (or event) goes.
-    if (!group.empty()) cudaDeviceSynchronize();
+    if (!group.empty()) {
+      int current = -1;
+      const bool switched = device >= 0 && cudaGetDevice(&current) == cudaSuccess && current != device &&
+                            cudaSetDevice(device) == cudaSuccess;
+      cudaDeviceSynchronize();
+      if (switched) cudaSetDevice(current);
+    }
     for (const Slot& s : ring) {
       if (!s.recorded) continue;
       Slot& release = ring[s.release];
@@ -83,14 +93,15 @@ struct DecodePlan::Impl {
     if (copy) cudaStreamDestroy(copy);
   }
   // Records the open group's event on its stream: its slots are released once it completes. When
-  // it cannot be recorded, the host waits for the stream instead (the slots are then free).
+  // it cannot be recorded, the host waits for the stream instead, or failing that for the device
+  // (the slots are then free).
   Status CloseGroup() {
     if (group.empty()) return Status::Ok();
     const int last = group.back();
     const bool recorded = cudaEventRecord(ring[last].done, group_stream) == cudaSuccess;
     if (!recorded) {
       cudaGetLastError();
-      cudaStreamSynchronize(group_stream);
+      if (cudaStreamSynchronize(group_stream) != cudaSuccess) cudaGetLastError(), cudaDeviceSynchronize();
     }
     ring[last].waited = false;
     for (int i : group) {
@@ -123,10 +134,11 @@ struct DecodePlan::Impl {
       next = (next + 1) % kRing;
       if (s->recorded) {
         Slot& release = ring[s->release];
-        if (!release.waited && cudaEventSynchronize(release.done) != cudaSuccess) {
-          return Status::Unavailable("decode plan: waiting for a slot failed");
-        }
+        const bool waited = release.waited || cudaEventSynchronize(release.done) == cudaSuccess;
+        if (!waited) cudaGetLastError(), cudaDeviceSynchronize();  // the slot is free either way after
         release.waited = true;
+        s->recorded = false;
+        if (!waited) return Status::Unavailable("decode plan: waiting for a slot failed");
       }
       s->recorded = false;
     }
@@ -186,14 +198,17 @@ struct DecodePlan::Impl {
     return up;
   }
   Status Send(const Upload& up, size_t bytes, cudaStream_t stream) { return Copy(up.slot, bytes, stream, up.capturing); }
-  // The slot joins the open release group (a group on another stream is closed first).
+  // The slot joins the open release group (a group on another stream is closed first, and the plan
+  // groups no more: its slots get an event each).
   Status Finish(const Upload& up, cudaStream_t stream) {
     if (up.capturing) return Status::Ok();
-    const Status closed = group_stream != stream ? CloseGroup() : Status::Ok();
+    const bool switched = group_stream != stream;
+    if (switched && (group_stream != nullptr || !group.empty())) one_stream = false;
+    const Status closed = switched ? CloseGroup() : Status::Ok();
     group_stream = stream;
     group.push_back(static_cast<int>(up.slot - ring.data()));
     SPECACHE_RETURN_IF_ERROR(closed);
-    return static_cast<int>(group.size()) < kReleaseEvery ? Status::Ok() : CloseGroup();
+    return one_stream && static_cast<int>(group.size()) < kReleaseEvery ? Status::Ok() : CloseGroup();
   }
   // A plan made for one call (a null plan given) frees its slots when the call returns: refused on
   // a stream being captured, whose graph would read them later.
@@ -212,17 +227,24 @@ struct DecodePlan::Impl {
 // error). The slot is released after the launch, also after a failed one. For the batched kernels
 // whose task lists were kernel parameters (32 KB at most: a few hundred tasks a launch, and ~2x a
 // plain launch's host cost each).
+// Runs `call(&plan)` with a plan of the call's own (`reads`) on `stream` (refused on a stream being
+// captured, whose graph would read the plan's slots after it went), then closes the plan's release
+// group, so that the plan's end waits for this call's kernels only, not for the whole device.
+template <typename Call>
+Status WithOwnPlan(cudaStream_t stream, DecodePlan::SlotReads reads, Call&& call) {
+  SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(stream));
+  DecodePlan own(reads);
+  const Status done = call(&own);
+  const Status closed = own.impl()->CloseGroup();
+  return done.ok() ? closed : done;
+}
+
 template <typename T, typename Launch>
 Status WithDeviceTasks(DecodePlan* plan, const T* tasks, int n, cudaStream_t stream, const char* what,
                        Launch&& launch) {
   if (plan == nullptr) {
-    SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(stream));
-    DecodePlan own(DecodePlan::SlotReads::kInPlace);
-    const Status done = WithDeviceTasks(&own, tasks, n, stream, what, launch);
-    // Its group closed on `stream` now, so that the plan's end waits for this stream's kernels
-    // only, not for the whole device.
-    const Status closed = own.impl()->CloseGroup();
-    return done.ok() ? closed : done;
+    return WithOwnPlan(stream, DecodePlan::SlotReads::kInPlace,
+                       [&](DecodePlan* own) { return WithDeviceTasks(own, tasks, n, stream, what, launch); });
   }
   const size_t bytes = static_cast<size_t>(std::max(n, 1)) * sizeof(T);
   SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(bytes, stream));

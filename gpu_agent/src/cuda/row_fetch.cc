@@ -15,8 +15,9 @@ RowFetcher::RowFetcher(const ModelShape& shape, const KvConfig& config, const Cu
     : shape_(shape), config_(config), options_(options), pages_(pages), compute_(compute) {}
 
 RowFetcher::~RowFetcher() {
-  // The fetch stream's kernels read the plans' slots and write the buffers below: done first.
+  // The fetch and seed streams' kernels read the plans' slots and write the buffers below: done first.
   if (fetch_) cudaStreamSynchronize(fetch_);
+  if (seed_) cudaStreamSynchronize(seed_);
   staged_worker_.reset();  // each waits for its last copy out of its pinned memory
   staged_inline_.reset();
   copy_engine_.reset();
@@ -26,7 +27,7 @@ RowFetcher::~RowFetcher() {
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
   if (deferred_start_) cudaEventDestroy(deferred_start_);
-  if (seed_) cudaStreamSynchronize(seed_), cudaStreamDestroy(seed_);
+  if (seed_) cudaStreamDestroy(seed_);
   if (seed_from_) cudaEventDestroy(seed_from_);
   if (seeded_) cudaEventDestroy(seeded_);
   if (fetch_) cudaStreamDestroy(fetch_);
@@ -88,24 +89,25 @@ void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<Laye
 
 void RowFetcher::RemoveSequence(SequenceId id) { rows_.erase(id); }
 
-Status RowFetcher::SeedFrom() {
-  if (!seed_) {
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&seed_, cudaStreamNonBlocking), "seed stream"));
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&seed_from_, cudaEventDisableTiming), "event"));
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&seeded_, cudaEventDisableTiming), "event"));
-  }
+Status RowFetcher::SeedFrom(SequenceId id, int layer, int32_t n) {
+  if (!seed_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&seed_, cudaStreamNonBlocking), "seed stream"));
+  if (!seed_from_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&seed_from_, cudaEventDisableTiming), "event"));
+  if (!seeded_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&seeded_, cudaEventDisableTiming), "event"));
+  LayerRows& lr = rows_.at(id)[layer];
+  const int n_kv = shape_.n_kv_heads;
+  const int32_t capacity = config_.cache_rows();
+  SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity));
+  SPECACHE_RETURN_IF_ERROR(lr.cache_rows.Reserve(size_t(n_kv) * capacity * 2 * shape_.head_dim));
+  SPECACHE_RETURN_IF_ERROR(seed_logits_.Reserve(size_t(n_kv) * SeedScratchFloats(shape_.group_size(), n)));
   return CudaStatus(cudaEventRecord(seed_from_, compute_), "seed start event");
 }
 
 Status RowFetcher::Seed(SequenceId id, int layer, const float* last_q, const Half* keys, const Half* values, int32_t n,
                         int32_t candidates, float scale) {
-  if (!seed_) return Status::FailedPrecondition("seed rows: Seed without SeedFrom");
+  if (!seeded_) return Status::FailedPrecondition("seed rows: Seed without SeedFrom");
   LayerRows& lr = rows_.at(id)[layer];
   const int n_kv = shape_.n_kv_heads, group = shape_.group_size(), d = shape_.head_dim;
   const int32_t capacity = config_.cache_rows();
-  SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity));
-  SPECACHE_RETURN_IF_ERROR(lr.cache_rows.Reserve(size_t(n_kv) * capacity * 2 * d));
-  SPECACHE_RETURN_IF_ERROR(seed_logits_.Reserve(size_t(n_kv) * SeedScratchFloats(group, n)));
   std::vector<SeedTask> tasks(static_cast<size_t>(n_kv));
   for (int h = 0; h < n_kv; ++h) {
     SeedTask& t = tasks[static_cast<size_t>(h)];
@@ -127,12 +129,9 @@ Status RowFetcher::Seed(SequenceId id, int layer, const float* last_q, const Hal
   const Status queued = SeedRowCaches(tasks.data(), n_kv, group, d, scale, config_.reduction, seed_, &seed_plan_);
   // Joined whatever was queued (also up to a failed launch): the compute stream's later work may
   // rewrite what the seeding reads.
-  const Status joined = CudaStatus(cudaEventRecord(seeded_, seed_), "seed end event");
-  if (joined.ok()) {
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, seeded_, 0), "wait for the seeding"));
-  } else {
-    cudaStreamSynchronize(seed_);
-  }
+  Status joined = CudaStatus(cudaEventRecord(seeded_, seed_), "seed end event");
+  if (joined.ok()) joined = CudaStatus(cudaStreamWaitEvent(compute_, seeded_, 0), "wait for the seeding");
+  if (!joined.ok()) cudaStreamSynchronize(seed_);  // no join on the device: the host waits instead
   SPECACHE_RETURN_IF_ERROR(queued);
   SPECACHE_RETURN_IF_ERROR(joined);
   lr.seeded = true;

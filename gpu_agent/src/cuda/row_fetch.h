@@ -93,13 +93,14 @@ class RowFetcher {
   // KvConfig::seed_rows: the (sequence, layer)'s row cache starts with each KV head's seeds
   // (seed_rows.h); at prefill, before the layer's first fetch. In two calls, so that the seeding
   // runs beside what the caller queues between them (the sequence's page writes and appends):
-  // SeedFrom marks where on the compute stream the prompt's K/V (and q) are ready; Seed queues the
-  // seeding on the fetcher's seed stream from there, and makes the compute stream wait for it
-  // (work queued after Seed, such as the next sequence's prefill, which rewrites those K/V, runs
-  // after it). last_q: the prompt's last token's query heads, [n_q_heads][head_dim] float; keys
-  // and values: the prompt's fp16 rows, [n_kv][n][head_dim]; the seeds come from tokens
-  // [0, candidates). All device memory. Reserves first: on an error nothing changed.
-  Status SeedFrom();
+  // SeedFrom reserves what the seeding of a prompt of n tokens writes (on an error nothing changed
+  // that the fetcher reports) and marks where on the compute stream the prompt's K/V (and q) are
+  // ready; Seed queues the seeding on the fetcher's seed stream from there, and makes the compute
+  // stream wait for it (work queued after Seed, such as the next sequence's prefill, which rewrites
+  // those K/V, runs after it; without that wait, Seed waits on the host). last_q: the prompt's
+  // last token's query heads, [n_q_heads][head_dim] float; keys and values: the prompt's fp16
+  // rows, [n_kv][n][head_dim]; the seeds come from tokens [0, candidates). All device memory.
+  Status SeedFrom(SequenceId id, int layer, int32_t n);
   Status Seed(SequenceId id, int layer, const float* last_q, const Half* keys, const Half* values, int32_t n,
               int32_t candidates, float scale);
 

@@ -1,9 +1,12 @@
 // KvConfig::seed_rows on the device: at prefill, one (sequence, layer)'s row cache starts with the
 // quantized tokens the prompt's last token attends most, their rows copied from the prompt's own
-// fp16 K/V. The rule is the CPU backend's cpu::SeedTokens (selection.h), computed in the same
-// order of float operations (each dot product summed channel by channel, no fused multiply-add;
-// the softmax's exponentials and sum in double; the group reduced head by head), so that on a CPU
-// that does not fuse them either the seeds and their ranks are the CPU's exactly.
+// fp16 K/V. The rule is the CPU backend's cpu::SeedTokens (selection.h), its float operations in
+// the CPU's order (each dot product summed channel by channel, no fused multiply-add; the group
+// reduced head by head), the softmax's exponentials and sum in double (the sum a tree here, a
+// loop there; the device's exp within an ulp of the CPU's), so that each float probability is the
+// CPU's but for a rounding in ~1e-9 of cases, where a near-tie may then rank otherwise; on a CPU
+// that fuses multiply-adds (aarch64 compilers by default) the dot products differ in their last
+// bits. The H200 test compares seeds and ranks with the CPU's exactly on random prompts.
 //
 // Written as the row cache's list (row_fetch.h, CacheList; CacheUpdateTask's layout): the seeds
 // ascending, each in the slot of its place (slot i for the i-th), its use mark -rank (rank 0 the

@@ -614,9 +614,9 @@ int PartBlocksPerSm() {
 Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
                        void* stream, const TopKBudget* budget, DecodePlan* plan) {
   if (plan == nullptr) {
-    SPECACHE_RETURN_IF_ERROR(DecodePlan::Impl::OwnPlanAllowed(static_cast<cudaStream_t>(stream)));
-    DecodePlan own;  // its destructor waits for its slots
-    return SelectTopKBatch(segments, count, n_heads, k, reduction, stream, budget, &own);
+    return WithOwnPlan(static_cast<cudaStream_t>(stream), DecodePlan::SlotReads::kDeviceCopy, [&](DecodePlan* own) {
+      return SelectTopKBatch(segments, count, n_heads, k, reduction, stream, budget, own);
+    });
   }
   if (count < 0 || n_heads <= 0) return Status::InvalidArgument("bad top-k shape");
   if (k <= 0) return Status::Ok();
