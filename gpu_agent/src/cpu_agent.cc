@@ -49,7 +49,7 @@ std::string Id(SequenceId id) { return std::to_string(id); }
 class CpuAgent final : public Agent {
  public:
   CpuAgent(const ModelShape& shape, const KvConfig& config, FullPrecisionSource* source)
-      : shape_(shape), config_(config), source_(source), protocol_(shape, config.mode) {
+      : shape_(shape), config_(config), source_(source), protocol_(shape, config) {
     params_.head_dim = shape.head_dim;
     params_.key_bits = config.effective_key_bits();
     params_.value_bits = config.effective_value_bits();
@@ -183,9 +183,6 @@ class CpuAgent final : public Agent {
 
 Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   SPECACHE_RETURN_IF_ERROR(protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return LengthAt(id, l); }));
-  if (config_.seed_rows > 0 && batch.q == nullptr) {
-    return Status::InvalidArgument("seed_rows: the prefill must give the prompt's queries (PrefillBatch::q)");
-  }
   const size_t n_seq = batch.sequences.size();
   std::vector<SequenceState*> states(n_seq);
   for (size_t i = 0; i < n_seq; ++i) states[i] = &sequences_.at(batch.sequences[i]);

@@ -54,6 +54,9 @@ Status StepProtocol::CheckPrefill(int layer, const PrefillBatch& batch, const Le
   }
   if (!batch.k || !batch.v) return Status::InvalidArgument("prefill batch has a null k or v");
   if (batch.out && !batch.q) return Status::InvalidArgument("prefill batch asks for attention (out) but has no q");
+  if (seeds_ && !batch.q) {
+    return Status::InvalidArgument("seed_rows: the prefill must give the prompt's queries (PrefillBatch::q)");
+  }
   std::set<SequenceId> seen;
   for (size_t i = 0; i < n_seq; ++i) {
     const SequenceId id = batch.sequences[i];

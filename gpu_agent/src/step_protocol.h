@@ -41,7 +41,8 @@ using LengthAt = std::function<Result<int32_t>(SequenceId, int)>;
 
 class StepProtocol {
  public:
-  StepProtocol(const ModelShape& shape, KvMode mode) : n_layers_(shape.n_layers), n_kv_heads_(shape.n_kv_heads), mode_(mode) {}
+  StepProtocol(const ModelShape& shape, const KvConfig& config)
+      : n_layers_(shape.n_layers), n_kv_heads_(shape.n_kv_heads), mode_(config.mode), seeds_(config.seed_rows > 0) {}
 
   void AddSequence(SequenceId id) { fetch_[id].assign(n_layers_, FetchState::kNone); }
   // FAILED_PRECONDITION while the sequence is part of the current step.
@@ -51,7 +52,8 @@ class StepProtocol {
   Status CheckLayer(int layer) const;
   Status CheckHead(int layer, int kv_head) const;
   // PrefillLayer's preconditions: no step, a valid layer, a well-formed batch of distinct, registered
-  // sequences that hold no token yet at this layer.
+  // sequences that hold no token yet at this layer, with q where the row cache is seeded
+  // (KvConfig::seed_rows).
   Status CheckPrefill(int layer, const PrefillBatch& batch, const LengthAt& length_at) const;
   // FAILED_PRECONDITION naming `call` when a step is active.
   Status CheckNoStep(const char* call) const;
@@ -82,6 +84,7 @@ class StepProtocol {
   int n_layers_;
   int n_kv_heads_;
   KvMode mode_;
+  bool seeds_;  // KvConfig::seed_rows > 0: a prefill needs the prompt's queries
   std::map<SequenceId, std::vector<FetchState>> fetch_;  // [layer] per sequence
   bool active_ = false;
   StepKind kind_ = StepKind::kDecode;

@@ -75,7 +75,7 @@ class CudaAgent final : public Agent {
         config_(config),
         source_(source),
         options_(o),
-        protocol_(shape, config.mode),
+        protocol_(shape, config),
         compute_(static_cast<cudaStream_t>(o.stream)),
         commits_(source, shape.n_kv_heads),
         pages_(source, shape.n_layers, o.capacity_tokens, compute_),
@@ -244,10 +244,9 @@ Status CudaAgent::ReleaseSequence(SequenceId id) {
 Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   SPECACHE_RETURN_IF_ERROR(
       protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return replicas_.Length(id, l); }));
-  if (config_.seed_rows > 0 && batch.q == nullptr) {
-    return Status::InvalidArgument("seed_rows: the prefill must give the prompt's queries (PrefillBatch::q)");
-  }
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads;
+  // (seed_rows is specache's only, ValidateKvConfig; measured without the fetch nothing becomes resident.)
+  const bool seeds = config_.seed_rows > 0 && options_.fetch;
   // A sequence's first prefilled layer takes its blocks at every layer, so that a pool too small
   // refuses it here, before anything of it (or of the batch) changed.
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
@@ -266,8 +265,6 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     SPECACHE_RETURN_IF_ERROR(planner_.PrefillSequence(batch, first, n));
     // KvConfig::seed_rows: the layer's row cache starts with the quantized tokens the prompt's last
     // token attends most (seed_rows.h), seeded from here beside the page writes and appends below.
-    // Only where rows are fetched and become resident.
-    const bool seeds = config_.seed_rows > 0 && config_.fetches_rows() && options_.fetch;
     if (seeds) SPECACHE_RETURN_IF_ERROR(rows_.SeedFrom(id, layer, n));  // reserves first: fails before any write
     std::vector<cuda::WriteTask> writes;
     for (int h = 0; h < n_kv; ++h) {
