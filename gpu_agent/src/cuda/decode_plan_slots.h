@@ -140,7 +140,6 @@ struct DecodePlan::Impl {
         s->recorded = false;
         if (!waited) return Status::Unavailable("decode plan: waiting for a slot failed");
       }
-      s->recorded = false;
     }
     if (s->bytes < bytes) {
       const size_t grown = std::max<size_t>({bytes, 2 * s->bytes, 64 << 10});

@@ -89,16 +89,19 @@ void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<Laye
 
 void RowFetcher::RemoveSequence(SequenceId id) { rows_.erase(id); }
 
+Status RowFetcher::ReserveCache(LayerRows* lr) const {
+  const int n_kv = shape_.n_kv_heads;
+  const int32_t capacity = config_.cache_rows();
+  SPECACHE_RETURN_IF_ERROR(lr->cache.Reserve(n_kv, capacity));
+  return lr->cache_rows.Reserve(size_t(n_kv) * capacity * 2 * shape_.head_dim);
+}
+
 Status RowFetcher::SeedFrom(SequenceId id, int layer, int32_t n) {
   if (!seed_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&seed_, cudaStreamNonBlocking), "seed stream"));
   if (!seed_from_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&seed_from_, cudaEventDisableTiming), "event"));
   if (!seeded_) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&seeded_, cudaEventDisableTiming), "event"));
-  LayerRows& lr = rows_.at(id)[layer];
-  const int n_kv = shape_.n_kv_heads;
-  const int32_t capacity = config_.cache_rows();
-  SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity));
-  SPECACHE_RETURN_IF_ERROR(lr.cache_rows.Reserve(size_t(n_kv) * capacity * 2 * shape_.head_dim));
-  SPECACHE_RETURN_IF_ERROR(seed_logits_.Reserve(size_t(n_kv) * SeedScratchFloats(shape_.group_size(), n)));
+  SPECACHE_RETURN_IF_ERROR(ReserveCache(&rows_.at(id)[layer]));
+  SPECACHE_RETURN_IF_ERROR(seed_logits_.Reserve(size_t(shape_.n_kv_heads) * SeedScratchFloats(shape_.group_size(), n)));
   return CudaStatus(cudaEventRecord(seed_from_, compute_), "seed start event");
 }
 
@@ -181,10 +184,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
       LayerRows& lr = rows_.at(id)[layer];
       if (lr.selected == 0) continue;
       SPECACHE_RETURN_IF_ERROR(lr.slots[1 - lr.cur].Reserve(size_t(n_kv) * config_.max_selected()));
-      if (lr.fetches == 0) {
-        SPECACHE_RETURN_IF_ERROR(lr.cache.Reserve(n_kv, capacity));
-        SPECACHE_RETURN_IF_ERROR(lr.cache_rows.Reserve(size_t(n_kv) * capacity * row));
-      }
+      if (lr.fetches == 0) SPECACHE_RETURN_IF_ERROR(ReserveCache(&lr));
       ++fetched;
     }
   }

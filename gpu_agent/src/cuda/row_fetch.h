@@ -215,6 +215,8 @@ class RowFetcher {
     std::vector<const uint8_t* const*> host_pages;  // [tasks] DevicePageTable::HostLayer (null: staged source)
     std::vector<CacheUpdateTask> updates;  // [tasks]: task i's rows go into update i's cache
   };
+  // The row cache of a (sequence, layer), list and rows, at KvConfig::cache_rows() (kept if it was).
+  Status ReserveCache(LayerRows* lr) const;
   // The layer's next selection of these sequences made current, its work planned: each fetched
   // sequence's row cache list is swapped with a spare, which the work's update writes from the old
   // one (the rows stay: the update writes the missed ones into free slots).
