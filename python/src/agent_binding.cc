@@ -209,6 +209,7 @@ class PyAgent {
     d["fetch_host_list_wait_ns"] = st.fetch_host_list_wait_ns;
     d["fetch_host_buffer_wait_ns"] = st.fetch_host_buffer_wait_ns;
     d["fetch_host_gather_ns"] = st.fetch_host_gather_ns;
+    d["fetch_caller_wait_ns"] = st.fetch_caller_wait_ns;
     return d;
   }
 

@@ -277,17 +277,28 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
 // through the same rows: if a fetch were queued after the attention that reads its rows, or
 // joined on the wrong layer, the outputs would part.
 // When the overlapped fetch is queued, and how its rows move (CudaAgentOptions).
+// The copy engine also with half, and all, of each layer's sequences left to SM loads on a
+// stream of their own (fetch_sm_share).
 struct FetchRoute {
   FetchOverlap overlap;
   FetchVia via;
+  double sm_share = 0;
   std::string Name() const {
-    return std::string(FetchOverlapName(overlap)) + (via == FetchVia::kSmLoads ? "" : " " + std::string(FetchViaName(via)));
+    return std::string(FetchOverlapName(overlap)) + (via == FetchVia::kSmLoads ? "" : " " + std::string(FetchViaName(via))) +
+           (sm_share > 0 ? " sm share " + std::to_string(sm_share).substr(0, 4) : "");
+  }
+  void Apply(CudaAgentOptions* options) const {
+    options->fetch_overlap = overlap;
+    options->fetch_via = via;
+    options->fetch_sm_share = sm_share;
   }
 };
 constexpr FetchRoute kFetchRoutes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
                                        {FetchOverlap::kBesideNextAttention, FetchVia::kSmLoads},
                                        {FetchOverlap::kWithinNextAttention, FetchVia::kSmLoads},
-                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine}};
+                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
+                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.5},
+                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 1.0}};
 
 TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
@@ -310,8 +321,7 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
     InMemorySource gpu_source;
     CudaAgentOptions options{1024};
     options.stream = stream;
-    options.fetch_overlap = route.overlap;
-    options.fetch_via = route.via;
+    route.Apply(&options);
     auto gpu = CreateCudaAgent(shape, c, &gpu_source, options);
     ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
     auto got = DriveBatchOnDevice(gpu->get(), prompts, 40, std::mt19937(77), stream);
@@ -356,8 +366,7 @@ TEST(CudaAgentTest, EveryFetchOverlapMatchesTheCpuAgent) {
     if (rule == std::string("adaptive union")) c.mass = 0.8, c.k_min = 4, c.k_max = 32;
     for (const FetchRoute& route : kFetchRoutes) {
       CudaAgentOptions options{4096};
-      options.fetch_overlap = route.overlap;
-      options.fetch_via = route.via;
+      route.Apply(&options);
       const std::string name = std::string(rule) + " " + route.Name();
       auto pair = GenerateOnBoth(model, c, prompt, 24, name, options);
       ASSERT_TRUE(pair.ok()) << pair.status().ToString();
@@ -671,15 +680,18 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
     bool staged;
     FetchOverlap overlap;
     FetchVia via = FetchVia::kSmLoads;
+    double sm_share = 0;  // the SM share's stream and the copy engine's write the spares in turn
   } cases[] = {{"from selection", false, FetchOverlap::kFromSelection},
                {"beside next attention", false, FetchOverlap::kBesideNextAttention},
                {"within next attention", false, FetchOverlap::kWithinNextAttention},
                {"copy engine", false, FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
+               {"copy engine, sm share 0.4", false, FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.4},
                {"staged", true, FetchOverlap::kFromSelection}};
   for (const Case& cs : cases) {
     CudaAgentOptions options{1024};
     options.fetch_overlap = cs.overlap;
     options.fetch_via = cs.via;
+    options.fetch_sm_share = cs.sm_share;
     RaggedPair pair;
     const Status driven = DriveChangingOnBoth(shape, c, options, cs.staged, prompts, steps, 91, &pair);
     ASSERT_TRUE(driven.ok()) << cs.name << ": " << driven.ToString();
@@ -704,7 +716,11 @@ TEST(CudaAgentTest, RowCachesSeededAtPrefillMatchTheCpuAgent) {
     const char* name;
     bool staged;
     FetchVia via;
-  } cases[] = {{"sm loads", false, FetchVia::kSmLoads}, {"copy engine", false, FetchVia::kCopyEngine}, {"staged", true, FetchVia::kSmLoads}};
+    double sm_share = 0;
+  } cases[] = {{"sm loads", false, FetchVia::kSmLoads},
+               {"copy engine", false, FetchVia::kCopyEngine},
+               {"copy engine, sm share 0.5", false, FetchVia::kCopyEngine, 0.5},
+               {"staged", true, FetchVia::kSmLoads}};
   for (bool resident : {false, true}) {
     KvConfig c;
     c.top_k = 16;
@@ -721,6 +737,7 @@ TEST(CudaAgentTest, RowCachesSeededAtPrefillMatchTheCpuAgent) {
       const std::string name = std::string(cs.name) + (resident ? ", resident attended" : "");
       CudaAgentOptions options{1024};
       options.fetch_via = cs.via;
+      options.fetch_sm_share = cs.sm_share;
       RaggedPair pair;
       const Status driven = DriveChangingOnBoth(shape, c, options, cs.staged, prompts, steps, 93, &pair);
       ASSERT_TRUE(driven.ok()) << name << ": " << driven.ToString();
@@ -754,8 +771,8 @@ TEST(CudaAgentTest, RowCachesSeededAtPrefillMatchTheCpuAgent) {
 // A layer's items built on several host threads (CudaAgentOptions::plan_threads) give the same
 // outputs, bit for bit, and the same selections as on one: 72 ragged sequences (16 or more a
 // thread, so 4 threads plan), the union rule with its resident rows, the copy-engine fetch as
-// the throughput bench runs it; batches that change from step to step. And fewer than one thread
-// is refused.
+// the throughput bench runs it; batches that change from step to step. And fewer than one thread,
+// or a fetch SM share outside [0, 1], is refused.
 TEST(CudaAgentTest, ItemsPlannedOnSeveralThreadsEqualOneThread) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -799,6 +816,11 @@ TEST(CudaAgentTest, ItemsPlannedOnSeveralThreadsEqualOneThread) {
   none.plan_threads = 0;
   InMemorySource source;
   EXPECT_EQ(CreateCudaAgent(shape, c, &source, none).status().code(), StatusCode::kInvalidArgument);
+  for (double share : {-0.1, 1.5, std::nan("")}) {  // and a fetch share that is not one
+    CudaAgentOptions bad{1024};
+    bad.fetch_sm_share = share;
+    EXPECT_EQ(CreateCudaAgent(shape, c, &source, bad).status().code(), StatusCode::kInvalidArgument) << share;
+  }
 #endif
 }
 

@@ -85,6 +85,7 @@ struct Options {
   std::vector<std::string> fetch_via;      // step: CudaAgentOptions::fetch_via per row (empty: the default)
   int fetch_threads = 0;                   // step: CudaAgentOptions::fetch_threads (0: the default)
   int fetch_copy_piece_kb = -1;            // step: CudaAgentOptions::fetch_copy_piece_bytes / 1024 (-1: the default)
+  std::vector<double> fetch_sm_share;      // step: CudaAgentOptions::fetch_sm_share, a row each (empty: the default)
   bool host_huge_pages = true;             // step: the host pages' slabs ask for transparent huge pages
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
@@ -339,6 +340,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_option("--fetch-copy-piece-kb", o->fetch_copy_piece_kb,
                     "KiB of the copy-engine rows' copies (0: one copy a layer; default: the agent's)")
         ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--fetch-sm-share", o->fetch_sm_share,
+                    "share of each layer's fetched sequences the copy-engine route leaves to SM loads, a row each "
+                    "(default: the agent's, 0)")
+        ->delimiter(',')
+        ->check(CLI::Range(0.0, 1.0));
     cmd->add_option("--plan-threads", o->plan_threads,
                     "host threads that build a layer's attention items (default: the agent's, 1)")
         ->check(CLI::PositiveNumber);
@@ -477,6 +483,7 @@ int main(int argc, char** argv) {
       if (!o.fetch_via.empty()) step.fetch_via = o.fetch_via;
       step.fetch_threads = o.fetch_threads;
       step.fetch_copy_piece_kb = o.fetch_copy_piece_kb;
+      step.fetch_sm_share = o.fetch_sm_share;
       step.host_huge_pages = o.host_huge_pages;
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;

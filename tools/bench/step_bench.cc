@@ -36,6 +36,13 @@ using gpu::Hold;
 constexpr int kLayers = 32, kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kTopK = 64, kVocab = 128256;
 constexpr int kKv = kKvHeads * kHeadDim;
 
+// A share as a row name's suffix: 0.25 -> "0.25", 0.5 -> "0.5", 1 -> "1".
+std::string ShareName(double share) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", share);
+  return text;
+}
+
 bool Ok(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return true;
   std::printf("step: %s: %s\n", what, cudaGetErrorString(e));
@@ -120,7 +127,7 @@ struct AgentRun {
   double prefill_ms = 0;  // the agent's store-only prefill of every sequence, all layers (device time)
   double register_ms = 0;  // creating the agent, mostly registering the source's reserved pages (host time)
   // The copy-engine fetch's worker per timed step (AgentStats' fetch_host_*), ms.
-  double list_wait_ms = 0, buffer_wait_ms = 0, gather_ms = 0;
+  double list_wait_ms = 0, buffer_wait_ms = 0, gather_ms = 0, caller_wait_ms = 0;
 };
 
 // One agent over `batch` fresh sequences of `context` random tokens: prefill, pre-decode, then
@@ -235,6 +242,7 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   run.list_wait_ms = per_step_ms(after.fetch_host_list_wait_ns, before.fetch_host_list_wait_ns);
   run.buffer_wait_ms = per_step_ms(after.fetch_host_buffer_wait_ns, before.fetch_host_buffer_wait_ns);
   run.gather_ms = per_step_ms(after.fetch_host_gather_ns, before.fetch_host_gather_ns);
+  run.caller_wait_ms = per_step_ms(after.fetch_caller_wait_ns, before.fetch_caller_wait_ns);
   return run;
 }
 
@@ -621,18 +629,29 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
           fetches && !o.fetch_overlap.empty()
               ? o.fetch_overlap
               : std::vector<std::string>{std::string(FetchOverlapName(FetchOverlap::kFromSelection))};
-      // Each overlap with each route; the copy engine ignores the overlap, so it runs with the first only.
-      std::vector<std::pair<std::string, std::string>> routes;
+      // Each overlap with each route; the copy engine ignores the overlap, so it runs with the first
+      // only, once per SM share.
+      struct Route {
+        std::string overlap, via;
+        double sm_share;
+      };
+      std::vector<Route> routes;
+      const std::vector<double> shares =
+          o.fetch_sm_share.empty() ? std::vector<double>{CudaAgentOptions{}.fetch_sm_share} : o.fetch_sm_share;
       for (const std::string& name : overlaps) {
         const std::vector<std::string> vias =
             fetches && !o.fetch_via.empty() ? o.fetch_via
                                             : std::vector<std::string>{std::string(FetchViaName(CudaAgentOptions{}.fetch_via))};
         for (const std::string& via : vias) {
-          if (via == FetchViaName(FetchVia::kCopyEngine) && name != overlaps.front()) continue;
-          routes.emplace_back(name, via);
+          if (via != FetchViaName(FetchVia::kCopyEngine)) {
+            routes.push_back({name, via, 0.0});
+            continue;
+          }
+          if (name != overlaps.front()) continue;
+          for (double share : shares) routes.push_back({name, via, share});
         }
       }
-      for (const auto& [name, via_name] : routes) {
+      for (const auto& [name, via_name, sm_share] : routes) {
         auto overlap = ParseFetchOverlap(name);
         if (!Ok(overlap.status(), "fetch overlap")) return false;
         auto via = ParseFetchVia(via_name);
@@ -642,6 +661,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         fetch.fetch_via = *via;
         if (o.fetch_threads > 0) fetch.fetch_threads = o.fetch_threads;
         if (o.fetch_copy_piece_kb >= 0) fetch.fetch_copy_piece_bytes = int64_t{o.fetch_copy_piece_kb} * 1024;
+        fetch.fetch_sm_share = sm_share;
         const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, fetch,
                                                        o.profile_step && !o.profile_no_fetch)
                                               : without;
@@ -652,17 +672,20 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         // The default overlap and the SM loads keep the row names of earlier results (the copy
         // engine, the agent's default route since, is named).
         const std::string suffix = (*overlap == FetchOverlap::kFromSelection ? "" : "_" + name) +
-                                   (*via == FetchVia::kSmLoads ? "" : "_" + via_name) + (o.mma_codes ? "" : "_natural");
+                                   (*via == FetchVia::kSmLoads ? "" : "_" + via_name) +
+                                   (sm_share > 0 ? "_sm" + ShareName(sm_share) : "") + (o.mma_codes ? "" : "_natural");
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
         std::printf("%-36s %-6d %12.3f %12.3f %12.3f %9.3f %13.2f %11.2f %12.1f %10.0f %11.1f\n",
                     (kv + suffix).c_str(), batch, layers_ms, without.ms, with.ms, ratio, with.bytes_per_step / 1e6,
                     with.reused_fraction, hide_gbps, batch / (with.ms * 1e-3), with.prefill_ms);
-        if (*via == FetchVia::kCopyEngine) {
-          std::printf("%-36s its worker, ms a step: list wait %.3f, buffer wait %.3f, gather %.3f (%.1f GB/s)\n", "",
-                      with.list_wait_ms, with.buffer_wait_ms, with.gather_ms,
-                      with.gather_ms > 0 ? with.bytes_per_step / (with.gather_ms * 1e-3) / 1e9 : 0.0);
+        if (*via == FetchVia::kCopyEngine) {  // with an SM share the host gathers only part of the bytes
+          const double gathered = with.bytes_per_step * (1.0 - sm_share);
+          std::printf("%-36s its worker, ms a step: list wait %.3f, buffer wait %.3f, gather %.3f (~%.1f GB/s); the "
+                      "agent's thread waited %.3f for it\n",
+                      "", with.list_wait_ms, with.buffer_wait_ms, with.gather_ms,
+                      with.gather_ms > 0 ? gathered / (with.gather_ms * 1e-3) / 1e9 : 0.0, with.caller_wait_ms);
         }
         rows->push_back({kv + suffix + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
                          {{"batch", batch},
@@ -672,6 +695,8 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"host_huge_pages", o.host_huge_pages ? 1 : 0},
                           {"model_graphs", o.model_graphs ? 1 : 0},
                           {"fetch_copy_piece_bytes", *via == FetchVia::kCopyEngine ? fetch.fetch_copy_piece_bytes : 0},
+                          {"fetch_sm_share", *via == FetchVia::kCopyEngine ? sm_share : 0.0},
+                          {"ms_fetch_caller_wait", with.caller_wait_ms},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},
                           {"ms_step_fetch", with.ms},

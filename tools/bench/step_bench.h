@@ -25,6 +25,9 @@ struct StepOptions {
   std::vector<std::string> fetch_via;
   int fetch_threads = 0;  // CudaAgentOptions::fetch_threads of the copy-engine rows; 0: the agent's default
   int fetch_copy_piece_kb = -1;  // CudaAgentOptions::fetch_copy_piece_bytes / 1024 of those rows; -1: the default
+  // CudaAgentOptions::fetch_sm_share of the copy-engine rows, a row each (suffixed _smS when S > 0).
+  // Empty: the agent's default.
+  std::vector<double> fetch_sm_share;
   // CudaAgentOptions::mma_codes: 1-bit replicas in the lean decode path's layout (rows named as
   // before) or not (rows suffixed _natural), for the A/B of the two attention kernels.
   bool mma_codes = true;

@@ -278,6 +278,7 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
   j["fetch_host_list_wait_ns"] = s.fetch_host_list_wait_ns;
   j["fetch_host_buffer_wait_ns"] = s.fetch_host_buffer_wait_ns;
   j["fetch_host_gather_ns"] = s.fetch_host_gather_ns;
+  j["fetch_caller_wait_ns"] = s.fetch_caller_wait_ns;
   // The resident-row cache: bytes per decode step with it, and without it (every selected row).
   if (s.steps > 0 && s.rows_selected > 0) {
     const double row_bytes = 2.0 * run.agent->shape().head_dim * sizeof(Half);  // K and V of one token and KV head

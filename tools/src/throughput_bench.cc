@@ -139,6 +139,7 @@ class Bench {
       SPECACHE_ASSIGN_OR_RETURN(options.fetch_via, ParseFetchVia(o_.fetch_via));
       if (o_.fetch_threads > 0) options.fetch_threads = o_.fetch_threads;
       if (o_.fetch_copy_piece_kb >= 0) options.fetch_copy_piece_bytes = int64_t{o_.fetch_copy_piece_kb} << 10;
+      if (o_.fetch_sm_share >= 0) options.fetch_sm_share = o_.fetch_sm_share;
       if (o_.plan_threads > 0) options.plan_threads = o_.plan_threads;
       if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
       options.mma_codes = o_.replica_layout != "natural";
@@ -361,6 +362,10 @@ class Bench {
       if (o_.fetch_via == "copy-engine") {  // the piece in effect, the agent's default included
         j["fetch_copy_piece_kb"] =
             o_.fetch_copy_piece_kb >= 0 ? int64_t{o_.fetch_copy_piece_kb} : CudaAgentOptions{}.fetch_copy_piece_bytes >> 10;
+        j["fetch_sm_share"] = o_.fetch_sm_share >= 0 ? o_.fetch_sm_share : CudaAgentOptions{}.fetch_sm_share;
+        // The agent's thread waiting for the worker's gather, per decode step (warm-ups included).
+        j["ms_fetch_caller_wait"] =
+            run.stats.steps > 0 ? static_cast<double>(run.stats.fetch_caller_wait_ns) / 1e6 / run.stats.steps : 0.0;
       }
     }
     j["model_graphs"] = o_.model_graphs;
@@ -460,8 +465,13 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
                j["fetched_bytes_per_token"].get<double>() / 1e3, j["gpu_kv_ratio"].get<double>(),
                Gb(j["device_bytes_used"].get<double>()).c_str(), Gb(j["host_rss_bytes"].get<double>()).c_str());
   if (j.contains("ms_enqueue_host")) {
-    std::fprintf(stderr, "%6s %-17s host: %.2f ms to enqueue a step, %.2f of them in the agent's calls\n", "", "",
+    std::fprintf(stderr, "%6s %-17s host: %.2f ms to enqueue a step, %.2f of them in the agent's calls", "", "",
                  j["ms_enqueue_host"].get<double>(), j["ms_agent_host"].get<double>());
+    if (j.contains("fetch_sm_share")) {  // the copy-engine fetch: the wait for its worker's gather, its SM share
+      std::fprintf(stderr, " (%.2f waiting for the fetch's gather; SM share %.2f)", j["ms_fetch_caller_wait"].get<double>(),
+                   j["fetch_sm_share"].get<double>());
+    }
+    std::fprintf(stderr, "\n");
   }
   if (j.contains("sdpa")) {
     const nlohmann::json& s = j["sdpa"];

@@ -101,6 +101,10 @@ struct AgentStats {
   int64_t fetch_host_list_wait_ns = 0;    // waiting for the device's lists of missed rows
   int64_t fetch_host_buffer_wait_ns = 0;  // waiting for a pinned buffer's copy to the device
   int64_t fetch_host_gather_ns = 0;       // gathering the missed rows from host pages
+  // The agent's own thread waiting on the host for that worker to queue a layer's fetch
+  // (WaitFetched), all steps: the gather late, the engine's step stalls there (on the H200 it
+  // tracked the step's wait for the fetch on the GPU, e.g. 9.2 against 8.3 ms a step).
+  int64_t fetch_caller_wait_ns = 0;
 };
 
 class Agent {
@@ -228,6 +232,18 @@ struct CudaAgentOptions {
   // attention's and the top-k's task lists) wait for one piece, not for the layer's rows (26 MB
   // at 99 x 8K); smaller pieces cost a driver call each.
   int64_t fetch_copy_piece_bytes = int64_t{2} << 20;
+  // kCopyEngine: the share of each layer's fetched sequences whose missed rows the fetch kernel
+  // loads from the mapped pages instead (up to fetch_blocks SMs, on a stream of its own), while
+  // the host's threads gather the others': both routes read host memory over the link at once,
+  // so a fetch bound by the host's gather (a large batch with little reuse) moves more rows a
+  // layer. 0: the copy engine alone; 1: every row by SM loads (still through the worker). In [0, 1].
+  // On the H200 (Llama-3-8B shapes, random weights, 48 GB), 0.3 took the whole model's wait for
+  // the fetch at 8K (98 sequences) from ~9-12 ms a step to ~0.2 and its tok/s up 18-23%, at 32K
+  // (24) up 5%; the agent alone at 32 x 8K (specache-bench step, no wait on the host's gather)
+  // was ~5% slower at 0.25-0.5 and unchanged at 8 x 8K: the SM loads take SMs from the engine's
+  // kernels. So the default stays 0: set it where AgentStats::fetch_caller_wait_ns shows the
+  // gather late.
+  double fetch_sm_share = 0.0;
   // Host threads that build a decode layer's attention items (one per sequence and KV head; the
   // calling thread is one of them). The layer's planning is on the GPU's critical path when the
   // batch is large (at 2K, 382 sequences: 3056 items a layer, ~12% of the host's step); 1: the

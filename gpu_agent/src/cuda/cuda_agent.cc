@@ -154,7 +154,7 @@ Status CudaAgent::Init() {
     int device = 0;
     SPECACHE_RETURN_IF_ERROR(cuda::CudaStatus(cudaGetDevice(&device), "device"));
     worker_ = std::make_unique<SourceWorker>([device] { cudaSetDevice(device); });
-    rows_.UseCopyEngine(worker_.get(), options_.fetch_threads, options_.fetch_copy_piece_bytes);
+    rows_.UseCopyEngine(worker_.get(), options_.fetch_threads, options_.fetch_copy_piece_bytes, options_.fetch_sm_share);
   }
   SPECACHE_RETURN_IF_ERROR(rows_.Init());
   SPECACHE_RETURN_IF_ERROR(replicas_.Init(options_.device_pool_bytes));
@@ -425,6 +425,9 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (options.fetch_blocks <= 0) return Status::InvalidArgument("fetch_blocks must be positive");
   if (options.device_pool_bytes < 0) return Status::InvalidArgument("device_pool_bytes must be >= 0");
   if (options.fetch_copy_piece_bytes < 0) return Status::InvalidArgument("fetch_copy_piece_bytes must be >= 0");
+  if (!(options.fetch_sm_share >= 0.0 && options.fetch_sm_share <= 1.0)) {
+    return Status::InvalidArgument("fetch_sm_share must be in [0, 1]");
+  }
   if (options.plan_threads < 1) return Status::InvalidArgument("plan_threads must be at least 1");
   if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
     return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +

@@ -1,6 +1,7 @@
 #include "row_fetch.h"
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -17,6 +18,7 @@ RowFetcher::RowFetcher(const ModelShape& shape, const KvConfig& config, const Cu
 RowFetcher::~RowFetcher() {
   // The fetch and seed streams' kernels read the plans' slots and write the buffers below: done first.
   if (fetch_) cudaStreamSynchronize(fetch_);
+  if (sm_fetch_) cudaStreamSynchronize(sm_fetch_);
   if (seed_) cudaStreamSynchronize(seed_);
   staged_worker_.reset();  // each waits for its last copy out of its pinned memory
   staged_inline_.reset();
@@ -30,6 +32,9 @@ RowFetcher::~RowFetcher() {
   if (seed_) cudaStreamDestroy(seed_);
   if (seed_from_) cudaEventDestroy(seed_from_);
   if (seeded_) cudaEventDestroy(seeded_);
+  if (sm_start_) cudaEventDestroy(sm_start_);
+  if (sm_done_) cudaEventDestroy(sm_done_);
+  if (sm_fetch_) cudaStreamDestroy(sm_fetch_);
   if (fetch_) cudaStreamDestroy(fetch_);
 }
 
@@ -57,6 +62,12 @@ Status RowFetcher::Init() {
   if (copy_engine_threads_ > 0) {
     copy_engine_ = std::make_unique<CopyEngineFetch>(shape_.head_dim, pages_->page_tokens(), copy_engine_threads_,
                                                      copy_piece_bytes_);
+    if (sm_share_ > 0) {  // its blocks are scheduled first, as the fetch stream's
+      SPECACHE_RETURN_IF_ERROR(
+          CudaStatus(cudaStreamCreateWithPriority(&sm_fetch_, cudaStreamNonBlocking, greatest_priority), "fetch stream"));
+      SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&sm_start_, cudaEventDisableTiming), "event"));
+      SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&sm_done_, cudaEventDisableTiming), "event"));
+    }
     handed_.assign(shape_.n_layers, {});
   }
   SPECACHE_RETURN_IF_ERROR(device_counters_.Reserve(1));
@@ -78,9 +89,10 @@ Status RowFetcher::CacheList::Reserve(int n_kv, int32_t capacity) {
 
 int64_t RowFetcher::CacheList::bytes() const { return tokens.bytes() + used.bytes() + slots.bytes() + count.bytes(); }
 
-void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes) {
+void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share) {
   worker_ = worker;
   copy_piece_bytes_ = piece_bytes;
+  sm_share_ = sm_share;
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   copy_engine_threads_ = std::max(1, cores > 0 ? std::min(threads, cores) : threads);
 }
@@ -190,9 +202,10 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   }
   if (spare_lists_.size() < fetched) spare_lists_.resize(fetched);
   for (size_t i = 0; i < fetched; ++i) SPECACHE_RETURN_IF_ERROR(spare_lists_[i].Reserve(n_kv, capacity));
-  if (!by_copy_engine) {
-    if (fetched_rows_.size() < fetched) fetched_rows_.resize(fetched);
-    for (size_t i = 0; i < fetched; ++i) {
+  const size_t by_sm = by_copy_engine ? SmSequences(fetched) : fetched;  // the first ones fetched
+  if (by_sm > 0) {
+    if (fetched_rows_.size() < by_sm) fetched_rows_.resize(by_sm);
+    for (size_t i = 0; i < by_sm; ++i) {
       SPECACHE_RETURN_IF_ERROR(fetched_rows_[i].Reserve(size_t(n_kv) * config_.max_selected() * row));
     }
   }
@@ -217,7 +230,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
     if (lr.selected > 0) {
       CacheList& old = lr.cache;
       Half* const cache_rows = lr.cache_rows.get();
-      Half* const fetched_rows = by_copy_engine ? nullptr : fetched_rows_[spare].get();
+      Half* const fetched_rows = spare < by_sm ? fetched_rows_[spare].get() : nullptr;
       CacheList& target = spare_lists_[spare++];
       if (!lr.filled()) {  // the cache starts empty; the update writes all of the target
         w.fills.push_back({old.tokens.get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
@@ -266,6 +279,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
   }
   // Hits and misses are counted on the device (DeviceCounters); the selection here.
   rows_selected_ += counts.selected;
+  if (by_copy_engine) w.sm_tasks = by_sm * static_cast<size_t>(n_kv);
   return w;
 }
 
@@ -278,22 +292,65 @@ Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFet
     SPECACHE_RETURN_IF_ERROR(
         staged->Stage(w.layer, w.tasks, w.task_sequences, config_.cache_rows(), stream).status());
   }
-  if (copy_engine) {
-    // The missed rows go up by the copy engine and the cache update takes them from there by
-    // rank (and counts them); no FetchRows. A cache's first fetch: the list must see the fills above.
-    SPECACHE_ASSIGN_OR_RETURN(const std::vector<FetchTask> routed,
-                              copy_engine->Stage(w.tasks, w.host_pages, selected_[w.layer], stream, !w.fills.empty(), plan));
-    std::vector<CacheUpdateTask> updates = w.updates;
-    for (size_t i = 0; i < updates.size(); ++i) {
-      updates[i].staged_rank = routed[i].staged_rank;
-      updates[i].selected_rows = routed[i].staged_rows;
-    }
-    return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, device_counters_.get(),
-                           stream, plan);
-  }
+  if (copy_engine) return LaunchByCopyEngine(w, copy_engine, stream, plan);
   SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(w.tasks.size()), shape_.head_dim,
                                      pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream, plan));
   return UpdateRowCaches(w.updates.data(), static_cast<int>(w.updates.size()), shape_.head_dim, nullptr, stream, plan);
+}
+
+size_t RowFetcher::SmSequences(size_t fetched) const {
+  if (!sm_fetch_) return 0;
+  return std::min(fetched, static_cast<size_t>(sm_share_ * static_cast<double>(fetched) + 0.5));
+}
+
+Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_engine, cudaStream_t stream,
+                                      DecodePlan* plan) const {
+  const size_t sm = w.sm_tasks, n = w.tasks.size();
+  // 1. The SM share, from the mapped pages, on its own stream from here on `stream` (behind the
+  //    selection, the fills and every earlier fetch's update, as if queued on `stream`); it runs
+  //    while this thread lists and gathers the rest.
+  Status by_sm = Status::Ok();
+  if (sm > 0) {
+    by_sm = CudaStatus(cudaEventRecord(sm_start_, stream), "fetch start event");
+    if (by_sm.ok()) by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, sm_start_, 0), "wait for the fetch's start");
+    if (by_sm.ok()) {
+      by_sm = FetchRows(w.tasks.data(), static_cast<int>(sm), shape_.head_dim, pages_->page_tokens(),
+                        options_.fetch_blocks, device_counters_.get(), sm_fetch_, &sm_plan_);
+    }
+    if (by_sm.ok()) {
+      by_sm = UpdateRowCaches(w.updates.data(), static_cast<int>(sm), shape_.head_dim, nullptr, sm_fetch_, &sm_plan_);
+    }
+    // Recorded after an error too: what was queued is what the join below waits for.
+    const Status recorded = CudaStatus(cudaEventRecord(sm_done_, sm_fetch_), "fetch end event");
+    if (by_sm.ok()) by_sm = recorded;
+  }
+  // 2. The rest by the copy engine: the cache update takes the missed rows from its copy by rank
+  //    (and counts them). A cache's first fetch: the list must see the fills queued before.
+  Status by_copy = Status::Ok();
+  if (sm < n && by_sm.ok()) {
+    const auto tasks = std::span(w.tasks).subspan(sm);
+    auto routed = copy_engine->Stage(tasks, std::span(w.host_pages).subspan(sm), selected_[w.layer], stream,
+                                     !w.fills.empty(), plan);
+    by_copy = routed.status();
+    if (by_copy.ok()) {
+      std::vector<CacheUpdateTask> updates(w.updates.begin() + static_cast<std::ptrdiff_t>(sm), w.updates.end());
+      for (size_t i = 0; i < updates.size(); ++i) {
+        updates[i].staged_rank = (*routed)[i].staged_rank;
+        updates[i].selected_rows = (*routed)[i].staged_rows;
+      }
+      by_copy = UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim,
+                                device_counters_.get(), stream, plan);
+    }
+  }
+  // 3. Whatever follows on `stream` (the fetched_ event, the next layer's fetch, which may write
+  //    the lists and buffers the SM share read) comes after the SM share.
+  if (sm > 0) {
+    const Status joined = CudaStatus(cudaStreamWaitEvent(stream, sm_done_, 0), "wait for the fetch's SM share");
+    if (!joined.ok()) cudaStreamSynchronize(sm_fetch_);  // no join on the device: the host waits instead
+    SPECACHE_RETURN_IF_ERROR(by_sm);
+    SPECACHE_RETURN_IF_ERROR(joined);
+  }
+  return by_copy;
 }
 
 void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
@@ -411,7 +468,10 @@ Status RowFetcher::WaitFetched(int layer) {
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());
   if (deferred >= 0 && options_.fetch_overlap == FetchOverlap::kWithinNextAttention) join_layer_ = deferred;
   if (worker_) {
+    const auto waiting = std::chrono::steady_clock::now();
     const Status s = worker_->Wait(layer);
+    caller_wait_ns_ +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - waiting).count();
     if (!s.ok()) {
       Forget(layer, handed_[layer]);
       return s;
@@ -465,6 +525,7 @@ void RowFetcher::AddStats(AgentStats* s) const {
     s->fetch_host_list_wait_ns += t.list_wait_ns;
     s->fetch_host_buffer_wait_ns += t.buffer_wait_ns;
     s->fetch_host_gather_ns += t.gather_ns;
+    s->fetch_caller_wait_ns += caller_wait_ns_;
   }
   for (const Buffer<Half>& rows : fetched_rows_) s->device_bytes_reserved += rows.bytes();
 }

@@ -38,7 +38,11 @@
 //   worker the same way, through CopyEngineFetch (copy_engine_fetch.h): the worker waits for the
 //   layer's list of missed rows, its threads gather them from the pages (their host addresses
 //   captured by Prepare), and one copy moves them; Fetch and Gather still read the pages with SM
-//   loads, on the calling thread.
+//   loads, on the calling thread. With CudaAgentOptions::fetch_sm_share, the first sequences of
+//   each layer's fetch take the SM route instead, on a stream of their own (sm_fetch_) while the
+//   host gathers the others': that stream starts behind everything queued on the fetch stream
+//   so far and the fetch stream waits for its end before the layer's fetched_ event, so for every
+//   ordering below the two streams are one.
 //
 // Not thread-safe (the agent is used from one thread; the worker's jobs touch only the device
 // memory and the events their work names, never the fetcher's tables).
@@ -80,7 +84,8 @@ class RowFetcher {
   // Before Init, for a source with pages: the overlapped fetch's rows go by the copy engine, the
   // host's part on `worker` with `threads` gather threads (FetchVia::kCopyEngine), up in copies
   // of at most `piece_bytes` (0: one a layer; CudaAgentOptions::fetch_copy_piece_bytes).
-  void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes);
+  // sm_share: CudaAgentOptions::fetch_sm_share.
+  void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share = 0.0);
   // Makes the fetch stream, the per-layer events and the device counters.
   Status Init();
 
@@ -214,14 +219,17 @@ class RowFetcher {
     std::vector<SequenceId> task_sequences;  // [tasks]
     std::vector<const uint8_t* const*> host_pages;  // [tasks] DevicePageTable::HostLayer (null: staged source)
     std::vector<CacheUpdateTask> updates;  // [tasks]: task i's rows go into update i's cache
+    // By the copy engine: its first sm_tasks tasks (whole sequences) are read by FetchRows
+    // instead, on sm_fetch_ (fetch_sm_share); their out_rows are set.
+    size_t sm_tasks = 0;
   };
   // The row cache of a (sequence, layer), list and rows, at KvConfig::cache_rows() (kept if it was).
   Status ReserveCache(LayerRows* lr) const;
   // The layer's next selection of these sequences made current, its work planned: each fetched
   // sequence's row cache list is swapped with a spare, which the work's update writes from the old
   // one (the rows stay: the update writes the missed ones into free slots).
-  // `by_copy_engine`: the work's Launch stages the missed rows by the copy engine (no FetchRows
-  // output buffer). Reserves all the device memory it needs first: on an error
+  // `by_copy_engine`: the work's Launch stages the missed rows by the copy engine (FetchRows
+  // output buffers only for its SM share: SmSequences). Reserves all the device memory it needs first: on an error
   // (RESOURCE_EXHAUSTED) nothing changed.
   Result<FetchWork> Prepare(int layer, const std::vector<SequenceId>& ids, bool by_copy_engine);
   // Queues the work on `stream`; `staged` (a source without pages) or `copy_engine` brings the
@@ -229,6 +237,12 @@ class RowFetcher {
   // through `plan`, the one of the thread that calls (worker_plan_, caller_plan_).
   Status Launch(const FetchWork& work, StagedFetch* staged, CopyEngineFetch* copy_engine, cudaStream_t stream,
                 DecodePlan* plan) const;
+  // The copy engine's part of Launch: the work's SM share (sm_tasks) on sm_fetch_, the rest staged
+  // by the copy engine on `stream`, then `stream` joins sm_fetch_.
+  Status LaunchByCopyEngine(const FetchWork& work, CopyEngineFetch* copy_engine, cudaStream_t stream,
+                            DecodePlan* plan) const;
+  // Of `fetched` sequences, how many the SM route takes (fetch_sm_share, rounded to nearest).
+  size_t SmSequences(size_t fetched) const;
   // Queues the deferred fetch, if any, on the fetch stream behind everything queued so far on the
   // compute stream and behind its layer's selection (selected_: the selection runs on a stream of
   // its own), then records its layer's fetched_ event.
@@ -279,7 +293,7 @@ class RowFetcher {
   // - the host reads a cache (AddStats) only once the streams are idle.
   // A spare's contents do not matter: the update writes all of the new list.
   std::vector<CacheList> spare_lists_;
-  // FetchRows' output for the routes other than the copy engine, one per sequence of a fetch
+  // FetchRows' output for the routes other than the copy engine (and its SM share), one per sequence of a fetch
   // ([n_kv][max_selected][2][head_dim], each reserved once at that size), read by the same
   // fetch's cache update: the next fetch's FetchRows, which writes it again, runs after that
   // update on the same stream (as the spares' writes).
@@ -297,6 +311,13 @@ class RowFetcher {
   int copy_engine_threads_ = 0;
   int64_t copy_piece_bytes_ = CopyEngineFetch::kCopyPieceBytes;  // UseCopyEngine's
   std::unique_ptr<CopyEngineFetch> copy_engine_;
+  // fetch_sm_share > 0: the SM share's stream, where it starts (recorded on the fetch stream) and
+  // its end (which the fetch stream waits for), and its kernels' task lists (the worker's thread).
+  double sm_share_ = 0.0;
+  int64_t caller_wait_ns_ = 0;  // AgentStats::fetch_caller_wait_ns
+  cudaStream_t sm_fetch_ = nullptr;
+  cudaEvent_t sm_start_ = nullptr, sm_done_ = nullptr;
+  mutable DecodePlan sm_plan_{DecodePlan::SlotReads::kInPlace};
   // The task lists of the kernels queued from the worker's thread and from the caller's (a plan
   // serves one thread), read in place: a copy would queue behind the fetch's own on the copy
   // engine. Each destructor waits for the kernels that read its slots.
