@@ -335,6 +335,14 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
     EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
     EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
     ExpectSameSelections(**gpu, **cpu, shape, prompts.size(), name);
+    if (route.via == FetchVia::kCopyEngine) {  // the SM share took every sequence, or left the host some
+      // (3 sequences are fetched: 0.5 of them is 2 by SM loads, 1 gathered)
+      if (route.sm_share >= 1.0) {
+        EXPECT_EQ(b.fetch_host_gather_ns, 0) << name << ": the host gathered rows";
+      } else {
+        EXPECT_GT(b.fetch_host_gather_ns, 0) << name << ": the host gathered nothing";
+      }
+    }
     std::printf("%-24s max |out diff| %.2e, %lld rows fetched\n", name.c_str(), worst,
                 static_cast<long long>(b.rows_fetched));
   }

@@ -470,8 +470,10 @@ Status RowFetcher::WaitFetched(int layer) {
   if (worker_) {
     const auto waiting = std::chrono::steady_clock::now();
     const Status s = worker_->Wait(layer);
-    caller_wait_ns_ +=
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - waiting).count();
+    if (copy_engine_) {  // AgentStats::fetch_caller_wait_ns is the copy engine's
+      caller_wait_ns_ +=
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - waiting).count();
+    }
     if (!s.ok()) {
       Forget(layer, handed_[layer]);
       return s;

@@ -42,7 +42,9 @@
 //   each layer's fetch take the SM route instead, on a stream of their own (sm_fetch_) while the
 //   host gathers the others': that stream starts behind everything queued on the fetch stream
 //   so far and the fetch stream waits for its end before the layer's fetched_ event, so for every
-//   ordering below the two streams are one.
+//   ordering below the two streams are one. The price: layer L + 1's SM share starts only after
+//   layer L's copy and update, and layer L + 1's copy only after layer L's SM share (a slow SM
+//   share holds the copies: gpu_agent/bench_results/NOTES.md).
 //
 // Not thread-safe (the agent is used from one thread; the worker's jobs touch only the device
 // memory and the events their work names, never the fetcher's tables).
