@@ -194,7 +194,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     // Stage, the update by ranks, and the check of every task's cache and the counters.
     auto fetch_by_copy_engine = [&](const std::vector<cuda::FetchTask>& staged_tasks, bool after_stream,
                                     const std::string& what) {
-      auto routed = route.Stage(staged_tasks, tables, ready, stream, after_stream);
+      auto routed = route.Stage(staged_tasks, tables, std::span(&ready, 1), stream, after_stream);
       ASSERT_TRUE(routed.ok()) << routed.status().ToString();
       // Ranked tasks are the cache update's: FetchRows refuses them before queueing anything.
       EXPECT_EQ(cuda::FetchRows(routed->data(), n_tasks, d, page_tokens, 7, counters, stream).code(),

@@ -35,7 +35,8 @@ CopyEngineFetch::Times CopyEngineFetch::times() const {
 
 Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask> tasks,
                                                       std::span<const uint8_t* const* const> host_pages,
-                                                      cudaEvent_t ready, cudaStream_t stream, bool after_stream,
+                                                      std::span<const cudaEvent_t> ready, cudaStream_t stream,
+                                                      bool after_stream,
                                                       DecodePlan* plan) {
   std::vector<FetchTask> out(tasks.begin(), tasks.end());
   int32_t stride = 0;
@@ -66,7 +67,10 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
   SPECACHE_RETURN_IF_ERROR(
       CudaStatus(cudaHostGetDevicePointer(reinterpret_cast<void**>(&missed_on_device), missed_.get(), 0), "mapped list"));
   auto waited = std::chrono::steady_clock::now();
-  Status queued = CudaStatus(cudaStreamWaitEvent(lister_, ready, 0), "wait for the selection");
+  Status queued = Status::Ok();
+  for (cudaEvent_t e : ready) {
+    if (e && queued.ok()) queued = CudaStatus(cudaStreamWaitEvent(lister_, e, 0), "wait for the selection");
+  }
   if (queued.ok() && after_stream) {
     queued = CudaStatus(cudaEventRecord(queued_, stream), "fetch stream event");
     if (queued.ok()) queued = CudaStatus(cudaStreamWaitEvent(lister_, queued_, 0), "wait for the fetch stream");

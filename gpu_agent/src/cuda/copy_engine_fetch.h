@@ -2,7 +2,7 @@
 // for a source with zero-copy pages: no SM loads host memory, so the fetch takes no SM from the
 // engine's GEMMs while it moves rows. Per layer, Stage does:
 //
-//   1. on a stream of its own, once `ready` (the layer's selection) has fired: ListMissedRows
+//   1. on a stream of its own, once `ready` (the layer's selection, the step's page writes) fired: ListMissedRows
 //      (cuda_fetch.h), per selected slot the token if the row cache lacks it, else the cache's
 //      index of the row, into pinned host memory the device writes through its mapping; the
 //      calling thread waits for it (the selection exists on the device only);
@@ -56,7 +56,8 @@ class CopyEngineFetch {
 
   // Steps 1-3 above for one layer's tasks; host_pages[i] is the host page table of task i's
   // (sequence, layer) (DevicePageTable::HostLayer), whose entries cover every selected token;
-  // `ready` fires once the tasks' selections and resident lists are written. With
+  // once every event of `ready` fired (null ones are skipped), the tasks' selections and resident
+  // lists are written, and so are the page rows they may select. With
   // `after_stream`, the list also waits for what is queued on `stream` so far: a row cache's
   // first fetch, whose count and tokens are set there just before (RowFetcher's fills), which
   // the list would otherwise race with (reading a stale count and tokens, it lists the wrong
@@ -66,7 +67,7 @@ class CopyEngineFetch {
   // for memory); after one, nothing queued reads the pinned buffers later (the streams are waited
   // for), and the caller queues no cache update.
   Result<std::vector<FetchTask>> Stage(std::span<const FetchTask> tasks, std::span<const uint8_t* const* const> host_pages,
-                                       cudaEvent_t ready, cudaStream_t stream, bool after_stream = false,
+                                       std::span<const cudaEvent_t> ready, cudaStream_t stream, bool after_stream = false,
                                        DecodePlan* plan = nullptr);
 
   // Where the worker's time went, since creation (AgentStats' fetch_host_*); any thread may ask.

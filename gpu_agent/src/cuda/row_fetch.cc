@@ -28,6 +28,7 @@ RowFetcher::~RowFetcher() {
   fetched_rows_.clear();
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : appended_) if (e) cudaEventDestroy(e);
   if (deferred_start_) cudaEventDestroy(deferred_start_);
   if (seed_) cudaStreamDestroy(seed_);
   if (seed_from_) cudaEventDestroy(seed_from_);
@@ -49,7 +50,9 @@ Status RowFetcher::Init() {
       CudaStatus(cudaStreamCreateWithPriority(&fetch_, cudaStreamNonBlocking, greatest_priority), "fetch stream"));
   selected_.assign(shape_.n_layers, nullptr);
   fetched_.assign(shape_.n_layers, nullptr);
+  appended_.assign(shape_.n_layers, nullptr);
   for (int l = 0; l < shape_.n_layers; ++l) {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&appended_[l], cudaEventDisableTiming), "event"));
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&selected_[l], cudaEventDisableTiming), "event"));
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&fetched_[l], cudaEventDisableTiming), "event"));
   }
@@ -329,8 +332,8 @@ Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_
   Status by_copy = Status::Ok();
   if (sm < n && by_sm.ok()) {
     const auto tasks = std::span(w.tasks).subspan(sm);
-    auto routed = copy_engine->Stage(tasks, std::span(w.host_pages).subspan(sm), selected_[w.layer], stream,
-                                     !w.fills.empty(), plan);
+    const cudaEvent_t ready[] = {selected_[w.layer], appended_[w.layer]};
+    auto routed = copy_engine->Stage(tasks, std::span(w.host_pages).subspan(sm), ready, stream, !w.fills.empty(), plan);
     by_copy = routed.status();
     if (by_copy.ok()) {
       std::vector<CacheUpdateTask> updates(w.updates.begin() + static_cast<std::ptrdiff_t>(sm), w.updates.end());
@@ -415,6 +418,10 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 // (waiting for an event before its record is no wait at all).
 Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());  // two StartFetch without a WaitFetched between
+  // Behind the layer's page writes of this step (appended_; the deferred fetch's start is recorded
+  // later on the compute stream, so it is behind them too). The layer's previous job, which waited
+  // for the previous record, was joined at its WaitFetched.
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(appended_[layer], compute_), "append event"));
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids, /*by_copy_engine=*/copy_engine_ != nullptr));
   // std::function copies its callable: the work travels behind a shared pointer.
   auto work = std::make_shared<const FetchWork>(std::move(w));
@@ -424,6 +431,7 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   }
   auto run = [this, layer, work]() -> Status {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, appended_[layer], 0), "wait for the page writes"));
     SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), copy_engine_.get(), fetch_,
                                     worker_ ? &worker_plan_ : &caller_plan_));
     return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");

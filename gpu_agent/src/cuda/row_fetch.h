@@ -262,6 +262,11 @@ class RowFetcher {
   cudaStream_t compute_;
   cudaStream_t fetch_ = nullptr;
   std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
+  // [layer]: recorded on the compute stream by StartFetch, behind the layer's page writes of the
+  // step (AppendRealTokens, queued before it): when an append fills the residual, the selection's
+  // candidates include the row written in that same step (TopKCandidates), and the selection's
+  // own event (selected_, on the planner's selection stream) does not order that write.
+  std::vector<cudaEvent_t> appended_;
   cudaEvent_t deferred_start_ = nullptr;          // where on the compute stream the deferred fetch begins
   // The seeding's stream (made at the first SeedFrom), where it starts on the compute stream, and
   // its end, which the compute stream waits for.
