@@ -638,6 +638,101 @@ Result<std::vector<float>> DriveChangingBatches(Agent* agent, const std::vector<
   return outputs;
 }
 
+// DriveChangingBatches' steps and random rows (the same draws in the same order) on device
+// tensors and `stream`, as DriveBatchOnDevice: every input uploaded first, then the prefill, and
+// after one wait the pre-decode and decode steps with no host wait between them (the caches'
+// spares change hands between sequences, layers and streams as the batch changes, and nothing on
+// the host orders them), the outputs copied back at the end.
+Result<std::vector<float>> DriveChangingOnDevice(Agent* agent, const std::vector<int32_t>& prompts,
+                                                 const std::vector<std::vector<size_t>>& steps, std::mt19937 rng,
+                                                 cudaStream_t stream) {
+  const ModelShape& m = agent->shape();
+  auto cuda = [](cudaError_t e, const char* what) {
+    return e == cudaSuccess ? Status::Ok() : Status::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+  };
+  auto random = [&rng](size_t n, float scale) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = normal(rng);
+    return v;
+  };
+  std::vector<void*> allocations;
+  struct Free {
+    std::vector<void*>* list;
+    ~Free() {
+      for (void* p : *list) cudaFree(p);
+    }
+  } free_all{&allocations};
+  auto upload = [&](const std::vector<float>& host, float** device) -> Status {  // as DriveBatchOnDevice's
+    SPECACHE_RETURN_IF_ERROR(cuda(cudaMalloc(device, std::max<size_t>(host.size(), 1) * sizeof(float)), "cudaMalloc"));
+    allocations.push_back(*device);
+    return cuda(cudaMemcpyAsync(*device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream),
+                "upload");
+  };
+  std::vector<SequenceId> ids;
+  std::vector<int32_t> offsets;
+  SPECACHE_RETURN_IF_ERROR(testing::AddSequences(agent, prompts, &ids, &offsets));
+  struct Layer {
+    float *q, *k, *v, *out;
+    size_t out_floats;
+  };
+  auto layers = [&](size_t n, std::vector<Layer>* out) -> Status {  // one step's inputs, DriveChangingBatches' draws
+    for (int l = 0; l < m.n_layers; ++l) {
+      Layer x{};
+      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_q_heads * m.head_dim, 1.0f), &x.q));
+      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_kv_heads * m.head_dim, 2.0f), &x.k));
+      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_kv_heads * m.head_dim, 1.0f), &x.v));
+      x.out_floats = n * m.n_q_heads * m.head_dim;
+      SPECACHE_RETURN_IF_ERROR(upload(std::vector<float>(x.out_floats), &x.out));
+      out->push_back(x);
+    }
+    return Status::Ok();
+  };
+  std::vector<Layer> prefill;
+  SPECACHE_RETURN_IF_ERROR(layers(static_cast<size_t>(offsets.back()), &prefill));
+  struct Step {
+    StepKind kind;
+    std::vector<SequenceId> ids;
+    std::vector<Layer> layers;
+  };
+  std::vector<Step> plan;
+  if (const int rows = agent->RowsPerSequence(StepKind::kPreDecode); rows > 0) {
+    plan.push_back({StepKind::kPreDecode, ids, {}});
+    SPECACHE_RETURN_IF_ERROR(layers(ids.size() * rows, &plan.back().layers));
+  }
+  for (const std::vector<size_t>& members : steps) {
+    plan.push_back({StepKind::kDecode, {}, {}});
+    for (size_t i : members) plan.back().ids.push_back(ids[i]);
+    SPECACHE_RETURN_IF_ERROR(
+        layers(plan.back().ids.size() * agent->RowsPerSequence(StepKind::kDecode), &plan.back().layers));
+  }
+  for (int l = 0; l < m.n_layers; ++l) {
+    const Layer& x = prefill[l];
+    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, PrefillBatch{ids, offsets, x.q, x.k, x.v, nullptr}));
+  }
+  SPECACHE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), "prefill"));
+  for (const Step& step : plan) {
+    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(step.kind, step.ids));
+    for (int l = 0; l < m.n_layers; ++l) {
+      const Layer& x = step.layers[l];
+      SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {x.q, x.k, x.v, x.out}));
+      SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
+    }
+    SPECACHE_RETURN_IF_ERROR(agent->EndStep());
+  }
+  SPECACHE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), "decode"));
+  std::vector<float> outputs;
+  for (const Step& step : plan) {
+    for (const Layer& x : step.layers) {
+      const size_t at = outputs.size();
+      outputs.resize(at + x.out_floats);
+      SPECACHE_RETURN_IF_ERROR(
+          cuda(cudaMemcpy(outputs.data() + at, x.out, x.out_floats * sizeof(float), cudaMemcpyDeviceToHost), "download"));
+    }
+  }
+  return outputs;
+}
+
 // DriveChangingBatches on the CPU agent and the CUDA agent (behind host tensors) with the same
 // random rows, each over its own source: the CUDA agent's with pages, or (`staged`) without.
 Status DriveChangingOnBoth(const ModelShape& shape, const KvConfig& c, const CudaAgentOptions& options, bool staged,
@@ -707,6 +802,64 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
     ASSERT_TRUE(driven.ok()) << cs.name << ": " << driven.ToString();
     ExpectSameRun(pair, shape, prompts.size(), cs.name);
   }
+#endif
+}
+
+// The same on device tensors, with no host wait between the steps (DriveChangingOnDevice), for the
+// routes whose fetch runs on streams of their own: the SM loads, the copy engine, and the copy
+// engine with an SM share (0.4 of 5-8 fetched sequences: 2-3 by SM loads, and as the batch
+// changes a spare list or a FetchRows buffer that one stream's update used is the other's next).
+// A spare written before its last reader ran, on either stream, would change the outputs or the
+// hits; the CPU agent is the reference.
+TEST(CudaAgentTest, ChangingBatchesOnDeviceTensorsMatchTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 96, 210, 180, 260, 120, 300};
+  const std::vector<std::vector<size_t>> steps{{0, 1, 2, 3, 4, 5, 6, 7}, {1, 3, 5, 7}, {0, 2, 4, 6, 7},
+                                               {0, 1, 2, 3, 4, 5, 6, 7}, {2, 3, 4}, {0, 1, 5, 6, 7},
+                                               {0, 1, 2, 3, 4, 5, 6, 7}, {6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}};
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  c.select = SelectFrom::kUnion;
+  c.top_k_real = 8;
+  c.cached_rows = 80;
+  c.attend_resident = true;
+  InMemorySource cpu_source;
+  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
+  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+  auto want = DriveChangingBatches(cpu->get(), prompts, steps, std::mt19937(97));
+  ASSERT_TRUE(want.ok()) << want.status().ToString();
+  const AgentStats a = (*cpu)->stats();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const FetchRoute routes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
+                               {FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
+                               {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.4}};
+  for (const FetchRoute& route : routes) {
+    const std::string name = route.Name();
+    InMemorySource gpu_source;
+    CudaAgentOptions options{1024};
+    options.stream = stream;
+    route.Apply(&options);
+    auto gpu = CreateCudaAgent(shape, c, &gpu_source, options);
+    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+    auto got = DriveChangingOnDevice(gpu->get(), prompts, steps, std::mt19937(97), stream);
+    ASSERT_TRUE(got.ok()) << name << ": " << got.status().ToString();
+    ASSERT_EQ(got->size(), want->size()) << name;
+    double worst = 0;
+    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
+    EXPECT_LT(worst, 1e-3) << name;
+    const AgentStats b = (*gpu)->stats();
+    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+    EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
+    ExpectSameSelections(**gpu, **cpu, shape, prompts.size(), name);
+    std::printf("%-36s max |out diff| %.2e, %lld rows fetched, %lld reused\n", name.c_str(), worst,
+                static_cast<long long>(b.rows_fetched), static_cast<long long>(b.rows_reused));
+  }
+  cudaStreamDestroy(stream);
 #endif
 }
 
