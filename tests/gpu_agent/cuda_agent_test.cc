@@ -183,6 +183,72 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
 }
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
+// A device-tensor driver's inputs: random rows drawn as the host drivers draw them (the same
+// normal draws in the same order), each uploaded on `stream` into memory of its own, freed with
+// the object; and one layer's decode tensors.
+class DeviceDraws {
+ public:
+  struct Layer {
+    float *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
+    size_t out_floats = 0;
+  };
+  DeviceDraws(const ModelShape& m, std::mt19937 rng, cudaStream_t stream) : m_(m), rng_(rng), stream_(stream) {}
+  ~DeviceDraws() {
+    for (void* p : allocations_) cudaFree(p);
+  }
+  DeviceDraws(const DeviceDraws&) = delete;
+  DeviceDraws& operator=(const DeviceDraws&) = delete;
+
+  static Status Cuda(cudaError_t e, const char* what) {
+    return e == cudaSuccess ? Status::Ok() : Status::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+  }
+  // Every layer's q, k and v for n rows (drawn q, k, v a layer, as testing::DriveBatch and
+  // DriveChangingBatches draw them) and a zeroed out (not drawn).
+  Status Layers(size_t n, std::vector<Layer>* layers) {
+    for (int l = 0; l < m_.n_layers; ++l) {
+      Layer x;
+      SPECACHE_RETURN_IF_ERROR(Upload(Random(n * m_.n_q_heads * m_.head_dim, 1.0f), &x.q));
+      SPECACHE_RETURN_IF_ERROR(Upload(Random(n * m_.n_kv_heads * m_.head_dim, 2.0f), &x.k));
+      SPECACHE_RETURN_IF_ERROR(Upload(Random(n * m_.n_kv_heads * m_.head_dim, 1.0f), &x.v));
+      x.out_floats = n * m_.n_q_heads * m_.head_dim;
+      SPECACHE_RETURN_IF_ERROR(Upload(std::vector<float>(x.out_floats), &x.out));
+      layers->push_back(x);
+    }
+    return Status::Ok();
+  }
+  // The layers' outputs, in order, appended to *outputs (synchronous).
+  static Status Download(const std::vector<Layer>& layers, std::vector<float>* outputs) {
+    for (const Layer& x : layers) {
+      const size_t at = outputs->size();
+      outputs->resize(at + x.out_floats);
+      SPECACHE_RETURN_IF_ERROR(
+          Cuda(cudaMemcpy(outputs->data() + at, x.out, x.out_floats * sizeof(float), cudaMemcpyDeviceToHost), "download"));
+    }
+    return Status::Ok();
+  }
+
+ private:
+  std::vector<float> Random(size_t n, float scale) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = normal(rng_);
+    return v;
+  }
+  // On `stream`, so that the agent's work queued there after it sees it (a plain cudaMemcpy runs on
+  // the legacy stream, which a non-blocking stream does not follow). From pageable memory the call
+  // returns once the host bytes are staged: the temporary may go.
+  Status Upload(const std::vector<float>& host, float** device) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(device, std::max<size_t>(host.size(), 1) * sizeof(float)), "cudaMalloc"));
+    allocations_.push_back(*device);
+    return Cuda(cudaMemcpyAsync(*device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
+                "upload");
+  }
+  const ModelShape& m_;
+  std::mt19937 rng_;
+  cudaStream_t stream_;
+  std::vector<void*> allocations_;
+};
+
 // testing::DriveBatch for a CUDA agent given device tensors, as an engine drives it: the same rows
 // (the same random draws in the same order), all of a run's decode inputs on the device before
 // the first step, the calls queued on `stream` with no host wait between them, the outputs
@@ -191,64 +257,26 @@ TEST(CudaAgentTest, SameTokensAndLogitsAsTheCpuAgentInEveryMode) {
 Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<int32_t>& prompts, int steps,
                                               std::mt19937 rng, cudaStream_t stream) {
   const ModelShape& m = agent->shape();
-  auto cuda = [](cudaError_t e, const char* what) {
-    return e == cudaSuccess ? Status::Ok() : Status::Internal(std::string(what) + ": " + cudaGetErrorString(e));
-  };
-  auto random = [&rng](size_t n, float scale) {
-    std::normal_distribution<float> normal(0.0f, scale);
-    std::vector<float> v(n);
-    for (float& x : v) x = normal(rng);
-    return v;
-  };
-  std::vector<void*> allocations;
-  struct Free {
-    std::vector<void*>* list;
-    ~Free() {
-      for (void* p : *list) cudaFree(p);
-    }
-  } free_all{&allocations};
-  // On `stream`, so that the agent's work queued there after it sees it (a plain cudaMemcpy runs on
-  // the legacy stream, which a non-blocking stream does not follow). From pageable memory the call
-  // returns once the host bytes are staged: the temporary may go.
-  auto upload = [&](const std::vector<float>& host, float** device) -> Status {
-    SPECACHE_RETURN_IF_ERROR(cuda(cudaMalloc(device, std::max<size_t>(host.size(), 1) * sizeof(float)), "cudaMalloc"));
-    allocations.push_back(*device);
-    return cuda(cudaMemcpyAsync(*device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream),
-                "upload");
-  };
+  DeviceDraws draws(m, rng, stream);
   std::vector<SequenceId> ids;
   std::vector<int32_t> offsets;
   SPECACHE_RETURN_IF_ERROR(testing::AddSequences(agent, prompts, &ids, &offsets));
-  const size_t total = static_cast<size_t>(offsets.back());
+  std::vector<DeviceDraws::Layer> prefill;
+  SPECACHE_RETURN_IF_ERROR(draws.Layers(static_cast<size_t>(offsets.back()), &prefill));
   for (int l = 0; l < m.n_layers; ++l) {
-    float *q = nullptr, *k = nullptr, *v = nullptr;
-    SPECACHE_RETURN_IF_ERROR(upload(random(total * m.n_q_heads * m.head_dim, 1.0f), &q));
-    SPECACHE_RETURN_IF_ERROR(upload(random(total * m.n_kv_heads * m.head_dim, 2.0f), &k));
-    SPECACHE_RETURN_IF_ERROR(upload(random(total * m.n_kv_heads * m.head_dim, 1.0f), &v));
-    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, PrefillBatch{ids, offsets, q, k, v, nullptr}));
+    const DeviceDraws::Layer& x = prefill[l];
+    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, PrefillBatch{ids, offsets, x.q, x.k, x.v, nullptr}));
   }
   // Every decode input first, in DriveBatch's order of draws.
-  struct Layer {
-    float *q, *k, *v, *out;
-    size_t out_floats;
-  };
-  std::vector<std::pair<StepKind, std::vector<Layer>>> plan;
+  std::vector<std::pair<StepKind, std::vector<DeviceDraws::Layer>>> plan;
   for (int step = -1; step < steps; ++step) {
     const StepKind kind = step < 0 ? StepKind::kPreDecode : StepKind::kDecode;
     const size_t n = ids.size() * agent->RowsPerSequence(kind);
     if (n == 0) continue;
     plan.push_back({kind, {}});
-    for (int l = 0; l < m.n_layers; ++l) {
-      Layer x{};
-      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_q_heads * m.head_dim, 1.0f), &x.q));
-      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_kv_heads * m.head_dim, 2.0f), &x.k));
-      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_kv_heads * m.head_dim, 1.0f), &x.v));
-      x.out_floats = n * m.n_q_heads * m.head_dim;
-      SPECACHE_RETURN_IF_ERROR(upload(std::vector<float>(x.out_floats), &x.out));
-      plan.back().second.push_back(x);
-    }
+    SPECACHE_RETURN_IF_ERROR(draws.Layers(n, &plan.back().second));
   }
-  SPECACHE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), "prefill"));
+  SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "prefill"));
   for (const auto& [kind, layers] : plan) {
     SPECACHE_RETURN_IF_ERROR(agent->BeginStep(kind, ids));
     for (int l = 0; l < m.n_layers; ++l) {
@@ -258,16 +286,9 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
     }
     SPECACHE_RETURN_IF_ERROR(agent->EndStep());
   }
-  SPECACHE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), "decode"));
+  SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "decode"));
   std::vector<float> outputs;
-  for (const auto& [kind, layers] : plan) {
-    for (const Layer& x : layers) {
-      const size_t at = outputs.size();
-      outputs.resize(at + x.out_floats);
-      SPECACHE_RETURN_IF_ERROR(
-          cuda(cudaMemcpy(outputs.data() + at, x.out, x.out_floats * sizeof(float), cudaMemcpyDeviceToHost), "download"));
-    }
-  }
+  for (const auto& [kind, layers] : plan) SPECACHE_RETURN_IF_ERROR(DeviceDraws::Download(layers, &outputs));
   return outputs;
 }
 #endif
@@ -647,89 +668,45 @@ Result<std::vector<float>> DriveChangingOnDevice(Agent* agent, const std::vector
                                                  const std::vector<std::vector<size_t>>& steps, std::mt19937 rng,
                                                  cudaStream_t stream) {
   const ModelShape& m = agent->shape();
-  auto cuda = [](cudaError_t e, const char* what) {
-    return e == cudaSuccess ? Status::Ok() : Status::Internal(std::string(what) + ": " + cudaGetErrorString(e));
-  };
-  auto random = [&rng](size_t n, float scale) {
-    std::normal_distribution<float> normal(0.0f, scale);
-    std::vector<float> v(n);
-    for (float& x : v) x = normal(rng);
-    return v;
-  };
-  std::vector<void*> allocations;
-  struct Free {
-    std::vector<void*>* list;
-    ~Free() {
-      for (void* p : *list) cudaFree(p);
-    }
-  } free_all{&allocations};
-  auto upload = [&](const std::vector<float>& host, float** device) -> Status {  // as DriveBatchOnDevice's
-    SPECACHE_RETURN_IF_ERROR(cuda(cudaMalloc(device, std::max<size_t>(host.size(), 1) * sizeof(float)), "cudaMalloc"));
-    allocations.push_back(*device);
-    return cuda(cudaMemcpyAsync(*device, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream),
-                "upload");
-  };
+  DeviceDraws draws(m, rng, stream);
   std::vector<SequenceId> ids;
   std::vector<int32_t> offsets;
   SPECACHE_RETURN_IF_ERROR(testing::AddSequences(agent, prompts, &ids, &offsets));
-  struct Layer {
-    float *q, *k, *v, *out;
-    size_t out_floats;
-  };
-  auto layers = [&](size_t n, std::vector<Layer>* out) -> Status {  // one step's inputs, DriveChangingBatches' draws
-    for (int l = 0; l < m.n_layers; ++l) {
-      Layer x{};
-      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_q_heads * m.head_dim, 1.0f), &x.q));
-      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_kv_heads * m.head_dim, 2.0f), &x.k));
-      SPECACHE_RETURN_IF_ERROR(upload(random(n * m.n_kv_heads * m.head_dim, 1.0f), &x.v));
-      x.out_floats = n * m.n_q_heads * m.head_dim;
-      SPECACHE_RETURN_IF_ERROR(upload(std::vector<float>(x.out_floats), &x.out));
-      out->push_back(x);
-    }
-    return Status::Ok();
-  };
-  std::vector<Layer> prefill;
-  SPECACHE_RETURN_IF_ERROR(layers(static_cast<size_t>(offsets.back()), &prefill));
+  std::vector<DeviceDraws::Layer> prefill;
+  SPECACHE_RETURN_IF_ERROR(draws.Layers(static_cast<size_t>(offsets.back()), &prefill));
   struct Step {
     StepKind kind;
     std::vector<SequenceId> ids;
-    std::vector<Layer> layers;
+    std::vector<DeviceDraws::Layer> layers;
   };
   std::vector<Step> plan;
   if (const int rows = agent->RowsPerSequence(StepKind::kPreDecode); rows > 0) {
     plan.push_back({StepKind::kPreDecode, ids, {}});
-    SPECACHE_RETURN_IF_ERROR(layers(ids.size() * rows, &plan.back().layers));
+    SPECACHE_RETURN_IF_ERROR(draws.Layers(ids.size() * rows, &plan.back().layers));
   }
   for (const std::vector<size_t>& members : steps) {
     plan.push_back({StepKind::kDecode, {}, {}});
     for (size_t i : members) plan.back().ids.push_back(ids[i]);
     SPECACHE_RETURN_IF_ERROR(
-        layers(plan.back().ids.size() * agent->RowsPerSequence(StepKind::kDecode), &plan.back().layers));
+        draws.Layers(plan.back().ids.size() * agent->RowsPerSequence(StepKind::kDecode), &plan.back().layers));
   }
   for (int l = 0; l < m.n_layers; ++l) {
-    const Layer& x = prefill[l];
+    const DeviceDraws::Layer& x = prefill[l];
     SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, PrefillBatch{ids, offsets, x.q, x.k, x.v, nullptr}));
   }
-  SPECACHE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), "prefill"));
+  SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "prefill"));
   for (const Step& step : plan) {
     SPECACHE_RETURN_IF_ERROR(agent->BeginStep(step.kind, step.ids));
     for (int l = 0; l < m.n_layers; ++l) {
-      const Layer& x = step.layers[l];
+      const DeviceDraws::Layer& x = step.layers[l];
       SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {x.q, x.k, x.v, x.out}));
       SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
     }
     SPECACHE_RETURN_IF_ERROR(agent->EndStep());
   }
-  SPECACHE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), "decode"));
+  SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "decode"));
   std::vector<float> outputs;
-  for (const Step& step : plan) {
-    for (const Layer& x : step.layers) {
-      const size_t at = outputs.size();
-      outputs.resize(at + x.out_floats);
-      SPECACHE_RETURN_IF_ERROR(
-          cuda(cudaMemcpy(outputs.data() + at, x.out, x.out_floats * sizeof(float), cudaMemcpyDeviceToHost), "download"));
-    }
-  }
+  for (const Step& step : plan) SPECACHE_RETURN_IF_ERROR(DeviceDraws::Download(step.layers, &outputs));
   return outputs;
 }
 
