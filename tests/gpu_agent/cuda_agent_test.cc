@@ -249,13 +249,14 @@ class DeviceDraws {
   std::vector<void*> allocations_;
 };
 
-// testing::DriveBatch for a CUDA agent given device tensors, as an engine drives it: the same rows
-// (the same random draws in the same order), all of a run's decode inputs on the device before
-// the first step, the calls queued on `stream` with no host wait between them, the outputs
-// copied back at the end. Host waits between layers would hide an ordering error between the
-// agent's streams; here nothing does.
-Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<int32_t>& prompts, int steps,
-                                              std::mt19937 rng, cudaStream_t stream) {
+// DriveChangingBatches (below) for a CUDA agent given device tensors, as an engine drives it: the
+// same steps and rows (the same random draws in the same order), every input on the device
+// before the first step, the calls queued on `stream` with no host wait between them (the
+// caches' spares change hands between sequences, layers and streams as the batch changes, and
+// nothing on the host orders them), the outputs copied back at the end.
+Result<std::vector<float>> DriveChangingOnDevice(Agent* agent, const std::vector<int32_t>& prompts,
+                                                 const std::vector<std::vector<size_t>>& steps, std::mt19937 rng,
+                                                 cudaStream_t stream) {
   const ModelShape& m = agent->shape();
   DeviceDraws draws(m, rng, stream);
   std::vector<SequenceId> ids;
@@ -263,33 +264,52 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
   SPECACHE_RETURN_IF_ERROR(testing::AddSequences(agent, prompts, &ids, &offsets));
   std::vector<DeviceDraws::Layer> prefill;
   SPECACHE_RETURN_IF_ERROR(draws.Layers(static_cast<size_t>(offsets.back()), &prefill));
+  struct Step {
+    StepKind kind;
+    std::vector<SequenceId> ids;
+    std::vector<DeviceDraws::Layer> layers;
+  };
+  std::vector<Step> plan;
+  if (const int rows = agent->RowsPerSequence(StepKind::kPreDecode); rows > 0) {
+    plan.push_back({StepKind::kPreDecode, ids, {}});
+    SPECACHE_RETURN_IF_ERROR(draws.Layers(ids.size() * rows, &plan.back().layers));
+  }
+  for (const std::vector<size_t>& members : steps) {
+    plan.push_back({StepKind::kDecode, {}, {}});
+    for (size_t i : members) plan.back().ids.push_back(ids[i]);
+    SPECACHE_RETURN_IF_ERROR(
+        draws.Layers(plan.back().ids.size() * agent->RowsPerSequence(StepKind::kDecode), &plan.back().layers));
+  }
   for (int l = 0; l < m.n_layers; ++l) {
     const DeviceDraws::Layer& x = prefill[l];
     SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, PrefillBatch{ids, offsets, x.q, x.k, x.v, nullptr}));
   }
-  // Every decode input first, in DriveBatch's order of draws.
-  std::vector<std::pair<StepKind, std::vector<DeviceDraws::Layer>>> plan;
-  for (int step = -1; step < steps; ++step) {
-    const StepKind kind = step < 0 ? StepKind::kPreDecode : StepKind::kDecode;
-    const size_t n = ids.size() * agent->RowsPerSequence(kind);
-    if (n == 0) continue;
-    plan.push_back({kind, {}});
-    SPECACHE_RETURN_IF_ERROR(draws.Layers(n, &plan.back().second));
-  }
   SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "prefill"));
-  for (const auto& [kind, layers] : plan) {
-    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(kind, ids));
+  for (const Step& step : plan) {
+    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(step.kind, step.ids));
     for (int l = 0; l < m.n_layers; ++l) {
+      const DeviceDraws::Layer& x = step.layers[l];
       SPECACHE_RETURN_IF_ERROR(agent->WaitPrefetch(l));
-      SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {layers[l].q, layers[l].k, layers[l].v, layers[l].out}));
+      SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {x.q, x.k, x.v, x.out}));
       SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
     }
     SPECACHE_RETURN_IF_ERROR(agent->EndStep());
   }
   SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "decode"));
   std::vector<float> outputs;
-  for (const auto& [kind, layers] : plan) SPECACHE_RETURN_IF_ERROR(DeviceDraws::Download(layers, &outputs));
+  for (const Step& step : plan) SPECACHE_RETURN_IF_ERROR(DeviceDraws::Download(step.layers, &outputs));
   return outputs;
+}
+
+// testing::DriveBatch for a CUDA agent given device tensors: DriveChangingOnDevice with every
+// sequence in every step (testing::DriveBatch draws as DriveChangingBatches does). Host waits
+// between layers would hide an ordering error between the agent's streams; here nothing does.
+Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<int32_t>& prompts, int steps,
+                                              std::mt19937 rng, cudaStream_t stream) {
+  std::vector<size_t> all(prompts.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return DriveChangingOnDevice(agent, prompts, std::vector<std::vector<size_t>>(static_cast<size_t>(steps), all), rng,
+                               stream);
 }
 #endif
 
@@ -323,6 +343,35 @@ constexpr FetchRoute kFetchRoutes[] = {{FetchOverlap::kFromSelection, FetchVia::
                                        {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.5},
                                        {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 1.0}};
 
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// A CUDA agent on `route` and `stream` (its source, pages and all, its own), driven by `drive`
+// (a device-tensor driver), against the CPU agent that gave `want`: outputs within float rounding,
+// the same counts and selections. Returns the CUDA agent's stats for the route's own checks.
+template <typename Drive>
+Result<AgentStats> MatchOnDevice(const ModelShape& shape, const KvConfig& c, const FetchRoute& route, cudaStream_t stream,
+                                 const Agent& cpu, const std::vector<float>& want, size_t n_sequences, Drive&& drive) {
+  const std::string name = route.Name();
+  InMemorySource gpu_source;
+  CudaAgentOptions options{1024};
+  options.stream = stream;
+  route.Apply(&options);
+  SPECACHE_ASSIGN_OR_RETURN(std::unique_ptr<Agent> gpu, CreateCudaAgent(shape, c, &gpu_source, options));
+  SPECACHE_ASSIGN_OR_RETURN(const std::vector<float> got, drive(gpu.get()));
+  if (got.size() != want.size()) return Status::Internal(name + ": outputs of another length than the CPU agent's");
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, double(std::fabs(got[i] - want[i])));
+  EXPECT_LT(worst, 1e-3) << name;
+  const AgentStats a = cpu.stats(), b = gpu->stats();
+  EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+  EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+  EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
+  ExpectSameSelections(*gpu, cpu, shape, n_sequences, name);
+  std::printf("%-36s max |out diff| %.2e, %lld rows fetched, %lld reused\n", name.c_str(), worst,
+              static_cast<long long>(b.rows_fetched), static_cast<long long>(b.rows_reused));
+  return b;
+}
+#endif
+
 TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -336,38 +385,21 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
   ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
   auto want = testing::DriveBatch(cpu->get(), prompts, 70, std::mt19937(77));
   ASSERT_TRUE(want.ok()) << want.status().ToString();
-  const AgentStats a = (*cpu)->stats();
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   for (const FetchRoute& route : kFetchRoutes) {
-    const std::string name = route.Name();
-    InMemorySource gpu_source;
-    CudaAgentOptions options{1024};
-    options.stream = stream;
-    route.Apply(&options);
-    auto gpu = CreateCudaAgent(shape, c, &gpu_source, options);
-    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
-    auto got = DriveBatchOnDevice(gpu->get(), prompts, 70, std::mt19937(77), stream);
-    ASSERT_TRUE(got.ok()) << name << ": " << got.status().ToString();
-    ASSERT_EQ(got->size(), want->size()) << name;
-    double worst = 0;
-    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
-    EXPECT_LT(worst, 1e-3) << name;
-    const AgentStats b = (*gpu)->stats();
-    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
-    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
-    EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
-    ExpectSameSelections(**gpu, **cpu, shape, prompts.size(), name);
+    auto b = MatchOnDevice(shape, c, route, stream, **cpu, *want, prompts.size(), [&](Agent* gpu) {
+      return DriveBatchOnDevice(gpu, prompts, 70, std::mt19937(77), stream);
+    });
+    ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
     if (route.via == FetchVia::kCopyEngine) {  // the SM share took every sequence, or left the host some
       // (3 sequences are fetched: 0.5 of them is 2 by SM loads, 1 gathered)
       if (route.sm_share >= 1.0) {
-        EXPECT_EQ(b.fetch_host_gather_ns, 0) << name << ": the host gathered rows";
+        EXPECT_EQ(b->fetch_host_gather_ns, 0) << route.Name() << ": the host gathered rows";
       } else {
-        EXPECT_GT(b.fetch_host_gather_ns, 0) << name << ": the host gathered nothing";
+        EXPECT_GT(b->fetch_host_gather_ns, 0) << route.Name() << ": the host gathered nothing";
       }
     }
-    std::printf("%-24s max |out diff| %.2e, %lld rows fetched\n", name.c_str(), worst,
-                static_cast<long long>(b.rows_fetched));
   }
   cudaStreamDestroy(stream);
 #endif
@@ -659,57 +691,6 @@ Result<std::vector<float>> DriveChangingBatches(Agent* agent, const std::vector<
   return outputs;
 }
 
-// DriveChangingBatches' steps and random rows (the same draws in the same order) on device
-// tensors and `stream`, as DriveBatchOnDevice: every input uploaded first, then the prefill, and
-// after one wait the pre-decode and decode steps with no host wait between them (the caches'
-// spares change hands between sequences, layers and streams as the batch changes, and nothing on
-// the host orders them), the outputs copied back at the end.
-Result<std::vector<float>> DriveChangingOnDevice(Agent* agent, const std::vector<int32_t>& prompts,
-                                                 const std::vector<std::vector<size_t>>& steps, std::mt19937 rng,
-                                                 cudaStream_t stream) {
-  const ModelShape& m = agent->shape();
-  DeviceDraws draws(m, rng, stream);
-  std::vector<SequenceId> ids;
-  std::vector<int32_t> offsets;
-  SPECACHE_RETURN_IF_ERROR(testing::AddSequences(agent, prompts, &ids, &offsets));
-  std::vector<DeviceDraws::Layer> prefill;
-  SPECACHE_RETURN_IF_ERROR(draws.Layers(static_cast<size_t>(offsets.back()), &prefill));
-  struct Step {
-    StepKind kind;
-    std::vector<SequenceId> ids;
-    std::vector<DeviceDraws::Layer> layers;
-  };
-  std::vector<Step> plan;
-  if (const int rows = agent->RowsPerSequence(StepKind::kPreDecode); rows > 0) {
-    plan.push_back({StepKind::kPreDecode, ids, {}});
-    SPECACHE_RETURN_IF_ERROR(draws.Layers(ids.size() * rows, &plan.back().layers));
-  }
-  for (const std::vector<size_t>& members : steps) {
-    plan.push_back({StepKind::kDecode, {}, {}});
-    for (size_t i : members) plan.back().ids.push_back(ids[i]);
-    SPECACHE_RETURN_IF_ERROR(
-        draws.Layers(plan.back().ids.size() * agent->RowsPerSequence(StepKind::kDecode), &plan.back().layers));
-  }
-  for (int l = 0; l < m.n_layers; ++l) {
-    const DeviceDraws::Layer& x = prefill[l];
-    SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, PrefillBatch{ids, offsets, x.q, x.k, x.v, nullptr}));
-  }
-  SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "prefill"));
-  for (const Step& step : plan) {
-    SPECACHE_RETURN_IF_ERROR(agent->BeginStep(step.kind, step.ids));
-    for (int l = 0; l < m.n_layers; ++l) {
-      const DeviceDraws::Layer& x = step.layers[l];
-      SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {x.q, x.k, x.v, x.out}));
-      SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));
-    }
-    SPECACHE_RETURN_IF_ERROR(agent->EndStep());
-  }
-  SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "decode"));
-  std::vector<float> outputs;
-  for (const Step& step : plan) SPECACHE_RETURN_IF_ERROR(DeviceDraws::Download(step.layers, &outputs));
-  return outputs;
-}
-
 // DriveChangingBatches on the CPU agent and the CUDA agent (behind host tensors) with the same
 // random rows, each over its own source: the CUDA agent's with pages, or (`staged`) without.
 Status DriveChangingOnBoth(const ModelShape& shape, const KvConfig& c, const CudaAgentOptions& options, bool staged,
@@ -808,33 +789,16 @@ TEST(CudaAgentTest, ChangingBatchesOnDeviceTensorsMatchTheCpuAgent) {
   ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
   auto want = DriveChangingBatches(cpu->get(), prompts, steps, std::mt19937(97));
   ASSERT_TRUE(want.ok()) << want.status().ToString();
-  const AgentStats a = (*cpu)->stats();
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const FetchRoute routes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
                                {FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
                                {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.4}};
   for (const FetchRoute& route : routes) {
-    const std::string name = route.Name();
-    InMemorySource gpu_source;
-    CudaAgentOptions options{1024};
-    options.stream = stream;
-    route.Apply(&options);
-    auto gpu = CreateCudaAgent(shape, c, &gpu_source, options);
-    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
-    auto got = DriveChangingOnDevice(gpu->get(), prompts, steps, std::mt19937(97), stream);
-    ASSERT_TRUE(got.ok()) << name << ": " << got.status().ToString();
-    ASSERT_EQ(got->size(), want->size()) << name;
-    double worst = 0;
-    for (size_t i = 0; i < want->size(); ++i) worst = std::max(worst, double(std::fabs((*got)[i] - (*want)[i])));
-    EXPECT_LT(worst, 1e-3) << name;
-    const AgentStats b = (*gpu)->stats();
-    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
-    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
-    EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
-    ExpectSameSelections(**gpu, **cpu, shape, prompts.size(), name);
-    std::printf("%-36s max |out diff| %.2e, %lld rows fetched, %lld reused\n", name.c_str(), worst,
-                static_cast<long long>(b.rows_fetched), static_cast<long long>(b.rows_reused));
+    auto b = MatchOnDevice(shape, c, route, stream, **cpu, *want, prompts.size(), [&](Agent* gpu) {
+      return DriveChangingOnDevice(gpu, prompts, steps, std::mt19937(97), stream);
+    });
+    ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
   }
   cudaStreamDestroy(stream);
 #endif
