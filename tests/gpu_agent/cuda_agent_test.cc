@@ -316,9 +316,11 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
 // Each fetch overlap, and the copy-engine route, on device tensors and a stream of the test's
 // own, with no host wait between the calls (DriveBatchOnDevice), against the CPU agent driven
 // through the same rows: if a fetch were queued after the attention that reads its rows, or
-// joined on the wrong layer, the outputs would part. 70 steps: every fetched prompt's residual
-// fills during the run (150, 333 and 64 tokens flush at 192, 384 and 128), so a selection may
-// name a row written to the pages in that same step.
+// joined on the wrong layer, the outputs would part. 70 steps: every prompt's residual fills
+// during the run (at decode steps 41, 50, 63 and 62), and a selection may then name the row
+// written to the pages in that same step, which the fetch must read after the write: with this
+// seed the 1-token prompt's does (its first selection, step 62, names its newest row in 2 of its
+// 6 layer and KV-head pairs, by the CPU agent).
 // When the overlapped fetch is queued, and how its rows move (CudaAgentOptions).
 // The copy engine also with half, and all, of each layer's sequences left to SM loads on a
 // stream of their own (fetch_sm_share).
@@ -393,7 +395,7 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
     });
     ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
     if (route.via == FetchVia::kCopyEngine) {  // the SM share took every sequence, or left the host some
-      // (3 sequences are fetched: 0.5 of them is 2 by SM loads, 1 gathered)
+      // (3 sequences are fetched, 4 from step 62: 0.5 of them is 2 by SM loads, 1-2 gathered)
       if (route.sm_share >= 1.0) {
         EXPECT_EQ(b->fetch_host_gather_ns, 0) << route.Name() << ": the host gathered rows";
       } else {
@@ -765,7 +767,7 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
 
 // The same on device tensors, with no host wait between the steps (DriveChangingOnDevice), for the
 // routes whose fetch runs on streams of their own: the SM loads, the copy engine, and the copy
-// engine with an SM share (0.4 of 5-8 fetched sequences: 2-3 by SM loads, and as the batch
+// engine with an SM share (0.4 of 2-8 fetched sequences: 1-3 by SM loads, and as the batch
 // changes a spare list or a FetchRows buffer that one stream's update used is the other's next).
 // A spare written before its last reader ran, on either stream, would change the outputs or the
 // hits; the CPU agent is the reference.

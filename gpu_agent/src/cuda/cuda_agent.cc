@@ -352,6 +352,8 @@ Status CudaAgent::AppendRealTokens(int layer) {
     NoteWritten(ids[s], layer, at, 1);
   }
   SPECACHE_RETURN_IF_ERROR(WriteNewRows(layer, writes, owners));
+  // The layer's next fetch may select the row just written (a filled residual): it waits for this.
+  if (config_.mode == KvMode::kSpeCache) SPECACHE_RETURN_IF_ERROR(rows_.MarkAppended(layer));
   return cuda::DeviceHeadReplica::AppendTokens(replicas, keys, values);
 }
 

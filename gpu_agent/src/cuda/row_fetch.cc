@@ -392,6 +392,10 @@ Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span
   });
 }
 
+Status RowFetcher::MarkAppended(int layer) {
+  return CudaStatus(cudaEventRecord(appended_[layer], compute_), "append event");
+}
+
 Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
   return CudaStatus(cudaEventRecord(selected_[layer], stream), "selection event");
 }
@@ -418,10 +422,6 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 // (waiting for an event before its record is no wait at all).
 Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());  // two StartFetch without a WaitFetched between
-  // Behind the layer's page writes of this step (appended_; the deferred fetch's start is recorded
-  // later on the compute stream, so it is behind them too). The layer's previous job, which waited
-  // for the previous record, was joined at its WaitFetched.
-  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(appended_[layer], compute_), "append event"));
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids, /*by_copy_engine=*/copy_engine_ != nullptr));
   // std::function copies its callable: the work travels behind a shared pointer.
   auto work = std::make_shared<const FetchWork>(std::move(w));

@@ -127,6 +127,11 @@ class RowFetcher {
   // its selection stream), that it is done, in selection_done(layer): the planner's join waits
   // for that event too, until the layer's next MarkSelected.
   Status MarkSelected(int layer, cudaStream_t stream);
+  // Records on the compute stream that the layer's page writes of this step are queued (the
+  // agent, right after them); the layer's next overlapped fetch waits for it too (appended_).
+  // Only after the layer's WaitFetched in the step, which joined the fetch that waits for the
+  // previous record.
+  Status MarkAppended(int layer);
   cudaEvent_t selection_done(int layer) const { return selected_[layer]; }
   // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
   // waits for it. Local: queued now, or (fetch_overlap) at the next WaitFetched of any layer or
@@ -262,10 +267,11 @@ class RowFetcher {
   cudaStream_t compute_;
   cudaStream_t fetch_ = nullptr;
   std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
-  // [layer]: recorded on the compute stream by StartFetch, behind the layer's page writes of the
-  // step (AppendRealTokens, queued before it): when an append fills the residual, the selection's
-  // candidates include the row written in that same step (TopKCandidates), and the selection's
-  // own event (selected_, on the planner's selection stream) does not order that write.
+  // [layer]: recorded on the compute stream right after the layer's page writes of the step
+  // (MarkAppended; a step without appends leaves the last record, long complete): when an append
+  // fills the residual, the selection's candidates include the row written in that same step
+  // (TopKCandidates), and the selection's own event (selected_, on the planner's selection
+  // stream) does not order that write. The deferred fetch starts later on the compute stream.
   std::vector<cudaEvent_t> appended_;
   cudaEvent_t deferred_start_ = nullptr;          // where on the compute stream the deferred fetch begins
   // The seeding's stream (made at the first SeedFrom), where it starts on the compute stream, and
