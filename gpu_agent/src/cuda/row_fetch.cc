@@ -401,10 +401,10 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 }
 
 // The overlapped fetch of layer L, in order (both paths):
-//   compute: ... attention of L ... later layers ...
+//   compute: ... attention of L, L's page writes, record appended_[L] (MarkAppended) ... later layers ...
 //   select:  (forked after that attention) top-k of L, record selected_[L] (MarkSelected);
 //            joined by the compute stream before L + 1's attention
-//   fetch:   wait selected_[L]; [staged: selection down, host waits; source reads; rows up];
+//   fetch:   wait selected_[L] and appended_[L]; [staged: selection down, host waits; source reads; rows up];
 //            fetch kernel (hits from the cache); cache update; record fetched_[L]
 //   compute: (next step, before L's attention) wait fetched_[L] (WaitFetched)
 // Local: the agent's thread queues the fetch stream's part right here (kFromSelection), or at the
