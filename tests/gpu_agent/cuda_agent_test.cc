@@ -346,19 +346,26 @@ constexpr FetchRoute kFetchRoutes[] = {{FetchOverlap::kFromSelection, FetchVia::
                                        {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 1.0}};
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
-// A CUDA agent on `route` and `stream` (its source, pages and all, its own), driven by `drive`
-// (a device-tensor driver), against the CPU agent that gave `want`: outputs within float rounding,
-// the same counts and selections. Returns the CUDA agent's stats for the route's own checks.
+// A CUDA agent on `route` and a non-blocking stream (its source, pages and all, and the stream its
+// own), driven by `drive(agent, stream)` (a device-tensor driver), against the CPU agent that gave
+// `want`: outputs within float rounding, the same counts and selections. Returns the CUDA agent's
+// stats for the route's own checks.
 template <typename Drive>
-Result<AgentStats> MatchOnDevice(const ModelShape& shape, const KvConfig& c, const FetchRoute& route, cudaStream_t stream,
-                                 const Agent& cpu, const std::vector<float>& want, size_t n_sequences, Drive&& drive) {
+Result<AgentStats> MatchOnDevice(const ModelShape& shape, const KvConfig& c, const FetchRoute& route, const Agent& cpu,
+                                 const std::vector<float>& want, size_t n_sequences, Drive&& drive) {
   const std::string name = route.Name();
+  cudaStream_t stream = nullptr;
+  SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
+  struct Destroy {
+    cudaStream_t s;
+    ~Destroy() { cudaStreamDestroy(s); }  // after the agent (declared below) is gone
+  } destroy{stream};
   InMemorySource gpu_source;
   CudaAgentOptions options{1024};
   options.stream = stream;
   route.Apply(&options);
   SPECACHE_ASSIGN_OR_RETURN(std::unique_ptr<Agent> gpu, CreateCudaAgent(shape, c, &gpu_source, options));
-  SPECACHE_ASSIGN_OR_RETURN(const std::vector<float> got, drive(gpu.get()));
+  SPECACHE_ASSIGN_OR_RETURN(const std::vector<float> got, drive(gpu.get(), stream));
   if (got.size() != want.size()) return Status::Internal(name + ": outputs of another length than the CPU agent's");
   double worst = 0;
   for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, double(std::fabs(got[i] - want[i])));
@@ -387,10 +394,8 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
   ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
   auto want = testing::DriveBatch(cpu->get(), prompts, 70, std::mt19937(77));
   ASSERT_TRUE(want.ok()) << want.status().ToString();
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   for (const FetchRoute& route : kFetchRoutes) {
-    auto b = MatchOnDevice(shape, c, route, stream, **cpu, *want, prompts.size(), [&](Agent* gpu) {
+    auto b = MatchOnDevice(shape, c, route, **cpu, *want, prompts.size(), [&](Agent* gpu, cudaStream_t stream) {
       return DriveBatchOnDevice(gpu, prompts, 70, std::mt19937(77), stream);
     });
     ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
@@ -403,7 +408,6 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
       }
     }
   }
-  cudaStreamDestroy(stream);
 #endif
 }
 
@@ -720,6 +724,20 @@ void ExpectSameRun(const RaggedPair& pair, const ModelShape& shape, size_t n_seq
 }
 #endif
 
+// The tests of changing batches: the union rule (2 bits, 24 + 8 rows) with 80 cached rows, more
+// than two selections, so entries leave by their last use, and every cached row attended: a cache
+// or a spare mixed up, or overwritten too early, changes the outputs and the hits.
+KvConfig SparesChangingHandsConfig() {
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  c.select = SelectFrom::kUnion;
+  c.top_k_real = 8;
+  c.cached_rows = 80;
+  c.attend_resident = true;
+  return c;
+}
+
 // Sequences that leave the step and join it again (the engine's batch changes from step to step),
 // locally in each fetch overlap and staged: every fetch takes its caches' update targets from one
 // pool of spare caches shared by all (sequence, layer)s, so a cache's memory serves different
@@ -733,13 +751,7 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
   const std::vector<int32_t> prompts{150, 333, 64};
   const std::vector<std::vector<size_t>> steps{{0, 1, 2}, {1}, {0, 2}, {0, 1, 2}, {2},
                                                {0, 1}, {1, 2}, {0, 1, 2}, {0}, {0, 1, 2}};
-  KvConfig c;
-  c.key_bits = c.value_bits = 2;
-  c.top_k = 24;
-  c.select = SelectFrom::kUnion;
-  c.top_k_real = 8;
-  c.cached_rows = 80;  // more than two selections: entries leave by their last use
-  c.attend_resident = true;
+  const KvConfig c = SparesChangingHandsConfig();
   struct Case {
     const char* name;
     bool staged;
@@ -779,30 +791,21 @@ TEST(CudaAgentTest, ChangingBatchesOnDeviceTensorsMatchTheCpuAgent) {
   const std::vector<std::vector<size_t>> steps{{0, 1, 2, 3, 4, 5, 6, 7}, {1, 3, 5, 7}, {0, 2, 4, 6, 7},
                                                {0, 1, 2, 3, 4, 5, 6, 7}, {2, 3, 4}, {0, 1, 5, 6, 7},
                                                {0, 1, 2, 3, 4, 5, 6, 7}, {6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}};
-  KvConfig c;
-  c.key_bits = c.value_bits = 2;
-  c.top_k = 24;
-  c.select = SelectFrom::kUnion;
-  c.top_k_real = 8;
-  c.cached_rows = 80;
-  c.attend_resident = true;
+  const KvConfig c = SparesChangingHandsConfig();
   InMemorySource cpu_source;
   auto cpu = CreateCpuAgent(shape, c, &cpu_source);
   ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
   auto want = DriveChangingBatches(cpu->get(), prompts, steps, std::mt19937(97));
   ASSERT_TRUE(want.ok()) << want.status().ToString();
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const FetchRoute routes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
                                {FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
                                {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.4}};
   for (const FetchRoute& route : routes) {
-    auto b = MatchOnDevice(shape, c, route, stream, **cpu, *want, prompts.size(), [&](Agent* gpu) {
+    auto b = MatchOnDevice(shape, c, route, **cpu, *want, prompts.size(), [&](Agent* gpu, cudaStream_t stream) {
       return DriveChangingOnDevice(gpu, prompts, steps, std::mt19937(97), stream);
     });
     ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
   }
-  cudaStreamDestroy(stream);
 #endif
 }
 
