@@ -296,9 +296,13 @@ Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFet
         staged->Stage(w.layer, w.tasks, w.task_sequences, config_.cache_rows(), stream).status());
   }
   if (copy_engine) return LaunchByCopyEngine(w, copy_engine, stream, plan);
-  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(w.tasks.size()), shape_.head_dim,
-                                     pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream, plan));
-  return UpdateRowCaches(w.updates.data(), static_cast<int>(w.updates.size()), shape_.head_dim, nullptr, stream, plan);
+  return LaunchBySmLoads(w, w.tasks.size(), stream, plan);
+}
+
+Status RowFetcher::LaunchBySmLoads(const FetchWork& w, size_t n, cudaStream_t stream, DecodePlan* plan) const {
+  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(n), shape_.head_dim, pages_->page_tokens(),
+                                     options_.fetch_blocks, device_counters_.get(), stream, plan));
+  return UpdateRowCaches(w.updates.data(), static_cast<int>(n), shape_.head_dim, nullptr, stream, plan);  // counted
 }
 
 size_t RowFetcher::SmSequences(size_t fetched) const {
@@ -316,13 +320,7 @@ Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_
   if (sm > 0) {
     by_sm = CudaStatus(cudaEventRecord(sm_start_, stream), "fetch start event");
     if (by_sm.ok()) by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, sm_start_, 0), "wait for the fetch's start");
-    if (by_sm.ok()) {
-      by_sm = FetchRows(w.tasks.data(), static_cast<int>(sm), shape_.head_dim, pages_->page_tokens(),
-                        options_.fetch_blocks, device_counters_.get(), sm_fetch_, &sm_plan_);
-    }
-    if (by_sm.ok()) {
-      by_sm = UpdateRowCaches(w.updates.data(), static_cast<int>(sm), shape_.head_dim, nullptr, sm_fetch_, &sm_plan_);
-    }
+    if (by_sm.ok()) by_sm = LaunchBySmLoads(w, sm, sm_fetch_, &sm_plan_);
     // Recorded after an error too: what was queued is what the join below waits for.
     const Status recorded = CudaStatus(cudaEventRecord(sm_done_, sm_fetch_), "fetch end event");
     if (by_sm.ok()) by_sm = recorded;

@@ -244,6 +244,9 @@ class RowFetcher {
   // through `plan`, the one of the thread that calls (worker_plan_, caller_plan_).
   Status Launch(const FetchWork& work, StagedFetch* staged, CopyEngineFetch* copy_engine, cudaStream_t stream,
                 DecodePlan* plan) const;
+  // Launch's SM route for the work's first n tasks: FetchRows from the pages (which counts the hits
+  // and misses), then their caches' update, on `stream`.
+  Status LaunchBySmLoads(const FetchWork& work, size_t n, cudaStream_t stream, DecodePlan* plan) const;
   // The copy engine's part of Launch: the work's SM share (sm_tasks) on sm_fetch_, the rest staged
   // by the copy engine on `stream`, then `stream` joins sm_fetch_.
   Status LaunchByCopyEngine(const FetchWork& work, CopyEngineFetch* copy_engine, cudaStream_t stream,
