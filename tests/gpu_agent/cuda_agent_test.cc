@@ -757,7 +757,7 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
     bool staged;
     FetchOverlap overlap;
     FetchVia via = FetchVia::kSmLoads;
-    double sm_share = 0;  // the SM share's stream and the copy engine's write the spares in turn
+    double sm_share = 0;  // sequences change part (SM share / copy engine) as the batch changes
   } cases[] = {{"from selection", false, FetchOverlap::kFromSelection},
                {"beside next attention", false, FetchOverlap::kBesideNextAttention},
                {"within next attention", false, FetchOverlap::kWithinNextAttention},
@@ -779,9 +779,10 @@ TEST(CudaAgentTest, SequencesLeavingAndRejoiningTheStepMatchTheCpuAgent) {
 
 // The same on device tensors, with no host wait between the steps (DriveChangingOnDevice), for the
 // routes whose fetch runs on streams of their own: the SM loads, the copy engine, and the copy
-// engine with an SM share (0.4 of 2-8 fetched sequences: 1-3 by SM loads, and as the batch
-// changes a spare list or a FetchRows buffer that one stream's update used is the other's next).
-// A spare written before its last reader ran, on either stream, would change the outputs or the
+// engine with an SM share (0.4 of 2-8 fetched sequences: 1-3 by SM loads, on a stream of their
+// own with a pool of spare lists of their own; as the batch changes, a (sequence, layer) whose
+// last fetch was one part's is fetched by the other, ordered only through the compute stream).
+// A spare or a row cache written before its last reader ran would change the outputs or the
 // hits; the CPU agent is the reference.
 TEST(CudaAgentTest, ChangingBatchesOnDeviceTensorsMatchTheCpuAgent) {
   SPECACHE_REQUIRE_CUDA_DEVICE();

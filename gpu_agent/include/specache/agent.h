@@ -239,7 +239,7 @@ struct CudaAgentOptions {
   // layer. 0: the copy engine alone; 1: every row by SM loads (still through the worker). In [0, 1].
   // On the H200 (Llama-3-8B shapes, random weights, 48 GB), 0.3 took the whole model's wait for
   // the fetch at 8K (98 sequences) from ~9-12 ms a step to ~0.2 and its tok/s up 18-23%, at 32K
-  // (24) up 5%; the agent alone at 32 x 8K (specache-bench step, no wait on the host's gather)
+  // (24, no wait) down 5%; the agent alone at 32 x 8K (specache-bench step, no wait on the host's gather)
   // was ~5% slower at 0.25-0.5 and unchanged at 8 x 8K: the SM loads take SMs from the engine's
   // kernels. So the default stays 0: set it where AgentStats::fetch_caller_wait_ns shows the
   // gather late.

@@ -23,10 +23,10 @@
 // the list is read by the host before the next call lists into it; a pinned buffer is written
 // only after the host waited for its last copy (two calls back); a device buffer's last reader,
 // the cache update two calls back, precedes its next copy on `stream`. Growing a buffer waits for
-// `stream` first. The list's stream reads the row cache the fetch stream updates: the update of
-// the layer's previous fetch comes before `ready` (the compute stream waited for that fetch
-// before the selection), and nothing overwrites the cache read here before this call's own
-// update on `stream`.
+// `stream` first. The list's stream reads the row caches the fetches update: the update of the
+// layer's previous fetch (on `stream`, or on the SM share's stream: RowFetcher) comes before
+// `ready` (the compute stream waited for that fetch before the selection), and nothing
+// overwrites the cache read here before this call's own update on `stream`.
 // Not thread-safe (times() aside); one instance per fetch stream (the RowFetcher's, on its worker
 // thread).
 #pragma once

@@ -29,12 +29,13 @@ RowFetcher::~RowFetcher() {
   for (cudaEvent_t e : selected_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : fetched_) if (e) cudaEventDestroy(e);
   for (cudaEvent_t e : appended_) if (e) cudaEventDestroy(e);
+  for (cudaEvent_t e : sm_fetched_) if (e) cudaEventDestroy(e);
   if (deferred_start_) cudaEventDestroy(deferred_start_);
   if (seed_) cudaStreamDestroy(seed_);
   if (seed_from_) cudaEventDestroy(seed_from_);
   if (seeded_) cudaEventDestroy(seeded_);
   if (sm_start_) cudaEventDestroy(sm_start_);
-  if (sm_done_) cudaEventDestroy(sm_done_);
+  if (sm_tail_) cudaEventDestroy(sm_tail_);
   if (sm_fetch_) cudaStreamDestroy(sm_fetch_);
   if (fetch_) cudaStreamDestroy(fetch_);
 }
@@ -69,7 +70,11 @@ Status RowFetcher::Init() {
       SPECACHE_RETURN_IF_ERROR(
           CudaStatus(cudaStreamCreateWithPriority(&sm_fetch_, cudaStreamNonBlocking, greatest_priority), "fetch stream"));
       SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&sm_start_, cudaEventDisableTiming), "event"));
-      SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&sm_done_, cudaEventDisableTiming), "event"));
+      SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&sm_tail_, cudaEventDisableTiming), "event"));
+      sm_fetched_.assign(shape_.n_layers, nullptr);
+      for (cudaEvent_t& e : sm_fetched_) {
+        SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
+      }
     }
     handed_.assign(shape_.n_layers, {});
   }
@@ -203,9 +208,13 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
       ++fetched;
     }
   }
-  if (spare_lists_.size() < fetched) spare_lists_.resize(fetched);
-  for (size_t i = 0; i < fetched; ++i) SPECACHE_RETURN_IF_ERROR(spare_lists_[i].Reserve(n_kv, capacity));
   const size_t by_sm = by_copy_engine ? SmSequences(fetched) : fetched;  // the first ones fetched
+  // The copy engine's SM share runs on a stream of its own: its lists come from a pool of their own.
+  const size_t sm_pool = by_copy_engine ? by_sm : 0;
+  if (sm_spare_lists_.size() < sm_pool) sm_spare_lists_.resize(sm_pool);
+  if (spare_lists_.size() < fetched - sm_pool) spare_lists_.resize(fetched - sm_pool);
+  for (size_t i = 0; i < sm_pool; ++i) SPECACHE_RETURN_IF_ERROR(sm_spare_lists_[i].Reserve(n_kv, capacity));
+  for (size_t i = 0; i < fetched - sm_pool; ++i) SPECACHE_RETURN_IF_ERROR(spare_lists_[i].Reserve(n_kv, capacity));
   if (by_sm > 0) {
     if (fetched_rows_.size() < by_sm) fetched_rows_.resize(by_sm);
     for (size_t i = 0; i < by_sm; ++i) {
@@ -234,10 +243,13 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
       CacheList& old = lr.cache;
       Half* const cache_rows = lr.cache_rows.get();
       Half* const fetched_rows = spare < by_sm ? fetched_rows_[spare].get() : nullptr;
-      CacheList& target = spare_lists_[spare++];
+      const bool sm_share = spare < sm_pool;  // the copy engine's SM share
+      CacheList& target = sm_share ? sm_spare_lists_[spare] : spare_lists_[spare - sm_pool];
+      ++spare;
       if (!lr.filled()) {  // the cache starts empty; the update writes all of the target
         w.fills.push_back({old.tokens.get(), size_t(n_kv) * capacity * sizeof(int32_t), 0x7f});  // kNoToken
         w.fills.push_back({old.count.get(), n_kv * sizeof(int32_t), 0});
+        if (sm_share) w.sm_fills = w.fills.size();  // the share's sequences come first
       }
       ++lr.fetches;
       for (int h = 0; h < n_kv; ++h) {
@@ -272,8 +284,8 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
         u.capacity = capacity;
         w.updates.push_back(u);
       }
-      // The update's target becomes the layer's list, and the old list a spare that a later
-      // update, queued after this one on the same stream, may write (spare_lists_).
+      // The update's target becomes the layer's list, and the old list a spare of the same pool
+      // that a later update, queued after this one on the same stream, may write (spare_lists_).
       std::swap(old, target);
     }
     lr.cur = next;
@@ -288,6 +300,13 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
 
 Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFetch* copy_engine,
                           cudaStream_t stream, DecodePlan* plan) const {
+  if (copy_engine && sm_fetch_ && !w.fills.empty()) {
+    // A cache emptied after a failed fetch may still be touched by that fetch's work, on either
+    // stream: the fills come after both (a (sequence, layer)'s first fetch: after its admission
+    // or a failed fetch).
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(sm_tail_, sm_fetch_), "fetch event"));
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, sm_tail_, 0), "wait for the fetch's SM share"));
+  }
   for (const FetchWork::Fill& f : w.fills) {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(f.at, f.value, f.bytes, stream), "row cache"));
   }
@@ -313,45 +332,41 @@ size_t RowFetcher::SmSequences(size_t fetched) const {
 Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_engine, cudaStream_t stream,
                                       DecodePlan* plan) const {
   const size_t sm = w.sm_tasks, n = w.tasks.size();
-  // 1. The SM share, from the mapped pages, on its own stream from here on `stream` (behind the
-  //    selection, the fills and every earlier fetch's update, as if queued on `stream`); it runs
-  //    while this thread lists and gathers the rest.
+  // 1. The SM share, from the mapped pages, on its own stream, once the layer's selection and
+  //    page writes are done (or, when it fills a cache, from here on `stream`, behind the fills);
+  //    it runs while this thread lists and gathers the rest. Its end is the layer's
+  //    sm_fetched_ event, which WaitFetched joins beside fetched_.
   Status by_sm = Status::Ok();
   if (sm > 0) {
-    by_sm = CudaStatus(cudaEventRecord(sm_start_, stream), "fetch start event");
-    if (by_sm.ok()) by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, sm_start_, 0), "wait for the fetch's start");
+    if (w.sm_fills > 0) {
+      by_sm = CudaStatus(cudaEventRecord(sm_start_, stream), "fetch start event");
+      if (by_sm.ok()) by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, sm_start_, 0), "wait for the fetch's start");
+    } else {
+      by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, selected_[w.layer], 0), "wait for the selection");
+      if (by_sm.ok()) by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, appended_[w.layer], 0), "wait for the page writes");
+    }
     if (by_sm.ok()) by_sm = LaunchBySmLoads(w, sm, sm_fetch_, &sm_plan_);
-    // Recorded after an error too: what was queued is what the join below waits for.
-    const Status recorded = CudaStatus(cudaEventRecord(sm_done_, sm_fetch_), "fetch end event");
+    // Recorded after an error too: what was queued is what the layer's WaitFetched waits for.
+    const Status recorded = CudaStatus(cudaEventRecord(sm_fetched_[w.layer], sm_fetch_), "fetch end event");
+    if (!recorded.ok()) cudaStreamSynchronize(sm_fetch_);  // no join on the device: the host waits instead
     if (by_sm.ok()) by_sm = recorded;
   }
+  SPECACHE_RETURN_IF_ERROR(by_sm);
   // 2. The rest by the copy engine: the cache update takes the missed rows from its copy by rank
   //    (and counts them). A cache's first fetch: the list must see the fills queued before.
-  Status by_copy = Status::Ok();
-  if (sm < n && by_sm.ok()) {
-    const auto tasks = std::span(w.tasks).subspan(sm);
-    const cudaEvent_t ready[] = {selected_[w.layer], appended_[w.layer]};
-    auto routed = copy_engine->Stage(tasks, std::span(w.host_pages).subspan(sm), ready, stream, !w.fills.empty(), plan);
-    by_copy = routed.status();
-    if (by_copy.ok()) {
-      std::vector<CacheUpdateTask> updates(w.updates.begin() + static_cast<std::ptrdiff_t>(sm), w.updates.end());
-      for (size_t i = 0; i < updates.size(); ++i) {
-        updates[i].staged_rank = (*routed)[i].staged_rank;
-        updates[i].selected_rows = (*routed)[i].staged_rows;
-      }
-      by_copy = UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim,
-                                device_counters_.get(), stream, plan);
-    }
+  if (sm == n) return Status::Ok();
+  const auto tasks = std::span(w.tasks).subspan(sm);
+  const cudaEvent_t ready[] = {selected_[w.layer], appended_[w.layer]};
+  const bool fills = w.fills.size() > w.sm_fills;
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<FetchTask> routed,
+                            copy_engine->Stage(tasks, std::span(w.host_pages).subspan(sm), ready, stream, fills, plan));
+  std::vector<CacheUpdateTask> updates(w.updates.begin() + static_cast<std::ptrdiff_t>(sm), w.updates.end());
+  for (size_t i = 0; i < updates.size(); ++i) {
+    updates[i].staged_rank = routed[i].staged_rank;
+    updates[i].selected_rows = routed[i].staged_rows;
   }
-  // 3. Whatever follows on `stream` (the fetched_ event, the next layer's fetch, which may write
-  //    the lists and buffers the SM share read) comes after the SM share.
-  if (sm > 0) {
-    const Status joined = CudaStatus(cudaStreamWaitEvent(stream, sm_done_, 0), "wait for the fetch's SM share");
-    if (!joined.ok()) cudaStreamSynchronize(sm_fetch_);  // no join on the device: the host waits instead
-    SPECACHE_RETURN_IF_ERROR(by_sm);
-    SPECACHE_RETURN_IF_ERROR(joined);
-  }
-  return by_copy;
+  return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, device_counters_.get(),
+                         stream, plan);
 }
 
 void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
@@ -404,7 +419,10 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 //            joined by the compute stream before L + 1's attention
 //   fetch:   wait selected_[L] and appended_[L]; [staged: selection down, host waits; source reads; rows up];
 //            fetch kernel (hits from the cache); cache update; record fetched_[L]
-//   compute: (next step, before L's attention) wait fetched_[L] (WaitFetched)
+//   sm_fetch: (copy engine with fetch_sm_share) wait selected_[L] and appended_[L] (or, when it
+//            fills caches, sm_start_ on the fetch stream after the fills); fetch kernel of the
+//            first sequences; their cache update; record sm_fetched_[L]
+//   compute: (next step, before L's attention) wait fetched_[L] (and sm_fetched_[L]) (WaitFetched)
 // Local: the agent's thread queues the fetch stream's part right here (kFromSelection), or at the
 // next WaitFetched (of layer L + 1, or of the next step's first layer after the last), waiting for
 // deferred_start_ recorded there on the compute stream, and for selected_[L] (the compute stream
@@ -417,7 +435,8 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 // recorded again only at L's next MarkSelected, which comes after L's next WaitFetched, which
 // joins this job first: the job always waits for the record it was started for. And WaitFetched
 // waits for fetched_[L] only after the join, so never for an event the job has not recorded yet
-// (waiting for an event before its record is no wait at all).
+// (waiting for an event before its record is no wait at all); the same holds for sm_fetched_[L],
+// which the worker's job records.
 Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());  // two StartFetch without a WaitFetched between
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids, /*by_copy_engine=*/copy_engine_ != nullptr));
@@ -485,13 +504,19 @@ Status RowFetcher::WaitFetched(int layer) {
       return s;
     }
   }
+  if (sm_fetch_) {  // the copy engine's SM share of the layer (an older record when it had none)
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, sm_fetched_[layer], 0), "wait for the fetch"));
+  }
   return CudaStatus(cudaStreamWaitEvent(compute_, fetched_[layer], 0), "wait for the fetch");
 }
 
 Status RowFetcher::WaitForFetchStream() const {
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());
   if (worker_) worker_->WaitAll();
-  return CudaStatus(cudaStreamSynchronize(fetch_), "fetch stream");
+  // Both streams, even after one fails: the first error.
+  const Status sm = sm_fetch_ ? CudaStatus(cudaStreamSynchronize(sm_fetch_), "fetch stream") : Status::Ok();
+  const Status fetch = CudaStatus(cudaStreamSynchronize(fetch_), "fetch stream");
+  return sm.ok() ? fetch : sm;
 }
 
 int32_t RowFetcher::resident(SequenceId id, int layer) const { return rows_.at(id)[layer].resident; }
@@ -528,6 +553,7 @@ void RowFetcher::AddStats(AgentStats* s) const {
     }
   }
   for (const CacheList& spare : spare_lists_) s->device_bytes_reserved += spare.bytes();
+  for (const CacheList& spare : sm_spare_lists_) s->device_bytes_reserved += spare.bytes();
   if (copy_engine_) {
     const CopyEngineFetch::Times t = copy_engine_->times();
     s->fetch_host_list_wait_ns += t.list_wait_ns;

@@ -40,11 +40,15 @@
 //   captured by Prepare), and one copy moves them; Fetch and Gather still read the pages with SM
 //   loads, on the calling thread. With CudaAgentOptions::fetch_sm_share, the first sequences of
 //   each layer's fetch take the SM route instead, on a stream of their own (sm_fetch_) while the
-//   host gathers the others': that stream starts behind everything queued on the fetch stream
-//   so far and the fetch stream waits for its end before the layer's fetched_ event, so for every
-//   ordering below the two streams are one. The price: layer L + 1's SM share starts only after
-//   layer L's copy and update, and layer L + 1's copy only after layer L's SM share (a slow SM
-//   share holds the copies: gpu_agent/bench_results/NOTES.md).
+//   host gathers the others'. On the device the two parts share nothing but the counters: the
+//   SM share waits for the layer's selection and page writes itself, takes its update's lists
+//   from a pool of its own (sm_spare_lists_) and its rows from fetched_rows_, which only it uses,
+//   and ends in the layer's sm_fetched_ event, which WaitFetched joins beside fetched_. So
+//   neither part of layer L + 1 waits on the device for the other part of layer L (on the host,
+//   the worker queues layer L + 1's SM share once it has queued layer L's copies). The
+//   exception is a fetch that empties caches first (fills: a (sequence, layer)'s first fetch,
+//   after its admission or a failed fetch): the fills come after both streams' work so far (a
+//   failed fetch's work may still touch the cache), and that fetch's SM share after the fills.
 //
 // Not thread-safe (the agent is used from one thread; the worker's jobs touch only the device
 // memory and the events their work names, never the fetcher's tables).
@@ -227,8 +231,10 @@ class RowFetcher {
     std::vector<const uint8_t* const*> host_pages;  // [tasks] DevicePageTable::HostLayer (null: staged source)
     std::vector<CacheUpdateTask> updates;  // [tasks]: task i's rows go into update i's cache
     // By the copy engine: its first sm_tasks tasks (whole sequences) are read by FetchRows
-    // instead, on sm_fetch_ (fetch_sm_share); their out_rows are set.
+    // instead, on sm_fetch_ (fetch_sm_share); their out_rows are set, and their fills are the
+    // first sm_fills.
     size_t sm_tasks = 0;
+    size_t sm_fills = 0;
   };
   // The row cache of a (sequence, layer), list and rows, at KvConfig::cache_rows() (kept if it was).
   Status ReserveCache(LayerRows* lr) const;
@@ -247,8 +253,8 @@ class RowFetcher {
   // Launch's SM route for the work's first n tasks: FetchRows from the pages (which counts the hits
   // and misses), then their caches' update, on `stream`.
   Status LaunchBySmLoads(const FetchWork& work, size_t n, cudaStream_t stream, DecodePlan* plan) const;
-  // The copy engine's part of Launch: the work's SM share (sm_tasks) on sm_fetch_, the rest staged
-  // by the copy engine on `stream`, then `stream` joins sm_fetch_.
+  // The copy engine's part of Launch: the work's SM share (sm_tasks) on sm_fetch_, ending in the
+  // layer's sm_fetched_ event, and the rest staged by the copy engine on `stream`.
   Status LaunchByCopyEngine(const FetchWork& work, CopyEngineFetch* copy_engine, cudaStream_t stream,
                             DecodePlan* plan) const;
   // Of `fetched` sequences, how many the SM route takes (fetch_sm_share, rounded to nearest).
@@ -290,25 +296,35 @@ class RowFetcher {
   // The targets of the cache updates' lists, shared by all (sequence, layer)s: Prepare swaps the
   // first ones with the lists of the caches it fetches for. So the pool only grows to the most
   // sequences one fetch (of one layer) fetched for: one layer's lists of the largest batch (~96 KB
-  // per sequence at Llama-3-8B shapes with 1024-row caches). A list needs no second generation of
+  // per sequence at Llama-3-8B shapes with 1024-row caches; with an SM share the two pools
+  // together, give or take one from rounding). A list needs no second generation of
   // its own because its old generation is done with once its update is queued, and the rows, in
   // place, need none because the update writes only slots that no entry of either list that a
   // queued reader may read still names (the old list's evicted entries):
-  // - every update runs on one stream (the fetch stream, or Fetch's), in the order of the Prepares
+  // - every update that takes its target from a pool runs on that pool's one stream (this pool:
+  //   the fetch stream, or Fetch's; sm_spare_lists_: sm_fetch_), in the order of the Prepares
   //   that planned them: StartFetch queues a deferred fetch before it prepares the next one (and
   //   prepares none while that fails, so a deferred fetch queued again finds its old cache as it
-  //   was), and the worker runs the staged fetches in the order they were handed to it. So the
-  //   next update that writes a cache put back into the pool runs after this fetch's kernel and
-  //   update, the old cache's last readers on that stream (and, staged, the copy of its tokens to
-  //   the host);
+  //   was), and the worker runs the staged fetches in the order they were handed to it. A list
+  //   swapped out of a cache goes into the pool its replacement came from. So the next update
+  //   that writes a cache put back into a pool runs after this fetch's kernel and update, the old
+  //   cache's last readers on that stream (and, staged, the copy of its tokens to the host; by
+  //   the copy engine, the list of missed rows, which the host waits for before queueing the
+  //   update);
   // - the only other reader of the old cache (list and rows) is the layer's attention, queued
   //   on the compute stream before the selection this fetch waits for (MarkSelected: the
   //   selection forks off after the attention; or the deferred start recorded after it; Fetch
   //   runs on the compute stream itself), and every
-  //   attention queued from now on substitutes the new cache, after waiting for this fetch;
+  //   attention queued from now on substitutes the new cache, after waiting for this fetch (both
+  //   parts of it, by the copy engine with an SM share); so a (sequence, layer) whose fetches
+  //   change part from step to step is ordered through the compute stream (and one whose fetch
+  //   failed, whose list may still have a writer on the other stream, through the fills' wait for
+  //   both streams: Launch);
   // - the host reads a cache (AddStats) only once the streams are idle.
   // A spare's contents do not matter: the update writes all of the new list.
   std::vector<CacheList> spare_lists_;
+  // The copy engine's SM share's pool, the same way on sm_fetch_ (the first sequences of a fetch).
+  std::vector<CacheList> sm_spare_lists_;
   // FetchRows' output for the routes other than the copy engine (and its SM share), one per sequence of a fetch
   // ([n_kv][max_selected][2][head_dim], each reserved once at that size), read by the same
   // fetch's cache update: the next fetch's FetchRows, which writes it again, runs after that
@@ -327,12 +343,14 @@ class RowFetcher {
   int copy_engine_threads_ = 0;
   int64_t copy_piece_bytes_ = CopyEngineFetch::kCopyPieceBytes;  // UseCopyEngine's
   std::unique_ptr<CopyEngineFetch> copy_engine_;
-  // fetch_sm_share > 0: the SM share's stream, where it starts (recorded on the fetch stream) and
-  // its end (which the fetch stream waits for), and its kernels' task lists (the worker's thread).
+  // fetch_sm_share > 0: the SM share's stream; where it starts when it fills a cache (recorded on
+  // the fetch stream after the fills); its tail, which the fetch stream waits for before fills;
+  // per layer its end, which WaitFetched joins; its kernels' task lists (the worker's thread).
   double sm_share_ = 0.0;
   int64_t caller_wait_ns_ = 0;  // AgentStats::fetch_caller_wait_ns
   cudaStream_t sm_fetch_ = nullptr;
-  cudaEvent_t sm_start_ = nullptr, sm_done_ = nullptr;
+  cudaEvent_t sm_start_ = nullptr, sm_tail_ = nullptr;
+  std::vector<cudaEvent_t> sm_fetched_;  // [layer]
   mutable DecodePlan sm_plan_{DecodePlan::SlotReads::kInPlace};
   // The task lists of the kernels queued from the worker's thread and from the caller's (a plan
   // serves one thread), read in place: a copy would queue behind the fetch's own on the copy
