@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The CUDA agent's checks after a change to its GPU code, in one device call of at most ~8 minutes:
+# its device tests, compute-sanitizer over the tests that drive the fetch's streams with no host
+# wait, and the fetch's A/B figures (the agent's step, the whole model at 8K), each stage under a
+# time limit of its own so that one slow stage leaves the others their time. For a GPU machine
+# that has CUDA but none of the build's libraries: the binaries travel as a bundle made here.
+#
+#   here:     tools/bench/gpu_agent_checks.sh bundle   # build, then .bundle/agent.tar.xz (~35 MB)
+#   GPU host: tools/bench/gpu_agent_checks.sh run      # every stage, results to $OUT (default ./gpu-out)
+#             tools/bench/gpu_agent_checks.sh tests    # one stage: tests, sanitize, step, model
+#
+# SHARES (default "0 0.3") are the fetch_sm_share values the step and the whole model compare;
+# SANITIZE (default: the two device-tensor tests) the gtest filter compute-sanitizer runs, TOOLS
+# (default "memcheck racecheck") its tools. Each stage prints a line "stage: exit N, S s"; the
+# script's exit status is the tests' (a failing or missing GPU fails, SPECACHE_REQUIRE_GPU=1).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-gpu-out}
+bundle=.bundle/agent
+stage=${1:-}
+shares=${SHARES:-0 0.3}
+sanitize=${SANITIZE:-CudaAgentTest.EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent:CudaAgentTest.ChangingBatchesOnDeviceTensorsMatchTheCpuAgent}
+tools=${TOOLS:-memcheck racecheck}
+
+if [ "$stage" = bundle ]; then
+  set -e
+  build=${BUILD_DIR:-build}
+  nice -n 10 cmake --build "$build" -j2 --target gpu_agent_device_test specache-bench specache-run
+  rm -rf "$bundle"
+  tools/gpu-bundle "$bundle" "$build/tests/gpu_agent_device_test" "$build/tools/specache-bench" \
+    "$build/tools/specache-run"
+  tar -C .bundle -cf - agent | xz -T2 -6 > .bundle/agent.tar.xz
+  du -sh .bundle/agent.tar.xz
+  exit 0
+fi
+
+case "$stage" in
+  run | tests | sanitize | step | model) ;;
+  *) sed -n 2,14p "$0" >&2; exit 2 ;;
+esac
+if [ ! -x "$bundle/run" ]; then
+  [ -s .bundle/agent.tar.xz ] || { echo "gpu_agent_checks: no .bundle/agent.tar.xz (run the bundle stage here first)" >&2; exit 1; }
+  tar -C .bundle -xJf .bundle/agent.tar.xz
+fi
+mkdir -p "$out"
+export SPECACHE_REQUIRE_GPU=1
+sanitizer=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+
+timed() {  # timed NAME LIMIT_S COMMAND...: output to $out/NAME.txt, a summary line to stdout
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  rc=$?
+  echo "$name: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
+  return "$rc"
+}
+
+tests_rc=0
+if [ "$stage" = run ] || [ "$stage" = tests ]; then
+  nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+  timed tests 150 "$bundle/run" gpu_agent_device_test
+  tests_rc=$?
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$out/tests.txt"
+fi
+if [ "$stage" = run ] || [ "$stage" = sanitize ]; then
+  for tool in $tools; do
+    timed "sanitize_$tool" 150 env LD_LIBRARY_PATH="$PWD/$bundle/lib:/usr/local/cuda/lib64" \
+      "$sanitizer" --tool "$tool" --error-exitcode 99 \
+      "$bundle/bin/gpu_agent_device_test" --gtest_filter="$sanitize"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/sanitize_$tool.txt" | head -4
+  done
+fi
+if [ "$stage" = run ] || [ "$stage" = step ]; then
+  timed step 120 "$bundle/run" specache-bench step --tokens 8192 --batches 8,32 --fetch-sm-share "${shares// /,}"
+  grep -A1 "^specache" "$out/step.txt"
+fi
+if [ "$stage" = run ] || [ "$stage" = model ]; then
+  for share in $shares; do
+    timed "model_8k_share_$share" 90 "$bundle/run" specache-run bench --shape llama3-8b --gpu-mem-budget 48GB \
+      --context 8192 --steps 16 --kv specache --fetch-sm-share "$share"
+    grep -A1 "^ *8192 specache" "$out/model_8k_share_$share.txt"
+  done
+fi
+exit "$tests_rc"
