@@ -411,6 +411,10 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
   }
   SPECACHE_ASSIGN_OR_RETURN(KeptSummary found, kept_->Find(sequence));
   if (found.tenant != tenant) return Status::PermissionDenied("sequence " + std::to_string(sequence) + " belongs to another tenant");
+  // Before anything is restored or created: a claim with another layout changes nothing.
+  if (LayoutFingerprint(found.layout) != LayoutFingerprint(layout)) {
+    return Status::FailedPrecondition("sequence " + std::to_string(sequence) + " was kept with another layout");
+  }
   SPECACHE_RETURN_IF_ERROR(kept_->Restore(sequence, /*to_claim=*/true));  // nothing to do when parked
   // Under the lock: the copy from RAM (if the watermark spilled it again meanwhile, Claim
   // restores it here).
@@ -425,7 +429,10 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
     (void)s->pages->Release(sequence);
     return why;
   };
-  auto extended = s->pages->Extend(sequence, k.pages_per_layer * layout.page_tokens);
+  // Its pages' tokens, at most the capacity (the last page may be partial: capacity_tokens need
+  // not be a multiple of page_tokens).
+  const uint64_t tokens = std::min<uint64_t>(uint64_t{k.pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
+  auto extended = s->pages->Extend(sequence, static_cast<uint32_t>(tokens));
   if (!extended.ok()) return undo(extended.status());
   const SequencePages* p = s->pages->Find(sequence);
   const Status claimed = kept_->Claim(s->tenant, sequence, layout, [&](uint32_t l, uint32_t page) {

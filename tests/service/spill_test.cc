@@ -45,34 +45,37 @@ uint8_t Pattern(uint64_t seed, uint32_t layer, uint32_t page, size_t i) {
 }
 
 // Writes the sequence's pattern into its first `pages` pages at every layer.
-Status FillPattern(client::Session* session, uint64_t id, uint32_t pages, uint64_t seed) {
-  for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
+Status FillPattern(client::Session* session, uint64_t id, uint32_t pages, uint64_t seed,
+                   const client::PageLayoutSpec& layout = kLayout) {
+  for (uint32_t l = 0; l < layout.n_layers; ++l) {
     for (uint32_t p = 0; p < pages; ++p) {
       SPECACHE_ASSIGN_OR_RETURN(uint8_t * page, session->PageData(id, l, p));
-      for (size_t i = 0; i < kLayout.page_bytes(); ++i) page[i] = Pattern(seed, l, p, i);
+      for (size_t i = 0; i < layout.page_bytes(); ++i) page[i] = Pattern(seed, l, p, i);
     }
   }
   return Status::Ok();
 }
 
 // Creates a sequence of `tokens` tokens filled with its pattern, keeps it, closes the session.
-Result<uint64_t> WriteAndKeep(client::Client* c, uint64_t seed, uint32_t tokens) {
+Result<uint64_t> WriteAndKeep(client::Client* c, uint64_t seed, uint32_t tokens,
+                              const client::PageLayoutSpec& layout = kLayout) {
   SPECACHE_ASSIGN_OR_RETURN(auto session, c->OpenSession("default", 8 << 20));
-  SPECACHE_ASSIGN_OR_RETURN(uint64_t id, session->CreateSequence(kLayout));
+  SPECACHE_ASSIGN_OR_RETURN(uint64_t id, session->CreateSequence(layout));
   SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, session->Extend(id, tokens));
-  SPECACHE_RETURN_IF_ERROR(FillPattern(session.get(), id, pages, seed));
+  SPECACHE_RETURN_IF_ERROR(FillPattern(session.get(), id, pages, seed, layout));
   SPECACHE_RETURN_IF_ERROR(session->Keep(id));
   return id;  // the session closes here: the sequence is parked
 }
 
 // Claims a kept sequence into a new session and checks every page; returns the pages checked.
-Result<uint32_t> ClaimAndCheck(client::Client* c, uint64_t id, uint64_t seed) {
+Result<uint32_t> ClaimAndCheck(client::Client* c, uint64_t id, uint64_t seed,
+                               const client::PageLayoutSpec& layout = kLayout) {
   SPECACHE_ASSIGN_OR_RETURN(auto session, c->OpenSession("default", 8 << 20));
-  SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, session->Claim(id, kLayout));
-  for (uint32_t l = 0; l < kLayout.n_layers; ++l) {
+  SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, session->Claim(id, layout));
+  for (uint32_t l = 0; l < layout.n_layers; ++l) {
     for (uint32_t p = 0; p < pages; ++p) {
       SPECACHE_ASSIGN_OR_RETURN(uint8_t * page, session->PageData(id, l, p));
-      for (size_t i = 0; i < kLayout.page_bytes(); ++i) {
+      for (size_t i = 0; i < layout.page_bytes(); ++i) {
         if (page[i] != Pattern(seed, l, p, i)) {
           return Status::DataLoss("sequence " + std::to_string(id) + " layer " + std::to_string(l) + " page " +
                                   std::to_string(p) + " byte " + std::to_string(i) + " differs");
@@ -80,7 +83,7 @@ Result<uint32_t> ClaimAndCheck(client::Client* c, uint64_t id, uint64_t seed) {
       }
     }
   }
-  return pages * kLayout.n_layers;
+  return pages * layout.n_layers;
 }
 
 // Waits until the daemon has parked `n` sequences (parking happens when the session is reaped).
@@ -292,6 +295,42 @@ TEST(SpillTest, ASpillThatDoesNotFitKeepsTheRamCopy) {
   EXPECT_EQ(stats->spill_disk_bytes, 0u);
   auto pages = ClaimAndCheck(c.get(), *id, 5);
   ASSERT_TRUE(pages.ok()) << pages.status().ToString();
+}
+
+// capacity_tokens need not be a multiple of page_tokens: a sequence whose last page is partial
+// is claimed whole, from RAM and from disk. A claim with another layout is refused before anything
+// is restored: the spilled sequence stays on disk, and the right layout still claims it.
+TEST(SpillTest, AClaimTakesAPartialLastPageAndRefusesAnotherLayoutFirst) {
+  TempDir spill;
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  const client::PageLayoutSpec partial{3, 2, 64, 64, 100};  // 100 tokens: 2 pages of 64
+  auto parked = WriteAndKeep(c.get(), 7, 100, partial);
+  auto spilled = WriteAndKeep(c.get(), 8, 70, partial);
+  ASSERT_TRUE(parked.ok() && spilled.ok()) << parked.status().ToString() << " " << spilled.status().ToString();
+  ASSERT_TRUE(WaitForKept(c.get(), 2));
+  ASSERT_TRUE(c->Spill(*spilled).ok());
+  const uint64_t spilled_bytes = c->Stats()->spilled_bytes;
+  EXPECT_EQ(spilled_bytes, 3ull * 2 * partial.page_bytes());
+
+  auto session = c->OpenSession("default", 8 << 20);
+  ASSERT_TRUE(session.ok());
+  const client::PageLayoutSpec other{3, 2, 64, 64, 128};
+  auto refused = (*session)->Claim(*spilled, other);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+  auto stats = c->Stats();
+  EXPECT_EQ(stats->spilled_bytes, spilled_bytes) << "a refused claim restores nothing";
+  EXPECT_EQ(stats->parked_sequences, 1u);
+  EXPECT_FALSE((*session)->PageData(*spilled, 0, 0).ok()) << "a refused claim creates no sequence";
+
+  auto from_ram = ClaimAndCheck(c.get(), *parked, 7, partial);
+  ASSERT_TRUE(from_ram.ok()) << from_ram.status().ToString();
+  EXPECT_EQ(*from_ram, 3u * 2);
+  auto from_disk = ClaimAndCheck(c.get(), *spilled, 8, partial);
+  ASSERT_TRUE(from_disk.ok()) << from_disk.status().ToString();
+  EXPECT_EQ(*from_disk, 3u * 2);
 }
 
 // Clients keep writing, keeping and claiming sequences while an operator spills everything in a
