@@ -35,7 +35,10 @@ class PathLock {
   int fd_;
 };
 
-// Creates the socket's directory if missing. UNAVAILABLE (never an exception) when it cannot.
+// Creates the socket's directory if missing (mode 0755, whatever the umask); UNAVAILABLE (never
+// an exception) when it cannot. Then refuses a directory that someone other than the daemon's user
+// or root could replace the sockets in: owned by another user (PERMISSION_DENIED), or writable by
+// its group or others without the sticky bit (PERMISSION_DENIED; /tmp itself passes).
 Status EnsureSocketDirectory(const std::string& socket_path);
 
 struct SocketFile {

@@ -3,9 +3,11 @@
 // that cannot be created, ids that do not fit uid_t, negative durations, a pool larger than the
 // RAM or than RLIMIT_MEMLOCK) end the daemon with exit code 1 and a message, never an abort.
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 #include <gtest/gtest.h>
@@ -72,12 +74,16 @@ TEST(StartupTest, BadSettingsEndTheDaemonWithAMessage) {
     std::ofstream(dir.path + "/" + name) << toml;
     return dir.path + "/" + name;
   };
+  const std::string open_dir = dir.path + "/open";  // others may replace a socket there
+  std::filesystem::create_directory(open_dir);
+  std::filesystem::permissions(open_dir, std::filesystem::perms(0777));
   struct Case {
     const char* what;
     std::vector<std::string> args;
     const char* needle;
   } cases[] = {
       {"socket directory that cannot be created", {"--socket", "/proc/specache-test/control.sock"}, "cannot be created"},
+      {"socket directory others may write", {"--socket", open_dir + "/control.sock"}, "writable by its group or others"},
       {"uid beyond uid_t", {"--socket", socket, "--config", config("uid.toml", "[tenants.a]\nusers = [4294968296]\n")},
        "user id 4294968296 is out of range"},
       {"gid -1", {"--socket", socket, "--config", config("gid.toml", "[tenants.a]\ngroups = [-1]\n")},
@@ -101,7 +107,9 @@ TEST(StartupTest, BadSettingsEndTheDaemonWithAMessage) {
 TEST(StartupTest, APoolLargerThanRlimitMemlockIsRefused) {
   if (!testing::CanSwitchUsers()) GTEST_SKIP() << "needs root and /usr/bin/setpriv to run without CAP_IPC_LOCK";
   testing::TempDir dir;
-  chmod(dir.path.c_str(), 0777);  // uid 65534 writes its socket there (a test directory only)
+  // uid 65534 writes its socket there: its own directory (the daemon refuses one others may write).
+  ASSERT_EQ(chown(dir.path.c_str(), 65534, 65534), 0);
+  chmod(dir.path.c_str(), 0755);
   const Outcome o = RunDaemon(dir.path, {"--socket", dir.path + "/control.sock"},
                               testing::AsUser(65534, 65534, {}, {"/usr/bin/prlimit", "--memlock=1048576", "--"}));
   EXPECT_EQ(o.code, 1) << o.log;
