@@ -13,8 +13,9 @@
 # SANITIZE (default: the two device-tensor tests) the gtest filter compute-sanitizer runs, TOOLS
 # (default memcheck) its tools: racecheck takes 50-125 s a test on the H200, so run it as a stage
 # of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s, each tool 150, step 90,
-# each share of the model 60: `run` stays under 8 minutes with the default TOOLS. Each stage prints a line "stage: exit N, S s"; the
-# script's exit status is the tests' (a failing or missing GPU fails, SPECACHE_REQUIRE_GPU=1).
+# each share of the model 60: `run` stays under 8 minutes with the default TOOLS. Each stage
+# prints a line "stage: exit N, S s"; the script's exit status is the tests' (a failing or
+# missing GPU fails, SPECACHE_REQUIRE_GPU=1).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -38,7 +39,7 @@ fi
 
 case "$stage" in
   run | tests | sanitize | step | model) ;;
-  *) sed -n 2,14p "$0" >&2; exit 2 ;;
+  *) sed -n 2,18p "$0" >&2; exit 2 ;;
 esac
 if [ ! -x "$bundle/run" ]; then
   [ -s .bundle/agent.tar.xz ] || { echo "gpu_agent_checks: no .bundle/agent.tar.xz (run the bundle stage here first)" >&2; exit 1; }
