@@ -1,6 +1,7 @@
 #include "access.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -105,9 +106,44 @@ Result<Caller> AccessPolicy::AuthenticateRemote(const std::string& tenant, std::
   return c;
 }
 
+namespace {
+
+std::pair<uint64_t, uint64_t> FileOf(int fd) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return {0, 0};
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+}
+
+}  // namespace
+
 void PeerTable::Set(int fd, Caller caller) {
+  const auto [dev, ino] = FileOf(fd);
   std::lock_guard<std::mutex> lock(mu_);
-  by_fd_[fd] = std::move(caller);
+  by_fd_[fd] = {std::move(caller), dev, ino};
+}
+
+void PeerTable::PruneLocked() {
+  for (auto it = by_fd_.begin(); it != by_fd_.end();) {
+    const auto [dev, ino] = FileOf(it->first);
+    const bool open = ino != 0 && dev == it->second.dev && ino == it->second.ino;
+    it = open ? std::next(it) : by_fd_.erase(it);
+  }
+}
+
+Status PeerTable::Admit(int fd, Caller caller, uint32_t most, uint32_t most_per_uid) {
+  const auto [dev, ino] = FileOf(fd);
+  std::lock_guard<std::mutex> lock(mu_);
+  by_fd_.erase(fd);  // a number gRPC closed and accept reused
+  PruneLocked();
+  uint32_t of_uid = 0;
+  for (const auto& [other, e] : by_fd_) of_uid += e.caller.uid == caller.uid ? 1 : 0;
+  if (by_fd_.size() >= most || of_uid >= most_per_uid) {
+    return Status::ResourceExhausted(std::to_string(by_fd_.size()) + " control connections open (" + std::to_string(of_uid) +
+                                     " of uid " + std::to_string(caller.uid) + "), limits " + std::to_string(most) +
+                                     " and " + std::to_string(most_per_uid) + " per uid ([limits] in the config)");
+  }
+  by_fd_[fd] = {std::move(caller), dev, ino};
+  return Status::Ok();
 }
 
 Result<Caller> PeerTable::Find(const std::string& peer) const {
@@ -116,7 +152,7 @@ Result<Caller> PeerTable::Find(const std::string& peer) const {
     const int fd = std::atoi(peer.c_str() + kPrefix.size());
     std::lock_guard<std::mutex> lock(mu_);
     auto it = by_fd_.find(fd);
-    if (it != by_fd_.end()) return it->second;
+    if (it != by_fd_.end()) return it->second.caller;
   }
   return Status::PermissionDenied("connection " + Printable(peer) + " has no known peer credentials");
 }

@@ -72,12 +72,22 @@ class AccessPolicy {
 class PeerTable {
  public:
   void Set(int fd, Caller caller);
+  // Set, within the limits of connections open in all and of the caller's uid (connections whose
+  // descriptor gRPC closed since are not counted: their number now names another file, or none).
+  // RESOURCE_EXHAUSTED, naming the limit, when the connection would pass one (nothing recorded).
+  Status Admit(int fd, Caller caller, uint32_t most, uint32_t most_per_uid);
   // PERMISSION_DENIED for a connection the table does not know (never accepted by the daemon).
   Result<Caller> Find(const std::string& peer) const;
 
  private:
+  struct Entry {
+    Caller caller;
+    uint64_t dev = 0, ino = 0;  // the connection's socket: the descriptor still names it while open
+  };
+  // Forgets the connections whose descriptor no longer names their socket.
+  void PruneLocked();
   mutable std::mutex mu_;
-  std::map<int, Caller> by_fd_;
+  std::map<int, Entry> by_fd_;
 };
 
 // `text` made safe to echo into a log line or an error: control bytes, quotes, backslashes and

@@ -105,9 +105,11 @@ Status ParseLimits(const toml::node& node, LimitsConfig* l) {
   if (!t) return Status::InvalidArgument("config: [limits] must be a table");
   for (const auto& [field, value] : *t) {
     const std::string key = "limits." + std::string(field.str());
-    uint32_t* out = field.str() == "attach_connections"           ? &l->attach_connections
-                    : field.str() == "attach_connections_per_uid" ? &l->attach_connections_per_uid
-                                                                  : nullptr;
+    uint32_t* out = field.str() == "attach_connections"            ? &l->attach_connections
+                    : field.str() == "attach_connections_per_uid"  ? &l->attach_connections_per_uid
+                    : field.str() == "control_connections"         ? &l->control_connections
+                    : field.str() == "control_connections_per_uid" ? &l->control_connections_per_uid
+                                                                   : nullptr;
     if (!out) return Status::InvalidArgument("config: unknown key '" + key + "'");
     auto v = value.value<int64_t>();
     if (!v || *v < 1 || *v > 1000000) return Status::InvalidArgument("config: " + key + " must be an integer in [1, 1000000]");

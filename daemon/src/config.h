@@ -91,6 +91,8 @@ struct AccessConfig {
 struct LimitsConfig {
   uint32_t attach_connections = 1024;
   uint32_t attach_connections_per_uid = 64;
+  uint32_t control_connections = 1024;
+  uint32_t control_connections_per_uid = 64;
 };
 
 // ---- [remote]: clients on other hosts. ----

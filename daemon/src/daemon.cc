@@ -181,7 +181,17 @@ Status ListenControl(State* d) {
       spdlog::warn("control: connection closed: {}", caller.ok() ? "cannot make it non-blocking" : caller.status().ToString());
       return;
     }
-    d->peers.Set(fd, std::move(*caller));
+    const uint32_t uid = caller->uid;
+    const Status admitted = d->peers.Admit(fd, std::move(*caller), d->config.limits.control_connections,
+                                           d->config.limits.control_connections_per_uid);
+    if (!admitted.ok()) {
+      ::close(fd);
+      const uint64_t refused = ++d->control_refused;
+      if ((refused & (refused - 1)) == 0) {  // 1st, 2nd, 4th...: a flood does not flood the log
+        spdlog::warn("control: connection of uid {} refused: {}; {} refused so far", uid, admitted.message(), refused);
+      }
+      return;
+    }
     grpc::AddInsecureChannelFromFd(d->server.get(), fd);
   });
   return Status::Ok();

@@ -120,6 +120,36 @@ TEST(LimitsTest, AttachConnectionsAreCappedPerUidAndInTotal) {
   EXPECT_EQ(stats->attach_connections, 7u);
 }
 
+// Control connections too (the gRPC socket, which anyone in the socket's group may reach): a uid
+// holds at most its share, all of them at most the total, and connections that closed free their
+// places again.
+TEST(LimitsTest, ControlConnectionsAreCappedPerUidAndInTotal) {
+  if (!testing::CanSwitchUsers()) GTEST_SKIP() << "needs root and /usr/bin/setpriv to act as uid 65534";
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("[access]\nsocket_group = 65534\n[limits]\ncontrol_connections = 7\ncontrol_connections_per_uid = 4\n"));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(c->Stats().ok());  // root's one connection
+  auto flood = Spawn(AsUser(65534, 65534, {}, {TEST_CLIENT_PATH, "flood", d.socket, "40"}));
+  EXPECT_EQ(flood->ReadLine(10000), "open 4");
+  auto root_flood = Spawn({TEST_CLIENT_PATH, "flood", d.socket, "10"});
+  EXPECT_EQ(root_flood->ReadLine(10000), "open 2") << "7 in all: 4 of uid 65534, root's client and 2 more";
+  auto stats = c->Stats();  // the connection it had is still served
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ(stats->refused_connections, 36u + 8u);
+  // Once the floods are gone, their places are free again.
+  flood->Kill(SIGKILL);
+  flood->Wait(5000);
+  root_flood->Kill(SIGKILL);
+  root_flood->Wait(5000);
+  EXPECT_TRUE(WaitFor([&] {
+    auto again = client::Client::Connect({d.socket, std::chrono::milliseconds(1000), "limits-test"});
+    return again.ok() && (*again)->Stats().ok();
+  }, 5000));
+  auto after = Spawn(AsUser(65534, 65534, {}, {TEST_CLIENT_PATH, "flood", d.socket, "6"}));
+  EXPECT_EQ(after->ReadLine(10000), "open 4") << "uid 65534's places came back";
+}
+
 // With descriptors exhausted by a flood of attach connections, the accept loop backs off (no
 // core spinning, accept errors counted) and a session closed meanwhile by a client that keeps
 // its chunks loses no chunk from the pool: the failed replacement is retried.

@@ -248,8 +248,13 @@ int Flood(const std::string& path, int n) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   int open = 0;
   for (int fd : fds) {
+    // Closed by the daemon: end of file (a gRPC server that kept the connection may have sent
+    // its settings: readable, but not at its end).
     pollfd p{fd, POLLIN, 0};
-    open += poll(&p, 1, 0) == 0;  // readable here means closed by the daemon
+    char byte = 0;
+    const bool closed = poll(&p, 1, 0) == 1 && ((p.revents & (POLLHUP | POLLERR)) != 0 ||
+                                                recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0);
+    open += closed ? 0 : 1;
   }
   std::printf("open %d\n", open);
   std::fflush(stdout);
