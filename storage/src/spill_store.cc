@@ -17,6 +17,7 @@
 #include <shared_mutex>
 #include <thread>
 
+#include <spdlog/spdlog.h>
 #include <rocksdb/db.h>
 #include <rocksdb/env.h>
 #include <rocksdb/file_system.h>
@@ -418,7 +419,12 @@ void SpillStore::AppendCatalog(const char* op, const std::string& tenant, uint64
   // deleted sequence as damaged (a false alarm, never a silent loss).
   std::lock_guard<std::mutex> lock(catalog_mu_);
   if (catalog_fd_ < 0) return;
-  if (!WriteAll(catalog_fd_, CatalogLine(op, tenant, id)) || fdatasync(catalog_fd_) != 0) ++write_errors_;
+  if (!WriteAll(catalog_fd_, CatalogLine(op, tenant, id)) || fdatasync(catalog_fd_) != 0) {
+    const uint64_t n = ++write_errors_;
+    if ((n & (n - 1)) == 0) {  // 1st, 2nd, 4th...: a failing disk does not flood the log
+      spdlog::warn("spill store: the catalog line '{} {}' was not written ({} so far): {}", op, id, n, std::strerror(errno));
+    }
+  }
 }
 
 void SpillStore::AddProblem(std::string what) {
