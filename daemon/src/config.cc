@@ -109,6 +109,7 @@ Status ParseLimits(const toml::node& node, LimitsConfig* l) {
                     : field.str() == "attach_connections_per_uid"  ? &l->attach_connections_per_uid
                     : field.str() == "control_connections"         ? &l->control_connections
                     : field.str() == "control_connections_per_uid" ? &l->control_connections_per_uid
+                    : field.str() == "kept_sequences_per_tenant"   ? &l->kept_sequences_per_tenant
                                                                    : nullptr;
     if (!out) return Status::InvalidArgument("config: unknown key '" + key + "'");
     auto v = value.value<int64_t>();

@@ -93,6 +93,9 @@ struct LimitsConfig {
   uint32_t attach_connections_per_uid = 64;
   uint32_t control_connections = 1024;
   uint32_t control_connections_per_uid = 64;
+  // Sequences a tenant may keep past their sessions (parked, spilled, or marked to keep by a live
+  // session): the daemon's catalog and every listing stay bounded.
+  uint32_t kept_sequences_per_tenant = 4096;
 };
 
 // ---- [remote]: clients on other hosts. ----

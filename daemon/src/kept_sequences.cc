@@ -230,7 +230,7 @@ Status KeptSequences::Evict(uint64_t id) {
   return Status::Ok();
 }
 
-Status KeptSequences::Claim(const std::string& tenant, uint64_t id, const PageLayout& layout, const PageAt& pages) {
+Result<KeptSequences::Taken> KeptSequences::Take(const std::string& tenant, uint64_t id, const PageLayout& layout) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Kept * k, FindLocked(id));
   if (k->tenant != tenant) return Status::PermissionDenied("sequence " + std::to_string(id) + " belongs to another tenant");
@@ -238,15 +238,29 @@ Status KeptSequences::Claim(const std::string& tenant, uint64_t id, const PageLa
     return Status::FailedPrecondition("sequence " + std::to_string(id) + " was kept with another layout");
   }
   SPECACHE_RETURN_IF_ERROR(RestoreLocked(id, k));
-  for (uint32_t l = 0; l < layout.n_layers; ++l) {
-    for (uint32_t p = 0; p < k->pages_per_layer; ++p) std::memcpy(pages(l, p), k->page(l, p), layout.page_bytes());
-  }
-  if (k->on_disk) {
-    const Status s = store_->Delete(tenant, id);
-    if (!s.ok()) spdlog::error("claimed sequence {}: its disk copy stays: {}", id, s.ToString());
-  }
+  Taken t{id, k->tenant, k->layout, k->pages_per_layer, k->on_disk, std::move(k->ram), k->parked_at};
   kept_.erase(id);
-  return Status::Ok();
+  return t;
+}
+
+void KeptSequences::Finish(Taken taken) {
+  if (!taken.on_disk) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  const Status s = store_->Delete(taken.tenant, taken.id);
+  if (!s.ok()) spdlog::error("claimed sequence {}: its disk copy stays: {}", taken.id, s.ToString());
+}
+
+void KeptSequences::PutBack(Taken taken) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Kept k;
+  k.tenant = std::move(taken.tenant);
+  k.layout = taken.layout;
+  k.pages_per_layer = taken.pages_per_layer;
+  k.state = KeptState::kParked;
+  k.on_disk = taken.on_disk;
+  k.ram = std::move(taken.ram);
+  k.parked_at = taken.parked_at;
+  kept_.emplace(taken.id, std::move(k));  // over park_bytes for a moment at most: the watermarks spill it
 }
 
 KeptSummary KeptSequences::SummaryOf(uint64_t id, const Kept& k) {
@@ -265,6 +279,13 @@ std::vector<KeptSummary> KeptSequences::List() const {
   std::vector<KeptSummary> out;
   for (const auto& [id, k] : kept_) out.push_back(SummaryOf(id, k));
   return out;
+}
+
+uint64_t KeptSequences::CountOf(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t n = 0;
+  for (const auto& [id, k] : kept_) n += k.tenant == tenant ? 1 : 0;
+  return n;
 }
 
 KeptStats KeptSequences::stats() const {

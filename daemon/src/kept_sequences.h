@@ -3,8 +3,9 @@
 // sequences are idle by construction (no client maps them), so they are the ones the spill tier
 // takes: explicitly (Spill, specachectl spill) or by the watermark policy, least recently used
 // first, when parked bytes pass high x park_bytes, down to low x park_bytes. Restore brings a
-// spilled sequence back to RAM (every page's checksum verified); Claim hands a kept sequence to a
-// session of its tenant with the same layout (restoring it first if needed); Evict forgets it.
+// spilled sequence back to RAM (every page's checksum verified); Take / Finish (or PutBack) hand a
+// kept sequence to a session of its tenant with the same layout (restoring it first if needed);
+// Evict forgets it.
 // After a restart, the spilled sequences are listed again from the store.
 //
 // Limits: parked RAM never exceeds park_bytes. A sequence that does not fit is spilled straight
@@ -92,12 +93,32 @@ class KeptSequences {
   Status Restore(uint64_t id, bool to_claim = false);
   // Forgets a kept sequence, or a damaged spill of that id (SpillStore::DeleteDamaged).
   Status Evict(uint64_t id);
-  // Copies the kept sequence into `pages` (restoring it first if spilled) and forgets it.
-  // PERMISSION_DENIED for another tenant's sequence, FAILED_PRECONDITION for another layout.
-  Status Claim(const std::string& tenant, uint64_t id, const PageLayout& layout, const PageAt& pages);
+  // A claim in three steps, so that its caller copies the pages without this object's lock (which
+  // spills hold for their disk I/O) and without holding its own lock across this one's:
+  // Take hands over the sequence's RAM copy (restored first if spilled) and stops keeping it (a
+  // second claim finds nothing); then either Finish (claimed: its disk copy, if any, deleted) or
+  // PutBack (the claim failed: kept again as it was). PERMISSION_DENIED for another tenant's
+  // sequence, FAILED_PRECONDITION for another layout, NOT_FOUND for an unknown id.
+  struct Taken {
+    uint64_t id = 0;
+    std::string tenant;
+    PageLayout layout;
+    uint32_t pages_per_layer = 0;
+    bool on_disk = false;
+    std::unique_ptr<uint8_t[]> ram;  // [layer][page][page_bytes]
+    std::chrono::steady_clock::time_point parked_at;
+    const uint8_t* page(uint32_t l, uint32_t p) const {
+      return ram.get() + (uint64_t{l} * pages_per_layer + p) * layout.page_bytes();
+    }
+  };
+  Result<Taken> Take(const std::string& tenant, uint64_t id, const PageLayout& layout);
+  void Finish(Taken taken);
+  void PutBack(Taken taken);
 
   Result<KeptSummary> Find(uint64_t id) const;
   std::vector<KeptSummary> List() const;
+  // How many sequences the tenant keeps (parked or spilled).
+  uint64_t CountOf(const std::string& tenant) const;
   KeptStats stats() const;
   bool has_spill_tier() const { return store_ != nullptr; }
   SpillVerifyReport Verify();

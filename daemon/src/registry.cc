@@ -161,7 +161,7 @@ Result<AttachGrant> Registry::Attach(uint64_t session, const Token& token, const
   return g;
 }
 
-Result<std::vector<uint32_t>> Registry::AttachRemote(uint64_t session, const Token& token) {
+Result<std::vector<uint32_t>> Registry::AttachRemote(uint64_t session, const Token& token, bool keys) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
   if (!s->remote) {
@@ -169,8 +169,19 @@ Result<std::vector<uint32_t>> Registry::AttachRemote(uint64_t session, const Tok
   }
   if (s->attached) return Status::FailedPrecondition("session " + std::to_string(session) + " is already attached");
   s->attached = true;
+  s->remote_keys = keys;
   spdlog::info("session {} attached by a remote client of tenant {}", session, s->tenant);
   return s->pages->chunks();
+}
+
+void Registry::RemoteKeysUnmapped(uint64_t session) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session);
+    if (it == sessions_.end() || !it->second.remote_keys) return;
+    it->second.remote_keys = false;
+  }
+  keys_dropped_.notify_all();  // a CloseSession may wait for it
 }
 
 bool Registry::SessionLive(uint64_t session) const {
@@ -204,12 +215,18 @@ uint8_t* Registry::RowAddressLocked(const Session& s, const SequencePages& p, ui
 }
 
 Result<std::vector<uint8_t>> Registry::ReadRows(uint64_t session, const Token& token, uint64_t sequence,
-                                                uint32_t layer, uint32_t kv_head, std::span<const int32_t> tokens) {
+                                                uint32_t layer, uint32_t kv_head, std::span<const int32_t> tokens,
+                                                uint64_t max_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   Session* s = nullptr;
   SPECACHE_ASSIGN_OR_RETURN(const SequencePages* p, RemoteSequenceLocked(session, token, sequence, layer, kv_head, &s));
   const uint64_t limit = uint64_t{p->pages_per_layer} * p->layout.page_tokens;
   const uint64_t row_bytes = uint64_t{2} * p->layout.head_dim * 2;
+  if (tokens.size() * row_bytes > max_bytes) {
+    return Status::ResourceExhausted("a reply of " + std::to_string(tokens.size() * row_bytes) + " bytes (" +
+                                     std::to_string(tokens.size()) + " rows) does not fit the " + std::to_string(max_bytes) +
+                                     " bytes its endpoint may still hold: take the replies in flight first");
+  }
   for (size_t i = 0; i < tokens.size(); ++i) {  // every token first: nothing is copied for a bad list
     if (tokens[i] < 0 || static_cast<uint64_t>(tokens[i]) >= limit) {
       return Status::OutOfRange("row " + std::to_string(tokens[i]) + " (entry " + std::to_string(i) +
@@ -225,17 +242,16 @@ Result<std::vector<uint8_t>> Registry::ReadRows(uint64_t session, const Token& t
 }
 
 Status Registry::WriteRows(uint64_t session, const Token& token, uint64_t sequence, uint32_t layer, uint32_t kv_head,
-                           uint32_t first_token, std::span<const uint8_t> rows) {
+                           uint32_t first_token, uint32_t n, std::span<const uint8_t> rows) {
   std::lock_guard<std::mutex> lock(mu_);
   Session* s = nullptr;
   SPECACHE_ASSIGN_OR_RETURN(const SequencePages* p, RemoteSequenceLocked(session, token, sequence, layer, kv_head, &s));
   const uint64_t limit = uint64_t{p->pages_per_layer} * p->layout.page_tokens;
   const uint64_t row_bytes = uint64_t{2} * p->layout.head_dim * 2;
-  if (rows.size() % row_bytes != 0) {
-    return Status::InvalidArgument(std::to_string(rows.size()) + " bytes are not whole rows of " + std::to_string(row_bytes) +
-                                   " bytes");
+  if (rows.size() != n * row_bytes) {
+    return Status::InvalidArgument("a write of " + std::to_string(n) + " rows of " + std::to_string(row_bytes) +
+                                   " bytes came with " + std::to_string(rows.size()) + " bytes");
   }
-  const uint64_t n = rows.size() / row_bytes;
   if (uint64_t{first_token} + n > limit) {
     return Status::OutOfRange("rows " + std::to_string(first_token) + ".." + std::to_string(uint64_t{first_token} + n) +
                               " beyond the sequence's " + std::to_string(limit) + " tokens of pages (extend first)");
@@ -266,6 +282,30 @@ void Registry::Detach(uint64_t session) {
 Status Registry::CloseSession(uint64_t session, const Token& token) {
   std::unique_lock<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  if (s->remote_keys) {
+    // Remote keys still reach its chunks: the UCX server closes the endpoint (the session is no
+    // longer live: detached), drops the keys and says so (RemoteKeysUnmapped); the chunks go back
+    // after that, here (as for any session, before CloseSession returns) or, if that takes longer
+    // than kKeysDropWait, by Reap.
+    s->detached = true;
+    s->detached_at = std::chrono::steady_clock::now();
+    s->closing = true;
+    const uint64_t id = s->id;
+    const bool dropped = keys_dropped_.wait_for(lock, kKeysDropWait, [&] {
+      auto it = sessions_.find(id);
+      return it == sessions_.end() || !it->second.remote_keys;
+    });
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) return Status::Ok();
+    it->second.closing = false;
+    if (!dropped) {
+      it->second.closed = true;  // Reap reclaims it once the keys are dropped
+      spdlog::warn("session {} closed while its UCX endpoint still holds remote keys: its chunks go back once they "
+                   "are dropped", id);
+      return Status::Ok();
+    }
+    s = &it->second;
+  }
   // The caller lives on; the pool replaces whatever chunks it still holds.
   const ChunkReturn r = ReclaimLocked(sessions_.find(s->id));
   lock.unlock();
@@ -328,8 +368,8 @@ void Registry::Reap() {
     if (!s.attached && now - s.opened > std::chrono::milliseconds(config_.lease_ms)) {
       spdlog::warn("session {} not attached within {} ms: reclaimed", s.id, config_.lease_ms);
       returns.push_back(ReclaimLocked(it));  // no descriptor left the daemon
-    } else if (s.detached) {
-      const bool exited = PeerExited(s.pidfd, s.peer.pid);
+    } else if (s.detached && !s.remote_keys && !s.closing) {  // never while a remote key may reach its chunks
+      const bool exited = s.closed || PeerExited(s.pidfd, s.peer.pid);
       if (exited || now - s.detached_at > kExitGrace) returns.push_back(ReclaimLocked(it));
     }
     it = next;
@@ -383,6 +423,7 @@ Status Registry::ReleaseSequence(uint64_t session, const Token& token, uint64_t 
 
 Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t sequence) {
   uint64_t bytes = 0;
+  std::string tenant;
   {
     std::lock_guard<std::mutex> lock(mu_);
     SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
@@ -390,12 +431,29 @@ Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t seq
     const SequencePages* p = s->pages->Find(sequence);
     if (!p) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
     bytes = uint64_t{p->layout.n_layers} * p->pages_per_layer * p->layout.page_bytes();  // as it is now
+    tenant = s->tenant;
   }
   // Outside the registry's lock: KeptSequences' lock is held by spills for their disk I/O.
   SPECACHE_RETURN_IF_ERROR(kept_->CanKeep(bytes));
+  const uint64_t kept = kept_->CountOf(tenant);
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
   if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
+  if (!keep_on_close_.count(sequence)) {
+    uint64_t marked = 0;  // the tenant's sequences live sessions will keep
+    for (uint64_t other : keep_on_close_) {
+      auto owner = sequence_owner_.find(other);
+      auto it = owner == sequence_owner_.end() ? sessions_.end() : sessions_.find(owner->second);
+      marked += it != sessions_.end() && it->second.tenant == tenant ? 1 : 0;
+    }
+    const uint32_t most = config_.limits.kept_sequences_per_tenant;
+    if (kept + marked >= most) {
+      return Status::ResourceExhausted("tenant " + tenant + " keeps " + std::to_string(kept) + " sequences and " +
+                                       std::to_string(marked) + " more are marked to keep, the most [limits] "
+                                       "kept_sequences_per_tenant allows (" + std::to_string(most) +
+                                       "); claim or evict some first");
+    }
+  }
   keep_on_close_.insert(sequence);
   return Status::Ok();
 }
@@ -415,32 +473,59 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
   if (LayoutFingerprint(found.layout) != LayoutFingerprint(layout)) {
     return Status::FailedPrecondition("sequence " + std::to_string(sequence) + " was kept with another layout");
   }
-  SPECACHE_RETURN_IF_ERROR(kept_->Restore(sequence, /*to_claim=*/true));  // nothing to do when parked
-  // Under the lock: the copy from RAM (if the watermark spilled it again meanwhile, Claim
-  // restores it here).
-  std::lock_guard<std::mutex> lock(mu_);
-  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
-  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
-  SPECACHE_ASSIGN_OR_RETURN(KeptSummary k, kept_->Find(sequence));
-  if (k.tenant != s->tenant) return Status::PermissionDenied("sequence " + std::to_string(sequence) + " belongs to another tenant");
-  SPECACHE_ASSIGN_OR_RETURN(const SequencePages* created, s->pages->CreateSequence(sequence, layout));
-  const uint32_t slot = created->slot;
-  auto undo = [&](const Status& why) {
-    (void)s->pages->Release(sequence);
+  // Its RAM copy, taken from the kept sequences without the registry's lock (a spill may hold
+  // theirs for its disk I/O; a spilled sequence is restored here): from now on no other claim
+  // finds it, and every way out below either claims it or puts it back.
+  SPECACHE_ASSIGN_OR_RETURN(KeptSequences::Taken taken, kept_->Take(tenant, sequence, layout));
+  auto put_back = [&](const Status& why) {
+    kept_->PutBack(std::move(taken));
     return why;
   };
-  // Its pages' tokens, at most the capacity (the last page may be partial: capacity_tokens need
-  // not be a multiple of page_tokens).
-  const uint64_t tokens = std::min<uint64_t>(uint64_t{k.pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
-  auto extended = s->pages->Extend(sequence, static_cast<uint32_t>(tokens));
-  if (!extended.ok()) return undo(extended.status());
-  const SequencePages* p = s->pages->Find(sequence);
-  const Status claimed = kept_->Claim(s->tenant, sequence, layout, [&](uint32_t l, uint32_t page) {
-    return PageAddress(*s, p->pages[l][page]);
-  });
-  if (!claimed.ok()) return undo(claimed);
-  sequence_owner_[sequence] = session;
-  return std::make_pair(slot, k.pages_per_layer);
+  uint32_t slot = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto s = Authorize(session, token);
+    if (!s.ok()) return put_back(s.status());
+    if (Status attached = RequireAttached(**s); !attached.ok()) return put_back(attached);
+    auto created = (*s)->pages->CreateSequence(sequence, layout);
+    if (!created.ok()) return put_back(created.status());
+    slot = (*created)->slot;
+    // Its pages' tokens, at most the capacity (the last page may be partial: capacity_tokens need
+    // not be a multiple of page_tokens).
+    const uint64_t tokens = std::min<uint64_t>(uint64_t{taken.pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
+    auto extended = (*s)->pages->Extend(sequence, static_cast<uint32_t>(tokens));
+    if (!extended.ok()) {
+      (void)(*s)->pages->Release(sequence);
+      return put_back(extended.status());
+    }
+  }
+  // The copy, a batch of pages at a time under the lock (each batch checks that the session and
+  // the sequence are still there: a session closed meanwhile gave its chunks back), so that other
+  // sessions' calls wait for one batch at most, not for the whole sequence.
+  const uint64_t page_bytes = layout.page_bytes();
+  const uint64_t batch = std::max<uint64_t>(1, kClaimBatchBytes / page_bytes);
+  const uint64_t pages = uint64_t{layout.n_layers} * taken.pages_per_layer;
+  for (uint64_t first = 0; first < pages; first += batch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto s = Authorize(session, token);
+    const SequencePages* p = s.ok() ? (*s)->pages->Find(sequence) : nullptr;
+    if (!p) {
+      return put_back(Status::FailedPrecondition("sequence " + std::to_string(sequence) +
+                                      " left its session while it was being claimed: it stays kept"));
+    }
+    for (uint64_t i = first; i < std::min(pages, first + batch); ++i) {
+      const auto l = static_cast<uint32_t>(i / taken.pages_per_layer), page = static_cast<uint32_t>(i % taken.pages_per_layer);
+      std::memcpy(PageAddress(**s, p->pages[l][page]), taken.page(l, page), page_bytes);
+    }
+    if (first + batch >= pages) sequence_owner_[sequence] = session;  // claimed, still under the lock
+  }
+  if (pages == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sequence_owner_[sequence] = session;
+  }
+  const uint32_t pages_per_layer = taken.pages_per_layer;
+  kept_->Finish(std::move(taken));
+  return std::make_pair(slot, pages_per_layer);
 }
 
 Result<std::string> Registry::SessionTenant(uint64_t session) const {

@@ -14,6 +14,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -104,6 +105,10 @@ class Registry {
   Result<AttachGrant> Attach(uint64_t session, const Token& token, const Caller& peer);
   // The attach connection closed: the session is reclaimed (by Reap, once the peer's fate is known).
   void Detach(uint64_t session);
+  // Ends the session: its chunks go back to the pool before it returns. While a UCX endpoint holds
+  // remote keys for them (AttachRemote with keys), it first waits (at most kKeysDropWait) for the
+  // endpoint to drop them (RemoteKeysUnmapped), so that no key reaches a chunk another session was
+  // given; past that the chunks go back (Reap) once the keys are dropped.
   Status CloseSession(uint64_t session, const Token& token);
 
   Result<std::pair<uint64_t, uint32_t>> CreateSequence(uint64_t session, const Token& token, const PageLayout& layout);
@@ -122,17 +127,22 @@ class Registry {
   // of this session, layer and head inside its layout, tokens inside its pages.
 
   // The session's chunks (pool indices, in session order). FAILED_PRECONDITION for a session
-  // opened locally or already attached.
-  Result<std::vector<uint32_t>> AttachRemote(uint64_t session, const Token& token);
+  // opened locally or already attached. `keys`: the endpoint hands out remote keys for them (`rma`),
+  // which it must report dropped (RemoteKeysUnmapped) before the chunks can go back to the pool.
+  Result<std::vector<uint32_t>> AttachRemote(uint64_t session, const Token& token, bool keys = false);
+  // The session's endpoint unmapped its chunks (its remote keys are stale from here).
+  void RemoteKeysUnmapped(uint64_t session);
   // The rows of `tokens` of (sequence, layer, kv_head), packed in list order ([n][row bytes]).
   // OUT_OF_RANGE naming the first token outside the sequence's pages (nothing is copied then).
+  // RESOURCE_EXHAUSTED, before anything is copied, when they would be more than max_bytes.
   Result<std::vector<uint8_t>> ReadRows(uint64_t session, const Token& token, uint64_t sequence, uint32_t layer,
-                                        uint32_t kv_head, std::span<const int32_t> tokens);
-  // Writes rows ([n][row bytes], n = rows.size() / row bytes) at first_token.. of (sequence,
-  // layer, kv_head); the pages must exist (ExtendSequence). INVALID_ARGUMENT when the bytes are
-  // not whole rows of the sequence's layout.
+                                        uint32_t kv_head, std::span<const int32_t> tokens,
+                                        uint64_t max_bytes = UINT64_MAX);
+  // Writes n rows ([n][row bytes]) at first_token.. of (sequence, layer, kv_head); the pages must
+  // exist (ExtendSequence). INVALID_ARGUMENT when the bytes are not n whole rows of the sequence's
+  // layout.
   Status WriteRows(uint64_t session, const Token& token, uint64_t sequence, uint32_t layer, uint32_t kv_head,
-                   uint32_t first_token, std::span<const uint8_t> rows);
+                   uint32_t first_token, uint32_t n, std::span<const uint8_t> rows);
   // Where (sequence, layer)'s pages are: (index into the session's chunks, byte offset) per page.
   Result<std::vector<shm::PageRef>> PageRefs(uint64_t session, const Token& token, uint64_t sequence, uint32_t layer);
   // The daemon's mapping of pool chunk c (what the UCX server registers).
@@ -166,6 +176,9 @@ class Registry {
     std::unique_ptr<SessionPages> pages;
     bool attached = false, detached = false;
     bool remote = false;  // opened by a client on another host: attaches over UCX only
+    bool remote_keys = false;  // its chunks are mapped for a UCX endpoint's remote keys
+    bool closing = false;      // CloseSession waits for remote_keys to clear, then reclaims it
+    bool closed = false;       // CloseSession gave up waiting: Reap reclaims it once they clear
     PeerCredentials peer;
     int pidfd = -1;
     std::chrono::steady_clock::time_point opened, detached_at;
@@ -207,6 +220,10 @@ class Registry {
   std::map<std::string, uint64_t> tenant_tags_;  // tenant -> holder tag in the pool (1, 2, ...)
   ChunkPool* pool_;
   mutable std::mutex mu_;
+  std::condition_variable keys_dropped_;  // RemoteKeysUnmapped: a CloseSession may wait for it
+  static constexpr auto kKeysDropWait = std::chrono::seconds(2);
+  // ClaimSequence copies a sequence's pages this many bytes at a time under mu_.
+  static constexpr uint64_t kClaimBatchBytes = uint64_t{16} << 20;
   std::map<uint64_t, Session> sessions_;
   std::map<uint64_t, uint64_t> sequence_owner_;  // sequence -> session
   std::set<uint64_t> keep_on_close_;             // sequences to park when their session ends

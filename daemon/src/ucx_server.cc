@@ -4,12 +4,14 @@
 #include <netinet/in.h>
 #include <poll.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -24,20 +26,6 @@ using Clock = std::chrono::steady_clock;
 
 std::string UcsError(const char* what, ucs_status_t s) { return std::string(what) + ": " + ucs_status_string(s); }
 
-// A reply in flight: it lives until UCX is done with its buffers.
-struct Outgoing {
-  remote::Reply header;
-  std::vector<uint8_t> payload;
-  std::function<void()> then;  // after the send completed (or failed)
-};
-
-void OnReplySent(void* request, ucs_status_t status, void* user_data) {
-  auto* out = static_cast<Outgoing*>(user_data);
-  if (out->then) out->then();
-  delete out;
-  ucp_request_free(request);
-}
-
 }  // namespace
 
 struct UcxServer::Impl {
@@ -50,15 +38,41 @@ struct UcxServer::Impl {
     uint64_t session = 0;  // 0 until the hello
     Token token{};
     std::vector<ucp_mem_h> memh;  // the session's chunks, with `rma`
+    // Which connection this is: UCX may give a new connection the address of a closed one's
+    // endpoint, so what outlives a connection (a reply in flight) names it by ep and serial.
+    uint64_t serial = 0;
+    std::string misbehaved;  // why it is closed by the loop (Misbehaved)
+    // Request payloads taken off the wire and not yet served, and reply payloads not yet sent
+    // (at most options.max_endpoint_bytes: a client that floods requests or never takes its
+    // replies is refused or closed, not given the daemon's memory); and how many of each.
+    uint64_t bytes_held = 0;
+    uint32_t jobs_queued = 0, replies_in_flight = 0;
+    // While replies are in flight: when the last one was sent or taken (a client that takes none
+    // for kReplyDeadline is closed: its replies hold the data plane's memory).
+    Clock::time_point replies_moved{};
+  };
+  // A reply in flight: it lives until UCX is done with its buffers.
+  struct Outgoing {
+    Impl* impl = nullptr;
+    ucp_ep_h ep = nullptr;
+    uint64_t serial = 0;  // its connection's
+    remote::Reply header;
+    std::vector<uint8_t> payload;
+    std::function<void()> then;  // after the send completed (or failed)
   };
   // A request taken off the wire, answered by the loop (not inside UCX's callback, which must
   // not send or progress).
   struct Job {
     uint16_t id = 0;
-    ucp_ep_h ep = nullptr;
+    ucp_ep_h ep = nullptr;  // null once its endpoint is closed (nobody to answer)
+    uint64_t serial = 0;    // its connection's
+    Clock::time_point arrived;
+    Clock::time_point due{};  // a rendezvous payload not received by then closes its endpoint
     std::vector<uint8_t> header, payload;
     bool ready = false;  // payload complete (a rendezvous payload arrives later)
-    bool failed = false;
+    bool failed = false;  // its payload did not arrive
+    Status refusal;       // refused on arrival (Admit): answered with this, its payload never received
+    uint64_t held = 0;    // its payload's bytes in its endpoint's bytes_held
   };
   struct HandlerArg {
     Impl* impl;
@@ -79,6 +93,18 @@ struct UcxServer::Impl {
   std::thread thread;
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> open{0}, requests{0}, refused{0}, dropped{0};
+  uint64_t next_serial = 1;
+  uint64_t total_held = 0;  // bytes_held of every connection (at most options.max_held_bytes)
+  uint64_t misbehaving = 0;
+  // A connection's most queued requests and replies in flight: past either it is closed.
+  static constexpr uint32_t kMostQueued = 1024;
+  // A rendezvous payload not received within kPayloadDeadline, plus the time everything held at its
+  // arrival takes at kSlowLinkBytesPerSecond (a slow link shared by many writers is not a stall),
+  // closes its endpoint: it holds up its endpoint's later requests, and its buffer.
+  static constexpr auto kPayloadDeadline = std::chrono::seconds(10);
+  static constexpr uint64_t kSlowLinkBytesPerSecond = uint64_t{25} << 20;
+  // Replies in flight of which none was taken for this long close their endpoint.
+  static constexpr auto kReplyDeadline = std::chrono::seconds(30);
 
   ~Impl() {
     stop = true;
@@ -184,6 +210,7 @@ struct UcxServer::Impl {
     }
     Connection& c = self->connections[ep];
     c.ep = ep;
+    c.serial = self->next_serial++;
     c.accepted = Clock::now();
     ++self->open;
   }
@@ -206,19 +233,34 @@ struct UcxServer::Impl {
       spdlog::warn("remote data plane: message {} without a known endpoint dropped", a->id);
       return UCS_OK;
     }
+    Connection& c = self->connections.at(param->reply_ep);
+    if (!c.misbehaved.empty()) {  // being closed: nothing more is taken from it
+      ++self->dropped;
+      return UCS_OK;
+    }
+    if (c.jobs_queued >= kMostQueued) {
+      self->Misbehaved(&c, std::to_string(c.jobs_queued) + " requests queued unserved");
+      ++self->dropped;
+      return UCS_OK;
+    }
     auto job = std::make_unique<Job>();
     job->id = a->id;
     job->ep = param->reply_ep;
+    job->serial = c.serial;
+    job->arrived = Clock::now();
     const auto* h = static_cast<const uint8_t*>(header);
     job->header.assign(h, h + header_length);
-    if (length > size_t{remote::kMaxRowsPerRequest} * 1024) {
-      job->failed = true;  // refused by the loop with the size in the message
-      job->payload.clear();
+    ++c.jobs_queued;
+    job->refusal = self->Admit(&c, a->id, job->header, length);
+    if (!job->refusal.ok()) {  // answered by the loop; the payload is never received
       job->ready = true;
-      job->header.clear();
       self->jobs.push_back(std::move(job));
       return UCS_OK;
     }
+    self->Hold(&c, length);
+    job->held = length;
+    job->due = job->arrived + kPayloadDeadline +
+               std::chrono::milliseconds(self->total_held * 1000 / kSlowLinkBytesPerSecond);
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
       // A large payload (a prefill's rows): fetched into the job's buffer, then answered.
       job->payload.resize(length);
@@ -241,6 +283,99 @@ struct UcxServer::Impl {
     return UCS_OK;
   }
 
+  // Whether a message's payload may be taken off the wire, from its header and length alone: the
+  // hello carries none; a request only on an endpoint whose hello was accepted (the client waits
+  // for that answer before its first request), with a payload no larger than its header's rows
+  // make it (a gather's n tokens, a write's n rows of at most kMaxRowBytes), within the
+  // endpoint's and the data plane's limits of bytes held.
+  Status Admit(Connection* c, uint16_t id, const std::vector<uint8_t>& header, size_t length) {
+    if (id == remote::kHello) {
+      if (length != 0) return Status::InvalidArgument("a hello carries no payload (" + std::to_string(length) + " bytes came)");
+      return Status::Ok();
+    }
+    // The protocol has a client wait for its hello's answer before any request: a request before
+    // that is refused here, and on an endpoint whose hello is still unanswered it also closes
+    // the endpoint (RefuseAndClose), even if that hello is then accepted.
+    if (c->session == 0) {
+      return Status::FailedPrecondition("the first message on an endpoint must be the hello, and requests wait for its answer");
+    }
+    SPECACHE_ASSIGN_OR_RETURN(remote::RowsRequest req, remote::ParseRowsRequest(header));
+    const uint64_t most = id == remote::kGather  ? uint64_t{req.n} * sizeof(int32_t)
+                          : id == remote::kWrite ? uint64_t{req.n} * remote::kMaxRowBytes
+                                                 : 0;
+    if (length > most) {
+      return Status::InvalidArgument("a request of " + std::to_string(req.n) + " rows came with " + std::to_string(length) +
+                                     " bytes of payload, more than its rows can be (" + std::to_string(most) + ")");
+    }
+    return Room(*c, length);
+  }
+
+  // Whether `bytes` more fit the endpoint's and the data plane's limits of bytes held.
+  Status Room(const Connection& c, uint64_t bytes) const {
+    if (c.bytes_held + bytes > options.max_endpoint_bytes) {
+      return Status::ResourceExhausted("the endpoint holds " + std::to_string(c.bytes_held) +
+                                       " bytes of requests not yet served and replies not yet taken; " +
+                                       std::to_string(bytes) + " more would pass its limit of " +
+                                       std::to_string(options.max_endpoint_bytes));
+    }
+    if (total_held + bytes > options.max_held_bytes) {
+      return Status::ResourceExhausted("the data plane holds " + std::to_string(total_held) + " bytes for its " +
+                                       std::to_string(connections.size()) + " endpoints; " + std::to_string(bytes) +
+                                       " more would pass its limit of " + std::to_string(options.max_held_bytes));
+    }
+    return Status::Ok();
+  }
+
+  void Hold(Connection* c, uint64_t bytes) {
+    c->bytes_held += bytes;
+    total_held += bytes;
+  }
+
+  // The connection of (ep, serial), if it is still open.
+  Connection* Find(ucp_ep_h ep, uint64_t serial) {
+    auto it = ep ? connections.find(ep) : connections.end();
+    return it != connections.end() && it->second.serial == serial ? &it->second : nullptr;
+  }
+
+  // Gives back what a job or a reply held (from the data plane's limit always; from its
+  // endpoint's while it is open).
+  void Release(ucp_ep_h ep, uint64_t serial, uint64_t bytes) {
+    total_held -= std::min(bytes, total_held);
+    if (Connection* c = Find(ep, serial)) c->bytes_held -= std::min(bytes, c->bytes_held);
+  }
+
+  // A client that breaks the rules refusals cannot answer (too many requests queued or replies
+  // not taken, a payload that never arrives): its endpoint is closed by the next sweep, logged
+  // (1st, 2nd, 4th...) and counted as refused.
+  void Misbehaved(Connection* c, const std::string& why) {
+    if (!c->misbehaved.empty()) return;
+    c->misbehaved = why;
+    c->failed = true;
+    ++refused;
+    const uint64_t n = ++misbehaving;
+    if ((n & (n - 1)) == 0) {
+      spdlog::warn("remote data plane: endpoint of session {} closed: {} ({} such so far)", c->session, why, n);
+    }
+  }
+
+  static void OnReplySent(void* request, ucs_status_t status, void* user_data) {
+    auto* out = static_cast<Outgoing*>(user_data);
+    Impl* self = out->impl;
+    if (status != UCS_OK) {
+      ++self->dropped;
+      spdlog::warn("remote data plane: reply to request {} not delivered: {}", out->header.request_id,
+                   ucs_status_string(status));
+    }
+    if (Connection* c = self->Find(out->ep, out->serial)) {
+      c->replies_in_flight -= c->replies_in_flight > 0 ? 1 : 0;
+      c->replies_moved = Clock::now();
+    }
+    self->Release(out->ep, out->serial, out->payload.size());
+    if (out->then) out->then();
+    delete out;
+    ucp_request_free(request);
+  }
+
   static void OnPayload(void* request, ucs_status_t status, size_t, void* user_data) {
     auto* job = static_cast<Job*>(user_data);
     job->failed = status != UCS_OK;
@@ -250,7 +385,17 @@ struct UcxServer::Impl {
 
   void Send(ucp_ep_h ep, uint64_t request_id, const Status& status, std::vector<uint8_t> payload,
             std::function<void()> then = nullptr) {
+    auto it = connections.find(ep);
+    if (it == connections.end()) return;  // closed meanwhile
+    Connection* c = &it->second;
+    if (c->replies_in_flight >= kMostQueued) {
+      ++dropped;  // the reply to a request of a client that takes none
+      return Misbehaved(c, std::to_string(c->replies_in_flight) + " replies not taken");
+    }
     auto* out = new Outgoing;
+    out->impl = this;
+    out->ep = ep;
+    out->serial = c->serial;
     out->then = std::move(then);
     out->header.request_id = request_id;
     out->header.code = static_cast<int32_t>(status.code());
@@ -274,6 +419,9 @@ struct UcxServer::Impl {
       spdlog::warn("remote data plane: reply to request {} not sent: {}", request_id, ucs_status_string(UCS_PTR_STATUS(st)));
       if (out->then) out->then();
       delete out;
+    } else {  // in flight until OnReplySent: it counts against the endpoint's limits
+      Hold(c, out->payload.size());
+      if (c->replies_in_flight++ == 0) c->replies_moved = Clock::now();
     }
   }
 
@@ -284,7 +432,7 @@ struct UcxServer::Impl {
     if (c->session != 0) return RefuseAndClose(c, 0, Status::FailedPrecondition("this endpoint already said hello"));
     Token token{};
     std::memcpy(token.data(), hello->token.data(), token.size());
-    auto chunks = registry->AttachRemote(hello->session_id, token);
+    auto chunks = registry->AttachRemote(hello->session_id, token, options.rma);
     if (!chunks.ok()) return RefuseAndClose(c, 0, chunks.status());
     c->session = hello->session_id;
     c->token = token;
@@ -334,9 +482,9 @@ struct UcxServer::Impl {
     // has left (a forced close now would drop it), or after the lease if the send never completes.
     if (c->close_at == Clock::time_point()) c->close_at = Clock::now() + std::chrono::milliseconds(options.lease_ms);
     ucp_ep_h ep = c->ep;
-    Send(ep, request_id, why, {}, [this, ep] {
-      auto it = connections.find(ep);
-      if (it != connections.end()) it->second.close_at = Clock::now() + std::chrono::milliseconds(50);
+    const uint64_t serial = c->serial;
+    Send(ep, request_id, why, {}, [this, ep, serial] {
+      if (Connection* mine = Find(ep, serial)) mine->close_at = Clock::now() + std::chrono::milliseconds(50);
     });
   }
 
@@ -345,7 +493,15 @@ struct UcxServer::Impl {
     if (it == connections.end()) return;  // closed meanwhile
     Connection* c = &it->second;
     ++requests;
-    if (job->failed) return RefuseAndClose(c, 0, Status::InvalidArgument("request payload too large or not received"));
+    if (!job->refusal.ok() || job->failed) {  // answered to the request's id when its header has one
+      uint64_t request_id = 0;
+      if (job->id != remote::kHello) {
+        auto req = remote::ParseRowsRequest(job->header);
+        if (req.ok()) request_id = req->request_id;
+      }
+      return RefuseAndClose(c, request_id, job->failed ? Status::Unavailable("the request's payload did not arrive")
+                                                       : job->refusal);
+    }
     if (job->id == remote::kHello) return Hello(c, *job);
     auto req = remote::ParseRowsRequest(job->header);
     if (!req.ok()) return RefuseAndClose(c, 0, req.status());
@@ -356,18 +512,21 @@ struct UcxServer::Impl {
     Status done;
     std::vector<uint8_t> payload;
     if (job->id == remote::kGather) {
+      // The reply's room is checked before its rows are copied (as the request's bytes were).
+      const uint64_t room = options.max_endpoint_bytes - std::min(options.max_endpoint_bytes, c->bytes_held);
       if (job->payload.size() != size_t{req->n} * sizeof(int32_t)) {
         done = Status::InvalidArgument("gather of " + std::to_string(req->n) + " rows with " +
                                        std::to_string(job->payload.size()) + " bytes of row list");
       } else {
         std::vector<int32_t> tokens(req->n);
         std::memcpy(tokens.data(), job->payload.data(), job->payload.size());
-        auto rows = registry->ReadRows(c->session, c->token, req->sequence, req->layer, req->kv_head, tokens);
-        if (rows.ok()) payload = std::move(*rows);
+        auto rows = registry->ReadRows(c->session, c->token, req->sequence, req->layer, req->kv_head, tokens,
+                                       std::min(room, options.max_held_bytes - std::min(options.max_held_bytes, total_held)));
         done = rows.status();
+        if (rows.ok()) payload = std::move(*rows);
       }
     } else if (job->id == remote::kWrite) {
-      done = registry->WriteRows(c->session, c->token, req->sequence, req->layer, req->kv_head, req->first_token,
+      done = registry->WriteRows(c->session, c->token, req->sequence, req->layer, req->kv_head, req->first_token, req->n,
                                  job->payload);
     } else {  // kPages
       auto refs = registry->PageRefs(c->session, c->token, req->sequence, req->layer);
@@ -382,14 +541,17 @@ struct UcxServer::Impl {
   }
 
   void CloseConnection(Connection* c, bool detach) {
-    for (ucp_mem_h m : c->memh) ucp_mem_unmap(context, m);  // the session's keys are stale from here
-    c->memh.clear();
-    if (detach && c->session != 0) registry->Detach(c->session);
+    // The endpoint first (software RMA serves gets through it), then the registrations: the
+    // session's keys are stale from here, and its chunks may go back.
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t st = ucp_ep_close_nbx(c->ep, &p);
     if (st != nullptr && !UCS_PTR_IS_ERR(st)) ucp_request_free(st);  // completes in later progress
+    for (ucp_mem_h m : c->memh) ucp_mem_unmap(context, m);
+    c->memh.clear();
+    if (c->session != 0) registry->RemoteKeysUnmapped(c->session);
+    if (detach && c->session != 0) registry->Detach(c->session);
   }
 
   // Endpoints that failed, were refused at the hello (after their reply had time to leave), sent
@@ -399,7 +561,12 @@ struct UcxServer::Impl {
     for (auto it = connections.begin(); it != connections.end();) {
       Connection& c = it->second;
       std::string why;
-      if (c.failed) {
+      if (c.misbehaved.empty() && c.replies_in_flight > 0 && now - c.replies_moved > kReplyDeadline) {
+        Misbehaved(&c, std::to_string(c.replies_in_flight) + " replies not taken for 30 s");
+      }
+      if (!c.misbehaved.empty()) {
+        why = c.misbehaved;
+      } else if (c.failed) {
         why = "the endpoint failed";
       } else if (c.close_at != Clock::time_point() && now >= c.close_at) {
         why = "refused at the hello";
@@ -412,9 +579,18 @@ struct UcxServer::Impl {
         ++it;
         continue;
       }
-      spdlog::info("remote data plane: endpoint of session {} closed: {}", c.session, why);
+      uint64_t unanswered = 0;
       for (auto& job : jobs) {  // nobody is left to answer
-        if (job->ep == c.ep) job->ep = nullptr;
+        if (job->ep != c.ep) continue;
+        job->ep = nullptr;
+        ++unanswered;
+      }
+      if (unanswered > 0) {
+        dropped += unanswered;
+        spdlog::warn("remote data plane: endpoint of session {} closed ({}) with {} requests unserved: dropped", c.session,
+                     why, unanswered);
+      } else {
+        spdlog::info("remote data plane: endpoint of session {} closed: {}", c.session, why);
       }
       CloseConnection(&c, /*detach=*/true);
       it = connections.erase(it);
@@ -422,21 +598,48 @@ struct UcxServer::Impl {
     }
   }
 
+  // Serves every job whose payload arrived, in order per endpoint: a job waits only for the
+  // earlier jobs of its own endpoint (a rendezvous payload still on its way holds no other
+  // client's requests). True when it served any.
+  bool ServeReady() {
+    bool served = false;
+    const auto now = Clock::now();
+    std::set<ucp_ep_h> waiting;  // endpoints with an earlier job whose payload is on its way
+    for (auto it = jobs.begin(); it != jobs.end();) {
+      Job* job = it->get();
+      // A job of a closed endpoint (ep null) waits for nothing and holds up nothing: it goes once
+      // its payload is done with (UCX fails the receive when the endpoint closes).
+      if (!job->ready || (job->ep && waiting.count(job->ep))) {
+        if (!job->ready && job->ep && now > job->due) {
+          if (Connection* c = Find(job->ep, job->serial)) Misbehaved(c, "a request's payload did not arrive in time");
+        }
+        if (job->ep) waiting.insert(job->ep);
+        ++it;
+        continue;
+      }
+      std::unique_ptr<Job> taken = std::move(*it);
+      it = jobs.erase(it);
+      if (Connection* c = Find(taken->ep, taken->serial)) {
+        --c->jobs_queued;
+        Serve(taken.get());
+      }
+      Release(taken->ep, taken->serial, taken->held);
+      served = true;
+    }
+    return served;
+  }
+
   void Run() {
     auto last_sweep = Clock::now(), last_work = Clock::now();
     while (!stop.load()) {
-      while (ucp_worker_progress(worker) != 0) last_work = Clock::now();
-      while (!jobs.empty() && jobs.front()->ready) {
-        std::unique_ptr<Job> job = std::move(jobs.front());
-        jobs.pop_front();
-        if (job->ep) Serve(job.get());
-        last_work = Clock::now();
-      }
+      // A bounded number of progress calls a pass: a flood of messages does not keep the loop from
+      // serving (each message queues at most a job).
+      for (int i = 0; i < 256 && ucp_worker_progress(worker) != 0; ++i) last_work = Clock::now();
+      if (ServeReady()) last_work = Clock::now();
       if (Clock::now() - last_sweep > std::chrono::milliseconds(20)) {
         Sweep();
         last_sweep = Clock::now();
       }
-      if (!jobs.empty()) continue;
       // Busy for 50 us after the last message: the next request of a decode step is usually on
       // its way. Then sleep until UCX signals, at most 1 ms while traffic is recent (not every
       // transport signals the event fd: shared memory does not) and 20 ms when idle for a second
@@ -445,7 +648,8 @@ struct UcxServer::Impl {
       if (quiet < std::chrono::microseconds(50)) continue;
       if (ucp_worker_arm(worker) == UCS_OK) {
         pollfd p{efd, POLLIN, 0};
-        poll(&p, 1, quiet < std::chrono::seconds(1) ? 1 : 20);
+        // A payload on its way (jobs queued) counts as recent traffic.
+        poll(&p, 1, quiet < std::chrono::seconds(1) || !jobs.empty() ? 1 : 20);
       }
     }
   }

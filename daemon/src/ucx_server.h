@@ -7,7 +7,19 @@
 //   - every later request names a sequence of that session, a layer and KV head inside its layout
 //     and rows inside its pages (the registry checks them: Registry::ReadRows / WriteRows);
 //   - an endpoint that sends anything else first, or no hello within the lease, is closed;
-//     refusals are answered with a specific status, logged (rate-limited) and counted.
+//     refusals are answered with a specific status (to the request's id), logged (rate-limited)
+//     and counted;
+//   - a payload is kept only after its header is checked: a request before the hello was
+//     accepted, a hello with a payload, a payload larger than its header's rows make it, or one
+//     that would take the endpoint past max_endpoint_bytes (its requests not yet served plus its
+//     replies not yet taken) or all endpoints past max_held_bytes is refused without receiving
+//     it (a rendezvous payload is then never fetched; an eager one UCX has already received);
+//   - an endpoint with 1024 requests queued or 1024 replies not taken, whose replies none of
+//     which it took for 30 s, or whose rendezvous payload has not arrived within 10 s (plus the
+//     time what the data plane held then takes at 25 MiB/s), is closed (logged, counted as
+//     refused);
+//   - requests are answered in order per endpoint; one endpoint's payload still on its way holds
+//     up no other endpoint's requests.
 // The session ends when its endpoint closes (the client exited, crashed or lost the network): the
 // registry reclaims it as it does a closed attach connection. An endpoint whose session ended
 // another way (CloseSession) is closed too, and its chunks' UCX registrations are dropped, so a
@@ -37,11 +49,17 @@ struct UcxServerOptions {
   bool rma = false;
   uint32_t lease_ms = 2000;          // hello within this, or the endpoint is closed
   uint32_t max_connections = 1024;   // more are rejected at the listener
+  // Per endpoint: request payloads taken off the wire and not yet served plus reply payloads not
+  // yet sent. Room for two of the largest requests (64K rows of 4 KiB).
+  uint64_t max_endpoint_bytes = uint64_t{512} << 20;
+  // The same for every endpoint together.
+  uint64_t max_held_bytes = uint64_t{4} << 30;
 };
 
 struct UcxServerStats {
   uint64_t connections = 0;  // open endpoints
-  uint64_t requests = 0, refused = 0, dropped = 0;
+  uint64_t requests = 0, refused = 0;
+  uint64_t dropped = 0;  // messages without a known endpoint, replies not delivered, requests of a closed endpoint
 };
 
 class UcxServer {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -325,6 +326,137 @@ TEST_F(RemoteTest, DataPlaneRefusesForgedTokensStaleSessionsOtherTenantsAndBadRo
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   EXPECT_GE(stats->remote_refused, 8u) << daemon_->Log();
   EXPECT_GE(stats->remote_connections, 1u);
+}
+
+// A hostile client's session opened with raw calls (as the data-plane tests need its token).
+struct RawSession {
+  uint64_t id = 0;
+  std::string token;
+  std::unique_ptr<v1::Control::Stub> stub;
+  // A sequence of kLayout with `tokens` tokens of pages.
+  uint64_t Sequence(uint32_t tokens) const {
+    grpc::ClientContext ctx, ctx2;
+    for (grpc::ClientContext* c : {&ctx, &ctx2}) {
+      c->AddMetadata("x-specache-tenant", "a");
+      c->AddMetadata("x-specache-secret", "tenant-a-secret-0123456789");
+    }
+    v1::CreateSequenceRequest req;
+    req.set_session_id(id);
+    req.set_token(token);
+    v1::SequenceLayout* l = req.mutable_layout();
+    l->set_n_layers(kLayout.n_layers);
+    l->set_n_kv_heads(kLayout.n_kv_heads);
+    l->set_head_dim(kLayout.head_dim);
+    l->set_page_tokens(kLayout.page_tokens);
+    l->set_capacity_tokens(kLayout.capacity_tokens);
+    v1::CreateSequenceResponse created;
+    EXPECT_TRUE(stub->CreateSequence(&ctx, req, &created).ok());
+    v1::ExtendSequenceRequest ext;
+    ext.set_session_id(id);
+    ext.set_token(token);
+    ext.set_sequence_id(created.sequence_id());
+    ext.set_tokens(tokens);
+    v1::ExtendSequenceResponse extended;
+    EXPECT_TRUE(stub->ExtendSequence(&ctx2, ext, &extended).ok());
+    return created.sequence_id();
+  }
+  Status Close() const {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-specache-tenant", "a");
+    ctx.AddMetadata("x-specache-secret", "tenant-a-secret-0123456789");
+    v1::CloseSessionRequest req;
+    req.set_session_id(id);
+    req.set_token(token);
+    v1::CloseSessionResponse resp;
+    const grpc::Status s = stub->CloseSession(&ctx, req, &resp);
+    return s.ok() ? Status::Ok() : Status::Unavailable(s.error_message());
+  }
+};
+
+RawSession OpenRawSession(const Pki& pki, uint16_t control_port) {
+  grpc::SslCredentialsOptions tls;
+  std::ifstream ca(pki.path("ca.pem"));
+  tls.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), std::istreambuf_iterator<char>());
+  RawSession r;
+  r.stub = v1::Control::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port), grpc::SslCredentials(tls)));
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("x-specache-tenant", "a");
+  ctx.AddMetadata("x-specache-secret", "tenant-a-secret-0123456789");
+  v1::OpenSessionRequest req;
+  req.set_tenant("a");
+  req.set_pool_bytes(4 << 20);
+  v1::OpenSessionResponse resp;
+  EXPECT_TRUE(r.stub->OpenSession(&ctx, req, &resp).ok());
+  r.id = resp.session_id();
+  r.token = resp.token();
+  return r;
+}
+
+// Payloads are checked against their headers before the daemon receives them, and the refusal
+// reaches the request that made it (its id), not a deadline: a write larger than its rows can be,
+// a write whose bytes are not its header's rows, and a hello with a payload.
+TEST_F(RemoteTest, OversizedAndMismatchedPayloadsAreRefusedToTheirRequest) {
+  StartDaemon(false, false);
+  const std::string addr = "127.0.0.1:" + std::to_string(data_port_);
+  RawSession raw = OpenRawSession(*pki_, control_port_);
+  auto ep = client::UcxEndpoint::Connect(addr, false);
+  ASSERT_TRUE(ep.ok());
+  RawEndpoint mine{std::move(*ep)};
+  ASSERT_TRUE(mine.Hello(raw.id, raw.token).ok()) << daemon_->Log();
+  const uint64_t sequence = raw.Sequence(32);  // once attached
+  auto write = [&](uint32_t n, size_t bytes) {
+    remote::RowsRequest r;
+    r.sequence = sequence;
+    r.n = n;
+    std::vector<uint8_t> rows(bytes, 0x5a);
+    return mine.ep->Call(remote::kWrite, &r, sizeof r, rows.data(), rows.size(), nullptr, 0,
+                         std::chrono::steady_clock::now() + std::chrono::seconds(3));
+  };
+  // 2 rows can be at most 2 x 4 KiB; 1 MiB is refused (sent by rendezvous: never fetched).
+  Status big = write(2, 1 << 20);
+  EXPECT_EQ(big.code(), StatusCode::kInvalidArgument) << big.ToString();
+  EXPECT_NE(big.message().find("more than its rows can be"), std::string::npos) << big.ToString();
+  // The endpoint lives on: 3 rows' header with 2 rows' bytes, then a right one.
+  Status mismatched = write(3, 2 * kRow);
+  EXPECT_EQ(mismatched.code(), StatusCode::kInvalidArgument) << mismatched.ToString();
+  EXPECT_NE(mismatched.message().find("a write of 3 rows of 512 bytes came with 1024 bytes"), std::string::npos)
+      << mismatched.ToString();
+  Status right = write(2, 2 * kRow);
+  EXPECT_TRUE(right.ok()) << right.ToString();
+  // A hello with a payload is refused.
+  ep = client::UcxEndpoint::Connect(addr, false);
+  ASSERT_TRUE(ep.ok());
+  remote::Hello h;
+  h.session_id = raw.id;
+  std::string payload(64, 'p');
+  Status hello = (*ep)->Call(remote::kHello, &h, sizeof h, payload.data(), payload.size(), nullptr, 1 << 20,
+                             std::chrono::steady_clock::now() + std::chrono::seconds(3));
+  EXPECT_EQ(hello.code(), StatusCode::kInvalidArgument) << hello.ToString();
+  EXPECT_NE(hello.message().find("carries no payload"), std::string::npos) << hello.ToString();
+}
+
+// With `rma`, a closed session's chunks go back to the pool only after its endpoint dropped the
+// remote keys that reach them: the daemon logs the endpoint's close before the session's reclaim
+// (before, CloseSession returned the chunks at once and the keys lived until the next sweep).
+// CloseSession still returns with the chunks back: it waits for the endpoint's close.
+TEST_F(RemoteTest, AClosedSessionsRemoteKeysAreDroppedBeforeItsChunksGoBack) {
+  StartDaemon(false, /*rma=*/true);
+  RawSession raw = OpenRawSession(*pki_, control_port_);
+  auto ep = client::UcxEndpoint::Connect("127.0.0.1:" + std::to_string(data_port_), false);
+  ASSERT_TRUE(ep.ok());
+  RawEndpoint keys{std::move(*ep)};
+  ASSERT_TRUE(keys.Hello(raw.id, raw.token).ok()) << daemon_->Log();
+  ASSERT_TRUE(raw.Close().ok());
+  const std::string reclaimed = "session " + std::to_string(raw.id) + " reclaimed";
+  const std::string closed = "endpoint of session " + std::to_string(raw.id) + " closed";
+  std::string log;
+  for (int i = 0; i < 300 && log.find(reclaimed) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    log = daemon_->Log();
+  }
+  ASSERT_NE(log.find(reclaimed), std::string::npos) << "the closed session's chunks went back\n" << log;
+  ASSERT_NE(log.find(closed), std::string::npos) << log;
+  EXPECT_LT(log.find(closed), log.find(reclaimed)) << log;
 }
 
 TEST_F(RemoteTest, PlaintextToTheTlsPortFailsCleanly) {

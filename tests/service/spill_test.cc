@@ -333,6 +333,39 @@ TEST(SpillTest, AClaimTakesAPartialLastPageAndRefusesAnotherLayoutFirst) {
   EXPECT_EQ(*from_disk, 3u * 2);
 }
 
+// A tenant keeps at most [limits] kept_sequences_per_tenant sequences, those marked to keep by its
+// live sessions included; claiming one makes room again. Another tenant's count is its own.
+TEST(SpillTest, ATenantKeepsAtMostItsLimitOfSequences) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("[limits]\nkept_sequences_per_tenant = 3\n[tenants.default]\n[tenants.other]\n"));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto first = WriteAndKeep(c.get(), 1, 20);
+  auto second = WriteAndKeep(c.get(), 2, 20);
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_TRUE(WaitForKept(c.get(), 2));
+  auto session = c->OpenSession("default", 8 << 20);
+  ASSERT_TRUE(session.ok());
+  auto third = (*session)->CreateSequence(kLayout);
+  auto fourth = (*session)->CreateSequence(kLayout);
+  ASSERT_TRUE(third.ok() && fourth.ok());
+  ASSERT_TRUE((*session)->Keep(*third).ok()) << "2 kept + 1 marked: the limit";
+  EXPECT_TRUE((*session)->Keep(*third).ok()) << "marking it again counts it once";
+  const Status refused = (*session)->Keep(*fourth);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.ToString();
+  EXPECT_NE(refused.message().find("kept_sequences_per_tenant"), std::string::npos) << refused.ToString();
+  // Another tenant is not held to this one's count.
+  auto other = c->OpenSession("other", 8 << 20);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  auto theirs = (*other)->CreateSequence(kLayout);
+  ASSERT_TRUE(theirs.ok());
+  EXPECT_TRUE((*other)->Keep(*theirs).ok());
+  // A claim makes room.
+  auto claimed = ClaimAndCheck(c.get(), *first, 1);
+  ASSERT_TRUE(claimed.ok()) << claimed.status().ToString();
+  EXPECT_TRUE((*session)->Keep(*fourth).ok());
+}
+
 // Clients keep writing, keeping and claiming sequences while an operator spills everything in a
 // loop: every claimed sequence is intact, and nothing a client is using is ever spilled.
 TEST(SpillTest, ConcurrentClientsWhileSpilling) {
@@ -671,6 +704,46 @@ std::string Ctl(const DaemonProcess& d, const std::string& args, int* code) {
 }
 
 // The operator's commands, as other tools call them.
+// A claim that fails once the sequence was taken from the kept ones (here: the claiming session's
+// memory cannot hold it) puts it back: it stays kept, whether it was parked or spilled, and a
+// session that can hold it claims it intact.
+TEST(SpillTest, AClaimThatFailsLeavesTheSequenceKept) {
+  TempDir spill;
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto parked = WriteAndKeep(c.get(), 21, 256);  // 16 pages x 3 layers x 8 KiB = 384 KiB
+  auto spilled = WriteAndKeep(c.get(), 22, 200);
+  ASSERT_TRUE(parked.ok() && spilled.ok());
+  ASSERT_TRUE(WaitForKept(c.get(), 2));
+  ASSERT_TRUE(c->Spill(*spilled).ok());
+  {
+    auto full = c->OpenSession("default", 4 << 20);  // one 4 MiB chunk...
+    ASSERT_TRUE(full.ok()) << full.status().ToString();
+    auto filler = (*full)->CreateSequence({3, 2, 64, 16, 4096});
+    ASSERT_TRUE(filler.ok());
+    ASSERT_TRUE((*full)->Extend(*filler, 2560).ok());  // ...3.75 MiB of it taken: 256 KiB left
+    for (uint64_t id : {*parked, *spilled}) {
+      auto refused = (*full)->Claim(id, kLayout);
+      EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status().ToString();
+    }
+  }
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->parked_sequences + stats->spilled_sequences, 2u) << "both still kept";
+  auto list = c->ListSequences();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->size(), 2u);
+  auto a = ClaimAndCheck(c.get(), *parked, 21);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(*a, 3u * 16);
+  auto b = ClaimAndCheck(c.get(), *spilled, 22);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(*b, 3u * 13);
+  EXPECT_EQ(c->ListSequences()->size(), 0u);
+}
+
 TEST(SpillTest, SpecachectlSpillRestoreEvictVerify) {
   TempDir spill;
   DaemonProcess d;

@@ -79,6 +79,8 @@ class SPECACHE_CLIENT_API RemoteSession {
                   FetchMethod method);
   // The server-side gather in two halves, so a caller can overlap it with other work: Start sends
   // the row list and returns at once; WaitRead waits for the rows (out must stay valid until then).
+  // The daemon closes an endpoint with 1024 requests unanswered or 1024 replies not taken, or
+  // whose replies none were taken for 30 s: wait for reads before starting that many.
   Result<uint64_t> StartRead(uint64_t sequence, uint32_t layer, uint32_t kv_head, std::span<const int32_t> tokens,
                              void* out);
   Status WaitRead(uint64_t read);
