@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -31,7 +32,17 @@ struct Session::Impl {
   std::vector<uint8_t*> chunks;
   uint64_t chunk_bytes = 0;
   mutable std::mutex mu;
-  std::map<uint64_t, uint32_t> slots;  // sequence -> table slot
+  // A sequence's slot and its geometry as validated when the daemon named the slot (AddSlot): a
+  // page lookup reads only the slot's state and page count from the shared table after that, so
+  // a slot rewritten meanwhile (released and reused) cannot move it outside the table or a page.
+  struct SlotView {
+    uint32_t slot = 0;
+    uint32_t n_layers = 0, page_tokens = 0, capacity = 0;  // capacity: pages per layer
+    uint32_t first_ref = 0;
+    uint64_t page_bytes = 0;
+  };
+  std::map<uint64_t, SlotView> slots;  // sequence -> its slot
+  const shm::PageRef* refs = nullptr;   // the table's refs (the header's counts read once, at Map)
   std::atomic<uint64_t> extend_rpcs{0};
 
   ~Impl() {
@@ -96,6 +107,7 @@ struct Session::Impl {
       return Status::DataLoss("page table header disagrees with the attach reply");
     }
     chunk_bytes = r.chunk_bytes;
+    refs = shm::Refs(table);
     for (size_t i = 1; i < fds.size(); ++i) {
       void* c = MapChunk(fds[i], chunk_bytes, /*huge=*/true);  // as the daemon maps it (chunk_mapping.h)
       if (c == MAP_FAILED) return Status::ResourceExhausted("mmap chunk: " + std::string(std::strerror(errno)));
@@ -104,19 +116,29 @@ struct Session::Impl {
     return Status::Ok();
   }
 
-  Result<uint32_t> SlotOf(uint64_t sequence) const {
+  Result<SlotView> SlotOf(uint64_t sequence) const {
     std::lock_guard<std::mutex> lock(mu);
     auto it = slots.find(sequence);
     if (it == slots.end()) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in this session");
     return it->second;
   }
-  // A sequence the daemon placed in table slot `slot` (CreateSequence, ClaimSequence): the slot
-  // is checked in the shared table, then the sequence is known here.
-  Status AddSlot(uint64_t sequence, uint32_t slot) {
+  // A sequence the daemon placed in table slot `slot` (CreateSequence, ClaimSequence) with layout
+  // `want`: the slot is checked in the shared table and must describe that layout (a page of
+  // another size would be written past), then the sequence is known here with that geometry.
+  Status AddSlot(uint64_t sequence, uint32_t slot, const PageLayoutSpec& want) {
     if (slot >= shm::Header(table)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
     SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(table, slot, true));
+    const shm::SequenceSlot& s = shm::Slots(table)[slot];
+    SlotView v{slot, s.n_layers, s.page_tokens, s.pages_capacity_per_layer, s.first_ref, s.page_bytes};
+    const uint32_t want_capacity = want.page_tokens ? (want.capacity_tokens + want.page_tokens - 1) / want.page_tokens : 0;
+    if (s.sequence_id != sequence || v.n_layers != want.n_layers || s.n_kv_heads != want.n_kv_heads ||
+        s.head_dim != want.head_dim || v.page_tokens != want.page_tokens || v.capacity != want_capacity ||
+        v.page_bytes != want.page_bytes()) {
+      return Status::DataLoss("the daemon's page table slot " + std::to_string(slot) + " does not describe sequence " +
+                              std::to_string(sequence) + " with the layout asked for");
+    }
     std::lock_guard<std::mutex> lock(mu);
-    slots[sequence] = slot;
+    slots[sequence] = v;
     return Status::Ok();
   }
 };
@@ -292,19 +314,19 @@ uint64_t Session::extend_rpcs() const { return impl_->extend_rpcs.load(); }
 
 Result<uint64_t> Session::CreateSequence(const PageLayoutSpec& l) {
   SPECACHE_ASSIGN_OR_RETURN(v1::CreateSequenceResponse resp, impl_->calls.CreateSequence(l));
-  SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(resp.sequence_id(), resp.table_slot()));
+  SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(resp.sequence_id(), resp.table_slot(), l));
   return resp.sequence_id();
 }
 
 Result<uint32_t> Session::Extend(uint64_t sequence, uint32_t tokens) {
-  SPECACHE_ASSIGN_OR_RETURN(uint32_t slot, impl_->SlotOf(sequence));
-  const shm::SequenceSlot& s = shm::Slots(impl_->table)[slot];
-  const uint32_t have = s.pages_per_layer.load(std::memory_order_acquire);
-  if (uint64_t{have} * s.page_tokens >= tokens) return have;
+  SPECACHE_ASSIGN_OR_RETURN(Impl::SlotView v, impl_->SlotOf(sequence));
+  const shm::SequenceSlot& s = shm::Slots(impl_->table)[v.slot];
+  const uint32_t have = std::min(s.pages_per_layer.load(std::memory_order_acquire), v.capacity);
+  if (uint64_t{have} * v.page_tokens >= tokens) return have;
   ++impl_->extend_rpcs;
   SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, impl_->calls.ExtendSequence(sequence, tokens));
-  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, slot, true));
-  return pages;
+  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, v.slot, true));
+  return std::min(pages, v.capacity);
 }
 
 Status Session::Release(uint64_t sequence) {
@@ -322,27 +344,28 @@ Status Session::Keep(uint64_t sequence) {
 
 Result<uint32_t> Session::Claim(uint64_t sequence, const PageLayoutSpec& l) {
   SPECACHE_ASSIGN_OR_RETURN(v1::ClaimSequenceResponse resp, impl_->calls.ClaimSequence(sequence, l));
-  SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(sequence, resp.table_slot()));
+  SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(sequence, resp.table_slot(), l));
   return resp.pages_per_layer();
 }
 
 Result<uint32_t> Session::PagesPerLayer(uint64_t sequence) const {
-  SPECACHE_ASSIGN_OR_RETURN(uint32_t slot, impl_->SlotOf(sequence));
-  return shm::Slots(impl_->table)[slot].pages_per_layer.load(std::memory_order_acquire);
+  SPECACHE_ASSIGN_OR_RETURN(Impl::SlotView v, impl_->SlotOf(sequence));
+  return std::min(shm::Slots(impl_->table)[v.slot].pages_per_layer.load(std::memory_order_acquire), v.capacity);
 }
 
 Result<uint8_t*> Session::PageData(uint64_t sequence, uint32_t layer, uint32_t page) const {
-  SPECACHE_ASSIGN_OR_RETURN(uint32_t slot, impl_->SlotOf(sequence));
-  const shm::SequenceSlot& s = shm::Slots(impl_->table)[slot];
+  SPECACHE_ASSIGN_OR_RETURN(Impl::SlotView v, impl_->SlotOf(sequence));
+  const shm::SequenceSlot& s = shm::Slots(impl_->table)[v.slot];
   if (s.state.load(std::memory_order_acquire) != shm::kSlotLive || s.sequence_id != sequence) {
     return Status::NotFound("sequence " + std::to_string(sequence) + " is no longer in the page table");
   }
-  if (layer >= s.n_layers) return Status::OutOfRange("layer " + std::to_string(layer));
-  if (page >= s.pages_per_layer.load(std::memory_order_acquire)) {
+  if (layer >= v.n_layers) return Status::OutOfRange("layer " + std::to_string(layer));
+  if (page >= std::min(s.pages_per_layer.load(std::memory_order_acquire), v.capacity)) {
     return Status::OutOfRange("page " + std::to_string(page) + " not mapped yet (Extend first)");
   }
-  const shm::PageRef& r = shm::Refs(impl_->table)[size_t{s.first_ref} + size_t{layer} * s.pages_capacity_per_layer + page];
-  if (r.chunk >= impl_->chunks.size() || r.offset > impl_->chunk_bytes || impl_->chunk_bytes - r.offset < s.page_bytes) {
+  // Inside the table: AddSlot checked first_ref + n_layers x capacity against its refs.
+  const shm::PageRef& r = impl_->refs[size_t{v.first_ref} + size_t{layer} * v.capacity + page];
+  if (r.chunk >= impl_->chunks.size() || r.offset > impl_->chunk_bytes || impl_->chunk_bytes - r.offset < v.page_bytes) {
     return Status::DataLoss("page table entry outside the chunks");
   }
   return impl_->chunks[r.chunk] + r.offset;

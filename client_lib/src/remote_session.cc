@@ -47,9 +47,10 @@ struct RemoteSession::Impl {
   std::unique_ptr<UcxEndpoint> endpoint;
   mutable std::mutex mu;
   std::map<uint64_t, PageLayoutSpec> layouts;
-  // kClientGets: where each (sequence, layer)'s pages are, and the staging buffer.
+  // kClientGets: where each (sequence, layer)'s pages are, and the staging buffer, both under
+  // gets_mu (one gets fetch at a time: they share the staging buffer).
+  std::mutex gets_mu;
   std::map<std::pair<uint64_t, uint32_t>, std::vector<shm::PageRef>> page_refs;
-  std::mutex gets_mu;  // one gets fetch at a time: they share the staging buffer
   std::vector<uint8_t> staging;
   std::atomic<uint64_t> requests{0}, rows_read{0}, rows_written{0};
 
@@ -112,6 +113,11 @@ struct RemoteSession::Impl {
   Status Gets(uint64_t sequence, uint32_t layer, uint32_t kv_head, std::span<const int32_t> tokens, void* out,
               const PageLayoutSpec& l) {
     const uint64_t row_bytes = uint64_t{2} * l.head_dim * 2;
+    if (layer >= l.n_layers || kv_head >= l.n_kv_heads) {  // as the daemon's gather refuses them
+      return Status::OutOfRange("layer " + std::to_string(layer) + " / KV head " + std::to_string(kv_head) +
+                                " outside the sequence's layout (" + std::to_string(l.n_layers) + " layers, " +
+                                std::to_string(l.n_kv_heads) + " KV heads)");
+    }
     std::lock_guard<std::mutex> lock(gets_mu);
     if (endpoint->remote_chunks() == 0) {
       return Status::FailedPrecondition("client-side gets need remote keys: the daemon hands them out only with "
@@ -140,7 +146,12 @@ struct RemoteSession::Impl {
       const shm::PageRef& ref = (*refs)[page];
       const uint64_t in_page = static_cast<uint32_t>(first) % l.page_tokens;
       const uint64_t offset = ref.offset + (uint64_t{kv_head} * l.page_tokens + in_page) * row_bytes;
-      SPECACHE_RETURN_IF_ERROR(endpoint->Get(ref.chunk, offset, staging.data() + i * row_bytes, (j - i) * row_bytes));
+      const Status got = endpoint->Get(ref.chunk, offset, staging.data() + i * row_bytes, (j - i) * row_bytes);
+      if (!got.ok()) {
+        // The gets already issued write into staging: done with before it may be reused or grown.
+        (void)endpoint->WaitGets(NextDeadline());
+        return got;
+      }
       i = j;
     }
     SPECACHE_RETURN_IF_ERROR(endpoint->WaitGets(NextDeadline()));
@@ -208,8 +219,11 @@ Result<uint32_t> RemoteSession::Extend(uint64_t sequence, uint32_t tokens) {
 Status RemoteSession::Release(uint64_t sequence) {
   SPECACHE_RETURN_IF_ERROR(impl_->LayoutOf(sequence).status());
   SPECACHE_RETURN_IF_ERROR(impl_->calls.ReleaseSequence(sequence));
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->layouts.erase(sequence);
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->layouts.erase(sequence);
+  }
+  std::lock_guard<std::mutex> lock(impl_->gets_mu);  // page_refs' lock (a gets fetch may be reading it)
   for (auto it = impl_->page_refs.begin(); it != impl_->page_refs.end();) {
     it = it->first.first == sequence ? impl_->page_refs.erase(it) : std::next(it);
   }
@@ -226,6 +240,10 @@ Status RemoteSession::WriteRows(uint64_t sequence, uint32_t layer, uint32_t kv_h
   SPECACHE_ASSIGN_OR_RETURN(PageLayoutSpec l, impl_->LayoutOf(sequence));
   const uint64_t row_bytes = uint64_t{2} * l.head_dim * 2;
   if (bytes % row_bytes != 0) return Status::InvalidArgument("rows must be whole rows of " + std::to_string(row_bytes) + " bytes");
+  if (bytes / row_bytes > remote::kMaxRowsPerRequest) {
+    return Status::InvalidArgument("a write of " + std::to_string(bytes / row_bytes) + " rows: at most " +
+                                   std::to_string(remote::kMaxRowsPerRequest) + " in one request");
+  }
   remote::RowsRequest h = Impl::Header(sequence, layer, kv_head, static_cast<uint32_t>(bytes / row_bytes));
   h.first_token = first_token;
   ++impl_->requests;

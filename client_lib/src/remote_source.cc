@@ -1,6 +1,9 @@
 #include "specache/remote_source.h"
 
+#include <algorithm>
+
 #include "sequence_registry.h"
+#include "specache/remote_protocol.h"
 
 namespace specache::client {
 
@@ -29,9 +32,15 @@ Status RemoteSource::AppendRows(SequenceId sequence, int layer, int kv_head, int
   SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s, layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(Registry::CheckNextRows("append", *length, first_token, n));
   SPECACHE_RETURN_IF_ERROR(registry_->EnsurePages(s, first_token + n));
-  SPECACHE_RETURN_IF_ERROR(session_->WriteRows(s->daemon_id, static_cast<uint32_t>(layer), static_cast<uint32_t>(kv_head),
-                                               static_cast<uint32_t>(first_token), rows,
-                                               static_cast<size_t>(n) * static_cast<size_t>(s->layout.row_bytes())));
+  // In requests of at most kMaxRowsPerRequest rows (a long prompt's prefill is more).
+  const size_t row_halves = static_cast<size_t>(s->layout.row_bytes()) / sizeof(Half);
+  for (int32_t done = 0; done < n;) {
+    const int32_t part = std::min<int32_t>(n - done, static_cast<int32_t>(remote::kMaxRowsPerRequest));
+    SPECACHE_RETURN_IF_ERROR(session_->WriteRows(s->daemon_id, static_cast<uint32_t>(layer), static_cast<uint32_t>(kv_head),
+                                                 static_cast<uint32_t>(first_token + done), rows + size_t(done) * row_halves,
+                                                 static_cast<size_t>(part) * static_cast<size_t>(s->layout.row_bytes())));
+    done += part;
+  }
   length->store(first_token + n, std::memory_order_release);
   return Status::Ok();
 }

@@ -75,7 +75,9 @@ class SequenceRegistry {
     return Status::Ok();
   }
 
-  // Forgets the sequence here and, unless it was kept, releases it in the daemon.
+  // Forgets the sequence here and, unless it was kept, releases it in the daemon. When the daemon
+  // does not confirm the release (unreachable, say), the sequence stays known here, so that the
+  // caller may release it again.
   Status Release(SequenceId sequence) {
     std::unique_ptr<EntryT> s;
     {
@@ -85,7 +87,12 @@ class SequenceRegistry {
       s = std::move(it->second);
       sequences_.erase(it);
     }
-    return s->kept ? Status::Ok() : session_->Release(s->daemon_id);
+    const Status released = s->kept ? Status::Ok() : session_->Release(s->daemon_id);
+    if (!released.ok() && released.code() != StatusCode::kNotFound) {
+      std::lock_guard<std::mutex> lock(mu_);
+      sequences_.emplace(sequence, std::move(s));
+    }
+    return released;
   }
 
   Result<uint64_t> Keep(SequenceId sequence) {
@@ -156,6 +163,10 @@ class SequenceRegistry {
     if (s->pages.load(std::memory_order_acquire) >= need) return Status::Ok();  // another head extended
     SPECACHE_ASSIGN_OR_RETURN(uint32_t pages,
                               session_->Extend(s->daemon_id, std::min<uint32_t>(need * page_tokens_, capacity_tokens_)));
+    if (pages < need) {  // the daemon's answer, not what was asked: nothing may be written there
+      return Status::DataLoss("the daemon mapped " + std::to_string(pages) + " pages per layer of sequence " +
+                              std::to_string(s->daemon_id) + " where " + std::to_string(need) + " were asked for");
+    }
     SPECACHE_RETURN_IF_ERROR(on_new_pages(*s, s->pages.load(std::memory_order_relaxed), pages));
     s->pages.store(pages, std::memory_order_release);
     return Status::Ok();

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -25,6 +26,16 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::string UcsError(const char* what, ucs_status_t s) { return std::string(what) + ": " + ucs_status_string(s); }
+
+// The request id of a rows request's header, even one that does not parse (too many rows, say),
+// so that its refusal reaches the request that made it; 0 when the header is not one.
+uint64_t RequestIdOf(const std::vector<uint8_t>& header) {
+  uint64_t id = 0;
+  if (header.size() == sizeof(remote::RowsRequest)) {
+    std::memcpy(&id, header.data() + offsetof(remote::RowsRequest, request_id), sizeof id);
+  }
+  return id;
+}
 
 }  // namespace
 
@@ -493,18 +504,14 @@ struct UcxServer::Impl {
     if (it == connections.end()) return;  // closed meanwhile
     Connection* c = &it->second;
     ++requests;
+    const uint64_t request_id = job->id == remote::kHello ? 0 : RequestIdOf(job->header);
     if (!job->refusal.ok() || job->failed) {  // answered to the request's id when its header has one
-      uint64_t request_id = 0;
-      if (job->id != remote::kHello) {
-        auto req = remote::ParseRowsRequest(job->header);
-        if (req.ok()) request_id = req->request_id;
-      }
       return RefuseAndClose(c, request_id, job->failed ? Status::Unavailable("the request's payload did not arrive")
                                                        : job->refusal);
     }
     if (job->id == remote::kHello) return Hello(c, *job);
     auto req = remote::ParseRowsRequest(job->header);
-    if (!req.ok()) return RefuseAndClose(c, 0, req.status());
+    if (!req.ok()) return RefuseAndClose(c, request_id, req.status());
     if (c->session == 0) {
       return RefuseAndClose(c, req->request_id,
                             Status::FailedPrecondition("the first message on an endpoint must be the hello"));

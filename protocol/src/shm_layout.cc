@@ -32,6 +32,10 @@ Status ValidateSlot(const void* region, uint32_t slot, bool check_refs) {
   if (s.n_layers == 0 || s.n_kv_heads == 0 || s.head_dim == 0 || s.page_tokens == 0) {
     return Status::DataLoss("page table: slot with a zero dimension");
   }
+  // Within what any layout may have (and so PageBytes cannot wrap around).
+  if (s.n_kv_heads > (1u << 16) || s.head_dim > (1u << 16) || s.page_tokens > (1u << 16)) {
+    return Status::DataLoss("page table: slot dimension out of range");
+  }
   if (s.page_bytes != PageBytes(s.n_kv_heads, s.page_tokens, s.head_dim) || s.page_bytes > h->chunk_bytes) {
     return Status::DataLoss("page table: slot page size inconsistent");
   }

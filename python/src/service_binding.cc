@@ -84,6 +84,9 @@ nb::dict StatsDict(const client::DaemonStats& s) {
 class EmbeddedDaemon {
  public:
   EmbeddedDaemon(uint64_t pool_bytes, uint64_t chunk_bytes) {
+    if (chunk_bytes == 0 || pool_bytes == 0) {  // the daemon's own checks come after the rounding below
+      ThrowIfError(Status::InvalidArgument("EmbeddedDaemon: pool_bytes and chunk_bytes must be positive"));
+    }
     char tmpl[] = "/tmp/specache-py-XXXXXX";
     if (!mkdtemp(tmpl)) ThrowIfError(Status::Internal("mkdtemp failed: " + std::string(strerror(errno))));
     dir_ = tmpl;

@@ -80,6 +80,9 @@ def test_daemon_errors_carry_their_codes(daemon, tmp_path):
     with pytest.raises(StatusError) as info:
         client.open_session("nobody", 16 << 20)
     assert info.value.code in (StatusCode.NOT_FOUND, StatusCode.PERMISSION_DENIED)
+    with pytest.raises(StatusError) as info:  # a clear error, not a division by zero
+        specache.EmbeddedDaemon(pool_bytes=64 << 20, chunk_bytes=0)
+    assert info.value.code == StatusCode.INVALID_ARGUMENT
 
 
 def test_source_over_its_session_quota(daemon):

@@ -165,6 +165,14 @@ TEST_F(RemoteTest, ClientGetsReturnTheSameRowsAsTheGather) {
   EXPECT_EQ(gets, gather);
   // 10 rows in 6 runs: 5-8, 15, 16-17 (new page), 40, 99, 0.
   EXPECT_EQ(f.session->stats().gets, 6u);
+  // A head or layer outside the layout is refused as the gather refuses it, not read from the
+  // page's neighbour.
+  Status head = f.session->ReadRows(f.sequence, 0, kLayout.n_kv_heads, std::vector<int32_t>{0}, gets.data(),
+                                    FetchMethod::kClientGets);
+  EXPECT_EQ(head.code(), StatusCode::kOutOfRange) << head.ToString();
+  Status layer = f.session->ReadRows(f.sequence, kLayout.n_layers, 0, std::vector<int32_t>{0}, gets.data(),
+                                     FetchMethod::kClientGets);
+  EXPECT_EQ(layer.code(), StatusCode::kOutOfRange) << layer.ToString();
 }
 
 TEST_F(RemoteTest, GetsWithoutRemoteKeysAreRefusedClearly) {
@@ -197,6 +205,39 @@ TEST_F(RemoteTest, RemoteSourceServesTheAgentsCalls) {
     EXPECT_EQ(std::memcmp(out.data() + i * 256, rows.data() + tokens[i] * 256, kRow), 0) << "row " << tokens[i];
   }
   EXPECT_EQ(source.ReadRows(1, 1, 1, std::array<int32_t, 1>{40}.data(), 1, out.data()).code(), StatusCode::kOutOfRange);
+}
+
+// A prefill of more rows than one request may carry (kMaxRowsPerRequest) goes in several; the
+// session's own WriteRows refuses such a write clearly instead of sending it (the daemon could not
+// parse its header, and the session would end waiting for an answer).
+TEST_F(RemoteTest, ALongPrefillGoesInSeveralRequests) {
+  StartDaemon(false, false);
+  auto c = Connect(Credentials("a"));
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto s = RemoteSession::Open(c->get(), "a", 8 << 20);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  constexpr int32_t kTokens = static_cast<int32_t>(remote::kMaxRowsPerRequest) + 1000;
+  constexpr int kHeadDim = 8;  // 32-byte rows: 2 MiB of pages
+  client::RemoteSource source(s->get(), 1024, kTokens);
+  ASSERT_TRUE(source.CreateSequence(1, {1, 1, kHeadDim}).ok());
+  std::vector<Half> rows(size_t(kTokens) * 2 * kHeadDim);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = FloatToHalf(static_cast<float>(i % 2000) / 16);
+  const Status appended = source.AppendRows(1, 0, 0, 0, rows.data(), kTokens);
+  ASSERT_TRUE(appended.ok()) << appended.ToString();
+  const int32_t tokens[] = {0, static_cast<int32_t>(remote::kMaxRowsPerRequest) - 1,
+                            static_cast<int32_t>(remote::kMaxRowsPerRequest), kTokens - 1};
+  std::vector<Half> out(4 * 2 * kHeadDim);
+  ASSERT_TRUE(source.ReadRows(1, 0, 0, tokens, 4, out.data()).ok());
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(std::memcmp(out.data() + i * 2 * kHeadDim, rows.data() + size_t(tokens[i]) * 2 * kHeadDim, 2 * kHeadDim * 2),
+              0)
+        << "row " << tokens[i];
+  }
+  auto daemon_id = source.DaemonSequence(1);
+  ASSERT_TRUE(daemon_id.ok());
+  const Status one = (*s)->WriteRows(*daemon_id, 0, 0, 0, rows.data(), rows.size() * sizeof(Half));
+  EXPECT_EQ(one.code(), StatusCode::kInvalidArgument) << one.ToString();
+  EXPECT_TRUE((*s)->Alive());
 }
 
 TEST_F(RemoteTest, WrongSecretAndOtherTenantAreRefusedBeforeAnythingIsReserved) {
