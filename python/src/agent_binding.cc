@@ -206,6 +206,7 @@ class PyAgent {
     d["rows_reused"] = st.rows_reused;
     d["bytes_fetched"] = st.bytes_fetched;
     d["steps"] = st.steps;
+    d["commits_failed"] = st.commits_failed;
     d["fetch_host_list_wait_ns"] = st.fetch_host_list_wait_ns;
     d["fetch_host_buffer_wait_ns"] = st.fetch_host_buffer_wait_ns;
     d["fetch_host_gather_ns"] = st.fetch_host_gather_ns;

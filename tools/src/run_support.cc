@@ -274,6 +274,7 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
   j["rows_fetched"] = s.rows_fetched;
   j["rows_reused"] = s.rows_reused;
   j["bytes_fetched"] = s.bytes_fetched;
+  j["commits_failed"] = s.commits_failed;
   // The CUDA agent's copy-engine fetch: its worker thread's waits and gathers (agent.h).
   j["fetch_host_list_wait_ns"] = s.fetch_host_list_wait_ns;
   j["fetch_host_buffer_wait_ns"] = s.fetch_host_buffer_wait_ns;

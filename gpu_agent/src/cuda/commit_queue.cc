@@ -41,12 +41,21 @@ Status CommitQueue::CommitLanded(bool wait) {
       SPECACHE_RETURN_IF_ERROR(CudaStatus(e, "page writes"));
     }
     for (const PendingCommit& c : b.commits) {
-      SPECACHE_RETURN_IF_ERROR(source_->CommitLayerRows(c.id, c.layer, n_kv_heads_, c.first, c.n).WithContext("source"));
+      const Status s = source_->CommitLayerRows(c.id, c.layer, n_kv_heads_, c.first, c.n);
+      if (s.ok()) continue;
+      ++failed_;
+      if (unreported_.ok()) {
+        unreported_ = s.WithContext("source: rows " + std::to_string(c.first) + ".." + std::to_string(c.first + c.n) +
+                                    " of sequence " + std::to_string(c.id) + " at layer " + std::to_string(c.layer) +
+                                    " not committed");
+      }
     }
     free_events_.push_back(b.landed);
     in_flight_.pop_front();
   }
   return Status::Ok();
 }
+
+Status CommitQueue::TakeError() { return std::exchange(unreported_, Status::Ok()); }
 
 }  // namespace specache::cuda

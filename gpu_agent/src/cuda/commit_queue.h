@@ -36,9 +36,15 @@ class CommitQueue {
   // now on `stream` has completed. The CUDA error when the event cannot be made or recorded (the
   // rows stay pending).
   Status Record(cudaStream_t stream);
-  // Commits the batches whose writes landed, in order; with `wait`, all of them. Errors of the
-  // source (with context "source") or of CUDA stop at the batch that had them.
+  // Commits the batches whose writes landed, in order; with `wait`, all of them. CUDA's errors
+  // stop at the batch that had them (it stays queued). Every commit of a landed batch is tried
+  // once: one the source refuses is counted (failed()) and its error kept, with context "source",
+  // until TakeError, so that one failed commit neither blocks the others nor is retried forever.
   Status CommitLanded(bool wait);
+  // The first source error since the last call (OK if none), forgotten once returned.
+  Status TakeError();
+  // Commits the source refused so far.
+  int64_t failed() const { return failed_; }
 
  private:
   struct PendingCommit {
@@ -57,6 +63,8 @@ class CommitQueue {
   std::vector<PendingCommit> pending_;  // added since the last Record
   std::deque<CommitBatch> in_flight_;   // oldest first
   std::vector<cudaEvent_t> free_events_;
+  Status unreported_;  // TakeError's
+  int64_t failed_ = 0;
 };
 
 }  // namespace specache::cuda

@@ -43,16 +43,15 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
   for (const FetchTask& t : tasks) stride = std::max(stride, t.n_selected);
   if (stride == 0) return out;
   if (host_pages.size() != tasks.size()) return Status::InvalidArgument("copy-engine fetch: a page table per task");
+  // Made at the first call; each piece that failed to be made is tried again at the next.
   if (!lister_) {
     // The list is on the path of the layer's whole fetch: its kernel is scheduled first.
     int least = 0, greatest = 0;
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities"));
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&lister_, cudaStreamNonBlocking, greatest), "stream"));
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&listed_, cudaEventDisableTiming), "event"));
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming), "event"));
-    for (cudaEvent_t& e : copied_) {
-      SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
-    }
+  }
+  for (cudaEvent_t* e : {&listed_, &queued_, &copied_[0], &copied_[1]}) {
+    if (!*e) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "event"));
   }
   const size_t slots = tasks.size() * static_cast<size_t>(stride);
   const size_t row = 2 * static_cast<size_t>(head_dim_) * sizeof(Half);
@@ -117,8 +116,11 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
                                         cudaMemcpyHostToDevice, stream),
                         "rows to the device");
   }
-  // Recorded after an error too: whatever was queued is what the next use and the destructor wait for.
+  // Recorded after an error too: whatever was queued is what the next use and the destructor wait
+  // for; when it cannot be, the host waits for the copies here (the buffer's next user waits for
+  // the event's older record).
   const Status recorded = CudaStatus(cudaEventRecord(copied_[b], stream), "rows to the device");
+  if (!recorded.ok()) cudaStreamSynchronize(stream);
   next_ = 1 - b;
   SPECACHE_RETURN_IF_ERROR(queued);
   SPECACHE_RETURN_IF_ERROR(recorded);

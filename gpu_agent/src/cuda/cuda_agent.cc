@@ -286,6 +286,9 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
 
 Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences) {
   SPECACHE_RETURN_IF_ERROR(CommitWritten(false));  // no wait: rows still landing commit later
+  // A commit the source refused since the last step (local pages; the staged path's errors come
+  // from CommitWritten): reported once, here.
+  if (!staged_commits_) SPECACHE_RETURN_IF_ERROR(commits_.TakeError());
   SPECACHE_RETURN_IF_ERROR(protocol_.Begin(kind, RowsPerSequence(kind), sequences,
                                            [this](SequenceId id, int layer) { return replicas_.Length(id, layer); }));
   if (kind == StepKind::kDecode) {  // the step appends one token: its pages and blocks must exist
@@ -405,8 +408,9 @@ AgentStats CudaAgent::stats() const {
     device = rows_.DeviceCounters();
     // A failure shows at the next call that needs the source. Staged appends ran already (the
     // worker is idle after WaitForStreams); their error stays for the next BeginStep.
-    if (!staged_commits_) (void)commits_.CommitLanded(true);
+    if (!staged_commits_) (void)commits_.CommitLanded(true);  // its refused commits' error stays for BeginStep
   }
+  s.commits_failed = commits_.failed();
   // The adaptive budget's rows are counted on the device (device.selected), the others on the host.
   AddFetchCounts({rows_.rows_selected() + static_cast<int64_t>(device.selected), static_cast<int64_t>(device.fetched),
                   static_cast<int64_t>(device.reused)},

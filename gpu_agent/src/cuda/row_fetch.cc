@@ -107,7 +107,19 @@ void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_
 
 void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }
 
-void RowFetcher::RemoveSequence(SequenceId id) { rows_.erase(id); }
+void RowFetcher::RemoveSequence(SequenceId id) {
+  rows_.erase(id);
+  // A failed overlapped fetch's error waits with the worker for its layer's next WaitFetched, to
+  // fail the step of the sequences it fetched for (handed_). Once they are all gone, it is
+  // nobody's: it is dropped, instead of failing an unrelated batch's step. (The caller waited for
+  // the worker first: the jobs that could fail have run.)
+  for (size_t layer = 0; layer < handed_.size(); ++layer) {
+    std::vector<SequenceId>& ids = handed_[layer];
+    if (ids.empty()) continue;
+    ids.erase(std::remove(ids.begin(), ids.end(), id), ids.end());
+    if (ids.empty() && worker_) (void)worker_->TakeError(static_cast<int>(layer));
+  }
+}
 
 Status RowFetcher::ReserveCache(LayerRows* lr) const {
   const int n_kv = shape_.n_kv_heads;

@@ -98,7 +98,8 @@ class RowFetcher {
   void AddSequence(SequenceId id);
   // No queued work may still read the sequence's rows, nor any row cache: its caches may have
   // been other sequences' (as spares) whose last fetch still reads them (the agent waits for the
-  // streams first).
+  // streams first, WaitForFetchStream). A failed overlapped fetch not yet reported whose
+  // sequences are now all removed is dropped (it would fail another batch's step).
   void RemoveSequence(SequenceId id);
 
   // KvConfig::seed_rows: the (sequence, layer)'s row cache starts with each KV head's seeds
