@@ -84,7 +84,7 @@ case "$stage" in
     mkdir -p "$out" "$results"
     python=${PYTHON:-python3}
     "$bundle/run" specache-run bench --shape llama3-8b --context "$context" --gpu-mem-budget "$budget" \
-      --kv fp16 --kv kivi --kv specache --kv specache-nonspec --kv full-offload --steps "$steps" \
+      --kv specache --kv fp16 --kv kivi --kv specache-nonspec --kv full-offload --steps "$steps" \
       --sdpa-script tools/bench/fp16_baseline.py --python "$python" \
       --json-out "$results/bench_$context.json" 2>&1 | tee "$results/bench_$context.txt"
     rc=${PIPESTATUS[0]}

@@ -694,7 +694,8 @@ int main(int argc, char** argv) {
   bench->add_option("--gpu-mem-budget", bench_args.budget, "GPU memory for weights + KV + workspace (48GB, 40GiB, bytes)")
       ->capture_default_str();
   bench->add_option("--kv", bench_args.modes,
-                    "mode (repeatable): fp16, kivi, specache, specache-nonspec, full-offload (default: all); "
+                    "mode (repeatable, run in this order): fp16, kivi, specache, specache-nonspec, full-offload (default: all, "
+                    "specache first); "
                     "specache and specache-nonspec run the paper's rule (k rows, only they attended), or, with "
                     "options after '/' (e.g. specache/select=union, as --modes elsewhere), specache-run's "
                     "generation defaults with those options")
