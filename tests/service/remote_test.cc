@@ -287,6 +287,75 @@ struct RawEndpoint {
   }
 };
 
+// A session opened with raw calls, as a hostile client would (and as the data-plane tests need
+// its token).
+struct RawSession {
+  uint64_t id = 0;
+  std::string token;
+  std::string tenant, secret;
+  std::unique_ptr<v1::Control::Stub> stub;
+  void Authenticate(grpc::ClientContext* ctx) const {
+    ctx->AddMetadata("x-specache-tenant", tenant);
+    ctx->AddMetadata("x-specache-secret", secret);
+  }
+  // A sequence of kLayout with `tokens` tokens of pages.
+  uint64_t Sequence(uint32_t tokens) const {
+    grpc::ClientContext ctx, ctx2;
+    Authenticate(&ctx);
+    Authenticate(&ctx2);
+    v1::CreateSequenceRequest req;
+    req.set_session_id(id);
+    req.set_token(token);
+    v1::SequenceLayout* l = req.mutable_layout();
+    l->set_n_layers(kLayout.n_layers);
+    l->set_n_kv_heads(kLayout.n_kv_heads);
+    l->set_head_dim(kLayout.head_dim);
+    l->set_page_tokens(kLayout.page_tokens);
+    l->set_capacity_tokens(kLayout.capacity_tokens);
+    v1::CreateSequenceResponse created;
+    EXPECT_TRUE(stub->CreateSequence(&ctx, req, &created).ok());
+    v1::ExtendSequenceRequest ext;
+    ext.set_session_id(id);
+    ext.set_token(token);
+    ext.set_sequence_id(created.sequence_id());
+    ext.set_tokens(tokens);
+    v1::ExtendSequenceResponse extended;
+    EXPECT_TRUE(stub->ExtendSequence(&ctx2, ext, &extended).ok());
+    return created.sequence_id();
+  }
+  Status Close() const {
+    grpc::ClientContext ctx;
+    Authenticate(&ctx);
+    v1::CloseSessionRequest req;
+    req.set_session_id(id);
+    req.set_token(token);
+    v1::CloseSessionResponse resp;
+    const grpc::Status s = stub->CloseSession(&ctx, req, &resp);
+    return s.ok() ? Status::Ok() : Status::Unavailable(s.error_message());
+  }
+};
+
+RawSession OpenRawSession(const Pki& pki, uint16_t control_port, const std::string& tenant = "a",
+                          const std::string& secret = "tenant-a-secret-0123456789") {
+  grpc::SslCredentialsOptions tls;
+  std::ifstream ca(pki.path("ca.pem"));
+  tls.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), std::istreambuf_iterator<char>());
+  RawSession r;
+  r.tenant = tenant;
+  r.secret = secret;
+  r.stub = v1::Control::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port), grpc::SslCredentials(tls)));
+  grpc::ClientContext ctx;
+  r.Authenticate(&ctx);
+  v1::OpenSessionRequest req;
+  req.set_tenant(tenant);
+  req.set_pool_bytes(4 << 20);
+  v1::OpenSessionResponse resp;
+  EXPECT_TRUE(r.stub->OpenSession(&ctx, req, &resp).ok());
+  r.id = resp.session_id();
+  r.token = resp.token();
+  return r;
+}
+
 TEST_F(RemoteTest, DataPlaneRefusesForgedTokensStaleSessionsOtherTenantsAndBadRowsAndKeepsServing) {
   StartDaemon(false, false);
   Fixture a = Open("a", FetchMethod::kServerGather, 32);
@@ -322,23 +391,12 @@ TEST_F(RemoteTest, DataPlaneRefusesForgedTokensStaleSessionsOtherTenantsAndBadRo
   // A session of its own (opened with raw calls, as a hostile client would) asking for b's
   // sequence: the daemon's NOT_FOUND, not the client library's.
   {
-    grpc::SslCredentialsOptions tls;
-    std::ifstream ca(pki_->path("ca.pem"));
-    tls.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), std::istreambuf_iterator<char>());
-    auto stub = v1::Control::NewStub(
-        grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::SslCredentials(tls)));
-    grpc::ClientContext ctx;
-    ctx.AddMetadata("x-specache-tenant", "b");
-    ctx.AddMetadata("x-specache-secret", "tenant-b-secret-9876543210");
-    v1::OpenSessionRequest req;
-    req.set_tenant("b");
-    req.set_pool_bytes(4 << 20);
-    v1::OpenSessionResponse resp;
-    ASSERT_TRUE(stub->OpenSession(&ctx, req, &resp).ok());
+    RawSession mine = OpenRawSession(*pki_, control_port_, "b", "tenant-b-secret-9876543210");
+    ASSERT_NE(mine.id, 0u);
     raw = client::UcxEndpoint::Connect(addr, false);
     ASSERT_TRUE(raw.ok());
     RawEndpoint other{std::move(*raw)};
-    ASSERT_TRUE(other.Hello(resp.session_id(), resp.token()).ok());
+    ASSERT_TRUE(other.Hello(mine.id, mine.token).ok());
     Status theirs = other.Gather(b.sequence, {1});
     EXPECT_EQ(theirs.code(), StatusCode::kNotFound) << "another session's sequence: " << theirs.ToString();
     EXPECT_NE(theirs.message().find("is not in session"), std::string::npos) << theirs.ToString();
@@ -367,70 +425,6 @@ TEST_F(RemoteTest, DataPlaneRefusesForgedTokensStaleSessionsOtherTenantsAndBadRo
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   EXPECT_GE(stats->remote_refused, 8u) << daemon_->Log();
   EXPECT_GE(stats->remote_connections, 1u);
-}
-
-// A hostile client's session opened with raw calls (as the data-plane tests need its token).
-struct RawSession {
-  uint64_t id = 0;
-  std::string token;
-  std::unique_ptr<v1::Control::Stub> stub;
-  // A sequence of kLayout with `tokens` tokens of pages.
-  uint64_t Sequence(uint32_t tokens) const {
-    grpc::ClientContext ctx, ctx2;
-    for (grpc::ClientContext* c : {&ctx, &ctx2}) {
-      c->AddMetadata("x-specache-tenant", "a");
-      c->AddMetadata("x-specache-secret", "tenant-a-secret-0123456789");
-    }
-    v1::CreateSequenceRequest req;
-    req.set_session_id(id);
-    req.set_token(token);
-    v1::SequenceLayout* l = req.mutable_layout();
-    l->set_n_layers(kLayout.n_layers);
-    l->set_n_kv_heads(kLayout.n_kv_heads);
-    l->set_head_dim(kLayout.head_dim);
-    l->set_page_tokens(kLayout.page_tokens);
-    l->set_capacity_tokens(kLayout.capacity_tokens);
-    v1::CreateSequenceResponse created;
-    EXPECT_TRUE(stub->CreateSequence(&ctx, req, &created).ok());
-    v1::ExtendSequenceRequest ext;
-    ext.set_session_id(id);
-    ext.set_token(token);
-    ext.set_sequence_id(created.sequence_id());
-    ext.set_tokens(tokens);
-    v1::ExtendSequenceResponse extended;
-    EXPECT_TRUE(stub->ExtendSequence(&ctx2, ext, &extended).ok());
-    return created.sequence_id();
-  }
-  Status Close() const {
-    grpc::ClientContext ctx;
-    ctx.AddMetadata("x-specache-tenant", "a");
-    ctx.AddMetadata("x-specache-secret", "tenant-a-secret-0123456789");
-    v1::CloseSessionRequest req;
-    req.set_session_id(id);
-    req.set_token(token);
-    v1::CloseSessionResponse resp;
-    const grpc::Status s = stub->CloseSession(&ctx, req, &resp);
-    return s.ok() ? Status::Ok() : Status::Unavailable(s.error_message());
-  }
-};
-
-RawSession OpenRawSession(const Pki& pki, uint16_t control_port) {
-  grpc::SslCredentialsOptions tls;
-  std::ifstream ca(pki.path("ca.pem"));
-  tls.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), std::istreambuf_iterator<char>());
-  RawSession r;
-  r.stub = v1::Control::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port), grpc::SslCredentials(tls)));
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("x-specache-tenant", "a");
-  ctx.AddMetadata("x-specache-secret", "tenant-a-secret-0123456789");
-  v1::OpenSessionRequest req;
-  req.set_tenant("a");
-  req.set_pool_bytes(4 << 20);
-  v1::OpenSessionResponse resp;
-  EXPECT_TRUE(r.stub->OpenSession(&ctx, req, &resp).ok());
-  r.id = resp.session_id();
-  r.token = resp.token();
-  return r;
 }
 
 // Payloads are checked against their headers before the daemon receives them, and the refusal

@@ -697,13 +697,6 @@ TEST(SpillTest, AVerifyLoopDoesNotStallExtend) {
   EXPECT_LT(extend_p99, verify_median / 4) << "Extend waits for verify";
 }
 
-#ifdef SPECACHECTL_PATH
-// Runs specachectl against the daemon; returns its stdout and sets *code to its exit status.
-std::string Ctl(const DaemonProcess& d, const std::string& args, int* code) {
-  return RunCommand(std::string(SPECACHECTL_PATH) + " --socket " + d.socket + " " + args + " 2>&1", code);
-}
-
-// The operator's commands, as other tools call them.
 // A claim that fails once the sequence was taken from the kept ones (here: the claiming session's
 // memory cannot hold it) puts it back: it stays kept, whether it was parked or spilled, and a
 // session that can hold it claims it intact.
@@ -744,6 +737,13 @@ TEST(SpillTest, AClaimThatFailsLeavesTheSequenceKept) {
   EXPECT_EQ(c->ListSequences()->size(), 0u);
 }
 
+#ifdef SPECACHECTL_PATH
+// Runs specachectl against the daemon; returns its stdout and sets *code to its exit status.
+std::string Ctl(const DaemonProcess& d, const std::string& args, int* code) {
+  return RunCommand(std::string(SPECACHECTL_PATH) + " --socket " + d.socket + " " + args + " 2>&1", code);
+}
+
+// The operator's commands, as other tools call them.
 TEST(SpillTest, SpecachectlSpillRestoreEvictVerify) {
   TempDir spill;
   DaemonProcess d;
