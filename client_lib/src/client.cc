@@ -1,8 +1,10 @@
 #include "specache/client.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -96,8 +98,24 @@ struct Session::Impl {
     return s;
   }
 
+  // A descriptor the daemon passed: at least `bytes` long and sealed against shrinking, so that
+  // its mapping cannot fault (SIGBUS) in the engine.
+  static Status CheckSealedFile(int fd, uint64_t bytes, const char* what) {
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
+      return Status::DataLoss(std::string("attach: the ") + what + " is smaller than the daemon says");
+    }
+    const int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      return Status::DataLoss(std::string("attach: the ") + what + " is not sealed against shrinking");
+    }
+    return Status::Ok();
+  }
+
   Status Map(const attach::AttachReply& r, const std::vector<int>& fds, uint32_t expected_chunks) {
     if (fds.size() != size_t{expected_chunks} + 1) return Status::DataLoss("attach: chunk count differs from OpenSession's");
+    SPECACHE_RETURN_IF_ERROR(CheckSealedFile(fds[0], r.table_bytes, "page table"));
+    for (size_t i = 1; i < fds.size(); ++i) SPECACHE_RETURN_IF_ERROR(CheckSealedFile(fds[i], r.chunk_bytes, "chunk"));
     void* t = mmap(nullptr, r.table_bytes, PROT_READ, MAP_SHARED, fds[0], 0);
     if (t == MAP_FAILED) return Status::ResourceExhausted("mmap page table: " + std::string(std::strerror(errno)));
     table = static_cast<const uint8_t*>(t);

@@ -53,8 +53,14 @@ Result<std::unique_ptr<SessionPages>> SessionPages::Create(uint64_t session_id, 
   void* p = mmap(nullptr, s->table_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, s->table_fd_, 0);
   if (p == MAP_FAILED) return Status::ResourceExhausted(std::string("mmap table: ") + std::strerror(errno));
   s->table_ = static_cast<uint8_t*>(p);
-  // Clients may map the table, but not for writing (existing daemon mapping stays writable).
-  fcntl(s->table_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE);
+  // Clients may map the table, but not for writing (existing daemon mapping stays writable). A
+  // kernel without F_SEAL_FUTURE_WRITE (before 5.1) refuses the three together: then at least its
+  // size is sealed (clients check that before they map it); the table stays writable by its own
+  // session's client, which is all it could spoil.
+  if (fcntl(s->table_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) != 0 &&
+      fcntl(s->table_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    return Status::Unavailable(std::string("sealing the page table: ") + std::strerror(errno));
+  }
 
   auto* h = new (s->table_) shm::TableHeader{};
   h->magic = shm::kTableMagic;
