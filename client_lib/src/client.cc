@@ -8,11 +8,14 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <chrono>
+#include <limits>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
@@ -58,14 +61,30 @@ struct Session::Impl {
     if (attach_fd >= 0) close(attach_fd);
   }
 
+  // Within the client's deadline as a whole: the connect (a daemon whose listen backlog is full
+  // does not accept it) and every reply.
   Status Attach(const std::string& path, uint32_t expected_chunks) {
-    attach_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const auto budget = std::min<std::chrono::milliseconds>(calls.client()->options.deadline,
+                                                            std::chrono::milliseconds(std::numeric_limits<int>::max()));
+    const auto until = std::chrono::steady_clock::now() + budget;
+    auto left_ms = [&] {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      return static_cast<int>(std::clamp<int64_t>(left.count(), 0, std::numeric_limits<int>::max()));
+    };
+    attach_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (attach_fd < 0) return Status::ResourceExhausted("socket: " + std::string(std::strerror(errno)));
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     if (path.size() >= sizeof addr.sun_path) return Status::InvalidArgument("attach path too long: " + path);
     std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-    if (connect(attach_fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    while (connect(attach_fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN) return Status::Unavailable("attach socket " + path + ": " + std::strerror(errno));
+      if (left_ms() == 0) return Status::DeadlineExceeded("attach socket " + path + ": the daemon accepts no connection");
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // a Unix socket's full backlog: try again
+    }
+    const int flags = fcntl(attach_fd, F_GETFL);
+    if (flags < 0 || fcntl(attach_fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
       return Status::Unavailable("attach socket " + path + ": " + std::strerror(errno));
     }
     attach::AttachRequest req;
@@ -78,7 +97,7 @@ struct Session::Impl {
     do {
       attach::AttachReply raw;
       const size_t before = fds.size();
-      Status s = RecvWithFds(attach_fd, &raw, sizeof raw, &fds, static_cast<int>(calls.client()->options.deadline.count()));
+      Status s = RecvWithFds(attach_fd, &raw, sizeof raw, &fds, left_ms());
       auto reply = s.ok() ? attach::ParseReply(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&raw), sizeof raw))
                           : Result<attach::AttachReply>(s);
       if (reply.ok() && reply->code != 0) reply = Status(static_cast<StatusCode>(reply->code), reply->message);
