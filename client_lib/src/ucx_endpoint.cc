@@ -19,14 +19,47 @@ std::string UcsError(const std::string& what, ucs_status_t s) { return what + ":
 }  // namespace
 
 struct UcxEndpoint::Impl {
+  // A request until its caller collected it (Wait) and UCX is done with it: UCX holds a pointer
+  // to it while its send, or its reply's rendezvous receive, is in flight (send_pending,
+  // data_pending), so an entry its caller gave up on stays, abandoned, until the callback that
+  // ends the last of them removes it (or the worker is destroyed).
   struct Pending {
+    Impl* impl = nullptr;
+    uint64_t id = 0;
     remote::RowsRequest rows;  // the header as sent (UCX may read it until the send completes)
     remote::Hello hello;
     void* out = nullptr;
     size_t capacity = 0, received = 0;
     bool replied = false, sent = false;
+    bool send_pending = false, data_pending = false, abandoned = false;
+    void* data_request = nullptr;  // the rendezvous receive, while data_pending
     Status status;
   };
+  // The caller is done with the entry: removed now, or once UCX is done with it too.
+  void ForgetLocked(std::map<uint64_t, Pending>::iterator it) {
+    Pending& p = it->second;
+    if (!p.send_pending && !p.data_pending) {
+      pending.erase(it);
+      return;
+    }
+    p.abandoned = true;
+  }
+  // After the endpoint was closed: progress until UCX released what it held for requests and gets
+  // (a forced close purges them in later progress), so that nothing lands in a caller's buffer
+  // after its call returned. Bounded: past kReleaseWait, the holds are abandoned.
+  static constexpr auto kReleaseWait = std::chrono::seconds(5);
+  bool HeldLocked(uint64_t request) const {
+    auto it = pending.find(request);
+    return (it != pending.end() && (it->second.send_pending || it->second.data_pending)) || gets_outstanding > 0;
+  }
+  void DrainLocked(uint64_t request) {
+    const auto until = Clock::now() + kReleaseWait;
+    while (HeldLocked(request) && Clock::now() < until) ucp_worker_progress(worker);
+  }
+  // From a callback that ended one of UCX's holds on the entry.
+  static void ReleaseHold(Pending* p) {
+    if (p->abandoned && !p->send_pending && !p->data_pending) p->impl->pending.erase(p->id);
+  }
 
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
@@ -53,17 +86,18 @@ struct UcxEndpoint::Impl {
 
   ~Impl() {
     std::lock_guard<std::mutex> lock(mu);
+    if (ep) CloseLocked();  // first: the gets in flight use the keys and the staging registration
+    DrainLocked(0);
     for (Chunk& c : chunks) {
       if (c.rkey) ucp_rkey_destroy(c.rkey);
     }
-    if (ep) CloseLocked();
     if (staging) ucp_mem_unmap(context, staging);
     if (worker) ucp_worker_destroy(worker);
     if (context) ucp_cleanup(context);
   }
 
-  // Closes the endpoint (forced: nothing in flight is waited for beyond a short drain, since the
-  // daemon may be gone); every request still pending fails.
+  // Closes the endpoint (forced: the daemon may be gone); every request still pending fails. What
+  // UCX holds for them is purged in later progress (DrainLocked), not here.
   void CloseLocked() {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -85,7 +119,9 @@ struct UcxEndpoint::Impl {
     }
     for (auto& [id, p] : pending) {
       if (!p.replied) p.status = Status::Unavailable("remote daemon at " + address + ": " + failure);
-      p.replied = p.sent = true;
+      // What UCX still holds completes (with an error) in later progress; its callback says so.
+      if (!p.data_pending) p.replied = true;
+      if (!p.send_pending) p.sent = true;
     }
     if (gets_outstanding > 0 && get_status.ok()) get_status = Status::Unavailable("remote daemon at " + address + ": " + failure);
   }
@@ -98,16 +134,21 @@ struct UcxEndpoint::Impl {
   static void OnSent(void* request, ucs_status_t status, void* user_data) {
     auto* p = static_cast<Pending*>(user_data);
     p->sent = true;
+    p->send_pending = false;
     if (status != UCS_OK && p->status.ok()) p->status = Status::Unavailable(UcsError("send", status));
     ucp_request_free(request);
+    ReleaseHold(p);
   }
 
   static void OnReplyData(void* request, ucs_status_t status, size_t length, void* user_data) {
     auto* p = static_cast<Pending*>(user_data);
     p->replied = true;
+    p->data_pending = false;
+    p->data_request = nullptr;
     p->received = length;
     if (status != UCS_OK && p->status.ok()) p->status = Status::Unavailable(UcsError("reply data", status));
     ucp_request_free(request);
+    ReleaseHold(p);
   }
 
   static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
@@ -119,7 +160,7 @@ struct UcxEndpoint::Impl {
       return UCS_OK;
     }
     auto it = self->pending.find(reply->request_id);
-    if (it == self->pending.end() || it->second.replied) {
+    if (it == self->pending.end() || it->second.replied || it->second.abandoned || it->second.data_pending) {
       ++self->late_replies;  // a request given up meanwhile
       return UCS_OK;
     }
@@ -154,6 +195,9 @@ struct UcxEndpoint::Impl {
     } else if (UCS_PTR_IS_ERR(st)) {
       p.status = Status::Unavailable(UcsError("reply data", UCS_PTR_STATUS(st)));
       p.replied = true;
+    } else {  // until OnReplyData
+      p.data_pending = true;
+      p.data_request = st;
     }
     return UCS_OK;
   }
@@ -225,7 +269,7 @@ struct UcxEndpoint::Impl {
   // when UCX is done with the caller's buffers, so the endpoint is closed (every other request
   // fails too) and this remote session is over.
   Status GiveUpLocked(const char* what) {
-    failure = std::string(what) + " missed its deadline; the endpoint was closed";
+    if (!failed) failure = std::string(what) + " missed its deadline; the endpoint was closed";
     if (ep) CloseLocked();
     return Status::DeadlineExceeded("remote daemon at " + address + ": no answer within the deadline (" + what +
                                     "); the remote session is over, open a new one");
@@ -260,15 +304,23 @@ Result<uint64_t> UcxEndpoint::Start(remote::AmId id, const void* header, size_t 
   const uint64_t request = id == remote::kHello ? 0 : m->next_id++;
   if (m->pending.count(request)) return Status::FailedPrecondition("a hello is already in flight");
   Impl::Pending& p = m->pending[request];
+  p.impl = m;
+  p.id = request;
   p.out = out;
   p.capacity = out_capacity;
   const void* h = nullptr;
   if (id == remote::kHello) {
-    if (header_bytes != sizeof p.hello) return Status::InvalidArgument("hello header size");
+    if (header_bytes != sizeof p.hello) {
+      m->pending.erase(request);
+      return Status::InvalidArgument("hello header size");
+    }
     std::memcpy(&p.hello, header, sizeof p.hello);
     h = &p.hello;
   } else {
-    if (header_bytes != sizeof p.rows) return Status::InvalidArgument("rows header size");
+    if (header_bytes != sizeof p.rows) {
+      m->pending.erase(request);
+      return Status::InvalidArgument("rows header size");
+    }
     std::memcpy(&p.rows, header, sizeof p.rows);
     p.rows.request_id = request;
     h = &p.rows;
@@ -284,6 +336,8 @@ Result<uint64_t> UcxEndpoint::Start(remote::AmId id, const void* header, size_t 
   } else if (UCS_PTR_IS_ERR(st)) {
     m->pending.erase(request);
     return Status::Unavailable(UcsError("send to " + m->address, UCS_PTR_STATUS(st)));
+  } else {
+    p.send_pending = true;  // until OnSent
   }
   return request;
 }
@@ -295,6 +349,7 @@ Status UcxEndpoint::Wait(uint64_t request, Deadline deadline, size_t* out_bytes)
   while (true) {
     auto it = m->pending.find(request);
     if (it == m->pending.end()) return Status::InvalidArgument("request " + std::to_string(request) + " is not pending");
+    if (it->second.abandoned) return Status::InvalidArgument("request " + std::to_string(request) + " is not pending");
     if (it->second.replied && it->second.sent) {
       Status s = it->second.status;
       if (out_bytes) *out_bytes = it->second.received;
@@ -303,7 +358,9 @@ Status UcxEndpoint::Wait(uint64_t request, Deadline deadline, size_t* out_bytes)
     }
     if (Clock::now() >= deadline) {
       Status s = m->GiveUpLocked("request");
-      m->pending.erase(request);
+      m->DrainLocked(request);
+      it = m->pending.find(request);
+      if (it != m->pending.end()) m->ForgetLocked(it);
       return s;
     }
     m->ProgressOrSleep(&lock, &idle);
@@ -406,9 +463,14 @@ Status UcxEndpoint::WaitGets(Deadline deadline) {
   std::unique_lock<std::mutex> lock(m->mu);
   Clock::time_point idle = Clock::now();
   while (m->gets_outstanding > 0 && !m->failed) {
-    if (Clock::now() >= deadline) return m->GiveUpLocked("gets");
+    if (Clock::now() >= deadline) {
+      Status s = m->GiveUpLocked("gets");
+      m->DrainLocked(0);  // the gets still write into the staging buffer until UCX lets them go
+      return s;
+    }
     m->ProgressOrSleep(&lock, &idle);
   }
+  if (m->failed) m->DrainLocked(0);
   Status s = m->get_status;
   m->get_status = Status::Ok();
   if (m->failed && s.ok()) s = Status::Unavailable("remote daemon at " + m->address + ": " + m->failure);
