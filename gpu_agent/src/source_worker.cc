@@ -4,7 +4,7 @@
 
 namespace specache {
 
-SourceWorker::SourceWorker(std::function<void()> on_start)
+SourceWorker::SourceWorker(std::function<Status()> on_start)
     : thread_([this, start = std::move(on_start)]() mutable { Run(std::move(start)); }) {}
 
 SourceWorker::~SourceWorker() {
@@ -53,8 +53,8 @@ void SourceWorker::WaitAll() {
   done_.wait(lock, [&] { return queue_.empty() && running_ == 0; });
 }
 
-void SourceWorker::Run(std::function<void()> on_start) {
-  if (on_start) on_start();
+void SourceWorker::Run(std::function<Status()> on_start) {
+  const Status started = on_start ? on_start() : Status::Ok();
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     // Queued jobs run even after the destructor asked to stop: their owners wait for them.
@@ -64,7 +64,7 @@ void SourceWorker::Run(std::function<void()> on_start) {
     queue_.pop_front();
     ++running_;
     lock.unlock();
-    Status s = job();
+    Status s = started.ok() ? job() : started.WithContext("the source worker's thread did not start");
     job = nullptr;  // what the job captured goes before its waiters wake
     lock.lock();
     --running_;

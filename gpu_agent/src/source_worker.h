@@ -36,8 +36,9 @@ class SourceWorker {
   static constexpr int kCommitKey = -1;
   static constexpr int kCallerKey = -2;  // jobs whose caller waits for them at once
 
-  // `on_start` runs first on the worker thread (the CUDA agent selects its device there).
-  explicit SourceWorker(std::function<void()> on_start = {});
+  // `on_start` runs first on the worker thread (the CUDA agent selects its device there); if it
+  // fails, no job runs: each fails with its error.
+  explicit SourceWorker(std::function<Status()> on_start = {});
   ~SourceWorker();
   SourceWorker(const SourceWorker&) = delete;
   SourceWorker& operator=(const SourceWorker&) = delete;
@@ -51,7 +52,7 @@ class SourceWorker {
   void WaitAll();
 
  private:
-  void Run(std::function<void()> on_start);
+  void Run(std::function<Status()> on_start);
   // Caller holds mu_.
   Status TakeErrorLocked(int key);
 

@@ -67,7 +67,10 @@ TEST(SourceWorkerTest, DestructorRunsEveryQueuedJobAndOnStartRunsFirstOnTheWorke
   std::atomic<int> ran{0};
   std::thread::id started_on, ran_on;
   {
-    SourceWorker worker([&] { started_on = std::this_thread::get_id(); });
+    SourceWorker worker([&] {
+      started_on = std::this_thread::get_id();
+      return Status::Ok();
+    });
     for (int i = 0; i < 100; ++i) {
       worker.Submit(i, [&] {
         ran_on = std::this_thread::get_id();
@@ -79,6 +82,25 @@ TEST(SourceWorkerTest, DestructorRunsEveryQueuedJobAndOnStartRunsFirstOnTheWorke
   EXPECT_EQ(ran.load(), 100);
   EXPECT_EQ(started_on, ran_on);
   EXPECT_NE(ran_on, std::this_thread::get_id());
+}
+
+// A worker whose start failed (the CUDA agent's: its device could not be selected) runs no job:
+// each fails with the start's error, reported to its key's Wait.
+TEST(SourceWorkerTest, AFailedStartFailsEveryJobWithItsError) {
+  std::atomic<int> ran{0};
+  SourceWorker worker([] { return Status::Unavailable("no device"); });
+  for (int key : {0, 1, SourceWorker::kCommitKey}) {
+    worker.Submit(key, [&] {
+      ++ran;
+      return Status::Ok();
+    });
+  }
+  for (int key : {0, 1, SourceWorker::kCommitKey}) {
+    const Status s = worker.Wait(key);
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+    EXPECT_NE(s.message().find("no device"), std::string::npos) << s.ToString();
+  }
+  EXPECT_EQ(ran.load(), 0);
 }
 
 }  // namespace
