@@ -136,7 +136,10 @@ class Agent {
   // agent in fp32, the CUDA agent on the tensor cores at head_dim 64 / 128 with the probabilities
   // in fp16, as flash-attention keeps them: ~2e-4 relative), then the layer's K/V go to the
   // replica and to the source. Each sequence must be empty at this layer (FAILED_PRECONDITION
-  // otherwise). Not allowed inside a step.
+  // otherwise). Not allowed inside a step. After an error the batch may be part-way through the
+  // layer: its sequences must be released. (The CUDA agent takes the replica blocks and the
+  // source's pages of the whole batch first: when those run out, nothing of the batch changed and
+  // it may be retried.)
   virtual Status PrefillLayer(int layer, const PrefillBatch& batch) = 0;
 
   // Starts a step for these sequences (distinct, all prefilled at every layer to equal lengths).

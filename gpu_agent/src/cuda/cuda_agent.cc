@@ -247,21 +247,34 @@ Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads;
   // (seed_rows is specache's only, ValidateKvConfig; measured without the fetch nothing becomes resident.)
   const bool seeds = config_.seed_rows > 0 && options_.fetch;
-  // A sequence's first prefilled layer takes its blocks at every layer, so that a pool too small
-  // refuses it here, before anything of it (or of the batch) changed.
+  // What may run out is taken for the whole batch before anything of it is written, so that such
+  // a failure leaves every sequence as it was (the batch may be retried): a sequence's first
+  // prefilled layer takes its blocks at every layer (a pool too small refuses it here; only the
+  // blocks taken by this call are given back), then every sequence's pages are mapped (a source
+  // out of room refuses here; pages mapped for earlier sequences stay, for their retry).
+  std::vector<SequenceId> reserved_now;
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
     if (!replicas_.Empty(batch.sequences[s])) continue;
     const Status reserved =
         replicas_.Reserve(batch.sequences.subspan(s, 1), batch.token_offsets[s + 1] - batch.token_offsets[s]);
     if (!reserved.ok()) {
-      replicas_.ReleaseUnused(batch.sequences.first(s));
+      replicas_.ReleaseUnused(reserved_now);
       return reserved;
     }
+    reserved_now.push_back(batch.sequences[s]);
   }
+  for (size_t s = 0; s < batch.sequences.size(); ++s) {
+    const Status mapped = pages_.Map(batch.sequences[s], batch.token_offsets[s + 1] - batch.token_offsets[s]);
+    if (!mapped.ok()) {
+      replicas_.ReleaseUnused(reserved_now);
+      return mapped;
+    }
+  }
+  // From here a failure (CUDA's, the source's appends) leaves the batch part-way: its sequences
+  // must be released.
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
     const SequenceId id = batch.sequences[s];
     const int32_t first = batch.token_offsets[s], n = batch.token_offsets[s + 1] - first;
-    SPECACHE_RETURN_IF_ERROR(pages_.Map(id, n));
     SPECACHE_RETURN_IF_ERROR(planner_.PrefillSequence(batch, first, n));
     // KvConfig::seed_rows: the layer's row cache starts with the quantized tokens the prompt's last
     // token attends most (seed_rows.h), seeded from here beside the page writes and appends below.
