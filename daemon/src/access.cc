@@ -116,12 +116,6 @@ std::pair<uint64_t, uint64_t> FileOf(int fd) {
 
 }  // namespace
 
-void PeerTable::Set(int fd, Caller caller) {
-  const auto [dev, ino] = FileOf(fd);
-  std::lock_guard<std::mutex> lock(mu_);
-  by_fd_[fd] = {std::move(caller), dev, ino};
-}
-
 void PeerTable::PruneLocked() {
   for (auto it = by_fd_.begin(); it != by_fd_.end();) {
     const auto [dev, ino] = FileOf(it->first);

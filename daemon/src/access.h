@@ -71,10 +71,10 @@ class AccessPolicy {
 // running call always finds its own connection's entry.
 class PeerTable {
  public:
-  void Set(int fd, Caller caller);
-  // Set, within the limits of connections open in all and of the caller's uid (connections whose
-  // descriptor gRPC closed since are not counted: their number now names another file, or none).
-  // RESOURCE_EXHAUSTED, naming the limit, when the connection would pass one (nothing recorded).
+  // Records the caller of a new connection, within the limits of connections open in all and of
+  // the caller's uid (connections whose descriptor gRPC closed since are not counted: their number
+  // now names another file, or none). RESOURCE_EXHAUSTED, naming the limit, when the connection
+  // would pass one (nothing recorded).
   Status Admit(int fd, Caller caller, uint32_t most, uint32_t most_per_uid);
   // PERMISSION_DENIED for a connection the table does not know (never accepted by the daemon).
   Result<Caller> Find(const std::string& peer) const;

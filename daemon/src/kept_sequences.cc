@@ -206,10 +206,10 @@ Result<uint32_t> KeptSequences::SpillAll() {
                                   " could not be spilled: " + failed + "; first error: " + first.message());
 }
 
-Status KeptSequences::Restore(uint64_t id, bool to_claim) {
+Status KeptSequences::Restore(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Kept * k, FindLocked(id));
-  if (!to_claim && k->state == KeptState::kSpilled && ParkedBytesLocked() + k->bytes() > options_.park_bytes) {
+  if (k->state == KeptState::kSpilled && ParkedBytesLocked() + k->bytes() > options_.park_bytes) {
     return Status::ResourceExhausted("no parking room to restore sequence " + std::to_string(id) + ": " +
                                      std::to_string(ParkedBytesLocked()) + " of " + std::to_string(options_.park_bytes) +
                                      " bytes parked, it needs " + std::to_string(k->bytes()));
@@ -238,29 +238,21 @@ Result<KeptSequences::Taken> KeptSequences::Take(const std::string& tenant, uint
     return Status::FailedPrecondition("sequence " + std::to_string(id) + " was kept with another layout");
   }
   SPECACHE_RETURN_IF_ERROR(RestoreLocked(id, k));
-  Taken t{id, k->tenant, k->layout, k->pages_per_layer, k->on_disk, std::move(k->ram), k->parked_at};
+  Taken t{id, std::move(*k)};
   kept_.erase(id);
   return t;
 }
 
 void KeptSequences::Finish(Taken taken) {
-  if (!taken.on_disk) return;
+  if (!taken.kept.on_disk) return;
   std::lock_guard<std::mutex> lock(mu_);
-  const Status s = store_->Delete(taken.tenant, taken.id);
+  const Status s = store_->Delete(taken.kept.tenant, taken.id);
   if (!s.ok()) spdlog::error("claimed sequence {}: its disk copy stays: {}", taken.id, s.ToString());
 }
 
 void KeptSequences::PutBack(Taken taken) {
   std::lock_guard<std::mutex> lock(mu_);
-  Kept k;
-  k.tenant = std::move(taken.tenant);
-  k.layout = taken.layout;
-  k.pages_per_layer = taken.pages_per_layer;
-  k.state = KeptState::kParked;
-  k.on_disk = taken.on_disk;
-  k.ram = std::move(taken.ram);
-  k.parked_at = taken.parked_at;
-  kept_.emplace(taken.id, std::move(k));  // over park_bytes for a moment at most: the watermarks spill it
+  kept_.emplace(taken.id, std::move(taken.kept));  // over park_bytes for a moment at most: the watermarks spill it
 }
 
 KeptSummary KeptSequences::SummaryOf(uint64_t id, const Kept& k) {

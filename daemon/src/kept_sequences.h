@@ -88,11 +88,25 @@ class KeptSequences {
   // returned with how many were spilled and which were not.
   Result<uint32_t> SpillAll();
   // Disk -> RAM, verified (DATA_LOSS names the page; the disk copy stays for inspection).
-  // RESOURCE_EXHAUSTED when parking has no room for it, unless `to_claim` (the RAM copy is handed
-  // to a session right after, so it is parked only for a moment).
-  Status Restore(uint64_t id, bool to_claim = false);
+  // RESOURCE_EXHAUSTED when parking has no room for it (a claim restores through Take, whose RAM
+  // copy goes to a session right after).
+  Status Restore(uint64_t id);
   // Forgets a kept sequence, or a damaged spill of that id (SpillStore::DeleteDamaged).
   Status Evict(uint64_t id);
+  // A kept sequence's record: its RAM copy while parked (or taken), its disk copy's state.
+  struct Kept {
+    std::string tenant;
+    PageLayout layout;
+    uint32_t pages_per_layer = 0;
+    KeptState state = KeptState::kParked;
+    bool on_disk = false;
+    std::unique_ptr<uint8_t[]> ram;  // parked pages, [layer][page][page_bytes]
+    std::chrono::steady_clock::time_point parked_at;
+    uint64_t bytes() const { return uint64_t{layout.n_layers} * pages_per_layer * layout.page_bytes(); }
+    uint8_t* page(uint32_t l, uint32_t p) const {
+      return ram.get() + (uint64_t{l} * pages_per_layer + p) * layout.page_bytes();
+    }
+  };
   // A claim in three steps, so that its caller copies the pages without this object's lock (which
   // spills hold for their disk I/O) and without holding its own lock across this one's:
   // Take hands over the sequence's RAM copy (restored first if spilled) and stops keeping it (a
@@ -101,15 +115,7 @@ class KeptSequences {
   // sequence, FAILED_PRECONDITION for another layout, NOT_FOUND for an unknown id.
   struct Taken {
     uint64_t id = 0;
-    std::string tenant;
-    PageLayout layout;
-    uint32_t pages_per_layer = 0;
-    bool on_disk = false;
-    std::unique_ptr<uint8_t[]> ram;  // [layer][page][page_bytes]
-    std::chrono::steady_clock::time_point parked_at;
-    const uint8_t* page(uint32_t l, uint32_t p) const {
-      return ram.get() + (uint64_t{l} * pages_per_layer + p) * layout.page_bytes();
-    }
+    Kept kept;  // parked: its pages in kept.ram
   };
   Result<Taken> Take(const std::string& tenant, uint64_t id, const PageLayout& layout);
   void Finish(Taken taken);
@@ -127,19 +133,6 @@ class KeptSequences {
   void EnforceWatermarks();
 
  private:
-  struct Kept {
-    std::string tenant;
-    PageLayout layout;
-    uint32_t pages_per_layer = 0;
-    KeptState state = KeptState::kParked;
-    bool on_disk = false;
-    std::unique_ptr<uint8_t[]> ram;  // parked pages, [layer][page][page_bytes]
-    std::chrono::steady_clock::time_point parked_at;
-    uint64_t bytes() const { return uint64_t{layout.n_layers} * pages_per_layer * layout.page_bytes(); }
-    uint8_t* page(uint32_t l, uint32_t p) const {
-      return ram.get() + (uint64_t{l} * pages_per_layer + p) * layout.page_bytes();
-    }
-  };
   Result<Kept*> FindLocked(uint64_t id);
   static KeptSummary SummaryOf(uint64_t id, const Kept& k);
   Status SpillLocked(uint64_t id, Kept* k);

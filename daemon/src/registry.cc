@@ -461,21 +461,16 @@ Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t seq
 Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, const Token& token, uint64_t sequence,
                                                               const PageLayout& layout) {
   std::string tenant;
-  {  // A spilled sequence comes back to RAM first, with disk I/O outside the registry's lock.
+  {
     std::lock_guard<std::mutex> lock(mu_);
     SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
     SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
     tenant = s->tenant;
   }
-  SPECACHE_ASSIGN_OR_RETURN(KeptSummary found, kept_->Find(sequence));
-  if (found.tenant != tenant) return Status::PermissionDenied("sequence " + std::to_string(sequence) + " belongs to another tenant");
-  // Before anything is restored or created: a claim with another layout changes nothing.
-  if (LayoutFingerprint(found.layout) != LayoutFingerprint(layout)) {
-    return Status::FailedPrecondition("sequence " + std::to_string(sequence) + " was kept with another layout");
-  }
   // Its RAM copy, taken from the kept sequences without the registry's lock (a spill may hold
-  // theirs for its disk I/O; a spilled sequence is restored here): from now on no other claim
-  // finds it, and every way out below either claims it or puts it back.
+  // theirs for its disk I/O; a spilled sequence is restored here, once Take checked its tenant
+  // and layout: a claim with another layout changes nothing): from now on no other claim finds
+  // it, and every way out below either claims it or puts it back.
   SPECACHE_ASSIGN_OR_RETURN(KeptSequences::Taken taken, kept_->Take(tenant, sequence, layout));
   auto put_back = [&](const Status& why) {
     kept_->PutBack(std::move(taken));
@@ -492,19 +487,22 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
     slot = (*created)->slot;
     // Its pages' tokens, at most the capacity (the last page may be partial: capacity_tokens need
     // not be a multiple of page_tokens).
-    const uint64_t tokens = std::min<uint64_t>(uint64_t{taken.pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
+    const uint64_t tokens = std::min<uint64_t>(uint64_t{taken.kept.pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
     auto extended = (*s)->pages->Extend(sequence, static_cast<uint32_t>(tokens));
     if (!extended.ok()) {
       (void)(*s)->pages->Release(sequence);
       return put_back(extended.status());
     }
+    // The session's from here (a release or the session's end, which may come while the copy
+    // below runs, forgets it as for any sequence of the session).
+    sequence_owner_[sequence] = session;
   }
   // The copy, a batch of pages at a time under the lock (each batch checks that the session and
   // the sequence are still there: a session closed meanwhile gave its chunks back), so that other
   // sessions' calls wait for one batch at most, not for the whole sequence.
   const uint64_t page_bytes = layout.page_bytes();
   const uint64_t batch = std::max<uint64_t>(1, kClaimBatchBytes / page_bytes);
-  const uint64_t pages = uint64_t{layout.n_layers} * taken.pages_per_layer;
+  const uint64_t pages = uint64_t{layout.n_layers} * taken.kept.pages_per_layer;
   for (uint64_t first = 0; first < pages; first += batch) {
     std::lock_guard<std::mutex> lock(mu_);
     auto s = Authorize(session, token);
@@ -514,16 +512,11 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
                                       " left its session while it was being claimed: it stays kept"));
     }
     for (uint64_t i = first; i < std::min(pages, first + batch); ++i) {
-      const auto l = static_cast<uint32_t>(i / taken.pages_per_layer), page = static_cast<uint32_t>(i % taken.pages_per_layer);
-      std::memcpy(PageAddress(**s, p->pages[l][page]), taken.page(l, page), page_bytes);
+      const auto l = static_cast<uint32_t>(i / taken.kept.pages_per_layer), page = static_cast<uint32_t>(i % taken.kept.pages_per_layer);
+      std::memcpy(PageAddress(**s, p->pages[l][page]), taken.kept.page(l, page), page_bytes);
     }
-    if (first + batch >= pages) sequence_owner_[sequence] = session;  // claimed, still under the lock
   }
-  if (pages == 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    sequence_owner_[sequence] = session;
-  }
-  const uint32_t pages_per_layer = taken.pages_per_layer;
+  const uint32_t pages_per_layer = taken.kept.pages_per_layer;
   kept_->Finish(std::move(taken));
   return std::make_pair(slot, pages_per_layer);
 }

@@ -80,6 +80,7 @@ struct UcxServer::Impl {
     Clock::time_point arrived;
     Clock::time_point due{};  // a rendezvous payload not received by then closes its endpoint
     std::vector<uint8_t> header, payload;
+    remote::RowsRequest request;  // a rows request's header, as Admit parsed it
     bool ready = false;  // payload complete (a rendezvous payload arrives later)
     bool failed = false;  // its payload did not arrive
     Status refusal;       // refused on arrival (Admit): answered with this, its payload never received
@@ -262,7 +263,7 @@ struct UcxServer::Impl {
     const auto* h = static_cast<const uint8_t*>(header);
     job->header.assign(h, h + header_length);
     ++c.jobs_queued;
-    job->refusal = self->Admit(&c, a->id, job->header, length);
+    job->refusal = self->Admit(&c, a->id, job->header, length, &job->request);
     if (!job->refusal.ok()) {  // answered by the loop; the payload is never received
       job->ready = true;
       self->jobs.push_back(std::move(job));
@@ -298,8 +299,10 @@ struct UcxServer::Impl {
   // hello carries none; a request only on an endpoint whose hello was accepted (the client waits
   // for that answer before its first request), with a payload no larger than its header's rows
   // make it (a gather's n tokens, a write's n rows of at most kMaxRowBytes), within the
-  // endpoint's and the data plane's limits of bytes held.
-  Status Admit(Connection* c, uint16_t id, const std::vector<uint8_t>& header, size_t length) {
+  // endpoint's and the data plane's limits of bytes held. A rows request's parsed header goes to
+  // *request.
+  Status Admit(Connection* c, uint16_t id, const std::vector<uint8_t>& header, size_t length,
+               remote::RowsRequest* request) {
     if (id == remote::kHello) {
       if (length != 0) return Status::InvalidArgument("a hello carries no payload (" + std::to_string(length) + " bytes came)");
       return Status::Ok();
@@ -310,7 +313,8 @@ struct UcxServer::Impl {
     if (c->session == 0) {
       return Status::FailedPrecondition("the first message on an endpoint must be the hello, and requests wait for its answer");
     }
-    SPECACHE_ASSIGN_OR_RETURN(remote::RowsRequest req, remote::ParseRowsRequest(header));
+    SPECACHE_ASSIGN_OR_RETURN(*request, remote::ParseRowsRequest(header));
+    const remote::RowsRequest& req = *request;
     const uint64_t most = id == remote::kGather  ? uint64_t{req.n} * sizeof(int32_t)
                           : id == remote::kWrite ? uint64_t{req.n} * remote::kMaxRowBytes
                                                  : 0;
@@ -319,6 +323,12 @@ struct UcxServer::Impl {
                                      " bytes of payload, more than its rows can be (" + std::to_string(most) + ")");
     }
     return Room(*c, length);
+  }
+
+  // The most bytes the endpoint may still hold within both limits.
+  uint64_t RoomLeft(const Connection& c) const {
+    return std::min(options.max_endpoint_bytes - std::min(options.max_endpoint_bytes, c.bytes_held),
+                    options.max_held_bytes - std::min(options.max_held_bytes, total_held));
   }
 
   // Whether `bytes` more fit the endpoint's and the data plane's limits of bytes held.
@@ -510,25 +520,19 @@ struct UcxServer::Impl {
                                                        : job->refusal);
     }
     if (job->id == remote::kHello) return Hello(c, *job);
-    auto req = remote::ParseRowsRequest(job->header);
-    if (!req.ok()) return RefuseAndClose(c, request_id, req.status());
-    if (c->session == 0) {
-      return RefuseAndClose(c, req->request_id,
-                            Status::FailedPrecondition("the first message on an endpoint must be the hello"));
-    }
+    // Admitted: its header parsed, its endpoint's hello accepted (sessions are never unset).
+    const remote::RowsRequest* req = &job->request;
     Status done;
     std::vector<uint8_t> payload;
     if (job->id == remote::kGather) {
-      // The reply's room is checked before its rows are copied (as the request's bytes were).
-      const uint64_t room = options.max_endpoint_bytes - std::min(options.max_endpoint_bytes, c->bytes_held);
       if (job->payload.size() != size_t{req->n} * sizeof(int32_t)) {
         done = Status::InvalidArgument("gather of " + std::to_string(req->n) + " rows with " +
                                        std::to_string(job->payload.size()) + " bytes of row list");
       } else {
         std::vector<int32_t> tokens(req->n);
         std::memcpy(tokens.data(), job->payload.data(), job->payload.size());
-        auto rows = registry->ReadRows(c->session, c->token, req->sequence, req->layer, req->kv_head, tokens,
-                                       std::min(room, options.max_held_bytes - std::min(options.max_held_bytes, total_held)));
+        // The reply's room is checked before its rows are copied (as the request's bytes were).
+        auto rows = registry->ReadRows(c->session, c->token, req->sequence, req->layer, req->kv_head, tokens, RoomLeft(*c));
         done = rows.status();
         if (rows.ok()) payload = std::move(*rows);
       }
