@@ -153,6 +153,10 @@ struct Session::Impl {
     return Status::Ok();
   }
 
+  // The slot's pages per layer now (the daemon publishes them as it extends), at most its capacity.
+  uint32_t LivePages(const SlotView& v) const {
+    return std::min(shm::Slots(table)[v.slot].pages_per_layer.load(std::memory_order_acquire), v.capacity);
+  }
   Result<SlotView> SlotOf(uint64_t sequence) const {
     std::lock_guard<std::mutex> lock(mu);
     auto it = slots.find(sequence);
@@ -357,8 +361,7 @@ Result<uint64_t> Session::CreateSequence(const PageLayoutSpec& l) {
 
 Result<uint32_t> Session::Extend(uint64_t sequence, uint32_t tokens) {
   SPECACHE_ASSIGN_OR_RETURN(Impl::SlotView v, impl_->SlotOf(sequence));
-  const shm::SequenceSlot& s = shm::Slots(impl_->table)[v.slot];
-  const uint32_t have = std::min(s.pages_per_layer.load(std::memory_order_acquire), v.capacity);
+  const uint32_t have = impl_->LivePages(v);
   if (uint64_t{have} * v.page_tokens >= tokens) return have;
   ++impl_->extend_rpcs;
   SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, impl_->calls.ExtendSequence(sequence, tokens));
@@ -387,7 +390,7 @@ Result<uint32_t> Session::Claim(uint64_t sequence, const PageLayoutSpec& l) {
 
 Result<uint32_t> Session::PagesPerLayer(uint64_t sequence) const {
   SPECACHE_ASSIGN_OR_RETURN(Impl::SlotView v, impl_->SlotOf(sequence));
-  return std::min(shm::Slots(impl_->table)[v.slot].pages_per_layer.load(std::memory_order_acquire), v.capacity);
+  return impl_->LivePages(v);
 }
 
 Result<uint8_t*> Session::PageData(uint64_t sequence, uint32_t layer, uint32_t page) const {
@@ -397,7 +400,7 @@ Result<uint8_t*> Session::PageData(uint64_t sequence, uint32_t layer, uint32_t p
     return Status::NotFound("sequence " + std::to_string(sequence) + " is no longer in the page table");
   }
   if (layer >= v.n_layers) return Status::OutOfRange("layer " + std::to_string(layer));
-  if (page >= std::min(s.pages_per_layer.load(std::memory_order_acquire), v.capacity)) {
+  if (page >= impl_->LivePages(v)) {
     return Status::OutOfRange("page " + std::to_string(page) + " not mapped yet (Extend first)");
   }
   // Inside the table: AddSlot checked first_ref + n_layers x capacity against its refs.

@@ -32,7 +32,6 @@ struct UcxEndpoint::Impl {
     size_t capacity = 0, received = 0;
     bool replied = false, sent = false;
     bool send_pending = false, data_pending = false, abandoned = false;
-    void* data_request = nullptr;  // the rendezvous receive, while data_pending
     Status status;
   };
   // The caller is done with the entry: removed now, or once UCX is done with it too.
@@ -144,7 +143,6 @@ struct UcxEndpoint::Impl {
     auto* p = static_cast<Pending*>(user_data);
     p->replied = true;
     p->data_pending = false;
-    p->data_request = nullptr;
     p->received = length;
     if (status != UCS_OK && p->status.ok()) p->status = Status::Unavailable(UcsError("reply data", status));
     ucp_request_free(request);
@@ -195,9 +193,8 @@ struct UcxEndpoint::Impl {
     } else if (UCS_PTR_IS_ERR(st)) {
       p.status = Status::Unavailable(UcsError("reply data", UCS_PTR_STATUS(st)));
       p.replied = true;
-    } else {  // until OnReplyData
-      p.data_pending = true;
-      p.data_request = st;
+    } else {
+      p.data_pending = true;  // until OnReplyData
     }
     return UCS_OK;
   }
@@ -301,7 +298,11 @@ Result<uint64_t> UcxEndpoint::Start(remote::AmId id, const void* header, size_t 
   Impl* m = impl_.get();
   std::lock_guard<std::mutex> lock(m->mu);
   if (m->failed) return Status::Unavailable("remote daemon at " + m->address + ": " + m->failure);
-  const uint64_t request = id == remote::kHello ? 0 : m->next_id++;
+  const bool hello = id == remote::kHello;
+  if (header_bytes != (hello ? sizeof(remote::Hello) : sizeof(remote::RowsRequest))) {
+    return Status::InvalidArgument(hello ? "hello header size" : "rows header size");
+  }
+  const uint64_t request = hello ? 0 : m->next_id++;
   if (m->pending.count(request)) return Status::FailedPrecondition("a hello is already in flight");
   Impl::Pending& p = m->pending[request];
   p.impl = m;
@@ -309,18 +310,10 @@ Result<uint64_t> UcxEndpoint::Start(remote::AmId id, const void* header, size_t 
   p.out = out;
   p.capacity = out_capacity;
   const void* h = nullptr;
-  if (id == remote::kHello) {
-    if (header_bytes != sizeof p.hello) {
-      m->pending.erase(request);
-      return Status::InvalidArgument("hello header size");
-    }
+  if (hello) {
     std::memcpy(&p.hello, header, sizeof p.hello);
     h = &p.hello;
   } else {
-    if (header_bytes != sizeof p.rows) {
-      m->pending.erase(request);
-      return Status::InvalidArgument("rows header size");
-    }
     std::memcpy(&p.rows, header, sizeof p.rows);
     p.rows.request_id = request;
     h = &p.rows;
