@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -542,6 +543,7 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
     double fp16_tokens = 0;
     std::string fp16_baseline;  // which fp16 step the ratios divide by ("agent" or "sdpa")
     const size_t first_row = rows.size();
+    size_t baseline_row = SIZE_MAX;  // the fp16 row: the rows before it were printed without a ratio
     for (const std::string& mode : o.modes) {
       auto measured = bench.Measure(mode, context, mem_available);
       // A mode that cannot run (out of pinned host memory, say) is reported in its row; the
@@ -564,22 +566,21 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
           fp16_tokens = j["sdpa"]["tokens_per_s"].get<double>();
           fp16_baseline = "sdpa";
         }
-      }
-      if (fp16_tokens > 0 && j.contains("tokens_per_s")) {
-        j["speedup_vs_fp16"] = j["tokens_per_s"].get<double>() / fp16_tokens;
-        j["fp16_baseline"] = fp16_baseline, j["fp16_baseline_tokens_per_s"] = fp16_tokens;
+        baseline_row = rows.size();
       }
       PrintRow(j, fp16_tokens);
       rows.push_back(std::move(j));
     }
-    // The rows measured before fp16 (the modes run in --kv's order: the first runs on the
-    // freshest host, so the table's scripts list specache first) get their ratios now.
+    // The context's ratios, once fp16 ran; the rows measured before it (the modes run in --kv's
+    // order: the first runs on the freshest host, so the table's scripts list specache first)
+    // printed none, so theirs are printed here.
     std::string late;
     for (size_t i = first_row; fp16_tokens > 0 && i < rows.size(); ++i) {
       nlohmann::json& j = rows[i];
-      if (j.contains("speedup_vs_fp16") || !j.contains("tokens_per_s")) continue;
+      if (!j.contains("tokens_per_s")) continue;
       j["speedup_vs_fp16"] = j["tokens_per_s"].get<double>() / fp16_tokens;
       j["fp16_baseline"] = fp16_baseline, j["fp16_baseline_tokens_per_s"] = fp16_tokens;
+      if (i >= baseline_row) continue;
       char one[96];
       std::snprintf(one, sizeof one, "%s%s %.2fx", late.empty() ? "" : ", ", j["mode"].get<std::string>().c_str(),
                     j["speedup_vs_fp16"].get<double>());

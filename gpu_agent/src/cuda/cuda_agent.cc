@@ -144,16 +144,19 @@ class CudaAgent final : public Agent {
 };
 
 Status CudaAgent::Init() {
-  if (pages_.page_tokens() <= 0) {  // no pages to map: the staged path, chosen here once
+  // The worker of the staged path and of the copy-engine fetch, on this thread's device.
+  auto make_worker = [this]() -> Status {
     int device = 0;
     SPECACHE_RETURN_IF_ERROR(cuda::CudaStatus(cudaGetDevice(&device), "device"));
     worker_ = std::make_unique<SourceWorker>([device] { return cuda::CudaStatus(cudaSetDevice(device), "worker's device"); });
+    return Status::Ok();
+  };
+  if (pages_.page_tokens() <= 0) {  // no pages to map: the staged path, chosen here once
+    SPECACHE_RETURN_IF_ERROR(make_worker());
     staged_commits_ = std::make_unique<cuda::StagedCommit>(source_, shape_.head_dim, worker_.get());
     rows_.UseStagedSource(source_, worker_.get());
   } else if (options_.fetch_via == FetchVia::kCopyEngine && config_.mode == KvMode::kSpeCache) {
-    int device = 0;
-    SPECACHE_RETURN_IF_ERROR(cuda::CudaStatus(cudaGetDevice(&device), "device"));
-    worker_ = std::make_unique<SourceWorker>([device] { return cuda::CudaStatus(cudaSetDevice(device), "worker's device"); });
+    SPECACHE_RETURN_IF_ERROR(make_worker());
     rows_.UseCopyEngine(worker_.get(), options_.fetch_threads, options_.fetch_copy_piece_bytes, options_.fetch_sm_share);
   }
   SPECACHE_RETURN_IF_ERROR(rows_.Init());
