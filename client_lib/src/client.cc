@@ -2,9 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -13,18 +11,15 @@
 #include <cstring>
 #include <chrono>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
 
+#include "attached_pages.h"
 #include "client_impl.h"
 #include "session_calls.h"
 #include "specache/attach_protocol.h"
-#include "specache/chunk_mapping.h"
 #include "specache/fd_passing.h"
-#include "specache/shm_layout.h"
 #include "specache/v1/control.grpc.pb.h"
 
 namespace specache::client {
@@ -32,29 +27,13 @@ namespace specache::client {
 struct Session::Impl {
   SessionCalls calls;
   int attach_fd = -1;
-  const uint8_t* table = nullptr;
-  uint64_t table_bytes = 0;
-  std::vector<uint8_t*> chunks;
-  uint64_t chunk_bytes = 0;
-  mutable std::mutex mu;
-  // A sequence's slot and its geometry as validated when the daemon named the slot (AddSlot): a
-  // page lookup reads only the slot's state and page count from the shared table after that, so
-  // a slot rewritten meanwhile (released and reused) cannot move it outside the table or a page.
-  struct SlotView {
-    uint32_t slot = 0;
-    uint32_t n_layers = 0, page_tokens = 0, capacity = 0;  // capacity: pages per layer
-    uint32_t first_ref = 0;
-    uint64_t page_bytes = 0;
-  };
-  std::map<uint64_t, SlotView> slots;  // sequence -> its slot
-  const shm::PageRef* refs = nullptr;   // the table's refs (the header's counts read once, at Map)
+  std::unique_ptr<AttachedPages> pages;  // the table and chunks, once attached
   std::atomic<uint64_t> extend_rpcs{0};
 
   ~Impl() {
     // Unmapped before the close: the daemon sees the chunks are no longer held, zeroes and reuses
     // them; chunks still mapped at the close stay charged to the tenant until they are let go.
-    for (uint8_t* c : chunks) munmap(c, chunk_bytes);
-    if (table) munmap(const_cast<uint8_t*>(table), table_bytes);
+    pages.reset();
     // Best effort: if it fails, the daemon still ends the session when the attach connection
     // closes below.
     calls.Close();
@@ -112,74 +91,10 @@ struct Session::Impl {
       if (total == 0) first = *reply;
       total = reply->total_fds;
     } while (fds.size() < total);
-    Status s = Map(first, fds, expected_chunks);
+    auto mapped = AttachedPages::Map(first, fds, expected_chunks);
     for (int fd : fds) close(fd);
-    return s;
-  }
-
-  // A descriptor the daemon passed: at least `bytes` long and sealed against shrinking, so that
-  // its mapping cannot fault (SIGBUS) in the engine.
-  static Status CheckSealedFile(int fd, uint64_t bytes, const char* what) {
-    struct stat st {};
-    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
-      return Status::DataLoss(std::string("attach: the ") + what + " is smaller than the daemon says");
-    }
-    const int seals = fcntl(fd, F_GET_SEALS);
-    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-      return Status::DataLoss(std::string("attach: the ") + what + " is not sealed against shrinking");
-    }
-    return Status::Ok();
-  }
-
-  Status Map(const attach::AttachReply& r, const std::vector<int>& fds, uint32_t expected_chunks) {
-    if (fds.size() != size_t{expected_chunks} + 1) return Status::DataLoss("attach: chunk count differs from OpenSession's");
-    SPECACHE_RETURN_IF_ERROR(CheckSealedFile(fds[0], r.table_bytes, "page table"));
-    for (size_t i = 1; i < fds.size(); ++i) SPECACHE_RETURN_IF_ERROR(CheckSealedFile(fds[i], r.chunk_bytes, "chunk"));
-    void* t = mmap(nullptr, r.table_bytes, PROT_READ, MAP_SHARED, fds[0], 0);
-    if (t == MAP_FAILED) return Status::ResourceExhausted("mmap page table: " + std::string(std::strerror(errno)));
-    table = static_cast<const uint8_t*>(t);
-    table_bytes = r.table_bytes;
-    SPECACHE_RETURN_IF_ERROR(shm::ValidateTable(table, table_bytes));
-    if (shm::Header(table)->chunk_count != expected_chunks || shm::Header(table)->chunk_bytes != r.chunk_bytes) {
-      return Status::DataLoss("page table header disagrees with the attach reply");
-    }
-    chunk_bytes = r.chunk_bytes;
-    refs = shm::Refs(table);
-    for (size_t i = 1; i < fds.size(); ++i) {
-      void* c = MapChunk(fds[i], chunk_bytes, /*huge=*/true);  // as the daemon maps it (chunk_mapping.h)
-      if (c == MAP_FAILED) return Status::ResourceExhausted("mmap chunk: " + std::string(std::strerror(errno)));
-      chunks.push_back(static_cast<uint8_t*>(c));
-    }
-    return Status::Ok();
-  }
-
-  // The slot's pages per layer now (the daemon publishes them as it extends), at most its capacity.
-  uint32_t LivePages(const SlotView& v) const {
-    return std::min(shm::Slots(table)[v.slot].pages_per_layer.load(std::memory_order_acquire), v.capacity);
-  }
-  Result<SlotView> SlotOf(uint64_t sequence) const {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = slots.find(sequence);
-    if (it == slots.end()) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in this session");
-    return it->second;
-  }
-  // A sequence the daemon placed in table slot `slot` (CreateSequence, ClaimSequence) with layout
-  // `want`: the slot is checked in the shared table and must describe that layout (a page of
-  // another size would be written past), then the sequence is known here with that geometry.
-  Status AddSlot(uint64_t sequence, uint32_t slot, const PageLayoutSpec& want) {
-    if (slot >= shm::Header(table)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
-    SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(table, slot, true));
-    const shm::SequenceSlot& s = shm::Slots(table)[slot];
-    SlotView v{slot, s.n_layers, s.page_tokens, s.pages_capacity_per_layer, s.first_ref, s.page_bytes};
-    const uint32_t want_capacity = want.page_tokens ? (want.capacity_tokens + want.page_tokens - 1) / want.page_tokens : 0;
-    if (s.sequence_id != sequence || v.n_layers != want.n_layers || s.n_kv_heads != want.n_kv_heads ||
-        s.head_dim != want.head_dim || v.page_tokens != want.page_tokens || v.capacity != want_capacity ||
-        v.page_bytes != want.page_bytes()) {
-      return Status::DataLoss("the daemon's page table slot " + std::to_string(slot) + " does not describe sequence " +
-                              std::to_string(sequence) + " with the layout asked for");
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    slots[sequence] = v;
+    if (!mapped.ok()) return mapped.status();
+    pages = std::move(*mapped);
     return Status::Ok();
   }
 };
@@ -348,67 +263,52 @@ Result<SpillVerify> Client::VerifySpill() {
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Session::~Session() = default;
 uint64_t Session::id() const { return impl_->calls.id(); }
-uint64_t Session::chunk_bytes() const { return impl_->chunk_bytes; }
-uint32_t Session::chunk_count() const { return static_cast<uint32_t>(impl_->chunks.size()); }
-uint8_t* Session::chunk_data(uint32_t i) const { return i < impl_->chunks.size() ? impl_->chunks[i] : nullptr; }
+uint64_t Session::chunk_bytes() const { return impl_->pages->chunk_bytes(); }
+uint32_t Session::chunk_count() const { return impl_->pages->chunk_count(); }
+uint8_t* Session::chunk_data(uint32_t i) const { return impl_->pages->chunk(i); }
 uint64_t Session::extend_rpcs() const { return impl_->extend_rpcs.load(); }
 
 Result<uint64_t> Session::CreateSequence(const PageLayoutSpec& l) {
   SPECACHE_ASSIGN_OR_RETURN(v1::CreateSequenceResponse resp, impl_->calls.CreateSequence(l));
-  SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(resp.sequence_id(), resp.table_slot(), l));
+  SPECACHE_RETURN_IF_ERROR(impl_->pages->AddSlot(resp.sequence_id(), resp.table_slot(), l));
   return resp.sequence_id();
 }
 
 Result<uint32_t> Session::Extend(uint64_t sequence, uint32_t tokens) {
-  SPECACHE_ASSIGN_OR_RETURN(Impl::SlotView v, impl_->SlotOf(sequence));
-  const uint32_t have = impl_->LivePages(v);
+  SPECACHE_ASSIGN_OR_RETURN(const AttachedPages::SlotView v, impl_->pages->SlotOf(sequence));
+  const uint32_t have = impl_->pages->LivePages(v);
   if (uint64_t{have} * v.page_tokens >= tokens) return have;
   ++impl_->extend_rpcs;
   SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, impl_->calls.ExtendSequence(sequence, tokens));
-  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(impl_->table, v.slot, true));
+  SPECACHE_RETURN_IF_ERROR(impl_->pages->Recheck(v));
   return std::min(pages, v.capacity);
 }
 
 Status Session::Release(uint64_t sequence) {
-  SPECACHE_RETURN_IF_ERROR(impl_->SlotOf(sequence).status());
+  SPECACHE_RETURN_IF_ERROR(impl_->pages->SlotOf(sequence).status());
   SPECACHE_RETURN_IF_ERROR(impl_->calls.ReleaseSequence(sequence));
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->slots.erase(sequence);
+  impl_->pages->Forget(sequence);
   return Status::Ok();
 }
 
 Status Session::Keep(uint64_t sequence) {
-  SPECACHE_RETURN_IF_ERROR(impl_->SlotOf(sequence).status());
+  SPECACHE_RETURN_IF_ERROR(impl_->pages->SlotOf(sequence).status());
   return impl_->calls.KeepSequence(sequence);
 }
 
 Result<uint32_t> Session::Claim(uint64_t sequence, const PageLayoutSpec& l) {
   SPECACHE_ASSIGN_OR_RETURN(v1::ClaimSequenceResponse resp, impl_->calls.ClaimSequence(sequence, l));
-  SPECACHE_RETURN_IF_ERROR(impl_->AddSlot(sequence, resp.table_slot(), l));
+  SPECACHE_RETURN_IF_ERROR(impl_->pages->AddSlot(sequence, resp.table_slot(), l));
   return resp.pages_per_layer();
 }
 
 Result<uint32_t> Session::PagesPerLayer(uint64_t sequence) const {
-  SPECACHE_ASSIGN_OR_RETURN(Impl::SlotView v, impl_->SlotOf(sequence));
-  return impl_->LivePages(v);
+  SPECACHE_ASSIGN_OR_RETURN(const AttachedPages::SlotView v, impl_->pages->SlotOf(sequence));
+  return impl_->pages->LivePages(v);
 }
 
 Result<uint8_t*> Session::PageData(uint64_t sequence, uint32_t layer, uint32_t page) const {
-  SPECACHE_ASSIGN_OR_RETURN(Impl::SlotView v, impl_->SlotOf(sequence));
-  const shm::SequenceSlot& s = shm::Slots(impl_->table)[v.slot];
-  if (s.state.load(std::memory_order_acquire) != shm::kSlotLive || s.sequence_id != sequence) {
-    return Status::NotFound("sequence " + std::to_string(sequence) + " is no longer in the page table");
-  }
-  if (layer >= v.n_layers) return Status::OutOfRange("layer " + std::to_string(layer));
-  if (page >= impl_->LivePages(v)) {
-    return Status::OutOfRange("page " + std::to_string(page) + " not mapped yet (Extend first)");
-  }
-  // Inside the table: AddSlot checked first_ref + n_layers x capacity against its refs.
-  const shm::PageRef& r = impl_->refs[size_t{v.first_ref} + size_t{layer} * v.capacity + page];
-  if (r.chunk >= impl_->chunks.size() || r.offset > impl_->chunk_bytes || impl_->chunk_bytes - r.offset < v.page_bytes) {
-    return Status::DataLoss("page table entry outside the chunks");
-  }
-  return impl_->chunks[r.chunk] + r.offset;
+  return impl_->pages->PageData(sequence, layer, page);
 }
 
 bool Session::Alive() const {
