@@ -14,6 +14,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "specache/trusted_directory.h"
+
 namespace specache::daemon {
 namespace {
 
@@ -61,24 +63,7 @@ Status EnsureSocketDirectory(const std::string& socket_path) {
     if (!ec) std::filesystem::permissions(dir, std::filesystem::perms(0755), ec);
     if (ec) return Status::Unavailable("socket directory " + dir.string() + " cannot be created: " + ec.message());
   }
-  // Whoever may write the directory may replace the sockets (or the lock file) with their own.
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0) return Status::Unavailable("socket directory " + dir.string() + ": " + Errno());
-  if (!S_ISDIR(st.st_mode)) return Status::FailedPrecondition("socket directory " + dir.string() + " is not a directory");
-  if (st.st_uid != 0 && st.st_uid != ::geteuid()) {
-    return Status::PermissionDenied("socket directory " + dir.string() + " belongs to user " + std::to_string(st.st_uid) +
-                                    ", neither root nor the daemon's user " + std::to_string(::geteuid()) +
-                                    ": its owner could replace the sockets; choose a directory of the daemon's");
-  }
-  const bool others_write = (st.st_mode & (S_IWGRP | S_IWOTH)) != 0;
-  if (others_write && (st.st_mode & S_ISVTX) == 0) {
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-    return Status::PermissionDenied("socket directory " + dir.string() + " (mode " + mode +
-                                    ") is writable by its group or others, who could replace the sockets; "
-                                    "make it 0755 or choose another directory");
-  }
-  return Status::Ok();
+  return CheckTrustedDirectory(dir, "socket directory");
 }
 
 UnixListener::UnixListener(boost::asio::io_context& io, std::string name)

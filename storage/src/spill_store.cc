@@ -26,6 +26,8 @@
 #include <rocksdb/write_batch.h>
 #include <xxhash.h>
 
+#include "specache/trusted_directory.h"
+
 namespace specache {
 namespace {
 
@@ -206,23 +208,6 @@ class PrivateFileSystem final : public rocksdb::FileSystemWrapper {
   }
 };
 
-// The store's directory 0700 and whatever files are already in it 0600 (a store created before
-// the files were private, or by hand).
-Status MakePrivate(const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return Status::Unavailable("spill store: creating " + dir + ": " + ec.message());
-  if (chmod(dir.c_str(), 0700) != 0) return Status::Unavailable("spill store: chmod 0700 " + dir + ": " + std::strerror(errno));
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const mode_t mode = entry.is_directory(ec) ? 0700 : 0600;
-    if (!entry.is_symlink(ec) && chmod(entry.path().c_str(), mode) != 0) {
-      return Status::Unavailable("spill store: chmod " + entry.path().string() + ": " + std::strerror(errno));
-    }
-  }
-  if (ec) return Status::Unavailable("spill store: listing " + dir + ": " + ec.message());
-  return Status::Ok();
-}
-
 // Copies the WAL files of `dir` into a new folder of it before a recovery that skips corrupted
 // records replays (and then deletes) them: the evidence stays for inspection.
 std::string KeepCorruptedWal(const std::string& dir) {
@@ -262,7 +247,7 @@ uint64_t LayoutFingerprint(const PageLayout& l) {
 
 Result<std::unique_ptr<SpillStore>> SpillStore::Open(const SpillOptions& options) {
   if (options.dir.empty()) return Status::InvalidArgument("spill directory is empty");
-  SPECACHE_RETURN_IF_ERROR(MakePrivate(options.dir));
+  SPECACHE_RETURN_IF_ERROR(MakePrivateDirectory(options.dir, "spill directory"));
   std::unique_ptr<SpillStore> store(new SpillStore(options));
   store->env_ = rocksdb::NewCompositeEnv(std::make_shared<PrivateFileSystem>(rocksdb::FileSystem::Default()));
   SPECACHE_RETURN_IF_ERROR(store->OpenDb(/*after_write_error=*/false));

@@ -381,6 +381,68 @@ TEST(SpillStoreTest, FilesArePrivateWhateverTheUmask) {
   EXPECT_GT(files, 3);
 }
 
+mode_t ModeOf(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 07777;
+}
+
+// Whoever may write the store's directory, or its parent, could read or replace spilled pages
+// (their checksums have no key); a link in its place would have the daemon chmod whatever it
+// points at. Each is refused before anything is changed.
+TEST(SpillStoreTest, ALinkAnotherUsersDirectoryOrAnOpenParentIsRefusedBeforeAnyChange) {
+  TempDir dir;
+  const std::string target = dir.path + "/target", kept = target + "/someone-elses-file";
+  std::filesystem::create_directory(target);
+  std::ofstream(kept) << "x";
+  std::filesystem::permissions(kept, std::filesystem::perms(0644));
+  std::filesystem::create_directory_symlink(target, dir.path + "/link");
+  auto linked = SpillStore::Open({dir.path + "/link"});
+  EXPECT_EQ(linked.status().code(), StatusCode::kPermissionDenied) << linked.status().ToString();
+  EXPECT_NE(linked.status().message().find("symbolic link"), std::string::npos) << linked.status().ToString();
+  EXPECT_EQ(ModeOf(kept), 0644u);
+
+  // Another user's directory (as root: one given to nobody; otherwise /, which root owns).
+  std::string theirs = "/";
+  if (::geteuid() == 0) {
+    theirs = dir.path + "/theirs";
+    std::filesystem::create_directory(theirs);
+    std::filesystem::permissions(theirs, std::filesystem::perms(0755));
+    ASSERT_EQ(::chown(theirs.c_str(), 65534, 65534), 0);
+  }
+  auto other = SpillStore::Open({theirs});
+  EXPECT_EQ(other.status().code(), StatusCode::kPermissionDenied) << other.status().ToString();
+  EXPECT_NE(other.status().message().find("belongs to user"), std::string::npos) << other.status().ToString();
+  if (theirs != "/") {
+    EXPECT_EQ(ModeOf(theirs), 0755u);
+  }
+
+  // A parent its group or others may write: they could rename the store and put theirs there.
+  const std::string open = dir.path + "/open";
+  std::filesystem::create_directory(open);
+  std::filesystem::permissions(open, std::filesystem::perms(0777));
+  auto in_open = SpillStore::Open({open + "/spill"});
+  EXPECT_EQ(in_open.status().code(), StatusCode::kPermissionDenied) << in_open.status().ToString();
+  EXPECT_NE(in_open.status().message().find("parent"), std::string::npos) << in_open.status().ToString();
+  std::filesystem::permissions(open, std::filesystem::perms(01777));  // sticky, as /tmp: fine
+  EXPECT_TRUE(SpillStore::Open({open + "/spill"}).ok());
+}
+
+TEST(SpillStoreTest, ALinkInsideTheStoreIsNeverFollowed) {
+  TempDir dir;
+  const std::string store = dir.path + "/spill", outside = dir.path + "/outside";
+  std::filesystem::create_directory(store);
+  std::ofstream(outside) << "x";
+  std::filesystem::permissions(outside, std::filesystem::perms(0644));
+  std::filesystem::create_symlink(outside, store + "/link");
+  std::ofstream(store + "/by-hand") << "x";
+  std::filesystem::permissions(store + "/by-hand", std::filesystem::perms(0664));
+  ASSERT_TRUE(SpillStore::Open({store}).ok());
+  EXPECT_EQ(ModeOf(outside), 0644u);
+  EXPECT_EQ(ModeOf(store + "/by-hand"), 0600u);
+  EXPECT_EQ(ModeOf(store), 0700u);
+}
+
 // After a write error RocksDB stops taking writes; every later spill used to fail until the
 // daemon restarted. Once the disk has room again, the next spill succeeds.
 TEST(SpillStoreTest, WritesResumeOnceAFullDiskHasRoomAgain) {
