@@ -5,6 +5,7 @@
 #include <systemd/sd-daemon.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 
 #include <CLI/CLI.hpp>
@@ -58,8 +59,10 @@ int Run(const Overrides& o) {
   // Signals go to the main thread's sigtimedwait only (threads inherit the mask).
   sigset_t signals;
   sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
+  // SIGTERM, SIGINT and SIGQUIT stop it gracefully (parked sequences spilled, sessions ended);
+  // SIGHUP, SIGUSR1 and SIGUSR2, whose default is to end the process at once, are logged and
+  // ignored (there is no reload: restart the daemon to apply a changed configuration).
+  for (const int sig : {SIGTERM, SIGINT, SIGQUIT, SIGHUP, SIGUSR1, SIGUSR2}) sigaddset(&signals, sig);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
@@ -88,7 +91,12 @@ int Run(const Overrides& o) {
   const timespec wait{0, watchdog ? static_cast<long>(std::min<uint64_t>(watchdog_usec / 2, 500000) * 1000) : 500000000L};
   while (true) {
     const int sig = sigtimedwait(&signals, nullptr, &wait);
-    if (sig == SIGTERM || sig == SIGINT) break;
+    if (sig == SIGTERM || sig == SIGINT || sig == SIGQUIT) break;
+    if (sig == SIGHUP) {
+      spdlog::warn("SIGHUP ignored: specached does not reload its configuration; restart it to apply changes");
+    } else if (sig > 0) {
+      spdlog::warn("signal {} ({}) ignored", sig, strsignal(sig));
+    }
     if (watchdog) sd_notify(0, "WATCHDOG=1");
   }
   spdlog::info("shutting down");

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -241,39 +242,48 @@ TEST(SpillTest, ACorruptedPageOnDiskIsReportedAndNeverServed) {
   EXPECT_GE(c->Stats()->checksum_failures, 2u);
 }
 
-// A daemon stopped (SIGTERM) while a client still holds its session: the sequence the client
-// kept is parked and spilled on the way down, and the next daemon lists and serves it intact.
+// A daemon stopped (SIGTERM, or SIGQUIT) while a client still holds its session: the sequence the
+// client kept is parked and spilled on the way down, and the next daemon lists and serves it
+// intact. SIGHUP, SIGUSR1 and SIGUSR2 on the way are logged and ignored (by default each would
+// have ended the process at once, losing what was parked in RAM only).
 TEST(SpillTest, AGracefulStopKeepsWhatLiveClientsKept) {
-  TempDir spill;
-  uint64_t id = 0;
-  {
+  for (const int stop : {SIGTERM, SIGQUIT}) {
+    SCOPED_TRACE(strsignal(stop));
+    TempDir spill;
+    uint64_t id = 0;
+    {
+      DaemonProcess d;
+      ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+      auto c = Connect(d);
+      ASSERT_TRUE(c);
+      auto session = c->OpenSession("default", 8 << 20);
+      ASSERT_TRUE(session.ok());
+      auto created = (*session)->CreateSequence(kLayout);
+      ASSERT_TRUE(created.ok());
+      id = *created;
+      auto pages = (*session)->Extend(id, 70);
+      ASSERT_TRUE(pages.ok());
+      ASSERT_TRUE(FillPattern(session->get(), id, *pages, 4).ok());
+      ASSERT_TRUE((*session)->Keep(id).ok());
+      for (const int ignored : {SIGHUP, SIGUSR1, SIGUSR2}) d.child->Kill(ignored);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      ASSERT_EQ(d.child->Wait(0), -1) << "the daemon ended on a signal it should ignore";
+      ASSERT_TRUE(c->Stats().ok());
+      d.child->Kill(stop);  // the session is still open
+      EXPECT_EQ(d.child->Wait(10000), 0);
+    }
     DaemonProcess d;
     ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
     auto c = Connect(d);
     ASSERT_TRUE(c);
-    auto session = c->OpenSession("default", 8 << 20);
-    ASSERT_TRUE(session.ok());
-    auto created = (*session)->CreateSequence(kLayout);
-    ASSERT_TRUE(created.ok());
-    id = *created;
-    auto pages = (*session)->Extend(id, 70);
-    ASSERT_TRUE(pages.ok());
-    ASSERT_TRUE(FillPattern(session->get(), id, *pages, 4).ok());
-    ASSERT_TRUE((*session)->Keep(id).ok());
-    d.child->Kill(SIGTERM);  // the session is still open
-    EXPECT_EQ(d.child->Wait(10000), 0);
+    auto list = c->ListSequences();
+    ASSERT_TRUE(list.ok());
+    ASSERT_EQ(list->size(), 1u);
+    EXPECT_EQ((*list)[0].state, "spilled");
+    auto checked = ClaimAndCheck(c.get(), id, 4);
+    ASSERT_TRUE(checked.ok()) << checked.status().ToString();
+    EXPECT_EQ(*checked, 3u * 5);
   }
-  DaemonProcess d;
-  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
-  auto c = Connect(d);
-  ASSERT_TRUE(c);
-  auto list = c->ListSequences();
-  ASSERT_TRUE(list.ok());
-  ASSERT_EQ(list->size(), 1u);
-  EXPECT_EQ((*list)[0].state, "spilled");
-  auto checked = ClaimAndCheck(c.get(), id, 4);
-  ASSERT_TRUE(checked.ok()) << checked.status().ToString();
-  EXPECT_EQ(*checked, 3u * 5);
 }
 
 // A spill the tier cannot take (over its max_bytes) fails with a clear error and leaves the
