@@ -177,6 +177,8 @@ Result<DaemonStats> Client::Stats() {
   s.checksum_failures = r.checksum_failures();
   s.spill_write_errors = r.spill_write_errors();
   s.kept_dropped = r.kept_dropped();
+  s.kept_evicted = r.kept_evicted();
+  s.kept_evicted_bytes = r.kept_evicted_bytes();
   s.attach_connections = r.attach_connections();
   s.refused_connections = r.refused_connections();
   s.accept_errors = r.accept_errors();

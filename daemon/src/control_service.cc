@@ -63,9 +63,10 @@ Status ControlService::CheckSession(const grpc::ServerContext* ctx, uint64_t ses
   return registry_->access().MayUseTenant(caller, *tenant);
 }
 
-Status ControlService::CheckAdmin(const grpc::ServerContext* ctx, std::string_view call) const {
+Result<Caller> ControlService::Admin(const grpc::ServerContext* ctx, std::string_view call) const {
   SPECACHE_ASSIGN_OR_RETURN(Caller caller, CallerOf(ctx));
-  return registry_->access().MayAdminister(caller, call);
+  SPECACHE_RETURN_IF_ERROR(registry_->access().MayAdminister(caller, call));
+  return caller;
 }
 
 grpc::Status ControlService::OpenSession(grpc::ServerContext* ctx, const v1::OpenSessionRequest* req,
@@ -158,6 +159,8 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   resp->set_checksum_failures(s.kept.spill.checksum_failures);
   resp->set_spill_write_errors(s.kept.spill.write_errors);
   resp->set_kept_dropped(s.kept.dropped);
+  resp->set_kept_evicted(s.kept.evicted);
+  resp->set_kept_evicted_bytes(s.kept.evicted_bytes);
   resp->set_spill_disk_bytes(s.kept.spill.stored_bytes);
   if (connection_counts_) {
     const ServiceCounts n = connection_counts_();
@@ -253,7 +256,11 @@ grpc::Status ControlService::ClaimSequence(grpc::ServerContext* ctx, const v1::C
 }
 
 grpc::Status ControlService::Spill(grpc::ServerContext* ctx, const v1::SpillRequest* req, v1::SpillResponse* resp) {
-  if (Status who = CheckAdmin(ctx, "Spill"); !who.ok()) return Finish(who);
+  const auto admin = Admin(ctx, "Spill");
+  if (!admin.ok()) return Finish(admin.status());
+  spdlog::info("control: spill of {} asked by {}", req->all() ? std::string("every parked sequence")
+                                                              : "sequence " + std::to_string(req->sequence_id()),
+               admin->Describe());
   if (req->all()) {
     auto n = kept_->SpillAll();
     if (!n.ok()) return Finish(n.status());
@@ -266,13 +273,16 @@ grpc::Status ControlService::Spill(grpc::ServerContext* ctx, const v1::SpillRequ
 }
 
 grpc::Status ControlService::Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req, v1::RestoreResponse*) {
-  if (Status who = CheckAdmin(ctx, "Restore"); !who.ok()) return Finish(who);
+  const auto admin = Admin(ctx, "Restore");
+  if (!admin.ok()) return Finish(admin.status());
+  spdlog::info("control: restore of sequence {} asked by {}", req->sequence_id(), admin->Describe());
   return Finish(InUseExplained(kept_->Restore(req->sequence_id()), req->sequence_id()));
 }
 
 grpc::Status ControlService::Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req, v1::EvictResponse*) {
-  if (Status who = CheckAdmin(ctx, "Evict"); !who.ok()) return Finish(who);
-  return Finish(InUseExplained(kept_->Evict(req->sequence_id()), req->sequence_id()));
+  const auto admin = Admin(ctx, "Evict");
+  if (!admin.ok()) return Finish(admin.status());
+  return Finish(InUseExplained(kept_->Evict(req->sequence_id(), admin->Describe()), req->sequence_id()));
 }
 
 Status ControlService::InUseExplained(const Status& s, uint64_t sequence) const {

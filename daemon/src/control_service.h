@@ -62,7 +62,10 @@ class ControlService final : public specache::v1::Control::Service {
   Result<Caller> CallerOf(const grpc::ServerContext* ctx) const;
   // The caller may use the session's tenant (an unknown session is left to the registry's NOT_FOUND).
   Status CheckSession(const grpc::ServerContext* ctx, uint64_t session) const;
-  Status CheckAdmin(const grpc::ServerContext* ctx, std::string_view call) const;
+  Status CheckAdmin(const grpc::ServerContext* ctx, std::string_view call) const { return Admin(ctx, call).status(); }
+  // The caller, when an admin (PERMISSION_DENIED otherwise): the operator calls that change what
+  // is kept log who made them.
+  Result<Caller> Admin(const grpc::ServerContext* ctx, std::string_view call) const;
   // NOT_FOUND from the kept sequences, for a sequence a live session holds: FAILED_PRECONDITION
   // saying so (an operator asked to move a sequence in use).
   Status InUseExplained(const Status& s, uint64_t sequence) const;

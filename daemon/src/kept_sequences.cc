@@ -217,16 +217,21 @@ Status KeptSequences::Restore(uint64_t id) {
   return RestoreLocked(id, k);
 }
 
-Status KeptSequences::Evict(uint64_t id) {
+Status KeptSequences::Evict(uint64_t id, std::string_view by) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!kept_.count(id) && store_ && store_->DeleteDamaged(id).ok()) {
-    spdlog::info("damaged spill of sequence {} evicted", id);
+    ++evicted_;
+    spdlog::warn("damaged spill of sequence {} evicted by {}", id, by);
     return Status::Ok();
   }
   SPECACHE_ASSIGN_OR_RETURN(Kept * k, FindLocked(id));
   if (k->on_disk) SPECACHE_RETURN_IF_ERROR(store_->Delete(k->tenant, id));
+  const uint64_t bytes = k->bytes();
+  ++evicted_;
+  evicted_bytes_ += bytes;
+  spdlog::warn("sequence {} of tenant '{}' ({} bytes, {}) evicted by {}", id, k->tenant, bytes,
+               k->state == KeptState::kSpilled ? "spilled" : "parked", by);
   kept_.erase(id);
-  spdlog::info("sequence {} evicted", id);
   return Status::Ok();
 }
 
@@ -295,6 +300,8 @@ KeptStats KeptSequences::stats() const {
   s.dropped = dropped_;
   s.spill_failures = spill_failures_;
   s.write_through_failures = write_through_failures_;
+  s.evicted = evicted_;
+  s.evicted_bytes = evicted_bytes_;
   if (backoff_.count() != 0) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retry_at_ - std::chrono::steady_clock::now());
     s.spill_backoff_ms = static_cast<uint64_t>(std::max<int64_t>(left.count(), 0));

@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "specache/session_pages.h"
@@ -61,6 +62,7 @@ struct KeptStats {
   uint64_t spill_failures = 0;          // spills that failed (each logged)
   uint64_t spill_backoff_ms = 0;        // time until spills are tried again (0: not backing off)
   uint64_t write_through_failures = 0;  // parked sequences whose write-through failed (in RAM only)
+  uint64_t evicted = 0, evicted_bytes = 0;  // kept sequences (and damaged spills) an operator evicted
   SpillStats spill;      // zero without a spill tier
   bool has_spill_tier = false;
 };
@@ -91,8 +93,9 @@ class KeptSequences {
   // RESOURCE_EXHAUSTED when parking has no room for it (a claim restores through Take, whose RAM
   // copy goes to a session right after).
   Status Restore(uint64_t id);
-  // Forgets a kept sequence, or a damaged spill of that id (SpillStore::DeleteDamaged).
-  Status Evict(uint64_t id);
+  // Forgets a kept sequence, or a damaged spill of that id (SpillStore::DeleteDamaged): logged
+  // with its tenant, size and `by` (who asked), and counted.
+  Status Evict(uint64_t id, std::string_view by);
   // A kept sequence's record: its RAM copy while parked (or taken), its disk copy's state.
   struct Kept {
     std::string tenant;
@@ -154,6 +157,7 @@ class KeptSequences {
   std::map<uint64_t, Kept> kept_;
   uint64_t dropped_ = 0;
   uint64_t spill_failures_ = 0, write_through_failures_ = 0;
+  uint64_t evicted_ = 0, evicted_bytes_ = 0;
   uint32_t failures_in_row_ = 0;
   std::chrono::milliseconds backoff_{0};               // 0: spills are healthy
   std::chrono::steady_clock::time_point retry_at_{};  // spills wait until then

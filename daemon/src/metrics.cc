@@ -75,7 +75,9 @@ void Metrics::Update(const RegistryStats& s, const ServiceCounts& n) {
       {"unreadable_records", static_cast<double>(sp.unreadable_records)},
       {"damaged_sequences", static_cast<double>(sp.damaged_sequences)},
       {"write_resumes", static_cast<double>(sp.resumes)},
-      {"kept_lost", static_cast<double>(s.kept.dropped)}};
+      {"kept_lost", static_cast<double>(s.kept.dropped)},
+      {"kept_evicted", static_cast<double>(s.kept.evicted)},
+      {"kept_evicted_bytes", static_cast<double>(s.kept.evicted_bytes)}};
   for (const auto& [kind, value] : spill) i.spill->Add({{"kind", kind}}).Set(value);
   for (const TenantSummary& t : s.tenants) {
     i.tenant_bytes->Add({{"tenant", t.name}, {"state", "reserved"}}).Set(static_cast<double>(t.reserved_bytes));

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -61,7 +62,7 @@ nb::dict StatsDict(const client::DaemonStats& s) {
   SPECACHE_FIELD(kept_dropped); SPECACHE_FIELD(attach_connections); SPECACHE_FIELD(refused_connections);
   SPECACHE_FIELD(accept_errors); SPECACHE_FIELD(denied_requests); SPECACHE_FIELD(chunks_out_of_service);
   SPECACHE_FIELD(spill_failures); SPECACHE_FIELD(spill_backoff_ms); SPECACHE_FIELD(spill_unreadable_records);
-  SPECACHE_FIELD(spill_damaged_sequences);
+  SPECACHE_FIELD(spill_damaged_sequences); SPECACHE_FIELD(kept_evicted); SPECACHE_FIELD(kept_evicted_bytes);
 #undef SPECACHE_FIELD
   nb::list tenants;
   for (const client::TenantUsage& t : s.tenants) {
@@ -115,15 +116,18 @@ class EmbeddedDaemon {
   const std::string& socket() const { return socket_; }
   bool running() const { return daemon_ != nullptr; }
   void Stop() {
-    if (daemon_) {
+    // Taken out while the GIL is held: a stop() of another thread meanwhile finds nothing to stop
+    // (it used to stop and free the same daemon as this one).
+    std::unique_ptr<daemon::Daemon> daemon = std::move(daemon_);
+    const std::string dir = std::exchange(dir_, std::string());
+    if (daemon) {
       nb::gil_scoped_release release;
-      daemon_->Stop();
-      daemon_.reset();
+      daemon->Stop();
+      daemon.reset();
     }
-    if (!dir_.empty()) {
+    if (!dir.empty()) {
       std::error_code ignored;  // best effort: a leftover empty temporary directory harms nobody
-      std::filesystem::remove_all(dir_, ignored);
-      dir_.clear();
+      std::filesystem::remove_all(dir, ignored);
     }
   }
 

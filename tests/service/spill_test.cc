@@ -286,6 +286,38 @@ TEST(SpillTest, AGracefulStopKeepsWhatLiveClientsKept) {
   }
 }
 
+// An operator's evict forgets a kept sequence, parked or spilled, for good: counted with its bytes
+// (and logged with its tenant and the caller), never claimable again.
+TEST(SpillTest, AnEvictedSequenceIsCountedAndGone) {
+  TempDir spill;
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto parked = WriteAndKeep(c.get(), 3, 70);
+  ASSERT_TRUE(parked.ok());
+  auto spilled = WriteAndKeep(c.get(), 4, 70);
+  ASSERT_TRUE(spilled.ok());
+  ASSERT_TRUE(WaitForKept(c.get(), 2));
+  ASSERT_TRUE(c->Spill(*spilled).ok());
+  auto before = c->Stats();
+  ASSERT_TRUE(before.ok());
+  const uint64_t kept_bytes = before->parked_bytes + before->spilled_bytes;
+  ASSERT_GT(kept_bytes, 0u);
+  EXPECT_EQ(before->kept_evicted, 0u);
+  ASSERT_TRUE(c->Evict(*parked).ok());
+  ASSERT_TRUE(c->Evict(*spilled).ok());
+  auto after = c->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->kept_evicted, 2u);
+  EXPECT_EQ(after->kept_evicted_bytes, kept_bytes);
+  EXPECT_EQ(after->parked_sequences + after->spilled_sequences, 0u);
+  EXPECT_EQ(c->Evict(*parked).code(), StatusCode::kNotFound);
+  auto session = c->OpenSession("default", 4 << 20);
+  ASSERT_TRUE(session.ok());
+  EXPECT_EQ((*session)->Claim(*spilled, kLayout).status().code(), StatusCode::kNotFound);
+}
+
 // A spill the tier cannot take (over its max_bytes) fails with a clear error and leaves the
 // sequence parked in RAM, intact and claimable.
 TEST(SpillTest, ASpillThatDoesNotFitKeepsTheRamCopy) {
@@ -636,6 +668,7 @@ TEST(SpillTest, ADamagedWalIsReportedByVerifyNotErased) {
   EXPECT_EQ(stats->spill_damaged_sequences, 1u);
   EXPECT_GE(stats->spill_unreadable_records, 1u);
   EXPECT_TRUE(c->Evict(id).ok()) << "an operator clears it once seen";
+  EXPECT_EQ(c->Stats()->kept_evicted, 1u);
   v = c->VerifySpill();
   ASSERT_TRUE(v.ok());
   EXPECT_FALSE(Mentions(v->bad, "default/" + std::to_string(id) + ":"));

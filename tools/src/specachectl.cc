@@ -48,7 +48,8 @@ nlohmann::json StatsJson(const DaemonStats& s) {
           {"chunks_out_of_service", s.chunks_out_of_service},
           {"spill_failures", s.spill_failures}, {"spill_backoff_ms", s.spill_backoff_ms},
           {"spill_unreadable_records", s.spill_unreadable_records},
-          {"spill_damaged_sequences", s.spill_damaged_sequences}};
+          {"spill_damaged_sequences", s.spill_damaged_sequences},
+          {"kept_evicted", s.kept_evicted}, {"kept_evicted_bytes", s.kept_evicted_bytes}};
 }
 
 void PrintStats(const DaemonStats& s) {
@@ -65,9 +66,10 @@ void PrintStats(const DaemonStats& s) {
               static_cast<unsigned long long>(s.attach_connections),
               static_cast<unsigned long long>(s.refused_connections),
               static_cast<unsigned long long>(s.accept_errors), s.chunks_out_of_service);
-  std::printf("kept      %u parked (%s in RAM), %u spilled (%s on disk only, %s in the store)%s\n", s.parked_sequences,
-              Mib(s.parked_bytes).c_str(), s.spilled_sequences, Mib(s.spilled_bytes).c_str(),
-              Mib(s.spill_disk_bytes).c_str(), s.spill_tier ? "" : "; no spill tier");
+  std::printf("kept      %u parked (%s in RAM), %u spilled (%s on disk only, %s in the store)%s; %llu evicted (%s)\n",
+              s.parked_sequences, Mib(s.parked_bytes).c_str(), s.spilled_sequences, Mib(s.spilled_bytes).c_str(),
+              Mib(s.spill_disk_bytes).c_str(), s.spill_tier ? "" : "; no spill tier",
+              static_cast<unsigned long long>(s.kept_evicted), Mib(s.kept_evicted_bytes).c_str());
   if (s.spill_tier) {
     std::printf("spill     %llu spills (%s, %.2f s), %llu restores (%s, %.2f s), %llu checksum failures, %llu write "
                 "errors, %llu kept sequences lost\n",
