@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "specache/version.h"
 #include "testing/model_file.h"
 #include "testing/temp_dir.h"
 
@@ -38,6 +39,7 @@ std::vector<Program> Programs() {
                {"stats", "sessions", "sequences", "watch", "spill", "restore", "evict", "verify"}});
   p.push_back({"specache-spill-bench", SPILL_BENCH_PATH, {}});
   p.push_back({"specache-service-bench", SERVICE_BENCH_PATH, {}});
+  p.push_back({"specache-remote-bench", REMOTE_BENCH_PATH, {}});
 #endif
   return p;
 }
@@ -70,6 +72,9 @@ TEST(CommandLineTest, EveryProgramAndSubcommandAnswersHelp) {
     const Outcome top = Shell(p.path + " --help");
     EXPECT_EQ(top.code, 0) << p.name << ": " << top.output;
     EXPECT_NE(top.output.find("--help"), std::string::npos) << p.name;
+    const Outcome version = Shell(p.path + " --version");
+    EXPECT_EQ(version.code, 0) << p.name << ": " << version.output;
+    EXPECT_EQ(version.output.rfind(p.name + " " + SPECACHE_VERSION, 0), 0u) << p.name << ": " << version.output;
     for (const std::string& sub : p.subcommands) {
       const Outcome r = Shell(p.path + " " + sub + " --help");
       EXPECT_EQ(r.code, 0) << p.name << " " << sub << ": " << r.output;
@@ -204,6 +209,28 @@ TEST_F(OutputPathsCommandTest, RunStopsAtOnceWhenItMayNotWriteItsOutputs) {
 }
 
 #ifdef SPECACHECTL_PATH
+// Numbers out of range are usage errors (a zero interval polled the daemon in a busy loop), and
+// the store-wide calls' long deadline does not make a missing daemon a long wait.
+TEST(CommandLineTest, SpecachectlRefusesOutOfRangeNumbersAndFindsNoDaemonFast) {
+  const std::string ctl = SPECACHECTL_PATH;
+  for (const std::string args : {"watch --interval 0", "watch --interval -1", "watch --interval 1e12",
+                                 "stats --deadline-ms 0", "stats --deadline-ms -5"}) {
+    const Outcome r = Shell(ctl + " " + args);
+    EXPECT_EQ(r.code, 2) << args << ": " << r.output;
+    EXPECT_EQ(r.output.rfind("specachectl: ", 0), 0u) << args << ": " << r.output;
+  }
+  testing::TempDir dir;
+  for (const std::string sub : {"verify", "spill --all", "restore --sequence 1"}) {
+    const Outcome r = Shell(ctl + " " + sub + " --socket " + dir.path + "/none.sock --deadline-ms 300");
+    EXPECT_EQ(r.code, 1) << sub << ": " << r.output;
+    EXPECT_NE(r.output.find("UNAVAILABLE"), std::string::npos) << sub << ": " << r.output;
+    EXPECT_LT(r.seconds, 10) << sub;
+    const Outcome d = Shell(ctl + " " + sub + " --socket " + dir.path + "/none.sock");  // default deadlines
+    EXPECT_EQ(d.code, 1) << sub << ": " << d.output;
+    EXPECT_LT(d.seconds, 10) << sub << ": the daemon is looked for within the short deadline";
+  }
+}
+
 // The park-cost run is a few seconds (specache-spill-bench writes at least 1 GiB, so only its
 // refusal is tested).
 TEST_F(OutputPathsCommandTest, ServiceBenchIntoMissingDirectoriesWritesThere) {

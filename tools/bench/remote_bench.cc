@@ -28,9 +28,11 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "command_line.h"
 #include "daemon.h"
 #include "specache/client.h"
 #include "specache/remote_session.h"
+#include "specache/version.h"
 
 namespace {
 
@@ -345,7 +347,8 @@ int Main(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"specache-remote-bench: remote row fetches by each method, next to ucx_perftest"};
+  CLI::App app{"specache-remote-bench: remote row fetches by each method, next to ucx_perftest",
+               "specache-remote-bench"};
   app.add_option("--daemon", o.daemon, "tcp://HOST:PORT of a running specached (default: one embedded on loopback)");
   app.add_option("--batch", o.batch, "sequences (B)")->capture_default_str();
   app.add_option("--kv-heads", o.kv_heads, "KV heads per sequence")->capture_default_str();
@@ -359,6 +362,7 @@ int main(int argc, char** argv) {
   app.add_option("--perftest-server", o.perftest_server, "host already running `ucx_perftest -p PORT` (remote daemons)");
   app.add_option("--perftest-port", o.perftest_port, "first port for ucx_perftest")->capture_default_str();
   app.add_flag("--json", o.json, "JSON output");
-  CLI11_PARSE(app, argc, argv);
+  app.set_version_flag("--version", "specache-remote-bench " SPECACHE_VERSION);
+  if (const int code = specache::ParseCommandLine(app, argc, argv); code >= 0) return code;
   return Main(o);
 }

@@ -92,10 +92,11 @@ void PrintStats(const DaemonStats& s) {
   }
 }
 
-// A client-chosen name for the terminal: control bytes shown as '?' (no escape sequences).
+// A client-chosen name for the terminal: control bytes and every byte outside ASCII shown as '?'
+// (no escape sequences, C1 controls such as U+009B, or bidirectional overrides such as U+202E).
 std::string Printable(std::string name) {
   for (char& ch : name) {
-    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
   }
   return name;
 }
@@ -116,10 +117,16 @@ int main(int argc, char** argv) {
   CLI::App app{"specachectl: inspect a specached", "specachectl"};
   std::string socket = "/run/specache/control.sock";
   int deadline_ms = 2000;
+  // spill, restore and verify read or write every page they touch (a verify of a large store takes
+  // minutes): their calls wait this long unless --deadline-ms is given.
+  constexpr int kStoreCallDeadlineMs = 30 * 60 * 1000;
   bool json = false;
   double interval = 1.0;
   app.add_option("--socket", socket, "daemon control socket")->capture_default_str();
-  app.add_option("--deadline-ms", deadline_ms, "deadline of each call")->capture_default_str();
+  auto* deadline = app.add_option("--deadline-ms", deadline_ms,
+                                  "deadline of each call (spill, restore and verify: 1800000 unless given)")
+                       ->check(CLI::Range(1, 24 * 3600 * 1000))
+                       ->capture_default_str();
   app.require_subcommand(1);
   app.fallthrough();  // --socket and --deadline-ms also after the subcommand
   auto* stats = app.add_subcommand("stats", "pool, tenants, sessions, sequences, request counts");
@@ -129,7 +136,9 @@ int main(int argc, char** argv) {
   auto* sequences = app.add_subcommand("sequences", "sequences of all sessions, and kept ones");
   sequences->add_flag("--json", json, "JSON array");
   auto* watch = app.add_subcommand("watch", "stats, refreshed");
-  watch->add_option("--interval", interval, "seconds between refreshes")->capture_default_str();
+  watch->add_option("--interval", interval, "seconds between refreshes")
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
   uint64_t sequence = 0;
   bool all = false;
   auto* spill = app.add_subcommand("spill", "move kept (parked) sequences from RAM to the spill tier");
@@ -147,6 +156,12 @@ int main(int argc, char** argv) {
 
   auto client = Client::Connect({socket, std::chrono::milliseconds(deadline_ms), "specachectl"});
   if (!client.ok()) return Fail(client.status());
+  if ((spill->parsed() || restore->parsed() || verify->parsed()) && deadline->count() == 0) {
+    // Reached within the short deadline above (a daemon that is not there fails fast); the store's
+    // call then gets the long one.
+    client = Client::Connect({socket, std::chrono::milliseconds(kStoreCallDeadlineMs), "specachectl"});
+    if (!client.ok()) return Fail(client.status());
+  }
   Client& c = **client;
 
   if (stats->parsed()) {
