@@ -302,9 +302,11 @@ Result<DaemonConfig> ParseConfig(const std::string& text) {
       if (!tt) return Status::InvalidArgument("config: " + key + " must be a table");
       TenantConfig tc;
       tc.quota_bytes = c.pool_bytes;
+      tc.quota_is_pool = true;
       for (const auto& [field, value] : *tt) {
         if (field.str() == "quota_bytes") {
           SPECACHE_ASSIGN_OR_RETURN(tc.quota_bytes, BytesOf(value, key + ".quota_bytes"));
+          tc.quota_is_pool = false;
         } else if (field.str() == "users") {
           SPECACHE_RETURN_IF_ERROR(IdsOf(value, key + ".users", UserId, &tc.uids));
         } else if (field.str() == "groups") {
@@ -337,8 +339,11 @@ Result<DaemonConfig> LoadConfig(const std::string& path) {
   return config;
 }
 
-void AddDefaultTenant(DaemonConfig* c) {
-  if (c->tenants.empty()) c->tenants["default"] = TenantConfig{c->pool_bytes, {}, {}, {}};
+void CompleteTenants(DaemonConfig* c) {
+  if (c->tenants.empty()) c->tenants["default"].quota_is_pool = true;
+  for (auto& [name, tenant] : c->tenants) {
+    if (tenant.quota_is_pool) tenant.quota_bytes = c->pool_bytes;
+  }
 }
 
 Status ValidateConfig(const DaemonConfig& c) {

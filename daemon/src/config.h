@@ -34,6 +34,9 @@
 //   [limits]
 //   attach_connections = 1024               # open attach connections in all
 //   attach_connections_per_uid = 64         # ...and per connecting uid
+//   control_connections = 1024              # open control (gRPC) connections in all
+//   control_connections_per_uid = 64        # ...and per connecting uid
+//   kept_sequences_per_tenant = 4096        # kept past their sessions (parked, spilled, marked)
 //   [remote]                                # clients on other hosts (remote_server.h); off when absent
 //   control_addr = "0.0.0.0:7700"           # gRPC with TLS: the same Control service, callers by tenant secret
 //   data_addr = "0.0.0.0:7701"              # UCX listener for the rows (transports: UCX_TLS, ucx.conf)
@@ -66,6 +69,7 @@ struct TenantConfig {
   // The secret a remote client presents for this tenant (read from remote_secret_file at load;
   // empty: no remote access to the tenant).
   std::string remote_secret;
+  bool quota_is_pool = false;  // no quota_bytes given: the whole pool, as finally sized (CompleteTenants)
   bool AllowsAnyone() const { return uids.empty() && gids.empty(); }
 };
 
@@ -142,7 +146,8 @@ Result<uint32_t> CheckedId(int64_t value, const std::string& what);
 Result<DaemonConfig> ParseConfig(const std::string& toml_text);
 Result<DaemonConfig> LoadConfig(const std::string& path);
 Status ValidateConfig(const DaemonConfig& config);
-// Without [tenants]: one tenant "default", open to every local user, with the whole pool as quota.
-void AddDefaultTenant(DaemonConfig* config);
+// After the command line's overrides: without [tenants], one tenant "default", open to every
+// local user; every tenant without a quota_bytes of its own gets the whole pool as its quota.
+void CompleteTenants(DaemonConfig* config);
 
 }  // namespace specache::daemon

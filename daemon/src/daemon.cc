@@ -240,9 +240,21 @@ Status ListenRemote(State* d) {
   return Status::Ok();
 }
 
+// Whether HOST:PORT names this host's loopback only ("127.x.y.z", "[::1]", "localhost").
+bool IsLoopback(const std::string& addr) {
+  const std::string host = addr.substr(0, addr.rfind(':'));
+  return host.rfind("127.", 0) == 0 || host == "[::1]" || host == "::1" || host == "localhost";
+}
+
 Status StartMetrics(State* d) {
   if (d->config.metrics_addr.empty()) return Status::Ok();
   SPECACHE_ASSIGN_OR_RETURN(d->metrics, Metrics::Start(d->config.metrics_addr));
+  // The endpoint has no authentication: whoever reaches it reads every tenant's name and use.
+  if (!IsLoopback(d->config.metrics_addr)) {
+    spdlog::warn("metrics endpoint {} is reachable from other hosts, without authentication: anyone who reaches it "
+                 "reads every tenant's name and memory use; keep it on loopback (127.0.0.1) or behind a firewall",
+                 d->config.metrics_addr);
+  }
   return Status::Ok();
 }
 

@@ -51,7 +51,7 @@ Status LoadConfiguration(const Overrides& o, DaemonConfig* c) {
   if (!o.park_bytes.empty()) {
     SPECACHE_ASSIGN_OR_RETURN(c->spill.park_bytes, ParseBytes(o.park_bytes));
   }
-  AddDefaultTenant(c);
+  CompleteTenants(c);
   return ValidateConfig(*c);
 }
 

@@ -91,9 +91,17 @@ attach_connections_per_uid = 5
   EXPECT_EQ(ParseConfig("[access]\nsocket_mode = 0o600\n")->access.socket_mode, 0600u);
   DaemonConfig plain;
   EXPECT_EQ(plain.access.socket_mode, 0660u) << "never world-writable by default";
-  AddDefaultTenant(&plain);
+  CompleteTenants(&plain);
   EXPECT_TRUE(plain.tenants.at("default").AllowsAnyone());
   EXPECT_EQ(plain.tenants.at("default").quota_bytes, plain.pool_bytes);
+  // A tenant without quota_bytes gets the pool as finally sized (--pool-bytes after the file).
+  auto file = ParseConfig("pool_bytes = \"2GiB\"\n[tenants.a]\n[tenants.b]\nquota_bytes = \"1GiB\"\n");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  file->pool_bytes = uint64_t{16} << 30;
+  CompleteTenants(&*file);
+  EXPECT_EQ(file->tenants.at("a").quota_bytes, uint64_t{16} << 30);
+  EXPECT_EQ(file->tenants.at("b").quota_bytes, uint64_t{1} << 30);
+  EXPECT_EQ(file->tenants.count("default"), 0u);
 }
 
 TEST(DaemonConfigTest, SpillSectionAndTheShippedConfig) {

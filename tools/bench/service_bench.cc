@@ -241,7 +241,7 @@ int main(int argc, char** argv) {
       c.spill.park_bytes = (spill_mib + 64) << 20;
       c.pool_bytes = std::max<uint64_t>(c.pool_bytes, (spill_mib + 128) << 20);
     }
-    specache::daemon::AddDefaultTenant(&c);
+    specache::daemon::CompleteTenants(&c);
     specache::daemon::LogEmbeddedDaemonToStderr();
     embedded = std::make_unique<specache::daemon::Daemon>();
     if (auto s = embedded->Start(c); !s.ok()) {
