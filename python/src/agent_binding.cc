@@ -99,8 +99,10 @@ class PyAgent {
     agent_.reset();
   }
 
-  const ModelShape& shape() const { return agent_->shape(); }
-  const KvConfig& config() const { return agent_->config(); }
+  // Copies: a Python object that referred to the agent's own would let its fields be assigned,
+  // and the agent would index its tables by the new values.
+  ModelShape shape() const { return agent_->shape(); }
+  KvConfig config() const { return agent_->config(); }
   std::string backend() const { return std::string(agent_->backend_name()); }
   int device() const { return cuda_device_; }
   int RowsPerSequence(StepKind kind) const { return agent_->RowsPerSequence(kind); }
@@ -148,6 +150,7 @@ class PyAgent {
       if (s.ok()) {
         step_sequences_ = static_cast<int64_t>(ids.size());
         step_rows_ = agent_->RowsPerSequence(kind);
+        ++step_number_;
       }
       return s;
     });
@@ -155,9 +158,11 @@ class PyAgent {
 
   void DecodeLayer(int layer, const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v,
                    const nb::ndarray<>& out) {
-    const std::optional<int64_t> step_rows = Locked([&]() -> std::optional<int64_t> {
-      if (!step_rows_) return std::nullopt;
-      return step_sequences_ * *step_rows_;
+    // The rows of the step now; the tensors are checked against them without the lock, so the call
+    // below refuses to run if another thread ended the step and began another meanwhile.
+    const auto [step_rows, step] = Locked([&]() -> std::pair<std::optional<int64_t>, uint64_t> {
+      if (!step_rows_) return {std::nullopt, step_number_};
+      return {step_sequences_ * *step_rows_, step_number_};
     });
     if (!step_rows) {
       ThrowIfError(Status::FailedPrecondition("decode_layer outside a step: call begin_step first"));
@@ -169,7 +174,12 @@ class PyAgent {
     r.k = ValueOrThrow(FloatTensor(k, "k", device_, rows, {s.n_kv_heads, s.head_dim}));
     r.v = ValueOrThrow(FloatTensor(v, "v", device_, rows, {s.n_kv_heads, s.head_dim}));
     r.out = ValueOrThrow(FloatTensor(out, "out", device_, rows, {s.n_q_heads, s.head_dim}));
-    Run([&] { return agent_->DecodeLayer(layer, r); });
+    Run([&] {
+      if (!step_rows_ || step_number_ != step) {
+        return Status::FailedPrecondition("decode_layer: the step ended (another thread) while its tensors were checked");
+      }
+      return agent_->DecodeLayer(layer, r);
+    });
   }
 
   void StartPrefetch(int layer) { Run([&] { return agent_->StartPrefetch(layer); }); }
@@ -239,6 +249,7 @@ class PyAgent {
   int cuda_device_ = -1;
   int64_t step_sequences_ = 0;
   std::optional<int> step_rows_;  // set between a successful begin_step and end_step / abort_step
+  uint64_t step_number_ = 0;      // successful begin_steps so far
 };
 
 }  // namespace

@@ -78,6 +78,17 @@ def test_config_and_shape_read_back():
     assert agent.config.top_k == 32 and agent.shape.n_q_heads == 8
     assert agent.rows_per_sequence(specache.StepKind.PRE_DECODE) == 1
     assert agent.rows_per_sequence(specache.StepKind.DECODE) == 2
+    # Copies: assigning to them leaves the agent's own shape and configuration (which its tables
+    # and the tensors' checks follow) as they were.
+    shape = agent.shape
+    shape.n_kv_heads = 8
+    agent.config.top_k = 4
+    assert agent.shape.n_kv_heads == 2 and agent.config.top_k == 32
+    agent.add_sequence(1)
+    k = np.zeros((3, 2, 64), dtype=np.float32)
+    agent.prefill_layer(0, [1], [0, 3], None, k, k)
+    with pytest.raises(specache.StatusError, match="INVALID_ARGUMENT"):  # 8 KV heads: the agent has 2
+        agent.prefill_layer(1, [1], [0, 3], None, np.zeros((3, 8, 64), dtype=np.float32), k)
 
 
 def test_long_calls_release_the_gil():
