@@ -2,10 +2,14 @@
 
 #include <grp.h>
 #include <pwd.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
@@ -145,24 +149,52 @@ Status ParseRemote(const toml::node& node, RemoteConfig* r) {
   return Status::Ok();
 }
 
-// A tenant's remote secret: a file only its owner may read (a secret others can read is no
+// A tenant's remote secret: a private file (ReadPrivateFile: a secret others can read is no
 // secret), holding at least 16 bytes; trailing whitespace is not part of it.
 Result<std::string> ReadSecretFile(const std::string& path, const std::string& key) {
-  struct stat st {};
-  if (stat(path.c_str(), &st) != 0) return Status::NotFound("config: " + key + " " + path + " cannot be read");
-  if ((st.st_mode & 077) != 0) {
-    return Status::InvalidArgument("config: " + key + " " + path + " must not be readable by group or others (chmod 600)");
-  }
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  std::string secret = s.str();
+  SPECACHE_ASSIGN_OR_RETURN(std::string secret, ReadPrivateFile(path, "config: " + key));
   while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
   if (secret.size() < 16) return Status::InvalidArgument("config: " + key + " must hold at least 16 bytes");
   return secret;
 }
 
 }  // namespace
+
+Result<std::string> ReadPrivateFile(const std::string& path, const std::string& what) {
+  constexpr off_t kMostBytes = off_t{1} << 20;
+  const std::string named = what + " " + path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ELOOP) return Status::PermissionDenied(named + " is a symbolic link: name the file itself");
+    const std::string why = named + " cannot be opened: " + std::strerror(err);
+    return err == ENOENT ? Status::NotFound(why) : Status::Unavailable(why);
+  }
+  struct stat st {};
+  Status s = ::fstat(fd, &st) == 0 ? Status::Ok() : Status::Unavailable(named + ": " + std::strerror(errno));
+  if (s.ok() && !S_ISREG(st.st_mode)) s = Status::InvalidArgument(named + " is not a regular file");
+  if (s.ok() && st.st_uid != 0 && st.st_uid != ::geteuid()) {
+    s = Status::PermissionDenied(named + " belongs to user " + std::to_string(st.st_uid) +
+                                 ", neither root nor the daemon's user (who could replace it?)");
+  }
+  if (s.ok() && (st.st_mode & 077) != 0) {
+    s = Status::PermissionDenied(named + " must not be readable or writable by group or others (chmod 600)");
+  }
+  if (s.ok() && st.st_size > kMostBytes) s = Status::InvalidArgument(named + " is larger than 1 MiB");
+  std::string bytes;
+  while (s.ok()) {
+    char buf[4096];
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) s = Status::Unavailable(named + " cannot be read: " + std::strerror(errno));
+    if (n <= 0) break;
+    bytes.append(buf, static_cast<size_t>(n));
+    if (bytes.size() > static_cast<size_t>(kMostBytes)) s = Status::InvalidArgument(named + " is larger than 1 MiB");
+  }
+  ::close(fd);
+  if (!s.ok()) return s;
+  return bytes;
+}
 
 Result<uint32_t> CheckedId(int64_t value, const std::string& what) {
   if (value < 0 || value > int64_t{UINT32_MAX} - 1) {

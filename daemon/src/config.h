@@ -142,6 +142,12 @@ Result<uint64_t> ParseBytes(const std::string& text);
 // A uid or gid from a config or command line: 0 .. 2^32 - 2 ((uid_t) -1 means "no id").
 Result<uint32_t> CheckedId(int64_t value, const std::string& what);
 
+// A file of secrets (a tenant's remote secret, the TLS key): a regular file, not a symbolic link,
+// owned by root or the daemon's user and readable by its owner only, at most 1 MiB; `what` names
+// it in the errors (NOT_FOUND or UNAVAILABLE when it cannot be opened or read, saying why;
+// PERMISSION_DENIED when others could read or replace it).
+Result<std::string> ReadPrivateFile(const std::string& path, const std::string& what);
+
 // Parses TOML text (errors name the key or the line). Unknown keys are errors.
 Result<DaemonConfig> ParseConfig(const std::string& toml_text);
 Result<DaemonConfig> LoadConfig(const std::string& path);

@@ -12,15 +12,22 @@
 namespace specache::daemon {
 namespace {
 
-Result<std::string> ReadPem(const std::string& path, const char* what) {
-  std::ifstream in(path);
-  if (!in) return Status::NotFound(std::string("remote.") + what + " " + path + " cannot be read");
-  std::stringstream s;
-  s << in.rdbuf();
-  if (s.str().find("-----BEGIN") == std::string::npos) {
+// A PEM file; the private key's must be private (ReadPrivateFile), the certificates may be public.
+Result<std::string> ReadPem(const std::string& path, const char* what, bool secret = false) {
+  std::string pem;
+  if (secret) {
+    SPECACHE_ASSIGN_OR_RETURN(pem, ReadPrivateFile(path, std::string("remote.") + what));
+  } else {
+    std::ifstream in(path);
+    if (!in) return Status::NotFound(std::string("remote.") + what + " " + path + " cannot be read");
+    std::stringstream s;
+    s << in.rdbuf();
+    pem = s.str();
+  }
+  if (pem.find("-----BEGIN") == std::string::npos) {
     return Status::InvalidArgument(std::string("remote.") + what + " " + path + " is not PEM");
   }
-  return s.str();
+  return pem;
 }
 
 std::string Metadata(const grpc::ServerContext* ctx, const char* key) {
@@ -45,7 +52,7 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
                                                              : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
   SPECACHE_ASSIGN_OR_RETURN(pair.cert_chain, ReadPem(rc.tls_cert, "tls_cert"));
-  SPECACHE_ASSIGN_OR_RETURN(pair.private_key, ReadPem(rc.tls_key, "tls_key"));
+  SPECACHE_ASSIGN_OR_RETURN(pair.private_key, ReadPem(rc.tls_key, "tls_key", /*secret=*/true));
   tls.pem_key_cert_pairs.push_back(pair);
   if (!rc.client_ca.empty()) {
     SPECACHE_ASSIGN_OR_RETURN(tls.pem_root_certs, ReadPem(rc.client_ca, "client_ca"));

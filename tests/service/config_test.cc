@@ -1,4 +1,5 @@
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -173,8 +174,27 @@ TEST(DaemonConfigTest, RemoteNeedsTlsAndTenantSecretsOnlyTheOwnerCanRead) {
 
   chmod(secret.c_str(), 0640);
   auto readable = ParseConfig(tenant);
-  EXPECT_NE(readable.status().message().find("must not be readable by group or others"), std::string::npos)
+  EXPECT_NE(readable.status().message().find("must not be readable or writable by group or others"), std::string::npos)
       << readable.status().ToString();
+  chmod(secret.c_str(), 0600);
+  // A link to it (anyone who may write the link's directory could point it elsewhere), or a file
+  // of another user, is refused; a file that cannot be opened says why.
+  const std::string link = dir + "/link.secret";
+  ASSERT_EQ(symlink(secret.c_str(), link.c_str()), 0);
+  auto linked = ParseConfig("[tenants.a]\nremote_secret_file = \"" + link + "\"\n");
+  EXPECT_EQ(linked.status().code(), StatusCode::kPermissionDenied) << linked.status().ToString();
+  EXPECT_NE(linked.status().message().find("symbolic link"), std::string::npos) << linked.status().ToString();
+  auto missing = ReadPrivateFile(dir + "/none", "the key");
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("No such file"), std::string::npos) << missing.status().ToString();
+  if (geteuid() == 0) {
+    ASSERT_EQ(chown(secret.c_str(), 65534, 65534), 0);
+    auto theirs = ParseConfig(tenant);
+    EXPECT_EQ(theirs.status().code(), StatusCode::kPermissionDenied) << theirs.status().ToString();
+    EXPECT_NE(theirs.status().message().find("belongs to user 65534"), std::string::npos) << theirs.status().ToString();
+    ASSERT_EQ(chown(secret.c_str(), 0, 0), 0);
+  }  // (another user's file can only be made as root: CI runs these tests as root)
+  EXPECT_TRUE(ReadPrivateFile(secret, "the secret").ok());
   chmod(secret.c_str(), 0600);
   std::ofstream(secret) << "short\n";
   EXPECT_NE(ParseConfig(tenant).status().message().find("at least 16 bytes"), std::string::npos);
