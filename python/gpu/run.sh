@@ -19,8 +19,9 @@ py=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specache-site .whl/*.whl
-  export PYTHONPATH=/tmp/specache-site${PYTHONPATH:+:$PYTHONPATH}
+  site=$(mktemp -d /tmp/specache-site.XXXXXX)  # a fixed path another user could make first
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
