@@ -39,7 +39,7 @@ class Agent(_core.Agent):
         device: Optional[int] = None,
         stream: Optional[int] = None,
         capacity_tokens: int = 32768,
-        fetch_blocks: int = 16,
+        fetch_blocks: int = 32,
         device_pool_bytes: int = 0,
     ):
         if backend == "cuda" and (device is None or stream is None):

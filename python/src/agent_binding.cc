@@ -335,7 +335,7 @@ void BindAgent(nb::module_& m) {
       .def(nb::init<const ModelShape&, const KvConfig&, FullPrecisionSource*, const std::string&, int, uintptr_t,
                     int, int, int64_t>(),
            "shape"_a, "config"_a, "source"_a = nb::none(), "backend"_a = "cpu", "device"_a = -1, "stream"_a = 0,
-           "capacity_tokens"_a = 32768, "fetch_blocks"_a = 16, "device_pool_bytes"_a = 0, nb::keep_alive<1, 4>())
+           "capacity_tokens"_a = 32768, "fetch_blocks"_a = 32, "device_pool_bytes"_a = 0, nb::keep_alive<1, 4>())
       .def_prop_ro("shape", &PyAgent::shape)
       .def_prop_ro("config", &PyAgent::config)
       .def_prop_ro("backend", &PyAgent::backend)

@@ -409,7 +409,8 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
 int main(int argc, char** argv) {
   using namespace specache;
   Options o;
-  CLI::App app{"specache-bench: figures for the agent (CPU everywhere; gather, contend, step and attend on a GPU).\n"
+  CLI::App app{"specache-bench: figures for the agent (CPU everywhere; gather, contend, step, attend, layers and prefill on "
+               "a GPU).\n"
                "Timings are medians of --repeats runs after one warm-up; read ratios, the machine is noisy.",
                "specache-bench"};
   app.set_version_flag("--version", "specache-bench " SPECACHE_VERSION);

@@ -645,7 +645,7 @@ int main(int argc, char** argv) {
       cmd->add_option("--modes", a->modes,
                       "KV modes as MODE[:BITS][/OPTION...], e.g. full,kivi:1,specache:1,specache:1/select=union/resident "
                       "(options: select=, topk=, topk-real=, next, no-next, resident, no-resident, mass=, k-min=, k-max=, "
-                      "cached-rows=, reduction=; "
+                      "cached-rows=, seed=, reduction=; "
                       "default: --kv)")
           ->delimiter(',');
       cmd->add_option("--out-dir", a->out_dir, "where niah_grid.json and the PNG heat maps go (created if missing; checked before the first point)")->capture_default_str();

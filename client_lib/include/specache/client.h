@@ -33,7 +33,7 @@ struct SPECACHE_CLIENT_API RemoteCredentials {
   std::string cert_file;  // PEM: this client's certificate and key, for a daemon with mutual TLS
   std::string key_file;
   std::string tenant;       // the tenant the secret is for
-  std::string secret_file;  // the tenant's secret (first line; the file should be 0600)
+  std::string secret_file;  // the tenant's secret: the whole file, trailing whitespace not part of it (0600)
   std::string server_name;  // name to check the daemon's certificate against (empty: the host)
 
   // From SPECACHE_TLS_CA, SPECACHE_TLS_CERT, SPECACHE_TLS_KEY, SPECACHE_TENANT,
@@ -164,7 +164,7 @@ class SPECACHE_CLIENT_API Session {
   Result<uint32_t> Extend(uint64_t sequence, uint32_t tokens);
   Status Release(uint64_t sequence);
   // Keep the sequence past this session: when the session ends, the daemon parks its pages for
-  // the tenant (RAM, then the spill tier); a later session claims it back with ClaimSequence.
+  // the tenant (RAM, then the spill tier); a later session of the tenant takes it back with Claim.
   Status Keep(uint64_t sequence);
   // Takes a kept sequence of this session's tenant (same layout) into this session: returns its
   // pages per layer; PageData then reads its pages.

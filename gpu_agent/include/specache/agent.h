@@ -170,7 +170,9 @@ class Agent {
   virtual AgentStats stats() const = 0;
 };
 
-// The CPU backend: float32 math on the host, prefetch done synchronously in StartPrefetch.
+// The CPU backend: float32 math on the host. StartPrefetch starts reading the selected rows from
+// the source (FullPrecisionSource::StartReadRows); WaitPrefetch, or the layer's next DecodeLayer,
+// finishes the read.
 // `source` must outlive the agent. INVALID_ARGUMENT for a bad shape or config.
 Result<std::unique_ptr<Agent>> CreateCpuAgent(const ModelShape& shape, const KvConfig& config,
                                               FullPrecisionSource* source);

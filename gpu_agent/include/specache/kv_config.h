@@ -72,7 +72,8 @@ struct KvConfig {
   int residual_tokens = 64;  // R: multiple of G
   int top_k = 64;            // k: rows fetched per (sequence, layer, KV head); > 0 for specache modes
   // Rows kept on the device per (sequence, layer, KV head) for reuse: the selection plus the most
-  // recently selected others (row_cache.h). 0: 2 * top_k; otherwise at least top_k.
+  // recently selected others (row_cache.h). 0: 2 * max_selected() (top_k, plus top_k_real for
+  // kUnion; k_max with the adaptive budget); otherwise at least max_selected().
   int cached_rows = 0;
   GroupReduction reduction = GroupReduction::kMean;
   // Which row's scores select (kSpeCache; the other fetching modes select with the real row).
