@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -10,31 +11,12 @@
 #include <gtest/gtest.h>
 
 #include "specache/half.h"
+#include "testing/gguf_writer.h"
 
 namespace specache::gguf {
 namespace {
 
-// Writes GGUF v3 files byte by byte, independently of the reader.
-class Writer {
- public:
-  template <typename T>
-  void Put(T v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    bytes_.insert(bytes_.end(), p, p + sizeof v);
-  }
-  void Str(const std::string& s) {
-    Put<uint64_t>(s.size());
-    bytes_.insert(bytes_.end(), s.begin(), s.end());
-  }
-  void Pad(size_t alignment) {
-    while (bytes_.size() % alignment) bytes_.push_back(0);
-  }
-  void Raw(const std::vector<uint8_t>& b) { bytes_.insert(bytes_.end(), b.begin(), b.end()); }
-  std::vector<uint8_t>& bytes() { return bytes_; }
-
- private:
-  std::vector<uint8_t> bytes_;
-};
+using Writer = testing::GgufWriter;
 
 struct Tensor {
   std::string name;
@@ -45,10 +27,7 @@ struct Tensor {
 
 std::vector<uint8_t> BuildFile(const std::vector<Tensor>& tensors, uint64_t alignment = 32) {
   Writer w;
-  w.Put<uint32_t>(0x46554747);
-  w.Put<uint32_t>(3);
-  w.Put<uint64_t>(tensors.size());
-  w.Put<uint64_t>(5);
+  w.Header(tensors.size(), 5);
   w.Str("general.architecture"); w.Put<uint32_t>(8); w.Str("llama");
   w.Str("llama.rope.freq_base"); w.Put<uint32_t>(6); w.Put<float>(10000.0f);
   w.Str("llama.block_count"); w.Put<uint32_t>(4); w.Put<uint32_t>(30);
@@ -215,6 +194,59 @@ TEST(GgufReaderTest, CorruptHeadersGiveSpecificErrors) {
   EXPECT_EQ(open_modified(8, {0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0x7F}).code(), StatusCode::kDataLoss);
   EXPECT_EQ(open_modified(24, {0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0}).code(), StatusCode::kDataLoss);  // key length
   EXPECT_EQ(GgufFile::Open("/nonexistent/model.gguf").status().code(), StatusCode::kNotFound);
+}
+
+Status OpenStatus(const std::vector<uint8_t>& bytes) {
+  const std::string path = WriteTemp(bytes);
+  auto file = GgufFile::Open(path);
+  unlink(path.c_str());
+  return file.status();
+}
+
+// An array longer than the rest of the file could hold is refused at its count, before any
+// element is decoded (each decodes to ~48 bytes: a 2 GiB file of one-byte elements asked for
+// ~100 GiB); so is an array of an unknown element type.
+TEST(GgufReaderTest, AnArrayLongerThanTheFileIsRefusedAtItsCount) {
+  for (const auto& [type, bytes_each] : std::vector<std::pair<uint32_t, uint64_t>>{{0, 1}, {4, 4}, {8, 8}, {9, 12}}) {
+    Writer w;
+    w.Header(0, 1);
+    w.Str("big");
+    w.Put<uint32_t>(9);
+    w.Put<uint32_t>(type);
+    const uint64_t left = 4096;  // bytes after the count
+    w.Put<uint64_t>(left / bytes_each + 1);
+    w.Raw(std::vector<uint8_t>(left, 0));
+    const Status s = OpenStatus(w.bytes());
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << type;
+    EXPECT_NE(s.message().find("array length"), std::string::npos) << type << ": " << s.ToString();
+  }
+  Writer w;
+  w.Header(0, 1);
+  w.Str("odd");
+  w.Put<uint32_t>(9);
+  w.Put<uint32_t>(77);
+  w.Put<uint64_t>(3);
+  w.Raw(std::vector<uint8_t>(64, 0));
+  EXPECT_NE(OpenStatus(w.bytes()).message().find("unknown type 77"), std::string::npos);
+}
+
+// Two tensors naming the same bytes (a small file would decode into any number of large tensors).
+TEST(GgufReaderTest, TensorsThatShareBytesAreRefused) {
+  Fixture fx;
+  std::vector<uint8_t> bytes = BuildFile(fx.tensors);
+  ASSERT_TRUE(OpenStatus(bytes).ok());
+  // The second tensor ("f16") is at data offset 32: point it at 0, inside "f32".
+  const std::string name = "f16";
+  const auto at = std::search(bytes.begin(), bytes.end(), name.begin(), name.end());
+  ASSERT_NE(at, bytes.end());
+  const size_t offset_field = static_cast<size_t>(at - bytes.begin()) + name.size() + 4 + 8 + 4;  // rank, dim, type
+  uint64_t offset = 0;
+  std::memcpy(&offset, bytes.data() + offset_field, 8);
+  ASSERT_EQ(offset, 32u);
+  std::memset(bytes.data() + offset_field, 0, 8);
+  const Status s = OpenStatus(bytes);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("overlap"), std::string::npos) << s.ToString();
 }
 
 }  // namespace

@@ -99,7 +99,11 @@ Result<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromGguf(const gguf::GgufFil
     t->tokens_.push_back(*s);
     t->types_.push_back(static_cast<int32_t>(ty ? *ty : static_cast<int64_t>(*tu)));
     t->ids_.emplace(*s, static_cast<int32_t>(i));
-    if (t->types_.back() == 3) t->specials_.emplace_back(*s, static_cast<int32_t>(i));
+    if (t->types_.back() == 3) {
+      // An empty one would match everywhere without consuming anything: Encode never ended.
+      if (s->empty()) return Status::DataLoss("tokenizer.ggml.tokens[" + std::to_string(i) + "] is an empty control token");
+      t->specials_.emplace_back(*s, static_cast<int32_t>(i));
+    }
   }
   std::sort(t->specials_.begin(), t->specials_.end(),
             [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });

@@ -3,11 +3,25 @@
 namespace specache {
 namespace {
 
-// Replaces the escape "\n" (backslash, n) by a newline, as a Jinja string literal would.
-std::string Unescape(std::string s) {
-  for (size_t at = s.find("\\n"); at != std::string::npos; at = s.find("\\n", at + 1)) s.replace(at, 2, "\n");
-  return s;
+// Replaces the escape "\n" (backslash, n) by a newline, as a Jinja string literal would (one
+// pass: a replace per escape was quadratic in a long template).
+std::string Unescape(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 1 < s.size() && s[i + 1] == 'n') {
+      out += '\n';
+      ++i;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
 }
+
+// A default system message taken from the template is plain text: not template code of another
+// branch (quotes, braces) and no special tokens of its own.
+bool PlainText(const std::string& s) { return s.find_first_of("'\"{}") == std::string::npos && s.find("<|") == std::string::npos; }
 
 }  // namespace
 
@@ -32,6 +46,7 @@ Result<ChatTemplate> ChatTemplate::FromGguf(const gguf::GgufFile& file) {
   if (at != std::string::npos && tpl.find("!= 'system'") != std::string::npos) {
     const size_t end = tpl.find("<|im_end|>", at);
     if (end != std::string::npos) system = tpl.substr(at + open.size(), end - at - open.size());
+    if (!PlainText(system)) system.clear();
   }
   return ChatMl(std::move(system));
 }

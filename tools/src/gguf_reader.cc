@@ -3,8 +3,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "specache/gguf.h"
 
@@ -14,12 +17,37 @@ namespace {
 constexpr uint32_t kMagic = 0x46554747;  // "GGUF" little-endian
 constexpr uint64_t kMaxStringBytes = uint64_t{1} << 30;
 constexpr int kMaxArrayDepth = 4;
+// Metadata values in all (array elements included): a Llama-3 vocabulary with its merges is
+// ~0.5 M; each value decodes to ~48 bytes, so a file cannot ask for more than ~800 MB of them.
+constexpr uint64_t kMaxMetadataValues = uint64_t{1} << 24;
+
+// The fewest bytes one element of `type` takes in the file (0 for an unknown type).
+uint64_t MinEncodedBytes(ValueType type) {
+  switch (type) {
+    case ValueType::kUint8: case ValueType::kInt8: case ValueType::kBool: return 1;
+    case ValueType::kUint16: case ValueType::kInt16: return 2;
+    case ValueType::kUint32: case ValueType::kInt32: case ValueType::kFloat32: return 4;
+    case ValueType::kUint64: case ValueType::kInt64: case ValueType::kFloat64: return 8;
+    case ValueType::kString: return 8;   // its length
+    case ValueType::kArray: return 12;   // element type and count
+  }
+  return 0;
+}
 
 // Bounds-checked little-endian cursor over the mapped file.
 class Cursor {
  public:
   Cursor(const uint8_t* base, uint64_t size) : base_(base), size_(size) {}
   uint64_t offset() const { return offset_; }
+  uint64_t remaining() const { return size_ - offset_; }
+  // Counts one more metadata value; DATA_LOSS past kMaxMetadataValues.
+  Status CountValue() {
+    if (++values_ > kMaxMetadataValues) {
+      return Status::DataLoss("GGUF metadata holds more than " + std::to_string(kMaxMetadataValues) +
+                              " values (no model has that many)");
+    }
+    return Status::Ok();
+  }
 
   template <typename T>
   Status Read(T* out, const char* what) {
@@ -47,9 +75,11 @@ class Cursor {
   const uint8_t* base_;
   uint64_t size_;
   uint64_t offset_ = 0;
+  uint64_t values_ = 0;
 };
 
 Status ReadValue(Cursor* c, ValueType type, int depth, Value* out) {
+  SPECACHE_RETURN_IF_ERROR(c->CountValue());
   out->type = type;
   switch (type) {
     case ValueType::kUint8: { uint8_t v = 0; SPECACHE_RETURN_IF_ERROR(c->Read(&v, "uint8 value")); out->data = uint64_t{v}; return Status::Ok(); }
@@ -75,8 +105,10 @@ Status ReadValue(Cursor* c, ValueType type, int depth, Value* out) {
       uint64_t count = 0;
       SPECACHE_RETURN_IF_ERROR(c->Read(&element_type, "array element type"));
       SPECACHE_RETURN_IF_ERROR(c->Read(&count, "array length"));
-      // Every element takes at least one byte: a count beyond the file is corrupt.
-      if (count > uint64_t{1} << 32) return c->Truncated("array length");
+      // A count of more elements than the rest of the file could hold is corrupt.
+      const uint64_t least = MinEncodedBytes(static_cast<ValueType>(element_type));
+      if (count > 0 && least == 0) return Status::DataLoss("GGUF array of unknown type " + std::to_string(element_type));
+      if (least > 0 && count > c->remaining() / least) return c->Truncated("array length");
       std::vector<Value> items;
       items.reserve(std::min<uint64_t>(count, 1 << 20));
       for (uint64_t i = 0; i < count; ++i) {
@@ -171,6 +203,18 @@ Status GgufFile::Parse() {
     if (t.offset > size_ - data_start || t.bytes > size_ - data_start - t.offset) {
       return Status::DataLoss("tensor '" + t.name + "' (" + std::to_string(t.bytes) + " bytes at data offset " +
                               std::to_string(t.offset) + ") extends past the end of the file");
+    }
+  }
+  // Tensors never share bytes: one blob named by many tensors would make a small file decode into
+  // any number of large ones.
+  std::vector<const TensorInfo*> by_offset;
+  by_offset.reserve(tensors_.size());
+  for (const TensorInfo& t : tensors_) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const TensorInfo& a = *by_offset[i - 1];
+    if (a.offset + a.bytes > by_offset[i]->offset) {
+      return Status::DataLoss("tensors '" + a.name + "' and '" + by_offset[i]->name + "' overlap in the file");
     }
   }
   return Status::Ok();

@@ -65,6 +65,17 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::Load(const gguf::GgufFile& file)
   c.head_dim = c.d_model / c.n_heads;
   if (auto theta = file.GetFloat(arch + ".rope.freq_base"); theta.ok()) c.rope_theta = static_cast<float>(*theta);
   if (auto eps = file.GetFloat(arch + ".attention.layer_norm_rms_epsilon"); eps.ok()) c.rms_eps = static_cast<float>(*eps);
+  // Both feed divisions and roots of every token: a value that is not a positive finite number
+  // turns every logit into inf or NaN.
+  if (!(std::isfinite(c.rope_theta) && c.rope_theta > 0)) {
+    return Status::DataLoss("rope.freq_base " + std::to_string(c.rope_theta) + " is not a positive number");
+  }
+  if (!(std::isfinite(c.rms_eps) && c.rms_eps > 0)) {
+    return Status::DataLoss("attention.layer_norm_rms_epsilon " + std::to_string(c.rms_eps) + " is not a positive number");
+  }
+  if (c.head_dim % 8 != 0) {  // the agent's layouts (kv_config.h): found before anything is dequantized
+    return Status::Unimplemented("head_dim " + std::to_string(c.head_dim) + " is not a multiple of 8");
+  }
   if (auto rope_dims = file.GetInt(arch + ".rope.dimension_count"); rope_dims.ok() && *rope_dims != c.head_dim) {
     return Status::Unimplemented("partial RoPE (" + std::to_string(*rope_dims) + " of " + std::to_string(c.head_dim) +
                                  " dimensions)");
@@ -73,6 +84,9 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::Load(const gguf::GgufFile& file)
   SPECACHE_ASSIGN_OR_RETURN(const gguf::TensorInfo* embd, file.FindTensor("token_embd.weight"));
   if (embd->dims.size() != 2 || embd->dims[0] != static_cast<uint64_t>(c.d_model)) {
     return Status::DataLoss("token_embd.weight does not have rows of embedding_length");
+  }
+  if (embd->dims[1] > (uint64_t{1} << 24)) {
+    return Status::DataLoss("token_embd.weight has " + std::to_string(embd->dims[1]) + " rows (a vocabulary past 16 M)");
   }
   c.vocab = static_cast<int>(embd->dims[1]);
   SPECACHE_ASSIGN_OR_RETURN(m->embedding_, file.Dequantize(*embd));

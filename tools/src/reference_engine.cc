@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -19,7 +20,14 @@ double Seconds(std::chrono::steady_clock::time_point since) {
 }  // namespace
 
 int32_t Argmax(std::span<const float> logits) {
-  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  // The first maximum, NaN never one (std::max_element answered 0 whenever logits[0] was NaN),
+  // and 0 when nothing beats -FLT_MAX: as the GPU engine's argmax kernel.
+  int32_t best = 0;
+  float value = -FLT_MAX;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (logits[i] > value) value = logits[i], best = static_cast<int32_t>(i);
+  }
+  return best;
 }
 
 void CausalAttention(const float* q, const float* k, const float* v, int n, int n_heads, int n_kv_heads, int head_dim,
