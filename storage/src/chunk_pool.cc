@@ -169,8 +169,7 @@ Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int own
   auto free_unless_held = [&](uint32_t id) {
     Chunk& c = chunks_[id];  // the returning owner's alone until owner is reset
     bool unknown = false;
-    if (HeldElsewhere(c.probe, &unknown)) return false;
-    std::memset(c.data, 0, options_.chunk_bytes);
+    if (HeldElsewhere(c.probe, &unknown) || !Scrub(c)) return false;
     std::lock_guard<std::mutex> lock(mu_);
     c.owner = 0;
     return true;
@@ -195,6 +194,19 @@ Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int own
     }
   }
   return first;
+}
+
+bool ChunkPool::Scrub(const Chunk& c) const {
+  // Not a memset of the same pages: a process may still reference them without any open file or
+  // mapping (pages spliced into a pipe, io_uring fixed buffers, an RDMA or CUDA registration), and
+  // it would read the next owner's data in them. The hole drops the pages from the file (such a
+  // holder keeps its own old copy); the touch below gives the chunk fresh, zeroed ones, locked
+  // like the rest of the mapping (mlock's VM_LOCKED stays on it).
+  if (fallocate(c.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(options_.chunk_bytes)) != 0) {
+    return false;  // the caller replaces the chunk instead
+  }
+  Prefault(c.data, options_.chunk_bytes, 1);
+  return true;
 }
 
 Status ChunkPool::Replace(Chunk* c) {
@@ -241,8 +253,7 @@ void ChunkPool::Housekeep() {
     }
     Chunk& c = chunks_[id];  // out of service: only Housekeep touches it
     bool unknown = false;
-    if (!HeldElsewhere(c.probe, &unknown)) {
-      std::memset(c.data, 0, options_.chunk_bytes);
+    if (!HeldElsewhere(c.probe, &unknown) && Scrub(c)) {
       std::lock_guard<std::mutex> lock(mu_);
       if (c.holder_pidfd >= 0) close(c.holder_pidfd);
       c.holder_pidfd = -1;

@@ -1,4 +1,6 @@
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -6,6 +8,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -78,6 +81,45 @@ TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
     for (uint64_t i = 0; i < p.chunk_bytes(); i += 4093) ASSERT_EQ(d[i], 0) << "chunk " << c << " byte " << i;
   }
   EXPECT_EQ(ChunkPool::Create({1 << 20, 1000, 1, true}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A process can keep a chunk's pages without any open file or mapping of it: spliced into a pipe
+// (vmsplice), registered as io_uring or RDMA buffers. Zeroing the same pages on return handed them
+// to the next owner with that process still reading (and, for some registrations, writing) them;
+// a returned chunk now gets fresh pages, and such a holder keeps only its own old data.
+TEST(ChunkPoolTest, PagesSplicedAwayBeforeAReturnNeverSeeTheNextOwnersData) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  ChunkPool& p = **pool;
+  auto first = p.Take(1, 7);
+  ASSERT_TRUE(first.ok());
+  const uint32_t chunk = (*first)[0];
+  // The first owner maps the chunk (its own open file, as a client does), writes and splices the
+  // first page into a pipe, then lets go of the file and the mapping: nothing tells the pool.
+  auto fd = p.ShareFd(chunk);
+  ASSERT_TRUE(fd.ok());
+  auto* mine = static_cast<uint8_t*>(mmap(nullptr, p.chunk_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0));
+  ASSERT_NE(mine, MAP_FAILED);
+  std::memset(mine, 0x11, 4096);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  iovec page{mine, 4096};
+  ASSERT_EQ(vmsplice(pipe_fds[1], &page, 1, 0), 4096);
+  munmap(mine, p.chunk_bytes());
+  close(*fd);
+  ASSERT_TRUE(p.Return(*first).ok());
+  EXPECT_EQ(p.replaced_chunks(), 0u) << "nobody held an open file: scrubbed, not replaced";
+  // The next owner gets zeroed memory and writes its data there.
+  auto second = p.Take(1, 8);
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ((*second)[0], chunk);
+  for (uint64_t i = 0; i < p.chunk_bytes(); i += 4093) ASSERT_EQ(p.data(chunk)[i], 0) << i;
+  std::memset(p.data(chunk), 0x22, 4096);
+  std::vector<uint8_t> spliced(4096);
+  ASSERT_EQ(read(pipe_fds[0], spliced.data(), spliced.size()), 4096);
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
+  EXPECT_EQ(spliced, std::vector<uint8_t>(4096, 0x11)) << "the pipe's page is the first owner's old one";
 }
 
 // A holder letting go while the chunk comes back (the attach thread closing its copy of a

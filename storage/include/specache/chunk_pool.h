@@ -7,7 +7,9 @@
 // pool's probe file is granted only when no other open file of the chunk exists, and a mapping
 // or a descriptor passed on to another process keeps its open file alive.
 //
-// Isolation when a chunk comes back: a chunk nobody else holds is zeroed and reused; a chunk
+// Isolation when a chunk comes back: a chunk nobody else holds gets fresh zeroed pages (its old ones
+// punched out of the memfd, so a process still referencing them without a file, e.g. spliced into
+// a pipe, keeps only its own old data) and is reused; a chunk
 // still held elsewhere (its owner closed its session but kept a mapping or a descriptor) gets a
 // fresh memfd, so no physical page ever passes from one tenant to another, and its old memory is
 // "retained": charged to the holder tag given at Return until no process holds it any more (or,
@@ -96,6 +98,9 @@ class ChunkPool {
   static void Unmap(Chunk* chunk, uint64_t bytes);
   // True when an open file of the chunk other than `probe` exists (or when that cannot be told).
   static bool HeldElsewhere(int probe, bool* unknown);
+  // Gives a chunk nobody holds fresh zeroed pages (false when the kernel refuses the hole: the
+  // caller replaces it).
+  bool Scrub(const Chunk& c) const;
 
   ChunkPoolOptions options_;
   std::vector<Chunk> chunks_;
