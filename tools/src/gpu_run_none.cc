@@ -11,7 +11,8 @@ Result<GpuGeneration> GenerateOnGpu(const LoadedModel&, const KvConfig&, KvMemor
   return Status::Unavailable("this specache-run was built without CUDA: the model cannot run on a GPU");
 }
 
-Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions&) {
+Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& options) {
+  SPECACHE_RETURN_IF_ERROR(CheckThroughputOptions(options).status());  // usage errors first, as with CUDA
   return Status::Unavailable("specache-run bench needs a build with CUDA and a GPU");
 }
 

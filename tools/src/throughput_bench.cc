@@ -29,21 +29,6 @@ namespace {
 using gpu::GpuEngine;
 using gpu::GpuLlama;
 
-// A mode's name without the selection options after it ("specache/select=union" -> "specache").
-std::string BaseMode(const std::string& mode) { return mode.substr(0, mode.find('/')); }
-
-// The config of a mode written with specache-run's options after '/' (run_support.h's syntax):
-// specache-run's generation defaults (the union, the row cache attended) with this command's
-// bits, group, residual and topk, then the options.
-Result<KvConfig> OptionedModeConfig(const ThroughputOptions& o, const std::string& mode) {
-  KvOptions kv;
-  kv.bits = o.bits;
-  kv.group = o.group;
-  kv.residual = o.residual;
-  kv.topk = o.topk;
-  return ToConfig(kv, mode);
-}
-
 Status Cuda(cudaError_t e, const std::string& what) {
   if (e == cudaSuccess) return Status::Ok();
   if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": " + cudaGetErrorString(e));
@@ -490,36 +475,10 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
 }  // namespace
 
 Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& o) {
-  int prefill_batch = 0, prefill_tokens = 0;
-  if (!o.prefill.empty()) {  // checked before anything is measured
-    char x = 0;
-    std::istringstream spec(o.prefill);
-    if (!(spec >> prefill_batch >> x >> prefill_tokens) || x != 'x' || prefill_batch < 1 || prefill_tokens < 1 ||
-        !spec.eof()) {
-      return Status::InvalidArgument("--prefill is BxT, e.g. 8x8192, not '" + o.prefill + "'");
-    }
-  }
-  for (const std::string& m : o.modes) {
-    const std::string base = BaseMode(m);
-    if (base != "fp16" && base != "kivi" && base != "specache" && base != "specache-nonspec" && base != "full-offload") {
-      return Status::InvalidArgument("--kv is fp16, kivi, specache, specache-nonspec or full-offload, not '" + m + "'");
-    }
-    if (base != m) {  // options after '/': checked before anything is measured
-      if (base != "specache" && base != "specache-nonspec") {
-        return Status::InvalidArgument("--kv '" + m + "': selection options apply to specache and specache-nonspec");
-      }
-      SPECACHE_RETURN_IF_ERROR(OptionedModeConfig(o, m).status().WithContext("--kv '" + m + "'"));
-    }
-  }
+  SPECACHE_ASSIGN_OR_RETURN(const PrefillShape prefill, CheckThroughputOptions(o));
+  const int prefill_batch = prefill.batch, prefill_tokens = prefill.tokens;
   SPECACHE_ASSIGN_OR_RETURN(CudaDeviceInfo device, ProbeCudaDevice());
-  LlamaConfig config;
-  if (o.shape == "llama3-8b") {
-    config = gpu::Llama3_8bConfig();
-  } else if (o.shape == "smollm2") {
-    config = gpu::SmolLm2Config();
-  } else {
-    return Status::InvalidArgument("--shape is llama3-8b or smollm2, not '" + o.shape + "'");
-  }
+  const LlamaConfig config = o.shape == "llama3-8b" ? gpu::Llama3_8bConfig() : gpu::SmolLm2Config();
   const int64_t mem_available = ProcBytes("/proc/meminfo", "MemAvailable");
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaFree(nullptr), "CUDA context"));
   const int64_t baseline_free = DeviceFree();

@@ -24,6 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "specache/kv_config.h"
 #include "specache/status.h"
 
 namespace specache::run {
@@ -79,5 +80,19 @@ struct ThroughputOptions {
 // stderr. A mode that fails gets a row with batch 0 and the error in "note". UNAVAILABLE without
 // CUDA or a device.
 Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& options);
+
+// The options' checks, made before anything is probed or measured (also in a build without
+// CUDA, throughput_options.cc): --prefill's BxT (batch 0 when not given), the modes and their
+// selection options, --shape. INVALID_ARGUMENT names the option.
+struct PrefillShape {
+  int batch = 0, tokens = 0;
+};
+Result<PrefillShape> CheckThroughputOptions(const ThroughputOptions& options);
+// A mode's name without the selection options after it ("specache/select=union" -> "specache").
+std::string BaseMode(const std::string& mode);
+// The config of a mode written with specache-run's options after '/' (run_support.h's syntax):
+// specache-run's generation defaults (the union, the row cache attended) with this command's
+// bits, group, residual and topk, then the options.
+Result<KvConfig> OptionedModeConfig(const ThroughputOptions& options, const std::string& mode);
 
 }  // namespace specache::run
