@@ -254,7 +254,7 @@ Result<std::unique_ptr<SpillStore>> SpillStore::Open(const SpillOptions& options
   return store;
 }
 
-Status SpillStore::OpenDb(bool after_write_error) {
+rocksdb::Options SpillStore::DbOptions(bool after_write_error) const {
   rocksdb::Options o;
   o.env = env_.get();
   o.create_if_missing = true;
@@ -284,6 +284,11 @@ Status SpillStore::OpenDb(bool after_write_error) {
   // acknowledged) and tolerated.
   o.wal_recovery_mode = after_write_error ? rocksdb::WALRecoveryMode::kTolerateCorruptedTailRecords
                                           : rocksdb::WALRecoveryMode::kAbsoluteConsistency;
+  return o;
+}
+
+Status SpillStore::OpenDb(bool after_write_error) {
+  rocksdb::Options o = DbOptions(after_write_error);
   rocksdb::DB* db = nullptr;
   rocksdb::Status opened = rocksdb::DB::Open(o, options_.dir, &db);
   bool salvaged = false;
@@ -550,6 +555,12 @@ Status SpillStore::RecoverWrites() {
   write_failed_ = false;  // Load may set it again
   if (const Status s = OpenDb(/*after_write_error=*/true); !s.ok()) {
     write_failed_ = true;
+    if (!db_) {
+      // What is stored stays readable (restores, claims, verify) while writes cannot reopen it
+      // (a full disk: the reopen writes files too); the next Put or Delete tries again.
+      rocksdb::DB* db = nullptr;
+      if (rocksdb::DB::OpenForReadOnly(DbOptions(/*after_write_error=*/true), options_.dir, &db).ok()) db_.reset(db);
+    }
     return s.WithContext("spill store: reopening after a write error");
   }
   ++resumes_;

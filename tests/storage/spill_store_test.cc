@@ -456,6 +456,8 @@ TEST(SpillStoreTest, WritesResumeOnceAFullDiskHasRoomAgain) {
   } unmount{dir.path};
   auto store = SpillStore::Open({dir.path + "/db"});
   ASSERT_TRUE(store.ok()) << store.status().ToString();
+  const Pages kept("beta", 3, 1, 2, 53);  // stored before the disk fills
+  ASSERT_TRUE((*store)->Put(kept.meta, kept.Reader()).ok());
   {  // ballast: the disk is all but full
     std::ofstream ballast(dir.path + "/ballast", std::ios::binary);
     const std::string mib(1 << 20, 'x');
@@ -468,6 +470,11 @@ TEST(SpillStoreTest, WritesResumeOnceAFullDiskHasRoomAgain) {
   EXPECT_GE((*store)->stats().write_errors, 1u);
   const Pages b("alpha", 2, 1, 2, 52);
   EXPECT_FALSE((*store)->Put(b.meta, b.Reader()).ok()) << "still full";
+  // What was stored before stays readable while the store cannot be reopened for writing.
+  std::vector<std::vector<std::vector<uint8_t>>> kept_back;
+  const Status read_while_full = ReadBack(**store, kept, &kept_back);
+  ASSERT_TRUE(read_while_full.ok()) << read_while_full.ToString();
+  EXPECT_EQ(kept_back, kept.data);
   std::filesystem::remove(dir.path + "/ballast");
   const Status again = (*store)->Put(a.meta, a.Reader());
   ASSERT_TRUE(again.ok()) << again.ToString();

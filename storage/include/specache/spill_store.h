@@ -40,6 +40,7 @@
 namespace rocksdb {
 class DB;
 class Env;
+struct Options;
 }
 
 namespace specache {
@@ -127,6 +128,8 @@ class SpillStore {
   explicit SpillStore(const SpillOptions& options);
   // Rebuilds the index; `wal_salvaged`: the WAL had corrupted records that were skipped.
   Status Load(bool wal_salvaged);
+  // RocksDB's options for this store (the WAL's recovery mode depends on why it is opened).
+  rocksdb::Options DbOptions(bool after_write_error) const;
   // Opens db_ (salvaging a damaged WAL) and loads the index.
   Status OpenDb(bool after_write_error);
   // After a write error, reopens the DB before the next write (see the .cc for why).
