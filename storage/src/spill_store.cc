@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <mutex>
 #include <shared_mutex>
@@ -467,12 +468,16 @@ Status SpillStore::Load(bool wal_salvaged) {
   // Sequences with records but no metadata: intents and pages of spills that did not finish, or,
   // after a damaged recovery, of sequences whose metadata was lost. Value: pages found.
   std::map<std::pair<std::string, uint64_t>, uint64_t> unexplained;
+  std::set<std::pair<std::string, uint64_t>> intents;  // spills begun and not finished
   last.clear();
   for (it->Seek("i"); it->Valid() && it->key().starts_with("i"); it->Next()) {
     last = it->key().ToString();
     std::string tenant;
     uint64_t id = 0;
-    if (ParseKey(last, &tenant, &id) && !index.count({tenant, id})) unexplained.emplace(std::make_pair(tenant, id), 0);
+    if (ParseKey(last, &tenant, &id) && !index.count({tenant, id})) {
+      unexplained.emplace(std::make_pair(tenant, id), 0);
+      intents.emplace(tenant, id);
+    }
   }
   scan_ended("intent", last);
   last.clear();
@@ -512,12 +517,17 @@ Status SpillStore::Load(bool wal_salvaged) {
     const auto& [tenant, id] = key;
     const std::string prefix = PagePrefix(tenant, id);
     rocksdb::WriteBatch batch;
-    if (complete && !wal_salvaged) {  // a spill that did not finish: not data, delete it
+    // A spill that did not finish (its intent is there, its metadata never was): not data, delete
+    // it. Pages with neither an intent nor metadata cannot come from an unfinished spill (the
+    // intent is written first, and goes only with the metadata's arrival or the pages' removal):
+    // their metadata was lost, and they are reported, never deleted.
+    if (complete && !wal_salvaged && intents.count(key)) {
       batch.Delete(IntentKey(tenant, id));
       batch.DeleteRange(prefix, PrefixEnd(prefix));
     } else {
       const std::string why = std::string(wal_salvaged ? "its records were lost to a damaged WAL"
-                                                       : "its metadata could not be read") +
+                                          : !complete  ? "its metadata could not be read"
+                                                       : "its metadata is gone from the store") +
                               " (" + std::to_string(pages) + " pages left on disk)";
       damaged[key] = why;
       batch.Put(DamagedKey(tenant, id), why);  // reported on every later start too

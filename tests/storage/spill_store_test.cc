@@ -199,21 +199,30 @@ TEST(SpillStoreTest, ACorruptedPageIsReportedAndNeverServed) {
 
 TEST(SpillStoreTest, UnfinishedSpillsAreCleanedAndLimitsRefuseWholeSequences) {
   TempDir dir;
-  {  // a page whose spill never wrote its metadata (a crash between the two)
+  const std::string unfinished_page = std::string("pghost") + '\0' + "0000000000000001" + "0000000000000000";
+  const std::string orphan_page = std::string("plost") + '\0' + "0000000000000002" + "0000000000000000";
+  {
     rocksdb::Options o;
     o.create_if_missing = true;
     rocksdb::DB* db = nullptr;
     ASSERT_TRUE(rocksdb::DB::Open(o, dir.path, &db).ok());
     std::unique_ptr<rocksdb::DB> owned(db);
-    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), std::string("pghost") + '\0' + "0000000000000001" + "0000000000000000",
-                        std::string(100, 'x'))
-                    .ok());
+    // A spill that never wrote its metadata (a crash between the two): its intent and a page.
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), std::string("ighost") + '\0' + "0000000000000001", "").ok());
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), unfinished_page, std::string(100, 'x')).ok());
+    // A page with neither metadata nor an intent: no unfinished spill leaves that, its metadata
+    // was lost. It is reported, never deleted as if it were an unfinished spill.
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), orphan_page, std::string(100, 'y')).ok());
     ASSERT_TRUE(db->Close().ok());
   }
   const Pages a("alpha", 1, 4, 4, 5);  // 16 pages of 4 KiB
   auto store = SpillStore::Open({dir.path, a.meta.bytes() + 4096});
   ASSERT_TRUE(store.ok());
   EXPECT_TRUE((*store)->List().empty());
+  const SpillVerifyReport report = (*store)->Verify();
+  EXPECT_TRUE(Mentions(report.bad, "lost/2: its metadata is gone from the store (1 pages left on disk)"))
+      << Joined(report.bad);
+  EXPECT_FALSE(Mentions(report.bad, "ghost/1")) << Joined(report.bad);
   ASSERT_TRUE((*store)->Put(a.meta, a.Reader()).ok());
   const Pages b("alpha", 2, 1, 2, 6);
   EXPECT_EQ((*store)->Put(b.meta, b.Reader()).code(), StatusCode::kResourceExhausted);
@@ -223,9 +232,8 @@ TEST(SpillStoreTest, UnfinishedSpillsAreCleanedAndLimitsRefuseWholeSequences) {
   ASSERT_TRUE(rocksdb::DB::OpenForReadOnly(rocksdb::Options(), dir.path, &db).ok());
   std::unique_ptr<rocksdb::DB> owned(db);
   std::string value;
-  EXPECT_TRUE(db->Get(rocksdb::ReadOptions(), std::string("pghost") + '\0' + "0000000000000001" + "0000000000000000",
-                      &value)
-                  .IsNotFound());
+  EXPECT_TRUE(db->Get(rocksdb::ReadOptions(), unfinished_page, &value).IsNotFound());
+  EXPECT_TRUE(db->Get(rocksdb::ReadOptions(), orphan_page, &value).ok());
 }
 
 // A disk that fills up mid-spill (a 3 MiB tmpfs): a clear error, no partial sequence, and the
