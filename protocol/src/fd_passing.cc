@@ -14,6 +14,7 @@ namespace specache {
 Status SendWithFds(int socket, const void* data, size_t n, std::span<const int> fds) {
   const auto* bytes = static_cast<const char*>(data);
   size_t sent = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(kSendWaitMs);
   std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
   while (sent < n) {
     iovec iov{const_cast<char*>(bytes + sent), n - sent};
@@ -32,6 +33,14 @@ Status SendWithFds(int socket, const void* data, size_t n, std::span<const int> 
     const ssize_t r = sendmsg(socket, &msg, MSG_NOSIGNAL);
     if (r < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {  // a non-blocking socket whose buffer is full
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now()).count();
+        pollfd p{socket, POLLOUT, 0};
+        if (left > 0 && (poll(&p, 1, static_cast<int>(left)) >= 0 || errno == EINTR)) continue;
+        return Status::DeadlineExceeded("send on attach socket: the peer read nothing for " +
+                                        std::to_string(kSendWaitMs) + " ms");
+      }
       return Status::Unavailable(std::string("send on attach socket: ") + std::strerror(errno));
     }
     sent += static_cast<size_t>(r);

@@ -9,7 +9,10 @@
 
 namespace specache {
 
-// Sends all n bytes; the descriptors ride on the first byte. Blocking.
+// Sends all n bytes; the descriptors ride on the first byte. Blocks; on a non-blocking socket
+// (the daemon's, under Boost.Asio) waits for room, DEADLINE_EXCEEDED when the peer has read
+// nothing for kSendWaitMs.
+inline constexpr int kSendWaitMs = 5000;
 Status SendWithFds(int socket, const void* data, size_t n, std::span<const int> fds);
 
 // Receives exactly n bytes (waiting at most timeout_ms in total; -1: forever) and any descriptors
