@@ -95,12 +95,13 @@ const SequencePages* SessionPages::Find(uint64_t id) const {
   return it == sequences_.end() ? nullptr : &it->second;
 }
 
-void SessionPages::PublishSlot(const SequencePages& s) {
+void SessionPages::PublishSlot(const SequencePages& s, uint32_t from_page) {
   auto* slot = const_cast<shm::SequenceSlot*>(shm::Slots(table_)) + s.slot;
   auto* refs = const_cast<shm::PageRef*>(shm::Refs(table_)) + s.first_ref;
   const uint32_t cap = s.layout.pages_capacity_per_layer();
+  // Only the new refs: the published ones are being read by clients, without a lock.
   for (uint32_t l = 0; l < s.layout.n_layers; ++l) {
-    for (uint32_t p = 0; p < s.pages_per_layer; ++p) refs[size_t{l} * cap + p] = s.pages[l][p];
+    for (uint32_t p = from_page; p < s.pages_per_layer; ++p) refs[size_t{l} * cap + p] = s.pages[l][p];
   }
   slot->pages_per_layer.store(s.pages_per_layer, std::memory_order_release);
 }
@@ -178,10 +179,11 @@ Result<uint32_t> SessionPages::Extend(uint64_t id, uint32_t tokens) {
     }
   }
   const uint64_t added = placed.size();
+  const uint32_t published = s.pages_per_layer;
   s.pages_per_layer = want;
   used_bytes_ += added * units * kUnit;
   page_count_ += added;
-  PublishSlot(s);
+  PublishSlot(s, published);
   BumpGeneration();
   return s.pages_per_layer;
 }

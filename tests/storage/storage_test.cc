@@ -226,6 +226,7 @@ TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks
   const PageLayout layout{4, 2, 64, 16, 200};  // 8 KiB pages, 13 pages per layer at capacity
   auto seq = s.CreateSequence(42, layout);
   ASSERT_TRUE(seq.ok()) << seq.status().ToString();
+  EXPECT_EQ(*s.Extend(42, 40), 3u);   // published in two steps: the second writes only pages 3..6
   EXPECT_EQ(*s.Extend(42, 100), 7u);
   EXPECT_EQ(*s.Extend(42, 50), 7u);  // never shrinks
   EXPECT_EQ(s.page_count(), 28u);
@@ -245,6 +246,7 @@ TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks
       const shm::PageRef& r = shm::Refs(table)[sl.first_ref + l * sl.pages_capacity_per_layer + p];
       EXPECT_TRUE(seen.insert({r.chunk, r.offset}).second);
       EXPECT_EQ(r.chunk, s.sequences().at(42).pages[l][p].chunk);
+      EXPECT_EQ(r.offset, s.sequences().at(42).pages[l][p].offset);
     }
   }
   // A writable mapping of the table is refused (F_SEAL_FUTURE_WRITE, Linux >= 5.1).

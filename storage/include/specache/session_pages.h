@@ -71,7 +71,9 @@ class SessionPages {
 
  private:
   SessionPages() = default;
-  void PublishSlot(const SequencePages& s);
+  // Writes the slot's refs of pages [from_page, pages_per_layer) of every layer, then publishes
+  // pages_per_layer (release): a client that reads it (acquire) may use that many refs.
+  void PublishSlot(const SequencePages& s, uint32_t from_page);
   void BumpGeneration();
 
   ChunkPool* pool_ = nullptr;
