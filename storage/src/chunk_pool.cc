@@ -139,6 +139,7 @@ Result<int> ChunkPool::ShareFd(uint32_t chunk) const {
   if (chunk >= chunks_.size() || chunks_[chunk].fd < 0) return Status::OutOfRange("chunk " + std::to_string(chunk));
   const int fd = Reopen(chunks_[chunk].fd);
   if (fd < 0) return Errno("reopen chunk " + std::to_string(chunk));
+  chunks_[chunk].shared = true;
   return fd;
 }
 
@@ -169,9 +170,15 @@ Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int own
   auto free_unless_held = [&](uint32_t id) {
     Chunk& c = chunks_[id];  // the returning owner's alone until owner is reset
     bool unknown = false;
-    if (HeldElsewhere(c.probe, &unknown) || !Scrub(c)) return false;
+    bool shared = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shared = c.shared;
+    }
+    if ((shared && HeldElsewhere(c.probe, &unknown)) || !Scrub(c)) return false;
     std::lock_guard<std::mutex> lock(mu_);
     c.owner = 0;
+    c.shared = false;
     return true;
   };
   for (uint32_t id : ids) {
@@ -221,6 +228,7 @@ Status ChunkPool::Replace(Chunk* c) {
   c->probe = fresh.probe;
   c->data = fresh.data;
   c->owner = 0;
+  c->shared = false;
   c->holder = 0;
   c->holder_pidfd = -1;
   ++replaced_;
@@ -258,6 +266,7 @@ void ChunkPool::Housekeep() {
       if (c.holder_pidfd >= 0) close(c.holder_pidfd);
       c.holder_pidfd = -1;
       c.owner = 0;
+      c.shared = false;
     } else {
       (void)Replace(&c);  // still failing: tried again on the next call
     }

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -81,6 +82,37 @@ TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
     for (uint64_t i = 0; i < p.chunk_bytes(); i += 4093) ASSERT_EQ(d[i], 0) << "chunk " << c << " byte " << i;
   }
   EXPECT_EQ(ChunkPool::Create({1 << 20, 1000, 1, true}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A chunk never handed to a client (a remote session's, a session that never attached) can only
+// be held by the daemon itself: it comes back free at once, without the lease probe, which
+// where leases do not work (fs.leases-enable = 0, some sandboxes) counts every chunk as held and,
+// with no pidfd of its holder, retained it for good. Here the daemon's own extra open file of it
+// (opened through /proc/self/fd, as no client can) stands in for what the probe would report.
+TEST(ChunkPoolTest, AChunkNeverSharedComesBackWithoutTheProbe) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  ChunkPool& p = **pool;
+  auto taken = p.Take(1, 7);
+  ASSERT_TRUE(taken.ok());
+  const uint32_t chunk = (*taken)[0];
+  const int own = open(("/proc/self/fd/" + std::to_string(p.fd(chunk))).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(own, 0);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(p.Return(*taken).ok());
+  EXPECT_EQ(p.replaced_chunks(), 0u) << "never shared: scrubbed and free, not probed and replaced";
+  EXPECT_EQ(p.free_count(), p.chunk_count());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(ChunkPool::kLetGoMs))
+      << "no wait for a holder to let go";
+  close(own);
+  // Shared once, the probe decides again: an open file outside makes the chunk replaced.
+  taken = p.Take(1, 8);
+  ASSERT_TRUE(taken.ok());
+  auto shared = p.ShareFd((*taken)[0]);
+  ASSERT_TRUE(shared.ok());
+  ASSERT_TRUE(p.Return(*taken).ok());
+  EXPECT_EQ(p.replaced_chunks(), 1u);
+  close(*shared);
 }
 
 // A process can keep a chunk's pages without any open file or mapping of it: spliced into a pipe
