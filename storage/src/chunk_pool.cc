@@ -155,7 +155,10 @@ Result<std::vector<uint32_t>> ChunkPool::Take(uint32_t n, uint64_t owner) {
                                      std::to_string(options_.chunk_bytes >> 20) + " MiB, " + std::to_string(n) +
                                      " requested");
   }
-  for (uint32_t i : taken) chunks_[i].owner = owner;
+  for (uint32_t i : taken) {
+    chunks_[i].owner = owner;
+    chunks_[i].shared = false;
+  }
   return taken;
 }
 
@@ -178,7 +181,6 @@ Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int own
     if ((shared && HeldElsewhere(c.probe, &unknown)) || !Scrub(c)) return false;
     std::lock_guard<std::mutex> lock(mu_);
     c.owner = 0;
-    c.shared = false;
     return true;
   };
   for (uint32_t id : ids) {
@@ -228,7 +230,6 @@ Status ChunkPool::Replace(Chunk* c) {
   c->probe = fresh.probe;
   c->data = fresh.data;
   c->owner = 0;
-  c->shared = false;
   c->holder = 0;
   c->holder_pidfd = -1;
   ++replaced_;
@@ -266,7 +267,6 @@ void ChunkPool::Housekeep() {
       if (c.holder_pidfd >= 0) close(c.holder_pidfd);
       c.holder_pidfd = -1;
       c.owner = 0;
-      c.shared = false;
     } else {
       (void)Replace(&c);  // still failing: tried again on the next call
     }

@@ -82,10 +82,11 @@ class ChunkPool {
     int probe = -1;  // an open file of the memfd (the lease probe; the only one the pool opens)
     uint8_t* data = nullptr;
     uint64_t owner = 0;  // 0: free; kOutOfService: awaiting replacement
-    // ShareFd handed out an open file of it since it was last free. One never handed out cannot
-    // be held outside the daemon: it comes back without the lease probe (which, where leases do
-    // not work, would keep it retained until a pidfd nobody has says its holder exited).
-    mutable bool shared = false;  // (set by ShareFd, which is const; under mu_)
+    // ShareFd handed out an open file of it since it was taken (Take clears it). One never
+    // handed out cannot be held outside the daemon: it comes back without the lease probe (which,
+    // where leases do not work, would keep it retained until a pidfd nobody has says its holder
+    // exited). Set by ShareFd, which is const; under mu_.
+    mutable bool shared = false;
     uint64_t holder = 0;
     int holder_pidfd = -1;
   };
