@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <functional>
+#include <queue>
 
 #include "unicode_classes.h"
 
@@ -134,33 +136,56 @@ int32_t BpeTokenizer::Find(std::string_view token) const {
 }
 
 void BpeTokenizer::EncodePiece(std::string_view piece, std::vector<int32_t>* out) const {
-  std::vector<std::string> symbols;
-  symbols.reserve(piece.size());
-  for (unsigned char b : piece) symbols.push_back(byte_symbol_[b]);
-  std::string key;
-  while (symbols.size() > 1) {
-    int32_t best_rank = INT32_MAX;
-    size_t best = 0;
-    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      key.assign(symbols[i]).append(1, ' ').append(symbols[i + 1]);
-      auto it = merge_ranks_.find(key);
-      if (it != merge_ranks_.end() && it->second < best_rank) best_rank = it->second, best = i;
-    }
-    if (best_rank == INT32_MAX) break;
-    // Merge every occurrence of the best pair, left to right.
-    const std::string left = symbols[best], right = symbols[best + 1];
-    std::vector<std::string> merged;
-    merged.reserve(symbols.size());
-    for (size_t i = 0; i < symbols.size(); ++i) {
-      if (i + 1 < symbols.size() && symbols[i] == left && symbols[i + 1] == right) {
-        merged.push_back(left + right);
-        ++i;
-      } else {
-        merged.push_back(std::move(symbols[i]));
-      }
-    }
-    symbols.swap(merged);
+  // The piece's bytes in the GPT-2 byte alphabet, and where each byte's symbol starts there: a
+  // symbol made of bytes [a, b) is mapped[at[a], at[b]).
+  const int32_t n = static_cast<int32_t>(piece.size());
+  if (n == 0) return;
+  std::string mapped;
+  std::vector<int32_t> at(static_cast<size_t>(n) + 1);
+  for (int32_t i = 0; i < n; ++i) {
+    at[i] = static_cast<int32_t>(mapped.size());
+    mapped += byte_symbol_[static_cast<unsigned char>(piece[i])];
   }
+  at[n] = static_cast<int32_t>(mapped.size());
+  // The symbols as a list over the bytes: the symbol starting at byte i ends where next[i] starts
+  // (n: the last); a byte that no symbol starts at any more is dead.
+  std::vector<int32_t> next(n), prev(n);
+  std::vector<char> alive(n, 1);
+  for (int32_t i = 0; i < n; ++i) next[i] = i + 1, prev[i] = i - 1;
+  auto symbol = [&](int32_t a, int32_t b) { return std::string_view(mapped).substr(at[a], at[b] - at[a]); };
+  // Candidate merges of two neighbours, lowest rank first, then leftmost: the order llama.cpp and
+  // Hugging Face's tokenizers merge in, O(n log n). (Merging every occurrence of the best pair in a
+  // pass over the symbols, as before, gives the same tokens whenever a merge's parts come from
+  // merges of lower rank, as in a trained list, but took O(n^2) for a long run of letters.) A
+  // candidate is stale once either symbol changed: it is checked when it comes up.
+  struct Candidate {
+    int32_t rank, left, right, end;  // the right symbol is [right, end)
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : left > o.left; }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
+  std::string key;
+  auto consider = [&](int32_t left) {
+    if (left < 0) return;
+    const int32_t right = next[left];
+    if (right >= n) return;
+    const int32_t end = next[right];
+    key.assign(symbol(left, right)).append(1, ' ').append(symbol(right, end));
+    auto it = merge_ranks_.find(key);
+    if (it != merge_ranks_.end()) queue.push({it->second, left, right, end});
+  };
+  for (int32_t i = 0; i + 1 < n; ++i) consider(i);
+  while (!queue.empty()) {
+    const Candidate c = queue.top();
+    queue.pop();
+    if (!alive[c.left] || next[c.left] != c.right || !alive[c.right] || next[c.right] != c.end) continue;
+    alive[c.right] = 0;
+    next[c.left] = c.end;
+    if (c.end < n) prev[c.end] = c.left;
+    consider(prev[c.left]);
+    consider(c.left);
+  }
+  std::vector<std::string> symbols;
+  for (int32_t i = 0; i < n; i = next[i]) symbols.emplace_back(symbol(i, next[i]));
   for (const std::string& s : symbols) {
     auto it = ids_.find(s);
     if (it != ids_.end()) {
@@ -204,14 +229,20 @@ void BpeTokenizer::EncodeOrdinary(std::string_view s, std::vector<int32_t>* out)
 std::vector<int32_t> BpeTokenizer::Encode(std::string_view s, bool parse_special) const {
   std::vector<int32_t> out;
   size_t pos = 0;
+  // Each control token's next occurrence at or after pos, searched for again only once pos passed
+  // it: each token's searches scan the text about once (searching every token from pos after
+  // every match made a text full of control tokens quadratic).
+  std::vector<size_t> found(parse_special ? specials_.size() : 0, 0);
+  std::vector<char> searched(found.size(), 0);
   while (pos < s.size()) {
     size_t next = s.size();
     const std::pair<std::string, int32_t>* hit = nullptr;
-    if (parse_special) {
-      for (const auto& sp : specials_) {  // longest first: the earliest, longest match wins
-        const size_t at = s.find(sp.first, pos);
-        if (at < next) next = at, hit = &sp;
+    for (size_t i = 0; i < found.size(); ++i) {  // longest first: the earliest, longest match wins
+      if (!searched[i] || (found[i] != std::string::npos && found[i] < pos)) {
+        found[i] = s.find(specials_[i].first, pos);
+        searched[i] = 1;
       }
+      if (found[i] < next) next = found[i], hit = &specials_[i];
     }
     if (next > pos) EncodeOrdinary(s.substr(pos, next - pos), &out);
     if (!hit) break;
