@@ -79,7 +79,10 @@ Status KeptSequences::Park(const std::string& tenant, uint64_t id, const PageLay
   k.layout = layout;
   k.pages_per_layer = pages_per_layer;
   const uint64_t bytes = k.bytes();
-  if (kept_.count(id)) return Status::AlreadyExists("sequence " + std::to_string(id) + " is kept already");
+  if (kept_.count(id)) {
+    ++dropped_;  // the session's pages go back to the pool: this copy is lost (the caller logs it)
+    return Status::AlreadyExists("sequence " + std::to_string(id) + " is kept already");
+  }
   if (store_ && options_.write_through) {  // on disk before anything else: survives a SIGKILL
     const Status s = PutLocked(id, k, pages);
     k.on_disk = s.ok();
@@ -257,7 +260,16 @@ void KeptSequences::Finish(Taken taken) {
 
 void KeptSequences::PutBack(Taken taken) {
   std::lock_guard<std::mutex> lock(mu_);
-  kept_.emplace(taken.id, std::move(taken.kept));  // over park_bytes for a moment at most: the watermarks spill it
+  // Over park_bytes for a moment at most: the watermarks spill it. The registry keeps the id from
+  // being kept again while it is taken (Registry::claiming_); should it be kept all the same, the
+  // one kept since stays and this one is lost, said and counted.
+  const uint64_t id = taken.id;
+  const std::string tenant = taken.kept.tenant;
+  if (!kept_.emplace(id, std::move(taken.kept)).second) {
+    ++dropped_;
+    spdlog::error("kept sequence {} of tenant {} could not be put back after a failed claim: the id is kept again "
+                  "since; the claimed copy is lost", id, tenant);
+  }
 }
 
 KeptSummary KeptSequences::SummaryOf(uint64_t id, const Kept& k) {

@@ -58,7 +58,7 @@ struct KeptSummary {
 struct KeptStats {
   uint64_t parked_bytes = 0, spilled_bytes = 0;
   uint32_t parked = 0, spilled = 0;
-  uint64_t dropped = 0;  // kept sequences lost because neither RAM nor disk had room
+  uint64_t dropped = 0;  // kept sequences lost: neither RAM nor disk had room, or their id was kept again meanwhile
   uint64_t spill_failures = 0;          // spills that failed (each logged)
   uint64_t spill_backoff_ms = 0;        // time until spills are tried again (0: not backing off)
   uint64_t write_through_failures = 0;  // parked sequences whose write-through failed (in RAM only)
@@ -80,7 +80,7 @@ class KeptSequences {
   Status CanKeep(uint64_t bytes) const;
   // Copies a sequence leaving its session into RAM (spilling others if the watermark says so);
   // straight to disk if parking has no room; RESOURCE_EXHAUSTED (counted as dropped) if neither
-  // can take it.
+  // can take it, ALREADY_EXISTS (counted as dropped too: the pages are not kept) if the id is.
   Status Park(const std::string& tenant, uint64_t id, const PageLayout& layout, uint32_t pages_per_layer,
               const PageAt& pages);
   // Parked -> disk. FAILED_PRECONDITION without a spill tier; NOT_FOUND for an unknown id.

@@ -439,6 +439,10 @@ Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t seq
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
   if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
+  if (claiming_.count(sequence)) {
+    return Status::FailedPrecondition("sequence " + std::to_string(sequence) +
+                                      " is being claimed: keep it once its claim has returned");
+  }
   if (!keep_on_close_.count(sequence)) {
     uint64_t marked = 0;  // the tenant's sequences live sessions will keep
     for (uint64_t other : keep_on_close_) {
@@ -465,56 +469,82 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
     std::lock_guard<std::mutex> lock(mu_);
     SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
     SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
+    if (claiming_.count(sequence)) {
+      return Status::FailedPrecondition("sequence " + std::to_string(sequence) + " is being claimed already");
+    }
+    claiming_.insert(sequence);  // until this call returns: no KeepSequence of it meanwhile
     tenant = s->tenant;
   }
+  struct Claiming {
+    Registry* r;
+    uint64_t sequence;
+    ~Claiming() {
+      std::lock_guard<std::mutex> lock(r->mu_);
+      r->claiming_.erase(sequence);
+    }
+  } claiming{this, sequence};
   // Its RAM copy, taken from the kept sequences without the registry's lock (a spill may hold
   // theirs for its disk I/O; a spilled sequence is restored here, once Take checked its tenant
   // and layout: a claim with another layout changes nothing): from now on no other claim finds
-  // it, and every way out below either claims it or puts it back.
+  // it, and every way out below either claims it or puts it back, without the registry's lock
+  // (PutBack takes the kept sequences' lock, which their spills hold for their disk I/O).
   SPECACHE_ASSIGN_OR_RETURN(KeptSequences::Taken taken, kept_->Take(tenant, sequence, layout));
   auto put_back = [&](const Status& why) {
     kept_->PutBack(std::move(taken));
     return why;
   };
   uint32_t slot = 0;
+  Status placed = Status::Ok();
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto s = Authorize(session, token);
-    if (!s.ok()) return put_back(s.status());
-    if (Status attached = RequireAttached(**s); !attached.ok()) return put_back(attached);
-    auto created = (*s)->pages->CreateSequence(sequence, layout);
-    if (!created.ok()) return put_back(created.status());
-    slot = (*created)->slot;
-    // Its pages' tokens, at most the capacity (the last page may be partial: capacity_tokens need
-    // not be a multiple of page_tokens).
-    const uint64_t tokens = std::min<uint64_t>(uint64_t{taken.kept.pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
-    auto extended = (*s)->pages->Extend(sequence, static_cast<uint32_t>(tokens));
-    if (!extended.ok()) {
-      (void)(*s)->pages->Release(sequence);
-      return put_back(extended.status());
+    if (s.ok()) placed = RequireAttached(**s);
+    else placed = s.status();
+    if (placed.ok()) {
+      auto created = (*s)->pages->CreateSequence(sequence, layout);
+      if (created.ok()) {
+        slot = (*created)->slot;
+        // Its pages' tokens, at most the capacity (the last page may be partial: capacity_tokens
+        // need not be a multiple of page_tokens).
+        const uint64_t tokens =
+            std::min<uint64_t>(uint64_t{taken.kept.pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
+        auto extended = (*s)->pages->Extend(sequence, static_cast<uint32_t>(tokens));
+        if (!extended.ok()) {
+          (void)(*s)->pages->Release(sequence);
+          placed = extended.status();
+        }
+      } else {
+        placed = created.status();
+      }
     }
     // The session's from here (a release or the session's end, which may come while the copy
     // below runs, forgets it as for any sequence of the session).
-    sequence_owner_[sequence] = session;
+    if (placed.ok()) sequence_owner_[sequence] = session;
   }
+  if (!placed.ok()) return put_back(placed);
   // The copy, a batch of pages at a time under the lock (each batch checks that the session and
   // the sequence are still there: a session closed meanwhile gave its chunks back), so that other
   // sessions' calls wait for one batch at most, not for the whole sequence.
   const uint64_t page_bytes = layout.page_bytes();
   const uint64_t batch = std::max<uint64_t>(1, kClaimBatchBytes / page_bytes);
   const uint64_t pages = uint64_t{layout.n_layers} * taken.kept.pages_per_layer;
-  for (uint64_t first = 0; first < pages; first += batch) {
+  bool left = false;
+  for (uint64_t first = 0; first < pages && !left; first += batch) {
     std::lock_guard<std::mutex> lock(mu_);
     auto s = Authorize(session, token);
     const SequencePages* p = s.ok() ? (*s)->pages->Find(sequence) : nullptr;
     if (!p) {
-      return put_back(Status::FailedPrecondition("sequence " + std::to_string(sequence) +
-                                      " left its session while it was being claimed: it stays kept"));
+      left = true;
+      break;
     }
     for (uint64_t i = first; i < std::min(pages, first + batch); ++i) {
       const auto l = static_cast<uint32_t>(i / taken.kept.pages_per_layer), page = static_cast<uint32_t>(i % taken.kept.pages_per_layer);
       std::memcpy(PageAddress(**s, p->pages[l][page]), taken.kept.page(l, page), page_bytes);
     }
+  }
+  if (left) {
+    return put_back(Status::FailedPrecondition("sequence " + std::to_string(sequence) +
+                                               " left its session while it was being claimed: it stays kept"));
   }
   const uint32_t pages_per_layer = taken.kept.pages_per_layer;
   kept_->Finish(std::move(taken));

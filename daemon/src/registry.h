@@ -227,6 +227,10 @@ class Registry {
   std::map<uint64_t, Session> sessions_;
   std::map<uint64_t, uint64_t> sequence_owner_;  // sequence -> session
   std::set<uint64_t> keep_on_close_;             // sequences to park when their session ends
+  // Sequences a ClaimSequence has taken out of the kept ones and not yet copied into its session
+  // (or put back): nobody may mark them to keep meanwhile (KeepSequence), or a close during the
+  // copy would park the half-copied pages under the id the claim puts the original back under.
+  std::set<uint64_t> claiming_;
   KeptSequences* kept_;
   uint64_t next_session_ = 1, next_sequence_ = 1;
   uint64_t reclaimed_ = 0;

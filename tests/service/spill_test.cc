@@ -5,8 +5,11 @@
 // on disk is reported by verify and restore and never served. Failures of the tier: one failed
 // spill does not stop the others (SpillAll, a graceful stop); failing spills back off and parking
 // never grows past its limit (the keeper is told); with write-through a kept sequence survives a
-// SIGKILL; verify on a running daemon reads the disk; a damaged WAL is reported, not erased.
+// SIGKILL; verify on a running daemon reads the disk; a damaged WAL is reported, not erased; a
+// keep and close during a claim never keep a half-copied sequence.
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,11 +21,14 @@
 #include <sstream>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <rocksdb/db.h>
 
 #include "processes.h"
+#include "specache/attach_protocol.h"
 #include "specache/client.h"
+#include "specache/v1/control.grpc.pb.h"
 #include "testing/temp_dir.h"
 
 namespace specache {
@@ -70,8 +76,8 @@ Result<uint64_t> WriteAndKeep(client::Client* c, uint64_t seed, uint32_t tokens,
 
 // Claims a kept sequence into a new session and checks every page; returns the pages checked.
 Result<uint32_t> ClaimAndCheck(client::Client* c, uint64_t id, uint64_t seed,
-                               const client::PageLayoutSpec& layout = kLayout) {
-  SPECACHE_ASSIGN_OR_RETURN(auto session, c->OpenSession("default", 8 << 20));
+                               const client::PageLayoutSpec& layout = kLayout, uint64_t session_bytes = 8 << 20) {
+  SPECACHE_ASSIGN_OR_RETURN(auto session, c->OpenSession("default", session_bytes));
   SPECACHE_ASSIGN_OR_RETURN(uint32_t pages, session->Claim(id, layout));
   for (uint32_t l = 0; l < layout.n_layers; ++l) {
     for (uint32_t p = 0; p < pages; ++p) {
@@ -778,6 +784,106 @@ TEST(SpillTest, AClaimThatFailsLeavesTheSequenceKept) {
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   EXPECT_EQ(*b, 3u * 13);
   EXPECT_EQ(c->ListSequences()->size(), 0u);
+}
+
+// A claim copies a large kept sequence into its session a batch at a time. Meanwhile the same
+// session (raw calls: the client library knows the sequence only once the claim returns) marks it
+// to keep and closes. Before, the close parked the half-copied pages under the sequence's id, and
+// the claim, finding its session gone, could not put the original back: the id stayed kept with
+// the wrong pages, and the original was freed without a word. Now a sequence being claimed cannot
+// be marked to keep until its claim returns: whichever way the calls interleave, what is kept at
+// the end is the sequence as it was written.
+TEST(SpillTest, AKeepAndCloseDuringAClaimNeverKeepAHalfCopiedSequence) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("[spill]\npark_bytes = \"64MiB\"\n"));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  const client::PageLayoutSpec big{12, 8, 128, 16, 1024};  // 64 KiB pages, 48 MiB: three copy batches
+  for (int round = 0; round < 8; ++round) {  // the race is timing's: several rounds
+    const uint64_t seed = 40 + round;
+    uint64_t id = 0;
+    {
+      auto session = c->OpenSession("default", 52 << 20);
+      ASSERT_TRUE(session.ok()) << session.status().ToString();
+      auto created = (*session)->CreateSequence(big);
+      ASSERT_TRUE(created.ok());
+      id = *created;
+      auto pages = (*session)->Extend(id, 1024);
+      ASSERT_TRUE(pages.ok());
+      ASSERT_TRUE(FillPattern(session->get(), id, *pages, seed, big).ok());
+      ASSERT_TRUE((*session)->Keep(id).ok());
+    }
+    ASSERT_TRUE(WaitForKept(c.get(), 1));
+    // The claiming session, opened and attached by hand so that its token can be used directly.
+    auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials()));
+    v1::OpenSessionRequest open;
+    open.set_tenant("default");
+    open.set_pool_bytes(52 << 20);
+    v1::OpenSessionResponse opened;
+    {
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
+    }
+    const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strcpy(addr.sun_path, opened.attach_path().c_str());
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    attach::AttachRequest ar;
+    ar.session_id = opened.session_id();
+    std::memcpy(ar.token.data(), opened.token().data(), 16);
+    ASSERT_EQ(write(fd, &ar, sizeof ar), static_cast<ssize_t>(sizeof ar));
+    attach::AttachReply reply;
+    ASSERT_EQ(read(fd, &reply, sizeof reply), static_cast<ssize_t>(sizeof reply));
+    ASSERT_EQ(reply.code, 0);
+    std::atomic<bool> claimed{false};
+    grpc::Status claim_status;
+    std::thread claim([&] {
+      v1::ClaimSequenceRequest req;
+      req.set_session_id(opened.session_id());
+      req.set_token(opened.token());
+      req.set_sequence_id(id);
+      v1::SequenceLayout* l = req.mutable_layout();
+      l->set_n_layers(big.n_layers), l->set_n_kv_heads(big.n_kv_heads), l->set_head_dim(big.head_dim);
+      l->set_page_tokens(big.page_tokens), l->set_capacity_tokens(big.capacity_tokens);
+      v1::ClaimSequenceResponse resp;
+      grpc::ClientContext ctx;
+      claim_status = stub->ClaimSequence(&ctx, req, &resp);
+      claimed = true;
+    });
+    // Keep it as soon as the session has it (during the claim's copy, or after), then close.
+    bool kept = false;
+    for (int i = 0; i < 20000 && !kept; ++i) {
+      const bool after_claim = claimed;  // read before the attempt: the last one comes after the claim
+      v1::KeepSequenceRequest keep;
+      keep.set_session_id(opened.session_id());
+      keep.set_token(opened.token());
+      keep.set_sequence_id(id);
+      v1::KeepSequenceResponse none;
+      grpc::ClientContext ctx;
+      const grpc::Status s = stub->KeepSequence(&ctx, keep, &none);
+      kept = s.ok();
+      if (!kept && after_claim) break;  // the claim failed: nothing to keep
+    }
+    v1::CloseSessionRequest close_req;
+    close_req.set_session_id(opened.session_id());
+    close_req.set_token(opened.token());
+    v1::CloseSessionResponse closed;
+    {
+      grpc::ClientContext ctx;
+      (void)stub->CloseSession(&ctx, close_req, &closed);
+    }
+    claim.join();
+    ::close(fd);
+    // Kept again (by the close, or put back by a claim that lost its session): as written.
+    ASSERT_TRUE(WaitForKept(c.get(), 1)) << "round " << round << ": kept by the close " << kept << ", the claim "
+                                         << claim_status.error_message();
+    auto checked = ClaimAndCheck(c.get(), id, seed, big, 52 << 20);
+    ASSERT_TRUE(checked.ok()) << "round " << round << " (kept by the close: " << kept << "): " << checked.status().ToString();
+  }
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->kept_dropped, 0u);
 }
 
 #ifdef SPECACHECTL_PATH
