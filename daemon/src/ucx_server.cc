@@ -108,8 +108,12 @@ struct UcxServer::Impl {
   uint64_t next_serial = 1;
   uint64_t total_held = 0;  // bytes_held of every connection (at most options.max_held_bytes)
   uint64_t misbehaving = 0;
+  uint64_t dropped_unanswerable = 0;  // messages with no endpoint to answer on (logged 1st, 2nd, 4th...)
   // A connection's most queued requests and replies in flight: past either it is closed.
   static constexpr uint32_t kMostQueued = 1024;
+  // The largest message header taken (and copied): every header of the protocol is a small
+  // fixed struct (remote_protocol.h); a larger one closes its endpoint.
+  static constexpr size_t kMostHeaderBytes = 256;
   // A rendezvous payload not received within kPayloadDeadline, plus the time everything held at its
   // arrival takes at kSlowLinkBytesPerSecond (a slow link shared by many writers is not a stall),
   // closes its endpoint: it holds up its endpoint's later requests, and its buffer.
@@ -240,13 +244,22 @@ struct UcxServer::Impl {
     auto* a = static_cast<HandlerArg*>(arg);
     Impl* self = a->impl;
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !self->connections.count(param->reply_ep)) {
-      // No endpoint to answer on: nothing can be refused to anyone. Counted and logged.
+      // No endpoint to answer on: nothing can be refused to anyone. Counted, and logged at the
+      // 1st, 2nd, 4th... (a peer sending without UCP_AM_SEND_FLAG_REPLY does not flood the log).
+      const uint64_t n = ++self->dropped_unanswerable;
       ++self->dropped;
-      spdlog::warn("remote data plane: message {} without a known endpoint dropped", a->id);
+      if ((n & (n - 1)) == 0) {
+        spdlog::warn("remote data plane: message {} without a known endpoint dropped ({} such so far)", a->id, n);
+      }
       return UCS_OK;
     }
     Connection& c = self->connections.at(param->reply_ep);
     if (!c.misbehaved.empty()) {  // being closed: nothing more is taken from it
+      ++self->dropped;
+      return UCS_OK;
+    }
+    if (header_length > kMostHeaderBytes) {  // every header is a small fixed struct: not copied
+      self->Misbehaved(&c, "a message header of " + std::to_string(header_length) + " bytes");
       ++self->dropped;
       return UCS_OK;
     }
@@ -541,11 +554,18 @@ struct UcxServer::Impl {
                                  job->payload);
     } else {  // kPages
       auto refs = registry->PageRefs(c->session, c->token, req->sequence, req->layer);
-      if (refs.ok()) {
-        payload.resize(refs->size() * sizeof(shm::PageRef));
+      done = refs.status();
+      // Within the endpoint's and the data plane's room, as a gather's rows are (a layer's page
+      // list reaches 16 MiB at a session's most page references).
+      const uint64_t bytes = refs.ok() ? refs->size() * sizeof(shm::PageRef) : 0;
+      if (done.ok() && bytes > RoomLeft(*c)) {
+        done = Status::ResourceExhausted("a page list of " + std::to_string(bytes) + " bytes: the endpoint may hold " +
+                                         std::to_string(RoomLeft(*c)) + " more bytes now (take the replies in flight first)");
+      }
+      if (done.ok()) {
+        payload.resize(bytes);
         std::memcpy(payload.data(), refs->data(), payload.size());
       }
-      done = refs.status();
     }
     if (!done.ok()) Refused(done);
     Send(c->ep, req->request_id, done, std::move(payload));
