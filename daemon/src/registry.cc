@@ -60,6 +60,7 @@ Registry::~Registry() {
 uint64_t Registry::TenantReservedLocked(const std::string& tenant) const {
   // Memory of ended sessions that a process still holds counts as long as it is held.
   uint64_t bytes = pool_->retained_bytes(tenant_tags_.at(tenant));
+  if (auto it = returning_.find(tenant); it != returning_.end()) bytes += it->second;
   for (const auto& [id, s] : sessions_) {
     if (s.tenant == tenant) bytes += s.pages->chunks().size() * pool_->chunk_bytes();
   }
@@ -315,7 +316,8 @@ Status Registry::CloseSession(uint64_t session, const Token& token) {
 
 Registry::ChunkReturn Registry::ReclaimLocked(std::map<uint64_t, Session>::iterator it) {
   Session& s = it->second;
-  ChunkReturn r{s.id, s.pages->chunks(), tenant_tags_.at(s.tenant), s.pidfd, ParkJobsLocked(s)};
+  ChunkReturn r{s.id, s.tenant, s.pages->chunks(), tenant_tags_.at(s.tenant), s.pidfd, ParkJobsLocked(s)};
+  returning_[s.tenant] += r.chunks.size() * pool_->chunk_bytes();
   for (const auto& [seq, pages] : s.pages->sequences()) sequence_owner_.erase(seq);
   s.pages.reset();
   ++reclaimed_;
@@ -351,6 +353,12 @@ void Registry::ReturnChunks(const std::vector<ChunkReturn>& returns) {
     Park(r.session, r.park);  // kept sequences leave the chunks first
     const uint64_t replaced = pool_->replaced_chunks();
     Status s = pool_->Return(r.chunks, r.holder, r.pidfd);
+    {
+      // Back in the pool, or retained and charged there: no longer on their way.
+      std::lock_guard<std::mutex> lock(mu_);
+      uint64_t& returning = returning_[r.tenant];
+      returning -= std::min<uint64_t>(returning, r.chunks.size() * pool_->chunk_bytes());
+    }
     if (r.pidfd >= 0) close(r.pidfd);
     if (!s.ok()) spdlog::error("session {}: {}", r.session, s.ToString());
     spdlog::info("session {} reclaimed ({} chunks, {} replaced: still held by a process)", r.session, r.chunks.size(),

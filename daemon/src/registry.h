@@ -195,6 +195,7 @@ class Registry {
   };
   struct ChunkReturn {
     uint64_t session = 0;
+    std::string tenant;  // charged for the chunks until they are back in the pool (returning_)
     std::vector<uint32_t> chunks;
     uint64_t holder = 0;        // the tenant's tag: memory still held elsewhere is charged to it
     int pidfd = -1;             // the attached peer (owned; closed after the return)
@@ -231,6 +232,11 @@ class Registry {
   // (or put back): nobody may mark them to keep meanwhile (KeepSequence), or a close during the
   // copy would park the half-copied pages under the id the claim puts the original back under.
   std::set<uint64_t> claiming_;
+  // [tenant] bytes of ended sessions' chunks on their way back to the pool (ReclaimLocked until
+  // ReturnChunks has handed them over, which takes the let-go wait, fresh memory for chunks still
+  // held and the kept sequences' copies): charged to the tenant meanwhile, as the session's were
+  // before and the retained ones are after, so that a new session cannot take them twice.
+  std::map<std::string, uint64_t> returning_;
   KeptSequences* kept_;
   uint64_t next_session_ = 1, next_sequence_ = 1;
   uint64_t reclaimed_ = 0;

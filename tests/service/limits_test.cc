@@ -3,10 +3,12 @@
 // accept loops back off instead of spinning and no chunk leaves the pool.
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -83,6 +85,40 @@ TEST(LimitsTest, MemoryAClosedClientStillHoldsStaysChargedToItsTenant) {
   EXPECT_TRUE(WaitFor([&] { return RetainedBytes(c.get(), "alpha") == 0; }, 3000));
   auto whole = c->OpenSession("alpha", 16 << 20);
   EXPECT_TRUE(whole.ok()) << whole.status().ToString();
+}
+
+// While a closed session's chunks go back to the pool (the let-go wait for a process that still
+// maps them, then fresh memory for those it holds), they stay charged to the tenant: a session
+// opened meanwhile found them neither in a session nor retained, and got the quota a second time.
+TEST(LimitsTest, ChunksOnTheirWayBackStayChargedToTheirTenant) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("[tenants.alpha]\nquota_bytes = \"16MiB\"\n"));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto keeper = Spawn({TEST_CLIENT_PATH, "close-keep", d.socket, "alpha", std::to_string(12 << 20), "0"});
+  ASSERT_EQ(keeper->ReadLine(10000).rfind("attached", 0), 0u);
+  std::atomic<bool> closed{false};
+  std::string closed_line;
+  std::thread reader([&] {
+    closed_line = keeper->ReadLine(10000);
+    closed = true;
+  });
+  int opened = 0, tries = 0;
+  while (!closed) {  // from before the close until it returned
+    auto s = c->OpenSession("alpha", 8 << 20);
+    ++tries;
+    if (s.ok()) {
+      ++opened;
+    } else {
+      EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted) << s.status().ToString();
+    }
+  }
+  reader.join();
+  EXPECT_EQ(closed_line, "closed OK");
+  EXPECT_EQ(opened, 0) << "of " << tries << " sessions of 8 MiB opened while 12 of the tenant's 16 MiB went back";
+  EXPECT_EQ(RetainedBytes(c.get(), "alpha"), uint64_t{12} << 20);
+  keeper->Kill();
+  ASSERT_EQ(keeper->Wait(5000), 128 + SIGKILL);
 }
 
 // A client that unmaps before closing (the client library does) frees its quota at once: its
