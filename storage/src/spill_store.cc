@@ -128,7 +128,13 @@ bool DecodeMeta(std::string_view in, SpilledSequence* m) {
   for (uint32_t* f : fields) {
     if (!Take(&in, f)) return false;
   }
-  return Take(&in, &m->fingerprint) && Take(&in, &m->spilled_unix_ms) && in.empty();
+  if (!Take(&in, &m->fingerprint) || !Take(&in, &m->spilled_unix_ms) || !in.empty()) return false;
+  // What a restore and a claim index by must be what a client could have asked for: a layout
+  // within the limits, its fingerprint, and no more pages a layer than its capacity holds (a
+  // damaged or edited record is reported, never claimed: the claim copies pages_per_layer pages
+  // a layer into a sequence extended to at most its capacity).
+  return ValidatePageLayout(m->layout, UINT64_MAX).ok() && m->fingerprint == LayoutFingerprint(m->layout) &&
+         m->pages_per_layer <= m->layout.pages_capacity_per_layer();
 }
 
 Status FromRocks(const rocksdb::Status& s, const std::string& what) {

@@ -19,6 +19,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -195,6 +196,44 @@ TEST(SpillStoreTest, ACorruptedPageIsReportedAndNeverServed) {
   ASSERT_EQ(v.bad.size(), 1u);
   EXPECT_NE(v.bad[0].find("alpha/3/1/2"), std::string::npos) << v.bad[0];
   EXPECT_GE((*store)->stats().checksum_failures, 2u);
+}
+
+// A metadata record is indexed only when it says what a client could have asked for: a record
+// naming more pages a layer than its layout's capacity holds (a claim copies that many pages a
+// layer into a sequence extended to at most its capacity: past the end of its page list), or a
+// layout out of the limits, is reported damaged and never listed.
+TEST(SpillStoreTest, MetadataBeyondItsLayoutIsReportedNotListed) {
+  TempDir dir;
+  const Pages a("alpha", 3, 2, 3, 4);  // capacity 1024 tokens of 16 a page: 64 pages a layer at most
+  const Pages b("alpha", 4, 2, 3, 5);
+  {
+    auto store = SpillStore::Open({dir.path});
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(a.meta, a.Reader()).ok());
+    ASSERT_TRUE((*store)->Put(b.meta, b.Reader()).ok());
+  }
+  {  // behind the store's back: alpha/3 claims 65 pages a layer, alpha/4 a head_dim of 0
+    rocksdb::DB* db = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), dir.path, &db).ok());
+    std::unique_ptr<rocksdb::DB> owned(db);
+    // version, tenant size, "alpha", id, then n_layers, n_kv_heads, head_dim, page_tokens,
+    // capacity_tokens, pages_per_layer (uint32 each)
+    const size_t fields = 4 + 4 + 5 + 8;
+    for (const auto& [id, field, value] : {std::tuple{3, 5, 65u}, std::tuple{4, 2, 0u}}) {
+      std::string key = std::string("malpha") + '\0' + (id == 3 ? "0000000000000003" : "0000000000000004"), meta;
+      ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), key, &meta).ok());
+      std::memcpy(meta.data() + fields + 4 * field, &value, 4);
+      ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), key, meta).ok());
+    }
+    ASSERT_TRUE(db->Close().ok());
+  }
+  auto store = SpillStore::Open({dir.path});
+  ASSERT_TRUE(store.ok());
+  EXPECT_TRUE((*store)->List().empty());
+  EXPECT_EQ((*store)->Find("alpha", 3).status().code(), StatusCode::kNotFound);
+  const std::vector<std::string> problems = (*store)->problems();
+  EXPECT_TRUE(Mentions(problems, "alpha/3")) << Joined(problems);
+  EXPECT_TRUE(Mentions(problems, "alpha/4")) << Joined(problems);
 }
 
 TEST(SpillStoreTest, UnfinishedSpillsAreCleanedAndLimitsRefuseWholeSequences) {
