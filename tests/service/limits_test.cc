@@ -63,40 +63,26 @@ double CpuSeconds(pid_t pid) {
   return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
+// A client process of tenant alpha (16 MiB) that attached a session of 12 MiB and closes it at
+// once while it keeps the chunks mapped (test_client close-keep); its next line says the close
+// returned.
+std::unique_ptr<testing::Child> SpawnCloseKeep(const DaemonProcess& d) {
+  auto keeper = Spawn({TEST_CLIENT_PATH, "close-keep", d.socket, "alpha", std::to_string(12 << 20), "0"});
+  EXPECT_EQ(keeper->ReadLine(10000).rfind("attached", 0), 0u);
+  return keeper;
+}
+
 // A client closes its session but keeps the chunk descriptors and mappings: the memory stays
-// charged to its tenant until the process lets go (here: exits), so the quota holds.
+// charged to its tenant until the process lets go (here: exits), so the quota holds. Also while
+// the chunks go back to the pool (the let-go wait for a process that still maps them, then fresh
+// memory for those it holds): a session opened meanwhile found them neither in a session nor
+// retained, and got the quota a second time.
 TEST(LimitsTest, MemoryAClosedClientStillHoldsStaysChargedToItsTenant) {
   DaemonProcess d;
   ASSERT_TRUE(d.Start("[tenants.alpha]\nquota_bytes = \"16MiB\"\n"));
   auto c = Connect(d);
   ASSERT_TRUE(c);
-  auto keeper = Spawn({TEST_CLIENT_PATH, "close-keep", d.socket, "alpha", std::to_string(12 << 20), "0"});
-  ASSERT_EQ(keeper->ReadLine(10000).rfind("attached", 0), 0u);
-  ASSERT_EQ(keeper->ReadLine(10000), "closed OK");
-  EXPECT_EQ(RetainedBytes(c.get(), "alpha"), uint64_t{12} << 20);
-  auto over = c->OpenSession("alpha", 8 << 20);
-  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status().ToString();
-  EXPECT_NE(over.status().message().find("quota"), std::string::npos) << over.status().ToString();
-  auto stats = c->Stats();
-  ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(stats->free_bytes, stats->pool_bytes) << "the pool itself got fresh memory";
-  keeper->Kill();
-  ASSERT_EQ(keeper->Wait(5000), 128 + SIGKILL);
-  EXPECT_TRUE(WaitFor([&] { return RetainedBytes(c.get(), "alpha") == 0; }, 3000));
-  auto whole = c->OpenSession("alpha", 16 << 20);
-  EXPECT_TRUE(whole.ok()) << whole.status().ToString();
-}
-
-// While a closed session's chunks go back to the pool (the let-go wait for a process that still
-// maps them, then fresh memory for those it holds), they stay charged to the tenant: a session
-// opened meanwhile found them neither in a session nor retained, and got the quota a second time.
-TEST(LimitsTest, ChunksOnTheirWayBackStayChargedToTheirTenant) {
-  DaemonProcess d;
-  ASSERT_TRUE(d.Start("[tenants.alpha]\nquota_bytes = \"16MiB\"\n"));
-  auto c = Connect(d);
-  ASSERT_TRUE(c);
-  auto keeper = Spawn({TEST_CLIENT_PATH, "close-keep", d.socket, "alpha", std::to_string(12 << 20), "0"});
-  ASSERT_EQ(keeper->ReadLine(10000).rfind("attached", 0), 0u);
+  auto keeper = SpawnCloseKeep(d);
   std::atomic<bool> closed{false};
   std::string closed_line;
   std::thread reader([&] {
@@ -114,11 +100,20 @@ TEST(LimitsTest, ChunksOnTheirWayBackStayChargedToTheirTenant) {
     }
   }
   reader.join();
-  EXPECT_EQ(closed_line, "closed OK");
+  ASSERT_EQ(closed_line, "closed OK");
   EXPECT_EQ(opened, 0) << "of " << tries << " sessions of 8 MiB opened while 12 of the tenant's 16 MiB went back";
   EXPECT_EQ(RetainedBytes(c.get(), "alpha"), uint64_t{12} << 20);
+  auto over = c->OpenSession("alpha", 8 << 20);
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status().ToString();
+  EXPECT_NE(over.status().message().find("quota"), std::string::npos) << over.status().ToString();
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->free_bytes, stats->pool_bytes) << "the pool itself got fresh memory";
   keeper->Kill();
   ASSERT_EQ(keeper->Wait(5000), 128 + SIGKILL);
+  EXPECT_TRUE(WaitFor([&] { return RetainedBytes(c.get(), "alpha") == 0; }, 3000));
+  auto whole = c->OpenSession("alpha", 16 << 20);
+  EXPECT_TRUE(whole.ok()) << whole.status().ToString();
 }
 
 // A client that unmaps before closing (the client library does) frees its quota at once: its
