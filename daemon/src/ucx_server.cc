@@ -206,10 +206,16 @@ struct UcxServer::Impl {
 
   static void OnConnection(ucp_conn_request_h request, void* arg) {
     auto* self = static_cast<Impl*>(arg);
-    if (self->connections.size() >= self->options.max_connections) {
+    // Full: the endpoint that has waited longest for its hello makes room (the next sweep closes
+    // it), so that peers that connect and never say hello cannot hold every slot: each is closed
+    // at the lease, but they can connect again as fast. Endpoints with a session keep theirs.
+    // Endpoints being closed do not count; at most twice the limit are open at once.
+    const size_t counted = self->CountedConnections();
+    if (self->connections.size() >= 2 * size_t{self->options.max_connections} ||
+        (counted >= self->options.max_connections && !self->EvictOldestWithoutHello())) {
       ucp_listener_reject(self->listener, request);
-      self->Refused(Status::ResourceExhausted("remote connection rejected: " + std::to_string(self->connections.size()) +
-                                              " open, the limit"));
+      self->Refused(Status::ResourceExhausted("remote connection rejected: " + std::to_string(counted) +
+                                              " open, the limit, each with a session"));
       return;
     }
     ucp_ep_params_t p{};
@@ -376,6 +382,26 @@ struct UcxServer::Impl {
   void Release(ucp_ep_h ep, uint64_t serial, uint64_t bytes) {
     total_held -= std::min(bytes, total_held);
     if (Connection* c = Find(ep, serial)) c->bytes_held -= std::min(bytes, c->bytes_held);
+  }
+
+  // Endpoints that hold a slot: all but those being closed (Misbehaved; the sweep closes them).
+  size_t CountedConnections() const {
+    size_t n = 0;
+    for (const auto& [ep, c] : connections) n += c.misbehaved.empty() ? 1 : 0;
+    return n;
+  }
+
+  // Marks the endpoint that has waited longest for its hello to be closed; false when every
+  // endpoint has a session (or its hello's answer is on its way).
+  bool EvictOldestWithoutHello() {
+    Connection* oldest = nullptr;
+    for (auto& [ep, c] : connections) {
+      const bool waiting = c.session == 0 && c.misbehaved.empty() && c.close_at == Clock::time_point();
+      if (waiting && (!oldest || c.accepted < oldest->accepted)) oldest = &c;
+    }
+    if (!oldest) return false;
+    Misbehaved(oldest, "no hello yet when the data plane was full: closed for a new connection");
+    return true;
   }
 
   // A client that breaks the rules refusals cannot answer (too many requests queued or replies

@@ -14,6 +14,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <ucp/api/ucp.h>
 
 #include "processes.h"
 #include "remote_daemon.h"
@@ -56,7 +57,8 @@ class RemoteTest : public ::testing::Test {
     data_port_ = data_port ? data_port : FreePort();
     secret_a_ = WriteSecret(pki_->dir, "a", "tenant-a-secret-0123456789");
     secret_b_ = WriteSecret(pki_->dir, "b", "tenant-b-secret-9876543210");
-    const std::string toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, control_port_, data_port_, mutual_tls, rma);
+    const std::string toml =
+        RemoteDaemonToml(*pki_, secret_a_, secret_b_, control_port_, data_port_, mutual_tls, rma) + extra_toml_;
     daemon_ = std::make_unique<DaemonProcess>();
     daemon_->capture_log = true;
     daemon_->log_level = "info";
@@ -123,6 +125,7 @@ class RemoteTest : public ::testing::Test {
   }
 
   static inline Pki* pki_ = nullptr;
+  std::string extra_toml_;  // appended to the daemon's configuration by StartDaemon
   std::string secret_a_, secret_b_;
   uint16_t control_port_ = 0, data_port_ = 0;
   std::unique_ptr<DaemonProcess> daemon_;
@@ -430,6 +433,63 @@ TEST_F(RemoteTest, DataPlaneRefusesForgedTokensStaleSessionsOtherTenantsAndBadRo
 // Payloads are checked against their headers before the daemon receives them, and the refusal
 // reaches the request that made it (its id), not a deadline: a write larger than its rows can be,
 // a write whose bytes are not its header's rows, and a hello with a payload.
+// Peers that connect to the data plane and never say hello (no secret, no token needed) cannot
+// hold every slot: when the data plane is full, the endpoint that has waited longest for its hello
+// makes room for a new connection. Before, they held the slots until the lease (2 s) and could
+// take them again as fast, so every legitimate session was rejected at the listener.
+TEST_F(RemoteTest, EndpointsThatNeverSayHelloCannotHoldEverySlot) {
+  extra_toml_ = "[limits]\nattach_connections = 4\n";
+  StartDaemon(false, false);
+  // A plain UCX client: six endpoints to the data port, progressed until connected, then silent.
+  ucp_config_t* config = nullptr;
+  ASSERT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
+  ucp_params_t p{};
+  p.field_mask = UCP_PARAM_FIELD_FEATURES;
+  p.features = UCP_FEATURE_AM;
+  ucp_context_h context = nullptr;
+  ASSERT_EQ(ucp_init(&p, config, &context), UCS_OK);
+  ucp_config_release(config);
+  ucp_worker_params_t wp{};
+  ucp_worker_h worker = nullptr;
+  ASSERT_EQ(ucp_worker_create(context, &wp, &worker), UCS_OK);
+  auto addr = remote::ResolveAddress("127.0.0.1:" + std::to_string(data_port_));
+  ASSERT_TRUE(addr.ok());
+  std::vector<ucp_ep_h> silent;
+  for (int i = 0; i < 6; ++i) {
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};  // closed by the daemon: expected
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = addr->get();
+    ep.sockaddr.addrlen = addr->length;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ucp_ep_h h = nullptr;
+    ASSERT_EQ(ucp_ep_create(worker, &ep, &h), UCS_OK);
+    silent.push_back(h);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+    while (std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
+  }
+  // Within the lease: a legitimate session gets a slot and is served.
+  Fixture f = Open("a", FetchMethod::kServerGather, 20);
+  ASSERT_TRUE(f.session) << daemon_->Log();
+  std::vector<int32_t> tokens = {3, 1, 4};
+  std::vector<uint8_t> out(tokens.size() * kRow);
+  ASSERT_TRUE(f.session->ReadRows(f.sequence, 0, 0, tokens, out.data()).ok());
+  ExpectRows(tokens, out, 0, 0);
+  EXPECT_NE(daemon_->Log().find("no hello yet when the data plane was full"), std::string::npos) << daemon_->Log();
+  for (ucp_ep_h h : silent) {
+    ucp_request_param_t close{};
+    close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t st = ucp_ep_close_nbx(h, &close);
+    while (UCS_PTR_IS_PTR(st) && ucp_request_check_status(st) == UCS_INPROGRESS) ucp_worker_progress(worker);
+    if (UCS_PTR_IS_PTR(st)) ucp_request_free(st);
+  }
+  ucp_worker_destroy(worker);
+  ucp_cleanup(context);
+}
+
 TEST_F(RemoteTest, OversizedAndMismatchedPayloadsAreRefusedToTheirRequest) {
   StartDaemon(false, false);
   const std::string addr = "127.0.0.1:" + std::to_string(data_port_);
