@@ -436,7 +436,8 @@ TEST_F(RemoteTest, DataPlaneRefusesForgedTokensStaleSessionsOtherTenantsAndBadRo
 // Peers that connect to the data plane and never say hello (no secret, no token needed) cannot
 // hold every slot: when the data plane is full, the endpoint that has waited longest for its hello
 // makes room for a new connection. Before, they held the slots until the lease (2 s) and could
-// take them again as fast, so every legitimate session was rejected at the listener.
+// take them again as fast, so every legitimate session was rejected at the listener. And a
+// message whose header is larger than any of the protocol's closes its endpoint, uncopied.
 TEST_F(RemoteTest, EndpointsThatNeverSayHelloCannotHoldEverySlot) {
   extra_toml_ = "[limits]\nattach_connections = 4\n";
   StartDaemon(false, false);
@@ -452,6 +453,11 @@ TEST_F(RemoteTest, EndpointsThatNeverSayHelloCannotHoldEverySlot) {
   ucp_worker_params_t wp{};
   ucp_worker_h worker = nullptr;
   ASSERT_EQ(ucp_worker_create(context, &wp, &worker), UCS_OK);
+  ucp_am_handler_param_t replies{};  // whatever the daemon answers is dropped
+  replies.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB;
+  replies.id = remote::kReply;
+  replies.cb = [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) { return UCS_OK; };
+  ASSERT_EQ(ucp_worker_set_am_recv_handler(worker, &replies), UCS_OK);
   auto addr = remote::ResolveAddress("127.0.0.1:" + std::to_string(data_port_));
   ASSERT_TRUE(addr.ok());
   std::vector<ucp_ep_h> silent;
@@ -478,6 +484,24 @@ TEST_F(RemoteTest, EndpointsThatNeverSayHelloCannotHoldEverySlot) {
   ASSERT_TRUE(f.session->ReadRows(f.sequence, 0, 0, tokens, out.data()).ok());
   ExpectRows(tokens, out, 0, 0);
   EXPECT_NE(daemon_->Log().find("no hello yet when the data plane was full"), std::string::npos) << daemon_->Log();
+  // A header larger than any of the protocol's (fixed structs) closes its endpoint uncopied.
+  const std::vector<uint8_t> huge_header(4096, 0);
+  ucp_request_param_t send{};
+  send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  send.flags = UCP_AM_SEND_FLAG_REPLY;
+  ucs_status_ptr_t sent = ucp_am_send_nbx(silent.back(), remote::kGather, huge_header.data(), huge_header.size(),
+                                          nullptr, 0, &send);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (std::chrono::steady_clock::now() < until && daemon_->Log().find("a message header of 4096 bytes") == std::string::npos) {
+    ucp_worker_progress(worker);
+  }
+  if (UCS_PTR_IS_PTR(sent)) {
+    while (ucp_request_check_status(sent) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until + std::chrono::seconds(1)) {
+      ucp_worker_progress(worker);
+    }
+    ucp_request_free(sent);
+  }
+  EXPECT_NE(daemon_->Log().find("closed: a message header of 4096 bytes"), std::string::npos) << daemon_->Log();
   for (ucp_ep_h h : silent) {
     ucp_request_param_t close{};
     close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
