@@ -12,6 +12,9 @@
 namespace specache::daemon {
 namespace {
 
+// How long a control connection may take to finish its TLS handshake.
+constexpr int kHandshakeMs = 10000;
+
 // A PEM file; the private key's must be private (ReadPrivateFile), the certificates may be public.
 Result<std::string> ReadPem(const std::string& path, const char* what, bool secret = false) {
   std::string pem;
@@ -71,6 +74,11 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   builder.AddListeningPort(rc.control_addr, grpc::SslServerCredentials(tls), &port);
   builder.RegisterService(r->service_.get());
   builder.SetMaxReceiveMessageSize(64 << 10);  // as on the local socket: every request is small
+  // Anyone who reaches the port can open connections before any secret is checked, and gRPC
+  // (1.51) has no limit on their number: a connection that has not finished its TLS handshake is
+  // closed after kHandshakeMs (gRPC's default, 120 s, let half-open ones pile up towards the
+  // process's descriptor limit, which the local sockets share).
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeMs);
   r->server_ = builder.BuildAndStart();
   if (!r->server_ || port == 0) return Status::Unavailable("cannot listen on remote.control_addr " + rc.control_addr);
   r->control_port_ = static_cast<uint16_t>(port);

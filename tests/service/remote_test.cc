@@ -578,6 +578,29 @@ TEST_F(RemoteTest, AClosedSessionsRemoteKeysAreDroppedBeforeItsChunksGoBack) {
   EXPECT_LT(log.find(closed), log.find(reclaimed)) << log;
 }
 
+// A TCP connection to the control port that never starts its TLS handshake (anyone who reaches
+// the port can open one, before any secret is checked) is closed by the daemon after 10 s, not
+// kept for gRPC's default 120 s towards the descriptor limit the local sockets share.
+TEST_F(RemoteTest, AControlConnectionThatNeverHandshakesIsClosed) {
+  StartDaemon(false, false);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(control_port_);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a), 0);
+  timeval wait{25, 0};
+  ASSERT_EQ(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait), 0);
+  const auto start = std::chrono::steady_clock::now();
+  char byte = 0;
+  const ssize_t n = recv(fd, &byte, 1, 0);  // 0 (or an error) once the daemon closed it
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LE(n, 0);
+  EXPECT_LT(waited, 20.0) << "the connection was still open after " << waited << " s";
+  ::close(fd);
+}
+
 TEST_F(RemoteTest, PlaintextToTheTlsPortFailsCleanly) {
   StartDaemon(false, false);
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::InsecureChannelCredentials());
