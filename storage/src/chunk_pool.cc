@@ -163,8 +163,20 @@ Result<std::vector<uint32_t>> ChunkPool::Take(uint32_t n, uint64_t owner) {
 }
 
 Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int owner_pidfd) {
-  for (uint32_t id : ids) {
-    if (id >= chunks_.size()) return Status::OutOfRange("chunk " + std::to_string(id));
+  // Every chunk must be taken, and named once: a chunk freed twice would be handed to two owners.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<bool> seen(chunks_.size(), false);
+    for (uint32_t id : ids) {
+      if (id >= chunks_.size()) return Status::OutOfRange("chunk " + std::to_string(id));
+      if (seen[id]) return Status::FailedPrecondition("chunk " + std::to_string(id) + " is returned twice in one call");
+      seen[id] = true;
+      const uint64_t owner = chunks_[id].owner;
+      if (owner == 0 || owner == kOutOfService) {
+        return Status::FailedPrecondition("chunk " + std::to_string(id) + " is not taken (" +
+                                          (owner == 0 ? "free" : "out of service") + "): nothing was returned");
+      }
+    }
   }
   // A chunk nobody else holds is zeroed and free at once. A holder may be letting go just now (the
   // daemon's attach thread closing its copies of the descriptors it sent, a client's last unmap

@@ -3,6 +3,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -60,6 +61,28 @@ ChunkPoolOptions SmallPool() {
   o.chunk_bytes = 1 << 20;
   o.prefault_threads = 2;
   return o;
+}
+
+// A chunk returned twice (or that was never taken) would be free twice, then handed to two owners:
+// Return refuses such a call before it changes anything.
+TEST(ChunkPoolTest, AChunkNotTakenOrNamedTwiceIsRefusedBeforeAnyReturn) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  ChunkPool& p = **pool;
+  auto a = p.Take(2, 7);
+  ASSERT_TRUE(a.ok());
+  const std::vector<uint32_t> twice{(*a)[0], (*a)[1], (*a)[0]};
+  EXPECT_EQ(p.Return(twice).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(p.free_count(), 2u) << "nothing was returned";
+  ASSERT_TRUE(p.Return(*a).ok());
+  EXPECT_EQ(p.free_count(), 4u);
+  const Status again = p.Return(*a);
+  EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition) << again.ToString();
+  EXPECT_NE(again.message().find("is not taken (free)"), std::string::npos) << again.ToString();
+  auto b = p.Take(2, 8);
+  auto c = p.Take(2, 9);
+  ASSERT_TRUE(b.ok() && c.ok());
+  for (uint32_t id : *b) EXPECT_EQ(std::count(c->begin(), c->end(), id), 0) << "chunk " << id << " given twice";
 }
 
 TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {

@@ -55,7 +55,8 @@ class ChunkPool {
   // to `holder`, with `owner_pidfd` (may be -1; duplicated) as the fallback release) otherwise.
   // A chunk still held is polled for up to kLetGoMs first (a holder letting go just now), so a
   // Return with held chunks takes that long. An error names the chunks whose replacement failed;
-  // they come back through Housekeep.
+  // they come back through Housekeep. FAILED_PRECONDITION, before anything changes, for a chunk
+  // that is not taken (free, or out of service) or named twice.
   static constexpr int kLetGoMs = 100;
   Status Return(std::span<const uint32_t> chunks, uint64_t holder = 0, int owner_pidfd = -1);
 
