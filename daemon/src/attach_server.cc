@@ -6,6 +6,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "log_rate.h"
 #include "specache/fd_passing.h"
 
 namespace specache::daemon {
@@ -121,7 +122,7 @@ void AttachServer::OnAccept(int fd) {
   if (counts_->open.load() >= limits_.attach_connections || of_uid >= limits_.attach_connections_per_uid) {
     ::close(fd);
     const uint64_t refused = ++counts_->refused;
-    if ((refused & (refused - 1)) == 0) {  // 1st, 2nd, 4th...: a flood does not flood the log
+    if (LoggedOccurrence(refused)) {
       spdlog::warn("attach: connection of pid {} uid {} refused: {} open ({} of that uid), limits {} and {} per uid "
                    "([limits] in the config); {} refused so far",
                    peer->pid, peer->uid, counts_->open.load(), of_uid, limits_.attach_connections,

@@ -4,6 +4,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "log_rate.h"
 #include "specache/version.h"
 
 namespace specache::daemon {
@@ -45,7 +46,7 @@ grpc::Status ControlService::Finish(const Status& s) {
   ++errors_;
   if (s.code() == StatusCode::kPermissionDenied) {
     const uint64_t denied = ++denied_;
-    if ((denied & (denied - 1)) == 0) {  // 1st, 2nd, 4th...: a hostile loop does not flood the log
+    if (LoggedOccurrence(denied)) {  // a hostile loop does not flood the log
       spdlog::warn("control: refused ({} refusals so far): {}", denied, s.message());
     }
   } else {

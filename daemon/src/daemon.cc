@@ -21,6 +21,7 @@
 #include "access.h"
 #include "attach_server.h"
 #include "control_service.h"
+#include "log_rate.h"
 #include "metrics.h"
 #include "remote_server.h"
 #include "specache/spill_store.h"
@@ -187,7 +188,7 @@ Status ListenControl(State* d) {
     if (!admitted.ok()) {
       ::close(fd);
       const uint64_t refused = ++d->control_refused;
-      if ((refused & (refused - 1)) == 0) {  // 1st, 2nd, 4th...: a flood does not flood the log
+      if (LoggedOccurrence(refused)) {
         spdlog::warn("control: connection of uid {} refused: {}; {} refused so far", uid, admitted.message(), refused);
       }
       return;

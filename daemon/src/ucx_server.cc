@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 #include <ucp/api/ucp.h>
 
+#include "log_rate.h"
 #include "specache/remote_protocol.h"
 
 namespace specache::daemon {
@@ -144,7 +145,7 @@ struct UcxServer::Impl {
   // does not flood the log).
   void Refused(const Status& why) {
     const uint64_t n = ++refused;
-    if ((n & (n - 1)) == 0) spdlog::warn("remote data plane: refused ({} so far): {}", n, why.ToString());
+    if (LoggedOccurrence(n)) spdlog::warn("remote data plane: refused ({} so far): {}", n, why.ToString());
   }
 
   Status Init() {
@@ -254,7 +255,7 @@ struct UcxServer::Impl {
       // 1st, 2nd, 4th... (a peer sending without UCP_AM_SEND_FLAG_REPLY does not flood the log).
       const uint64_t n = ++self->dropped_unanswerable;
       ++self->dropped;
-      if ((n & (n - 1)) == 0) {
+      if (LoggedOccurrence(n)) {
         spdlog::warn("remote data plane: message {} without a known endpoint dropped ({} such so far)", a->id, n);
       }
       return UCS_OK;
@@ -413,7 +414,7 @@ struct UcxServer::Impl {
     c->failed = true;
     ++refused;
     const uint64_t n = ++misbehaving;
-    if ((n & (n - 1)) == 0) {
+    if (LoggedOccurrence(n)) {
       spdlog::warn("remote data plane: endpoint of session {} closed: {} ({} such so far)", c->session, why, n);
     }
   }

@@ -14,6 +14,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "log_rate.h"
 #include "specache/trusted_directory.h"
 
 namespace specache::daemon {
@@ -123,7 +124,7 @@ void UnixListener::AcceptReady() {
     // 1 s) lets sessions end and descriptors come back; retrying at once would spin a core.
     const uint64_t errors = ++accept_errors_;
     backoff_ = std::min<std::chrono::milliseconds>(backoff_.count() ? backoff_ * 2 : kFirstBackoff, kMaxBackoff);
-    if ((errors & (errors - 1)) == 0) {  // 1st, 2nd, 4th, 8th...: a storm does not flood the log
+    if (LoggedOccurrence(errors)) {  // an accept storm does not flood the log
       spdlog::warn("{} socket: accept failed: {}; retrying in {} ms ({} accept errors so far)", name_, Errno(),
                    backoff_.count(), errors);
     }
