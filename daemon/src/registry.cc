@@ -537,7 +537,7 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
   const uint64_t batch = std::max<uint64_t>(1, kClaimBatchBytes / page_bytes);
   const uint64_t pages = uint64_t{layout.n_layers} * taken.kept.pages_per_layer;
   bool left = false;
-  for (uint64_t first = 0; first < pages && !left; first += batch) {
+  for (uint64_t first = 0; first < pages; first += batch) {
     std::lock_guard<std::mutex> lock(mu_);
     auto s = Authorize(session, token);
     const SequencePages* p = s.ok() ? (*s)->pages->Find(sequence) : nullptr;

@@ -184,9 +184,8 @@ void BpeTokenizer::EncodePiece(std::string_view piece, std::vector<int32_t>* out
     consider(prev[c.left]);
     consider(c.left);
   }
-  std::vector<std::string> symbols;
-  for (int32_t i = 0; i < n; i = next[i]) symbols.emplace_back(symbol(i, next[i]));
-  for (const std::string& s : symbols) {
+  for (int32_t i = 0; i < n; i = next[i]) {
+    const std::string s(symbol(i, next[i]));
     auto it = ids_.find(s);
     if (it != ids_.end()) {
       out->push_back(it->second);
@@ -232,16 +231,15 @@ std::vector<int32_t> BpeTokenizer::Encode(std::string_view s, bool parse_special
   // Each control token's next occurrence at or after pos, searched for again only once pos passed
   // it: each token's searches scan the text about once (searching every token from pos after
   // every match made a text full of control tokens quadratic).
-  std::vector<size_t> found(parse_special ? specials_.size() : 0, 0);
-  std::vector<char> searched(found.size(), 0);
+  std::vector<size_t> found;
+  if (parse_special) {
+    for (const auto& sp : specials_) found.push_back(s.find(sp.first));
+  }
   while (pos < s.size()) {
     size_t next = s.size();
     const std::pair<std::string, int32_t>* hit = nullptr;
     for (size_t i = 0; i < found.size(); ++i) {  // longest first: the earliest, longest match wins
-      if (!searched[i] || (found[i] != std::string::npos && found[i] < pos)) {
-        found[i] = s.find(specials_[i].first, pos);
-        searched[i] = 1;
-      }
+      if (found[i] != std::string::npos && found[i] < pos) found[i] = s.find(specials_[i].first, pos);
       if (found[i] < next) next = found[i], hit = &specials_[i];
     }
     if (next > pos) EncodeOrdinary(s.substr(pos, next - pos), &out);
