@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "kill_rounds.h"
+#include "hand_attach.h"
 #include "processes.h"
 #include "specache/attach_protocol.h"
 #include "specache/client.h"
@@ -150,18 +151,8 @@ TEST(DaemonTest, MalformedAndHostileRequestsGetSpecificErrors) {
   const uint64_t sid = opened.session_id();
   const std::string token = opened.token();
   // Attach by hand so the session stays alive for the table below.
-  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strcpy(addr.sun_path, opened.attach_path().c_str());
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  attach::AttachRequest ar;
-  ar.session_id = sid;
-  std::memcpy(ar.token.data(), token.data(), 16);
-  ASSERT_EQ(write(fd, &ar, sizeof ar), static_cast<ssize_t>(sizeof ar));
-  attach::AttachReply reply;
-  ASSERT_EQ(read(fd, &reply, sizeof reply), static_cast<ssize_t>(sizeof reply));
-  ASSERT_EQ(reply.code, 0);
+  const int fd = testing::AttachByHand(opened.attach_path(), sid, token);
+  ASSERT_GE(fd, 0);
 
   auto layout = [](uint32_t layers, uint32_t heads, uint32_t dim, uint32_t page, uint32_t cap) {
     v1::SequenceLayout l;
@@ -275,6 +266,9 @@ TEST(DaemonTest, MalformedAndHostileRequestsGetSpecificErrors) {
   for (const Case& c : cases) EXPECT_EQ(c.got, c.want) << c.name;
 
   // Garbage on the attach socket: an error reply or a closed connection, never a crash.
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, opened.attach_path().c_str());
   for (const std::string& junk : {std::string("hello"), std::string(32, '\xff'), std::string(4096, 'A')}) {
     int g = socket(AF_UNIX, SOCK_STREAM, 0);
     ASSERT_EQ(connect(g, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);

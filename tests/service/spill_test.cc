@@ -8,8 +8,6 @@
 // SIGKILL; verify on a running daemon reads the disk; a damaged WAL is reported, not erased; a
 // keep and close during a claim never keep a half-copied sequence.
 #include <fcntl.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,8 +23,8 @@
 #include <gtest/gtest.h>
 #include <rocksdb/db.h>
 
+#include "hand_attach.h"
 #include "processes.h"
-#include "specache/attach_protocol.h"
 #include "specache/client.h"
 #include "specache/v1/control.grpc.pb.h"
 #include "testing/temp_dir.h"
@@ -824,18 +822,8 @@ TEST(SpillTest, AKeepAndCloseDuringAClaimNeverKeepAHalfCopiedSequence) {
       grpc::ClientContext ctx;
       ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
     }
-    const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strcpy(addr.sun_path, opened.attach_path().c_str());
-    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    attach::AttachRequest ar;
-    ar.session_id = opened.session_id();
-    std::memcpy(ar.token.data(), opened.token().data(), 16);
-    ASSERT_EQ(write(fd, &ar, sizeof ar), static_cast<ssize_t>(sizeof ar));
-    attach::AttachReply reply;
-    ASSERT_EQ(read(fd, &reply, sizeof reply), static_cast<ssize_t>(sizeof reply));
-    ASSERT_EQ(reply.code, 0);
+    const int fd = testing::AttachByHand(opened.attach_path(), opened.session_id(), opened.token());
+    ASSERT_GE(fd, 0);
     std::atomic<bool> claimed{false};
     grpc::Status claim_status;
     std::thread claim([&] {
