@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -66,6 +67,44 @@ struct DeviceArray {
   DeviceArray& operator=(const DeviceArray&) = delete;
 };
 
+// The host-to-device link's speed: the median of five 256 MiB copies from pinned host memory on
+// `stream` (after one untimed), in bytes per second. Every row a mode fetches crosses this link
+// once, whatever route moves it, so tok/s x fetched bytes per token can never exceed it.
+Result<double> HostToDeviceBytesPerSecond(void* stream) {
+  constexpr size_t kBytes = size_t{256} << 20;
+  struct Buffers {
+    void* host = nullptr;
+    void* device = nullptr;
+    cudaEvent_t a = nullptr, b = nullptr;
+    ~Buffers() {
+      cudaFreeHost(host);
+      cudaFree(device);
+      if (a) cudaEventDestroy(a);
+      if (b) cudaEventDestroy(b);
+    }
+  } m;
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMallocHost(&m.host, kBytes), "the link probe's pinned buffer"));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(&m.device, kBytes), "the link probe's device buffer"));
+  std::memset(m.host, 1, kBytes);  // touched, so that the copies do not time page faults
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreate(&m.a), "event"));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreate(&m.b), "event"));
+  const auto s = static_cast<cudaStream_t>(stream);
+  std::vector<double> seconds;
+  for (int i = 0; i < 6; ++i) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(m.a, s), "event"));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(m.device, m.host, kBytes, cudaMemcpyHostToDevice, s), "link probe copy"));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(m.b, s), "event"));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(m.b), "link probe copy"));
+    float ms = 0;
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, m.a, m.b), "event time"));
+    if (i > 0) seconds.push_back(ms / 1e3);
+  }
+  std::sort(seconds.begin(), seconds.end());
+  const double median = seconds[seconds.size() / 2];
+  if (!(median > 0)) return Status::Internal("link probe: a copy timed at 0 ms");
+  return double(kBytes) / median;
+}
+
 struct Run {
   int batch = 0;
   int64_t device_used = 0;  // device bytes this process holds (weights included), after the steps
@@ -78,8 +117,9 @@ struct Run {
 
 class Bench {
  public:
-  Bench(const ThroughputOptions& o, GpuLlama* model, int64_t baseline_free)
-      : o_(o), model_(model), baseline_free_(baseline_free) {}
+  // link_bytes_per_s: HostToDeviceBytesPerSecond, or 0 where it could not be measured.
+  Bench(const ThroughputOptions& o, GpuLlama* model, int64_t baseline_free, double link_bytes_per_s)
+      : o_(o), model_(model), baseline_free_(baseline_free), link_bytes_per_s_(link_bytes_per_s) {}
 
   int64_t Fp16BytesPerSequence(int context) const {
     const LlamaConfig& c = model_->config();
@@ -368,6 +408,15 @@ class Bench {
     j["ms_enqueue_host"] = run.phases.enqueue_host_ms;
     j["ms_agent_host"] = run.phases.agent_host_ms;
     j["fetched_bytes_per_token"] = run.fetched_bytes_per_token;
+    // The fetch's share of the host-to-device link, and the tok/s the link allows this mode at the
+    // run's fetched bytes per token (its row cache's reuse included), whatever else gets faster.
+    if (link_bytes_per_s_ > 0) {
+      j["h2d_link_bytes_per_s"] = link_bytes_per_s_;
+      if (run.fetched_bytes_per_token > 0) {
+        j["fetch_link_bytes_per_s"] = run.tokens_per_s * run.fetched_bytes_per_token;
+        j["fetch_link_bound_tokens_per_s"] = link_bytes_per_s_ / run.fetched_bytes_per_token;
+      }
+    }
     j["gpu_kv_bytes"] = run.stats.device_bytes_reserved;
     j["gpu_kv_bytes_in_use"] = run.stats.device_bytes;
     j["gpu_kv_pool_bytes"] = run.stats.device_pool_bytes;
@@ -426,6 +475,7 @@ class Bench {
   const ThroughputOptions& o_;
   GpuLlama* model_;
   int64_t baseline_free_;
+  double link_bytes_per_s_;
 };
 
 std::string Gb(double bytes) {
@@ -459,6 +509,15 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
     }
     std::fprintf(stderr, "\n");
   }
+  if (j.contains("fetch_link_bound_tokens_per_s")) {
+    const double link = j["h2d_link_bytes_per_s"].get<double>(), used = j["fetch_link_bytes_per_s"].get<double>();
+    const double bound = j["fetch_link_bound_tokens_per_s"].get<double>();
+    std::fprintf(stderr, "%6s %-17s link: the fetch moves %.1f GB/s, %.0f%% of the %.1f GB/s H2D copy measured in this run; "
+                 "at these bytes per token the link alone allows %.0f tok/s",
+                 "", "", used / 1e9, 100 * used / link, link / 1e9, bound);
+    if (fp16_tokens > 0) std::fprintf(stderr, " (%.2fx fp16)", bound / fp16_tokens);
+    std::fprintf(stderr, "\n");
+  }
   if (j.contains("sdpa")) {
     const nlohmann::json& s = j["sdpa"];
     if (s.contains("tokens_per_s")) {
@@ -484,12 +543,16 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   const int64_t baseline_free = DeviceFree();
   SPECACHE_ASSIGN_OR_RETURN(auto model, GpuLlama::Random(config, 1, /*tied_head=*/o.shape == "smollm2"));
   model->SetDecodeGraphs(o.model_graphs);
-  Bench bench(o, model.get(), baseline_free);
+  // Measured once, before any mode: a failure leaves the rows without their link figures.
+  const Result<double> link = HostToDeviceBytesPerSecond(model->stream());
+  if (!link.ok()) std::fprintf(stderr, "bench: the H2D link could not be measured: %s\n", link.status().ToString().c_str());
+  Bench bench(o, model.get(), baseline_free, link.ok() ? *link : 0.0);
   std::fprintf(stderr,
                "bench: %s shape, RANDOM weights (%.2f GB fp16), %s (%.0f GB), budget %.1f GB, host MemAvailable %.0f GB, "
-               "%d timed steps, model graphs %s%s\n",
+               "%d timed steps, model graphs %s, H2D link %.1f GB/s%s\n",
                o.shape.c_str(), model->weight_bytes() / 1e9, device.name.c_str(), device.total_memory_bytes / 1e9,
                o.gpu_budget_bytes / 1e9, mem_available / 1e9, o.steps, o.model_graphs ? "on" : "off",
+               link.ok() ? *link / 1e9 : 0.0,
                o.host_delay_us > 0 ? (", PROBE: the host waits " + std::to_string(o.host_delay_us) + " us before each layer's " +
                                       (o.host_delay_before_projections ? "products" : "attention"))
                                          .c_str()
@@ -539,11 +602,18 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
       if (!j.contains("tokens_per_s")) continue;
       j["speedup_vs_fp16"] = j["tokens_per_s"].get<double>() / fp16_tokens;
       j["fp16_baseline"] = fp16_baseline, j["fp16_baseline_tokens_per_s"] = fp16_tokens;
+      if (j.contains("fetch_link_bound_tokens_per_s")) {
+        j["fetch_link_bound_vs_fp16"] = j["fetch_link_bound_tokens_per_s"].get<double>() / fp16_tokens;
+      }
       if (i >= baseline_row) continue;
-      char one[96];
+      char one[160];
       std::snprintf(one, sizeof one, "%s%s %.2fx", late.empty() ? "" : ", ", j["mode"].get<std::string>().c_str(),
                     j["speedup_vs_fp16"].get<double>());
       late += one;
+      if (j.contains("fetch_link_bound_vs_fp16")) {
+        std::snprintf(one, sizeof one, " (the link allows %.2fx)", j["fetch_link_bound_vs_fp16"].get<double>());
+        late += one;
+      }
     }
     if (!late.empty()) {
       std::fprintf(stderr, "%6d vs fp16 (%s, measured after them): %s\n", context, fp16_baseline.c_str(), late.c_str());
@@ -588,7 +658,9 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
                "for the layers', ms_step_edges for the step's start and end: embedding, the agent's BeginStep/EndStep, "
                "LM head, argmax); attn = the agent's "
                "DecodeLayer less the top-k; topk = the top-k measured alone; fetchw = the stream waiting for prefetched "
-               "rows. kv/fp16 = GPU KV bytes held / fp16 KV bytes of the batch. vs_fp16 = tok/s over the faster fp16 "
+               "rows. link (rows that fetch): the fetched bytes a second over the pinned host-to-device copy's speed, and the "
+               "tok/s at which the fetch alone would fill the link (every fetched row crosses it once, by either route). "
+               "kv/fp16 = GPU KV bytes held / fp16 KV bytes of the batch. vs_fp16 = tok/s over the faster fp16 "
                "step at the budget's fp16 batch: PyTorch SDPA's when --sdpa-script ran, else the agent's full mode "
                "(a weak baseline: its attention runs on the CUDA cores); -: no fp16 row measured before it (list fp16 first).\n");
   return rows;
