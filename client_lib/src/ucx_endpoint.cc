@@ -85,14 +85,24 @@ struct UcxEndpoint::Impl {
 
   ~Impl() {
     std::lock_guard<std::mutex> lock(mu);
-    if (ep) CloseLocked();  // first: the gets in flight use the keys and the staging registration
+    // UCX wants a remote key destroyed after the operations that use it and before the endpoint
+    // it was unpacked on: with no get in flight they go first. Gets still in flight (never waited
+    // for) use the keys and the staging registration, so then the forced close comes first and
+    // the keys go once its purge released the gets, as after a failure closed the endpoint.
+    if (ep && gets_outstanding == 0) DestroyKeysLocked();
+    if (ep) CloseLocked();
     DrainLocked(0);
-    for (Chunk& c : chunks) {
-      if (c.rkey) ucp_rkey_destroy(c.rkey);
-    }
+    DestroyKeysLocked();
     if (staging) ucp_mem_unmap(context, staging);
     if (worker) ucp_worker_destroy(worker);
     if (context) ucp_cleanup(context);
+  }
+
+  void DestroyKeysLocked() {
+    for (Chunk& c : chunks) {
+      if (c.rkey) ucp_rkey_destroy(c.rkey);
+      c.rkey = nullptr;
+    }
   }
 
   // Closes the endpoint (forced: the daemon may be gone); every request still pending fails. What
