@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 
+#include "host_row_rounding.h"
 #include "parallel_for.h"
 #include "specache/agent.h"
 #include "specache/cpu_attention.h"
@@ -217,6 +218,7 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     for (int32_t t = 0; t < n; ++t) {
       std::copy_n(keys.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d);
       std::copy_n(values.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d + d);
+      RoundHostRow(config_.round_host_rows, rows.data() + static_cast<size_t>(t) * 2 * d, d);
     }
     errors[item] = source_->AppendRows(batch.sequences[s], layer, h, 0, rows.data(), n).WithContext("source");
     if (!errors[item].ok()) return;
@@ -402,6 +404,7 @@ Status CpuAgent::DecodeLayer(int layer, const DecodeRows& rows) {
       std::vector<Half> kv(2 * static_cast<size_t>(d));
       std::copy_n(new_keys.data(), d, kv.data());
       std::copy_n(new_values.data(), d, kv.data() + d);
+      RoundHostRow(config_.round_host_rows, kv.data(), d);
       errors[item] = source_->AppendRows(id, layer, h, head.replica.length(), kv.data(), 1).WithContext("source");
       if (errors[item].ok()) head.replica.Append(new_keys.data(), new_values.data(), 1);
     }

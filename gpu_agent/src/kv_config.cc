@@ -70,6 +70,22 @@ Result<SelectFrom> ParseSelectFrom(std::string_view name) {
   return Status::InvalidArgument("unknown selection '" + std::string(name) + "' (expected spec, real or union)");
 }
 
+std::string_view HostRowRoundingName(HostRowRounding rounding) {
+  switch (rounding) {
+    case HostRowRounding::kNone: return "none";
+    case HostRowRounding::kInt8: return "int8";
+    case HostRowRounding::kE4m3: return "e4m3";
+  }
+  return "?";
+}
+
+Result<HostRowRounding> ParseHostRowRounding(std::string_view name) {
+  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3}) {
+    if (name == HostRowRoundingName(r)) return r;
+  }
+  return Status::InvalidArgument("unknown host row rounding '" + std::string(name) + "' (expected none, int8 or e4m3)");
+}
+
 Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {
   SPECACHE_RETURN_IF_ERROR(ValidateModelShape(shape));
   if (!SupportedBits(c.key_bits)) {
@@ -128,6 +144,7 @@ std::string DescribeKvConfig(const KvConfig& c) {
     if (c.attend_resident) s += " attend-resident";
     if (c.seed_rows > 0) s += " seed=" + std::to_string(c.seed_rows);
   }
+  if (c.round_host_rows != HostRowRounding::kNone) s += " host-rows=" + std::string(HostRowRoundingName(c.round_host_rows));
   return s;
 }
 

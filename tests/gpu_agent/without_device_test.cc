@@ -47,6 +47,21 @@ TEST(WithoutDeviceTest, ARowCacheAboveTheKernelsLimitIsInvalidEverywhere) {
 #endif
 }
 
+// The 8-bit host rows' rounding (KvConfig::round_host_rows) is the CPU agent's only: the CUDA agent
+// says so before touching the device.
+TEST(WithoutDeviceTest, RoundedHostRowsAreRefusedByTheCudaAgentEverywhere) {
+  InMemorySource source;
+  KvConfig config;
+  config.round_host_rows = HostRowRounding::kInt8;
+  const Status s = CreateCudaAgent({2, 4, 2, 64}, config, &source).status();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  EXPECT_EQ(s.code(), StatusCode::kUnimplemented) << s.ToString();
+  EXPECT_NE(s.message().find("CPU agent"), std::string::npos) << s.ToString();
+#else
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+#endif
+}
+
 #ifdef SPECACHE_TEST_HAVE_CUDA
 // Checked before any device work, so with or without a device: fp16 rows the kernels would read
 // 16 bytes at a time from an address that is not 16-byte aligned (cuda_attention.h) are refused.

@@ -89,6 +89,22 @@ TEST(RunSupportTest, SeedRowsGoToSpeCacheModesOnly) {
   EXPECT_EQ(ModeLabel(*ToConfig(KvOptions{}, "specache:1/seed=0")), "specache-1bit+seed0");
 }
 
+// host-rows= (and --host-rows) round the rows written to host memory (KvConfig::round_host_rows).
+TEST(RunSupportTest, HostRowRoundingIsAModeOption) {
+  EXPECT_EQ(ToConfig(KvOptions{}, "specache:1")->round_host_rows, HostRowRounding::kNone);
+  auto int8 = ToConfig(KvOptions{}, "specache:1/host-rows=int8");
+  ASSERT_TRUE(int8.ok()) << int8.status().ToString();
+  EXPECT_EQ(int8->round_host_rows, HostRowRounding::kInt8);
+  EXPECT_EQ(ModeLabel(*int8), "specache-1bit+host-int8");
+  KvOptions o;
+  o.host_rows = "e4m3";
+  EXPECT_EQ(ToConfig(o, "specache:1")->round_host_rows, HostRowRounding::kE4m3);
+  EXPECT_EQ(ToConfig(o, "specache:1/host-rows=none")->round_host_rows, HostRowRounding::kNone);
+  const auto bad = ToConfig(KvOptions{}, "specache:1/host-rows=fp8");
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("none, int8 or e4m3"), std::string::npos) << bad.status().ToString();
+}
+
 TEST(RunSupportTest, BadModeOptionsAreNamed) {
   const KvOptions defaults;
   for (const char* spec : {"specache:1/sellect=spec", "specache:1/topk=many", "specache:1/mass=lots",

@@ -76,10 +76,12 @@ Status ApplyModeOption(const std::string& option, KvOptions* o) {
     SPECACHE_ASSIGN_OR_RETURN(o->cached_rows, ParseCount(key, value));
   } else if (key == "seed") {
     SPECACHE_ASSIGN_OR_RETURN(o->seed_rows, ParseCount(key, value));
+  } else if (key == "host-rows") {
+    o->host_rows = value;
   } else {
     return Status::InvalidArgument("unknown mode option '" + option +
                                    "' (select=, topk=, topk-real=, next, no-next, resident, no-resident, mass=, k-min=, k-max=, "
-                                   "cached-rows=, seed=, reduction=)");
+                                   "cached-rows=, seed=, reduction=, host-rows=)");
   }
   return Status::Ok();
 }
@@ -129,7 +131,8 @@ Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   c.mass = o.mass;
   c.k_min = o.k_min;
   c.k_max = o.k_max;
-  c.seed_rows = c.mode == KvMode::kSpeCache ? o.seed_rows : 0;  // (full, kivi and the others have no row cache to seed)
+  c.seed_rows = c.mode == KvMode::kSpeCache ? o.seed_rows : 0;
+  SPECACHE_ASSIGN_OR_RETURN(c.round_host_rows, ParseHostRowRounding(o.host_rows));  // (full, kivi and the others have no row cache to seed)
   if (c.fetches_rows() && c.cached_rows == 0) c.cached_rows = std::max(kDefaultCachedRows, 2 * c.max_selected());
   return c;
 }
@@ -162,6 +165,7 @@ std::string ModeLabel(const KvConfig& c) {
   if (c.cached_rows != d.cached_rows) label += "+cache" + std::to_string(c.cache_rows());
   if (c.reduction != d.reduction) label += "+" + std::string(GroupReductionName(c.reduction));
   if (c.seed_rows != d.seed_rows) label += "+seed" + std::to_string(c.seed_rows);
+  if (c.round_host_rows != d.round_host_rows) label += "+host-" + std::string(HostRowRoundingName(c.round_host_rows));
   return label;
 }
 

@@ -62,6 +62,9 @@ struct KvOptions {
   // the grid (docs/method.md): with the rules above, full precision's needles at 0.37x the paper
   // rule's fetched bytes. The library's KvConfig seeds nothing unless asked (it needs the prompt's q).
   int seed_rows = 1024;
+  // KvConfig::round_host_rows by name: none, int8, e4m3 (the rows written to host memory rounded
+  // to an 8-bit format's values; the CPU backend only; measures fidelity, saves no bytes yet).
+  std::string host_rows = "none";
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")
   std::string backend = "auto";        // agent backend: auto (cuda when a GPU is usable), cpu, cuda
@@ -69,7 +72,8 @@ struct KvOptions {
 // `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too. Selection
 // options may follow, each after a '/', overriding the command line's for this mode:
 // select=spec|real|union, topk=K, topk-real=K, next, no-next, resident, no-resident, mass=P,
-// k-min=K, k-max=K, cached-rows=N; e.g. "specache:1/select=union/resident".
+// k-min=K, k-max=K, cached-rows=N, seed=N, reduction=mean|max, host-rows=none|int8|e4m3;
+// e.g. "specache:1/select=union/resident".
 Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode = "");
 // "full", "kivi-1bit", "specache-2bit", ...; a selection other than the defaults' is appended,
 // e.g. "specache-1bit+union64+resident" (safe in file names).

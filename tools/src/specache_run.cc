@@ -83,6 +83,10 @@ void AddKvOptions(CLI::App* app, KvOptions* o) {
                   "rows selected; at least the rows selected)")
       ->capture_default_str();
   app->add_option("--reduction", o->reduction, "GQA reduction of scores for top-k: mean or max")->capture_default_str();
+  app->add_option("--host-rows", o->host_rows,
+                  "round the full-precision rows written to host memory to an 8-bit format's values: none, int8, "
+                  "e4m3 (CPU backend; measures what an 8-bit host copy costs in fidelity, the pages still hold fp16)")
+      ->capture_default_str();
   AddSelectionOptions(app, o);
   app->add_option("--kv-memory", o->kv_memory,
                   "where the full-precision KV lives: embedded (a specached inside this process), daemon, process")

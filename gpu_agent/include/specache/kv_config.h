@@ -64,6 +64,22 @@ enum class SelectFrom {
 std::string_view SelectFromName(SelectFrom select);
 Result<SelectFrom> ParseSelectFrom(std::string_view name);
 
+// Rounding of the full-precision rows the agent writes to its source (KvConfig::round_host_rows):
+// the values of an 8-bit host copy of the KV, which would halve the host RAM a sequence needs and
+// the bytes each fetched row moves over the host link. Each row's key half and value half
+// (head_dim channels each) get one scale: the half's largest magnitude maps to the format's
+// largest value (kInt8: 127, symmetric integers; kE4m3: 448, the OCP FP8 E4M3 format, round to
+// nearest even), the scale itself rounded to fp16, as the format would store it.
+enum class HostRowRounding {
+  kNone,  // the rows as computed (fp16)
+  kInt8,
+  kE4m3,
+};
+
+// "none", "int8", "e4m3".
+std::string_view HostRowRoundingName(HostRowRounding rounding);
+Result<HostRowRounding> ParseHostRowRounding(std::string_view name);
+
 struct KvConfig {
   KvMode mode = KvMode::kSpeCache;
   int key_bits = 1;          // 1, 2, 4 or 16 (16 = fp16 pass-through)
@@ -99,6 +115,12 @@ struct KvConfig {
   // seeds leave the cache before any fetched row, the least attended first. Both backends, the
   // same seeds and ranks (the CUDA agent's kernels compute the CPU's scores in the CPU's order).
   int seed_rows = 0;
+  // The rows written to the source are first rounded to this 8-bit format (HostRowRounding), so
+  // that every row fetched back, and every row a kept sequence holds, has the values an 8-bit host
+  // copy would give; what the attention computes at prefill and in the residual window stays
+  // fp16. The source still stores fp16 rows: this measures what the format costs in fidelity, not
+  // yet the host memory and link bytes it would save. CPU agent only (the CUDA agent refuses it).
+  HostRowRounding round_host_rows = HostRowRounding::kNone;
 
   // The bits that actually apply: kFull stores everything in 16 bits whatever key_bits say.
   int effective_key_bits() const { return mode == KvMode::kFull ? 16 : key_bits; }

@@ -451,6 +451,9 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
     return Status::InvalidArgument("fetch_sm_share must be in [0, 1]");
   }
   if (options.plan_threads < 1) return Status::InvalidArgument("plan_threads must be at least 1");
+  if (config.round_host_rows != HostRowRounding::kNone) {
+    return Status::Unimplemented("round_host_rows (8-bit host rows, a fidelity measure) runs on the CPU agent only");
+  }
   if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
     return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +
                                    " and k_max + top_k_real up to " + std::to_string(cuda::kMaxBudgetMerge));

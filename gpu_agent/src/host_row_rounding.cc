@@ -1,0 +1,46 @@
+#include "host_row_rounding.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace specache {
+
+float RoundToE4m3(float x) {
+  const float a = std::fabs(x);
+  if (!(a > 0.0f)) return x;  // zeros (and NaN) as they are
+  if (a >= kE4m3Largest) return std::copysign(kE4m3Largest, x);
+  int e = 0;
+  std::frexp(a, &e);  // a = f x 2^e, f in [0.5, 1): a's leading bit is 2^(e - 1)
+  // Three fraction bits below the leading one; subnormals share the smallest normal's step.
+  const float step = std::ldexp(1.0f, std::max(e - 1, -6) - 3);
+  const float rounded = std::nearbyint(a / step) * step;  // the default rounding mode: ties to even
+  return std::copysign(std::min(rounded, kE4m3Largest), x);
+}
+
+void RoundHalfRow(HostRowRounding rounding, Half* values, int n) {
+  if (rounding == HostRowRounding::kNone || n <= 0) return;
+  float largest = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float v = std::fabs(HalfToFloat(values[i]));
+    if (std::isfinite(v)) largest = std::max(largest, v);
+  }
+  const float top = rounding == HostRowRounding::kInt8 ? kInt8Largest : kE4m3Largest;
+  const float scale = RoundToHalf(largest / top);  // as stored
+  if (!(scale > 0.0f)) {
+    for (int i = 0; i < n; ++i) {
+      if (std::isfinite(HalfToFloat(values[i]))) values[i] = FloatToHalf(0.0f);
+    }
+    return;
+  }
+  for (int i = 0; i < n; ++i) {
+    const float v = HalfToFloat(values[i]);
+    if (!std::isfinite(v)) continue;
+    // The stored scale may round below largest / top: the codes then clamp to the format's range.
+    const float q = v / scale;
+    const float code = rounding == HostRowRounding::kInt8 ? std::clamp(std::round(q), -kInt8Largest, kInt8Largest)
+                                                          : RoundToE4m3(q);
+    values[i] = FloatToHalf(code * scale);
+  }
+}
+
+}  // namespace specache
