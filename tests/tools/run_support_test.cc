@@ -100,6 +100,7 @@ TEST(RunSupportTest, HostRowRoundingIsAModeOption) {
   o.host_rows = "e4m3";
   EXPECT_EQ(ToConfig(o, "specache:1")->round_host_rows, HostRowRounding::kE4m3);
   EXPECT_EQ(ToConfig(o, "specache:1/host-rows=none")->round_host_rows, HostRowRounding::kNone);
+  for (const char* mode : {"full", "kivi:1"}) EXPECT_EQ(ToConfig(o, mode)->round_host_rows, HostRowRounding::kNone) << mode;
   const auto bad = ToConfig(KvOptions{}, "specache:1/host-rows=fp8");
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("none, int8 or e4m3"), std::string::npos) << bad.status().ToString();
