@@ -52,6 +52,7 @@ Status RowFetcher::Init() {
   selected_.assign(shape_.n_layers, nullptr);
   fetched_.assign(shape_.n_layers, nullptr);
   appended_.assign(shape_.n_layers, nullptr);
+  joined_.assign(shape_.n_layers, 0);
   for (int l = 0; l < shape_.n_layers; ++l) {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&appended_[l], cudaEventDisableTiming), "event"));
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&selected_[l], cudaEventDisableTiming), "event"));
@@ -450,6 +451,7 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 // (waiting for an event before its record is no wait at all); the same holds for sm_fetched_[L],
 // which the worker's job records.
 Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
+  joined_[layer] = 0;  // a new fetch of the layer: the compute stream has yet to wait for it
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());  // two StartFetch without a WaitFetched between
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids, /*by_copy_engine=*/copy_engine_ != nullptr));
   // std::function copies its callable: the work travels behind a shared pointer.
@@ -504,6 +506,7 @@ Status RowFetcher::WaitFetched(int layer) {
   const int deferred = deferred_ ? deferred_->layer : -1;
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());
   if (deferred >= 0 && options_.fetch_overlap == FetchOverlap::kWithinNextAttention) join_layer_ = deferred;
+  if (joined_[layer]) return Status::Ok();  // waited for already (DecodeLayer after WaitPrefetch)
   if (worker_) {
     const auto waiting = std::chrono::steady_clock::now();
     const Status s = worker_->Wait(layer);
@@ -519,7 +522,9 @@ Status RowFetcher::WaitFetched(int layer) {
   if (sm_fetch_) {  // the copy engine's SM share of the layer (an older record when it had none)
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, sm_fetched_[layer], 0), "wait for the fetch"));
   }
-  return CudaStatus(cudaStreamWaitEvent(compute_, fetched_[layer], 0), "wait for the fetch");
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, fetched_[layer], 0), "wait for the fetch"));
+  joined_[layer] = 1;
+  return Status::Ok();
 }
 
 Status RowFetcher::WaitForFetchStream() const {

@@ -152,7 +152,9 @@ class RowFetcher {
   // (stream order, no host wait). Staged: first waits on the host until the worker queued that
   // fetch's copies, and returns its error (the source's, with context) if it failed; the failed
   // fetch's sequences then hold no rows at the layer (the attention substitutes none) until their
-  // next fetch.
+  // next fetch. Once it succeeded for a layer, later calls until the layer's next StartFetch only
+  // queue a deferred fetch: the compute stream already waits (the agent's DecodeLayer after the
+  // engine's WaitPrefetch).
   Status WaitFetched(int layer);
   // Waits on the host until the fetch stream is idle (staged: and the worker ran every fetch
   // handed to it; their errors stay for WaitFetched).
@@ -283,6 +285,9 @@ class RowFetcher {
   // (TopKCandidates), and the selection's own event (selected_, on the planner's selection
   // stream) does not order that write. The deferred fetch starts later on the compute stream.
   std::vector<cudaEvent_t> appended_;
+  // [layer]: the compute stream waits for the layer's last fetch already (WaitFetched succeeded
+  // since the layer's last StartFetch).
+  std::vector<uint8_t> joined_;
   cudaEvent_t deferred_start_ = nullptr;          // where on the compute stream the deferred fetch begins
   // The seeding's stream (made at the first SeedFrom), where it starts on the compute stream, and
   // its end, which the compute stream waits for.
