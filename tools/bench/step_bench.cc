@@ -728,7 +728,8 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   std::printf("       ratio = ms_fetch / ms_no_fetch (goal <= 1.05); GBps_to_hide = fetched bytes per step over the\n"
               "       layers' own time: above what the gather reaches (specache-bench gather), the fetch cannot hide.\n"
               "       Random data, a fresh input every step: selections barely repeat, so reuse (and the hidden\n"
-              "       share of the fetch) is the worst case; a real model reuses about half (specache-bench reuse).\n");
+              "       share of the fetch) is the worst case; with the default row cache a real model fetched\n"
+              "       0.065-0.29 of its selected rows (docs/performance.md, the throughput table).\n");
   return ok;
 }
 
