@@ -11,6 +11,11 @@
 #include "specache/chunk_mapping.h"
 
 namespace specache::client {
+
+// A sequence's geometry (client.h) is the daemon's pages' (shm_layout.h): here, beside the mapped
+// pages that follow it.
+uint64_t PageLayoutSpec::row_bytes() const { return shm::RowBytes(head_dim); }
+uint64_t PageLayoutSpec::page_bytes() const { return shm::PageBytes(n_kv_heads, page_tokens, head_dim); }
 namespace {
 
 // A descriptor the daemon passed: at least `bytes` long and sealed against shrinking.

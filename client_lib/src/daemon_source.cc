@@ -3,8 +3,15 @@
 #include <cstring>
 
 #include "sequence_registry.h"
+#include "specache/shm_layout.h"
 
 namespace specache::client {
+
+// The agent's sources (full_precision_source.h) and the daemon's pages (shm_layout.h) write the
+// same geometry down apart; this source reads the daemon's pages with the agent's.
+static_assert(SequenceLayout{1, 8, 128}.row_bytes() == static_cast<int64_t>(shm::RowBytes(128)) &&
+              PageRowOffset(3, 5, 64, SequenceLayout{1, 8, 128}.row_bytes()) ==
+                  static_cast<int64_t>(shm::RowOffsetInPage(3, 5, 64, 128)));
 
 // A sequence whose pages are in this process's mapped chunks: [layer][page] addresses, entries
 // below `pages` set. Sized once for the whole capacity: other heads read entries while one

@@ -112,7 +112,7 @@ struct RemoteSession::Impl {
   // Client-side gets: consecutive rows of one page are one get.
   Status Gets(uint64_t sequence, uint32_t layer, uint32_t kv_head, std::span<const int32_t> tokens, void* out,
               const PageLayoutSpec& l) {
-    const uint64_t row_bytes = uint64_t{2} * l.head_dim * 2;
+    const uint64_t row_bytes = l.row_bytes();
     if (layer >= l.n_layers || kv_head >= l.n_kv_heads) {  // as the daemon's gather refuses them
       return Status::OutOfRange("layer " + std::to_string(layer) + " / KV head " + std::to_string(kv_head) +
                                 " outside the sequence's layout (" + std::to_string(l.n_layers) + " layers, " +
@@ -144,8 +144,8 @@ struct RemoteSession::Impl {
         ++j;
       }
       const shm::PageRef& ref = (*refs)[page];
-      const uint64_t in_page = static_cast<uint32_t>(first) % l.page_tokens;
-      const uint64_t offset = ref.offset + (uint64_t{kv_head} * l.page_tokens + in_page) * row_bytes;
+      const uint32_t in_page = static_cast<uint32_t>(first) % l.page_tokens;
+      const uint64_t offset = ref.offset + shm::RowOffsetInPage(kv_head, in_page, l.page_tokens, l.head_dim);
       const Status got = endpoint->Get(ref.chunk, offset, staging.data() + i * row_bytes, (j - i) * row_bytes);
       if (!got.ok()) {
         // The gets already issued write into staging: done with before it may be reused or grown.
@@ -238,7 +238,7 @@ Status RemoteSession::Keep(uint64_t sequence) {
 Status RemoteSession::WriteRows(uint64_t sequence, uint32_t layer, uint32_t kv_head, uint32_t first_token,
                                 const void* rows, size_t bytes) {
   SPECACHE_ASSIGN_OR_RETURN(PageLayoutSpec l, impl_->LayoutOf(sequence));
-  const uint64_t row_bytes = uint64_t{2} * l.head_dim * 2;
+  const uint64_t row_bytes = l.row_bytes();
   if (bytes % row_bytes != 0) return Status::InvalidArgument("rows must be whole rows of " + std::to_string(row_bytes) + " bytes");
   if (bytes / row_bytes > remote::kMaxRowsPerRequest) {
     return Status::InvalidArgument("a write of " + std::to_string(bytes / row_bytes) + " rows: at most " +

@@ -209,10 +209,8 @@ Result<const SequencePages*> Registry::RemoteSequenceLocked(uint64_t session, co
 
 uint8_t* Registry::RowAddressLocked(const Session& s, const SequencePages& p, uint32_t layer, uint32_t kv_head,
                                     uint32_t token) const {
-  // Page layout [kv_head][token][K|V][head_dim] fp16 (shm_layout.h).
-  const uint64_t row_bytes = uint64_t{2} * p.layout.head_dim * 2;
   const uint32_t page = token / p.layout.page_tokens, in_page = token % p.layout.page_tokens;
-  return PageAddress(s, p.pages[layer][page]) + (uint64_t{kv_head} * p.layout.page_tokens + in_page) * row_bytes;
+  return PageAddress(s, p.pages[layer][page]) + shm::RowOffsetInPage(kv_head, in_page, p.layout.page_tokens, p.layout.head_dim);
 }
 
 Result<std::vector<uint8_t>> Registry::ReadRows(uint64_t session, const Token& token, uint64_t sequence,
@@ -222,7 +220,7 @@ Result<std::vector<uint8_t>> Registry::ReadRows(uint64_t session, const Token& t
   Session* s = nullptr;
   SPECACHE_ASSIGN_OR_RETURN(const SequencePages* p, RemoteSequenceLocked(session, token, sequence, layer, kv_head, &s));
   const uint64_t limit = uint64_t{p->pages_per_layer} * p->layout.page_tokens;
-  const uint64_t row_bytes = uint64_t{2} * p->layout.head_dim * 2;
+  const uint64_t row_bytes = p->layout.row_bytes();
   if (tokens.size() * row_bytes > max_bytes) {
     return Status::ResourceExhausted("a reply of " + std::to_string(tokens.size() * row_bytes) + " bytes (" +
                                      std::to_string(tokens.size()) + " rows) does not fit the " + std::to_string(max_bytes) +
@@ -248,7 +246,7 @@ Status Registry::WriteRows(uint64_t session, const Token& token, uint64_t sequen
   Session* s = nullptr;
   SPECACHE_ASSIGN_OR_RETURN(const SequencePages* p, RemoteSequenceLocked(session, token, sequence, layer, kv_head, &s));
   const uint64_t limit = uint64_t{p->pages_per_layer} * p->layout.page_tokens;
-  const uint64_t row_bytes = uint64_t{2} * p->layout.head_dim * 2;
+  const uint64_t row_bytes = p->layout.row_bytes();
   if (rows.size() != n * row_bytes) {
     return Status::InvalidArgument("a write of " + std::to_string(n) + " rows of " + std::to_string(row_bytes) +
                                    " bytes came with " + std::to_string(rows.size()) + " bytes");

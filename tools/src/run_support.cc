@@ -206,7 +206,8 @@ Result<std::unique_ptr<KvMemory>> OpenKvMemory(const KvOptions& o, const LlamaMo
   m.capacity_tokens = static_cast<uint32_t>(model.config().context_length);
   const LlamaConfig& c = model.config();
   const uint64_t pages = (m.capacity_tokens + m.page_tokens - 1) / m.page_tokens;
-  const uint64_t page_bytes = uint64_t{static_cast<uint32_t>(c.n_kv_heads)} * m.page_tokens * 2 * c.head_dim * 2;
+  const uint64_t page_bytes = uint64_t{static_cast<uint32_t>(c.n_kv_heads)} * m.page_tokens *
+                              static_cast<uint64_t>(SequenceLayout{c.n_layers, c.n_kv_heads, c.head_dim}.row_bytes());
   // Whole pages per layer at full context, plus a chunk of slack for page placement.
   m.session_bytes = uint64_t(sequences) * c.n_layers * pages * page_bytes + (uint64_t{16} << 20);
   return KvMemory::Open(m);

@@ -47,13 +47,14 @@ struct ClientOptions {
   std::string client_name;  // shown by specachectl sessions
 };
 
-struct PageLayoutSpec {
+struct SPECACHE_CLIENT_API PageLayoutSpec {
   uint32_t n_layers = 0;
   uint32_t n_kv_heads = 0;
   uint32_t head_dim = 0;
   uint32_t page_tokens = 64;
   uint32_t capacity_tokens = 0;  // most tokens the sequence will hold
-  uint64_t page_bytes() const { return uint64_t{n_kv_heads} * page_tokens * 2 * head_dim * 2; }
+  uint64_t row_bytes() const;   // one token's [K|V][head_dim] fp16 of one KV head
+  uint64_t page_bytes() const;  // [n_kv_heads][page_tokens] rows
 };
 
 struct TenantUsage {

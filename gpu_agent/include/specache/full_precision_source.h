@@ -36,7 +36,7 @@ struct SequenceLayout {
   int head_dim = 0;
 
   // Bytes of one row ([K|V] fp16).
-  int64_t row_bytes() const { return int64_t{2} * head_dim * static_cast<int64_t>(sizeof(Half)); }
+  constexpr int64_t row_bytes() const { return int64_t{2} * head_dim * static_cast<int64_t>(sizeof(Half)); }
 };
 
 // Byte offset of a row within its page ([kv_head][token][K|V][head_dim]): token `in_page` of

@@ -86,9 +86,17 @@ inline const PageRef* Refs(const void* region) {
                                           size_t{Header(region)->slot_count} * sizeof(SequenceSlot));
 }
 
-// Bytes of one page of this geometry.
+// The pages' geometry, the one place it is written down on this side (the agent's
+// full_precision_source.h states the same for its sources; client_lib checks they agree).
+// A row: one token's key and value of one KV head, [K|V][head_dim] fp16.
+inline constexpr uint64_t RowBytes(uint32_t head_dim) { return uint64_t{2} * head_dim * 2; }
+// Bytes of one page: [kv_head][token][row].
 inline constexpr uint64_t PageBytes(uint32_t n_kv_heads, uint32_t page_tokens, uint32_t head_dim) {
-  return uint64_t{n_kv_heads} * page_tokens * 2 * head_dim * 2;
+  return uint64_t{n_kv_heads} * page_tokens * RowBytes(head_dim);
+}
+// Where token `in_page` of a page (token % page_tokens) of KV head kv_head starts in the page.
+inline constexpr uint64_t RowOffsetInPage(uint32_t kv_head, uint32_t in_page, uint32_t page_tokens, uint32_t head_dim) {
+  return (uint64_t{kv_head} * page_tokens + in_page) * RowBytes(head_dim);
 }
 
 }  // namespace specache::shm

@@ -27,6 +27,7 @@ struct PageLayout {
   uint32_t capacity_tokens = 0;
 
   uint64_t page_bytes() const { return shm::PageBytes(n_kv_heads, page_tokens, head_dim); }
+  uint64_t row_bytes() const { return shm::RowBytes(head_dim); }
   uint32_t pages_capacity_per_layer() const { return (capacity_tokens + page_tokens - 1) / page_tokens; }
 };
 
