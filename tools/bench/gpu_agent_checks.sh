@@ -8,12 +8,16 @@
 #   here:     tools/bench/gpu_agent_checks.sh bundle   # build, then .bundle/agent.tar.xz (~35 MB)
 #   GPU host: tools/bench/gpu_agent_checks.sh run      # every stage, results to $OUT (default ./gpu-out)
 #             tools/bench/gpu_agent_checks.sh tests    # one stage: tests, sanitize, step, model
+#             tools/bench/gpu_agent_checks.sh profile  # not in run: where the 32 x 8K step's host and GPU time go
+#   here, after: tools/profile/host_profile.py OUT/samples_N.txt --binary build/tools/specache-bench --within
+#             CudaAgent::DecodeLayer (each N; OUT/timeline_summary.txt has the GPU's side)
 #
 # SHARES (default "0 0.3") are the fetch_sm_share values the step and the whole model compare;
 # SANITIZE (default: the two device-tensor tests) the gtest filter compute-sanitizer runs, TOOLS
 # (default memcheck) its tools: racecheck takes 50-125 s a test on the H200, so run it as a stage
 # of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s, each tool 150, step 90,
-# each share of the model 60: `run` stays under 8 minutes with the default TOOLS. Each stage
+# each share of the model 60: `run` stays under 8 minutes with the default TOOLS; profile: 100 and
+# 3 x 90 (~5 minutes). Each stage
 # prints a line "stage: exit N, S s"; the script's exit status is the tests' (a failing or
 # missing GPU fails, SPECACHE_REQUIRE_GPU=1).
 set -uo pipefail
@@ -28,18 +32,24 @@ tools=${TOOLS:-memcheck}
 if [ "$stage" = bundle ]; then
   set -e
   build=${BUILD_DIR:-build}
-  nice -n 10 cmake --build "$build" -j2 --target gpu_agent_device_test specache-bench specache-run
+  nice -n 10 cmake --build "$build" -j2 --target gpu_agent_device_test specache-bench specache-run specache_host_sampler
+  cmake --build "$build" -j2 --target specache_gpu_timeline 2>/dev/null || true  # where CUPTI was found
   rm -rf "$bundle"
   tools/gpu-bundle "$bundle" "$build/tests/gpu_agent_device_test" "$build/tools/specache-bench" \
     "$build/tools/specache-run"
+  # The profile stage's preloaded libraries (their symbols are not needed: they sample, not are sampled).
+  mkdir -p "$bundle/profile"
+  for lib in libspecache_host_sampler.so libspecache_gpu_timeline.so; do
+    [ -f "$build/tools/$lib" ] && cp "$build/tools/$lib" "$bundle/profile/" && strip --strip-debug "$bundle/profile/$lib"
+  done
   tar -C .bundle -cf - agent | xz -T2 -6 > .bundle/agent.tar.xz
   du -sh .bundle/agent.tar.xz
   exit 0
 fi
 
 case "$stage" in
-  run | tests | sanitize | step | model) ;;
-  *) sed -n 2,18p "$0" >&2; exit 2 ;;
+  run | tests | sanitize | step | model | profile) ;;
+  *) sed -n 2,22p "$0" >&2; exit 2 ;;
 esac
 if [ ! -x "$bundle/run" ]; then
   [ -s .bundle/agent.tar.xz ] || { echo "gpu_agent_checks: no .bundle/agent.tar.xz (run the bundle stage here first)" >&2; exit 1; }
@@ -83,6 +93,22 @@ if [ "$stage" = run ] || [ "$stage" = model ]; then
     timed "model_8k_share_$share" 60 "$bundle/run" specache-run bench --shape llama3-8b --gpu-mem-budget 48GB \
       --context 8192 --steps 16 --kv specache --fetch-sm-share "$share"
     grep -A1 "^ *8192 specache" "$out/model_8k_share_$share.txt"
+  done
+fi
+if [ "$stage" = profile ]; then
+  # One profiled 32 x 8K step without the fetch (the host paces it: performance.md): the GPU's
+  # kernels and gaps (CUPTI; it slows the host's launches, so read which gaps, not their sum), then
+  # the main thread sampled every 25 us over that step in three runs (SPECACHE_SAMPLE_STOP=1).
+  cupti=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)")
+  timed timeline 100 env SPECACHE_TIMELINE_OUT="$out/timeline.csv" LD_LIBRARY_PATH="$cupti" \
+    LD_PRELOAD="$PWD/$bundle/profile/libspecache_gpu_timeline.so" "$bundle/run" specache-bench step --tokens 8192 \
+    --batches 32 --profile-step --profile-no-fetch
+  [ -s "$out/timeline.csv" ] && python3 tools/profile/gpu_timeline.py "$out/timeline.csv" > "$out/timeline_summary.txt" 2>&1
+  head -3 "$out/timeline_summary.txt" 2>/dev/null
+  for i in 1 2 3; do
+    timed "samples_run_$i" 90 env SPECACHE_SAMPLE_OUT="$out/samples_$i.txt" SPECACHE_SAMPLE_US=25 SPECACHE_SAMPLE_STOP=1 \
+      LD_PRELOAD="$PWD/$bundle/profile/libspecache_host_sampler.so" "$bundle/run" specache-bench step --tokens 8192 \
+      --batches 32 --profile-step --profile-no-fetch
   done
 fi
 exit "$tests_rc"
