@@ -218,9 +218,16 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     for (int32_t t = 0; t < n; ++t) {
       std::copy_n(keys.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d);
       std::copy_n(values.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d + d);
-      RoundHostRow(config_.round_host_rows, rows.data() + static_cast<size_t>(t) * 2 * d, d);
     }
-    errors[item] = source_->AppendRows(batch.sequences[s], layer, h, 0, rows.data(), n).WithContext("source");
+    // The source gets the rows rounded (KvConfig::round_host_rows); the seeds below keep the
+    // prompt's own fp16 rows, as on a GPU, where they never leave the device.
+    std::vector<Half> rounded;
+    if (config_.round_host_rows != HostRowRounding::kNone) {
+      rounded = rows;
+      for (int32_t t = 0; t < n; ++t) RoundHostRow(config_.round_host_rows, rounded.data() + static_cast<size_t>(t) * 2 * d, d);
+    }
+    errors[item] = source_->AppendRows(batch.sequences[s], layer, h, 0, rounded.empty() ? rows.data() : rounded.data(), n)
+                       .WithContext("source");
     if (!errors[item].ok()) return;
     HeadState& head = states[s]->heads[layer][h];
     head.replica.Append(keys.data(), values.data(), n);

@@ -39,7 +39,10 @@ void RoundHalfRow(HostRowRounding rounding, Half* values, int n) {
     const float q = v / scale;
     const float code = rounding == HostRowRounding::kInt8 ? std::clamp(std::round(q), -kInt8Largest, kInt8Largest)
                                                           : RoundToE4m3(q);
-    values[i] = FloatToHalf(code * scale);
+    // The stored scale may also round up: a code times it can pass fp16's largest value, which the
+    // format's own decoding would saturate, not overflow.
+    constexpr float kHalfLargest = 65504.0f;
+    values[i] = FloatToHalf(std::clamp(code * scale, -kHalfLargest, kHalfLargest));
   }
 }
 

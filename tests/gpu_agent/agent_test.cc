@@ -552,6 +552,48 @@ TEST(AgentTest, ARowCacheSeededAtPrefillFetchesNothingItHoldsAndChangesNoOutput)
   EXPECT_EQ(sb.bytes_fetched, 0);
 }
 
+// KvConfig::round_host_rows rounds what goes to the source, not the seeds: they come from the
+// prompt's own rows (on a GPU they never leave the device). With every candidate seeded nothing is
+// fetched, so an agent whose source rows are rounded decodes exactly as one whose are not.
+TEST(AgentTest, SeedsKeepThePromptsOwnRowsWhenTheSourcesAreRounded) {
+  std::mt19937 rng(37);
+  const int n = 200;  // 192 quantized keys at R = 64
+  Prompt p(n, rng);
+  KvConfig plain = Config(KvMode::kSpeCache, 1, 16);
+  plain.cached_rows = 256;
+  plain.seed_rows = 256;  // every candidate
+  KvConfig rounded = plain;
+  rounded.round_host_rows = HostRowRounding::kInt8;
+  Fixture a(plain), b(rounded);
+  const SequenceId ids[] = {3};
+  const int32_t offsets[] = {0, n};
+  for (Fixture* f : {&a, &b}) {
+    ASSERT_TRUE(f->agent->AddSequence(3).ok());
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      ASSERT_TRUE(f->agent->PrefillLayer(l, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), nullptr}).ok());
+    }
+  }
+  const size_t qw = 4 * 64, kw = 2 * 64;
+  for (int step = 0; step < 4; ++step) {
+    const StepKind kind = step == 0 ? StepKind::kPreDecode : StepKind::kDecode;
+    const int rows = a.agent->RowsPerSequence(kind);
+    std::vector<float> q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
+                       v = testing::RandomFloats(rows * kw, rng);
+    std::vector<float> out_a(rows * qw), out_b(rows * qw);
+    for (auto [f, out] : {std::pair{&a, &out_a}, std::pair{&b, &out_b}}) {
+      ASSERT_TRUE(StepAllLayers(f->agent.get(), kind, ids, {q.data(), k.data(), v.data(), out->data()}).ok());
+    }
+    EXPECT_EQ(out_a, out_b) << "step " << step;
+  }
+  EXPECT_EQ(b.agent->stats().rows_fetched, 0);
+  // The source's rows themselves are rounded (host_row_rounding_test.cc checks their values).
+  std::vector<Half> row_a(2 * 64), row_b(2 * 64);
+  const int32_t token = 5;
+  ASSERT_TRUE(a.source.ReadRows(3, 0, 0, &token, 1, row_a.data()).ok());
+  ASSERT_TRUE(b.source.ReadRows(3, 0, 0, &token, 1, row_b.data()).ok());
+  EXPECT_NE(row_a, row_b);
+}
+
 // KvConfig::seed_rows in part, in a ragged batch with GQA: each (sequence, layer, KV head)'s cache
 // starts with cpu::SeedTokens of its own last prompt token's query heads over its own keys, so
 // the pre-decode step's fetch reuses exactly the selected tokens among those seeds; then steps

@@ -145,6 +145,15 @@ TEST(HostRowRoundingTest, ZerosStayZerosAndNonFiniteValuesAreLeftAlone) {
     EXPECT_EQ(HalfToFloat(odd[10]), -3.0f);  // the largest finite magnitude is exact in both formats
     EXPECT_NEAR(HalfToFloat(odd[0]), 1.5f, 1.5f / 16);
   }
+  // fp16's largest value: its scale rounds up, and a code times it would pass 65504 (inf).
+  for (HostRowRounding r : {HostRowRounding::kInt8, HostRowRounding::kE4m3}) {
+    std::vector<Half> big(64, FloatToHalf(1.0f));
+    big[0] = FloatToHalf(65504.0f);
+    big[1] = FloatToHalf(-65504.0f);
+    RoundHalfRow(r, big.data(), 64);
+    EXPECT_EQ(HalfToFloat(big[0]), 65504.0f) << HostRowRoundingName(r);
+    EXPECT_EQ(HalfToFloat(big[1]), -65504.0f) << HostRowRoundingName(r);
+  }
   std::mt19937 rng(1);
   const std::vector<Half> row = TwoScaleRow(64, rng);
   std::vector<Half> same = row;
