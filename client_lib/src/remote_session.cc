@@ -260,13 +260,13 @@ Status RemoteSession::ReadRows(uint64_t sequence, uint32_t layer, uint32_t kv_he
                                void* out, FetchMethod method) {
   SPECACHE_ASSIGN_OR_RETURN(PageLayoutSpec l, impl_->LayoutOf(sequence));
   if (method == FetchMethod::kClientGets) return impl_->Gets(sequence, layer, kv_head, tokens, out, l);
-  return impl_->Gather(sequence, layer, kv_head, tokens, out, uint64_t{2} * l.head_dim * 2);
+  return impl_->Gather(sequence, layer, kv_head, tokens, out, l.row_bytes());
 }
 
 Result<uint64_t> RemoteSession::StartRead(uint64_t sequence, uint32_t layer, uint32_t kv_head,
                                           std::span<const int32_t> tokens, void* out) {
   SPECACHE_ASSIGN_OR_RETURN(PageLayoutSpec l, impl_->LayoutOf(sequence));
-  return impl_->StartGather(sequence, layer, kv_head, tokens, out, uint64_t{2} * l.head_dim * 2);
+  return impl_->StartGather(sequence, layer, kv_head, tokens, out, l.row_bytes());
 }
 
 Status RemoteSession::WaitRead(uint64_t read) { return impl_->endpoint->Wait(read, impl_->NextDeadline()); }

@@ -131,11 +131,11 @@ Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   c.mass = o.mass;
   c.k_min = o.k_min;
   c.k_max = o.k_max;
-  c.seed_rows = c.mode == KvMode::kSpeCache ? o.seed_rows : 0;
+  c.seed_rows = c.mode == KvMode::kSpeCache ? o.seed_rows : 0;  // (full, kivi and the others have no row cache to seed)
   // Only the modes that fetch rows read any back (full, kivi and a fidelity run's full reference
   // take the same options; a CUDA agent would refuse the rounding).
   SPECACHE_ASSIGN_OR_RETURN(const HostRowRounding rounding, ParseHostRowRounding(o.host_rows));
-  c.round_host_rows = c.fetches_rows() ? rounding : HostRowRounding::kNone;  // (full, kivi and the others have no row cache to seed)
+  c.round_host_rows = c.fetches_rows() ? rounding : HostRowRounding::kNone;
   if (c.fetches_rows() && c.cached_rows == 0) c.cached_rows = std::max(kDefaultCachedRows, 2 * c.max_selected());
   return c;
 }

@@ -545,7 +545,10 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   model->SetDecodeGraphs(o.model_graphs);
   // Measured once, before any mode: a failure leaves the rows without their link figures.
   const Result<double> link = HostToDeviceBytesPerSecond(model->stream());
-  if (!link.ok()) std::fprintf(stderr, "bench: the H2D link could not be measured: %s\n", link.status().ToString().c_str());
+  if (!link.ok()) {
+    (void)cudaGetLastError();  // a failed allocation leaves CUDA's last error set: the first mode would report it
+    std::fprintf(stderr, "bench: the H2D link could not be measured: %s\n", link.status().ToString().c_str());
+  }
   Bench bench(o, model.get(), baseline_free, link.ok() ? *link : 0.0);
   std::fprintf(stderr,
                "bench: %s shape, RANDOM weights (%.2f GB fp16), %s (%.0f GB), budget %.1f GB, host MemAvailable %.0f GB, "

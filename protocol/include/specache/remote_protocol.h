@@ -23,6 +23,7 @@
 #include <string>
 
 #include "specache/attach_protocol.h"
+#include "specache/shm_layout.h"
 #include "specache/status.h"
 
 namespace specache::remote {
@@ -37,7 +38,7 @@ enum AmId : uint16_t { kHello = 1, kGather = 2, kWrite = 3, kPages = 4, kReply =
 inline constexpr uint32_t kMaxRowsPerRequest = 1 << 16;
 // The largest row: one token's K and V in fp16 at the largest head_dim a layout may have (1024,
 // ValidatePageLayout). A kWrite of n rows carries at most n times this.
-inline constexpr uint32_t kMaxRowBytes = 2 * 1024 * 2;
+inline constexpr uint32_t kMaxRowBytes = static_cast<uint32_t>(shm::RowBytes(1024));
 
 struct Hello {
   uint32_t magic = kMagic;
