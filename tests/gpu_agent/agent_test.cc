@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -508,6 +509,37 @@ TEST(AgentTest, PrefetchSelectsTopKOfQuantizedTokensAndCountsReuse) {
   EXPECT_EQ(s.device_bytes_reserved, s.device_bytes);  // the CPU backend allocates nothing ahead
 }
 
+// Two agents side by side: one prompt of n tokens as sequence 3 (a store-only prefill given q),
+// then `steps` steps (a pre-decode, then decodes) of the same random rows, whose outputs must be
+// equal; after each step `after_step(step)` may check more.
+void PrefillSideBySide(Fixture* a, Fixture* b, Prompt* p, int n) {
+  const SequenceId ids[] = {3};
+  const int32_t offsets[] = {0, n};
+  for (Fixture* f : {a, b}) {
+    ASSERT_TRUE(f->agent->AddSequence(3).ok());
+    for (int l = 0; l < kShape.n_layers; ++l) {
+      ASSERT_TRUE(f->agent->PrefillLayer(l, {ids, offsets, p->q.data(), p->k.data(), p->v.data(), nullptr}).ok());
+    }
+  }
+}
+void DecodeSideBySide(Fixture* a, Fixture* b, int steps, std::mt19937& rng,
+                      const std::function<void(int)>& after_step = {}) {
+  const SequenceId ids[] = {3};
+  const size_t qw = size_t(kShape.n_q_heads) * 64, kw = size_t(kShape.n_kv_heads) * 64;
+  for (int step = 0; step < steps; ++step) {
+    const StepKind kind = step == 0 ? StepKind::kPreDecode : StepKind::kDecode;
+    const int rows = a->agent->RowsPerSequence(kind);
+    std::vector<float> q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
+                       v = testing::RandomFloats(rows * kw, rng);
+    std::vector<float> out_a(rows * qw), out_b(rows * qw);
+    for (auto [f, out] : {std::pair{a, &out_a}, std::pair{b, &out_b}}) {
+      ASSERT_TRUE(StepAllLayers(f->agent.get(), kind, ids, {q.data(), k.data(), v.data(), out->data()}).ok());
+    }
+    EXPECT_EQ(out_a, out_b) << "step " << step;
+    if (after_step) after_step(step);
+  }
+}
+
 // KvConfig::seed_rows: a row cache seeded at prefill with every quantized token (the store-only
 // prefill given q) serves every later selection without a fetch, and, with only the selection
 // attended, changes no output or selection against the same run unseeded (which fetches).
@@ -520,30 +552,13 @@ TEST(AgentTest, ARowCacheSeededAtPrefillFetchesNothingItHoldsAndChangesNoOutput)
   KvConfig seeded = plain;
   seeded.seed_rows = 256;  // more than the candidates: all 192
   Fixture a(plain), b(seeded);
-  const SequenceId ids[] = {3};
-  const int32_t offsets[] = {0, n};
-  for (Fixture* f : {&a, &b}) {
-    ASSERT_TRUE(f->agent->AddSequence(3).ok());
-    for (int l = 0; l < kShape.n_layers; ++l) {
-      ASSERT_TRUE(f->agent->PrefillLayer(l, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), nullptr}).ok());
-    }
-  }
+  PrefillSideBySide(&a, &b, &p, n);
   EXPECT_GT(b.agent->stats().device_bytes, a.agent->stats().device_bytes);  // the seeds' rows
-  const size_t qw = 4 * 64, kw = 2 * 64;
-  for (int step = 0; step < 4; ++step) {
-    const StepKind kind = step == 0 ? StepKind::kPreDecode : StepKind::kDecode;
-    const int rows = a.agent->RowsPerSequence(kind);
-    std::vector<float> q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
-                       v = testing::RandomFloats(rows * kw, rng);
-    std::vector<float> out_a(rows * qw), out_b(rows * qw);
-    for (auto [f, out] : {std::pair{&a, &out_a}, std::pair{&b, &out_b}}) {
-      ASSERT_TRUE(StepAllLayers(f->agent.get(), kind, ids, {q.data(), k.data(), v.data(), out->data()}).ok());
-    }
-    EXPECT_EQ(out_a, out_b) << "step " << step;
+  DecodeSideBySide(&a, &b, 4, rng, [&](int step) {
     for (int l = 0; l < kShape.n_layers; ++l) {
       EXPECT_EQ(*a.agent->SelectedTokens(3, l, 1), *b.agent->SelectedTokens(3, l, 1)) << "step " << step;
     }
-  }
+  });
   const AgentStats sa = a.agent->stats(), sb = b.agent->stats();
   EXPECT_EQ(sa.rows_selected, sb.rows_selected);
   EXPECT_GT(sa.rows_fetched, 0);
@@ -565,26 +580,8 @@ TEST(AgentTest, SeedsKeepThePromptsOwnRowsWhenTheSourcesAreRounded) {
   KvConfig rounded = plain;
   rounded.round_host_rows = HostRowRounding::kInt8;
   Fixture a(plain), b(rounded);
-  const SequenceId ids[] = {3};
-  const int32_t offsets[] = {0, n};
-  for (Fixture* f : {&a, &b}) {
-    ASSERT_TRUE(f->agent->AddSequence(3).ok());
-    for (int l = 0; l < kShape.n_layers; ++l) {
-      ASSERT_TRUE(f->agent->PrefillLayer(l, {ids, offsets, p.q.data(), p.k.data(), p.v.data(), nullptr}).ok());
-    }
-  }
-  const size_t qw = 4 * 64, kw = 2 * 64;
-  for (int step = 0; step < 4; ++step) {
-    const StepKind kind = step == 0 ? StepKind::kPreDecode : StepKind::kDecode;
-    const int rows = a.agent->RowsPerSequence(kind);
-    std::vector<float> q = testing::RandomFloats(rows * qw, rng, 0.5f), k = testing::RandomFloats(rows * kw, rng),
-                       v = testing::RandomFloats(rows * kw, rng);
-    std::vector<float> out_a(rows * qw), out_b(rows * qw);
-    for (auto [f, out] : {std::pair{&a, &out_a}, std::pair{&b, &out_b}}) {
-      ASSERT_TRUE(StepAllLayers(f->agent.get(), kind, ids, {q.data(), k.data(), v.data(), out->data()}).ok());
-    }
-    EXPECT_EQ(out_a, out_b) << "step " << step;
-  }
+  PrefillSideBySide(&a, &b, &p, n);
+  DecodeSideBySide(&a, &b, 4, rng);
   EXPECT_EQ(b.agent->stats().rows_fetched, 0);
   // The source's rows themselves are rounded (host_row_rounding_test.cc checks their values).
   std::vector<Half> row_a(2 * 64), row_b(2 * 64);
