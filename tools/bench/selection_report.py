@@ -41,6 +41,8 @@ def rule(run):
     name += f" cache={run['cached_rows']}"
     if run.get("seed_rows"):
         name += f" seed={run['seed_rows']}"
+    if run.get("host_rows", "none") != "none":
+        name += f" host-rows={run['host_rows']}"
     return name
 
 

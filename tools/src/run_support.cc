@@ -264,6 +264,7 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
     j["attend_resident"] = c.attend_resident;
     j["mass"] = c.mass;
     j["seed_rows"] = c.seed_rows;
+    j["host_rows"] = std::string(HostRowRoundingName(c.round_host_rows));
     if (c.adaptive()) {
       j["k_min"] = c.k_min;
       j["k_max"] = c.k_max;
