@@ -91,6 +91,39 @@ def test_config_and_shape_read_back():
         agent.prefill_layer(1, [1], [0, 3], None, np.zeros((3, 8, 64), dtype=np.float32), k)
 
 
+def test_rounded_host_rows_change_only_what_is_fetched_back():
+    """KvConfig.round_host_rows: the rows the CPU agent writes to its source are rounded to 8 bits, so
+    the outputs move a little once rounded rows are fetched, and the configuration reads back."""
+    kv = specache.KvConfig("specache", bits=1, top_k=16, round_host_rows="int8")
+    assert kv.round_host_rows == "int8" and "host-rows=int8" in kv.describe()
+    with pytest.raises(specache.StatusError, match="INVALID_ARGUMENT"):
+        specache.KvConfig("specache", round_host_rows="fp8")
+    shape = specache.ModelShape(1, 2, 1, 64)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((200, 1, 64), dtype=np.float32)
+    steps = [[rng.standard_normal((2, n, 64), dtype=np.float32) for n in (2, 1, 1)] for _ in range(3)]
+    outs = []
+    for rounding in ("none", "int8"):
+        agent = specache.Agent(shape, specache.KvConfig("specache", bits=1, top_k=16, round_host_rows=rounding))
+        agent.add_sequence(1)
+        agent.prefill_layer(0, [1], [0, 200], None, k, k)  # store only
+        got = []
+        for i, kind in enumerate((specache.StepKind.PRE_DECODE, specache.StepKind.DECODE, specache.StepKind.DECODE)):
+            rows = agent.rows_per_sequence(kind)
+            sq, sk, sv = (a[:rows] for a in steps[i])
+            out = np.zeros_like(sq)
+            agent.begin_step(kind, [1])
+            agent.wait_prefetch(0)
+            agent.decode_layer(0, sq, sk, sv, out)
+            agent.start_prefetch(0)
+            agent.wait_prefetch(0)
+            agent.end_step()
+            got.append(out)
+        outs.append(np.concatenate([o.ravel() for o in got]))
+    assert not np.array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=0.05)
+
+
 def test_long_calls_release_the_gil():
     # A prefill of a few thousand tokens takes a while; another Python thread must keep running
     # meanwhile (the binding drops the GIL around the agent's work).
