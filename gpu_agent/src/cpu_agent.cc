@@ -218,16 +218,9 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
     for (int32_t t = 0; t < n; ++t) {
       std::copy_n(keys.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d);
       std::copy_n(values.data() + static_cast<size_t>(t) * d, d, rows.data() + static_cast<size_t>(t) * 2 * d + d);
+      RoundHostRow(config_.round_host_rows, rows.data() + static_cast<size_t>(t) * 2 * d, d);  // for the source only
     }
-    // The source gets the rows rounded (KvConfig::round_host_rows); the seeds below keep the
-    // prompt's own fp16 rows, as on a GPU, where they never leave the device.
-    std::vector<Half> rounded;
-    if (config_.round_host_rows != HostRowRounding::kNone) {
-      rounded = rows;
-      for (int32_t t = 0; t < n; ++t) RoundHostRow(config_.round_host_rows, rounded.data() + static_cast<size_t>(t) * 2 * d, d);
-    }
-    errors[item] = source_->AppendRows(batch.sequences[s], layer, h, 0, rounded.empty() ? rows.data() : rounded.data(), n)
-                       .WithContext("source");
+    errors[item] = source_->AppendRows(batch.sequences[s], layer, h, 0, rows.data(), n).WithContext("source");
     if (!errors[item].ok()) return;
     HeadState& head = states[s]->heads[layer][h];
     head.replica.Append(keys.data(), values.data(), n);
@@ -243,10 +236,13 @@ Status CpuAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
       // the seeds leave the cache before any fetched row, the weakest first.
       head.cache.used.resize(rank.size());
       for (size_t i = 0; i < rank.size(); ++i) head.cache.used[i] = -int64_t{rank[i]};
+      // The prompt's own fp16 rows (keys, values), not the source's (KvConfig::round_host_rows
+      // rounds those): on a GPU the seeds never leave the device.
       head.cache_rows.resize(head.cache.tokens.size() * 2 * static_cast<size_t>(d));
       for (size_t i = 0; i < head.cache.tokens.size(); ++i) {
-        std::copy_n(rows.data() + static_cast<size_t>(head.cache.tokens[i]) * 2 * d, 2 * d,
-                    head.cache_rows.data() + i * 2 * d);
+        const size_t token = static_cast<size_t>(head.cache.tokens[i]) * d;
+        std::copy_n(keys.data() + token, d, head.cache_rows.data() + i * 2 * d);
+        std::copy_n(values.data() + token, d, head.cache_rows.data() + i * 2 * d + d);
       }
     }
   });
