@@ -468,6 +468,26 @@ Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t seq
   return Status::Ok();
 }
 
+Result<uint32_t> Registry::PlaceClaimedLocked(uint64_t session, const Token& token, uint64_t sequence,
+                                              const PageLayout& layout, uint32_t pages_per_layer) {
+  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
+  SPECACHE_ASSIGN_OR_RETURN(const SequencePages* created, s->pages->CreateSequence(sequence, layout));
+  const uint32_t slot = created->slot;
+  // Its pages' tokens, at most the capacity (the last page may be partial: capacity_tokens need
+  // not be a multiple of page_tokens).
+  const uint64_t tokens = std::min<uint64_t>(uint64_t{pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
+  auto extended = s->pages->Extend(sequence, static_cast<uint32_t>(tokens));
+  if (!extended.ok()) {
+    (void)s->pages->Release(sequence);
+    return extended.status();
+  }
+  // The session's from here (a release or the session's end, which may come while the claim's copy
+  // runs, forgets it as for any sequence of the session).
+  sequence_owner_[sequence] = session;
+  return slot;
+}
+
 Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, const Token& token, uint64_t sequence,
                                                               const PageLayout& layout) {
   std::string tenant;
@@ -499,35 +519,12 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
     kept_->PutBack(std::move(taken));
     return why;
   };
-  uint32_t slot = 0;
-  Status placed = Status::Ok();
-  {
+  const Result<uint32_t> placed = [&] {
     std::lock_guard<std::mutex> lock(mu_);
-    auto s = Authorize(session, token);
-    if (s.ok()) placed = RequireAttached(**s);
-    else placed = s.status();
-    if (placed.ok()) {
-      auto created = (*s)->pages->CreateSequence(sequence, layout);
-      if (created.ok()) {
-        slot = (*created)->slot;
-        // Its pages' tokens, at most the capacity (the last page may be partial: capacity_tokens
-        // need not be a multiple of page_tokens).
-        const uint64_t tokens =
-            std::min<uint64_t>(uint64_t{taken.kept.pages_per_layer} * layout.page_tokens, layout.capacity_tokens);
-        auto extended = (*s)->pages->Extend(sequence, static_cast<uint32_t>(tokens));
-        if (!extended.ok()) {
-          (void)(*s)->pages->Release(sequence);
-          placed = extended.status();
-        }
-      } else {
-        placed = created.status();
-      }
-    }
-    // The session's from here (a release or the session's end, which may come while the copy
-    // below runs, forgets it as for any sequence of the session).
-    if (placed.ok()) sequence_owner_[sequence] = session;
-  }
-  if (!placed.ok()) return put_back(placed);
+    return PlaceClaimedLocked(session, token, sequence, layout, taken.kept.pages_per_layer);
+  }();
+  if (!placed.ok()) return put_back(placed.status());  // outside mu_, as every put-back
+  const uint32_t slot = *placed;
   // The copy, a batch of pages at a time under the lock (each batch checks that the session and
   // the sequence are still there: a session closed meanwhile gave its chunks back), so that other
   // sessions' calls wait for one batch at most, not for the whole sequence.

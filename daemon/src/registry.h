@@ -211,6 +211,11 @@ class Registry {
   Result<const SequencePages*> RemoteSequenceLocked(uint64_t session, const Token& token, uint64_t sequence,
                                                     uint32_t layer, uint32_t kv_head, Session** out);
   uint8_t* RowAddressLocked(const Session& s, const SequencePages& p, uint32_t layer, uint32_t kv_head, uint32_t token) const;
+  // ClaimSequence's place for the claimed sequence in the session: created and extended to its
+  // pages' tokens (at most its capacity), owned by the session; its slot. On an error nothing is
+  // left in the session. Caller holds mu_.
+  Result<uint32_t> PlaceClaimedLocked(uint64_t session, const Token& token, uint64_t sequence, const PageLayout& layout,
+                                      uint32_t pages_per_layer);
   // Forgets the session (under mu_); its chunks go back to the pool with ReturnChunks (without mu_).
   ChunkReturn ReclaimLocked(std::map<uint64_t, Session>::iterator it);
   void ReturnChunks(const std::vector<ChunkReturn>& returns);
