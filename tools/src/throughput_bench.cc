@@ -72,19 +72,18 @@ struct DeviceArray {
 // once, whatever route moves it, so tok/s x fetched bytes per token can never exceed it.
 Result<double> HostToDeviceBytesPerSecond(void* stream) {
   constexpr size_t kBytes = size_t{256} << 20;
-  struct Buffers {
+  struct PinnedAndEvents {
     void* host = nullptr;
-    void* device = nullptr;
     cudaEvent_t a = nullptr, b = nullptr;
-    ~Buffers() {
+    ~PinnedAndEvents() {
       cudaFreeHost(host);
-      cudaFree(device);
       if (a) cudaEventDestroy(a);
       if (b) cudaEventDestroy(b);
     }
   } m;
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMallocHost(&m.host, kBytes), "the link probe's pinned buffer"));
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMalloc(&m.device, kBytes), "the link probe's device buffer"));
+  DeviceArray<uint8_t> device(kBytes);
+  if (!device.p) return Status::ResourceExhausted("the link probe's device buffer");
   std::memset(m.host, 1, kBytes);  // touched, so that the copies do not time page faults
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreate(&m.a), "event"));
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreate(&m.b), "event"));
@@ -92,7 +91,7 @@ Result<double> HostToDeviceBytesPerSecond(void* stream) {
   std::vector<double> seconds;
   for (int i = 0; i < 6; ++i) {
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(m.a, s), "event"));
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(m.device, m.host, kBytes, cudaMemcpyHostToDevice, s), "link probe copy"));
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(device.p, m.host, kBytes, cudaMemcpyHostToDevice, s), "link probe copy"));
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(m.b, s), "event"));
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(m.b), "link probe copy"));
     float ms = 0;
