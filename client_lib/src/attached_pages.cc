@@ -14,8 +14,8 @@ namespace specache::client {
 
 // A sequence's geometry (client.h) is the daemon's pages' (shm_layout.h): here, beside the mapped
 // pages that follow it.
-uint64_t PageLayoutSpec::row_bytes() const { return shm::RowBytes(head_dim); }
-uint64_t PageLayoutSpec::page_bytes() const { return shm::PageBytes(n_kv_heads, page_tokens, head_dim); }
+uint64_t PageLayoutSpec::row_bytes() const { return shm::RowBytes(row_format, head_dim); }
+uint64_t PageLayoutSpec::page_bytes() const { return shm::PageBytes(row_format, n_kv_heads, page_tokens, head_dim); }
 namespace {
 
 // A descriptor the daemon passed: at least `bytes` long and sealed against shrinking.
@@ -76,7 +76,7 @@ Status AttachedPages::AddSlot(uint64_t sequence, uint32_t slot, const PageLayout
                        : 0;
   if (s.sequence_id != sequence || v.n_layers != want.n_layers || s.n_kv_heads != want.n_kv_heads ||
       s.head_dim != want.head_dim || v.page_tokens != want.page_tokens || v.capacity != want_capacity ||
-      v.page_bytes != want.page_bytes()) {
+      s.row_format != want.row_format || v.page_bytes != want.page_bytes()) {
     return Status::DataLoss("the daemon's page table slot " + std::to_string(slot) + " does not describe sequence " +
                             std::to_string(sequence) + " with the layout asked for");
   }

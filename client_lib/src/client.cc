@@ -219,7 +219,7 @@ Result<std::vector<SequenceRecord>> Client::ListSequences() {
   for (const auto& s : r.sequences()) {
     const auto& l = s.layout();
     out.push_back({s.sequence_id(), s.session_id(), s.tenant(),
-                   {l.n_layers(), l.n_kv_heads(), l.head_dim(), l.page_tokens(), l.capacity_tokens()},
+                   {l.n_layers(), l.n_kv_heads(), l.head_dim(), l.page_tokens(), l.capacity_tokens(), l.dtype()},
                    s.pages_per_layer(), s.bytes(), s.state()});
   }
   return out;

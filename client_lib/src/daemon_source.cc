@@ -1,17 +1,21 @@
 #include "specache/daemon_source.h"
 
-#include <cstring>
-
 #include "sequence_registry.h"
 #include "specache/shm_layout.h"
 
 namespace specache::client {
 
-// The agent's sources (full_precision_source.h) and the daemon's pages (shm_layout.h) write the
-// same geometry down apart; this source reads the daemon's pages with the agent's.
-static_assert(SequenceLayout{1, 8, 128}.row_bytes() == static_cast<int64_t>(shm::RowBytes(128)) &&
-              PageRowOffset(3, 5, 64, SequenceLayout{1, 8, 128}.row_bytes()) ==
-                  static_cast<int64_t>(shm::RowOffsetInPage(3, 5, 64, 128)));
+// The agent's sources (full_precision_source.h, host_rows.h) and the daemon's pages
+// (shm_layout.h) write the same geometry down apart; this source reads the daemon's pages with
+// the agent's, and the client passes the agent's row format to the daemon as its number.
+template <HostRowFormat kFormat, uint32_t kDaemonFormat>
+constexpr bool SameGeometry() {
+  constexpr SequenceLayout agent{1, 8, 128, kFormat};
+  return static_cast<uint32_t>(kFormat) == kDaemonFormat &&
+         agent.row_bytes() == static_cast<int64_t>(shm::RowBytes(kDaemonFormat, 128)) &&
+         PageRowOffset(3, 5, 64, agent.row_bytes()) == static_cast<int64_t>(shm::RowOffsetInPage(kDaemonFormat, 3, 5, 64, 128));
+}
+static_assert(SameGeometry<HostRowFormat::kFp16, shm::kRowFp16>() && SameGeometry<HostRowFormat::kInt8, shm::kRowInt8>());
 
 // A sequence whose pages are in this process's mapped chunks: [layer][page] addresses, entries
 // below `pages` set. Sized once for the whole capacity: other heads read entries while one
@@ -87,10 +91,10 @@ Status DaemonSource::AppendRows(SequenceId sequence, int layer, int kv_head, int
   SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s, layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(Registry::CheckNextRows("append", *length, first_token, n));
   SPECACHE_RETURN_IF_ERROR(EnsureMapped(*registry_, s, first_token + n));
-  const size_t row_bytes = static_cast<size_t>(s->layout.row_bytes());
+  const SequenceLayout& l = s->layout;
   for (int32_t i = 0; i < n; ++i) {
-    std::memcpy(RowAddress(*s, page_tokens_, layer, kv_head, first_token + i), rows + i * row_bytes / sizeof(Half),
-                row_bytes);
+    EncodeHostRows(l.row_format, rows + int64_t{i} * 2 * l.head_dim, 1, l.head_dim,
+                   RowAddress(*s, page_tokens_, layer, kv_head, first_token + i));
   }
   length->store(first_token + n, std::memory_order_release);
   return Status::Ok();
@@ -133,9 +137,10 @@ Status DaemonSource::ReadRows(SequenceId sequence, int layer, int kv_head, const
   SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));
   SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, Registry::LengthOf(s, layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(Registry::CheckWritten(*length, tokens, n));
-  const size_t row_bytes = static_cast<size_t>(s->layout.row_bytes());
+  const SequenceLayout& l = s->layout;
   for (int32_t i = 0; i < n; ++i) {
-    std::memcpy(out + i * row_bytes / sizeof(Half), RowAddress(*s, page_tokens_, layer, kv_head, tokens[i]), row_bytes);
+    DecodeHostRows(l.row_format, RowAddress(*s, page_tokens_, layer, kv_head, tokens[i]), 1, l.head_dim,
+                   out + int64_t{i} * 2 * l.head_dim);
   }
   return Status::Ok();
 }

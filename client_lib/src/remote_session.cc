@@ -145,7 +145,7 @@ struct RemoteSession::Impl {
       }
       const shm::PageRef& ref = (*refs)[page];
       const uint32_t in_page = static_cast<uint32_t>(first) % l.page_tokens;
-      const uint64_t offset = ref.offset + shm::RowOffsetInPage(kv_head, in_page, l.page_tokens, l.head_dim);
+      const uint64_t offset = ref.offset + shm::RowOffsetInPage(l.row_format, kv_head, in_page, l.page_tokens, l.head_dim);
       const Status got = endpoint->Get(ref.chunk, offset, staging.data() + i * row_bytes, (j - i) * row_bytes);
       if (!got.ok()) {
         // The gets already issued write into staging: done with before it may be reused or grown.

@@ -66,7 +66,8 @@ class SequenceRegistry {
       if (sequences_.count(sequence)) return Status::AlreadyExists("sequence " + std::to_string(sequence));
     }
     PageLayoutSpec spec{static_cast<uint32_t>(layout.n_layers), static_cast<uint32_t>(layout.n_kv_heads),
-                        static_cast<uint32_t>(layout.head_dim), page_tokens_, capacity_tokens_};
+                        static_cast<uint32_t>(layout.head_dim), page_tokens_, capacity_tokens_,
+                        static_cast<uint32_t>(layout.row_format)};
     SPECACHE_ASSIGN_OR_RETURN(uint64_t id, session_->CreateSequence(spec));
     auto s = std::make_unique<EntryT>(layout, (capacity_tokens_ + page_tokens_ - 1) / page_tokens_);
     s->daemon_id = id;

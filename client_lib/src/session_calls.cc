@@ -9,6 +9,7 @@ void FillLayout(const PageLayoutSpec& l, v1::SequenceLayout* out) {
   out->set_head_dim(l.head_dim);
   out->set_page_tokens(l.page_tokens);
   out->set_capacity_tokens(l.capacity_tokens);
+  out->set_dtype(l.row_format);
 }
 
 }  // namespace

@@ -18,7 +18,7 @@ Result<Token> TokenOf(const std::string& bytes) {
 }
 
 PageLayout LayoutOf(const v1::SequenceLayout& l) {
-  return {l.n_layers(), l.n_kv_heads(), l.head_dim(), l.page_tokens(), l.capacity_tokens()};
+  return {l.n_layers(), l.n_kv_heads(), l.head_dim(), l.page_tokens(), l.capacity_tokens(), l.dtype()};
 }
 
 void FillLayout(const PageLayout& l, v1::SequenceLayout* out) {
@@ -27,6 +27,7 @@ void FillLayout(const PageLayout& l, v1::SequenceLayout* out) {
   out->set_head_dim(l.head_dim);
   out->set_page_tokens(l.page_tokens);
   out->set_capacity_tokens(l.capacity_tokens);
+  out->set_dtype(l.row_format);
 }
 
 }  // namespace
@@ -100,7 +101,6 @@ grpc::Status ControlService::CreateSequence(grpc::ServerContext* ctx, const v1::
   auto token = TokenOf(req->token());
   if (!token.ok()) return Finish(token.status());
   if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
-  if (req->layout().dtype() != 0) return Finish(Status::InvalidArgument("dtype must be 0 (fp16)"));
   auto created = registry_->CreateSequence(req->session_id(), *token, LayoutOf(req->layout()));
   if (!created.ok()) return Finish(created.status());
   resp->set_sequence_id(created->first);

@@ -210,7 +210,7 @@ Result<const SequencePages*> Registry::RemoteSequenceLocked(uint64_t session, co
 uint8_t* Registry::RowAddressLocked(const Session& s, const SequencePages& p, uint32_t layer, uint32_t kv_head,
                                     uint32_t token) const {
   const uint32_t page = token / p.layout.page_tokens, in_page = token % p.layout.page_tokens;
-  return PageAddress(s, p.pages[layer][page]) + shm::RowOffsetInPage(kv_head, in_page, p.layout.page_tokens, p.layout.head_dim);
+  return PageAddress(s, p.pages[layer][page]) + shm::RowOffsetInPage(p.layout.row_format, kv_head, in_page, p.layout.page_tokens, p.layout.head_dim);
 }
 
 Result<std::vector<uint8_t>> Registry::ReadRows(uint64_t session, const Token& token, uint64_t sequence,

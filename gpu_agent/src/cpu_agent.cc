@@ -66,7 +66,8 @@ class CpuAgent final : public Agent {
   Status AddSequence(SequenceId id) override {
     if (sequences_.count(id)) return Status::AlreadyExists("sequence " + Id(id) + " is already registered");
     SPECACHE_RETURN_IF_ERROR(
-        source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim}).WithContext("source"));
+        source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim, config_.host_row_format})
+            .WithContext("source"));
     SequenceState state;
     state.heads.resize(shape_.n_layers);
     for (auto& layer : state.heads) layer.assign(shape_.n_kv_heads, HeadState(params_));
@@ -137,7 +138,8 @@ class CpuAgent final : public Agent {
   SequenceState& StepSequence(size_t i) { return sequences_.at(protocol_.ids()[i]); }
 
   void AddFetchCounts(const std::vector<FetchCounts>& counts) {
-    for (const FetchCounts& c : counts) specache::AddFetchCounts(c, shape_.head_dim, &counters_);
+    const int64_t row_bytes = HostRowBytes(config_.host_row_format, shape_.head_dim);
+    for (const FetchCounts& c : counts) specache::AddFetchCounts(c, row_bytes, &counters_);
   }
 
   // The full-precision rows the attention substitutes: the selection, or with attend_resident the

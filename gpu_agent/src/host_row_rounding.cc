@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "specache/host_rows.h"
+
 namespace specache {
 
 float RoundToE4m3(float x) {
@@ -19,13 +21,14 @@ float RoundToE4m3(float x) {
 
 void RoundHalfRow(HostRowRounding rounding, Half* values, int n) {
   if (rounding == HostRowRounding::kNone || n <= 0) return;
+  // One definition of int8 (host_rows.h): the values a stored int8 row reads back.
+  if (rounding == HostRowRounding::kInt8) return RoundTripInt8Half(values, n);
   float largest = 0.0f;
   for (int i = 0; i < n; ++i) {
     const float v = std::fabs(HalfToFloat(values[i]));
     if (std::isfinite(v)) largest = std::max(largest, v);
   }
-  const float top = rounding == HostRowRounding::kInt8 ? kInt8Largest : kE4m3Largest;
-  const float scale = RoundToHalf(largest / top);  // as stored
+  const float scale = RoundToHalf(largest / kE4m3Largest);  // as stored
   if (!(scale > 0.0f)) {
     for (int i = 0; i < n; ++i) {
       if (std::isfinite(HalfToFloat(values[i]))) values[i] = FloatToHalf(0.0f);
@@ -35,14 +38,10 @@ void RoundHalfRow(HostRowRounding rounding, Half* values, int n) {
   for (int i = 0; i < n; ++i) {
     const float v = HalfToFloat(values[i]);
     if (!std::isfinite(v)) continue;
-    // The stored scale may round below largest / top: the codes then clamp to the format's range.
-    const float q = v / scale;
-    const float code = rounding == HostRowRounding::kInt8 ? std::clamp(std::round(q), -kInt8Largest, kInt8Largest)
-                                                          : RoundToE4m3(q);
-    // The stored scale may also round up: a code times it can pass fp16's largest value, which the
+    // The stored scale may round up: a code times it can pass fp16's largest value, which the
     // format's own decoding would saturate, not overflow.
     constexpr float kHalfLargest = 65504.0f;
-    values[i] = FloatToHalf(std::clamp(code * scale, -kHalfLargest, kHalfLargest));
+    values[i] = FloatToHalf(std::clamp(RoundToE4m3(v / scale) * scale, -kHalfLargest, kHalfLargest));
   }
 }
 

@@ -10,19 +10,18 @@
 
 namespace specache {
 
-// The largest magnitude each format represents: a half-row's absolute maximum maps to it.
-constexpr float kInt8Largest = 127.0f;
+// The largest magnitude E4M3 represents: a half-row's absolute maximum maps to it.
 constexpr float kE4m3Largest = 448.0f;
 
 // x (finite, |x| <= 448) rounded to the nearest E4M3 value, ties to even: normal values
 // 2^e x (1 + m/8) for e in [-6, 8], subnormals m x 2^-9; |x| above 448 saturates to 448.
 float RoundToE4m3(float x);
 
-// `n` fp16 values rounded in place with one scale: their absolute maximum over the format's largest
-// value, rounded to fp16 (the stored scale), and each value as code x scale, where the code is the
-// value over the scale rounded to the format (kInt8: an integer in [-127, 127], round half away
-// from zero; kE4m3: RoundToE4m3). All zeros (or a scale that rounds to 0) stay zeros; a non-finite
-// value is left as it is (nothing an 8-bit format could store for it). kNone: unchanged.
+// `n` fp16 values rounded in place with one scale. kInt8: what a stored int8 row reads back
+// (host_rows.h, RoundTripInt8Half: one definition of the format; a half with a non-finite value
+// reads back all NaN). kE4m3: the scale is the values' largest finite magnitude over 448, rounded
+// to fp16, and each value becomes RoundToE4m3(value / scale) x scale; all zeros (or a scale that
+// rounds to 0) stay zeros, and a non-finite value is left as it is. kNone: unchanged.
 void RoundHalfRow(HostRowRounding rounding, Half* values, int n);
 
 // One source row, [2][head_dim] (key, then value): each half rounded with its own scale.

@@ -138,10 +138,9 @@ Status InMemorySource::AppendRows(SequenceId sequence, int layer, int kv_head, i
   SPECACHE_ASSIGN_OR_RETURN(Sequence * seq, Find(sequence, layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(CheckAppend(*seq, layer, kv_head, first_token, n));
   SPECACHE_RETURN_IF_ERROR(EnsurePages(seq, first_token + n, &lock));
-  const size_t row_bytes = static_cast<size_t>(seq->layout.row_bytes());
+  const SequenceLayout& l = seq->layout;
   for (int32_t i = 0; i < n; ++i) {
-    std::memcpy(RowAddress(*seq, layer, kv_head, first_token + i), reinterpret_cast<const uint8_t*>(rows) + i * row_bytes,
-                row_bytes);
+    EncodeHostRows(l.row_format, rows + int64_t{i} * 2 * l.head_dim, 1, l.head_dim, RowAddress(*seq, layer, kv_head, first_token + i));
   }
   seq->lengths[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head] = first_token + n;
   return Status::Ok();
@@ -152,13 +151,13 @@ Status InMemorySource::ReadRows(SequenceId sequence, int layer, int kv_head, con
   std::shared_lock lock(mutex_);
   SPECACHE_ASSIGN_OR_RETURN(const Sequence* seq, Find(sequence, layer, kv_head));
   const int32_t length = seq->lengths[static_cast<size_t>(layer) * seq->layout.n_kv_heads + kv_head];
-  const size_t row_bytes = static_cast<size_t>(seq->layout.row_bytes());
+  const SequenceLayout& l = seq->layout;
   for (int32_t i = 0; i < n; ++i) {
     if (tokens[i] < 0 || tokens[i] >= length) {
       return Status::OutOfRange("token " + std::to_string(tokens[i]) + " not written (length " +
                                 std::to_string(length) + ")");
     }
-    std::memcpy(reinterpret_cast<uint8_t*>(out) + i * row_bytes, RowAddress(*seq, layer, kv_head, tokens[i]), row_bytes);
+    DecodeHostRows(l.row_format, RowAddress(*seq, layer, kv_head, tokens[i]), 1, l.head_dim, out + int64_t{i} * 2 * l.head_dim);
   }
   return Status::Ok();
 }

@@ -144,7 +144,8 @@ std::string DescribeKvConfig(const KvConfig& c) {
     if (c.attend_resident) s += " attend-resident";
     if (c.seed_rows > 0) s += " seed=" + std::to_string(c.seed_rows);
   }
-  if (c.round_host_rows != HostRowRounding::kNone) s += " host-rows=" + std::string(HostRowRoundingName(c.round_host_rows));
+  if (c.host_row_format != HostRowFormat::kFp16) s += " host-rows=" + std::string(HostRowFormatName(c.host_row_format));
+  if (c.round_host_rows != HostRowRounding::kNone) s += " host-round=" + std::string(HostRowRoundingName(c.round_host_rows));
   return s;
 }
 

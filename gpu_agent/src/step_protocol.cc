@@ -9,11 +9,11 @@ namespace {
 std::string Id(SequenceId id) { return std::to_string(id); }
 }  // namespace
 
-void AddFetchCounts(const FetchCounts& c, int head_dim, AgentStats* stats) {
+void AddFetchCounts(const FetchCounts& c, int64_t row_bytes, AgentStats* stats) {
   stats->rows_selected += c.selected;
   stats->rows_fetched += c.fetched;
   stats->rows_reused += c.reused;
-  stats->bytes_fetched += c.fetched * 2 * head_dim * static_cast<int64_t>(sizeof(Half));
+  stats->bytes_fetched += c.fetched * row_bytes;
 }
 
 int32_t TopKCandidates(const KvConfig& config, bool appends, int32_t length, int32_t quantized_keys) {

@@ -27,7 +27,8 @@ struct FetchCounts {
   int64_t fetched = 0;
   int64_t reused = 0;
 };
-void AddFetchCounts(const FetchCounts& counts, int head_dim, AgentStats* stats);
+// row_bytes: of a row as the source stores it (HostRowBytes), what a fetched row moves.
+void AddFetchCounts(const FetchCounts& counts, int64_t row_bytes, AgentStats* stats);
 
 // How many leading tokens compete in a head's top-k this step. The next step's candidates are the
 // tokens quantized by then: if this step's append fills the key residual (`appends` and one token

@@ -36,7 +36,8 @@ Status ValidateSlot(const void* region, uint32_t slot, bool check_refs) {
   if (s.n_kv_heads > (1u << 16) || s.head_dim > (1u << 16) || s.page_tokens > (1u << 16)) {
     return Status::DataLoss("page table: slot dimension out of range");
   }
-  if (s.page_bytes != PageBytes(s.n_kv_heads, s.page_tokens, s.head_dim) || s.page_bytes > h->chunk_bytes) {
+  if (!KnownRowFormat(s.row_format)) return Status::DataLoss("page table: slot row format " + std::to_string(s.row_format));
+  if (s.page_bytes != PageBytes(s.row_format, s.n_kv_heads, s.page_tokens, s.head_dim) || s.page_bytes > h->chunk_bytes) {
     return Status::DataLoss("page table: slot page size inconsistent");
   }
   const uint64_t refs_needed = uint64_t{s.n_layers} * s.pages_capacity_per_layer;

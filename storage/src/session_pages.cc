@@ -28,6 +28,7 @@ Status ValidatePageLayout(const PageLayout& l, uint64_t chunk_bytes) {
   if (l.head_dim == 0 || l.head_dim > 1024 || l.head_dim % 8 != 0) return bad("head_dim must be a multiple of 8 in [8, 1024]");
   if (l.page_tokens == 0 || l.page_tokens > 65536) return bad("page_tokens must be in [1, 65536]");
   if (l.capacity_tokens == 0 || l.capacity_tokens > (1u << 24)) return bad("capacity_tokens must be in [1, 16M]");
+  if (!shm::KnownRowFormat(l.row_format)) return bad("row format (dtype) must be 0 (fp16) or 1 (int8)");
   if (l.page_bytes() > chunk_bytes) {
     return bad("a page of " + std::to_string(l.page_bytes()) + " bytes does not fit a chunk of " +
                std::to_string(chunk_bytes));
@@ -140,6 +141,7 @@ Result<const SequencePages*> SessionPages::CreateSequence(uint64_t id, const Pag
   sl->sequence_id = id;
   sl->page_bytes = layout.page_bytes();
   sl->first_ref = s.first_ref;
+  sl->row_format = layout.row_format;
   sl->state.store(shm::kSlotLive, std::memory_order_release);
   BumpGeneration();
   return &s;

@@ -32,7 +32,9 @@
 namespace specache {
 namespace {
 
-constexpr uint32_t kMetaVersion = 1;
+// A sequence's record: 1 had no row format (fp16 rows); 2 adds it after the layout's fields.
+constexpr uint32_t kMetaVersion = 2;
+constexpr uint32_t kMetaVersionFp16Only = 1;
 constexpr size_t kChecksumBytes = 8;
 constexpr size_t kBatchBytes = size_t{8} << 20;  // pages per write batch, by bytes
 constexpr uint32_t kRestoreThreads = 4;
@@ -109,7 +111,7 @@ std::string EncodeMeta(const SpilledSequence& m) {
   out += m.tenant;
   Put(&out, m.id);
   for (uint32_t f : {m.layout.n_layers, m.layout.n_kv_heads, m.layout.head_dim, m.layout.page_tokens,
-                     m.layout.capacity_tokens, m.pages_per_layer}) {
+                     m.layout.capacity_tokens, m.pages_per_layer, m.layout.row_format}) {
     Put(&out, f);
   }
   Put(&out, m.fingerprint);
@@ -119,7 +121,10 @@ std::string EncodeMeta(const SpilledSequence& m) {
 
 bool DecodeMeta(std::string_view in, SpilledSequence* m) {
   uint32_t version = 0, tenant_size = 0;
-  if (!Take(&in, &version) || version != kMetaVersion || !Take(&in, &tenant_size) || in.size() < tenant_size) return false;
+  if (!Take(&in, &version) || (version != kMetaVersion && version != kMetaVersionFp16Only) || !Take(&in, &tenant_size) ||
+      in.size() < tenant_size) {
+    return false;
+  }
   m->tenant.assign(in.data(), tenant_size);
   in.remove_prefix(tenant_size);
   uint32_t* fields[] = {&m->layout.n_layers, &m->layout.n_kv_heads, &m->layout.head_dim, &m->layout.page_tokens,
@@ -128,6 +133,8 @@ bool DecodeMeta(std::string_view in, SpilledSequence* m) {
   for (uint32_t* f : fields) {
     if (!Take(&in, f)) return false;
   }
+  m->layout.row_format = shm::kRowFp16;
+  if (version == kMetaVersion && !Take(&in, &m->layout.row_format)) return false;
   if (!Take(&in, &m->fingerprint) || !Take(&in, &m->spilled_unix_ms) || !in.empty()) return false;
   // What a restore and a claim index by must be what a client could have asked for: a layout
   // within the limits, its fingerprint, and no more pages a layer than its capacity holds (a
@@ -248,8 +255,10 @@ bool SupportsDirectIo(const std::string& dir) {
 }  // namespace
 
 uint64_t LayoutFingerprint(const PageLayout& l) {
-  const uint32_t fields[] = {l.n_layers, l.n_kv_heads, l.head_dim, l.page_tokens, l.capacity_tokens};
-  return XXH64(fields, sizeof fields, 0x5eca);
+  const uint32_t fields[] = {l.n_layers, l.n_kv_heads, l.head_dim, l.page_tokens, l.capacity_tokens, l.row_format};
+  // fp16 rows hash as before there were row formats, so records written then keep their fingerprint.
+  const size_t bytes = l.row_format == shm::kRowFp16 ? sizeof fields - sizeof fields[0] : sizeof fields;
+  return XXH64(fields, bytes, 0x5eca);
 }
 
 Result<std::unique_ptr<SpillStore>> SpillStore::Open(const SpillOptions& options) {

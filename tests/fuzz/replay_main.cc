@@ -57,7 +57,10 @@ std::vector<std::vector<uint8_t>> Seeds() {
   slot->capacity_tokens = 8;
   slot->pages_capacity_per_layer = 2;
   slot->pages_per_layer.store(2);
-  slot->page_bytes = shm::PageBytes(1, 4, 8);
+  slot->page_bytes = shm::PageBytes(shm::kRowFp16, 1, 4, 8);
+  seeds.push_back(table);
+  slot->row_format = shm::kRowInt8;  // the same slot with int8 rows
+  slot->page_bytes = shm::PageBytes(shm::kRowInt8, 1, 4, 8);
   seeds.push_back(table);
   return seeds;
 }

@@ -99,9 +99,9 @@ TEST(HostRowRoundingTest, Int8GivesEachHalfItsOwnScaleAndIntegerCodes) {
         ASSERT_GT(scale, 0.0f);
         for (int i = 0; i < d; ++i) {
           const float x = HalfToFloat(in[i]), y = HalfToFloat(out[i]);
-          const float code = std::round(x / scale);
-          // The value is its code times the stored scale, rounded to fp16 as it is written.
-          ASSERT_EQ(out[i], FloatToHalf(std::clamp(code, -127.0f, 127.0f) * scale)) << "d " << d << " half " << half;
+          const int code = static_cast<int>(std::clamp(std::round(x / scale), -127.0f, 127.0f));
+          // The value is its integer code times the stored scale, rounded to fp16 (a code of 0 is +0).
+          ASSERT_EQ(out[i], FloatToHalf(static_cast<float>(code) * scale)) << "d " << d << " half " << half;
           ASSERT_LE(std::fabs(x - y), 0.5f * scale + std::fabs(y) * std::ldexp(1.0f, -11)) << x << " -> " << y;
         }
       }
@@ -130,7 +130,7 @@ TEST(HostRowRoundingTest, E4m3KeepsThreeMantissaBitsOfEachValue) {
   }
 }
 
-TEST(HostRowRoundingTest, ZerosStayZerosAndNonFiniteValuesAreLeftAlone) {
+TEST(HostRowRoundingTest, ZerosStayZerosAndNonFiniteValuesAsEachFormatKeepsThem) {
   for (HostRowRounding r : {HostRowRounding::kInt8, HostRowRounding::kE4m3}) {
     std::vector<Half> zeros(64, FloatToHalf(0.0f));
     RoundHalfRow(r, zeros.data(), 64);
@@ -140,9 +140,15 @@ TEST(HostRowRoundingTest, ZerosStayZerosAndNonFiniteValuesAreLeftAlone) {
     odd[9] = FloatToHalf(std::numeric_limits<float>::quiet_NaN());
     odd[10] = FloatToHalf(-3.0f);
     RoundHalfRow(r, odd.data(), 64);
+    if (r == HostRowRounding::kInt8) {
+      // A stored int8 half has no code for them: the whole half reads back NaN (host_rows.h).
+      for (Half h : odd) EXPECT_TRUE(std::isnan(HalfToFloat(h)));
+      continue;
+    }
+    // E4M3 rounding leaves them as they are.
     EXPECT_TRUE(std::isinf(HalfToFloat(odd[3])));
     EXPECT_TRUE(std::isnan(HalfToFloat(odd[9])));
-    EXPECT_EQ(HalfToFloat(odd[10]), -3.0f);  // the largest finite magnitude is exact in both formats
+    EXPECT_EQ(HalfToFloat(odd[10]), -3.0f);  // the largest finite magnitude is exact
     EXPECT_NEAR(HalfToFloat(odd[0]), 1.5f, 1.5f / 16);
   }
   // fp16's largest value: its scale rounds up, and a code times it would pass 65504 (inf).
@@ -170,19 +176,34 @@ TEST(HostRowRoundingTest, NamesRoundTripAndUnknownOnesAreRefused) {
   EXPECT_NE(bad.status().message().find("int8"), std::string::npos);
   KvConfig c;
   c.round_host_rows = HostRowRounding::kE4m3;
-  EXPECT_NE(DescribeKvConfig(c).find("host-rows=e4m3"), std::string::npos);
+  EXPECT_NE(DescribeKvConfig(c).find("host-round=e4m3"), std::string::npos);
+  c.host_row_format = HostRowFormat::kInt8;
+  EXPECT_NE(DescribeKvConfig(c).find("host-rows=int8"), std::string::npos);
 }
 
 // The rows the CPU agent writes to its source, at prefill and for the real token of a decode
-// step, are the inputs' fp16 rows rounded as configured: what every later fetch reads back.
-TEST(HostRowRoundingTest, TheCpuAgentWritesRoundedRowsToItsSource) {
+// step, are the inputs' fp16 rows rounded as configured, or stored as int8 rows: what every later
+// fetch reads back. Stored int8 rows read back exactly int8 rounding's values, in 2 x head_dim + 16
+// bytes a row.
+TEST(HostRowRoundingTest, TheCpuAgentWritesRoundedOrEncodedRowsToItsSource) {
   const ModelShape shape{2, 4, 2, 64};
   const int d = shape.head_dim, n = 70;
   const size_t qw = size_t(shape.n_q_heads) * d, kw = size_t(shape.n_kv_heads) * d;
-  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3}) {
+  struct Variant {
+    HostRowRounding rounding;
+    HostRowFormat format;
+    HostRowRounding expect;  // the values read back
+  };
+  std::vector<std::vector<float>> outputs;  // each variant's decode outputs, in order
+  for (const Variant variant : {Variant{HostRowRounding::kNone, HostRowFormat::kFp16, HostRowRounding::kNone},
+                                Variant{HostRowRounding::kInt8, HostRowFormat::kFp16, HostRowRounding::kInt8},
+                                Variant{HostRowRounding::kE4m3, HostRowFormat::kFp16, HostRowRounding::kE4m3},
+                                Variant{HostRowRounding::kNone, HostRowFormat::kInt8, HostRowRounding::kInt8}}) {
+    const HostRowRounding r = variant.expect;
     KvConfig c;
     c.top_k = 8;
-    c.round_host_rows = r;
+    c.round_host_rows = variant.rounding;
+    c.host_row_format = variant.format;
     InMemorySource source;
     auto agent = CreateCpuAgent(shape, c, &source);
     ASSERT_TRUE(agent.ok()) << agent.status().ToString();
@@ -203,12 +224,15 @@ TEST(HostRowRoundingTest, TheCpuAgentWritesRoundedRowsToItsSource) {
         std::vector<float> sq = testing::RandomFloats(rows * qw, rng, 0.5f), sk = testing::RandomFloats(rows * kw, rng, 3.0f),
                            sv = testing::RandomFloats(rows * kw, rng), so(sq.size());
         ASSERT_TRUE(a.DecodeLayer(l, {sq.data(), sk.data(), sv.data(), so.data()}).ok());
+        if (l == 0 && kind == StepKind::kPreDecode) outputs.emplace_back();
+        outputs.back().insert(outputs.back().end(), so.begin(), so.end());
         ASSERT_TRUE(a.StartPrefetch(l).ok());
         ASSERT_TRUE(a.WaitPrefetch(l).ok());
         if (l == shape.n_layers - 1) last_k.assign(sk.begin(), sk.begin() + kw), last_v.assign(sv.begin(), sv.begin() + kw);
       }
       ASSERT_TRUE(a.EndStep().ok());
     }
+    EXPECT_EQ(source.stored_bytes(), int64_t{n + 1} * shape.n_layers * shape.n_kv_heads * HostRowBytes(variant.format, d));
     const int layer = shape.n_layers - 1;
     for (int h = 0; h < shape.n_kv_heads; ++h) {
       ASSERT_EQ(*source.Length(5, layer, h), n + 1);
@@ -223,10 +247,16 @@ TEST(HostRowRoundingTest, TheCpuAgentWritesRoundedRowsToItsSource) {
         for (int i = 0; i < d; ++i) expected[i] = FloatToHalf(key[i]), expected[d + i] = FloatToHalf(value[i]);
         RoundHostRow(r, expected.data(), d);
         const std::vector<Half> got(stored.begin() + size_t(t) * 2 * d, stored.begin() + size_t(t + 1) * 2 * d);
-        ASSERT_EQ(got, expected) << HostRowRoundingName(r) << " head " << h << " token " << t;
+        ASSERT_EQ(got, expected) << HostRowRoundingName(variant.rounding) << " " << HostRowFormatName(variant.format)
+                                 << " head " << h << " token " << t;
       }
     }
   }
+  // The attention over fetched rows: int8 rounding and stored int8 rows compute the same outputs,
+  // and not fp16 rows' outputs.
+  ASSERT_EQ(outputs.size(), 4u);
+  EXPECT_EQ(outputs[1], outputs[3]);
+  EXPECT_NE(outputs[0], outputs[3]);
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 #include <sys/un.h>
 
 #include <cstring>
+#include <random>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -395,6 +397,46 @@ TEST(DaemonSourceTest, AppendsStopAtTheCapacityEvenInsideTheLastPage) {
   EXPECT_EQ(source.HostPages(1, 0, 41, &pages).code(), StatusCode::kOutOfRange);
   EXPECT_EQ(*source.Length(1, 0, 0), 40);
   EXPECT_EQ(source.stored_bytes(), 40 * 2 * head_dim * static_cast<int64_t>(sizeof(Half)));
+}
+
+// int8 rows (SequenceLayout::row_format): the daemon's pages hold the encoded rows (host_rows.h)
+// at the int8 geometry, ReadRows decodes them, and the source counts their stored bytes.
+TEST(DaemonSourceTest, Int8RowsAreStoredEncodedInThePagesAndReadBackDecoded) {
+  auto d = StartWithSession();
+  ASSERT_TRUE(d);
+  const int page_tokens = 16, n_kv = 2, head_dim = 64, n = 37;
+  const int64_t row_bytes = HostRowBytes(HostRowFormat::kInt8, head_dim);
+  client::DaemonSource source(d->session.get(), page_tokens, 256);
+  ASSERT_TRUE(source.CreateSequence(9, {2, n_kv, head_dim, HostRowFormat::kInt8}).ok());
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<Half> rows(size_t(n) * 2 * head_dim);
+  for (Half& h : rows) h = FloatToHalf(normal(rng));
+  ASSERT_TRUE(source.AppendRows(9, 1, 1, 0, rows.data(), 30).ok());
+  ASSERT_TRUE(source.AppendRows(9, 1, 1, 30, rows.data() + 30 * 2 * head_dim, n - 30).ok());
+  std::vector<uint8_t> encoded(size_t(n) * row_bytes);
+  EncodeHostRows(HostRowFormat::kInt8, rows.data(), n, head_dim, encoded.data());
+  std::vector<uint8_t*> pages;
+  ASSERT_TRUE(source.HostPages(9, 1, n, &pages).ok());
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* in_page = pages[t / page_tokens] + PageRowOffset(1, t % page_tokens, page_tokens, row_bytes);
+    ASSERT_EQ(std::memcmp(in_page, encoded.data() + size_t(t) * row_bytes, size_t(row_bytes)), 0) << "token " << t;
+  }
+  std::vector<int32_t> tokens = {36, 0, 17, 16, 5};
+  std::vector<Half> back(tokens.size() * 2 * head_dim), want(back.size());
+  ASSERT_TRUE(source.ReadRows(9, 1, 1, tokens.data(), static_cast<int32_t>(tokens.size()), back.data()).ok());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    DecodeHostRows(HostRowFormat::kInt8, encoded.data() + size_t(tokens[i]) * row_bytes, 1, head_dim,
+                   want.data() + i * 2 * head_dim);
+  }
+  EXPECT_EQ(back, want);
+  EXPECT_EQ(source.stored_bytes(), int64_t{n} * row_bytes);
+  // The daemon lists the sequence with its row format and the int8 page size.
+  auto listed = d->client->ListSequences();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].layout.row_format, 1u);
+  EXPECT_EQ((*listed)[0].layout.page_bytes(), uint64_t(n_kv) * page_tokens * row_bytes);
 }
 
 TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {

@@ -210,6 +210,45 @@ TEST_F(RemoteTest, RemoteSourceServesTheAgentsCalls) {
   EXPECT_EQ(source.ReadRows(1, 1, 1, std::array<int32_t, 1>{40}.data(), 1, out.data()).code(), StatusCode::kOutOfRange);
 }
 
+// int8 rows over the network: what goes over UCX is the encoded rows (half the bytes at head_dim
+// 128), read back decoded by every read path: ReadRows, StartReadRows / FinishReadRows, with the
+// server's gather and with the client's gets.
+TEST_F(RemoteTest, RemoteSourceMovesInt8RowsAndDecodesThemOnEveryReadPath) {
+  StartDaemon(false, /*rma=*/true);  // the client's gets need the chunks exposed
+  auto c = Connect(Credentials("a"));
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  constexpr int kHeadDim = 128, kTokens = 40;
+  std::vector<Half> rows(size_t(kTokens) * 2 * kHeadDim);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal(0.0f, 1.5f);
+  for (Half& h : rows) h = FloatToHalf(normal(rng));
+  const int32_t tokens[] = {39, 3, 17, 16};
+  std::vector<Half> want(4 * 2 * kHeadDim);
+  for (int i = 0; i < 4; ++i) {
+    std::vector<uint8_t> one(HostRowBytes(HostRowFormat::kInt8, kHeadDim));
+    EncodeHostRows(HostRowFormat::kInt8, rows.data() + size_t(tokens[i]) * 2 * kHeadDim, 1, kHeadDim, one.data());
+    DecodeHostRows(HostRowFormat::kInt8, one.data(), 1, kHeadDim, want.data() + size_t(i) * 2 * kHeadDim);
+  }
+  for (FetchMethod method : {FetchMethod::kServerGather, FetchMethod::kClientGets}) {
+    auto s = RemoteSession::Open(c->get(), "a", 8 << 20, {method});
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    client::RemoteSource source(s->get(), 16, 256);
+    ASSERT_TRUE(source.CreateSequence(1, {1, 2, kHeadDim, HostRowFormat::kInt8}).ok());
+    ASSERT_TRUE(source.AppendRows(1, 0, 1, 0, rows.data(), kTokens).ok());
+    EXPECT_EQ(source.stored_bytes(), kTokens * HostRowBytes(HostRowFormat::kInt8, kHeadDim));
+    std::vector<Half> out(want.size());
+    ASSERT_TRUE(source.ReadRows(1, 0, 1, tokens, 4, out.data()).ok());
+    EXPECT_EQ(out, want) << "ReadRows, method " << static_cast<int>(method);
+    std::fill(out.begin(), out.end(), Half{0});
+    auto read = source.StartReadRows(1, 0, 1, tokens, 4, out.data());
+    ASSERT_TRUE(read.ok()) << read.status().ToString();
+    ASSERT_TRUE(source.FinishReadRows(*read).ok());
+    EXPECT_EQ(out, want) << "StartReadRows, method " << static_cast<int>(method);
+    const client::RemoteStats stats = (*s)->stats();
+    EXPECT_EQ(stats.rows_written, uint64_t{kTokens});
+  }
+}
+
 // A prefill of more rows than one request may carry (kMaxRowsPerRequest) goes in several; the
 // session's own WriteRows refuses such a write clearly instead of sending it (the daemon could not
 // parse its header, and the session would end waiting for an answer).

@@ -379,6 +379,45 @@ TEST(SpillTest, AClaimTakesAPartialLastPageAndRefusesAnotherLayoutFirst) {
   EXPECT_EQ(*from_disk, 3u * 2);
 }
 
+// A sequence's row format is part of its layout: int8 rows (row_format 1) take their own page size
+// (2 x head_dim + 16 bytes a row), and a kept sequence of int8 rows is claimed only as int8 rows,
+// from RAM and from disk; a claim as fp16 rows of the same dimensions is refused first.
+TEST(SpillTest, ASequenceOfInt8RowsIsClaimedOnlyWithItsRowFormat) {
+  TempDir spill;
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start("", {"--spill-dir", spill.path}));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  client::PageLayoutSpec int8_rows = kLayout;
+  int8_rows.row_format = 1;
+  ASSERT_EQ(int8_rows.page_bytes(), 2u * 16 * (2 * 64 + 16));
+  auto parked = WriteAndKeep(c.get(), 3, 40, int8_rows);
+  auto spilled = WriteAndKeep(c.get(), 4, 40, int8_rows);
+  ASSERT_TRUE(parked.ok() && spilled.ok()) << parked.status().ToString() << " " << spilled.status().ToString();
+  ASSERT_TRUE(WaitForKept(c.get(), 2));
+  ASSERT_TRUE(c->Spill(*spilled).ok());
+  auto listed = c->ListSequences();
+  ASSERT_TRUE(listed.ok());
+  for (const auto& s : *listed) EXPECT_EQ(s.layout.row_format, 1u) << s.id;
+
+  auto session = c->OpenSession("default", 8 << 20);
+  ASSERT_TRUE(session.ok());
+  for (uint64_t id : {*parked, *spilled}) {
+    auto refused = (*session)->Claim(id, kLayout);  // the same dimensions, fp16 rows
+    EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+  }
+  auto from_ram = ClaimAndCheck(c.get(), *parked, 3, int8_rows);
+  ASSERT_TRUE(from_ram.ok()) << from_ram.status().ToString();
+  EXPECT_EQ(*from_ram, 3u * 3);
+  auto from_disk = ClaimAndCheck(c.get(), *spilled, 4, int8_rows);
+  ASSERT_TRUE(from_disk.ok()) << from_disk.status().ToString();
+  EXPECT_EQ(*from_disk, 3u * 3);
+  // A format the daemon does not know is refused at creation.
+  client::PageLayoutSpec unknown = kLayout;
+  unknown.row_format = 2;
+  EXPECT_EQ((*session)->CreateSequence(unknown).status().code(), StatusCode::kInvalidArgument);
+}
+
 // A tenant keeps at most [limits] kept_sequences_per_tenant sequences, those marked to keep by its
 // live sessions included; claiming one makes room again. Another tenant's count is its own.
 TEST(SpillTest, ATenantKeepsAtMostItsLimitOfSequences) {

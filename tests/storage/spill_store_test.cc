@@ -36,10 +36,11 @@ using testing::TempDir;
 struct Pages {
   SpilledSequence meta;
   std::vector<std::vector<std::vector<uint8_t>>> data;
-  Pages(const std::string& tenant, uint64_t id, uint32_t layers, uint32_t pages, uint32_t seed) {
+  Pages(const std::string& tenant, uint64_t id, uint32_t layers, uint32_t pages, uint32_t seed,
+        uint32_t row_format = shm::kRowFp16) {
     meta.tenant = tenant;
     meta.id = id;
-    meta.layout = {layers, 2, 64, 16, 1024};
+    meta.layout = {layers, 2, 64, 16, 1024, row_format};
     meta.pages_per_layer = pages;
     std::mt19937 rng(seed);
     data.assign(layers, std::vector<std::vector<uint8_t>>(pages, std::vector<uint8_t>(meta.layout.page_bytes())));
@@ -165,6 +166,55 @@ TEST(SpillStoreTest, RoundTripsAndSurvivesReopening) {
   EXPECT_EQ((*store)->stats().stored_bytes, a2.meta.bytes() + b1.meta.bytes());
 }
 
+// A sequence's row format is part of its record and of its fingerprint (a claim matches it); a
+// record written before there were row formats (version 1, no such field) reads as fp16 rows with
+// the fingerprint it had then.
+TEST(SpillStoreTest, RowFormatsAreKeptAndRecordsFromBeforeThemReadAsFp16) {
+  TempDir dir;
+  const Pages int8_rows("alpha", 1, 2, 3, 1, shm::kRowInt8), fp16_rows("alpha", 2, 2, 3, 2);
+  ASSERT_EQ(int8_rows.meta.layout.page_bytes(), 2u * 16 * (2 * 64 + 16));
+  EXPECT_NE(LayoutFingerprint(int8_rows.meta.layout), LayoutFingerprint(fp16_rows.meta.layout));
+  {
+    auto store = SpillStore::Open({dir.path});
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(int8_rows.meta, int8_rows.Reader()).ok());
+    ASSERT_TRUE((*store)->Put(fp16_rows.meta, fp16_rows.Reader()).ok());
+  }
+  {  // alpha/2's record rewritten as version 1 wrote it: no row format field
+    rocksdb::DB* db = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), dir.path, &db).ok());
+    std::unique_ptr<rocksdb::DB> owned(db);
+    const std::string key = std::string("malpha") + '\0' + "0000000000000002";
+    std::string meta;
+    ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), key, &meta).ok());
+    const size_t row_format_at = 4 + 4 + 5 + 8 + 4 * 6;
+    uint32_t row_format = 7;
+    std::memcpy(&row_format, meta.data() + row_format_at, 4);
+    ASSERT_EQ(row_format, uint32_t{shm::kRowFp16});
+    meta.erase(row_format_at, 4);
+    const uint32_t version = 1;
+    std::memcpy(meta.data(), &version, 4);
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), key, meta).ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  auto store = SpillStore::Open({dir.path});
+  ASSERT_TRUE(store.ok());
+  EXPECT_TRUE((*store)->problems().empty()) << Joined((*store)->problems());
+  auto found = (*store)->Find("alpha", 1);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  EXPECT_EQ(found->layout.row_format, uint32_t{shm::kRowInt8});
+  EXPECT_EQ(found->fingerprint, LayoutFingerprint(int8_rows.meta.layout));
+  found = (*store)->Find("alpha", 2);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  EXPECT_EQ(found->layout.row_format, uint32_t{shm::kRowFp16});
+  EXPECT_EQ(found->fingerprint, LayoutFingerprint(fp16_rows.meta.layout));
+  for (const Pages* p : {&int8_rows, &fp16_rows}) {
+    std::vector<std::vector<std::vector<uint8_t>>> back;
+    ASSERT_TRUE(ReadBack(**store, *p, &back).ok());
+    EXPECT_EQ(back, p->data) << p->meta.id;
+  }
+}
+
 TEST(SpillStoreTest, ACorruptedPageIsReportedAndNeverServed) {
   TempDir dir;
   const Pages a("alpha", 3, 2, 3, 4);
@@ -217,7 +267,7 @@ TEST(SpillStoreTest, MetadataBeyondItsLayoutIsReportedNotListed) {
     ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), dir.path, &db).ok());
     std::unique_ptr<rocksdb::DB> owned(db);
     // version, tenant size, "alpha", id, then n_layers, n_kv_heads, head_dim, page_tokens,
-    // capacity_tokens, pages_per_layer (uint32 each)
+    // capacity_tokens, pages_per_layer, row_format (uint32 each)
     const size_t fields = 4 + 4 + 5 + 8;
     for (const auto& [id, field, value] : {std::tuple{3, 5, 65u}, std::tuple{4, 2, 0u}}) {
       std::string key = std::string("malpha") + '\0' + (id == 3 ? "0000000000000003" : "0000000000000004"), meta;

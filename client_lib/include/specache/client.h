@@ -53,7 +53,10 @@ struct SPECACHE_CLIENT_API PageLayoutSpec {
   uint32_t head_dim = 0;
   uint32_t page_tokens = 64;
   uint32_t capacity_tokens = 0;  // most tokens the sequence will hold
-  uint64_t row_bytes() const;   // one token's [K|V][head_dim] fp16 of one KV head
+  // How a row is stored: 0, fp16 ([K|V][head_dim]); 1, int8 codes with an fp16 scale per K and
+  // per V half (the agent's specache/host_rows.h has the bytes and the conversions).
+  uint32_t row_format = 0;
+  uint64_t row_bytes() const;   // one token's row of one KV head, in row_format
   uint64_t page_bytes() const;  // [n_kv_heads][page_tokens] rows
 };
 

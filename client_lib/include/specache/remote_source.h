@@ -2,7 +2,9 @@
 // appended rows are written over UCX, the top-k rows the agent selects are fetched over UCX (by
 // the session's method, the server-side gather by default; StartReadRows / FinishReadRows let the
 // agent's prefetch overlap the read with the engine's layers). No zero-copy access: the pages are
-// not in this host's memory, so a CUDA agent reads fetched rows from host buffers.
+// not in this host's memory, so a CUDA agent reads fetched rows from host buffers. Rows travel
+// in the sequence's row format (SequenceLayout::row_format): int8 rows move half the bytes, and
+// are decoded here, when a read finishes.
 //
 // Lengths are tracked here; the daemon checks every row list against the sequence's pages. The
 // only control call on the decode path is one ExtendSequence per page_tokens tokens.
@@ -41,10 +43,12 @@ class SPECACHE_CLIENT_API RemoteSource final : public FullPrecisionSource {
   Result<uint64_t> Keep(SequenceId sequence);
 
  private:
-  struct Registry;  // the sequences and their checks (sequence_registry.h)
+  struct Registry;      // the sequences and their checks (sequence_registry.h)
+  struct PendingReads;  // started reads whose rows are decoded when they finish
 
   RemoteSession* session_;
   std::unique_ptr<Registry> registry_;
+  std::unique_ptr<PendingReads> pending_;
 };
 
 }  // namespace specache::client

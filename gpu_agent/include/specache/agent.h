@@ -92,7 +92,7 @@ struct AgentStats {
   int64_t rows_selected = 0;         // top-k rows asked for, all steps
   int64_t rows_fetched = 0;          // rows read from the source (selected minus reused)
   int64_t rows_reused = 0;           // selected rows already resident from the previous step
-  int64_t bytes_fetched = 0;         // rows_fetched * row bytes
+  int64_t bytes_fetched = 0;         // rows_fetched * bytes of a row as the source stores it
   int64_t steps = 0;                 // EndStep calls of kind kDecode
   // Rows' commits the source refused (the CUDA agent's writes into the source's own pages): each
   // is tried once and the first error of a step reported by the next BeginStep; the sequences

@@ -1,9 +1,11 @@
 // Where the full-precision KV cache C lives: host memory the agent writes during prefill and
 // decode and reads rows back from when it fetches the top-k.
 //
-// A row is one (sequence, layer, KV head, token): [K | V] = [2][head_dim] fp16, K first, exactly
-// the row of a daemon page laid out [kv_head][token][K|V][head_dim] (docs/architecture.md), so one
-// fetched row is one contiguous 2 * head_dim * 2-byte read.
+// A row is one (sequence, layer, KV head, token): [K | V] = [2][head_dim] fp16, K first. The
+// source stores it in the sequence's row format (SequenceLayout::row_format, host_rows.h: fp16 as
+// it is, or int8 codes with two scales) and takes and returns it as fp16 (AppendRows, ReadRows).
+// A stored row is exactly the row of a daemon page laid out [kv_head][token][row]
+// (docs/architecture.md), so one fetched row is one contiguous read of HostRowBytes bytes.
 //
 // Implementations: InMemorySource (in_memory_source.h) for tests and the embedded demo; the
 // daemon-backed source of client_lib maps the daemon's pages.
@@ -13,8 +15,9 @@
 // GPU's address space and gathers with SM loads, never through a host copy; a source without
 // pages, such as client_lib's RemoteSource, is read into pinned host memory with StartReadRows /
 // FinishReadRows and written with AppendRows instead: the CUDA agent's staged path). A page holds
-// page_tokens() tokens of one (sequence, layer), laid out [kv_head][token][K|V][head_dim]; its
-// address is fixed until the sequence is released, and lies inside one of host_regions().
+// page_tokens() tokens of one (sequence, layer), laid out [kv_head][token][stored row]; its
+// address is fixed until the sequence is released, and lies inside one of host_regions(). Who
+// reads or writes pages in place reads and writes stored rows (the layout's row format).
 //
 // Thread safety: implementations must allow concurrent calls on distinct (sequence, layer, head)
 // triples; calls on one triple are serialised by the agent.
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "specache/half.h"
+#include "specache/host_rows.h"
 #include "specache/kv_config.h"
 #include "specache/status.h"
 
@@ -34,13 +38,16 @@ struct SequenceLayout {
   int n_layers = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
+  HostRowFormat row_format = HostRowFormat::kFp16;  // how the source stores the rows
 
-  // Bytes of one row ([K|V] fp16).
-  constexpr int64_t row_bytes() const { return int64_t{2} * head_dim * static_cast<int64_t>(sizeof(Half)); }
+  // Bytes of one stored row.
+  constexpr int64_t row_bytes() const { return HostRowBytes(row_format, head_dim); }
+  // Bytes of one row as the agent computes it ([K|V] fp16): what AppendRows takes and ReadRows returns.
+  constexpr int64_t fp16_row_bytes() const { return HostRowBytes(HostRowFormat::kFp16, head_dim); }
 };
 
-// Byte offset of a row within its page ([kv_head][token][K|V][head_dim]): token `in_page` of
-// the page (token % page_tokens) of KV head kv_head.
+// Byte offset of a stored row within its page ([kv_head][token][row]): token `in_page` of the
+// page (token % page_tokens) of KV head kv_head.
 constexpr int64_t PageRowOffset(int kv_head, int32_t in_page, int32_t page_tokens, int64_t row_bytes) {
   return (int64_t{kv_head} * page_tokens + in_page) * row_bytes;
 }
@@ -61,16 +68,17 @@ class FullPrecisionSource {
   // Frees every row of the sequence. NOT_FOUND for an unknown id.
   virtual Status ReleaseSequence(SequenceId sequence) = 0;
 
-  // Appends n rows ([n][2][head_dim] fp16) to (sequence, layer, kv_head) at token first_token,
+  // Appends n rows ([n][2][head_dim] fp16, stored in the layout's row format) to (sequence, layer, kv_head) at token first_token,
   // which must equal the current length of that triple (FAILED_PRECONDITION otherwise: rows are
   // written in order, never with holes). NOT_FOUND / OUT_OF_RANGE for bad ids or indices;
   // RESOURCE_EXHAUSTED when no page can be added.
   virtual Status AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
                             int32_t n) = 0;
 
-  // Copies the rows of the n given tokens to out ([n][2][head_dim]). Tokens need not be sorted;
-  // the agent sorts them because pages are then read in address order. OUT_OF_RANGE if a token
-  // is not yet written; nothing is guaranteed about `out` after an error.
+  // Copies the rows of the n given tokens to out ([n][2][head_dim] fp16, decoded from the layout's
+  // row format). Tokens need not be sorted; the agent sorts them because pages are then read in
+  // address order. OUT_OF_RANGE if a token is not yet written; nothing is guaranteed about `out`
+  // after an error.
   virtual Status ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
                           Half* out) const = 0;
 

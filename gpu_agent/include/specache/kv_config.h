@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "specache/host_rows.h"
 #include "specache/status.h"
 
 namespace specache {
@@ -65,8 +66,8 @@ std::string_view SelectFromName(SelectFrom select);
 Result<SelectFrom> ParseSelectFrom(std::string_view name);
 
 // Rounding of the full-precision rows the agent writes to its source (KvConfig::round_host_rows):
-// the values of an 8-bit host copy of the KV, which would halve the host RAM a sequence needs and
-// the bytes each fetched row moves over the host link. Each row's key half and value half
+// the values of an 8-bit host copy of the KV, with the rows still stored in fp16 (a fidelity
+// measure; KvConfig::host_row_format stores int8 rows for real). Each row's key half and value half
 // (head_dim channels each) get one scale: the half's largest magnitude maps to the format's
 // largest value (kInt8: 127, symmetric integers; kE4m3: 448, the OCP FP8 E4M3 format, round to
 // nearest even), the scale itself rounded to fp16, as the format would store it.
@@ -115,11 +116,16 @@ struct KvConfig {
   // seeds leave the cache before any fetched row, the least attended first. Both backends, the
   // same seeds and ranks (the CUDA agent's kernels compute the CPU's scores in the CPU's order).
   int seed_rows = 0;
+  // How the source stores the full-precision rows (host_rows.h): kInt8 halves the host memory a
+  // sequence takes and the bytes a fetched row moves, and every row fetched back, and every row
+  // a kept sequence holds, has the int8 format's values; what the attention computes at prefill
+  // and in the residual window stays fp16. A sequence kept with one format is claimed only with
+  // it. CPU agent only for now (the CUDA agent refuses kInt8 with UNIMPLEMENTED).
+  HostRowFormat host_row_format = HostRowFormat::kFp16;
   // The rows written to the source are first rounded to this 8-bit format (HostRowRounding), so
-  // that every row fetched back, and every row a kept sequence holds, has the values an 8-bit host
-  // copy would give; what the attention computes at prefill and in the residual window stays
-  // fp16. The source still stores fp16 rows: this measures what the format costs in fidelity, not
-  // yet the host memory and link bytes it would save. CPU agent only (the CUDA agent refuses it).
+  // that every row fetched back has the values an 8-bit host copy would give, while the source
+  // still stores fp16 rows: a measure of a format's fidelity before it is stored (kInt8 gives
+  // exactly host_row_format kInt8's values). CPU agent only (the CUDA agent refuses it).
   HostRowRounding round_host_rows = HostRowRounding::kNone;
 
   // The bits that actually apply: kFull stores everything in 16 bits whatever key_bits say.

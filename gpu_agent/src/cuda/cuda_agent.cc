@@ -430,7 +430,7 @@ AgentStats CudaAgent::stats() const {
   // The adaptive budget's rows are counted on the device (device.selected), the others on the host.
   AddFetchCounts({rows_.rows_selected() + static_cast<int64_t>(device.selected), static_cast<int64_t>(device.fetched),
                   static_cast<int64_t>(device.reused)},
-                 shape_.head_dim, &s);
+                 HostRowBytes(HostRowFormat::kFp16, shape_.head_dim), &s);  // (the CUDA agent stores fp16 rows)
   replicas_.AddStats(&s);
   rows_.AddStats(&s);
   s.device_bytes_reserved += pages_.device_bytes();
@@ -453,6 +453,11 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (options.plan_threads < 1) return Status::InvalidArgument("plan_threads must be at least 1");
   if (config.round_host_rows != HostRowRounding::kNone) {
     return Status::Unimplemented("round_host_rows (8-bit host rows, a fidelity measure) runs on the CPU agent only");
+  }
+  if (config.host_row_format != HostRowFormat::kFp16) {
+    return Status::Unimplemented("host_row_format " + std::string(HostRowFormatName(config.host_row_format)) +
+                                 " (stored 8-bit host rows) runs on the CPU agent only for now: the CUDA agent's page "
+                                 "writes and fetches read and write fp16 rows");
   }
   if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
     return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +

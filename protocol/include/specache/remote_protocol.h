@@ -36,9 +36,9 @@ enum AmId : uint16_t { kHello = 1, kGather = 2, kWrite = 3, kPages = 4, kReply =
 
 // Most rows in one kGather or kWrite (a layer's worth of a large batch; bounds the daemon's buffer).
 inline constexpr uint32_t kMaxRowsPerRequest = 1 << 16;
-// The largest row: one token's K and V in fp16 at the largest head_dim a layout may have (1024,
+// The largest row: one token's K and V in fp16 (the larger format) at the largest head_dim (1024,
 // ValidatePageLayout). A kWrite of n rows carries at most n times this.
-inline constexpr uint32_t kMaxRowBytes = static_cast<uint32_t>(shm::RowBytes(1024));
+inline constexpr uint32_t kMaxRowBytes = static_cast<uint32_t>(shm::RowBytes(shm::kRowFp16, 1024));
 
 struct Hello {
   uint32_t magic = kMagic;

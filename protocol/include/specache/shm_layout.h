@@ -8,8 +8,9 @@
 // change state only under the session's owner calls (create/release), and `generation` bumps on
 // every change.
 //
-// Page: one (sequence, layer) x page_tokens tokens, laid out [kv_head][token][K|V][head_dim]
-// fp16, inside a chunk (a memfd the client maps after attaching) at PageRef::offset.
+// Page: one (sequence, layer) x page_tokens tokens, laid out [kv_head][token][row], inside a
+// chunk (a memfd the client maps after attaching) at PageRef::offset. A row is one token's key
+// and value of one KV head in the sequence's row format (RowFormat below).
 //
 // Every field read from shared memory is untrusted for the reader: ValidateTable /
 // ValidateSlot check it against the region and chunk sizes before use.
@@ -58,7 +59,7 @@ struct SequenceSlot {
   uint64_t sequence_id;
   uint64_t page_bytes;
   uint32_t first_ref;
-  uint32_t reserved;
+  uint32_t row_format;  // RowFormat (0, fp16, in every table written before there were others)
 };
 
 struct PageRef {
@@ -86,17 +87,25 @@ inline const PageRef* Refs(const void* region) {
                                           size_t{Header(region)->slot_count} * sizeof(SequenceSlot));
 }
 
-// The pages' geometry, the one place it is written down on this side (the agent's
-// full_precision_source.h states the same for its sources; client_lib checks they agree).
-// A row: one token's key and value of one KV head, [K|V][head_dim] fp16.
-inline constexpr uint64_t RowBytes(uint32_t head_dim) { return uint64_t{2} * head_dim * 2; }
+// The pages' geometry, the one place it is written down on this side (the agent's host_rows.h and
+// full_precision_source.h state the same for its sources; client_lib checks they agree).
+// A row: one token's key and value of one KV head, in one of two formats (the agent's
+// host_rows.h has their bytes and the conversions; the daemon only moves whole rows):
+//   kRowFp16: [K|V][head_dim] fp16                                       4 x head_dim bytes
+//   kRowInt8: [K|V][head_dim] int8 codes, the K and V scales (fp16), zeros  2 x head_dim + 16 bytes
+enum RowFormat : uint32_t { kRowFp16 = 0, kRowInt8 = 1 };
+inline constexpr bool KnownRowFormat(uint32_t format) { return format == kRowFp16 || format == kRowInt8; }
+inline constexpr uint64_t RowBytes(uint32_t row_format, uint32_t head_dim) {
+  return row_format == kRowInt8 ? uint64_t{2} * head_dim + 16 : uint64_t{4} * head_dim;
+}
 // Bytes of one page: [kv_head][token][row].
-inline constexpr uint64_t PageBytes(uint32_t n_kv_heads, uint32_t page_tokens, uint32_t head_dim) {
-  return uint64_t{n_kv_heads} * page_tokens * RowBytes(head_dim);
+inline constexpr uint64_t PageBytes(uint32_t row_format, uint32_t n_kv_heads, uint32_t page_tokens, uint32_t head_dim) {
+  return uint64_t{n_kv_heads} * page_tokens * RowBytes(row_format, head_dim);
 }
 // Where token `in_page` of a page (token % page_tokens) of KV head kv_head starts in the page.
-inline constexpr uint64_t RowOffsetInPage(uint32_t kv_head, uint32_t in_page, uint32_t page_tokens, uint32_t head_dim) {
-  return (uint64_t{kv_head} * page_tokens + in_page) * RowBytes(head_dim);
+inline constexpr uint64_t RowOffsetInPage(uint32_t row_format, uint32_t kv_head, uint32_t in_page, uint32_t page_tokens,
+                                          uint32_t head_dim) {
+  return (uint64_t{kv_head} * page_tokens + in_page) * RowBytes(row_format, head_dim);
 }
 
 }  // namespace specache::shm

@@ -25,9 +25,10 @@ struct PageLayout {
   uint32_t head_dim = 0;
   uint32_t page_tokens = 0;
   uint32_t capacity_tokens = 0;
+  uint32_t row_format = shm::kRowFp16;  // shm::RowFormat
 
-  uint64_t page_bytes() const { return shm::PageBytes(n_kv_heads, page_tokens, head_dim); }
-  uint64_t row_bytes() const { return shm::RowBytes(head_dim); }
+  uint64_t page_bytes() const { return shm::PageBytes(row_format, n_kv_heads, page_tokens, head_dim); }
+  uint64_t row_bytes() const { return shm::RowBytes(row_format, head_dim); }
   uint32_t pages_capacity_per_layer() const { return (capacity_tokens + page_tokens - 1) / page_tokens; }
 };
 

@@ -61,7 +61,7 @@ struct SpilledSequence {
   uint64_t bytes() const { return uint64_t{layout.n_layers} * pages_per_layer * layout.page_bytes(); }
 };
 
-// The fingerprint of a page layout (xxh64 of its fields).
+// The fingerprint of a page layout (xxh64 of its fields; of all but the row format for fp16 rows).
 uint64_t LayoutFingerprint(const PageLayout& layout);
 
 struct SpillVerifyReport {
