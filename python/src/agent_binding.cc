@@ -276,14 +276,15 @@ void BindAgent(nb::module_& m) {
   nb::class_<KvConfig>(m, "KvConfig",
                        "How the agent keeps the KV cache: mode (full, kivi, specache, specache-nonspec), key and "
                        "value bits (1, 2, 4, 16), group size G, residual window R, top_k k, cached_rows, reduction "
-                       "(mean, max), round_host_rows (none, int8, e4m3: the rows written to host memory rounded to an "
-                       "8-bit format's values, CPU backend only; measures what an 8-bit host copy costs in fidelity). "
+                       "(mean, max), host_row_format (fp16, int8: how host memory stores the full-precision rows; "
+                       "int8 halves their bytes; CPU backend only for now), round_host_rows (none, int8, e4m3: fp16 "
+                       "rows rounded to an 8-bit format's values, CPU backend only; a fidelity measure). "
                        "bits= sets key_bits and value_bits together.")
       .def(
           "__init__",
           [](KvConfig* self, const std::string& mode, std::optional<int> bits, int key_bits, int value_bits,
              int group_size, int residual_tokens, int top_k, int cached_rows, const std::string& reduction,
-             const std::string& round_host_rows) {
+             const std::string& round_host_rows, const std::string& host_row_format) {
             KvConfig c;
             c.mode = ValueOrThrow(ParseKvMode(mode));
             c.key_bits = bits.value_or(key_bits);
@@ -294,11 +295,12 @@ void BindAgent(nb::module_& m) {
             c.cached_rows = cached_rows;
             c.reduction = ValueOrThrow(ParseGroupReduction(reduction));
             c.round_host_rows = ValueOrThrow(ParseHostRowRounding(round_host_rows));
+            c.host_row_format = ValueOrThrow(ParseHostRowFormat(host_row_format));
             new (self) KvConfig(c);
           },
           "mode"_a = "specache", "bits"_a = nb::none(), "key_bits"_a = 1, "value_bits"_a = 1, "group_size"_a = 32,
           "residual_tokens"_a = 64, "top_k"_a = 64, "cached_rows"_a = 0, "reduction"_a = "mean",
-          "round_host_rows"_a = "none")
+          "round_host_rows"_a = "none", "host_row_format"_a = "fp16")
       .def_prop_rw(
           "mode", [](const KvConfig& c) { return std::string(KvModeName(c.mode)); },
           [](KvConfig& c, const std::string& name) { c.mode = ValueOrThrow(ParseKvMode(name)); })
@@ -314,6 +316,9 @@ void BindAgent(nb::module_& m) {
       .def_prop_rw(
           "round_host_rows", [](const KvConfig& c) { return std::string(HostRowRoundingName(c.round_host_rows)); },
           [](KvConfig& c, const std::string& name) { c.round_host_rows = ValueOrThrow(ParseHostRowRounding(name)); })
+      .def_prop_rw(
+          "host_row_format", [](const KvConfig& c) { return std::string(HostRowFormatName(c.host_row_format)); },
+          [](KvConfig& c, const std::string& name) { c.host_row_format = ValueOrThrow(ParseHostRowFormat(name)); })
       .def("validate", [](const KvConfig& c, const ModelShape& s) { ThrowIfError(ValidateKvConfig(c, s)); },
            "shape"_a, "Raises StatusError(INVALID_ARGUMENT) when the config cannot be used with the shape.")
       .def("describe", [](const KvConfig& c) { return DescribeKvConfig(c); },

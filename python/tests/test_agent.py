@@ -91,20 +91,26 @@ def test_config_and_shape_read_back():
         agent.prefill_layer(1, [1], [0, 3], None, np.zeros((3, 8, 64), dtype=np.float32), k)
 
 
-def test_rounded_host_rows_change_only_what_is_fetched_back():
-    """KvConfig.round_host_rows: the rows the CPU agent writes to its source are rounded to 8 bits, so
-    the outputs move a little once rounded rows are fetched, and the configuration reads back."""
+def test_eight_bit_host_rows_change_only_what_is_fetched_back():
+    """KvConfig.round_host_rows rounds the rows the CPU agent writes to its source to 8 bits;
+    host_row_format="int8" stores them as int8: the outputs move a little once such rows are
+    fetched, both give the same outputs, and the configuration reads back."""
     kv = specache.KvConfig("specache", bits=1, top_k=16, round_host_rows="int8")
-    assert kv.round_host_rows == "int8" and "host-rows=int8" in kv.describe()
+    assert kv.round_host_rows == "int8" and "host-round=int8" in kv.describe()
+    kv = specache.KvConfig("specache", bits=1, top_k=16, host_row_format="int8")
+    assert kv.host_row_format == "int8" and "host-rows=int8" in kv.describe()
     with pytest.raises(specache.StatusError, match="INVALID_ARGUMENT"):
         specache.KvConfig("specache", round_host_rows="fp8")
+    with pytest.raises(specache.StatusError, match="INVALID_ARGUMENT"):
+        specache.KvConfig("specache", host_row_format="int4")
     shape = specache.ModelShape(1, 2, 1, 64)
     rng = np.random.default_rng(3)
     k = rng.standard_normal((200, 1, 64), dtype=np.float32)
     steps = [[rng.standard_normal((2, n, 64), dtype=np.float32) for n in (2, 1, 1)] for _ in range(3)]
     outs = []
-    for rounding in ("none", "int8"):
-        agent = specache.Agent(shape, specache.KvConfig("specache", bits=1, top_k=16, round_host_rows=rounding))
+    for rounding, stored in (("none", "fp16"), ("int8", "fp16"), ("none", "int8")):
+        config = specache.KvConfig("specache", bits=1, top_k=16, round_host_rows=rounding, host_row_format=stored)
+        agent = specache.Agent(shape, config)
         agent.add_sequence(1)
         agent.prefill_layer(0, [1], [0, 200], None, k, k)  # store only
         got = []
@@ -122,6 +128,7 @@ def test_rounded_host_rows_change_only_what_is_fetched_back():
         outs.append(np.concatenate([o.ravel() for o in got]))
     assert not np.array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=0.05)
+    np.testing.assert_array_equal(outs[1], outs[2])
 
 
 def test_long_calls_release_the_gil():

@@ -89,18 +89,25 @@ TEST(RunSupportTest, SeedRowsGoToSpeCacheModesOnly) {
   EXPECT_EQ(ModeLabel(*ToConfig(KvOptions{}, "specache:1/seed=0")), "specache-1bit+seed0");
 }
 
-// host-rows= (and --host-rows) round the rows written to host memory (KvConfig::round_host_rows).
-TEST(RunSupportTest, HostRowRoundingIsAModeOption) {
+// host-rows= (and --host-rows): int8 stores the rows in host memory as int8 (KvConfig::
+// host_row_format), e4m3 rounds the fp16 rows (KvConfig::round_host_rows); only fetching modes.
+TEST(RunSupportTest, HostRowsAreAModeOption) {
   EXPECT_EQ(ToConfig(KvOptions{}, "specache:1")->round_host_rows, HostRowRounding::kNone);
+  EXPECT_EQ(ToConfig(KvOptions{}, "specache:1")->host_row_format, HostRowFormat::kFp16);
   auto int8 = ToConfig(KvOptions{}, "specache:1/host-rows=int8");
   ASSERT_TRUE(int8.ok()) << int8.status().ToString();
-  EXPECT_EQ(int8->round_host_rows, HostRowRounding::kInt8);
+  EXPECT_EQ(int8->host_row_format, HostRowFormat::kInt8);
+  EXPECT_EQ(int8->round_host_rows, HostRowRounding::kNone);
   EXPECT_EQ(ModeLabel(*int8), "specache-1bit+host-int8");
   KvOptions o;
   o.host_rows = "e4m3";
   EXPECT_EQ(ToConfig(o, "specache:1")->round_host_rows, HostRowRounding::kE4m3);
+  EXPECT_EQ(ToConfig(o, "specache:1")->host_row_format, HostRowFormat::kFp16);
+  EXPECT_EQ(ModeLabel(*ToConfig(o, "specache:1")), "specache-1bit+host-e4m3");
   EXPECT_EQ(ToConfig(o, "specache:1/host-rows=none")->round_host_rows, HostRowRounding::kNone);
   for (const char* mode : {"full", "kivi:1"}) EXPECT_EQ(ToConfig(o, mode)->round_host_rows, HostRowRounding::kNone) << mode;
+  o.host_rows = "int8";
+  for (const char* mode : {"full", "kivi:1"}) EXPECT_EQ(ToConfig(o, mode)->host_row_format, HostRowFormat::kFp16) << mode;
   const auto bad = ToConfig(KvOptions{}, "specache:1/host-rows=fp8");
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("none, int8 or e4m3"), std::string::npos) << bad.status().ToString();

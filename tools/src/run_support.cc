@@ -133,9 +133,14 @@ Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   c.k_max = o.k_max;
   c.seed_rows = c.mode == KvMode::kSpeCache ? o.seed_rows : 0;  // (full, kivi and the others have no row cache to seed)
   // Only the modes that fetch rows read any back (full, kivi and a fidelity run's full reference
-  // take the same options; a CUDA agent would refuse the rounding).
-  SPECACHE_ASSIGN_OR_RETURN(const HostRowRounding rounding, ParseHostRowRounding(o.host_rows));
-  c.round_host_rows = c.fetches_rows() ? rounding : HostRowRounding::kNone;
+  // take the same options). int8: rows stored as int8 (host_row_format); e4m3: fp16 rows rounded
+  // to E4M3's values (round_host_rows, a fidelity measure); the CUDA agent takes neither yet.
+  if (o.host_rows == "int8") {
+    if (c.fetches_rows()) c.host_row_format = HostRowFormat::kInt8;
+  } else {
+    SPECACHE_ASSIGN_OR_RETURN(const HostRowRounding rounding, ParseHostRowRounding(o.host_rows));
+    c.round_host_rows = c.fetches_rows() ? rounding : HostRowRounding::kNone;
+  }
   if (c.fetches_rows() && c.cached_rows == 0) c.cached_rows = std::max(kDefaultCachedRows, 2 * c.max_selected());
   return c;
 }
@@ -168,6 +173,7 @@ std::string ModeLabel(const KvConfig& c) {
   if (c.cached_rows != d.cached_rows) label += "+cache" + std::to_string(c.cache_rows());
   if (c.reduction != d.reduction) label += "+" + std::string(GroupReductionName(c.reduction));
   if (c.seed_rows != d.seed_rows) label += "+seed" + std::to_string(c.seed_rows);
+  if (c.host_row_format != d.host_row_format) label += "+host-" + std::string(HostRowFormatName(c.host_row_format));
   if (c.round_host_rows != d.round_host_rows) label += "+host-" + std::string(HostRowRoundingName(c.round_host_rows));
   return label;
 }
@@ -206,6 +212,7 @@ Result<std::unique_ptr<KvMemory>> OpenKvMemory(const KvOptions& o, const LlamaMo
   m.capacity_tokens = static_cast<uint32_t>(model.config().context_length);
   const LlamaConfig& c = model.config();
   const uint64_t pages = (m.capacity_tokens + m.page_tokens - 1) / m.page_tokens;
+  // fp16 rows, the larger format, whatever each mode stores.
   const uint64_t page_bytes = uint64_t{static_cast<uint32_t>(c.n_kv_heads)} * m.page_tokens *
                               static_cast<uint64_t>(SequenceLayout{c.n_layers, c.n_kv_heads, c.head_dim}.row_bytes());
   // Whole pages per layer at full context, plus a chunk of slack for page placement.
@@ -264,7 +271,9 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
     j["attend_resident"] = c.attend_resident;
     j["mass"] = c.mass;
     j["seed_rows"] = c.seed_rows;
-    j["host_rows"] = std::string(HostRowRoundingName(c.round_host_rows));
+    // "int8": stored int8 rows; "e4m3": fp16 rows rounded to E4M3 (the names of --host-rows).
+    j["host_rows"] = c.host_row_format != HostRowFormat::kFp16 ? std::string(HostRowFormatName(c.host_row_format))
+                                                                : std::string(HostRowRoundingName(c.round_host_rows));
     if (c.adaptive()) {
       j["k_min"] = c.k_min;
       j["k_max"] = c.k_max;
@@ -291,7 +300,8 @@ nlohmann::json Figures(const ModeRun& run, double prefill_seconds, int prompt_to
   j["fetch_caller_wait_ns"] = s.fetch_caller_wait_ns;
   // The resident-row cache: bytes per decode step with it, and without it (every selected row).
   if (s.steps > 0 && s.rows_selected > 0) {
-    const double row_bytes = 2.0 * run.agent->shape().head_dim * sizeof(Half);  // K and V of one token and KV head
+    // A row as the source stores it (K and V of one token and KV head), what a fetched row moves.
+    const double row_bytes = static_cast<double>(HostRowBytes(run.config.host_row_format, run.agent->shape().head_dim));
     j["fetch_bytes_per_step"] = static_cast<double>(s.bytes_fetched) / s.steps;
     j["fetch_bytes_per_step_without_reuse"] = static_cast<double>(s.rows_selected) * row_bytes / s.steps;
     j["fetch_ratio_to_no_reuse"] = static_cast<double>(s.rows_fetched) / s.rows_selected;

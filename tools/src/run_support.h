@@ -62,8 +62,9 @@ struct KvOptions {
   // the grid (docs/method.md): with the rules above, full precision's needles at 0.37x the paper
   // rule's fetched bytes. The library's KvConfig seeds nothing unless asked (it needs the prompt's q).
   int seed_rows = 1024;
-  // KvConfig::round_host_rows by name: none, int8, e4m3 (the rows written to host memory rounded
-  // to an 8-bit format's values; the CPU backend only; measures fidelity, saves no bytes yet).
+  // The full-precision rows in host memory: none (fp16), int8 (stored as int8 codes and scales,
+  // KvConfig::host_row_format: half the host RAM and fetched bytes), e4m3 (fp16 rows rounded to
+  // E4M3's values, KvConfig::round_host_rows: a fidelity measure). The CPU backend only, for now.
   std::string host_rows = "none";
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")

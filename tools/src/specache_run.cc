@@ -84,8 +84,9 @@ void AddKvOptions(CLI::App* app, KvOptions* o) {
       ->capture_default_str();
   app->add_option("--reduction", o->reduction, "GQA reduction of scores for top-k: mean or max")->capture_default_str();
   app->add_option("--host-rows", o->host_rows,
-                  "round the full-precision rows written to host memory to an 8-bit format's values: none, int8, "
-                  "e4m3 (CPU backend; measures what an 8-bit host copy costs in fidelity, the pages still hold fp16)")
+                  "the full-precision rows in host memory: none (fp16), int8 (stored as int8 codes with two fp16 "
+                  "scales: half the host RAM and fetched bytes), e4m3 (fp16 rows rounded to E4M3's values: a "
+                  "fidelity measure); the CPU backend only, for now")
       ->capture_default_str();
   AddSelectionOptions(app, o);
   app->add_option("--kv-memory", o->kv_memory,

@@ -122,7 +122,13 @@ class Bench {
 
   int64_t Fp16BytesPerSequence(int context) const {
     const LlamaConfig& c = model_->config();
-    return int64_t{context} * c.n_layers * c.n_kv_heads * 2 * c.head_dim * 2;
+    return int64_t{context} * c.n_layers * c.n_kv_heads * HostRowBytes(HostRowFormat::kFp16, c.head_dim);
+  }
+  // The host RAM a sequence's full-precision rows take in `mode`'s row format (host-rows=int8: about half).
+  int64_t HostBytesPerSequence(const std::string& mode, int context) const {
+    const Result<KvConfig> k = Config(mode);
+    const LlamaConfig& c = model_->config();
+    return int64_t{context} * c.n_layers * c.n_kv_heads * HostRowBytes(k.ok() ? k->host_row_format : HostRowFormat::kFp16, c.head_dim);
   }
 
   Result<KvConfig> Config(const std::string& mode) const {
@@ -339,7 +345,7 @@ class Bench {
     SPECACHE_RETURN_IF_ERROR(more.status());
     const int64_t per_sequence = std::max<int64_t>((more->device_used - one.device_used) / (probe - 1), 1);
     const int gpu_limit = static_cast<int>(std::min<int64_t>(1 + (budget - one.device_used) / per_sequence, 1 << 20));
-    const int64_t host_per_sequence = Fp16BytesPerSequence(context + 2 * (2 + o_.steps) + 8);
+    const int64_t host_per_sequence = HostBytesPerSequence(mode, context + 2 * (2 + o_.steps) + 8);
     const int64_t host_room = static_cast<int64_t>(o_.host_ram_fraction * double(mem_available)) -
                               ProcBytes("/proc/self/status", "VmRSS");
     const int host_limit = static_cast<int>(std::max<int64_t>(host_room / host_per_sequence, 0));
