@@ -61,6 +61,7 @@ class SequenceRegistry {
     if (layout.n_layers <= 0 || layout.n_kv_heads <= 0 || layout.head_dim <= 0) {
       return Status::InvalidArgument("sequence layout needs positive dimensions");
     }
+    SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(layout.row_format, layout.head_dim));
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (sequences_.count(sequence)) return Status::AlreadyExists("sequence " + std::to_string(sequence));

@@ -73,6 +73,17 @@ std::string_view HostRowFormatName(HostRowFormat format) {
   return "?";
 }
 
+Status CheckHostRowFormat(HostRowFormat format, int head_dim) {
+  if (format != HostRowFormat::kFp16 && format != HostRowFormat::kInt8) {
+    return Status::InvalidArgument("unknown host row format " + std::to_string(static_cast<uint32_t>(format)));
+  }
+  if (format == HostRowFormat::kInt8 && (head_dim <= 0 || head_dim % 8 != 0)) {
+    return Status::InvalidArgument("int8 host rows need head_dim a positive multiple of 8 (16-byte rows); head_dim is " +
+                                   std::to_string(head_dim));
+  }
+  return Status::Ok();
+}
+
 Result<HostRowFormat> ParseHostRowFormat(std::string_view name) {
   for (HostRowFormat f : {HostRowFormat::kFp16, HostRowFormat::kInt8}) {
     if (name == HostRowFormatName(f)) return f;
@@ -96,18 +107,25 @@ void DecodeHostRows(HostRowFormat format, const uint8_t* stored, int64_t n, int 
     return;
   }
   const auto* out = reinterpret_cast<const uint8_t*>(rows);
-  const int64_t out_bytes = n * HostRowBytes(HostRowFormat::kFp16, head_dim);
-  if (out + out_bytes <= stored || stored + n * row_bytes <= out) {
+  const int64_t out_bytes = n * HostRowBytes(HostRowFormat::kFp16, head_dim), in_bytes = n * row_bytes;
+  if (out + out_bytes <= stored || stored + in_bytes <= out) {
     for (int64_t r = 0; r < n; ++r) DecodeInt8Row(stored + r * row_bytes, head_dim, rows + r * 2 * head_dim);
     return;
   }
-  // In place: last to first, each stored row copied out before its fp16 row (larger, starting no
-  // earlier) is written, so no stored byte is overwritten before it is read.
-  std::vector<uint8_t> copy(static_cast<size_t>(row_bytes));
-  for (int64_t r = n; r-- > 0;) {
-    std::memcpy(copy.data(), stored + r * row_bytes, copy.size());
-    DecodeInt8Row(copy.data(), head_dim, rows + r * 2 * head_dim);
+  if (out == stored) {
+    // In place: last to first, each stored row copied out before its fp16 row (larger, starting
+    // no earlier: 2 x head_dim + 16 <= 4 x head_dim for head_dim >= 8) is written, so no stored
+    // byte is overwritten before it is read.
+    std::vector<uint8_t> copy(static_cast<size_t>(row_bytes));
+    for (int64_t r = n; r-- > 0;) {
+      std::memcpy(copy.data(), stored + r * row_bytes, copy.size());
+      DecodeInt8Row(copy.data(), head_dim, rows + r * 2 * head_dim);
+    }
+    return;
   }
+  // Any other overlap (no caller's): through a copy of all of them.
+  const std::vector<uint8_t> copy(stored, stored + in_bytes);
+  for (int64_t r = 0; r < n; ++r) DecodeInt8Row(copy.data() + r * row_bytes, head_dim, rows + r * 2 * head_dim);
 }
 
 void RoundTripInt8Half(Half* values, int n) {

@@ -27,6 +27,7 @@ Status InMemorySource::CreateSequence(SequenceId sequence, const SequenceLayout&
   if (layout.n_layers <= 0 || layout.n_kv_heads <= 0 || layout.head_dim <= 0) {
     return Status::InvalidArgument("sequence layout needs positive n_layers, n_kv_heads and head_dim");
   }
+  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(layout.row_format, layout.head_dim));
   std::unique_lock lock(mutex_);
   if (sequences_.count(sequence)) {
     return Status::AlreadyExists("sequence " + std::to_string(sequence) + " already exists");

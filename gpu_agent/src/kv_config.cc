@@ -88,6 +88,7 @@ Result<HostRowRounding> ParseHostRowRounding(std::string_view name) {
 
 Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {
   SPECACHE_RETURN_IF_ERROR(ValidateModelShape(shape));
+  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(c.host_row_format, shape.head_dim));
   if (!SupportedBits(c.key_bits)) {
     return Status::InvalidArgument("key_bits " + std::to_string(c.key_bits) + " unsupported (1, 2, 4 or 16)");
   }

@@ -19,6 +19,7 @@
 #include "daemon.h"
 #include "specache/client.h"
 #include "specache/daemon_source.h"
+#include "specache/host_rows.h"
 #include "status_error.h"
 
 namespace nb = nanobind;
@@ -45,6 +46,8 @@ nb::dict LayoutDict(const client::PageLayoutSpec& l) {
   d["head_dim"] = l.head_dim;
   d["page_tokens"] = l.page_tokens;
   d["capacity_tokens"] = l.capacity_tokens;
+  const auto format = static_cast<HostRowFormat>(l.row_format);
+  d["row_format"] = CheckHostRowFormat(format, 8).ok() ? std::string(HostRowFormatName(format)) : std::to_string(l.row_format);
   return d;
 }
 
@@ -150,12 +153,15 @@ bool BindService(nb::module_& m) {
       .def(
           "create_sequence",
           [](Session& s, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page_tokens,
-             uint32_t capacity_tokens) {
-            client::PageLayoutSpec l{n_layers, n_kv_heads, head_dim, page_tokens, capacity_tokens};
+             uint32_t capacity_tokens, const std::string& row_format) {
+            const HostRowFormat format = ValueOrThrow(ParseHostRowFormat(row_format));
+            client::PageLayoutSpec l{n_layers, n_kv_heads, head_dim, page_tokens, capacity_tokens,
+                                     static_cast<uint32_t>(format)};
             return ValueOrThrow(Released([&] { return s.CreateSequence(l); }));
           },
-          "n_layers"_a, "n_kv_heads"_a, "head_dim"_a, "page_tokens"_a = 64, "capacity_tokens"_a,
-          "Creates a daemon sequence; returns its id.")
+          "n_layers"_a, "n_kv_heads"_a, "head_dim"_a, "page_tokens"_a = 64, "capacity_tokens"_a, "row_format"_a = "fp16",
+          "Creates a daemon sequence; returns its id. row_format: fp16, or int8 (rows of int8 codes with two fp16 "
+          "scales, specache/host_rows.h: the page bytes are the caller's to fill).")
       .def(
           "extend", [](Session& s, uint64_t seq, uint32_t tokens) { return ValueOrThrow(Released([&] { return s.Extend(seq, tokens); })); },
           "sequence"_a, "tokens"_a, "Makes room for tokens [0, tokens); returns pages per layer.")

@@ -67,6 +67,15 @@ def test_session_sequences(daemon):
     with pytest.raises(StatusError) as info:
         session.extend(seq, 10)
     assert info.value.code == StatusCode.NOT_FOUND
+    # int8 rows: their own row format in the daemon's listing, pages of 2 x 64 + 16 bytes a row
+    seq = session.create_sequence(n_layers=2, n_kv_heads=2, head_dim=64, capacity_tokens=256, row_format="int8")
+    assert session.extend(seq, 100) == 2
+    listed = {s["id"]: s for s in client.list_sequences()}
+    assert listed[seq]["layout"]["row_format"] == "int8"
+    assert listed[seq]["bytes"] == 2 * 2 * 64 * 2 * (2 * 64 + 16)  # layers x pages x (heads x tokens) x row
+    with pytest.raises(StatusError) as info:
+        session.create_sequence(n_layers=2, n_kv_heads=2, head_dim=64, capacity_tokens=256, row_format="int4")
+    assert info.value.code == StatusCode.INVALID_ARGUMENT
 
 
 def test_daemon_errors_carry_their_codes(daemon, tmp_path):

@@ -32,7 +32,9 @@
 namespace specache {
 namespace {
 
-// A sequence's record: 1 had no row format (fp16 rows); 2 adds it after the layout's fields.
+// A sequence's record: version 1 has no row format (fp16 rows); version 2 adds it after the
+// layout's fields. fp16 sequences are still written as version 1, so a daemon from before row
+// formats reads them.
 constexpr uint32_t kMetaVersion = 2;
 constexpr uint32_t kMetaVersionFp16Only = 1;
 constexpr size_t kChecksumBytes = 8;
@@ -106,14 +108,16 @@ bool Take(std::string_view* in, T* v) {
 
 std::string EncodeMeta(const SpilledSequence& m) {
   std::string out;
-  Put(&out, kMetaVersion);
+  const bool fp16 = m.layout.row_format == shm::kRowFp16;
+  Put(&out, fp16 ? kMetaVersionFp16Only : kMetaVersion);
   Put(&out, static_cast<uint32_t>(m.tenant.size()));
   out += m.tenant;
   Put(&out, m.id);
   for (uint32_t f : {m.layout.n_layers, m.layout.n_kv_heads, m.layout.head_dim, m.layout.page_tokens,
-                     m.layout.capacity_tokens, m.pages_per_layer, m.layout.row_format}) {
+                     m.layout.capacity_tokens, m.pages_per_layer}) {
     Put(&out, f);
   }
+  if (!fp16) Put(&out, m.layout.row_format);
   Put(&out, m.fingerprint);
   Put(&out, m.spilled_unix_ms);
   return out;

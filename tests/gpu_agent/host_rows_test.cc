@@ -11,6 +11,9 @@
 
 #include <gtest/gtest.h>
 
+#include "specache/in_memory_source.h"
+#include "specache/kv_config.h"
+
 namespace specache {
 namespace {
 
@@ -38,7 +41,7 @@ RefHalf ReferenceHalf(const Half* x, int d) {
   const float scale = HalfToFloat(out.scale);
   if (scale == 0) return out;
   for (int i = 0; i < d; ++i) {
-    const float q = HalfToFloat(x[i]) / scale;  // a float quotient: what the device's encoder computes too
+    const float q = HalfToFloat(x[i]) / scale;  // a float quotient, as the format defines the code
     out.codes[i] = static_cast<int8_t>(std::clamp(std::round(q), -127.0f, 127.0f));
   }
   return out;
@@ -146,6 +149,22 @@ TEST(HostRowsTest, EdgeValues) {
     for (int i = 0; i < d; ++i) ASSERT_EQ(HalfToFloat(back[i]), 0.25f);
     for (int i = d; i < 2 * d; ++i) ASSERT_TRUE(std::isnan(HalfToFloat(back[i]))) << bad;
   }
+}
+
+// A format outside the enum, or int8 rows that would not be whole 16-byte vectors, are refused by
+// the config's validation and by a source, before any row is written.
+TEST(HostRowsTest, LayoutsTheFormatCannotServeAreRefused) {
+  EXPECT_TRUE(CheckHostRowFormat(HostRowFormat::kInt8, 64).ok());
+  EXPECT_EQ(CheckHostRowFormat(HostRowFormat::kInt8, 12).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CheckHostRowFormat(HostRowFormat::kFp16, 12).ok());
+  EXPECT_EQ(CheckHostRowFormat(static_cast<HostRowFormat>(7), 64).code(), StatusCode::kInvalidArgument);
+  InMemorySource source;
+  EXPECT_EQ(source.CreateSequence(1, {1, 1, 12, HostRowFormat::kInt8}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(source.CreateSequence(1, {1, 1, 64, static_cast<HostRowFormat>(7)}).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(source.CreateSequence(1, {1, 1, 64, HostRowFormat::kInt8}).ok());
+  KvConfig c;
+  c.host_row_format = static_cast<HostRowFormat>(7);
+  EXPECT_EQ(ValidateKvConfig(c, {2, 4, 2, 64}).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(HostRowsTest, NamesRoundTripAndUnknownOnesAreRefused) {

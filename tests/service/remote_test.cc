@@ -211,8 +211,8 @@ TEST_F(RemoteTest, RemoteSourceServesTheAgentsCalls) {
 }
 
 // int8 rows over the network: what goes over UCX is the encoded rows (half the bytes at head_dim
-// 128), read back decoded by every read path: ReadRows, StartReadRows / FinishReadRows, with the
-// server's gather and with the client's gets.
+// 128), read back decoded by every read path: ReadRows by the session's method (the server's
+// gather, the client's gets), and StartReadRows / FinishReadRows (the server's gather either way).
 TEST_F(RemoteTest, RemoteSourceMovesInt8RowsAndDecodesThemOnEveryReadPath) {
   StartDaemon(false, /*rma=*/true);  // the client's gets need the chunks exposed
   auto c = Connect(Credentials("a"));

@@ -166,10 +166,10 @@ TEST(SpillStoreTest, RoundTripsAndSurvivesReopening) {
   EXPECT_EQ((*store)->stats().stored_bytes, a2.meta.bytes() + b1.meta.bytes());
 }
 
-// A sequence's row format is part of its record and of its fingerprint (a claim matches it); a
-// record written before there were row formats (version 1, no such field) reads as fp16 rows with
-// the fingerprint it had then.
-TEST(SpillStoreTest, RowFormatsAreKeptAndRecordsFromBeforeThemReadAsFp16) {
+// A sequence's row format is part of its record and of its fingerprint (a claim matches it). fp16
+// sequences are written as before there were row formats (version 1, no such field, the same
+// fingerprint), so either daemon reads them; int8 ones as version 2 with the field.
+TEST(SpillStoreTest, RowFormatsAreKeptAndFp16RecordsStayAsBeforeThem) {
   TempDir dir;
   const Pages int8_rows("alpha", 1, 2, 3, 1, shm::kRowInt8), fp16_rows("alpha", 2, 2, 3, 2);
   ASSERT_EQ(int8_rows.meta.layout.page_bytes(), 2u * 16 * (2 * 64 + 16));
@@ -180,21 +180,19 @@ TEST(SpillStoreTest, RowFormatsAreKeptAndRecordsFromBeforeThemReadAsFp16) {
     ASSERT_TRUE((*store)->Put(int8_rows.meta, int8_rows.Reader()).ok());
     ASSERT_TRUE((*store)->Put(fp16_rows.meta, fp16_rows.Reader()).ok());
   }
-  {  // alpha/2's record rewritten as version 1 wrote it: no row format field
+  {  // the records as written: version, tenant size, "alpha", id, six fields, [row format], fingerprint, time
     rocksdb::DB* db = nullptr;
     ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), dir.path, &db).ok());
     std::unique_ptr<rocksdb::DB> owned(db);
-    const std::string key = std::string("malpha") + '\0' + "0000000000000002";
-    std::string meta;
-    ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), key, &meta).ok());
-    const size_t row_format_at = 4 + 4 + 5 + 8 + 4 * 6;
-    uint32_t row_format = 7;
-    std::memcpy(&row_format, meta.data() + row_format_at, 4);
-    ASSERT_EQ(row_format, uint32_t{shm::kRowFp16});
-    meta.erase(row_format_at, 4);
-    const uint32_t version = 1;
-    std::memcpy(meta.data(), &version, 4);
-    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), key, meta).ok());
+    const size_t fields_end = 4 + 4 + 5 + 8 + 4 * 6;
+    for (const auto& [id, version, size] : {std::tuple{1, 2u, fields_end + 4 + 16}, std::tuple{2, 1u, fields_end + 16}}) {
+      std::string meta;
+      ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), std::string("malpha") + '\0' + "000000000000000" + char('0' + id), &meta).ok());
+      uint32_t got = 0;
+      std::memcpy(&got, meta.data(), 4);
+      EXPECT_EQ(got, version) << "alpha/" << id;
+      EXPECT_EQ(meta.size(), size) << "alpha/" << id;
+    }
     ASSERT_TRUE(db->Close().ok());
   }
   auto store = SpillStore::Open({dir.path});

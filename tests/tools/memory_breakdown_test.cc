@@ -10,11 +10,13 @@
 namespace specache::run {
 namespace {
 
-nlohmann::json Breakdown(KvMode mode, int prompt_tokens, AgentStats* stats_out) {
+nlohmann::json Breakdown(KvMode mode, int prompt_tokens, AgentStats* stats_out,
+                         HostRowFormat rows = HostRowFormat::kFp16) {
   testing::TinyModel model({});
   KvConfig config;
   config.mode = mode;
   config.top_k = 8;
+  config.host_row_format = rows;
   InMemorySource source;
   auto agent = CreateCpuAgent(model.shape(), config, &source);
   EXPECT_TRUE(agent.ok());
@@ -41,6 +43,18 @@ TEST(MemoryBreakdownTest, PartsAddUpToTheAgentsDeviceBytes) {
   EXPECT_DOUBLE_EQ(b["ratio"].get<double>(), static_cast<double>(s.device_bytes) / s.full_precision_bytes);
   const std::string lines = MemoryLines(b, "  ");
   EXPECT_NE(lines.find("of which fixed: fp16 residual window (R = 64)"), std::string::npos) << lines;
+  EXPECT_EQ(b["host_bytes"].get<int64_t>(), s.full_precision_bytes);
+  EXPECT_EQ(lines.find("host rows"), std::string::npos) << lines;
+}
+
+// int8 host rows: the host's copy is (2 x head_dim + 16) / (4 x head_dim) of the fp16 rows, and
+// the lines say so; the device's split does not change.
+TEST(MemoryBreakdownTest, Int8HostRowsAreCountedAsStored) {
+  AgentStats s;
+  const nlohmann::json b = Breakdown(KvMode::kSpeCache, 300, &s, HostRowFormat::kInt8);
+  EXPECT_EQ(b["host_row_format"], "int8");
+  EXPECT_EQ(b["host_bytes"].get<int64_t>(), s.full_precision_bytes / (4 * 32) * (2 * 32 + 16));  // head_dim 32
+  EXPECT_NE(MemoryLines(b, "").find("host rows"), std::string::npos) << MemoryLines(b, "");
 }
 
 TEST(MemoryBreakdownTest, KiviHasNoRowCacheAndFullIsNotSplit) {

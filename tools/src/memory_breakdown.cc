@@ -26,6 +26,10 @@ nlohmann::json MemoryBreakdown(const ModelShape& shape, const KvConfig& config, 
   j["ratio"] = stats.full_precision_bytes > 0
                    ? static_cast<double>(stats.device_bytes) / static_cast<double>(stats.full_precision_bytes)
                    : 0.0;
+  // The host's copy of those rows, in the row format the source stores (int8: about half).
+  j["host_row_format"] = std::string(HostRowFormatName(config.host_row_format));
+  j["host_bytes"] = stats.full_precision_bytes / HostRowBytes(HostRowFormat::kFp16, shape.head_dim) *
+                    HostRowBytes(config.host_row_format, shape.head_dim);
   if (config.mode == KvMode::kFull || tokens <= 0) return j;
   // One real replica of this length: its bytes are the codes, scales and fp16 window exactly as
   // the agent stores them (the values do not change the size).
@@ -49,6 +53,11 @@ std::string MemoryLines(const nlohmann::json& b, const std::string& prefix) {
                 Mib(b["device_bytes"].get<double>()).c_str(), b["ratio"].get<double>(),
                 Mib(b["fp16_bytes"].get<double>()).c_str(), b["tokens"].get<int>());
   std::string out = line;
+  if (b.value("host_row_format", "fp16") != "fp16") {
+    std::snprintf(line, sizeof line, "%shost rows %s (%s)\n", prefix.c_str(), Mib(b["host_bytes"].get<double>()).c_str(),
+                  b["host_row_format"].get<std::string>().c_str());
+    out += line;
+  }
   if (!b.contains("codes_bytes")) return out;
   std::snprintf(line, sizeof line,
                 "%sof which fixed: fp16 residual window (R = %d) %s, row cache %s; low-bit codes and scales %s\n",

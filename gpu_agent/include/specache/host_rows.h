@@ -39,6 +39,9 @@ enum class HostRowFormat : uint32_t {
 // "fp16", "int8".
 std::string_view HostRowFormatName(HostRowFormat format);
 Result<HostRowFormat> ParseHostRowFormat(std::string_view name);
+// INVALID_ARGUMENT for a value outside the enum, or kInt8 with head_dim not a positive multiple of
+// 8 (its rows would not be whole 16-byte vectors). Sources check a layout's format with it.
+Status CheckHostRowFormat(HostRowFormat format, int head_dim);
 
 // Bytes of one stored row at head_dim (a multiple of 8 for kInt8's alignment).
 constexpr int64_t HostRowBytes(HostRowFormat format, int head_dim) {
@@ -50,7 +53,8 @@ void EncodeHostRows(HostRowFormat format, const Half* rows, int64_t n, int head_
 
 // n stored rows -> [n][2][head_dim] fp16. `rows` may be `stored` itself (a read that landed the
 // stored bytes at the front of the fp16 rows' buffer): rows are decoded last to first, each
-// through a copy, so no stored byte is overwritten before it is read.
+// through a copy, so no stored byte is overwritten before it is read. Any other overlap goes
+// through a copy of all n stored rows.
 void DecodeHostRows(HostRowFormat format, const uint8_t* stored, int64_t n, int head_dim, Half* rows);
 
 // One half of a row ([n] fp16 values) encoded as kInt8 and decoded again, in place: the
