@@ -13,9 +13,11 @@ Status NoCuda() { return Status::Unavailable("built without CUDA"); }
 Result<uint64_t> RegisterHostMemory(void*, size_t) { return NoCuda(); }
 Status UnregisterHostMemory(void*) { return NoCuda(); }
 Status LaunchGatherRows(const uint64_t*, void*, int64_t, int, int, void*, const uint32_t*) { return NoCuda(); }
-Status FetchRows(const FetchTask*, int, int, int, int, FetchCounters*, void*, DecodePlan*) { return NoCuda(); }
-Status WriteRows(const WriteTask*, int, int, int, void*, DecodePlan*) { return NoCuda(); }
-Status UpdateRowCaches(const CacheUpdateTask*, int, int, FetchCounters*, void*, DecodePlan*) { return NoCuda(); }
+Status FetchRows(const FetchTask*, int, int, HostRowFormat, int, int, FetchCounters*, void*, DecodePlan*) { return NoCuda(); }
+Status WriteRows(const WriteTask*, int, int, HostRowFormat, int, void*, DecodePlan*) { return NoCuda(); }
+Status UpdateRowCaches(const CacheUpdateTask*, int, int, HostRowFormat, FetchCounters*, void*, DecodePlan*) {
+  return NoCuda();
+}
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeKeyGroupRuns(const KeyGroupRun*, int, int, int, int, void*) { return NoCuda(); }

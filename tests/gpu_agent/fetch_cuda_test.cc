@@ -6,6 +6,7 @@
 #include "specache/cuda_fetch.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <set>
@@ -141,7 +142,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
       caches.push_back(std::move(cache_rows));
     }
     auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
-    ASSERT_TRUE(cuda::FetchRows(tasks.data(), n_tasks, d, page_tokens, 7, counters, nullptr).ok());
+    ASSERT_TRUE(cuda::FetchRows(tasks.data(), n_tasks, d, HostRowFormat::kFp16, page_tokens, 7, counters, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (int i = 0; i < n_tasks; ++i) {
       ASSERT_EQ(testing::Download(tasks[i].out_rows, want[i].size()), want[i]) << "d=" << d << " task " << i;
@@ -197,7 +198,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
       auto routed = route.Stage(staged_tasks, tables, std::span(&ready, 1), stream, after_stream);
       ASSERT_TRUE(routed.ok()) << routed.status().ToString();
       // Ranked tasks are the cache update's: FetchRows refuses them before queueing anything.
-      EXPECT_EQ(cuda::FetchRows(routed->data(), n_tasks, d, page_tokens, 7, counters, stream).code(),
+      EXPECT_EQ(cuda::FetchRows(routed->data(), n_tasks, d, HostRowFormat::kFp16, page_tokens, 7, counters, stream).code(),
                 StatusCode::kInvalidArgument);
       std::vector<cuda::CacheUpdateTask> ranked = updates;
       for (size_t i = 0; i < ranked.size(); ++i) {
@@ -209,7 +210,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
                   cudaSuccess);
       }
       ASSERT_EQ(cudaMemsetAsync(counters, 0, sizeof(cuda::FetchCounters), stream), cudaSuccess);
-      ASSERT_TRUE(cuda::UpdateRowCaches(ranked.data(), n_tasks, d, counters, stream).ok());
+      ASSERT_TRUE(cuda::UpdateRowCaches(ranked.data(), n_tasks, d, HostRowFormat::kFp16, counters, stream).ok());
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       for (int i = 0; i < n_tasks; ++i) {
         const std::vector<int32_t> selected = testing::Download(tasks[i].selected, tasks[i].n_selected);
@@ -311,7 +312,7 @@ TEST(CudaFetchTest, TasksWithoutPagesKeepTheStagedRowsAndCopyTheResidentOnes) {
     want.push_back(std::move(expect));
   }
   auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
-  ASSERT_TRUE(cuda::FetchRows(tasks.data(), static_cast<int>(tasks.size()), d, 0, 7, counters, nullptr).ok());
+  ASSERT_TRUE(cuda::FetchRows(tasks.data(), static_cast<int>(tasks.size()), d, HostRowFormat::kFp16, 0, 7, counters, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (size_t i = 0; i < tasks.size(); ++i) {
     ASSERT_EQ(testing::Download(tasks[i].out_rows, want[i].size()), want[i]) << "task " << i;
@@ -320,7 +321,7 @@ TEST(CudaFetchTest, TasksWithoutPagesKeepTheStagedRowsAndCopyTheResidentOnes) {
   EXPECT_EQ(got.fetched, want_fetched);
   EXPECT_EQ(got.reused, want_reused);
   tasks[0].pages = buf.Copy(std::vector<uint64_t>{0});
-  EXPECT_EQ(cuda::FetchRows(tasks.data(), 1, d, 0, 7, counters, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::FetchRows(tasks.data(), 1, d, HostRowFormat::kFp16, 0, 7, counters, nullptr).code(), StatusCode::kInvalidArgument);
 #endif
 }
 
@@ -346,7 +347,7 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
     const Half* dv = buf.Copy(values);
     std::vector<cuda::WriteTask> tasks;
     for (int h = 0; h < n_kv; ++h) tasks.push_back({dk + h * d, dv + h * d, mapped.table, int64_t{n_kv} * d, before, n, h});
-    ASSERT_TRUE(cuda::WriteRows(tasks.data(), n_kv, d, page_tokens, nullptr).ok());
+    ASSERT_TRUE(cuda::WriteRows(tasks.data(), n_kv, d, HostRowFormat::kFp16, page_tokens, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (int h = 0; h < n_kv; ++h) {
       ASSERT_TRUE(source.CommitRows(1, 0, h, before, n).ok());
@@ -483,10 +484,10 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   }
   // Task 3 alone first, before any launch of a larger cache made the kernel opt in (the update
   // gives the same result run twice: the old list is not written, the misses land in the same slots).
-  ASSERT_TRUE(cuda::UpdateRowCaches(&tasks[3], 1, d, nullptr, nullptr).ok());
+  ASSERT_TRUE(cuda::UpdateRowCaches(&tasks[3], 1, d, HostRowFormat::kFp16, nullptr, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
-  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, counters, nullptr).ok());
+  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, HostRowFormat::kFp16, counters, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
   EXPECT_EQ(got_counters.fetched, want_fetched);
@@ -533,7 +534,170 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   // The slots the attention reads through are required.
   std::vector<cuda::CacheUpdateTask> without = {tasks[0]};
   without[0].selected_slots = nullptr;
-  EXPECT_EQ(cuda::UpdateRowCaches(without.data(), 1, d, nullptr, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::UpdateRowCaches(without.data(), 1, d, HostRowFormat::kFp16, nullptr, nullptr).code(), StatusCode::kInvalidArgument);
+#endif
+}
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// Random fp16 values whose halves (of head_dim) differ in scale by up to ~1000x; every 7th half
+// zero, every 11th with a non-finite value (its int8 half reads back NaN), every 13th with fp16's
+// largest magnitude (the scale rounds up: codes saturate).
+std::vector<Half> ScaledHalves(size_t halves, int d, std::mt19937& rng) {
+  std::vector<Half> out(halves * d);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_scale(-3.0f, 3.0f);
+  for (size_t h = 0; h < halves; ++h) {
+    const float scale = h % 7 == 3 ? 0.0f : std::pow(10.0f, log_scale(rng));
+    for (int i = 0; i < d; ++i) out[h * d + i] = FloatToHalf(scale * normal(rng));
+    if (h % 11 == 5) out[h * d + rng() % d] = h % 2 ? Half{0x7C00} : Half{0x7E00};  // inf or NaN
+    if (h % 13 == 6) out[h * d + rng() % d] = FloatToHalf(-65504.0f);
+  }
+  return out;
+}
+#endif
+
+// int8 pages (host_rows.h) on the device, against the host's EncodeHostRows / DecodeHostRows:
+// WriteRows stores exactly the host's bytes (codes, scales, zero tail) for rows that cross pages;
+// FetchRows gives exactly the host's decoded rows for misses and the resident fp16 rows for hits;
+// the cache update decodes staged int8 rows exactly as the host does. head_dim 96 has lane groups
+// wider than its pieces; 256 fills a warp.
+TEST(CudaFetchTest, Int8PagesHoldAndGiveTheHostFormatsBytesAndValues) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(47);
+  for (int d : {32, 64, 96, 128, 256}) {
+    const int n_kv = 3, page_tokens = 64;
+    const int32_t before = 100, n = 150, length = before + n;
+    const size_t row = 2 * size_t(d);
+    const int64_t stored_bytes = HostRowBytes(HostRowFormat::kInt8, d);
+    InMemorySource source(page_tokens);
+    ASSERT_TRUE(source.CreateSequence(1, {1, n_kv, d, HostRowFormat::kInt8}).ok());
+    std::vector<std::vector<Half>> all(n_kv);  // [head] every row, [length][2][d]
+    for (int h = 0; h < n_kv; ++h) {
+      all[h] = ScaledHalves(size_t(length) * 2, d, rng);
+      ASSERT_TRUE(source.AppendRows(1, 0, h, 0, all[h].data(), before).ok());
+    }
+    MappedPages mapped(source, length);
+    // WriteRows: the engine's layout, [n][n_kv][d] keys and values.
+    std::vector<Half> keys(size_t(n) * n_kv * d), values(keys.size());
+    for (int32_t i = 0; i < n; ++i) {
+      for (int h = 0; h < n_kv; ++h) {
+        std::copy_n(&all[h][size_t(before + i) * row], d, &keys[(size_t(i) * n_kv + h) * d]);
+        std::copy_n(&all[h][size_t(before + i) * row + d], d, &values[(size_t(i) * n_kv + h) * d]);
+      }
+    }
+    DeviceBuffers buf;
+    const Half* dk = buf.Copy(keys);
+    const Half* dv = buf.Copy(values);
+    std::vector<cuda::WriteTask> writes;
+    for (int h = 0; h < n_kv; ++h) writes.push_back({dk + h * d, dv + h * d, mapped.table, int64_t{n_kv} * d, before, n, h});
+    ASSERT_TRUE(cuda::WriteRows(writes.data(), n_kv, d, HostRowFormat::kInt8, page_tokens, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint8_t*> pages;
+    ASSERT_TRUE(source.HostPages(1, 0, length, &pages).ok());
+    for (int h = 0; h < n_kv; ++h) {
+      ASSERT_TRUE(source.CommitRows(1, 0, h, before, n).ok());
+      std::vector<uint8_t> want(size_t(length) * stored_bytes);
+      EncodeHostRows(HostRowFormat::kInt8, all[h].data(), length, d, want.data());
+      for (int32_t t = 0; t < length; ++t) {  // the host's rows and the device's, byte for byte
+        const uint8_t* got = pages[t / page_tokens] + PageRowOffset(h, t % page_tokens, page_tokens, stored_bytes);
+        ASSERT_EQ(std::memcmp(got, &want[size_t(t) * stored_bytes], size_t(stored_bytes)), 0)
+            << "d " << d << " head " << h << " token " << t;
+      }
+    }
+    // FetchRows: random selections, about half resident (resident rows differ from the decoded ones).
+    std::vector<cuda::FetchTask> tasks;
+    std::vector<std::vector<Half>> expect;
+    uint64_t want_fetched = 0, want_reused = 0;
+    for (int i = 0; i < 40; ++i) {
+      const int h = i % n_kv;
+      const auto selected = RandomTokens(length, 1 + static_cast<int>(rng() % 64), rng);
+      std::vector<int32_t> resident;
+      for (int32_t t : selected) if (rng() % 2) resident.push_back(t);
+      const std::vector<Half> resident_rows = testing::RandomHalves(resident.size() * row, rng);
+      std::vector<Half> e(selected.size() * row);
+      for (size_t j = 0; j < selected.size(); ++j) {
+        const auto at = std::lower_bound(resident.begin(), resident.end(), selected[j]);
+        if (at != resident.end() && *at == selected[j]) {
+          std::copy_n(&resident_rows[(at - resident.begin()) * row], row, &e[j * row]);
+          ++want_reused;
+        } else {
+          const int32_t t = selected[j];
+          DecodeHostRows(HostRowFormat::kInt8, pages[t / page_tokens] + PageRowOffset(h, t % page_tokens, page_tokens, stored_bytes),
+                         1, d, &e[j * row]);
+          ++want_fetched;
+        }
+      }
+      cuda::FetchTask t;
+      t.selected = buf.Copy(selected);
+      t.n_selected = static_cast<int32_t>(selected.size());
+      t.resident = buf.Copy(resident);
+      t.n_resident = static_cast<int32_t>(resident.size());
+      t.resident_rows = buf.Copy(resident_rows);
+      t.out_rows = buf.Zeros<Half>(selected.size() * row);
+      t.pages = mapped.table;
+      t.kv_head = h;
+      tasks.push_back(t);
+      expect.push_back(std::move(e));
+    }
+    auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
+    ASSERT_TRUE(cuda::FetchRows(tasks.data(), static_cast<int>(tasks.size()), d, HostRowFormat::kInt8, page_tokens, 7,
+                                counters, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      ASSERT_EQ(testing::Download(tasks[i].out_rows, expect[i].size()), expect[i]) << "d " << d << " task " << i;
+    }
+    const cuda::FetchCounters got = testing::Download(counters, 1)[0];
+    EXPECT_EQ(got.fetched, want_fetched);
+    EXPECT_EQ(got.reused, want_reused);
+    // The cache update: a fresh cache whose selection's rows are all staged int8 rows, in a
+    // shuffled order behind two other rows.
+    const int32_t k = 37;
+    const auto selected = RandomTokens(length, k, rng);
+    std::vector<int32_t> order(selected.size());
+    for (size_t j = 0; j < order.size(); ++j) order[j] = static_cast<int32_t>(j);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<int32_t> ranks(selected.size());
+    std::vector<uint8_t> staged(size_t(2 + selected.size()) * stored_bytes, 0xCD);
+    for (size_t r = 0; r < order.size(); ++r) {
+      ranks[order[r]] = static_cast<int32_t>(2 + r);
+      const int32_t t = selected[order[r]];
+      std::memcpy(&staged[(2 + r) * stored_bytes], pages[t / page_tokens] + PageRowOffset(0, t % page_tokens, page_tokens, stored_bytes),
+                  size_t(stored_bytes));
+    }
+    const int32_t capacity = static_cast<int32_t>(selected.size());
+    cuda::CacheUpdateTask u;
+    u.old_tokens = buf.Copy(std::vector<int32_t>(capacity, cuda::kNoToken));
+    u.old_used = buf.Copy(std::vector<int32_t>(capacity, 0));
+    u.old_slots = buf.Copy(std::vector<int32_t>(capacity, 0));
+    u.old_count = buf.Copy(std::vector<int32_t>{0});
+    u.selected = buf.Copy(selected);
+    u.n_selected = capacity;
+    u.staged_rank = buf.Copy(ranks);
+    u.selected_rows = reinterpret_cast<const Half*>(buf.Copy(staged));
+    u.rows = buf.Zeros<Half>(size_t(capacity) * row);
+    u.new_tokens = buf.Zeros<int32_t>(capacity);
+    u.new_used = buf.Zeros<int32_t>(capacity);
+    u.new_slots = buf.Zeros<int32_t>(capacity);
+    u.new_count = buf.Zeros<int32_t>(1);
+    u.selected_slots = buf.Zeros<int32_t>(capacity);
+    u.now = 1;
+    u.capacity = capacity;
+    ASSERT_TRUE(cuda::UpdateRowCaches(&u, 1, d, HostRowFormat::kInt8, nullptr, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int32_t> slots = testing::Download(u.selected_slots, capacity);
+    const std::vector<Half> cache = testing::Download(u.rows, size_t(capacity) * row);
+    for (int32_t j = 0; j < capacity; ++j) {
+      std::vector<Half> want(row);
+      DecodeHostRows(HostRowFormat::kInt8, &staged[size_t(ranks[j]) * stored_bytes], 1, d, want.data());
+      ASSERT_TRUE(slots[j] >= 0 && slots[j] < capacity);
+      ASSERT_TRUE(std::equal(want.begin(), want.end(), cache.begin() + size_t(slots[j]) * row)) << "d " << d << " row " << j;
+    }
+  }
+  // head_dim the int8 kernels cannot take: refused before any launch.
+  cuda::WriteTask none{};
+  EXPECT_EQ(cuda::WriteRows(&none, 1, 40, HostRowFormat::kInt8, 64, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::WriteRows(&none, 1, 512, HostRowFormat::kInt8, 64, nullptr).code(), StatusCode::kInvalidArgument);
 #endif
 }
 

@@ -103,7 +103,7 @@ TEST(WithoutDeviceTest, FetchingRowsIsUnavailable) {
   // One task, so that a launch is tried (a call with no tasks launches nothing and succeeds).
   cuda::FetchTask task;
   task.n_selected = 1;
-  EXPECT_EQ(cuda::FetchRows(&task, 1, 64, 64, 1, nullptr, nullptr).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(cuda::FetchRows(&task, 1, 64, HostRowFormat::kFp16, 64, 1, nullptr, nullptr).code(), StatusCode::kUnavailable);
 }
 
 }  // namespace

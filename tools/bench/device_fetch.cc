@@ -58,7 +58,7 @@ Status DeviceFetch::Create(const TopKRows& rows) {
 }
 
 Status DeviceFetch::Launch(int max_blocks, void* stream) const {
-  return cuda::FetchRows(tasks_.data(), static_cast<int>(tasks_.size()), kHeadDim, kPageTokens, max_blocks, nullptr,
+  return cuda::FetchRows(tasks_.data(), static_cast<int>(tasks_.size()), kHeadDim, HostRowFormat::kFp16, kPageTokens, max_blocks, nullptr,
                          stream, &plan_);
 }
 

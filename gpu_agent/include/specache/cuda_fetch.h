@@ -23,8 +23,13 @@
 // - WriteRows appends the new tokens' K/V to the host pages (device-to-host stores).
 //
 // Pages follow full_precision_source.h: page p of a (sequence, layer) holds tokens
-// [p * page_tokens, (p + 1) * page_tokens), laid out [kv_head][token][K|V][head_dim] fp16;
-// `pages` are the GPU-visible page addresses. Device pointers; streams as void*. Each call is one
+// [p * page_tokens, (p + 1) * page_tokens), laid out [kv_head][token][row], a row in the pages'
+// format (host_rows.h: fp16 [K|V][head_dim], or int8 codes and scales, `page_rows`); `pages` are
+// the GPU-visible page addresses. Rows on the device (resident, fetched, cached, written from) are
+// fp16 [2][head_dim] whatever the pages hold: FetchRows decodes int8 rows as it reads them,
+// WriteRows encodes them as it stores them, and the cache update decodes staged int8 rows, with
+// the host's arithmetic (cuda/int8_rows.cuh: the same bytes and values as EncodeHostRows and
+// DecodeHostRows). int8 rows need head_dim a multiple of 16 up to 256. Device pointers; streams as void*. Each call is one
 // launch over all its tasks, which reach the kernel through a slot of `plan` (cuda_attention.h;
 // the agent's plans here read in place, DecodePlan::SlotReads::kInPlace; one plan per thread of
 // calls). A null plan is one of the call's own, which waits for the kernel before the call
@@ -34,6 +39,7 @@
 #include <cstdint>
 
 #include "specache/half.h"
+#include "specache/host_rows.h"
 #include "specache/status.h"
 
 namespace specache::cuda {
@@ -58,7 +64,7 @@ struct FetchTask {
   // ([..][2][head_dim], device memory); -2 - j (<= -2), the resident entry j (a hit); -1, no row
   // (padding). The ranks came from ListMissedRows' list, which searched the resident list once.
   const int32_t* staged_rank = nullptr;
-  const Half* staged_rows = nullptr;
+  const Half* staged_rows = nullptr;  // rows as the pages store them (UpdateRowCaches' staged_rows)
   int32_t n_selected = 0;
   int32_t n_resident = 0;
   int32_t kv_head = 0;
@@ -121,11 +127,11 @@ struct FetchCounters {
 };
 
 // max_blocks bounds the SMs the fetch takes from the layers it overlaps. head_dim: a multiple of 8;
-// page_tokens: positive when a task has pages.
-Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
-                 FetchCounters* counters, void* stream, DecodePlan* plan = nullptr);
-Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream,
-                 DecodePlan* plan = nullptr);
+// page_tokens: positive when a task has pages. page_rows: the pages' row format.
+Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, HostRowFormat page_rows, int page_tokens,
+                 int max_blocks, FetchCounters* counters, void* stream, DecodePlan* plan = nullptr);
+Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, HostRowFormat page_rows, int page_tokens,
+                 void* stream, DecodePlan* plan = nullptr);
 // For each task i and slot j < n_selected: missed[i * stride + j] = selected[j] when that token
 // is not in the task's resident list, else -2 - (its index in that list); padding stays
 // kNoToken; slots j in [n_selected, stride) are not written. `missed` is device-visible memory
@@ -133,9 +139,11 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tok
 Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32_t* missed, void* stream,
                       DecodePlan* plan = nullptr);
 // One block per task; capacity at most kMaxCacheRows. counters (device memory, or null): the
-// ranked tasks' rows fetched (staged) and reused (old cache) are added to it.
+// ranked tasks' rows fetched (staged) and reused (old cache) are added to it. staged_rows: the
+// format of the ranked tasks' staged rows (the pages' rows as the copy engine moved them; int8
+// ones are decoded into the cache); rows from FetchRows are fp16 whatever it says.
 constexpr int kMaxCacheRows = 16384;
-Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, FetchCounters* counters, void* stream,
-                       DecodePlan* plan = nullptr);
+Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, HostRowFormat staged_rows,
+                       FetchCounters* counters, void* stream, DecodePlan* plan = nullptr);
 
 }  // namespace specache::cuda

@@ -190,8 +190,8 @@ Status CudaAgent::WriteNewRows(int layer, std::span<const cuda::WriteTask> write
     SPECACHE_RETURN_IF_ERROR(staged_commits_->Stage(layer, writes, sequences, compute_));
     return staged_commits_->Record(compute_);
   }
-  return cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), shape_.head_dim, pages_.page_tokens(), compute_,
-                         &writes_plan_);
+  return cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), shape_.head_dim, cuda::kPageRows,
+                         pages_.page_tokens(), compute_, &writes_plan_);
 }
 
 void CudaAgent::NoteWritten(SequenceId id, int layer, int32_t first, int32_t n) {

@@ -27,6 +27,11 @@
 
 namespace specache::cuda {
 
+// The row format of the pages the CUDA agent reads and writes in place (host_rows.h). The
+// kernels take int8 pages too (cuda_fetch.h); the agent refuses KvConfig::host_row_format kInt8
+// until that path has run on a GPU, so its pages hold fp16 rows.
+inline constexpr HostRowFormat kPageRows = HostRowFormat::kFp16;
+
 class DevicePageTable {
  public:
   // `source` must outlive the table; `stream` is where the table copies are queued.

@@ -8,6 +8,7 @@
 #include "block_select.cuh"
 #include "block_task.cuh"
 #include "decode_plan_slots.h"
+#include "int8_rows.cuh"
 #include "shared_memory_opt_in.cuh"
 #include "sorted_tokens.cuh"
 
@@ -19,6 +20,12 @@ constexpr int kThreads = kListThreads;  // the cache update calls block_select.c
 __device__ const uint4* HostRow(const uint64_t* pages, int page_tokens, int kv_head, int32_t token, int row_pieces) {
   const int32_t page = token / page_tokens, in_page = token - page * page_tokens;
   return reinterpret_cast<const uint4*>(pages[page]) + (static_cast<int64_t>(kv_head) * page_tokens + in_page) * row_pieces;
+}
+
+// Where a stored row of `row_bytes` bytes starts in its host page (any row format).
+__device__ uint8_t* HostRowBytes(const uint64_t* pages, int page_tokens, int kv_head, int32_t token, int64_t row_bytes) {
+  const int32_t page = token / page_tokens, in_page = token - page * page_tokens;
+  return reinterpret_cast<uint8_t*>(pages[page]) + (static_cast<int64_t>(kv_head) * page_tokens + in_page) * row_bytes;
 }
 
 // Index of `token` in the ascending list, or -1.
@@ -94,6 +101,85 @@ __global__ void FetchKernel(const FetchTask* __restrict__ tasks, int count, int3
   }
 }
 
+// FetchKernel for pages of int8 rows (int8_rows.cuh): a group of `width` lanes per row (a power of
+// two >= head_dim / 8, a lane per 16 codes), 32 / width rows a warp, kRowsInFlight rows a group at
+// once. A miss reads its lane's 16 codes from the host page (the group's lane 0 also the scales)
+// and writes 16 fp16 values; a hit copies the same 32 bytes of the resident fp16 row. Loops are
+// uniform over the warp (the scales are shuffled within the group).
+__global__ void FetchInt8Kernel(const FetchTask* __restrict__ tasks, int count, int32_t max_selected, int head_dim,
+                                int width, int page_tokens, FetchCounters* counters) {
+  __shared__ unsigned long long fetched, reused;
+  if (threadIdx.x == 0) fetched = reused = 0;
+  __syncthreads();
+  const int lane = threadIdx.x % 32, group = lane / width, part = lane % width;
+  const int rows_per_warp = 32 / width, parts = head_dim / int8_rows::kValuesPerPiece * 2;  // code pieces a row
+  const int half_parts = parts / 2;
+  const int64_t row_bytes = int8_rows::StoredRowBytes(head_dim);
+  const int64_t total = static_cast<int64_t>(count) * max_selected;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t round = static_cast<int64_t>(rows_per_warp) * kRowsInFlight;
+  for (int64_t base = warp * round; base < total; base += warps * round) {
+    const uint8_t* host[kRowsInFlight];   // a miss: the stored row
+    const uint4* device[kRowsInFlight];   // a hit: the resident fp16 row
+    uint4* dst[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      host[u] = nullptr, device[u] = nullptr;
+      const int64_t r = base + static_cast<int64_t>(u) * rows_per_warp + group;
+      if (r >= total) continue;
+      const FetchTask& t = tasks[r / max_selected];
+      const int i = static_cast<int>(r % max_selected);
+      if (i >= t.n_selected) continue;
+      const int32_t token = t.selected[i];
+      if (token == kNoToken) continue;
+      const int at = Find(t.resident, t.resident_count ? *t.resident_count : t.n_resident, token);
+      if (at < 0 && t.pages == nullptr) {  // the staged fetch put this (fp16) row into out_rows already
+        if (part == 0) atomicAdd(&fetched, 1ull);
+        continue;
+      }
+      if (at >= 0) {
+        const int32_t resident_row = t.resident_slots ? t.resident_slots[at] : at;
+        device[u] = reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(resident_row) * 2 * parts;
+      } else {
+        host[u] = HostRowBytes(t.pages, page_tokens, t.kv_head, token, row_bytes);
+      }
+      dst[u] = reinterpret_cast<uint4*>(t.out_rows) + static_cast<int64_t>(i) * 2 * parts;
+      if (part == 0) atomicAdd(at >= 0 ? &reused : &fetched, 1ull);
+    }
+    uint4 first[kRowsInFlight], second[kRowsInFlight];
+    uint32_t scales[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      scales[u] = 0;
+      if (part >= parts) continue;
+      if (device[u]) {
+        first[u] = device[u][2 * part];
+        second[u] = device[u][2 * part + 1];
+      } else if (host[u]) {
+        first[u] = reinterpret_cast<const uint4*>(host[u])[part];
+        if (part == 0) scales[u] = *reinterpret_cast<const uint32_t*>(host[u] + 2 * head_dim);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const uint32_t both = __shfl_sync(0xffffffffu, scales[u], group * width);  // K scale low, V scale high
+      if (part >= parts || !(device[u] || host[u])) continue;
+      if (host[u]) {
+        const auto scale = static_cast<unsigned short>(part < half_parts ? both & 0xffffu : both >> 16);
+        int8_rows::DecodePiece(first[u], scale, &first[u], &second[u]);
+      }
+      dst[u][2 * part] = first[u];
+      dst[u][2 * part + 1] = second[u];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && counters) {
+    if (fetched) atomicAdd(&counters->fetched, fetched);
+    if (reused) atomicAdd(&counters->reused, reused);
+  }
+}
+
 // A thread per slot of every task (ListMissedRows).
 __global__ void ListMissedKernel(const FetchTask* __restrict__ tasks, int count, int32_t stride, int32_t* missed) {
   const int64_t total = static_cast<int64_t>(count) * stride;
@@ -124,6 +210,48 @@ __global__ void WriteKernel(const WriteTask* __restrict__ tasks, int count, int3
     const uint4* src = reinterpret_cast<const uint4*>((value ? t.values : t.keys) + static_cast<int64_t>(i) * t.stride);
     uint4* dst = const_cast<uint4*>(HostRow(t.pages, page_tokens, t.kv_head, t.first_token + i, row_pieces));
     dst[piece] = src[piece - (value ? half_pieces : 0)];
+  }
+}
+
+// WriteKernel for pages of int8 rows (int8_rows.cuh): a group of 2 x half_width lanes per row, the
+// K lanes then the V lanes (half_width a power of two >= head_dim / 16, a lane per 16 values), 32
+// / (2 x half_width) rows a warp. Each half's lanes agree on its scale by shuffles; each lane
+// stores its 16 codes, and the K half's lane 0 the row's tail (both scales, then zeros). Loops are
+// uniform over the warp.
+__global__ void WriteInt8Kernel(const WriteTask* __restrict__ tasks, int count, int32_t max_rows, int head_dim,
+                                int half_width, int page_tokens) {
+  const int lane = threadIdx.x % 32, row_width = 2 * half_width, rows_per_warp = 32 / row_width;
+  const int in_row = lane % row_width, part = in_row % half_width;
+  const bool value = in_row >= half_width;
+  const int half_parts = int8_rows::HalfPieces(head_dim);
+  const int64_t row_bytes = int8_rows::StoredRowBytes(head_dim);
+  const int64_t total = static_cast<int64_t>(count) * max_rows;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t base = warp * rows_per_warp; base < total; base += warps * rows_per_warp) {
+    const int64_t row = base + lane / row_width;
+    const WriteTask* t = nullptr;
+    int32_t i = 0;
+    if (row < total) {
+      t = &tasks[row / max_rows];
+      i = static_cast<int32_t>(row % max_rows);
+      if (i >= t->n) t = nullptr;
+    }
+    const bool has = t != nullptr && part < half_parts;
+    uint4 first = make_uint4(0, 0, 0, 0), second = first;
+    if (has) {
+      const uint4* src =
+          reinterpret_cast<const uint4*>((value ? t->values : t->keys) + static_cast<int64_t>(i) * t->stride) + 2 * part;
+      first = src[0];
+      second = src[1];
+    }
+    uint4 codes;
+    const uint32_t scale = int8_rows::EncodePiece(first, second, has, half_width, &codes);
+    const uint32_t value_scale = __shfl_sync(0xffffffffu, scale, (lane / row_width) * row_width + half_width);
+    if (t == nullptr) continue;
+    uint8_t* dst = HostRowBytes(t->pages, page_tokens, t->kv_head, t->first_token + i, row_bytes);
+    if (has) reinterpret_cast<uint4*>(dst + (value ? head_dim : 0))[part] = codes;
+    if (in_row == 0) *reinterpret_cast<uint4*>(dst + 2 * head_dim) = make_uint4(scale | value_scale << 16, 0, 0, 0);
   }
 }
 
@@ -165,7 +293,10 @@ __device__ uint64_t KeepThreshold(const CacheUpdateTask& t, int32_t n_old, const
 //      new count;
 //   6. the missed rows are copied into their slots, 16-byte pieces, consecutive threads
 //      consecutive pieces. Nothing else moves.
-__global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int row_pieces, FetchCounters* counters) {
+// `staged_head_dim` > 0: ranked (staged) rows are stored int8 rows of that head_dim (int8_rows.cuh),
+// decoded into the cache's fp16 rows in pass 6; 0: they are fp16 rows, copied.
+__global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int row_pieces, int staged_head_dim,
+                                  FetchCounters* counters) {
   // The block's task in shared memory: read through a reference to global memory, its fields
   // would be loaded again after the block's global stores.
   const CacheUpdateTask& t = TaskOfBlock(tasks, blockIdx.x);
@@ -275,6 +406,23 @@ __global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int
   const uint4* sel_rows = reinterpret_cast<const uint4*>(t.selected_rows);
   const int32_t* rank = t.staged_rank;  // a missed row's place among the staged rows, or null
   uint4* rows = reinterpret_cast<uint4*>(t.rows);
+  if (rank && staged_head_dim > 0) {  // stored int8 rows: a thread per 16 codes, decoded
+    const int parts = 2 * int8_rows::HalfPieces(staged_head_dim), half_parts = parts / 2;
+    const int64_t row_bytes = int8_rows::StoredRowBytes(staged_head_dim);
+    const auto* staged = reinterpret_cast<const uint8_t*>(t.selected_rows);
+    for (int32_t p = threadIdx.x; p < n_selected * parts; p += kThreads) {
+      const int32_t i = p / parts, part = p - i * parts;
+      if (!flags[i]) continue;
+      const uint8_t* stored = staged + int64_t{rank[i]} * row_bytes;
+      const auto scale = *reinterpret_cast<const unsigned short*>(stored + 2 * staged_head_dim + (part < half_parts ? 0 : 2));
+      uint4 first, second;
+      int8_rows::DecodePiece(reinterpret_cast<const uint4*>(stored)[part], scale, &first, &second);
+      uint4* to = rows + int64_t{t.selected_slots[i]} * row_pieces + 2 * part;
+      to[0] = first;
+      to[1] = second;
+    }
+    return;
+  }
   const int32_t pieces = n_selected * row_pieces;
   constexpr int kInFlight = 4;  // loads per thread before its stores
   for (int32_t base = threadIdx.x; base < pieces; base += kInFlight * kThreads) {
@@ -297,11 +445,25 @@ __global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int
 
 }  // namespace
 
-Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tokens, int max_blocks,
-                 FetchCounters* counters, void* stream, DecodePlan* plan) {
+namespace {
+
+// int8 rows: head_dim a multiple of 16 (whole pieces a half) up to 256 (a lane group fits a warp).
+Status CheckInt8HeadDim(int head_dim, const char* what) {
+  if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > 256) {
+    return Status::InvalidArgument(std::string(what) + ": int8 rows need head_dim a multiple of 16 up to 256");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, HostRowFormat page_rows, int page_tokens,
+                 int max_blocks, FetchCounters* counters, void* stream, DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || max_blocks <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("fetch: head_dim must be a positive multiple of 8, blocks positive");
   }
+  const bool int8 = page_rows == HostRowFormat::kInt8;
+  if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "fetch"));
   if (page_tokens <= 0 && std::any_of(tasks, tasks + n_tasks, [](const FetchTask& t) { return t.pages != nullptr; })) {
     return Status::InvalidArgument("fetch: page_tokens must be positive to read pages");
   }
@@ -315,11 +477,16 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, int page_tok
   for (int i = 0; i < n_tasks; ++i) max_selected = std::max(max_selected, tasks[i].n_selected);
   if (max_selected == 0) return Status::Ok();
   const int64_t rows = int64_t{n_tasks} * max_selected;
-  const int64_t rows_per_round = int64_t{kThreads / row_pieces} * kRowsInFlight;
+  const int width = int8_rows::GroupWidth(2 * int8_rows::HalfPieces(head_dim));  // int8: lanes a row
+  const int64_t rows_per_round = int64_t{int8 ? (kThreads / 32) * (32 / width) : kThreads / row_pieces} * kRowsInFlight;
   const int blocks = static_cast<int>(std::min<int64_t>(max_blocks, (rows + rows_per_round - 1) / rows_per_round));
   auto* s = static_cast<cudaStream_t>(stream);
   return WithDeviceTasks(plan, tasks, n_tasks, s, "fetch kernel", [&](const FetchTask* on_device) {
-    FetchKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_selected, row_pieces, page_tokens, counters);
+    if (int8) {
+      FetchInt8Kernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_selected, head_dim, width, page_tokens, counters);
+    } else {
+      FetchKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_selected, row_pieces, page_tokens, counters);
+    }
   });
 }
 
@@ -338,10 +505,13 @@ Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32
   });
 }
 
-Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tokens, void* stream, DecodePlan* plan) {
+Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, HostRowFormat page_rows, int page_tokens,
+                 void* stream, DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || page_tokens <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("write: head_dim must be a positive multiple of 8, page_tokens positive");
   }
+  const bool int8 = page_rows == HostRowFormat::kInt8;
+  if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "write"));
   const int half_pieces = head_dim * static_cast<int>(sizeof(Half)) / 16;
   int32_t max_rows = 0;
   for (int i = 0; i < n_tasks; ++i) {
@@ -349,17 +519,27 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, int page_tok
     max_rows = std::max(max_rows, tasks[i].n);
   }
   if (max_rows == 0) return Status::Ok();
+  auto* s = static_cast<cudaStream_t>(stream);
+  if (int8) {
+    const int half_width = int8_rows::GroupWidth(int8_rows::HalfPieces(head_dim));
+    const int64_t rows = int64_t{n_tasks} * max_rows, rows_per_block = (kThreads / 32) * (32 / (2 * half_width));
+    const int blocks = static_cast<int>(std::min<int64_t>(1024, (rows + rows_per_block - 1) / rows_per_block));
+    return WithDeviceTasks(plan, tasks, n_tasks, s, "write kernel", [&](const WriteTask* on_device) {
+      WriteInt8Kernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_rows, head_dim, half_width, page_tokens);
+    });
+  }
   const int64_t pieces = int64_t{n_tasks} * max_rows * 2 * half_pieces;
   const int blocks = static_cast<int>(std::min<int64_t>(1024, (pieces + kThreads - 1) / kThreads));
-  auto* s = static_cast<cudaStream_t>(stream);
   return WithDeviceTasks(plan, tasks, n_tasks, s, "write kernel", [&](const WriteTask* on_device) {
     WriteKernel<<<blocks, kThreads, 0, s>>>(on_device, n_tasks, max_rows, half_pieces, page_tokens);
   });
 }
 
-Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, FetchCounters* counters, void* stream,
-                       DecodePlan* plan) {
+Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, HostRowFormat staged_rows,
+                       FetchCounters* counters, void* stream, DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || n_tasks < 0) return Status::InvalidArgument("cache update: bad head_dim");
+  const bool int8 = staged_rows == HostRowFormat::kInt8;
+  if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "cache update"));
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
   int32_t largest = 0;  // capacity
   for (int i = 0; i < n_tasks; ++i) {
@@ -383,7 +563,8 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
   }
   auto* s = static_cast<cudaStream_t>(stream);
   return WithDeviceTasks(plan, tasks, n_tasks, s, "cache update kernel", [&](const CacheUpdateTask* on_device) {
-    UpdateCacheKernel<<<n_tasks, kThreads, CacheUpdateSharedBytes(largest), s>>>(on_device, row_pieces, counters);
+    UpdateCacheKernel<<<n_tasks, kThreads, CacheUpdateSharedBytes(largest), s>>>(on_device, row_pieces, int8 ? head_dim : 0,
+                                                                                  counters);
   });
 }
 

@@ -332,9 +332,10 @@ Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFet
 }
 
 Status RowFetcher::LaunchBySmLoads(const FetchWork& w, size_t n, cudaStream_t stream, DecodePlan* plan) const {
-  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(n), shape_.head_dim, pages_->page_tokens(),
-                                     options_.fetch_blocks, device_counters_.get(), stream, plan));
-  return UpdateRowCaches(w.updates.data(), static_cast<int>(n), shape_.head_dim, nullptr, stream, plan);  // counted
+  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(n), shape_.head_dim, kPageRows,
+                                     pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream, plan));
+  return UpdateRowCaches(w.updates.data(), static_cast<int>(n), shape_.head_dim, kPageRows, nullptr, stream,
+                         plan);  // counted
 }
 
 size_t RowFetcher::SmSequences(size_t fetched) const {
@@ -378,8 +379,8 @@ Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_
     updates[i].staged_rank = routed[i].staged_rank;
     updates[i].selected_rows = routed[i].staged_rows;
   }
-  return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, device_counters_.get(),
-                         stream, plan);
+  return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, kPageRows,
+                         device_counters_.get(), stream, plan);
 }
 
 void RowFetcher::Forget(int layer, const std::vector<SequenceId>& ids) {
@@ -413,7 +414,7 @@ Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span
                           cudaStream_t stream) {
   return OnSourceThread([&](DecodePlan* plan) -> Status {
     if (staged_inline_) SPECACHE_RETURN_IF_ERROR(staged_inline_->Stage(layer, tasks, sequences, 0, stream).status());
-    return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, pages_->page_tokens(),
+    return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, kPageRows, pages_->page_tokens(),
                      options_.fetch_blocks, nullptr, stream, plan);
   });
 }
