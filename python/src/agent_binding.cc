@@ -277,7 +277,7 @@ void BindAgent(nb::module_& m) {
                        "How the agent keeps the KV cache: mode (full, kivi, specache, specache-nonspec), key and "
                        "value bits (1, 2, 4, 16), group size G, residual window R, top_k k, cached_rows, reduction "
                        "(mean, max), host_row_format (fp16, int8: how host memory stores the full-precision rows; "
-                       "int8 halves their bytes; CPU backend only for now), round_host_rows (none, int8, e4m3: fp16 "
+                       "int8 halves their bytes), round_host_rows (none, int8, e4m3: fp16 "
                        "rows rounded to an 8-bit format's values, CPU backend only; a fidelity measure). "
                        "bits= sets key_bits and value_bits together.")
       .def(

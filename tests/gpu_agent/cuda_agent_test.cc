@@ -411,6 +411,38 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
 #endif
 }
 
+// int8 host rows (KvConfig::host_row_format): the CUDA agent's pages hold what the CPU agent's do
+// (its page writes encode as the host does), and on every route its rows come back as the CPU
+// agent's (SM loads decode from the pages, the copy engine moves the stored rows and the cache
+// update decodes them): the same outputs within float rounding, counts and selections.
+TEST(CudaAgentTest, Int8HostRowsOnEveryRouteMatchTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 64, 1};
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  c.host_row_format = HostRowFormat::kInt8;
+  InMemorySource cpu_source;
+  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
+  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+  auto want = testing::DriveBatch(cpu->get(), prompts, 70, std::mt19937(77));
+  ASSERT_TRUE(want.ok()) << want.status().ToString();
+  const FetchRoute routes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
+                               {FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
+                               {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.5}};
+  for (const FetchRoute& route : routes) {
+    auto b = MatchOnDevice(shape, c, route, **cpu, *want, prompts.size(), [&](Agent* gpu, cudaStream_t stream) {
+      return DriveBatchOnDevice(gpu, prompts, 70, std::mt19937(77), stream);
+    });
+    ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
+    // The bytes a fetched row moves are the stored ones.
+    EXPECT_EQ(b->bytes_fetched, b->rows_fetched * HostRowBytes(HostRowFormat::kInt8, shape.head_dim)) << route.Name();
+  }
+#endif
+}
+
 // Wherever the speculative fetch is queued (CudaAgentOptions::fetch_overlap), and whichever route
 // its rows take (fetch_via), the rows and the results are the same: the paper's rule, the union
 // rule with every cached row attended, and the adaptive budget (whose padding no route may fetch).

@@ -164,7 +164,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     cudaEvent_t ready = nullptr;  // the tasks were written before the test began
     ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
     ASSERT_EQ(cudaEventRecord(ready, stream), cudaSuccess);
-    cuda::CopyEngineFetch route(d, page_tokens, 3);
+    cuda::CopyEngineFetch route(d, HostRowFormat::kFp16, page_tokens, 3);
     // Each task's old cache is its resident list (read through resident_count when set, as
     // RowFetcher does) over the row cache above, with room for all of it and the selection:
     // nothing is evicted, and the misses go into the free rows. Each pass starts from the rows as

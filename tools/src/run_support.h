@@ -64,7 +64,7 @@ struct KvOptions {
   int seed_rows = 1024;
   // The full-precision rows in host memory: none (fp16), int8 (stored as int8 codes and scales,
   // KvConfig::host_row_format: half the host RAM and fetched bytes), e4m3 (fp16 rows rounded to
-  // E4M3's values, KvConfig::round_host_rows: a fidelity measure). The CPU backend only, for now.
+  // E4M3's values, KvConfig::round_host_rows: a fidelity measure; the CPU backend only).
   std::string host_rows = "none";
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")

@@ -120,7 +120,9 @@ struct KvConfig {
   // sequence takes and the bytes a fetched row moves, and every row fetched back, and every row
   // a kept sequence holds, has the int8 format's values; what the attention computes at prefill
   // and in the residual window stays fp16. A sequence kept with one format is claimed only with
-  // it. CPU agent only for now (the CUDA agent refuses kInt8 with UNIMPLEMENTED).
+  // it. Both agents (the CUDA agent's kernels encode and decode with the host's arithmetic,
+  // cuda_fetch.h; there head_dim must be a multiple of 16 up to 256; that path has device tests
+  // against the CPU agent but has not yet run on a GPU).
   HostRowFormat host_row_format = HostRowFormat::kFp16;
   // The rows written to the source are first rounded to this 8-bit format (HostRowRounding), so
   // that every row fetched back has the values an 8-bit host copy would give, while the source

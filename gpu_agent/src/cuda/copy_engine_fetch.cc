@@ -54,7 +54,7 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
     if (!*e) SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "event"));
   }
   const size_t slots = tasks.size() * static_cast<size_t>(stride);
-  const size_t row = 2 * static_cast<size_t>(head_dim_) * sizeof(Half);
+  const size_t row = static_cast<size_t>(HostRowBytes(page_rows_, head_dim_));  // as the pages store it
   const size_t rank_bytes = (slots * sizeof(int32_t) + 15) / 16 * 16;
   const size_t most_bytes = rank_bytes + slots * row;  // every slot a miss
   // The list's last reader was the host, in the previous call.

@@ -47,8 +47,11 @@ namespace specache::cuda {
 class CopyEngineFetch {
  public:
   // piece_bytes: the rows go up in copies of at most this many bytes (0: one copy a layer).
-  CopyEngineFetch(int head_dim, int32_t page_tokens, int threads, int64_t piece_bytes = kCopyPieceBytes)
-      : head_dim_(head_dim), page_tokens_(page_tokens), threads_(threads), piece_bytes_(piece_bytes) {}
+  // page_rows: the pages' row format; the rows go up as stored (int8 ones half the bytes), and the
+  // cache update decodes them (UpdateRowCaches' staged_rows).
+  CopyEngineFetch(int head_dim, HostRowFormat page_rows, int32_t page_tokens, int threads,
+                  int64_t piece_bytes = kCopyPieceBytes)
+      : head_dim_(head_dim), page_rows_(page_rows), page_tokens_(page_tokens), threads_(threads), piece_bytes_(piece_bytes) {}
   // Waits for the last copy out of the pinned buffer before freeing it.
   ~CopyEngineFetch();
   CopyEngineFetch(const CopyEngineFetch&) = delete;
@@ -86,6 +89,7 @@ class CopyEngineFetch {
 
  private:
   int head_dim_;
+  HostRowFormat page_rows_;
   int32_t page_tokens_;
   int threads_;
   int64_t piece_bytes_;

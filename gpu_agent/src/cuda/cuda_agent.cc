@@ -78,7 +78,7 @@ class CudaAgent final : public Agent {
         protocol_(shape, config),
         compute_(static_cast<cudaStream_t>(o.stream)),
         commits_(source, shape.n_kv_heads),
-        pages_(source, shape.n_layers, o.capacity_tokens, compute_),
+        pages_(source, shape.n_layers, o.capacity_tokens, config.host_row_format, compute_),
         replicas_(shape, ReplicaParamsOf(shape, config), o.capacity_tokens, compute_, o.mma_codes),
         rows_(shape, config, o, &pages_, compute_),
         planner_(shape, config, o, &protocol_, &replicas_, &rows_, &pages_, compute_) {}
@@ -190,7 +190,7 @@ Status CudaAgent::WriteNewRows(int layer, std::span<const cuda::WriteTask> write
     SPECACHE_RETURN_IF_ERROR(staged_commits_->Stage(layer, writes, sequences, compute_));
     return staged_commits_->Record(compute_);
   }
-  return cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), shape_.head_dim, cuda::kPageRows,
+  return cuda::WriteRows(writes.data(), static_cast<int>(writes.size()), shape_.head_dim, pages_.row_format(),
                          pages_.page_tokens(), compute_, &writes_plan_);
 }
 
@@ -218,7 +218,8 @@ Status CudaAgent::AddSequence(SequenceId id) {
   SPECACHE_RETURN_IF_ERROR(replicas_.AddSequence(id));
   Status added = pages_.AddSequence(id);
   if (added.ok()) {
-    added = source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim}).WithContext("source");
+    added = source_->CreateSequence(id, {shape_.n_layers, shape_.n_kv_heads, shape_.head_dim, pages_.row_format()})
+                .WithContext("source");
   }
   if (!added.ok()) {  // nothing of the sequence stays
     pages_.RemoveSequence(id);
@@ -430,7 +431,7 @@ AgentStats CudaAgent::stats() const {
   // The adaptive budget's rows are counted on the device (device.selected), the others on the host.
   AddFetchCounts({rows_.rows_selected() + static_cast<int64_t>(device.selected), static_cast<int64_t>(device.fetched),
                   static_cast<int64_t>(device.reused)},
-                 HostRowBytes(HostRowFormat::kFp16, shape_.head_dim), &s);  // (the CUDA agent stores fp16 rows)
+                 HostRowBytes(pages_.row_format(), shape_.head_dim), &s);
   replicas_.AddStats(&s);
   rows_.AddStats(&s);
   s.device_bytes_reserved += pages_.device_bytes();
@@ -454,10 +455,8 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (config.round_host_rows != HostRowRounding::kNone) {
     return Status::Unimplemented("round_host_rows (8-bit host rows, a fidelity measure) runs on the CPU agent only");
   }
-  if (config.host_row_format != HostRowFormat::kFp16) {
-    return Status::Unimplemented("host_row_format " + std::string(HostRowFormatName(config.host_row_format)) +
-                                 " (stored 8-bit host rows) runs on the CPU agent only for now: the CUDA agent's page "
-                                 "writes and fetches read and write fp16 rows");
+  if (config.host_row_format == HostRowFormat::kInt8 && (shape.head_dim % 16 != 0 || shape.head_dim > 256)) {
+    return Status::InvalidArgument("the CUDA agent's int8 host rows need head_dim a multiple of 16 up to 256");
   }
   if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
     return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +

@@ -9,8 +9,8 @@
 namespace specache::cuda {
 
 DevicePageTable::DevicePageTable(FullPrecisionSource* source, int n_layers, int32_t capacity_tokens,
-                                 cudaStream_t stream)
-    : source_(source), n_layers_(n_layers), capacity_tokens_(capacity_tokens), stream_(stream) {
+                                 HostRowFormat row_format, cudaStream_t stream)
+    : source_(source), n_layers_(n_layers), capacity_tokens_(capacity_tokens), row_format_(row_format), stream_(stream) {
   page_tokens_ = source->page_tokens();
   // A source without pages (the staged path) gets empty tables: Map maps nothing, Layer is null.
   if (page_tokens_ > 0) max_pages_ = (capacity_tokens + page_tokens_ - 1) / page_tokens_;

@@ -27,15 +27,13 @@
 
 namespace specache::cuda {
 
-// The row format of the pages the CUDA agent reads and writes in place (host_rows.h). The
-// kernels take int8 pages too (cuda_fetch.h); the agent refuses KvConfig::host_row_format kInt8
-// until that path has run on a GPU, so its pages hold fp16 rows.
-inline constexpr HostRowFormat kPageRows = HostRowFormat::kFp16;
-
 class DevicePageTable {
  public:
-  // `source` must outlive the table; `stream` is where the table copies are queued.
-  DevicePageTable(FullPrecisionSource* source, int n_layers, int32_t capacity_tokens, cudaStream_t stream);
+  // `source` must outlive the table; `stream` is where the table copies are queued. row_format:
+  // how the source's pages store the rows (KvConfig::host_row_format; the agent creates its
+  // sequences with it), what the kernels that read and write them in place are told.
+  DevicePageTable(FullPrecisionSource* source, int n_layers, int32_t capacity_tokens, HostRowFormat row_format,
+                  cudaStream_t stream);
   ~DevicePageTable();
   DevicePageTable(const DevicePageTable&) = delete;
   DevicePageTable& operator=(const DevicePageTable&) = delete;
@@ -62,6 +60,7 @@ class DevicePageTable {
   const uint8_t* const* HostLayer(SequenceId id, int layer) const;
 
   int32_t page_tokens() const { return page_tokens_; }
+  HostRowFormat row_format() const { return row_format_; }
   // Device memory of all the sequences' tables.
   int64_t device_bytes() const;
 
@@ -81,6 +80,7 @@ class DevicePageTable {
   FullPrecisionSource* source_;
   int n_layers_;
   int32_t capacity_tokens_;
+  HostRowFormat row_format_;
   cudaStream_t stream_;
   int32_t page_tokens_ = 0, max_pages_ = 0;
   std::map<const uint8_t*, Region> regions_;  // registered by this table, by host base

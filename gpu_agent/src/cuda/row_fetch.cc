@@ -65,8 +65,8 @@ Status RowFetcher::Init() {
     handed_.assign(shape_.n_layers, {});
   }
   if (copy_engine_threads_ > 0) {
-    copy_engine_ = std::make_unique<CopyEngineFetch>(shape_.head_dim, pages_->page_tokens(), copy_engine_threads_,
-                                                     copy_piece_bytes_);
+    copy_engine_ = std::make_unique<CopyEngineFetch>(shape_.head_dim, pages_->row_format(), pages_->page_tokens(),
+                                                     copy_engine_threads_, copy_piece_bytes_);
     if (sm_share_ > 0) {  // its blocks are scheduled first, as the fetch stream's
       SPECACHE_RETURN_IF_ERROR(
           CudaStatus(cudaStreamCreateWithPriority(&sm_fetch_, cudaStreamNonBlocking, greatest_priority), "fetch stream"));
@@ -332,9 +332,9 @@ Status RowFetcher::Launch(const FetchWork& w, StagedFetch* staged, CopyEngineFet
 }
 
 Status RowFetcher::LaunchBySmLoads(const FetchWork& w, size_t n, cudaStream_t stream, DecodePlan* plan) const {
-  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(n), shape_.head_dim, kPageRows,
+  SPECACHE_RETURN_IF_ERROR(FetchRows(w.tasks.data(), static_cast<int>(n), shape_.head_dim, pages_->row_format(),
                                      pages_->page_tokens(), options_.fetch_blocks, device_counters_.get(), stream, plan));
-  return UpdateRowCaches(w.updates.data(), static_cast<int>(n), shape_.head_dim, kPageRows, nullptr, stream,
+  return UpdateRowCaches(w.updates.data(), static_cast<int>(n), shape_.head_dim, pages_->row_format(), nullptr, stream,
                          plan);  // counted
 }
 
@@ -379,7 +379,7 @@ Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_
     updates[i].staged_rank = routed[i].staged_rank;
     updates[i].selected_rows = routed[i].staged_rows;
   }
-  return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, kPageRows,
+  return UpdateRowCaches(updates.data(), static_cast<int>(updates.size()), shape_.head_dim, pages_->row_format(),
                          device_counters_.get(), stream, plan);
 }
 
@@ -414,7 +414,7 @@ Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span
                           cudaStream_t stream) {
   return OnSourceThread([&](DecodePlan* plan) -> Status {
     if (staged_inline_) SPECACHE_RETURN_IF_ERROR(staged_inline_->Stage(layer, tasks, sequences, 0, stream).status());
-    return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, kPageRows, pages_->page_tokens(),
+    return FetchRows(tasks.data(), static_cast<int>(tasks.size()), shape_.head_dim, pages_->row_format(), pages_->page_tokens(),
                      options_.fetch_blocks, nullptr, stream, plan);
   });
 }
