@@ -391,10 +391,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_option("--kv", o->step_kv, "replicas to time, a row each: specache-1bit (default), specache-2bit, kivi-1bit; "
                     "specache-1bit-union: specache-run's default selection (union, 64 more rows from the real row, "
                     "their successors, every cached row attended); specache-1bit-union-noresident: without the "
-                    "last; specache-1bit-resident: the paper's rule, every cached row attended")
+                    "last; specache-1bit-resident: the paper's rule, every cached row attended; -int8 after a "
+                    "specache name: the host's rows stored as int8")
         ->delimiter(',')
         ->check(CLI::IsMember({"specache-1bit", "specache-2bit", "kivi-1bit", "specache-1bit-union",
-                              "specache-1bit-union-noresident", "specache-1bit-resident"}));
+                              "specache-1bit-union-noresident", "specache-1bit-resident", "specache-1bit-int8",
+                              "specache-1bit-union-int8"}));
   }
   if (suite.trace) {
     cmd->add_option("--trace", o->trace_path, "selection trace (specache-run generate --selection-trace)")->required();

@@ -132,8 +132,13 @@ struct AgentRun {
 
 // One agent over `batch` fresh sequences of `context` random tokens: prefill, pre-decode, then
 // timed decode steps with the model around it.
-KvConfig StepKvConfig(const std::string& kv) {
+KvConfig StepKvConfig(std::string kv) {
   KvConfig config;
+  // "-int8" last: the host's rows stored as int8 (KvConfig::host_row_format), half the bytes fetched.
+  if (kv.ends_with("-int8")) {
+    config.host_row_format = HostRowFormat::kInt8;
+    kv.resize(kv.size() - 5);
+  }
   config.mode = kv.rfind("kivi", 0) == 0 ? KvMode::kKivi : KvMode::kSpeCache;
   config.key_bits = config.value_bits = kv.find("2bit") != std::string::npos ? 2 : 1;
   config.top_k = kTopK;
@@ -158,11 +163,11 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30, host_huge_pages);
+  const KvConfig config = StepKvConfig(kv);
   // The pages carved before the agent exists, as a daemon's pool exists before its engines: the
   // agent registers them (cudaHostRegister) at its creation, timed apart (ms_register), not inside
   // the timed prefill, where ~34 GB of new pages for 32 x 8K would be registered otherwise.
-  source.Reserve({kLayers, kKvHeads, kHeadDim}, batch, context + warm + steps + 8);
-  const KvConfig config = StepKvConfig(kv);
+  source.Reserve({kLayers, kKvHeads, kHeadDim, config.host_row_format}, batch, context + warm + steps + 8);
   options.capacity_tokens = context + warm + steps + 8;
   options.stream = m.stream;
   const auto created = std::chrono::steady_clock::now();
