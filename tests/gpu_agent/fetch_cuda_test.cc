@@ -540,17 +540,37 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 // Random fp16 values whose halves (of head_dim) differ in scale by up to ~1000x; every 7th half
-// zero, every 11th with a non-finite value (its int8 half reads back NaN), every 13th with fp16's
-// largest magnitude (the scale rounds up: codes saturate).
+// zero, every 11th with a non-finite value (inf, -inf or NaN: its int8 half reads back NaN), every
+// 13th with fp16's largest magnitude (the scale rounds up: codes saturate). And halves made for
+// the format's corners: every 17th subnormal up to 1079 x 2^-24 (its scale, 8 x 2^-24, rounds
+// down so far that a quotient passes 127 and clamps); every 19th at most 63 x 2^-24 (its scale
+// rounds to 0: zeros back); every 23rd with largest magnitude 127 (scale exactly 1) and values
+// +-0.5, +-1.5, +-2.5, ... (quotients on .5: rounded away from zero, not to even).
 std::vector<Half> ScaledHalves(size_t halves, int d, std::mt19937& rng) {
   std::vector<Half> out(halves * d);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> log_scale(-3.0f, 3.0f);
+  const auto sign = [&rng](Half h) { return static_cast<Half>(h | (rng() % 2 ? 0x8000 : 0)); };
   for (size_t h = 0; h < halves; ++h) {
+    Half* v = &out[h * d];
+    if (h % 17 == 8) {
+      for (int i = 0; i < d; ++i) v[i] = sign(static_cast<Half>(rng() % 0x0438));
+      v[rng() % d] = sign(0x0437);
+      continue;
+    }
+    if (h % 19 == 9) {
+      for (int i = 0; i < d; ++i) v[i] = sign(static_cast<Half>(rng() % 64));
+      continue;
+    }
+    if (h % 23 == 10) {
+      for (int i = 0; i < d; ++i) v[i] = FloatToHalf((rng() % 2 ? 1.0f : -1.0f) * (0.5f + static_cast<float>(rng() % 126)));
+      v[rng() % d] = FloatToHalf(127.0f);
+      continue;
+    }
     const float scale = h % 7 == 3 ? 0.0f : std::pow(10.0f, log_scale(rng));
-    for (int i = 0; i < d; ++i) out[h * d + i] = FloatToHalf(scale * normal(rng));
-    if (h % 11 == 5) out[h * d + rng() % d] = h % 2 ? Half{0x7C00} : Half{0x7E00};  // inf or NaN
-    if (h % 13 == 6) out[h * d + rng() % d] = FloatToHalf(-65504.0f);
+    for (int i = 0; i < d; ++i) v[i] = FloatToHalf(scale * normal(rng));
+    if (h % 11 == 5) v[rng() % d] = h % 3 == 0 ? Half{0x7C00} : h % 3 == 1 ? Half{0xFC00} : Half{0x7E00};
+    if (h % 13 == 6) v[rng() % d] = FloatToHalf(-65504.0f);
   }
   return out;
 }
@@ -605,17 +625,23 @@ TEST(CudaFetchTest, Int8PagesHoldAndGiveTheHostFormatsBytesAndValues) {
             << "d " << d << " head " << h << " token " << t;
       }
     }
-    // FetchRows: random selections, about half resident (resident rows differ from the decoded ones).
+    // FetchRows: random selections, about half resident (resident rows differ from the decoded
+    // ones), at shuffled slots of a row cache for even tasks; every third ends in the adaptive
+    // budget's padding; every fifth has no pages (the staged fetch: its misses' fp16 rows are in
+    // out_rows already, counted as fetched, left as they are).
     std::vector<cuda::FetchTask> tasks;
     std::vector<std::vector<Half>> expect;
     uint64_t want_fetched = 0, want_reused = 0;
     for (int i = 0; i < 40; ++i) {
       const int h = i % n_kv;
+      const bool staged = i % 5 == 4;
       const auto selected = RandomTokens(length, 1 + static_cast<int>(rng() % 64), rng);
       std::vector<int32_t> resident;
       for (int32_t t : selected) if (rng() % 2) resident.push_back(t);
       const std::vector<Half> resident_rows = testing::RandomHalves(resident.size() * row, rng);
-      std::vector<Half> e(selected.size() * row);
+      std::vector<int32_t> padded = selected;
+      if (i % 3 == 1) padded.resize(selected.size() + 1 + rng() % 5, cuda::kNoToken);
+      std::vector<Half> e(padded.size() * row, Half{0x1234}), start(e.size(), Half{0x1234});
       for (size_t j = 0; j < selected.size(); ++j) {
         const auto at = std::lower_bound(resident.begin(), resident.end(), selected[j]);
         if (at != resident.end() && *at == selected[j]) {
@@ -625,17 +651,25 @@ TEST(CudaFetchTest, Int8PagesHoldAndGiveTheHostFormatsBytesAndValues) {
           const int32_t t = selected[j];
           DecodeHostRows(HostRowFormat::kInt8, pages[t / page_tokens] + PageRowOffset(h, t % page_tokens, page_tokens, stored_bytes),
                          1, d, &e[j * row]);
+          if (staged) std::copy_n(&e[j * row], row, &start[j * row]);  // what the staged read put there
           ++want_fetched;
         }
       }
+      // Even tasks: the resident rows at shuffled slots of a cache with room for one more row.
+      std::vector<int32_t> slots(resident.size() + 1);
+      for (size_t r = 0; r < slots.size(); ++r) slots[r] = static_cast<int32_t>(r);
+      std::shuffle(slots.begin(), slots.end(), rng);
+      std::vector<Half> cache = testing::RandomHalves(slots.size() * row, rng);
+      for (size_t r = 0; r < resident.size(); ++r) std::copy_n(&resident_rows[r * row], row, &cache[size_t(slots[r]) * row]);
       cuda::FetchTask t;
-      t.selected = buf.Copy(selected);
-      t.n_selected = static_cast<int32_t>(selected.size());
+      t.selected = buf.Copy(padded);
+      t.n_selected = static_cast<int32_t>(padded.size());
       t.resident = buf.Copy(resident);
       t.n_resident = static_cast<int32_t>(resident.size());
-      t.resident_rows = buf.Copy(resident_rows);
-      t.out_rows = buf.Zeros<Half>(selected.size() * row);
-      t.pages = mapped.table;
+      t.resident_rows = i % 2 == 0 ? buf.Copy(cache) : buf.Copy(resident_rows);
+      t.resident_slots = i % 2 == 0 ? buf.Copy(slots) : nullptr;
+      t.out_rows = buf.Copy(start);
+      t.pages = staged ? nullptr : mapped.table;
       t.kv_head = h;
       tasks.push_back(t);
       expect.push_back(std::move(e));
@@ -698,6 +732,7 @@ TEST(CudaFetchTest, Int8PagesHoldAndGiveTheHostFormatsBytesAndValues) {
   cuda::WriteTask none{};
   EXPECT_EQ(cuda::WriteRows(&none, 1, 40, HostRowFormat::kInt8, 64, nullptr).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cuda::WriteRows(&none, 1, 512, HostRowFormat::kInt8, 64, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::WriteRows(&none, 1, 64, static_cast<HostRowFormat>(7), 64, nullptr).code(), StatusCode::kInvalidArgument);
 #endif
 }
 

@@ -23,7 +23,7 @@ __device__ const uint4* HostRow(const uint64_t* pages, int page_tokens, int kv_h
 }
 
 // Where a stored row of `row_bytes` bytes starts in its host page (any row format).
-__device__ uint8_t* HostRowBytes(const uint64_t* pages, int page_tokens, int kv_head, int32_t token, int64_t row_bytes) {
+__device__ uint8_t* StoredHostRow(const uint64_t* pages, int page_tokens, int kv_head, int32_t token, int64_t row_bytes) {
   const int32_t page = token / page_tokens, in_page = token - page * page_tokens;
   return reinterpret_cast<uint8_t*>(pages[page]) + (static_cast<int64_t>(kv_head) * page_tokens + in_page) * row_bytes;
 }
@@ -142,7 +142,7 @@ __global__ void FetchInt8Kernel(const FetchTask* __restrict__ tasks, int count, 
         const int32_t resident_row = t.resident_slots ? t.resident_slots[at] : at;
         device[u] = reinterpret_cast<const uint4*>(t.resident_rows) + static_cast<int64_t>(resident_row) * 2 * parts;
       } else {
-        host[u] = HostRowBytes(t.pages, page_tokens, t.kv_head, token, row_bytes);
+        host[u] = StoredHostRow(t.pages, page_tokens, t.kv_head, token, row_bytes);
       }
       dst[u] = reinterpret_cast<uint4*>(t.out_rows) + static_cast<int64_t>(i) * 2 * parts;
       if (part == 0) atomicAdd(at >= 0 ? &reused : &fetched, 1ull);
@@ -249,7 +249,7 @@ __global__ void WriteInt8Kernel(const WriteTask* __restrict__ tasks, int count, 
     const uint32_t scale = int8_rows::EncodePiece(first, second, has, half_width, &codes);
     const uint32_t value_scale = __shfl_sync(0xffffffffu, scale, (lane / row_width) * row_width + half_width);
     if (t == nullptr) continue;
-    uint8_t* dst = HostRowBytes(t->pages, page_tokens, t->kv_head, t->first_token + i, row_bytes);
+    uint8_t* dst = StoredHostRow(t->pages, page_tokens, t->kv_head, t->first_token + i, row_bytes);
     if (has) reinterpret_cast<uint4*>(dst + (value ? head_dim : 0))[part] = codes;
     if (in_row == 0) *reinterpret_cast<uint4*>(dst + 2 * head_dim) = make_uint4(scale | value_scale << 16, 0, 0, 0);
   }
@@ -462,6 +462,7 @@ Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, HostRowForma
   if (head_dim <= 0 || head_dim % 8 != 0 || max_blocks <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("fetch: head_dim must be a positive multiple of 8, blocks positive");
   }
+  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(page_rows, head_dim));  // a value outside the enum
   const bool int8 = page_rows == HostRowFormat::kInt8;
   if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "fetch"));
   if (page_tokens <= 0 && std::any_of(tasks, tasks + n_tasks, [](const FetchTask& t) { return t.pages != nullptr; })) {
@@ -510,6 +511,7 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, HostRowForma
   if (head_dim <= 0 || head_dim % 8 != 0 || page_tokens <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("write: head_dim must be a positive multiple of 8, page_tokens positive");
   }
+  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(page_rows, head_dim));  // a value outside the enum
   const bool int8 = page_rows == HostRowFormat::kInt8;
   if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "write"));
   const int half_pieces = head_dim * static_cast<int>(sizeof(Half)) / 16;
@@ -538,6 +540,7 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, HostRowForma
 Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, HostRowFormat staged_rows,
                        FetchCounters* counters, void* stream, DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || n_tasks < 0) return Status::InvalidArgument("cache update: bad head_dim");
+  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(staged_rows, head_dim));  // a value outside the enum
   const bool int8 = staged_rows == HostRowFormat::kInt8;
   if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "cache update"));
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
