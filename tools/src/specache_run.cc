@@ -703,7 +703,8 @@ int main(int argc, char** argv) {
                     "specache first); "
                     "specache and specache-nonspec run the paper's rule (k rows, only they attended), or, with "
                     "options after '/' (e.g. specache/select=union, as --modes elsewhere), specache-run's "
-                    "generation defaults with those options")
+                    "generation defaults with those options; host-rows=int8 alone keeps the mode's own rule and stores "
+                    "the host's rows as int8")
       ->delimiter(',');
   bench->add_option("--bits", bo.bits, "bits of the low-bit replica")->capture_default_str();
   bench->add_option("--group", bo.group, "quantization group G")->capture_default_str();

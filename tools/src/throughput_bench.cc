@@ -132,6 +132,16 @@ class Bench {
   }
 
   Result<KvConfig> Config(const std::string& mode) const {
+    // host-rows= alone changes only how the host stores the rows: the bench's own mode with it
+    // (other options start from specache-run's defaults, OptionedModeConfig).
+    if (const std::string rows = "/host-rows="; mode.find(rows) == BaseMode(mode).size() &&
+                                                mode.find('/', BaseMode(mode).size() + 1) == std::string::npos) {
+      SPECACHE_ASSIGN_OR_RETURN(KvConfig k, Config(BaseMode(mode)));
+      const std::string value = mode.substr(BaseMode(mode).size() + rows.size());
+      if (value != "int8" && value != "none") return Status::InvalidArgument("host-rows=" + value + ": int8 or none here");
+      if (value == "int8" && k.fetches_rows()) k.host_row_format = HostRowFormat::kInt8;
+      return k;
+    }
     if (BaseMode(mode) != mode) return OptionedModeConfig(o_, mode);
     KvConfig k;
     k.key_bits = k.value_bits = o_.bits;

@@ -121,8 +121,8 @@ struct KvConfig {
   // a kept sequence holds, has the int8 format's values; what the attention computes at prefill
   // and in the residual window stays fp16. A sequence kept with one format is claimed only with
   // it. Both agents (the CUDA agent's kernels encode and decode with the host's arithmetic,
-  // cuda_fetch.h; there head_dim must be a multiple of 16 up to 256; that path has device tests
-  // against the CPU agent but has not yet run on a GPU).
+  // cuda_fetch.h, and match the CPU agent's outputs; there head_dim must be a multiple of 16 up
+  // to 256).
   HostRowFormat host_row_format = HostRowFormat::kFp16;
   // The rows written to the source are first rounded to this 8-bit format (HostRowRounding), so
   // that every row fetched back has the values an 8-bit host copy would give, while the source
