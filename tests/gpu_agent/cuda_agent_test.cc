@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <memory>
 #include <random>
+#include <span>
 #include <set>
 #include <string>
 
@@ -381,33 +382,45 @@ Result<AgentStats> MatchOnDevice(const ModelShape& shape, const KvConfig& c, con
 }
 #endif
 
-TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
-  SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
+// The device-tensor driver's ragged batch (3 layers, 2 KV heads, prompts of 150, 333, 64 and 1
+// tokens, 70 steps) in `c` on each of `routes` (MatchOnDevice), against the CPU agent of the same
+// config; check(route, stats) adds a route's own checks.
+template <typename Check>
+void MatchBatchOnDeviceTensors(const KvConfig& c, std::span<const FetchRoute> routes, Check&& check) {
   const ModelShape shape{3, 8, 2, 64};
   const std::vector<int32_t> prompts{150, 333, 64, 1};
-  KvConfig c;
-  c.key_bits = c.value_bits = 2;
-  c.top_k = 24;
   InMemorySource cpu_source;
   auto cpu = CreateCpuAgent(shape, c, &cpu_source);
   ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
   auto want = testing::DriveBatch(cpu->get(), prompts, 70, std::mt19937(77));
   ASSERT_TRUE(want.ok()) << want.status().ToString();
-  for (const FetchRoute& route : kFetchRoutes) {
+  for (const FetchRoute& route : routes) {
     auto b = MatchOnDevice(shape, c, route, **cpu, *want, prompts.size(), [&](Agent* gpu, cudaStream_t stream) {
       return DriveBatchOnDevice(gpu, prompts, 70, std::mt19937(77), stream);
     });
     ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
+    check(route, *b, shape);
+  }
+}
+#endif
+
+TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  MatchBatchOnDeviceTensors(c, kFetchRoutes, [](const FetchRoute& route, const AgentStats& b, const ModelShape&) {
     if (route.via == FetchVia::kCopyEngine) {  // the SM share took every sequence, or left the host some
       // (3 sequences are fetched, 4 from step 62: 0.5 of them is 2 by SM loads, 1-2 gathered)
       if (route.sm_share >= 1.0) {
-        EXPECT_EQ(b->fetch_host_gather_ns, 0) << route.Name() << ": the host gathered rows";
+        EXPECT_EQ(b.fetch_host_gather_ns, 0) << route.Name() << ": the host gathered rows";
       } else {
-        EXPECT_GT(b->fetch_host_gather_ns, 0) << route.Name() << ": the host gathered nothing";
+        EXPECT_GT(b.fetch_host_gather_ns, 0) << route.Name() << ": the host gathered nothing";
       }
     }
-  }
+  });
 #endif
 }
 
@@ -418,28 +431,17 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
 TEST(CudaAgentTest, Int8HostRowsOnEveryRouteMatchTheCpuAgent) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
-  const ModelShape shape{3, 8, 2, 64};
-  const std::vector<int32_t> prompts{150, 333, 64, 1};
   KvConfig c;
   c.key_bits = c.value_bits = 2;
   c.top_k = 24;
   c.host_row_format = HostRowFormat::kInt8;
-  InMemorySource cpu_source;
-  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
-  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
-  auto want = testing::DriveBatch(cpu->get(), prompts, 70, std::mt19937(77));
-  ASSERT_TRUE(want.ok()) << want.status().ToString();
   const FetchRoute routes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
                                {FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
                                {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.5}};
-  for (const FetchRoute& route : routes) {
-    auto b = MatchOnDevice(shape, c, route, **cpu, *want, prompts.size(), [&](Agent* gpu, cudaStream_t stream) {
-      return DriveBatchOnDevice(gpu, prompts, 70, std::mt19937(77), stream);
-    });
-    ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
+  MatchBatchOnDeviceTensors(c, routes, [](const FetchRoute& route, const AgentStats& b, const ModelShape& shape) {
     // The bytes a fetched row moves are the stored ones.
-    EXPECT_EQ(b->bytes_fetched, b->rows_fetched * HostRowBytes(HostRowFormat::kInt8, shape.head_dim)) << route.Name();
-  }
+    EXPECT_EQ(b.bytes_fetched, b.rows_fetched * HostRowBytes(HostRowFormat::kInt8, shape.head_dim)) << route.Name();
+  });
 #endif
 }
 
