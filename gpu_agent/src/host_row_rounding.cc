@@ -28,7 +28,8 @@ void RoundHalfRow(HostRowRounding rounding, Half* values, int n) {
     const float v = std::fabs(HalfToFloat(values[i]));
     if (std::isfinite(v)) largest = std::max(largest, v);
   }
-  const float scale = RoundToHalf(largest / kE4m3Largest);  // as stored
+  const bool e4m3 = rounding == HostRowRounding::kE4m3;
+  const float scale = RoundToHalf(largest / (e4m3 ? kE4m3Largest : kInt4Largest));  // as stored
   if (!(scale > 0.0f)) {
     for (int i = 0; i < n; ++i) {
       if (std::isfinite(HalfToFloat(values[i]))) values[i] = FloatToHalf(0.0f);
@@ -41,7 +42,9 @@ void RoundHalfRow(HostRowRounding rounding, Half* values, int n) {
     // The stored scale may round up: a code times it can pass fp16's largest value, which the
     // format's own decoding would saturate, not overflow.
     constexpr float kHalfLargest = 65504.0f;
-    values[i] = FloatToHalf(std::clamp(RoundToE4m3(v / scale) * scale, -kHalfLargest, kHalfLargest));
+    const float q = v / scale;
+    const float code = e4m3 ? RoundToE4m3(q) : std::clamp(std::round(q), -kInt4Largest, kInt4Largest);
+    values[i] = FloatToHalf(std::clamp(code * scale, -kHalfLargest, kHalfLargest));
   }
 }
 

@@ -75,15 +75,16 @@ std::string_view HostRowRoundingName(HostRowRounding rounding) {
     case HostRowRounding::kNone: return "none";
     case HostRowRounding::kInt8: return "int8";
     case HostRowRounding::kE4m3: return "e4m3";
+    case HostRowRounding::kInt4: return "int4";
   }
   return "?";
 }
 
 Result<HostRowRounding> ParseHostRowRounding(std::string_view name) {
-  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3}) {
+  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3, HostRowRounding::kInt4}) {
     if (name == HostRowRoundingName(r)) return r;
   }
-  return Status::InvalidArgument("unknown host row rounding '" + std::string(name) + "' (expected none, int8 or e4m3)");
+  return Status::InvalidArgument("unknown host row rounding '" + std::string(name) + "' (expected none, int8, e4m3 or int4)");
 }
 
 Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {

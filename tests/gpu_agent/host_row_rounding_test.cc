@@ -109,6 +109,29 @@ TEST(HostRowRoundingTest, Int8GivesEachHalfItsOwnScaleAndIntegerCodes) {
   }
 }
 
+// int4 rounding: each half's values are integer multiples, in [-7, 7], of its fp16 scale
+// (largest / 7), within half a step of the input.
+TEST(HostRowRoundingTest, Int4GivesEachHalfItsOwnScaleAndCodesUpToSeven) {
+  std::mt19937 rng(9);
+  for (int d : {64, 128}) {
+    for (int trial = 0; trial < 50; ++trial) {
+      const std::vector<Half> row = TwoScaleRow(d, rng);
+      std::vector<Half> rounded = row;
+      RoundHostRow(HostRowRounding::kInt4, rounded.data(), d);
+      for (int half = 0; half < 2; ++half) {
+        const float scale = RoundToHalf(LargestMagnitude(row.data() + half * d, d) / 7.0f);
+        ASSERT_GT(scale, 0.0f);
+        for (int i = 0; i < d; ++i) {
+          const float x = HalfToFloat(row[half * d + i]), y = HalfToFloat(rounded[half * d + i]);
+          const float code = std::clamp(std::round(x / scale), -7.0f, 7.0f);
+          ASSERT_EQ(rounded[half * d + i], FloatToHalf(code * scale)) << "d " << d << " half " << half;
+          ASSERT_LE(std::fabs(x - y), 0.5f * scale * 1.01f + std::fabs(y) * std::ldexp(1.0f, -11)) << x << " -> " << y;
+        }
+      }
+    }
+  }
+}
+
 TEST(HostRowRoundingTest, E4m3KeepsThreeMantissaBitsOfEachValue) {
   std::mt19937 rng(5);
   const int d = 128;
@@ -168,7 +191,7 @@ TEST(HostRowRoundingTest, ZerosStayZerosAndNonFiniteValuesAsEachFormatKeepsThem)
 }
 
 TEST(HostRowRoundingTest, NamesRoundTripAndUnknownOnesAreRefused) {
-  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3}) {
+  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3, HostRowRounding::kInt4}) {
     EXPECT_EQ(*ParseHostRowRounding(HostRowRoundingName(r)), r);
   }
   const auto bad = ParseHostRowRounding("fp8");

@@ -66,18 +66,20 @@ std::string_view SelectFromName(SelectFrom select);
 Result<SelectFrom> ParseSelectFrom(std::string_view name);
 
 // Rounding of the full-precision rows the agent writes to its source (KvConfig::round_host_rows):
-// the values of an 8-bit host copy of the KV, with the rows still stored in fp16 (a fidelity
-// measure; KvConfig::host_row_format stores int8 rows for real). Each row's key half and value half
-// (head_dim channels each) get one scale: the half's largest magnitude maps to the format's
-// largest value (kInt8: 127, symmetric integers; kE4m3: 448, the OCP FP8 E4M3 format, round to
-// nearest even), the scale itself rounded to fp16, as the format would store it.
+// the values of an 8- or 4-bit host copy of the KV, with the rows still stored in fp16 (a
+// fidelity measure; KvConfig::host_row_format stores int8 rows for real). Each row's key half and
+// value half (head_dim channels each) get one scale: the half's largest magnitude maps to the
+// format's largest value (kInt8: 127, symmetric integers; kE4m3: 448, the OCP FP8 E4M3 format,
+// round to nearest even; kInt4: 7, symmetric integers), the scale itself rounded to fp16, as the
+// format would store it.
 enum class HostRowRounding {
   kNone,  // the rows as computed (fp16)
   kInt8,
   kE4m3,
+  kInt4,
 };
 
-// "none", "int8", "e4m3".
+// "none", "int8", "e4m3", "int4".
 std::string_view HostRowRoundingName(HostRowRounding rounding);
 Result<HostRowRounding> ParseHostRowRounding(std::string_view name);
 
