@@ -23,6 +23,10 @@ void RoundHalfRow(HostRowRounding rounding, Half* values, int n) {
   if (rounding == HostRowRounding::kNone || n <= 0) return;
   // One definition of int8 (host_rows.h): the values a stored int8 row reads back.
   if (rounding == HostRowRounding::kInt8) return RoundTripInt8Half(values, n);
+  if (rounding == HostRowRounding::kInt4G16) {  // int4 on each group of 16 values
+    for (int at = 0; at < n; at += kInt4Group) RoundHalfRow(HostRowRounding::kInt4, values + at, std::min(kInt4Group, n - at));
+    return;
+  }
   float largest = 0.0f;
   for (int i = 0; i < n; ++i) {
     const float v = std::fabs(HalfToFloat(values[i]));

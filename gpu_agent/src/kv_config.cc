@@ -76,15 +76,17 @@ std::string_view HostRowRoundingName(HostRowRounding rounding) {
     case HostRowRounding::kInt8: return "int8";
     case HostRowRounding::kE4m3: return "e4m3";
     case HostRowRounding::kInt4: return "int4";
+    case HostRowRounding::kInt4G16: return "int4-g16";
   }
   return "?";
 }
 
 Result<HostRowRounding> ParseHostRowRounding(std::string_view name) {
-  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3, HostRowRounding::kInt4}) {
+  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3, HostRowRounding::kInt4,
+                            HostRowRounding::kInt4G16}) {
     if (name == HostRowRoundingName(r)) return r;
   }
-  return Status::InvalidArgument("unknown host row rounding '" + std::string(name) + "' (expected none, int8, e4m3 or int4)");
+  return Status::InvalidArgument("unknown host row rounding '" + std::string(name) + "' (expected none, int8, e4m3, int4 or int4-g16)");
 }
 
 Status ValidateKvConfig(const KvConfig& c, const ModelShape& shape) {

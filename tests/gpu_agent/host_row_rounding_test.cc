@@ -132,6 +132,25 @@ TEST(HostRowRoundingTest, Int4GivesEachHalfItsOwnScaleAndCodesUpToSeven) {
   }
 }
 
+// int4-g16: each group of 16 values is int4-rounded with its own scale.
+TEST(HostRowRoundingTest, Int4G16RoundsEachGroupOf16WithItsOwnScale) {
+  std::mt19937 rng(13);
+  const int d = 128;
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::vector<Half> row = TwoScaleRow(d, rng);
+    std::vector<Half> grouped = row, want = row;
+    RoundHostRow(HostRowRounding::kInt4G16, grouped.data(), d);
+    for (int at = 0; at < 2 * d; at += 16) RoundHalfRow(HostRowRounding::kInt4, want.data() + at, 16);
+    ASSERT_EQ(grouped, want);
+    for (int at = 0; at < 2 * d; at += 16) {  // a group's codes span its own largest value
+      const float scale = RoundToHalf(LargestMagnitude(row.data() + at, 16) / 7.0f);
+      for (int i = at; i < at + 16; ++i) {
+        ASSERT_EQ(grouped[i], FloatToHalf(std::clamp(std::round(HalfToFloat(row[i]) / scale), -7.0f, 7.0f) * scale));
+      }
+    }
+  }
+}
+
 TEST(HostRowRoundingTest, E4m3KeepsThreeMantissaBitsOfEachValue) {
   std::mt19937 rng(5);
   const int d = 128;
@@ -191,7 +210,8 @@ TEST(HostRowRoundingTest, ZerosStayZerosAndNonFiniteValuesAsEachFormatKeepsThem)
 }
 
 TEST(HostRowRoundingTest, NamesRoundTripAndUnknownOnesAreRefused) {
-  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3, HostRowRounding::kInt4}) {
+  for (HostRowRounding r : {HostRowRounding::kNone, HostRowRounding::kInt8, HostRowRounding::kE4m3, HostRowRounding::kInt4,
+                            HostRowRounding::kInt4G16}) {
     EXPECT_EQ(*ParseHostRowRounding(HostRowRoundingName(r)), r);
   }
   const auto bad = ParseHostRowRounding("fp8");

@@ -110,7 +110,7 @@ TEST(RunSupportTest, HostRowsAreAModeOption) {
   for (const char* mode : {"full", "kivi:1"}) EXPECT_EQ(ToConfig(o, mode)->host_row_format, HostRowFormat::kFp16) << mode;
   const auto bad = ToConfig(KvOptions{}, "specache:1/host-rows=fp8");
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find("none, int8, e4m3 or int4"), std::string::npos) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("none, int8, e4m3, int4 or int4-g16"), std::string::npos) << bad.status().ToString();
 }
 
 TEST(RunSupportTest, BadModeOptionsAreNamed) {

@@ -65,7 +65,8 @@ struct KvOptions {
   // The full-precision rows in host memory: none (fp16), int8 (stored as int8 codes and scales,
   // KvConfig::host_row_format: half the host RAM and fetched bytes), e4m3 (fp16 rows rounded to
   // E4M3's values, KvConfig::round_host_rows: a fidelity measure; the CPU backend only), int4 (fp16
-  // rows rounded to 4-bit symmetric codes' values, the same kind of measure).
+  // rows rounded to 4-bit symmetric codes' values, the same kind of measure; int4-g16: a scale per
+  // 16 channels).
   std::string host_rows = "none";
   std::string kv_memory = "embedded";  // where the full-precision KV lives (see kv_memory.h)
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")
@@ -74,7 +75,7 @@ struct KvOptions {
 // `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too. Selection
 // options may follow, each after a '/', overriding the command line's for this mode:
 // select=spec|real|union, topk=K, topk-real=K, next, no-next, resident, no-resident, mass=P,
-// k-min=K, k-max=K, cached-rows=N, seed=N, reduction=mean|max, host-rows=none|int8|e4m3|int4;
+// k-min=K, k-max=K, cached-rows=N, seed=N, reduction=mean|max, host-rows=none|int8|e4m3|int4|int4-g16;
 // e.g. "specache:1/select=union/resident".
 Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode = "");
 // "full", "kivi-1bit", "specache-2bit", ...; a selection other than the defaults' is appended,

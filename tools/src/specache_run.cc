@@ -86,7 +86,7 @@ void AddKvOptions(CLI::App* app, KvOptions* o) {
   app->add_option("--host-rows", o->host_rows,
                   "the full-precision rows in host memory: none (fp16), int8 (stored as int8 codes with two fp16 "
                   "scales: half the host RAM and fetched bytes), e4m3 (fp16 rows rounded to E4M3's values: a "
-                  "fidelity measure, the CPU backend only), int4 (rounded to 4-bit codes' values, the same)")
+                  "fidelity measure, the CPU backend only), int4 (rounded to 4-bit codes' values, the same; int4-g16: a scale per 16 channels)")
       ->capture_default_str();
   AddSelectionOptions(app, o);
   app->add_option("--kv-memory", o->kv_memory,

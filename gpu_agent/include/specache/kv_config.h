@@ -71,15 +71,16 @@ Result<SelectFrom> ParseSelectFrom(std::string_view name);
 // value half (head_dim channels each) get one scale: the half's largest magnitude maps to the
 // format's largest value (kInt8: 127, symmetric integers; kE4m3: 448, the OCP FP8 E4M3 format,
 // round to nearest even; kInt4: 7, symmetric integers), the scale itself rounded to fp16, as the
-// format would store it.
+// format would store it. kInt4G16: kInt4 with a scale per 16 channels instead of per half.
 enum class HostRowRounding {
   kNone,  // the rows as computed (fp16)
   kInt8,
   kE4m3,
   kInt4,
+  kInt4G16,
 };
 
-// "none", "int8", "e4m3", "int4".
+// "none", "int8", "e4m3", "int4", "int4-g16".
 std::string_view HostRowRoundingName(HostRowRounding rounding);
 Result<HostRowRounding> ParseHostRowRounding(std::string_view name);
 
