@@ -37,6 +37,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "specache/half.h"
 #include "specache/host_rows.h"
@@ -125,6 +126,19 @@ struct FetchCounters {
   unsigned long long reused;   // rows copied from the resident set
   unsigned long long selected;  // rows the adaptive budget kept (SelectTopKBatch adds them; FetchRows does not)
 };
+
+// The row formats the kernels below take: fp16, and int8 with head_dim a multiple of 16 (whole
+// 16-value pieces a half) up to 256 (a row's lanes fit a warp). INVALID_ARGUMENT otherwise, and
+// for a value outside the enum (CheckHostRowFormat). Pure host code: the agent checks its config
+// with it before any device work.
+inline Status CheckKernelRows(HostRowFormat rows, int head_dim) {
+  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(rows, head_dim));
+  if (rows == HostRowFormat::kInt8 && (head_dim % 16 != 0 || head_dim > 256)) {
+    return Status::InvalidArgument("int8 host rows on the GPU need head_dim a multiple of 16 up to 256; head_dim is " +
+                                   std::to_string(head_dim));
+  }
+  return Status::Ok();
+}
 
 // max_blocks bounds the SMs the fetch takes from the layers it overlaps. head_dim: a multiple of 8;
 // page_tokens: positive when a task has pages. page_rows: the pages' row format.

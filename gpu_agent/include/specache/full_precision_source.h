@@ -42,8 +42,6 @@ struct SequenceLayout {
 
   // Bytes of one stored row.
   constexpr int64_t row_bytes() const { return HostRowBytes(row_format, head_dim); }
-  // Bytes of one row as the agent computes it ([K|V] fp16): what AppendRows takes and ReadRows returns.
-  constexpr int64_t fp16_row_bytes() const { return HostRowBytes(HostRowFormat::kFp16, head_dim); }
 };
 
 // Byte offset of a stored row within its page ([kv_head][token][row]): token `in_page` of the

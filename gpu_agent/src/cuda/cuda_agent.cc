@@ -455,9 +455,7 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
   if (config.round_host_rows != HostRowRounding::kNone) {
     return Status::Unimplemented("round_host_rows (8-bit host rows, a fidelity measure) runs on the CPU agent only");
   }
-  if (config.host_row_format == HostRowFormat::kInt8 && (shape.head_dim % 16 != 0 || shape.head_dim > 256)) {
-    return Status::InvalidArgument("the CUDA agent's int8 host rows need head_dim a multiple of 16 up to 256");
-  }
+  SPECACHE_RETURN_IF_ERROR(cuda::CheckKernelRows(config.host_row_format, shape.head_dim).WithContext("the CUDA agent"));
   if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
     return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +
                                    " and k_max + top_k_real up to " + std::to_string(cuda::kMaxBudgetMerge));

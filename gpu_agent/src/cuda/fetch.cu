@@ -445,26 +445,13 @@ __global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int
 
 }  // namespace
 
-namespace {
-
-// int8 rows: head_dim a multiple of 16 (whole pieces a half) up to 256 (a lane group fits a warp).
-Status CheckInt8HeadDim(int head_dim, const char* what) {
-  if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > 256) {
-    return Status::InvalidArgument(std::string(what) + ": int8 rows need head_dim a multiple of 16 up to 256");
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
 Status FetchRows(const FetchTask* tasks, int n_tasks, int head_dim, HostRowFormat page_rows, int page_tokens,
                  int max_blocks, FetchCounters* counters, void* stream, DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || max_blocks <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("fetch: head_dim must be a positive multiple of 8, blocks positive");
   }
-  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(page_rows, head_dim));  // a value outside the enum
+  SPECACHE_RETURN_IF_ERROR(CheckKernelRows(page_rows, head_dim).WithContext("fetch"));
   const bool int8 = page_rows == HostRowFormat::kInt8;
-  if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "fetch"));
   if (page_tokens <= 0 && std::any_of(tasks, tasks + n_tasks, [](const FetchTask& t) { return t.pages != nullptr; })) {
     return Status::InvalidArgument("fetch: page_tokens must be positive to read pages");
   }
@@ -511,9 +498,8 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, HostRowForma
   if (head_dim <= 0 || head_dim % 8 != 0 || page_tokens <= 0 || n_tasks < 0) {
     return Status::InvalidArgument("write: head_dim must be a positive multiple of 8, page_tokens positive");
   }
-  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(page_rows, head_dim));  // a value outside the enum
+  SPECACHE_RETURN_IF_ERROR(CheckKernelRows(page_rows, head_dim).WithContext("write"));
   const bool int8 = page_rows == HostRowFormat::kInt8;
-  if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "write"));
   const int half_pieces = head_dim * static_cast<int>(sizeof(Half)) / 16;
   int32_t max_rows = 0;
   for (int i = 0; i < n_tasks; ++i) {
@@ -540,9 +526,8 @@ Status WriteRows(const WriteTask* tasks, int n_tasks, int head_dim, HostRowForma
 Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, HostRowFormat staged_rows,
                        FetchCounters* counters, void* stream, DecodePlan* plan) {
   if (head_dim <= 0 || head_dim % 8 != 0 || n_tasks < 0) return Status::InvalidArgument("cache update: bad head_dim");
-  SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(staged_rows, head_dim));  // a value outside the enum
+  SPECACHE_RETURN_IF_ERROR(CheckKernelRows(staged_rows, head_dim).WithContext("cache update"));
   const bool int8 = staged_rows == HostRowFormat::kInt8;
-  if (int8) SPECACHE_RETURN_IF_ERROR(CheckInt8HeadDim(head_dim, "cache update"));
   const int row_pieces = 2 * head_dim * static_cast<int>(sizeof(Half)) / 16;
   int32_t largest = 0;  // capacity
   for (int i = 0; i < n_tasks; ++i) {
