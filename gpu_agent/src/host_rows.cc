@@ -73,6 +73,12 @@ std::string_view HostRowFormatName(HostRowFormat format) {
   return "?";
 }
 
+std::string HostRowFormatNameOrNumber(uint32_t value) {
+  const auto format = static_cast<HostRowFormat>(value);
+  if (format == HostRowFormat::kFp16 || format == HostRowFormat::kInt8) return std::string(HostRowFormatName(format));
+  return std::to_string(value);
+}
+
 Status CheckHostRowFormat(HostRowFormat format, int head_dim) {
   if (format != HostRowFormat::kFp16 && format != HostRowFormat::kInt8) {
     return Status::InvalidArgument("unknown host row format " + std::to_string(static_cast<uint32_t>(format)));

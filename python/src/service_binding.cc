@@ -46,8 +46,7 @@ nb::dict LayoutDict(const client::PageLayoutSpec& l) {
   d["head_dim"] = l.head_dim;
   d["page_tokens"] = l.page_tokens;
   d["capacity_tokens"] = l.capacity_tokens;
-  const auto format = static_cast<HostRowFormat>(l.row_format);
-  d["row_format"] = CheckHostRowFormat(format, 8).ok() ? std::string(HostRowFormatName(format)) : std::to_string(l.row_format);
+  d["row_format"] = HostRowFormatNameOrNumber(l.row_format);
   return d;
 }
 

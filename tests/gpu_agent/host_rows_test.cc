@@ -190,6 +190,8 @@ TEST(HostRowsTest, NamesRoundTripAndUnknownOnesAreRefused) {
   const auto bad = ParseHostRowFormat("int4");
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("fp16 or int8"), std::string::npos);
+  EXPECT_EQ(HostRowFormatNameOrNumber(1), "int8");
+  EXPECT_EQ(HostRowFormatNameOrNumber(7), "7");
 }
 
 }  // namespace

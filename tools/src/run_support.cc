@@ -95,6 +95,18 @@ std::string Trimmed(double v) {
 
 }  // namespace
 
+Status SetHostRows(const std::string& name, KvConfig* c) {
+  // Only the modes that fetch rows read any back (full, kivi and a fidelity run's full reference
+  // take the same options).
+  if (name == "int8") {
+    if (c->fetches_rows()) c->host_row_format = HostRowFormat::kInt8;
+    return Status::Ok();
+  }
+  SPECACHE_ASSIGN_OR_RETURN(const HostRowRounding rounding, ParseHostRowRounding(name));
+  c->round_host_rows = c->fetches_rows() ? rounding : HostRowRounding::kNone;
+  return Status::Ok();
+}
+
 Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   KvOptions o = options;
   std::string name = mode.empty() ? o.kv : mode;
@@ -132,15 +144,7 @@ Result<KvConfig> ToConfig(const KvOptions& options, const std::string& mode) {
   c.k_min = o.k_min;
   c.k_max = o.k_max;
   c.seed_rows = c.mode == KvMode::kSpeCache ? o.seed_rows : 0;  // (full, kivi and the others have no row cache to seed)
-  // Only the modes that fetch rows read any back (full, kivi and a fidelity run's full reference
-  // take the same options). int8: rows stored as int8 (host_row_format); e4m3: fp16 rows rounded
-  // to E4M3's values (round_host_rows, a fidelity measure); the CUDA agent takes neither yet.
-  if (o.host_rows == "int8") {
-    if (c.fetches_rows()) c.host_row_format = HostRowFormat::kInt8;
-  } else {
-    SPECACHE_ASSIGN_OR_RETURN(const HostRowRounding rounding, ParseHostRowRounding(o.host_rows));
-    c.round_host_rows = c.fetches_rows() ? rounding : HostRowRounding::kNone;
-  }
+  SPECACHE_RETURN_IF_ERROR(SetHostRows(o.host_rows, &c));
   if (c.fetches_rows() && c.cached_rows == 0) c.cached_rows = std::max(kDefaultCachedRows, 2 * c.max_selected());
   return c;
 }

@@ -72,6 +72,11 @@ struct KvOptions {
   std::string daemon;                  // --daemon SOCKET (implies kv_memory "daemon")
   std::string backend = "auto";        // agent backend: auto (cuda when a GPU is usable), cpu, cuda
 };
+// KvOptions::host_rows by name into `c` (its mode set): int8 stores the rows as int8
+// (host_row_format); the other names round fp16 rows (round_host_rows: e4m3 and int4 the CPU
+// agent's only). Modes that fetch no rows keep fp16 rows. INVALID_ARGUMENT for an unknown name.
+Status SetHostRows(const std::string& name, KvConfig* c);
+
 // `mode` overrides options.kv and, written "MODE:BITS" (e.g. "kivi:2"), the bits too. Selection
 // options may follow, each after a '/', overriding the command line's for this mode:
 // select=spec|real|union, topk=K, topk-real=K, next, no-next, resident, no-resident, mass=P,

@@ -19,12 +19,6 @@ namespace {
 using specache::client::Client;
 using specache::client::DaemonStats;
 
-// A layout's row format by name (host_rows.h), or its number when this build does not know it.
-std::string RowFormatName(uint32_t row_format) {
-  const auto f = static_cast<specache::HostRowFormat>(row_format);
-  return specache::CheckHostRowFormat(f, 8).ok() ? std::string(specache::HostRowFormatName(f)) : std::to_string(row_format);
-}
-
 std::string Mib(uint64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
@@ -207,11 +201,11 @@ int main(int argc, char** argv) {
       out.push_back({{"sequence_id", s.id}, {"session_id", s.session}, {"tenant", s.tenant},
                      {"layout", {{"n_layers", l.n_layers}, {"n_kv_heads", l.n_kv_heads}, {"head_dim", l.head_dim},
                                  {"page_tokens", l.page_tokens}, {"capacity_tokens", l.capacity_tokens},
-                                 {"row_format", RowFormatName(l.row_format)}}},
+                                 {"row_format", specache::HostRowFormatNameOrNumber(l.row_format)}}},
                      {"pages_per_layer", s.pages_per_layer}, {"bytes", s.bytes}, {"state", s.state}});
       if (!json) {
         char shape[64];
-        const std::string rows = l.row_format == 0 ? "" : " " + RowFormatName(l.row_format);  // fp16 unsaid
+        const std::string rows = l.row_format == 0 ? "" : " " + specache::HostRowFormatNameOrNumber(l.row_format);  // fp16 unsaid
         std::snprintf(shape, sizeof shape, "%u x %u x %u, %u/%u%s", l.n_layers, l.n_kv_heads, l.head_dim, l.page_tokens,
                       l.capacity_tokens, rows.c_str());
         std::printf("%9llu %8llu %-8s %-12s %28s %6u %12s\n", static_cast<unsigned long long>(s.id),

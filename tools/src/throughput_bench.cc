@@ -137,9 +137,7 @@ class Bench {
     if (const std::string rows = "/host-rows="; mode.find(rows) == BaseMode(mode).size() &&
                                                 mode.find('/', BaseMode(mode).size() + 1) == std::string::npos) {
       SPECACHE_ASSIGN_OR_RETURN(KvConfig k, Config(BaseMode(mode)));
-      const std::string value = mode.substr(BaseMode(mode).size() + rows.size());
-      if (value != "int8" && value != "none") return Status::InvalidArgument("host-rows=" + value + ": int8 or none here");
-      if (value == "int8" && k.fetches_rows()) k.host_row_format = HostRowFormat::kInt8;
+      SPECACHE_RETURN_IF_ERROR(SetHostRows(mode.substr(BaseMode(mode).size() + rows.size()), &k));
       return k;
     }
     if (BaseMode(mode) != mode) return OptionedModeConfig(o_, mode);

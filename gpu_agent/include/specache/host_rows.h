@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 #include "specache/half.h"
@@ -38,6 +39,9 @@ enum class HostRowFormat : uint32_t {
 
 // "fp16", "int8".
 std::string_view HostRowFormatName(HostRowFormat format);
+// A format's number as a daemon stores it (shm_layout.h RowFormat) by its name, or the number
+// itself when this build knows no such format (a listing from a newer daemon).
+std::string HostRowFormatNameOrNumber(uint32_t value);
 Result<HostRowFormat> ParseHostRowFormat(std::string_view name);
 // INVALID_ARGUMENT for a value outside the enum, or kInt8 with head_dim not a positive multiple of
 // 8 (its rows would not be whole 16-byte vectors). Sources check a layout's format with it.
