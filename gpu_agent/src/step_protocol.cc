@@ -102,6 +102,8 @@ Status StepProtocol::Begin(StepKind kind, int rows, std::span<const SequenceId> 
   kind_ = kind;
   rows_ = rows;
   ids_.assign(ids.begin(), ids.end());
+  step_fetch_.clear();
+  for (SequenceId id : ids_) step_fetch_.push_back(&fetch_.at(id));
   decoded_.assign(n_layers_, 0);
   return Status::Ok();
 }
@@ -110,14 +112,14 @@ Status StepProtocol::BeforeDecode(int layer) {
   if (!active_) return Status::FailedPrecondition("DecodeLayer outside a step; call BeginStep first");
   SPECACHE_RETURN_IF_ERROR(CheckLayer(layer));
   if (decoded_[layer]) return Status::FailedPrecondition("layer " + std::to_string(layer) + " was already decoded in this step");
-  for (SequenceId id : ids_) {
-    if (fetch_.at(id)[layer] == FetchState::kSelected) {
-      return Status::FailedPrecondition("layer " + std::to_string(layer) + " of sequence " + Id(id) +
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    if ((*step_fetch_[i])[layer] == FetchState::kSelected) {
+      return Status::FailedPrecondition("layer " + std::to_string(layer) + " of sequence " + Id(ids_[i]) +
                                         " has rows selected but StartPrefetch was never called for them");
     }
   }
-  for (SequenceId id : ids_) {
-    FetchState& f = fetch_.at(id)[layer];
+  for (std::vector<FetchState>* states : step_fetch_) {
+    FetchState& f = (*states)[layer];
     if (f == FetchState::kInFlight) f = FetchState::kResident;  // DecodeLayer waits for its own fetch
   }
   return Status::Ok();
@@ -126,7 +128,7 @@ Status StepProtocol::BeforeDecode(int layer) {
 void StepProtocol::AfterDecode(int layer) {
   decoded_[layer] = 1;
   if (mode_ == KvMode::kSpeCache) {
-    for (SequenceId id : ids_) fetch_.at(id)[layer] = FetchState::kSelected;
+    for (std::vector<FetchState>* states : step_fetch_) (*states)[layer] = FetchState::kSelected;
   }
 }
 
@@ -140,13 +142,13 @@ Result<std::vector<size_t>> StepProtocol::PrefetchList(int layer) const {
   std::vector<size_t> which;
   if (mode_ != KvMode::kSpeCache) return which;
   for (size_t i = 0; i < ids_.size(); ++i) {
-    if (fetch_.at(ids_[i])[layer] == FetchState::kSelected) which.push_back(i);
+    if ((*step_fetch_[i])[layer] == FetchState::kSelected) which.push_back(i);
   }
   return which;
 }
 
 void StepProtocol::PrefetchStarted(int layer, const std::vector<size_t>& which) {
-  for (size_t i : which) fetch_.at(ids_[i])[layer] = FetchState::kInFlight;
+  for (size_t i : which) (*step_fetch_[i])[layer] = FetchState::kInFlight;
 }
 
 void StepProtocol::Wait(int layer) {
@@ -159,26 +161,28 @@ Result<bool> StepProtocol::End() {
   if (!active_) return Status::FailedPrecondition("EndStep without BeginStep");
   for (int l = 0; l < n_layers_; ++l) {
     if (!decoded_[l]) return Status::FailedPrecondition("EndStep before DecodeLayer(" + std::to_string(l) + ")");
-    for (SequenceId id : ids_) {
-      if (fetch_.at(id)[l] == FetchState::kSelected) {
+    for (const std::vector<FetchState>* states : step_fetch_) {
+      if ((*states)[l] == FetchState::kSelected) {
         return Status::FailedPrecondition("EndStep before StartPrefetch(" + std::to_string(l) + ")");
       }
     }
   }
   active_ = false;
   ids_.clear();
+  step_fetch_.clear();
   return kind_ == StepKind::kDecode;
 }
 
 void StepProtocol::Abort() {
-  for (SequenceId id : ids_) {
-    for (FetchState& f : fetch_.at(id)) {
+  for (std::vector<FetchState>* states : step_fetch_) {
+    for (FetchState& f : *states) {
       // A selection that was never fetched is dropped; the rows resident before it stay usable.
       if (f == FetchState::kSelected) f = FetchState::kResident;
     }
   }
   active_ = false;
   ids_.clear();
+  step_fetch_.clear();
 }
 
 }  // namespace specache

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "specache/agent.h"
@@ -86,11 +86,14 @@ class StepProtocol {
   int n_kv_heads_;
   KvMode mode_;
   bool seeds_;  // KvConfig::seed_rows > 0: a prefill needs the prompt's queries
-  std::map<SequenceId, std::vector<FetchState>> fetch_;  // [layer] per sequence
+  std::unordered_map<SequenceId, std::vector<FetchState>> fetch_;  // [layer] per sequence
   bool active_ = false;
   StepKind kind_ = StepKind::kDecode;
   int rows_ = 0;
   std::vector<SequenceId> ids_;
+  // fetch_'s entry of each ids_[i], found once at Begin: the layer calls read and set the step's
+  // states without a lookup per sequence (a sequence cannot be removed during its step).
+  std::vector<std::vector<FetchState>*> step_fetch_;
   std::vector<uint8_t> decoded_;  // [layer]
 };
 

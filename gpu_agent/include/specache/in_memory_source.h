@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <shared_mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "specache/full_precision_source.h"
@@ -81,7 +82,7 @@ class InMemorySource final : public FullPrecisionSource {
   size_t slab_bytes_;
   bool huge_pages_;
   mutable std::shared_mutex mutex_;
-  std::map<SequenceId, std::unique_ptr<Sequence>> sequences_;
+  std::unordered_map<SequenceId, std::unique_ptr<Sequence>> sequences_;  // hashed: per (sequence, layer) commits
   std::vector<HostRegion> slabs_;
   std::map<size_t, std::vector<uint8_t*>> free_pages_;  // by page bytes
 };

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <unordered_map>
 
 #include "device_buffer.h"
 #include "specache/full_precision_source.h"
@@ -84,7 +85,7 @@ class DevicePageTable {
   cudaStream_t stream_;
   int32_t page_tokens_ = 0, max_pages_ = 0;
   std::map<const uint8_t*, Region> regions_;  // registered by this table, by host base
-  std::map<SequenceId, Table> tables_;
+  std::unordered_map<SequenceId, Table> tables_;  // hashed: looked up per (sequence, layer) in the decode loop
 };
 
 }  // namespace specache::cuda

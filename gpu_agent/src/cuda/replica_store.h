@@ -11,9 +11,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "specache/agent.h"
@@ -83,7 +83,7 @@ class ReplicaStore {
   // The task lists of the replicas' launches (appends, packing), read in place (a copy could queue
   // behind the fetch's on the copy engine). Before replicas_, which point to it.
   DecodePlan tasks_{DecodePlan::SlotReads::kInPlace};
-  std::map<SequenceId, Sequence> replicas_;
+  std::unordered_map<SequenceId, Sequence> replicas_;  // hashed: looked up per (sequence, layer) in the decode loop
 };
 
 }  // namespace specache::cuda

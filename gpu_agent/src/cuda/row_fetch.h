@@ -58,9 +58,9 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "device_buffer.h"
@@ -298,7 +298,7 @@ class RowFetcher {
   mutable std::shared_ptr<const FetchWork> deferred_;
   int join_layer_ = -1;  // kWithinNextAttention: the fetch queued at the last WaitFetched, until JoinFetch
   Buffer<FetchCounters> device_counters_;
-  std::map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence
+  std::unordered_map<SequenceId, std::vector<LayerRows>> rows_;  // [layer] per sequence; hashed (decode loop)
   // The targets of the cache updates' lists, shared by all (sequence, layer)s: Prepare swaps the
   // first ones with the lists of the caches it fetches for. So the pool only grows to the most
   // sequences one fetch (of one layer) fetched for: one layer's lists of the largest batch (~96 KB
