@@ -96,7 +96,7 @@ Result<OpenedSession> Registry::OpenSession(const std::string& tenant, uint64_t 
   s.remote = caller.remote();
   // On a failure below the chunks go back untouched by any client (never attached).
   auto give_back = [&] {
-    if (Status r = pool_->Return(chunks, false); !r.ok()) spdlog::error("session {}: {}", s.id, r.ToString());
+    if (Status r = pool_->Return(chunks, s.id); !r.ok()) spdlog::error("session {}: {}", s.id, r.ToString());
   };
   if (getrandom(s.token.data(), s.token.size(), 0) != static_cast<ssize_t>(s.token.size())) {
     give_back();
@@ -350,7 +350,7 @@ void Registry::ReturnChunks(const std::vector<ChunkReturn>& returns) {
   for (const ChunkReturn& r : returns) {
     Park(r.session, r.park);  // kept sequences leave the chunks first
     const uint64_t replaced = pool_->replaced_chunks();
-    Status s = pool_->Return(r.chunks, r.holder, r.pidfd);
+    Status s = pool_->Return(r.chunks, r.session, r.holder, r.pidfd);
     {
       // Back in the pool, or retained and charged there: no longer on their way.
       std::lock_guard<std::mutex> lock(mu_);

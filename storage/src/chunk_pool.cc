@@ -162,8 +162,9 @@ Result<std::vector<uint32_t>> ChunkPool::Take(uint32_t n, uint64_t owner) {
   return taken;
 }
 
-Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int owner_pidfd) {
-  // Every chunk must be taken, and named once: a chunk freed twice would be handed to two owners.
+Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t owner, uint64_t holder, int owner_pidfd) {
+  // Every chunk must be the caller's, and named once: a chunk freed twice would be handed to two
+  // owners, and one freed by someone else would be taken from under its owner.
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<bool> seen(chunks_.size(), false);
@@ -171,10 +172,14 @@ Status ChunkPool::Return(std::span<const uint32_t> ids, uint64_t holder, int own
       if (id >= chunks_.size()) return Status::OutOfRange("chunk " + std::to_string(id));
       if (seen[id]) return Status::FailedPrecondition("chunk " + std::to_string(id) + " is returned twice in one call");
       seen[id] = true;
-      const uint64_t owner = chunks_[id].owner;
-      if (owner == 0 || owner == kOutOfService) {
+      const uint64_t taken_by = chunks_[id].owner;
+      if (taken_by == 0 || taken_by == kOutOfService) {
         return Status::FailedPrecondition("chunk " + std::to_string(id) + " is not taken (" +
-                                          (owner == 0 ? "free" : "out of service") + "): nothing was returned");
+                                          (taken_by == 0 ? "free" : "out of service") + "): nothing was returned");
+      }
+      if (taken_by != owner) {
+        return Status::PermissionDenied("chunk " + std::to_string(id) + " belongs to owner " + std::to_string(taken_by) +
+                                        ", not " + std::to_string(owner) + ": nothing was returned");
       }
     }
   }

@@ -72,17 +72,39 @@ TEST(ChunkPoolTest, AChunkNotTakenOrNamedTwiceIsRefusedBeforeAnyReturn) {
   auto a = p.Take(2, 7);
   ASSERT_TRUE(a.ok());
   const std::vector<uint32_t> twice{(*a)[0], (*a)[1], (*a)[0]};
-  EXPECT_EQ(p.Return(twice).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(p.Return(twice, 7).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(p.free_count(), 2u) << "nothing was returned";
-  ASSERT_TRUE(p.Return(*a).ok());
+  ASSERT_TRUE(p.Return(*a, 7).ok());
   EXPECT_EQ(p.free_count(), 4u);
-  const Status again = p.Return(*a);
+  const Status again = p.Return(*a, 7);
   EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition) << again.ToString();
   EXPECT_NE(again.message().find("is not taken (free)"), std::string::npos) << again.ToString();
   auto b = p.Take(2, 8);
   auto c = p.Take(2, 9);
   ASSERT_TRUE(b.ok() && c.ok());
   for (uint32_t id : *b) EXPECT_EQ(std::count(c->begin(), c->end(), id), 0) << "chunk " << id << " given twice";
+}
+
+// One owner cannot free another's chunks: a Return naming any chunk of another owner changes
+// nothing, and the owner's own Return still works.
+TEST(ChunkPoolTest, AnotherOwnersChunksAreRefusedBeforeAnyReturn) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  ChunkPool& p = **pool;
+  auto mine = p.Take(1, 7);
+  auto theirs = p.Take(2, 8);
+  ASSERT_TRUE(mine.ok() && theirs.ok());
+  const std::vector<uint32_t> mixed{(*mine)[0], (*theirs)[1]};
+  const Status refused = p.Return(mixed, 7);
+  EXPECT_EQ(refused.code(), StatusCode::kPermissionDenied) << refused.ToString();
+  EXPECT_NE(refused.message().find("belongs to owner 8"), std::string::npos) << refused.ToString();
+  EXPECT_EQ(p.Return(*theirs, 7).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(p.free_count(), 1u) << "nothing was returned";
+  std::memset(p.data((*theirs)[0]), 0x5A, p.chunk_bytes());
+  ASSERT_TRUE(p.Return(*mine, 7).ok());
+  EXPECT_EQ(p.data((*theirs)[0])[0], 0x5A) << "the other owner's memory was not touched";
+  ASSERT_TRUE(p.Return(*theirs, 8).ok());
+  EXPECT_EQ(p.free_count(), 4u);
 }
 
 TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
@@ -95,7 +117,7 @@ TEST(ChunkPoolTest, TakesWholeChunksAndZeroesThemOnReturn) {
   EXPECT_EQ(p.free_count(), 1u);
   EXPECT_EQ(p.Take(2, 8).status().code(), StatusCode::kResourceExhausted);
   std::memset(p.data((*a)[0]), 0xAB, p.chunk_bytes());
-  ASSERT_TRUE(p.Return(*a).ok());
+  ASSERT_TRUE(p.Return(*a, 7).ok());
   EXPECT_EQ(p.free_count(), 4u);
   EXPECT_EQ(p.replaced_chunks(), 0u) << "nobody else held them: zeroed, not replaced";
   auto b = p.Take(4, 9);
@@ -122,7 +144,7 @@ TEST(ChunkPoolTest, AChunkNeverSharedComesBackWithoutTheProbe) {
   const int own = open(("/proc/self/fd/" + std::to_string(p.fd(chunk))).c_str(), O_RDWR | O_CLOEXEC);
   ASSERT_GE(own, 0);
   const auto start = std::chrono::steady_clock::now();
-  ASSERT_TRUE(p.Return(*taken).ok());
+  ASSERT_TRUE(p.Return(*taken, 7).ok());
   EXPECT_EQ(p.replaced_chunks(), 0u) << "never shared: scrubbed and free, not probed and replaced";
   EXPECT_EQ(p.free_count(), p.chunk_count());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(ChunkPool::kLetGoMs))
@@ -133,7 +155,7 @@ TEST(ChunkPoolTest, AChunkNeverSharedComesBackWithoutTheProbe) {
   ASSERT_TRUE(taken.ok());
   auto shared = p.ShareFd((*taken)[0]);
   ASSERT_TRUE(shared.ok());
-  ASSERT_TRUE(p.Return(*taken).ok());
+  ASSERT_TRUE(p.Return(*taken, 8).ok());
   EXPECT_EQ(p.replaced_chunks(), 1u);
   close(*shared);
 }
@@ -162,7 +184,7 @@ TEST(ChunkPoolTest, PagesSplicedAwayBeforeAReturnNeverSeeTheNextOwnersData) {
   ASSERT_EQ(vmsplice(pipe_fds[1], &page, 1, 0), 4096);
   munmap(mine, p.chunk_bytes());
   close(*fd);
-  ASSERT_TRUE(p.Return(*first).ok());
+  ASSERT_TRUE(p.Return(*first, 7).ok());
   EXPECT_EQ(p.replaced_chunks(), 0u) << "nobody held an open file: scrubbed, not replaced";
   // The next owner gets zeroed memory and writes its data there.
   auto second = p.Take(1, 8);
@@ -201,7 +223,7 @@ TEST(ChunkPoolTest, HugePageChunksStartOnTwoMiBBoundaries) {
     ASSERT_TRUE(held.ok());
     void* mapped = mmap(nullptr, p.chunk_bytes(), PROT_READ, MAP_SHARED, *held, 0);
     ASSERT_NE(mapped, MAP_FAILED);
-    ASSERT_TRUE(p.Return(*a).ok());
+    ASSERT_TRUE(p.Return(*a, 7).ok());
     EXPECT_EQ(p.replaced_chunks(), 1u);
     auto b = p.Take(3, 8);
     ASSERT_TRUE(b.ok());
@@ -232,7 +254,7 @@ TEST(ChunkPoolTest, AHolderLettingGoDuringTheReturnIsWaitedFor) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ChunkPool::kLetGoMs / 5));
     close(fd);
   });
-  const Status returned = p.Return(*a, /*holder=*/3);
+  const Status returned = p.Return(*a, 7, /*holder=*/3);
   closer.join();
   ASSERT_TRUE(returned.ok()) << returned.ToString();
   EXPECT_EQ(p.replaced_chunks(), 0u);
@@ -253,7 +275,7 @@ TEST(ChunkPoolTest, AChunkStillMappedElsewhereGetsNewMemoryAndStaysChargedUntilR
   ASSERT_NE(client, MAP_FAILED);
   close(*shared);
   std::memset(client, 0x5A, p.chunk_bytes());
-  ASSERT_TRUE(p.Return(*a, /*holder=*/3).ok());
+  ASSERT_TRUE(p.Return(*a, 7, /*holder=*/3).ok());
   EXPECT_EQ(p.replaced_chunks(), 1u);
   EXPECT_EQ(p.retained_bytes(3), p.chunk_bytes()) << "the old memory is charged to its holder";
   EXPECT_EQ(p.retained_bytes(4), 0u);

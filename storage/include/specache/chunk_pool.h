@@ -51,14 +51,15 @@ class ChunkPool {
 
   // Takes n free chunks for `owner` (ids ascending). RESOURCE_EXHAUSTED if fewer are free.
   Result<std::vector<uint32_t>> Take(uint32_t n, uint64_t owner);
-  // Gives chunks back: zeroed when nobody else holds them, replaced (and the old memory charged
-  // to `holder`, with `owner_pidfd` (may be -1; duplicated) as the fallback release) otherwise.
-  // A chunk still held is polled for up to kLetGoMs first (a holder letting go just now), so a
-  // Return with held chunks takes that long. An error names the chunks whose replacement failed;
-  // they come back through Housekeep. FAILED_PRECONDITION, before anything changes, for a chunk
-  // that is not taken (free, or out of service) or named twice.
+  // Gives `owner`'s chunks back: zeroed when nobody else holds them, replaced (and the old memory
+  // charged to `holder`, with `owner_pidfd` (may be -1; duplicated) as the fallback release)
+  // otherwise. A chunk still held is polled for up to kLetGoMs first (a holder letting go just
+  // now), so a Return with held chunks takes that long. An error names the chunks whose
+  // replacement failed; they come back through Housekeep. Before anything changes:
+  // PERMISSION_DENIED for a chunk another owner took (one owner can never free another's memory),
+  // FAILED_PRECONDITION for a chunk that is not taken (free, or out of service) or named twice.
   static constexpr int kLetGoMs = 100;
-  Status Return(std::span<const uint32_t> chunks, uint64_t holder = 0, int owner_pidfd = -1);
+  Status Return(std::span<const uint32_t> chunks, uint64_t owner, uint64_t holder = 0, int owner_pidfd = -1);
 
   // A new open file of the chunk (O_RDWR, CLOEXEC) for a client; the caller owns it.
   Result<int> ShareFd(uint32_t chunk) const;
