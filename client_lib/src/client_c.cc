@@ -3,6 +3,10 @@
 #include <cstring>
 
 #include "specache/client.h"
+#include "specache/shm_layout.h"
+
+// The C ABI's row formats are the daemon's (shm_layout.h).
+static_assert(SPECACHE_ROW_FP16 == specache::shm::kRowFp16 && SPECACHE_ROW_INT8 == specache::shm::kRowInt8);
 
 struct specache_client {
   std::unique_ptr<specache::client::Client> impl;
@@ -63,8 +67,14 @@ void specache_session_close(specache_session* session) { delete session; }
 
 int specache_sequence_create(specache_session* session, const specache_layout* l, uint64_t* sequence, char* error,
                              size_t error_len) {
+  return specache_sequence_create_as(session, l, SPECACHE_ROW_FP16, sequence, error, error_len);
+}
+
+int specache_sequence_create_as(specache_session* session, const specache_layout* l, uint32_t row_format,
+                                uint64_t* sequence, char* error, size_t error_len) {
   if (!session || !l || !sequence) return Null("session, layout or sequence", error, error_len);
-  auto id = session->impl->CreateSequence({l->n_layers, l->n_kv_heads, l->head_dim, l->page_tokens, l->capacity_tokens});
+  auto id = session->impl->CreateSequence(
+      {l->n_layers, l->n_kv_heads, l->head_dim, l->page_tokens, l->capacity_tokens, row_format});
   if (!id.ok()) return Report(id.status(), error, error_len);
   *sequence = *id;
   return Report(specache::Status::Ok(), error, error_len);

@@ -293,6 +293,7 @@ TEST(DaemonTest, MalformedAndHostileRequestsGetSpecificErrors) {
 }  // namespace specache
 
 extern "C" int specache_c_abi_roundtrip(const char* socket_path, char* report, size_t report_len);
+extern "C" int specache_c_abi_int8(const char* socket_path, char* report, size_t report_len);
 
 namespace specache {
 namespace {
@@ -437,6 +438,16 @@ TEST(DaemonSourceTest, Int8RowsAreStoredEncodedInThePagesAndReadBackDecoded) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].layout.row_format, 1u);
   EXPECT_EQ((*listed)[0].layout.page_bytes(), uint64_t(n_kv) * page_tokens * row_bytes);
+}
+
+TEST(ClientCAbiTest, AnInt8SequenceThroughTheCFunctions) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start());
+  char report[512] = {};
+  EXPECT_EQ(specache_c_abi_int8(d.socket.c_str(), report, sizeof report), 0) << report;
+  // 20 tokens in pages of 64: a page a layer, 18432 bytes placed in 5 units of 4 KiB (fp16 rows:
+  // 32768 bytes, 8 units), two layers; a format 7 and head_dim 60 are invalid (3).
+  EXPECT_STREQ(report, "pages=1 used=40960 unknown=3 odd=3");
 }
 
 TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {

@@ -43,13 +43,27 @@ SPECACHE_C_API int specache_session_open(specache_client* client, const char* te
 /* Releases everything the session holds in the daemon. */
 SPECACHE_C_API void specache_session_close(specache_session* session);
 
+/* How a sequence's pages store a row (one token of one KV head), for specache_sequence_create_as:
+ * SPECACHE_ROW_FP16: [K|V][head_dim] fp16, 4 x head_dim bytes;
+ * SPECACHE_ROW_INT8: [K codes][V codes] int8 (head_dim each), then the K and V halves' scales as
+ *   fp16 (value = code x scale; a NaN scale: the half held a non-finite value), then 12 zero bytes:
+ *   2 x head_dim + 16 bytes. (Any layout's head_dim is a multiple of 8 in [8, 1024].) */
+#define SPECACHE_ROW_FP16 0u
+#define SPECACHE_ROW_INT8 1u
+
+/* A sequence whose rows are fp16 (specache_sequence_create_as with SPECACHE_ROW_FP16). */
 SPECACHE_C_API int specache_sequence_create(specache_session* session, const specache_layout* layout,
                                             uint64_t* sequence, char* error, size_t error_len);
+/* A sequence whose rows are stored in `row_format` (SPECACHE_ROW_*); another value is refused (3,
+ * INVALID_ARGUMENT) before anything is made. */
+SPECACHE_C_API int specache_sequence_create_as(specache_session* session, const specache_layout* layout,
+                                               uint32_t row_format, uint64_t* sequence, char* error,
+                                               size_t error_len);
 SPECACHE_C_API int specache_sequence_extend(specache_session* session, uint64_t sequence, uint32_t tokens,
                                             uint32_t* pages_per_layer, char* error, size_t error_len);
 SPECACHE_C_API int specache_sequence_release(specache_session* session, uint64_t sequence, char* error,
                                              size_t error_len);
-/* The memory of one page: [kv_head][token][K|V][head_dim] fp16, page_tokens tokens. */
+/* The memory of one page: [kv_head][token] rows of the sequence's row format, page_tokens tokens. */
 SPECACHE_C_API int specache_page_data(specache_session* session, uint64_t sequence, uint32_t layer, uint32_t page,
                                       uint8_t** data, char* error, size_t error_len);
 
