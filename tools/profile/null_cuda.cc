@@ -20,6 +20,8 @@
 //   Figures that come from the device (event timings: 1 us; tokens; counters; selections) are
 //   meaningless in such a run; only host-side times are.
 // - Kernels, events, streams and graphs are accepted and do nothing; every wait returns at once.
+// - SPECACHE_NULL_CUDA_COUNTS=1 prints, at exit, how often each kind of call was made (launches,
+//   allocations, copies, waits): what a run asks of the driver, e.g. per decode step.
 #include <cublas_v2.h>
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
@@ -29,6 +31,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -88,6 +91,34 @@ std::unordered_map<cudaStream_t, bool>& Capturing() {
   return *capturing;
 }
 
+// SPECACHE_NULL_CUDA_COUNTS=1: how often each call was made, printed to stderr at exit (a run's
+// calls per decode step: the difference of two runs with different --steps, over the steps).
+enum Call {
+  kLaunch, kLaunchEx, kMalloc, kFree, kMallocHost, kFreeHost, kHostRegister, kMemcpy, kMemcpyAsync, kMemcpy2DAsync,
+  kMemset, kMemsetAsync, kStreamSynchronize, kDeviceSynchronize, kEventSynchronize, kEventRecord, kEventQuery,
+  kStreamWaitEvent, kGraphLaunch, kGemm, kCallCount
+};
+constexpr const char* kCallNames[kCallCount] = {
+    "kernel launches (<<<>>>)", "cudaLaunchKernelExC", "cudaMalloc", "cudaFree", "cudaMallocHost/cudaHostAlloc",
+    "cudaFreeHost", "cudaHostRegister", "cudaMemcpy", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaMemset",
+    "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaEventRecord",
+    "cudaEventQuery", "cudaStreamWaitEvent", "cudaGraphLaunch", "cublasGemmEx"};
+std::atomic<uint64_t> counts[kCallCount];
+const bool counting = [] {
+  const char* v = std::getenv("SPECACHE_NULL_CUDA_COUNTS");
+  return v != nullptr && v[0] == '1';
+}();
+inline void Count(Call c) {
+  if (counting) counts[c].fetch_add(1, std::memory_order_relaxed);
+}
+struct PrintCounts {
+  ~PrintCounts() {
+    if (!counting) return;
+    std::fprintf(stderr, "null CUDA runtime: calls made\n");
+    for (int c = 0; c < kCallCount; ++c) std::fprintf(stderr, "  %12llu  %s\n", (unsigned long long)counts[c].load(), kCallNames[c]);
+  }
+} print_counts;
+
 }  // namespace
 
 extern "C" {
@@ -113,13 +144,22 @@ cudaError_t __cudaGetKernel(cudaKernel_t* kernel, const void*) {
   if (kernel) *kernel = NewHandle<cudaKernel_t>();
   return cudaSuccess;
 }
-cudaError_t __cudaLaunchKernel(cudaKernel_t, dim3, dim3, void**, size_t, cudaStream_t) { return cudaSuccess; }
-cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t, dim3, dim3, void**, size_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t __cudaLaunchKernel(cudaKernel_t, dim3, dim3, void**, size_t, cudaStream_t) {
+  Count(kLaunch);
+  return cudaSuccess;
+}
+cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t, dim3, dim3, void**, size_t, cudaStream_t) {
+  Count(kLaunch);
+  return cudaSuccess;
+}
 
 }  // extern "C"
 
 // ---- The runtime API the project calls (declared by cuda_runtime_api.h, so the signatures match).
-cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t*, const void*, void**) { return cudaSuccess; }
+cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t*, const void*, void**) {
+  Count(kLaunchEx);
+  return cudaSuccess;
+}
 
 cudaError_t cudaGetDeviceCount(int* count) {
   if (count) *count = 1;
@@ -173,7 +213,10 @@ cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
   if (greatest) *greatest = -5;
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() {
+  Count(kDeviceSynchronize);
+  return cudaSuccess;
+}
 cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
   if (free) *free = kTotalMemory;
   if (total) *total = kTotalMemory;
@@ -184,12 +227,30 @@ const char* cudaGetErrorString(cudaError_t error) {
 }
 cudaError_t cudaGetLastError() { return cudaSuccess; }
 
-cudaError_t cudaMalloc(void** p, size_t bytes) { return Allocate(p, bytes); }
-cudaError_t cudaFree(void* p) { return Release(p); }
-cudaError_t cudaMallocHost(void** p, size_t bytes) { return Allocate(p, bytes); }
-cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int) { return Allocate(p, bytes); }
-cudaError_t cudaFreeHost(void* p) { return Release(p); }
-cudaError_t cudaHostRegister(void*, size_t, unsigned int) { return cudaSuccess; }
+cudaError_t cudaMalloc(void** p, size_t bytes) {
+  Count(kMalloc);
+  return Allocate(p, bytes);
+}
+cudaError_t cudaFree(void* p) {
+  Count(kFree);
+  return Release(p);
+}
+cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  Count(kMallocHost);
+  return Allocate(p, bytes);
+}
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int) {
+  Count(kMallocHost);
+  return Allocate(p, bytes);
+}
+cudaError_t cudaFreeHost(void* p) {
+  Count(kFreeHost);
+  return Release(p);
+}
+cudaError_t cudaHostRegister(void*, size_t, unsigned int) {
+  Count(kHostRegister);
+  return cudaSuccess;
+}
 cudaError_t cudaHostUnregister(void*) { return cudaSuccess; }
 cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned int) {
   if (device == nullptr) return cudaErrorInvalidValue;
@@ -198,13 +259,26 @@ cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned int) {
 }
 
 // Not carried out (see the top of the file): the device's copies are not the host's work.
-cudaError_t cudaMemcpy(void*, const void*, size_t, cudaMemcpyKind) { return cudaSuccess; }
-cudaError_t cudaMemcpyAsync(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaMemcpy2DAsync(void*, size_t, const void*, size_t, size_t, size_t, cudaMemcpyKind, cudaStream_t) {
+cudaError_t cudaMemcpy(void*, const void*, size_t, cudaMemcpyKind) {
+  Count(kMemcpy);
   return cudaSuccess;
 }
-cudaError_t cudaMemset(void*, int, size_t) { return cudaSuccess; }
-cudaError_t cudaMemsetAsync(void*, int, size_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaMemcpyAsync(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t) {
+  Count(kMemcpyAsync);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy2DAsync(void*, size_t, const void*, size_t, size_t, size_t, cudaMemcpyKind, cudaStream_t) {
+  Count(kMemcpy2DAsync);
+  return cudaSuccess;
+}
+cudaError_t cudaMemset(void*, int, size_t) {
+  Count(kMemset);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void*, int, size_t, cudaStream_t) {
+  Count(kMemsetAsync);
+  return cudaSuccess;
+}
 
 cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void*) {
   if (attr == nullptr) return cudaErrorInvalidValue;
@@ -231,8 +305,14 @@ cudaError_t cudaStreamCreate(cudaStream_t* s) {
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int) { return cudaStreamCreate(s); }
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int, int) { return cudaStreamCreate(s); }
 cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  Count(kStreamSynchronize);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) {
+  Count(kStreamWaitEvent);
+  return cudaSuccess;
+}
 cudaError_t cudaStreamGetFlags(cudaStream_t, unsigned int* flags) {
   if (flags) *flags = 0;
   return cudaSuccess;
@@ -263,9 +343,18 @@ cudaError_t cudaEventCreate(cudaEvent_t* e) {
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) { return cudaEventCreate(e); }
 cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) {
+  Count(kEventRecord);
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t) {
+  Count(kEventQuery);
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t) {
+  Count(kEventSynchronize);
+  return cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
   if (ms) *ms = 0.001f;  // a device figure: meaningless here, but positive (callers divide by it)
   return cudaSuccess;
@@ -275,7 +364,10 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t, unsigned lo
   if (exec) *exec = NewHandle<cudaGraphExec_t>();
   return cudaSuccess;
 }
-cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t) {
+  Count(kGraphLaunch);
+  return cudaSuccess;
+}
 cudaError_t cudaGraphDestroy(cudaGraph_t) { return cudaSuccess; }
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t) { return cudaSuccess; }
 
@@ -293,5 +385,6 @@ cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t, void*, size_t) { return CUB
 cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
                             const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
                             cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t) {
+  Count(kGemm);
   return CUBLAS_STATUS_SUCCESS;
 }
