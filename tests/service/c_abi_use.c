@@ -4,14 +4,24 @@
 
 #include "specache/client_c.h"
 
+/* A client of the daemon at socket_path and a session of 4 MiB as tenant "default"; on failure the
+ * report says which step failed and nothing stays open. */
+static int OpenSession(const char* socket_path, specache_client** client, specache_session** session, char* report,
+                       size_t report_len) {
+  char err[256];
+  int rc = specache_client_connect(socket_path, 2000, client, err, sizeof err);
+  if (rc) return snprintf(report, report_len, "connect: %s", err), rc;
+  rc = specache_session_open(*client, "default", 4u << 20, session, err, sizeof err);
+  if (rc) return snprintf(report, report_len, "open: %s", err), specache_client_free(*client), rc;
+  return 0;
+}
+
 int specache_c_abi_roundtrip(const char* socket_path, char* report, size_t report_len) {
   char err[256];
   specache_client* client = NULL;
   specache_session* session = NULL;
-  int rc = specache_client_connect(socket_path, 2000, &client, err, sizeof err);
-  if (rc) return snprintf(report, report_len, "connect: %s", err), rc;
-  rc = specache_session_open(client, "default", 4u << 20, &session, err, sizeof err);
-  if (rc) return snprintf(report, report_len, "open: %s", err), specache_client_free(client), rc;
+  int rc = OpenSession(socket_path, &client, &session, report, report_len);
+  if (rc) return rc;
   specache_layout layout = {2, 2, 64, 16, 256};
   uint64_t seq = 0;
   uint32_t pages = 0;
@@ -39,10 +49,8 @@ int specache_c_abi_int8(const char* socket_path, char* report, size_t report_len
   char err[256];
   specache_client* client = NULL;
   specache_session* session = NULL;
-  int rc = specache_client_connect(socket_path, 2000, &client, err, sizeof err);
-  if (rc) return snprintf(report, report_len, "connect: %s", err), rc;
-  rc = specache_session_open(client, "default", 4u << 20, &session, err, sizeof err);
-  if (rc) return snprintf(report, report_len, "open: %s", err), specache_client_free(client), rc;
+  int rc = OpenSession(socket_path, &client, &session, report, report_len);
+  if (rc) return rc;
   specache_layout layout = {2, 2, 64, 64, 256};
   uint64_t seq = 0, other = 0;
   uint32_t pages = 0;

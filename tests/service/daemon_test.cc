@@ -440,16 +440,6 @@ TEST(DaemonSourceTest, Int8RowsAreStoredEncodedInThePagesAndReadBackDecoded) {
   EXPECT_EQ((*listed)[0].layout.page_bytes(), uint64_t(n_kv) * page_tokens * row_bytes);
 }
 
-TEST(ClientCAbiTest, AnInt8SequenceThroughTheCFunctions) {
-  DaemonProcess d;
-  ASSERT_TRUE(d.Start());
-  char report[512] = {};
-  EXPECT_EQ(specache_c_abi_int8(d.socket.c_str(), report, sizeof report), 0) << report;
-  // 20 tokens in pages of 64: a page a layer, 18432 bytes placed in 5 units of 4 KiB (fp16 rows:
-  // 32768 bytes, 8 units), two layers; a format 7 and head_dim 60 are invalid (3).
-  EXPECT_STREQ(report, "pages=1 used=40960 unknown=3 odd=3");
-}
-
 TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {
   DaemonProcess d;
   ASSERT_TRUE(d.Start());
@@ -457,6 +447,10 @@ TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {
   EXPECT_EQ(specache_c_abi_roundtrip(d.socket.c_str(), report, sizeof report), 0) << report;
   // 40 tokens in pages of 16: 3 pages; page 3 is out of range (11); one session, one sequence.
   EXPECT_STREQ(report, "pages=3 beyond=11 sessions=1 sequences=1");
+  // An int8 sequence: 20 tokens in pages of 64, a page a layer, 18432 bytes placed in 5 units of
+  // 4 KiB (fp16 rows: 32768 bytes, 8 units), two layers; a format 7 and head_dim 60 are invalid (3).
+  EXPECT_EQ(specache_c_abi_int8(d.socket.c_str(), report, sizeof report), 0) << report;
+  EXPECT_STREQ(report, "pages=1 used=40960 unknown=3 odd=3");
   char err[128];
   specache_client* none = nullptr;
   EXPECT_EQ(specache_client_connect((d.dir + "/nothing.sock").c_str(), 200, &none, err, sizeof err),
