@@ -8,7 +8,8 @@
 #   here:     tools/bench/gpu_agent_checks.sh bundle   # build, then .bundle/agent.tar.xz (~35 MB)
 #   GPU host: tools/bench/gpu_agent_checks.sh run      # every stage, results to $OUT (default ./gpu-out)
 #             tools/bench/gpu_agent_checks.sh tests    # one stage: tests, sanitize, step, model
-#             tools/bench/gpu_agent_checks.sh profile  # not in run: where the 32 x 8K step's host and GPU time go
+#             tools/bench/gpu_agent_checks.sh profile  # not in run: where a step's host and GPU time go
+#                                                      # (PROFILE_BATCH, PROFILE_TOKENS, PROFILE_KV, PROFILE_FETCH)
 #   here, after: tools/profile/host_profile.py OUT/samples_N.txt --binary build/tools/specache-bench --within
 #             CudaAgent::DecodeLayer (each N; OUT/timeline_summary.txt has the GPU's side)
 #
@@ -51,7 +52,7 @@ fi
 
 case "$stage" in
   run | tests | sanitize | step | model | profile) ;;
-  *) sed -n 2,22p "$0" >&2; exit 2 ;;
+  *) sed -n 2,23p "$0" >&2; exit 2 ;;
 esac
 if [ ! -x "$bundle/run" ]; then
   [ -s .bundle/agent.tar.xz ] || { echo "gpu_agent_checks: no .bundle/agent.tar.xz (run the bundle stage here first)" >&2; exit 1; }
@@ -98,19 +99,21 @@ if [ "$stage" = run ] || [ "$stage" = model ]; then
   done
 fi
 if [ "$stage" = profile ]; then
-  # One profiled 32 x 8K step without the fetch (the host paces it: performance.md): the GPU's
-  # kernels and gaps (CUPTI; it slows the host's launches, so read which gaps, not their sum), then
-  # the main thread sampled every 25 us over that step in three runs (SPECACHE_SAMPLE_STOP=1).
+  # One profiled step (PROFILE_TOKENS x PROFILE_BATCH, default 8192 x 32, PROFILE_KV the step's
+  # --kv, default the bench's; PROFILE_FETCH=0 (default) leaves the fetch out): the GPU's kernels
+  # and gaps (CUPTI; it slows the host's launches, so read which gaps, not their sum), then the
+  # main thread sampled every 25 us over that step in three runs (SPECACHE_SAMPLE_STOP=1).
+  step_args=(specache-bench step --tokens "${PROFILE_TOKENS:-8192}" --batches "${PROFILE_BATCH:-32}" --profile-step)
+  [ -n "${PROFILE_KV:-}" ] && step_args+=(--kv "$PROFILE_KV")
+  [ "${PROFILE_FETCH:-0}" = 1 ] || step_args+=(--profile-no-fetch)
   cupti=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)")
   timed timeline 100 env SPECACHE_TIMELINE_OUT="$out/timeline.csv" LD_LIBRARY_PATH="$cupti" \
-    LD_PRELOAD="$PWD/$bundle/profile/libspecache_gpu_timeline.so" "$bundle/run" specache-bench step --tokens 8192 \
-    --batches 32 --profile-step --profile-no-fetch
+    LD_PRELOAD="$PWD/$bundle/profile/libspecache_gpu_timeline.so" "$bundle/run" "${step_args[@]}"
   [ -s "$out/timeline.csv" ] && python3 tools/profile/gpu_timeline.py "$out/timeline.csv" > "$out/timeline_summary.txt" 2>&1
   head -3 "$out/timeline_summary.txt" 2>/dev/null
   for i in 1 2 3; do
     timed "samples_run_$i" 90 env SPECACHE_SAMPLE_OUT="$out/samples_$i.txt" SPECACHE_SAMPLE_US=25 SPECACHE_SAMPLE_STOP=1 \
-      LD_PRELOAD="$PWD/$bundle/profile/libspecache_host_sampler.so" "$bundle/run" specache-bench step --tokens 8192 \
-      --batches 32 --profile-step --profile-no-fetch
+      LD_PRELOAD="$PWD/$bundle/profile/libspecache_host_sampler.so" "$bundle/run" "${step_args[@]}"
   done
 fi
 exit "$tests_rc"
