@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_status.h"
@@ -63,6 +64,11 @@ struct DecodePlan::Impl {
   std::vector<int> group;
   cudaStream_t group_stream = nullptr;
   bool one_stream = true;  // every call so far on group_stream: calls are grouped
+  // The buffers of slots that grew ({host, device}; device null in place), freed with the plan:
+  // freed when their slot grows (in the decode loop, whenever a batch's task lists reach a new
+  // size) cudaFree and cudaFreeHost would wait for all of the device's work there. A slot at
+  // least doubles when it grows, so these hold less than the slots themselves.
+  std::vector<std::pair<void*, void*>> outgrown;
 
   // (A captured slot's events belong to the graph's capture: they are never waited for.)
   void Free(Slot& s) const {
@@ -89,6 +95,10 @@ struct DecodePlan::Impl {
     }
     for (Slot& s : ring) Free(s);
     for (Slot& s : captured) Free(s);
+    for (const auto& [host, dev] : outgrown) {
+      cudaFreeHost(host);
+      if (dev) cudaFree(dev);
+    }
     if (fork) cudaEventDestroy(fork);
     if (copy) cudaStreamDestroy(copy);
   }
@@ -143,8 +153,8 @@ struct DecodePlan::Impl {
     }
     if (s->bytes < bytes) {
       const size_t grown = std::max<size_t>({bytes, 2 * s->bytes, 64 << 10});
-      if (s->host) cudaFreeHost(s->host), s->host = nullptr;
-      if (s->device && !in_place) cudaFree(s->device);
+      if (s->host) outgrown.emplace_back(s->host, in_place ? nullptr : s->device);  // freed with the plan
+      s->host = nullptr;
       s->device = nullptr;
       s->bytes = 0;
       if (in_place ? cudaHostAlloc(&s->host, grown, cudaHostAllocMapped) != cudaSuccess ||
