@@ -267,5 +267,39 @@ TEST_F(OutputPathsCommandTest, NiahGridIntoAMissingDirectoryWritesItsResults) {
   EXPECT_NE(r.output.find("Reading: "), std::string::npos) << r.output;
 }
 
+#ifdef SPECACHE_NULL_CUDA_PATH
+// The GPU path's host side on a machine without a GPU: under the null CUDA runtime
+// (tools/profile/null_cuda.cc) every CUDA call succeeds and does nothing, so the CUDA agent's and
+// the GPU engine's host code (the step's plans and task lists, the fetch's lists and its worker,
+// the commits, every mode's own parts) runs the throughput bench's modes and the step and attend
+// benches to their end. Device figures mean nothing here; a host-side error or crash fails it.
+TEST(NullCudaTest, TheGpuPathsHostSideRunsEveryBenchModeWithoutAGpu) {
+  const std::string preload = std::string("LD_PRELOAD=") + SPECACHE_NULL_CUDA_PATH + " ";
+  const std::vector<std::string> modes = {"specache",          "specache/host-rows=int8", "specache/select=union",
+                                          "specache-nonspec", "kivi",                    "full-offload",
+                                          "fp16"};
+  std::string kv;
+  for (const std::string& m : modes) kv += " --kv " + m;
+  const Outcome bench = Shell("SPECACHE_NULL_CUDA_COUNTS=1 " + preload + SPECACHE_RUN_PATH +
+                              " bench --shape smollm2 --context 512 --gpu-mem-budget 2GB --max-batch 8 --steps 4"
+                              " --host-ram-fraction 100" + kv);
+  ASSERT_EQ(bench.code, 0) << bench.output;
+  EXPECT_NE(bench.output.find("null device"), std::string::npos) << bench.output;
+  for (const std::string& m : modes) {
+    // Each mode's row at the batch asked for, and its host line.
+    EXPECT_NE(bench.output.find(" 512 " + m + " "), std::string::npos) << m << ": " << bench.output;
+  }
+  size_t host_lines = 0;
+  for (size_t at = 0; (at = bench.output.find("ms to enqueue a step", at)) != std::string::npos; ++at) ++host_lines;
+  EXPECT_EQ(host_lines, modes.size()) << bench.output;
+  EXPECT_NE(bench.output.find("kernel launches"), std::string::npos) << "the counts at exit: " << bench.output;
+  const Outcome step = Shell(preload + SPECACHE_BENCH_PATH +
+                             " step --tokens 512 --batches 2,4 --kv specache-1bit,specache-1bit-int8,specache-2bit");
+  EXPECT_EQ(step.code, 0) << step.output;
+  const Outcome attend = Shell(preload + SPECACHE_BENCH_PATH + " attend --tokens 512 --batches 4 --random-rows");
+  EXPECT_EQ(attend.code, 0) << attend.output;
+}
+#endif
+
 }  // namespace
 }  // namespace specache
