@@ -63,6 +63,16 @@ void DecodeInt8Row(const uint8_t* stored, int d, Half* row) {
   DecodeInt8Half(codes + d, scales[1], d, row + d);
 }
 
+// Every format this build knows: what names, checks and listings accept.
+constexpr HostRowFormat kKnownFormats[] = {HostRowFormat::kFp16, HostRowFormat::kInt8};
+
+bool Known(HostRowFormat format) {
+  for (HostRowFormat f : kKnownFormats) {
+    if (f == format) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 std::string_view HostRowFormatName(HostRowFormat format) {
@@ -75,12 +85,11 @@ std::string_view HostRowFormatName(HostRowFormat format) {
 
 std::string HostRowFormatNameOrNumber(uint32_t value) {
   const auto format = static_cast<HostRowFormat>(value);
-  if (format == HostRowFormat::kFp16 || format == HostRowFormat::kInt8) return std::string(HostRowFormatName(format));
-  return std::to_string(value);
+  return Known(format) ? std::string(HostRowFormatName(format)) : std::to_string(value);
 }
 
 Status CheckHostRowFormat(HostRowFormat format, int head_dim) {
-  if (format != HostRowFormat::kFp16 && format != HostRowFormat::kInt8) {
+  if (!Known(format)) {
     return Status::InvalidArgument("unknown host row format " + std::to_string(static_cast<uint32_t>(format)));
   }
   if (format == HostRowFormat::kInt8 && (head_dim <= 0 || head_dim % 8 != 0)) {
@@ -91,7 +100,7 @@ Status CheckHostRowFormat(HostRowFormat format, int head_dim) {
 }
 
 Result<HostRowFormat> ParseHostRowFormat(std::string_view name) {
-  for (HostRowFormat f : {HostRowFormat::kFp16, HostRowFormat::kInt8}) {
+  for (HostRowFormat f : kKnownFormats) {
     if (name == HostRowFormatName(f)) return f;
   }
   return Status::InvalidArgument("unknown host row format '" + std::string(name) + "' (expected fp16 or int8)");
