@@ -19,6 +19,18 @@ namespace {
 #define SKIP_IF_A_DEVICE_IS_PRESENT() \
   if (ProbeCudaDevice().ok()) GTEST_SKIP() << "a device is present: the gpu-labelled tests cover it"
 
+// A configuration refused before the device is touched: with CUDA built, `code` and a message
+// that says `says`; a build without CUDA has no CUDA agent at all (UNAVAILABLE).
+void ExpectRefusedBeforeTheDevice(const Status& s, StatusCode code, const std::string& says) {
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  EXPECT_EQ(s.code(), code) << s.ToString();
+  EXPECT_NE(s.message().find(says), std::string::npos) << s.ToString();
+#else
+  (void)code, (void)says;
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+#endif
+}
+
 TEST(WithoutDeviceTest, TheProbeIsUnavailableNotACrash) {
   SKIP_IF_A_DEVICE_IS_PRESENT();
   const auto info = ProbeCudaDevice();
@@ -38,13 +50,8 @@ TEST(WithoutDeviceTest, ARowCacheAboveTheKernelsLimitIsInvalidEverywhere) {
   InMemorySource source;
   KvConfig config;
   config.cached_rows = cuda::kMaxCacheRows + 1;
-  const Status s = CreateCudaAgent({2, 4, 2, 64}, config, &source).status();
-#ifdef SPECACHE_TEST_HAVE_CUDA
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
-  EXPECT_NE(s.message().find(std::to_string(cuda::kMaxCacheRows)), std::string::npos) << s.ToString();
-#else
-  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-#endif
+  ExpectRefusedBeforeTheDevice(CreateCudaAgent({2, 4, 2, 64}, config, &source).status(), StatusCode::kInvalidArgument,
+                               std::to_string(cuda::kMaxCacheRows));
 }
 
 // Rounded host rows (KvConfig::round_host_rows, a fidelity measure) are the CPU agent's only, and
@@ -54,22 +61,12 @@ TEST(WithoutDeviceTest, HostRowsTheCudaAgentCannotServeAreRefusedEverywhere) {
   InMemorySource source;
   KvConfig config;
   config.round_host_rows = HostRowRounding::kInt8;
-  Status s = CreateCudaAgent({2, 4, 2, 64}, config, &source).status();
-#ifdef SPECACHE_TEST_HAVE_CUDA
-  EXPECT_EQ(s.code(), StatusCode::kUnimplemented) << s.ToString();
-  EXPECT_NE(s.message().find("CPU agent"), std::string::npos) << s.ToString();
-#else
-  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-#endif
+  ExpectRefusedBeforeTheDevice(CreateCudaAgent({2, 4, 2, 64}, config, &source).status(), StatusCode::kUnimplemented,
+                               "CPU agent");
   config = KvConfig();
   config.host_row_format = HostRowFormat::kInt8;
-  s = CreateCudaAgent({2, 4, 2, 288}, config, &source).status();
-#ifdef SPECACHE_TEST_HAVE_CUDA
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
-  EXPECT_NE(s.message().find("256"), std::string::npos) << s.ToString();
-#else
-  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-#endif
+  ExpectRefusedBeforeTheDevice(CreateCudaAgent({2, 4, 2, 288}, config, &source).status(), StatusCode::kInvalidArgument,
+                               "256");
 }
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
