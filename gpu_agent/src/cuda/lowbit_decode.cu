@@ -47,7 +47,10 @@ using decode::QueryAt;
 constexpr int kWarps = kLowBitWarpsPerCta;  // warps (units) per CTA
 // CTAs per SM the one-tile kernels are compiled for: 128 registers, 16 warps per SM. H200, 1-bit,
 // attention per layer: 0.49 ms at 32 x 8K and 0.25 ms at 8 x 32K, against 0.50 and 0.30 at 3 CTAs
-// (168 registers; fewer warps to hide the latency of each block's dependent chain).
+// (168 registers; fewer warps to hide the latency of each block's dependent chain). More warps do
+// not pay either: the lean kernel at 5 and 6 CTAs (96 and 80 registers, the loop's accumulators
+// spilled) took 1.15x and 1.7x the time at 176 x 8K on the H100, 1.10x and 1.44x at 46 x 32K
+// (bench_results/lean_ctas_gather_bound_h100_r37.txt).
 constexpr int kMinCtasOneTile = 4;
 constexpr int kMaxQ = 16;        // queries (rows x GQA heads) per item: two n-tiles of 8
 constexpr int kGroup = 32;       // quantization group size this path handles
