@@ -1,5 +1,7 @@
 #include "specache/in_memory_source.h"
 
+#include "host_mapping.h"
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -182,6 +184,8 @@ std::vector<HostRegion> InMemorySource::host_regions() const {
   std::shared_lock lock(mutex_);
   return slabs_;
 }
+
+HostMapping InMemorySource::mapping() const { return MappedBytes(host_regions()); }
 
 Status InMemorySource::HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) {
   if (tokens < 0) return Status::InvalidArgument("negative token count");

@@ -17,23 +17,10 @@ namespace {
 constexpr int kLayers = 32, kKvHeads = 8, kHeadDim = 128, kTokens = 8192, kPageTokens = 64, kTopK = 64;
 constexpr int64_t kRowBytes = 2 * kHeadDim * static_cast<int64_t>(sizeof(Half));
 
-// The process's anonymous memory mapped by huge pages (/proc/self/smaps_rollup), or -1.
-int64_t AnonHugeBytes() {
-  std::FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
-  if (!f) return -1;
-  char line[256];
-  long long kib = -1;
-  while (std::fgets(line, sizeof(line), f)) {
-    if (std::sscanf(line, "AnonHugePages: %lld kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return kib < 0 ? -1 : kib * 1024;
-}
-
 struct Measured {
   double gbps = 0;
   int64_t rows = 0;
-  double huge_share = -1;  // of the source's slabs, from the process's huge-page count
+  double huge_share = -1;  // of the source's resident slabs (InMemorySource::mapping)
   bool ok = false;
 };
 
@@ -41,7 +28,6 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
   Measured m;
   const SequenceLayout layout{kLayers, kKvHeads, kHeadDim};
   const int sequences = std::max(1, o.host_gib);  // 1 GiB each
-  const int64_t huge_before = AnonHugeBytes();
   InMemorySource source(kPageTokens, size_t{256} << 20, huge_pages);
   source.Reserve(layout, sequences, kTokens);
   const std::vector<Half> rows(size_t(kTokens) * 2 * kHeadDim, FloatToHalf(0.5f));
@@ -55,12 +41,7 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
       if (!source.HostPages(s, l, kTokens, &pages[size_t(s) * kLayers + l]).ok()) return m;
     }
   }
-  const int64_t huge_after = AnonHugeBytes();
-  int64_t slab_bytes = 0;
-  for (const HostRegion& r : source.host_regions()) slab_bytes += static_cast<int64_t>(r.bytes);
-  if (huge_before >= 0 && huge_after >= 0 && slab_bytes > 0) {
-    m.huge_share = std::clamp(double(huge_after - huge_before) / double(slab_bytes), 0.0, 1.0);
-  }
+  m.huge_share = source.mapping().huge_share();
   std::mt19937 rng(5);
   const size_t n_tasks = size_t(sequences) * kLayers * kKvHeads;
   std::vector<std::vector<int32_t>> wanted(n_tasks), rank(n_tasks);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "host_mapping.h"
 #include "specache/chunk_mapping.h"
 #include "specache/cuda_gather.h"
 
@@ -32,36 +33,6 @@ bool ParseHostPageBacking(const std::string& name, HostPageBacking* out) {
   }
   return false;
 }
-
-namespace {
-
-// Sum of the huge-page fields of /proc/self/smaps over the mappings that start inside a chunk.
-int64_t HugeBytesIn(const std::vector<uint8_t*>& chunks, uint64_t chunk_bytes) {
-  std::FILE* f = std::fopen("/proc/self/smaps", "r");
-  if (!f) return -1;
-  int64_t kib = 0;
-  bool inside = false;
-  char line[512];
-  while (std::fgets(line, sizeof(line), f)) {
-    unsigned long long start = 0, end = 0;
-    if (std::sscanf(line, "%llx-%llx ", &start, &end) == 2) {  // a mapping's header line
-      inside = std::any_of(chunks.begin(), chunks.end(), [&](const uint8_t* c) {
-        const auto base = reinterpret_cast<uintptr_t>(c);
-        return start >= base && start < base + chunk_bytes;
-      });
-      continue;
-    }
-    long long v = 0;
-    if (inside && (std::sscanf(line, "AnonHugePages: %lld kB", &v) == 1 || std::sscanf(line, "ShmemPmdMapped: %lld kB", &v) == 1 ||
-                   std::sscanf(line, "FilePmdMapped: %lld kB", &v) == 1)) {
-      kib += v;
-    }
-  }
-  std::fclose(f);
-  return kib * 1024;
-}
-
-}  // namespace
 
 RegisteredHostPages::~RegisteredHostPages() {
   for (size_t c = 0; c < chunks_.size(); ++c) {
@@ -119,7 +90,9 @@ bool RegisteredHostPages::Create(int gib, HostPageBacking backing) {
     });
   }
   for (auto& w : workers) w.join();
-  huge_bytes_ = HugeBytesIn(chunks_, kChunkBytes);
+  std::vector<HostRegion> regions;
+  for (uint8_t* c : chunks_) regions.push_back({c, kChunkBytes});
+  huge_bytes_ = MappedBytes(regions).huge;
   for (uint8_t* c : chunks_) {
     auto d = cuda::RegisterHostMemory(c, kChunkBytes);
     if (!d.ok()) {

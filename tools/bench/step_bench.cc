@@ -128,6 +128,9 @@ struct AgentRun {
   double register_ms = 0;  // creating the agent, mostly registering the source's reserved pages (host time)
   // The copy-engine fetch's worker per timed step (AgentStats' fetch_host_*), ms.
   double list_wait_ms = 0, buffer_wait_ms = 0, gather_ms = 0, caller_wait_ms = 0;
+  // The share of the source's resident slabs in huge pages after the timed steps
+  // (InMemorySource::mapping; -1: unknown): runs whose pages got fewer may gather slower.
+  double host_huge_share = -1;
 };
 
 // One agent over `batch` fresh sequences of `context` random tokens: prefill, pre-decode, then
@@ -248,6 +251,7 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   run.buffer_wait_ms = per_step_ms(after.fetch_host_buffer_wait_ns, before.fetch_host_buffer_wait_ns);
   run.gather_ms = per_step_ms(after.fetch_host_gather_ns, before.fetch_host_gather_ns);
   run.caller_wait_ms = per_step_ms(after.fetch_caller_wait_ns, before.fetch_caller_wait_ns);
+  run.host_huge_share = source.mapping().huge_share();
   return run;
 }
 
@@ -688,9 +692,10 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         if (*via == FetchVia::kCopyEngine) {  // with an SM share the host gathers only part of the bytes
           const double gathered = with.bytes_per_step * (1.0 - sm_share);
           std::printf("%-36s its worker, ms a step: list wait %.3f, buffer wait %.3f, gather %.3f (~%.1f GB/s); the "
-                      "agent's thread waited %.3f for it\n",
+                      "agent's thread waited %.3f for it; host pages in huge pages: %s\n",
                       "", with.list_wait_ms, with.buffer_wait_ms, with.gather_ms,
-                      with.gather_ms > 0 ? gathered / (with.gather_ms * 1e-3) / 1e9 : 0.0, with.caller_wait_ms);
+                      with.gather_ms > 0 ? gathered / (with.gather_ms * 1e-3) / 1e9 : 0.0, with.caller_wait_ms,
+                      with.host_huge_share < 0 ? "unknown" : (std::to_string(int(100 * with.host_huge_share + 0.5)) + "%").c_str());
         }
         rows->push_back({kv + suffix + "_b" + std::to_string(batch) + "_ctx" + std::to_string(o.context),
                          {{"batch", batch},
@@ -698,6 +703,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
                           {"fetch_threads", *via == FetchVia::kCopyEngine ? fetch.fetch_threads : 0},
                           {"host_huge_pages", o.host_huge_pages ? 1 : 0},
+                          {"host_huge_share", with.host_huge_share},
                           {"model_graphs", o.model_graphs ? 1 : 0},
                           {"fetch_copy_piece_bytes", *via == FetchVia::kCopyEngine ? fetch.fetch_copy_piece_bytes : 0},
                           {"fetch_sm_share", *via == FetchVia::kCopyEngine ? sm_share : 0.0},

@@ -112,6 +112,9 @@ struct Run {
   double fetched_bytes_per_token = 0;
   AgentStats stats;
   int64_t host_rss = 0;
+  // The share of the source's resident slabs in huge pages after the steps (InMemorySource::mapping;
+  // -1: unknown or nothing resident): a run whose pages got fewer may gather its rows slower.
+  double host_huge_share = -1;
 };
 
 class Bench {
@@ -250,6 +253,7 @@ class Bench {
       run.phases.steps = p.steps;
     }
     run.stats = agent->stats();
+    run.host_huge_share = source->mapping().huge_share();
     run.device_used = baseline_free_ - DeviceFree();
     run.host_rss = ProcBytes("/proc/self/status", "VmRSS");
     return run;
@@ -397,6 +401,7 @@ class Bench {
     if (base == "specache") {  // the other modes fetch in step, or not at all
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       j["host_huge_pages"] = o_.host_huge_pages;
+      j["host_huge_share"] = run.host_huge_share;
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
       if (o_.fetch_via == "copy-engine") {  // the piece in effect, the agent's default included
         j["fetch_copy_piece_kb"] =
@@ -517,8 +522,11 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
     std::fprintf(stderr, "%6s %-17s host: %.2f ms to enqueue a step, %.2f of them in the agent's calls", "", "",
                  j["ms_enqueue_host"].get<double>(), j["ms_agent_host"].get<double>());
     if (j.contains("fetch_sm_share")) {  // the copy-engine fetch: the wait for its worker's gather, its SM share
-      std::fprintf(stderr, " (%.2f waiting for the fetch's gather; SM share %.2f)", j["ms_fetch_caller_wait"].get<double>(),
+      std::fprintf(stderr, " (%.2f waiting for the fetch's gather; SM share %.2f", j["ms_fetch_caller_wait"].get<double>(),
                    j["fetch_sm_share"].get<double>());
+      const double huge = j.value("host_huge_share", -1.0);
+      if (huge >= 0) std::fprintf(stderr, "; host pages %.0f%% in huge pages", 100 * huge);
+      std::fprintf(stderr, ")");
     }
     std::fprintf(stderr, "\n");
   }

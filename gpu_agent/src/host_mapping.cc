@@ -1,0 +1,47 @@
+#include "host_mapping.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace specache {
+
+HostMapping MappedBytes(std::span<const HostRegion> regions) {
+  std::FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (!f) return {};
+  // The mapping being read: its bytes inside the regions, its resident and huge-page bytes so far.
+  uint64_t overlap = 0, rss = 0, huge = 0;
+  HostMapping total{0, 0};
+  auto finish_mapping = [&] {
+    total.resident += static_cast<int64_t>(std::min(overlap, rss));
+    total.huge += static_cast<int64_t>(std::min(overlap, huge));
+    overlap = rss = huge = 0;
+  };
+  auto kib_field = [](const char* line, const char* format, uint64_t* sum) {
+    long long kib = 0;
+    if (std::sscanf(line, format, &kib) != 1) return false;
+    *sum += static_cast<uint64_t>(std::max(kib, 0LL)) * 1024;
+    return true;
+  };
+  char line[512];
+  while (std::fgets(line, sizeof(line), f)) {
+    unsigned long long start = 0, end = 0;
+    char dash = 0;
+    // A mapping's header line: "start-end perms offset dev inode [path]" (hex addresses).
+    if (std::sscanf(line, "%llx%c%llx ", &start, &dash, &end) == 3 && dash == '-') {
+      finish_mapping();
+      for (const HostRegion& r : regions) {
+        const uint64_t lo = reinterpret_cast<uintptr_t>(r.base), hi = lo + r.bytes;
+        if (lo < end && start < hi) overlap += std::min<uint64_t>(hi, end) - std::max<uint64_t>(lo, start);
+      }
+      continue;
+    }
+    if (overlap == 0) continue;
+    (void)(kib_field(line, "Rss: %lld kB", &rss) || kib_field(line, "AnonHugePages: %lld kB", &huge) ||
+           kib_field(line, "ShmemPmdMapped: %lld kB", &huge) || kib_field(line, "FilePmdMapped: %lld kB", &huge));
+  }
+  finish_mapping();
+  std::fclose(f);
+  return total;
+}
+
+}  // namespace specache
