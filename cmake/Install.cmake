@@ -2,7 +2,7 @@
 #   bin/      specached, specachectl, specache-run, specache-bench and the service benchmarks
 #   lib/      libspecache_client.so.0 (+ its private libspecache_proto.so.0), libspecache_agent.a,
 #             libspecache_status.a, cmake/specache/ (find_package), pkgconfig/specache.pc
-#   include/  specache/*.h: the agent's, the client's, status.h and the generated version.h
+#   include/  specache/*.h: the agent's, the client's, status.h, host_mapping.h and the generated version.h
 #   systemd   the unit, sysusers and tmpfiles entries, the default config (InstallSystemFiles.cmake)
 include(CMakePackageConfigHelpers)
 
@@ -24,7 +24,7 @@ install(TARGETS ${specache_exported} EXPORT specacheTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/protocol/include/specache DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
-        FILES_MATCHING PATTERN "status.h")
+        FILES_MATCHING PATTERN "status.h" PATTERN "host_mapping.h")
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/gpu_agent/include/specache DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(FILES ${SPECACHE_GENERATED_INCLUDE_DIR}/specache/version.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/specache)
 if(TARGET specache_client)

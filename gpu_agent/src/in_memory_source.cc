@@ -1,7 +1,5 @@
 #include "specache/in_memory_source.h"
 
-#include "host_mapping.h"
-
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -185,7 +183,11 @@ std::vector<HostRegion> InMemorySource::host_regions() const {
   return slabs_;
 }
 
-HostMapping InMemorySource::mapping() const { return MappedBytes(host_regions()); }
+HostMapping InMemorySource::mapping() const {
+  std::vector<MemoryRange> ranges;
+  for (const HostRegion& r : host_regions()) ranges.push_back({r.base, r.bytes});
+  return MappedBytes(ranges);
+}
 
 Status InMemorySource::HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) {
   if (tokens < 0) return Status::InvalidArgument("negative token count");

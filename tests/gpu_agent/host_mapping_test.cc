@@ -3,7 +3,7 @@
 // more than the region, and an InMemorySource reports its slabs through it. Whether advised
 // memory gets huge pages depends on the host (transparent_hugepage/enabled): the tests assert
 // what holds on any.
-#include "host_mapping.h"
+#include "specache/host_mapping.h"
 
 #include <sys/mman.h>
 
@@ -55,7 +55,7 @@ TEST(HostMappingTest, NoRegionsCountNothing) {
 TEST(HostMappingTest, TouchedMemoryIsResidentAndAdvisedAgainstHugePagesHasNone) {
   AlignedMapping m(8 * kHuge, MADV_NOHUGEPAGE);
   ASSERT_TRUE(m.ok());
-  const std::vector<HostRegion> regions{{m.base(), 8 * kHuge}};
+  const std::vector<MemoryRange> regions{{m.base(), 8 * kHuge}};
   const HostMapping mapped = MappedBytes(regions);
   EXPECT_EQ(mapped.resident, int64_t(8 * kHuge)) << "every page was written";
   EXPECT_EQ(mapped.huge, 0);
@@ -65,14 +65,14 @@ TEST(HostMappingTest, TouchedMemoryIsResidentAndAdvisedAgainstHugePagesHasNone) 
 TEST(HostMappingTest, AdvisedMemoryCountsWholeHugePagesWithinTheRegion) {
   AlignedMapping m(8 * kHuge, MADV_HUGEPAGE);
   ASSERT_TRUE(m.ok());
-  const std::vector<HostRegion> whole{{m.base(), 8 * kHuge}};
+  const std::vector<MemoryRange> whole{{m.base(), 8 * kHuge}};
   const HostMapping mapped = MappedBytes(whole);
   EXPECT_EQ(mapped.resident, int64_t(8 * kHuge));
   EXPECT_GE(mapped.huge, 0);
   EXPECT_LE(mapped.huge, mapped.resident);
   EXPECT_EQ(mapped.huge % int64_t(kHuge), 0) << "huge pages come whole";
   // Half of the region: never more than that half.
-  const std::vector<HostRegion> half{{m.base(), 4 * kHuge}};
+  const std::vector<MemoryRange> half{{m.base(), 4 * kHuge}};
   const HostMapping in_half = MappedBytes(half);
   EXPECT_LE(in_half.resident, int64_t(4 * kHuge));
   EXPECT_LE(in_half.huge, std::min<int64_t>(mapped.huge, int64_t(4 * kHuge)));

@@ -9,8 +9,8 @@
 #include <cstring>
 #include <thread>
 
-#include "host_mapping.h"
 #include "specache/chunk_mapping.h"
+#include "specache/host_mapping.h"
 #include "specache/cuda_gather.h"
 
 namespace specache::bench {
@@ -90,9 +90,9 @@ bool RegisteredHostPages::Create(int gib, HostPageBacking backing) {
     });
   }
   for (auto& w : workers) w.join();
-  std::vector<HostRegion> regions;
-  for (uint8_t* c : chunks_) regions.push_back({c, kChunkBytes});
-  huge_bytes_ = MappedBytes(regions).huge;
+  std::vector<MemoryRange> ranges;
+  for (uint8_t* c : chunks_) ranges.push_back({c, kChunkBytes});
+  huge_bytes_ = MappedBytes(ranges).huge;
   for (uint8_t* c : chunks_) {
     auto d = cuda::RegisterHostMemory(c, kChunkBytes);
     if (!d.ok()) {

@@ -55,15 +55,6 @@ struct HostRegion {
   size_t bytes = 0;
 };
 
-// How the kernel maps some host regions now (/proc/self/smaps): bytes in memory, and of them the
-// bytes mapped by huge pages; -1 each where that cannot be read.
-struct HostMapping {
-  int64_t resident = -1;
-  int64_t huge = -1;
-  // huge / resident, or -1 when unknown or nothing is resident.
-  double huge_share() const { return resident > 0 && huge >= 0 ? double(huge) / double(resident) : -1.0; }
-};
-
 class FullPrecisionSource {
  public:
   virtual ~FullPrecisionSource() = default;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "specache/full_precision_source.h"
+#include "specache/host_mapping.h"
 
 namespace specache {
 

@@ -1,14 +1,14 @@
-#include "host_mapping.h"
+#include "specache/host_mapping.h"
 
 #include <algorithm>
 #include <cstdio>
 
 namespace specache {
 
-HostMapping MappedBytes(std::span<const HostRegion> regions) {
+HostMapping MappedBytes(std::span<const MemoryRange> ranges) {
   std::FILE* f = std::fopen("/proc/self/smaps", "r");
   if (!f) return {};
-  // The mapping being read: its bytes inside the regions, its resident and huge-page bytes so far.
+  // The mapping being read: its bytes inside the ranges, its resident and huge-page bytes so far.
   uint64_t overlap = 0, rss = 0, huge = 0;
   HostMapping total{0, 0};
   auto finish_mapping = [&] {
@@ -29,7 +29,7 @@ HostMapping MappedBytes(std::span<const HostRegion> regions) {
     // A mapping's header line: "start-end perms offset dev inode [path]" (hex addresses).
     if (std::sscanf(line, "%llx%c%llx ", &start, &dash, &end) == 3 && dash == '-') {
       finish_mapping();
-      for (const HostRegion& r : regions) {
+      for (const MemoryRange& r : ranges) {
         const uint64_t lo = reinterpret_cast<uintptr_t>(r.base), hi = lo + r.bytes;
         if (lo < end && start < hi) overlap += std::min<uint64_t>(hi, end) - std::max<uint64_t>(lo, start);
       }
