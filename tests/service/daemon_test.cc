@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "kill_rounds.h"
+#include "free_port.h"
 #include "hand_attach.h"
 #include "processes.h"
 #include "specache/attach_protocol.h"
@@ -464,18 +465,6 @@ TEST(ClientCAbiTest, AWholeSessionThroughTheCFunctions) {
 namespace specache {
 namespace {
 
-int FreeTcpPort() {
-  int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  close(s);
-  return ntohs(a.sin_port);
-}
-
 std::string HttpGet(int port, const std::string& path) {
   int s = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
@@ -495,7 +484,7 @@ std::string HttpGet(int port, const std::string& path) {
 }
 
 TEST(DaemonTest, MetricsEndpointReportsThePoolAndSessions) {
-  const int port = FreeTcpPort();
+  const int port = testing::FreePort();
   DaemonProcess d;
   ASSERT_TRUE(d.Start("", {"--metrics-addr", "127.0.0.1:" + std::to_string(port), "--log-format", "json"}));
   auto c = Connect(d);

@@ -1,5 +1,5 @@
 // What the remote tests share: a specached with [remote] on loopback (TLS control plane, UCX data
-// plane): free ports, a set of test certificates made with openssl, tenants' secret files and the
+// plane): free ports (free_port.h), a set of test certificates made with openssl, tenants' secret files and the
 // daemon's configuration.
 #pragma once
 
@@ -8,28 +8,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 
+#include "free_port.h"
 #include "processes.h"
 
 namespace specache::testing {
-
-// A TCP port nobody listens on now (the kernel's pick, released).
-inline uint16_t FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 // Certificates for one test run: a CA, the daemon's certificate (127.0.0.1), a client
 // certificate from the same CA, and one from a CA the daemon does not know.
