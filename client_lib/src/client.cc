@@ -184,6 +184,7 @@ Result<DaemonStats> Client::Stats() {
   s.accept_errors = r.accept_errors();
   s.denied_requests = r.denied_requests();
   s.chunks_out_of_service = r.chunks_out_of_service();
+  s.pool_huge_bytes = r.pool_huge_bytes();
   s.spill_failures = r.spill_failures();
   s.spill_backoff_ms = r.spill_backoff_ms();
   s.spill_unreadable_records = r.spill_unreadable_records();

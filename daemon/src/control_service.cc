@@ -145,6 +145,7 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   resp->set_errors(errors_.load());
   resp->set_chunk_bytes(s.chunk_bytes);
   resp->set_memory_locked(s.memory_locked);
+  resp->set_pool_huge_bytes(s.pool_huge_bytes);
   resp->set_version(SPECACHE_VERSION);
   resp->set_parked_bytes(s.kept.parked_bytes);
   resp->set_spilled_bytes(s.kept.spilled_bytes);

@@ -142,6 +142,23 @@ Status ReservePool(State* d) {
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   spdlog::info("pool: {} chunks of {} MiB reserved in {:.0f} ms ({})", d->pool->chunk_count(),
                d->pool->chunk_bytes() >> 20, ms, d->pool->locked() ? "locked in RAM" : "NOT locked: raise LimitMEMLOCK");
+  if (d->config.huge_pages) {
+    // The fetch reads random rows across the pool: base pages make each a TLB miss. Shared memory
+    // gets huge pages only where the kernel's shmem_enabled allows (docs/operations.md).
+    const HostMapping mapped = d->pool->mapping();
+    std::string shmem = "unknown";
+    if (std::ifstream f("/sys/kernel/mm/transparent_hugepage/shmem_enabled"); f) std::getline(f, shmem);
+    if (const size_t open = shmem.find('['), close = shmem.find(']'); open != std::string::npos && close > open) {
+      shmem = shmem.substr(open + 1, close - open - 1);  // the setting in force, e.g. "never" of "... [never] ..."
+    }
+    if (mapped.huge < 0) {
+      spdlog::info("pool: huge pages asked for; how many were given is unknown (/proc/self/smaps unreadable)");
+    } else {
+      const bool off = mapped.huge == 0 && (shmem == "never" || shmem == "deny");
+      spdlog::info("pool: {} of {} MiB in huge pages (transparent_hugepage/shmem_enabled: {}{})", mapped.huge >> 20,
+                   mapped.resident >> 20, shmem, off ? "; 'advise' would give them: docs/operations.md" : "");
+    }
+  }
   return Status::Ok();
 }
 

@@ -56,7 +56,7 @@ nb::dict StatsDict(const client::DaemonStats& s) {
   SPECACHE_FIELD(pool_bytes); SPECACHE_FIELD(reserved_bytes); SPECACHE_FIELD(used_bytes);
   SPECACHE_FIELD(free_bytes); SPECACHE_FIELD(chunk_bytes); SPECACHE_FIELD(sessions); SPECACHE_FIELD(sequences);
   SPECACHE_FIELD(pages); SPECACHE_FIELD(requests); SPECACHE_FIELD(errors); SPECACHE_FIELD(uptime_ms);
-  SPECACHE_FIELD(memory_locked); SPECACHE_FIELD(version); SPECACHE_FIELD(parked_bytes);
+  SPECACHE_FIELD(memory_locked); SPECACHE_FIELD(pool_huge_bytes); SPECACHE_FIELD(version); SPECACHE_FIELD(parked_bytes);
   SPECACHE_FIELD(spilled_bytes); SPECACHE_FIELD(spill_disk_bytes); SPECACHE_FIELD(parked_sequences);
   SPECACHE_FIELD(spilled_sequences); SPECACHE_FIELD(spill_tier); SPECACHE_FIELD(spills); SPECACHE_FIELD(restores);
   SPECACHE_FIELD(spill_bytes_total); SPECACHE_FIELD(restore_bytes_total); SPECACHE_FIELD(spill_seconds);

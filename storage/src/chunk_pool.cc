@@ -320,6 +320,17 @@ uint8_t* ChunkPool::data(uint32_t chunk) const {
   return chunk < chunks_.size() ? chunks_[chunk].data : nullptr;
 }
 
+HostMapping ChunkPool::mapping() const {
+  std::vector<MemoryRange> ranges;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Chunk& c : chunks_) {
+      if (c.data != nullptr) ranges.push_back({c.data, options_.chunk_bytes});
+    }
+  }
+  return MappedBytes(ranges);
+}
+
 uint32_t ChunkPool::free_count() const {
   std::lock_guard<std::mutex> lock(mu_);
   uint32_t n = 0;

@@ -499,6 +499,12 @@ TEST(DaemonTest, MetricsEndpointReportsThePoolAndSessions) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_NE(page.find("specache_pool_bytes{state=\"total\"} 67108864"), std::string::npos) << page;
+  // The pool's bytes in huge pages: whatever the host's shmem THP gave, a gauge of its own.
+  EXPECT_NE(page.find("specache_pool_bytes{state=\"huge_pages\"} "), std::string::npos) << page;
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_GE(stats->pool_huge_bytes, 0);
+  EXPECT_LE(stats->pool_huge_bytes, int64_t{64} << 20);
   EXPECT_NE(page.find("specache_objects{kind=\"sessions\"} 1"), std::string::npos) << page;
   EXPECT_NE(page.find("specache_tenant_bytes{state=\"reserved\",tenant=\"default\"} 8388608"), std::string::npos) << page;
   // The kept sequences' gauges are there (no spill tier here: all zero).

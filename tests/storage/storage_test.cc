@@ -85,6 +85,27 @@ TEST(ChunkPoolTest, AChunkNotTakenOrNamedTwiceIsRefusedBeforeAnyReturn) {
   for (uint32_t id : *b) EXPECT_EQ(std::count(c->begin(), c->end(), id), 0) << "chunk " << id << " given twice";
 }
 
+// The pool reports how the kernel maps its chunks: pre-faulted, every byte is resident; of them,
+// the huge-page bytes (whole 2 MiB pages, none with huge_pages off and 1 MiB chunks too small for
+// one) never exceed it.
+TEST(ChunkPoolTest, ReportsItsChunksResidentAndTheirHugePages) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  const HostMapping m = (*pool)->mapping();
+  EXPECT_EQ(m.resident, int64_t{4} << 20) << "pre-faulted chunks are resident";
+  EXPECT_EQ(m.huge, 0) << "1 MiB chunks hold no 2 MiB page";
+  ChunkPoolOptions big = SmallPool();
+  big.pool_bytes = 16 << 20;
+  big.chunk_bytes = 4 << 20;
+  auto huge = ChunkPool::Create(big);
+  ASSERT_TRUE(huge.ok()) << huge.status().ToString();
+  const HostMapping h = (*huge)->mapping();
+  EXPECT_EQ(h.resident, int64_t{16} << 20);
+  EXPECT_GE(h.huge, 0);
+  EXPECT_LE(h.huge, h.resident);
+  EXPECT_EQ(h.huge % (int64_t{2} << 20), 0) << "huge pages come whole";
+}
+
 // One owner cannot free another's chunks: a Return naming any chunk of another owner changes
 // nothing, and the owner's own Return still works.
 TEST(ChunkPoolTest, AnotherOwnersChunksAreRefusedBeforeAnyReturn) {

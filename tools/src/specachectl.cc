@@ -36,6 +36,7 @@ nlohmann::json StatsJson(const DaemonStats& s) {
           {"free_bytes", s.free_bytes},  {"chunk_bytes", s.chunk_bytes},       {"sessions", s.sessions},
           {"sequences", s.sequences},    {"pages", s.pages},                   {"requests", s.requests},
           {"errors", s.errors},          {"uptime_ms", s.uptime_ms},           {"memory_locked", s.memory_locked},
+          {"pool_huge_bytes", s.pool_huge_bytes},
           {"tenants", tenants},
           {"parked_bytes", s.parked_bytes}, {"spilled_bytes", s.spilled_bytes},
           {"spill_disk_bytes", s.spill_disk_bytes}, {"parked_sequences", s.parked_sequences},
@@ -55,9 +56,11 @@ nlohmann::json StatsJson(const DaemonStats& s) {
 
 void PrintStats(const DaemonStats& s) {
   std::printf("daemon    specached %s\n", s.version.empty() ? "(version not reported)" : s.version.c_str());
-  std::printf("pool      %s total, %s reserved by sessions, %s used by pages, %s free (chunks of %s, %s)\n",
+  const std::string huge = s.pool_huge_bytes < 0 ? "huge pages unknown" : Mib(uint64_t(s.pool_huge_bytes)) + " in huge pages";
+  std::printf("pool      %s total, %s reserved by sessions, %s used by pages, %s free (chunks of %s, %s, %s)\n",
               Mib(s.pool_bytes).c_str(), Mib(s.reserved_bytes).c_str(), Mib(s.used_bytes).c_str(),
-              Mib(s.free_bytes).c_str(), Mib(s.chunk_bytes).c_str(), s.memory_locked ? "locked" : "NOT locked");
+              Mib(s.free_bytes).c_str(), Mib(s.chunk_bytes).c_str(), s.memory_locked ? "locked" : "NOT locked",
+              huge.c_str());
   std::printf("objects   %u sessions, %u sequences, %llu pages\n", s.sessions, s.sequences,
               static_cast<unsigned long long>(s.pages));
   std::printf("requests  %llu (%llu errors, %llu refused by the access rules), up %.1f s\n",

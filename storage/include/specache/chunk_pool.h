@@ -26,6 +26,7 @@
 #include <span>
 #include <vector>
 
+#include "specache/host_mapping.h"
 #include "specache/status.h"
 
 namespace specache {
@@ -76,6 +77,10 @@ class ChunkPool {
   uint32_t chunk_count() const { return static_cast<uint32_t>(chunks_.size()); }
   uint32_t free_count() const;
   bool locked() const { return locked_; }
+  // How the kernel maps the chunks in service now (the daemon's own mappings): resident bytes and,
+  // of them, those in huge pages (what huge_pages was granted; see ChunkPoolOptions). Reads the
+  // process's /proc/self/smaps (milliseconds): for reports.
+  HostMapping mapping() const;
   uint64_t replaced_chunks() const;  // memfds replaced on return (owner still alive)
 
  private:
