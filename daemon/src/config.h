@@ -108,6 +108,10 @@ struct RemoteConfig {
   std::string data_addr;
   std::string tls_cert, tls_key, client_ca;
   bool rma = false;
+  // A control connection with no call in progress for this long is closed (its client reconnects
+  // at its next call): anyone who reaches the port can hold connections open before any secret
+  // is checked, and gRPC 1.51 cannot cap their number; this bounds how long each lives.
+  uint32_t idle_close_ms = 60000;
   bool enabled() const { return !control_addr.empty(); }
 };
 

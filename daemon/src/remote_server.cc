@@ -79,6 +79,9 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   // closed after kHandshakeMs (gRPC's default, 120 s, let half-open ones pile up towards the
   // process's descriptor limit, which the local sockets share).
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeMs);
+  // Once handshaken, a connection with no call in progress is closed after idle_close_ms (a call
+  // without the tenant's secret ends at once, so holding a connection takes calls with it).
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, static_cast<int>(rc.idle_close_ms));
   r->server_ = builder.BuildAndStart();
   if (!r->server_ || port == 0) return Status::Unavailable("cannot listen on remote.control_addr " + rc.control_addr);
   r->control_port_ = static_cast<uint16_t>(port);

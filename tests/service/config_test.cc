@@ -171,6 +171,16 @@ TEST(DaemonConfigTest, RemoteNeedsTlsAndTenantSecretsOnlyTheOwnerCanRead) {
   auto no_data = ParseConfig("[remote]\ncontrol_addr = \"0.0.0.0:7700\"\ntls_cert = \"/c\"\ntls_key = \"/k\"\n");
   EXPECT_NE(no_data.status().message().find("data_addr"), std::string::npos) << no_data.status().ToString();
   EXPECT_NE(ParseConfig("[remote]\nport = 1\n").status().message().find("unknown key 'remote.port'"), std::string::npos);
+  // Idle control connections: closed after a minute unless set, never sooner than 100 ms.
+  EXPECT_EQ(c->remote.idle_close_ms, 60000u);
+  auto idle = ParseConfig("[remote]\nidle_close_ms = 5000\n");
+  ASSERT_TRUE(idle.ok()) << idle.status().ToString();
+  EXPECT_EQ(idle->remote.idle_close_ms, 5000u);
+  for (const char* bad : {"0", "99", "-1", "\"60s\"", "86400001"}) {
+    auto refused = ParseConfig(std::string("[remote]\nidle_close_ms = ") + bad + "\n");
+    EXPECT_NE(refused.status().message().find("remote.idle_close_ms must be"), std::string::npos)
+        << bad << ": " << refused.status().ToString();
+  }
 
   chmod(secret.c_str(), 0640);
   auto readable = ParseConfig(tenant);

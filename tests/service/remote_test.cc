@@ -640,6 +640,40 @@ TEST_F(RemoteTest, AControlConnectionThatNeverHandshakesIsClosed) {
   ::close(fd);
 }
 
+// A handshaken control connection with no call in progress is closed after [remote]
+// idle_close_ms: a caller without the secret cannot hold it open, and a client that paused
+// reconnects at its next call.
+TEST_F(RemoteTest, AnIdleControlConnectionIsClosedAndItsClientReconnects) {
+  extra_toml_ = "idle_close_ms = 300\n";  // [remote] is the configuration's last table: the key goes there
+  StartDaemon(false, false);
+  std::ifstream ca_file(pki_->path("ca.pem"));
+  const std::string ca((std::istreambuf_iterator<char>(ca_file)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(ca.empty());
+  grpc::SslCredentialsOptions tls;
+  tls.pem_root_certs = ca;
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::SslCredentials(tls));
+  auto stub = v1::Control::NewStub(channel);
+  {  // one call without the tenant's secret: answered (refused), the connection stays up
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    v1::StatsResponse resp;
+    const grpc::Status st = stub->Stats(&ctx, v1::StatsRequest(), &resp);
+    EXPECT_NE(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  }
+  ASSERT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(channel->WaitForStateChange(GRPC_CHANNEL_READY, std::chrono::system_clock::now() + std::chrono::seconds(10)))
+      << "the idle connection was still open after 10 s";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // A client that paused longer than that works on.
+  auto c = Connect(Credentials("a"));
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_TRUE((*c)->Stats().ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(900));
+  auto again = (*c)->Stats();
+  EXPECT_TRUE(again.ok()) << again.status().ToString();
+}
+
 TEST_F(RemoteTest, PlaintextToTheTlsPortFailsCleanly) {
   StartDaemon(false, false);
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::InsecureChannelCredentials());
