@@ -145,7 +145,7 @@ Status ReservePool(State* d) {
   if (d->config.huge_pages) {
     // The fetch reads random rows across the pool: base pages make each a TLB miss. Shared memory
     // gets huge pages only where the kernel's shmem_enabled allows (docs/operations.md).
-    const HostMapping mapped = d->pool->mapping();
+    const HostMapping& mapped = d->pool->mapped_at_start();
     std::string shmem = "unknown";
     if (std::ifstream f("/sys/kernel/mm/transparent_hugepage/shmem_enabled"); f) std::getline(f, shmem);
     if (const size_t open = shmem.find('['), close = shmem.find(']'); open != std::string::npos && close > open) {

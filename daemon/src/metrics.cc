@@ -26,7 +26,7 @@ Result<std::unique_ptr<Metrics>> Metrics::Start(const std::string& address) {
   } catch (const std::exception& e) {
     return Status::Unavailable("metrics endpoint " + address + ": " + e.what());
   }
-  m->impl_->bytes = &prometheus::BuildGauge().Name("specache_pool_bytes").Help("Pool memory by state (huge_pages: mapped by huge pages now)").Register(*m->impl_->registry);
+  m->impl_->bytes = &prometheus::BuildGauge().Name("specache_pool_bytes").Help("Pool memory by state (huge_pages: mapped by huge pages at startup)").Register(*m->impl_->registry);
   m->impl_->counts = &prometheus::BuildGauge().Name("specache_objects").Help("Sessions, sequences, pages, requests, errors, refusals, attach connections, accept errors").Register(*m->impl_->registry);
   m->impl_->tenant_bytes = &prometheus::BuildGauge().Name("specache_tenant_bytes").Help("Memory per tenant").Register(*m->impl_->registry);
   m->impl_->kept_bytes = &prometheus::BuildGauge().Name("specache_kept_bytes").Help("Kept sequences: parked in RAM, spilled to disk only, in the spill store").Register(*m->impl_->registry);

@@ -571,11 +571,11 @@ RegistryStats Registry::Stats() const {
   // The kept sequences' figures first, without the registry's lock: KeptSequences takes its own
   // lock, which a spill or restore holds for the length of its disk I/O.
   KeptStats kept = kept_->stats();
-  // The pool's mapping too (it reads /proc/self/smaps, under the pool's own lock only).
-  const HostMapping mapped = pool_->mapping();
   std::lock_guard<std::mutex> lock(mu_);
   RegistryStats st;
-  st.pool_huge_bytes = mapped.huge;
+  // As measured at startup: a fresh measurement walks every page of the pool (ChunkPool::mapping),
+  // too slow for the metrics' refresh and for any caller of Stats.
+  st.pool_huge_bytes = pool_->mapped_at_start().huge;
   st.chunk_bytes = pool_->chunk_bytes();
   st.pool_bytes = uint64_t{pool_->chunk_count()} * st.chunk_bytes;
   st.free_bytes = uint64_t{pool_->free_count()} * st.chunk_bytes;

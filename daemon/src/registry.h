@@ -88,7 +88,7 @@ struct RegistryStats {
   uint64_t sessions_reclaimed = 0, chunks_replaced = 0;
   uint32_t chunks_out_of_service = 0;  // replacement failed; retried by Reap
   bool memory_locked = false;
-  int64_t pool_huge_bytes = -1;  // of the pool, in huge pages now (ChunkPool::mapping); -1: unknown
+  int64_t pool_huge_bytes = -1;  // of the pool, in huge pages at startup (ChunkPool::mapped_at_start); -1: unknown
   std::vector<TenantSummary> tenants;
   KeptStats kept;
 };

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
+#include <string>
 
 namespace specache {
 
 HostMapping MappedBytes(std::span<const MemoryRange> ranges) {
-  std::FILE* f = std::fopen("/proc/self/smaps", "r");
+  std::ifstream f("/proc/self/smaps");
   if (!f) return {};
   // The mapping being read: its bytes inside the ranges, its resident and huge-page bytes so far.
   uint64_t overlap = 0, rss = 0, huge = 0;
@@ -22,8 +24,10 @@ HostMapping MappedBytes(std::span<const MemoryRange> ranges) {
     *sum += static_cast<uint64_t>(std::max(kib, 0LL)) * 1024;
     return true;
   };
-  char line[512];
-  while (std::fgets(line, sizeof(line), f)) {
+  // Whole lines (a mapping's path may be long: a piece of one must not pass for a header).
+  std::string text;
+  while (std::getline(f, text)) {
+    const char* line = text.c_str();
     unsigned long long start = 0, end = 0;
     char dash = 0;
     // A mapping's header line: "start-end perms offset dev inode [path]" (hex addresses).
@@ -40,7 +44,6 @@ HostMapping MappedBytes(std::span<const MemoryRange> ranges) {
            kib_field(line, "ShmemPmdMapped: %lld kB", &huge) || kib_field(line, "FilePmdMapped: %lld kB", &huge));
   }
   finish_mapping();
-  std::fclose(f);
   return total;
 }
 

@@ -55,6 +55,7 @@ Result<std::unique_ptr<ChunkPool>> ChunkPool::Create(const ChunkPoolOptions& o) 
   pool->chunks_.resize(n);
   // Chunks are created one after another, each pre-faulted by all threads.
   for (Chunk& c : pool->chunks_) SPECACHE_RETURN_IF_ERROR(pool->MakeChunk(&c, true));
+  pool->mapped_at_start_ = pool->mapping();
   return pool;
 }
 

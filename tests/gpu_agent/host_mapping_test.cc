@@ -85,7 +85,6 @@ TEST(HostMappingTest, AnInMemorySourceReportsItsSlabs) {
   int64_t slabs = 0;
   for (const HostRegion& r : source.host_regions()) slabs += static_cast<int64_t>(r.bytes);
   ASSERT_GT(slabs, 0);
-  EXPECT_EQ(source.mapping().resident, 0) << "reserved pages are not touched yet";
   // Every page written: the slabs are resident.
   std::vector<Half> rows(size_t(4096) * 2 * 64, FloatToHalf(1.0f));
   for (SequenceId s = 1; s <= 4; ++s) {

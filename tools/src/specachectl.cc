@@ -56,7 +56,7 @@ nlohmann::json StatsJson(const DaemonStats& s) {
 
 void PrintStats(const DaemonStats& s) {
   std::printf("daemon    specached %s\n", s.version.empty() ? "(version not reported)" : s.version.c_str());
-  const std::string huge = s.pool_huge_bytes < 0 ? "huge pages unknown" : Mib(uint64_t(s.pool_huge_bytes)) + " in huge pages";
+  const std::string huge = s.pool_huge_bytes < 0 ? "huge pages unknown" : Mib(uint64_t(s.pool_huge_bytes)) + " in huge pages at start";
   std::printf("pool      %s total, %s reserved by sessions, %s used by pages, %s free (chunks of %s, %s, %s)\n",
               Mib(s.pool_bytes).c_str(), Mib(s.reserved_bytes).c_str(), Mib(s.used_bytes).c_str(),
               Mib(s.free_bytes).c_str(), Mib(s.chunk_bytes).c_str(), s.memory_locked ? "locked" : "NOT locked",

@@ -73,8 +73,8 @@ struct DaemonStats {
   uint32_t sessions = 0, sequences = 0;
   uint64_t pages = 0, requests = 0, errors = 0, uptime_ms = 0;
   bool memory_locked = false;
-  // The pool's bytes the kernel maps with huge pages now; -1: the daemon could not tell (0 from a
-  // daemon older than this field).
+  // The pool's bytes the kernel mapped with huge pages at the daemon's startup; -1: the daemon could
+  // not tell (0 from a daemon older than this field).
   int64_t pool_huge_bytes = -1;
   std::string version;  // the daemon's ("0.1.0"); empty from a daemon older than this field
   std::vector<TenantUsage> tenants;

@@ -50,8 +50,8 @@ class InMemorySource final : public FullPrecisionSource {
   int32_t page_tokens() const override { return page_tokens_; }
   std::vector<HostRegion> host_regions() const override;
   // How the kernel maps the slabs now: their resident bytes and, of them, those in huge pages
-  // (what the huge_pages advice was granted), from /proc/self/smaps. It reads the process's whole
-  // smaps: for reports, not for a data path.
+  // (what the huge_pages advice was granted), from /proc/self/smaps: the kernel walks every page
+  // of the process (~10 ms per GiB of base pages), so for a report, not for a loop.
   HostMapping mapping() const;
   Status HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) override;
   Status CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) override;

@@ -25,8 +25,9 @@ struct HostMapping {
 
 // The resident bytes (Rss) and huge-page bytes (AnonHugePages, ShmemPmdMapped, FilePmdMapped) in
 // /proc/self/smaps of the mappings that overlap `ranges`, each mapping's counted up to its overlap
-// with them; both -1 when /proc/self/smaps cannot be read. Reads the whole smaps file
-// (milliseconds in a large process): for reports, not for a data path.
+// with them; both -1 when /proc/self/smaps cannot be read. Reading smaps makes the kernel walk
+// every page of the process's mappings (~10 ms per GiB of base pages): for a report now and then,
+// not for a loop or a data path.
 HostMapping MappedBytes(std::span<const MemoryRange> ranges);
 
 }  // namespace specache

@@ -79,8 +79,10 @@ class ChunkPool {
   bool locked() const { return locked_; }
   // How the kernel maps the chunks in service now (the daemon's own mappings): resident bytes and,
   // of them, those in huge pages (what huge_pages was granted; see ChunkPoolOptions). Reads the
-  // process's /proc/self/smaps (milliseconds): for reports.
+  // process's /proc/self/smaps, which makes the kernel walk every page of the pool (~10 ms per
+  // GiB of base pages): not for a loop. mapped_at_start() is the same, measured once by Create.
   HostMapping mapping() const;
+  const HostMapping& mapped_at_start() const { return mapped_at_start_; }
   uint64_t replaced_chunks() const;  // memfds replaced on return (owner still alive)
 
  private:
@@ -118,6 +120,7 @@ class ChunkPool {
   std::vector<Chunk> chunks_;
   mutable std::mutex mu_;
   bool locked_ = true;
+  HostMapping mapped_at_start_;  // Create's, after the pre-fault
   uint64_t replaced_ = 0;
   std::vector<Retained> retained_;
   bool leases_work_ = true;
