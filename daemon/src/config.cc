@@ -135,12 +135,12 @@ Status ParseRemote(const toml::node& node, RemoteConfig* r) {
       r->rma = *v;
       continue;
     }
-    if (field.str() == "idle_close_ms") {
+    if (field.str() == "idle_close_ms" || field.str() == "max_connection_ms") {
       auto v = value.value<int64_t>();
       if (!v || *v < 100 || *v > 86400000) {
         return Status::InvalidArgument("config: " + key + " must be a whole number of ms in [100, 86400000]");
       }
-      r->idle_close_ms = static_cast<uint32_t>(*v);
+      (field.str() == "idle_close_ms" ? r->idle_close_ms : r->max_connection_ms) = static_cast<uint32_t>(*v);
       continue;
     }
     std::string* out = field.str() == "control_addr" ? &r->control_addr

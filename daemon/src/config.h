@@ -108,10 +108,14 @@ struct RemoteConfig {
   std::string data_addr;
   std::string tls_cert, tls_key, client_ca;
   bool rma = false;
-  // A control connection with no call in progress for this long is closed (its client reconnects
-  // at its next call): anyone who reaches the port can hold connections open before any secret
-  // is checked, and gRPC 1.51 cannot cap their number; this bounds how long each lives.
+  // Anyone who reaches the control port can hold connections open before any secret is checked,
+  // and gRPC 1.51 cannot cap their number. A connection with no call in progress for
+  // idle_close_ms is closed, and every connection once it is max_connection_ms old (told to go
+  // away then, cut 5 s later if calls still hold it): its client reconnects at its
+  // next call. Refused calls in a loop, or a call that never sends its request, keep a connection
+  // from being idle, not from growing old.
   uint32_t idle_close_ms = 60000;
+  uint32_t max_connection_ms = 600000;
   bool enabled() const { return !control_addr.empty(); }
 };
 

@@ -14,6 +14,8 @@ namespace {
 
 // How long a control connection may take to finish its TLS handshake.
 constexpr int kHandshakeMs = 10000;
+// A connection told to go away (max_connection_ms) is cut this long after, if calls still hold it.
+constexpr int kConnectionGraceMs = 5000;
 
 // A PEM file; the private key's must be private (ReadPrivateFile), the certificates may be public.
 Result<std::string> ReadPem(const std::string& path, const char* what, bool secret = false) {
@@ -79,9 +81,11 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   // closed after kHandshakeMs (gRPC's default, 120 s, let half-open ones pile up towards the
   // process's descriptor limit, which the local sockets share).
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeMs);
-  // Once handshaken, a connection with no call in progress is closed after idle_close_ms (a call
-  // without the tenant's secret ends at once, so holding a connection takes calls with it).
+  // Once handshaken: closed after idle_close_ms without a call in progress, and at
+  // max_connection_ms of age whatever it does (RemoteConfig).
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, static_cast<int>(rc.idle_close_ms));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(rc.max_connection_ms));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, kConnectionGraceMs);
   r->server_ = builder.BuildAndStart();
   if (!r->server_ || port == 0) return Status::Unavailable("cannot listen on remote.control_addr " + rc.control_addr);
   r->control_port_ = static_cast<uint16_t>(port);

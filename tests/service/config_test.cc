@@ -171,8 +171,15 @@ TEST(DaemonConfigTest, RemoteNeedsTlsAndTenantSecretsOnlyTheOwnerCanRead) {
   auto no_data = ParseConfig("[remote]\ncontrol_addr = \"0.0.0.0:7700\"\ntls_cert = \"/c\"\ntls_key = \"/k\"\n");
   EXPECT_NE(no_data.status().message().find("data_addr"), std::string::npos) << no_data.status().ToString();
   EXPECT_NE(ParseConfig("[remote]\nport = 1\n").status().message().find("unknown key 'remote.port'"), std::string::npos);
-  // Idle control connections: closed after a minute unless set, never sooner than 100 ms.
+  // Control connections: closed idle after a minute and at ten minutes of age unless set, never
+  // sooner than 100 ms.
   EXPECT_EQ(c->remote.idle_close_ms, 60000u);
+  EXPECT_EQ(c->remote.max_connection_ms, 600000u);
+  auto old = ParseConfig("[remote]\nmax_connection_ms = 120000\n");
+  ASSERT_TRUE(old.ok()) << old.status().ToString();
+  EXPECT_EQ(old->remote.max_connection_ms, 120000u);
+  EXPECT_NE(ParseConfig("[remote]\nmax_connection_ms = 50\n").status().message().find("remote.max_connection_ms must be"),
+            std::string::npos);
   auto idle = ParseConfig("[remote]\nidle_close_ms = 5000\n");
   ASSERT_TRUE(idle.ok()) << idle.status().ToString();
   EXPECT_EQ(idle->remote.idle_close_ms, 5000u);

@@ -644,7 +644,7 @@ TEST_F(RemoteTest, AControlConnectionThatNeverHandshakesIsClosed) {
 // idle_close_ms: a caller without the secret cannot hold it open, and a client that paused
 // reconnects at its next call.
 TEST_F(RemoteTest, AnIdleControlConnectionIsClosedAndItsClientReconnects) {
-  extra_toml_ = "idle_close_ms = 300\n";  // [remote] is the configuration's last table: the key goes there
+  extra_toml_ = "idle_close_ms = 1000\n";  // [remote] is the configuration's last table: the key goes there
   StartDaemon(false, false);
   std::ifstream ca_file(pki_->path("ca.pem"));
   const std::string ca((std::istreambuf_iterator<char>(ca_file)), std::istreambuf_iterator<char>());
@@ -664,14 +664,42 @@ TEST_F(RemoteTest, AnIdleControlConnectionIsClosedAndItsClientReconnects) {
   const auto start = std::chrono::steady_clock::now();
   EXPECT_TRUE(channel->WaitForStateChange(GRPC_CHANNEL_READY, std::chrono::system_clock::now() + std::chrono::seconds(10)))
       << "the idle connection was still open after 10 s";
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(6));
   // A client that paused longer than that works on.
   auto c = Connect(Credentials("a"));
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   ASSERT_TRUE((*c)->Stats().ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(900));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   auto again = (*c)->Stats();
   EXPECT_TRUE(again.ok()) << again.status().ToString();
+}
+
+// A connection kept busy with refused calls is never idle, but it grows old: at
+// max_connection_ms the daemon tells it to go away (the channel leaves READY between two calls),
+// and the next call reconnects.
+TEST_F(RemoteTest, ABusyControlConnectionIsClosedWhenItGrowsOld) {
+  extra_toml_ = "idle_close_ms = 60000\nmax_connection_ms = 500\n";  // into [remote], the last table
+  StartDaemon(false, false);
+  std::ifstream ca_file(pki_->path("ca.pem"));
+  const std::string ca((std::istreambuf_iterator<char>(ca_file)), std::istreambuf_iterator<char>());
+  grpc::SslCredentialsOptions tls;
+  tls.pem_root_certs = ca;
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::SslCredentials(tls));
+  auto stub = v1::Control::NewStub(channel);
+  bool left_ready = false;
+  int calls = 0;
+  const auto start = std::chrono::steady_clock::now();
+  while (!left_ready && std::chrono::steady_clock::now() - start < std::chrono::seconds(8)) {
+    if (calls > 0 && channel->GetState(false) != GRPC_CHANNEL_READY) left_ready = true;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    v1::StatsResponse resp;
+    const grpc::Status st = stub->Stats(&ctx, v1::StatsRequest(), &resp);  // no secret: refused
+    EXPECT_NE(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+    ++calls;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(left_ready) << "a connection kept busy for 8 s (" << calls << " calls) was never told to go away";
 }
 
 TEST_F(RemoteTest, PlaintextToTheTlsPortFailsCleanly) {
