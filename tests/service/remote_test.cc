@@ -377,15 +377,21 @@ struct RawSession {
   }
 };
 
-RawSession OpenRawSession(const Pki& pki, uint16_t control_port, const std::string& tenant = "a",
-                          const std::string& secret = "tenant-a-secret-0123456789") {
+// A gRPC channel to the daemon's TLS control port that trusts the test CA (no tenant secret: the
+// caller adds it per call, or leaves it out).
+std::shared_ptr<grpc::Channel> TlsControlChannel(const Pki& pki, uint16_t control_port) {
   grpc::SslCredentialsOptions tls;
   std::ifstream ca(pki.path("ca.pem"));
   tls.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), std::istreambuf_iterator<char>());
+  return grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port), grpc::SslCredentials(tls));
+}
+
+RawSession OpenRawSession(const Pki& pki, uint16_t control_port, const std::string& tenant = "a",
+                          const std::string& secret = "tenant-a-secret-0123456789") {
   RawSession r;
   r.tenant = tenant;
   r.secret = secret;
-  r.stub = v1::Control::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port), grpc::SslCredentials(tls)));
+  r.stub = v1::Control::NewStub(TlsControlChannel(pki, control_port));
   grpc::ClientContext ctx;
   r.Authenticate(&ctx);
   v1::OpenSessionRequest req;
@@ -646,12 +652,7 @@ TEST_F(RemoteTest, AControlConnectionThatNeverHandshakesIsClosed) {
 TEST_F(RemoteTest, AnIdleControlConnectionIsClosedAndItsClientReconnects) {
   extra_toml_ = "idle_close_ms = 1000\n";  // [remote] is the configuration's last table: the key goes there
   StartDaemon(false, false);
-  std::ifstream ca_file(pki_->path("ca.pem"));
-  const std::string ca((std::istreambuf_iterator<char>(ca_file)), std::istreambuf_iterator<char>());
-  ASSERT_FALSE(ca.empty());
-  grpc::SslCredentialsOptions tls;
-  tls.pem_root_certs = ca;
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::SslCredentials(tls));
+  auto channel = TlsControlChannel(*pki_, control_port_);
   auto stub = v1::Control::NewStub(channel);
   {  // one call without the tenant's secret: answered (refused), the connection stays up
     grpc::ClientContext ctx;
@@ -680,11 +681,7 @@ TEST_F(RemoteTest, AnIdleControlConnectionIsClosedAndItsClientReconnects) {
 TEST_F(RemoteTest, ABusyControlConnectionIsClosedWhenItGrowsOld) {
   extra_toml_ = "idle_close_ms = 60000\nmax_connection_ms = 500\n";  // into [remote], the last table
   StartDaemon(false, false);
-  std::ifstream ca_file(pki_->path("ca.pem"));
-  const std::string ca((std::istreambuf_iterator<char>(ca_file)), std::istreambuf_iterator<char>());
-  grpc::SslCredentialsOptions tls;
-  tls.pem_root_certs = ca;
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(control_port_), grpc::SslCredentials(tls));
+  auto channel = TlsControlChannel(*pki_, control_port_);
   auto stub = v1::Control::NewStub(channel);
   bool left_ready = false;
   int calls = 0;
