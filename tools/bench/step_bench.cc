@@ -129,7 +129,8 @@ struct AgentRun {
   // The copy-engine fetch's worker per timed step (AgentStats' fetch_host_*), ms.
   double list_wait_ms = 0, buffer_wait_ms = 0, gather_ms = 0, caller_wait_ms = 0;
   // The share of the source's resident slabs in huge pages after the timed steps
-  // (InMemorySource::mapping; -1: unknown): runs whose pages got fewer may gather slower.
+  // (InMemorySource::mapping; -1: unknown or not measured, runs without the fetch): runs whose
+  // pages got fewer may gather slower.
   double host_huge_share = -1;
 };
 
@@ -251,7 +252,9 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
   run.buffer_wait_ms = per_step_ms(after.fetch_host_buffer_wait_ns, before.fetch_host_buffer_wait_ns);
   run.gather_ms = per_step_ms(after.fetch_host_gather_ns, before.fetch_host_gather_ns);
   run.caller_wait_ms = per_step_ms(after.fetch_caller_wait_ns, before.fetch_caller_wait_ns);
-  run.host_huge_share = source.mapping().huge_share();
+  // Printed for the runs with the fetch only; the walk of the pages (~10 ms per GiB of base pages)
+  // is skipped for the others.
+  if (options.fetch) run.host_huge_share = source.mapping().huge_share();
   return run;
 }
 
