@@ -1,5 +1,6 @@
 #include "page_row_gather.h"
 
+#include <algorithm>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -20,16 +21,18 @@ namespace {
 // 32 x 8K, two rounds alternated with memcpy): the step with the fetch 8.51-8.53 -> 8.27-8.30 ms
 // and 11.6-12.2 -> 11.1 ms. Gathering alone into a buffer that stays in the caches
 // (`specache-bench host-gather`) they are slower (34.1 -> 28.9 GB/s): the step is what counts.
-// The caller fences (StoreFence) before anyone else reads the output.
-inline void CopyRowStreaming(uint8_t* dst, const uint8_t* src, size_t bytes) {
+// The caller fences (StoreFence) before anyone else reads the output. streaming false: memcpy.
+inline void CopyRow(uint8_t* dst, const uint8_t* src, size_t bytes, bool streaming) {
 #ifdef SPECACHE_STREAMING_STORES
-  if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+  if (streaming && bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
     for (size_t at = 0; at < bytes; at += 16) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at));
       _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at), v);
     }
     return;
   }
+#else
+  (void)streaming;
 #endif
   std::memcpy(dst, src, bytes);
 }
@@ -43,7 +46,7 @@ inline void StoreFence() {
 }  // namespace
 
 int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_tokens, int64_t row_bytes, int32_t skip,
-                       uint8_t* rows, int threads) {
+                       uint8_t* rows, const GatherOptions& options) {
   // Ranks first, on this thread (a pass over the slots: ~50K at 98 sequences x 8 heads x 64); a
   // slot has a row to copy exactly when its rank is >= 0.
   int64_t n_rows = 0;
@@ -54,9 +57,10 @@ int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_token
     }
   }
   // Each row is a random DRAM access (and, at 4 KB pages, a TLB miss): its cache lines are
-  // prefetched kAhead rows before the copy, so that a thread has several rows in flight (H200 host,
-  // 32 x 8K rows of 512 bytes: 25 -> 39 GB/s at 12 threads).
-  constexpr int kAhead = 4;
+  // prefetched options.prefetch_rows rows before the copy, so that a thread has several rows in
+  // flight (H200 host, 32 x 8K rows of 512 bytes, 4 rows ahead: 25 -> 39 GB/s at 12 threads; H100
+  // host, 176 x 8K, 2 to 16 rows ahead within 0.86-1.08x of 4).
+  const int32_t ahead_rows = std::max(options.prefetch_rows, 0);
   auto row_address = [&](const PageGatherTask& t, int32_t token) {
     const int32_t page = token / page_tokens;
     return t.pages[page] + PageRowOffset(t.kv_head, token - page * page_tokens, page_tokens, row_bytes);
@@ -64,7 +68,7 @@ int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_token
   auto prefetch = [&](const uint8_t* p) {
     for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(p + line, 0, 0);
   };
-  ParallelFor(static_cast<int>(tasks.size()), threads, [&](int i, int) {
+  ParallelFor(static_cast<int>(tasks.size()), options.threads, [&](int i, int) {
     const PageGatherTask& t = tasks[static_cast<size_t>(i)];
     int32_t ahead = 0;  // the next slot to prefetch
     auto prefetch_until = [&](int32_t end) {
@@ -73,9 +77,10 @@ int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_token
       }
     };
     for (int32_t j = 0; j < t.n; ++j) {
-      prefetch_until(j + kAhead + 1);
+      prefetch_until(j + ahead_rows + 1);
       if (t.rank[j] < 0) continue;
-      CopyRowStreaming(rows + int64_t{t.rank[j]} * row_bytes, row_address(t, t.wanted[j]), static_cast<size_t>(row_bytes));
+      CopyRow(rows + int64_t{t.rank[j]} * row_bytes, row_address(t, t.wanted[j]), static_cast<size_t>(row_bytes),
+              options.streaming_stores);
     }
     StoreFence();  // before the copy engine (or the caller) reads the rows
   });

@@ -18,15 +18,27 @@ struct PageGatherTask {
   int32_t* rank = nullptr;                // [n] out: the slot's row's index in `rows`, -1, or the code
 };
 
+// How GatherPageRows copies.
+struct GatherOptions {
+  int threads = 1;  // ParallelFor's threads
+  // Rows a thread asks for ahead of its copy (their cache lines prefetched): several rows in
+  // flight per thread. `specache-bench host-gather --gather-ahead` compares depths.
+  int prefetch_rows = 4;
+  // false: plain stores, which leave the output in the CPU's caches, where the copy engine's
+  // reads find it while the last-level cache holds it. true (x86-64, where `rows` and row_bytes
+  // allow 16-byte vectors): non-temporal stores, which write the output to DRAM past the caches
+  // (no read for ownership, nothing dirty left for the DMA to snoop). CudaAgentOptions::
+  // fetch_streaming_stores says which paid where.
+  bool streaming_stores = false;
+};
+
 // Numbers the wanted rows in task order, then slot order (rank), and copies each into
-// rows[rank] ([..][row_bytes]), the copies spread over `threads` threads (ParallelFor), with
-// streaming stores on x86-64 when `rows` and row_bytes allow 16-byte vectors (the rows go to the
-// copy engine next, not to this CPU), fenced before it returns. Tokens
-// equal to `skip` get rank -1 and no row; a negative entry is the caller's code for a row it has
-// elsewhere (the device's row cache: ListMissedRows, cuda_fetch.h) and is its slot's rank as it
-// is, with no row. The caller checked that every wanted token lies in a page of its task. Returns
-// the number of rows.
+// rows[rank] ([..][row_bytes]), the copies spread over options.threads threads (ParallelFor),
+// fenced before it returns. Tokens equal to `skip` get rank -1 and no row; a negative entry is
+// the caller's code for a row it has elsewhere (the device's row cache: ListMissedRows,
+// cuda_fetch.h) and is its slot's rank as it is, with no row. The caller checked that every
+// wanted token lies in a page of its task. Returns the number of rows.
 int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_tokens, int64_t row_bytes, int32_t skip,
-                       uint8_t* rows, int threads);
+                       uint8_t* rows, const GatherOptions& options);
 
 }  // namespace specache

@@ -165,6 +165,10 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
     ASSERT_EQ(cudaEventRecord(ready, stream), cudaSuccess);
     cuda::CopyEngineFetch route(d, HostRowFormat::kFp16, page_tokens, 3);
+    // The same route with the gather's streaming stores (CudaAgentOptions::fetch_streaming_stores).
+    cuda::CopyEngineFetch route_streaming(d, HostRowFormat::kFp16, page_tokens, 3,
+                                          cuda::CopyEngineFetch::kCopyPieceBytes, /*streaming_stores=*/true);
+    cuda::CopyEngineFetch* active = &route;
     // Each task's old cache is its resident list (read through resident_count when set, as
     // RowFetcher does) over the row cache above, with room for all of it and the selection:
     // nothing is evicted, and the misses go into the free rows. Each pass starts from the rows as
@@ -195,7 +199,7 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     // Stage, the update by ranks, and the check of every task's cache and the counters.
     auto fetch_by_copy_engine = [&](const std::vector<cuda::FetchTask>& staged_tasks, bool after_stream,
                                     const std::string& what) {
-      auto routed = route.Stage(staged_tasks, tables, std::span(&ready, 1), stream, after_stream);
+      auto routed = active->Stage(staged_tasks, tables, std::span(&ready, 1), stream, after_stream);
       ASSERT_TRUE(routed.ok()) << routed.status().ToString();
       // Ranked tasks are the cache update's: FetchRows refuses them before queueing anything.
       EXPECT_EQ(cuda::FetchRows(routed->data(), n_tasks, d, HostRowFormat::kFp16, page_tokens, 7, counters, stream).code(),
@@ -241,6 +245,10 @@ TEST(CudaFetchTest, FetchedRowsAreResidentCopiesOrHostRows) {
     };
     for (int pass = 0; pass < 3; ++pass) fetch_by_copy_engine(tasks, false, "copy engine pass " + std::to_string(pass));
     EXPECT_EQ(route.times().rows_gathered, 3 * static_cast<int64_t>(want_fetched));
+    active = &route_streaming;
+    fetch_by_copy_engine(tasks, false, "copy engine, streaming stores");
+    EXPECT_EQ(route_streaming.times().rows_gathered, static_cast<int64_t>(want_fetched));
+    active = &route;
 
     // A row cache's first fetch (RowFetcher's fills): the resident counts are written on `stream`
     // just before Stage, behind ~1 GB of device copies, and read through resident_count. With

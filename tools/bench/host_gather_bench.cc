@@ -18,12 +18,13 @@ constexpr int kLayers = 32, kKvHeads = 8, kHeadDim = 128, kTokens = 8192, kPageT
 constexpr int64_t kRowBytes = 2 * kHeadDim * static_cast<int64_t>(sizeof(Half));
 
 struct Measured {
-  double gbps = 0;
+  std::vector<double> gbps;  // per depth of HostGatherOptions::ahead
   int64_t rows = 0;
   double huge_share = -1;  // of the source's resident slabs (InMemorySource::mapping)
   bool ok = false;
 };
 
+// One source (base or huge pages), the same rows gathered at each prefetch depth.
 Measured Measure(const HostGatherOptions& o, bool huge_pages) {
   Measured m;
   const SequenceLayout layout{kLayers, kKvHeads, kHeadDim};
@@ -58,20 +59,22 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
     tasks.push_back({pages[s * kLayers + l].data(), static_cast<int>(i % kKvHeads), w.data(), kTopK, rank[i].data()});
   }
   std::vector<uint8_t> out(n_tasks * kTopK * kRowBytes);
-  std::vector<double> seconds;
-  for (int r = 0; r < o.repeats + 1; ++r) {  // the first warms the buffer
-    const auto t0 = std::chrono::steady_clock::now();
-    m.rows = GatherPageRows(tasks, kPageTokens, kRowBytes, -1, out.data(), o.threads);
-    if (r > 0) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const Half want = FloatToHalf(0.5f);  // every byte of the source's rows
+  for (const int ahead : o.ahead) {
+    std::fill(out.begin(), out.end(), uint8_t{0});  // a depth's rows are its own
+    std::vector<double> seconds;
+    for (int r = 0; r < o.repeats + 1; ++r) {  // the first warms the buffer
+      const auto t0 = std::chrono::steady_clock::now();
+      m.rows = GatherPageRows(tasks, kPageTokens, kRowBytes, -1, out.data(), {.threads = o.threads, .prefetch_rows = ahead});
+      if (r > 0) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    for (size_t i = 0; i < out.size(); i += sizeof(Half)) {
+      Half h;
+      std::memcpy(&h, &out[i], sizeof(h));
+      if (h != want) return m;
+    }
+    m.gbps.push_back(double(m.rows) * kRowBytes / Median(seconds) / 1e9);
   }
-  // The rows are the source's: every byte of them is 0.5 in fp16.
-  const Half want = FloatToHalf(0.5f);
-  for (size_t i = 0; i < out.size(); i += sizeof(Half)) {
-    Half h;
-    std::memcpy(&h, &out[i], sizeof(h));
-    if (h != want) return m;
-  }
-  m.gbps = double(m.rows) * kRowBytes / Median(seconds) / 1e9;
   m.ok = true;
   return m;
 }
@@ -79,11 +82,11 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
 }  // namespace
 
 bool RunHostGatherSuite(const HostGatherOptions& o, std::vector<BenchRow>* rows) {
-  std::printf("\nhost-gather: GatherPageRows (the copy-engine fetch's host half), %d threads, 64 random rows of 512 B "
+  std::printf("\nhost-gather: GatherPageRows (the copy-engine fetch's host half, its plain stores), %d threads, 64 random rows of 512 B "
               "per (sequence, layer, KV head) of %d sequences of 8K tokens (%d GiB of pages), median of %d\n",
               o.threads, std::max(1, o.host_gib), std::max(1, o.host_gib), o.repeats);
-  std::printf("%-12s %10s %10s %12s\n", "host pages", "rows", "GB/s", "huge share");
-  double base = 0;
+  std::printf("%-12s %6s %10s %10s %12s\n", "host pages", "ahead", "rows", "GB/s", "huge share");
+  std::vector<double> base;
   for (bool huge : {false, true}) {
     const Measured m = Measure(o, huge);
     if (!m.ok) {
@@ -91,13 +94,18 @@ bool RunHostGatherSuite(const HostGatherOptions& o, std::vector<BenchRow>* rows)
       return false;
     }
     const std::string share = m.huge_share < 0 ? "unknown" : std::to_string(int(100 * m.huge_share + 0.5)) + "%";
-    std::printf("%-12s %10lld %10.2f %12s\n", huge ? "huge (THP)" : "base", static_cast<long long>(m.rows), m.gbps,
-                share.c_str());
+    for (size_t a = 0; a < o.ahead.size(); ++a) {
+      std::printf("%-12s %6d %10lld %10.2f %12s", huge ? "huge (THP)" : "base", o.ahead[a], static_cast<long long>(m.rows),
+                  m.gbps[a], share.c_str());
+      if (huge && base[a] > 0) std::printf("   huge / base %.2fx", m.gbps[a] / base[a]);
+      if (a > 0 && m.gbps[0] > 0) std::printf("   / ahead %d %.2fx", o.ahead[0], m.gbps[a] / m.gbps[0]);
+      std::printf("\n");
+      rows->push_back({(huge ? "huge_pages_ahead_" : "base_pages_ahead_") + std::to_string(o.ahead[a]),
+                       {{"gbps", m.gbps[a]}, {"rows", double(m.rows)}, {"huge_share", m.huge_share},
+                        {"threads", double(o.threads)}, {"ahead", double(o.ahead[a])},
+                        {"host_gib", double(std::max(1, o.host_gib))}}});
+    }
     if (!huge) base = m.gbps;
-    rows->push_back({huge ? "huge_pages" : "base_pages",
-                     {{"gbps", m.gbps}, {"rows", double(m.rows)}, {"huge_share", m.huge_share},
-                      {"threads", double(o.threads)}, {"host_gib", double(std::max(1, o.host_gib))}}});
-    if (huge) std::printf("huge / base: %.2fx\n", base > 0 ? m.gbps / base : 0.0);
   }
   return true;
 }

@@ -3,10 +3,13 @@
 // sequences of 8K tokens fill an InMemorySource of --host-gib GiB; each (sequence, layer, KV head)
 // wants 64 random rows, as one decode step's fetch with nothing reused. Timed twice in one run:
 // slabs of base pages, then slabs asked for transparent huge pages (InMemorySource's huge_pages),
-// and the ratio. Needs no GPU (it is the host's work; the GPU host is where it matters).
+// and the ratio; each at every prefetch depth of --gather-ahead (rows a thread asks for ahead of
+// its copy, GatherPageRows' prefetch_rows). Needs no GPU (it is the host's work; the GPU host is where it matters).
 #pragma once
 
 #include <vector>
+
+#include "page_row_gather.h"
 
 #include "bench_row.h"
 
@@ -16,6 +19,7 @@ struct HostGatherOptions {
   int host_gib = 8;   // the source's size: whole sequences of 1 GiB (8K tokens x 32 layers x 8 heads x 512 B)
   int threads = 2;    // GatherPageRows' threads
   int repeats = 7;
+  std::vector<int> ahead = {GatherOptions{}.prefetch_rows};  // prefetch depths to time, in this order
 };
 
 // Prints a table; false when a source could not be built.

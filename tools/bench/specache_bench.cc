@@ -79,6 +79,7 @@ struct Options {
   int host_gib = 16;
   std::string host_pages = "base";  // gather: what backs the host pages (bench::HostPageBacking)
   int gather_threads = 12;          // host-gather: GatherPageRows' threads (the agent's copy-engine default)
+  std::vector<int> gather_ahead = {GatherOptions{}.prefetch_rows};  // host-gather: prefetch depths (rows) to time
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
@@ -86,6 +87,7 @@ struct Options {
   int fetch_threads = 0;                   // step: CudaAgentOptions::fetch_threads (0: the default)
   int fetch_copy_piece_kb = -1;            // step: CudaAgentOptions::fetch_copy_piece_bytes / 1024 (-1: the default)
   std::vector<double> fetch_sm_share;      // step: CudaAgentOptions::fetch_sm_share, a row each (empty: the default)
+  std::vector<std::string> fetch_gather_stores;  // step: StepOptions::fetch_gather_stores
   bool host_huge_pages = true;             // step: the host pages' slabs ask for transparent huge pages
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
@@ -310,6 +312,10 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_option("--gather-threads", o->gather_threads, "threads of the gather (the agent's copy-engine fetch: 12)")
         ->capture_default_str()
         ->check(positive);
+    cmd->add_option("--gather-ahead", o->gather_ahead,
+                    "rows a gather thread prefetches ahead of its copy, a row each, e.g. 4,8,16 (default: the agent's, 4)")
+        ->delimiter(',')
+        ->check(CLI::Range(0, 256));
   }
   if (std::string_view(suite.name) == "gather") {
     cmd->add_option("--host-pages", o->host_pages,
@@ -348,6 +354,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_option("--plan-threads", o->plan_threads,
                     "host threads that build a layer's attention items (default: the agent's, 1)")
         ->check(CLI::PositiveNumber);
+    cmd->add_option("--fetch-gather-stores", o->fetch_gather_stores,
+                    "how the copy-engine rows' host gather writes the pinned buffer, a row each: streaming "
+                    "(non-temporal stores, the agent's default), cached (plain stores, left in the CPU's caches "
+                    "for the copy engine)")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"streaming", "cached"}));
     cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
         ->check(positive);
     cmd->add_flag("--host-huge-pages,!--no-host-huge-pages", o->host_huge_pages,
@@ -454,7 +466,7 @@ int main(int argc, char** argv) {
   if (o.suite == "attention") Attention(o, &rows);
   if (o.suite == "host-gather") {
     std::vector<bench::BenchRow> gathered;
-    ok = bench::RunHostGatherSuite({o.host_gib, o.gather_threads, o.repeats}, &gathered);
+    ok = bench::RunHostGatherSuite({o.host_gib, o.gather_threads, o.repeats, o.gather_ahead}, &gathered);
     for (auto& r : gathered) rows.push_back({"host-gather", r.name, r.values});
   }
   if (o.suite == "reuse") {
@@ -487,6 +499,7 @@ int main(int argc, char** argv) {
       step.fetch_threads = o.fetch_threads;
       step.fetch_copy_piece_kb = o.fetch_copy_piece_kb;
       step.fetch_sm_share = o.fetch_sm_share;
+      step.fetch_gather_stores = o.fetch_gather_stores;
       step.host_huge_pages = o.host_huge_pages;
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;

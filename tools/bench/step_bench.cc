@@ -646,24 +646,30 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       struct Route {
         std::string overlap, via;
         double sm_share;
+        bool streaming_stores;
       };
       std::vector<Route> routes;
       const std::vector<double> shares =
           o.fetch_sm_share.empty() ? std::vector<double>{CudaAgentOptions{}.fetch_sm_share} : o.fetch_sm_share;
+      std::vector<bool> stores;  // CudaAgentOptions::fetch_streaming_stores, a row each
+      for (const std::string& s : o.fetch_gather_stores) stores.push_back(s == "streaming");
+      if (stores.empty()) stores.push_back(CudaAgentOptions{}.fetch_streaming_stores);
       for (const std::string& name : overlaps) {
         const std::vector<std::string> vias =
             fetches && !o.fetch_via.empty() ? o.fetch_via
                                             : std::vector<std::string>{std::string(FetchViaName(CudaAgentOptions{}.fetch_via))};
         for (const std::string& via : vias) {
           if (via != FetchViaName(FetchVia::kCopyEngine)) {
-            routes.push_back({name, via, 0.0});
+            routes.push_back({name, via, 0.0, CudaAgentOptions{}.fetch_streaming_stores});
             continue;
           }
           if (name != overlaps.front()) continue;
-          for (double share : shares) routes.push_back({name, via, share});
+          for (double share : shares) {
+            for (bool streaming : stores) routes.push_back({name, via, share, streaming});
+          }
         }
       }
-      for (const auto& [name, via_name, sm_share] : routes) {
+      for (const auto& [name, via_name, sm_share, streaming_stores] : routes) {
         auto overlap = ParseFetchOverlap(name);
         if (!Ok(overlap.status(), "fetch overlap")) return false;
         auto via = ParseFetchVia(via_name);
@@ -674,6 +680,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         if (o.fetch_threads > 0) fetch.fetch_threads = o.fetch_threads;
         if (o.fetch_copy_piece_kb >= 0) fetch.fetch_copy_piece_bytes = int64_t{o.fetch_copy_piece_kb} * 1024;
         fetch.fetch_sm_share = sm_share;
+        fetch.fetch_streaming_stores = streaming_stores;
         const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, fetch,
                                                        o.profile_step && !o.profile_no_fetch)
                                               : without;
@@ -685,7 +692,9 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         // engine, the agent's default route since, is named).
         const std::string suffix = (*overlap == FetchOverlap::kFromSelection ? "" : "_" + name) +
                                    (*via == FetchVia::kSmLoads ? "" : "_" + via_name) +
-                                   (sm_share > 0 ? "_sm" + ShareName(sm_share) : "") + (o.mma_codes ? "" : "_natural");
+                                   (sm_share > 0 ? "_sm" + ShareName(sm_share) : "") +
+                                   (*via == FetchVia::kCopyEngine && !streaming_stores ? "_cached" : "") +
+                                   (o.mma_codes ? "" : "_natural");
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
@@ -710,6 +719,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"model_graphs", o.model_graphs ? 1 : 0},
                           {"fetch_copy_piece_bytes", *via == FetchVia::kCopyEngine ? fetch.fetch_copy_piece_bytes : 0},
                           {"fetch_sm_share", *via == FetchVia::kCopyEngine ? sm_share : 0.0},
+                          {"fetch_streaming_stores", *via == FetchVia::kCopyEngine && streaming_stores ? 1 : 0},
                           {"ms_fetch_caller_wait", with.caller_wait_ms},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},

@@ -28,6 +28,9 @@ struct StepOptions {
   // CudaAgentOptions::fetch_sm_share of the copy-engine rows, a row each (suffixed _smS when S > 0).
   // Empty: the agent's default.
   std::vector<double> fetch_sm_share;
+  // CudaAgentOptions::fetch_streaming_stores of the copy-engine rows, a row each per SM share
+  // ("streaming", "cached": suffixed _cached). Empty: the agent's default.
+  std::vector<std::string> fetch_gather_stores;
   // CudaAgentOptions::mma_codes: 1-bit replicas in the lean decode path's layout (rows named as
   // before) or not (rows suffixed _natural), for the A/B of the two attention kernels.
   bool mma_codes = true;

@@ -182,6 +182,7 @@ class Bench {
       if (o_.fetch_threads > 0) options.fetch_threads = o_.fetch_threads;
       if (o_.fetch_copy_piece_kb >= 0) options.fetch_copy_piece_bytes = int64_t{o_.fetch_copy_piece_kb} << 10;
       if (o_.fetch_sm_share >= 0) options.fetch_sm_share = o_.fetch_sm_share;
+      if (!o_.fetch_gather_stores.empty()) options.fetch_streaming_stores = o_.fetch_gather_stores == "streaming";
       if (o_.plan_threads > 0) options.plan_threads = o_.plan_threads;
       if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
       options.mma_codes = o_.replica_layout != "natural";
@@ -409,6 +410,8 @@ class Bench {
         j["fetch_copy_piece_kb"] =
             o_.fetch_copy_piece_kb >= 0 ? int64_t{o_.fetch_copy_piece_kb} : CudaAgentOptions{}.fetch_copy_piece_bytes >> 10;
         j["fetch_sm_share"] = o_.fetch_sm_share >= 0 ? o_.fetch_sm_share : CudaAgentOptions{}.fetch_sm_share;
+        j["fetch_streaming_stores"] = o_.fetch_gather_stores.empty() ? CudaAgentOptions{}.fetch_streaming_stores
+                                                                     : o_.fetch_gather_stores == "streaming";
         // The agent's thread waiting for the worker's gather, per decode step (warm-ups included).
         j["ms_fetch_caller_wait"] =
             run.stats.steps > 0 ? static_cast<double>(run.stats.fetch_caller_wait_ns) / 1e6 / run.stats.steps : 0.0;
@@ -528,6 +531,7 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
                    j["fetch_sm_share"].get<double>());
       const double huge = j.value("host_huge_share", -1.0);
       if (huge >= 0) std::fprintf(stderr, "; host pages %.0f%% in huge pages", 100 * huge);
+      if (!j.value("fetch_streaming_stores", true)) std::fprintf(stderr, "; gathered with cached stores");
       std::fprintf(stderr, ")");
     }
     std::fprintf(stderr, "\n");

@@ -54,6 +54,8 @@ struct ThroughputOptions {
   // each layer's sequences by SM loads that wait was ~0.2 ms and tok/s +18-23% (two A/B pairs),
   // specache-run's own rule +12%; at 32K (no wait) it was 5% slower.
   double fetch_sm_share = -1;
+  // CudaAgentOptions::fetch_streaming_stores: "streaming", "cached", or empty (the agent's default).
+  std::string fetch_gather_stores;
   int plan_threads = 0;                          // CudaAgentOptions::plan_threads; 0: the agent's default
   // The host pages' slabs asked for transparent huge pages (InMemorySource's huge_pages).
   bool host_huge_pages = true;

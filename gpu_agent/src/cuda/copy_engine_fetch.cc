@@ -102,7 +102,7 @@ Result<std::vector<FetchTask>> CopyEngineFetch::Stage(std::span<const FetchTask>
   }
   const auto gathering = std::chrono::steady_clock::now();
   const int64_t rows = GatherPageRows(gather, page_tokens_, static_cast<int64_t>(row), kNoToken,
-                                      up_[b].get() + rank_bytes, threads_);
+                                      up_[b].get() + rank_bytes, gather_);
   gather_ns_ += NanosSince(gathering);
   rows_gathered_ += rows;
 

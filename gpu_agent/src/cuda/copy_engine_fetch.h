@@ -38,6 +38,7 @@
 #include <span>
 #include <vector>
 
+#include "../page_row_gather.h"
 #include "device_buffer.h"
 #include "specache/cuda_fetch.h"
 #include "specache/status.h"
@@ -48,10 +49,15 @@ class CopyEngineFetch {
  public:
   // piece_bytes: the rows go up in copies of at most this many bytes (0: one copy a layer).
   // page_rows: the pages' row format; the rows go up as stored (int8 ones half the bytes), and the
-  // cache update decodes them (UpdateRowCaches' staged_rows).
+  // cache update decodes them (UpdateRowCaches' staged_rows). streaming_stores: how the gather
+  // writes the pinned buffer (GatherOptions::streaming_stores; CudaAgentOptions::fetch_streaming_stores).
   CopyEngineFetch(int head_dim, HostRowFormat page_rows, int32_t page_tokens, int threads,
-                  int64_t piece_bytes = kCopyPieceBytes)
-      : head_dim_(head_dim), page_rows_(page_rows), page_tokens_(page_tokens), threads_(threads), piece_bytes_(piece_bytes) {}
+                  int64_t piece_bytes = kCopyPieceBytes, bool streaming_stores = GatherOptions{}.streaming_stores)
+      : head_dim_(head_dim),
+        page_rows_(page_rows),
+        page_tokens_(page_tokens),
+        gather_{.threads = threads, .streaming_stores = streaming_stores},
+        piece_bytes_(piece_bytes) {}
   // Waits for the last copy out of the pinned buffer before freeing it.
   ~CopyEngineFetch();
   CopyEngineFetch(const CopyEngineFetch&) = delete;
@@ -91,7 +97,7 @@ class CopyEngineFetch {
   int head_dim_;
   HostRowFormat page_rows_;
   int32_t page_tokens_;
-  int threads_;
+  GatherOptions gather_;  // the host's gather: threads, stores
   int64_t piece_bytes_;
   Buffer<int32_t, true> missed_;  // [tasks][stride], written by the device through its mapping
   // Two of each, alternating by call: [tasks][stride] int32 ranks, then the rows (16-byte

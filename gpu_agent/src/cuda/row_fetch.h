@@ -90,8 +90,8 @@ class RowFetcher {
   // Before Init, for a source with pages: the overlapped fetch's rows go by the copy engine, the
   // host's part on `worker` with `threads` gather threads (FetchVia::kCopyEngine), up in copies
   // of at most `piece_bytes` (0: one a layer; CudaAgentOptions::fetch_copy_piece_bytes).
-  // sm_share: CudaAgentOptions::fetch_sm_share.
-  void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share = 0.0);
+  // sm_share: CudaAgentOptions::fetch_sm_share; streaming_stores: fetch_streaming_stores.
+  void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share, bool streaming_stores);
   // Makes the fetch stream, the per-layer events and the device counters.
   Status Init();
 
@@ -348,6 +348,7 @@ class RowFetcher {
   // Copy engine only (UseCopyEngine): the overlapped fetch's route, used on the worker only.
   int copy_engine_threads_ = 0;
   int64_t copy_piece_bytes_ = CopyEngineFetch::kCopyPieceBytes;  // UseCopyEngine's
+  bool copy_streaming_stores_ = false;                             // UseCopyEngine's
   std::unique_ptr<CopyEngineFetch> copy_engine_;
   // fetch_sm_share > 0: the SM share's stream; where it starts when it fills a cache (recorded on
   // the fetch stream after the fills); its tail, which the fetch stream waits for before fills;
