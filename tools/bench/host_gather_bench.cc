@@ -15,7 +15,6 @@ namespace specache::bench {
 namespace {
 
 constexpr int kLayers = 32, kKvHeads = 8, kHeadDim = 128, kTokens = 8192, kPageTokens = 64, kTopK = 64;
-constexpr int64_t kRowBytes = 2 * kHeadDim * static_cast<int64_t>(sizeof(Half));
 
 struct Measured {
   std::vector<double> gbps;  // per depth of HostGatherOptions::ahead
@@ -27,8 +26,9 @@ struct Measured {
 // One source (base or huge pages), the same rows gathered at each prefetch depth.
 Measured Measure(const HostGatherOptions& o, bool huge_pages) {
   Measured m;
-  const SequenceLayout layout{kLayers, kKvHeads, kHeadDim};
-  const int sequences = std::max(1, o.host_gib);  // 1 GiB each
+  const SequenceLayout layout{kLayers, kKvHeads, kHeadDim, o.row_format};
+  const int64_t row_bytes = layout.row_bytes();
+  const int sequences = std::max(1, o.host_gib);  // 1 GiB each (fp16 rows)
   InMemorySource source(kPageTokens, size_t{256} << 20, huge_pages);
   source.Reserve(layout, sequences, kTokens);
   const std::vector<Half> rows(size_t(kTokens) * 2 * kHeadDim, FloatToHalf(0.5f));
@@ -58,22 +58,22 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
     rank[i].resize(kTopK);
     tasks.push_back({pages[s * kLayers + l].data(), static_cast<int>(i % kKvHeads), w.data(), kTopK, rank[i].data()});
   }
-  std::vector<uint8_t> out(n_tasks * kTopK * kRowBytes);
-  const Half want = FloatToHalf(0.5f);  // every byte of the source's rows
+  std::vector<uint8_t> out(n_tasks * kTopK * static_cast<size_t>(row_bytes));
+  // Every source row is the same: its stored bytes, which every gathered row must equal.
+  std::vector<uint8_t> stored(static_cast<size_t>(row_bytes));
+  EncodeHostRows(o.row_format, rows.data(), 1, kHeadDim, stored.data());
   for (const int ahead : o.ahead) {
     std::fill(out.begin(), out.end(), uint8_t{0});  // a depth's rows are its own
     std::vector<double> seconds;
     for (int r = 0; r < o.repeats + 1; ++r) {  // the first warms the buffer
       const auto t0 = std::chrono::steady_clock::now();
-      m.rows = GatherPageRows(tasks, kPageTokens, kRowBytes, -1, out.data(), {.threads = o.threads, .prefetch_rows = ahead});
+      m.rows = GatherPageRows(tasks, kPageTokens, row_bytes, -1, out.data(), {.threads = o.threads, .prefetch_rows = ahead});
       if (r > 0) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    for (size_t i = 0; i < out.size(); i += sizeof(Half)) {
-      Half h;
-      std::memcpy(&h, &out[i], sizeof(h));
-      if (h != want) return m;
+    for (size_t i = 0; i < out.size(); i += stored.size()) {
+      if (std::memcmp(&out[i], stored.data(), stored.size()) != 0) return m;
     }
-    m.gbps.push_back(double(m.rows) * kRowBytes / Median(seconds) / 1e9);
+    m.gbps.push_back(double(m.rows) * row_bytes / Median(seconds) / 1e9);
   }
   m.ok = true;
   return m;
@@ -82,9 +82,11 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
 }  // namespace
 
 bool RunHostGatherSuite(const HostGatherOptions& o, std::vector<BenchRow>* rows) {
-  std::printf("\nhost-gather: GatherPageRows (the copy-engine fetch's host half, its plain stores), %d threads, 64 random rows of 512 B "
-              "per (sequence, layer, KV head) of %d sequences of 8K tokens (%d GiB of pages), median of %d\n",
-              o.threads, std::max(1, o.host_gib), std::max(1, o.host_gib), o.repeats);
+  const int64_t row_bytes = HostRowBytes(o.row_format, kHeadDim);
+  std::printf("\nhost-gather: GatherPageRows (the copy-engine fetch's host half, its plain stores), %d threads, 64 random rows of "
+              "%lld B (%s) per (sequence, layer, KV head) of %d sequences of 8K tokens (%.1f GiB of pages), median of %d\n",
+              o.threads, static_cast<long long>(row_bytes), std::string(HostRowFormatName(o.row_format)).c_str(),
+              std::max(1, o.host_gib), std::max(1, o.host_gib) * double(row_bytes) / 512.0, o.repeats);
   std::printf("%-12s %6s %10s %10s %12s\n", "host pages", "ahead", "rows", "GB/s", "huge share");
   std::vector<double> base;
   for (bool huge : {false, true}) {
@@ -102,7 +104,7 @@ bool RunHostGatherSuite(const HostGatherOptions& o, std::vector<BenchRow>* rows)
       std::printf("\n");
       rows->push_back({(huge ? "huge_pages_ahead_" : "base_pages_ahead_") + std::to_string(o.ahead[a]),
                        {{"gbps", m.gbps[a]}, {"rows", double(m.rows)}, {"huge_share", m.huge_share},
-                        {"threads", double(o.threads)}, {"ahead", double(o.ahead[a])},
+                        {"threads", double(o.threads)}, {"ahead", double(o.ahead[a])}, {"row_bytes", double(row_bytes)},
                         {"host_gib", double(std::max(1, o.host_gib))}}});
     }
     if (!huge) base = m.gbps;

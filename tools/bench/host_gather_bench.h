@@ -1,6 +1,6 @@
 // specache-bench host-gather: the host half of the copy-engine fetch (page_row_gather.h), which
 // copies the rows the device missed out of the source's pages into one buffer. Llama-3-8B-shaped
-// sequences of 8K tokens fill an InMemorySource of --host-gib GiB; each (sequence, layer, KV head)
+// sequences of 8K tokens fill an InMemorySource of --host-gib GiB (rows stored as --row-format); each (sequence, layer, KV head)
 // wants 64 random rows, as one decode step's fetch with nothing reused. Timed twice in one run:
 // slabs of base pages, then slabs asked for transparent huge pages (InMemorySource's huge_pages),
 // and the ratio; each at every prefetch depth of --gather-ahead (rows a thread asks for ahead of
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "page_row_gather.h"
+#include "specache/host_rows.h"
 
 #include "bench_row.h"
 
@@ -19,7 +20,9 @@ struct HostGatherOptions {
   int host_gib = 8;   // the source's size: whole sequences of 1 GiB (8K tokens x 32 layers x 8 heads x 512 B)
   int threads = 2;    // GatherPageRows' threads
   int repeats = 7;
-  std::vector<int> ahead = {GatherOptions{}.prefetch_rows};  // prefetch depths to time, in this order
+  std::vector<int> ahead = {specache::GatherOptions{}.prefetch_rows};  // prefetch depths to time, in this order
+  // How the source stores its rows (SequenceLayout::row_format): fp16 512 bytes, int8 272.
+  HostRowFormat row_format = HostRowFormat::kFp16;
 };
 
 // Prints a table; false when a source could not be built.

@@ -79,7 +79,8 @@ struct Options {
   int host_gib = 16;
   std::string host_pages = "base";  // gather: what backs the host pages (bench::HostPageBacking)
   int gather_threads = 12;          // host-gather: GatherPageRows' threads (the agent's copy-engine default)
-  std::vector<int> gather_ahead = {GatherOptions{}.prefetch_rows};  // host-gather: prefetch depths (rows) to time
+  std::vector<int> gather_ahead = {specache::GatherOptions{}.prefetch_rows};  // host-gather: prefetch depths (rows) to time
+  std::string gather_row_format = "fp16";  // host-gather: how the source stores its rows
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
@@ -316,6 +317,10 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "rows a gather thread prefetches ahead of its copy, a row each, e.g. 4,8,16 (default: the agent's, 4)")
         ->delimiter(',')
         ->check(CLI::Range(0, 256));
+    cmd->add_option("--row-format", o->gather_row_format,
+                    "how the source stores its rows: fp16 (512 bytes) or int8 (272, --kv ...-int8, host-rows=int8)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"fp16", "int8"}));
   }
   if (std::string_view(suite.name) == "gather") {
     cmd->add_option("--host-pages", o->host_pages,
@@ -466,7 +471,9 @@ int main(int argc, char** argv) {
   if (o.suite == "attention") Attention(o, &rows);
   if (o.suite == "host-gather") {
     std::vector<bench::BenchRow> gathered;
-    ok = bench::RunHostGatherSuite({o.host_gib, o.gather_threads, o.repeats, o.gather_ahead}, &gathered);
+    ok = bench::RunHostGatherSuite({o.host_gib, o.gather_threads, o.repeats, o.gather_ahead,
+                                    *ParseHostRowFormat(o.gather_row_format)},
+                                   &gathered);
     for (auto& r : gathered) rows.push_back({"host-gather", r.name, r.values});
   }
   if (o.suite == "reuse") {
