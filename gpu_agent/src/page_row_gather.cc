@@ -14,14 +14,12 @@
 namespace specache {
 namespace {
 
-// Copies one row into the gather's output with non-temporal (streaming) stores where the machine
-// has them and the output allows 16-byte vectors: the output is written once and read next by the
-// copy engine, so its cache lines need not be read first (a plain store's read for ownership) nor
-// left dirty in the CPU's caches for the DMA to snoop. H200 host (`specache-bench step`, 8 and
-// 32 x 8K, two rounds alternated with memcpy): the step with the fetch 8.51-8.53 -> 8.27-8.30 ms
-// and 11.6-12.2 -> 11.1 ms. Gathering alone into a buffer that stays in the caches
-// (`specache-bench host-gather`) they are slower (34.1 -> 28.9 GB/s): the step is what counts.
-// The caller fences (StoreFence) before anyone else reads the output. streaming false: memcpy.
+// Copies one row into the gather's output: with `streaming`, by non-temporal stores where the
+// machine has them and the output allows 16-byte vectors (the output's cache lines are neither
+// read first, a plain store's read for ownership, nor left dirty in the CPU's caches for the DMA
+// to snoop); otherwise by memcpy, whose plain stores leave the rows in the caches, where the copy
+// engine can read them (GatherOptions::streaming_stores, the agent's fetch_streaming_stores says
+// which paid where). The caller fences (StoreFence) before anyone else reads the output.
 inline void CopyRow(uint8_t* dst, const uint8_t* src, size_t bytes, bool streaming) {
 #ifdef SPECACHE_STREAMING_STORES
   if (streaming && bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
@@ -59,8 +57,9 @@ int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_token
   // Each row is a random DRAM access (and, at 4 KB pages, a TLB miss): its cache lines are
   // prefetched options.prefetch_rows rows before the copy, so that a thread has several rows in
   // flight (H200 host, 32 x 8K rows of 512 bytes, 4 rows ahead: 25 -> 39 GB/s at 12 threads; H100
-  // host, 176 x 8K, 2 to 16 rows ahead within 0.86-1.08x of 4).
-  const int32_t ahead_rows = std::max(options.prefetch_rows, 0);
+  // host, `host-gather` over 32 x 8K rows of 512 bytes, 12 and 16 threads: 2 to 16 rows ahead
+  // within 0.81-1.08x of 4). Capped so that j + ahead_rows cannot overflow.
+  const int32_t ahead_rows = std::clamp(options.prefetch_rows, 0, 1 << 16);
   auto row_address = [&](const PageGatherTask& t, int32_t token) {
     const int32_t page = token / page_tokens;
     return t.pages[page] + PageRowOffset(t.kv_head, token - page * page_tokens, page_tokens, row_bytes);

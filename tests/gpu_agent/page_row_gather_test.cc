@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -59,7 +60,8 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
   }
   // (threads, output offset, rows prefetched ahead, streaming stores): the depth and the stores
   // change how the rows move, never which rows land where. Offset 2 leaves the output unaligned
-  // for 16-byte stores (the plain copy even with streaming asked for).
+  // for 16-byte stores (the plain copy even with streaming asked for). Which stores ran cannot be
+  // seen from the rows: this checks that each kind copies them right.
   struct Round {
     int threads, offset, ahead;
     bool streaming;
@@ -88,6 +90,8 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
     };
     const int64_t n = GatherPageRows(tasks, kPageTokens, static_cast<int64_t>(kRow * sizeof(Half)), kNoToken, out,
                                      {.threads = threads, .prefetch_rows = ahead, .streaming_stores = streaming});
+    const std::string round = "threads " + std::to_string(threads) + " offset " + std::to_string(offset) + " ahead " +
+                              std::to_string(ahead) + " streaming " + std::to_string(streaming);
     int32_t next = 0;
     for (size_t i = 0; i < wants.size(); ++i) {
       for (size_t j = 0; j < wants[i].tokens.size(); ++j) {
@@ -99,12 +103,12 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
         ASSERT_EQ(ranks[i][j], next) << "task " << i << " slot " << j;
         for (size_t e = 0; e < kRow; ++e) {
           ASSERT_EQ(row_value(next * kRow + e), Value(wants[i].layer, wants[i].head, token))
-              << "threads " << threads << " offset " << offset << " ahead " << ahead << " streaming " << streaming << " task " << i << " slot " << j;
+              << round << " task " << i << " slot " << j;
         }
         ++next;
       }
     }
-    EXPECT_EQ(n, next) << "threads " << threads << " offset " << offset << " ahead " << ahead << " streaming " << streaming;
+    EXPECT_EQ(n, next) << round;
   }
 }
 

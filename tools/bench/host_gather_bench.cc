@@ -67,7 +67,8 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
     std::vector<double> seconds;
     for (int r = 0; r < o.repeats + 1; ++r) {  // the first warms the buffer
       const auto t0 = std::chrono::steady_clock::now();
-      m.rows = GatherPageRows(tasks, kPageTokens, row_bytes, -1, out.data(), {.threads = o.threads, .prefetch_rows = ahead});
+      m.rows = GatherPageRows(tasks, kPageTokens, row_bytes, -1, out.data(),
+                              {.threads = o.threads, .prefetch_rows = ahead, .streaming_stores = o.streaming_stores});
       if (r > 0) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     for (size_t i = 0; i < out.size(); i += stored.size()) {
@@ -83,10 +84,11 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
 
 bool RunHostGatherSuite(const HostGatherOptions& o, std::vector<BenchRow>* rows) {
   const int64_t row_bytes = HostRowBytes(o.row_format, kHeadDim);
-  std::printf("\nhost-gather: GatherPageRows (the copy-engine fetch's host half, its plain stores), %d threads, 64 random rows of "
+  std::printf("\nhost-gather: GatherPageRows (the copy-engine fetch's host half, %s stores), %d threads, 64 random rows of "
               "%lld B (%s) per (sequence, layer, KV head) of %d sequences of 8K tokens (%.1f GiB of pages), median of %d\n",
-              o.threads, static_cast<long long>(row_bytes), std::string(HostRowFormatName(o.row_format)).c_str(),
-              std::max(1, o.host_gib), std::max(1, o.host_gib) * double(row_bytes) / 512.0, o.repeats);
+              o.streaming_stores ? "streaming" : "plain", o.threads, static_cast<long long>(row_bytes),
+              std::string(HostRowFormatName(o.row_format)).c_str(), std::max(1, o.host_gib),
+              std::max(1, o.host_gib) * double(row_bytes) / 512.0, o.repeats);
   std::printf("%-12s %6s %10s %10s %12s\n", "host pages", "ahead", "rows", "GB/s", "huge share");
   std::vector<double> base;
   for (bool huge : {false, true}) {
@@ -102,9 +104,13 @@ bool RunHostGatherSuite(const HostGatherOptions& o, std::vector<BenchRow>* rows)
       if (huge && base[a] > 0) std::printf("   huge / base %.2fx", m.gbps[a] / base[a]);
       if (a > 0 && m.gbps[0] > 0) std::printf("   / ahead %d %.2fx", o.ahead[0], m.gbps[a] / m.gbps[0]);
       std::printf("\n");
-      rows->push_back({(huge ? "huge_pages_ahead_" : "base_pages_ahead_") + std::to_string(o.ahead[a]),
+      // A depth timed again (4,8,4) gets its position in the name, so that rows stay distinct.
+      const bool repeated = std::count(o.ahead.begin(), o.ahead.end(), o.ahead[a]) > 1;
+      rows->push_back({(huge ? "huge_pages_ahead_" : "base_pages_ahead_") + std::to_string(o.ahead[a]) +
+                           (repeated ? "_at_" + std::to_string(a) : ""),
                        {{"gbps", m.gbps[a]}, {"rows", double(m.rows)}, {"huge_share", m.huge_share},
                         {"threads", double(o.threads)}, {"ahead", double(o.ahead[a])}, {"row_bytes", double(row_bytes)},
+                        {"streaming_stores", o.streaming_stores ? 1.0 : 0.0},
                         {"host_gib", double(std::max(1, o.host_gib))}}});
     }
     if (!huge) base = m.gbps;

@@ -17,12 +17,15 @@
 namespace specache::bench {
 
 struct HostGatherOptions {
-  int host_gib = 8;   // the source's size: whole sequences of 1 GiB (8K tokens x 32 layers x 8 heads x 512 B)
+  // The source's size in sequences of 8K tokens x 32 layers x 8 heads: 1 GiB each with fp16 rows
+  // (512 B), 0.53 GiB with int8 rows (272 B).
+  int host_gib = 8;
   int threads = 2;    // GatherPageRows' threads
   int repeats = 7;
   std::vector<int> ahead = {specache::GatherOptions{}.prefetch_rows};  // prefetch depths to time, in this order
   // How the source stores its rows (SequenceLayout::row_format): fp16 512 bytes, int8 272.
   HostRowFormat row_format = HostRowFormat::kFp16;
+  bool streaming_stores = specache::GatherOptions{}.streaming_stores;  // GatherOptions::streaming_stores
 };
 
 // Prints a table; false when a source could not be built.

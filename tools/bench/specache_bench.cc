@@ -81,6 +81,8 @@ struct Options {
   int gather_threads = 12;          // host-gather: GatherPageRows' threads (the agent's copy-engine default)
   std::vector<int> gather_ahead = {specache::GatherOptions{}.prefetch_rows};  // host-gather: prefetch depths (rows) to time
   std::string gather_row_format = "fp16";  // host-gather: how the source stores its rows
+  // host-gather: "streaming" (GatherOptions::streaming_stores) or "cached"; the default, the agent's.
+  std::string gather_stores = specache::GatherOptions{}.streaming_stores ? "streaming" : "cached";
   bool tokens_given = false;
   int fetch_blocks = 0;  // step: 0 = the agent's default
   std::vector<std::string> fetch_overlap;  // step: CudaAgentOptions::fetch_overlap per row (empty: the default)
@@ -321,6 +323,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "how the source stores its rows: fp16 (512 bytes) or int8 (272, --kv ...-int8, host-rows=int8)")
         ->capture_default_str()
         ->check(CLI::IsMember({"fp16", "int8"}));
+    cmd->add_option("--gather-stores", o->gather_stores,
+                    "how the gather writes its output: cached (plain stores, the agent's default) or streaming "
+                    "(non-temporal stores)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"cached", "streaming"}));
   }
   if (std::string_view(suite.name) == "gather") {
     cmd->add_option("--host-pages", o->host_pages,
@@ -360,9 +367,9 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "host threads that build a layer's attention items (default: the agent's, 1)")
         ->check(CLI::PositiveNumber);
     cmd->add_option("--fetch-gather-stores", o->fetch_gather_stores,
-                    "how the copy-engine rows' host gather writes the pinned buffer, a row each: streaming "
-                    "(non-temporal stores, the agent's default), cached (plain stores, left in the CPU's caches "
-                    "for the copy engine)")
+                    "how the copy-engine rows' host gather writes the pinned buffer, a row each: cached (plain "
+                    "stores, left in the CPU's caches for the copy engine; the agent's default), streaming "
+                    "(non-temporal stores; rows suffixed _streaming)")
         ->delimiter(',')
         ->check(CLI::IsMember({"streaming", "cached"}));
     cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
@@ -472,7 +479,7 @@ int main(int argc, char** argv) {
   if (o.suite == "host-gather") {
     std::vector<bench::BenchRow> gathered;
     ok = bench::RunHostGatherSuite({o.host_gib, o.gather_threads, o.repeats, o.gather_ahead,
-                                    *ParseHostRowFormat(o.gather_row_format)},
+                                    *ParseHostRowFormat(o.gather_row_format), o.gather_stores == "streaming"},
                                    &gathered);
     for (auto& r : gathered) rows.push_back({"host-gather", r.name, r.values});
   }

@@ -689,11 +689,15 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
           continue;
         }
         // The default overlap and the SM loads keep the row names of earlier results (the copy
-        // engine, the agent's default route since, is named).
+        // engine, the agent's default route since, is named). The gather's store kind is named when
+        // it is not the agent's default: _streaming (the default before 2026-12-05, unnamed in
+        // earlier results), _cached (were the default streaming).
         const std::string suffix = (*overlap == FetchOverlap::kFromSelection ? "" : "_" + name) +
                                    (*via == FetchVia::kSmLoads ? "" : "_" + via_name) +
                                    (sm_share > 0 ? "_sm" + ShareName(sm_share) : "") +
-                                   (*via == FetchVia::kCopyEngine && !streaming_stores ? "_cached" : "") +
+                                   (*via == FetchVia::kCopyEngine && streaming_stores != CudaAgentOptions{}.fetch_streaming_stores
+                                        ? (streaming_stores ? "_streaming" : "_cached")
+                                        : "") +
                                    (o.mma_codes ? "" : "_natural");
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);

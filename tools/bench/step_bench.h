@@ -29,7 +29,8 @@ struct StepOptions {
   // Empty: the agent's default.
   std::vector<double> fetch_sm_share;
   // CudaAgentOptions::fetch_streaming_stores of the copy-engine rows, a row each per SM share
-  // ("streaming", "cached": suffixed _cached). Empty: the agent's default.
+  // ("streaming", "cached"; the kind that is not the agent's default suffixes its rows:
+  // _streaming). Empty: the agent's default.
   std::vector<std::string> fetch_gather_stores;
   // CudaAgentOptions::mma_codes: 1-bit replicas in the lean decode path's layout (rows named as
   // before) or not (rows suffixed _natural), for the A/B of the two attention kernels.

@@ -743,9 +743,9 @@ int main(int argc, char** argv) {
                     "0.3 measured +18-23% tok/s at 8K, 48 GB, where the step waited for the gather, and -5% at 32K)")
       ->check(CLI::Range(0.0, 1.0));
   bench->add_option("--fetch-gather-stores", bo.fetch_gather_stores,
-                    "how the copy-engine fetch's host gather writes its pinned buffer: streaming (non-temporal "
-                    "stores, the agent's default) or cached (plain stores, left in the CPU's caches for the copy "
-                    "engine; CudaAgentOptions::fetch_streaming_stores)")
+                    "how the copy-engine fetch's host gather writes its pinned buffer: cached (plain stores, left in "
+                    "the CPU's caches for the copy engine; the agent's default) or streaming (non-temporal stores; "
+                    "CudaAgentOptions::fetch_streaming_stores)")
       ->check(CLI::IsMember({"streaming", "cached"}));
   bench->add_option("--plan-threads", bo.plan_threads,
                     "host threads that build a decode layer's attention items (0: the agent's default, 1)")

@@ -531,7 +531,9 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
                    j["fetch_sm_share"].get<double>());
       const double huge = j.value("host_huge_share", -1.0);
       if (huge >= 0) std::fprintf(stderr, "; host pages %.0f%% in huge pages", 100 * huge);
-      if (!j.value("fetch_streaming_stores", true)) std::fprintf(stderr, "; gathered with cached stores");
+      if (j.contains("fetch_streaming_stores")) {
+        std::fprintf(stderr, "; gather's stores %s", j["fetch_streaming_stores"].get<bool>() ? "streaming" : "cached");
+      }
       std::fprintf(stderr, ")");
     }
     std::fprintf(stderr, "\n");

@@ -243,13 +243,15 @@ struct CudaAgentOptions {
   int64_t fetch_copy_piece_bytes = int64_t{2} << 20;
   // kCopyEngine, x86-64: the gather writes the pinned buffer with non-temporal stores (true), or
   // with plain stores (false), which leave a layer's rows in the host CPU's caches for the copy
-  // engine to read there while the last-level cache holds them (one DRAM crossing a row instead
-  // of three: read from the page, written to the buffer, read by the DMA). The default: on an
-  // H100 host (16 cores, 300 MiB L3; Llama-3-8B shapes, random weights, 176 x 8K with int8 rows,
-  // 23 MB gathered a layer) plain stores gathered a step in 28.3-28.5 ms against 31.6-39.1, and
-  // the whole model at 48 GB ran 4807-4881 tok/s against 4088-4562 (three alternated pairs). An
-  // earlier H200 host's 32 x 8K step (8 MB a layer) was 3-9% faster with streaming stores: a host
-  // whose last-level cache cannot hold two layers' rows may want true. docs/performance.md.
+  // engine to read there while the last-level cache holds them (the aim: a row crosses the host's
+  // DRAM once, read from its page, instead of three times; not measured with memory counters).
+  // The default: on an H100 host (16 cores, 300 MiB L3; Llama-3-8B shapes, random weights,
+  // 176 x 8K with int8 rows, 23 MB gathered a layer) the whole model at 48 GB ran 4807-4881 tok/s
+  // with plain stores against 4088-4562 with streaming ones in three alternated pairs (two
+  // unpaired streaming runs the same session: 4794, 4920), and the step bench's gather took
+  // 28.3-28.5 ms a step against 27.9-39.1. An earlier H200 host's 32 x 8K step (8 MB a layer) was
+  // 3-9% faster with streaming stores: a host whose last-level cache cannot hold two layers' rows
+  // may want true. docs/performance.md.
   bool fetch_streaming_stores = false;
   // kCopyEngine: the share of each layer's fetched sequences whose missed rows the fetch kernel
   // loads from the mapped pages instead (up to fetch_blocks SMs, on a stream of its own), while
