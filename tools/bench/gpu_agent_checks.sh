@@ -10,6 +10,11 @@
 #             tools/bench/gpu_agent_checks.sh tests    # one stage: tests, sanitize, step, model
 #             tools/bench/gpu_agent_checks.sh profile  # not in run: where a step's host and GPU time go
 #                                                      # (PROFILE_BATCH, PROFILE_TOKENS, PROFILE_KV, PROFILE_FETCH)
+#             tools/bench/gpu_agent_checks.sh int8     # not in run: the int8 host rows' table at 48 GB, 8K and 32K,
+#                                                      # PyTorch SDPA's fp16 row beside each (~4 minutes)
+#             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
+#                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
+#                                                      # at 8K alternated, two rounds; ~7 minutes)
 #   here, after: tools/profile/host_profile.py OUT/samples_N.txt --binary build/tools/specache-bench --within
 #             CudaAgent::DecodeLayer (each N; OUT/timeline_summary.txt has the GPU's side)
 #
@@ -18,9 +23,9 @@
 # (default memcheck) its tools: racecheck takes 50-125 s a test on the H200, so run it as a stage
 # of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s, each tool 150, step 90,
 # each share of the model 60: `run` stays under 8 minutes with the default TOOLS; profile: 100 and
-# 3 x 90 (at most ~6 minutes). Each stage
-# prints a line "stage: exit N, S s"; the script's exit status is the tests' (a failing or
-# missing GPU fails, SPECACHE_REQUIRE_GPU=1).
+# 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80. Each stage prints a line
+# "stage: exit N, S s"; the script's exit status is the tests' (a failing or missing GPU fails,
+# SPECACHE_REQUIRE_GPU=1), for int8 and stores 1 when any of their runs failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -51,8 +56,8 @@ if [ "$stage" = bundle ]; then
 fi
 
 case "$stage" in
-  run | tests | sanitize | step | model | profile) ;;
-  *) sed -n 2,23p "$0" >&2; exit 2 ;;
+  run | tests | sanitize | step | model | profile | int8 | stores) ;;
+  *) sed -n 2,28p "$0" >&2; exit 2 ;;
 esac
 if [ ! -x "$bundle/run" ]; then
   [ -s .bundle/agent.tar.xz ] || { echo "gpu_agent_checks: no .bundle/agent.tar.xz (run the bundle stage here first)" >&2; exit 1; }
@@ -116,4 +121,32 @@ if [ "$stage" = profile ]; then
       LD_PRELOAD="$PWD/$bundle/profile/libspecache_host_sampler.so" "$bundle/run" "${step_args[@]}"
   done
 fi
+# The whole model at 48 GB with int8 host rows, a process per mode (the host's state between runs
+# moves the figures; read the ratio to the SDPA row of the same call).
+bench_rc=0
+bench_48gb() {  # bench_48gb NAME LIMIT CONTEXT ARGS...
+  local name=$1 limit=$2 context=$3
+  shift 3
+  timed "$name" "$limit" "$bundle/run" specache-run bench --shape llama3-8b --gpu-mem-budget 48GB --steps 16 \
+    --context "$context" "$@" || bench_rc=1
+  grep -h -E "^ +[0-9]+ |fp16 \(SDPA\)" "$out/$name.txt"
+}
+sdpa=(--kv fp16 --sdpa-script tools/bench/fp16_baseline.py --python "${PYTHON:-python3}")
+if [ "$stage" = int8 ]; then
+  for context in 8192 32768; do
+    bench_48gb "sdpa_$context" 90 "$context" "${sdpa[@]}"
+    bench_48gb "int8_$context" 90 "$context" --kv specache/host-rows=int8
+  done
+fi
+if [ "$stage" = stores ]; then
+  timed stores_step 200 "$bundle/run" specache-bench step --tokens 8192 --batches "${STORES_BATCHES:-32,176}" \
+    --kv specache-1bit-int8 --fetch-gather-stores cached,streaming || bench_rc=1
+  grep -A1 "^specache" "$out/stores_step.txt"
+  for round in 1 2; do
+    for kind in cached streaming; do
+      bench_48gb "stores_${kind}_$round" 80 8192 --kv specache/host-rows=int8 --fetch-gather-stores "$kind"
+    done
+  done
+fi
+if [ "$stage" = int8 ] || [ "$stage" = stores ]; then exit "$bench_rc"; fi
 exit "$tests_rc"
