@@ -24,6 +24,7 @@
 #include "log_rate.h"
 #include "metrics.h"
 #include "remote_server.h"
+#include "specache/host_mapping.h"
 #include "specache/spill_store.h"
 
 namespace specache::daemon {
@@ -146,11 +147,7 @@ Status ReservePool(State* d) {
     // The fetch reads random rows across the pool: base pages make each a TLB miss. Shared memory
     // gets huge pages only where the kernel's shmem_enabled allows (docs/operations.md).
     const HostMapping& mapped = d->pool->mapped_at_start();
-    std::string shmem = "unknown";
-    if (std::ifstream f("/sys/kernel/mm/transparent_hugepage/shmem_enabled"); f) std::getline(f, shmem);
-    if (const size_t open = shmem.find('['), close = shmem.find(']'); open != std::string::npos && close > open) {
-      shmem = shmem.substr(open + 1, close - open - 1);  // the setting in force, e.g. "never" of "... [never] ..."
-    }
+    const std::string shmem = SettingInForce(TransparentHugePageSetting("shmem_enabled"));
     if (mapped.huge < 0) {
       spdlog::info("pool: huge pages asked for; how many were given is unknown (/proc/self/smaps unreadable)");
     } else {

@@ -47,4 +47,18 @@ HostMapping MappedBytes(std::span<const MemoryRange> ranges) {
   return total;
 }
 
+std::string TransparentHugePageSetting(std::string_view name) {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/" + std::string(name));
+  std::string line;
+  if (!f || !std::getline(f, line)) return "unknown";
+  while (!line.empty() && (line.back() == ' ' || line.back() == '\n')) line.pop_back();
+  return line;
+}
+
+std::string SettingInForce(std::string_view line) {
+  const size_t open = line.find('['), close = line.find(']');
+  if (open == std::string_view::npos || close == std::string_view::npos || close < open) return std::string(line);
+  return std::string(line.substr(open + 1, close - open - 1));
+}
+
 }  // namespace specache

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -76,6 +77,17 @@ TEST(HostMappingTest, AdvisedMemoryCountsWholeHugePagesWithinTheRegion) {
   const HostMapping in_half = MappedBytes(half);
   EXPECT_LE(in_half.resident, int64_t(4 * kHuge));
   EXPECT_LE(in_half.huge, std::min<int64_t>(mapped.huge, int64_t(4 * kHuge)));
+}
+
+TEST(HostMappingTest, TheSettingInForceIsTheBracketedChoice) {
+  EXPECT_EQ(SettingInForce("always [madvise] never"), "madvise");
+  EXPECT_EQ(SettingInForce("always within_size advise [never] deny force"), "never");
+  EXPECT_EQ(SettingInForce("unknown"), "unknown");  // what an unreadable setting reads as
+  EXPECT_EQ(SettingInForce("] broken ["), "] broken [");
+  // This machine's own setting: a line with its choice bracketed, or "unknown".
+  const std::string enabled = TransparentHugePageSetting("enabled");
+  EXPECT_TRUE(enabled == "unknown" || SettingInForce(enabled) != enabled) << enabled;
+  EXPECT_EQ(TransparentHugePageSetting("no_such_setting"), "unknown");
 }
 
 TEST(HostMappingTest, AnInMemorySourceReportsItsSlabs) {

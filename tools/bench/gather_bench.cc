@@ -14,6 +14,7 @@
 #include "device_fetch.h"
 #include "host_pages.h"
 #include "specache/agent.h"
+#include "specache/host_mapping.h"
 
 namespace specache::bench {
 namespace {
@@ -43,18 +44,6 @@ Result<double> TimeGpu(int repeats, const std::function<Status()>& launch) {
   if (b) cudaEventDestroy(b);
   if (!s.ok()) return s;
   return Median(ms);
-}
-
-// A sysfs setting's first line ("always [madvise] never"), or "unknown".
-std::string SysfsSetting(const char* path) {
-  std::FILE* f = std::fopen(path, "r");
-  if (!f) return "unknown";
-  char line[256] = {};
-  const bool read = std::fgets(line, sizeof(line), f) != nullptr;
-  std::fclose(f);
-  std::string v = read ? line : "unknown";
-  while (!v.empty() && (v.back() == '\n' || v.back() == ' ')) v.pop_back();
-  return v;
 }
 
 // Device and pinned buffers of one measurement, freed on every path.
@@ -136,8 +125,7 @@ bool RunGatherSuite(const GatherOptions& o, std::vector<GatherRow>* rows) {
   std::printf("host pages: %s; mapped by 2 MiB pages: %s; THP enabled %s, shmem_enabled %s\n",
               HostPageBackingName(o.backing),
               huge_share < 0 ? "unknown (no /proc/self/smaps)" : (std::to_string(int(100 * huge_share + 0.5)) + "%").c_str(),
-              SysfsSetting("/sys/kernel/mm/transparent_hugepage/enabled").c_str(),
-              SysfsSetting("/sys/kernel/mm/transparent_hugepage/shmem_enabled").c_str());
+              TransparentHugePageSetting("enabled").c_str(), TransparentHugePageSetting("shmem_enabled").c_str());
   std::printf("%5s %7s %7s %9s %11s %11s %11s %7s %11s %7s  %s\n", "B", "context", "rows", "MB", "agent GB/s",
               "wide GB/s", "H2D GB/s", "ratio", "CPU+copy", "ratio", "goal (best fetch / H2D)");
 

@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 
 namespace specache {
 
@@ -29,5 +31,13 @@ struct HostMapping {
 // every page of the process's mappings (~10 ms per GiB of base pages): for a report now and then,
 // not for a loop or a data path.
 HostMapping MappedBytes(std::span<const MemoryRange> ranges);
+
+// A transparent-huge-page setting of the kernel, /sys/kernel/mm/transparent_hugepage/<name>
+// ("enabled", "shmem_enabled", "defrag"): its line as the kernel writes it, the choice in force
+// bracketed ("always [madvise] never"), or "unknown" where it cannot be read.
+std::string TransparentHugePageSetting(std::string_view name);
+// The bracketed choice of such a line ("madvise" of "always [madvise] never"); a line without
+// one as it is ("unknown").
+std::string SettingInForce(std::string_view line);
 
 }  // namespace specache
