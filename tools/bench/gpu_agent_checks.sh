@@ -96,11 +96,21 @@ if [ "$stage" = run ] || [ "$stage" = step ]; then
   timed step 90 "$bundle/run" specache-bench step --tokens 8192 --batches 8,32 --fetch-sm-share "${shares// /,}"
   grep -A1 "^specache" "$out/step.txt"
 fi
+# The whole model at 48 GB (specache-run bench, Llama-3-8B shapes), a process per run (the host's
+# state between runs moves the figures; read a ratio to the SDPA row of the same call): its result
+# lines, each with the host line under it, and the SDPA line.
+bench_rc=0
+bench_48gb() {  # bench_48gb NAME LIMIT CONTEXT ARGS...
+  local name=$1 limit=$2 context=$3
+  shift 3
+  timed "$name" "$limit" "$bundle/run" specache-run bench --shape llama3-8b --gpu-mem-budget 48GB --steps 16 \
+    --context "$context" "$@" || bench_rc=1
+  grep -h -A1 -E "^ +[0-9]+ " "$out/$name.txt"
+  grep -h "fp16 (SDPA)" "$out/$name.txt"
+}
 if [ "$stage" = run ] || [ "$stage" = model ]; then
   for share in $shares; do
-    timed "model_8k_share_$share" 60 "$bundle/run" specache-run bench --shape llama3-8b --gpu-mem-budget 48GB \
-      --context 8192 --steps 16 --kv specache --fetch-sm-share "$share"
-    grep -A1 "^ *8192 specache" "$out/model_8k_share_$share.txt"
+    bench_48gb "model_8k_share_$share" 60 8192 --kv specache --fetch-sm-share "$share"
   done
 fi
 if [ "$stage" = profile ]; then
@@ -121,16 +131,6 @@ if [ "$stage" = profile ]; then
       LD_PRELOAD="$PWD/$bundle/profile/libspecache_host_sampler.so" "$bundle/run" "${step_args[@]}"
   done
 fi
-# The whole model at 48 GB with int8 host rows, a process per mode (the host's state between runs
-# moves the figures; read the ratio to the SDPA row of the same call).
-bench_rc=0
-bench_48gb() {  # bench_48gb NAME LIMIT CONTEXT ARGS...
-  local name=$1 limit=$2 context=$3
-  shift 3
-  timed "$name" "$limit" "$bundle/run" specache-run bench --shape llama3-8b --gpu-mem-budget 48GB --steps 16 \
-    --context "$context" "$@" || bench_rc=1
-  grep -h -E "^ +[0-9]+ |fp16 \(SDPA\)" "$out/$name.txt"
-}
 sdpa=(--kv fp16 --sdpa-script tools/bench/fp16_baseline.py --python "${PYTHON:-python3}")
 if [ "$stage" = int8 ]; then
   for context in 8192 32768; do
