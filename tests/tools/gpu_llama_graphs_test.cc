@@ -1,15 +1,20 @@
 // GpuLlama's decode graphs (SetDecodeGraphs): decode steps through captured CUDA graphs give
 // bit-equal logits to the same steps launched kernel by kernel, while the shapes change (rows,
 // the positions' buffer), across a Reserve that moves the buffers, and inside a caller's own
-// capture of the stream. Random weights of SmolLM2-135M's shapes; needs a device (label gpu).
+// capture of the stream; with the products' kernels timed and kept per shape (SetTimedGemms), the
+// same step gives the same logits every time, close to cuBLAS's default's. Random weights of
+// SmolLM2-135M's shapes; needs a device (label gpu).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "model_gemm.h"
 #include "specache/gpu_llama.h"
 #include "testing/cuda_device.h"
 
@@ -21,13 +26,14 @@ struct ModelRun {
   int32_t* positions = nullptr;  // a buffer of the test's own, for the shapes' second pointer
 };
 
-ModelRun Make(bool graphs) {
+ModelRun Make(bool graphs, bool timed_gemms = false) {
   ModelRun r;
   auto m = GpuLlama::Random(SmolLm2Config(), 7, /*tied_head=*/true);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   if (!m.ok()) return r;
   r.model = std::move(*m);
   r.model->SetDecodeGraphs(graphs);
+  r.model->SetTimedGemms(timed_gemms);
   EXPECT_TRUE(r.model->Reserve(8).ok());
   EXPECT_EQ(cudaMalloc(&r.positions, 64 * sizeof(int32_t)), cudaSuccess);
   return r;
@@ -117,6 +123,42 @@ TEST(GpuLlamaGraphsTest, ReplayedStepsEqualLaunchedStepsAsShapesChange) {
   ExpectBitEqual(Step(plain, 8, position, false), Step(graphed, 8, position, false), "after the caller's capture");
 
   for (ModelRun* r : {&plain, &graphed}) cudaFree(r->positions);
+}
+
+// SetTimedGemms: each product shape's kernel is timed at its first call and kept, so the same
+// step gives bit-equal logits at that first call, eagerly afterwards and replayed from a graph;
+// the kept kernels differ from cuBLAS's default only in fp32 rounding.
+TEST(GpuLlamaGraphsTest, TimedGemmsKeepOneKernelPerShape) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+  ModelRun plain = Make(false), timed = Make(true, /*timed_gemms=*/true);
+  ASSERT_TRUE(plain.model && timed.model);
+  EXPECT_TRUE(timed.model->timed_gemms());
+  EXPECT_FALSE(plain.model->timed_gemms());
+  for (int n : {4, 2}) {
+    const std::vector<float> reference = Step(plain, n, 11, false);
+    const std::vector<float> first = Step(timed, n, 11, false);  // chooses, then runs the choice
+    ASSERT_EQ(first.size(), reference.size());
+    float largest = 0.0f, worst = 0.0f;
+    for (size_t i = 0; i < first.size(); ++i) {
+      largest = std::max(largest, std::fabs(reference[i]));
+      worst = std::max(worst, std::fabs(first[i] - reference[i]));
+    }
+    EXPECT_LE(worst, 1e-3f * largest + 1e-4f) << n << " rows: the kept kernels against cuBLAS's default";
+    for (int again = 0; again < 3; ++again) {  // eager (the key's first call), then captured and replayed
+      ExpectBitEqual(first, Step(timed, n, 11, false), "the same step with the kernels kept");
+    }
+  }
+  EXPECT_GT(timed.model->graph_launches(), 0);
+  // SmolLM2's products (QKV, output, gate and up, down; the LM head) at 4 and 2 rows, each timed once.
+  const std::vector<ModelGemm::Chosen> chosen = timed.model->gemms().chosen();
+  EXPECT_EQ(chosen.size(), 10u);
+  for (const ModelGemm::Chosen& c : chosen) {
+    EXPECT_GT(c.default_ms, 0.0) << c.n << " x " << c.in << " -> " << c.out;
+    EXPECT_LE(c.chosen_ms, c.default_ms);
+    EXPECT_EQ(c.lt, c.chosen_ms < c.default_ms);
+  }
+  EXPECT_TRUE(plain.model->gemms().chosen().empty()) << "the default choice times nothing";
+  for (ModelRun* r : {&plain, &timed}) cudaFree(r->positions);
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The CUDA agent's checks after a change to its GPU code, in one device call of at most ~8 minutes:
-# its device tests, compute-sanitizer over the tests that drive the fetch's streams with no host
-# wait, and the fetch's A/B figures (the agent's step, the whole model at 8K), each stage under a
-# time limit of its own so that one slow stage leaves the others their time. For a GPU machine
-# that has CUDA but none of the build's libraries: the binaries travel as a bundle made here.
+# The CUDA agent's checks after a change to its GPU code, in one device call of at most ~9 minutes:
+# its device tests (and the GPU model's, tools_llama_kernels_test), compute-sanitizer over the
+# tests that drive the fetch's streams with no host wait, and the fetch's A/B figures (the agent's
+# step, the whole model at 8K), each stage under a time limit of its own so that one slow stage
+# leaves the others their time. For a GPU machine that has CUDA but none of the build's libraries:
+# the binaries travel as a bundle made here.
 #
 #   here:     tools/bench/gpu_agent_checks.sh bundle   # build, then .bundle/agent.tar.xz (~35 MB)
 #   GPU host: tools/bench/gpu_agent_checks.sh run      # every stage, results to $OUT (default ./gpu-out)
@@ -21,8 +22,8 @@
 # SHARES (default "0 0.3") are the fetch_sm_share values the step and the whole model compare;
 # SANITIZE (default: the two device-tensor tests) the gtest filter compute-sanitizer runs, TOOLS
 # (default memcheck) its tools: racecheck takes 50-125 s a test on the H200, so run it as a stage
-# of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s, each tool 150, step 90,
-# each share of the model 60: `run` stays under 8 minutes with the default TOOLS; profile: 100 and
+# of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s and the model's 60, each tool 150, step 90,
+# each share of the model 60: `run` stays under 9 minutes with the default TOOLS; profile: 100 and
 # 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80. Each stage prints a line
 # "stage: exit N, S s"; the script's exit status is the tests' (a failing or missing GPU fails,
 # SPECACHE_REQUIRE_GPU=1), for int8 and stores 1 when any of their runs failed.
@@ -38,13 +39,14 @@ tools=${TOOLS:-memcheck}
 if [ "$stage" = bundle ]; then
   set -e
   build=${BUILD_DIR:-build}
-  nice -n 10 cmake --build "$build" -j2 --target gpu_agent_device_test specache-bench specache-run specache_host_sampler
+  nice -n 10 cmake --build "$build" -j2 --target gpu_agent_device_test tools_llama_kernels_test specache-bench specache-run \
+    specache_host_sampler
   # The GPU timeline's library exists only where CUPTI was found.
   has_timeline=$(cmake --build "$build" --target help | grep -c specache_gpu_timeline || true)
   if [ "$has_timeline" -gt 0 ]; then cmake --build "$build" -j2 --target specache_gpu_timeline; fi
   rm -rf "$bundle"
-  tools/gpu-bundle "$bundle" "$build/tests/gpu_agent_device_test" "$build/tools/specache-bench" \
-    "$build/tools/specache-run"
+  tools/gpu-bundle "$bundle" "$build/tests/gpu_agent_device_test" "$build/tests/tools_llama_kernels_test" \
+    "$build/tools/specache-bench" "$build/tools/specache-run"
   # The profile stage's preloaded libraries (their symbols are not needed: they sample, not are sampled).
   mkdir -p "$bundle/profile"
   cp "$build/tools/libspecache_host_sampler.so" "$bundle/profile/"
@@ -83,6 +85,9 @@ if [ "$stage" = run ] || [ "$stage" = tests ]; then
   timed tests 120 "$bundle/run" gpu_agent_device_test
   tests_rc=$?
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$out/tests.txt"
+  # The GPU model's own (its kernels against CPU references, its decode graphs, its products' kernels).
+  timed model_tests 60 "$bundle/run" tools_llama_kernels_test || tests_rc=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$out/model_tests.txt"
 fi
 if [ "$stage" = run ] || [ "$stage" = sanitize ]; then
   for tool in $tools; do

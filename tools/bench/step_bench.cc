@@ -25,6 +25,7 @@
 #include "specache/device_probe.h"
 #include "specache/in_memory_source.h"
 #include "llama_kernels.h"
+#include "model_gemm.h"
 #include "specache/gpu_llama.h"
 
 namespace specache::bench {
@@ -782,29 +783,55 @@ bool RunLayersSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     }
     return true;
   };
+  // The bound: the layers' weights read once a step at the rate of a device-to-device copy.
+  const LlamaConfig& c = m.llama->config();
+  const double layer_weights = 2.0 * (double(c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.d_model +
+                                      double(c.d_model) * c.n_heads * c.head_dim + 3.0 * c.d_ff * c.d_model);
+  const double copy_gbps = DeviceCopyGBps(m.stream);
+  const double bound_ms = copy_gbps > 0 ? kLayers * layer_weights / (copy_gbps * 1e9) * 1e3 : -1;
   std::printf("\nlayers: the model's work outside attention, %d layers of Llama-3-8B shapes (ms per step)\n", kLayers);
-  std::printf("%6s %10s %22s %7s\n", "rows", "alone", "beside held SM slots", "ratio");
+  std::printf("%6s %10s %12s %7s %10s %22s %7s\n", "rows", "alone", "timed_gemms", "ratio", "weights", "beside held SM slots",
+              "ratio");
   bool ok = true;
   for (int r : o.batches) {
+    m.llama->SetTimedGemms(false);
     const double alone = TimeSteps(m, 2, o.steps, [&] { return layers(r); });
     if (alone <= 0) {
       ok = false;
       break;
     }
+    // The same with each product's kernel timed and chosen (the first warm-up step chooses).
+    m.llama->SetTimedGemms(true);
+    const double timed = TimeSteps(m, 2, o.steps, [&] { return layers(r); });
+    m.llama->SetTimedGemms(false);
     // The hold starts first on its own stream and outlasts the timed steps (up to 3x slower); the
     // timing's last device wait is for its end.
-    const double beside = TimeSteps(m, 0, o.steps, [&] { return layers(r); }, [&] {
+    const double beside = timed > 0 ? TimeSteps(m, 2, o.steps, [&] { return layers(r); }, [&] {
       gpu::HoldSlots(static_cast<int>(1000 * (3 * alone * o.steps + 5)), held, side);
-    });
+    }) : -1;
     ok = beside > 0 && Ok(cudaGetLastError(), "layers");
     if (!ok) break;
-    std::printf("%6d %10.2f %22.2f %7.2f\n", r, alone, beside, beside / alone);
+    std::printf("%6d %10.2f %12.2f %7.2f %10.2f %22.2f %7.2f\n", r, alone, timed, timed / alone, bound_ms, beside,
+                beside / alone);
     rows->push_back({"rows_" + std::to_string(r),
-                     {{"rows", r}, {"ms_layers", alone}, {"held_slots", held}, {"ms_layers_beside_held", beside}}});
+                     {{"rows", r},
+                      {"ms_layers", alone},
+                      {"ms_layers_timed_gemms", timed},
+                      {"ms_weights_at_copy_rate", bound_ms},
+                      {"held_slots", held},
+                      {"ms_layers_beside_held", beside}}});
   }
-  std::printf("       held: %d blocks of 256 threads spinning on another stream, as the fetch's blocks. cuBLAS's\n"
-              "       GEMMs run one CTA per SM in one wave: beside the held slots they need a second.\n",
-              held);
+  std::printf("       weights: the layers' weights read once at the rate of a device-to-device copy (%.0f GB/s,\n"
+              "       read + write): the products' bound at these batches. timed_gemms: each product shape's kernel\n"
+              "       timed and chosen at its first call (cuBLAS's default or a cuBLASLt candidate, model_gemm.h).\n"
+              "       held: %d blocks of 256 threads spinning on another stream, as the fetch's blocks (with cuBLAS's\n"
+              "       default kernels, one CTA per SM in one wave: beside the held slots they need a second).\n",
+              copy_gbps, held);
+  std::printf("       the timed choice, per shape: rows x in -> out, default ms, chosen ms, cuBLASLt candidates timed\n");
+  for (const gpu::ModelGemm::Chosen& g : m.llama->gemms().chosen()) {
+    std::printf("       %4d x %5d -> %6d%s  default %.4f  chosen %.4f (%s)  candidates %d\n", g.n, g.in, g.out,
+                g.accumulate ? " (+=)" : "     ", g.default_ms, g.chosen_ms, g.lt ? "cuBLASLt" : "default", g.candidates);
+  }
   cudaStreamDestroy(side);
   return ok;
 }

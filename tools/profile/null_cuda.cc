@@ -22,6 +22,7 @@
 // - Kernels, events, streams and graphs are accepted and do nothing; every wait returns at once.
 // - SPECACHE_NULL_CUDA_COUNTS=1 prints, at exit, how often each kind of call was made (launches,
 //   allocations, copies, waits): what a run asks of the driver, e.g. per decode step.
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
@@ -102,7 +103,7 @@ constexpr const char* kCallNames[kCallCount] = {
     "kernel launches (<<<>>>)", "cudaLaunchKernelExC", "cudaMalloc", "cudaFree", "cudaMallocHost/cudaHostAlloc",
     "cudaFreeHost", "cudaHostRegister", "cudaMemcpy", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaMemset",
     "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaEventRecord",
-    "cudaEventQuery", "cudaStreamWaitEvent", "cudaGraphLaunch", "cublasGemmEx"};
+    "cudaEventQuery", "cudaStreamWaitEvent", "cudaGraphLaunch", "cublasGemmEx/cublasLtMatmul"};
 std::atomic<uint64_t> counts[kCallCount];
 const bool counting = [] {
   const char* v = std::getenv("SPECACHE_NULL_CUDA_COUNTS");
@@ -385,6 +386,50 @@ cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t, void*, size_t) { return CUB
 cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
                             const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
                             cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t) {
+  Count(kGemm);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// ---- cuBLASLt: the timed choice's calls (model_gemm.cc). No algorithm is ever found, so the
+// model's products stay cublasGemmEx's (counted above); cublasLtMatmul is accepted all the same.
+cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) {
+  if (handle) *handle = NewHandle<cublasLtHandle_t>();
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t, cudaDataType_t) {
+  if (desc) *desc = NewHandle<cublasLtMatmulDesc_t>();
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t, cublasLtMatmulDescAttributes_t, const void*,
+                                              size_t) {
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType, uint64_t, uint64_t, int64_t) {
+  if (layout) *layout = NewHandle<cublasLtMatrixLayout_t>();
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref) {
+  if (pref) *pref = NewHandle<cublasLtMatmulPreference_t>();
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t, cublasLtMatmulPreferenceAttributes_t,
+                                                    const void*, size_t) {
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t, cublasLtMatrixLayout_t,
+                                              cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
+                                              cublasLtMatmulPreference_t, int, cublasLtMatmulHeuristicResult_t*,
+                                              int* found) {
+  if (found) *found = 0;
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t, const void*, const void*, cublasLtMatrixLayout_t,
+                              const void*, cublasLtMatrixLayout_t, const void*, const void*, cublasLtMatrixLayout_t,
+                              void*, cublasLtMatrixLayout_t, const cublasLtMatmulAlgo_t*, void*, size_t, cudaStream_t) {
   Count(kGemm);
   return CUBLAS_STATUS_SUCCESS;
 }

@@ -771,6 +771,12 @@ int main(int argc, char** argv) {
   bench->add_flag("!--no-model-graphs", bo.model_graphs,
                   "launch the model's products and small kernels one by one in every decode step instead of replaying "
                   "them from CUDA graphs");
+  bench->add_option_function<std::string>(
+           "--gemm", [&bo](const std::string& g) { bo.timed_gemms = g == "timed"; },
+           "the model's matrix products: default (cuBLAS's default kernel for every shape) or timed (each shape's "
+           "fastest of that default and cuBLASLt's heuristic candidates, timed at its first call; "
+           "tools/src/gpu/model_gemm.h)")
+      ->check(CLI::IsMember({"default", "timed"}));
   bench->add_option("--prefill", bo.prefill,
                     "BxT, e.g. 8x8192: also time the whole model's prefill of B prompts of T tokens in each specache "
                     "mode of --kv (plain specache when none), the first next to PyTorch's fp16 prefill with --sdpa-script");

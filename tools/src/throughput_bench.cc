@@ -418,6 +418,7 @@ class Bench {
       }
     }
     j["model_graphs"] = o_.model_graphs;
+    j["timed_gemms"] = o_.timed_gemms;
     if (o_.host_delay_us > 0) {  // a probe's row (ThroughputOptions::host_delay_us)
       j["host_delay_us"] = o_.host_delay_us;
       j["host_delay_before"] = o_.host_delay_before_projections ? "products" : "attention";
@@ -572,6 +573,7 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   const int64_t baseline_free = DeviceFree();
   SPECACHE_ASSIGN_OR_RETURN(auto model, GpuLlama::Random(config, 1, /*tied_head=*/o.shape == "smollm2"));
   model->SetDecodeGraphs(o.model_graphs);
+  model->SetTimedGemms(o.timed_gemms);
   // Measured once, before any mode: a failure leaves the rows without their link figures.
   const Result<double> link = HostToDeviceBytesPerSecond(model->stream());
   if (!link.ok()) {
@@ -581,10 +583,10 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   Bench bench(o, model.get(), baseline_free, link.ok() ? *link : 0.0);
   std::fprintf(stderr,
                "bench: %s shape, RANDOM weights (%.2f GB fp16), %s (%.0f GB), budget %.1f GB, host MemAvailable %.0f GB, "
-               "%d timed steps, model graphs %s, H2D link %.1f GB/s%s\n",
+               "%d timed steps, model graphs %s, GEMMs %s, H2D link %.1f GB/s%s\n",
                o.shape.c_str(), model->weight_bytes() / 1e9, device.name.c_str(), device.total_memory_bytes / 1e9,
                o.gpu_budget_bytes / 1e9, mem_available / 1e9, o.steps, o.model_graphs ? "on" : "off",
-               link.ok() ? *link / 1e9 : 0.0,
+               o.timed_gemms ? "timed per shape" : "cuBLAS default", link.ok() ? *link / 1e9 : 0.0,
                o.host_delay_us > 0 ? (", PROBE: the host waits " + std::to_string(o.host_delay_us) + " us before each layer's " +
                                       (o.host_delay_before_projections ? "products" : "attention"))
                                          .c_str()

@@ -76,6 +76,9 @@ struct ThroughputOptions {
   bool host_delay_before_projections = false;  // the delay before each layer's products instead
   // GpuLlama::SetDecodeGraphs: the model's decode calls replayed from CUDA graphs (as an engine's).
   bool model_graphs = true;
+  // GpuLlama::SetTimedGemms: each product shape's kernel timed and chosen (model_gemm.h), or
+  // cuBLAS's default for all.
+  bool timed_gemms = false;
 };
 
 // Runs every (context, mode); one JSON object per row (see the .cc for the fields), a table on

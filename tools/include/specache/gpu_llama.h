@@ -20,6 +20,8 @@
 
 namespace specache::gpu {
 
+class ModelGemm;  // model_gemm.h (tools/src/gpu): the matrix products and their kernels' choice
+
 // Llama-3-8B's shapes (32 layers, 32 query heads, 8 KV heads, head_dim 128, hidden 4096, MLP
 // 14336, vocabulary 128256, RoPE theta 500000) and SmolLM2-135M's (30 layers, 9/3 heads, 64, 576,
 // 1536, 49152, theta 100000), for random-weight runs.
@@ -94,6 +96,15 @@ class GpuLlama {
   // Graphs launched so far (for tests and benchmarks; none while graphs are off).
   int64_t graph_launches() const { return graph_launches_; }
 
+  // The matrix products' kernels: cuBLAS's default for every shape (off, the default), or each
+  // shape's fastest of that default and cuBLASLt's candidates, timed at the shape's first call
+  // outside a capture and kept (model_gemm.h). Either way drops the decode graphs, which hold the
+  // kernels chosen before.
+  void SetTimedGemms(bool on);
+  bool timed_gemms() const;
+  // What the timing chose so far, shape by shape (for benchmarks).
+  const ModelGemm& gemms() const { return *gemm_; }
+
  private:
   GpuLlama() = default;
   Status Init(const LlamaConfig& config, void* stream, bool tied_head);
@@ -123,7 +134,7 @@ class GpuLlama {
   LlamaConfig c_;
   void* stream_ = nullptr;
   bool own_stream_ = false;
-  void* blas_ = nullptr;  // cublasHandle_t
+  std::unique_ptr<ModelGemm> gemm_;
   int64_t weight_bytes_ = 0;
   std::vector<void*> allocations_;  // everything cudaMalloc'd here
   std::vector<Layer> layers_;

@@ -1,6 +1,5 @@
 #include "specache/gpu_llama.h"
 
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -8,6 +7,7 @@
 #include <vector>
 
 #include "llama_kernels.h"
+#include "model_gemm.h"
 #include "specache/half.h"
 
 namespace specache::gpu {
@@ -19,7 +19,6 @@ Status Cuda(cudaError_t e, const std::string& what) {
   return Status::Unavailable(what + ": " + cudaGetErrorString(e));
 }
 
-cublasHandle_t Blas(void* h) { return static_cast<cublasHandle_t>(h); }
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
 
 }  // namespace
@@ -79,18 +78,7 @@ Status GpuLlama::Init(const LlamaConfig& c, void* stream, bool tied_head) {
     stream_ = s;
     own_stream_ = true;
   }
-  cublasHandle_t h = nullptr;
-  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasCreate failed");
-  blas_ = h;
-  if (cublasSetStream(h, Stream(stream_)) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasSetStream failed");
-  {  // A workspace of the model's own (after cublasSetStream, which resets it): cuBLAS allocates
-     // none in the calls, so they can be captured (decode graphs). 32 MiB: cuBLAS's advice for Hopper.
-    constexpr size_t kBlasWorkspace = size_t{32} << 20;
-    SPECACHE_ASSIGN_OR_RETURN(void* workspace, Allocate<uint8_t>(kBlasWorkspace, &allocations_));
-    if (cublasSetWorkspace(h, workspace, kBlasWorkspace) != CUBLAS_STATUS_SUCCESS) {
-      return Status::Unavailable("cublasSetWorkspace failed");
-    }
-  }
+  SPECACHE_ASSIGN_OR_RETURN(gemm_, ModelGemm::Create(Stream(stream_), ModelGemm::Choice::kDefault));
   const size_t d = c.d_model, qkv = size_t(c.n_heads + 2 * c.n_kv_heads) * c.head_dim, qw = size_t(c.n_heads) * c.head_dim;
   const size_t ff = c.d_ff, vocab = c.vocab;
   SPECACHE_ASSIGN_OR_RETURN(embedding_, Allocate<Half>(vocab * d, &allocations_));
@@ -129,7 +117,7 @@ GpuLlama::~GpuLlama() {
   DropGraphs();
   for (void* p : activations_) cudaFree(p);
   for (void* p : allocations_) cudaFree(p);
-  if (blas_) cublasDestroy(Blas(blas_));
+  gemm_.reset();  // (its handles before the stream)
   if (own_stream_) cudaStreamDestroy(Stream(stream_));
 }
 
@@ -228,6 +216,13 @@ void GpuLlama::SetDecodeGraphs(bool on) {
   graphs_failed_ = false;  // asked again: try again
 }
 
+void GpuLlama::SetTimedGemms(bool on) {
+  DropGraphs();
+  gemm_->set_choice(on ? ModelGemm::Choice::kTimed : ModelGemm::Choice::kDefault);
+}
+
+bool GpuLlama::timed_gemms() const { return gemm_->choice() == ModelGemm::Choice::kTimed; }
+
 void GpuLlama::DropGraphs() {
   for (auto* graphs : {&qkv_graphs_, &finish_graphs_}) {
     for (LayerGraph& g : *graphs) {
@@ -278,13 +273,7 @@ Status GpuLlama::Replayed(LayerGraph& g, int n, const int32_t* positions, Launch
 }
 
 Status GpuLlama::Gemm(const Half* x, int n, int in, const Half* w, int out, float* y, bool accumulate) {
-  // Row-major y[n][out] is column-major y^T[out][n] = W x^T: W[out][in] row-major is a
-  // column-major [in][out] matrix, used transposed.
-  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  const cublasStatus_t s = cublasGemmEx(Blas(blas_), CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, CUDA_R_16F, in, x,
-                                        CUDA_R_16F, in, &beta, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  if (s != CUBLAS_STATUS_SUCCESS) return Status::Internal("cublasGemmEx failed: status " + std::to_string(int(s)));
-  return Status::Ok();
+  return gemm_->Run(x, n, in, w, out, y, accumulate);
 }
 
 Status GpuLlama::Embed(const int32_t* device_tokens, int n) {

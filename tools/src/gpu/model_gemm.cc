@@ -1,0 +1,199 @@
+#include "model_gemm.h"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+
+#include <string>
+
+namespace specache::gpu {
+namespace {
+
+// cuBLAS's advice for Hopper; allocated once, so no call allocates (decode graphs capture them).
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+constexpr int kTimedCalls = 5;  // per kernel, after one warm-up call
+
+cublasHandle_t Blas(void* h) { return static_cast<cublasHandle_t>(h); }
+cublasLtHandle_t Lt(void* h) { return static_cast<cublasLtHandle_t>(h); }
+
+Status CudaCall(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::Ok();
+  (void)cudaGetLastError();
+  return Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+// A shape's cuBLASLt descriptors (made while it is chosen) and what was kept.
+struct ModelGemm::Shape {
+  Chosen figures;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // W^T's operand, x's, y's
+  cublasLtMatmulAlgo_t algo{};
+  size_t algo_workspace = 0;
+
+  ~Shape() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+  // Column-major, as cuBLAS sees the row-major arrays: W[out][in] is [in][out] used transposed,
+  // x[n][in] is [in][n], y[n][out] is [out][n].
+  bool Describe(int n, int in, int out) {
+    const cublasOperation_t transpose = CUBLAS_OP_T, as_is = CUBLAS_OP_N;
+    return cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+           cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)) ==
+               CUBLAS_STATUS_SUCCESS &&
+           cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &as_is, sizeof(as_is)) ==
+               CUBLAS_STATUS_SUCCESS &&
+           cublasLtMatrixLayoutCreate(&a, CUDA_R_16F, in, out, in) == CUBLAS_STATUS_SUCCESS &&
+           cublasLtMatrixLayoutCreate(&b, CUDA_R_16F, in, n, in) == CUBLAS_STATUS_SUCCESS &&
+           cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, out, n, out) == CUBLAS_STATUS_SUCCESS;
+  }
+};
+
+Result<std::unique_ptr<ModelGemm>> ModelGemm::Create(cudaStream_t stream, Choice choice) {
+  std::unique_ptr<ModelGemm> g(new ModelGemm());
+  g->stream_ = stream;
+  g->choice_ = choice;
+  cublasHandle_t h = nullptr;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasCreate failed");
+  g->blas_ = h;
+  if (cublasSetStream(h, stream) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasSetStream failed");
+  // The workspace after cublasSetStream, which resets it; cuBLASLt's calls take the same one (every
+  // call is on the one stream, in order).
+  SPECACHE_RETURN_IF_ERROR(CudaCall(cudaMalloc(&g->workspace_, kWorkspaceBytes), "GEMM workspace"));
+  g->workspace_bytes_ = kWorkspaceBytes;
+  if (cublasSetWorkspace(h, g->workspace_, kWorkspaceBytes) != CUBLAS_STATUS_SUCCESS) {
+    return Status::Unavailable("cublasSetWorkspace failed");
+  }
+  cublasLtHandle_t lt = nullptr;
+  if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return Status::Unavailable("cublasLtCreate failed");
+  g->lt_ = lt;
+  return g;
+}
+
+ModelGemm::~ModelGemm() {
+  if (stream_) (void)cudaStreamSynchronize(stream_);
+  shapes_.clear();
+  if (lt_) cublasLtDestroy(Lt(lt_));
+  if (blas_) cublasDestroy(Blas(blas_));
+  if (workspace_) cudaFree(workspace_);
+  if (scratch_) cudaFree(scratch_);
+}
+
+Status ModelGemm::Run(const Half* x, int n, int in, const Half* w, int out, float* y, bool accumulate) {
+  if (choice_ == Choice::kDefault) return RunDefault(x, n, in, w, out, y, accumulate);
+  const Key key{n, in, out, accumulate};
+  Shape* shape = nullptr;
+  if (const auto it = shapes_.find(key); it != shapes_.end()) {
+    shape = it->second.get();
+  } else {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream_, &capturing) != cudaSuccess) {
+      (void)cudaGetLastError();
+      capturing = cudaStreamCaptureStatusActive;  // unknown: nothing is timed
+    }
+    if (capturing != cudaStreamCaptureStatusNone) return RunDefault(x, n, in, w, out, y, accumulate);
+    SPECACHE_ASSIGN_OR_RETURN(shape, Choose(key, x, w, y));
+  }
+  return shape->figures.lt ? RunLt(*shape, x, w, y, accumulate) : RunDefault(x, n, in, w, out, y, accumulate);
+}
+
+Status ModelGemm::RunDefault(const Half* x, int n, int in, const Half* w, int out, float* y, bool accumulate) {
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const cublasStatus_t s = cublasGemmEx(Blas(blas_), CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, CUDA_R_16F, in, x,
+                                        CUDA_R_16F, in, &beta, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS) return Status::Internal("cublasGemmEx failed: status " + std::to_string(int(s)));
+  return Status::Ok();
+}
+
+Status ModelGemm::RunLt(const Shape& s, const Half* x, const Half* w, float* y, bool accumulate) {
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const cublasStatus_t r = cublasLtMatmul(Lt(lt_), s.op, &one, w, s.a, x, s.b, &beta, y, s.c, y, s.c, &s.algo,
+                                          workspace_, s.algo_workspace, stream_);
+  if (r != CUBLAS_STATUS_SUCCESS) return Status::Internal("cublasLtMatmul failed: status " + std::to_string(int(r)));
+  return Status::Ok();
+}
+
+Result<double> ModelGemm::TimeCalls(const std::function<Status()>& call) {
+  cudaEvent_t start = nullptr, end = nullptr;
+  Status made = CudaCall(cudaEventCreate(&start), "GEMM timing event");
+  if (made.ok()) made = CudaCall(cudaEventCreate(&end), "GEMM timing event");
+  Status s = made.ok() ? call() : made;
+  if (s.ok()) s = CudaCall(cudaEventRecord(start, stream_), "GEMM timing");
+  for (int i = 0; s.ok() && i < kTimedCalls; ++i) s = call();
+  if (s.ok()) s = CudaCall(cudaEventRecord(end, stream_), "GEMM timing");
+  if (s.ok()) s = CudaCall(cudaEventSynchronize(end), "GEMM timing");
+  float ms = 0.0f;
+  if (s.ok()) s = CudaCall(cudaEventElapsedTime(&ms, start, end), "GEMM timing");
+  if (start) cudaEventDestroy(start);
+  if (end) cudaEventDestroy(end);
+  SPECACHE_RETURN_IF_ERROR(s);
+  return static_cast<double>(ms) / kTimedCalls;
+}
+
+Result<ModelGemm::Shape*> ModelGemm::Choose(const Key& key, const Half* x, const Half* w, float* y) {
+  const auto [n, in, out, accumulate] = key;
+  auto shape = std::make_unique<Shape>();
+  shape->figures = Chosen{n, in, out, accumulate};
+  float* target = y;  // overwritten by the call itself after the timing
+  if (accumulate) {   // y must not take the timed calls' sums: scratch of its size, zeroed
+    const size_t floats = size_t(n) * out;
+    if (floats > scratch_floats_) {
+      SPECACHE_RETURN_IF_ERROR(CudaCall(cudaStreamSynchronize(stream_), "GEMM timing"));
+      if (scratch_) cudaFree(scratch_);
+      scratch_ = nullptr;
+      scratch_floats_ = 0;
+      SPECACHE_RETURN_IF_ERROR(CudaCall(cudaMalloc(&scratch_, floats * sizeof(float)), "GEMM timing scratch"));
+      scratch_floats_ = floats;
+    }
+    SPECACHE_RETURN_IF_ERROR(
+        CudaCall(cudaMemsetAsync(scratch_, 0, floats * sizeof(float), stream_), "GEMM timing scratch"));
+    target = scratch_;
+  }
+  Chosen& f = shape->figures;
+  SPECACHE_ASSIGN_OR_RETURN(f.default_ms, TimeCalls([&] { return RunDefault(x, n, in, w, out, target, accumulate); }));
+  f.chosen_ms = f.default_ms;
+  // cuBLASLt's candidates, each timed the same way; one that cannot be described, found or run
+  // leaves the default (the call is served either way).
+  cublasLtMatmulPreference_t preference = nullptr;
+  cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
+  int count = 0;
+  if (shape->Describe(n, in, out) && cublasLtMatmulPreferenceCreate(&preference) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
+                                           sizeof(workspace_bytes_)) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulAlgoGetHeuristic(Lt(lt_), shape->op, shape->a, shape->b, shape->c, shape->c, preference,
+                                     kCandidates, found, &count) != CUBLAS_STATUS_SUCCESS) {
+    count = 0;
+  }
+  if (preference) cublasLtMatmulPreferenceDestroy(preference);
+  int best = -1;
+  double best_ms = f.default_ms;
+  for (int i = 0; i < count; ++i) {
+    if (found[i].state != CUBLAS_STATUS_SUCCESS || found[i].workspaceSize > workspace_bytes_) continue;
+    ++f.candidates;
+    shape->algo = found[i].algo;
+    shape->algo_workspace = found[i].workspaceSize;
+    const Result<double> ms = TimeCalls([&] { return RunLt(*shape, x, w, target, accumulate); });
+    if (!ms.ok()) continue;
+    if (*ms < best_ms) best = i, best_ms = *ms;
+  }
+  if (best >= 0 && best_ms <= (1.0 - kMinGain) * f.default_ms) {
+    shape->algo = found[best].algo;
+    shape->algo_workspace = found[best].workspaceSize;
+    f.lt = true;
+    f.chosen_ms = best_ms;
+  }
+  Shape* kept = shape.get();
+  shapes_[key] = std::move(shape);
+  return kept;
+}
+
+std::vector<ModelGemm::Chosen> ModelGemm::chosen() const {
+  std::vector<Chosen> all;
+  for (const auto& [key, shape] : shapes_) all.push_back(shape->figures);
+  return all;
+}
+
+}  // namespace specache::gpu
