@@ -16,6 +16,9 @@ namespace {
 
 constexpr int kLayers = 32, kKvHeads = 8, kHeadDim = 128, kTokens = 8192, kPageTokens = 64, kTopK = 64;
 
+// The pages' layout: every sequence's, and the row size both the measurement and its table use.
+SequenceLayout GatherLayout(HostRowFormat format) { return {kLayers, kKvHeads, kHeadDim, format}; }
+
 struct Measured {
   std::vector<double> gbps;  // per depth of HostGatherOptions::ahead
   int64_t rows = 0;
@@ -26,7 +29,7 @@ struct Measured {
 // One source (base or huge pages), the same rows gathered at each prefetch depth.
 Measured Measure(const HostGatherOptions& o, bool huge_pages) {
   Measured m;
-  const SequenceLayout layout{kLayers, kKvHeads, kHeadDim, o.row_format};
+  const SequenceLayout layout = GatherLayout(o.row_format);
   const int64_t row_bytes = layout.row_bytes();
   const int sequences = std::max(1, o.host_gib);  // 1 GiB each (fp16 rows)
   InMemorySource source(kPageTokens, size_t{256} << 20, huge_pages);
@@ -83,7 +86,7 @@ Measured Measure(const HostGatherOptions& o, bool huge_pages) {
 }  // namespace
 
 bool RunHostGatherSuite(const HostGatherOptions& o, std::vector<BenchRow>* rows) {
-  const int64_t row_bytes = HostRowBytes(o.row_format, kHeadDim);
+  const int64_t row_bytes = GatherLayout(o.row_format).row_bytes();
   std::printf("\nhost-gather: GatherPageRows (the copy-engine fetch's host half, %s stores), %d threads, 64 random rows of "
               "%lld B (%s) per (sequence, layer, KV head) of %d sequences of 8K tokens (%.1f GiB of pages), median of %d\n",
               o.streaming_stores ? "streaming" : "plain", o.threads, static_cast<long long>(row_bytes),
