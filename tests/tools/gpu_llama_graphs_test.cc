@@ -126,8 +126,9 @@ TEST(GpuLlamaGraphsTest, ReplayedStepsEqualLaunchedStepsAsShapesChange) {
 }
 
 // SetTimedGemms: each product shape's kernel is timed at its first call and kept, so the same
-// step gives bit-equal logits at that first call, eagerly afterwards and replayed from a graph;
-// the kept kernels differ from cuBLAS's default only in fp32 rounding.
+// step gives bit-equal logits at that first (eager) call, captured into a graph at the second and
+// replayed from it after; the kept kernels differ from cuBLAS's default only in fp32 rounding.
+// (ModelGemmTest checks a kept cuBLASLt kernel against a CPU product.)
 TEST(GpuLlamaGraphsTest, TimedGemmsKeepOneKernelPerShape) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
   ModelRun plain = Make(false), timed = Make(true, /*timed_gemms=*/true);
@@ -144,7 +145,7 @@ TEST(GpuLlamaGraphsTest, TimedGemmsKeepOneKernelPerShape) {
       worst = std::max(worst, std::fabs(first[i] - reference[i]));
     }
     EXPECT_LE(worst, 1e-3f * largest + 1e-4f) << n << " rows: the kept kernels against cuBLAS's default";
-    for (int again = 0; again < 3; ++again) {  // eager (the key's first call), then captured and replayed
+    for (int again = 0; again < 3; ++again) {  // the keys' second call is captured, the later ones replayed
       ExpectBitEqual(first, Step(timed, n, 11, false), "the same step with the kernels kept");
     }
   }

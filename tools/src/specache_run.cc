@@ -774,8 +774,8 @@ int main(int argc, char** argv) {
   bench->add_option_function<std::string>(
            "--gemm", [&bo](const std::string& g) { bo.timed_gemms = g == "timed"; },
            "the model's matrix products: default (cuBLAS's default kernel for every shape) or timed (each shape's "
-           "fastest of that default and cuBLASLt's heuristic candidates, timed at its first call; "
-           "tools/src/gpu/model_gemm.h)")
+           "fastest of that default and cuBLASLt's heuristic candidates, timed at its first call outside a "
+           "capture; a prefill's shapes stay the default's; tools/src/gpu/model_gemm.h)")
       ->check(CLI::IsMember({"default", "timed"}));
   bench->add_option("--prefill", bo.prefill,
                     "BxT, e.g. 8x8192: also time the whole model's prefill of B prompts of T tokens in each specache "

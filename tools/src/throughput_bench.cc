@@ -490,7 +490,7 @@ class Bench {
     const gpu::PhaseTimes& p = engine.phase_times();
     nlohmann::json j{{"suite", "prefill"}, {"mode", mode}, {"batch", batch}, {"tokens", tokens}, {"ms_prefill", ms},
                      {"ms_gemm", p.gemm_ms}, {"ms_agent", p.attention_ms}, {"ms_embed", p.edges_ms},
-                     {"ms_setup", ms_setup}};
+                     {"ms_setup", ms_setup}, {"timed_gemms", o_.timed_gemms}};
     if (sdpa && !o_.sdpa_script.empty() && o_.shape == "llama3-8b") j["sdpa"] = SdpaPrefill(batch, tokens);
     return j;
   }

@@ -2,16 +2,20 @@
 // (fp16), fp32 accumulation, on the model's stream.
 //
 // Each shape's kernel can be chosen by timing (Choice::kTimed): the first call of a shape
-// (n, in, out, accumulate) made while the stream is not being captured times cuBLAS's default
-// (cublasGemmEx, the only kernel of Choice::kDefault) and up to kCandidates of cuBLASLt's
-// heuristic algorithms for the shape, on the call's own operands, and keeps the fastest for
-// every later call of that shape (graph captures included: the choice is fixed once made, so a
-// replayed graph and an eager call run the same kernel). A candidate must be at least
-// kMinGain faster than the default to be taken, so that timing noise does not swap kernels that
-// tie. An accumulating product is timed into scratch, not y: the call itself writes y once,
-// after the choice. A shape first met inside a capture runs the default and is timed at its
-// first uncaptured call (the model's decode graphs run a new shape eagerly first, so in practice
-// every shape is timed before it is captured).
+// (n <= kMaxTimedRows, in, out, accumulate) made while the stream is not being captured times
+// cuBLAS's default (cublasGemmEx, the only kernel of Choice::kDefault) and up to kCandidates of
+// cuBLASLt's heuristic algorithms for the shape, on the call's own operands, in two interleaved
+// rounds (each kernel's faster round counts), and keeps the fastest for every later call of that
+// shape. A candidate must be at least min_gain() faster than the default to be taken, so that
+// timing noise does not swap kernels that tie; even so, the choice is a measurement, and two
+// processes may keep different kernels for a shape (results that differ in fp32 rounding). An
+// accumulating product is timed into scratch, not y: the call itself writes y once, after the
+// choice. Shapes of more rows (a prefill's) run the default untimed: their timing would weigh on
+// the prefill it happens in, and their scratch would be large. A shape first met inside a capture
+// runs the default and is timed at its first uncaptured call, so a graph captured (by the caller)
+// before that call keeps the default while later calls run the choice; the model's own decode
+// graphs run a new shape eagerly first, so their captures always hold the choice. A kept cuBLASLt
+// kernel assumes 256-byte aligned operands (cudaMalloc's): a call with others runs the default.
 //
 // What it gave (H100, `specache-bench layers`, 2026-12-05): within 3% of cuBLAS's default for
 // every Llama-3-8B product at 7-176 rows (the layers alone 5.91 -> 5.88 ms a step at 7 rows, 7.46
@@ -44,7 +48,7 @@ class ModelGemm {
  public:
   enum class Choice { kDefault, kTimed };
   static constexpr int kCandidates = 8;
-  static constexpr double kMinGain = 0.03;  // a candidate must take at most 0.97x the default's time
+  static constexpr int kMaxTimedRows = 1024;  // larger shapes run the default untimed
 
   // A handle and a workspace on `stream` (which must outlive the object).
   static Result<std::unique_ptr<ModelGemm>> Create(cudaStream_t stream, Choice choice);
@@ -56,6 +60,11 @@ class ModelGemm {
   // From the next call: kDefault runs the default for every shape; kTimed runs each shape's kept
   // kernel, timing the shapes not chosen yet.
   void set_choice(Choice c) { choice_ = c; }
+  // The share of the default's time a candidate must save to be kept (default 0.03). For tests:
+  // a negative one keeps the fastest candidate whatever the default's time, so that the cuBLASLt
+  // path runs. Applies to shapes not chosen yet.
+  double min_gain() const { return min_gain_; }
+  void set_min_gain(double g) { min_gain_ = g; }
 
   // y = x W^T (+ y when accumulate), as above. x, w, y device memory.
   Status Run(const Half* x, int n, int in, const Half* w, int out, float* y, bool accumulate);
@@ -64,7 +73,7 @@ class ModelGemm {
   struct Chosen {
     int n = 0, in = 0, out = 0;
     bool accumulate = false;
-    double default_ms = 0;  // cublasGemmEx's mean time per call
+    double default_ms = 0;  // cublasGemmEx's time per call (its faster round's mean)
     double chosen_ms = 0;   // the kept kernel's (== default_ms when the default is kept)
     int candidates = 0;     // cuBLASLt algorithms timed beside the default
     bool lt = false;        // a cuBLASLt algorithm was kept
@@ -85,6 +94,7 @@ class ModelGemm {
 
   cudaStream_t stream_ = nullptr;
   Choice choice_ = Choice::kDefault;
+  double min_gain_ = 0.03;
   void* blas_ = nullptr;  // cublasHandle_t
   void* lt_ = nullptr;    // cublasLtHandle_t
   void* workspace_ = nullptr;
