@@ -13,6 +13,12 @@
 #                                                      # (PROFILE_BATCH, PROFILE_TOKENS, PROFILE_KV, PROFILE_FETCH)
 #             tools/bench/gpu_agent_checks.sh int8     # not in run: the int8 host rows' table at 48 GB, 8K and 32K,
 #                                                      # PyTorch SDPA's fp16 row beside each (~4 minutes)
+#             tools/bench/gpu_agent_checks.sh goals    # not in run: the issues' goal figures of this build in one
+#                                                      # call (~7 minutes, each part skipped once GOALS_S, default
+#                                                      # 420 s, have gone): the step with and without the fetch at
+#                                                      # 1/8/32 x 8K and 1/8 x 32K beside PyTorch's fp16 step, one
+#                                                      # layer's attention against the copy's bandwidth, the int8
+#                                                      # table at 48 GB with SDPA, the host-pace probe at 176 x 8K
 #             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
 #                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
 #                                                      # at 8K alternated, two rounds; ~7 minutes)
@@ -24,9 +30,10 @@
 # (default memcheck) its tools: racecheck takes 50-125 s a test on the H200, so run it as a stage
 # of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s and the model's 60, each tool 150, step 90,
 # each share of the model 60: `run` stays under 9 minutes with the default TOOLS; profile: 100 and
-# 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80. Each stage prints a line
-# "stage: exit N, S s"; the script's exit status is the tests' (a failing or missing GPU fails,
-# SPECACHE_REQUIRE_GPU=1), for int8 and stores 1 when any of their runs failed.
+# 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80; goals: a part starts only
+# before GOALS_S (420 s), the last may end ~90 s after. Each stage prints a line "stage: exit N,
+# S s"; the script's exit status is the tests' (a failing or missing GPU fails,
+# SPECACHE_REQUIRE_GPU=1), for int8, stores and goals 1 when any of their runs failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -58,7 +65,7 @@ if [ "$stage" = bundle ]; then
 fi
 
 case "$stage" in
-  run | tests | sanitize | step | model | profile | int8 | stores) ;;
+  run | tests | sanitize | step | model | profile | int8 | stores | goals) ;;
   *) sed -n 2,28p "$0" >&2; exit 2 ;;
 esac
 if [ ! -x "$bundle/run" ]; then
@@ -137,6 +144,32 @@ if [ "$stage" = profile ]; then
   done
 fi
 sdpa=(--kv fp16 --sdpa-script tools/bench/fp16_baseline.py --python "${PYTHON:-python3}")
+if [ "$stage" = goals ]; then
+  goals_start=$(date +%s)
+  time_left() { [ $(( $(date +%s) - goals_start )) -lt "${GOALS_S:-420}" ]; }
+  # Fetch overlap (step with / without <= 1.05) and 32 x 8K tokens/s (>= 1.3x fp16), the fp16
+  # step in the same call; the attention's share of the copy's bandwidth (>= 50% for B >= 8).
+  timed goals_step_8k 110 "$bundle/run" specache-bench step --tokens 8192 --batches 1,8,32 || bench_rc=1
+  grep -A1 "^specache" "$out/goals_step_8k.txt"
+  time_left && { timed goals_step_32k 80 "$bundle/run" specache-bench step --tokens 32768 --batches 1,8 || bench_rc=1;
+                 grep -A1 "^specache" "$out/goals_step_32k.txt"; }
+  time_left && { timed goals_fp16 90 "${PYTHON:-python3}" tools/bench/fp16_baseline.py --batches 1,8,32 \
+                   --contexts 8192,32768 --steps 10 || bench_rc=1; grep "^fp16 decode" "$out/goals_fp16.txt"; }
+  time_left && { timed goals_attend_8k 60 "$bundle/run" specache-bench attend --random-rows --free-slots 32 \
+                   --tokens 8192 --batches 8,32,176 || bench_rc=1; sed -n '/^== attend/,/of_HBM/p' "$out/goals_attend_8k.txt"; }
+  time_left && { timed goals_attend_32k 60 "$bundle/run" specache-bench attend --random-rows --free-slots 32 \
+                   --tokens 32768 --batches 8,46 || bench_rc=1; sed -n '/^== attend/,/of_HBM/p' "$out/goals_attend_32k.txt"; }
+  # The table at 48 GB (8K >= 3x, 32K >= 6x fp16), int8 host rows, SDPA in the same call; then
+  # whether the host's pace sets the 8K step (it grows by 32 x 150 us if it does).
+  for context in 8192 32768; do
+    time_left && bench_48gb "goals_sdpa_$context" 90 "$context" "${sdpa[@]}"
+    time_left && bench_48gb "goals_int8_$context" 90 "$context" --kv specache/host-rows=int8
+  done
+  time_left && bench_48gb goals_probe_150 80 8192 --kv specache/host-rows=int8 --host-delay-us 150
+  # One archive of the parts' outputs (a device call returns at most 8 files).
+  tar -C "$out" -czf "$out/goals.tgz" $(cd "$out" && ls goals_*.txt) && rm -f "$out"/goals_*.txt
+  exit "$bench_rc"
+fi
 if [ "$stage" = int8 ]; then
   for context in 8192 32768; do
     bench_48gb "sdpa_$context" 90 "$context" "${sdpa[@]}"
@@ -153,5 +186,5 @@ if [ "$stage" = stores ]; then
     done
   done
 fi
-if [ "$stage" = int8 ] || [ "$stage" = stores ]; then exit "$bench_rc"; fi
+if [ "$stage" = int8 ] || [ "$stage" = stores ]; then exit "$bench_rc"; fi  # (goals exits above)
 exit "$tests_rc"
