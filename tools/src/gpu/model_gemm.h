@@ -17,13 +17,13 @@
 // graphs run a new shape eagerly first, so their captures always hold the choice. A kept cuBLASLt
 // kernel assumes 256-byte aligned operands (cudaMalloc's): a call with others runs the default.
 //
-// What it gave (H100, `specache-bench layers`, 2026-12-05): within 3% of cuBLAS's default for
-// every Llama-3-8B product at 7-176 rows (the layers alone 5.91 -> 5.88 ms a step at 7 rows, 7.46
-// -> 7.39 at 176, against 4.64 ms for reading their weights at the copy's rate), and the whole
+// What it gave (H100, `specache-bench layers`, 2026-12-05): Llama-3-8B's layers within 3% of
+// cuBLAS's default at 7-176 rows (5.91 -> 5.88 ms a step at 7 rows, 7.46 -> 7.39 at 176, against
+// 4.64 ms for reading their weights at the copy's rate; single products up to 12%), and the whole
 // model at 48 GB within its run-to-run spread: cuBLAS's default stays the default. In the whole
-// model at 176 x 8K the products' kernels ran up to 1.6x their time alone (CUPTI: the gate and up
-// product 154 us against 98, beside the agent's top-k and fetch kernels on other streams): that,
-// not the kernels' choice, is most of their distance to the bound there.
+// model at 176 x 8K the products' kernels ran ~1.4x their time alone (CUPTI: the gate and up
+// product 141 us against 98, beside the agent's top-k and fetch kernels on other streams): that,
+// not the kernels' choice, is much of their distance to the bound there.
 //
 // Results differ between kernels only in fp32 rounding (the order of the sums). Not thread-safe
 // (the model is used from one thread). UNAVAILABLE without CUDA or cuBLAS.
