@@ -155,9 +155,9 @@ if [ "$stage" = goals ]; then
                  grep -A1 "^specache" "$out/goals_step_32k.txt"; }
   time_left && { timed goals_fp16 90 "${PYTHON:-python3}" tools/bench/fp16_baseline.py --batches 1,8,32 \
                    --contexts 8192,32768 --steps 10 || bench_rc=1; grep "^fp16 decode" "$out/goals_fp16.txt"; }
-  time_left && { timed goals_attend_8k 60 "$bundle/run" specache-bench attend --random-rows --free-slots 32 \
+  time_left && { timed goals_attend_8k 90 "$bundle/run" specache-bench attend --random-rows --free-slots 32 \
                    --tokens 8192 --batches 8,32,176 || bench_rc=1; sed -n '/^== attend/,/of_HBM/p' "$out/goals_attend_8k.txt"; }
-  time_left && { timed goals_attend_32k 60 "$bundle/run" specache-bench attend --random-rows --free-slots 32 \
+  time_left && { timed goals_attend_32k 90 "$bundle/run" specache-bench attend --random-rows --free-slots 32 \
                    --tokens 32768 --batches 8,46 || bench_rc=1; sed -n '/^== attend/,/of_HBM/p' "$out/goals_attend_32k.txt"; }
   # The table at 48 GB (8K >= 3x, 32K >= 6x fp16), int8 host rows, SDPA in the same call; then
   # whether the host's pace sets the 8K step (it grows by 32 x 150 us if it does).
