@@ -329,14 +329,17 @@ struct FetchRoute {
   FetchOverlap overlap;
   FetchVia via;
   double sm_share = 0;
+  bool own_selection_stream = true;  // CudaAgentOptions::selection_on_own_stream
   std::string Name() const {
     return std::string(FetchOverlapName(overlap)) + (via == FetchVia::kSmLoads ? "" : " " + std::string(FetchViaName(via))) +
-           (sm_share > 0 ? " sm share " + std::to_string(sm_share).substr(0, 4) : "");
+           (sm_share > 0 ? " sm share " + std::to_string(sm_share).substr(0, 4) : "") +
+           (own_selection_stream ? "" : " selection on the compute stream");
   }
   void Apply(CudaAgentOptions* options) const {
     options->fetch_overlap = overlap;
     options->fetch_via = via;
     options->fetch_sm_share = sm_share;
+    options->selection_on_own_stream = own_selection_stream;
   }
 };
 constexpr FetchRoute kFetchRoutes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
@@ -344,7 +347,8 @@ constexpr FetchRoute kFetchRoutes[] = {{FetchOverlap::kFromSelection, FetchVia::
                                        {FetchOverlap::kWithinNextAttention, FetchVia::kSmLoads},
                                        {FetchOverlap::kFromSelection, FetchVia::kCopyEngine},
                                        {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.5},
-                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 1.0}};
+                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 1.0},
+                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.0, false}};
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 // A CUDA agent on `route` and a non-blocking stream (its source, pages and all, and the stream its

@@ -296,6 +296,10 @@ TEST(NullCudaTest, TheGpuPathsHostSideRunsEveryBenchModeWithoutAGpu) {
   const Outcome step = Shell(preload + SPECACHE_BENCH_PATH +
                              " step --tokens 512 --batches 2,4 --kv specache-1bit,specache-1bit-int8,specache-2bit");
   EXPECT_EQ(step.code, 0) << step.output;
+  // The top-k in order on the model's stream (CudaAgentOptions::selection_on_own_stream false).
+  const Outcome ordered = Shell(preload + SPECACHE_BENCH_PATH + " step --tokens 512 --batches 2 --selection-stream compute");
+  EXPECT_EQ(ordered.code, 0) << ordered.output;
+  EXPECT_NE(ordered.output.find("specache-1bit_copy-engine_compute_selection"), std::string::npos) << ordered.output;
   const Outcome attend = Shell(preload + SPECACHE_BENCH_PATH + " attend --tokens 512 --batches 4 --random-rows");
   EXPECT_EQ(attend.code, 0) << attend.output;
 }

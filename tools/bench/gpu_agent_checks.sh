@@ -18,7 +18,8 @@
 #                                                      # 420 s, have gone): the step with and without the fetch at
 #                                                      # 1/8/32 x 8K and 1/8 x 32K beside PyTorch's fp16 step, one
 #                                                      # layer's attention against the copy's bandwidth, the int8
-#                                                      # table at 48 GB with SDPA, the host-pace probe at 176 x 8K
+#                                                      # table at 48 GB with SDPA, the host-pace probe at 176 x 8K,
+#                                                      # the top-k on the model's stream at 176 x 8K (an A/B)
 #             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
 #                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
 #                                                      # at 8K alternated, two rounds; ~7 minutes)
@@ -166,6 +167,9 @@ if [ "$stage" = goals ]; then
     time_left && bench_48gb "goals_int8_$context" 90 "$context" --kv specache/host-rows=int8
   done
   time_left && bench_48gb goals_probe_150 80 8192 --kv specache/host-rows=int8 --host-delay-us 150
+  # An A/B beside goals_int8_8192: each layer's top-k in order on the model's stream instead of
+  # its own (CudaAgentOptions::selection_on_own_stream), where the GPU is full.
+  time_left && bench_48gb goals_selection_compute 80 8192 --kv specache/host-rows=int8 --selection-stream compute
   # One archive of the parts' outputs (a device call returns at most 8 files).
   tar -C "$out" -czf "$out/goals.tgz" $(cd "$out" && ls goals_*.txt) && rm -f "$out"/goals_*.txt
   exit "$bench_rc"

@@ -91,6 +91,7 @@ struct Options {
   int fetch_copy_piece_kb = -1;            // step: CudaAgentOptions::fetch_copy_piece_bytes / 1024 (-1: the default)
   std::vector<double> fetch_sm_share;      // step: CudaAgentOptions::fetch_sm_share, a row each (empty: the default)
   std::vector<std::string> fetch_gather_stores;  // step: StepOptions::fetch_gather_stores
+  std::string selection_stream = "own";    // step: StepOptions::selection_on_own_stream ("own" or "compute")
   bool host_huge_pages = true;             // step: the host pages' slabs ask for transparent huge pages
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
@@ -372,6 +373,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "(non-temporal stores; rows suffixed _streaming)")
         ->delimiter(',')
         ->check(CLI::IsMember({"streaming", "cached"}));
+    cmd->add_option("--selection-stream", o->selection_stream,
+                    "where each layer's top-k runs: own (a stream of its own, beside the model's kernels after the "
+                    "attention; the agent's default) or compute (in order on the model's stream; rows suffixed "
+                    "_compute_selection)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"own", "compute"}));
     cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
         ->check(positive);
     cmd->add_flag("--host-huge-pages,!--no-host-huge-pages", o->host_huge_pages,
@@ -514,6 +521,7 @@ int main(int argc, char** argv) {
       step.fetch_copy_piece_kb = o.fetch_copy_piece_kb;
       step.fetch_sm_share = o.fetch_sm_share;
       step.fetch_gather_stores = o.fetch_gather_stores;
+      step.selection_on_own_stream = o.selection_stream == "own";
       step.host_huge_pages = o.host_huge_pages;
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;

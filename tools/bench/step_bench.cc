@@ -630,6 +630,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       base.mma_codes = o.mma_codes;
       if (o.fetch_blocks > 0) base.fetch_blocks = o.fetch_blocks;
       if (o.plan_threads > 0) base.plan_threads = o.plan_threads;
+      base.selection_on_own_stream = o.selection_on_own_stream;
       CudaAgentOptions no_fetch = base;
       no_fetch.fetch = false;
       const AgentRun without =
@@ -699,7 +700,8 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                                    (*via == FetchVia::kCopyEngine && streaming_stores != CudaAgentOptions{}.fetch_streaming_stores
                                         ? (streaming_stores ? "_streaming" : "_cached")
                                         : "") +
-                                   (o.mma_codes ? "" : "_natural");
+                                   (o.mma_codes ? "" : "_natural") +
+                                   (o.selection_on_own_stream ? "" : "_compute_selection");
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
@@ -725,6 +727,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"fetch_copy_piece_bytes", *via == FetchVia::kCopyEngine ? fetch.fetch_copy_piece_bytes : 0},
                           {"fetch_sm_share", *via == FetchVia::kCopyEngine ? sm_share : 0.0},
                           {"fetch_streaming_stores", *via == FetchVia::kCopyEngine && streaming_stores ? 1 : 0},
+                          {"selection_on_own_stream", o.selection_on_own_stream ? 1 : 0},
                           {"ms_fetch_caller_wait", with.caller_wait_ms},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},

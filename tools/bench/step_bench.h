@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bench_row.h"
+#include "specache/agent.h"
 
 namespace specache::bench {
 
@@ -63,6 +64,9 @@ struct StepOptions {
   // (cuda::DecodePlan::force_units): "CHUNK/ORDER", CHUNK 32-token blocks per bulk unit (0: the
   // plan's), ORDER chosen, shared, first or last (the tail units' place among the warps).
   std::vector<std::string> attend_unit_plans;
+  // CudaAgentOptions::selection_on_own_stream of every run (the step bench's rows are suffixed
+  // _compute_selection when false).
+  bool selection_on_own_stream = CudaAgentOptions{}.selection_on_own_stream;
   // The host pages' slabs ask for transparent huge pages (InMemorySource's default), or not: the
   // copy-engine fetch's host gather walks random rows over them.
   bool host_huge_pages = true;

@@ -747,6 +747,11 @@ int main(int argc, char** argv) {
                     "the CPU's caches for the copy engine; the agent's default) or streaming (non-temporal stores; "
                     "CudaAgentOptions::fetch_streaming_stores)")
       ->check(CLI::IsMember({"streaming", "cached"}));
+  bench->add_option("--selection-stream", bo.selection_stream,
+                    "where each layer's top-k runs: own (a stream of its own, beside the model's kernels after the "
+                    "attention; the agent's default) or compute (in order on the model's stream; "
+                    "CudaAgentOptions::selection_on_own_stream)")
+      ->check(CLI::IsMember({"own", "compute"}));
   bench->add_option("--plan-threads", bo.plan_threads,
                     "host threads that build a decode layer's attention items (0: the agent's default, 1)")
       ->check(CLI::Range(0, 64));

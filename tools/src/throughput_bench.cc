@@ -183,6 +183,7 @@ class Bench {
       if (o_.fetch_copy_piece_kb >= 0) options.fetch_copy_piece_bytes = int64_t{o_.fetch_copy_piece_kb} << 10;
       if (o_.fetch_sm_share >= 0) options.fetch_sm_share = o_.fetch_sm_share;
       if (!o_.fetch_gather_stores.empty()) options.fetch_streaming_stores = o_.fetch_gather_stores == "streaming";
+      if (!o_.selection_stream.empty()) options.selection_on_own_stream = o_.selection_stream == "own";
       if (o_.plan_threads > 0) options.plan_threads = o_.plan_threads;
       if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
       options.mma_codes = o_.replica_layout != "natural";
@@ -405,6 +406,8 @@ class Bench {
       j["fetch_overlap"] = o_.fetch_overlap, j["fetch_via"] = o_.fetch_via, j["replica_layout"] = o_.replica_layout;
       j["host_huge_pages"] = o_.host_huge_pages;
       j["host_huge_share"] = run.host_huge_share;
+      j["selection_on_own_stream"] =
+          o_.selection_stream.empty() ? CudaAgentOptions{}.selection_on_own_stream : o_.selection_stream == "own";
       if (o_.fetch_blocks > 0) j["fetch_blocks"] = o_.fetch_blocks;
       if (o_.fetch_via == "copy-engine") {  // the piece in effect, the agent's default included
         j["fetch_copy_piece_kb"] =
@@ -536,6 +539,9 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
         std::fprintf(stderr, "; gather's stores %s", j["fetch_streaming_stores"].get<bool>() ? "streaming" : "cached");
       }
       std::fprintf(stderr, ")");
+    }
+    if (j.contains("selection_on_own_stream") && !j["selection_on_own_stream"].get<bool>()) {
+      std::fprintf(stderr, "; the top-k in order on the model's stream");
     }
     std::fprintf(stderr, "\n");
   }

@@ -56,6 +56,8 @@ struct ThroughputOptions {
   double fetch_sm_share = -1;
   // CudaAgentOptions::fetch_streaming_stores: "streaming", "cached", or empty (the agent's default).
   std::string fetch_gather_stores;
+  // CudaAgentOptions::selection_on_own_stream: "own", "compute", or empty (the agent's default).
+  std::string selection_stream;
   int plan_threads = 0;                          // CudaAgentOptions::plan_threads; 0: the agent's default
   // The host pages' slabs asked for transparent huge pages (InMemorySource's huge_pages).
   bool host_huge_pages = true;

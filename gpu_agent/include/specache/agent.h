@@ -271,6 +271,15 @@ struct CudaAgentOptions {
   // calling thread alone. At most the machine's cores (with the copy-engine fetch, mind its
   // fetch_threads gathering at the same time); without OpenMP in the build, one thread.
   int plan_threads = 1;
+  // Modes that fetch the next step's rows (specache): the top-k after each layer's attention (and
+  // the union rule's ranking) runs on a stream of the agent's own, forked after the attention and
+  // joined by the next attention, so that it overlaps the engine's kernels in between: the output
+  // projection, the MLP and the next layer's QKV (true); or in order on the engine's stream
+  // (false). The default: at 32 x 8K on the H200 the step without the fetch took 9.28 ms at the
+  // median against 9.94 in order (five alternated rounds, 2026-12-04). Where the GPU is full
+  // (176 x 8K on an H100) the products' kernels ran ~1.4x their time alone beside it: false is
+  // the A/B for such batches (specache-bench step and specache-run bench --selection-stream).
+  bool selection_on_own_stream = true;
   // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
   // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence
   // that needs a block the pool no longer has gets RESOURCE_EXHAUSTED (PrefillLayer, BeginStep)

@@ -180,6 +180,16 @@ Status StepPlanner::AttendAndSelect(int layer, LayerPlan* plan) {
   const bool selects = config_.fetches_rows();
   SPECACHE_RETURN_IF_ERROR(Attend(std::move(plan->items)));  // with the real row's scores for the union rule
   if (!selects) return Status::Ok();
+  if (!options_.selection_on_own_stream) {
+    // In order on the compute stream (CudaAgentOptions::selection_on_own_stream): the next
+    // attention, which overwrites the scores it reads, follows it there, so nothing joins it.
+    const Status selected = Select(layer, *plan, compute_);
+    const Status recorded = rows_->MarkSelected(layer, compute_);
+    // No event marks the selection's end: the fetch queued after it must not start before it.
+    if (!recorded.ok()) cudaStreamSynchronize(compute_);
+    SPECACHE_RETURN_IF_ERROR(selected);
+    return recorded;
+  }
   // The selection forks off the compute stream after the attention (its scores and statistics)
   // and runs beside the engine's kernels that follow; the next attention joins it (Attend).
   // Each made once; one that failed is asked for again at the next call.

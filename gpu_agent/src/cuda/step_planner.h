@@ -68,7 +68,8 @@ class StepPlanner {
   // move into the launch (plan->items is empty after; the selection reads the rest of the plan).
   // The selection runs on a stream of its own, forked from the compute stream after the
   // attention, beside what the engine queues after it; the next Attend, or JoinSelection, makes
-  // the compute stream wait for it. The selection's end is the fetcher's event of the layer
+  // the compute stream wait for it (CudaAgentOptions::selection_on_own_stream false: in order on
+  // the compute stream instead). The selection's end is the fetcher's event of the layer
   // (RowFetcher::MarkSelected, recorded here), which its fetch waits for.
   Status AttendAndSelect(int layer, LayerPlan* plan);
   // The compute stream waits for the last selection (the step's end: everything the step queued
