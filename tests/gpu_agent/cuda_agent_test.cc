@@ -324,7 +324,9 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
 // 6 layer and KV-head pairs, by the CPU agent).
 // When the overlapped fetch is queued, and how its rows move (CudaAgentOptions).
 // The copy engine also with half, and all, of each layer's sequences left to SM loads on a
-// stream of their own (fetch_sm_share).
+// stream of their own (fetch_sm_share), and with the selection in order on the compute stream
+// (selection_on_own_stream false; its ordering is stricter than the own stream's, so the other
+// routes are not repeated with it).
 struct FetchRoute {
   FetchOverlap overlap;
   FetchVia via;

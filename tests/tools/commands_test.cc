@@ -299,7 +299,7 @@ TEST(NullCudaTest, TheGpuPathsHostSideRunsEveryBenchModeWithoutAGpu) {
   // The top-k in order on the model's stream (CudaAgentOptions::selection_on_own_stream false).
   const Outcome ordered = Shell(preload + SPECACHE_BENCH_PATH + " step --tokens 512 --batches 2 --selection-stream compute");
   EXPECT_EQ(ordered.code, 0) << ordered.output;
-  EXPECT_NE(ordered.output.find("specache-1bit_copy-engine_compute_selection"), std::string::npos) << ordered.output;
+  EXPECT_NE(ordered.output.find("specache-1bit_copy-engine_ordered_topk"), std::string::npos) << ordered.output;
   const Outcome attend = Shell(preload + SPECACHE_BENCH_PATH + " attend --tokens 512 --batches 4 --random-rows");
   EXPECT_EQ(attend.code, 0) << attend.output;
 }

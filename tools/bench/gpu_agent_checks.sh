@@ -18,8 +18,10 @@
 #                                                      # 420 s, have gone): the step with and without the fetch at
 #                                                      # 1/8/32 x 8K and 1/8 x 32K beside PyTorch's fp16 step, one
 #                                                      # layer's attention against the copy's bandwidth, the int8
-#                                                      # table at 48 GB with SDPA, the host-pace probe at 176 x 8K,
-#                                                      # the top-k on the model's stream at 176 x 8K (an A/B)
+#                                                      # table at 48 GB with SDPA, the host-pace probe at 176 x 8K
+#             tools/bench/gpu_agent_checks.sh selection # not in run: the top-k on a stream of its own or in order
+#                                                      # on the model's (selection_on_own_stream), the whole model
+#                                                      # at 176 x 8K int8 alternated, two rounds (~4 minutes)
 #             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
 #                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
 #                                                      # at 8K alternated, two rounds; ~7 minutes)
@@ -29,12 +31,14 @@
 # SHARES (default "0 0.3") are the fetch_sm_share values the step and the whole model compare;
 # SANITIZE (default: the two device-tensor tests) the gtest filter compute-sanitizer runs, TOOLS
 # (default memcheck) its tools: racecheck takes 50-125 s a test on the H200, so run it as a stage
-# of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s and the model's 60, each tool 150, step 90,
-# each share of the model 60: `run` stays under 9 minutes with the default TOOLS; profile: 100 and
+# of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s and the model's 60, each
+# tool 150, step 90, each share of the model 60: `run` stays under 9 minutes with the default
+# TOOLS; profile: 100 and
 # 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80; goals: a part starts only
-# before GOALS_S (420 s), the last may end ~90 s after. Each stage prints a line "stage: exit N,
-# S s"; the script's exit status is the tests' (a failing or missing GPU fails,
-# SPECACHE_REQUIRE_GPU=1), for int8, stores and goals 1 when any of their runs failed.
+# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80. Each stage prints a
+# line "stage: exit N, S s"; the script's exit status is the tests' (a failing or missing GPU
+# fails, SPECACHE_REQUIRE_GPU=1), for int8, stores, goals and selection 1 when any of their runs
+# failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -66,7 +70,7 @@ if [ "$stage" = bundle ]; then
 fi
 
 case "$stage" in
-  run | tests | sanitize | step | model | profile | int8 | stores | goals) ;;
+  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection) ;;
   *) sed -n 2,28p "$0" >&2; exit 2 ;;
 esac
 if [ ! -x "$bundle/run" ]; then
@@ -167,9 +171,6 @@ if [ "$stage" = goals ]; then
     time_left && bench_48gb "goals_int8_$context" 90 "$context" --kv specache/host-rows=int8
   done
   time_left && bench_48gb goals_probe_150 80 8192 --kv specache/host-rows=int8 --host-delay-us 150
-  # An A/B beside goals_int8_8192: each layer's top-k in order on the model's stream instead of
-  # its own (CudaAgentOptions::selection_on_own_stream), where the GPU is full.
-  time_left && bench_48gb goals_selection_compute 80 8192 --kv specache/host-rows=int8 --selection-stream compute
   # One archive of the parts' outputs (a device call returns at most 8 files).
   tar -C "$out" -czf "$out/goals.tgz" $(cd "$out" && ls goals_*.txt) && rm -f "$out"/goals_*.txt
   exit "$bench_rc"
@@ -190,5 +191,12 @@ if [ "$stage" = stores ]; then
     done
   done
 fi
-if [ "$stage" = int8 ] || [ "$stage" = stores ]; then exit "$bench_rc"; fi  # (goals exits above)
+if [ "$stage" = selection ]; then
+  for round in 1 2; do
+    for where in own compute; do
+      bench_48gb "selection_${where}_$round" 80 8192 --kv specache/host-rows=int8 --selection-stream "$where"
+    done
+  done
+fi
+if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ]; then exit "$bench_rc"; fi  # (goals exits above)
 exit "$tests_rc"

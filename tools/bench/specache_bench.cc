@@ -376,7 +376,7 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
     cmd->add_option("--selection-stream", o->selection_stream,
                     "where each layer's top-k runs: own (a stream of its own, beside the model's kernels after the "
                     "attention; the agent's default) or compute (in order on the model's stream; rows suffixed "
-                    "_compute_selection)")
+                    "_ordered_topk)")
         ->capture_default_str()
         ->check(CLI::IsMember({"own", "compute"}));
     cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")

@@ -701,7 +701,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                                         ? (streaming_stores ? "_streaming" : "_cached")
                                         : "") +
                                    (o.mma_codes ? "" : "_natural") +
-                                   (o.selection_on_own_stream ? "" : "_compute_selection");
+                                   (o.selection_on_own_stream ? "" : "_ordered_topk");
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;

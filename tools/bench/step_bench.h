@@ -65,7 +65,7 @@ struct StepOptions {
   // plan's), ORDER chosen, shared, first or last (the tail units' place among the warps).
   std::vector<std::string> attend_unit_plans;
   // CudaAgentOptions::selection_on_own_stream of every run (the step bench's rows are suffixed
-  // _compute_selection when false).
+  // _ordered_topk when false).
   bool selection_on_own_stream = CudaAgentOptions{}.selection_on_own_stream;
   // The host pages' slabs ask for transparent huge pages (InMemorySource's default), or not: the
   // copy-engine fetch's host gather walks random rows over them.

@@ -277,8 +277,10 @@ struct CudaAgentOptions {
   // projection, the MLP and the next layer's QKV (true); or in order on the engine's stream
   // (false). The default: at 32 x 8K on the H200 the step without the fetch took 9.28 ms at the
   // median against 9.94 in order (five alternated rounds, 2026-12-04). Where the GPU is full
-  // (176 x 8K on an H100) the products' kernels ran ~1.4x their time alone beside it: false is
-  // the A/B for such batches (specache-bench step and specache-run bench --selection-stream).
+  // (176 x 8K on an H100) the products' kernels ran ~1.4x their time alone beside it and the
+  // fetch's kernels: false is the A/B for such batches (specache-bench step and specache-run bench
+  // --selection-stream; gpu_agent_checks.sh selection). Compare steps and tokens/s: the split's
+  // top-k, timed alone, comes out of the attention's phase only where it runs in order.
   bool selection_on_own_stream = true;
   // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
   // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence

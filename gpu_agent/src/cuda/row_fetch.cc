@@ -432,7 +432,9 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 // The overlapped fetch of layer L, in order (both paths):
 //   compute: ... attention of L, L's page writes, record appended_[L] (MarkAppended) ... later layers ...
 //   select:  (forked after that attention) top-k of L, record selected_[L] (MarkSelected);
-//            joined by the compute stream before L + 1's attention
+//            joined by the compute stream before L + 1's attention (with
+//            selection_on_own_stream false both run on the compute stream, in order, after the
+//            attention: nothing to join)
 //   fetch:   wait selected_[L] and appended_[L]; [staged: selection down, host waits; source reads; rows up];
 //            fetch kernel (hits from the cache); cache update; record fetched_[L]
 //   sm_fetch: (copy engine with fetch_sm_share) wait selected_[L] and appended_[L] (or, when it

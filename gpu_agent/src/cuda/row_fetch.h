@@ -16,7 +16,8 @@
 //   of the fetcher's, like the spares) or, by the copy engine, from its staged copy by rank.
 // - In specache mode the fetch of layer L runs on the fetcher's own stream (StartFetch), after an
 //   event that marks layer L's selection done on the stream it ran on (MarkSelected: the
-//   planner's selection stream, forked from the compute stream after the attention); the compute
+//   planner's selection stream, forked from the compute stream after the attention, or the
+//   compute stream itself with CudaAgentOptions::selection_on_own_stream false); the compute
 //   stream waits for it (WaitFetched) only before layer L's next attention, so later layers never
 //   wait for it. The other modes fetch on the compute stream (Fetch).
 // - When that fetch is queued is CudaAgentOptions::fetch_overlap (agent.h): at StartFetch, or
@@ -129,8 +130,9 @@ class RowFetcher {
   // picks): the caches' updates must share one stream (spare_lists_).
   Status Fetch(int layer, const std::vector<SequenceId>& ids, cudaStream_t stream);
   // Records on `stream`, where the layer's selection was queued (StepPlanner::AttendAndSelect, on
-  // its selection stream), that it is done, in selection_done(layer): the planner's join waits
-  // for that event too, until the layer's next MarkSelected.
+  // its selection stream, or on the compute stream with selection_on_own_stream false), that it
+  // is done, in selection_done(layer): the planner's join waits for that event too (own stream),
+  // until the layer's next MarkSelected.
   Status MarkSelected(int layer, cudaStream_t stream);
   // Records on the compute stream that the layer's page writes of this step are queued (the
   // agent, right after them); the layer's next overlapped fetch waits for it too (appended_).
@@ -263,8 +265,8 @@ class RowFetcher {
   // Of `fetched` sequences, how many the SM route takes (fetch_sm_share, rounded to nearest).
   size_t SmSequences(size_t fetched) const;
   // Queues the deferred fetch, if any, on the fetch stream behind everything queued so far on the
-  // compute stream and behind its layer's selection (selected_: the selection runs on a stream of
-  // its own), then records its layer's fetched_ event.
+  // compute stream and behind its layer's selection (selected_: the selection may run on a stream
+  // of its own), then records its layer's fetched_ event.
   Status LaunchDeferred() const;
   // After a failed fetch: the sequences hold no rows at the layer, and their caches start over.
   void Forget(int layer, const std::vector<SequenceId>& ids);
@@ -283,7 +285,7 @@ class RowFetcher {
   // (MarkAppended; a step without appends leaves the last record, long complete): when an append
   // fills the residual, the selection's candidates include the row written in that same step
   // (TopKCandidates), and the selection's own event (selected_, on the planner's selection
-  // stream) does not order that write. The deferred fetch starts later on the compute stream.
+  // stream, where it has one) does not order that write. The deferred fetch starts later on the compute stream.
   std::vector<cudaEvent_t> appended_;
   // [layer]: the compute stream waits for the layer's last fetch already (WaitFetched succeeded
   // since the layer's last StartFetch).

@@ -183,10 +183,10 @@ Status StepPlanner::AttendAndSelect(int layer, LayerPlan* plan) {
   if (!options_.selection_on_own_stream) {
     // In order on the compute stream (CudaAgentOptions::selection_on_own_stream): the next
     // attention, which overwrites the scores it reads, follows it there, so nothing joins it.
+    // Whatever Select queued is what the layer's fetch waits for (as on the own stream); after a
+    // failure the step protocol queues no fetch of the layer.
     const Status selected = Select(layer, *plan, compute_);
     const Status recorded = rows_->MarkSelected(layer, compute_);
-    // No event marks the selection's end: the fetch queued after it must not start before it.
-    if (!recorded.ok()) cudaStreamSynchronize(compute_);
     SPECACHE_RETURN_IF_ERROR(selected);
     return recorded;
   }

@@ -117,9 +117,10 @@ class StepPlanner {
   RowFetcher* rows_;
   const DevicePageTable* pages_;
   cudaStream_t compute_;
-  // AttendAndSelect's selection: its stream, the fork after the attention, the selection's end
-  // (the fetcher's event of the last selection's layer), and whether the compute stream has yet
-  // to wait for that end. One stream serves every layer: the
+  // AttendAndSelect's selection on a stream of its own (CudaAgentOptions::selection_on_own_stream;
+  // none of these is made or used when it is false): its stream, the fork after the attention,
+  // the selection's end (the fetcher's event of the last selection's layer), and whether the
+  // compute stream has yet to wait for that end. One stream serves every layer: the
   // selection reads the planner's scratch (probs_, probs_stats_, the union's), which the next
   // attention overwrites, so that attention waits for it (Attend); it overlaps the engine's work
   // between two attentions (the output projection, the MLP, the next layer's QKV).
