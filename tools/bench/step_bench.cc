@@ -787,11 +787,9 @@ bool RunLayersSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     return true;
   };
   // The bound: the layers' weights read once a step at the rate of a device-to-device copy.
-  const LlamaConfig& c = m.llama->config();
-  const double layer_weights = 2.0 * (double(c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.d_model +
-                                      double(c.d_model) * c.n_heads * c.head_dim + 3.0 * c.d_ff * c.d_model);
   const double copy_gbps = DeviceCopyGBps(m.stream);
-  const double bound_ms = copy_gbps > 0 ? kLayers * layer_weights / (copy_gbps * 1e9) * 1e3 : -1;
+  const double bound_ms =
+      copy_gbps > 0 ? static_cast<double>(m.llama->layer_matrix_bytes()) / (copy_gbps * 1e9) * 1e3 : -1;
   std::printf("\nlayers: the model's work outside attention, %d layers of Llama-3-8B shapes (ms per step)\n", kLayers);
   std::printf("%6s %10s %12s %7s %10s %22s %7s\n", "rows", "alone", "timed_gemms", "ratio", "weights", "beside held SM slots",
               "ratio");

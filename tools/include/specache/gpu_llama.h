@@ -49,6 +49,9 @@ class GpuLlama {
   ModelShape shape() const { return {c_.n_layers, c_.n_heads, c_.n_kv_heads, c_.head_dim}; }
   void* stream() const { return stream_; }
   int64_t weight_bytes() const { return weight_bytes_; }
+  // Of those, the layers' matrices (QKV, output, gate and up, down; all layers): what a decode
+  // step's products read once.
+  int64_t layer_matrix_bytes() const { return layer_matrix_bytes_; }
   // Device bytes of the activation buffers (grown by Reserve).
   int64_t workspace_bytes() const;
 
@@ -136,6 +139,7 @@ class GpuLlama {
   bool own_stream_ = false;
   std::unique_ptr<ModelGemm> gemm_;
   int64_t weight_bytes_ = 0;
+  int64_t layer_matrix_bytes_ = 0;
   std::vector<void*> allocations_;  // everything cudaMalloc'd here
   std::vector<Layer> layers_;
   Half* embedding_ = nullptr;

@@ -102,7 +102,9 @@ Status GpuLlama::Init(const LlamaConfig& c, void* stream, bool tied_head) {
     SPECACHE_ASSIGN_OR_RETURN(l.wo, Allocate<Half>(d * qw, &allocations_));
     SPECACHE_ASSIGN_OR_RETURN(l.wgate_up, Allocate<Half>(2 * ff * d, &allocations_));
     SPECACHE_ASSIGN_OR_RETURN(l.wdown, Allocate<Half>(d * ff, &allocations_));
-    weight_bytes_ += int64_t(2 * d * sizeof(float) + (qkv * d + d * qw + 3 * ff * d) * sizeof(Half));
+    const int64_t matrices = int64_t((qkv * d + d * qw + 3 * ff * d) * sizeof(Half));
+    layer_matrix_bytes_ += matrices;
+    weight_bytes_ += int64_t(2 * d * sizeof(float)) + matrices;
   }
   std::vector<float> inv_freq;
   for (int i = 0; i < c.head_dim / 2; ++i) {
