@@ -13,6 +13,7 @@
 #include <memory>
 #include <sstream>
 
+#include "cuda_call.h"
 #include "llama_kernels.h"
 #include "offload_agent.h"
 #include "run_support.h"
@@ -27,14 +28,9 @@
 namespace specache::run {
 namespace {
 
+using gpu::Cuda;
 using gpu::GpuEngine;
 using gpu::GpuLlama;
-
-Status Cuda(cudaError_t e, const std::string& what) {
-  if (e == cudaSuccess) return Status::Ok();
-  if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": " + cudaGetErrorString(e));
-  return Status::Unavailable(what + ": " + cudaGetErrorString(e));
-}
 
 // /proc/meminfo or /proc/self/status field in bytes (their figures are kB); 0 when absent.
 int64_t ProcBytes(const char* file, const std::string& key) {

@@ -6,18 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "cuda_call.h"
 #include "llama_kernels.h"
 #include "model_gemm.h"
 #include "specache/half.h"
 
 namespace specache::gpu {
 namespace {
-
-Status Cuda(cudaError_t e, const std::string& what) {
-  if (e == cudaSuccess) return Status::Ok();
-  if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": " + cudaGetErrorString(e));
-  return Status::Unavailable(what + ": " + cudaGetErrorString(e));
-}
 
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
 

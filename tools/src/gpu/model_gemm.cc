@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda_call.h"
+
 namespace specache::gpu {
 namespace {
 
@@ -23,10 +25,12 @@ bool Aligned(const void* x, const void* w, const void* y) {
   return (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(y)) % 256 == 0;
 }
 
+// cuda_call.h's Cuda, the error cleared (a failed timing call must not surface in the model's
+// next check of cudaGetLastError).
 Status CudaCall(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::Ok();
-  (void)cudaGetLastError();
-  return Status::Unavailable(std::string(what) + ": " + cudaGetErrorString(e));
+  const Status s = Cuda(e, what);
+  if (!s.ok()) (void)cudaGetLastError();
+  return s;
 }
 
 }  // namespace

@@ -9,17 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "cuda_call.h"
 #include "specache/cuda_attention.h"
 #include "specache/cuda_tensors.h"
 
 namespace specache::gpu {
 namespace {
-
-Status Cuda(cudaError_t e, const std::string& what) {
-  if (e == cudaSuccess) return Status::Ok();
-  if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(what + ": " + cudaGetErrorString(e));
-  return Status::Unavailable(what + ": " + cudaGetErrorString(e));
-}
 
 std::string Id(SequenceId id) { return std::to_string(id); }
 
