@@ -33,8 +33,8 @@
 # (default memcheck) its tools: racecheck takes 50-125 s a test on the H200, so run it as a stage
 # of its own (TOOLS=racecheck ... sanitize). Stage limits: tests 120 s and the model's 60, each
 # tool 150, step 90, each share of the model 60: `run` stays under 9 minutes with the default
-# TOOLS; profile: 100 and
-# 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80; goals: a part starts only
+# TOOLS; profile: 100 and 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80;
+# goals: a part starts only
 # before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80. Each stage prints a
 # line "stage: exit N, S s"; the script's exit status is the tests' (a failing or missing GPU
 # fails, SPECACHE_REQUIRE_GPU=1), for int8, stores, goals and selection 1 when any of their runs
@@ -71,7 +71,7 @@ fi
 
 case "$stage" in
   run | tests | sanitize | step | model | profile | int8 | stores | goals | selection) ;;
-  *) sed -n 2,28p "$0" >&2; exit 2 ;;
+  *) sed -n '2,/^[^#]/{/^#/p}' "$0" >&2; exit 2 ;;  # the header above, whole
 esac
 if [ ! -x "$bundle/run" ]; then
   [ -s .bundle/agent.tar.xz ] || { echo "gpu_agent_checks: no .bundle/agent.tar.xz (run the bundle stage here first)" >&2; exit 1; }
@@ -149,6 +149,16 @@ if [ "$stage" = profile ]; then
   done
 fi
 sdpa=(--kv fp16 --sdpa-script tools/bench/fp16_baseline.py --python "${PYTHON:-python3}")
+# The int8 host rows' table at 48 GB, 8K and 32K, SDPA's fp16 row beside each, runs named
+# PREFIX{sdpa,int8}_CONTEXT; each run only while GUARD... succeeds (goals' time budget).
+int8_table() {  # int8_table PREFIX GUARD...
+  local prefix=$1 context
+  shift
+  for context in 8192 32768; do
+    "$@" && bench_48gb "${prefix}sdpa_$context" 90 "$context" "${sdpa[@]}"
+    "$@" && bench_48gb "${prefix}int8_$context" 90 "$context" --kv specache/host-rows=int8
+  done
+}
 if [ "$stage" = goals ]; then
   goals_start=$(date +%s)
   time_left() { [ $(( $(date +%s) - goals_start )) -lt "${GOALS_S:-420}" ]; }
@@ -166,21 +176,13 @@ if [ "$stage" = goals ]; then
                    --tokens 32768 --batches 8,46 || bench_rc=1; sed -n '/^== attend/,/of_HBM/p' "$out/goals_attend_32k.txt"; }
   # The table at 48 GB (8K >= 3x, 32K >= 6x fp16), int8 host rows, SDPA in the same call; then
   # whether the host's pace sets the 8K step (it grows by 32 x 150 us if it does).
-  for context in 8192 32768; do
-    time_left && bench_48gb "goals_sdpa_$context" 90 "$context" "${sdpa[@]}"
-    time_left && bench_48gb "goals_int8_$context" 90 "$context" --kv specache/host-rows=int8
-  done
+  int8_table goals_ time_left
   time_left && bench_48gb goals_probe_150 80 8192 --kv specache/host-rows=int8 --host-delay-us 150
   # One archive of the parts' outputs (a device call returns at most 8 files).
   tar -C "$out" -czf "$out/goals.tgz" $(cd "$out" && ls goals_*.txt) && rm -f "$out"/goals_*.txt
   exit "$bench_rc"
 fi
-if [ "$stage" = int8 ]; then
-  for context in 8192 32768; do
-    bench_48gb "sdpa_$context" 90 "$context" "${sdpa[@]}"
-    bench_48gb "int8_$context" 90 "$context" --kv specache/host-rows=int8
-  done
-fi
+if [ "$stage" = int8 ]; then int8_table "" true; fi
 if [ "$stage" = stores ]; then
   timed stores_step 200 "$bundle/run" specache-bench step --tokens 8192 --batches "${STORES_BATCHES:-32,176}" \
     --kv specache-1bit-int8 --fetch-gather-stores cached,streaming || bench_rc=1
