@@ -17,6 +17,7 @@
 #include "model_gemm.h"
 #include "specache/half.h"
 #include "testing/cuda_device.h"
+#include "testing/device_buffers.h"
 
 namespace specache::gpu {
 namespace {
@@ -25,6 +26,7 @@ struct Operands {
   int n = 0, in = 0, out = 0;
   std::vector<Half> x, w;      // [n][in], [out][in]
   std::vector<float> y0;       // [n][out]: y before the call
+  testing::DeviceBuffers device;
   Half *dx = nullptr, *dw = nullptr;
   float* dy = nullptr;
 
@@ -34,23 +36,12 @@ struct Operands {
     for (int i = 0; i < n * in; ++i) x.push_back(FloatToHalf(u(rng)));
     for (int i = 0; i < out * in; ++i) w.push_back(FloatToHalf(0.05f * u(rng)));
     for (int i = 0; i < n * out; ++i) y0.push_back(u(rng));
-    EXPECT_EQ(cudaMalloc(&dx, x.size() * sizeof(Half)), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&dw, w.size() * sizeof(Half)), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&dy, y0.size() * sizeof(float)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(dx, x.data(), x.size() * sizeof(Half), cudaMemcpyHostToDevice), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(dw, w.data(), w.size() * sizeof(Half), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~Operands() {
-    cudaFree(dx);
-    cudaFree(dw);
-    cudaFree(dy);
+    dx = device.Copy(x);
+    dw = device.Copy(w);
+    dy = device.Allocate<float>(y0.size());
   }
   void ResetY() { EXPECT_EQ(cudaMemcpy(dy, y0.data(), y0.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess); }
-  std::vector<float> Y() const {
-    std::vector<float> y(y0.size());
-    EXPECT_EQ(cudaMemcpy(y.data(), dy, y.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-    return y;
-  }
+  std::vector<float> Y() const { return testing::Download(dy, y0.size()); }
   // y (+ y0) = x W^T in double, and each entry's sum of |terms| (the bound's scale).
   void Reference(bool accumulate, std::vector<double>* ref, std::vector<double>* magnitude) const {
     ref->assign(y0.size(), 0.0);
