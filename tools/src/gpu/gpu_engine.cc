@@ -5,6 +5,8 @@
 #include <chrono>
 #include <string>
 
+#include "cuda_call.h"
+
 namespace specache::gpu {
 namespace {
 
@@ -19,11 +21,6 @@ struct HostClock {
     return status;
   }
 };
-
-Status Cuda(cudaError_t e, const std::string& what) {
-  if (e == cudaSuccess) return Status::Ok();
-  return Status::Unavailable(what + ": " + cudaGetErrorString(e));
-}
 
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
 
