@@ -124,19 +124,20 @@ void PeerTable::PruneLocked() {
   }
 }
 
-Status PeerTable::Admit(int fd, Caller caller, uint32_t most, uint32_t most_per_uid) {
+Status PeerTable::Admit(int fd, Caller caller, std::string source, const ConnectionLimits& limits) {
   const auto [dev, ino] = FileOf(fd);
   std::lock_guard<std::mutex> lock(mu_);
   by_fd_.erase(fd);  // a number gRPC closed and accept reused
   PruneLocked();
-  uint32_t of_uid = 0;
-  for (const auto& [other, e] : by_fd_) of_uid += e.caller.uid == caller.uid ? 1 : 0;
-  if (by_fd_.size() >= most || of_uid >= most_per_uid) {
-    return Status::ResourceExhausted(std::to_string(by_fd_.size()) + " control connections open (" + std::to_string(of_uid) +
-                                     " of uid " + std::to_string(caller.uid) + "), limits " + std::to_string(most) +
-                                     " and " + std::to_string(most_per_uid) + " per uid ([limits] in the config)");
+  uint32_t of_source = 0;
+  for (const auto& [other, e] : by_fd_) of_source += e.source == source ? 1 : 0;
+  if (by_fd_.size() >= limits.most || of_source >= limits.most_per_source) {
+    return Status::ResourceExhausted(std::to_string(by_fd_.size()) + " control connections open (" +
+                                     std::to_string(of_source) + " from " + limits.per + " " + source + "), limits " +
+                                     std::to_string(limits.most) + " and " + std::to_string(limits.most_per_source) +
+                                     " per " + limits.per + " (" + limits.config + " in the config)");
   }
-  by_fd_[fd] = {std::move(caller), dev, ino};
+  by_fd_[fd] = {std::move(caller), std::move(source), dev, ino};
   return Status::Ok();
 }
 

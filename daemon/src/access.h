@@ -64,24 +64,36 @@ class AccessPolicy {
   uint32_t daemon_uid_;
 };
 
-// The caller behind each control connection. The daemon accepts control connections itself and
-// hands each descriptor to gRPC, which names the connection "fd:<n>" (ServerContext::peer());
-// the table maps that name to the peer seen at accept. A number is reused only after gRPC closed
-// the descriptor, and gRPC closes it only once every call of that connection has finished, so a
-// running call always finds its own connection's entry.
+// Caps on the connections a listener hands to gRPC: in all, and per source (a uid on the local
+// control socket, an address on the remote control port). `per` and `config` name them in a
+// refusal ("uid", "[limits]").
+struct ConnectionLimits {
+  uint32_t most = 0, most_per_source = 0;
+  const char* per = "";
+  const char* config = "";
+};
+
+// The connections a listener accepted and handed to gRPC, with the caller seen at accept (the
+// local socket's; a remote connection's callers are authenticated per call). gRPC names such a
+// connection "fd:<n>" (ServerContext::peer(), local socket) and closes the descriptor without
+// telling anyone, so an entry is known by its socket's identity (device, inode): an entry whose
+// descriptor no longer names that socket (closed, or the number reused) is forgotten at the next
+// admission. A number is reused only after gRPC closed the descriptor, and gRPC closes it only
+// once every call of that connection has finished, so a running call always finds its own
+// connection's entry.
 class PeerTable {
  public:
-  // Records the caller of a new connection, within the limits of connections open in all and of
-  // the caller's uid (connections whose descriptor gRPC closed since are not counted: their number
-  // now names another file, or none). RESOURCE_EXHAUSTED, naming the limit, when the connection
-  // would pass one (nothing recorded).
-  Status Admit(int fd, Caller caller, uint32_t most, uint32_t most_per_uid);
+  // Records a new connection from `source` (its caller: `caller`), within `limits` (connections
+  // whose descriptor gRPC closed since are not counted). RESOURCE_EXHAUSTED, naming the counts and
+  // the limits, when the connection would pass one (nothing recorded).
+  Status Admit(int fd, Caller caller, std::string source, const ConnectionLimits& limits);
   // PERMISSION_DENIED for a connection the table does not know (never accepted by the daemon).
   Result<Caller> Find(const std::string& peer) const;
 
  private:
   struct Entry {
     Caller caller;
+    std::string source;
     uint64_t dev = 0, ino = 0;  // the connection's socket: the descriptor still names it while open
   };
   // Forgets the connections whose descriptor no longer names their socket.

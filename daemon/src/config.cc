@@ -103,6 +103,14 @@ Status ParseAccess(const toml::node& node, AccessConfig* a) {
   return Status::Ok();
 }
 
+// A count limit: an integer in [1, 1000000].
+Status ParseCount(const toml::node& value, const std::string& key, uint32_t* out) {
+  auto v = value.value<int64_t>();
+  if (!v || *v < 1 || *v > 1000000) return Status::InvalidArgument("config: " + key + " must be an integer in [1, 1000000]");
+  *out = static_cast<uint32_t>(*v);
+  return Status::Ok();
+}
+
 // [limits]
 Status ParseLimits(const toml::node& node, LimitsConfig* l) {
   const toml::table* t = node.as_table();
@@ -116,9 +124,7 @@ Status ParseLimits(const toml::node& node, LimitsConfig* l) {
                     : field.str() == "kept_sequences_per_tenant"   ? &l->kept_sequences_per_tenant
                                                                    : nullptr;
     if (!out) return Status::InvalidArgument("config: unknown key '" + key + "'");
-    auto v = value.value<int64_t>();
-    if (!v || *v < 1 || *v > 1000000) return Status::InvalidArgument("config: " + key + " must be an integer in [1, 1000000]");
-    *out = static_cast<uint32_t>(*v);
+    SPECACHE_RETURN_IF_ERROR(ParseCount(value, key, out));
   }
   return Status::Ok();
 }
@@ -133,6 +139,11 @@ Status ParseRemote(const toml::node& node, RemoteConfig* r) {
       auto v = value.value<bool>();
       if (!v) return Status::InvalidArgument("config: " + key + " must be true or false");
       r->rma = *v;
+      continue;
+    }
+    if (field.str() == "control_connections" || field.str() == "control_connections_per_address") {
+      SPECACHE_RETURN_IF_ERROR(ParseCount(value, key, field.str() == "control_connections" ? &r->control_connections
+                                                                                           : &r->control_connections_per_address));
       continue;
     }
     if (field.str() == "idle_close_ms" || field.str() == "max_connection_ms") {

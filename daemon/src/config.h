@@ -45,6 +45,10 @@
 //   client_ca = ""                          # set: mutual TLS, clients need a certificate this CA signed
 //   rma = false                             # hand out remote keys for client-side gets (trusted
 //                                           # fabrics only: UCX's software RMA on TCP/shm checks no key)
+//   control_connections = 1024              # open TLS control connections in all
+//   control_connections_per_address = 64    # ...and per source address
+//   idle_close_ms = 60000                   # a control connection without a call this long is closed
+//   max_connection_ms = 600000              # ...and any this old (told to go away first)
 //   [tenants.default]
 //   remote_secret_file = "/etc/specache/default.secret"  # 0600/0400; a remote caller presents it
 #pragma once
@@ -108,12 +112,16 @@ struct RemoteConfig {
   std::string data_addr;
   std::string tls_cert, tls_key, client_ca;
   bool rma = false;
-  // Anyone who reaches the control port can hold connections open before any secret is checked,
-  // and gRPC 1.51 cannot cap their number. A connection with no call in progress for
+  // Anyone who reaches the control port can hold connections open before any secret is checked:
+  // the daemon accepts them itself and closes one at once that would pass control_connections
+  // open in all or control_connections_per_address from its source address (an IPv4 client of a
+  // dual-stack port counted by its IPv4 address). A connection with no call in progress for
   // idle_close_ms is closed, and every connection once it is max_connection_ms old (told to go
   // away then, cut 5 s later if calls still hold it): its client reconnects at its
   // next call. Refused calls in a loop, or a call that never sends its request, keep a connection
   // from being idle, not from growing old.
+  uint32_t control_connections = 1024;
+  uint32_t control_connections_per_address = 64;
   uint32_t idle_close_ms = 60000;
   uint32_t max_connection_ms = 600000;
   bool enabled() const { return !control_addr.empty(); }

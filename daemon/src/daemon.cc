@@ -197,8 +197,9 @@ Status ListenControl(State* d) {
       return;
     }
     const uint32_t uid = caller->uid;
-    const Status admitted = d->peers.Admit(fd, std::move(*caller), d->config.limits.control_connections,
-                                           d->config.limits.control_connections_per_uid);
+    const Status admitted =
+        d->peers.Admit(fd, std::move(*caller), std::to_string(uid),
+                       {d->config.limits.control_connections, d->config.limits.control_connections_per_uid, "uid", "[limits]"});
     if (!admitted.ok()) {
       ::close(fd);
       const uint64_t refused = ++d->control_refused;
@@ -224,6 +225,8 @@ ServiceCounts Counts(State* d) {
   n.refused_connections = a.refused + d->control_refused.load();
   n.accept_errors = a.accept_errors + d->control->accept_errors();
   if (remote) {
+    n.refused_connections += remote->control_refused();
+    n.accept_errors += remote->accept_errors();
     const UcxServerStats r = remote->data_stats();
     n.remote_connections = r.connections;
     n.remote_requests = r.requests;
@@ -249,7 +252,7 @@ Status ListenAttach(State* d) {
 // Clients on other hosts ([remote]): the TLS control plane and the UCX data plane.
 Status ListenRemote(State* d) {
   if (!d->config.remote.enabled()) return Status::Ok();
-  SPECACHE_ASSIGN_OR_RETURN(d->remote, RemoteServer::Start(d->config, d->registry.get(), d->kept.get()));
+  SPECACHE_ASSIGN_OR_RETURN(d->remote, RemoteServer::Start(d->config, d->registry.get(), d->kept.get(), d->io));
   d->remote->set_connection_counts([d] { return Counts(d); });
   d->remote_view.store(d->remote.get());
   return Status::Ok();

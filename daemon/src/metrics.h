@@ -15,7 +15,7 @@ struct ServiceCounts {
   uint64_t requests = 0, errors = 0;
   uint64_t denied = 0;               // control calls refused by the access rules
   uint64_t attach_connections = 0;   // open now
-  uint64_t refused_connections = 0;  // closed at accept: over a cap, or no peer credentials
+  uint64_t refused_connections = 0;  // closed at accept: over a cap ([limits], [remote]), or no peer credentials
   uint64_t accept_errors = 0;        // accept() failures (EMFILE...), each followed by a backoff
   // The remote data plane (ucx_server.h); 0 without [remote].
   uint64_t remote_connections = 0;   // UCX endpoints open now

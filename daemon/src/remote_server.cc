@@ -1,5 +1,8 @@
 #include "remote_server.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <sstream>
 
@@ -7,6 +10,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <spdlog/spdlog.h>
 
+#include "log_rate.h"
 #include "specache/remote_protocol.h"
 
 namespace specache::daemon {
@@ -44,7 +48,7 @@ std::string Metadata(const grpc::ServerContext* ctx, const char* key) {
 }  // namespace
 
 Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& config, Registry* registry,
-                                                          KeptSequences* kept) {
+                                                          KeptSequences* kept, boost::asio::io_context& io) {
   const RemoteConfig& rc = config.remote;
   std::unique_ptr<RemoteServer> r(new RemoteServer);
   SPECACHE_ASSIGN_OR_RETURN(r->ucx_, UcxServer::Start(registry, {rc.data_addr, rc.rma, config.lease_ms,
@@ -71,15 +75,20 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
         return access->AuthenticateRemote(Metadata(ctx, kTenantKey), Metadata(ctx, kSecretKey));
       },
       std::string(), config.lease_ms, data_address);
+  // The control port, bound before gRPC starts: a port that is taken fails the startup here.
+  SPECACHE_ASSIGN_OR_RETURN(const TcpListening listening, ListenTcp(rc.control_addr, 1024, "remote.control_addr"));
+  r->control_loop_ = std::make_unique<AcceptLoop>(io, "remote control", listening.fd);
+  r->control_port_ = listening.port;
+  r->control_limits_ = {rc.control_connections, rc.control_connections_per_address, "address", "[remote]"};
+
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(rc.control_addr, grpc::SslServerCredentials(tls), &port);
+  r->control_acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, grpc::SslServerCredentials(tls));
   builder.RegisterService(r->service_.get());
   builder.SetMaxReceiveMessageSize(64 << 10);  // as on the local socket: every request is small
-  // Anyone who reaches the port can open connections before any secret is checked, and gRPC
-  // (1.51) has no limit on their number: a connection that has not finished its TLS handshake is
-  // closed after kHandshakeMs (gRPC's default, 120 s, let half-open ones pile up towards the
-  // process's descriptor limit, which the local sockets share).
+  // Anyone who reaches the port can open connections before any secret is checked: within the
+  // caps (Admit), a connection that has not finished its TLS handshake is closed after
+  // kHandshakeMs (gRPC's default, 120 s, let half-open ones hold their places for that long).
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHandshakeMs);
   // Once handshaken: closed after idle_close_ms without a call in progress, and at
   // max_connection_ms of age whatever it does (RemoteConfig).
@@ -87,8 +96,10 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(rc.max_connection_ms));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, kConnectionGraceMs);
   r->server_ = builder.BuildAndStart();
-  if (!r->server_ || port == 0) return Status::Unavailable("cannot listen on remote.control_addr " + rc.control_addr);
-  r->control_port_ = static_cast<uint16_t>(port);
+  if (!r->server_ || !r->control_acceptor_) return Status::Unavailable("cannot start the remote control plane's gRPC server");
+  // Last: nothing after it can fail, so the loop never outlives a failed start on a running io thread.
+  RemoteServer* self = r.get();
+  r->control_loop_->Start([self](int fd) { self->Admit(fd); });
   spdlog::info("remote: control plane (TLS{}) on port {}, data plane (UCX, {}) on {}", rc.client_ca.empty() ? "" : ", mutual",
                r->control_port_, r->ucx_->transports(), data_address);
   if (rc.rma) {
@@ -98,7 +109,30 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   return r;
 }
 
+void RemoteServer::Admit(int fd) {
+  std::string source = PeerAddress(fd);
+  const int flags = fcntl(fd, F_GETFL);
+  Status admitted = source.empty() ? Status::Unavailable("reset before its address could be read")
+                    : flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0
+                        ? Status::Unavailable("cannot make it non-blocking")
+                        : control_connections_.Admit(fd, Caller{}, source, control_limits_);
+  if (!admitted.ok()) {
+    ::close(fd);
+    const uint64_t refused = ++control_refused_;
+    if (LoggedOccurrence(refused)) {  // 1st, 2nd, 4th...: a flood of connections does not flood the log
+      spdlog::warn("remote: control connection from {} closed: {}; {} closed so far", source.empty() ? "?" : source,
+                   admitted.message(), refused);
+    }
+    return;
+  }
+  grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
+  p.listener_fd = control_loop_->fd();
+  p.fd = fd;
+  control_acceptor_->HandleNewConnection(&p);  // gRPC owns fd from here (and closes it at shutdown)
+}
+
 RemoteServer::~RemoteServer() {
+  if (control_loop_) control_loop_->Stop();  // no new connection reaches gRPC while it shuts down
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   ucx_.reset();  // after the control plane: no new session names it
 }

@@ -14,15 +14,10 @@
 
 #include <spdlog/spdlog.h>
 
-#include "log_rate.h"
 #include "specache/trusted_directory.h"
 
 namespace specache::daemon {
 namespace {
-
-constexpr auto kFirstBackoff = std::chrono::milliseconds(10);
-constexpr auto kMaxBackoff = std::chrono::milliseconds(1000);
-constexpr int kAcceptsPerWakeup = 64;  // then other handlers on the io thread get their turn
 
 std::string Errno() { return std::strerror(errno); }
 
@@ -67,17 +62,17 @@ Status EnsureSocketDirectory(const std::string& socket_path) {
   return CheckTrustedDirectory(dir, "socket directory");
 }
 
-UnixListener::UnixListener(boost::asio::io_context& io, std::string name)
-    : io_(io), name_(std::move(name)), retry_(io) {}
+UnixListener::UnixListener(boost::asio::io_context& io, std::string name) : io_(io), name_(std::move(name)) {}
 
 Status UnixListener::Listen(const SocketFile& file, int backlog) {
   path_ = file.path;
   ::unlink(path_.c_str());
   boost::system::error_code ec;
-  acceptor_ = std::make_unique<boost::asio::local::stream_protocol::acceptor>(io_);
-  acceptor_->open(boost::asio::local::stream_protocol(), ec);
-  if (!ec) acceptor_->bind(boost::asio::local::stream_protocol::endpoint(path_), ec);
+  boost::asio::local::stream_protocol::acceptor acceptor(io_);
+  acceptor.open(boost::asio::local::stream_protocol(), ec);
+  if (!ec) acceptor.bind(boost::asio::local::stream_protocol::endpoint(path_), ec);
   if (ec) return Status::Unavailable(name_ + " socket " + path_ + ": " + ec.message());
+  bound_ = true;
   // Mode and group before listen(): until then every connect() is refused, so nobody connects
   // through the mode bind() left.
   // No chown when the file already has the group (the daemon's own group, as under the shipped
@@ -92,59 +87,18 @@ Status UnixListener::Listen(const SocketFile& file, int backlog) {
   if (::chmod(path_.c_str(), file.mode) != 0) {
     return Status::Unavailable(name_ + " socket " + path_ + ": chmod: " + Errno());
   }
-  acceptor_->listen(backlog, ec);
-  if (!ec) acceptor_->non_blocking(true, ec);
+  acceptor.listen(backlog, ec);
   if (ec) return Status::Unavailable(name_ + " socket " + path_ + ": " + ec.message());
+  loop_ = std::make_unique<AcceptLoop>(io_, name_, acceptor.release());
   return Status::Ok();
 }
 
-void UnixListener::Start(std::function<void(int)> on_accept) {
-  on_accept_ = std::move(on_accept);
-  Wait();
-}
-
-void UnixListener::Wait() {
-  acceptor_->async_wait(boost::asio::socket_base::wait_read, [this](boost::system::error_code ec) {
-    if (ec || stopped_) return;
-    AcceptReady();
-  });
-}
-
-void UnixListener::AcceptReady() {
-  for (int i = 0; i < kAcceptsPerWakeup; ++i) {
-    const int fd = ::accept4(acceptor_->native_handle(), nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd >= 0) {
-      backoff_ = std::chrono::milliseconds(0);
-      on_accept_(fd);
-      continue;
-    }
-    if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-    if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
-    // Out of descriptors or memory: the connection stays queued. Waiting (10 ms, doubling to
-    // 1 s) lets sessions end and descriptors come back; retrying at once would spin a core.
-    const uint64_t errors = ++accept_errors_;
-    backoff_ = std::min<std::chrono::milliseconds>(backoff_.count() ? backoff_ * 2 : kFirstBackoff, kMaxBackoff);
-    if (LoggedOccurrence(errors)) {  // an accept storm does not flood the log
-      spdlog::warn("{} socket: accept failed: {}; retrying in {} ms ({} accept errors so far)", name_, Errno(),
-                   backoff_.count(), errors);
-    }
-    retry_.expires_after(backoff_);
-    retry_.async_wait([this](boost::system::error_code ec) {
-      if (!ec && !stopped_) AcceptReady();
-    });
-    return;
-  }
-  Wait();
-}
+void UnixListener::Start(std::function<void(int)> on_accept) { loop_->Start(std::move(on_accept)); }
 
 void UnixListener::Stop() {
-  stopped_ = true;
-  retry_.cancel();
-  if (acceptor_) {
-    boost::system::error_code ec;
-    acceptor_->close(ec);
-    ::unlink(path_.c_str());
-  }
+  if (loop_) loop_->Stop();
+  if (bound_) ::unlink(path_.c_str());
+  bound_ = false;
 }
 
 }  // namespace specache::daemon

@@ -1,21 +1,15 @@
 // The daemon's Unix stream sockets: the lock that lets one daemon own a socket path, and a
-// listener whose socket file gets the configured mode and group before it accepts anything, and
-// whose accept loop backs off on resource errors (EMFILE, ENFILE, ENOBUFS, ENOMEM) instead of
-// spinning on them.
+// listener whose socket file gets the configured mode and group before it accepts anything (its
+// accept loop: accept_loop.h).
 #pragma once
 
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
-#include <utility>  // Boost 1.74 asio/awaitable.hpp uses std::exchange without it (C++20)
-
-#include <boost/asio.hpp>
-
+#include "accept_loop.h"
 #include "specache/status.h"
 
 namespace specache::daemon {
@@ -59,20 +53,13 @@ class UnixListener {
   void Start(std::function<void(int fd)> on_accept);
   // Stops accepting and removes the socket file.
   void Stop();
-  uint64_t accept_errors() const { return accept_errors_.load(); }
+  uint64_t accept_errors() const { return loop_ ? loop_->accept_errors() : 0; }
 
  private:
-  void Wait();
-  void AcceptReady();
-
   boost::asio::io_context& io_;
   std::string name_, path_;
-  std::unique_ptr<boost::asio::local::stream_protocol::acceptor> acceptor_;
-  boost::asio::steady_timer retry_;
-  std::function<void(int)> on_accept_;
-  std::chrono::milliseconds backoff_{0};
-  std::atomic<uint64_t> accept_errors_{0};
-  bool stopped_ = false;
+  std::unique_ptr<AcceptLoop> loop_;  // from Listen
+  bool bound_ = false;                // the socket file is this listener's to remove
 };
 
 }  // namespace specache::daemon

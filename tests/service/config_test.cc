@@ -189,6 +189,20 @@ TEST(DaemonConfigTest, RemoteNeedsTlsAndTenantSecretsOnlyTheOwnerCanRead) {
         << bad << ": " << refused.status().ToString();
   }
 
+  // Caps on the control port's connections: 1024 in all and 64 per source address unless set.
+  EXPECT_EQ(c->remote.control_connections, 1024u);
+  EXPECT_EQ(c->remote.control_connections_per_address, 64u);
+  auto capped = ParseConfig("[remote]\ncontrol_connections = 8\ncontrol_connections_per_address = 2\n");
+  ASSERT_TRUE(capped.ok()) << capped.status().ToString();
+  EXPECT_EQ(capped->remote.control_connections, 8u);
+  EXPECT_EQ(capped->remote.control_connections_per_address, 2u);
+  for (const char* bad : {"0", "-3", "1000001", "\"8\""}) {
+    auto refused = ParseConfig(std::string("[remote]\ncontrol_connections_per_address = ") + bad + "\n");
+    EXPECT_NE(refused.status().message().find("remote.control_connections_per_address must be an integer in [1, 1000000]"),
+              std::string::npos)
+        << bad << ": " << refused.status().ToString();
+  }
+
   chmod(secret.c_str(), 0640);
   auto readable = ParseConfig(tenant);
   EXPECT_NE(readable.status().message().find("must not be readable or writable by group or others"), std::string::npos)

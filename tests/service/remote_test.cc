@@ -2,6 +2,7 @@
 // clients in this process. What a remote client may do, what it is refused (with which status),
 // rows identical to what was written by both fetch methods, and a daemon killed under a session.
 // The two-host version (network namespaces, the real engine) is remote_netns_test.sh.
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -644,6 +645,94 @@ TEST_F(RemoteTest, AControlConnectionThatNeverHandshakesIsClosed) {
   EXPECT_LE(n, 0);
   EXPECT_LT(waited, 20.0) << "the connection was still open after " << waited << " s";
   ::close(fd);
+}
+
+// A TCP connection to the control port from `source` (a loopback address), not yet handshaken.
+int RawControlConnection(uint16_t port, const char* source) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  inet_pton(AF_INET, source, &from.sin_addr);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port);
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (bind(fd, reinterpret_cast<const sockaddr*>(&from), sizeof from) != 0 ||
+      connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the daemon closed the connection within `ms` (an end of stream or a reset; a connection
+// it keeps waits for its TLS handshake, 10 s).
+bool ClosedWithin(int fd, int ms) {
+  timeval wait{ms / 1000, (ms % 1000) * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+  char byte = 0;
+  const ssize_t n = recv(fd, &byte, 1, 0);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+// Anyone who reaches the control port can open connections before any secret is checked: past
+// [remote] control_connections_per_address from one address, or control_connections in all, the
+// daemon closes a new one at once (logged, counted in refused_connections); one that ends gives
+// its place back.
+TEST_F(RemoteTest, ControlConnectionsPastTheCapsAreClosedAtAccept) {
+  extra_toml_ = "control_connections = 3\ncontrol_connections_per_address = 2\n";  // into [remote], the last table
+  StartDaemon(false, false);
+  std::vector<int> held;
+  for (int i = 0; i < 2; ++i) {
+    held.push_back(RawControlConnection(control_port_, "127.0.0.1"));
+    ASSERT_GE(held.back(), 0) << strerror(errno);
+    EXPECT_FALSE(ClosedWithin(held.back(), 300)) << "connection " << i << " of 127.0.0.1, within the caps";
+  }
+  const int third_of_one = RawControlConnection(control_port_, "127.0.0.1");
+  ASSERT_GE(third_of_one, 0) << strerror(errno);
+  EXPECT_TRUE(ClosedWithin(third_of_one, 5000)) << "a third connection of 127.0.0.1 (2 per address) was kept";
+  ::close(third_of_one);
+  held.push_back(RawControlConnection(control_port_, "127.0.0.2"));
+  ASSERT_GE(held.back(), 0) << strerror(errno);
+  EXPECT_FALSE(ClosedWithin(held.back(), 300)) << "the first connection of 127.0.0.2, within the caps";
+  const int fourth_in_all = RawControlConnection(control_port_, "127.0.0.2");
+  ASSERT_GE(fourth_in_all, 0) << strerror(errno);
+  EXPECT_TRUE(ClosedWithin(fourth_in_all, 5000)) << "a fourth connection (3 in all) was kept";
+  ::close(fourth_in_all);
+
+  // A connection that ends gives its place back (once gRPC has closed its side).
+  ::close(held.front());
+  held.erase(held.begin());
+  bool admitted = false;
+  for (int attempt = 0; attempt < 50 && !admitted; ++attempt) {
+    const int fd = RawControlConnection(control_port_, "127.0.0.1");
+    ASSERT_GE(fd, 0) << strerror(errno);
+    admitted = !ClosedWithin(fd, 300);
+    if (admitted) held.push_back(fd); else ::close(fd);
+  }
+  EXPECT_TRUE(admitted) << "no place came back after a connection of 127.0.0.1 ended\n" << daemon_->Log();
+  for (int fd : held) ::close(fd);
+
+  // Clients with the secret are served once places are free, and the refusals were counted and
+  // logged with the cap that refused them.
+  Result<client::DaemonStats> stats = Status::Unavailable("not asked");
+  for (int attempt = 0; attempt < 50 && !stats.ok(); ++attempt) {
+    auto c = Connect(Credentials("a"));
+    if (c.ok()) stats = (*c)->Stats();
+    if (!stats.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString() << "\n" << daemon_->Log();
+  EXPECT_GE(stats->refused_connections, 2u);
+  const std::string log = daemon_->Log();
+  EXPECT_NE(log.find("remote: control connection from 127.0.0.1 closed: 2 control connections open (2 from address 127.0.0.1), "
+                     "limits 3 and 2 per address ([remote] in the config)"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("remote: control connection from 127.0.0.2 closed: 3 control connections open (1 from address "
+                     "127.0.0.2)"),
+            std::string::npos)
+      << log;
 }
 
 // A handshaken control connection with no call in progress is closed after [remote]
