@@ -12,7 +12,7 @@ packages=(build-essential cmake ninja-build ccache pkg-config libgtest-dev libgm
           libopenblas-dev libcli11-dev nlohmann-json3-dev libpng-dev libfreetype-dev fonts-dejavu-core libstb-dev
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libboost-dev libspdlog-dev
           libtomlplusplus-dev libsystemd-dev prometheus-cpp-dev systemd librocksdb-dev libxxhash-dev
-          libucx-dev ucx-utils iproute2 openssl python3-dev python3-venv python3-pip)
+          libucx-dev ucx-utils iproute2 openssl libssl-dev python3-dev python3-venv python3-pip)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

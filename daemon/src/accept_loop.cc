@@ -82,17 +82,51 @@ void AcceptLoop::Stop() {
   listening_.close(ec);
 }
 
-Result<TcpListening> ListenTcp(const std::string& host_port, int backlog, const std::string& what) {
-  SPECACHE_ASSIGN_OR_RETURN(const remote::SocketAddress address, remote::ResolveAddress(host_port));
-  const int fd = ::socket(address.get()->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Status::Unavailable(what + " " + host_port + ": socket: " + Errno());
-  const int on = 1;
+namespace {
+
+bool IsWildcard(const std::string& host) { return host == "0.0.0.0" || host == "::" || host.empty(); }
+
+// A socket of `family` bound to `address` and listening; -1 with errno set when it cannot be.
+int BoundSocket(int family, const sockaddr* address, socklen_t length, bool dual_stack) {
+  const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  const int on = 1, off = 0;
   if (::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on) != 0 ||
-      ::bind(fd, address.get(), address.length) != 0 || ::listen(fd, backlog) != 0) {
-    const std::string why = Errno();
+      (dual_stack && ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof off) != 0) ||
+      ::bind(fd, address, length) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    const int saved = errno;
     ::close(fd);
-    return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + why);
+    errno = saved;
+    return -1;
   }
+  return fd;
+}
+
+}  // namespace
+
+Result<TcpListening> ListenTcp(const std::string& host_port, const std::string& what) {
+  SPECACHE_ASSIGN_OR_RETURN(const auto host_and_port, remote::SplitHostPort(host_port));
+  TcpListening listening;
+  int fd = -1;
+  if (IsWildcard(host_and_port.first)) {
+    sockaddr_in6 any6{};
+    any6.sin6_family = AF_INET6;
+    any6.sin6_addr = in6addr_any;
+    any6.sin6_port = htons(host_and_port.second);
+    fd = BoundSocket(AF_INET6, reinterpret_cast<const sockaddr*>(&any6), sizeof any6, /*dual_stack=*/true);
+    listening.dual_stack = fd >= 0;
+    if (fd < 0 && (errno == EAFNOSUPPORT || errno == EADDRNOTAVAIL)) {  // no IPv6 on this host: IPv4 alone
+      sockaddr_in any4{};
+      any4.sin_family = AF_INET;
+      any4.sin_addr.s_addr = htonl(INADDR_ANY);
+      any4.sin_port = htons(host_and_port.second);
+      fd = BoundSocket(AF_INET, reinterpret_cast<const sockaddr*>(&any4), sizeof any4, false);
+    }
+  } else {
+    SPECACHE_ASSIGN_OR_RETURN(const remote::SocketAddress address, remote::ResolveAddress(host_port));
+    fd = BoundSocket(address.get()->sa_family, address.get(), address.length, false);
+  }
+  if (fd < 0) return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + Errno());
   sockaddr_storage bound{};
   socklen_t length = sizeof bound;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
@@ -100,15 +134,13 @@ Result<TcpListening> ListenTcp(const std::string& host_port, int backlog, const 
     ::close(fd);
     return Status::Unavailable(what + " " + host_port + ": getsockname: " + why);
   }
-  const uint16_t port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
-                                                    : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
-  return TcpListening{fd, port};
+  listening.fd = fd;
+  listening.port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+                                               : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+  return listening;
 }
 
-std::string PeerAddress(int fd) {
-  sockaddr_storage peer{};
-  socklen_t length = sizeof peer;
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &length) != 0) return {};
+std::string SourceOf(const sockaddr_storage& peer) {
   char text[INET6_ADDRSTRLEN] = {};
   if (peer.ss_family == AF_INET) {
     const auto* v4 = reinterpret_cast<const sockaddr_in*>(&peer);
@@ -119,9 +151,18 @@ std::string PeerAddress(int fd) {
     if (IN6_IS_ADDR_V4MAPPED(&v6->sin6_addr)) {  // an IPv4 client of a dual-stack socket: counted as itself
       return ::inet_ntop(AF_INET, &v6->sin6_addr.s6_addr[12], text, sizeof text) ? text : std::string();
     }
-    return ::inet_ntop(AF_INET6, &v6->sin6_addr, text, sizeof text) ? text : std::string();
+    in6_addr prefix = v6->sin6_addr;
+    std::memset(&prefix.s6_addr[8], 0, 8);  // the /64
+    return ::inet_ntop(AF_INET6, &prefix, text, sizeof text) ? std::string(text) + "/64" : std::string();
   }
   return {};
+}
+
+std::string SourceOf(int fd) {
+  sockaddr_storage peer{};
+  socklen_t length = sizeof peer;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &length) != 0) return {};
+  return SourceOf(peer);
 }
 
 }  // namespace specache::daemon

@@ -14,6 +14,7 @@
 #include <utility>  // Boost 1.74 asio/awaitable.hpp uses std::exchange without it (C++20)
 
 #include <boost/asio.hpp>
+#include <sys/socket.h>
 
 #include "specache/status.h"
 
@@ -50,18 +51,25 @@ class AcceptLoop {
   bool stopped_ = false;
 };
 
-// A listening TCP socket on HOST:PORT (a numeric address, "[v6]" bracketed, or a name resolved
-// here; port 0: any free one), with SO_REUSEADDR, CLOEXEC. Its descriptor and the port bound;
-// UNAVAILABLE naming `what` and the address when it cannot be bound.
+// A listening TCP socket on HOST:PORT (SO_REUSEADDR, CLOEXEC, the system's largest backlog; port
+// 0: any free one). A wildcard host ("0.0.0.0", "[::]", "::") listens on IPv4 and IPv6 alike (one
+// IPv6 socket with IPV6_V6ONLY off, or IPv4 alone where the host has no IPv6), as gRPC's own
+// listener did; a numeric address on that address; a name on the first address it resolves to.
+// Its descriptor and the port bound; UNAVAILABLE naming `what` and the address when it cannot be
+// bound.
 struct TcpListening {
   int fd = -1;
   uint16_t port = 0;
+  bool dual_stack = false;  // an IPv6 socket that also accepts IPv4 clients
 };
-Result<TcpListening> ListenTcp(const std::string& host_port, int backlog, const std::string& what);
+Result<TcpListening> ListenTcp(const std::string& host_port, const std::string& what);
 
-// The address of a TCP connection's peer, for counting connections per source: "a.b.c.d" for IPv4
-// (also when it reached an IPv6 socket as ::ffff:a.b.c.d), the text form otherwise; empty when
-// the socket has no peer (it was reset before this call).
-std::string PeerAddress(int fd);
+// The source a TCP peer's connections are counted under: "a.b.c.d" for IPv4 (also when it reached
+// an IPv6 socket as ::ffff:a.b.c.d), the /64 prefix for IPv6 ("2001:db8:1:2::/64": a host is
+// given a whole /64, and could otherwise draw a new address for each connection); empty for
+// another family.
+std::string SourceOf(const sockaddr_storage& peer);
+// SourceOf the connection's peer; empty when it has none (reset before this call).
+std::string SourceOf(int fd);
 
 }  // namespace specache::daemon

@@ -116,27 +116,46 @@ std::pair<uint64_t, uint64_t> FileOf(int fd) {
 
 }  // namespace
 
+void PeerTable::EraseLocked(std::map<int, Entry>::iterator it) {
+  auto count = per_source_.find(it->second.source);
+  if (count != per_source_.end() && --count->second == 0) per_source_.erase(count);
+  by_fd_.erase(it);
+}
+
 void PeerTable::PruneLocked() {
+  last_prune_ = std::chrono::steady_clock::now();
   for (auto it = by_fd_.begin(); it != by_fd_.end();) {
     const auto [dev, ino] = FileOf(it->first);
     const bool open = ino != 0 && dev == it->second.dev && ino == it->second.ino;
-    it = open ? std::next(it) : by_fd_.erase(it);
+    if (open) {
+      ++it;
+    } else {
+      auto gone = it++;
+      EraseLocked(gone);
+    }
   }
 }
 
 Status PeerTable::Admit(int fd, Caller caller, std::string source, const ConnectionLimits& limits) {
   const auto [dev, ino] = FileOf(fd);
   std::lock_guard<std::mutex> lock(mu_);
-  by_fd_.erase(fd);  // a number gRPC closed and accept reused
-  PruneLocked();
-  uint32_t of_source = 0;
-  for (const auto& [other, e] : by_fd_) of_source += e.source == source ? 1 : 0;
-  if (by_fd_.size() >= limits.most || of_source >= limits.most_per_source) {
+  if (auto reused = by_fd_.find(fd); reused != by_fd_.end()) EraseLocked(reused);  // a number gRPC closed and accept reused
+  auto of = [&] {
+    auto it = per_source_.find(source);
+    return it == per_source_.end() ? uint32_t{0} : it->second;
+  };
+  auto over = [&] { return by_fd_.size() >= limits.most || of() >= limits.most_per_source; };
+  // The connections gRPC closed are found only when a cap would refuse, and then at most once a
+  // kPruneEvery: under a flood at the caps each refusal costs a lookup, not a stat per connection.
+  if (over() && std::chrono::steady_clock::now() - last_prune_ >= kPruneEvery) PruneLocked();
+  const uint32_t of_source = of();
+  if (over()) {
     return Status::ResourceExhausted(std::to_string(by_fd_.size()) + " control connections open (" +
                                      std::to_string(of_source) + " from " + limits.per + " " + source + "), limits " +
                                      std::to_string(limits.most) + " and " + std::to_string(limits.most_per_source) +
                                      " per " + limits.per + " (" + limits.config + " in the config)");
   }
+  ++per_source_[source];
   by_fd_[fd] = {std::move(caller), std::move(source), dev, ino};
   return Status::Ok();
 }

@@ -12,6 +12,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -77,10 +78,11 @@ struct ConnectionLimits {
 // local socket's; a remote connection's callers are authenticated per call). gRPC names such a
 // connection "fd:<n>" (ServerContext::peer(), local socket) and closes the descriptor without
 // telling anyone, so an entry is known by its socket's identity (device, inode): an entry whose
-// descriptor no longer names that socket (closed, or the number reused) is forgotten at the next
-// admission. A number is reused only after gRPC closed the descriptor, and gRPC closes it only
-// once every call of that connection has finished, so a running call always finds its own
-// connection's entry.
+// descriptor no longer names that socket (closed, or the number reused) is forgotten when an
+// admission would pass a cap (at most once a kPruneEvery; a place freed just before is then seen
+// up to that much later) or when accept reuses its number. A number is reused only after gRPC
+// closed the descriptor, and gRPC closes it only once every call of that connection has
+// finished, so a running call always finds its own connection's entry.
 class PeerTable {
  public:
   // Records a new connection from `source` (its caller: `caller`), within `limits` (connections
@@ -96,10 +98,14 @@ class PeerTable {
     std::string source;
     uint64_t dev = 0, ino = 0;  // the connection's socket: the descriptor still names it while open
   };
+  static constexpr std::chrono::milliseconds kPruneEvery{100};
   // Forgets the connections whose descriptor no longer names their socket.
   void PruneLocked();
+  void EraseLocked(std::map<int, Entry>::iterator it);
   mutable std::mutex mu_;
   std::map<int, Entry> by_fd_;
+  std::map<std::string, uint32_t> per_source_;  // entries of by_fd_ per source
+  std::chrono::steady_clock::time_point last_prune_{};
 };
 
 // `text` made safe to echo into a log line or an error: control bytes, quotes, backslashes and

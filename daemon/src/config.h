@@ -46,7 +46,7 @@
 //   rma = false                             # hand out remote keys for client-side gets (trusted
 //                                           # fabrics only: UCX's software RMA on TCP/shm checks no key)
 //   control_connections = 1024              # open TLS control connections in all
-//   control_connections_per_address = 64    # ...and per source address
+//   control_connections_per_address = 64    # ...and per source address (IPv6: per /64)
 //   idle_close_ms = 60000                   # a control connection without a call this long is closed
 //   max_connection_ms = 600000              # ...and any this old (told to go away first)
 //   [tenants.default]
@@ -114,8 +114,8 @@ struct RemoteConfig {
   bool rma = false;
   // Anyone who reaches the control port can hold connections open before any secret is checked:
   // the daemon accepts them itself and closes one at once that would pass control_connections
-  // open in all or control_connections_per_address from its source address (an IPv4 client of a
-  // dual-stack port counted by its IPv4 address). A connection with no call in progress for
+  // open in all or control_connections_per_address from its source (an IPv4 address, or an IPv6
+  // /64 prefix: accept_loop.h, SourceOf). A connection with no call in progress for
   // idle_close_ms is closed, and every connection once it is max_connection_ms old (told to go
   // away then, cut 5 s later if calls still hold it): its client reconnects at its
   // next call. Refused calls in a loop, or a call that never sends its request, keep a connection

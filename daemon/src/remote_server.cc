@@ -1,13 +1,20 @@
 #include "remote_server.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <spdlog/spdlog.h>
 
 #include "log_rate.h"
@@ -45,6 +52,43 @@ std::string Metadata(const grpc::ServerContext* ctx, const char* key) {
   return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
 }
 
+// OpenSSL's last error, for a refusal.
+std::string SslError() {
+  char text[256] = {};
+  ERR_error_string_n(ERR_get_error(), text, sizeof text);
+  ERR_clear_error();
+  return text;
+}
+
+// The daemon's certificate chain and key as a TLS server would load them (OpenSSL, which gRPC's
+// TLS uses here), the key matching the certificate, and the client CA's certificates: INVALID_ARGUMENT
+// naming the file otherwise. gRPC 1.51 does not report credentials it cannot use on a port whose
+// connections the daemon accepts: the port would take connections and never answer them.
+Status CheckTlsFiles(const RemoteConfig& rc, const std::string& key_pem, const std::string& client_ca_pem) {
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_server_method()), SSL_CTX_free);
+  if (!ctx) return Status::Unavailable("remote: OpenSSL cannot make a TLS context: " + SslError());
+  if (SSL_CTX_use_certificate_chain_file(ctx.get(), rc.tls_cert.c_str()) != 1) {
+    return Status::InvalidArgument("remote.tls_cert " + rc.tls_cert + " is not a usable certificate chain: " + SslError());
+  }
+  std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())),
+                                                    BIO_free);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      key_bio ? PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr) : nullptr, EVP_PKEY_free);
+  if (!key) return Status::InvalidArgument("remote.tls_key " + rc.tls_key + " is not a usable private key: " + SslError());
+  if (SSL_CTX_use_PrivateKey(ctx.get(), key.get()) != 1 || SSL_CTX_check_private_key(ctx.get()) != 1) {
+    return Status::InvalidArgument("remote.tls_key " + rc.tls_key + " does not match the certificate of remote.tls_cert " +
+                                   rc.tls_cert + ": " + SslError());
+  }
+  if (!client_ca_pem.empty()) {
+    std::unique_ptr<BIO, decltype(&BIO_free)> ca_bio(
+        BIO_new_mem_buf(client_ca_pem.data(), static_cast<int>(client_ca_pem.size())), BIO_free);
+    std::unique_ptr<X509, decltype(&X509_free)> ca(ca_bio ? PEM_read_bio_X509(ca_bio.get(), nullptr, nullptr, nullptr) : nullptr,
+                                                   X509_free);
+    if (!ca) return Status::InvalidArgument("remote.client_ca " + rc.client_ca + " holds no certificate: " + SslError());
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& config, Registry* registry,
@@ -66,6 +110,7 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   if (!rc.client_ca.empty()) {
     SPECACHE_ASSIGN_OR_RETURN(tls.pem_root_certs, ReadPem(rc.client_ca, "client_ca"));
   }
+  SPECACHE_RETURN_IF_ERROR(CheckTlsFiles(rc, pair.private_key, tls.pem_root_certs));
 
   // Callers by the tenant secret of each call; the policy compares it in constant time.
   const AccessPolicy* access = &registry->access();
@@ -76,7 +121,7 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
       },
       std::string(), config.lease_ms, data_address);
   // The control port, bound before gRPC starts: a port that is taken fails the startup here.
-  SPECACHE_ASSIGN_OR_RETURN(const TcpListening listening, ListenTcp(rc.control_addr, 1024, "remote.control_addr"));
+  SPECACHE_ASSIGN_OR_RETURN(const TcpListening listening, ListenTcp(rc.control_addr, "remote.control_addr"));
   r->control_loop_ = std::make_unique<AcceptLoop>(io, "remote control", listening.fd);
   r->control_port_ = listening.port;
   r->control_limits_ = {rc.control_connections, rc.control_connections_per_address, "address", "[remote]"};
@@ -110,11 +155,13 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
 }
 
 void RemoteServer::Admit(int fd) {
-  std::string source = PeerAddress(fd);
+  std::string source = SourceOf(fd);
   const int flags = fcntl(fd, F_GETFL);
+  const int on = 1;  // as gRPC's own listener set: a call's reply is not held back for an ACK
   Status admitted = source.empty() ? Status::Unavailable("reset before its address could be read")
-                    : flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0
-                        ? Status::Unavailable("cannot make it non-blocking")
+                    : flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0 ||
+                            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof on) != 0
+                        ? Status::Unavailable("cannot set it up: " + std::string(strerror(errno)))
                         : control_connections_.Admit(fd, Caller{}, source, control_limits_);
   if (!admitted.ok()) {
     ::close(fd);

@@ -9,7 +9,9 @@
 // The daemon accepts the control port's TCP connections itself (AcceptLoop), caps how many are
 // open in all and per source address ([remote] control_connections, control_connections_per_address:
 // one over a cap is closed at once, logged and counted), and hands the rest to gRPC, which runs
-// TLS and the calls on them (an external connection acceptor).
+// TLS and the calls on them (an external connection acceptor). The certificate and key are checked
+// with OpenSSL before: gRPC 1.51 starts such a server with credentials it cannot use and then
+// leaves every connection unanswered.
 #pragma once
 
 #include <atomic>
