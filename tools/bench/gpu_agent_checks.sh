@@ -22,6 +22,12 @@
 #             tools/bench/gpu_agent_checks.sh selection # not in run: the top-k on a stream of its own or in order
 #                                                      # on the model's (selection_on_own_stream), the whole model
 #                                                      # at 176 x 8K int8 alternated, two rounds (~4 minutes)
+#             tools/bench/gpu_agent_checks.sh ncu      # not in run: Nsight Compute on one launch of one kernel
+#                                                      # under specache-bench attend (NCU_KERNEL, a regex, default
+#                                                      # TopKPartKernel; NCU_TOKENS x NCU_BATCH, default 32768 x 46;
+#                                                      # NCU_SKIP launches skipped first, default 3): the full set's
+#                                                      # details, then instructions and stall samples per source line
+#                                                      # and SASS instruction, in $OUT/ncu.tgz (~3 minutes)
 #             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
 #                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
 #                                                      # at 8K alternated, two rounds; ~7 minutes)
@@ -70,7 +76,7 @@ if [ "$stage" = bundle ]; then
 fi
 
 case "$stage" in
-  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection) ;;
+  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection | ncu) ;;
   *) sed -n '2,/^[^#]/{/^#/p}' "$0" >&2; exit 2 ;;  # the header above, whole
 esac
 if [ ! -x "$bundle/run" ]; then
@@ -200,5 +206,18 @@ if [ "$stage" = selection ]; then
     done
   done
 fi
-if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ]; then exit "$bench_rc"; fi  # (goals exits above)
+if [ "$stage" = ncu ]; then
+  ncu_bin=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+  attend=(specache-bench attend --random-rows --free-slots 32 --tokens "${NCU_TOKENS:-32768}" --batches "${NCU_BATCH:-46}")
+  # The bundle's runner execs the binary: ncu follows it (its default, every process).
+  timed ncu_profile 240 "$ncu_bin" --kernel-name "regex:${NCU_KERNEL:-TopKPartKernel}" --launch-skip "${NCU_SKIP:-3}" \
+    --launch-count 1 --set full --import-source yes -f -o "$out/ncu" "$bundle/run" "${attend[@]}" || bench_rc=1
+  if [ -s "$out/ncu.ncu-rep" ]; then
+    timed ncu_details 60 "$ncu_bin" -i "$out/ncu.ncu-rep" --page details || bench_rc=1
+    timed ncu_source 90 "$ncu_bin" -i "$out/ncu.ncu-rep" --page source --csv --print-source cuda,sass || bench_rc=1
+    grep -E "Duration|Issue Slots Busy|DRAM Throughput|Registers Per|Achieved Occupancy|Eligible Warps" "$out/ncu_details.txt" | head -8
+  fi
+  tar -C "$out" -czf "$out/ncu.tgz" $(cd "$out" && ls ncu_*.txt ncu.ncu-rep 2>/dev/null) && rm -f "$out"/ncu_*.txt "$out/ncu.ncu-rep"
+fi
+if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ] || [ "$stage" = ncu ]; then exit "$bench_rc"; fi  # (goals exits above)
 exit "$tests_rc"
