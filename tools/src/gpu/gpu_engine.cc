@@ -176,9 +176,15 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
     agent_->AbortStep();
     return status;
   }
+  // The LM head and the argmax are queued before the agent's EndStep, whose host work (the rows'
+  // commits) then overlaps them; the tokens' copy to pageable memory below waits for the GPU.
+  status = model_->Logits(0, n);
+  if (status.ok()) status = model_->Argmax(n);
+  if (!status.ok()) {
+    agent_->AbortStep();
+    return status;
+  }
   SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->EndStep(); }));
-  SPECACHE_RETURN_IF_ERROR(model_->Logits(0, n));
-  SPECACHE_RETURN_IF_ERROR(model_->Argmax(n));
   argmax_host_.resize(n);
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(argmax_host_.data(), model_->argmax(), n * sizeof(int32_t),
                                                 cudaMemcpyDeviceToHost, Stream(s)), "tokens"));
