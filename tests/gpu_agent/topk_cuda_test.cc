@@ -276,6 +276,41 @@ TEST(CudaTopKTest, LongRankedPartsEqualTheCpuSelection) {
 #endif
 }
 
+// Every forced cut (DecodePlan::force_topk_part_tokens, the benchmarks' sweep of part sizes) gives
+// the CPU's selection: one part a segment, parts whose merge ranks its candidates, and parts merged
+// by a radix select of their own; a part the kernel cannot hold is refused.
+TEST(CudaTopKTest, ForcedCutsEqualTheCpuSelection) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(61);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int k = 64, heads = 4;
+  testing::DeviceBuffers buf;
+  std::vector<cuda::TopKSegment> segments;
+  std::vector<std::vector<float>> probs;
+  for (int32_t n : {8192, 8000, 32768, 700}) segments.push_back(SegmentWithStatistics(heads, n, k, rng, normal, buf, &probs));
+  const int count = static_cast<int>(segments.size());
+  for (int part : {512, 1024, 2048, 4096, 8192}) {
+    cuda::DecodePlan plan;
+    plan.force_topk_part_tokens(part);
+    ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), count, heads, k, GroupReduction::kMean, nullptr, nullptr, &plan).ok())
+        << part;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int i = 0; i < count; ++i) {
+      std::vector<int32_t> want;
+      std::vector<float> scratch;
+      cpu::SelectTopK(probs[i].data(), heads, segments[i].n, k, GroupReduction::kMean, &want, &scratch);
+      ASSERT_EQ(testing::Download(segments[i].tokens, std::min<int32_t>(k, segments[i].n)), want)
+          << "parts of " << part << ", segment of " << segments[i].n;
+    }
+  }
+  cuda::DecodePlan bad;
+  bad.force_topk_part_tokens(1000);
+  EXPECT_EQ(cuda::SelectTopKBatch(segments.data(), count, heads, k, GroupReduction::kMean, nullptr, nullptr, &bad).code(),
+            StatusCode::kInvalidArgument);
+#endif
+}
+
 // The selection captured in a CUDA graph and replayed over new scores: segments of several parts
 // (whose last part to finish merges, counted in the plan's upload) give the CPU's selection on
 // every replay, not only the first (the counters start from zero each time), ties across parts

@@ -121,6 +121,29 @@ TEST(TopKPartsTest, RandomSetsGetWholePartsWithinTheBoundsAndMergesThatFit) {
   EXPECT_LT(refused, 200);
 }
 
+// A forced cut (DecodePlan::force_topk_part_tokens, for the benchmarks' sweeps): the parts given,
+// the most a segment has, and a refusal for a part the kernel cannot hold or a merge too large.
+TEST(TopKPartsTest, AForcedCutTakesItsPartsWithinTheKernelsBounds) {
+  const auto segments = Segments(176 * 8, 8192);
+  cuda::TopKParts cut;
+  for (int part : {512, 2048, 4096, 8192}) {
+    ASSERT_TRUE(cuda::ForcedTopKParts(segments.data(), static_cast<int>(segments.size()), kRows, part, &cut).ok()) << part;
+    EXPECT_EQ(cut.part_tokens, part);
+    EXPECT_EQ(cut.max_parts, cuda::PartsOf(8192, part, kRows)) << part;
+  }
+  EXPECT_EQ(cut.max_parts, 1);
+  ASSERT_TRUE(cuda::ForcedTopKParts(segments.data(), static_cast<int>(segments.size()), kRows, 2048, &cut).ok());
+  EXPECT_EQ(cut.max_parts, 4);
+  for (int bad : {256, 1000, 8448, 16384}) {
+    EXPECT_EQ(cuda::ForcedTopKParts(segments.data(), static_cast<int>(segments.size()), kRows, bad, &cut).code(),
+              StatusCode::kInvalidArgument)
+        << bad;
+  }
+  // 1M candidates in parts of 512 at k = 64: 1954 parts' candidates are more than a merge holds.
+  const auto long_one = Segments(1, 1000000);
+  EXPECT_EQ(cuda::ForcedTopKParts(long_one.data(), 1, 64, 512, &cut).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(TopKPartsTest, NegativeCountsAreRefusedAndEmptySetsCut) {
   auto segments = Segments(3, 5000);
   segments[1].n = -1;

@@ -358,6 +358,12 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       return false;
     }
   }
+  for (int part : o.attend_topk_parts) {
+    if (part % 256 != 0 || part < 512 || part > 8192) {
+      std::fprintf(stderr, "attend: --topk-parts: %d is not a multiple of 256 in [512, 8192]\n", part);
+      return false;
+    }
+  }
   cudaStream_t stream = SuiteStream("attend");
   if (!stream) return false;
   const double hbm = DeviceCopyGBps(stream);
@@ -493,6 +499,24 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       const double gbps = bytes / (attend_ms * 1e-3) / 1e9;
       std::printf("%-6d %5s %12.4f %12.1f %12.4f %12.4f %12.4f %12.2f %11.0f %10.3f\n", batch, label.c_str(), attend_ms,
                   host_us, topk_ms, budget_ms, flat_ms, bytes / 1e6, gbps, gbps / hbm);
+      // The top-k with its cut forced, over the attention's scores (the loop above rewrote them
+      // after the flat run), against the chosen cut's time above; the lean path's rows only.
+      for (int part : variant.mma ? o.attend_topk_parts : std::vector<int>{}) {
+        cuda::DecodePlan forced_plan;
+        forced_plan.force_topk_part_tokens(part);
+        const double ms = MedianMs(stream, 20, [&] {
+          return Ok(cuda::SelectTopKBatch(segments.data(), items, group, kTopK, GroupReduction::kMean, stream, nullptr,
+                                          &forced_plan),
+                    "top-k (forced parts)");
+        });
+        if (ms < 0) { ok = false; continue; }
+        std::printf("%-6d %5s %12s %12s %12.4f %12s %12s %12s %11s %10s  top-k parts of %d tokens (%.3fx the chosen cut's)\n",
+                    batch, label.c_str(), "", "", ms, "", "", "", "", "", part, ms / topk_ms);
+        rows->push_back({"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context) +
+                             "_topk_parts_" + std::to_string(part),
+                         {{"batch", batch}, {"context", o.context}, {"topk_part_tokens", part}, {"ms_topk_layer", ms},
+                          {"over_chosen", ms / topk_ms}}});
+      }
       rows->push_back({"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context),
                        {{"batch", batch}, {"bits", bits}, {"mma_codes", variant.mma ? 1 : 0}, {"context", o.context},
                         {"ms_attend_layer", attend_ms},

@@ -64,6 +64,9 @@ struct StepOptions {
   // (cuda::DecodePlan::force_units): "CHUNK/ORDER", CHUNK 32-token blocks per bulk unit (0: the
   // plan's), ORDER chosen, shared, first or last (the tail units' place among the warps).
   std::vector<std::string> attend_unit_plans;
+  // attend: more timings of the top-k, each with its segments cut into parts of this many tokens
+  // (cuda::DecodePlan::force_topk_part_tokens) instead of its chosen cut.
+  std::vector<int> attend_topk_parts;
   // CudaAgentOptions::selection_on_own_stream of every run (the step bench's rows are suffixed
   // _ordered_topk when false).
   bool selection_on_own_stream = CudaAgentOptions{}.selection_on_own_stream;

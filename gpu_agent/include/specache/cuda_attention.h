@@ -254,6 +254,11 @@ class DecodePlan {
   }
   int forced_chunk_blocks() const { return forced_chunk_blocks_; }
   UnitOrder forced_order() const { return forced_order_; }
+  // For benchmarks and tests: the top-k (cuda_topk.h) run on this plan cuts its segments into
+  // parts of `tokens` instead of the cut ChooseTopKParts picks (topk_parts.h: a multiple of 256 in
+  // [512, 8192], or INVALID_ARGUMENT from the top-k; 0: chosen). Default 0.
+  void force_topk_part_tokens(int tokens) { forced_topk_part_tokens_ = tokens < 0 ? 0 : tokens; }
+  int forced_topk_part_tokens() const { return forced_topk_part_tokens_; }
 
   struct Impl;  // the slots (decode_plan_slots.h)
   Impl* impl() const { return impl_; }  // for the agent's kernels that read a plan's slots
@@ -264,6 +269,7 @@ class DecodePlan {
   int free_slots_ = 0;
   int forced_chunk_blocks_ = 0;
   UnitOrder forced_order_ = UnitOrder::kChosen;
+  int forced_topk_part_tokens_ = 0;
 };
 
 // The decode attention of many items in one set of launches, planned in `plan`.

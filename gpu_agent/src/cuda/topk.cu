@@ -633,7 +633,9 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     batch.mass = budget != nullptr;
     const TopKSegment* const set = segments + first;
     TopKParts cut;
-    SPECACHE_RETURN_IF_ERROR(ChooseTopKParts(set, batch.count, k, MultiprocessorCount(), PartBlocksPerSm(), &cut));
+    SPECACHE_RETURN_IF_ERROR(plan->forced_topk_part_tokens() > 0
+                                 ? ForcedTopKParts(set, batch.count, k, plan->forced_topk_part_tokens(), &cut)
+                                 : ChooseTopKParts(set, batch.count, k, MultiprocessorCount(), PartBlocksPerSm(), &cut));
     batch.part_tokens = cut.part_tokens;
     const int max_parts = cut.max_parts;
     const int room = ScoreRoom(batch.part_tokens, k, max_parts);

@@ -122,4 +122,28 @@ inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int
   return Status::Ok();
 }
 
+// A cut of parts of `part_tokens` (DecodePlan::force_topk_part_tokens), for benchmarks and tests:
+// INVALID_ARGUMENT unless a multiple of 256 in [kMinPartTokens, kMaxPartTokens] whose merges fit
+// kMaxMergeCandidates.
+inline Status ForcedTopKParts(const TopKSegment* segments, int count, int k, int part_tokens, TopKParts* cut) {
+  if (part_tokens % 256 != 0 || part_tokens < kMinPartTokens || part_tokens > kMaxPartTokens) {
+    return Status::InvalidArgument("top-k: forced parts of " + std::to_string(part_tokens) +
+                                   " tokens (a multiple of 256 in [" + std::to_string(kMinPartTokens) + ", " +
+                                   std::to_string(kMaxPartTokens) + "])");
+  }
+  int max_parts = 1;
+  for (int i = 0; i < count; ++i) {
+    if (segments[i].n < 0) return Status::InvalidArgument("negative candidate count");
+    max_parts = std::max(max_parts, PartsOf(segments[i].n, part_tokens, k));
+  }
+  if (max_parts > 1 && int64_t{max_parts} * k > kMaxMergeCandidates) {
+    return Status::InvalidArgument("top-k: forced parts of " + std::to_string(part_tokens) + " tokens leave " +
+                                   std::to_string(int64_t{max_parts} * k) + " candidates to merge (at most " +
+                                   std::to_string(kMaxMergeCandidates) + ")");
+  }
+  cut->part_tokens = part_tokens;
+  cut->max_parts = max_parts;
+  return Status::Ok();
+}
+
 }  // namespace specache::cuda
