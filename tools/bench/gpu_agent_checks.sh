@@ -22,6 +22,9 @@
 #             tools/bench/gpu_agent_checks.sh selection # not in run: the top-k on a stream of its own or in order
 #                                                      # on the model's (selection_on_own_stream), the whole model
 #                                                      # at 176 x 8K int8 alternated, two rounds (~4 minutes)
+#             tools/bench/gpu_agent_checks.sh topk     # not in run: one layer's top-k at the table's batches (176 x 8K,
+#                                                      # 46 x 32K) with its cut chosen and forced to parts of 1024 to
+#                                                      # 8192 tokens (specache-bench attend --topk-parts; ~2 minutes)
 #             tools/bench/gpu_agent_checks.sh ncu      # not in run: Nsight Compute on one launch of one kernel
 #                                                      # under specache-bench attend (NCU_KERNEL, a regex, default
 #                                                      # TopKPartKernel; NCU_TOKENS x NCU_BATCH, default 32768 x 46;
@@ -76,7 +79,7 @@ if [ "$stage" = bundle ]; then
 fi
 
 case "$stage" in
-  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection | ncu) ;;
+  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection | topk | ncu) ;;
   *) sed -n '2,/^[^#]/{/^#/p}' "$0" >&2; exit 2 ;;  # the header above, whole
 esac
 if [ ! -x "$bundle/run" ]; then
@@ -206,6 +209,14 @@ if [ "$stage" = selection ]; then
     done
   done
 fi
+if [ "$stage" = topk ]; then
+  timed topk_8k 80 "$bundle/run" specache-bench attend --random-rows --free-slots 32 --tokens 8192 --batches 99,176 \
+    --topk-parts 1024,2048,4096,8192 || bench_rc=1
+  grep -E "^(99|176) +1m" "$out/topk_8k.txt"
+  timed topk_32k 80 "$bundle/run" specache-bench attend --random-rows --free-slots 32 --tokens 32768 --batches 24,46 \
+    --topk-parts 2048,4096,6144,8192 || bench_rc=1
+  grep -E "^(24|46) +1m" "$out/topk_32k.txt"
+fi
 if [ "$stage" = ncu ]; then
   ncu_bin=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
   attend=(specache-bench attend --random-rows --free-slots 32 --tokens "${NCU_TOKENS:-32768}" --batches "${NCU_BATCH:-46}")
@@ -219,5 +230,7 @@ if [ "$stage" = ncu ]; then
   fi
   tar -C "$out" -czf "$out/ncu.tgz" $(cd "$out" && ls ncu_*.txt ncu.ncu-rep 2>/dev/null) && rm -f "$out"/ncu_*.txt "$out/ncu.ncu-rep"
 fi
-if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ] || [ "$stage" = ncu ]; then exit "$bench_rc"; fi  # (goals exits above)
+if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ] || [ "$stage" = topk ] || [ "$stage" = ncu ]; then
+  exit "$bench_rc"
+fi  # (goals exits above)
 exit "$tests_rc"
