@@ -691,8 +691,7 @@ Result<std::vector<nlohmann::json>> RunThroughputBench(const ThroughputOptions& 
   std::fprintf(stderr,
                "tok/s: decode tokens per second of the batch (random weights: the figures are speeds, not text). "
                "ms split per step (GPU time by CUDA events): gemm = norms, projections, MLP, LM head (JSON: ms_gemm_layers "
-               "for the layers', ms_step_edges for the step's start and end: embedding, the agent's EndStep (its BeginStep's "
-               "device work, if any, is in the first layer's fetchw), "
+               "for the layers', ms_step_edges for the step's start and end: embedding, the agent's BeginStep/EndStep, "
                "LM head, argmax); attn = the agent's "
                "DecodeLayer less the top-k; topk = the top-k measured alone; fetchw = the stream waiting for prefetched "
                "rows. link (rows that fetch): the fetched bytes a second over the pinned host-to-device copy's speed, and the "

@@ -145,20 +145,14 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), positions.data(), n * sizeof(int32_t),
                                                 cudaMemcpyHostToDevice, Stream(s)), "step positions"));
   SPECACHE_RETURN_IF_ERROR(model_->Embed(model_->device_tokens(), n));
-  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   HostClock agent_clock;
+  SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->BeginStep(kind, ids_); }));
+  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   Status status = Status::Ok();
   for (int l = 0; l < c.n_layers && status.ok(); ++l) {
     HostDelay(/*before_projections=*/true);
     status = model_->ProjectQkv(l, n, model_->device_positions());
     if (status.ok()) status = Mark(Phase::kGemm);
-    if (l == 0) {
-      // The agent's step begins once the first layer's products are queued: its host work (the
-      // step's plan, the new token's pages and blocks) runs while the GPU computes them, which it
-      // needs none of. A failed begin leaves nothing of the step to abort in the agent.
-      if (status.ok()) status = agent_clock.Time([&] { return agent_->BeginStep(kind, ids_); });
-      if (!status.ok()) return status;
-    }
     HostDelay(/*before_projections=*/false);
     if (status.ok()) status = agent_clock.Time([&] { return agent_->WaitPrefetch(l); });
     if (status.ok()) status = Mark(Phase::kFetchWait);
