@@ -95,9 +95,9 @@ struct AgentStats {
   int64_t bytes_fetched = 0;         // rows_fetched * bytes of a row as the source stores it
   int64_t steps = 0;                 // EndStep calls of kind kDecode
   // Rows' commits the source refused (the CUDA agent's writes into the source's own pages): each
-  // is tried once (once its writes landed, at an EndStep: the step's rows by the next step's end)
-  // and the first error reported by the following BeginStep; the sequences whose rows they were
-  // must be released.
+  // is tried once, once its writes landed, at an EndStep (a driver that waits for each step's end
+  // commits a step's rows at the next one's), stats(), ReleaseSequence or destruction; the first
+  // error is reported by the next BeginStep. The sequences whose rows they were must be released.
   int64_t commits_failed = 0;
   // The CUDA agent's copy-engine fetch (FetchVia::kCopyEngine): where its worker thread's time
   // went, all steps. A step whose fetch is not hidden waits for this thread: list waits that

@@ -24,12 +24,13 @@ struct PhaseTimes {
   double attention_ms = 0;   // the agent's DecodeLayer and StartPrefetch: attention, the top-k of the
                              // speculative modes, and the synchronous fetch of specache-nonspec
   double fetch_wait_ms = 0;  // the stream stalled in WaitPrefetch for rows still in flight
-  // Host time (steady clock), not GPU time: the host's enqueueing of the whole step, up to its
-  // final wait for the stream; and its part inside the agent's calls (BeginStep, WaitPrefetch,
-  // DecodeLayer, StartPrefetch, EndStep). Well below the step's wall time, the GPU is the bound.
-  // Near it, either the host's own work is, or the host waited for the GPU (a full launch queue,
-  // a synchronisation): the fp16 row at 32K, GPU-bound, enqueues for 110 of its 110 ms. Which of
-  // the two: the host's stacks (tools/profile).
+  // Host time (steady clock), not GPU time: the host's enqueueing of the whole step, up to the
+  // tokens' copy back (a copy to pageable memory, which waits for the step's end); and its part
+  // inside the agent's calls (BeginStep, WaitPrefetch, DecodeLayer, StartPrefetch, EndStep). Well
+  // below the step's wall time, the GPU is the bound. Near it, either the host's own work is, or
+  // the host waited for the GPU inside the step (a full launch queue, a plan's slot, the fetch's
+  // gather). Which of the two: the host's stacks (tools/profile). (Until 2026-12-05 the figure
+  // also held that copy, so it was near the step's time in every run, GPU-bound or not.)
   double enqueue_host_ms = 0;
   double agent_host_ms = 0;
   int64_t steps = 0;

@@ -179,6 +179,8 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
     return status;
   }
   SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->EndStep(); }));
+  // The step is queued: what the host took (the copies below wait for the GPU to finish it).
+  const double enqueue_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begun).count();
   argmax_host_.resize(n);
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(argmax_host_.data(), model_->argmax(), n * sizeof(int32_t),
                                                 cudaMemcpyDeviceToHost, Stream(s)), "tokens"));
@@ -191,7 +193,7 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
   }
   SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
   if (timing_) {
-    times_.enqueue_host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begun).count();
+    times_.enqueue_host_ms += enqueue_ms;
     times_.agent_host_ms += agent_clock.ms;
   }
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(s)), "decode step"));

@@ -166,10 +166,13 @@ class OffloadAgent final : public Agent {
     }
     decoded_.assign(shape_.n_layers, false);
     in_step_ = true;
-    // The copies may start once the compute stream is past everything queued so far.
-    for (int slot = 0; slot < 2; ++slot) SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(free_[slot], compute_), "event"));
-    for (int l = 0; l < std::min(2, shape_.n_layers); ++l) SPECACHE_RETURN_IF_ERROR(CopyLayer(l));
-    return Status::Ok();
+    // The copies may start once the compute stream is past everything queued so far. A failure
+    // leaves no step begun (a copy already queued only reads the pages into a slot).
+    Status started = Status::Ok();
+    for (int slot = 0; slot < 2 && started.ok(); ++slot) started = Cuda(cudaEventRecord(free_[slot], compute_), "event");
+    for (int l = 0; l < std::min(2, shape_.n_layers) && started.ok(); ++l) started = CopyLayer(l);
+    if (!started.ok()) in_step_ = false;
+    return started;
   }
 
   Status WaitPrefetch(int layer) override {
