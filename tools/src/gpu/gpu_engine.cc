@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 
@@ -205,6 +206,12 @@ Status GpuEngine::Start(std::span<const SequenceId> ids, std::span<const int32_t
   if (started_) return Status::FailedPrecondition("GpuEngine::Start called twice");
   if (ids.empty() || lengths.size() != ids.size() || first_tokens.size() != ids.size()) {
     return Status::InvalidArgument("Start needs one length and one first token per sequence");
+  }
+  // Refused here, not after a step's layers appended their rows: the LM head's rows at once.
+  const size_t step_rows = ids.size() * std::max(1, agent_->RowsPerSequence(StepKind::kDecode));
+  if (step_rows > static_cast<size_t>(GpuLlama::kMaxLogitRows)) {
+    return Status::InvalidArgument(std::to_string(ids.size()) + " sequences decode " + std::to_string(step_rows) +
+                                   " rows a step; the LM head takes at most " + std::to_string(GpuLlama::kMaxLogitRows));
   }
   ids_.assign(ids.begin(), ids.end());
   positions_.assign(lengths.begin(), lengths.end());
