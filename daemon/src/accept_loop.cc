@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -27,10 +28,18 @@ std::string Errno() { return std::strerror(errno); }
 }  // namespace
 
 AcceptLoop::AcceptLoop(boost::asio::io_context& io, std::string name, int listening_fd)
-    : name_(std::move(name)), fd_(listening_fd), listening_(io, listening_fd), retry_(io) {
+    : name_(std::move(name)), fd_(listening_fd), listening_(io), retry_(io) {}
+
+Result<std::unique_ptr<AcceptLoop>> AcceptLoop::Create(boost::asio::io_context& io, std::string name, int listening_fd) {
+  std::unique_ptr<AcceptLoop> loop(new AcceptLoop(io, std::move(name), listening_fd));
   boost::system::error_code ec;
-  listening_.non_blocking(true, ec);  // accept4 below must not block the io thread
-  if (ec) spdlog::warn("{} socket: cannot make it non-blocking: {}", name_, ec.message());
+  loop->listening_.assign(listening_fd, ec);  // registers it with the io context's reactor
+  if (!ec) loop->listening_.non_blocking(true, ec);  // accept4 must not block the io thread
+  if (ec) {
+    if (!loop->listening_.is_open()) ::close(listening_fd);  // else closed with the loop
+    return Status::Unavailable(loop->name_ + " socket: " + ec.message());
+  }
+  return loop;
 }
 
 AcceptLoop::~AcceptLoop() { Stop(); }
@@ -87,12 +96,13 @@ namespace {
 bool IsWildcard(const std::string& host) { return host == "0.0.0.0" || host == "::" || host.empty(); }
 
 // A socket of `family` bound to `address` and listening; -1 with errno set when it cannot be.
-int BoundSocket(int family, const sockaddr* address, socklen_t length, bool dual_stack) {
+// v6only: 1 or 0 sets IPV6_V6ONLY, -1 leaves the system's default.
+int BoundSocket(int family, const sockaddr* address, socklen_t length, int v6only) {
   const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
-  const int on = 1, off = 0;
+  const int on = 1;
   if (::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on) != 0 ||
-      (dual_stack && ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof off) != 0) ||
+      (v6only >= 0 && ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &v6only, sizeof v6only) != 0) ||
       ::bind(fd, address, length) != 0 || ::listen(fd, SOMAXCONN) != 0) {
     const int saved = errno;
     ::close(fd);
@@ -102,41 +112,89 @@ int BoundSocket(int family, const sockaddr* address, socklen_t length, bool dual
   return fd;
 }
 
+uint16_t PortOf(const sockaddr_storage& a) {
+  return a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port)
+                                 : ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port);
+}
+
+void SetPort(sockaddr_storage* a, uint16_t port) {
+  if (a->ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(a)->sin6_port = htons(port);
+  } else {
+    reinterpret_cast<sockaddr_in*>(a)->sin_port = htons(port);
+  }
+}
+
 }  // namespace
 
 Result<TcpListening> ListenTcp(const std::string& host_port, const std::string& what) {
   SPECACHE_ASSIGN_OR_RETURN(const auto host_and_port, remote::SplitHostPort(host_port));
+  // The addresses to bind, in order, and each one's IPV6_V6ONLY.
+  std::vector<std::pair<sockaddr_storage, int>> addresses;
   TcpListening listening;
-  int fd = -1;
   if (IsWildcard(host_and_port.first)) {
-    sockaddr_in6 any6{};
-    any6.sin6_family = AF_INET6;
-    any6.sin6_addr = in6addr_any;
-    any6.sin6_port = htons(host_and_port.second);
-    fd = BoundSocket(AF_INET6, reinterpret_cast<const sockaddr*>(&any6), sizeof any6, /*dual_stack=*/true);
-    listening.dual_stack = fd >= 0;
-    if (fd < 0 && (errno == EAFNOSUPPORT || errno == EADDRNOTAVAIL)) {  // no IPv6 on this host: IPv4 alone
-      sockaddr_in any4{};
-      any4.sin_family = AF_INET;
-      any4.sin_addr.s_addr = htonl(INADDR_ANY);
-      any4.sin_port = htons(host_and_port.second);
-      fd = BoundSocket(AF_INET, reinterpret_cast<const sockaddr*>(&any4), sizeof any4, false);
-    }
+    sockaddr_storage any6{};
+    auto* a6 = reinterpret_cast<sockaddr_in6*>(&any6);
+    a6->sin6_family = AF_INET6;
+    a6->sin6_addr = in6addr_any;
+    addresses.push_back({any6, 0});
   } else {
-    SPECACHE_ASSIGN_OR_RETURN(const remote::SocketAddress address, remote::ResolveAddress(host_port));
-    fd = BoundSocket(address.get()->sa_family, address.get(), address.length, false);
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    const std::string port = std::to_string(host_and_port.second);
+    if (const int e = ::getaddrinfo(host_and_port.first.c_str(), port.c_str(), &hints, &found); e != 0 || !found) {
+      return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + ::gai_strerror(e));
+    }
+    bool has_v4 = false;
+    for (const addrinfo* i = found; i; i = i->ai_next) has_v4 = has_v4 || i->ai_family == AF_INET;
+    for (const addrinfo* i = found; i; i = i->ai_next) {
+      if ((i->ai_family != AF_INET && i->ai_family != AF_INET6) || i->ai_addrlen > sizeof(sockaddr_storage)) continue;
+      sockaddr_storage a{};
+      std::memcpy(&a, i->ai_addr, i->ai_addrlen);
+      const bool seen = std::any_of(addresses.begin(), addresses.end(), [&](const auto& b) {
+        return std::memcmp(&b.first, &a, sizeof a) == 0;
+      });
+      // An IPv6 socket beside IPv4 ones takes IPv6 alone, or their binds would clash.
+      if (!seen) addresses.push_back({a, i->ai_family == AF_INET6 ? (has_v4 ? 1 : -1) : -1});
+    }
+    ::freeaddrinfo(found);
+    if (addresses.empty()) return Status::Unavailable("cannot listen on " + what + " " + host_port + ": no IP address");
   }
-  if (fd < 0) return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + Errno());
-  sockaddr_storage bound{};
-  socklen_t length = sizeof bound;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
-    const std::string why = Errno();
-    ::close(fd);
-    return Status::Unavailable(what + " " + host_port + ": getsockname: " + why);
+  auto fail = [&](const std::string& why) {
+    for (int fd : listening.fds) ::close(fd);
+    return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + why);
+  };
+  for (auto& [address, v6only] : addresses) {
+    SetPort(&address, listening.fds.empty() ? host_and_port.second : listening.port);
+    const socklen_t length = address.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+    int fd = BoundSocket(address.ss_family, reinterpret_cast<const sockaddr*>(&address), length, v6only);
+    if (fd < 0 && IsWildcard(host_and_port.first) && (errno == EAFNOSUPPORT || errno == EADDRNOTAVAIL)) {
+      sockaddr_storage any4{};  // no IPv6 on this host: IPv4 alone
+      auto* a4 = reinterpret_cast<sockaddr_in*>(&any4);
+      a4->sin_family = AF_INET;
+      a4->sin_addr.s_addr = htonl(INADDR_ANY);
+      a4->sin_port = htons(host_and_port.second);
+      fd = BoundSocket(AF_INET, reinterpret_cast<const sockaddr*>(&any4), sizeof(sockaddr_in), -1);
+    } else if (fd >= 0 && IsWildcard(host_and_port.first)) {
+      listening.dual_stack = true;
+    }
+    if (fd < 0 && !IsWildcard(host_and_port.first) && (errno == EADDRNOTAVAIL || errno == EAFNOSUPPORT) &&
+        addresses.size() > 1) {
+      continue;  // a name's address this host does not have (::1 of localhost without IPv6): the others serve
+    }
+    if (fd < 0) return fail(Errno());
+    listening.fds.push_back(fd);
+    if (listening.fds.size() == 1) {
+      sockaddr_storage bound{};
+      socklen_t bound_length = sizeof bound;
+      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_length) != 0) return fail("getsockname: " + Errno());
+      listening.port = PortOf(bound);
+    }
   }
-  listening.fd = fd;
-  listening.port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
-                                               : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+  if (listening.fds.empty()) return fail("none of its addresses is this host's");
   return listening;
 }
 

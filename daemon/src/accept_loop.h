@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <utility>  // Boost 1.74 asio/awaitable.hpp uses std::exchange without it (C++20)
 
@@ -22,9 +23,10 @@ namespace specache::daemon {
 
 class AcceptLoop {
  public:
-  // Owns `listening_fd` (a listening stream socket; made non-blocking here). `name` ("control",
-  // "attach", "remote control") for log lines.
-  AcceptLoop(boost::asio::io_context& io, std::string name, int listening_fd);
+  // Owns `listening_fd` (a listening stream socket; made non-blocking here) from the call, also
+  // when it fails (the descriptor is then closed): UNAVAILABLE when the io context cannot watch
+  // it. `name` ("control", "attach", "remote control") for log lines.
+  static Result<std::unique_ptr<AcceptLoop>> Create(boost::asio::io_context& io, std::string name, int listening_fd);
   ~AcceptLoop();  // closes the socket
   AcceptLoop(const AcceptLoop&) = delete;
   AcceptLoop& operator=(const AcceptLoop&) = delete;
@@ -38,6 +40,7 @@ class AcceptLoop {
   uint64_t accept_errors() const { return accept_errors_.load(); }
 
  private:
+  AcceptLoop(boost::asio::io_context& io, std::string name, int listening_fd);
   void Wait();
   void AcceptReady();
 
@@ -51,16 +54,17 @@ class AcceptLoop {
   bool stopped_ = false;
 };
 
-// A listening TCP socket on HOST:PORT (SO_REUSEADDR, CLOEXEC, the system's largest backlog; port
-// 0: any free one). A wildcard host ("0.0.0.0", "[::]", "::") listens on IPv4 and IPv6 alike (one
-// IPv6 socket with IPV6_V6ONLY off, or IPv4 alone where the host has no IPv6), as gRPC's own
-// listener did; a numeric address on that address; a name on the first address it resolves to.
-// Its descriptor and the port bound; UNAVAILABLE naming `what` and the address when it cannot be
-// bound.
+// Listening TCP sockets on HOST:PORT (SO_REUSEADDR, CLOEXEC, the system's largest backlog), as
+// gRPC's own listener bound them: a wildcard host ("0.0.0.0", "[::]", "::") one IPv6 socket that
+// takes IPv4 clients too (IPV6_V6ONLY off; IPv4 alone where the host has no IPv6), a numeric
+// address that address, a name every address it resolves to that the host has (its IPv6 ones
+// IPv6-only; an address the host lacks is skipped while another binds). Port 0:
+// any free one, the same for every socket. Their descriptors (the caller's to close) and the
+// port; UNAVAILABLE naming `what` and the address when one cannot be bound (none is left open).
 struct TcpListening {
-  int fd = -1;
+  std::vector<int> fds;
   uint16_t port = 0;
-  bool dual_stack = false;  // an IPv6 socket that also accepts IPv4 clients
+  bool dual_stack = false;  // one IPv6 socket that also accepts IPv4 clients
 };
 Result<TcpListening> ListenTcp(const std::string& host_port, const std::string& what);
 

@@ -52,7 +52,7 @@ std::string Metadata(const grpc::ServerContext* ctx, const char* key) {
   return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
 }
 
-// OpenSSL's last error, for a refusal.
+// OpenSSL's earliest queued error (the cause, before what it led to), for a refusal.
 std::string SslError() {
   char text[256] = {};
   ERR_error_string_n(ERR_get_error(), text, sizeof text);
@@ -73,7 +73,9 @@ Status CheckTlsFiles(const RemoteConfig& rc, const std::string& key_pem, const s
   std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())),
                                                     BIO_free);
   std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
-      key_bio ? PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr) : nullptr, EVP_PKEY_free);
+      // An empty passphrase, as gRPC gives: an encrypted key fails here as it would there (without
+      // one OpenSSL would ask for a passphrase on the terminal or stdin).
+      key_bio ? PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, const_cast<char*>("")) : nullptr, EVP_PKEY_free);
   if (!key) return Status::InvalidArgument("remote.tls_key " + rc.tls_key + " is not a usable private key: " + SslError());
   if (SSL_CTX_use_PrivateKey(ctx.get(), key.get()) != 1 || SSL_CTX_check_private_key(ctx.get()) != 1) {
     return Status::InvalidArgument("remote.tls_key " + rc.tls_key + " does not match the certificate of remote.tls_cert " +
@@ -122,7 +124,14 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
       std::string(), config.lease_ms, data_address);
   // The control port, bound before gRPC starts: a port that is taken fails the startup here.
   SPECACHE_ASSIGN_OR_RETURN(const TcpListening listening, ListenTcp(rc.control_addr, "remote.control_addr"));
-  r->control_loop_ = std::make_unique<AcceptLoop>(io, "remote control", listening.fd);
+  Status looped = Status::Ok();
+  for (int fd : listening.fds) {  // each loop owns its socket from Create on, also when it fails
+    auto loop = looped.ok() ? AcceptLoop::Create(io, "remote control", fd) : Result<std::unique_ptr<AcceptLoop>>(looped);
+    if (!looped.ok()) ::close(fd);
+    if (looped.ok() && !loop.ok()) looped = loop.status();
+    if (loop.ok()) r->control_loops_.push_back(std::move(*loop));
+  }
+  SPECACHE_RETURN_IF_ERROR(looped);
   r->control_port_ = listening.port;
   r->control_limits_ = {rc.control_connections, rc.control_connections_per_address, "address", "[remote]"};
 
@@ -144,7 +153,10 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   if (!r->server_ || !r->control_acceptor_) return Status::Unavailable("cannot start the remote control plane's gRPC server");
   // Last: nothing after it can fail, so the loop never outlives a failed start on a running io thread.
   RemoteServer* self = r.get();
-  r->control_loop_->Start([self](int fd) { self->Admit(fd); });
+  for (auto& loop : r->control_loops_) {
+    const AcceptLoop* of = loop.get();
+    loop->Start([self, of](int fd) { self->Admit(fd, *of); });
+  }
   spdlog::info("remote: control plane (TLS{}) on port {}, data plane (UCX, {}) on {}", rc.client_ca.empty() ? "" : ", mutual",
                r->control_port_, r->ucx_->transports(), data_address);
   if (rc.rma) {
@@ -154,7 +166,7 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   return r;
 }
 
-void RemoteServer::Admit(int fd) {
+void RemoteServer::Admit(int fd, const AcceptLoop& loop) {
   std::string source = SourceOf(fd);
   const int flags = fcntl(fd, F_GETFL);
   const int on = 1;  // as gRPC's own listener set: a call's reply is not held back for an ACK
@@ -173,13 +185,13 @@ void RemoteServer::Admit(int fd) {
     return;
   }
   grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
-  p.listener_fd = control_loop_->fd();
+  p.listener_fd = loop.fd();
   p.fd = fd;
   control_acceptor_->HandleNewConnection(&p);  // gRPC owns fd from here (and closes it at shutdown)
 }
 
 RemoteServer::~RemoteServer() {
-  if (control_loop_) control_loop_->Stop();  // no new connection reaches gRPC while it shuts down
+  for (auto& loop : control_loops_) loop->Stop();  // no new connection reaches gRPC while it shuts down
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   ucx_.reset();  // after the control plane: no new session names it
 }

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "accept_loop.h"
 #include "access.h"
@@ -51,19 +52,23 @@ class RemoteServer {
   // Control connections closed at accept (over a cap, or reset before they could be counted), and
   // accept errors of the control port.
   uint64_t control_refused() const { return control_refused_.load(); }
-  uint64_t accept_errors() const { return control_loop_ ? control_loop_->accept_errors() : 0; }
+  uint64_t accept_errors() const {
+    uint64_t errors = 0;
+    for (const auto& loop : control_loops_) errors += loop->accept_errors();
+    return errors;
+  }
   void set_connection_counts(std::function<ServiceCounts()> counts) { service_->set_connection_counts(std::move(counts)); }
 
  private:
   RemoteServer() = default;
-  // On the io thread: a new control connection counted, or closed over a cap.
-  void Admit(int fd);
+  // On the io thread: a new control connection of `loop` counted, or closed over a cap.
+  void Admit(int fd, const AcceptLoop& loop);
 
   std::unique_ptr<UcxServer> ucx_;
   std::unique_ptr<ControlService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> control_acceptor_;  // gRPC's side
-  std::unique_ptr<AcceptLoop> control_loop_;                                          // the daemon's side
+  std::vector<std::unique_ptr<AcceptLoop>> control_loops_;                            // the daemon's side
   PeerTable control_connections_;
   ConnectionLimits control_limits_;
   std::atomic<uint64_t> control_refused_{0};

@@ -89,7 +89,9 @@ Status UnixListener::Listen(const SocketFile& file, int backlog) {
   }
   acceptor.listen(backlog, ec);
   if (ec) return Status::Unavailable(name_ + " socket " + path_ + ": " + ec.message());
-  loop_ = std::make_unique<AcceptLoop>(io_, name_, acceptor.release());
+  const int fd = acceptor.release(ec);  // the loop's from here
+  if (ec) return Status::Unavailable(name_ + " socket " + path_ + ": " + ec.message());
+  SPECACHE_ASSIGN_OR_RETURN(loop_, AcceptLoop::Create(io_, name_, fd));
   return Status::Ok();
 }
 

@@ -2,6 +2,7 @@
 // TCP peer is counted under (SourceOf), the remote control port's listening socket (ListenTcp),
 // and the table of open connections (PeerTable) over real sockets.
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -100,25 +101,27 @@ TEST(ListenTcpTest, AWildcardAddressTakesIPv4AndIPv6Clients) {
   for (const char* wildcard : {"0.0.0.0:0", "[::]:0"}) {
     auto listening = ListenTcp(wildcard, "test port");
     ASSERT_TRUE(listening.ok()) << wildcard << ": " << listening.status().ToString();
+    ASSERT_EQ(listening->fds.size(), 1u) << wildcard;
     EXPECT_NE(listening->port, 0) << wildcard;
     const int v4 = ConnectTo(AF_INET, listening->port);
     ASSERT_GE(v4, 0) << wildcard << ": an IPv4 client was refused";
-    EXPECT_EQ(AcceptedSource(listening->fd), "127.0.0.1") << wildcard;
+    EXPECT_EQ(AcceptedSource(listening->fds[0]), "127.0.0.1") << wildcard;
     ::close(v4);
     if (HasIPv6Loopback()) {
       EXPECT_TRUE(listening->dual_stack) << wildcard;
       const int v6 = ConnectTo(AF_INET6, listening->port);
       ASSERT_GE(v6, 0) << wildcard << ": an IPv6 client was refused";
-      EXPECT_EQ(AcceptedSource(listening->fd), "::/64") << wildcard;
+      EXPECT_EQ(AcceptedSource(listening->fds[0]), "::/64") << wildcard;
       ::close(v6);
     }
-    ::close(listening->fd);
+    ::close(listening->fds[0]);
   }
 }
 
 TEST(ListenTcpTest, ANumericAddressListensThereAndATakenPortIsRefusedByName) {
   auto listening = ListenTcp("127.0.0.1:0", "test port");
   ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  ASSERT_EQ(listening->fds.size(), 1u);
   EXPECT_FALSE(listening->dual_stack);
   const int fd = ConnectTo(AF_INET, listening->port);
   ASSERT_GE(fd, 0);
@@ -129,7 +132,40 @@ TEST(ListenTcpTest, ANumericAddressListensThereAndATakenPortIsRefusedByName) {
   EXPECT_NE(again.status().message().find("cannot listen on remote.control_addr " + taken), std::string::npos)
       << again.status().ToString();
   EXPECT_FALSE(ListenTcp("127.0.0.1", "test port").ok());  // no port
-  ::close(listening->fd);
+  ::close(listening->fds[0]);
+}
+
+// A name listens on every address it resolves to that the host has (as gRPC's listener did), on
+// one port: with "localhost" 127.0.0.1 and ::1 where both are configured, so clients of either
+// family connect.
+TEST(ListenTcpTest, ANameListensOnEveryAddressItResolvesTo) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  ASSERT_EQ(getaddrinfo("localhost", "0", &hints, &found), 0);
+  bool v4 = false, v6 = false;
+  for (const addrinfo* i = found; i; i = i->ai_next) {
+    v4 = v4 || i->ai_family == AF_INET;
+    v6 = v6 || i->ai_family == AF_INET6;
+  }
+  freeaddrinfo(found);
+  v6 = v6 && HasIPv6Loopback();  // ::1 resolved but not configured here: skipped, as gRPC did
+  auto listening = ListenTcp("localhost:0", "test port");
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  EXPECT_EQ(listening->fds.size(), size_t{v4} + size_t{v6});
+  EXPECT_FALSE(listening->dual_stack);
+  if (v4) {
+    const int fd = ConnectTo(AF_INET, listening->port);
+    EXPECT_GE(fd, 0) << "an IPv4 client of localhost was refused";
+    if (fd >= 0) ::close(fd);
+  }
+  if (v6) {
+    const int fd = ConnectTo(AF_INET6, listening->port);
+    EXPECT_GE(fd, 0) << "an IPv6 client of localhost was refused";
+    if (fd >= 0) ::close(fd);
+  }
+  for (int fd : listening->fds) ::close(fd);
 }
 
 // Connected stream sockets whose far ends the test holds (the near ends are what gRPC would own).

@@ -769,6 +769,19 @@ TEST_F(RemoteTest, AKeyThatDoesNotMatchTheCertificateStopsTheStartup) {
   EXPECT_NE(d.Log().find("remote.tls_key " + pki_->path("client.key") + " does not match the certificate of remote.tls_cert"),
             std::string::npos)
       << d.Log();
+  // The right key, encrypted: gRPC has no passphrase for it, and the daemon asks for none (it would
+  // otherwise read one from the terminal or stdin).
+  const std::string encrypted = pki_->path("server-encrypted.key");
+  int code = -1;
+  RunCommand("openssl pkey -in " + key + " -aes256 -passout pass:x -out " + encrypted + " 2>&1", &code);
+  ASSERT_EQ(code, 0) << "openssl could not encrypt the key";
+  ASSERT_EQ(chmod(encrypted.c_str(), 0600), 0);
+  toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, FreePort(), FreePort(), false, false);
+  toml.replace(toml.find(key), key.size(), encrypted);
+  DaemonProcess e;
+  e.capture_log = true;
+  EXPECT_FALSE(e.Start(toml)) << "the daemon started with an encrypted key\n" << e.Log();
+  EXPECT_NE(e.Log().find("remote.tls_key " + encrypted + " is not a usable private key"), std::string::npos) << e.Log();
 }
 
 // A handshaken control connection with no call in progress is closed after [remote]

@@ -22,9 +22,9 @@
 #             tools/bench/gpu_agent_checks.sh selection # not in run: the top-k on a stream of its own or in order
 #                                                      # on the model's (selection_on_own_stream), the whole model
 #                                                      # at 176 x 8K int8 alternated, two rounds (~4 minutes)
-#             tools/bench/gpu_agent_checks.sh topk     # not in run: one layer's top-k at the table's batches (176 x 8K,
-#                                                      # 46 x 32K) with its cut chosen and forced to parts of 1024 to
-#                                                      # 8192 tokens (specache-bench attend --topk-parts; ~2 minutes)
+#             tools/bench/gpu_agent_checks.sh topk     # not in run: one layer's top-k at 99 and 176 x 8K (parts forced
+#                                                      # to 1024-8192 tokens) and 24 and 46 x 32K (2048-8192) against
+#                                                      # its chosen cut (specache-bench attend --topk-parts; ~2 minutes)
 #             tools/bench/gpu_agent_checks.sh ncu      # not in run: Nsight Compute on one launch of one kernel
 #                                                      # under specache-bench attend (NCU_KERNEL, a regex, default
 #                                                      # TopKPartKernel; NCU_TOKENS x NCU_BATCH, default 32768 x 46;
@@ -44,10 +44,10 @@
 # tool 150, step 90, each share of the model 60: `run` stays under 9 minutes with the default
 # TOOLS; profile: 100 and 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80;
 # goals: a part starts only
-# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80. Each stage prints a
-# line "stage: exit N, S s"; the script's exit status is the tests' (a failing or missing GPU
-# fails, SPECACHE_REQUIRE_GPU=1), for int8, stores, goals and selection 1 when any of their runs
-# failed.
+# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80; topk: 2 x 80; ncu: 240,
+# 60 and 90. Each stage prints a line "stage: exit N, S s"; the script's exit status is the tests'
+# (a failing or missing GPU fails, SPECACHE_REQUIRE_GPU=1), for int8, stores, goals, selection,
+# topk and ncu 1 when any of their runs failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
