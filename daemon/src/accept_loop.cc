@@ -2,7 +2,6 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -139,29 +138,14 @@ Result<TcpListening> ListenTcp(const std::string& host_port, const std::string& 
     a6->sin6_addr = in6addr_any;
     addresses.push_back({any6, 0});
   } else {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    addrinfo* found = nullptr;
-    const std::string port = std::to_string(host_and_port.second);
-    if (const int e = ::getaddrinfo(host_and_port.first.c_str(), port.c_str(), &hints, &found); e != 0 || !found) {
-      return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + ::gai_strerror(e));
+    auto resolved = remote::ResolveAddresses(host_port);
+    if (!resolved.ok()) return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + resolved.status().message());
+    const bool has_v4 = std::any_of(resolved->begin(), resolved->end(),
+                                    [](const remote::SocketAddress& a) { return a.storage.ss_family == AF_INET; });
+    // An IPv6 socket beside IPv4 ones takes IPv6 alone, or their binds would clash.
+    for (const remote::SocketAddress& a : *resolved) {
+      addresses.push_back({a.storage, a.storage.ss_family == AF_INET6 ? (has_v4 ? 1 : -1) : -1});
     }
-    bool has_v4 = false;
-    for (const addrinfo* i = found; i; i = i->ai_next) has_v4 = has_v4 || i->ai_family == AF_INET;
-    for (const addrinfo* i = found; i; i = i->ai_next) {
-      if ((i->ai_family != AF_INET && i->ai_family != AF_INET6) || i->ai_addrlen > sizeof(sockaddr_storage)) continue;
-      sockaddr_storage a{};
-      std::memcpy(&a, i->ai_addr, i->ai_addrlen);
-      const bool seen = std::any_of(addresses.begin(), addresses.end(), [&](const auto& b) {
-        return std::memcmp(&b.first, &a, sizeof a) == 0;
-      });
-      // An IPv6 socket beside IPv4 ones takes IPv6 alone, or their binds would clash.
-      if (!seen) addresses.push_back({a, i->ai_family == AF_INET6 ? (has_v4 ? 1 : -1) : -1});
-    }
-    ::freeaddrinfo(found);
-    if (addresses.empty()) return Status::Unavailable("cannot listen on " + what + " " + host_port + ": no IP address");
   }
   auto fail = [&](const std::string& why) {
     for (int fd : listening.fds) ::close(fd);

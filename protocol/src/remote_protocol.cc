@@ -2,8 +2,10 @@
 
 #include <netdb.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace specache::remote {
 namespace {
@@ -64,7 +66,7 @@ Result<std::pair<std::string, uint16_t>> SplitHostPort(const std::string& text) 
   return std::make_pair(host, static_cast<uint16_t>(std::stoul(port_text)));
 }
 
-Result<SocketAddress> ResolveAddress(const std::string& text) {
+Result<std::vector<SocketAddress>> ResolveAddresses(const std::string& text) {
   SPECACHE_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(text));
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -75,11 +77,25 @@ Result<SocketAddress> ResolveAddress(const std::string& text) {
   if (const int e = getaddrinfo(host_port.first.c_str(), port.c_str(), &hints, &found); e != 0 || !found) {
     return Status::Unavailable("address '" + text + "': " + gai_strerror(e));
   }
-  SocketAddress a;
-  std::memcpy(&a.storage, found->ai_addr, found->ai_addrlen);
-  a.length = found->ai_addrlen;
+  std::vector<SocketAddress> all;
+  for (const addrinfo* i = found; i; i = i->ai_next) {
+    if ((i->ai_family != AF_INET && i->ai_family != AF_INET6) || i->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    SocketAddress a;
+    std::memcpy(&a.storage, i->ai_addr, i->ai_addrlen);
+    a.length = i->ai_addrlen;
+    const bool seen = std::any_of(all.begin(), all.end(), [&](const SocketAddress& b) {
+      return b.length == a.length && std::memcmp(&b.storage, &a.storage, a.length) == 0;
+    });
+    if (!seen) all.push_back(a);
+  }
   freeaddrinfo(found);
-  return a;
+  if (all.empty()) return Status::Unavailable("address '" + text + "': no IPv4 or IPv6 address");
+  return all;
+}
+
+Result<SocketAddress> ResolveAddress(const std::string& text) {
+  SPECACHE_ASSIGN_OR_RETURN(std::vector<SocketAddress> all, ResolveAddresses(text));
+  return all.front();
 }
 
 }  // namespace specache::remote

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "specache/attach_protocol.h"
 #include "specache/shm_layout.h"
@@ -92,6 +93,8 @@ struct SocketAddress {
   const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&storage); }
 };
 Result<SocketAddress> ResolveAddress(const std::string& host_port);
+// Every IPv4 and IPv6 address it resolves to, in getaddrinfo's order, without repeats (at least one).
+Result<std::vector<SocketAddress>> ResolveAddresses(const std::string& host_port);
 // The host and port of "host:port" / "[v6]:port" (brackets removed), without resolving.
 Result<std::pair<std::string, uint16_t>> SplitHostPort(const std::string& host_port);
 
