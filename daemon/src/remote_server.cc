@@ -124,14 +124,14 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
       std::string(), config.lease_ms, data_address);
   // The control port, bound before gRPC starts: a port that is taken fails the startup here.
   SPECACHE_ASSIGN_OR_RETURN(const TcpListening listening, ListenTcp(rc.control_addr, "remote.control_addr"));
-  Status looped = Status::Ok();
-  for (int fd : listening.fds) {  // each loop owns its socket from Create on, also when it fails
-    auto loop = looped.ok() ? AcceptLoop::Create(io, "remote control", fd) : Result<std::unique_ptr<AcceptLoop>>(looped);
-    if (!looped.ok()) ::close(fd);
-    if (looped.ok() && !loop.ok()) looped = loop.status();
-    if (loop.ok()) r->control_loops_.push_back(std::move(*loop));
+  for (size_t i = 0; i < listening.fds.size(); ++i) {
+    auto loop = AcceptLoop::Create(io, "remote control", listening.fds[i]);  // owns the socket, also when it fails
+    if (!loop.ok()) {
+      for (size_t j = i + 1; j < listening.fds.size(); ++j) ::close(listening.fds[j]);
+      return loop.status();
+    }
+    r->control_loops_.push_back(std::move(*loop));
   }
-  SPECACHE_RETURN_IF_ERROR(looped);
   r->control_port_ = listening.port;
   r->control_limits_ = {rc.control_connections, rc.control_connections_per_address, "address", "[remote]"};
 
