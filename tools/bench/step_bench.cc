@@ -359,8 +359,9 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     }
   }
   for (int part : o.attend_topk_parts) {
-    if (part % 256 != 0 || part < 512 || part > 8192) {
-      std::fprintf(stderr, "attend: --topk-parts: %d is not a multiple of 256 in [512, 8192]\n", part);
+    if (!cuda::TopKPartTokensValid(part)) {  // refused here rather than after the suite's set-up
+      std::fprintf(stderr, "attend: --topk-parts: %d is not a multiple of 256 in [%d, %d]\n", part,
+                   cuda::kTopKMinPartTokens, cuda::kTopKMaxPartTokens);
       return false;
     }
   }

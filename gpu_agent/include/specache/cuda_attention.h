@@ -255,8 +255,8 @@ class DecodePlan {
   int forced_chunk_blocks() const { return forced_chunk_blocks_; }
   UnitOrder forced_order() const { return forced_order_; }
   // For benchmarks and tests: the top-k (cuda_topk.h) run on this plan cuts its segments into
-  // parts of `tokens` instead of the cut ChooseTopKParts picks (topk_parts.h: a multiple of 256 in
-  // [512, 8192], or INVALID_ARGUMENT from the top-k; 0: chosen). Default 0.
+  // parts of `tokens` instead of the cut ChooseTopKParts picks (topk_parts.h; TopKPartTokensValid,
+  // cuda_topk.h, or INVALID_ARGUMENT from the top-k; 0: chosen). Default 0.
   void force_topk_part_tokens(int tokens) { forced_topk_part_tokens_ = tokens < 0 ? 0 : tokens; }
   int forced_topk_part_tokens() const { return forced_topk_part_tokens_; }
 

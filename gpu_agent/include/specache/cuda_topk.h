@@ -61,6 +61,13 @@ inline int64_t TopKScratchFloats(int32_t n, bool budget) {
   return int64_t{n} + (budget ? (int64_t{n} + cpu::kMassRunTokens - 1) / cpu::kMassRunTokens : 0);
 }
 
+// The parts a segment may be cut into when forced (DecodePlan::force_topk_part_tokens): whole
+// 256-token steps from 512 to 8192 tokens (phase one holds at most 8192 scores in shared memory).
+constexpr int kTopKMinPartTokens = 512, kTopKMaxPartTokens = 8192;
+constexpr bool TopKPartTokensValid(int tokens) {
+  return tokens % 256 == 0 && tokens >= kTopKMinPartTokens && tokens <= kTopKMaxPartTokens;
+}
+
 // budget: null for the plain top-k.
 Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int k, GroupReduction reduction,
                        void* stream, const TopKBudget* budget = nullptr, DecodePlan* plan = nullptr);

@@ -16,8 +16,8 @@
 namespace specache::cuda {
 
 constexpr int kTopKThreads = 256;          // a phase-one block's threads: a merge of at most this many candidates ranks them
-constexpr int kMaxPartTokens = 8192;       // shared memory of phase one: 32 KiB of scores, then the list's 4 KiB
-constexpr int kMinPartTokens = 512;
+constexpr int kMaxPartTokens = kTopKMaxPartTokens;  // shared memory of phase one: 32 KiB of scores, then the list's 4 KiB
+constexpr int kMinPartTokens = kTopKMinPartTokens;
 constexpr int kOneWavePartTokens = 4096;   // the longest part a one-wave cut may take (ChooseTopKParts)
 constexpr int kMaxMergeCandidates = 6144;  // a segment's merge holds its parts' candidates in shared memory
 
@@ -126,7 +126,7 @@ inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int
 // INVALID_ARGUMENT unless a multiple of 256 in [kMinPartTokens, kMaxPartTokens] whose merges fit
 // kMaxMergeCandidates.
 inline Status ForcedTopKParts(const TopKSegment* segments, int count, int k, int part_tokens, TopKParts* cut) {
-  if (part_tokens % 256 != 0 || part_tokens < kMinPartTokens || part_tokens > kMaxPartTokens) {
+  if (!TopKPartTokensValid(part_tokens)) {
     return Status::InvalidArgument("top-k: forced parts of " + std::to_string(part_tokens) +
                                    " tokens (a multiple of 256 in [" + std::to_string(kMinPartTokens) + ", " +
                                    std::to_string(kMaxPartTokens) + "])");
