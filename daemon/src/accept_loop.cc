@@ -111,74 +111,71 @@ int BoundSocket(int family, const sockaddr* address, socklen_t length, int v6onl
   return fd;
 }
 
-uint16_t PortOf(const sockaddr_storage& a) {
-  return a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port)
-                                 : ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port);
+// The port a listening socket is bound to, or 0.
+uint16_t BoundPort(int fd) {
+  sockaddr_storage bound{};
+  socklen_t length = sizeof bound;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) != 0) return 0;
+  return bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+                                     : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
 }
 
-void SetPort(sockaddr_storage* a, uint16_t port) {
-  if (a->ss_family == AF_INET6) {
-    reinterpret_cast<sockaddr_in6*>(a)->sin6_port = htons(port);
-  } else {
-    reinterpret_cast<sockaddr_in*>(a)->sin_port = htons(port);
+// The wildcard: one IPv6 socket that takes IPv4 clients too, or an IPv4 one where the host has no
+// IPv6; -1 with errno set when neither binds.
+int WildcardSocket(uint16_t port, bool* dual_stack) {
+  sockaddr_in6 any6{};
+  any6.sin6_family = AF_INET6;
+  any6.sin6_addr = in6addr_any;
+  any6.sin6_port = htons(port);
+  int fd = BoundSocket(AF_INET6, reinterpret_cast<const sockaddr*>(&any6), sizeof any6, /*v6only=*/0);
+  *dual_stack = fd >= 0;
+  if (fd < 0 && (errno == EAFNOSUPPORT || errno == EADDRNOTAVAIL)) {
+    sockaddr_in any4{};
+    any4.sin_family = AF_INET;
+    any4.sin_addr.s_addr = htonl(INADDR_ANY);
+    any4.sin_port = htons(port);
+    fd = BoundSocket(AF_INET, reinterpret_cast<const sockaddr*>(&any4), sizeof any4, -1);
   }
+  return fd;
 }
 
 }  // namespace
 
 Result<TcpListening> ListenTcp(const std::string& host_port, const std::string& what) {
   SPECACHE_ASSIGN_OR_RETURN(const auto host_and_port, remote::SplitHostPort(host_port));
-  // The addresses to bind, in order, and each one's IPV6_V6ONLY.
-  std::vector<std::pair<sockaddr_storage, int>> addresses;
   TcpListening listening;
-  if (IsWildcard(host_and_port.first)) {
-    sockaddr_storage any6{};
-    auto* a6 = reinterpret_cast<sockaddr_in6*>(&any6);
-    a6->sin6_family = AF_INET6;
-    a6->sin6_addr = in6addr_any;
-    addresses.push_back({any6, 0});
-  } else {
-    auto resolved = remote::ResolveAddresses(host_port);
-    if (!resolved.ok()) return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + resolved.status().message());
-    const bool has_v4 = std::any_of(resolved->begin(), resolved->end(),
-                                    [](const remote::SocketAddress& a) { return a.storage.ss_family == AF_INET; });
-    // An IPv6 socket beside IPv4 ones takes IPv6 alone, or their binds would clash.
-    for (const remote::SocketAddress& a : *resolved) {
-      addresses.push_back({a.storage, a.storage.ss_family == AF_INET6 ? (has_v4 ? 1 : -1) : -1});
-    }
-  }
   auto fail = [&](const std::string& why) {
     for (int fd : listening.fds) ::close(fd);
     return Status::Unavailable("cannot listen on " + what + " " + host_port + ": " + why);
   };
-  for (auto& [address, v6only] : addresses) {
-    SetPort(&address, listening.fds.empty() ? host_and_port.second : listening.port);
-    const socklen_t length = address.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
-    int fd = BoundSocket(address.ss_family, reinterpret_cast<const sockaddr*>(&address), length, v6only);
-    if (fd < 0 && IsWildcard(host_and_port.first) && (errno == EAFNOSUPPORT || errno == EADDRNOTAVAIL)) {
-      sockaddr_storage any4{};  // no IPv6 on this host: IPv4 alone
-      auto* a4 = reinterpret_cast<sockaddr_in*>(&any4);
-      a4->sin_family = AF_INET;
-      a4->sin_addr.s_addr = htonl(INADDR_ANY);
-      a4->sin_port = htons(host_and_port.second);
-      fd = BoundSocket(AF_INET, reinterpret_cast<const sockaddr*>(&any4), sizeof(sockaddr_in), -1);
-    } else if (fd >= 0 && IsWildcard(host_and_port.first)) {
-      listening.dual_stack = true;
-    }
-    if (fd < 0 && !IsWildcard(host_and_port.first) && (errno == EADDRNOTAVAIL || errno == EAFNOSUPPORT) &&
-        addresses.size() > 1) {
-      continue;  // a name's address this host does not have (::1 of localhost without IPv6): the others serve
-    }
+  if (IsWildcard(host_and_port.first)) {
+    const int fd = WildcardSocket(host_and_port.second, &listening.dual_stack);
     if (fd < 0) return fail(Errno());
     listening.fds.push_back(fd);
-    if (listening.fds.size() == 1) {
-      sockaddr_storage bound{};
-      socklen_t bound_length = sizeof bound;
-      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_length) != 0) return fail("getsockname: " + Errno());
-      listening.port = PortOf(bound);
+  } else {
+    auto resolved = remote::ResolveAddresses(host_port);
+    if (!resolved.ok()) return fail(std::string(resolved.status().message()));
+    const bool has_v4 = std::any_of(resolved->begin(), resolved->end(),
+                                    [](const remote::SocketAddress& a) { return a.storage.ss_family == AF_INET; });
+    for (remote::SocketAddress a : *resolved) {
+      const bool v6 = a.storage.ss_family == AF_INET6;
+      if (!listening.fds.empty()) {  // port 0: the first socket's port for every one
+        const uint16_t port = htons(BoundPort(listening.fds.front()));
+        if (v6) reinterpret_cast<sockaddr_in6*>(&a.storage)->sin6_port = port;
+        else reinterpret_cast<sockaddr_in*>(&a.storage)->sin_port = port;
+      }
+      // An IPv6 socket beside IPv4 ones takes IPv6 alone, or their binds would clash.
+      const int fd = BoundSocket(a.storage.ss_family, a.get(), a.length, v6 && has_v4 ? 1 : -1);
+      if (fd < 0 && (errno == EADDRNOTAVAIL || errno == EAFNOSUPPORT) && resolved->size() > 1) {
+        continue;  // an address this host does not have (::1 of localhost without IPv6): the others serve
+      }
+      if (fd < 0) return fail(Errno());
+      listening.fds.push_back(fd);
     }
+    if (listening.fds.empty()) return fail("none of its addresses is this host's");
   }
-  if (listening.fds.empty()) return fail("none of its addresses is this host's");
+  listening.port = BoundPort(listening.fds.front());
+  if (listening.port == 0) return fail("getsockname: " + Errno());
   return listening;
 }
 

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,30 +21,29 @@
 namespace specache::daemon {
 namespace {
 
-sockaddr_storage V4(const char* text) {
+// A peer's address from its text: IPv6 when it holds a colon, else IPv4.
+sockaddr_storage Peer(const char* text) {
   sockaddr_storage s{};
-  auto* a = reinterpret_cast<sockaddr_in*>(&s);
-  a->sin_family = AF_INET;
-  EXPECT_EQ(inet_pton(AF_INET, text, &a->sin_addr), 1) << text;
-  return s;
-}
-
-sockaddr_storage V6(const char* text) {
-  sockaddr_storage s{};
-  auto* a = reinterpret_cast<sockaddr_in6*>(&s);
-  a->sin6_family = AF_INET6;
-  EXPECT_EQ(inet_pton(AF_INET6, text, &a->sin6_addr), 1) << text;
+  if (std::strchr(text, ':')) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&s);
+    a->sin6_family = AF_INET6;
+    EXPECT_EQ(inet_pton(AF_INET6, text, &a->sin6_addr), 1) << text;
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&s);
+    a->sin_family = AF_INET;
+    EXPECT_EQ(inet_pton(AF_INET, text, &a->sin_addr), 1) << text;
+  }
   return s;
 }
 
 TEST(ConnectionSourceTest, IPv4ByAddressMappedIPv4AsItselfIPv6ByItsSlash64) {
-  EXPECT_EQ(SourceOf(V4("10.1.2.3")), "10.1.2.3");
-  EXPECT_EQ(SourceOf(V6("::ffff:10.1.2.3")), "10.1.2.3");  // an IPv4 client of a dual-stack socket
-  EXPECT_EQ(SourceOf(V6("2001:db8:1:2:aaaa:bbbb:cccc:dddd")), "2001:db8:1:2::/64");
+  EXPECT_EQ(SourceOf(Peer("10.1.2.3")), "10.1.2.3");
+  EXPECT_EQ(SourceOf(Peer("::ffff:10.1.2.3")), "10.1.2.3");  // an IPv4 client of a dual-stack socket
+  EXPECT_EQ(SourceOf(Peer("2001:db8:1:2:aaaa:bbbb:cccc:dddd")), "2001:db8:1:2::/64");
   // One host's /64 is one source, whatever address it draws in it; the next /64 is another.
-  EXPECT_EQ(SourceOf(V6("2001:db8:1:2::1")), SourceOf(V6("2001:db8:1:2:ffff:ffff:ffff:ffff")));
-  EXPECT_NE(SourceOf(V6("2001:db8:1:2::1")), SourceOf(V6("2001:db8:1:3::1")));
-  EXPECT_EQ(SourceOf(V6("::1")), "::/64");
+  EXPECT_EQ(SourceOf(Peer("2001:db8:1:2::1")), SourceOf(Peer("2001:db8:1:2:ffff:ffff:ffff:ffff")));
+  EXPECT_NE(SourceOf(Peer("2001:db8:1:2::1")), SourceOf(Peer("2001:db8:1:3::1")));
+  EXPECT_EQ(SourceOf(Peer("::1")), "::/64");
   sockaddr_storage unix_peer{};
   unix_peer.ss_family = AF_UNIX;
   EXPECT_EQ(SourceOf(unix_peer), "");
