@@ -64,12 +64,32 @@ std::string SslError() {
 // TLS uses here), the key matching the certificate, and the client CA's certificates: INVALID_ARGUMENT
 // naming the file otherwise. gRPC 1.51 does not report credentials it cannot use on a port whose
 // connections the daemon accepts: the port would take connections and never answer them.
-Status CheckTlsFiles(const RemoteConfig& rc, const std::string& key_pem, const std::string& client_ca_pem) {
+// The texts are those handed to gRPC (read once: a file replaced between two reads would have
+// one version checked and another served).
+Status CheckTlsFiles(const RemoteConfig& rc, const std::string& cert_pem, const std::string& key_pem,
+                     const std::string& client_ca_pem) {
+  ERR_clear_error();  // the queue read below is this check's alone
   std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_server_method()), SSL_CTX_free);
   if (!ctx) return Status::Unavailable("remote: OpenSSL cannot make a TLS context: " + SslError());
-  if (SSL_CTX_use_certificate_chain_file(ctx.get(), rc.tls_cert.c_str()) != 1) {
+  // The chain as SSL_CTX_use_certificate_chain_file reads a file: the leaf, then its issuers.
+  std::unique_ptr<BIO, decltype(&BIO_free)> cert_bio(BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size())),
+                                                     BIO_free);
+  std::unique_ptr<X509, decltype(&X509_free)> leaf(
+      cert_bio ? PEM_read_bio_X509_AUX(cert_bio.get(), nullptr, nullptr, const_cast<char*>("")) : nullptr, X509_free);
+  if (!leaf || SSL_CTX_use_certificate(ctx.get(), leaf.get()) != 1) {
     return Status::InvalidArgument("remote.tls_cert " + rc.tls_cert + " is not a usable certificate chain: " + SslError());
   }
+  while (X509* issuer = PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, const_cast<char*>(""))) {
+    if (SSL_CTX_add0_chain_cert(ctx.get(), issuer) != 1) {  // takes the certificate when it succeeds
+      X509_free(issuer);
+      return Status::InvalidArgument("remote.tls_cert " + rc.tls_cert + " is not a usable certificate chain: " + SslError());
+    }
+  }
+  // The loop ends at the text's end (no start line found) or at a malformed certificate.
+  if (const unsigned long last = ERR_peek_last_error(); ERR_GET_LIB(last) != ERR_LIB_PEM || ERR_GET_REASON(last) != PEM_R_NO_START_LINE) {
+    return Status::InvalidArgument("remote.tls_cert " + rc.tls_cert + " is not a usable certificate chain: " + SslError());
+  }
+  ERR_clear_error();
   std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())),
                                                     BIO_free);
   std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
@@ -112,7 +132,7 @@ Result<std::unique_ptr<RemoteServer>> RemoteServer::Start(const DaemonConfig& co
   if (!rc.client_ca.empty()) {
     SPECACHE_ASSIGN_OR_RETURN(tls.pem_root_certs, ReadPem(rc.client_ca, "client_ca"));
   }
-  SPECACHE_RETURN_IF_ERROR(CheckTlsFiles(rc, pair.private_key, tls.pem_root_certs));
+  SPECACHE_RETURN_IF_ERROR(CheckTlsFiles(rc, pair.cert_chain, pair.private_key, tls.pem_root_certs));
 
   // Callers by the tenant secret of each call; the policy compares it in constant time.
   const AccessPolicy* access = &registry->access();

@@ -17,7 +17,8 @@
 
 namespace specache::testing {
 
-// Certificates for one test run: a CA, the daemon's certificate (127.0.0.1), a client
+// Certificates for one test run: a CA, the daemon's certificate (127.0.0.1; server-chain.pem: it
+// and the CA's), a client
 // certificate from the same CA, and one from a CA the daemon does not know.
 struct Pki {
   std::string dir;
@@ -38,7 +39,9 @@ struct Pki {
     };
     std::ofstream(d + "/san.ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
     const std::string script = ca("ca") + " && " + ca("other-ca") + " && " + cert("server", "ca", "-extfile " + d + "/san.ext") +
-                                " && " + cert("client", "ca", "") + " && " + cert("stranger", "other-ca", "");
+                                " && " + cert("client", "ca", "") + " && " + cert("stranger", "other-ca", "") +
+                                // the daemon's chain: its certificate, then its issuer's
+                                " && cat " + d + "/server.pem " + d + "/ca.pem > " + d + "/server-chain.pem";
     int code = 0;
     RunCommand(script, &code);
     ok = code == 0;
@@ -62,7 +65,7 @@ inline std::string RemoteDaemonToml(const Pki& pki, const std::string& secret_a,
                      "\"\n[tenants.b]\nquota_bytes = \"32MiB\"\nremote_secret_file = \"" + secret_b +
                      "\"\n[remote]\ncontrol_addr = \"127.0.0.1:" + std::to_string(control_port) +
                      "\"\ndata_addr = \"127.0.0.1:" + std::to_string(data_port) + "\"\ntls_cert = \"" +
-                     pki.path("server.pem") + "\"\ntls_key = \"" + pki.path("server.key") + "\"\n";
+                     pki.path("server-chain.pem") + "\"\ntls_key = \"" + pki.path("server.key") + "\"\n";
   if (mutual_tls) toml += "client_ca = \"" + pki.path("ca.pem") + "\"\n";
   if (rma) toml += "rma = true\n";
   return toml;

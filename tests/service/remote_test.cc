@@ -782,6 +782,17 @@ TEST_F(RemoteTest, AKeyThatDoesNotMatchTheCertificateStopsTheStartup) {
   e.capture_log = true;
   EXPECT_FALSE(e.Start(toml)) << "the daemon started with an encrypted key\n" << e.Log();
   EXPECT_NE(e.Log().find("remote.tls_key " + encrypted + " is not a usable private key"), std::string::npos) << e.Log();
+  // A chain whose second certificate is damaged: refused, as OpenSSL's own chain loading would.
+  const std::string damaged = pki_->path("server-damaged-chain.pem");
+  std::ofstream(damaged) << std::ifstream(pki_->path("server.pem")).rdbuf()
+                         << "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n";
+  toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, FreePort(), FreePort(), false, false);
+  const std::string chain = pki_->path("server-chain.pem");
+  toml.replace(toml.find(chain), chain.size(), damaged);
+  DaemonProcess f;
+  f.capture_log = true;
+  EXPECT_FALSE(f.Start(toml)) << "the daemon started with a damaged certificate chain\n" << f.Log();
+  EXPECT_NE(f.Log().find("remote.tls_cert " + damaged + " is not a usable certificate chain"), std::string::npos) << f.Log();
 }
 
 // A handshaken control connection with no call in progress is closed after [remote]
