@@ -3,6 +3,7 @@
 // rounding, the same rows selected (the CUDA agent fed the CPU's tokens; its own choices the CPU's
 // but at near-ties: GenerateOnBoth); and with k covering the context, specache equals full.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -1050,6 +1051,95 @@ TEST(CudaAgentTest, AnExhaustedDevicePoolRefusesOnlyTheSequenceThatAsked) {
   EXPECT_EQ((*tight_host)->stats().device_pool_used_bytes, 0);
   ASSERT_TRUE(agent.ReleaseSequence(10).ok());
   EXPECT_EQ(agent.stats().device_pool_used_bytes, 0);
+#endif
+}
+
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// An in-memory source (zero-copy pages) that refuses every commit of one sequence's rows from a
+// given token on, as a daemon would refuse a tenant over its quota; the rest it forwards.
+class RefusingCommitsSource final : public FullPrecisionSource {
+ public:
+  RefusingCommitsSource(SequenceId refused, int32_t from_token) : refused_(refused), from_token_(from_token) {}
+  Status CreateSequence(SequenceId id, const SequenceLayout& layout) override { return rows_.CreateSequence(id, layout); }
+  Status ReleaseSequence(SequenceId id) override { return rows_.ReleaseSequence(id); }
+  Status AppendRows(SequenceId id, int layer, int kv_head, int32_t first, const Half* rows, int32_t n) override {
+    return rows_.AppendRows(id, layer, kv_head, first, rows, n);
+  }
+  Status ReadRows(SequenceId id, int layer, int kv_head, const int32_t* tokens, int32_t n, Half* out) const override {
+    return rows_.ReadRows(id, layer, kv_head, tokens, n, out);
+  }
+  Result<int32_t> Length(SequenceId id, int layer, int kv_head) const override { return rows_.Length(id, layer, kv_head); }
+  int64_t stored_bytes() const override { return rows_.stored_bytes(); }
+  int32_t page_tokens() const override { return rows_.page_tokens(); }
+  std::vector<HostRegion> host_regions() const override { return rows_.host_regions(); }
+  Status HostPages(SequenceId id, int layer, int32_t tokens, std::vector<uint8_t*>* pages) override {
+    return rows_.HostPages(id, layer, tokens, pages);
+  }
+  Status CommitRows(SequenceId id, int layer, int kv_head, int32_t first, int32_t n) override {
+    if (Refuses(id, first)) return Status::ResourceExhausted("the tenant's quota is spent");
+    return rows_.CommitRows(id, layer, kv_head, first, n);
+  }
+  Status CommitLayerRows(SequenceId id, int layer, int n_kv_heads, int32_t first, int32_t n) override {
+    if (Refuses(id, first)) return Status::ResourceExhausted("the tenant's quota is spent");
+    return rows_.CommitLayerRows(id, layer, n_kv_heads, first, n);
+  }
+  int64_t refused() const { return refused_count_; }
+
+ private:
+  bool Refuses(SequenceId id, int32_t first) {
+    if (id != refused_ || first < from_token_) return false;
+    ++refused_count_;
+    return true;
+  }
+  InMemorySource rows_;
+  const SequenceId refused_;
+  const int32_t from_token_;
+  std::atomic<int64_t> refused_count_{0};
+};
+#endif
+
+// Commits the source refuses for one sequence of a batch: the next BeginStep reports the first
+// (naming the rows and the sequence), stats() counts every one, the other sequence's rows are all
+// committed, and once the refused sequence is released the agent steps on with the other.
+TEST(CudaAgentTest, CommitsRefusedForOneSequenceAreReportedAndLeaveTheOthersWhole) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  KvConfig c;
+  c.mode = KvMode::kSpeCache;
+  c.key_bits = c.value_bits = 1;
+  c.top_k = 16;
+  // Sequence 11 (a 150-token prompt) has its prefill and first two decode rows committed.
+  RefusingCommitsSource source(11, 152);
+  auto created = CreateCudaAgent(shape, c, &source, {1024});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto wrapped = WrapHostTensors(std::move(created).value());
+  ASSERT_TRUE(wrapped.ok());
+  Agent& agent = **wrapped;
+  auto driven = testing::DriveBatch(&agent, {200, 150}, 12, std::mt19937(17));
+  ASSERT_FALSE(driven.ok()) << "no step reported the refused commits";
+  EXPECT_EQ(driven.status().code(), StatusCode::kResourceExhausted) << driven.status().ToString();
+  EXPECT_NE(driven.status().message().find("rows 152..153 of sequence 11 at layer 0 not committed"), std::string::npos)
+      << driven.status().ToString();
+  EXPECT_NE(driven.status().message().find("the tenant's quota is spent"), std::string::npos) << driven.status().ToString();
+  const AgentStats stats = agent.stats();  // commits every landed row first
+  EXPECT_GT(source.refused(), 0);
+  EXPECT_EQ(stats.commits_failed, source.refused());
+  const int32_t whole = *agent.SequenceLength(10), refused_at = *agent.SequenceLength(11);
+  EXPECT_GT(refused_at, 152);
+  for (int l = 0; l < shape.n_layers; ++l) {
+    for (int h = 0; h < shape.n_kv_heads; ++h) {
+      EXPECT_EQ(*source.Length(10, l, h), whole) << "layer " << l << ", head " << h;
+      EXPECT_EQ(*source.Length(11, l, h), 152) << "layer " << l << ", head " << h;
+    }
+  }
+  ASSERT_TRUE(agent.ReleaseSequence(11).ok());
+  const std::vector<SequenceId> rest{10};
+  const Status next = agent.BeginStep(StepKind::kDecode, rest);
+  EXPECT_TRUE(next.ok()) << "the refusal was reported again: " << next.ToString();
+  if (next.ok()) agent.AbortStep();
+  EXPECT_EQ(agent.stats().commits_failed, stats.commits_failed);
+  ASSERT_TRUE(agent.ReleaseSequence(10).ok());
 #endif
 }
 
