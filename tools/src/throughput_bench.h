@@ -76,6 +76,10 @@ struct ThroughputOptions {
   // the step's (the step grows by n_layers x this when it does). 0: none.
   int host_delay_us = 0;
   bool host_delay_before_projections = false;  // the delay before each layer's products instead
+  // The timed steps queued a step ahead (GpuEngine::QueueGreedyStep): the host queues the next
+  // step while the GPU runs this one, instead of waiting for its tokens first (GpuEngine::Step).
+  // The phase split's steps are timed one at a time either way.
+  bool step_ahead = false;
   // GpuLlama::SetDecodeGraphs: the model's decode calls replayed from CUDA graphs (as an engine's).
   bool model_graphs = true;
   // GpuLlama::SetTimedGemms: each product shape's kernel timed and chosen (model_gemm.h), or

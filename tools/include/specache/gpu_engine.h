@@ -25,8 +25,7 @@ struct PhaseTimes {
                              // speculative modes, and the synchronous fetch of specache-nonspec
   double fetch_wait_ms = 0;  // the stream stalled in WaitPrefetch for rows still in flight
   // Host time (steady clock), not GPU time: the host's enqueueing of the whole step, up to the
-  // tokens' copy back (a copy to pageable memory, which waits for the step's end); and its part
-  // inside the agent's calls (BeginStep, WaitPrefetch, DecodeLayer, StartPrefetch, EndStep). Well
+  // agent's EndStep (before the tokens' copy back); and its part inside the agent's calls (BeginStep, WaitPrefetch, DecodeLayer, StartPrefetch, EndStep). Well
   // below the step's wall time, the GPU is the bound. Near it, either the host's own work is, or
   // the host waited for the GPU inside the step (a full launch queue, a plan's slot, the fetch's
   // gather). Which of the two: the host's stacks (tools/profile). (Until 2026-12-05 the figure
@@ -57,8 +56,26 @@ class GpuEngine {
   Status Start(std::span<const SequenceId> ids, std::span<const int32_t> lengths, std::span<const int32_t> first_tokens);
   // One decode step of the batch given to Start: tokens[i] is sequence i's real token at its next
   // position. Returns each sequence's greedy next token; with `logits`, the real rows' logits
-  // ([sequences][vocab], host).
+  // ([sequences][vocab], host). FAILED_PRECONDITION while a step is queued (below).
   Result<std::vector<int32_t>> Step(std::span<const int32_t> tokens, std::vector<float>* logits = nullptr);
+
+  // Greedy decode with the host a step ahead of the GPU, as serving engines overlap their
+  // scheduling with the device's work: the GPU does not wait between two steps for the host to
+  // read the tokens and queue the next one.
+  // - QueueStep(tokens): queues a decode step as Step(tokens) runs it, without waiting for it.
+  // - QueueGreedyStep(): queues the step after the last one queued, fed that step's greedy tokens
+  //   (real and speculative) on the device, while it still runs.
+  // - FinishStep(): waits for the oldest queued step; returns what Step would have.
+  // So QueueStep(t), then QueueGreedyStep() + FinishStep() n times, then FinishStep(), gives the
+  // tokens of n + 1 calls of Step each fed the last one's output. At most two steps are queued;
+  // QueueStep (and Step) only when none is, QueueGreedyStep only after one and without phase
+  // timing (which times one step at a time): FAILED_PRECONDITION otherwise. A queued step is the
+  // agent's as soon as it is queued (its rows are appended whether or not it is finished); the
+  // engine's destruction waits for it.
+  Status QueueStep(std::span<const int32_t> tokens);
+  Status QueueGreedyStep();
+  Result<std::vector<int32_t>> FinishStep();
+  int queued_steps() const { return queued_count_; }
 
   // Records per-phase GPU time of the following Prefill/Start/Step calls (a Prefill counts as one
   // step of PhaseTimes: reset_phase_times() after it to time decode steps alone).
@@ -73,15 +90,33 @@ class GpuEngine {
     host_delay_us_ = us;
     delay_before_projections_ = before_projections;
   }
+  // The speculative tokens of the last finished step (specache).
   std::span<const int32_t> speculative_tokens() const { return speculative_; }
-  int64_t steps() const { return steps_; }
+  int64_t steps() const { return steps_; }  // decode steps finished
 
  private:
   enum class Phase { kGemm, kEdges, kAttention, kFetchWait };
-  // One agent step over rows [sequence][rows per sequence] with their positions; leaves each row's
-  // argmax in argmax_host_ (and logits of rows with `logit_stride`, from row 0, when asked).
-  Status RunStep(StepKind kind, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
-                 std::vector<float>* logits);
+  // A step queued and not yet finished: its rows' greedy tokens come back to `tokens` (pinned,
+  // [sequence][rows per sequence]), then `copied` is recorded.
+  struct QueuedStep {
+    int32_t* tokens = nullptr;
+    void* copied = nullptr;  // cudaEvent_t
+    int rows = 0;            // of the batch
+  };
+  // Queues one agent step over rows [sequence][rows per sequence] whose tokens are `host_tokens`,
+  // or when null the device's argmax of the step queued before (the same layout: its real and
+  // speculative next tokens), at `positions`, into the next queued slot; with `logits`, the real
+  // rows' logits (row 0 of each sequence) are copied to it (pageable: the copy waits for the step).
+  Status QueueAgentStep(StepKind kind, const std::vector<int32_t>* host_tokens, const std::vector<int32_t>& positions,
+                        std::vector<float>* logits);
+  // Waits for the oldest queued step: its argmax to argmax_host_, its phase times collected.
+  Status FinishAgentStep();
+  // A decode step's rows (real, then speculative) and their positions from positions_ (checked
+  // against the model's context), advancing positions_; the tokens from `tokens` and speculative_
+  // when given.
+  Status NextDecodeRows(std::span<const int32_t> tokens, std::vector<int32_t>* in, std::vector<int32_t>* pos);
+  // The finished decode step's tokens to the caller's form, and speculative_ from them.
+  std::vector<int32_t> TakeDecodeTokens();
   Status Mark(Phase phase_before);
   // set_host_delay_us's wait, at the point named (before the layer's products, or its attention)
   // when it is the point chosen.
@@ -96,6 +131,8 @@ class GpuEngine {
   std::vector<int32_t> argmax_host_;
   bool started_ = false;
   int64_t steps_ = 0;
+  QueuedStep queued_[2];  // a ring: the oldest at queued_first_
+  int queued_first_ = 0, queued_count_ = 0;
 
   bool timing_ = false;
   int host_delay_us_ = 0;  // set_host_delay_us

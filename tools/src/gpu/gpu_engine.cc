@@ -30,6 +30,12 @@ cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
 GpuEngine::GpuEngine(GpuLlama* model, Agent* agent) : model_(model), agent_(agent) {}
 
 GpuEngine::~GpuEngine() {
+  // A queued step's kernels still write its tokens' pinned buffer.
+  if (queued_count_ > 0) (void)cudaStreamSynchronize(Stream(model_->stream()));
+  for (QueuedStep& q : queued_) {
+    if (q.copied) cudaEventDestroy(static_cast<cudaEvent_t>(q.copied));
+    if (q.tokens) cudaFreeHost(q.tokens);
+  }
   for (void* e : events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
 }
 
@@ -131,21 +137,38 @@ void GpuEngine::HostDelay(bool before_projections) const {
   }
 }
 
-Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
-                          std::vector<float>* logits) {
+Status GpuEngine::QueueAgentStep(StepKind kind, const std::vector<int32_t>* host_tokens,
+                                 const std::vector<int32_t>& positions, std::vector<float>* logits) {
   const LlamaConfig& c = model_->config();
-  const int n = static_cast<int>(tokens.size());
+  const int n = static_cast<int>(positions.size());
   const int rows = agent_->RowsPerSequence(kind);
+  if (queued_count_ == 2) return Status::FailedPrecondition("two steps are queued already");
+  if (n > GpuLlama::kMaxLogitRows) return Status::InvalidArgument("a step of more rows than the LM head takes");
+  QueuedStep& q = queued_[(queued_first_ + queued_count_) % 2];
+  if (q.tokens == nullptr) {  // for the most rows a step may have (GpuEngine::Start's limit)
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaHostAlloc(reinterpret_cast<void**>(&q.tokens),
+                                                GpuLlama::kMaxLogitRows * sizeof(int32_t), cudaHostAllocDefault),
+                                  "pinned tokens"));
+  }
+  if (q.copied == nullptr) {
+    cudaEvent_t e = nullptr;
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "step event"));
+    q.copied = e;
+  }
   const auto begun = std::chrono::steady_clock::now();
   SPECACHE_RETURN_IF_ERROR(model_->Reserve(n));
   void* s = model_->stream();
   marks_ = 0;
   SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_tokens(), tokens.data(), n * sizeof(int32_t),
-                                                cudaMemcpyHostToDevice, Stream(s)), "step tokens"));
+  if (host_tokens) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_tokens(), host_tokens->data(), n * sizeof(int32_t),
+                                                  cudaMemcpyHostToDevice, Stream(s)), "step tokens"));
+  }
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), positions.data(), n * sizeof(int32_t),
                                                 cudaMemcpyHostToDevice, Stream(s)), "step positions"));
-  SPECACHE_RETURN_IF_ERROR(model_->Embed(model_->device_tokens(), n));
+  // The step before's argmax is read in stream order: after its copy to the host, before this
+  // step's Argmax overwrites it.
+  SPECACHE_RETURN_IF_ERROR(model_->Embed(host_tokens ? model_->device_tokens() : model_->argmax(), n));
   HostClock agent_clock;
   SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->BeginStep(kind, ids_); }));
   SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
@@ -167,24 +190,22 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
     if (status.ok()) status = model_->FinishLayer(l, n);
   }
   if (status.ok()) status = Mark(Phase::kGemm);
-  if (!status.ok()) {
-    agent_->AbortStep();
-    return status;
-  }
   // The LM head and the argmax are queued before the agent's EndStep, whose host work (the rows'
-  // commits) then overlaps them; the tokens' copy to pageable memory below waits for the GPU.
-  status = model_->Logits(0, n);
+  // commits) then overlaps them.
+  if (status.ok()) status = model_->Logits(0, n);
   if (status.ok()) status = model_->Argmax(n);
   if (!status.ok()) {
     agent_->AbortStep();
     return status;
   }
   SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->EndStep(); }));
-  // The step is queued: what the host took (the copies below wait for the GPU to finish it).
+  // The step is queued (its rows are the agent's from here on, whatever follows): what the host took.
   const double enqueue_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begun).count();
-  argmax_host_.resize(n);
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(argmax_host_.data(), model_->argmax(), n * sizeof(int32_t),
-                                                cudaMemcpyDeviceToHost, Stream(s)), "tokens"));
+  q.rows = n;
+  ++queued_count_;
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(q.tokens, model_->argmax(), n * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                                Stream(s)), "tokens"));
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(static_cast<cudaEvent_t>(q.copied), Stream(s)), "step event"));
   if (logits) {  // the real rows: row 0 of each sequence
     const size_t sequences = ids_.size(), row_bytes = size_t(c.vocab) * sizeof(float);
     logits->resize(sequences * c.vocab);
@@ -197,7 +218,19 @@ Status GpuEngine::RunStep(StepKind kind, const std::vector<int32_t>& tokens, con
     times_.enqueue_host_ms += enqueue_ms;
     times_.agent_host_ms += agent_clock.ms;
   }
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(s)), "decode step"));
+  return Status::Ok();
+}
+
+Status GpuEngine::FinishAgentStep() {
+  if (queued_count_ == 0) return Status::FailedPrecondition("no step is queued");
+  QueuedStep& q = queued_[queued_first_];
+  queued_first_ = (queued_first_ + 1) % 2;
+  --queued_count_;
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(q.copied)), "decode step"));
+  argmax_host_.assign(q.tokens, q.tokens + q.rows);
+  if (!timing_) return Status::Ok();
+  // Its last mark comes after the tokens' copy (and the logits'): wait for it too.
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(model_->stream())), "decode step"));
   return CollectTimes();
 }
 
@@ -222,40 +255,96 @@ Status GpuEngine::Start(std::span<const SequenceId> ids, std::span<const int32_t
   for (int32_t t : tokens) {
     if (t < 0 || t >= model_->config().vocab) return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
   }
-  SPECACHE_RETURN_IF_ERROR(RunStep(StepKind::kPreDecode, tokens, positions_, nullptr));
+  SPECACHE_RETURN_IF_ERROR(QueueAgentStep(StepKind::kPreDecode, &tokens, positions_, nullptr));
+  SPECACHE_RETURN_IF_ERROR(FinishAgentStep());
   speculative_ = argmax_host_;
   return Status::Ok();
 }
 
-Result<std::vector<int32_t>> GpuEngine::Step(std::span<const int32_t> tokens, std::vector<float>* logits) {
-  if (!started_) return Status::FailedPrecondition("GpuEngine::Step before Start");
-  if (tokens.size() != ids_.size()) return Status::InvalidArgument("Step needs one token per sequence");
+Status GpuEngine::NextDecodeRows(std::span<const int32_t> tokens, std::vector<int32_t>* in, std::vector<int32_t>* pos) {
   const int rows = agent_->RowsPerSequence(StepKind::kDecode);
-  std::vector<int32_t> in, pos;
   for (size_t i = 0; i < ids_.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= model_->config().vocab) {
-      return Status::InvalidArgument("token id " + std::to_string(tokens[i]) + " outside the vocabulary");
-    }
     if (positions_[i] + rows > model_->config().context_length) {
       return Status::OutOfRange("decoding past the model's context of " + std::to_string(model_->config().context_length) +
                                 " tokens");
     }
-    in.push_back(tokens[i]);
-    pos.push_back(positions_[i]);
-    if (rows == 2) {  // the speculative row: the guess of the token after tokens[i]
-      in.push_back(speculative_[i]);
-      pos.push_back(positions_[i] + 1);
-    }
   }
-  SPECACHE_RETURN_IF_ERROR(RunStep(StepKind::kDecode, in, pos, logits));
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    if (!tokens.empty()) {
+      in->push_back(tokens[i]);
+      if (rows == 2) in->push_back(speculative_[i]);  // the speculative row: the guess of the token after tokens[i]
+    }
+    pos->push_back(positions_[i]);
+    if (rows == 2) pos->push_back(positions_[i] + 1);
+    ++positions_[i];
+  }
+  return Status::Ok();
+}
+
+std::vector<int32_t> GpuEngine::TakeDecodeTokens() {
+  const int rows = agent_->RowsPerSequence(StepKind::kDecode);
   std::vector<int32_t> next(ids_.size());
   for (size_t i = 0; i < ids_.size(); ++i) {
     next[i] = argmax_host_[i * rows];
     if (rows == 2) speculative_[i] = argmax_host_[i * rows + 1];
-    ++positions_[i];
   }
   ++steps_;
   return next;
+}
+
+Status GpuEngine::QueueStep(std::span<const int32_t> tokens) {
+  if (!started_) return Status::FailedPrecondition("GpuEngine: a step before Start");
+  if (queued_count_ > 0) return Status::FailedPrecondition("GpuEngine: a step with tokens while one is queued (its speculative tokens are not back)");
+  if (tokens.size() != ids_.size()) return Status::InvalidArgument("Step needs one token per sequence");
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= model_->config().vocab) return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
+  }
+  std::vector<int32_t> in, pos;
+  const std::vector<int32_t> before = positions_;
+  SPECACHE_RETURN_IF_ERROR(NextDecodeRows(tokens, &in, &pos));
+  const Status queued = QueueAgentStep(StepKind::kDecode, &in, pos, nullptr);
+  if (!queued.ok() && queued_count_ == 0) positions_ = before;  // not queued: the positions stay
+  return queued;
+}
+
+Status GpuEngine::QueueGreedyStep() {
+  if (!started_) return Status::FailedPrecondition("GpuEngine: a step before Start");
+  if (queued_count_ != 1) {
+    return Status::FailedPrecondition(queued_count_ == 0 ? "GpuEngine: a greedy step needs the step before it queued"
+                                                         : "GpuEngine: two steps are queued already");
+  }
+  if (timing_) return Status::FailedPrecondition("GpuEngine: phase timing times one step at a time (Step)");
+  std::vector<int32_t> pos;
+  const std::vector<int32_t> before = positions_;
+  SPECACHE_RETURN_IF_ERROR(NextDecodeRows({}, nullptr, &pos));
+  const Status queued = QueueAgentStep(StepKind::kDecode, nullptr, pos, nullptr);
+  if (!queued.ok() && queued_count_ == 1) positions_ = before;
+  return queued;
+}
+
+Result<std::vector<int32_t>> GpuEngine::FinishStep() {
+  SPECACHE_RETURN_IF_ERROR(FinishAgentStep());
+  return TakeDecodeTokens();
+}
+
+Result<std::vector<int32_t>> GpuEngine::Step(std::span<const int32_t> tokens, std::vector<float>* logits) {
+  if (!started_) return Status::FailedPrecondition("GpuEngine::Step before Start");
+  if (queued_count_ > 0) return Status::FailedPrecondition("GpuEngine::Step while a step is queued (FinishStep first)");
+  if (tokens.size() != ids_.size()) return Status::InvalidArgument("Step needs one token per sequence");
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= model_->config().vocab) return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
+  }
+  std::vector<int32_t> in, pos;
+  const std::vector<int32_t> before = positions_;
+  SPECACHE_RETURN_IF_ERROR(NextDecodeRows(tokens, &in, &pos));
+  const Status queued = QueueAgentStep(StepKind::kDecode, &in, pos, logits);
+  if (!queued.ok()) {
+    if (queued_count_ == 0) positions_ = before;
+    else (void)FinishAgentStep();  // queued, then a copy failed: its rows are the agent's
+    return queued;
+  }
+  SPECACHE_RETURN_IF_ERROR(FinishAgentStep());
+  return TakeDecodeTokens();
 }
 
 }  // namespace specache::gpu
