@@ -22,6 +22,9 @@
 #             tools/bench/gpu_agent_checks.sh selection # not in run: the top-k on a stream of its own or in order
 #                                                      # on the model's (selection_on_own_stream), the whole model
 #                                                      # at 176 x 8K int8 alternated, two rounds (~4 minutes)
+#             tools/bench/gpu_agent_checks.sh ahead    # not in run: the whole model's decode steps queued a step
+#                                                      # ahead (specache-run bench --step-ahead) or one at a time,
+#                                                      # 176 x 8K int8 alternated two rounds, 46 x 32K once (~9 minutes)
 #             tools/bench/gpu_agent_checks.sh topk     # not in run: one layer's top-k at 99 and 176 x 8K (parts forced
 #                                                      # to 1024-8192 tokens) and 24 and 46 x 32K (2048-8192) against
 #                                                      # its chosen cut (specache-bench attend --topk-parts; ~2 minutes)
@@ -44,10 +47,10 @@
 # tool 150, step 90, each share of the model 60: `run` stays under 9 minutes with the default
 # TOOLS; profile: 100 and 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80;
 # goals: a part starts only
-# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80; topk: 2 x 80; ncu: 240,
+# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80; ahead: 4 x 80 and 2 x 100; topk: 2 x 80; ncu: 240,
 # 60 and 90. Each stage prints a line "stage: exit N, S s"; the script's exit status is the tests'
 # (a failing or missing GPU fails, SPECACHE_REQUIRE_GPU=1), for int8, stores, goals, selection,
-# topk and ncu 1 when any of their runs failed.
+# ahead, topk and ncu 1 when any of their runs failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -79,7 +82,7 @@ if [ "$stage" = bundle ]; then
 fi
 
 case "$stage" in
-  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection | topk | ncu) ;;
+  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection | ahead | topk | ncu) ;;
   *) sed -n '2,/^[^#]/{/^#/p}' "$0" >&2; exit 2 ;;  # the header above, whole
 esac
 if [ ! -x "$bundle/run" ]; then
@@ -209,6 +212,18 @@ if [ "$stage" = selection ]; then
     done
   done
 fi
+if [ "$stage" = ahead ]; then
+  for round in 1 2; do
+    for ahead in off on; do
+      flag=(); [ "$ahead" = on ] && flag=(--step-ahead)
+      bench_48gb "ahead_8k_${ahead}_$round" 80 8192 --kv specache/host-rows=int8 "${flag[@]}"
+    done
+  done
+  for ahead in off on; do
+    flag=(); [ "$ahead" = on ] && flag=(--step-ahead)
+    bench_48gb "ahead_32k_$ahead" 100 32768 --kv specache/host-rows=int8 "${flag[@]}"
+  done
+fi
 if [ "$stage" = topk ]; then
   timed topk_8k 80 "$bundle/run" specache-bench attend --random-rows --free-slots 32 --tokens 8192 --batches 99,176 \
     --topk-parts 1024,2048,4096,8192 || bench_rc=1
@@ -230,7 +245,8 @@ if [ "$stage" = ncu ]; then
   fi
   tar -C "$out" -czf "$out/ncu.tgz" $(cd "$out" && ls ncu_*.txt ncu.ncu-rep 2>/dev/null) && rm -f "$out"/ncu_*.txt "$out/ncu.ncu-rep"
 fi
-if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ] || [ "$stage" = topk ] || [ "$stage" = ncu ]; then
+if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ] || [ "$stage" = ahead ] || [ "$stage" = topk ] ||
+   [ "$stage" = ncu ]; then
   exit "$bench_rc"
 fi  # (goals exits above)
 exit "$tests_rc"
