@@ -6,6 +6,9 @@
 
 #include <memory>
 #include <random>
+#include <set>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -72,7 +75,8 @@ class GpuEngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
     SPECACHE_REQUIRE_CUDA_DEVICE();
-    auto m = GpuLlama::Random(SmolLm2Config(), 11, /*tied_head=*/true);
+    // An untied head: a tied one, over random layers, tends to predict the token it was fed.
+    auto m = GpuLlama::Random(SmolLm2Config(), 11, /*tied_head=*/false);
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     model_ = std::move(*m);
   }
@@ -85,14 +89,20 @@ TEST_F(GpuEngineTest, StepsQueuedAheadGiveTheTokensOfStepsOneAtATime) {
     SCOPED_TRACE(mode == KvMode::kSpeCache ? "specache" : "full");
     auto one = Begin(model_.get(), mode);
     ASSERT_NE(one, nullptr);
-    std::vector<std::vector<int32_t>> want;
+    auto speculative = [](const GpuEngine& e) {
+      return std::vector<int32_t>(e.speculative_tokens().begin(), e.speculative_tokens().end());
+    };
+    std::vector<std::vector<int32_t>> want, want_speculative;
     std::vector<int32_t> tokens = one->first;
     for (int i = 0; i < kSteps + 1; ++i) {
       auto next = one->engine->Step(tokens);
       ASSERT_TRUE(next.ok()) << next.status().ToString();
       tokens = *next;
       want.push_back(tokens);
+      want_speculative.push_back(speculative(*one->engine));
     }
+    // A run that repeated one token would not tell a step fed the wrong tokens from the right ones.
+    ASSERT_GT(std::set<std::vector<int32_t>>(want.begin(), want.end()).size(), 1u) << "the random model repeats itself";
 
     auto ahead = Begin(model_.get(), mode);
     ASSERT_NE(ahead, nullptr);
@@ -102,7 +112,9 @@ TEST_F(GpuEngineTest, StepsQueuedAheadGiveTheTokensOfStepsOneAtATime) {
     ASSERT_TRUE(e.QueueStep(ahead->first).ok());
     EXPECT_EQ(e.Step(ahead->first).status().code(), StatusCode::kFailedPrecondition) << "Step while one is queued";
     EXPECT_EQ(e.QueueStep(ahead->first).code(), StatusCode::kFailedPrecondition) << "tokens while one is queued";
-    std::vector<std::vector<int32_t>> got;
+    EXPECT_EQ(e.Prefill(ahead->ids, Prompts(model_->config().vocab)).status().code(), StatusCode::kFailedPrecondition)
+        << "a prefill while a step is queued";
+    std::vector<std::vector<int32_t>> got, got_speculative;
     for (int i = 0; i < kSteps; ++i) {
       ASSERT_TRUE(e.QueueGreedyStep().ok());
       ASSERT_EQ(e.queued_steps(), 2);
@@ -112,17 +124,28 @@ TEST_F(GpuEngineTest, StepsQueuedAheadGiveTheTokensOfStepsOneAtATime) {
       auto next = e.FinishStep();
       ASSERT_TRUE(next.ok()) << next.status().ToString();
       got.push_back(*next);
+      got_speculative.push_back(speculative(e));
     }
     auto last = e.FinishStep();
     ASSERT_TRUE(last.ok()) << last.status().ToString();
     got.push_back(*last);
+    got_speculative.push_back(speculative(e));
     EXPECT_EQ(e.queued_steps(), 0);
     EXPECT_EQ(e.FinishStep().status().code(), StatusCode::kFailedPrecondition) << "a finish with none queued";
     EXPECT_EQ(got, want);
+    EXPECT_EQ(got_speculative, want_speculative);
     EXPECT_EQ(e.steps(), one->engine->steps());
-    const auto a = e.speculative_tokens(), b = one->engine->speculative_tokens();
-    EXPECT_EQ(std::vector<int32_t>(a.begin(), a.end()), std::vector<int32_t>(b.begin(), b.end()));
-    for (SequenceId id : one->ids) EXPECT_EQ(*ahead->agent->SequenceLength(id), *one->agent->SequenceLength(id));
+    const ModelShape shape = model_->shape();
+    for (SequenceId id : one->ids) {
+      EXPECT_EQ(*ahead->agent->SequenceLength(id), *one->agent->SequenceLength(id));
+      if (mode != KvMode::kSpeCache) continue;
+      for (int l = 0; l < shape.n_layers; ++l) {  // the rows the last steps selected: their speculative tokens'
+        for (int h = 0; h < shape.n_kv_heads; ++h) {
+          EXPECT_EQ(*ahead->agent->SelectedTokens(id, l, h), *one->agent->SelectedTokens(id, l, h))
+              << "sequence " << id << ", layer " << l << ", head " << h;
+        }
+      }
+    }
 
     // Phase timing times one step at a time; after the queue drains, Step goes on from its tokens.
     e.set_phase_timing(true);
@@ -135,6 +158,67 @@ TEST_F(GpuEngineTest, StepsQueuedAheadGiveTheTokensOfStepsOneAtATime) {
     EXPECT_EQ(*timed, *stepped);
     EXPECT_EQ(e.phase_times().steps, 1);
   }
+}
+
+// An agent that forwards to another and fails one layer of one decode step, as a device or a
+// source could, after the step began.
+class FailingLayerAgent final : public Agent {
+ public:
+  explicit FailingLayerAgent(Agent* inner) : inner_(inner) {}
+  void FailNextDecodeAt(int layer) { fail_layer_ = layer; }
+
+  const ModelShape& shape() const override { return inner_->shape(); }
+  const KvConfig& config() const override { return inner_->config(); }
+  std::string_view backend_name() const override { return inner_->backend_name(); }
+  Status AddSequence(SequenceId id) override { return inner_->AddSequence(id); }
+  Status ReleaseSequence(SequenceId id) override { return inner_->ReleaseSequence(id); }
+  Result<int32_t> SequenceLength(SequenceId id) const override { return inner_->SequenceLength(id); }
+  Status PrefillLayer(int layer, const PrefillBatch& batch) override { return inner_->PrefillLayer(layer, batch); }
+  Status BeginStep(StepKind kind, std::span<const SequenceId> sequences) override {
+    return inner_->BeginStep(kind, sequences);
+  }
+  Status DecodeLayer(int layer, const DecodeRows& rows) override {
+    if (layer == fail_layer_) {
+      fail_layer_ = -1;
+      return Status::Unavailable("injected: layer " + std::to_string(layer) + " failed");
+    }
+    return inner_->DecodeLayer(layer, rows);
+  }
+  Status StartPrefetch(int layer) override { return inner_->StartPrefetch(layer); }
+  Status WaitPrefetch(int layer) override { return inner_->WaitPrefetch(layer); }
+  Status EndStep() override { return inner_->EndStep(); }
+  void AbortStep() override { inner_->AbortStep(); }
+  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override {
+    return inner_->SelectedTokens(id, layer, kv_head);
+  }
+  AgentStats stats() const override { return inner_->stats(); }
+
+ private:
+  Agent* inner_;
+  int fail_layer_ = -1;
+};
+
+// A step that fails after the agent began it stops the batch (its rows may be partly appended):
+// every later step is refused with its error, while the step queued before it still finishes.
+TEST_F(GpuEngineTest, AStepThatFailsAfterTheAgentBeganItStopsTheBatch) {
+  auto r = Begin(model_.get(), KvMode::kSpeCache);
+  ASSERT_NE(r, nullptr);
+  FailingLayerAgent failing(r->agent.get());
+  GpuEngine e(model_.get(), &failing);  // a second engine over the started batch
+  std::vector<int32_t> lengths;
+  for (SequenceId id : r->ids) lengths.push_back(*r->agent->SequenceLength(id));
+  ASSERT_TRUE(e.Start(r->ids, lengths, r->first).ok());
+  ASSERT_TRUE(e.QueueStep(r->first).ok());
+  failing.FailNextDecodeAt(3);
+  const Status failed = e.QueueGreedyStep();
+  EXPECT_EQ(failed.code(), StatusCode::kUnavailable) << failed.ToString();
+  EXPECT_EQ(e.queued_steps(), 1);
+  auto first = e.FinishStep();  // queued before the failure: finished as usual
+  EXPECT_TRUE(first.ok()) << first.status().ToString();
+  const Status refused = e.QueueStep(r->first);
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.ToString();
+  EXPECT_NE(refused.message().find("injected: layer 3 failed"), std::string::npos) << refused.ToString();
+  EXPECT_EQ(e.Step(r->first).status().code(), StatusCode::kFailedPrecondition);
 }
 
 // An engine destroyed with a step still queued waits for it (its tokens' buffer is the engine's).

@@ -229,10 +229,10 @@ class Bench {
     if (steps > 0) {
       const AgentStats before = agent->stats();
       const auto start = std::chrono::steady_clock::now();
-      if (o_.step_ahead) {  // `steps` steps finished while the next is queued (each fed the last's tokens)
+      if (o_.step_ahead) {  // each step but the first queued while the one before runs, fed its tokens
         SPECACHE_RETURN_IF_ERROR(engine.QueueStep(tokens));
         for (int i = 0; i < steps; ++i) {
-          SPECACHE_RETURN_IF_ERROR(engine.QueueGreedyStep());
+          if (i + 1 < steps) SPECACHE_RETURN_IF_ERROR(engine.QueueGreedyStep());
           SPECACHE_ASSIGN_OR_RETURN(tokens, engine.FinishStep());
         }
       } else {
@@ -241,15 +241,10 @@ class Bench {
         }
       }
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      // The step still queued (untimed; its rows are the agent's) before the statistics.
-      const int fetched_steps = steps + (o_.step_ahead ? 1 : 0);
-      if (o_.step_ahead) {
-        SPECACHE_ASSIGN_OR_RETURN(tokens, engine.FinishStep());
-      }
       const AgentStats after = agent->stats();
       run.ms_step = 1e3 * seconds / steps;
       run.tokens_per_s = double(batch) * steps / seconds;
-      run.fetched_bytes_per_token = double(after.bytes_fetched - before.bytes_fetched) / (double(batch) * fetched_steps);
+      run.fetched_bytes_per_token = double(after.bytes_fetched - before.bytes_fetched) / (double(batch) * steps);
       engine.set_phase_timing(true);
       for (int i = 0; i < steps; ++i) {
         SPECACHE_ASSIGN_OR_RETURN(tokens, engine.Step(tokens));

@@ -68,10 +68,16 @@ class GpuEngine {
   // - FinishStep(): waits for the oldest queued step; returns what Step would have.
   // So QueueStep(t), then QueueGreedyStep() + FinishStep() n times, then FinishStep(), gives the
   // tokens of n + 1 calls of Step each fed the last one's output. At most two steps are queued;
-  // QueueStep (and Step) only when none is, QueueGreedyStep only after one and without phase
-  // timing (which times one step at a time): FAILED_PRECONDITION otherwise. A queued step is the
-  // agent's as soon as it is queued (its rows are appended whether or not it is finished); the
-  // engine's destruction waits for it.
+  // QueueStep (and Step, Prefill) only when none is, QueueGreedyStep only after one and with
+  // neither step under phase timing (which times one step at a time): FAILED_PRECONDITION
+  // otherwise. A queued step is the agent's as soon as it is queued (its rows are appended whether
+  // or not it is finished); the engine's destruction waits for it. An agent whose BeginStep waits
+  // for the GPU (the full-offload anchor's flushes its appends) runs the same, without the overlap.
+  //
+  // A step that fails after the agent began it (its rows may be partly appended, the device's
+  // tokens overwritten) leaves the batch unusable: every later step is refused with its error
+  // (FAILED_PRECONDITION); a step queued before it still finishes. A step refused before that
+  // (BeginStep's RESOURCE_EXHAUSTED, say) changes nothing and may be tried again.
   Status QueueStep(std::span<const int32_t> tokens);
   Status QueueGreedyStep();
   Result<std::vector<int32_t>> FinishStep();
@@ -99,9 +105,12 @@ class GpuEngine {
   // A step queued and not yet finished: its rows' greedy tokens come back to `tokens` (pinned,
   // [sequence][rows per sequence]), then `copied` is recorded.
   struct QueuedStep {
-    int32_t* tokens = nullptr;
-    void* copied = nullptr;  // cudaEvent_t
-    int rows = 0;            // of the batch
+    int32_t* tokens = nullptr;     // pinned [GpuLlama::kMaxLogitRows]: the step's argmax
+    int32_t* inputs = nullptr;     // pinned [2][kMaxLogitRows]: its tokens (when from the host), positions
+    void* copied = nullptr;        // cudaEvent_t, after the step's last copy back
+    int rows = 0;                  // of the batch
+    bool timed = false;            // its phase times are the engine's marks
+    Status failed = Status::Ok();  // queued, then a copy back failed: FinishAgentStep returns it
   };
   // Queues one agent step over rows [sequence][rows per sequence] whose tokens are `host_tokens`,
   // or when null the device's argmax of the step queued before (the same layout: its real and
@@ -111,6 +120,13 @@ class GpuEngine {
                         std::vector<float>* logits);
   // Waits for the oldest queued step: its argmax to argmax_host_, its phase times collected.
   Status FinishAgentStep();
+  // OK, or FAILED_PRECONDITION with broken_.
+  Status Usable() const;
+  // Step's and QueueStep's checks: started, usable, nothing queued, one token per sequence in the vocabulary.
+  Status CheckStepTokens(std::span<const int32_t> tokens) const;
+  // A decode step of tokens (host; empty: the device's argmax of the step queued before) queued
+  // through QueueAgentStep, positions_ advanced only when it was queued.
+  Status QueueDecodeStep(std::span<const int32_t> tokens, std::vector<float>* logits);
   // A decode step's rows (real, then speculative) and their positions from positions_ (checked
   // against the model's context), advancing positions_; the tokens from `tokens` and speculative_
   // when given.
@@ -133,6 +149,7 @@ class GpuEngine {
   int64_t steps_ = 0;
   QueuedStep queued_[2];  // a ring: the oldest at queued_first_
   int queued_first_ = 0, queued_count_ = 0;
+  Status broken_ = Status::Ok();  // the first failure of a step the agent had begun (above)
 
   bool timing_ = false;
   int host_delay_us_ = 0;  // set_host_delay_us

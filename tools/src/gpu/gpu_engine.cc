@@ -30,11 +30,12 @@ cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
 GpuEngine::GpuEngine(GpuLlama* model, Agent* agent) : model_(model), agent_(agent) {}
 
 GpuEngine::~GpuEngine() {
-  // A queued step's kernels still write its tokens' pinned buffer.
-  if (queued_count_ > 0) (void)cudaStreamSynchronize(Stream(model_->stream()));
+  // A queued step (or one whose queueing failed midway) may still copy to or from its buffers.
+  if (queued_[0].tokens || queued_[1].tokens) (void)cudaStreamSynchronize(Stream(model_->stream()));
   for (QueuedStep& q : queued_) {
     if (q.copied) cudaEventDestroy(static_cast<cudaEvent_t>(q.copied));
     if (q.tokens) cudaFreeHost(q.tokens);
+    if (q.inputs) cudaFreeHost(q.inputs);
   }
   for (void* e : events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
 }
@@ -43,6 +44,8 @@ Result<std::vector<int32_t>> GpuEngine::Prefill(std::span<const SequenceId> ids,
                                                 std::span<const std::vector<int32_t>> prompts,
                                                 std::vector<float>* logits) {
   const LlamaConfig& c = model_->config();
+  // Its Argmax would overwrite what a queued greedy step reads (and Reserve may move it).
+  if (queued_count_ > 0) return Status::FailedPrecondition("GpuEngine::Prefill while a step is queued (FinishStep first)");
   if (ids.size() != prompts.size() || ids.empty()) return Status::InvalidArgument("one prompt per sequence, at least one");
   std::vector<int32_t> offsets{0}, tokens, positions;
   for (const std::vector<int32_t>& p : prompts) {
@@ -144,11 +147,16 @@ Status GpuEngine::QueueAgentStep(StepKind kind, const std::vector<int32_t>* host
   const int rows = agent_->RowsPerSequence(kind);
   if (queued_count_ == 2) return Status::FailedPrecondition("two steps are queued already");
   if (n > GpuLlama::kMaxLogitRows) return Status::InvalidArgument("a step of more rows than the LM head takes");
-  QueuedStep& q = queued_[(queued_first_ + queued_count_) % 2];
+  QueuedStep& q = queued_[(queued_first_ + queued_count_) % 2];  // not queued: its last use finished
   if (q.tokens == nullptr) {  // for the most rows a step may have (GpuEngine::Start's limit)
     SPECACHE_RETURN_IF_ERROR(Cuda(cudaHostAlloc(reinterpret_cast<void**>(&q.tokens),
                                                 GpuLlama::kMaxLogitRows * sizeof(int32_t), cudaHostAllocDefault),
                                   "pinned tokens"));
+  }
+  if (q.inputs == nullptr) {
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaHostAlloc(reinterpret_cast<void**>(&q.inputs),
+                                                2 * GpuLlama::kMaxLogitRows * sizeof(int32_t), cudaHostAllocDefault),
+                                  "pinned step inputs"));
   }
   if (q.copied == nullptr) {
     cudaEvent_t e = nullptr;
@@ -160,19 +168,28 @@ Status GpuEngine::QueueAgentStep(StepKind kind, const std::vector<int32_t>* host
   void* s = model_->stream();
   marks_ = 0;
   SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
+  // From pinned memory, so that the copies never wait for the step queued before.
+  int32_t* in_tokens = q.inputs;
+  int32_t* in_positions = q.inputs + GpuLlama::kMaxLogitRows;
+  std::copy(positions.begin(), positions.end(), in_positions);
   if (host_tokens) {
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_tokens(), host_tokens->data(), n * sizeof(int32_t),
+    std::copy(host_tokens->begin(), host_tokens->end(), in_tokens);
+    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_tokens(), in_tokens, n * sizeof(int32_t),
                                                   cudaMemcpyHostToDevice, Stream(s)), "step tokens"));
   }
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), positions.data(), n * sizeof(int32_t),
+  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(model_->device_positions(), in_positions, n * sizeof(int32_t),
                                                 cudaMemcpyHostToDevice, Stream(s)), "step positions"));
   // The step before's argmax is read in stream order: after its copy to the host, before this
   // step's Argmax overwrites it.
   SPECACHE_RETURN_IF_ERROR(model_->Embed(host_tokens ? model_->device_tokens() : model_->argmax(), n));
   HostClock agent_clock;
   SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->BeginStep(kind, ids_); }));
-  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
-  Status status = Status::Ok();
+  // From here on a failure leaves the batch unusable (gpu_engine.h).
+  auto fail = [&](const Status& status) {
+    broken_ = status;
+    return status;
+  };
+  Status status = Mark(Phase::kEdges);
   for (int l = 0; l < c.n_layers && status.ok(); ++l) {
     HostDelay(/*before_projections=*/true);
     status = model_->ProjectQkv(l, n, model_->device_positions());
@@ -196,24 +213,34 @@ Status GpuEngine::QueueAgentStep(StepKind kind, const std::vector<int32_t>* host
   if (status.ok()) status = model_->Argmax(n);
   if (!status.ok()) {
     agent_->AbortStep();
-    return status;
+    return fail(status);
   }
-  SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->EndStep(); }));
+  status = agent_clock.Time([&] { return agent_->EndStep(); });
+  if (!status.ok()) return fail(status);
   // The step is queued (its rows are the agent's from here on, whatever follows): what the host took.
   const double enqueue_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begun).count();
   q.rows = n;
+  q.timed = timing_;
+  q.failed = Status::Ok();
   ++queued_count_;
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(q.tokens, model_->argmax(), n * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                                Stream(s)), "tokens"));
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventRecord(static_cast<cudaEvent_t>(q.copied), Stream(s)), "step event"));
-  if (logits) {  // the real rows: row 0 of each sequence
+  status = Cuda(cudaMemcpyAsync(q.tokens, model_->argmax(), n * sizeof(int32_t), cudaMemcpyDeviceToHost, Stream(s)),
+                "tokens");
+  if (status.ok() && logits) {  // the real rows: row 0 of each sequence
     const size_t sequences = ids_.size(), row_bytes = size_t(c.vocab) * sizeof(float);
     logits->resize(sequences * c.vocab);
-    SPECACHE_RETURN_IF_ERROR(Cuda(cudaMemcpy2DAsync(logits->data(), row_bytes, model_->logits(), rows * row_bytes,
-                                                    row_bytes, sequences, cudaMemcpyDeviceToHost, Stream(s)),
-                                  "logits"));
+    status = Cuda(cudaMemcpy2DAsync(logits->data(), row_bytes, model_->logits(), rows * row_bytes, row_bytes,
+                                    sequences, cudaMemcpyDeviceToHost, Stream(s)),
+                  "logits");
   }
-  SPECACHE_RETURN_IF_ERROR(Mark(Phase::kEdges));
+  if (status.ok()) status = Cuda(cudaEventRecord(static_cast<cudaEvent_t>(q.copied), Stream(s)), "step event");
+  if (status.ok()) status = Mark(Phase::kEdges);
+  if (!status.ok()) {
+    // Queued but its results cannot be had: FinishAgentStep reports it, nothing reads the slot
+    // before the stream is through with it.
+    (void)cudaStreamSynchronize(Stream(s));
+    q.failed = status;
+    return fail(status);
+  }
   if (timing_) {
     times_.enqueue_host_ms += enqueue_ms;
     times_.agent_host_ms += agent_clock.ms;
@@ -222,21 +249,29 @@ Status GpuEngine::QueueAgentStep(StepKind kind, const std::vector<int32_t>* host
 }
 
 Status GpuEngine::FinishAgentStep() {
-  if (queued_count_ == 0) return Status::FailedPrecondition("no step is queued");
+  if (queued_count_ == 0) return Status::FailedPrecondition("GpuEngine: no step is queued");
   QueuedStep& q = queued_[queued_first_];
   queued_first_ = (queued_first_ + 1) % 2;
   --queued_count_;
+  SPECACHE_RETURN_IF_ERROR(q.failed);
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(q.copied)), "decode step"));
   argmax_host_.assign(q.tokens, q.tokens + q.rows);
-  if (!timing_) return Status::Ok();
-  // Its last mark comes after the tokens' copy (and the logits'): wait for it too.
+  if (!q.timed) return Status::Ok();
+  // Its last mark comes after the copies back: wait for it too (a timed step is the only one queued).
   SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(model_->stream())), "decode step"));
   return CollectTimes();
+}
+
+Status GpuEngine::Usable() const {
+  if (broken_.ok()) return Status::Ok();
+  return Status::FailedPrecondition("GpuEngine: an earlier step failed after the agent began it, so the batch cannot "
+                                    "go on: " + broken_.ToString());
 }
 
 Status GpuEngine::Start(std::span<const SequenceId> ids, std::span<const int32_t> lengths,
                         std::span<const int32_t> first_tokens) {
   if (started_) return Status::FailedPrecondition("GpuEngine::Start called twice");
+  SPECACHE_RETURN_IF_ERROR(Usable());
   if (ids.empty() || lengths.size() != ids.size() || first_tokens.size() != ids.size()) {
     return Status::InvalidArgument("Start needs one length and one first token per sequence");
   }
@@ -246,18 +281,20 @@ Status GpuEngine::Start(std::span<const SequenceId> ids, std::span<const int32_t
     return Status::InvalidArgument(std::to_string(ids.size()) + " sequences decode " + std::to_string(step_rows) +
                                    " rows a step; the LM head takes at most " + std::to_string(GpuLlama::kMaxLogitRows));
   }
-  ids_.assign(ids.begin(), ids.end());
-  positions_.assign(lengths.begin(), lengths.end());
-  speculative_.assign(ids.size(), -1);
-  started_ = true;
-  if (agent_->RowsPerSequence(StepKind::kPreDecode) == 0) return Status::Ok();
   std::vector<int32_t> tokens(first_tokens.begin(), first_tokens.end());
   for (int32_t t : tokens) {
     if (t < 0 || t >= model_->config().vocab) return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
   }
-  SPECACHE_RETURN_IF_ERROR(QueueAgentStep(StepKind::kPreDecode, &tokens, positions_, nullptr));
-  SPECACHE_RETURN_IF_ERROR(FinishAgentStep());
-  speculative_ = argmax_host_;
+  ids_.assign(ids.begin(), ids.end());
+  positions_.assign(lengths.begin(), lengths.end());
+  speculative_.assign(ids.size(), -1);
+  // Started only once the first speculative tokens are known (a step fed -1 would embed out of bounds).
+  if (agent_->RowsPerSequence(StepKind::kPreDecode) > 0) {
+    SPECACHE_RETURN_IF_ERROR(QueueAgentStep(StepKind::kPreDecode, &tokens, positions_, nullptr));
+    SPECACHE_RETURN_IF_ERROR(FinishAgentStep());
+    speculative_ = argmax_host_;
+  }
+  started_ = true;
   return Status::Ok();
 }
 
@@ -292,34 +329,47 @@ std::vector<int32_t> GpuEngine::TakeDecodeTokens() {
   return next;
 }
 
-Status GpuEngine::QueueStep(std::span<const int32_t> tokens) {
+// The checks common to the steps fed host tokens (Step, QueueStep).
+Status GpuEngine::CheckStepTokens(std::span<const int32_t> tokens) const {
   if (!started_) return Status::FailedPrecondition("GpuEngine: a step before Start");
-  if (queued_count_ > 0) return Status::FailedPrecondition("GpuEngine: a step with tokens while one is queued (its speculative tokens are not back)");
+  SPECACHE_RETURN_IF_ERROR(Usable());
+  if (queued_count_ > 0) {
+    return Status::FailedPrecondition("GpuEngine: a step with tokens while one is queued (its speculative tokens are "
+                                      "not back: FinishStep first)");
+  }
   if (tokens.size() != ids_.size()) return Status::InvalidArgument("Step needs one token per sequence");
   for (int32_t t : tokens) {
     if (t < 0 || t >= model_->config().vocab) return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
   }
+  return Status::Ok();
+}
+
+Status GpuEngine::QueueDecodeStep(std::span<const int32_t> tokens, std::vector<float>* logits) {
   std::vector<int32_t> in, pos;
   const std::vector<int32_t> before = positions_;
   SPECACHE_RETURN_IF_ERROR(NextDecodeRows(tokens, &in, &pos));
-  const Status queued = QueueAgentStep(StepKind::kDecode, &in, pos, nullptr);
-  if (!queued.ok() && queued_count_ == 0) positions_ = before;  // not queued: the positions stay
-  return queued;
+  const int queued = queued_count_;
+  const Status status = QueueAgentStep(StepKind::kDecode, tokens.empty() ? nullptr : &in, pos, logits);
+  if (queued_count_ == queued) positions_ = before;  // not queued: no rows appended
+  return status;
+}
+
+Status GpuEngine::QueueStep(std::span<const int32_t> tokens) {
+  SPECACHE_RETURN_IF_ERROR(CheckStepTokens(tokens));
+  return QueueDecodeStep(tokens, nullptr);
 }
 
 Status GpuEngine::QueueGreedyStep() {
   if (!started_) return Status::FailedPrecondition("GpuEngine: a step before Start");
+  SPECACHE_RETURN_IF_ERROR(Usable());
   if (queued_count_ != 1) {
     return Status::FailedPrecondition(queued_count_ == 0 ? "GpuEngine: a greedy step needs the step before it queued"
                                                          : "GpuEngine: two steps are queued already");
   }
-  if (timing_) return Status::FailedPrecondition("GpuEngine: phase timing times one step at a time (Step)");
-  std::vector<int32_t> pos;
-  const std::vector<int32_t> before = positions_;
-  SPECACHE_RETURN_IF_ERROR(NextDecodeRows({}, nullptr, &pos));
-  const Status queued = QueueAgentStep(StepKind::kDecode, nullptr, pos, nullptr);
-  if (!queued.ok() && queued_count_ == 1) positions_ = before;
-  return queued;
+  if (timing_ || queued_[queued_first_].timed) {
+    return Status::FailedPrecondition("GpuEngine: phase timing times one step at a time (Step)");
+  }
+  return QueueDecodeStep({}, nullptr);
 }
 
 Result<std::vector<int32_t>> GpuEngine::FinishStep() {
@@ -328,19 +378,10 @@ Result<std::vector<int32_t>> GpuEngine::FinishStep() {
 }
 
 Result<std::vector<int32_t>> GpuEngine::Step(std::span<const int32_t> tokens, std::vector<float>* logits) {
-  if (!started_) return Status::FailedPrecondition("GpuEngine::Step before Start");
-  if (queued_count_ > 0) return Status::FailedPrecondition("GpuEngine::Step while a step is queued (FinishStep first)");
-  if (tokens.size() != ids_.size()) return Status::InvalidArgument("Step needs one token per sequence");
-  for (int32_t t : tokens) {
-    if (t < 0 || t >= model_->config().vocab) return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
-  }
-  std::vector<int32_t> in, pos;
-  const std::vector<int32_t> before = positions_;
-  SPECACHE_RETURN_IF_ERROR(NextDecodeRows(tokens, &in, &pos));
-  const Status queued = QueueAgentStep(StepKind::kDecode, &in, pos, logits);
+  SPECACHE_RETURN_IF_ERROR(CheckStepTokens(tokens));
+  const Status queued = QueueDecodeStep(tokens, logits);
   if (!queued.ok()) {
-    if (queued_count_ == 0) positions_ = before;
-    else (void)FinishAgentStep();  // queued, then a copy failed: its rows are the agent's
+    if (queued_count_ > 0) (void)FinishAgentStep();  // queued, then a copy back failed: drop it
     return queued;
   }
   SPECACHE_RETURN_IF_ERROR(FinishAgentStep());
