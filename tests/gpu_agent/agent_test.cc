@@ -16,6 +16,7 @@
 #include "specache/in_memory_source.h"
 #include "specache/row_cache.h"
 #include "specache/selection.h"
+#include "testing/forwarding_source.h"
 #include "testing/reference.h"
 
 namespace specache {
@@ -677,18 +678,9 @@ TEST(AgentTest, SeedRowsNeedThePrefillsQueries) {
 // A source whose reads complete only when finished (as rows coming over the network do): the
 // agent starts them in StartPrefetch and finishes them in WaitPrefetch, or in DecodeLayer when the
 // engine did not wait, with the same outputs as a source that reads at once.
-class DeferredSource final : public FullPrecisionSource {
+class DeferredSource final : public testing::ForwardingSource {
  public:
-  Status CreateSequence(SequenceId s, const SequenceLayout& l) override { return inner_.CreateSequence(s, l); }
-  Status ReleaseSequence(SequenceId s) override { return inner_.ReleaseSequence(s); }
-  Status AppendRows(SequenceId s, int l, int h, int32_t first, const Half* rows, int32_t n) override {
-    return inner_.AppendRows(s, l, h, first, rows, n);
-  }
-  Status ReadRows(SequenceId s, int l, int h, const int32_t* t, int32_t n, Half* out) const override {
-    return inner_.ReadRows(s, l, h, t, n, out);
-  }
-  Result<int32_t> Length(SequenceId s, int l, int h) const override { return inner_.Length(s, l, h); }
-  int64_t stored_bytes() const override { return inner_.stored_bytes(); }
+  DeferredSource() : ForwardingSource(/*zero_copy=*/false) {}
   Result<uint64_t> StartReadRows(SequenceId s, int l, int h, const int32_t* t, int32_t n, Half* out) override {
     std::lock_guard<std::mutex> lock(mu_);
     reads_[++next_] = {s, l, h, t, n, out};
@@ -700,7 +692,7 @@ class DeferredSource final : public FullPrecisionSource {
     if (it == reads_.end()) return Status::InvalidArgument("read finished twice or never started");
     const Read r = it->second;
     reads_.erase(it);
-    return inner_.ReadRows(r.s, r.l, r.h, r.t, r.n, r.out);
+    return rows().ReadRows(r.s, r.l, r.h, r.t, r.n, r.out);
   }
   size_t outstanding() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -715,7 +707,6 @@ class DeferredSource final : public FullPrecisionSource {
     int32_t n;
     Half* out;
   };
-  InMemorySource inner_;
   std::mutex mu_;
   std::map<uint64_t, Read> reads_;
   uint64_t next_ = 0;

@@ -21,6 +21,7 @@
 #include "specache/in_memory_source.h"
 #include "testing/cuda_device.h"
 #include "testing/drive_batch.h"
+#include "testing/forwarding_source.h"
 #include "testing/pageless_source.h"
 #include "testing/tiny_model.h"
 
@@ -975,17 +976,26 @@ TEST(CudaAgentTest, ItemsPlannedOnSeveralThreadsEqualOneThread) {
 #endif
 }
 
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// The small model and 1-bit specache (k = 16) of the tests below that drive batches without a model.
+constexpr ModelShape kSmallShape{3, 8, 2, 64};
+KvConfig SmallOneBitConfig() {
+  KvConfig c;
+  c.mode = KvMode::kSpeCache;
+  c.key_bits = c.value_bits = 1;
+  c.top_k = 16;
+  return c;
+}
+#endif
+
 // A device pool too small for every sequence: the sequence that asks for blocks the pool no longer
 // has is refused with RESOURCE_EXHAUSTED, before anything of it changed; the others decode on
 // exactly as they would alone (outputs equal to the CPU agent's), and every block comes back.
 TEST(CudaAgentTest, AnExhaustedDevicePoolRefusesOnlyTheSequenceThatAsked) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
-  const ModelShape shape{3, 8, 2, 64};
-  KvConfig c;
-  c.mode = KvMode::kSpeCache;
-  c.key_bits = c.value_bits = 1;
-  c.top_k = 16;
+  const ModelShape shape = kSmallShape;
+  const KvConfig c = SmallOneBitConfig();
   const int64_t block = 4096;  // 128 tokens of a 64-dim 1-bit head (the pool test checks the layout)
   const int replicas = shape.n_layers * shape.n_kv_heads;
   // The survivor: 200 prompt tokens + 40 steps (pre-decode appends nothing) = 2 blocks per
@@ -1057,31 +1067,17 @@ TEST(CudaAgentTest, AnExhaustedDevicePoolRefusesOnlyTheSequenceThatAsked) {
 #ifdef SPECACHE_TEST_HAVE_CUDA
 // An in-memory source (zero-copy pages) that refuses every commit of one sequence's rows from a
 // given token on, as a daemon would refuse a tenant over its quota; the rest it forwards.
-class RefusingCommitsSource final : public FullPrecisionSource {
+class RefusingCommitsSource final : public testing::ForwardingSource {
  public:
-  RefusingCommitsSource(SequenceId refused, int32_t from_token) : refused_(refused), from_token_(from_token) {}
-  Status CreateSequence(SequenceId id, const SequenceLayout& layout) override { return rows_.CreateSequence(id, layout); }
-  Status ReleaseSequence(SequenceId id) override { return rows_.ReleaseSequence(id); }
-  Status AppendRows(SequenceId id, int layer, int kv_head, int32_t first, const Half* rows, int32_t n) override {
-    return rows_.AppendRows(id, layer, kv_head, first, rows, n);
-  }
-  Status ReadRows(SequenceId id, int layer, int kv_head, const int32_t* tokens, int32_t n, Half* out) const override {
-    return rows_.ReadRows(id, layer, kv_head, tokens, n, out);
-  }
-  Result<int32_t> Length(SequenceId id, int layer, int kv_head) const override { return rows_.Length(id, layer, kv_head); }
-  int64_t stored_bytes() const override { return rows_.stored_bytes(); }
-  int32_t page_tokens() const override { return rows_.page_tokens(); }
-  std::vector<HostRegion> host_regions() const override { return rows_.host_regions(); }
-  Status HostPages(SequenceId id, int layer, int32_t tokens, std::vector<uint8_t*>* pages) override {
-    return rows_.HostPages(id, layer, tokens, pages);
-  }
+  RefusingCommitsSource(SequenceId refused, int32_t from_token)
+      : ForwardingSource(/*zero_copy=*/true), refused_(refused), from_token_(from_token) {}
   Status CommitRows(SequenceId id, int layer, int kv_head, int32_t first, int32_t n) override {
     if (Refuses(id, first)) return Status::ResourceExhausted("the tenant's quota is spent");
-    return rows_.CommitRows(id, layer, kv_head, first, n);
+    return ForwardingSource::CommitRows(id, layer, kv_head, first, n);
   }
   Status CommitLayerRows(SequenceId id, int layer, int n_kv_heads, int32_t first, int32_t n) override {
     if (Refuses(id, first)) return Status::ResourceExhausted("the tenant's quota is spent");
-    return rows_.CommitLayerRows(id, layer, n_kv_heads, first, n);
+    return ForwardingSource::CommitLayerRows(id, layer, n_kv_heads, first, n);
   }
   int64_t refused() const { return refused_count_; }
 
@@ -1091,7 +1087,6 @@ class RefusingCommitsSource final : public FullPrecisionSource {
     ++refused_count_;
     return true;
   }
-  InMemorySource rows_;
   const SequenceId refused_;
   const int32_t from_token_;
   std::atomic<int64_t> refused_count_{0};
@@ -1104,11 +1099,8 @@ class RefusingCommitsSource final : public FullPrecisionSource {
 TEST(CudaAgentTest, CommitsRefusedForOneSequenceAreReportedAndLeaveTheOthersWhole) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
-  const ModelShape shape{3, 8, 2, 64};
-  KvConfig c;
-  c.mode = KvMode::kSpeCache;
-  c.key_bits = c.value_bits = 1;
-  c.top_k = 16;
+  const ModelShape shape = kSmallShape;
+  const KvConfig c = SmallOneBitConfig();
   // Sequence 11 (a 150-token prompt) has its prefill and first two decode rows committed.
   RefusingCommitsSource source(11, 152);
   auto created = CreateCudaAgent(shape, c, &source, {1024});

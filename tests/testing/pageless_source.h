@@ -15,18 +15,14 @@
 #include <mutex>
 #include <vector>
 
-#include "specache/in_memory_source.h"
+#include "forwarding_source.h"
 
 namespace specache::testing {
 
-class PagelessSource final : public FullPrecisionSource {
+class PagelessSource final : public ForwardingSource {
  public:
-  explicit PagelessSource(int32_t page_tokens = 64) : rows_(page_tokens) {}
+  explicit PagelessSource(int32_t page_tokens = 64) : ForwardingSource(/*zero_copy=*/false, page_tokens) {}
 
-  Status CreateSequence(SequenceId sequence, const SequenceLayout& layout) override {
-    return rows_.CreateSequence(sequence, layout);
-  }
-  Status ReleaseSequence(SequenceId sequence) override { return rows_.ReleaseSequence(sequence); }
   Status AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
                     int32_t n) override {
     {
@@ -34,15 +30,11 @@ class PagelessSource final : public FullPrecisionSource {
       if (appends_left_ == 0) return Status::Unavailable("the source stopped taking rows");
       if (appends_left_ > 0) --appends_left_;
     }
-    return rows_.AppendRows(sequence, layer, kv_head, first_token, rows, n);
-  }
-  Status ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
-                  Half* out) const override {
-    return rows_.ReadRows(sequence, layer, kv_head, tokens, n, out);
+    return ForwardingSource::AppendRows(sequence, layer, kv_head, first_token, rows, n);
   }
   Result<uint64_t> StartReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
                                  Half* out) override {
-    SPECACHE_ASSIGN_OR_RETURN(const int32_t length, rows_.Length(sequence, layer, kv_head));
+    SPECACHE_ASSIGN_OR_RETURN(const int32_t length, Length(sequence, layer, kv_head));
     if (std::any_of(tokens, tokens + n, [&](int32_t t) { return t < 0 || t >= length; })) {
       return Status::OutOfRange("a token is not written yet");
     }
@@ -66,12 +58,8 @@ class PagelessSource final : public FullPrecisionSource {
       if (reads_left_ > 0) --reads_left_;
     }
     if (fail) return Status::DeadlineExceeded("the source did not answer in time");
-    return rows_.ReadRows(r.sequence, r.layer, r.kv_head, r.tokens, r.n, r.out);
+    return ReadRows(r.sequence, r.layer, r.kv_head, r.tokens, r.n, r.out);
   }
-  Result<int32_t> Length(SequenceId sequence, int layer, int kv_head) const override {
-    return rows_.Length(sequence, layer, kv_head);
-  }
-  int64_t stored_bytes() const override { return rows_.stored_bytes(); }
 
   // After `n` more reads (appends) succeed, the later ones fail; -1: none fails.
   void FailReadsAfter(int64_t n) {
@@ -104,7 +92,6 @@ class PagelessSource final : public FullPrecisionSource {
     int32_t n = 0;
     Half* out = nullptr;
   };
-  InMemorySource rows_;
   mutable std::mutex mu_;
   std::map<uint64_t, Read> reads_;
   uint64_t next_handle_ = 1;
