@@ -293,6 +293,18 @@ TEST(NullCudaTest, TheGpuPathsHostSideRunsEveryBenchModeWithoutAGpu) {
   for (size_t at = 0; (at = bench.output.find("ms to enqueue a step", at)) != std::string::npos; ++at) ++host_lines;
   EXPECT_EQ(host_lines, modes.size()) << bench.output;
   EXPECT_NE(bench.output.find("kernel launches"), std::string::npos) << "the counts at exit: " << bench.output;
+  // Every mode above with its timed steps queued a step ahead (the default); here one at a time,
+  // in a mode with the speculative row, one without and the anchor whose BeginStep waits for its stream.
+  EXPECT_NE(bench.output.find("4 timed steps (queued a step ahead)"), std::string::npos) << bench.output;
+  const Outcome one_at_a_time = Shell(preload + SPECACHE_RUN_PATH +
+                                      " bench --shape smollm2 --context 512 --gpu-mem-budget 2GB --max-batch 8 --steps 4"
+                                      " --host-ram-fraction 100 --no-step-ahead --kv specache --kv fp16 --kv full-offload --json");
+  ASSERT_EQ(one_at_a_time.code, 0) << one_at_a_time.output;
+  EXPECT_NE(one_at_a_time.output.find("4 timed steps, "), std::string::npos) << one_at_a_time.output;
+  for (const std::string m : {"specache", "fp16", "full-offload"}) {
+    EXPECT_NE(one_at_a_time.output.find(" 512 " + m + " "), std::string::npos) << m << ": " << one_at_a_time.output;
+  }
+  EXPECT_NE(one_at_a_time.output.find("\"step_ahead\":false"), std::string::npos) << one_at_a_time.output;
   const Outcome step = Shell(preload + SPECACHE_BENCH_PATH +
                              " step --tokens 512 --batches 2,4 --kv specache-1bit,specache-1bit-int8,specache-2bit");
   EXPECT_EQ(step.code, 0) << step.output;

@@ -23,8 +23,9 @@
 #                                                      # on the model's (selection_on_own_stream), the whole model
 #                                                      # at 176 x 8K int8 alternated, two rounds (~4 minutes)
 #             tools/bench/gpu_agent_checks.sh ahead    # not in run: the whole model's decode steps queued a step
-#                                                      # ahead (specache-run bench --step-ahead) or one at a time,
-#                                                      # 176 x 8K int8 alternated two rounds, 46 x 32K once (~9 minutes)
+#                                                      # ahead (specache-run bench's default) or one at a time
+#                                                      # (--no-step-ahead), 176 x 8K int8 alternated two rounds,
+#                                                      # 46 x 32K once (~4-8 minutes)
 #             tools/bench/gpu_agent_checks.sh topk     # not in run: one layer's top-k at 99 and 176 x 8K (parts forced
 #                                                      # to 1024-8192 tokens) and 24 and 46 x 32K (2048-8192) against
 #                                                      # its chosen cut (specache-bench attend --topk-parts; ~2 minutes)
@@ -215,12 +216,12 @@ fi
 if [ "$stage" = ahead ]; then
   for round in 1 2; do
     for ahead in off on; do
-      flag=(); [ "$ahead" = on ] && flag=(--step-ahead)
+      flag=(--no-step-ahead); [ "$ahead" = on ] && flag=(--step-ahead)
       bench_48gb "ahead_8k_${ahead}_$round" 80 8192 --kv specache/host-rows=int8 "${flag[@]}"
     done
   done
   for ahead in off on; do
-    flag=(); [ "$ahead" = on ] && flag=(--step-ahead)
+    flag=(--no-step-ahead); [ "$ahead" = on ] && flag=(--step-ahead)
     bench_48gb "ahead_32k_$ahead" 100 32768 --kv specache/host-rows=int8 "${flag[@]}"
   done
 fi

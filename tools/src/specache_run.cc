@@ -773,10 +773,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   bench->add_flag("--host-delay-before-projections", bo.host_delay_before_projections,
                   "--host-delay-us before each layer's first products instead of its attention");
-  bench->add_flag("--step-ahead", bo.step_ahead,
+  bench->add_flag("--step-ahead,!--no-step-ahead", bo.step_ahead,
                   "queue each timed decode step while the GPU runs the one before, fed its greedy tokens on the device "
-                  "(GpuEngine::QueueGreedyStep), instead of waiting for its tokens first; the phase split stays one step "
-                  "at a time");
+                  "(GpuEngine::QueueGreedyStep), as serving engines do (the default), or with --no-step-ahead wait for "
+                  "each step's tokens before queueing the next; the phase split stays one step at a time");
   bench->add_flag("!--no-model-graphs", bo.model_graphs,
                   "launch the model's products and small kernels one by one in every decode step instead of replaying "
                   "them from CUDA graphs");
