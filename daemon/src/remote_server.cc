@@ -79,6 +79,8 @@ Status CheckTlsFiles(const RemoteConfig& rc, const std::string& cert_pem, const 
   if (!leaf || SSL_CTX_use_certificate(ctx.get(), leaf.get()) != 1) {
     return Status::InvalidArgument("remote.tls_cert " + rc.tls_cert + " is not a usable certificate chain: " + SslError());
   }
+  // (add0 applies OpenSSL's security level to each issuer, as the file loader did: a weak
+  // intermediate stops the startup where gRPC alone would serve it.)
   while (X509* issuer = PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, const_cast<char*>(""))) {
     if (SSL_CTX_add0_chain_cert(ctx.get(), issuer) != 1) {  // takes the certificate when it succeeds
       X509_free(issuer);

@@ -17,9 +17,8 @@
 
 namespace specache::testing {
 
-// Certificates for one test run: a CA, the daemon's certificate (127.0.0.1; server-chain.pem: it
-// and the CA's), a client
-// certificate from the same CA, and one from a CA the daemon does not know.
+// Certificates for one test run: a CA, the daemon's certificate (127.0.0.1; server-chain.pem: it,
+// then the CA's), a client certificate from the same CA, and one from a CA the daemon does not know.
 struct Pki {
   std::string dir;
   bool ok = false;

@@ -60,8 +60,11 @@ class RemoteTest : public ::testing::Test {
     data_port_ = data_port ? data_port : FreePort();
     secret_a_ = WriteSecret(pki_->dir, "a", "tenant-a-secret-0123456789");
     secret_b_ = WriteSecret(pki_->dir, "b", "tenant-b-secret-9876543210");
-    const std::string toml =
-        RemoteDaemonToml(*pki_, secret_a_, secret_b_, control_port_, data_port_, mutual_tls, rma) + extra_toml_;
+    std::string toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, control_port_, data_port_, mutual_tls, rma) + extra_toml_;
+    if (leaf_certificate_) {  // the daemon's certificate alone instead of its chain
+      const std::string chain = pki_->path("server-chain.pem");
+      toml.replace(toml.find(chain), chain.size(), pki_->path("server.pem"));
+    }
     daemon_ = std::make_unique<DaemonProcess>();
     daemon_->capture_log = true;
     daemon_->log_level = "info";
@@ -129,6 +132,7 @@ class RemoteTest : public ::testing::Test {
 
   static inline Pki* pki_ = nullptr;
   std::string extra_toml_;  // appended to the daemon's configuration by StartDaemon
+  bool leaf_certificate_ = false;  // StartDaemon: tls_cert the certificate alone, not its chain
   std::string secret_a_, secret_b_;
   uint16_t control_port_ = 0, data_port_ = 0;
   std::unique_ptr<DaemonProcess> daemon_;
@@ -782,11 +786,18 @@ TEST_F(RemoteTest, AKeyThatDoesNotMatchTheCertificateStopsTheStartup) {
   e.capture_log = true;
   EXPECT_FALSE(e.Start(toml)) << "the daemon started with an encrypted key\n" << e.Log();
   EXPECT_NE(e.Log().find("remote.tls_key " + encrypted + " is not a usable private key"), std::string::npos) << e.Log();
-  // A chain whose second certificate is damaged: refused, as OpenSSL's own chain loading would.
+}
+
+// A certificate chain whose issuer's certificate is damaged stops the startup, as OpenSSL's own
+// loading of a chain file would (gRPC alone starts with it).
+TEST_F(RemoteTest, ADamagedCertificateChainStopsTheStartup) {
+  ASSERT_TRUE(pki_->ok) << "openssl could not make the test certificates";
+  secret_a_ = WriteSecret(pki_->dir, "a", "tenant-a-secret-0123456789");
+  secret_b_ = WriteSecret(pki_->dir, "b", "tenant-b-secret-9876543210");
   const std::string damaged = pki_->path("server-damaged-chain.pem");
   std::ofstream(damaged) << std::ifstream(pki_->path("server.pem")).rdbuf()
                          << "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n";
-  toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, FreePort(), FreePort(), false, false);
+  std::string toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, FreePort(), FreePort(), false, false);
   const std::string chain = pki_->path("server-chain.pem");
   toml.replace(toml.find(chain), chain.size(), damaged);
   DaemonProcess f;
@@ -866,6 +877,7 @@ TEST_F(RemoteTest, PlaintextToTheTlsPortFailsCleanly) {
 }
 
 TEST_F(RemoteTest, MutualTlsRefusesClientsWithoutTheRightCertificate) {
+  leaf_certificate_ = true;  // the other tests' daemons serve the chain
   StartDaemon(/*mutual_tls=*/true, false);
   auto none = Connect(Credentials("a"), 1500);
   EXPECT_EQ(none.status().code(), StatusCode::kUnavailable) << "no client certificate: " << none.status().ToString();

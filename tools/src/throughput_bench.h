@@ -79,8 +79,8 @@ struct ThroughputOptions {
   // The timed steps queued a step ahead (GpuEngine::QueueGreedyStep): the host queues the next
   // step while the GPU runs this one, instead of waiting for its tokens first (GpuEngine::Step).
   // The phase split's steps are timed one at a time either way. On an H100 (int8 rows, 48 GB):
-  // +6.5% tokens/s at 32 x 8K, within the runs' noise at 8, 99 and 176 x 8K, 8 and 46 x 32K and
-  // 382 x 2K (gpu_agent/bench_results/step_ahead_topk_h100_r40.txt).
+  // +6.5% tokens/s at 32 x 8K; within 1-3% at 8, 99 and 176 x 8K, 8 and 46 x 32K and 382 x 2K, one
+  // or two runs a side (gpu_agent/bench_results/step_ahead_topk_h100_r40.txt).
   bool step_ahead = true;
   // GpuLlama::SetDecodeGraphs: the model's decode calls replayed from CUDA graphs (as an engine's).
   bool model_graphs = true;

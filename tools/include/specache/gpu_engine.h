@@ -25,8 +25,8 @@ struct PhaseTimes {
                              // speculative modes, and the synchronous fetch of specache-nonspec
   double fetch_wait_ms = 0;  // the stream stalled in WaitPrefetch for rows still in flight
   // Host time (steady clock), not GPU time: the host's enqueueing of the whole step, up to the
-  // agent's EndStep (before the tokens' copy back); and its part inside the agent's calls (BeginStep, WaitPrefetch, DecodeLayer, StartPrefetch, EndStep). Well
-  // below the step's wall time, the GPU is the bound. Near it, either the host's own work is, or
+  // agent's EndStep (before the tokens' copy back); and its part inside the agent's calls
+  // (BeginStep, WaitPrefetch, DecodeLayer, StartPrefetch, EndStep). Well below the step's wall time, the GPU is the bound. Near it, either the host's own work is, or
   // the host waited for the GPU inside the step (a full launch queue, a plan's slot, the fetch's
   // gather). Which of the two: the host's stacks (tools/profile). (Until 2026-12-05 the figure
   // also held that copy, so it was near the step's time in every run, GPU-bound or not.)
@@ -75,9 +75,12 @@ class GpuEngine {
   // for the GPU (the full-offload anchor's flushes its appends) runs the same, without the overlap.
   //
   // A step that fails after the agent began it (its rows may be partly appended, the device's
-  // tokens overwritten) leaves the batch unusable: every later step is refused with its error
-  // (FAILED_PRECONDITION); a step queued before it still finishes. A step refused before that
-  // (BeginStep's RESOURCE_EXHAUSTED, say) changes nothing and may be tried again.
+  // tokens overwritten), or whose tokens cannot be read back, leaves the batch unusable: every
+  // later step and Start are refused with its error (FAILED_PRECONDITION); a step queued before it
+  // still finishes. A step the agent refused at BeginStep changes nothing in the engine and may be
+  // tried again, as the agent's error allows (agent.h: a refused commit reported there means its
+  // sequence must be released, so that batch cannot go on). The queue's input is the model's
+  // argmax buffer: two engines over one model must not have steps queued at the same time.
   Status QueueStep(std::span<const int32_t> tokens);
   Status QueueGreedyStep();
   Result<std::vector<int32_t>> FinishStep();

@@ -254,12 +254,19 @@ Status GpuEngine::FinishAgentStep() {
   queued_first_ = (queued_first_ + 1) % 2;
   --queued_count_;
   SPECACHE_RETURN_IF_ERROR(q.failed);
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(q.copied)), "decode step"));
+  // A step whose tokens cannot be had leaves the engine's speculative tokens behind its positions.
+  auto fail = [&](const Status& status) {
+    broken_ = status;
+    return status;
+  };
+  Status status = Cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(q.copied)), "decode step");
+  if (!status.ok()) return fail(status);
   argmax_host_.assign(q.tokens, q.tokens + q.rows);
   if (!q.timed) return Status::Ok();
   // Its last mark comes after the copies back: wait for it too (a timed step is the only one queued).
-  SPECACHE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(Stream(model_->stream())), "decode step"));
-  return CollectTimes();
+  status = Cuda(cudaStreamSynchronize(Stream(model_->stream())), "decode step");
+  if (status.ok()) status = CollectTimes();
+  return status.ok() ? status : fail(status);
 }
 
 Status GpuEngine::Usable() const {
