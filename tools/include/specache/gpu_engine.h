@@ -26,10 +26,11 @@ struct PhaseTimes {
   double fetch_wait_ms = 0;  // the stream stalled in WaitPrefetch for rows still in flight
   // Host time (steady clock), not GPU time: the host's enqueueing of the whole step, up to the
   // agent's EndStep (before the tokens' copy back); and its part inside the agent's calls
-  // (BeginStep, WaitPrefetch, DecodeLayer, StartPrefetch, EndStep). Well below the step's wall time, the GPU is the bound. Near it, either the host's own work is, or
-  // the host waited for the GPU inside the step (a full launch queue, a plan's slot, the fetch's
-  // gather). Which of the two: the host's stacks (tools/profile). (Until 2026-12-05 the figure
-  // also held that copy, so it was near the step's time in every run, GPU-bound or not.)
+  // (BeginStep, WaitPrefetch, DecodeLayer, StartPrefetch, EndStep). Well below the step's wall
+  // time, the GPU is the bound. Near it, either the host's own work is, or the host waited for the
+  // GPU inside the step (a full launch queue, a plan's slot, the fetch's gather). Which of the two:
+  // the host's stacks (tools/profile). (Until 2026-12-05 the figure also held that copy, so it was
+  // near the step's time in every run, GPU-bound or not.)
   double enqueue_host_ms = 0;
   double agent_host_ms = 0;
   int64_t steps = 0;

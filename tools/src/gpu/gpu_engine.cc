@@ -271,8 +271,8 @@ Status GpuEngine::FinishAgentStep() {
 
 Status GpuEngine::Usable() const {
   if (broken_.ok()) return Status::Ok();
-  return Status::FailedPrecondition("GpuEngine: an earlier step failed after the agent began it, so the batch cannot "
-                                    "go on: " + broken_.ToString());
+  return Status::FailedPrecondition("GpuEngine: an earlier step failed after the agent began it (or its tokens could "
+                                    "not be read back), so the batch cannot go on: " + broken_.ToString());
 }
 
 Status GpuEngine::Start(std::span<const SequenceId> ids, std::span<const int32_t> lengths,
