@@ -76,20 +76,21 @@ Status CheckTlsFiles(const RemoteConfig& rc, const std::string& cert_pem, const 
                                                      BIO_free);
   std::unique_ptr<X509, decltype(&X509_free)> leaf(
       cert_bio ? PEM_read_bio_X509_AUX(cert_bio.get(), nullptr, nullptr, const_cast<char*>("")) : nullptr, X509_free);
-  if (!leaf || SSL_CTX_use_certificate(ctx.get(), leaf.get()) != 1) {
+  auto unusable_chain = [&] {
     return Status::InvalidArgument("remote.tls_cert " + rc.tls_cert + " is not a usable certificate chain: " + SslError());
-  }
+  };
+  if (!leaf || SSL_CTX_use_certificate(ctx.get(), leaf.get()) != 1) return unusable_chain();
   // (add0 applies OpenSSL's security level to each issuer, as the file loader did: a weak
   // intermediate stops the startup where gRPC alone would serve it.)
   while (X509* issuer = PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, const_cast<char*>(""))) {
     if (SSL_CTX_add0_chain_cert(ctx.get(), issuer) != 1) {  // takes the certificate when it succeeds
       X509_free(issuer);
-      return Status::InvalidArgument("remote.tls_cert " + rc.tls_cert + " is not a usable certificate chain: " + SslError());
+      return unusable_chain();
     }
   }
   // The loop ends at the text's end (no start line found) or at a malformed certificate.
   if (const unsigned long last = ERR_peek_last_error(); ERR_GET_LIB(last) != ERR_LIB_PEM || ERR_GET_REASON(last) != PEM_R_NO_START_LINE) {
-    return Status::InvalidArgument("remote.tls_cert " + rc.tls_cert + " is not a usable certificate chain: " + SslError());
+    return unusable_chain();
   }
   ERR_clear_error();
   std::unique_ptr<BIO, decltype(&BIO_free)> key_bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())),

@@ -54,21 +54,39 @@ class RemoteTest : public ::testing::Test {
     pki_ = nullptr;
   }
 
-  void StartDaemon(bool mutual_tls, bool rma, uint16_t control_port = 0, uint16_t data_port = 0) {
-    ASSERT_TRUE(pki_->ok) << "openssl could not make the test certificates";
+  // The daemon's configuration (its ports chosen here, the tenants' secret files written).
+  std::string DaemonToml(bool mutual_tls, bool rma, uint16_t control_port = 0, uint16_t data_port = 0) {
     control_port_ = control_port ? control_port : FreePort();
     data_port_ = data_port ? data_port : FreePort();
     secret_a_ = WriteSecret(pki_->dir, "a", "tenant-a-secret-0123456789");
     secret_b_ = WriteSecret(pki_->dir, "b", "tenant-b-secret-9876543210");
     std::string toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, control_port_, data_port_, mutual_tls, rma) + extra_toml_;
-    if (leaf_certificate_) {  // the daemon's certificate alone instead of its chain
-      const std::string chain = pki_->path("server-chain.pem");
-      toml.replace(toml.find(chain), chain.size(), pki_->path("server.pem"));
-    }
+    // The daemon's certificate alone instead of its chain.
+    if (leaf_certificate_) ReplacePath(&toml, pki_->path("server-chain.pem"), pki_->path("server.pem"));
+    return toml;
+  }
+  static void ReplacePath(std::string* toml, const std::string& from, const std::string& to) {
+    toml->replace(toml->find(from), from.size(), to);
+  }
+
+  void StartDaemon(bool mutual_tls, bool rma, uint16_t control_port = 0, uint16_t data_port = 0) {
+    ASSERT_TRUE(pki_->ok) << "openssl could not make the test certificates";
+    const std::string toml = DaemonToml(mutual_tls, rma, control_port, data_port);
     daemon_ = std::make_unique<DaemonProcess>();
     daemon_->capture_log = true;
     daemon_->log_level = "info";
     ASSERT_TRUE(daemon_->Start(toml)) << daemon_->Log();
+  }
+
+  // The log of a daemon whose configuration names `to` where it named the file `from` (`what` it
+  // then holds, for the failure message): its startup must fail.
+  std::string RefusedStartupLog(const std::string& from, const std::string& to, const std::string& what) {
+    std::string toml = DaemonToml(false, false);
+    ReplacePath(&toml, from, to);
+    DaemonProcess d;
+    d.capture_log = true;
+    EXPECT_FALSE(d.Start(toml)) << "the daemon started with " << what << "\n" << d.Log();
+    return d.Log();
   }
 
   RemoteCredentials Credentials(const std::string& tenant, bool client_cert = false) const {
@@ -762,17 +780,11 @@ TEST_F(RemoteTest, ControlConnectionsPastTheCapsAreClosedAtAccept) {
 // port's connections itself, and gRPC would take them and never answer.
 TEST_F(RemoteTest, AKeyThatDoesNotMatchTheCertificateStopsTheStartup) {
   ASSERT_TRUE(pki_->ok) << "openssl could not make the test certificates";
-  secret_a_ = WriteSecret(pki_->dir, "a", "tenant-a-secret-0123456789");
-  secret_b_ = WriteSecret(pki_->dir, "b", "tenant-b-secret-9876543210");
-  std::string toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, FreePort(), FreePort(), false, false);
-  const std::string key = pki_->path("server.key");
-  toml.replace(toml.find(key), key.size(), pki_->path("client.key"));  // another certificate's key
-  DaemonProcess d;
-  d.capture_log = true;
-  EXPECT_FALSE(d.Start(toml)) << "the daemon started with another certificate's key\n" << d.Log();
-  EXPECT_NE(d.Log().find("remote.tls_key " + pki_->path("client.key") + " does not match the certificate of remote.tls_cert"),
+  const std::string key = pki_->path("server.key"), other = pki_->path("client.key");
+  const std::string mismatched = RefusedStartupLog(key, other, "another certificate's key");
+  EXPECT_NE(mismatched.find("remote.tls_key " + other + " does not match the certificate of remote.tls_cert"),
             std::string::npos)
-      << d.Log();
+      << mismatched;
   // The right key, encrypted: gRPC has no passphrase for it, and the daemon asks for none (it would
   // otherwise read one from the terminal or stdin).
   const std::string encrypted = pki_->path("server-encrypted.key");
@@ -780,30 +792,19 @@ TEST_F(RemoteTest, AKeyThatDoesNotMatchTheCertificateStopsTheStartup) {
   RunCommand("openssl pkey -in " + key + " -aes256 -passout pass:x -out " + encrypted + " 2>&1", &code);
   ASSERT_EQ(code, 0) << "openssl could not encrypt the key";
   ASSERT_EQ(chmod(encrypted.c_str(), 0600), 0);
-  toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, FreePort(), FreePort(), false, false);
-  toml.replace(toml.find(key), key.size(), encrypted);
-  DaemonProcess e;
-  e.capture_log = true;
-  EXPECT_FALSE(e.Start(toml)) << "the daemon started with an encrypted key\n" << e.Log();
-  EXPECT_NE(e.Log().find("remote.tls_key " + encrypted + " is not a usable private key"), std::string::npos) << e.Log();
+  const std::string locked = RefusedStartupLog(key, encrypted, "an encrypted key");
+  EXPECT_NE(locked.find("remote.tls_key " + encrypted + " is not a usable private key"), std::string::npos) << locked;
 }
 
 // A certificate chain whose issuer's certificate is damaged stops the startup, as OpenSSL's own
 // loading of a chain file would (gRPC alone starts with it).
 TEST_F(RemoteTest, ADamagedCertificateChainStopsTheStartup) {
   ASSERT_TRUE(pki_->ok) << "openssl could not make the test certificates";
-  secret_a_ = WriteSecret(pki_->dir, "a", "tenant-a-secret-0123456789");
-  secret_b_ = WriteSecret(pki_->dir, "b", "tenant-b-secret-9876543210");
   const std::string damaged = pki_->path("server-damaged-chain.pem");
   std::ofstream(damaged) << std::ifstream(pki_->path("server.pem")).rdbuf()
                          << "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n";
-  std::string toml = RemoteDaemonToml(*pki_, secret_a_, secret_b_, FreePort(), FreePort(), false, false);
-  const std::string chain = pki_->path("server-chain.pem");
-  toml.replace(toml.find(chain), chain.size(), damaged);
-  DaemonProcess f;
-  f.capture_log = true;
-  EXPECT_FALSE(f.Start(toml)) << "the daemon started with a damaged certificate chain\n" << f.Log();
-  EXPECT_NE(f.Log().find("remote.tls_cert " + damaged + " is not a usable certificate chain"), std::string::npos) << f.Log();
+  const std::string log = RefusedStartupLog(pki_->path("server-chain.pem"), damaged, "a damaged certificate chain");
+  EXPECT_NE(log.find("remote.tls_cert " + damaged + " is not a usable certificate chain"), std::string::npos) << log;
 }
 
 // A handshaken control connection with no call in progress is closed after [remote]
