@@ -29,6 +29,13 @@ SPECACHE_HOST_DEVICE inline int PartsOf(int32_t n, int part_tokens, int k) {
   return 2 * static_cast<int64_t>(k) * parts <= n ? parts : 1;
 }
 
+// The most parts a segment of segments[0, count) has with parts of `part_tokens` (1 at least).
+inline int MostPartsOf(const TopKSegment* segments, int count, int part_tokens, int k) {
+  int most = 1;
+  for (int i = 0; i < count; ++i) most = std::max(most, PartsOf(segments[i].n, part_tokens, k));
+  return most;
+}
+
 // A set's cut: P, and the most parts a segment has (its merge's candidates: max_parts k).
 struct TopKParts {
   int part_tokens = kMinPartTokens;
@@ -66,11 +73,7 @@ inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int
     for (int i = 0; i < count; ++i) blocks += PartsOf(segments[i].n, part_tokens, k);
     return blocks;
   };
-  auto most_parts_with = [&](int part_tokens) {
-    int most = 1;
-    for (int i = 0; i < count; ++i) most = std::max(most, PartsOf(segments[i].n, part_tokens, k));
-    return most;
-  };
+  auto most_parts_with = [&](int part_tokens) { return MostPartsOf(segments, count, part_tokens, k); };
   auto rounded_part = [](int64_t tokens) {
     return static_cast<int>(std::clamp<int64_t>((tokens + 255) / 256 * 256, kMinPartTokens, kMaxPartTokens));
   };
@@ -131,11 +134,10 @@ inline Status ForcedTopKParts(const TopKSegment* segments, int count, int k, int
                                    " tokens (a multiple of 256 in [" + std::to_string(kMinPartTokens) + ", " +
                                    std::to_string(kMaxPartTokens) + "])");
   }
-  int max_parts = 1;
   for (int i = 0; i < count; ++i) {
     if (segments[i].n < 0) return Status::InvalidArgument("negative candidate count");
-    max_parts = std::max(max_parts, PartsOf(segments[i].n, part_tokens, k));
   }
+  const int max_parts = MostPartsOf(segments, count, part_tokens, k);
   if (max_parts > 1 && int64_t{max_parts} * k > kMaxMergeCandidates) {
     return Status::InvalidArgument("top-k: forced parts of " + std::to_string(part_tokens) + " tokens leave " +
                                    std::to_string(int64_t{max_parts} * k) + " candidates to merge (at most " +
