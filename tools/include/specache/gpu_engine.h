@@ -124,16 +124,17 @@ class GpuEngine {
                         std::vector<float>* logits);
   // Waits for the oldest queued step: its argmax to argmax_host_, its phase times collected.
   Status FinishAgentStep();
+  // Keeps `status` as the failure that stops the batch (broken_), and returns it.
+  Status StopBatch(const Status& status);
   // OK, or FAILED_PRECONDITION with broken_.
   Status Usable() const;
   // Step's and QueueStep's checks: started, usable, nothing queued, one token per sequence in the vocabulary.
   Status CheckStepTokens(std::span<const int32_t> tokens) const;
   // A decode step of tokens (host; empty: the device's argmax of the step queued before) queued
-  // through QueueAgentStep, positions_ advanced only when it was queued.
+  // through QueueAgentStep, positions_ advanced once it is queued.
   Status QueueDecodeStep(std::span<const int32_t> tokens, std::vector<float>* logits);
   // A decode step's rows (real, then speculative) and their positions from positions_ (checked
-  // against the model's context), advancing positions_; the tokens from `tokens` and speculative_
-  // when given.
+  // against the model's context); the tokens from `tokens` and speculative_ when given.
   Status NextDecodeRows(std::span<const int32_t> tokens, std::vector<int32_t>* in, std::vector<int32_t>* pos);
   // The finished decode step's tokens to the caller's form, and speculative_ from them.
   std::vector<int32_t> TakeDecodeTokens();

@@ -184,11 +184,7 @@ Status GpuEngine::QueueAgentStep(StepKind kind, const std::vector<int32_t>* host
   SPECACHE_RETURN_IF_ERROR(model_->Embed(host_tokens ? model_->device_tokens() : model_->argmax(), n));
   HostClock agent_clock;
   SPECACHE_RETURN_IF_ERROR(agent_clock.Time([&] { return agent_->BeginStep(kind, ids_); }));
-  // From here on a failure leaves the batch unusable (gpu_engine.h).
-  auto fail = [&](const Status& status) {
-    broken_ = status;
-    return status;
-  };
+  // From here on a failure leaves the batch unusable (gpu_engine.h): StopBatch.
   Status status = Mark(Phase::kEdges);
   for (int l = 0; l < c.n_layers && status.ok(); ++l) {
     HostDelay(/*before_projections=*/true);
@@ -213,10 +209,10 @@ Status GpuEngine::QueueAgentStep(StepKind kind, const std::vector<int32_t>* host
   if (status.ok()) status = model_->Argmax(n);
   if (!status.ok()) {
     agent_->AbortStep();
-    return fail(status);
+    return StopBatch(status);
   }
   status = agent_clock.Time([&] { return agent_->EndStep(); });
-  if (!status.ok()) return fail(status);
+  if (!status.ok()) return StopBatch(status);
   // The step is queued (its rows are the agent's from here on, whatever follows): what the host took.
   const double enqueue_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begun).count();
   q.rows = n;
@@ -239,7 +235,7 @@ Status GpuEngine::QueueAgentStep(StepKind kind, const std::vector<int32_t>* host
     // before the stream is through with it.
     (void)cudaStreamSynchronize(Stream(s));
     q.failed = status;
-    return fail(status);
+    return StopBatch(status);
   }
   if (timing_) {
     times_.enqueue_host_ms += enqueue_ms;
@@ -255,18 +251,19 @@ Status GpuEngine::FinishAgentStep() {
   --queued_count_;
   SPECACHE_RETURN_IF_ERROR(q.failed);
   // A step whose tokens cannot be had leaves the engine's speculative tokens behind its positions.
-  auto fail = [&](const Status& status) {
-    broken_ = status;
-    return status;
-  };
   Status status = Cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(q.copied)), "decode step");
-  if (!status.ok()) return fail(status);
+  if (!status.ok()) return StopBatch(status);
   argmax_host_.assign(q.tokens, q.tokens + q.rows);
   if (!q.timed) return Status::Ok();
   // Its last mark comes after the copies back: wait for it too (a timed step is the only one queued).
   status = Cuda(cudaStreamSynchronize(Stream(model_->stream())), "decode step");
   if (status.ok()) status = CollectTimes();
-  return status.ok() ? status : fail(status);
+  return status.ok() ? status : StopBatch(status);
+}
+
+Status GpuEngine::StopBatch(const Status& status) {
+  broken_ = status;
+  return status;
 }
 
 Status GpuEngine::Usable() const {
@@ -320,7 +317,6 @@ Status GpuEngine::NextDecodeRows(std::span<const int32_t> tokens, std::vector<in
     }
     pos->push_back(positions_[i]);
     if (rows == 2) pos->push_back(positions_[i] + 1);
-    ++positions_[i];
   }
   return Status::Ok();
 }
@@ -353,11 +349,12 @@ Status GpuEngine::CheckStepTokens(std::span<const int32_t> tokens) const {
 
 Status GpuEngine::QueueDecodeStep(std::span<const int32_t> tokens, std::vector<float>* logits) {
   std::vector<int32_t> in, pos;
-  const std::vector<int32_t> before = positions_;
   SPECACHE_RETURN_IF_ERROR(NextDecodeRows(tokens, &in, &pos));
   const int queued = queued_count_;
   const Status status = QueueAgentStep(StepKind::kDecode, tokens.empty() ? nullptr : &in, pos, logits);
-  if (queued_count_ == queued) positions_ = before;  // not queued: no rows appended
+  if (queued_count_ > queued) {  // queued (whatever followed): its rows are appended
+    for (int32_t& p : positions_) ++p;
+  }
   return status;
 }
 
@@ -391,8 +388,7 @@ Result<std::vector<int32_t>> GpuEngine::Step(std::span<const int32_t> tokens, st
     if (queued_count_ > 0) (void)FinishAgentStep();  // queued, then a copy back failed: drop it
     return queued;
   }
-  SPECACHE_RETURN_IF_ERROR(FinishAgentStep());
-  return TakeDecodeTokens();
+  return FinishStep();
 }
 
 }  // namespace specache::gpu
