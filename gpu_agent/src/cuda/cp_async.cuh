@@ -24,6 +24,20 @@ __device__ __forceinline__ void CpAsync16OrZeros(void* smem, const void* gmem, b
   __trap();
 #endif
 }
+// kPieces copies of 16 bytes by one lane: piece i from gmem + i kStride to the shared-window
+// address smem + i kStride (__cvta_generic_to_shared). The offsets are the instructions'
+// immediates, so the lane's two addresses are all it computes. Traps below sm_80, as CpAsync16.
+template <int kPieces, int kStride, int kAt = 0>
+__device__ __forceinline__ void CpAsync16Pieces(unsigned smem, const void* gmem) {
+  if constexpr (kAt < kPieces) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem), "l"(gmem), "n"(kAt * kStride));
+#else
+    __trap();
+#endif
+    CpAsync16Pieces<kPieces, kStride, kAt + 1>(smem, gmem);
+  }
+}
 __device__ __forceinline__ void CpAsyncCommit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);

@@ -218,7 +218,12 @@ struct BlockWalk {
   __device__ __forceinline__ void IssueGroup(uint32_t* stage, int lane, bool more) {
     constexpr int kBytes = 4 * StageWords<1, 1, D>();
     static_assert(kBytes == MmaGroupBytes(D), "a group's parts in the stage's order");
-    StageCopy<kBytes>(stage, ahead + (in / 32) * kBytes, lane);
+    // The group's offset unsigned (in >= 0) and the pieces' offsets immediates of the instructions
+    // (StageCopy's int offset, folded with them, cost a 64-bit add and a sign extension a piece).
+    static_assert(kBytes % (32 * 16) == 0, "whole pieces of the warp");
+    const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(stage)) + lane * 16;
+    const uint8_t* const from = ahead + (static_cast<uint32_t>(in) / 32u * kBytes + static_cast<uint32_t>(lane) * 16u);
+    CpAsync16Pieces<kBytes / (32 * 16), 32 * 16>(to, from);
     Advance(more);
   }
   __device__ __forceinline__ void Advance(bool more) {
@@ -858,10 +863,11 @@ __device__ __forceinline__ void LaneWords(const uint32_t* codes, int lane, uint3
 // warp calls it). Only when some query's max grew are its sum l (this lane's part), out^T's
 // accumulators (queries 2t, 2t + 1 of this lane: the alphas of lanes 8t and 8t + 4) and the
 // zeros' terms zv rescaled by exp(m - mn) (0 from m = -inf).
+// `grew`: whether mn != m for some query of the warp (the overload below votes on it).
 template <int MT>
 __device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, float (&acc)[MT][4], float (&zv)[4],
-                                                int t) {
-  if (__any_sync(kAll, mn != m)) {
+                                                int t, bool grew) {
+  if (grew) {
     const float alpha = mn == m ? 1.0f : __expf(m - mn);
     l *= alpha;
     const float a_even = __shfl_sync(kAll, alpha, 8 * t), a_odd = __shfl_sync(kAll, alpha, 8 * t + 4);
@@ -870,6 +876,11 @@ __device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, fl
     zv[0] *= a_even, zv[1] *= a_odd;
   }
   m = mn;
+}
+template <int MT>
+__device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, float (&acc)[MT][4], float (&zv)[4],
+                                                int t) {
+  RaiseRunningMax(m, mn, l, acc, zv, t, __any_sync(kAll, mn != m));
 }
 
 // The zeros' term of two k-steps from one mma: A = the quad of their query operands (rows g:
@@ -950,10 +961,6 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     }
     unscale = decode::Pow2(k - e) * r.scale;
   }
-  // C of n-tile nt to scores: MmaBitUnweight(nt) * unscale (a power of two times unscale).
-  float to_score[4];
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) to_score[nt] = MmaBitUnweight(nt) * unscale;
   // Query g's raw scores, for the top-k (the probabilities row, or the real row for the union rule).
   float* scores_out = nullptr;
   if (g < queries) {
@@ -1019,10 +1026,13 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     }
     float sc[4][2];  // query g, tokens b0 + 8 nt + 2t + j
     const float zs = ZeroTermOfPair(zc) * unscale;
+    // C of n-tile nt to scores: times its power of two (a constant: a factor kept per n-tile held
+    // four registers through the loop, which left the mma's B operands one register pair, each
+    // rewritten only once the mma before had read it), then unscale. Exact: the same bits.
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf(c[nt][j] + c[nt][j + 2], to_score[nt], zs);
+      for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf((c[nt][j] + c[nt][j + 2]) * MmaBitUnweight(nt), unscale, zs);
     // Substituted tokens: out of this block's softmax (their rows are attended after the blocks).
     const uint32_t sub_mask = subs.MaskBlock(r, b0, lane);
     if (sub_mask != 0) {
@@ -1046,13 +1056,15 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         }
     }
     // ---- online softmax of query g (its 32 scores are in the quad).
-    float bm = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) bm = fmaxf(bm, fmaxf(sc[nt][0], sc[nt][1]));
+    float bm = fmaxf(fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1])),
+                     fmaxf(fmaxf(sc[2][0], sc[2][1]), fmaxf(sc[3][0], sc[3][1])));  // exact in any order
+    // Whether some query's max grows, voted on the lanes' own maxima before the quad's shuffles
+    // (the quad's max exceeds m iff one of its lanes' does): the vote's latency overlaps theirs.
+    const bool grew = __any_sync(kAll, bm > m);
     bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 1));
     bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 2));
     const float mn = fmaxf(m, bm);
-    RaiseRunningMax(m, mn, l, acc, zv, t);  // after the first blocks, rarely
+    RaiseRunningMax(m, mn, l, acc, zv, t, grew);  // after the first blocks, rarely
     // p kLeanP (the values' B operands' scale, whose fp16 rounding it precedes) straight from the
     // exponent; l sums it and is divided by kLeanP at the end.
     const float mn_log2e = mn == -INFINITY ? 0.0f : fmaf(mn, kLog2e, -kLeanPLog2);

@@ -300,7 +300,9 @@ __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_hea
 // next loads are in flight instead of in a pass of its own over the scores; ncu, 24 x 32K: that
 // pass was ~26% of phase one's stall samples). A warp's lanes iterate together (CountInto).
 // kHeads > 0 is the group's size known when compiled: a thread issues the loads of all its
-// kTokens tokens' heads (8 loads: 16 spilled under the kernel's 48 registers) before it folds any.
+// kTokens tokens' heads (16 loads, in the 64 registers of four blocks an SM; with 8 loads and five
+// blocks, 48 registers, the top-k took 3-4% longer: H100, 176 x 8K and 46 x 32K,
+// bench_results/variants_goals_h100_r41.txt) before it folds any.
 // With a loop over a run-time head count a thread had about one load in flight, and phase one read
 // its scores at under 1 TB/s. kHeads = 0: any n_heads, four tokens at a time. A thread's stores
 // come after all its loads either way: the compiler keeps a load behind an earlier store that may
@@ -309,7 +311,7 @@ template <int kHeads>
 __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg, int n_heads, float inv_heads,
                                            int32_t lo, int32_t m, bool use_max, const HeadScale* scales,
                                            unsigned int* histogram) {
-  constexpr int kTokens = kHeads == 0 ? 4 : kHeads >= 8 ? 1 : 8 / kHeads;
+  constexpr int kTokens = kHeads == 0 ? 4 : kHeads >= 16 ? 1 : 16 / kHeads;
   const int32_t stride = static_cast<int32_t>(blockDim.x);
   const int lane = threadIdx.x & 31;
   for (int32_t w0 = threadIdx.x - lane; w0 < m; w0 += kTokens * stride) {
@@ -388,13 +390,14 @@ constexpr size_t PartSharedBytes(int room) { return (static_cast<size_t>(room) +
 // segment's last part to finish (its counter in the batch) merges them: the best k of the parts'
 // candidates, which took a kernel of its own before (10 us a layer at 32 x 8K under ncu, for
 // selections of a few hundred candidates a segment).
-// Five blocks per SM (48 registers; its two inlined selections alone took 56, which left four).
+// Four blocks per SM (64 registers: phase one's loads in flight, ReduceInto; ptxas spills 84 bytes
+// of the selections' state, against 140 at five blocks and 48 registers).
 // The batch's scalars are parameters (constant-bank operands) and the block's segment is copied
 // into shared memory first: read from the batch in global memory, the compiler held them in
 // registers through the selection (ptxas: 164 bytes of spill loads; 76 this way, none when the
 // whole batch was a parameter). Measured no slower than the parameter: one layer's top-k at
 // 32 x 8K 0.039 -> 0.036 ms, 99 x 8K 0.117 -> 0.114 (H200).
-__global__ void __launch_bounds__(kThreads, 5) TopKPartKernel(TopKBatch* __restrict__ in, int k, int part_tokens,
+__global__ void __launch_bounds__(kThreads, 4) TopKPartKernel(TopKBatch* __restrict__ in, int k, int part_tokens,
                                                                int room, bool mass, int n_heads, bool use_max) {
   // [room]: the part's scores (when they fit) or the segment's candidates; then the list [kListKeys]
   extern __shared__ float part_scores[];

@@ -46,7 +46,7 @@ struct TopKParts {
 // blocks each (k >= 1, counts >= 0). In order:
 // - One wave where parts of up to 4096 tokens do it: the smallest part (whole 256-token steps)
 //   whose blocks all fit the GPU at once. About 8 blocks per SM, rounded up per segment, ran
-//   1.3-1.5 waves at 32 and 99 x 8K (6 fit on an H200 then; 5 now, at 48 registers): top-k 0.053 ->
+//   1.3-1.5 waves at 32 and 99 x 8K (6 fit on an H200 then; 4 now, at 64 registers): top-k 0.053 ->
 //   0.044 ms at 32 x 8K, 0.163 -> 0.149 at 99. Longer parts stay at about 8 blocks per SM: 24 x 32K
 //   in one wave of 8192-token parts took 0.161 ms against 0.152 in 1.45 waves of 6144.
 // - Parts long enough that a segment's merge ranks its candidates (at most kTopKThreads: one pass)
