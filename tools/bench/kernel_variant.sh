@@ -7,15 +7,23 @@
 #   .bundle/agent/run specache-bench-NAME attend ...
 # runs a variant with the bundle's libraries.
 #
-#   tools/bench/kernel_variant.sh NAME [PATCH]   # build variant NAME (no PATCH: the build's own
-#                                                # sources, compiled the same way: the baseline)
+#   tools/bench/kernel_variant.sh NAME [PATCH]   # build variant NAME; without PATCH, the two kernels'
+#                                                # files (lowbit_decode.cu, topk.cu) unchanged, compiled
+#                                                # the same way: a baseline (call it v0)
 #   tools/bench/kernel_variant.sh pack           # .bundle/variants.tar.xz of every variant built
 #
-# Every variant, the baseline included, compiles its patched files for sm_90 alone (the devices
-# that run it); compare variants with each other, not with the bundle's specache-bench. Each
-# file's ptxas report (registers, spills) is kept beside the variant: .bundle/variants/NAME/.
-# BUILD_DIR (default build) is a configured build whose specache-bench is current.
+# Every variant, a baseline included, compiles its files for sm_90 alone (the devices that run
+# it); compare variants with each other, not with the bundle's specache-bench. The files are
+# copied from the working tree (uncommitted edits included) and patched; the headers they include
+# are the working tree's, the rest of the library the build's objects (BUILD_DIR, default build: a
+# configured build whose specache-bench is current). Each file's ptxas report (registers, spills) is kept
+# beside the variant: .bundle/variants/NAME/. A failed build leaves an earlier NAME as it was.
 set -euo pipefail
+patch_arg=${2:-}
+if [ -n "$patch_arg" ]; then
+  [ -f "$patch_arg" ] || { echo "kernel_variant.sh: no patch $patch_arg" >&2; exit 2; }
+  patch_arg=$(realpath "$patch_arg")
+fi
 cd "$(dirname "$0")/../.."
 root=$PWD
 build=${BUILD_DIR:-build}
@@ -36,53 +44,66 @@ if [ "$name" = pack ]; then
   exit 0
 fi
 
-patch_file=${2:-}
 [[ $name =~ ^[A-Za-z0-9_]+$ ]] || { echo "kernel_variant.sh: NAME is letters, digits and _" >&2; exit 2; }
-[ -z "$patch_file" ] || [ -f "$patch_file" ] || { echo "kernel_variant.sh: no patch $patch_file" >&2; exit 2; }
-out=$variants/$name
-rm -rf "$out"
-mkdir -p "$out"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+staged=$work/out  # the variant, moved to $variants/$name once it is whole
+mkdir -p "$staged"
 
 # The files to rebuild: the patch's (paths relative to the repository, as `git diff` writes them),
-# or for the baseline the two kernels most variants touch.
-if [ -n "$patch_file" ]; then
-  mapfile -t files < <(git apply --numstat "$patch_file" | cut -f3)
+# or for a baseline the two kernels most variants touch.
+if [ -n "$patch_arg" ]; then
+  git apply --numstat "$patch_arg" > "$work/numstat"
+  mapfile -t files < <(cut -f3 "$work/numstat")
+  [ "${#files[@]}" -gt 0 ] || { echo "kernel_variant.sh: the patch changes no file" >&2; exit 2; }
 else
   files=(gpu_agent/src/cuda/lowbit_decode.cu gpu_agent/src/cuda/topk.cu)
 fi
 for f in "${files[@]}"; do
   [[ $f =~ ^gpu_agent/src/.*\.(cu|cc)$ ]] || { echo "kernel_variant.sh: $f is not a source of the agent library" >&2; exit 2; }
-  mkdir -p "$work/$(dirname "$f")"
-  cp "$f" "$work/$f"
+  mkdir -p "$work/src/$(dirname "$f")"
+  cp "$f" "$work/src/$f"
 done
-if [ -n "$patch_file" ]; then
-  patch_path=$(realpath "$patch_file")
-  (cd "$work" && patch -s -p1 < "$patch_path") || { echo "kernel_variant.sh: $patch_file does not apply" >&2; exit 1; }
+if [ -n "$patch_arg" ]; then
+  (cd "$work/src" && patch -s -p1 --batch --forward < "$patch_arg") ||
+    { echo "kernel_variant.sh: $patch_arg does not apply to the working tree's files" >&2; exit 1; }
 fi
 
-lib=$out/libspecache_agent.a
+lib=$staged/libspecache_agent.a
 cp "$build/gpu_agent/libspecache_agent.a" "$lib"
 for f in "${files[@]}"; do
   base=$(basename "$f")
   obj=gpu_agent/CMakeFiles/specache_agent.dir/${f#gpu_agent/}.o
-  cmd=$(cd "$build" && ninja -t commands "$obj" | tail -1)
+  cmd=$(cd "$build" && ninja -t commands "$obj" 2>/dev/null | tail -1) || true
   [ -n "$cmd" ] || { echo "kernel_variant.sh: $build has no rule for $obj" >&2; exit 2; }
-  # sm_90 alone, no ccache, no dependency file; the patched copy compiled with the original's
-  # directory on the include path (its quoted includes), into the variant's directory.
-  cmd=${cmd//--generate-code=arch=compute_80,code=\[compute_80,sm_80\] /}
+  # No ccache, no dependency file, sm_90 alone; the patched copy compiled with the original's
+  # directory on the include path (its quoted includes), into the variant. Each rewrite is checked:
+  # one that missed would compile the original, or write over the build's own object.
+  cmd="$cmd "
   cmd=${cmd/\/usr\/bin\/ccache /}
-  cmd=${cmd/ -MD -MT $obj -MF $obj.d/}
-  cmd=${cmd/ -o $obj/ -o $root/$out/$base.o}
-  cmd=${cmd/ $root\/$f / -I$root/$(dirname "$f") $work/$f }
-  ptxas=
-  [[ $f == *.cu ]] && ptxas="-Xptxas -v"
-  (cd "$build" && eval "$cmd $ptxas") > "$out/$base.ptxas.txt" 2>&1 || { cat "$out/$base.ptxas.txt" >&2; exit 1; }
-  (cd "$out" && ar r libspecache_agent.a "$base.o")
+  cmd=${cmd/ -MD -MT $obj -MF $obj.d / }
+  cmd=$(sed -E 's/--generate-code=arch=compute_[0-9]+,code=\[[^]]*\] //g' <<< "$cmd")
+  cmd=${cmd/ -o $obj / -o $staged/$base.o }
+  cmd=${cmd/ $root\/$f / -I$root/$(dirname "$f") $work/src/$f }
+  extra=
+  [[ $f == *.cu ]] && extra="--generate-code=arch=compute_90,code=[compute_90,sm_90] -Xptxas -v"
+  if [[ $cmd != *" $work/src/$f "* || $cmd != *" -o $staged/$base.o "* || $cmd == *" -o gpu_agent/"* ||
+        $cmd == *"generate-code"* || $cmd == *" -MF "* ]]; then
+    echo "kernel_variant.sh: could not rewrite the build's command for $f:" >&2
+    echo "$cmd" >&2
+    exit 1
+  fi
+  (cd "$build" && eval "$cmd $extra") > "$staged/$base.ptxas.txt" 2>&1 || { cat "$staged/$base.ptxas.txt" >&2; exit 1; }
+  (cd "$staged" && ar r libspecache_agent.a "$base.o")
 done
 link=$(cd "$build" && ninja -t commands tools/specache-bench | tail -1)
-link=${link//gpu_agent\/libspecache_agent.a/$root/$lib}
-link=${link/-o tools\/specache-bench/-o $root/$out/specache-bench}
+link="$link "
+link=${link//gpu_agent\/libspecache_agent.a /$lib }
+link=${link/ -o tools\/specache-bench / -o $staged/specache-bench }
+[[ $link == *" $lib "* && $link == *" -o $staged/specache-bench "* ]] ||
+  { echo "kernel_variant.sh: could not rewrite the build's link of specache-bench" >&2; exit 1; }
 (cd "$build" && eval "$link")
-echo "kernel_variant.sh: $out/specache-bench (${files[*]})"
+mkdir -p "$variants"
+rm -rf "${variants:?}/$name"
+mv "$staged" "$variants/$name"
+echo "kernel_variant.sh: $variants/$name/specache-bench (${files[*]})"
