@@ -1,6 +1,8 @@
 // The top-k's cut of its segments into parts (gpu_agent/src/cuda/topk_parts.h) on the host, at
-// the H200's geometry (132 SMs, five phase-one blocks an SM) for the agent's segments (a sequence's
-// KV head: context - 128 candidates, k = 64 rows, Llama-3-8B's 8 KV heads) and over random sets:
+// the H200's geometry (132 SMs, five phase-one blocks an SM: the occupancy the rules were measured
+// at; the kernel has run at four since, where 20, 24 x 8K and 4, 8, 20 x 32K cut otherwise) for
+// the agent's segments (a sequence's KV head: context - 128 candidates, k = 64 rows, Llama-3-8B's
+// 8 KV heads) and over random sets:
 // what the kernels rely on (whole 256-token parts within the bounds, a merge within its shared
 // memory) and the choices the H200 measurements behind the rules made. The kernels' results over
 // such cuts are the gpu-labelled CudaTopKTest.

@@ -218,8 +218,9 @@ struct BlockWalk {
   __device__ __forceinline__ void IssueGroup(uint32_t* stage, int lane, bool more) {
     constexpr int kBytes = 4 * StageWords<1, 1, D>();
     static_assert(kBytes == MmaGroupBytes(D), "a group's parts in the stage's order");
-    // The group's offset unsigned (in >= 0) and the pieces' offsets immediates of the instructions
-    // (StageCopy's int offset, folded with them, cost a 64-bit add and a sign extension a piece).
+    // The group's offset unsigned (in >= 0) and the pieces' offsets immediates of the instructions:
+    // through StageCopy the compiler folded the group's int offset into each piece's address (a
+    // 64-bit add and a sign extension a piece).
     static_assert(kBytes % (32 * 16) == 0, "whole pieces of the warp");
     const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(stage)) + lane * 16;
     const uint8_t* const from = ahead + (static_cast<uint32_t>(in) / 32u * kBytes + static_cast<uint32_t>(lane) * 16u);

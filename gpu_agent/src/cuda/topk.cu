@@ -301,8 +301,9 @@ __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_hea
 // pass was ~26% of phase one's stall samples). A warp's lanes iterate together (CountInto).
 // kHeads > 0 is the group's size known when compiled: a thread issues the loads of all its
 // kTokens tokens' heads (16 loads, in the 64 registers of four blocks an SM; with 8 loads and five
-// blocks, 48 registers, the top-k took 3-4% longer: H100, 176 x 8K and 46 x 32K,
-// bench_results/variants_goals_h100_r41.txt) before it folds any.
+// blocks, 48 registers, the top-k took 3-4% longer at 176 x 8K and 46 x 32K, 1.4% at 32 x 8K, where
+// with the adaptive budget it took 2.2% less: H100, bench_results/variants_goals_h100_r41.txt)
+// before it folds any.
 // With a loop over a run-time head count a thread had about one load in flight, and phase one read
 // its scores at under 1 TB/s. kHeads = 0: any n_heads, four tokens at a time. A thread's stores
 // come after all its loads either way: the compiler keeps a load behind an earlier store that may
@@ -390,8 +391,10 @@ constexpr size_t PartSharedBytes(int room) { return (static_cast<size_t>(room) +
 // segment's last part to finish (its counter in the batch) merges them: the best k of the parts'
 // candidates, which took a kernel of its own before (10 us a layer at 32 x 8K under ncu, for
 // selections of a few hundred candidates a segment).
-// Four blocks per SM (64 registers: phase one's loads in flight, ReduceInto; ptxas spills 84 bytes
-// of the selections' state, against 140 at five blocks and 48 registers).
+// Four blocks per SM (64 registers: phase one's loads in flight, ReduceInto; ptxas: 20 bytes of
+// spill stores and 84 of loads, against 40 and 140 at five blocks and 48 registers). The cut
+// (ChooseTopKParts) reads the blocks an SM from the occupancy API: at four some batches are cut
+// otherwise than at five, where the cut's rules were measured (20 and 24 x 8K, 4, 8 and 20 x 32K).
 // The batch's scalars are parameters (constant-bank operands) and the block's segment is copied
 // into shared memory first: read from the batch in global memory, the compiler held them in
 // registers through the selection (ptxas: 164 bytes of spill loads; 76 this way, none when the
