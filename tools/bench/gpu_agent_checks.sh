@@ -35,6 +35,13 @@
 #                                                      # NCU_SKIP launches skipped first, default 3): the full set's
 #                                                      # details, then instructions and stall samples per source line
 #                                                      # and SASS instruction, in $OUT/ncu.tgz (~3 minutes)
+#             tools/bench/gpu_agent_checks.sh variants # not in run: kernel variants (tools/bench/kernel_variant.sh,
+#                                                      # .bundle/variants.tar.xz beside the bundle) alternated: one
+#                                                      # layer's attention and top-k (specache-bench attend) of each of
+#                                                      # VARIANTS (default: all packed) at 8K (VARIANT_BATCHES_8K, default
+#                                                      # 32,176) and 32K (VARIANT_BATCHES_32K, 46), ROUNDS (default 3)
+#                                                      # rounds, then their means against BASELINE (default v0):
+#                                                      # tools/bench/variant_means.py (~1-2 s a run, 60 s at most)
 #             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
 #                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
 #                                                      # at 8K alternated, two rounds; ~7 minutes)
@@ -48,10 +55,10 @@
 # tool 150, step 90, each share of the model 60: `run` stays under 9 minutes with the default
 # TOOLS; profile: 100 and 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80;
 # goals: a part starts only
-# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80; ahead: 4 x 80 and 2 x 100; topk: 2 x 80; ncu: 240,
+# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80; ahead: 4 x 80 and 2 x 100; topk: 2 x 80; variants: 60 a run; ncu: 240,
 # 60 and 90. Each stage prints a line "stage: exit N, S s"; the script's exit status is the tests'
 # (a failing or missing GPU fails, SPECACHE_REQUIRE_GPU=1), for int8, stores, goals, selection,
-# ahead, topk and ncu 1 when any of their runs failed.
+# ahead, topk, variants and ncu 1 when any of their runs failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -83,7 +90,7 @@ if [ "$stage" = bundle ]; then
 fi
 
 case "$stage" in
-  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection | ahead | topk | ncu) ;;
+  run | tests | sanitize | step | model | profile | int8 | stores | goals | selection | ahead | topk | ncu | variants) ;;
   *) sed -n '2,/^[^#]/{/^#/p}' "$0" >&2; exit 2 ;;  # the header above, whole
 esac
 if [ ! -x "$bundle/run" ]; then
@@ -246,8 +253,26 @@ if [ "$stage" = ncu ]; then
   fi
   tar -C "$out" -czf "$out/ncu.tgz" $(cd "$out" && ls ncu_*.txt ncu.ncu-rep 2>/dev/null) && rm -f "$out"/ncu_*.txt "$out/ncu.ncu-rep"
 fi
+if [ "$stage" = variants ]; then
+  [ -s .bundle/variants.tar.xz ] ||
+    { echo "gpu_agent_checks: no .bundle/variants.tar.xz (tools/bench/kernel_variant.sh ... and pack, here)" >&2; exit 1; }
+  tar -C .bundle -xJf .bundle/variants.tar.xz
+  names=${VARIANTS:-$(cd "$bundle/bin" && ls specache-bench-* | sed 's/^specache-bench-//')}
+  for round in $(seq "${ROUNDS:-3}"); do
+    for context in 8192 32768; do
+      batches=${VARIANT_BATCHES_8K:-32,176}
+      [ "$context" = 32768 ] && batches=${VARIANT_BATCHES_32K:-46}
+      for v in $names; do
+        timed "variant_${v}_${context}_$round" 60 "$bundle/run" "specache-bench-$v" attend --random-rows --free-slots 32 \
+          --tokens "$context" --batches "$batches" || bench_rc=1
+      done
+    done
+  done
+  python3 tools/bench/variant_means.py "$out" --baseline "${BASELINE:-v0}" | tee "$out/variant_means.txt" || bench_rc=1
+  tar -C "$out" -czf "$out/variants.tgz" $(cd "$out" && ls variant_*_*.txt) && rm -f "$out"/variant_*_*_*.txt
+fi
 if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ] || [ "$stage" = ahead ] || [ "$stage" = topk ] ||
-   [ "$stage" = ncu ]; then
+   [ "$stage" = ncu ] || [ "$stage" = variants ]; then
   exit "$bench_rc"
 fi  # (goals exits above)
 exit "$tests_rc"
