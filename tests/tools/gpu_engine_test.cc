@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "forwarding_agent.h"
 #include "specache/agent.h"
 #include "specache/gpu_engine.h"
 #include "specache/gpu_llama.h"
@@ -162,39 +163,20 @@ TEST_F(GpuEngineTest, StepsQueuedAheadGiveTheTokensOfStepsOneAtATime) {
 
 // An agent that forwards to another and fails one layer of one decode step, as a device or a
 // source could, after the step began.
-class FailingLayerAgent final : public Agent {
+class FailingLayerAgent final : public ForwardingAgent {
  public:
-  explicit FailingLayerAgent(Agent* inner) : inner_(inner) {}
+  using ForwardingAgent::ForwardingAgent;
   void FailNextDecodeAt(int layer) { fail_layer_ = layer; }
 
-  const ModelShape& shape() const override { return inner_->shape(); }
-  const KvConfig& config() const override { return inner_->config(); }
-  std::string_view backend_name() const override { return inner_->backend_name(); }
-  Status AddSequence(SequenceId id) override { return inner_->AddSequence(id); }
-  Status ReleaseSequence(SequenceId id) override { return inner_->ReleaseSequence(id); }
-  Result<int32_t> SequenceLength(SequenceId id) const override { return inner_->SequenceLength(id); }
-  Status PrefillLayer(int layer, const PrefillBatch& batch) override { return inner_->PrefillLayer(layer, batch); }
-  Status BeginStep(StepKind kind, std::span<const SequenceId> sequences) override {
-    return inner_->BeginStep(kind, sequences);
-  }
   Status DecodeLayer(int layer, const DecodeRows& rows) override {
     if (layer == fail_layer_) {
       fail_layer_ = -1;
       return Status::Unavailable("injected: layer " + std::to_string(layer) + " failed");
     }
-    return inner_->DecodeLayer(layer, rows);
+    return ForwardingAgent::DecodeLayer(layer, rows);
   }
-  Status StartPrefetch(int layer) override { return inner_->StartPrefetch(layer); }
-  Status WaitPrefetch(int layer) override { return inner_->WaitPrefetch(layer); }
-  Status EndStep() override { return inner_->EndStep(); }
-  void AbortStep() override { inner_->AbortStep(); }
-  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override {
-    return inner_->SelectedTokens(id, layer, kv_head);
-  }
-  AgentStats stats() const override { return inner_->stats(); }
 
  private:
-  Agent* inner_;
   int fail_layer_ = -1;
 };
 

@@ -4,21 +4,18 @@
 
 #include <string>
 
+#include "../forwarding_agent.h"
+
 namespace specache {
 namespace {
 
-class HostTensorAgent final : public Agent {
+class HostTensorAgent final : public ForwardingAgent {
  public:
-  explicit HostTensorAgent(std::unique_ptr<Agent> inner) : inner_(std::move(inner)) {}
+  // The base is given the agent before inner_ takes it (bases are initialised first).
+  explicit HostTensorAgent(std::unique_ptr<Agent> inner) : ForwardingAgent(inner.get()), inner_(std::move(inner)) {}
   ~HostTensorAgent() override {
     for (Slot* s : {&q_, &k_, &v_, &out_}) cudaFree(s->p);
   }
-  const ModelShape& shape() const override { return inner_->shape(); }
-  const KvConfig& config() const override { return inner_->config(); }
-  std::string_view backend_name() const override { return inner_->backend_name(); }
-  Status AddSequence(SequenceId id) override { return inner_->AddSequence(id); }
-  Status ReleaseSequence(SequenceId id) override { return inner_->ReleaseSequence(id); }
-  Result<int32_t> SequenceLength(SequenceId id) const override { return inner_->SequenceLength(id); }
 
   Status PrefillLayer(int layer, const PrefillBatch& b) override {
     if (b.token_offsets.empty()) return inner_->PrefillLayer(layer, b);
@@ -54,14 +51,6 @@ class HostTensorAgent final : public Agent {
     SPECACHE_RETURN_IF_ERROR(inner_->DecodeLayer(layer, d));
     return Down(r.out, d.out, qn);
   }
-  Status StartPrefetch(int layer) override { return inner_->StartPrefetch(layer); }
-  Status WaitPrefetch(int layer) override { return inner_->WaitPrefetch(layer); }
-  Status EndStep() override { return inner_->EndStep(); }
-  void AbortStep() override { inner_->AbortStep(); }
-  Result<std::vector<int32_t>> SelectedTokens(SequenceId id, int layer, int kv_head) const override {
-    return inner_->SelectedTokens(id, layer, kv_head);
-  }
-  AgentStats stats() const override { return inner_->stats(); }
 
  private:
   struct Slot {
@@ -99,7 +88,7 @@ class HostTensorAgent final : public Agent {
     return Status::Ok();
   }
 
-  std::unique_ptr<Agent> inner_;
+  std::unique_ptr<Agent> inner_;  // owned; the base forwards to it
   Slot q_, k_, v_, out_;
   size_t step_rows_ = 0;
 };
