@@ -393,8 +393,8 @@ constexpr size_t PartSharedBytes(int room) { return (static_cast<size_t>(room) +
 // selections of a few hundred candidates a segment).
 // Four blocks per SM (64 registers: phase one's loads in flight, ReduceInto; ptxas: 20 bytes of
 // spill stores and 84 of loads, against 40 and 140 at five blocks and 48 registers). The cut
-// (ChooseTopKParts) reads the blocks an SM from the occupancy API: at four some batches are cut
-// otherwise than at five, where the cut's rules were measured (20 and 24 x 8K, 4, 8 and 20 x 32K).
+// (ChooseTopKParts) reads the blocks an SM from the occupancy API; its one-wave cuts were measured
+// again at four (topk_parts.h).
 // The batch's scalars are parameters (constant-bank operands) and the block's segment is copied
 // into shared memory first: read from the batch in global memory, the compiler held them in
 // registers through the selection (ptxas: 164 bytes of spill loads; 76 this way, none when the

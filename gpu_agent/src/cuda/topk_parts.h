@@ -49,6 +49,7 @@ struct TopKParts {
 //   1.3-1.5 waves at 32 and 99 x 8K (6 fit on an H200 then; 4 now, at 64 registers): top-k 0.053 ->
 //   0.044 ms at 32 x 8K, 0.163 -> 0.149 at 99. Longer parts stay at about 8 blocks per SM: 24 x 32K
 //   in one wave of 8192-token parts took 0.161 ms against 0.152 in 1.45 waves of 6144.
+// - Within that one wave, 4096 or else 2048 tokens where about two blocks an SM remain (below).
 // - Parts long enough that a segment's merge ranks its candidates (at most kTopKThreads: one pass)
 //   instead of a radix select of its own after phase one's, where parts of up to
 //   kOneWavePartTokens do it with a block for every two SMs or more: at small batches the parts
@@ -86,6 +87,21 @@ inline Status ChooseTopKParts(const TopKSegment* segments, int count, int k, int
   if (part > kOneWavePartTokens || !one_wave) {
     const int64_t eight_per_sm = int64_t{8} * std::max(sms, 1);
     part = rounded_part((total + eight_per_sm - 1) / eight_per_sm);
+  } else {
+    // Within one wave, fewer and longer parts while about two blocks an SM remain (blocks >=
+    // 1.9 sms): the longest of 4096 and 2048 tokens that keeps them. A block's fixed work (its
+    // histogram scans and barriers) and the merge's candidates weigh more than the wave's last
+    // blocks. Measured at four blocks an SM (132 SMs, forced cuts in one call; H100 and H200):
+    // 16 x 8K 2048 -> 4096 tokens 0.900x, 20 x 8K 2816 -> 4096 0.935x / 0.943x, 2 x 32K 1024 ->
+    // 2048 0.829x, 4 x 32K 2048 -> 4096 0.955x, 6 x 32K 3072 -> 4096 0.987x; where fewer than 1.9
+    // blocks an SM would be left the shorter cut held (8 x 8K: 4096 1.056x at 128 blocks; 12 x 8K:
+    // 1.005x at 192).
+    for (const int longer : {kOneWavePartTokens, kOneWavePartTokens / 2}) {
+      if (longer > part && 10 * blocks_with(longer) >= 19 * int64_t{std::max(sms, 1)}) {
+        part = longer;
+        break;
+      }
+    }
   }
   // The shortest part from here (whole 256-token steps, up to kMaxPartTokens) whose merge ranks
   // (at most kTopKThreads candidates a segment); taken when up to kOneWavePartTokens long with a block for
