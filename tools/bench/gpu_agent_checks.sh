@@ -41,7 +41,9 @@
 #                                                      # VARIANTS (default: all packed) at 8K (VARIANT_BATCHES_8K, default
 #                                                      # 32,176) and 32K (VARIANT_BATCHES_32K, 46), ROUNDS (default 3)
 #                                                      # rounds, then their means against BASELINE (default v0):
-#                                                      # tools/bench/variant_means.py (~1-2 s a run, 60 s at most)
+#                                                      # tools/bench/variant_means.py (~1-2 s a run, 60 s at most);
+#                                                      # first each variant's own device tests where packed
+#                                                      # (VARIANT_TESTS, default CudaAttentionTest.*:CudaTopKTest.*)
 #             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
 #                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
 #                                                      # at 8K alternated, two rounds; ~7 minutes)
@@ -258,6 +260,14 @@ if [ "$stage" = variants ]; then
     { echo "gpu_agent_checks: no .bundle/variants.tar.xz (tools/bench/kernel_variant.sh ... and pack, here)" >&2; exit 1; }
   tar -C .bundle -xJf .bundle/variants.tar.xz
   names=${VARIANTS:-$(cd "$bundle/bin" && ls specache-bench-* | sed 's/^specache-bench-//')}
+  # Each variant's kernel tests first, where it was packed with its device tests (kernel_variant.sh):
+  # a variant that fails them is still timed, and the stage fails.
+  for v in $names; do
+    [ -x "$bundle/bin/gpu_agent_device_test-$v" ] || continue
+    timed "variant-tests-$v" 60 "$bundle/run" "gpu_agent_device_test-$v" \
+      --gtest_filter="${VARIANT_TESTS:-CudaAttentionTest.*:CudaTopKTest.*}" || bench_rc=1
+    grep -E "^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test" "$out/variant-tests-$v.txt"
+  done
   for round in $(seq "${ROUNDS:-3}"); do
     for context in 8192 32768; do
       batches=${VARIANT_BATCHES_8K:-32,176}
@@ -269,7 +279,8 @@ if [ "$stage" = variants ]; then
     done
   done
   python3 tools/bench/variant_means.py "$out" --baseline "${BASELINE:-v0}" | tee "$out/variant_means.txt" || bench_rc=1
-  tar -C "$out" -czf "$out/variants.tgz" $(cd "$out" && ls variant_*_*.txt) && rm -f "$out"/variant_*_*_*.txt
+  tar -C "$out" -czf "$out/variants.tgz" $(cd "$out" && ls variant_*_*.txt variant-tests-*.txt 2>/dev/null) &&
+    rm -f "$out"/variant_*_*_*.txt "$out"/variant-tests-*.txt
 fi
 if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ] || [ "$stage" = ahead ] || [ "$stage" = topk ] ||
    [ "$stage" = ncu ] || [ "$stage" = variants ]; then

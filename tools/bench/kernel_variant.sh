@@ -5,7 +5,9 @@
 # travel in one archive beside the bundle (tools/bench/gpu_agent_checks.sh bundle), each as
 # `specache-bench-NAME` in its bin/, so that on the GPU machine, after both are unpacked,
 #   .bundle/agent/run specache-bench-NAME attend ...
-# runs a variant with the bundle's libraries.
+# runs a variant with the bundle's libraries, and `gpu_agent_device_test-NAME` (the device tests linked
+# against the variant's library) its tests; gpu_agent_checks.sh's `variants` stage runs the
+# attention's and the top-k's tests of each variant before timing them.
 #
 #   tools/bench/kernel_variant.sh NAME [PATCH]   # build variant NAME; without PATCH, the two kernels'
 #                                                # files (lowbit_decode.cu, topk.cu) unchanged, compiled
@@ -38,8 +40,12 @@ if [ "$name" = pack ]; then
   for d in "$variants"/*/; do
     v=$(basename "$d")
     [ -x "$d/specache-bench" ] && strip --strip-debug -o "$staging/agent/bin/specache-bench-$v" "$d/specache-bench"
+    [ -x "$d/gpu_agent_device_test" ] &&
+      strip --strip-debug -o "$staging/agent/bin/gpu_agent_device_test-$v" "$d/gpu_agent_device_test"
   done
-  tar -C "$staging" -cf - agent | xz -T2 -6 > .bundle/variants.tar.xz
+  # One stream with a dictionary larger than a binary: the variants differ in a few objects, so
+  # each after the first packs to little (nine benches and five test binaries: ~16 MB).
+  tar -C "$staging" -cf - agent | xz -T1 --lzma2=preset=6,dict=192MiB > .bundle/variants.tar.xz
   ls -la .bundle/variants.tar.xz
   exit 0
 fi
@@ -103,6 +109,17 @@ link=${link/ -o tools\/specache-bench / -o $staged/specache-bench }
 [[ $link == *" $lib "* && $link == *" -o $staged/specache-bench "* ]] ||
   { echo "kernel_variant.sh: could not rewrite the build's link of specache-bench" >&2; exit 1; }
 (cd "$build" && eval "$link")
+# The device tests against the same library (when the build has built them), so that the
+# variant's kernels are checked against their CPU references on the device before they are timed.
+if [ -x "$build/tests/gpu_agent_device_test" ] &&
+   tlink=$(cd "$build" && ninja -t commands tests/gpu_agent_device_test 2>/dev/null | tail -1) && [ -n "$tlink" ]; then
+  tlink="$tlink "
+  tlink=${tlink//gpu_agent\/libspecache_agent.a /$lib }
+  tlink=${tlink/ -o tests\/gpu_agent_device_test / -o $staged/gpu_agent_device_test }
+  [[ $tlink == *" $lib "* && $tlink == *" -o $staged/gpu_agent_device_test "* ]] ||
+    { echo "kernel_variant.sh: could not rewrite the build's link of gpu_agent_device_test" >&2; exit 1; }
+  (cd "$build" && eval "$tlink")
+fi
 mkdir -p "$variants"
 rm -rf "${variants:?}/$name"
 mv "$staged" "$variants/$name"
