@@ -241,7 +241,8 @@ Status KeptSequences::Evict(uint64_t id, std::string_view by) {
 Result<KeptSequences::Taken> KeptSequences::Take(const std::string& tenant, uint64_t id, const PageLayout& layout) {
   std::lock_guard<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Kept * k, FindLocked(id));
-  if (k->tenant != tenant) return Status::PermissionDenied("sequence " + std::to_string(id) + " belongs to another tenant");
+  // Another tenant's sequence is refused as an unknown one: its ids do not say which others keep.
+  if (k->tenant != tenant) return Status::NotFound("sequence " + std::to_string(id) + " is not kept");
   if (LayoutFingerprint(k->layout) != LayoutFingerprint(layout)) {
     return Status::FailedPrecondition("sequence " + std::to_string(id) + " was kept with another layout");
   }

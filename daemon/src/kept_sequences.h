@@ -114,8 +114,9 @@ class KeptSequences {
   // spills hold for their disk I/O) and without holding its own lock across this one's:
   // Take hands over the sequence's RAM copy (restored first if spilled) and stops keeping it (a
   // second claim finds nothing); then either Finish (claimed: its disk copy, if any, deleted) or
-  // PutBack (the claim failed: kept again as it was). PERMISSION_DENIED for another tenant's
-  // sequence, FAILED_PRECONDITION for another layout, NOT_FOUND for an unknown id.
+  // PutBack (the claim failed: kept again as it was). NOT_FOUND for an unknown id and for another
+  // tenant's sequence alike (the answer does not say which ids others keep), FAILED_PRECONDITION
+  // for another layout.
   struct Taken {
     uint64_t id = 0;
     Kept kept;  // parked: its pages in kept.ram

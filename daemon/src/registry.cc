@@ -495,12 +495,23 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
     std::lock_guard<std::mutex> lock(mu_);
     SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
     SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
-    if (claiming_.count(sequence)) {
-      return Status::FailedPrecondition("sequence " + std::to_string(sequence) + " is being claimed already");
-    }
-    claiming_.insert(sequence);  // until this call returns: no KeepSequence of it meanwhile
     tenant = s->tenant;
   }
+  // Its RAM copy, taken from the kept sequences without the registry's lock (a spill may hold
+  // theirs for its disk I/O; a spilled sequence is restored here, once Take checked its tenant
+  // and layout: a claim with another layout changes nothing): from now on no other claim finds
+  // it, and every way out below either claims it or puts it back, without the registry's lock
+  // (PutBack takes the kept sequences' lock, which their spills hold for their disk I/O).
+  // Nothing of the registry changes before Take has checked the tenant: a refused claim of
+  // another tenant's sequence (its ids are sequential) leaves that sequence's own calls alone.
+  SPECACHE_ASSIGN_OR_RETURN(KeptSequences::Taken taken, kept_->Take(tenant, sequence, layout));
+  auto put_back = [&](const Status& why) {
+    kept_->PutBack(std::move(taken));
+    return why;
+  };
+  // Marked as being claimed from the moment it is placed in the session (where a KeepSequence
+  // could first find it) until this call returns, put back or not: no KeepSequence of it meanwhile.
+  // Before Take no session held it (a kept sequence is in none), and Take gave it to this call alone.
   struct Claiming {
     Registry* r;
     uint64_t sequence;
@@ -508,21 +519,13 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
       std::lock_guard<std::mutex> lock(r->mu_);
       r->claiming_.erase(sequence);
     }
-  } claiming{this, sequence};
-  // Its RAM copy, taken from the kept sequences without the registry's lock (a spill may hold
-  // theirs for its disk I/O; a spilled sequence is restored here, once Take checked its tenant
-  // and layout: a claim with another layout changes nothing): from now on no other claim finds
-  // it, and every way out below either claims it or puts it back, without the registry's lock
-  // (PutBack takes the kept sequences' lock, which their spills hold for their disk I/O).
-  SPECACHE_ASSIGN_OR_RETURN(KeptSequences::Taken taken, kept_->Take(tenant, sequence, layout));
-  auto put_back = [&](const Status& why) {
-    kept_->PutBack(std::move(taken));
-    return why;
   };
   const Result<uint32_t> placed = [&] {
     std::lock_guard<std::mutex> lock(mu_);
+    claiming_.insert(sequence);
     return PlaceClaimedLocked(session, token, sequence, layout, taken.kept.pages_per_layer);
   }();
+  const Claiming claiming{this, sequence};
   if (!placed.ok()) return put_back(placed.status());  // outside mu_, as every put-back
   const uint32_t slot = *placed;
   // The copy, a batch of pages at a time under the lock (each batch checks that the session and
