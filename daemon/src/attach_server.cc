@@ -30,7 +30,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
     timer_.expires_after(kRequestTimeout);
     timer_.async_wait([self](boost::system::error_code ec) {
       if (!ec && !self->got_request_) {
-        spdlog::warn("attach: pid {} sent no request within 2 s", self->peer_.pid);
+        self->timed_out_ = true;
+        const uint64_t bad = ++self->counts_->bad;
+        if (LoggedOccurrence(bad)) {
+          spdlog::warn("attach: pid {} sent no request within 2 s; {} bad requests so far", self->peer_.pid, bad);
+        }
         self->socket_.close();
       }
     });
@@ -47,17 +51,32 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void OnRequest(boost::system::error_code ec, size_t n) {
     got_request_ = true;
     timer_.cancel();
-    if (ec) return;  // closed before a whole request: nothing to undo
+    if (ec) {  // closed before a whole request (nothing to undo), or by the deadline (counted there)
+      if (timed_out_) return;
+      const uint64_t bad = ++counts_->bad;
+      if (LoggedOccurrence(bad)) {
+        spdlog::warn("attach: pid {} closed after {} of a request's {} bytes ({}); {} bad requests so far", peer_.pid,
+                     n, request_.size(), ec.message(), bad);
+      }
+      return;
+    }
     auto request = attach::ParseRequest(std::span<const uint8_t>(request_.data(), n));
     if (!request.ok()) {
-      spdlog::warn("attach: bad request from pid {}: {}", peer_.pid, request.status().ToString());
+      const uint64_t bad = ++counts_->bad;
+      if (LoggedOccurrence(bad)) {
+        spdlog::warn("attach: bad request from pid {}: {}; {} bad requests so far", peer_.pid,
+                     request.status().ToString(), bad);
+      }
       Reply(attach::ErrorReply(request.status()), {});
       return;
     }
     auto grant = registry_->Attach(request->session_id, request->token, peer_);
     if (!grant.ok()) {
-      spdlog::warn("attach: session {} refused for pid {}: {}", request->session_id, peer_.pid,
-                   grant.status().ToString());
+      const uint64_t denied = ++counts_->denied;
+      if (LoggedOccurrence(denied)) {
+        spdlog::warn("attach: session {} refused for pid {} uid {}: {}; {} refused so far", request->session_id,
+                     peer_.pid, peer_.uid, grant.status().ToString(), denied);
+      }
       Reply(attach::ErrorReply(grant.status()), {});
       return;
     }
@@ -89,6 +108,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::array<uint8_t, sizeof(attach::AttachRequest)> request_{};
   std::array<uint8_t, 64> tail_{};
   bool got_request_ = false;
+  bool timed_out_ = false;  // closed by the 2 s deadline (counted there, not again in OnRequest)
   uint64_t session_ = 0;
 };
 
@@ -106,7 +126,8 @@ Status AttachServer::Listen() {
 void AttachServer::Stop() { listener_.Stop(); }
 
 AttachStats AttachServer::stats() const {
-  return {counts_->open.load(), counts_->refused.load(), listener_.accept_errors()};
+  return {counts_->open.load(), counts_->refused.load(), listener_.accept_errors(), counts_->denied.load(),
+          counts_->bad.load()};
 }
 
 void AttachServer::OnAccept(int fd) {

@@ -5,6 +5,9 @@
 //
 // Connections are capped in total and per connecting uid ([limits]); one over a cap is closed at
 // once, with a log line and a count. A connection that sends no request within 2 s is closed.
+// Every request that gets no session is counted: refused by the registry (wrong token, a caller
+// the tenant does not admit: `denied`), or malformed, cut short or never sent (`bad`); their log
+// lines are throttled (LoggedOccurrence), since any member of the socket's group can send them.
 #pragma once
 
 #include <atomic>
@@ -22,6 +25,8 @@ struct AttachStats {
   uint64_t open = 0;           // connections now
   uint64_t refused = 0;        // closed at accept: over a cap, or no peer credentials
   uint64_t accept_errors = 0;  // accept() failures (EMFILE...), each followed by a backoff
+  uint64_t denied = 0;         // requests the registry refused (token, tenant, session state)
+  uint64_t bad = 0;            // requests malformed, cut short, or not sent within 2 s
 };
 
 class AttachServer {
@@ -37,7 +42,7 @@ class AttachServer {
   // the io_context's queue).
   struct Counts {
     std::map<uint32_t, uint32_t> per_uid;  // io thread only
-    std::atomic<uint64_t> open{0}, refused{0};
+    std::atomic<uint64_t> open{0}, refused{0}, denied{0}, bad{0};
   };
 
  private:

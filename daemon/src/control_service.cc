@@ -142,7 +142,6 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   resp->set_sequences(s.sequences);
   resp->set_pages(s.pages);
   resp->set_requests(requests_.load() + 1);
-  resp->set_errors(errors_.load());
   resp->set_chunk_bytes(s.chunk_bytes);
   resp->set_memory_locked(s.memory_locked);
   resp->set_pool_huge_bytes(s.pool_huge_bytes);
@@ -164,8 +163,8 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   resp->set_kept_evicted(s.kept.evicted);
   resp->set_kept_evicted_bytes(s.kept.evicted_bytes);
   resp->set_spill_disk_bytes(s.kept.spill.stored_bytes);
+  const ServiceCounts n = connection_counts_ ? connection_counts_() : ServiceCounts{};
   if (connection_counts_) {
-    const ServiceCounts n = connection_counts_();
     resp->set_attach_connections(n.attach_connections);
     resp->set_refused_connections(n.refused_connections);
     resp->set_accept_errors(n.accept_errors);
@@ -174,7 +173,10 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
     resp->set_remote_refused(n.remote_refused);
     resp->set_remote_dropped(n.remote_dropped);
   }
-  resp->set_denied_requests(denied_.load());
+  // This service's refusals, and the attach socket's (a wrong token or a caller its tenant does
+  // not admit, and so for errors: malformed, cut short or never sent), which no control call counts.
+  resp->set_denied_requests(denied_.load() + n.attach_denied);
+  resp->set_errors(errors_.load() + n.attach_bad);
   resp->set_chunks_out_of_service(s.chunks_out_of_service);
   resp->set_spill_failures(s.kept.spill_failures);
   resp->set_spill_backoff_ms(s.kept.spill_backoff_ms);

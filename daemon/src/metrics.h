@@ -12,9 +12,11 @@ namespace specache::daemon {
 
 // The service's own counters, next to the registry's state.
 struct ServiceCounts {
-  uint64_t requests = 0, errors = 0;
-  uint64_t denied = 0;               // control calls refused by the access rules
+  uint64_t requests = 0, errors = 0;  // control calls (errors: with an error), and attach requests malformed,
+                                      // cut short or not sent in time (in errors alone)
+  uint64_t denied = 0;               // control calls refused by the access rules, attach requests refused
   uint64_t attach_connections = 0;   // open now
+  uint64_t attach_denied = 0, attach_bad = 0;  // the attach socket's parts of denied and errors
   uint64_t refused_connections = 0;  // closed at accept: over a cap ([limits], [remote]), or no peer credentials
   uint64_t accept_errors = 0;        // accept() failures (EMFILE...), each followed by a backoff
   // The remote data plane (ucx_server.h); 0 without [remote].

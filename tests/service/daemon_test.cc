@@ -5,8 +5,10 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <chrono>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -510,6 +512,79 @@ TEST(DaemonTest, MetricsEndpointReportsThePoolAndSessions) {
   // The kept sequences' gauges are there (no spill tier here: all zero).
   EXPECT_NE(page.find("specache_kept_bytes{state=\"parked\"} 0"), std::string::npos) << page;
   EXPECT_NE(page.find("specache_spill{kind=\"checksum_failures\"} 0"), std::string::npos) << page;
+}
+
+// Requests on the attach socket that get no session are counted (a wrong token in denied_requests;
+// malformed, cut short in errors) and their log lines throttled: any member of the socket's group
+// can send them in a loop. Before, each gave a warning and no counter, and one cut short neither.
+TEST(DaemonTest, RefusedAndBadAttachRequestsAreCountedAndTheirLinesThrottled) {
+  DaemonProcess d;
+  d.capture_log = true;
+  ASSERT_TRUE(d.Start());
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials()));
+  v1::OpenSessionRequest open;
+  open.set_tenant("default");
+  open.set_pool_bytes(4 << 20);
+  v1::OpenSessionResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
+  }
+  auto before = c->Stats();
+  ASSERT_TRUE(before.ok()) << before.status().ToString();
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, opened.attach_path().c_str());
+  // Sends `bytes`; `whole`: waits for the reply (an error), else closes after them.
+  auto send = [&](const void* bytes, size_t n, bool whole) {
+    const int g = socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_EQ(connect(g, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    ASSERT_EQ(write(g, bytes, n), static_cast<ssize_t>(n));
+    if (whole) {
+      attach::AttachReply r{};
+      ASSERT_EQ(read(g, &r, sizeof r), static_cast<ssize_t>(sizeof r));
+      EXPECT_NE(r.code, 0);
+    }
+    close(g);
+  };
+  constexpr int kEach = 40;
+  attach::AttachRequest wrong_token;
+  wrong_token.session_id = opened.session_id();
+  wrong_token.token.fill(0x5a);
+  const std::string junk(sizeof(attach::AttachRequest), '\xff');
+  for (int i = 0; i < kEach; ++i) {
+    send(&wrong_token, sizeof wrong_token, true);
+    send(junk.data(), junk.size(), true);
+    send(&wrong_token, 10, false);  // cut short
+  }
+  // The cut-short ones are counted as the daemon reads their end: wait for them.
+  uint64_t denied = 0, errors = 0;
+  for (int i = 0; i < 100; ++i) {
+    auto now = c->Stats();
+    ASSERT_TRUE(now.ok());
+    denied = now->denied_requests - before->denied_requests;
+    errors = now->errors - before->errors;
+    if (errors >= 2 * kEach) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(denied, static_cast<uint64_t>(kEach)) << "the wrong tokens";
+  EXPECT_EQ(errors, static_cast<uint64_t>(2 * kEach)) << "the malformed and the cut-short requests";
+  // A line for the 1st, 2nd, 4th, ... of each kind: 6 of 40, not 40.
+  const std::string log = d.Log();
+  auto lines = [&](const std::string& what) {
+    size_t count = 0;
+    for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++count;
+    return count;
+  };
+  EXPECT_GE(lines("refused for pid"), 1u) << log;
+  EXPECT_LE(lines("refused for pid"), 6u) << log;
+  EXPECT_GE(lines("bad requests so far"), 1u) << log;
+  EXPECT_LE(lines("bad requests so far"), 7u) << log;
+  // The attach socket still serves: a session through the client library (which attaches it).
+  auto session = c->OpenSession("default", 4 << 20);
+  EXPECT_TRUE(session.ok()) << session.status().ToString();
 }
 
 }  // namespace
