@@ -68,8 +68,8 @@ AttachedPages::~AttachedPages() {
 
 Status AttachedPages::AddSlot(uint64_t sequence, uint32_t slot, const PageLayoutSpec& want) {
   if (slot >= shm::Header(table_)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
-  SPECACHE_RETURN_IF_ERROR(shm::ValidateSlot(table_, slot, true));
-  const shm::SequenceSlot& s = shm::Slots(table_)[slot];
+  // The slot's fields read once and checked together (the copy alone is used: SlotView).
+  SPECACHE_ASSIGN_OR_RETURN(const shm::SlotFields s, shm::ReadSlot(table_, slot, true));
   const SlotView v{slot, s.n_layers, s.page_tokens, s.pages_capacity_per_layer, s.first_ref, s.page_bytes};
   const uint32_t want_capacity =
       want.page_tokens ? static_cast<uint32_t>((uint64_t{want.capacity_tokens} + want.page_tokens - 1) / want.page_tokens)
@@ -111,12 +111,16 @@ Result<uint8_t*> AttachedPages::PageData(uint64_t sequence, uint32_t layer, uint
   }
   if (layer >= v.n_layers) return Status::OutOfRange("layer " + std::to_string(layer));
   if (page >= LivePages(v)) return Status::OutOfRange("page " + std::to_string(page) + " not mapped yet (Extend first)");
-  // Inside the table: AddSlot checked first_ref + n_layers x capacity against its refs.
-  const shm::PageRef& r = refs_[size_t{v.first_ref} + size_t{layer} * v.capacity + page];
-  if (r.chunk >= chunks_.size() || r.offset > chunk_bytes_ || chunk_bytes_ - r.offset < v.page_bytes) {
+  // Inside the table: AddSlot checked first_ref + n_layers x capacity against its refs. The ref
+  // read once (the daemon rewrites it when the sequence is released and its refs reused), checked,
+  // then used as read.
+  const shm::PageRef& shared = refs_[size_t{v.first_ref} + size_t{layer} * v.capacity + page];
+  const uint32_t chunk = shm::ReadOnce(shared.chunk);
+  const uint64_t offset = shm::ReadOnce(shared.offset);
+  if (chunk >= chunks_.size() || offset > chunk_bytes_ || chunk_bytes_ - offset < v.page_bytes) {
     return Status::DataLoss("page table entry outside the chunks");
   }
-  return chunks_[r.chunk] + r.offset;
+  return chunks_[chunk] + offset;
 }
 
 }  // namespace specache::client

@@ -22,13 +22,25 @@ Status ValidateTable(const void* region, size_t bytes) {
   return Status::Ok();
 }
 
-Status ValidateSlot(const void* region, uint32_t slot, bool check_refs) {
-  const TableHeader* h = Header(region);
+Result<SlotFields> ReadSlot(const void* region, uint32_t slot, bool check_refs) {
+  const TableHeader* h = Header(region);  // fixed once the daemon made the table (ValidateTable)
   if (slot >= h->slot_count) return Status::OutOfRange("page table: slot " + std::to_string(slot) + " out of range");
-  const SequenceSlot& s = Slots(region)[slot];
-  const uint32_t state = s.state.load(std::memory_order_acquire);
+  const SequenceSlot& shared = Slots(region)[slot];
+  const uint32_t state = shared.state.load(std::memory_order_acquire);
   if (state == kSlotFree) return Status::NotFound("page table: slot " + std::to_string(slot) + " is free");
   if (state != kSlotLive) return Status::DataLoss("page table: slot state " + std::to_string(state));
+  SlotFields s;
+  s.sequence_id = ReadOnce(shared.sequence_id);
+  s.page_bytes = ReadOnce(shared.page_bytes);
+  s.n_layers = ReadOnce(shared.n_layers);
+  s.n_kv_heads = ReadOnce(shared.n_kv_heads);
+  s.head_dim = ReadOnce(shared.head_dim);
+  s.page_tokens = ReadOnce(shared.page_tokens);
+  s.capacity_tokens = ReadOnce(shared.capacity_tokens);
+  s.pages_capacity_per_layer = ReadOnce(shared.pages_capacity_per_layer);
+  s.first_ref = ReadOnce(shared.first_ref);
+  s.row_format = ReadOnce(shared.row_format);
+  s.pages_per_layer = shared.pages_per_layer.load(std::memory_order_acquire);
   if (s.n_layers == 0 || s.n_kv_heads == 0 || s.head_dim == 0 || s.page_tokens == 0) {
     return Status::DataLoss("page table: slot with a zero dimension");
   }
@@ -42,20 +54,25 @@ Status ValidateSlot(const void* region, uint32_t slot, bool check_refs) {
   }
   const uint64_t refs_needed = uint64_t{s.n_layers} * s.pages_capacity_per_layer;
   if (uint64_t{s.first_ref} + refs_needed > h->ref_count) return Status::DataLoss("page table: slot refs outside the pool");
-  const uint32_t pages = s.pages_per_layer.load(std::memory_order_acquire);
-  if (pages > s.pages_capacity_per_layer) return Status::DataLoss("page table: more pages than capacity");
+  if (s.pages_per_layer > s.pages_capacity_per_layer) return Status::DataLoss("page table: more pages than capacity");
   if (check_refs) {
     const PageRef* refs = Refs(region) + s.first_ref;
     for (uint32_t l = 0; l < s.n_layers; ++l) {
-      for (uint32_t p = 0; p < pages; ++p) {
+      for (uint32_t p = 0; p < s.pages_per_layer; ++p) {
         const PageRef& r = refs[size_t{l} * s.pages_capacity_per_layer + p];
-        if (r.chunk >= h->chunk_count || r.offset > h->chunk_bytes || h->chunk_bytes - r.offset < s.page_bytes) {
+        const uint32_t chunk = ReadOnce(r.chunk);
+        const uint64_t offset = ReadOnce(r.offset);
+        if (chunk >= h->chunk_count || offset > h->chunk_bytes || h->chunk_bytes - offset < s.page_bytes) {
           return Status::DataLoss("page table: page ref outside the chunks");
         }
       }
     }
   }
-  return Status::Ok();
+  return s;
+}
+
+Status ValidateSlot(const void* region, uint32_t slot, bool check_refs) {
+  return ReadSlot(region, slot, check_refs).status();
 }
 
 }  // namespace specache::shm

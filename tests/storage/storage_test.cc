@@ -338,6 +338,19 @@ TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks
   ASSERT_TRUE(shm::ValidateSlot(table, slot, true).ok());
   const shm::SequenceSlot& sl = shm::Slots(table)[slot];
   EXPECT_EQ(sl.pages_per_layer.load(), 7u);
+  // The copy a reader uses (each field read once, then checked): the slot's own values.
+  auto fields = shm::ReadSlot(table, slot, true);
+  ASSERT_TRUE(fields.ok()) << fields.status().ToString();
+  EXPECT_EQ(fields->sequence_id, 42u);
+  EXPECT_EQ(fields->n_layers, 4u);
+  EXPECT_EQ(fields->n_kv_heads, 2u);
+  EXPECT_EQ(fields->head_dim, 64u);
+  EXPECT_EQ(fields->page_tokens, 16u);
+  EXPECT_EQ(fields->capacity_tokens, 200u);
+  EXPECT_EQ(fields->pages_capacity_per_layer, 13u);
+  EXPECT_EQ(fields->pages_per_layer, 7u);
+  EXPECT_EQ(fields->first_ref, sl.first_ref);
+  EXPECT_EQ(fields->page_bytes, 8192u);
   std::set<std::pair<uint32_t, uint64_t>> seen;
   for (uint32_t l = 0; l < 4; ++l) {
     for (uint32_t p = 0; p < 7; ++p) {
@@ -359,6 +372,7 @@ TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks
   EXPECT_EQ(s.page_count(), before);
   ASSERT_TRUE(s.Release(42).ok());
   EXPECT_EQ(shm::ValidateSlot(table, slot, true).code(), StatusCode::kNotFound);
+  EXPECT_EQ(shm::ReadSlot(table, slot, true).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(s.Release(42).code(), StatusCode::kNotFound);
   EXPECT_EQ(s.page_count(), 0u);
   EXPECT_EQ(s.CreateSequence(44, {0, 2, 64, 16, 100}).status().code(), StatusCode::kInvalidArgument);

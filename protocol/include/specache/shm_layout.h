@@ -13,7 +13,10 @@
 // and value of one KV head in the sequence's row format (RowFormat below).
 //
 // Every field read from shared memory is untrusted for the reader: ValidateTable /
-// ValidateSlot check it against the region and chunk sizes before use.
+// ReadSlot check it against the region and chunk sizes before use. A slot is rewritten in place
+// when its session reuses it, so a reader reads each of its fields once (ReadOnce) into a copy,
+// checks the copy and uses the copy alone: a field read again after its check may hold another
+// sequence's value.
 #pragma once
 
 #include <atomic>
@@ -74,8 +77,25 @@ inline constexpr size_t TableBytes(uint32_t slots, uint32_t refs) {
 
 // Checks a mapped table region of `bytes` bytes: magic, version, struct sizes, counts that fit.
 Status ValidateTable(const void* region, size_t bytes);
-// Checks one slot of a validated table (live or not): refs inside the pool, page geometry, and
-// with `check_refs`, every published ref inside a chunk.
+
+// A field of shared memory read once (the compiler may not read it again for a later use of the
+// value, as it may for a plain read); atomics are loaded as they are.
+template <typename T>
+T ReadOnce(const T& field) {
+  return *static_cast<const volatile T*>(&field);
+}
+
+// One live slot's fields as read once each, checked together.
+struct SlotFields {
+  uint64_t sequence_id = 0, page_bytes = 0;
+  uint32_t n_layers = 0, n_kv_heads = 0, head_dim = 0, page_tokens = 0, capacity_tokens = 0;
+  uint32_t pages_capacity_per_layer = 0, first_ref = 0, row_format = 0;
+  uint32_t pages_per_layer = 0;  // published when it was read (acquire), <= pages_capacity_per_layer
+};
+// Reads one slot of a validated table and checks the copy: live, page geometry, refs inside the
+// pool, and with `check_refs`, every published ref (each read once) inside a chunk.
+Result<SlotFields> ReadSlot(const void* region, uint32_t slot, bool check_refs);
+// ReadSlot's checks alone.
 Status ValidateSlot(const void* region, uint32_t slot, bool check_refs);
 
 inline const TableHeader* Header(const void* region) { return static_cast<const TableHeader*>(region); }
