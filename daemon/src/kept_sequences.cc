@@ -63,6 +63,17 @@ void KeptSequences::SpillSucceededLocked() {
 }
 
 Status KeptSequences::PutLocked(uint64_t id, const Kept& k, const PageAt& page) {
+  // Called only for a sequence with no disk copy of its own (not on_disk). A stored one under its
+  // id is then an older copy whose delete failed when it was claimed (Finish): the id came back
+  // (a claimed sequence keeps its id) and was kept again. Left there, it made every write of the
+  // new copy fail (ALREADY_EXISTS: no spill, no write-through, the watermarks stuck behind it),
+  // and a restart would have listed the old bytes as the kept ones.
+  if (store_->Find(k.tenant, id).ok()) {
+    const Status s = store_->Delete(k.tenant, id);
+    if (!s.ok()) return Status(s.code(), "an old disk copy of the id could not be deleted: " + s.message());
+    spdlog::warn("sequence {} of tenant {}: deleted its old disk copy (left by a claim whose delete failed) before "
+                 "writing the one kept now", id, k.tenant);
+  }
   SpilledSequence meta;
   meta.tenant = k.tenant;
   meta.id = id;

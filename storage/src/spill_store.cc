@@ -745,7 +745,11 @@ Status SpillStore::Delete(const std::string& tenant, uint64_t id) {
     std::lock_guard<std::mutex> lock(mu_);
     index_.erase({tenant, id});
   }
-  if (const rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch); !s.ok()) {
+  // Synced: a delete lost with the WAL's tail (a power loss) would bring a claimed or evicted
+  // sequence back at the next start, to be claimed a second time or counted against its tenant.
+  rocksdb::WriteOptions durable;
+  durable.sync = true;
+  if (const rocksdb::Status s = db_->Write(durable, &batch); !s.ok()) {
     write_failed_ = true;  // nothing more is written until the store is reopened (see RecoverWrites)
     std::lock_guard<std::mutex> lock(mu_);
     index_[{tenant, id}] = meta;
@@ -860,7 +864,9 @@ Status SpillStore::DeleteDamaged(uint64_t id) {
     batch.DeleteRange(prefix, PrefixEnd(prefix));
   }
   for (const std::string& tenant : tenants) AppendCatalog("del", tenant, id);
-  if (const rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch); !s.ok()) {
+  rocksdb::WriteOptions durable;  // synced, as Delete's
+  durable.sync = true;
+  if (const rocksdb::Status s = db_->Write(durable, &batch); !s.ok()) {
     write_failed_ = true;
     return FromRocks(s, "spill store: delete");
   }

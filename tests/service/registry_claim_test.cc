@@ -1,5 +1,7 @@
 // The registry's claims between tenants, in process (no daemon, no sockets): a claim of another
 // tenant's sequence is refused before anything of the registry changes, and as an unknown id.
+// And a claimed sequence's disk copy that its claim failed to delete gives way to the copy kept
+// under the same id later (KeptSequences over a real spill store).
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -11,6 +13,7 @@
 
 #include "kept_sequences.h"
 #include "registry.h"
+#include "testing/temp_dir.h"
 
 namespace specache::daemon {
 namespace {
@@ -115,6 +118,47 @@ TEST_F(RegistryClaimTest, AnotherTenantsKeptSequenceAnswersAsAnUnknownId) {
   const auto mine = registry_->ClaimSequence(sa.id, sa.token, x, layout_);
   EXPECT_TRUE(mine.ok()) << mine.status().ToString();
   EXPECT_FALSE(kept_->Find(x).ok()) << "claimed: no longer kept";
+}
+
+// A claim takes a spilled sequence and its Finish deletes the disk copy; when that delete fails (a
+// full disk, the store read-only after a write error) the copy stays while the id lives on in the
+// claiming session, which may keep it again. Before, every write of the new copy then failed
+// (ALREADY_EXISTS: no write-through, no spill, the watermarks stuck behind it) and a restart listed
+// the old bytes under the id. The failed delete is played by dropping the taken sequence unfinished.
+TEST(KeptSequencesTest, AnOldDiskCopyLeftByAFailedDeleteGivesWayToTheCopyKeptNow) {
+  spdlog::set_level(spdlog::level::off);
+  testing::TempDir dir;
+  const PageLayout layout{2, 1, 8, 16, 32, 0};
+  const uint32_t pages = 2;
+  std::vector<uint8_t> bytes(uint64_t{layout.n_layers} * pages * layout.page_bytes());
+  const auto fill = [&](uint8_t v) {
+    std::fill(bytes.begin(), bytes.end(), v);
+    return [&](uint32_t l, uint32_t p) { return bytes.data() + (uint64_t{l} * pages + p) * layout.page_bytes(); };
+  };
+  {
+    auto store = SpillStore::Open({dir.path + "/spill"});
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    KeptSequences kept({1u << 20, 0.9, 0.7, /*write_through=*/true}, std::move(*store));
+    ASSERT_TRUE(kept.Park("a", 7, layout, pages, fill('A')).ok());
+    ASSERT_TRUE(kept.Find(7)->also_on_disk || kept.Find(7)->state == KeptState::kSpilled);
+    {
+      auto taken = kept.Take("a", 7, layout);
+      ASSERT_TRUE(taken.ok()) << taken.status().ToString();
+    }  // not finished: its disk copy stays, as after a failed delete
+    ASSERT_FALSE(kept.Find(7).ok());
+    // Kept again under its id: written through (the old copy deleted first), then spilled.
+    ASSERT_TRUE(kept.Park("a", 7, layout, pages, fill('B')).ok());
+    EXPECT_TRUE(kept.Find(7)->also_on_disk) << "written through";
+    EXPECT_EQ(kept.stats().write_through_failures, 0u);
+    ASSERT_TRUE(kept.SpillAll().ok());
+  }
+  // A restart finds the copy kept now, not the claimed one.
+  auto store = SpillStore::Open({dir.path + "/spill"});
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  std::vector<uint8_t> got(bytes.size(), 0);
+  ASSERT_TRUE((*store)->Get("a", 7, [&](uint32_t l, uint32_t p) { return got.data() + (uint64_t{l} * pages + p) * layout.page_bytes(); }).ok());
+  EXPECT_EQ(got, std::vector<uint8_t>(bytes.size(), 'B'));
+  spdlog::set_level(spdlog::level::info);
 }
 
 }  // namespace
