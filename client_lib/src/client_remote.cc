@@ -1,4 +1,5 @@
 // The TLS channel to a daemon on another host, and the credentials from the environment.
+#include <cctype>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -6,6 +7,7 @@
 #include <grpcpp/security/credentials.h>
 
 #include "client_impl.h"
+#include "specache/remote_protocol.h"
 
 namespace specache::client {
 namespace {
@@ -36,8 +38,17 @@ Status Client::Impl::ConnectRemote(const std::string& host_port, const RemoteCre
     return Status::InvalidArgument("a tcp:// daemon needs a tenant and its secret (SPECACHE_TENANT, SPECACHE_SECRET_FILE)");
   }
   SPECACHE_ASSIGN_OR_RETURN(secret, ReadFile(c.secret_file, "tenant secret"));
-  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r' || secret.back() == ' ')) secret.pop_back();
+  // Trailing whitespace dropped as the daemon drops it from its copy (config.cc, ReadSecretFile).
+  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
   if (secret.empty()) return Status::InvalidArgument("tenant secret file " + c.secret_file + " is empty");
+  if (!remote::PrintableHeaderValue(secret)) {
+    return Status::InvalidArgument("tenant secret file " + c.secret_file +
+                                   " holds a byte outside printable ASCII (0x20-0x7e), which a gRPC header cannot "
+                                   "carry: make the secret printable (e.g. openssl rand -hex 32) on both sides");
+  }
+  if (!remote::PrintableHeaderValue(c.tenant)) {
+    return Status::InvalidArgument("tenant name holds a byte outside printable ASCII (0x20-0x7e)");
+  }
   grpc::SslCredentialsOptions tls;
   if (!c.ca_file.empty()) {
     SPECACHE_ASSIGN_OR_RETURN(tls.pem_root_certs, ReadFile(c.ca_file, "TLS CA"));

@@ -17,6 +17,8 @@
 
 #include <toml++/toml.h>
 
+#include "specache/remote_protocol.h"
+
 namespace specache::daemon {
 namespace {
 
@@ -174,6 +176,10 @@ Result<std::string> ReadSecretFile(const std::string& path, const std::string& k
   SPECACHE_ASSIGN_OR_RETURN(std::string secret, ReadPrivateFile(path, "config: " + key));
   while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
   if (secret.size() < 16) return Status::InvalidArgument("config: " + key + " must hold at least 16 bytes");
+  if (!remote::PrintableHeaderValue(secret)) {  // no client could send it
+    return Status::InvalidArgument("config: " + key + " holds a byte outside printable ASCII (0x20-0x7e), which the "
+                                   "clients' gRPC header cannot carry: make it printable (e.g. openssl rand -hex 32)");
+  }
   return secret;
 }
 

@@ -165,6 +165,16 @@ TEST(DaemonConfigTest, RemoteNeedsTlsAndTenantSecretsOnlyTheOwnerCanRead) {
   EXPECT_TRUE(c->remote.enabled());
   EXPECT_TRUE(c->remote.rma);
   EXPECT_EQ(c->tenants.at("a").remote_secret, "sixteen-bytes-or-more");  // the newline is not part of it
+  // A secret no client could send (a gRPC header value is printable ASCII; gRPC aborts a client
+  // that adds another byte): refused here, at startup, with the rule.
+  for (const std::string& unsendable : {std::string("sixteen-bytes\tor-more\n"), std::string("sixteen-bytes-or-more\x80"),
+                                        std::string(24, '\x01')}) {
+    std::ofstream(secret, std::ios::trunc) << unsendable;
+    auto refused = ParseConfig(tenant);
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find("printable ASCII"), std::string::npos) << refused.status().ToString();
+  }
+  std::ofstream(secret, std::ios::trunc) << "sixteen-bytes-or-more\n";
 
   auto plaintext = ParseConfig(tenant + "[remote]\ncontrol_addr = \"0.0.0.0:7700\"\ndata_addr = \"0.0.0.0:7701\"\n");
   EXPECT_NE(plaintext.status().message().find("tls_cert"), std::string::npos) << plaintext.status().ToString();

@@ -307,6 +307,31 @@ TEST_F(RemoteTest, ALongPrefillGoesInSeveralRequests) {
   EXPECT_TRUE((*s)->Alive());
 }
 
+// A secret or tenant with a byte a gRPC header cannot carry is refused by the client before it
+// connects; before, gRPC aborted the client's process at its first call (a secret of random
+// bytes, which the daemon's config accepted too).
+TEST_F(RemoteTest, AnUnsendableSecretOrTenantIsRefusedNotAnAbort) {
+  StartDaemon(false, false);
+  RemoteCredentials binary = Credentials("a");
+  binary.secret_file = WriteSecret(pki_->dir, "binary", std::string("sixteen-bytes\x01\x02\xff-or-more"));
+  auto c = Connect(binary);
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << c.status().ToString();
+  EXPECT_NE(c.status().message().find("printable ASCII"), std::string::npos) << c.status().ToString();
+  RemoteCredentials tenant = Credentials("a");
+  tenant.tenant = "a\tb";
+  auto t = Connect(tenant);
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status().ToString();
+  // Trailing whitespace of any kind is not part of the secret, on either side.
+  RemoteCredentials spaced = Credentials("a");
+  std::ifstream in(spaced.secret_file);
+  const std::string real((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  spaced.secret_file = WriteSecret(pki_->dir, "spaced", real + "\t \n");
+  auto ok = Connect(spaced);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  auto stats = (*ok)->Stats();
+  EXPECT_TRUE(stats.ok()) << stats.status().ToString();
+}
+
 TEST_F(RemoteTest, WrongSecretAndOtherTenantAreRefusedBeforeAnythingIsReserved) {
   StartDaemon(false, false);
   RemoteCredentials wrong = Credentials("a");

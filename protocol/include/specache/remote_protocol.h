@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "specache/attach_protocol.h"
@@ -28,6 +29,17 @@
 #include "specache/status.h"
 
 namespace specache::remote {
+
+// The control plane's credentials (gRPC metadata x-specache-tenant and x-specache-secret, over
+// TLS) are plain header values: printable ASCII (0x20-0x7e) alone. gRPC aborts the process that
+// adds any other byte to such a header, so both sides refuse a tenant or secret with one: the
+// daemon when it reads its config, the client before it connects.
+inline bool PrintableHeaderValue(std::string_view value) {
+  for (const char c : value) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
 
 inline constexpr uint32_t kMagic = 0x55435053;  // "SPCU"
 inline constexpr uint16_t kVersion = 1;
