@@ -8,6 +8,13 @@
 // tokens), Release(id) and Keep(id) with the same contracts. EntryT is RegisteredSequence or a
 // type derived from it, constructed as EntryT(layout, max_pages_per_layer) before the sequence
 // is visible to any other call.
+//
+// Create, Release and Keep make a daemon call outside the registry's lock. Two Creates of one id
+// at once: the id is reserved before the call, so the second gets ALREADY_EXISTS (before, both
+// succeeded and the first daemon sequence leaked). Keep and Release of one sequence at once: Keep
+// holds the entry (shared) and its keep lock across its call, and Release decides under that lock,
+// so the sequence ends kept or released, never a write to a freed entry or a "kept" one that
+// Release freed in the daemon.
 #pragma once
 
 #include <algorithm>
@@ -33,7 +40,8 @@ struct RegisteredSequence {
   std::vector<std::atomic<int32_t>> lengths;  // [layer * n_kv_heads + head]
   std::mutex extend_mu;                       // one Extend at a time; the others wait and re-check
   std::atomic<uint32_t> pages{0};             // pages per layer made and usable by readers
-  bool kept = false;                          // left in the daemon on release (guarded by the registry)
+  std::mutex keep_mu;                         // Keep's call and Release's decision, one at a time
+  bool kept = false;                          // left in the daemon on release (guarded by keep_mu)
 };
 
 template <typename SessionT, typename EntryT = RegisteredSequence>
@@ -46,6 +54,8 @@ class SequenceRegistry {
   ~SequenceRegistry() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, s] : sequences_) {
+      if (!s) continue;  // a Create still in its call (none may be at destruction)
+      std::lock_guard<std::mutex> keep_lock(s->keep_mu);
       if (!s->kept) static_cast<void>(session_->Release(s->daemon_id));
     }
   }
@@ -62,17 +72,21 @@ class SequenceRegistry {
       return Status::InvalidArgument("sequence layout needs positive dimensions");
     }
     SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(layout.row_format, layout.head_dim));
-    {
+    {  // reserved (a null entry) until the daemon's answer: another Create of it is refused
       std::lock_guard<std::mutex> lock(mu_);
-      if (sequences_.count(sequence)) return Status::AlreadyExists("sequence " + std::to_string(sequence));
+      if (!sequences_.emplace(sequence, nullptr).second) return Status::AlreadyExists("sequence " + std::to_string(sequence));
     }
     PageLayoutSpec spec{static_cast<uint32_t>(layout.n_layers), static_cast<uint32_t>(layout.n_kv_heads),
                         static_cast<uint32_t>(layout.head_dim), page_tokens_, capacity_tokens_,
                         static_cast<uint32_t>(layout.row_format)};
-    SPECACHE_ASSIGN_OR_RETURN(uint64_t id, session_->CreateSequence(spec));
-    auto s = std::make_unique<EntryT>(layout, (capacity_tokens_ + page_tokens_ - 1) / page_tokens_);
-    s->daemon_id = id;
+    const Result<uint64_t> id = session_->CreateSequence(spec);
     std::lock_guard<std::mutex> lock(mu_);
+    if (!id.ok()) {
+      sequences_.erase(sequence);
+      return id.status();
+    }
+    auto s = std::make_shared<EntryT>(layout, (capacity_tokens_ + page_tokens_ - 1) / page_tokens_);
+    s->daemon_id = *id;
     sequences_[sequence] = std::move(s);
     return Status::Ok();
   }
@@ -81,15 +95,19 @@ class SequenceRegistry {
   // does not confirm the release (unreachable, say), the sequence stays known here, so that the
   // caller may release it again.
   Status Release(SequenceId sequence) {
-    std::unique_ptr<EntryT> s;
+    std::shared_ptr<EntryT> s;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = sequences_.find(sequence);
-      if (it == sequences_.end()) return Status::NotFound("sequence " + std::to_string(sequence));
+      if (it == sequences_.end() || !it->second) return Status::NotFound("sequence " + std::to_string(sequence));
       s = std::move(it->second);
       sequences_.erase(it);
     }
-    const Status released = s->kept ? Status::Ok() : session_->Release(s->daemon_id);
+    Status released;
+    {
+      std::lock_guard<std::mutex> keep_lock(s->keep_mu);  // after a Keep in its call: kept
+      released = s->kept ? Status::Ok() : session_->Release(s->daemon_id);
+    }
     if (!released.ok() && released.code() != StatusCode::kNotFound) {
       std::lock_guard<std::mutex> lock(mu_);
       sequences_.emplace(sequence, std::move(s));
@@ -98,9 +116,24 @@ class SequenceRegistry {
   }
 
   Result<uint64_t> Keep(SequenceId sequence) {
-    SPECACHE_ASSIGN_OR_RETURN(EntryT * s, Find(sequence));
+    std::shared_ptr<EntryT> s;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = sequences_.find(sequence);
+      if (it == sequences_.end() || !it->second) {
+        return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
+      }
+      s = it->second;
+    }
+    std::lock_guard<std::mutex> keep_lock(s->keep_mu);
+    {  // released meanwhile (its Release decided before this lock): not kept
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = sequences_.find(sequence);
+      if (it == sequences_.end() || it->second != s) {
+        return Status::NotFound("sequence " + std::to_string(sequence) + " was released");
+      }
+    }
     SPECACHE_RETURN_IF_ERROR(session_->Keep(s->daemon_id));
-    std::lock_guard<std::mutex> lock(mu_);
     s->kept = true;
     return s->daemon_id;
   }
@@ -108,7 +141,9 @@ class SequenceRegistry {
   Result<EntryT*> Find(SequenceId sequence) const {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sequences_.find(sequence);
-    if (it == sequences_.end()) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
+    if (it == sequences_.end() || !it->second) {
+      return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
+    }
     return it->second.get();
   }
 
@@ -182,6 +217,7 @@ class SequenceRegistry {
     std::lock_guard<std::mutex> lock(mu_);
     int64_t bytes = 0;
     for (const auto& [id, s] : sequences_) {
+      if (!s) continue;  // being created
       for (const auto& l : s->lengths) bytes += int64_t{l.load()} * s->layout.row_bytes();
     }
     return bytes;
@@ -191,7 +227,8 @@ class SequenceRegistry {
   SessionT* const session_;
   const uint32_t page_tokens_, capacity_tokens_;
   mutable std::mutex mu_;
-  std::map<SequenceId, std::unique_ptr<EntryT>> sequences_;
+  // Null while its Create waits for the daemon. Shared, so that a Keep in its call holds the entry.
+  std::map<SequenceId, std::shared_ptr<EntryT>> sequences_;
 };
 
 }  // namespace specache::client

@@ -1,0 +1,81 @@
+// The sources' sequence registry (client_lib/src/sequence_registry.h) under calls that race on
+// one sequence, against a stand-in session whose daemon calls take a while (no daemon).
+#include "sequence_registry.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+namespace specache::client {
+namespace {
+
+// Session's calls as the registry makes them; each daemon call sleeps, as a round trip would.
+struct SlowSession {
+  std::atomic<int> creates{0}, releases{0}, keeps{0};
+  std::atomic<uint64_t> next{100};
+  Result<uint64_t> CreateSequence(const PageLayoutSpec&) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    ++creates;
+    return next++;
+  }
+  Result<uint32_t> Extend(uint64_t, uint32_t tokens) { return tokens; }
+  Status Release(uint64_t) {
+    ++releases;
+    return Status::Ok();
+  }
+  Status Keep(uint64_t) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    ++keeps;
+    return Status::Ok();
+  }
+};
+
+const SequenceLayout kLayout{2, 2, 64, HostRowFormat::kFp16};
+
+// Before, both Creates passed the registry's check, both made a daemon sequence, and the second
+// replaced the first, which nothing released.
+TEST(SequenceRegistryTest, TwoCreatesOfOneIdAtOnceMakeOneDaemonSequence) {
+  SlowSession session;
+  {
+    SequenceRegistry<SlowSession> registry(&session, 64, 1024);
+    Status a, b;
+    std::thread first([&] { a = registry.Create(5, kLayout); });
+    std::thread second([&] { b = registry.Create(5, kLayout); });
+    first.join();
+    second.join();
+    EXPECT_NE(a.ok(), b.ok()) << a.ToString() << " / " << b.ToString();
+    EXPECT_EQ((a.ok() ? b : a).code(), StatusCode::kAlreadyExists);
+    EXPECT_EQ(session.creates.load(), 1);
+  }
+  EXPECT_EQ(session.releases.load(), 1) << "the one daemon sequence, released with the registry";
+}
+
+// Before, Release freed the entry while Keep was in its daemon call, and Keep then wrote to it
+// (heap use after free), returning OK for a sequence Release had freed in the daemon.
+TEST(SequenceRegistryTest, AKeepInItsCallAndAReleaseOfTheSameSequenceEndKeptOrReleased) {
+  for (const int release_after_ms : {0, 20}) {
+    SlowSession session;
+    SequenceRegistry<SlowSession> registry(&session, 64, 1024);
+    ASSERT_TRUE(registry.Create(7, kLayout).ok());
+    Result<uint64_t> kept = Status::Internal("not run");
+    std::thread keep([&] { kept = registry.Keep(7); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(release_after_ms));
+    const Status released = registry.Release(7);
+    keep.join();
+    EXPECT_TRUE(released.ok()) << released.ToString();
+    if (kept.ok()) {
+      EXPECT_EQ(session.keeps.load(), 1);
+      EXPECT_EQ(session.releases.load(), 0) << "kept: left in the daemon";
+    } else {
+      EXPECT_EQ(kept.status().code(), StatusCode::kNotFound) << kept.status().ToString();
+      EXPECT_EQ(session.keeps.load(), 0);
+      EXPECT_EQ(session.releases.load(), 1) << "released in the daemon";
+    }
+    EXPECT_FALSE(registry.Find(7).ok());
+  }
+}
+
+}  // namespace
+}  // namespace specache::client
