@@ -273,7 +273,11 @@ uint64_t Session::extend_rpcs() const { return impl_->extend_rpcs.load(); }
 
 Result<uint64_t> Session::CreateSequence(const PageLayoutSpec& l) {
   SPECACHE_ASSIGN_OR_RETURN(v1::CreateSequenceResponse resp, impl_->calls.CreateSequence(l));
-  SPECACHE_RETURN_IF_ERROR(impl_->pages->AddSlot(resp.sequence_id(), resp.table_slot(), l));
+  if (Status added = impl_->pages->AddSlot(resp.sequence_id(), resp.table_slot(), l); !added.ok()) {
+    // Not usable here (the table disagrees with the answer): given back, not left for the session's end.
+    static_cast<void>(impl_->calls.ReleaseSequence(resp.sequence_id()));
+    return added;
+  }
   return resp.sequence_id();
 }
 
@@ -301,7 +305,12 @@ Status Session::Keep(uint64_t sequence) {
 
 Result<uint32_t> Session::Claim(uint64_t sequence, const PageLayoutSpec& l) {
   SPECACHE_ASSIGN_OR_RETURN(v1::ClaimSequenceResponse resp, impl_->calls.ClaimSequence(sequence, l));
-  SPECACHE_RETURN_IF_ERROR(impl_->pages->AddSlot(sequence, resp.table_slot(), l));
+  if (Status added = impl_->pages->AddSlot(sequence, resp.table_slot(), l); !added.ok()) {
+    // Not usable here: marked to keep again, so that the session's end parks it rather than drops
+    // the claimed data.
+    static_cast<void>(impl_->calls.KeepSequence(sequence));
+    return added;
+  }
   return resp.pages_per_layer();
 }
 

@@ -178,7 +178,9 @@ class SPECACHE_CLIENT_API Session {
   Result<uint32_t> Claim(uint64_t sequence, const PageLayoutSpec& layout);
 
   // From the shared page table, without a round trip: pages per layer now mapped, and the memory
-  // of one page ([kv_head][token][K|V][head_dim] fp16). OUT_OF_RANGE beyond the mapped pages.
+  // of one page ([kv_head][token] rows of the sequence's row format: shm_layout.h's RowBytes).
+  // OUT_OF_RANGE beyond the mapped pages. The memory stays mapped until the session ends; after
+  // the sequence's Release its pages may be given to another sequence of the session.
   Result<uint32_t> PagesPerLayer(uint64_t sequence) const;
   Result<uint8_t*> PageData(uint64_t sequence, uint32_t layer, uint32_t page) const;
 

@@ -63,7 +63,9 @@ SPECACHE_C_API int specache_sequence_extend(specache_session* session, uint64_t 
                                             uint32_t* pages_per_layer, char* error, size_t error_len);
 SPECACHE_C_API int specache_sequence_release(specache_session* session, uint64_t sequence, char* error,
                                              size_t error_len);
-/* The memory of one page: [kv_head][token] rows of the sequence's row format, page_tokens tokens. */
+/* The memory of one page: [kv_head][token] rows of the sequence's row format, page_tokens tokens.
+ * It stays mapped until specache_session_close, which unmaps it; after specache_sequence_release
+ * the page may be given to another sequence of the session: do not use the pointer past either. */
 SPECACHE_C_API int specache_page_data(specache_session* session, uint64_t sequence, uint32_t layer, uint32_t page,
                                       uint8_t** data, char* error, size_t error_len);
 
