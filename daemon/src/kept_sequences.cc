@@ -260,18 +260,26 @@ Result<KeptSequences::Taken> KeptSequences::Take(const std::string& tenant, uint
   SPECACHE_RETURN_IF_ERROR(RestoreLocked(id, k));
   Taken t{id, std::move(*k)};
   kept_.erase(id);
+  ++taken_[tenant];
   return t;
 }
 
 void KeptSequences::Finish(Taken taken) {
-  if (!taken.kept.on_disk) return;
   std::lock_guard<std::mutex> lock(mu_);
+  UntakeLocked(taken.kept.tenant);
+  if (!taken.kept.on_disk) return;
   const Status s = store_->Delete(taken.kept.tenant, taken.id);
   if (!s.ok()) spdlog::error("claimed sequence {}: its disk copy stays: {}", taken.id, s.ToString());
 }
 
+void KeptSequences::UntakeLocked(const std::string& tenant) {
+  auto it = taken_.find(tenant);
+  if (it != taken_.end() && --it->second == 0) taken_.erase(it);
+}
+
 void KeptSequences::PutBack(Taken taken) {
   std::lock_guard<std::mutex> lock(mu_);
+  UntakeLocked(taken.kept.tenant);
   // Over park_bytes for a moment at most: the watermarks spill it. The registry keeps the id from
   // being kept again while it is taken (Registry::claiming_); should it be kept all the same, the
   // one kept since stays and this one is lost, said and counted.
@@ -306,7 +314,8 @@ uint64_t KeptSequences::CountOf(const std::string& tenant) const {
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t n = 0;
   for (const auto& [id, k] : kept_) n += k.tenant == tenant ? 1 : 0;
-  return n;
+  auto taken = taken_.find(tenant);  // in a claim's copy: kept again if the claim fails (PutBack)
+  return n + (taken == taken_.end() ? 0 : taken->second);
 }
 
 KeptStats KeptSequences::stats() const {

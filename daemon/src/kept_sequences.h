@@ -114,7 +114,7 @@ class KeptSequences {
   // spills hold for their disk I/O) and without holding its own lock across this one's:
   // Take hands over the sequence's RAM copy (restored first if spilled) and stops keeping it (a
   // second claim finds nothing); then either Finish (claimed: its disk copy, if any, deleted) or
-  // PutBack (the claim failed: kept again as it was). NOT_FOUND for an unknown id and for another
+  // PutBack (the claim failed: kept again as it was): one of them for every Taken. NOT_FOUND for an unknown id and for another
   // tenant's sequence alike (the answer does not say which ids others keep), FAILED_PRECONDITION
   // for another layout.
   struct Taken {
@@ -127,7 +127,8 @@ class KeptSequences {
 
   Result<KeptSummary> Find(uint64_t id) const;
   std::vector<KeptSummary> List() const;
-  // How many sequences the tenant keeps (parked or spilled).
+  // How many sequences the tenant keeps: parked or spilled, and taken by a claim still in its copy
+  // (kept again if the claim fails: counted, so that a keep meanwhile cannot pass the tenant's limit).
   uint64_t CountOf(const std::string& tenant) const;
   KeptStats stats() const;
   bool has_spill_tier() const { return store_ != nullptr; }
@@ -157,6 +158,8 @@ class KeptSequences {
   mutable std::mutex mu_;
   std::map<uint64_t, Kept> kept_;
   uint64_t dropped_ = 0;
+  std::map<std::string, uint64_t> taken_;  // tenant -> sequences Taken and not yet Finished or PutBack
+  void UntakeLocked(const std::string& tenant);
   uint64_t spill_failures_ = 0, write_through_failures_ = 0;
   uint64_t evicted_ = 0, evicted_bytes_ = 0;
   uint32_t failures_in_row_ = 0;

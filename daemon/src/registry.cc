@@ -327,6 +327,7 @@ std::vector<Registry::ParkJob> Registry::ParkJobsLocked(const Session& s) {
   std::vector<ParkJob> jobs;
   for (const auto& [seq, pages] : s.pages->sequences()) {
     if (keep_on_close_.erase(seq) == 0) continue;
+    ++parking_[s.tenant];  // no longer marked, not yet kept: counted until Park has run
     ParkJob job{s.tenant, seq, pages.layout, pages.pages_per_layer, {}};
     for (const auto& layer : pages.pages) {
       for (const shm::PageRef& ref : layer) job.pages.push_back(PageAddress(s, ref));
@@ -341,6 +342,9 @@ void Registry::Park(uint64_t session, const std::vector<ParkJob>& jobs) {
     const Status parked = kept_->Park(job.tenant, job.id, job.layout, job.pages_per_layer,
                                       [&job](uint32_t l, uint32_t p) { return job.pages[l * job.pages_per_layer + p]; });
     if (!parked.ok()) spdlog::error("session {}: kept sequence {} is lost: {}", session, job.id, parked.ToString());
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = parking_.find(job.tenant);
+    if (it != parking_.end() && --it->second == 0) parking_.erase(it);
   }
 }
 
@@ -450,12 +454,13 @@ Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t seq
                                       " is being claimed: keep it once its claim has returned");
   }
   if (!keep_on_close_.count(sequence)) {
-    uint64_t marked = 0;  // the tenant's sequences live sessions will keep
+    uint64_t marked = 0;  // the tenant's sequences live sessions will keep, or ended ones are parking
     for (uint64_t other : keep_on_close_) {
       auto owner = sequence_owner_.find(other);
       auto it = owner == sequence_owner_.end() ? sessions_.end() : sessions_.find(owner->second);
       marked += it != sessions_.end() && it->second.tenant == tenant ? 1 : 0;
     }
+    if (auto parking = parking_.find(tenant); parking != parking_.end()) marked += parking->second;
     const uint32_t most = config_.limits.kept_sequences_per_tenant;
     if (kept + marked >= most) {
       return Status::ResourceExhausted("tenant " + tenant + " keeps " + std::to_string(kept) + " sequences and " +

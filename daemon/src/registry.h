@@ -234,6 +234,9 @@ class Registry {
   std::map<uint64_t, Session> sessions_;
   std::map<uint64_t, uint64_t> sequence_owner_;  // sequence -> session
   std::set<uint64_t> keep_on_close_;             // sequences to park when their session ends
+  // [tenant] sequences of ended sessions between ParkJobsLocked (out of keep_on_close_) and their
+  // Park: counted against kept_sequences_per_tenant as the marked and the kept ones are.
+  std::map<std::string, uint64_t> parking_;
   // Sequences a ClaimSequence has taken out of the kept ones and not yet copied into its session
   // (or put back): nobody may mark them to keep meanwhile (KeepSequence), or a close during the
   // copy would park the half-copied pages under the id the claim puts the original back under.

@@ -161,5 +161,28 @@ TEST(KeptSequencesTest, AnOldDiskCopyLeftByAFailedDeleteGivesWayToTheCopyKeptNow
   spdlog::set_level(spdlog::level::info);
 }
 
+// A claim takes a kept sequence out of the kept ones for its copy, and puts it back if the claim
+// fails. Meanwhile it still counts for its tenant: before, a KeepSequence in that window passed
+// kept_sequences_per_tenant, and a failed claim (its sequence released mid-copy) then left the
+// tenant over its limit, as often as the trick was repeated.
+TEST(KeptSequencesTest, ASequenceInAClaimsCopyStillCountsForItsTenant) {
+  KeptSequences kept({1u << 20}, nullptr);
+  const PageLayout layout{1, 1, 8, 16, 32, 0};
+  std::vector<uint8_t> page(layout.page_bytes(), 1);
+  const auto pages = [&](uint32_t, uint32_t) { return page.data(); };
+  ASSERT_TRUE(kept.Park("a", 3, layout, 2, pages).ok());
+  EXPECT_EQ(kept.CountOf("a"), 1u);
+  auto taken = kept.Take("a", 3, layout);
+  ASSERT_TRUE(taken.ok()) << taken.status().ToString();
+  EXPECT_EQ(kept.CountOf("a"), 1u) << "in the claim's copy";
+  EXPECT_EQ(kept.CountOf("b"), 0u);
+  kept.PutBack(std::move(*taken));
+  EXPECT_EQ(kept.CountOf("a"), 1u) << "put back";
+  auto again = kept.Take("a", 3, layout);
+  ASSERT_TRUE(again.ok());
+  kept.Finish(std::move(*again));
+  EXPECT_EQ(kept.CountOf("a"), 0u) << "claimed";
+}
+
 }  // namespace
 }  // namespace specache::daemon
