@@ -169,7 +169,20 @@ bool BindService(nb::module_& m) {
           "sequence"_a)
       .def(
           "keep", [](Session& s, uint64_t seq) { ThrowIfError(Released([&] { return s.Keep(seq); })); },
-          "sequence"_a)
+          "sequence"_a, "Keeps the sequence in the daemon past this session (for its tenant); claim takes it back.")
+      .def(
+          "claim",
+          [](Session& s, uint64_t seq, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page_tokens,
+             uint32_t capacity_tokens, const std::string& row_format) {
+            const HostRowFormat format = ValueOrThrow(ParseHostRowFormat(row_format));
+            client::PageLayoutSpec l{n_layers, n_kv_heads, head_dim, page_tokens, capacity_tokens,
+                                     static_cast<uint32_t>(format)};
+            return ValueOrThrow(Released([&] { return s.Claim(seq, l); }));
+          },
+          "sequence"_a, "n_layers"_a, "n_kv_heads"_a, "head_dim"_a, "page_tokens"_a = 64, "capacity_tokens"_a,
+          "row_format"_a = "fp16",
+          "Takes a kept sequence of this session's tenant, kept with this layout, into this session (its id "
+          "unchanged); returns its pages per layer.")
       .def(
           "pages_per_layer", [](const Session& s, uint64_t seq) { return ValueOrThrow(s.PagesPerLayer(seq)); },
           "sequence"_a);

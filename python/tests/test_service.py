@@ -118,3 +118,25 @@ def test_embedded_daemon_stops(daemon):
     with pytest.raises(StatusError) as info:
         specache.Client.connect(socket, deadline_ms=300)
     assert info.value.code == StatusCode.UNAVAILABLE
+
+
+def test_kept_sequence_is_claimed_back_by_a_later_session(daemon):
+    client = specache.Client.connect(daemon.socket)
+    layout = dict(n_layers=2, n_kv_heads=2, head_dim=64, capacity_tokens=256)
+    session = client.open_session("default", 16 << 20)
+    seq = session.create_sequence(**layout)
+    assert session.extend(seq, 100) == 2
+    session.keep(seq)
+    del session  # its end parks the kept sequence for the tenant
+    import time
+
+    for _ in range(100):
+        if any(s["id"] == seq for s in client.list_sequences()):
+            break
+        time.sleep(0.05)
+    later = client.open_session("default", 16 << 20)
+    with pytest.raises(StatusError) as info:  # another layout: refused, and it stays kept
+        later.claim(seq, **dict(layout, head_dim=128))
+    assert info.value.code == StatusCode.FAILED_PRECONDITION
+    assert later.claim(seq, **layout) == 2
+    assert later.pages_per_layer(seq) == 2
