@@ -102,24 +102,21 @@ for f in "${files[@]}"; do
   (cd "$build" && eval "$cmd $extra") > "$staged/$base.ptxas.txt" 2>&1 || { cat "$staged/$base.ptxas.txt" >&2; exit 1; }
   (cd "$staged" && ar r libspecache_agent.a "$base.o")
 done
-link=$(cd "$build" && ninja -t commands tools/specache-bench | tail -1)
-link="$link "
-link=${link//gpu_agent\/libspecache_agent.a /$lib }
-link=${link/ -o tools\/specache-bench / -o $staged/specache-bench }
-[[ $link == *" $lib "* && $link == *" -o $staged/specache-bench "* ]] ||
-  { echo "kernel_variant.sh: could not rewrite the build's link of specache-bench" >&2; exit 1; }
-(cd "$build" && eval "$link")
+# The build's link of TARGET (a path in the build) against the variant's library, into the
+# variant; the rewrite is checked, as the compiles' are.
+relink() {
+  local target=$1 out=$staged/$(basename "$1") link
+  link="$(cd "$build" && ninja -t commands "$target" | tail -1) "
+  link=${link//gpu_agent\/libspecache_agent.a /$lib }
+  link=${link/ -o $target / -o $out }
+  [[ $link == *" $lib "* && $link == *" -o $out "* ]] ||
+    { echo "kernel_variant.sh: could not rewrite the build's link of $target" >&2; exit 1; }
+  (cd "$build" && eval "$link")
+}
+relink tools/specache-bench
 # The device tests against the same library (when the build has built them), so that the
 # variant's kernels are checked against their CPU references on the device before they are timed.
-if [ -x "$build/tests/gpu_agent_device_test" ] &&
-   tlink=$(cd "$build" && ninja -t commands tests/gpu_agent_device_test 2>/dev/null | tail -1) && [ -n "$tlink" ]; then
-  tlink="$tlink "
-  tlink=${tlink//gpu_agent\/libspecache_agent.a /$lib }
-  tlink=${tlink/ -o tests\/gpu_agent_device_test / -o $staged/gpu_agent_device_test }
-  [[ $tlink == *" $lib "* && $tlink == *" -o $staged/gpu_agent_device_test "* ]] ||
-    { echo "kernel_variant.sh: could not rewrite the build's link of gpu_agent_device_test" >&2; exit 1; }
-  (cd "$build" && eval "$tlink")
-fi
+if [ -x "$build/tests/gpu_agent_device_test" ]; then relink tests/gpu_agent_device_test; fi
 mkdir -p "$variants"
 rm -rf "${variants:?}/$name"
 mv "$staged" "$variants/$name"
