@@ -119,19 +119,13 @@ class SequenceRegistry {
     std::shared_ptr<EntryT> s;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = sequences_.find(sequence);
-      if (it == sequences_.end() || !it->second) {
-        return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
-      }
-      s = it->second;
+      s = EntryLocked(sequence);
     }
+    if (!s) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
     std::lock_guard<std::mutex> keep_lock(s->keep_mu);
     {  // released meanwhile (its Release decided before this lock): not kept
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = sequences_.find(sequence);
-      if (it == sequences_.end() || it->second != s) {
-        return Status::NotFound("sequence " + std::to_string(sequence) + " was released");
-      }
+      if (EntryLocked(sequence) != s) return Status::NotFound("sequence " + std::to_string(sequence) + " was released");
     }
     SPECACHE_RETURN_IF_ERROR(session_->Keep(s->daemon_id));
     s->kept = true;
@@ -140,11 +134,9 @@ class SequenceRegistry {
 
   Result<EntryT*> Find(SequenceId sequence) const {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = sequences_.find(sequence);
-    if (it == sequences_.end() || !it->second) {
-      return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
-    }
-    return it->second.get();
+    EntryT* s = EntryLocked(sequence).get();
+    if (!s) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
+    return s;
   }
 
   Result<uint64_t> DaemonSequence(SequenceId sequence) const {
@@ -224,6 +216,12 @@ class SequenceRegistry {
   }
 
  private:
+  // The sequence's entry, or null when it is unknown or still being created.
+  std::shared_ptr<EntryT> EntryLocked(SequenceId sequence) const {
+    auto it = sequences_.find(sequence);
+    return it == sequences_.end() ? nullptr : it->second;
+  }
+
   SessionT* const session_;
   const uint32_t page_tokens_, capacity_tokens_;
   mutable std::mutex mu_;
