@@ -524,14 +524,8 @@ TEST(DaemonTest, RefusedAndBadAttachRequestsAreCountedAndTheirLinesThrottled) {
   auto c = Connect(d);
   ASSERT_TRUE(c);
   auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials()));
-  v1::OpenSessionRequest open;
-  open.set_tenant("default");
-  open.set_pool_bytes(4 << 20);
   v1::OpenSessionResponse opened;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
-  }
+  ASSERT_TRUE(testing::OpenSessionByHand(*stub, "default", 4 << 20, &opened).ok());
   auto before = c->Stats();
   ASSERT_TRUE(before.ok()) << before.status().ToString();
   sockaddr_un addr{};

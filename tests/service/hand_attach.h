@@ -11,11 +11,24 @@
 #include <cstring>
 #include <string>
 
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include "specache/attach_protocol.h"
+#include "specache/v1/control.grpc.pb.h"
 
 namespace specache::testing {
+
+// Opens a session of `tenant` with a raw control call, its id, token and attach path in `opened`
+// (attach it with AttachByHand, or it ends at the daemon's lease): the call's status.
+inline grpc::Status OpenSessionByHand(v1::Control::Stub& stub, const std::string& tenant, uint64_t pool_bytes,
+                                      v1::OpenSessionResponse* opened) {
+  v1::OpenSessionRequest open;
+  open.set_tenant(tenant);
+  open.set_pool_bytes(pool_bytes);
+  grpc::ClientContext ctx;
+  return stub.OpenSession(&ctx, open, opened);
+}
 
 // Connects to `attach_path`, attaches session `session_id` with its 16-byte `token` and checks
 // the daemon's answer: the connected socket (the caller closes it), or -1 after a failed EXPECT.

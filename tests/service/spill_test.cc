@@ -853,14 +853,8 @@ TEST(SpillTest, AKeepAndCloseDuringAClaimNeverKeepAHalfCopiedSequence) {
     ASSERT_TRUE(WaitForKept(c.get(), 1));
     // The claiming session, opened and attached by hand so that its token can be used directly.
     auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials()));
-    v1::OpenSessionRequest open;
-    open.set_tenant("default");
-    open.set_pool_bytes(52 << 20);
     v1::OpenSessionResponse opened;
-    {
-      grpc::ClientContext ctx;
-      ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
-    }
+    ASSERT_TRUE(testing::OpenSessionByHand(*stub, "default", 52 << 20, &opened).ok());
     const int fd = testing::AttachByHand(opened.attach_path(), opened.session_id(), opened.token());
     ASSERT_GE(fd, 0);
     std::atomic<bool> claimed{false};
