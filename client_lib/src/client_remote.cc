@@ -1,5 +1,4 @@
 // The TLS channel to a daemon on another host, and the credentials from the environment.
-#include <cctype>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -38,8 +37,7 @@ Status Client::Impl::ConnectRemote(const std::string& host_port, const RemoteCre
     return Status::InvalidArgument("a tcp:// daemon needs a tenant and its secret (SPECACHE_TENANT, SPECACHE_SECRET_FILE)");
   }
   SPECACHE_ASSIGN_OR_RETURN(secret, ReadFile(c.secret_file, "tenant secret"));
-  // Trailing whitespace dropped as the daemon drops it from its copy (config.cc, ReadSecretFile).
-  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
+  remote::DropTrailingSpace(&secret);  // as the daemon does with its copy (config.cc, ReadSecretFile)
   if (secret.empty()) return Status::InvalidArgument("tenant secret file " + c.secret_file + " is empty");
   if (!remote::PrintableHeaderValue(secret)) {
     return Status::InvalidArgument("tenant secret file " + c.secret_file +

@@ -174,7 +174,7 @@ Status ParseRemote(const toml::node& node, RemoteConfig* r) {
 // secret), holding at least 16 bytes; trailing whitespace is not part of it.
 Result<std::string> ReadSecretFile(const std::string& path, const std::string& key) {
   SPECACHE_ASSIGN_OR_RETURN(std::string secret, ReadPrivateFile(path, "config: " + key));
-  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
+  remote::DropTrailingSpace(&secret);
   if (secret.size() < 16) return Status::InvalidArgument("config: " + key + " must hold at least 16 bytes");
   if (!remote::PrintableHeaderValue(secret)) {  // no client could send it
     return Status::InvalidArgument("config: " + key + " holds a byte outside printable ASCII (0x20-0x7e), which the "

@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 
 #include <array>
+#include <cctype>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -39,6 +40,10 @@ inline bool PrintableHeaderValue(std::string_view value) {
     if (c < 0x20 || c > 0x7e) return false;
   }
   return true;
+}
+// A secret file's bytes as the secret both sides compare: without trailing whitespace (a newline).
+inline void DropTrailingSpace(std::string* secret) {
+  while (!secret->empty() && std::isspace(static_cast<unsigned char>(secret->back()))) secret->pop_back();
 }
 
 inline constexpr uint32_t kMagic = 0x55435053;  // "SPCU"
