@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "decode_plan_slots.h"
@@ -37,7 +38,7 @@ constexpr unsigned kAllLanes = 0xffffffffu;
 // Monotone map from float to uint32 (larger float -> larger key); -inf is the smallest real key.
 __device__ uint32_t OrderKey(float f) {
   const uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u);  // ~u when negative, else u | 2^31
 }
 
 // In device memory, a slot of the call's DecodePlan: these fields, then [count] segments
@@ -71,6 +72,13 @@ __device__ void CountInto(unsigned int* histogram, bool in, uint32_t bin) {
   if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&histogram[bin], static_cast<unsigned>(__popc(peers)));
 }
 
+// CountInto with every lane in: no ballot, and the peers' highest lane adds (one shift and compare
+// instead of finding the lowest). Every lane of the warp must call it.
+__device__ __forceinline__ void CountAllInto(unsigned int* histogram, uint32_t bin) {
+  const unsigned peers = __match_any_sync(kAllLanes, bin);
+  if ((peers >> (threadIdx.x & 31)) == 1u) atomicAdd(&histogram[bin], static_cast<unsigned>(__popc(peers)));
+}
+
 // The first radix digit (below) of a key: its top 10 bits.
 constexpr int kFirstDigitShift = 22;
 
@@ -83,7 +91,11 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 // the list alone (ncu, 99 x 8K: the four passes over every key were ~35% of phase one's
 // instructions). Otherwise, or when the first digit's bin holds more than kListKeys keys (scores
 // barely spread), the later passes walk every key, counting only those under the prefix
-// (CountInto).
+// (CountInto). In a part of up to 32 kThreads keys whose first bin and the bins above it hold at
+// most kListKeys keys (the usual case for k = 64), the list is built in ascending index from
+// ballots and holds every key to take, so the final ordered pass walks the list too, not every
+// key (H100, one layer: the top-k 25-27% faster at 32 x 8K, 176 x 8K and 46 x 32K;
+// bench_results/topk_ordered_list_h100_r43.txt).
 constexpr int kRadixBins = 1024;
 constexpr int kBinsPerThread = kRadixBins / kThreads;
 constexpr int kListKeys = 1024;
@@ -94,7 +106,9 @@ struct SelectShared {
   uint32_t prefix, mask;
   int remaining;
   int in_bin;      // keys in the bin the last pass chose
+  int at_or_above;  // keys under the last pass's prefix in that bin or above it
   int list_count;  // -1: no list (the later passes walk every key)
+  bool ordered;    // the list holds every key at or above the first digit's bin, in ascending index
 };
 
 // Appends j to the list when `in` (one shared atomic per warp; the list's order is not kept).
@@ -115,7 +129,7 @@ __device__ void ListInto(int32_t* list, int* count, bool in, int32_t j) {
 // caller has counted every key's first digit into sh.histogram (ReduceInto, into a histogram
 // it zeroed), so the first pass does not walk the keys. Inlined, so that scores in shared memory
 // are read with shared loads.
-template <typename Emit>
+template <bool kOrdered = true, typename Emit>
 __device__ __forceinline__ void BlockTopK(const float* score, int32_t n, int k, SelectShared& sh, int32_t* list,
                                           bool first_counted, Emit emit) {
   if (k >= n) {
@@ -127,6 +141,7 @@ __device__ __forceinline__ void BlockTopK(const float* score, int32_t n, int k, 
     sh.mask = 0;
     sh.remaining = k;  // how many of the best we still have to place at or below the prefix
     sh.list_count = -1;
+    sh.ordered = false;
   }
   __syncthreads();
   // Radix select of the k-th largest key, one digit at a time from the top.
@@ -180,13 +195,48 @@ __device__ __forceinline__ void BlockTopK(const float* score, int32_t n, int k, 
           sh.mask = mask | (digit_mask << shift);
           sh.remaining = remaining - above;  // keys equal to the final threshold to take
           sh.in_bin = bins[i];
+          sh.at_or_above = above + bins[i];
           break;
         }
         above += bins[i];
       }
     }
     __syncthreads();
-    if (pass == 0 && list && sh.in_bin <= kListKeys) {  // list the first digit's keys for the later passes
+    if (kOrdered && pass == 0 && list && sh.at_or_above <= kListKeys && n <= 32 * kThreads) {
+      // The ordered list: every key at or above the first digit's bin (the k - remaining above
+      // it and the bin's), in ascending index, for parts of up to 32 kThreads keys. A walk over
+      // the keys writes their flags, a word of 32 consecutive keys per warp and step, into the
+      // histogram (the scan has read it; pass 1 zeroes it again); thread t lists word t's keys,
+      // placed by a scan.
+      const uint32_t first_prefix = sh.prefix;  // keys >= it: the bin and the bins above
+      unsigned int* words = sh.histogram;
+      const bool word_lane = (threadIdx.x & 31) == 0;
+      unsigned int* const warp_words = words + threadIdx.x / 32;  // base's word of the warp's 32 keys
+      int32_t base = 0;
+      for (; base + 4 * kThreads <= n; base += 4 * kThreads) {  // four steps' loads in flight, unguarded
+        unsigned flags[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          flags[u] = __ballot_sync(kAllLanes, OrderKey(score[base + u * kThreads + threadIdx.x]) >= first_prefix);
+        }
+        if (word_lane) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) warp_words[(base >> 5) + u * kWarpsPerBlock] = flags[u];
+        }
+      }
+      for (; base < n; base += kThreads) {
+        const int32_t j = base + threadIdx.x;
+        const unsigned flags = __ballot_sync(kAllLanes, j < n && OrderKey(score[j < n ? j : 0]) >= first_prefix);
+        if (word_lane && j < n) words[j >> 5] = flags;
+      }
+      __syncthreads();
+      unsigned bits = static_cast<int32_t>(32 * threadIdx.x) < n ? words[threadIdx.x] : 0u;  // thread t: keys [32 t, 32 t + 32)
+      int at = 0;
+      Scan(sh.scan).ExclusiveSum(__popc(bits), at);
+      for (; bits != 0; bits &= bits - 1) list[at++] = 32 * static_cast<int32_t>(threadIdx.x) + __ffs(bits) - 1;
+      if (threadIdx.x == 0) sh.list_count = sh.at_or_above, sh.ordered = true;
+      __syncthreads();
+    } else if (pass == 0 && list && sh.in_bin <= kListKeys) {  // list the first digit's keys for the later passes
       if (threadIdx.x == 0) sh.list_count = 0;
       __syncthreads();
       const uint32_t first_prefix = sh.prefix, first_mask = sh.mask;
@@ -199,6 +249,43 @@ __device__ __forceinline__ void BlockTopK(const float* score, int32_t n, int k, 
   }
   const uint32_t threshold = sh.prefix;
   const int take_equal = sh.remaining;
+  if (kOrdered && sh.ordered) {
+    // Every key taken is in the ordered list: thread t takes its run of it, [per t, per (t + 1)),
+    // and one scan counts the keys above the threshold (high half) and equal to it (low half)
+    // in the runs before; a key's position is the keys above before it plus the equal ones
+    // before it, up to take_equal.
+    constexpr int kPerThread = kListKeys / kThreads;
+    const int listed = sh.list_count;
+    const int per = (listed + kThreads - 1) / kThreads;
+    const int e_lo = static_cast<int>(threadIdx.x) * per;
+    int counts = 0;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      if (i < per && e_lo + i < listed) {
+        const uint32_t key = OrderKey(score[list[e_lo + i]]);
+        counts += key > threshold ? 1 << 16 : key == threshold ? 1 : 0;
+      }
+    }
+    int before = 0;
+    Scan(sh.scan).ExclusiveSum(counts, before);
+    int above_before = before >> 16, equal_before = before & 0xFFFF;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      if (i < per && e_lo + i < listed) {
+        const int32_t j = list[e_lo + i];
+        const uint32_t key = OrderKey(score[j]);
+        if (key > threshold) {
+          emit(j, above_before + min(equal_before, take_equal));
+          ++above_before;
+        } else if (key == threshold) {
+          if (equal_before < take_equal) emit(j, above_before + equal_before);
+          ++equal_before;
+        }
+      }
+    }
+    __syncthreads();  // `sh` and `score` may be reused by the caller
+    return;
+  }
 
   // Ordered pass: warp w owns a contiguous chunk of the keys and walks it 32 consecutive keys at a
   // time (conflict-free shared loads); ballots count and place what it takes. Of the keys equal
@@ -271,6 +358,14 @@ __device__ __forceinline__ float FoldHead(float s, float v, const HeadScale* hs,
   if (isnan(v)) v = -INFINITY;
   return use_max ? fmaxf(s, v) : __fadd_rn(s, v);
 }
+// FoldHead of the group's first head into the empty reduction (-inf for the max, 0 for the sum),
+// the same bits without the empty reduction's value: fmaxf(-inf, v) is v (v is not NaN) and 0 + v
+// is v + 0 (-0 becomes +0 either way).
+__device__ __forceinline__ float FirstHead(float v, const HeadScale* hs, bool use_max) {
+  if (hs) v = Normalised(v, *hs);
+  if (isnan(v)) v = -INFINITY;
+  return use_max ? v : __fadd_rn(v, 0.0f);
+}
 
 // The group's reduction after its last head: the max, or the sum / n_heads. inv_heads: 1 / n_heads
 // when n_heads is a power of two (the sum times it is the sum / n_heads, bit for bit, without a
@@ -284,11 +379,11 @@ __device__ __forceinline__ float FinishedReduction(float s, int n_heads, float i
 // HeadScale in shared memory, or null to compute them here from the statistics (the same bits).
 __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_heads, int32_t j, bool use_max,
                               const HeadScale* scales) {
-  float s = use_max ? -INFINITY : 0.0f;
-  for (int h = 0; h < n_heads; ++h) {
+  float s = 0.0f;
+  for (int h = 0; h < n_heads; ++h) {  // n_heads >= 1
     float v = seg.probs[static_cast<size_t>(h) * seg.n + j];
     if (seg.stats) v = Normalised(v, scales ? scales[h] : HeadScaleOf(seg.stats, h));
-    s = FoldHead(s, v, nullptr, use_max);
+    s = h == 0 ? FirstHead(v, nullptr, use_max) : FoldHead(s, v, nullptr, use_max);
   }
   return FinishedReduction(s, n_heads, inv_heads, use_max);
 }
@@ -308,7 +403,7 @@ __device__ float ReducedScore(const TopKSegment& seg, int n_heads, float inv_hea
 // its scores at under 1 TB/s. kHeads = 0: any n_heads, four tokens at a time. A thread's stores
 // come after all its loads either way: the compiler keeps a load behind an earlier store that may
 // alias it (score may be global scratch).
-template <int kHeads>
+template <int kHeads, bool kFullWarps = true>
 __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg, int n_heads, float inv_heads,
                                            int32_t lo, int32_t m, bool use_max, const HeadScale* scales,
                                            unsigned int* histogram) {
@@ -328,9 +423,9 @@ __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg,
       }
 #pragma unroll
       for (int u = 0; u < kTokens; ++u) {
-        float s = use_max ? -INFINITY : 0.0f;
+        float s = FirstHead(v[u][0], scales, use_max);
 #pragma unroll
-        for (int h = 0; h < kHeads; ++h) s = FoldHead(s, v[u][h], scales ? scales + h : nullptr, use_max);
+        for (int h = 1; h < kHeads; ++h) s = FoldHead(s, v[u][h], scales ? scales + h : nullptr, use_max);
         reduced[u] = FinishedReduction(s, kHeads, inv_heads, use_max);
       }
     } else {
@@ -340,11 +435,19 @@ __device__ __forceinline__ void ReduceInto(float* score, const TopKSegment& seg,
         reduced[u] = j < m ? ReducedScore(seg, n_heads, inv_heads, lo + j, use_max, scales) : 0.0f;
       }
     }
+    if (kFullWarps && w0 + (kTokens - 1) * stride + 32 <= m) {  // the warp's tokens all below m (most steps)
 #pragma unroll
-    for (int u = 0; u < kTokens; ++u) {
-      const int32_t j = j0 + u * stride;
-      if (j < m) score[j] = reduced[u];
-      CountInto(histogram, j < m, OrderKey(reduced[u]) >> kFirstDigitShift);
+      for (int u = 0; u < kTokens; ++u) {
+        score[j0 + u * stride] = reduced[u];
+        CountAllInto(histogram, OrderKey(reduced[u]) >> kFirstDigitShift);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kTokens; ++u) {
+        const int32_t j = j0 + u * stride;
+        if (j < m) score[j] = reduced[u];
+        CountInto(histogram, j < m, OrderKey(reduced[u]) >> kFirstDigitShift);
+      }
     }
   }
 }
@@ -427,32 +530,35 @@ __global__ void __launch_bounds__(kThreads, 4) TopKPartKernel(TopKBatch* __restr
   __syncthreads();
   // The part's reduced scores at `score`, then its selection. Called with the shared array or
   // the segment's scratch, each inlined, so that the compiler knows shared memory's accesses.
-  auto reduce_and_select = [&](float* score) {
+  // in_shared: std::true_type with the shared array, whose instances take BlockTopK's ordered
+  // list and ReduceInto's full-warp counts; the scratch's (a lone part longer than shared memory,
+  // rare) keep the code before those (with them ptxas spilled in its ReduceInto loops).
+  auto reduce_and_select = [&](float* score, auto in_shared) {
     switch (n_heads) {  // the common GQA groups compiled; 3, 5, 6, 7 and larger take the loop
-      case 1: ReduceInto<1>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
-      case 2: ReduceInto<2>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
-      case 4: ReduceInto<4>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
-      case 8: ReduceInto<8>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
-      default: ReduceInto<0>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      case 1: ReduceInto<1, decltype(in_shared)::value>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      case 2: ReduceInto<2, decltype(in_shared)::value>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      case 4: ReduceInto<4, decltype(in_shared)::value>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      case 8: ReduceInto<8, decltype(in_shared)::value>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
+      default: ReduceInto<0, decltype(in_shared)::value>(score, seg, n_heads, inv_heads, lo, m, use_max, scales, sh.histogram); break;
     }
     __syncthreads();
     if (mass) SumRuns(score, m, lo, seg.scratch + n);  // beyond the candidates' and scores' [0, n)
     if (parts == 1) {
-      BlockTopK(score, m, k, sh, list, true, [&](int32_t j, int pos) { seg.tokens[pos] = j; });
+      BlockTopK<decltype(in_shared)::value>(score, m, k, sh, list, true, [&](int32_t j, int pos) { seg.tokens[pos] = j; });
       return;
     }
     float* cand_score = seg.scratch + static_cast<size_t>(blockIdx.x) * k;
     int32_t* cand_token = reinterpret_cast<int32_t*>(seg.scratch) + static_cast<size_t>(parts + blockIdx.x) * k;
-    BlockTopK(score, m, k, sh, list, true, [&](int32_t j, int pos) {
+    BlockTopK<decltype(in_shared)::value>(score, m, k, sh, list, true, [&](int32_t j, int pos) {
       cand_score[pos] = score[j];
       cand_token[pos] = lo + j;
     });
   };
   // A lone part longer than shared memory holds keeps its scores in the segment's scratch.
   if (m <= part_tokens) {
-    reduce_and_select(part_scores);
+    reduce_and_select(part_scores, std::true_type{});
   } else {
-    reduce_and_select(seg.scratch);
+    reduce_and_select(seg.scratch, std::false_type{});
   }
   if (parts == 1) return;
   // The last part: every thread's candidate stores made visible before the block counts itself
