@@ -16,7 +16,8 @@
 #             tools/bench/gpu_agent_checks.sh goals    # not in run: the issues' goal figures of this build in one
 #                                                      # call (~7 minutes, each part skipped once GOALS_S, default
 #                                                      # 420 s, have gone): the step with and without the fetch at
-#                                                      # 1/8/32 x 8K and 1/8 x 32K beside PyTorch's fp16 step, one
+#                                                      # 1/8/32 x 8K and 1/8 x 32K (fp16 and int8 host rows,
+#                                                      # GOALS_STEP_KV) beside PyTorch's fp16 step, one
 #                                                      # layer's attention against the copy's bandwidth, the int8
 #                                                      # table at 48 GB with SDPA, the host-pace probe at 176 x 8K
 #             tools/bench/gpu_agent_checks.sh selection # not in run: the top-k on a stream of its own or in order
@@ -186,9 +187,11 @@ if [ "$stage" = goals ]; then
   time_left() { [ $(( $(date +%s) - goals_start )) -lt "${GOALS_S:-420}" ]; }
   # Fetch overlap (step with / without <= 1.05) and 32 x 8K tokens/s (>= 1.3x fp16), the fp16
   # step in the same call; the attention's share of the copy's bandwidth (>= 50% for B >= 8).
-  timed goals_step_8k 110 "$bundle/run" specache-bench step --tokens 8192 --batches 1,8,32 || bench_rc=1
+  # The step's rows: fp16 host rows (specache-1bit) and the table's int8 ones (GOALS_STEP_KV).
+  step_kv=${GOALS_STEP_KV:-specache-1bit,specache-1bit-int8}
+  timed goals_step_8k 170 "$bundle/run" specache-bench step --tokens 8192 --batches 1,8,32 --kv "$step_kv" || bench_rc=1
   grep -A1 "^specache" "$out/goals_step_8k.txt"
-  time_left && { timed goals_step_32k 80 "$bundle/run" specache-bench step --tokens 32768 --batches 1,8 || bench_rc=1;
+  time_left && { timed goals_step_32k 120 "$bundle/run" specache-bench step --tokens 32768 --batches 1,8 --kv "$step_kv" || bench_rc=1;
                  grep -A1 "^specache" "$out/goals_step_32k.txt"; }
   time_left && { timed goals_fp16 90 "${PYTHON:-python3}" tools/bench/fp16_baseline.py --batches 1,8,32 \
                    --contexts 8192,32768 --steps 10 || bench_rc=1; grep "^fp16 decode" "$out/goals_fp16.txt"; }
