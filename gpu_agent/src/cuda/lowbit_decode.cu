@@ -975,6 +975,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   const bool scores_pairs = scores_out != nullptr && (reinterpret_cast<uintptr_t>(scores_out) & 7) == 0;
 
   float m = -INFINITY, l = 0.0f;  // query g's
+  // m log2(e) - kLeanPLog2 (0 while m is -inf): ExpFrom's offset for the running max, kept with m.
+  float m_log2e = 0.0f;
   float acc[MT][4], zv[4];         // out^T: rows 16 mt + g (+8), queries 2t, 2t + 1; zv: row g = channel group g
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -995,6 +997,9 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     const uint32_t* vcodes = kzero + D / 2;
     const uint32_t* vscale = vcodes + D;  // this lane's at t 4 NGV
     const uint32_t* vzero = vscale + 16 * NGV;  // row g's (g < NGV) at (g 4 + t) 4
+    // The block's substituted tokens (their mask), found before its scores: its branches (rarely
+    // taken) then stand before the scores' mma, not between the scores and the softmax.
+    const uint32_t sub_mask = subs.MaskBlock(r, b0, lane);
 
     // ---- scores: c[nt] = C of the block's tokens 8 nt + .. (weight MmaBitWeight(nt)), rows g the
     // products' hi parts and rows g + 8 their rest (A's rows g + 8 hold the rest); zc = q . z.
@@ -1027,15 +1032,29 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     }
     float sc[4][2];  // query g, tokens b0 + 8 nt + 2t + j
     const float zs = ZeroTermOfPair(zc) * unscale;
-    // C of n-tile nt to scores: times its power of two (a constant: a factor kept per n-tile held
-    // four registers through the loop, which left the mma's B operands one register pair, each
-    // rewritten only once the mma before had read it), then unscale. Exact: the same bits.
+    // C of n-tile nt to scores: times its power of two (a constant) and unscale, as one factor
+    // MmaBitUnweight(nt) * unscale a block (exact: a power of two times unscale; the FFMA's exact
+    // product is the same real number, so the same bits). Computed in the loop by an opaque
+    // multiply: hoisted out of it, the four factors held four registers through the loop, which
+    // left the mma's B operands one register pair.
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < 4; ++nt) {
+      float u;
+      asm volatile("mul.rn.f32 %0, %1, %2;" : "=f"(u) : "f"(unscale), "f"(MmaBitUnweight(nt)));
 #pragma unroll
-      for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf((c[nt][j] + c[nt][j + 2]) * MmaBitUnweight(nt), unscale, zs);
+      for (int j = 0; j < 2; ++j) sc[nt][j] = fmaf(c[nt][j] + c[nt][j + 2], u, zs);
+    }
+    // The values' codes and scales from shared memory now, before the softmax, so that the loads'
+    // latency overlaps its vote and exponentials instead of standing before the values' first mma
+    // (the vote orders shared memory accesses: loads written after it stay after it).
+    uint32_t vw[W];
+    LaneWords<W>(vcodes, lane, vw);
+    uint32_t vs[2][2][NGV];  // [ks][kh][cg]: the scale pairs of the k-halves, per channel group
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) LaneWords<NGV>(vscale + (t * 4 + 2 * ks + kh) * NGV, 0, vs[ks][kh]);
     // Substituted tokens: out of this block's softmax (their rows are attended after the blocks).
-    const uint32_t sub_mask = subs.MaskBlock(r, b0, lane);
     if (sub_mask != 0) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
@@ -1043,6 +1062,39 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
         for (int j = 0; j < 2; ++j)
           if ((sub_mask >> (8 * nt + 2 * t + j)) & 1u) sc[nt][j] = -INFINITY;
     }
+    // ---- online softmax of query g (its 32 scores are in the quad).
+    float bm = fmaxf(fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1])),
+                     fmaxf(fmaxf(sc[2][0], sc[2][1]), fmaxf(sc[3][0], sc[3][1])));  // exact in any order
+    // Whether some query's max grows, voted on the lanes' own maxima (the quad's max exceeds m iff
+    // one of its lanes' does). p kLeanP (the values' B operands' scale, whose fp16 rounding it
+    // precedes) straight from the exponent, first against the running max m: when no max grew
+    // (after the first blocks, nearly always) the quad's max is <= m, the new max is m and these
+    // are the block's p, found without waiting for the vote or the quad's shuffles. Only when
+    // some max grew, the quad's max, the rescale and p again from the new max. l sums p and is
+    // divided by kLeanP at the end.
+    const bool grew = __any_sync(kAll, bm > m);
+    float p[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) p[nt][j] = ExpFrom(sc[nt][j], m_log2e);
+    if (grew) {
+      bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 1));
+      bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 2));
+      const float mn = fmaxf(m, bm);
+      RaiseRunningMax(m, mn, l, acc, zv, t, true);
+      m_log2e = mn == -INFINITY ? 0.0f : fmaf(mn, kLog2e, -kLeanPLog2);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) p[nt][j] = ExpFrom(sc[nt][j], m_log2e);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) l += p[nt][j];
+    // The raw scores for the top-k, stored after the softmax's vote and exponentials (which no
+    // longer wait behind the stores' branches).
     if (scores_pairs && b0 + 32 <= scores_end) {  // tokens 2t, 2t + 1 of each n-tile: adjacent
       float* const at = scores_out + b0 + 2 * t;
 #pragma unroll
@@ -1056,45 +1108,19 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
           if (tok < scores_end) StoreGlobalOutput(scores_out + tok, sc[nt][j]);
         }
     }
-    // ---- online softmax of query g (its 32 scores are in the quad).
-    float bm = fmaxf(fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1])),
-                     fmaxf(fmaxf(sc[2][0], sc[2][1]), fmaxf(sc[3][0], sc[3][1])));  // exact in any order
-    // Whether some query's max grows, voted on the lanes' own maxima before the quad's shuffles
-    // (the quad's max exceeds m iff one of its lanes' does): the vote's latency overlaps theirs.
-    const bool grew = __any_sync(kAll, bm > m);
-    bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 1));
-    bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, 2));
-    const float mn = fmaxf(m, bm);
-    RaiseRunningMax(m, mn, l, acc, zv, t, grew);  // after the first blocks, rarely
-    // p kLeanP (the values' B operands' scale, whose fp16 rounding it precedes) straight from the
-    // exponent; l sums it and is divided by kLeanP at the end.
-    const float mn_log2e = mn == -INFINITY ? 0.0f : fmaf(mn, kLog2e, -kLeanPLog2);
-    float p[4][2];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        p[nt][j] = ExpFrom(sc[nt][j], mn_log2e);
-        l += p[nt][j];
-      }
     // ---- values. pb[ks][kh]: p kLeanP of tokens 16 ks + 8 kh + 2t, +1 (S's n-tile 2 ks + kh), query g.
     uint32_t pb[2][2];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) pb[nt / 2][nt % 2] = HalfPairOf(p[nt][0], p[nt][1]);
-    uint32_t vw[W];
-    LaneWords<W>(vcodes, lane, vw);
     const uint4 vz = g < NGV ? reinterpret_cast<const uint4*>(vzero)[g * 4 + t] : make_uint4(0u, 0u, 0u, 0u);
     const uint32_t vzp[4] = {vz.x, vz.y, vz.z, vz.w};  // [2 ks + kh]
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
       Mma(zv, vzp[2 * ks], 0u, vzp[2 * ks + 1], 0u, pb[ks][0], pb[ks][1]);
-      uint32_t s0[NGV], s1[NGV];  // the scale pairs of the two k-halves, per channel group
-      LaneWords<NGV>(vscale + (t * 4 + 2 * ks) * NGV, 0, s0);
-      LaneWords<NGV>(vscale + (t * 4 + 2 * ks + 1) * NGV, 0, s1);
 #pragma unroll
       for (int cg = 0; cg < NGV; ++cg) {
-        const uint32_t b0 = Mul2(pb[ks][0], s0[cg]);
-        const uint32_t b1 = Mul2(pb[ks][1], s1[cg]);
+        const uint32_t b0 = Mul2(pb[ks][0], vs[ks][0][cg]);
+        const uint32_t b1 = Mul2(pb[ks][1], vs[ks][1][cg]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int mt = 2 * cg + h;
