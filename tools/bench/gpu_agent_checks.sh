@@ -157,7 +157,7 @@ if [ "$stage" = profile ]; then
   # One profiled step (PROFILE_TOKENS x PROFILE_BATCH, default 8192 x 32, PROFILE_KV the step's
   # --kv, default the bench's; PROFILE_FETCH=0 (default) leaves the fetch out): the GPU's kernels
   # and gaps (CUPTI; it slows the host's launches, so read which gaps, not their sum), then the
-  # main thread sampled every 25 us over that step in three runs (SPECACHE_SAMPLE_STOP=1).
+  # main thread sampled every 25 us over that step in PROFILE_RUNS runs, default 3 (SPECACHE_SAMPLE_STOP=1).
   step_args=(specache-bench step --tokens "${PROFILE_TOKENS:-8192}" --batches "${PROFILE_BATCH:-32}" --profile-step)
   [ -n "${PROFILE_KV:-}" ] && step_args+=(--kv "$PROFILE_KV")
   [ "${PROFILE_FETCH:-0}" = 1 ] || step_args+=(--profile-no-fetch)
@@ -166,7 +166,7 @@ if [ "$stage" = profile ]; then
     LD_PRELOAD="$PWD/$bundle/profile/libspecache_gpu_timeline.so" "$bundle/run" "${step_args[@]}"
   [ -s "$out/timeline.csv" ] && python3 tools/profile/gpu_timeline.py "$out/timeline.csv" > "$out/timeline_summary.txt" 2>&1
   head -3 "$out/timeline_summary.txt" 2>/dev/null
-  for i in 1 2 3; do
+  for i in $(seq "${PROFILE_RUNS:-3}"); do
     timed "samples_run_$i" 90 env SPECACHE_SAMPLE_OUT="$out/samples_$i.txt" SPECACHE_SAMPLE_US=25 SPECACHE_SAMPLE_STOP=1 \
       LD_PRELOAD="$PWD/$bundle/profile/libspecache_host_sampler.so" "$bundle/run" "${step_args[@]}"
   done
