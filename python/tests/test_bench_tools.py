@@ -1,6 +1,6 @@
-"""tools/bench/variant_means.py on hand-made `specache-bench attend` outputs: each variant's mean
-over its rounds, its change against the baseline, rows of other bit widths kept apart, a round a
-variant lacks counted, and no rows at all an error."""
+"""tools/bench/variant_means.py on hand-made `specache-bench attend` and `step` outputs: each
+variant's mean over its rounds, its change against the baseline, rows of other bit widths (or
+replicas) kept apart, a round a variant lacks counted, and no rows at all an error."""
 
 import pathlib
 import subprocess
@@ -53,3 +53,33 @@ def test_no_rows_is_an_error(tmp_path):
     result = run(tmp_path, check=False)
     assert result.returncode == 1
     assert "no variant_NAME_CONTEXT_ROUND.txt rows" in result.stderr
+
+
+def step_output(rows):
+    """specache-bench step's table: rows of (kv, batch, ms_layers, ms_no_fetch, ms_fetch), each with its worker line."""
+    lines = ["specache-bench: GPU present: a test\n", "== step: 32 layers, a test ==\n",
+             "kv                                   batch     ms_layers  ms_no_fetch     ms_fetch     ratio   MB_per_step"
+             "      reused GBps_to_hide  tok_per_s  ms_prefill\n"]
+    for kv, batch, layers, no_fetch, fetch in rows:
+        lines.append(f"{kv:<36} {batch:<8} {layers:>12.3f} {no_fetch:>12.3f} {fetch:>12.3f} {fetch / no_fetch:>9.3f}"
+                     f" {136.07:>13.2f} {0.05:>11.2f} {22.0:>12.1f} {2708:>10} {1006.3:>11.1f}\n")
+        lines.append(" " * 37 + "its worker, ms a step: list wait 4.816, buffer wait 0.086, gather 4.898 (~27.8 GB/s)\n")
+    return "".join(lines)
+
+
+def test_step_rounds_are_kept_apart_by_their_replica(tmp_path):
+    for rnd, (base, fast) in enumerate([(30.0, 28.0), (32.0, 29.0)], start=1):
+        (tmp_path / f"variant_v0_8192_{rnd}.txt").write_text(step_output(
+            [("specache-1bit-int8_copy-engine", 176, 8.0, base, base + 2.0), ("specache-1bit_copy-engine", 176, 8.0, 40.0, 50.0)]))
+        (tmp_path / f"variant_cache_x_8192_{rnd}.txt").write_text(step_output(
+            [("specache-1bit-int8_copy-engine", 176, 8.0, fast, fast + 2.0)]))
+    out = run(tmp_path).stdout.splitlines()
+    int8 = out.index("176 x 8192 (specache-1bit-int8_copy-engine), ms a step, mean of rounds, change against v0")
+    assert out[int8 + 1].split()[:9] == ["v0", "2", "rounds", "ms_layers", "8.0000", "(+0.0%)", "ms_no_fetch", "31.0000",
+                                         "(+0.0%)"]
+    fast = out[int8 + 2].split()
+    assert fast[:4] == ["cache_x", "2", "rounds", "ms_layers"]
+    assert fast[6:12] == ["ms_no_fetch", "28.5000", "(-8.1%)", "ms_fetch", "30.5000", "(-7.6%)"]
+    fp16 = out.index("176 x 8192 (specache-1bit_copy-engine), ms a step, mean of rounds, change against v0")
+    assert out[fp16 + 1].split()[6:8] == ["ms_no_fetch", "40.0000"]
+    assert fp16 == int8 + 3 and len(out) == fp16 + 2, out  # cache_x measured no fp16-row step

@@ -40,7 +40,10 @@
 #                                                      # .bundle/variants.tar.xz beside the bundle) alternated: one
 #                                                      # layer's attention and top-k (specache-bench attend) of each of
 #                                                      # VARIANTS (default: all packed) at 8K (VARIANT_BATCHES_8K, default
-#                                                      # 32,176) and 32K (VARIANT_BATCHES_32K, 46), ROUNDS (default 3)
+#                                                      # 32,176) and 32K (VARIANT_BATCHES_32K, 46; empty: the context
+#                                                      # left out), ROUNDS (default 3); VARIANT_SUITE=step times the
+#                                                      # 32-layer step instead (VARIANT_STEP_KV, default
+#                                                      # specache-1bit-int8; 150 s a run at most)
 #                                                      # rounds, then their means against BASELINE (default v0):
 #                                                      # tools/bench/variant_means.py (~1-2 s a run, 60 s at most);
 #                                                      # first each variant's own device tests where packed
@@ -58,7 +61,7 @@
 # tool 150, step 90, each share of the model 60: `run` stays under 9 minutes with the default
 # TOOLS; profile: 100 and 3 x 90 (at most ~6 minutes); int8: 4 x 90; stores: 200 and 4 x 80;
 # goals: a part starts only
-# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80; ahead: 4 x 80 and 2 x 100; topk: 2 x 80; variants: 60 a run; ncu: 240,
+# before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80; ahead: 4 x 80 and 2 x 100; topk: 2 x 80; variants: 60 a run (step: 150); ncu: 240,
 # 60 and 90. Each stage prints a line "stage: exit N, S s"; the script's exit status is the tests'
 # (a failing or missing GPU fails, SPECACHE_REQUIRE_GPU=1), for int8, stores, goals, selection,
 # ahead, topk, variants and ncu 1 when any of their runs failed.
@@ -263,6 +266,14 @@ if [ "$stage" = variants ]; then
     { echo "gpu_agent_checks: no .bundle/variants.tar.xz (tools/bench/kernel_variant.sh ... and pack, here)" >&2; exit 1; }
   tar -C .bundle -xJf .bundle/variants.tar.xz
   names=${VARIANTS:-$(cd "$bundle/bin" && ls specache-bench-* | sed 's/^specache-bench-//')}
+  # VARIANT_SUITE: attend (one layer's attention and top-k) or step (the 32-layer step with and
+  # without the fetch, VARIANT_STEP_KV's rows: for changes to the fetch or the caches' update).
+  suite=${VARIANT_SUITE:-attend}
+  case "$suite" in
+    attend) suite_args=(attend --random-rows --free-slots 32); run_limit=60 ;;
+    step) suite_args=(step --kv "${VARIANT_STEP_KV:-specache-1bit-int8}"); run_limit=150 ;;
+    *) echo "gpu_agent_checks: VARIANT_SUITE is attend or step" >&2; exit 2 ;;
+  esac
   # Each variant's kernel tests first, where it was packed with its device tests (kernel_variant.sh):
   # a variant that fails them is still timed, and the stage fails.
   for v in $names; do
@@ -273,10 +284,11 @@ if [ "$stage" = variants ]; then
   done
   for round in $(seq "${ROUNDS:-3}"); do
     for context in 8192 32768; do
-      batches=${VARIANT_BATCHES_8K:-32,176}
-      [ "$context" = 32768 ] && batches=${VARIANT_BATCHES_32K:-46}
+      batches=${VARIANT_BATCHES_8K-32,176}
+      [ "$context" = 32768 ] && batches=${VARIANT_BATCHES_32K-46}
+      [ -z "$batches" ] && continue  # a context left out
       for v in $names; do
-        timed "variant_${v}_${context}_$round" 60 "$bundle/run" "specache-bench-$v" attend --random-rows --free-slots 32 \
+        timed "variant_${v}_${context}_$round" "$run_limit" "$bundle/run" "specache-bench-$v" "${suite_args[@]}" \
           --tokens "$context" --batches "$batches" || bench_rc=1
       done
     done
