@@ -10,8 +10,9 @@
 # attention's and the top-k's tests of each variant before timing them.
 #
 #   tools/bench/kernel_variant.sh NAME [PATCH]   # build variant NAME; without PATCH, the two kernels'
-#                                                # files (lowbit_decode.cu, topk.cu) unchanged, compiled
-#                                                # the same way: a baseline (call it v0)
+#                                                # files (lowbit_decode.cu, topk.cu; or BASE_FILES, e.g.
+#                                                # gpu_agent/src/cuda/fetch.cu for a patch of that file)
+#                                                # unchanged, compiled the same way: a baseline (call it v0)
 #   tools/bench/kernel_variant.sh pack           # .bundle/variants.tar.xz of every variant built
 #
 # Every variant, a baseline included, compiles its files for sm_90 alone (the devices that run
@@ -63,7 +64,7 @@ if [ -n "$patch_arg" ]; then
   mapfile -t files < <(cut -f3 "$work/numstat")
   [ "${#files[@]}" -gt 0 ] || { echo "kernel_variant.sh: the patch changes no file" >&2; exit 2; }
 else
-  files=(gpu_agent/src/cuda/lowbit_decode.cu gpu_agent/src/cuda/topk.cu)
+  read -r -a files <<< "${BASE_FILES:-gpu_agent/src/cuda/lowbit_decode.cu gpu_agent/src/cuda/topk.cu}"
 fi
 for f in "${files[@]}"; do
   [[ $f =~ ^gpu_agent/src/.*\.(cu|cc)$ ]] || { echo "kernel_variant.sh: $f is not a source of the agent library" >&2; exit 2; }
