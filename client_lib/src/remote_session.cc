@@ -69,8 +69,12 @@ struct RemoteSession::Impl {
     return it->second;
   }
 
-  static remote::RowsRequest Header(uint64_t sequence, uint32_t layer, uint32_t kv_head, uint32_t n) {
+  // A request's header, with the session's id and token as its hello had them (the daemon serves
+  // no request without them).
+  remote::RowsRequest Header(uint64_t sequence, uint32_t layer, uint32_t kv_head, uint32_t n) const {
     remote::RowsRequest r;
+    r.session_id = calls.id();
+    std::memcpy(r.token.data(), calls.token().data(), r.token.size());  // its size checked at OpenSession
     r.sequence = sequence;
     r.layer = layer;
     r.kv_head = kv_head;
@@ -244,7 +248,7 @@ Status RemoteSession::WriteRows(uint64_t sequence, uint32_t layer, uint32_t kv_h
     return Status::InvalidArgument("a write of " + std::to_string(bytes / row_bytes) + " rows: at most " +
                                    std::to_string(remote::kMaxRowsPerRequest) + " in one request");
   }
-  remote::RowsRequest h = Impl::Header(sequence, layer, kv_head, static_cast<uint32_t>(bytes / row_bytes));
+  remote::RowsRequest h = impl_->Header(sequence, layer, kv_head, static_cast<uint32_t>(bytes / row_bytes));
   h.first_token = first_token;
   ++impl_->requests;
   impl_->rows_written += bytes / row_bytes;

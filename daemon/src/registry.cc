@@ -17,12 +17,6 @@ namespace {
 
 constexpr auto kExitGrace = std::chrono::milliseconds(200);  // wait for a dying peer to be gone
 
-bool SameToken(const Token& a, const Token& b) {
-  uint8_t diff = 0;  // constant time
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
-}
-
 int OpenPidfd(int32_t pid) {
 #ifdef SYS_pidfd_open
   return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));

@@ -35,6 +35,13 @@ namespace specache::daemon {
 
 using Token = std::array<uint8_t, attach::kTokenBytes>;
 
+// Whether two tokens are equal, in time that does not depend on where they differ.
+inline bool SameToken(const Token& a, const Token& b) {
+  uint8_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
 struct PeerCredentials {
   int32_t pid = 0;
   uint32_t uid = 0;

@@ -110,6 +110,7 @@ struct UcxServer::Impl {
   uint64_t total_held = 0;  // bytes_held of every connection (at most options.max_held_bytes)
   uint64_t misbehaving = 0;
   uint64_t dropped_unanswerable = 0;  // messages with no endpoint to answer on (logged 1st, 2nd, 4th...)
+  uint64_t dropped_unauthentic = 0;  // messages naming a session's endpoint without its id and token (likewise)
   // A connection's most queued requests and replies in flight: past either it is closed.
   static constexpr uint32_t kMostQueued = 1024;
   // The largest message header taken (and copied): every header of the protocol is a small
@@ -246,6 +247,28 @@ struct UcxServer::Impl {
     it->second.failed = true;
   }
 
+  // Whether a message to endpoint c, which said its hello, carries that hello's session id and
+  // token (a hello's or a rows request's header of the exact size; any other message: no).
+  static bool Authentic(const Connection& c, uint16_t id, const void* header, size_t header_length) {
+    uint64_t session = 0;
+    Token token{};
+    if (id == remote::kHello && header_length == sizeof(remote::Hello)) {
+      remote::Hello h;
+      std::memcpy(&h, header, sizeof h);
+      session = h.session_id;
+      std::memcpy(token.data(), h.token.data(), token.size());
+    } else if ((id == remote::kGather || id == remote::kWrite || id == remote::kPages) &&
+               header_length == sizeof(remote::RowsRequest)) {
+      remote::RowsRequest r;
+      std::memcpy(&r, header, sizeof r);
+      session = r.session_id;
+      std::memcpy(token.data(), r.token.data(), token.size());
+    } else {
+      return false;
+    }
+    return session == c.session && SameToken(token, c.token);
+  }
+
   static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                 const ucp_am_recv_param_t* param) {
     auto* a = static_cast<HandlerArg*>(arg);
@@ -263,6 +286,19 @@ struct UcxServer::Impl {
     Connection& c = self->connections.at(param->reply_ep);
     if (!c.misbehaved.empty()) {  // being closed: nothing more is taken from it
       ++self->dropped;
+      return UCS_OK;
+    }
+    if (c.session != 0 && !Authentic(c, a->id, header, header_length)) {
+      // UCX names the endpoint from an id the sender wrote: this message may be another peer's.
+      // It changes nothing of the endpoint it names (no refusal, no close): counted, and logged at
+      // the 1st, 2nd, 4th...
+      const uint64_t n = ++self->dropped_unauthentic;
+      ++self->dropped;
+      if (LoggedOccurrence(n)) {
+        spdlog::warn("remote data plane: message {} naming the endpoint of session {} without that session's id and "
+                     "token dropped ({} such so far)",
+                     a->id, c.session, n);
+      }
       return UCS_OK;
     }
     if (header_length > kMostHeaderBytes) {  // every header is a small fixed struct: not copied

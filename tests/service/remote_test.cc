@@ -359,20 +359,31 @@ TEST_F(RemoteTest, WrongSecretAndOtherTenantAreRefusedBeforeAnythingIsReserved) 
   EXPECT_EQ(stats->reserved_bytes, 0u) << "a refused OpenSession reserved memory";
 }
 
-// A raw data-plane endpoint, as a hostile client would use it.
+// A raw data-plane endpoint, as a hostile client would use it. Its requests carry the session id
+// and token of its last hello (none before one).
 struct RawEndpoint {
   std::unique_ptr<client::UcxEndpoint> ep;
-  Status Hello(uint64_t session, const std::string& token) {
+  uint64_t session = 0;
+  std::array<uint8_t, attach::kTokenBytes> token{};
+  Status Hello(uint64_t id, const std::string& hello_token) {
     remote::Hello h;
-    h.session_id = session;
-    std::memcpy(h.token.data(), token.data(), std::min(token.size(), h.token.size()));
+    h.session_id = id;
+    std::memcpy(h.token.data(), hello_token.data(), std::min(hello_token.size(), h.token.size()));
+    session = h.session_id;
+    token = h.token;
     return ep->Call(remote::kHello, &h, sizeof h, nullptr, 0, nullptr, 1 << 20,
                     std::chrono::steady_clock::now() + std::chrono::seconds(3));
   }
-  Status Gather(uint64_t sequence, std::vector<int32_t> tokens) {
+  remote::RowsRequest Request(uint64_t sequence, uint32_t n) const {
     remote::RowsRequest r;
+    r.session_id = session;
+    r.token = token;
     r.sequence = sequence;
-    r.n = static_cast<uint32_t>(tokens.size());
+    r.n = n;
+    return r;
+  }
+  Status Gather(uint64_t sequence, std::vector<int32_t> tokens) {
+    remote::RowsRequest r = Request(sequence, static_cast<uint32_t>(tokens.size()));
     std::vector<uint8_t> out;
     return ep->Call(remote::kGather, &r, sizeof r, tokens.data(), tokens.size() * 4, &out, tokens.size() * kRow,
                     std::chrono::steady_clock::now() + std::chrono::seconds(3));
@@ -619,9 +630,7 @@ TEST_F(RemoteTest, OversizedAndMismatchedPayloadsAreRefusedToTheirRequest) {
   ASSERT_TRUE(mine.Hello(raw.id, raw.token).ok()) << daemon_->Log();
   const uint64_t sequence = raw.Sequence(32);  // once attached
   auto write = [&](uint32_t n, size_t bytes) {
-    remote::RowsRequest r;
-    r.sequence = sequence;
-    r.n = n;
+    remote::RowsRequest r = mine.Request(sequence, n);
     std::vector<uint8_t> rows(bytes, 0x5a);
     return mine.ep->Call(remote::kWrite, &r, sizeof r, rows.data(), rows.size(), nullptr, 0,
                          std::chrono::steady_clock::now() + std::chrono::seconds(3));
@@ -953,6 +962,143 @@ TEST_F(RemoteTest, KilledDaemonGivesAnErrorWithinTheDeadlineAndANewSessionWorksA
   ASSERT_TRUE(again.session->ReadRows(again.sequence, 1, 1, tokens, out.data()).ok());
   ExpectRows(tokens, out, 1, 1);
 }
+
+
+// A request on a session's own endpoint that carries another session's id (or a wrong token) is
+// dropped, counted and logged: never served, never answered, and the endpoint keeps serving its
+// own requests (a message without the right credentials changes nothing of the endpoint it names).
+TEST_F(RemoteTest, RequestsWithoutTheirEndpointsSessionAndTokenAreDroppedNotServed) {
+  StartDaemon(false, false);
+  Fixture a = Open("a", FetchMethod::kServerGather, 32);  // the victim: rows hold (l*31+h*7+t)
+  ASSERT_TRUE(a.session);
+  RawSession mine = OpenRawSession(*pki_, control_port_, "b", "tenant-b-secret-9876543210");
+  ASSERT_NE(mine.id, 0u);
+  auto raw = client::UcxEndpoint::Connect("127.0.0.1:" + std::to_string(data_port_), false);
+  ASSERT_TRUE(raw.ok());
+  RawEndpoint b{std::move(*raw)};
+  ASSERT_TRUE(b.Hello(mine.id, mine.token).ok()) << daemon_->Log();
+  const uint64_t own = mine.Sequence(32);
+  std::vector<uint8_t> row(kRow, 0xEE);
+  auto start_write = [&](remote::RowsRequest r) {
+    r.first_token = 5;
+    return b.ep->Start(remote::kWrite, &r, sizeof r, row.data(), row.size(), nullptr, 0);
+  };
+  remote::RowsRequest as_a = b.Request(a.sequence, 1);
+  as_a.session_id = a.session->id();  // a's session, b's token
+  auto forged = start_write(as_a);
+  ASSERT_TRUE(forged.ok()) << forged.status().ToString();
+  remote::RowsRequest wrong_token = b.Request(own, 1);
+  wrong_token.token[0] ^= 1;
+  auto unproven = start_write(wrong_token);
+  ASSERT_TRUE(unproven.ok()) << unproven.status().ToString();
+  // b's own request after them is served: its endpoint was neither refused nor closed for them.
+  auto mine_write = start_write(b.Request(own, 1));
+  ASSERT_TRUE(mine_write.ok()) << mine_write.status().ToString();
+  Status served = b.ep->Wait(*mine_write, std::chrono::steady_clock::now() + std::chrono::seconds(3));
+  EXPECT_TRUE(served.ok()) << served.ToString() << "\n" << daemon_->Log();
+  // a's row 5 is still a's.
+  std::vector<int32_t> tokens = {5};
+  std::vector<uint8_t> out(kRow);
+  ASSERT_TRUE(a.session->ReadRows(a.sequence, 0, 0, tokens, out.data()).ok());
+  ExpectRows(tokens, out, 0, 0);
+  // The two were never answered (the client gives up at the deadline and closes its endpoint).
+  Status never = b.ep->Wait(*forged, std::chrono::steady_clock::now() + std::chrono::milliseconds(300));
+  EXPECT_EQ(never.code(), StatusCode::kDeadlineExceeded) << "answered: " << never.ToString();
+  EXPECT_NE(daemon_->Log().find("without that session's id and token dropped (2 such so far)"), std::string::npos)
+      << daemon_->Log();
+}
+
+// UCX tells the daemon which endpoint a message came from by an endpoint id the *sender* writes
+// into each active message's footer (ucp_am_handler_reply: UCP_WORKER_GET_VALID_EP_BY_ID(...,
+// ftr->ep_id, ...)); with UCP_ERR_HANDLING_MODE_PEER those ids are sequential (3, 5, 7, ...). A
+// peer that reaches the data port, with no secret, no session and no hello, sends a kWrite whose
+// footer names tenant a's endpoint, without a's session id and token: the daemon must drop it
+// (before it checked requests only against the endpoint they named, and wrote the row).
+// The footer is rewritten here by patching this process's own ucp_ep (UCX 1.13.1 layout:
+// ucp_ep_ext_gen_t at ep + 128 KiB, its control_ext pointer at +48, remote_ep_id at +16 of that),
+// which is what a hostile peer's modified libucp would send anyway.
+TEST_F(RemoteTest, AForgedEndpointIdCannotWriteIntoAnotherTenantsSession) {
+  StartDaemon(false, false);
+  Fixture a = Open("a", FetchMethod::kServerGather, 32);  // the victim: rows hold (l*31+h*7+t)
+  ASSERT_TRUE(a.session);
+
+  ucp_config_t* config = nullptr;
+  ASSERT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
+  ucp_params_t p{};
+  p.field_mask = UCP_PARAM_FIELD_FEATURES;
+  p.features = UCP_FEATURE_AM;
+  ucp_context_h context = nullptr;
+  ASSERT_EQ(ucp_init(&p, config, &context), UCS_OK);
+  ucp_config_release(config);
+  ucp_worker_params_t wp{};
+  ucp_worker_h worker = nullptr;
+  ASSERT_EQ(ucp_worker_create(context, &wp, &worker), UCS_OK);
+  auto addr = remote::ResolveAddress("127.0.0.1:" + std::to_string(data_port_));
+  ASSERT_TRUE(addr.ok());
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
+  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  ep.sockaddr.addr = addr->get();
+  ep.sockaddr.addrlen = addr->length;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ucp_ep_h attacker = nullptr;
+  ASSERT_EQ(ucp_ep_create(worker, &ep, &attacker), UCS_OK);
+  auto* ext_gen = reinterpret_cast<uint8_t*>(attacker) + 128 * 1024;
+  uint8_t* control_ext = nullptr;
+  std::memcpy(&control_ext, ext_gen + 48, sizeof control_ext);
+  ASSERT_NE(control_ext, nullptr);
+  auto* remote_id = reinterpret_cast<uint64_t*>(control_ext + 16);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (*remote_id == 0 && std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
+  const auto wired = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);  // the wireup's last messages
+  while (std::chrono::steady_clock::now() < wired) ucp_worker_progress(worker);
+  const uint64_t own = *remote_id;
+  ASSERT_TRUE(own != 0 && (own & 1) && own < (1u << 20)) << "not UCX 1.13's layout: remote id " << own;
+
+  // One forged one-row write per endpoint id the daemon gave out before ours.
+  remote::RowsRequest r;
+  r.n = 1;
+  r.request_id = 777;
+  r.sequence = a.sequence;
+  r.layer = 0;
+  r.kv_head = 0;
+  r.first_token = 5;
+  std::vector<uint8_t> row(kRow, 0xEE);
+  for (uint64_t victim = 3; victim < own; victim += 2) {
+    *remote_id = victim;
+    ucp_request_param_t send{};
+    send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    send.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t st = ucp_am_send_nbx(attacker, remote::kWrite, &r, sizeof r, row.data(), row.size(), &send);
+    EXPECT_EQ(st, nullptr) << "sent at once, its footer packed with the forged id";
+    *remote_id = own;
+    while (UCS_PTR_IS_PTR(st) && ucp_request_check_status(st) == UCS_INPROGRESS) ucp_worker_progress(worker);
+    if (UCS_PTR_IS_PTR(st)) ucp_request_free(st);
+  }
+  const auto settle = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+  while (std::chrono::steady_clock::now() < settle) ucp_worker_progress(worker);
+
+  // Tenant a reads its own row 5 of layer 0, head 0: it must still be what a wrote.
+  std::vector<int32_t> tokens = {5};
+  std::vector<uint8_t> out(kRow);
+  Status read = a.session->ReadRows(a.sequence, 0, 0, tokens, out.data());
+  ASSERT_TRUE(read.ok()) << read.ToString();
+  EXPECT_EQ(out[0], 5) << "tenant a's row 5 was overwritten by a peer with no credentials (0xEE = the forged write)\n"
+                       << daemon_->Log();
+  EXPECT_NE(daemon_->Log().find("without that session's id and token dropped"), std::string::npos) << daemon_->Log();
+
+  ucp_request_param_t close{};
+  close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t st = ucp_ep_close_nbx(attacker, &close);
+  while (UCS_PTR_IS_PTR(st) && ucp_request_check_status(st) == UCS_INPROGRESS) ucp_worker_progress(worker);
+  if (UCS_PTR_IS_PTR(st)) ucp_request_free(st);
+  ucp_worker_destroy(worker);
+  ucp_cleanup(context);
+}
+
 
 }  // namespace
 }  // namespace specache

@@ -9,8 +9,12 @@
 //   kPages   Pages                -                     Reply, payload: shm::PageRef[pages]
 //
 // The first message on an endpoint must be kHello (the session id and token OpenSession gave);
-// it takes the session's lease, and the session ends when the endpoint closes. Every request
-// carries a request id the reply echoes; a reply with a non-zero code carries the error text as
+// it takes the session's lease, and the session ends when the endpoint closes. Every later
+// request carries the same session id and token: UCX tells the daemon which endpoint a message
+// came from by an endpoint id its sender writes into the message, so a peer can name another's
+// endpoint, and the daemon serves only a request whose session and token are those its
+// endpoint's hello bound (others are dropped, counted and logged, and change nothing). Every
+// request carries a request id the reply echoes; a reply with a non-zero code carries the error text as
 // its payload. Headers are fixed-size plain structs; both sides parse the other's bytes with
 // Parse*, which reject anything malformed.
 #pragma once
@@ -47,7 +51,7 @@ inline void DropTrailingSpace(std::string* secret) {
 }
 
 inline constexpr uint32_t kMagic = 0x55435053;  // "SPCU"
-inline constexpr uint16_t kVersion = 1;
+inline constexpr uint16_t kVersion = 2;  // 2: session id and token in every RowsRequest
 
 // AM ids (ucp_worker_set_am_recv_handler).
 enum AmId : uint16_t { kHello = 1, kGather = 2, kWrite = 3, kPages = 4, kReply = 10 };
@@ -68,7 +72,7 @@ struct Hello {
 static_assert(sizeof(Hello) == 32);
 
 // Rows of one (sequence, layer, KV head). In kGather the payload lists n tokens (int32, any
-// order); in kWrite it holds n rows from first_token on.
+// order); in kWrite it holds n rows from first_token on. session_id and token: the hello's.
 struct RowsRequest {
   uint32_t magic = kMagic;
   uint32_t n = 0;
@@ -78,8 +82,10 @@ struct RowsRequest {
   uint32_t kv_head = 0;
   uint32_t first_token = 0;  // kWrite only
   uint32_t reserved = 0;
+  uint64_t session_id = 0;
+  std::array<uint8_t, attach::kTokenBytes> token{};
 };
-static_assert(sizeof(RowsRequest) == 40);
+static_assert(sizeof(RowsRequest) == 64);
 
 struct Reply {
   uint32_t magic = kMagic;
