@@ -175,6 +175,7 @@ Result<DaemonStats> Client::Stats() {
   s.spill_seconds = r.spill_seconds();
   s.restore_seconds = r.restore_seconds();
   s.checksum_failures = r.checksum_failures();
+  s.spill_read_errors = r.spill_read_errors();
   s.spill_write_errors = r.spill_write_errors();
   s.kept_dropped = r.kept_dropped();
   s.kept_evicted = r.kept_evicted();

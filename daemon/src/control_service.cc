@@ -158,6 +158,7 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   resp->set_spill_seconds(s.kept.spill.spill_seconds);
   resp->set_restore_seconds(s.kept.spill.restore_seconds);
   resp->set_checksum_failures(s.kept.spill.checksum_failures);
+  resp->set_spill_read_errors(s.kept.spill.read_errors);
   resp->set_spill_write_errors(s.kept.spill.write_errors);
   resp->set_kept_dropped(s.kept.dropped);
   resp->set_kept_evicted(s.kept.evicted);

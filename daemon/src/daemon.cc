@@ -390,15 +390,20 @@ void Daemon::Stop() {
   d->remote_view.store(nullptr);
   d->remote.reset();
   // Sessions end with the daemon: their kept sequences are parked, then everything parked is
-  // spilled (it would die with the process).
+  // spilled; what is still in RAM only dies with the process, each sequence named and counted.
   if (d->registry) d->registry->ParkKeptSequences();
   if (d->kept && d->kept->has_spill_tier()) {
     auto spilled = d->kept->SpillAll();
     if (spilled.ok()) {
       if (*spilled > 0) spdlog::info("stop: {} parked sequences spilled", *spilled);
     } else {
-      // Each sequence that could not be spilled was logged by name; they die with the process.
-      spdlog::error("stop: parked sequences lost with the process: {}", spilled.status().ToString());
+      spdlog::error("stop: spilling the parked sequences: {}", spilled.status().ToString());
+    }
+  }
+  if (d->kept) {
+    if (const uint32_t lost = d->kept->DropRamOnly(); lost > 0) {
+      spdlog::error("stop: {} parked sequences lost with the process ({} kept sequences lost in all)", lost,
+                    d->kept->stats().dropped);
     }
   }
   d->attach_lock.reset();

@@ -366,6 +366,24 @@ void KeptSequences::EnforceWatermarks() {
   EnforceLocked();
 }
 
+uint32_t KeptSequences::DropRamOnly() {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint32_t dropped = 0;
+  for (auto it = kept_.begin(); it != kept_.end();) {
+    const auto& [id, k] = *it;
+    if (k.state != KeptState::kParked || k.on_disk) {
+      ++it;
+      continue;
+    }
+    spdlog::error("stop: sequence {} of tenant {} ({} bytes) was parked in RAM only: lost with the process", id,
+                  k.tenant, k.bytes());
+    ++dropped_;
+    ++dropped;
+    it = kept_.erase(it);
+  }
+  return dropped;
+}
+
 void KeptSequences::EnforceLocked() {
   if (!store_) return;
   const auto high = static_cast<uint64_t>(options_.high_watermark * static_cast<double>(options_.park_bytes));

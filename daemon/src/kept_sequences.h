@@ -11,10 +11,11 @@
 // Limits: parked RAM never exceeds park_bytes. A sequence that does not fit is spilled straight
 // from its session's pages, or, when the spill tier is failing (or absent), refused: KeepSequence
 // says so up front, and a sequence that still cannot be parked when its session ends is logged
-// and counted as lost. Failed spills back off exponentially (min_backoff doubling up to
-// max_backoff) instead of being retried on every watermark check; a spill that succeeds ends the
-// backoff. With write_through, a parked sequence is also written to the spill tier as it is
-// parked, so it survives a SIGKILL of the daemon.
+// and counted as lost; so is each parked sequence still in RAM only when the daemon stops. Failed
+// spills back off exponentially (min_backoff doubling up to max_backoff) instead of being retried
+// on every watermark check; a spill that succeeds ends the backoff. With write_through, a parked
+// sequence is also written to the spill tier as it is parked, so it survives a SIGKILL of the
+// daemon.
 //
 // Thread safety: every method may be called from any thread; disk I/O happens under this
 // object's own lock, never the registry's. Verify holds no lock (the store is thread-safe).
@@ -136,6 +137,10 @@ class KeptSequences {
   uint64_t max_id() const;
   // Spills least recently parked sequences while parked bytes exceed the high watermark.
   void EnforceWatermarks();
+  // At the daemon's stop, after its last spill (SpillAll): forgets every parked sequence that has
+  // no disk copy, as the process's end would, each logged by name and counted as dropped. Returns
+  // how many.
+  uint32_t DropRamOnly();
 
  private:
   Result<Kept*> FindLocked(uint64_t id);

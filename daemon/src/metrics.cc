@@ -30,7 +30,7 @@ Result<std::unique_ptr<Metrics>> Metrics::Start(const std::string& address) {
   m->impl_->counts = &prometheus::BuildGauge().Name("specache_objects").Help("Sessions, sequences, pages, requests, errors, refusals, attach connections, accept errors").Register(*m->impl_->registry);
   m->impl_->tenant_bytes = &prometheus::BuildGauge().Name("specache_tenant_bytes").Help("Memory per tenant").Register(*m->impl_->registry);
   m->impl_->kept_bytes = &prometheus::BuildGauge().Name("specache_kept_bytes").Help("Kept sequences: parked in RAM, spilled to disk only, in the spill store").Register(*m->impl_->registry);
-  m->impl_->spill = &prometheus::BuildGauge().Name("specache_spill").Help("Spill tier: spills, restores, bytes, seconds, checksum failures, write errors, failed spills and the backoff, unreadable records, damaged sequences, kept sequences lost").Register(*m->impl_->registry);
+  m->impl_->spill = &prometheus::BuildGauge().Name("specache_spill").Help("Spill tier: spills, restores, bytes, seconds, checksum failures, read errors, write errors, failed spills and the backoff, unreadable records, damaged sequences, kept sequences lost").Register(*m->impl_->registry);
   m->impl_->exposer->RegisterCollectable(m->impl_->registry);
   return m;
 }
@@ -69,6 +69,7 @@ void Metrics::Update(const RegistryStats& s, const ServiceCounts& n) {
       {"spill_seconds_total", sp.spill_seconds},
       {"restore_seconds_total", sp.restore_seconds},
       {"checksum_failures", static_cast<double>(sp.checksum_failures)},
+      {"read_errors", static_cast<double>(sp.read_errors)},
       {"write_errors", static_cast<double>(sp.write_errors)},
       {"spill_failures", static_cast<double>(s.kept.spill_failures)},
       {"spill_backoff_ms", static_cast<double>(s.kept.spill_backoff_ms)},

@@ -60,7 +60,8 @@ nb::dict StatsDict(const client::DaemonStats& s) {
   SPECACHE_FIELD(spilled_bytes); SPECACHE_FIELD(spill_disk_bytes); SPECACHE_FIELD(parked_sequences);
   SPECACHE_FIELD(spilled_sequences); SPECACHE_FIELD(spill_tier); SPECACHE_FIELD(spills); SPECACHE_FIELD(restores);
   SPECACHE_FIELD(spill_bytes_total); SPECACHE_FIELD(restore_bytes_total); SPECACHE_FIELD(spill_seconds);
-  SPECACHE_FIELD(restore_seconds); SPECACHE_FIELD(checksum_failures); SPECACHE_FIELD(spill_write_errors);
+  SPECACHE_FIELD(restore_seconds); SPECACHE_FIELD(checksum_failures); SPECACHE_FIELD(spill_read_errors);
+  SPECACHE_FIELD(spill_write_errors);
   SPECACHE_FIELD(kept_dropped); SPECACHE_FIELD(attach_connections); SPECACHE_FIELD(refused_connections);
   SPECACHE_FIELD(accept_errors); SPECACHE_FIELD(denied_requests); SPECACHE_FIELD(chunks_out_of_service);
   SPECACHE_FIELD(spill_failures); SPECACHE_FIELD(spill_backoff_ms); SPECACHE_FIELD(spill_unreadable_records);

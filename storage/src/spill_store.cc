@@ -170,6 +170,14 @@ std::string CheckPage(std::string_view value, uint64_t page_bytes) {
   return "";
 }
 
+// Reads that check what they read (RocksDB's block checksums too) and leave no copy behind.
+rocksdb::ReadOptions CheckedReads() {
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  ro.fill_cache = false;
+  return ro;
+}
+
 // RocksDB's own LOG file would live on the spill disk, and once that disk is full, writing it
 // fails in ways this RocksDB build asserts on. Every error we act on comes back as a Status, so
 // its diagnostics log is not kept.
@@ -269,7 +277,8 @@ Result<std::unique_ptr<SpillStore>> SpillStore::Open(const SpillOptions& options
   if (options.dir.empty()) return Status::InvalidArgument("spill directory is empty");
   SPECACHE_RETURN_IF_ERROR(MakePrivateDirectory(options.dir, "spill directory"));
   std::unique_ptr<SpillStore> store(new SpillStore(options));
-  store->env_ = rocksdb::NewCompositeEnv(std::make_shared<PrivateFileSystem>(rocksdb::FileSystem::Default()));
+  store->env_ = rocksdb::NewCompositeEnv(
+      std::make_shared<PrivateFileSystem>(options.file_system ? options.file_system : rocksdb::FileSystem::Default()));
   SPECACHE_RETURN_IF_ERROR(store->OpenDb(/*after_write_error=*/false));
   return store;
 }
@@ -437,18 +446,17 @@ void SpillStore::AppendCatalog(const char* op, const std::string& tenant, uint64
   }
 }
 
-void SpillStore::AddProblem(std::string what) {
+bool SpillStore::AddProblem(std::string what) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (std::find(unreadable_.begin(), unreadable_.end(), what) != unreadable_.end()) return;  // a reopen finds it again
+  // A reopen (or another Verify) finds it again.
+  if (std::find(unreadable_.begin(), unreadable_.end(), what) != unreadable_.end()) return false;
   ++unreadable_records_;
   unreadable_.push_back(std::move(what));
+  return true;
 }
 
 Status SpillStore::Load(bool wal_salvaged) {
-  rocksdb::ReadOptions ro;
-  ro.verify_checksums = true;
-  ro.fill_cache = false;
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro));
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(CheckedReads()));
   // Every scan ends either at the end of its records or at a read error, which is reported and
   // makes the index incomplete: nothing is deleted then.
   bool complete = true;
@@ -576,7 +584,8 @@ Status SpillStore::RecoverWrites() {
   // After a failed write RocksDB refuses writes until resumed, and in this RocksDB build a
   // resumed DB aborts the process on its next WAL append (an assertion on the failed file
   // writer). Reopening the DB gives it a fresh WAL; Load then drops the failed spill's records
-  // (an intent without metadata) and rebuilds the index. Nobody else uses the DB meanwhile.
+  // (an intent without metadata) and rebuilds the index. Nobody else uses the DB meanwhile; a
+  // Verify under way lets go of it between reads, and goes on with the reopened one.
   std::unique_lock<std::shared_mutex> lock(db_mu_);
   if (!write_failed_.load()) return Status::Ok();
   if (db_) db_->Close();
@@ -690,13 +699,13 @@ Status SpillStore::ReadLayers(const SpilledSequence& meta, uint32_t first_layer,
   for (uint32_t l = first_layer; l < end_layer; ++l) {
     for (uint32_t p = 0; p < meta.pages_per_layer; ++p, it->Next()) {  // keys sort by (layer, page)
       if (!it->Valid() || it->key() != rocksdb::Slice(PageKey(meta.tenant, meta.id, l, p))) {
-        ++checksum_failures_;
+        CountBadPage(it->status());
         if (!it->status().ok()) return FromRocks(it->status(), "restore: reading " + PageName(meta, l, p));
         return Status::DataLoss("restore: page " + PageName(meta, l, p) + " is missing from the spill store");
       }
       const std::string why = CheckPage(std::string_view(it->value().data(), it->value().size()), page_bytes);
       if (!why.empty()) {
-        ++checksum_failures_;
+        CountBadPage(rocksdb::Status::OK());
         return Status::DataLoss("restore: page " + PageName(meta, l, p) + ": " + why);
       }
       uint8_t* dst = out(l, p);
@@ -785,54 +794,78 @@ uint64_t SpillStore::max_id() const {
   return id;
 }
 
+void SpillStore::CountBadPage(const rocksdb::Status& read) {
+  // A page RocksDB finds corrupted (its block checksum) is a checksum failure as much as one whose
+  // own xxh64 does not match; any other error (I/O) says nothing about the bytes on disk.
+  const bool read_failed = !read.ok() && !read.IsNotFound() && !read.IsCorruption();
+  ++(read_failed ? read_errors_ : checksum_failures_);
+}
+
 SpillVerifyReport SpillStore::Verify() {
   SpillVerifyReport r;
-  std::shared_lock<std::shared_mutex> db_lock(db_mu_);
-  if (!db_) {
+  if (!VerifyMetadata(&r)) {
     r.bad.push_back("spill store: closed after a write error, nothing could be read");
     return r;
   }
+  for (const SpilledSequence& m : List()) {
+    ++r.sequences;
+    if (!VerifyPages(m, &r)) {
+      r.bad.push_back("spill store: closed after a write error during the check: " + m.tenant + "/" +
+                      std::to_string(m.id) + " and the sequences after it were not checked");
+      break;
+    }
+  }
+  for (const std::string& p : problems()) r.bad.push_back(p);
+  return r;
+}
+
+bool SpillStore::VerifyMetadata(SpillVerifyReport* r) {
+  std::shared_lock<std::shared_mutex> db_lock(db_mu_);
+  if (!db_) return false;
   // Pages spilled since the last flush are only in the memtable (and the WAL): flushed first,
-  // every page below is read from an SST file, and with no block cache, from the file itself.
+  // every page is then read from an SST file, and with no block cache, from the file itself.
   rocksdb::FlushOptions flush;
   flush.wait = true;
   if (const rocksdb::Status s = db_->Flush(flush); !s.ok()) {
-    r.bad.push_back("spill store: flushing before the check failed, recent pages were checked in memory: " +
-                    s.ToString());
+    r->bad.push_back("spill store: flushing before the check failed, recent pages were checked in memory: " +
+                     s.ToString());
   }
-  rocksdb::ReadOptions ro;
-  ro.verify_checksums = true;  // RocksDB's block checksums, and each page's xxh64 below
-  ro.fill_cache = false;
-  {  // the metadata records as they are on disk now
-    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro));
-    std::string last;
-    for (it->Seek("m"); it->Valid() && it->key().starts_with("m"); it->Next()) last = it->key().ToString();
-    if (!it->status().ok()) {
-      r.bad.push_back("spill store: metadata records after '" + Printable(last) + "' could not be read: " +
-                      it->status().ToString());
-      ++unreadable_records_;
-    }
+  // The metadata records as they are on disk now.
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(CheckedReads()));
+  std::string last;
+  for (it->Seek("m"); it->Valid() && it->key().starts_with("m"); it->Next()) last = it->key().ToString();
+  if (!it->status().ok()) {
+    // Reported by problems() from now on (and so in `bad`); logged once, as it is first found.
+    const std::string what =
+        "metadata records after '" + Printable(last) + "' could not be read: " + it->status().ToString();
+    if (AddProblem(what)) spdlog::error("spill store {}: {}", options_.dir, what);
   }
-  for (const SpilledSequence& m : List()) {
-    ++r.sequences;
-    const uint64_t page_bytes = m.layout.page_bytes();
-    for (uint32_t l = 0; l < m.layout.n_layers; ++l) {
-      for (uint32_t p = 0; p < m.pages_per_layer; ++p) {
-        ++r.pages_checked;
-        std::string value;
-        const rocksdb::Status s = db_->Get(ro, PageKey(m.tenant, m.id, l, p), &value);
-        const std::string why = s.ok() ? CheckPage(value, page_bytes) : (s.IsNotFound() ? "missing" : s.ToString());
-        if (why.empty()) continue;
-        if (!Find(m.tenant, m.id).ok()) break;  // claimed or evicted while being checked: not a loss
-        ++r.pages_bad;
-        r.bad.push_back(m.tenant + "/" + std::to_string(m.id) + "/" + std::to_string(l) + "/" + std::to_string(p) +
-                        ": " + why);
+  return true;
+}
+
+bool SpillStore::VerifyPages(const SpilledSequence& m, SpillVerifyReport* r) {
+  const rocksdb::ReadOptions ro = CheckedReads();
+  const uint64_t page_bytes = m.layout.page_bytes();
+  for (uint32_t l = 0; l < m.layout.n_layers; ++l) {
+    for (uint32_t p = 0; p < m.pages_per_layer; ++p) {
+      std::string value;
+      rocksdb::Status s;
+      {  // one read: a reopen after a write error waits for this page only (see Verify)
+        std::shared_lock<std::shared_mutex> db_lock(db_mu_);
+        if (!db_) return false;
+        s = db_->Get(ro, PageKey(m.tenant, m.id, l, p), &value);
       }
+      ++r->pages_checked;
+      const std::string why = s.ok() ? CheckPage(value, page_bytes) : (s.IsNotFound() ? "missing" : s.ToString());
+      if (why.empty()) continue;
+      if (!Find(m.tenant, m.id).ok()) return true;  // claimed or evicted while being checked: not a loss
+      ++r->pages_bad;
+      CountBadPage(s);
+      r->bad.push_back(m.tenant + "/" + std::to_string(m.id) + "/" + std::to_string(l) + "/" + std::to_string(p) +
+                       ": " + why);
     }
   }
-  checksum_failures_ += r.pages_bad;
-  for (const std::string& p : problems()) r.bad.push_back(p);
-  return r;
+  return true;
 }
 
 std::vector<std::string> SpillStore::problems() const {
@@ -890,6 +923,7 @@ SpillStats SpillStore::stats() const {
   s.spilled_bytes_total = spilled_total_.load();
   s.restored_bytes_total = restored_total_.load();
   s.checksum_failures = checksum_failures_.load();
+  s.read_errors = read_errors_.load();
   s.write_errors = write_errors_.load();
   s.spill_seconds = spill_ns_.load() * 1e-9;
   s.restore_seconds = restore_ns_.load() * 1e-9;

@@ -1,7 +1,8 @@
 // The registry's claims between tenants, in process (no daemon, no sockets): a claim of another
 // tenant's sequence is refused before anything of the registry changes, and as an unknown id.
 // And a claimed sequence's disk copy that its claim failed to delete gives way to the copy kept
-// under the same id later (KeptSequences over a real spill store).
+// under the same id later (KeptSequences over a real spill store). At a stop, what is parked in RAM
+// only is dropped and counted.
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -182,6 +183,35 @@ TEST(KeptSequencesTest, ASequenceInAClaimsCopyStillCountsForItsTenant) {
   ASSERT_TRUE(again.ok());
   kept.Finish(std::move(*again));
   EXPECT_EQ(kept.CountOf("a"), 0u) << "claimed";
+}
+
+// At the daemon's stop, parked sequences without a disk copy die with the process: they used to
+// go uncounted. Each is now forgotten and counted as dropped; spilled ones, and parked ones written
+// through, stay (their disk copy is the kept one).
+TEST(KeptSequencesTest, AStopDropsAndCountsWhatIsParkedInRamOnly) {
+  spdlog::set_level(spdlog::level::off);
+  testing::TempDir dir;
+  const PageLayout layout{1, 1, 8, 16, 32, 0};
+  std::vector<uint8_t> page(layout.page_bytes(), 1);
+  const auto pages = [&](uint32_t, uint32_t) { return page.data(); };
+  {
+    KeptSequences kept({1u << 20}, nullptr);
+    ASSERT_TRUE(kept.Park("a", 1, layout, 2, pages).ok());
+    ASSERT_TRUE(kept.Park("b", 2, layout, 2, pages).ok());
+    EXPECT_EQ(kept.DropRamOnly(), 2u);
+    EXPECT_EQ(kept.stats().dropped, 2u);
+    EXPECT_TRUE(kept.List().empty());
+  }
+  auto store = SpillStore::Open({dir.path + "/spill"});
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  KeptSequences kept({1u << 20, 0.9, 0.7, /*write_through=*/true}, std::move(*store));
+  ASSERT_TRUE(kept.Park("a", 3, layout, 2, pages).ok());
+  ASSERT_TRUE(kept.Park("a", 4, layout, 2, pages).ok());
+  ASSERT_TRUE(kept.Spill(4).ok());
+  EXPECT_EQ(kept.DropRamOnly(), 0u);
+  EXPECT_EQ(kept.stats().dropped, 0u);
+  EXPECT_EQ(kept.List().size(), 2u);
+  spdlog::set_level(spdlog::level::info);
 }
 
 }  // namespace

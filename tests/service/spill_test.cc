@@ -6,7 +6,8 @@
 // spill does not stop the others (SpillAll, a graceful stop); failing spills back off and parking
 // never grows past its limit (the keeper is told); with write-through a kept sequence survives a
 // SIGKILL; verify on a running daemon reads the disk; a damaged WAL is reported, not erased; a
-// keep and close during a claim never keep a half-copied sequence.
+// keep and close during a claim never keep a half-copied sequence; a stop names and counts the
+// parked sequences it loses.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -588,6 +589,28 @@ TEST(SpillTest, OneFailedSpillDoesNotStopSpillAllOrAGracefulStop) {
   EXPECT_EQ(listed, (std::vector<uint64_t>{ids[0], ids[2], ids[3]})) << "all but the one that did not fit";
   auto checked = ClaimAndCheck(c.get(), ids[3], 4);
   ASSERT_TRUE(checked.ok()) << checked.status().ToString();
+}
+
+// A stop spills what is parked; what it cannot spill dies with the process. Without a spill tier,
+// every parked sequence used to go without a log line or a count. Now each is named and counted.
+TEST(SpillTest, AStopNamesAndCountsTheParkedSequencesItLoses) {
+  DaemonProcess d;
+  d.capture_log = true;
+  ASSERT_TRUE(d.Start());  // no spill tier: parking only
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto id = WriteAndKeep(c.get(), 5, 40);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  ASSERT_TRUE(WaitForKept(c.get(), 1));
+  d.child->Kill(SIGTERM);
+  EXPECT_EQ(d.child->Wait(10000), 0);
+  const std::string log = d.Log();
+  EXPECT_NE(log.find("sequence " + std::to_string(*id) + " of tenant default (73728 bytes) was parked in RAM only: "
+                     "lost with the process"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("1 parked sequences lost with the process (1 kept sequences lost in all)"), std::string::npos)
+      << log;
 }
 
 // Every spill fails (the tier's limit is below any sequence): spills used to be retried every

@@ -3,7 +3,9 @@
 // full (its own limit, or a disk that fills up) without storing half a sequence. A flipped byte
 // in the WAL or in an SST's metadata block is reported by name, never erases a sequence
 // silently; verify reads the files, not a cache; files are private whatever the umask; writes
-// resume once a full disk has room again.
+// resume once a full disk has room again, and a reopen after a write error does not wait for a
+// whole verify. An I/O error is counted as a read error, not a checksum failure; a record verify
+// cannot read is logged and kept among the problems.
 #include "specache/spill_store.h"
 
 #include <fcntl.h>
@@ -12,6 +14,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -24,6 +28,9 @@
 
 #include <gtest/gtest.h>
 #include <rocksdb/db.h>
+#include <rocksdb/file_system.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include "testing/temp_dir.h"
 
@@ -126,6 +133,101 @@ void SpillAndCrash(const std::string& dir, const std::vector<const Pages*>& page
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
+
+// Spills two small sequences, alpha/1 and beta/2, into a store at `dir`, and closes it.
+void SpillAlphaAndBeta(const std::string& dir) {
+  const Pages a("alpha", 1, 2, 2, 21), b("beta", 2, 1, 3, 22);
+  auto store = SpillStore::Open({dir});
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  for (const Pages* p : {&a, &b}) ASSERT_TRUE((*store)->Put(p->meta, p->Reader()).ok());
+}
+
+// Flips a byte of alpha/1's metadata record (SpillAlphaAndBeta's) in its SST file: the block of
+// the metadata records no longer checks out.
+void FlipAlphasMetadata(const std::string& dir) {
+  std::string needle(1, '\x05');  // the metadata value of alpha/1: ..., tenant size 5, "alpha", id 1
+  needle += std::string(3, '\0') + "alpha" + '\x01';
+  const auto [sst, at] = FindBytes(dir, ".sst", needle);
+  ASSERT_NE(at, std::string::npos) << "alpha's metadata is in an SST file";
+  FlipByte(sst, at + 5);
+}
+
+// The local file system, with the disk's failures on demand: SST reads that fail or are slow,
+// WAL appends that fail.
+class FaultyFileSystem final : public rocksdb::FileSystemWrapper {
+ public:
+  FaultyFileSystem() : rocksdb::FileSystemWrapper(rocksdb::FileSystem::Default()) {}
+  const char* Name() const override { return "FaultyFileSystem"; }
+
+  std::atomic<bool> fail_reads{false}, fail_writes{false};
+  std::atomic<std::chrono::microseconds::rep> read_delay_us{0};  // before every SST read
+  std::atomic<uint64_t> reads{0};                                // SST reads so far
+
+  rocksdb::IOStatus NewRandomAccessFile(const std::string& f, const rocksdb::FileOptions& o,
+                                        std::unique_ptr<rocksdb::FSRandomAccessFile>* r,
+                                        rocksdb::IODebugContext* dbg) override {
+    rocksdb::IOStatus s = target()->NewRandomAccessFile(f, o, r, dbg);
+    if (s.ok() && f.ends_with(".sst")) *r = std::make_unique<Sst>(std::move(*r), this);
+    return s;
+  }
+  rocksdb::IOStatus NewWritableFile(const std::string& f, const rocksdb::FileOptions& o,
+                                    std::unique_ptr<rocksdb::FSWritableFile>* r, rocksdb::IODebugContext* dbg) override {
+    rocksdb::IOStatus s = target()->NewWritableFile(f, o, r, dbg);
+    if (s.ok() && f.ends_with(".log")) *r = std::make_unique<Wal>(std::move(*r), this);
+    return s;
+  }
+
+ private:
+  struct Sst final : rocksdb::FSRandomAccessFileOwnerWrapper {
+    Sst(std::unique_ptr<rocksdb::FSRandomAccessFile> f, FaultyFileSystem* fs)
+        : rocksdb::FSRandomAccessFileOwnerWrapper(std::move(f)), fs(fs) {}
+    rocksdb::IOStatus Read(uint64_t offset, size_t n, const rocksdb::IOOptions& o, rocksdb::Slice* result,
+                           char* scratch, rocksdb::IODebugContext* dbg) const override {
+      ++fs->reads;
+      std::this_thread::sleep_for(std::chrono::microseconds(fs->read_delay_us.load()));
+      if (fs->fail_reads) return rocksdb::IOStatus::IOError("injected read error");
+      return target()->Read(offset, n, o, result, scratch, dbg);
+    }
+    FaultyFileSystem* fs;
+  };
+  struct Wal final : rocksdb::FSWritableFileOwnerWrapper {
+    Wal(std::unique_ptr<rocksdb::FSWritableFile> f, FaultyFileSystem* fs)
+        : rocksdb::FSWritableFileOwnerWrapper(std::move(f)), fs(fs) {}
+    rocksdb::IOStatus Append(const rocksdb::Slice& data, const rocksdb::IOOptions& o,
+                             rocksdb::IODebugContext* dbg) override {
+      if (fs->fail_writes) return rocksdb::IOStatus::IOError("injected write error");
+      return target()->Append(data, o, dbg);
+    }
+    rocksdb::IOStatus Append(const rocksdb::Slice& data, const rocksdb::IOOptions& o,
+                             const rocksdb::DataVerificationInfo& info, rocksdb::IODebugContext* dbg) override {
+      if (fs->fail_writes) return rocksdb::IOStatus::IOError("injected write error");
+      return target()->Append(data, o, info, dbg);
+    }
+    FaultyFileSystem* fs;
+  };
+};
+
+// Spills `p` through `fs` and reopens the store: its pages are then in an SST file, and every
+// read of them goes through `fs`.
+Result<std::unique_ptr<SpillStore>> OpenWithPagesOnDisk(const std::string& dir, const std::shared_ptr<FaultyFileSystem>& fs,
+                                                        const Pages& p) {
+  {
+    SPECACHE_ASSIGN_OR_RETURN(auto store, SpillStore::Open({dir, 0, false, fs}));
+    SPECACHE_RETURN_IF_ERROR(store->Put(p.meta, p.Reader()));
+  }
+  return SpillStore::Open({dir, 0, false, fs});
+}
+
+// What the default logger writes while it lives.
+struct CapturedLog {
+  std::ostringstream text;
+  std::shared_ptr<spdlog::logger> before = spdlog::default_logger();
+  CapturedLog() {
+    spdlog::set_default_logger(
+        std::make_shared<spdlog::logger>("captured", std::make_shared<spdlog::sinks::ostream_sink_mt>(text)));
+  }
+  ~CapturedLog() { spdlog::set_default_logger(before); }
+};
 
 TEST(SpillStoreTest, RoundTripsAndSurvivesReopening) {
   TempDir dir;
@@ -406,18 +508,9 @@ TEST(SpillStoreTest, AFlippedByteInTheWalIsReportedNeverSilent) {
 // is reported, nothing is deleted, and every sequence with pages on disk is named.
 TEST(SpillStoreTest, AnUnreadableMetadataBlockIsReportedAndDeletesNothing) {
   TempDir dir;
-  const Pages a("alpha", 1, 2, 2, 21), b("beta", 2, 1, 3, 22);
-  {
-    auto store = SpillStore::Open({dir.path});
-    ASSERT_TRUE(store.ok());
-    for (const Pages* p : {&a, &b}) ASSERT_TRUE((*store)->Put(p->meta, p->Reader()).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(SpillAlphaAndBeta(dir.path));
   ASSERT_TRUE(SpillStore::Open({dir.path}).ok());  // a reopen replays the WAL into an SST file
-  std::string needle(1, '\x05');  // the metadata value of alpha/1: ..., tenant size 5, "alpha", id 1
-  needle += std::string(3, '\0') + "alpha" + '\x01';
-  const auto [sst, at] = FindBytes(dir.path, ".sst", needle);
-  ASSERT_NE(at, std::string::npos) << "alpha's metadata is in an SST file";
-  FlipByte(sst, at + 5);
+  ASSERT_NO_FATAL_FAILURE(FlipAlphasMetadata(dir.path));
   auto store = SpillStore::Open({dir.path});
   ASSERT_TRUE(store.ok()) << store.status().ToString();
   const SpillVerifyReport v = (*store)->Verify();
@@ -577,6 +670,92 @@ TEST(SpillStoreTest, WritesResumeOnceAFullDiskHasRoomAgain) {
   ASSERT_TRUE(ReadBack(**store, a, &back).ok());
   EXPECT_EQ(back, a.data);
   EXPECT_GE((*store)->stats().resumes, 1u);
+}
+
+// Verify used to hold the store's DB handle for its whole run. After a write error, the next
+// write reopens the store and so waited for the whole check, and with it every later write (in the
+// daemon: every tenant's spill, park and claim, made under the kept sequences' lock). Now the
+// reopen waits for one read, and the check goes on with the reopened store.
+TEST(SpillStoreTest, AReopenAfterAWriteErrorDoesNotWaitForAWholeVerify) {
+  TempDir dir;
+  auto fs = std::make_shared<FaultyFileSystem>();
+  const Pages a("alpha", 1, 4, 64, 61);  // 256 pages: at 5 ms a read, verify takes seconds
+  auto store = OpenWithPagesOnDisk(dir.path, fs, a);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  fs->read_delay_us = 5000;
+  std::atomic<bool> verified{false};
+  SpillVerifyReport report;
+  std::thread verify([&] {
+    report = (*store)->Verify();
+    verified = true;
+  });
+  while (fs->reads < 8 && !verified) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  fs->fail_writes = true;
+  const Pages b("beta", 2, 1, 2, 62), c("gamma", 3, 1, 2, 63);
+  const Status failed = (*store)->Put(b.meta, b.Reader());
+  fs->fail_writes = false;
+  const Status after = (*store)->Put(c.meta, c.Reader());  // reopens the store first
+  const bool verify_still_running = !verified;
+  verify.join();
+  EXPECT_EQ(failed.code(), StatusCode::kUnavailable) << failed.ToString();
+  ASSERT_TRUE(after.ok()) << after.ToString();
+  EXPECT_TRUE(verify_still_running) << "the reopen waited for the whole verify";
+  EXPECT_GE((*store)->stats().resumes, 1u);
+  EXPECT_EQ(report.pages_checked, 256u);
+  EXPECT_EQ(report.pages_bad, 0u) << Joined(report.bad);
+  fs->read_delay_us = 0;
+  for (const Pages* p : {&a, &c}) {
+    std::vector<std::vector<std::vector<uint8_t>>> back;
+    ASSERT_TRUE(ReadBack(**store, *p, &back).ok()) << p->meta.tenant;
+    EXPECT_EQ(back, p->data) << p->meta.tenant;
+  }
+  EXPECT_EQ((*store)->Find("beta", 2).status().code(), StatusCode::kNotFound) << "the failed spill left nothing";
+}
+
+// A page that could not be read (an I/O error: nothing is known of its bytes) used to be counted
+// as a checksum failure, so a failing disk looked like corrupted data. Restore and verify now count
+// it as a read error.
+TEST(SpillStoreTest, AnIoErrorIsCountedAsAReadErrorNotAChecksumFailure) {
+  TempDir dir;
+  auto fs = std::make_shared<FaultyFileSystem>();
+  const Pages a("alpha", 5, 2, 3, 71);
+  auto store = OpenWithPagesOnDisk(dir.path, fs, a);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  fs->fail_reads = true;
+  std::vector<std::vector<std::vector<uint8_t>>> back;
+  const Status restore = ReadBack(**store, a, &back);
+  EXPECT_EQ(restore.code(), StatusCode::kUnavailable) << restore.ToString();
+  EXPECT_NE(restore.message().find("alpha/5/layer"), std::string::npos) << restore.ToString();
+  const uint64_t after_restore = (*store)->stats().read_errors;
+  EXPECT_GE(after_restore, 1u);
+  const SpillVerifyReport v = (*store)->Verify();
+  EXPECT_EQ(v.pages_bad, 6u) << Joined(v.bad);
+  EXPECT_EQ((*store)->stats().read_errors, after_restore + 6);
+  EXPECT_EQ((*store)->stats().checksum_failures, 0u);
+  fs->fail_reads = false;
+  ASSERT_TRUE(ReadBack(**store, a, &back).ok());
+  EXPECT_EQ(back, a.data);
+}
+
+// A metadata block that verify found unreadable was counted (again at every verify) with no log
+// line and nothing in problems(): once verify's reply was gone, nothing said which records. Now it
+// is logged when first found, counted once, and reported by problems() and every later verify.
+TEST(SpillStoreTest, AnUnreadableRecordFoundByVerifyIsLoggedAndKeptAmongTheProblems) {
+  TempDir dir;
+  ASSERT_NO_FATAL_FAILURE(SpillAlphaAndBeta(dir.path));
+  auto store = SpillStore::Open({dir.path});  // replays the WAL into an SST file, reads it whole
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  ASSERT_TRUE((*store)->problems().empty()) << Joined((*store)->problems());
+  ASSERT_NO_FATAL_FAILURE(FlipAlphasMetadata(dir.path));
+  CapturedLog log;
+  const SpillVerifyReport v = (*store)->Verify();
+  EXPECT_TRUE(Mentions(v.bad, "metadata records after")) << Joined(v.bad);
+  EXPECT_TRUE(Mentions((*store)->problems(), "metadata records after")) << Joined((*store)->problems());
+  EXPECT_NE(log.text.str().find("metadata records after"), std::string::npos) << log.text.str();
+  EXPECT_NE(log.text.str().find(dir.path), std::string::npos) << log.text.str();
+  EXPECT_EQ((*store)->stats().unreadable_records, 1u);
+  EXPECT_TRUE(Mentions((*store)->Verify().bad, "metadata records after"));
+  EXPECT_EQ((*store)->stats().unreadable_records, 1u) << "the same record, found again";
 }
 
 }  // namespace

@@ -44,6 +44,7 @@ nlohmann::json StatsJson(const DaemonStats& s) {
           {"restores", s.restores}, {"spill_bytes_total", s.spill_bytes_total},
           {"restore_bytes_total", s.restore_bytes_total}, {"spill_seconds", s.spill_seconds},
           {"restore_seconds", s.restore_seconds}, {"checksum_failures", s.checksum_failures},
+          {"spill_read_errors", s.spill_read_errors},
           {"spill_write_errors", s.spill_write_errors}, {"kept_dropped", s.kept_dropped},
           {"attach_connections", s.attach_connections}, {"refused_connections", s.refused_connections},
           {"accept_errors", s.accept_errors}, {"denied_requests", s.denied_requests},
@@ -75,11 +76,11 @@ void PrintStats(const DaemonStats& s) {
               Mib(s.spill_disk_bytes).c_str(), s.spill_tier ? "" : "; no spill tier",
               static_cast<unsigned long long>(s.kept_evicted), Mib(s.kept_evicted_bytes).c_str());
   if (s.spill_tier) {
-    std::printf("spill     %llu spills (%s, %.2f s), %llu restores (%s, %.2f s), %llu checksum failures, %llu write "
-                "errors, %llu kept sequences lost\n",
+    std::printf("spill     %llu spills (%s, %.2f s), %llu restores (%s, %.2f s), %llu checksum failures, %llu read "
+                "errors, %llu write errors, %llu kept sequences lost\n",
                 static_cast<unsigned long long>(s.spills), Mib(s.spill_bytes_total).c_str(), s.spill_seconds,
                 static_cast<unsigned long long>(s.restores), Mib(s.restore_bytes_total).c_str(), s.restore_seconds,
-                static_cast<unsigned long long>(s.checksum_failures),
+                static_cast<unsigned long long>(s.checksum_failures), static_cast<unsigned long long>(s.spill_read_errors),
                 static_cast<unsigned long long>(s.spill_write_errors), static_cast<unsigned long long>(s.kept_dropped));
     std::printf("spill     %llu failed spills%s, %llu unreadable records, %llu damaged sequences (see verify)\n",
                 static_cast<unsigned long long>(s.spill_failures),

@@ -84,7 +84,7 @@ struct DaemonStats {
   bool spill_tier = false;
   uint64_t spills = 0, restores = 0, spill_bytes_total = 0, restore_bytes_total = 0;
   double spill_seconds = 0, restore_seconds = 0;
-  uint64_t checksum_failures = 0, spill_write_errors = 0, kept_dropped = 0;
+  uint64_t checksum_failures = 0, spill_read_errors = 0, spill_write_errors = 0, kept_dropped = 0;
   uint64_t kept_evicted = 0, kept_evicted_bytes = 0;  // kept sequences an operator evicted, their bytes
   // Connections and refusals.
   uint64_t attach_connections = 0, refused_connections = 0, accept_errors = 0, denied_requests = 0;

@@ -20,7 +20,9 @@
 // process umask (page data is tenants' data).
 //
 // Thread safety: every method may be called from any thread (RocksDB is thread-safe; the
-// counters are atomic).
+// counters are atomic). The DB handle is replaced only to reopen it after a write error, which
+// waits for the calls using it: a call holds it for its own records (Put, Get, Delete) or, in
+// Verify, for one read at a time.
 #pragma once
 
 #include <atomic>
@@ -40,7 +42,9 @@
 namespace rocksdb {
 class DB;
 class Env;
+class FileSystem;
 struct Options;
+class Status;
 }
 
 namespace specache {
@@ -49,6 +53,9 @@ struct SpillOptions {
   std::string dir;             // created if missing
   uint64_t max_bytes = 0;      // page bytes the tier may hold; 0: no limit but the disk's
   bool compression = false;    // LZ4 on values (fp16 KV compresses poorly: measure first)
+  // Where the files are read and written: null for the local file system (tests put one that
+  // fails or slows reads and writes on demand here).
+  std::shared_ptr<rocksdb::FileSystem> file_system = nullptr;
 };
 
 struct SpilledSequence {
@@ -74,8 +81,10 @@ struct SpillVerifyReport {
 struct SpillStats {
   uint64_t stored_bytes = 0, sequences = 0;
   uint64_t spills = 0, restores = 0, spilled_bytes_total = 0, restored_bytes_total = 0;
-  uint64_t checksum_failures = 0, write_errors = 0;
-  uint64_t unreadable_records = 0;  // records Open() or Verify() could not read (problems())
+  uint64_t checksum_failures = 0;   // pages that did not check out: checksum, size, missing, corrupted
+  uint64_t read_errors = 0;         // page reads that failed (an I/O error): nothing known of the page
+  uint64_t write_errors = 0;
+  uint64_t unreadable_records = 0;  // records Open() or Verify() could not read (problems()), each once
   uint64_t damaged_sequences = 0;   // sequences whose records were lost or unreadable
   uint64_t resumes = 0;             // times the store was reopened after a write error
   double spill_seconds = 0, restore_seconds = 0;
@@ -101,8 +110,9 @@ class SpillStore {
   // reopens the store first (and fails if that fails, e.g. while the disk is still full).
   Status Put(const SpilledSequence& meta, const std::function<const uint8_t*(uint32_t layer, uint32_t page)>& page);
   // Reads a stored sequence into out(layer, p), verifying every page first: DATA_LOSS naming
-  // the page (and counted) on a checksum or size mismatch, NOT_FOUND if not stored. `out` is
-  // called from several threads at once (for distinct pages).
+  // the page (and counted as a checksum failure) on a checksum or size mismatch or a missing
+  // page, UNAVAILABLE (counted as a read error) when a page cannot be read, NOT_FOUND if not
+  // stored. `out` is called from several threads at once (for distinct pages).
   Status Get(const std::string& tenant, uint64_t id, const std::function<uint8_t*(uint32_t layer, uint32_t page)>& out);
   Status Delete(const std::string& tenant, uint64_t id);
 
@@ -112,7 +122,11 @@ class SpillStore {
   // Reads and checks every stored page from the files on disk: the memtable is flushed first and
   // the store keeps no block cache, so every page comes from its SST file (RocksDB's block
   // checksum and the page's xxh64 both checked). Damaged sequences and records that cannot be
-  // read are listed in `bad` too. Holds no lock of the store while reading.
+  // read are listed in `bad` too; a record first found unreadable here is also logged and kept in
+  // problems(). Pages count as checksum failures or read errors as in Get. Holds the DB handle
+  // for one read at a time (the flush and the metadata scan are one each), so a reopen after a
+  // write error, and every call waiting for it, waits for one read, not for the whole check; the
+  // check goes on with the reopened store.
   SpillVerifyReport Verify();
   // Damaged sequences and unreadable records found by Open() (and by Verify() since), as
   // "tenant/sequence: why" or "spill store: why". Empty when every record was read.
@@ -134,8 +148,16 @@ class SpillStore {
   Status OpenDb(bool after_write_error);
   // After a write error, reopens the DB before the next write (see the .cc for why).
   Status RecoverWrites();
-  // Records a problem (counted, reported by problems() and Verify()).
-  void AddProblem(std::string what);
+  // Records a problem (counted, reported by problems() and Verify()); false when it was already
+  // recorded (then not counted again).
+  bool AddProblem(std::string what);
+  // Verify's parts: the flush and the scan of the metadata records, then one sequence's pages.
+  // False when the store is closed (after a write error whose reopen failed).
+  bool VerifyMetadata(SpillVerifyReport* r);
+  bool VerifyPages(const SpilledSequence& m, SpillVerifyReport* r);
+  // Counts a page that was not served or checked: `read` is how its read ended (OK: it was read
+  // and does not check out).
+  void CountBadPage(const rocksdb::Status& read);
   // The catalog: read at Load (returns the sequences it lists), rewritten compactly from the
   // index, then appended to ("put" after a store, "del" before a delete).
   std::map<std::pair<std::string, uint64_t>, bool> ReadCatalog();
@@ -158,7 +180,7 @@ class SpillStore {
   int catalog_fd_ = -1;
   std::atomic<uint64_t> unreadable_records_{0}, resumes_{0};
   std::atomic<uint64_t> stored_bytes_{0}, spills_{0}, restores_{0}, spilled_total_{0}, restored_total_{0};
-  std::atomic<uint64_t> checksum_failures_{0}, write_errors_{0};
+  std::atomic<uint64_t> checksum_failures_{0}, read_errors_{0}, write_errors_{0};
   std::atomic<uint64_t> spill_ns_{0}, restore_ns_{0};
 };
 
