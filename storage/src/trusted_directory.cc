@@ -47,7 +47,14 @@ Status CheckTrustedDirectory(const std::filesystem::path& dir, std::string_view 
   return CheckOwnerAndMode(st, what, dir);
 }
 
-Status MakePrivateDirectory(const std::filesystem::path& dir, std::string_view what) {
+Status MakePrivateDirectory(const std::filesystem::path& given, std::string_view what) {
+  // The directory's own name, without a trailing '/' (with it, the parent below would be the
+  // directory itself, and open() would follow a link the name ends in).
+  std::filesystem::path dir = given.lexically_normal();
+  if (!dir.has_filename()) dir = dir.parent_path();
+  if (dir.empty() || dir == dir.root_path() || dir.filename() == "." || dir.filename() == "..") {
+    return Status::InvalidArgument(Named(what, given) + " does not name a directory of its own");
+  }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::Unavailable(Named(what, dir) + " cannot be created: " + ec.message());

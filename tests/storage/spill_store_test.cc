@@ -616,6 +616,31 @@ TEST(SpillStoreTest, ALinkAnotherUsersDirectoryOrAnOpenParentIsRefusedBeforeAnyC
   EXPECT_TRUE(SpillStore::Open({open + "/spill"}).ok());
 }
 
+// The same checks for a directory written with a trailing slash ("[spill] dir = \"/srv/x/spill/\"",
+// a common way to write one): the link is refused, not followed (its target left as it was), and a
+// store in a parent others may write is refused. Before, the "parent" checked was the store itself
+// and open() followed a link whose name ended in '/'.
+TEST(SpillStoreTest, ATrailingSlashDoesNotBypassTheLinkAndParentChecks) {
+  TempDir dir;
+  const std::string target = dir.path + "/target", kept = target + "/someone-elses-file";
+  std::filesystem::create_directory(target);
+  std::ofstream(kept) << "x";
+  std::filesystem::permissions(kept, std::filesystem::perms(0644));
+  std::filesystem::create_directory_symlink(target, dir.path + "/link");
+  auto linked = SpillStore::Open({dir.path + "/link/"});
+  EXPECT_EQ(linked.status().code(), StatusCode::kPermissionDenied) << linked.status().ToString();
+  EXPECT_EQ(ModeOf(kept), 0644u) << "the link's target was made private to the daemon; Open said: " << linked.status().ToString();
+
+  const std::string open = dir.path + "/open";
+  std::filesystem::create_directory(open);
+  std::filesystem::permissions(open, std::filesystem::perms(0777));
+  auto in_open = SpillStore::Open({open + "/spill/"});
+  EXPECT_EQ(in_open.status().code(), StatusCode::kPermissionDenied) << in_open.status().ToString();
+  // A path that names no directory of its own is refused, not made private.
+  EXPECT_EQ(SpillStore::Open({"/"}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(SpillStore::Open({dir.path + "/mine//"}).ok());
+}
+
 TEST(SpillStoreTest, ALinkInsideTheStoreIsNeverFollowed) {
   TempDir dir;
   const std::string store = dir.path + "/spill", outside = dir.path + "/outside";
