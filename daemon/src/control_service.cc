@@ -133,7 +133,22 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   if (!caller.ok()) return Finish(caller.status());
   const AccessPolicy& access = registry_->access();
   const bool admin = access.IsAdmin(*caller);
-  const RegistryStats s = registry_->Stats();
+  RegistryStats s = registry_->Stats();
+  // Other tenants' rows out, and, to a caller that is not an admin, the totals that tell of them
+  // (control.proto, StatsResponse): its own tenants' sums, or nothing.
+  std::erase_if(s.tenants, [&](const TenantSummary& t) { return !admin && !access.MayUseTenant(*caller, t.name).ok(); });
+  if (!admin) {
+    s.reserved_bytes = s.used_bytes = s.pages = 0;
+    s.sessions = s.sequences = 0;
+    for (const TenantSummary& t : s.tenants) {
+      s.reserved_bytes += t.reserved_bytes;
+      s.used_bytes += t.used_bytes;
+      s.sessions += t.sessions;
+      s.sequences += t.sequences;
+    }
+    s.kept.parked_bytes = s.kept.spilled_bytes = s.kept.parked = s.kept.spilled = 0;
+    s.kept.spill.stored_bytes = s.kept.evicted = s.kept.evicted_bytes = 0;
+  }
   resp->set_pool_bytes(s.pool_bytes);
   resp->set_reserved_bytes(s.reserved_bytes);
   resp->set_used_bytes(s.used_bytes);
@@ -186,7 +201,6 @@ grpc::Status ControlService::Stats(grpc::ServerContext* ctx, const v1::StatsRequ
   resp->set_uptime_ms(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count()));
   for (const TenantSummary& t : s.tenants) {
-    if (!admin && !access.MayUseTenant(*caller, t.name).ok()) continue;  // other tenants are theirs
     v1::TenantStats* out = resp->add_tenants();
     out->set_tenant(t.name);
     out->set_reserved_bytes(t.reserved_bytes);

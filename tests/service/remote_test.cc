@@ -964,6 +964,31 @@ TEST_F(RemoteTest, KilledDaemonGivesAnErrorWithinTheDeadlineAndANewSessionWorksA
 }
 
 
+// Stats to a tenant's client (never an admin remotely) count that tenant's sessions, sequences
+// and memory alone: tenant b does not see tenant a's session and sequence appear and go.
+TEST_F(RemoteTest, StatsOfATenantDoNotCountAnotherTenantsSessions) {
+  StartDaemon(false, false);
+  Fixture a = Open("a", FetchMethod::kServerGather, 32);
+  ASSERT_TRUE(a.session);
+  auto b = Connect(Credentials("b"));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  auto stats = (*b)->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  for (const auto& t : stats->tenants) EXPECT_EQ(t.tenant, "b");
+  EXPECT_EQ(stats->sessions, 0u) << "tenant b is shown tenant a's sessions";
+  EXPECT_EQ(stats->sequences, 0u) << "tenant b is shown tenant a's sequences";
+  EXPECT_EQ(stats->used_bytes, 0u) << "tenant b is shown tenant a's used bytes";
+  EXPECT_EQ(stats->pages, 0u);
+  // Its own are counted.
+  Fixture mine = Open("b", FetchMethod::kServerGather, 16);
+  ASSERT_TRUE(mine.session);
+  auto after = (*b)->Stats();
+  ASSERT_TRUE(after.ok()) << after.status().ToString();
+  EXPECT_EQ(after->sessions, 1u);
+  EXPECT_EQ(after->sequences, 1u);
+  EXPECT_GT(after->used_bytes, 0u);
+}
+
 // A request on a session's own endpoint that carries another session's id (or a wrong token) is
 // dropped, counted and logged: never served, never answered, and the endpoint keeps serving its
 // own requests (a message without the right credentials changes nothing of the endpoint it names).
