@@ -51,13 +51,20 @@ PathLock::~PathLock() { ::close(fd_); }  // releases the lock; the file stays fo
 Status EnsureSocketDirectory(const std::string& socket_path) {
   const std::filesystem::path dir = std::filesystem::path(socket_path).parent_path();
   if (dir.empty()) return Status::Ok();
-  std::error_code ec;
-  if (!std::filesystem::exists(dir, ec)) {
-    std::filesystem::create_directories(dir, ec);
-    // Its mode is the daemon's choice, not the umask's: writable by the daemon alone, searchable by
-    // the clients the sockets' own mode admits.
-    if (!ec) std::filesystem::permissions(dir, std::filesystem::perms(0755), ec);
-    if (ec) return Status::Unavailable("socket directory " + dir.string() + " cannot be created: " + ec.message());
+  // Each missing component's mode is the daemon's choice, not the umask's: writable by the
+  // daemon alone, searchable by the clients the sockets' own mode admits (a parent left writable
+  // by others would let anyone put another directory, and another daemon's socket, in its place).
+  std::filesystem::path at;
+  for (const std::filesystem::path& part : dir) {
+    at /= part;
+    if (::mkdir(at.c_str(), 0755) == 0) {
+      if (::chmod(at.c_str(), 0755) != 0) {
+        return Status::Unavailable("socket directory " + dir.string() + ": chmod " + at.string() + ": " + Errno());
+      }
+    } else if (errno != EEXIST) {
+      return Status::Unavailable("socket directory " + dir.string() + " cannot be created: " + at.string() + ": " +
+                                 Errno());
+    }
   }
   return CheckTrustedDirectory(dir, "socket directory");
 }

@@ -67,5 +67,24 @@ TEST(SocketDirectoryTest, ADirectoryOfAnotherUserIsRefused) {
   EXPECT_NE(s.message().find("belongs to user 65534"), std::string::npos) << s.ToString();
 }
 
+// The missing parents of the socket directory get the daemon's mode too, whatever the umask:
+// under umask 0 `run` was left 0777, so any local user could rename `run/specache` away and put a
+// directory of their own (and their own control.sock) in its place.
+TEST(SocketDirectoryTest, MissingParentsAreNotLeftWritableByOthers) {
+  testing::TempDir tmp;
+  const mode_t before = ::umask(0);
+  const Status made = EnsureSocketDirectory(tmp.path + "/run/specache/control.sock");
+  ::umask(before);
+  ASSERT_TRUE(made.ok()) << made.ToString();
+  EXPECT_EQ(ModeOf(tmp.path + "/run") & 07777u, 0755u) << std::oct << ModeOf(tmp.path + "/run");
+  EXPECT_EQ(ModeOf(tmp.path + "/run/specache") & 07777u, 0755u);
+  // Under a umask that leaves clients no search permission, the directories still admit them.
+  const mode_t tight = ::umask(077);
+  const Status again = EnsureSocketDirectory(tmp.path + "/other/specache/control.sock");
+  ::umask(tight);
+  ASSERT_TRUE(again.ok()) << again.ToString();
+  EXPECT_EQ(ModeOf(tmp.path + "/other") & 07777u, 0755u);
+}
+
 }  // namespace
 }  // namespace specache::daemon
