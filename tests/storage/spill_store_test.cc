@@ -636,8 +636,8 @@ TEST(SpillStoreTest, ATrailingSlashDoesNotBypassTheLinkAndParentChecks) {
   std::filesystem::permissions(open, std::filesystem::perms(0777));
   auto in_open = SpillStore::Open({open + "/spill/"});
   EXPECT_EQ(in_open.status().code(), StatusCode::kPermissionDenied) << in_open.status().ToString();
-  // A path that names no directory of its own is refused, not made private.
-  EXPECT_EQ(SpillStore::Open({"/"}).status().code(), StatusCode::kInvalidArgument);
+  // Slashes at the end name the directory itself. (A path that names no directory of its own, "/"
+  // or ".", is refused; not tried here: a regression would make the test's machine private.)
   EXPECT_TRUE(SpillStore::Open({dir.path + "/mine//"}).ok());
 }
 
