@@ -28,6 +28,10 @@ Status InMemorySource::CreateSequence(SequenceId sequence, const SequenceLayout&
     return Status::InvalidArgument("sequence layout needs positive n_layers, n_kv_heads and head_dim");
   }
   SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(layout.row_format, layout.head_dim));
+  if (page_tokens_ > kMaxPageTokens) {
+    return Status::InvalidArgument("page_tokens " + std::to_string(page_tokens_) + ": at most " +
+                                   std::to_string(kMaxPageTokens) + " (the daemon's pages' bound)");
+  }
   std::unique_lock lock(mutex_);
   if (sequences_.count(sequence)) {
     return Status::AlreadyExists("sequence " + std::to_string(sequence) + " already exists");
@@ -83,16 +87,16 @@ void InMemorySource::AddSlabLocked(size_t page_bytes) {
 void InMemorySource::Reserve(const SequenceLayout& layout, int sequences, int32_t tokens) {
   const size_t page_bytes = PageBytes(layout);
   if (page_bytes == 0 || sequences <= 0 || tokens <= 0) return;
-  const int64_t pages = int64_t{(tokens + page_tokens_ - 1) / page_tokens_} * layout.n_layers * sequences;
+  const int64_t pages = PagesFor(tokens) * layout.n_layers * sequences;
   std::unique_lock lock(mutex_);
   while (static_cast<int64_t>(free_pages_[page_bytes].size()) < pages) AddSlabLocked(page_bytes);
 }
 
 void InMemorySource::GrowLocked(Sequence* seq, int32_t tokens) {
-  const int32_t need = (tokens + page_tokens_ - 1) / page_tokens_;
+  const int64_t need = PagesFor(tokens);
   auto& free = free_pages_[seq->page_bytes];
   for (auto& layer : seq->pages) {
-    while (static_cast<int32_t>(layer.size()) < need) {
+    while (static_cast<int64_t>(layer.size()) < need) {
       if (free.empty()) AddSlabLocked(seq->page_bytes);
       layer.push_back(free.back());
       free.pop_back();
@@ -195,7 +199,7 @@ Status InMemorySource::HostPages(SequenceId sequence, int layer, int32_t tokens,
   SPECACHE_ASSIGN_OR_RETURN(Sequence * seq, Find(sequence, layer, 0));
   SPECACHE_RETURN_IF_ERROR(EnsurePages(seq, tokens, &lock));
   const auto& all = seq->pages[layer];
-  pages->assign(all.begin(), all.begin() + (tokens + page_tokens_ - 1) / page_tokens_);
+  pages->assign(all.begin(), all.begin() + PagesFor(tokens));
   return Status::Ok();
 }
 

@@ -9,6 +9,7 @@
 #include <random>
 #include <span>
 #include <tuple>
+#include <limits>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -198,6 +199,23 @@ TEST(InMemorySourceTest, RejectsOutOfRangeAndOutOfOrderAccess) {
   EXPECT_EQ(s.stored_bytes(), 3 * 16 * 2);
   EXPECT_TRUE(s.ReleaseSequence(1).ok());
   EXPECT_EQ(s.ReleaseSequence(1).code(), StatusCode::kNotFound);
+}
+
+// A source made with more tokens a page than the daemon's pages allow refuses its sequences; before,
+// page_tokens near INT32_MAX overflowed the pages' count, no page was made and the first row
+// written went through a null page (a crash a Python caller could cause).
+TEST(InMemorySourceTest, PageTokensPastTheDaemonsBoundAreRefusedNotOverflowed) {
+  InMemorySource huge(std::numeric_limits<int32_t>::max());
+  Status made = huge.CreateSequence(1, {2, 2, 8});
+  EXPECT_EQ(made.code(), StatusCode::kInvalidArgument) << made.ToString();
+  EXPECT_NE(made.message().find("at most 65536"), std::string::npos) << made.ToString();
+  std::vector<Half> rows(16 * 16, 1);
+  EXPECT_EQ(huge.AppendRows(1, 0, 0, 0, rows.data(), 16).code(), StatusCode::kNotFound);
+  // The bound itself is a page size like any other.
+  InMemorySource widest(InMemorySource::kMaxPageTokens, size_t{1} << 20, /*huge_pages=*/false);
+  ASSERT_TRUE(widest.CreateSequence(1, {1, 1, 8}).ok());
+  ASSERT_TRUE(widest.AppendRows(1, 0, 0, 0, rows.data(), 16).ok());
+  EXPECT_EQ(*widest.Length(1, 0, 0), 16);
 }
 
 // Zero-copy access: rows live in fixed pages laid out [kv_head][token][K|V][head_dim] inside the

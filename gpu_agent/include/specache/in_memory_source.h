@@ -26,7 +26,10 @@ class InMemorySource final : public FullPrecisionSource {
   // a hint: base pages where the kernel declines): a fetch reads random rows across the whole
   // source, and each 4 KiB page it touches is a TLB miss for the host's gather threads and a
   // translation for the GPU's zero-copy reads.
+  // page_tokens: at least 1 (smaller is taken as 1) and at most kMaxPageTokens, the daemon's
+  // bound (CreateSequence refuses every sequence of a source made with more).
   explicit InMemorySource(int32_t page_tokens = 64, size_t slab_bytes = size_t{4} << 20, bool huge_pages = true);
+  static constexpr int32_t kMaxPageTokens = 65536;
   ~InMemorySource() override;
   InMemorySource(const InMemorySource&) = delete;
   InMemorySource& operator=(const InMemorySource&) = delete;
@@ -75,6 +78,8 @@ class InMemorySource final : public FullPrecisionSource {
   void AddSlabLocked(size_t page_bytes);
   // Pages every layer holds now. Caller holds mutex_.
   int32_t PagesOf(const Sequence& seq) const { return static_cast<int32_t>(seq.pages[0].size()); }
+  // Pages that hold `tokens` tokens (in 64 bits: tokens near INT32_MAX would overflow in 32).
+  int64_t PagesFor(int32_t tokens) const { return (int64_t{tokens} + page_tokens_ - 1) / page_tokens_; }
   Status EnsurePages(Sequence* seq, int32_t tokens, std::shared_lock<std::shared_mutex>* lock);
   uint8_t* RowAddress(const Sequence& seq, int layer, int kv_head, int32_t token) const;
   // Checks an append/commit of n rows at first_token against the triple's length.
