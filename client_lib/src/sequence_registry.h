@@ -72,6 +72,7 @@ class SequenceRegistry {
       return Status::InvalidArgument("sequence layout needs positive dimensions");
     }
     SPECACHE_RETURN_IF_ERROR(CheckHostRowFormat(layout.row_format, layout.head_dim));
+    if (page_tokens_ == 0) return Status::InvalidArgument("page_tokens 0: a page holds at least one token");
     {  // reserved (a null entry) until the daemon's answer: another Create of it is refused
       std::lock_guard<std::mutex> lock(mu_);
       if (!sequences_.emplace(sequence, nullptr).second) return Status::AlreadyExists("sequence " + std::to_string(sequence));
@@ -85,7 +86,9 @@ class SequenceRegistry {
       sequences_.erase(sequence);
       return id.status();
     }
-    auto s = std::make_shared<EntryT>(layout, (capacity_tokens_ + page_tokens_ - 1) / page_tokens_);
+    // In 64 bits: capacity_tokens_ + page_tokens_ wraps in 32 (a daemon that takes such a layout
+    // would leave the sequence's page lists empty); page_tokens_ >= 1 checked above.
+    auto s = std::make_shared<EntryT>(layout, static_cast<uint32_t>((uint64_t{capacity_tokens_} + page_tokens_ - 1) / page_tokens_));
     s->daemon_id = *id;
     sequences_[sequence] = std::move(s);
     return Status::Ok();

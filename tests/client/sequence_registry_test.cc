@@ -52,6 +52,29 @@ TEST(SequenceRegistryTest, TwoCreatesOfOneIdAtOnceMakeOneDaemonSequence) {
   EXPECT_EQ(session.releases.load(), 1) << "the one daemon sequence, released with the registry";
 }
 
+// An entry that records the page count its registry gave it.
+struct CountedPages : RegisteredSequence {
+  CountedPages(const SequenceLayout& l, uint32_t max_pages_per_layer)
+      : RegisteredSequence(l, max_pages_per_layer), pages(max_pages_per_layer) {}
+  uint32_t pages;
+};
+
+// A sequence's page count is computed in 64 bits: capacity + page_tokens - 1 wrapped in 32 (to 0
+// pages here, with a daemon that took the layout), and page_tokens 0 divided by zero; it is
+// refused before the daemon is asked.
+TEST(SequenceRegistryTest, PageCountsOfExtremeLayoutsNeitherWrapNorDivideByZero) {
+  SlowSession session;
+  SequenceRegistry<SlowSession, CountedPages> wide(&session, 0xffffffffu, 0xffffffffu);
+  ASSERT_TRUE(wide.Create(1, kLayout).ok());
+  auto entry = wide.Find(1);
+  ASSERT_TRUE(entry.ok());
+  EXPECT_EQ((*entry)->pages, 1u);
+  SequenceRegistry<SlowSession, CountedPages> zero(&session, 0, 1024);
+  const int before = session.creates.load();
+  EXPECT_EQ(zero.Create(2, kLayout).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(session.creates.load(), before) << "asked the daemon for a layout it could not hold";
+}
+
 // Before, Release freed the entry while Keep was in its daemon call, and Keep then wrote to it
 // (heap use after free), returning OK for a sequence Release had freed in the daemon.
 TEST(SequenceRegistryTest, AKeepInItsCallAndAReleaseOfTheSameSequenceEndKeptOrReleased) {
