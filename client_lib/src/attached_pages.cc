@@ -45,12 +45,11 @@ Result<std::unique_ptr<AttachedPages>> AttachedPages::Map(const attach::AttachRe
   if (t == MAP_FAILED) return Status::ResourceExhausted("mmap page table: " + std::string(std::strerror(errno)));
   p->table_ = static_cast<const uint8_t*>(t);
   p->table_bytes_ = reply.table_bytes;
-  SPECACHE_RETURN_IF_ERROR(shm::ValidateTable(p->table_, p->table_bytes_));
-  const shm::TableHeader* h = shm::Header(p->table_);
-  if (h->chunk_count != expected_chunks || h->chunk_bytes != reply.chunk_bytes) {
+  SPECACHE_ASSIGN_OR_RETURN(p->counts_, shm::ReadTable(p->table_, p->table_bytes_));
+  if (p->counts_.chunk_count != expected_chunks || p->counts_.chunk_bytes != reply.chunk_bytes) {
     return Status::DataLoss("page table header disagrees with the attach reply");
   }
-  p->refs_ = shm::Refs(p->table_);
+  p->refs_ = shm::Refs(p->table_, p->counts_.slot_count);
   p->chunk_bytes_ = reply.chunk_bytes;
   p->chunks_.reserve(expected_chunks);
   for (size_t i = 1; i < fds.size(); ++i) {
@@ -67,9 +66,9 @@ AttachedPages::~AttachedPages() {
 }
 
 Status AttachedPages::AddSlot(uint64_t sequence, uint32_t slot, const PageLayoutSpec& want) {
-  if (slot >= shm::Header(table_)->slot_count) return Status::DataLoss("daemon gave a bad table slot");
+  if (slot >= counts_.slot_count) return Status::DataLoss("daemon gave a bad table slot");
   // The slot's fields read once and checked together (the copy alone is used: SlotView).
-  SPECACHE_ASSIGN_OR_RETURN(const shm::SlotFields s, shm::ReadSlot(table_, slot, true));
+  SPECACHE_ASSIGN_OR_RETURN(const shm::SlotFields s, shm::ReadSlot(table_, counts_, slot, true));
   const SlotView v{slot, s.n_layers, s.page_tokens, s.pages_capacity_per_layer, s.first_ref, s.page_bytes};
   const uint32_t want_capacity =
       want.page_tokens ? static_cast<uint32_t>((uint64_t{want.capacity_tokens} + want.page_tokens - 1) / want.page_tokens)
@@ -101,7 +100,7 @@ uint32_t AttachedPages::LivePages(const SlotView& v) const {
   return std::min(shm::Slots(table_)[v.slot].pages_per_layer.load(std::memory_order_acquire), v.capacity);
 }
 
-Status AttachedPages::Recheck(const SlotView& v) const { return shm::ValidateSlot(table_, v.slot, true); }
+Status AttachedPages::Recheck(const SlotView& v) const { return shm::ValidateSlot(table_, counts_, v.slot, true); }
 
 Result<uint8_t*> AttachedPages::PageData(uint64_t sequence, uint32_t layer, uint32_t page) const {
   SPECACHE_ASSIGN_OR_RETURN(const SlotView v, SlotOf(sequence));

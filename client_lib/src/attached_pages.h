@@ -71,7 +71,8 @@ class AttachedPages {
 
   const uint8_t* table_ = nullptr;
   uint64_t table_bytes_ = 0;
-  const shm::PageRef* refs_ = nullptr;  // the table's refs (the header's counts read once, at Map)
+  shm::TableCounts counts_;  // the header's counts as read and checked at Map: the only ones used
+  const shm::PageRef* refs_ = nullptr;  // the table's refs (after counts_.slot_count slots)
   std::vector<uint8_t*> chunks_;
   uint64_t chunk_bytes_ = 0;
   mutable std::mutex mu_;

@@ -212,5 +212,27 @@ TEST(AttachedPagesTest, ASlotRewrittenAfterItWasAddedCannotMoveALookupOutside) {
   EXPECT_EQ(p.PageData(7, 0, 0).status().code(), StatusCode::kNotFound);
 }
 
+// The table's header rewritten after Map (it is the daemon's memory) moves no lookup outside the
+// table Map checked: a slot past the checked count is refused, and a slot whose refs lie past the
+// checked ref count too. Before, AddSlot and ReadSlot read the header's counts again each time.
+TEST(AttachedPagesTest, AHeaderRewrittenAfterMapCannotMoveALookupOutside) {
+  FakeAttach daemon;
+  auto pages = daemon.Map();
+  ASSERT_TRUE(pages.ok()) << pages.status().ToString();
+  AttachedPages& p = **pages;
+  auto* h = reinterpret_cast<shm::TableHeader*>(daemon.table);
+  h->slot_count = 1000;
+  h->ref_count = 1u << 20;
+  EXPECT_EQ(p.AddSlot(7, 50, kLayout).code(), StatusCode::kDataLoss);  // slot 50: past the 2 checked
+  daemon.slot(1).first_ref = 1000;  // refs [1000, 1004): past the 8 checked
+  EXPECT_EQ(p.AddSlot(7, 1, kLayout).code(), StatusCode::kDataLoss);
+  daemon.slot(1).first_ref = 2;
+  ASSERT_TRUE(p.AddSlot(7, 1, kLayout).ok());
+  // The refs are where Map found them (after 2 slots), not where a grown slot count would put them.
+  auto page = p.PageData(7, 1, 0);
+  ASSERT_TRUE(page.ok()) << page.status().ToString();
+  EXPECT_EQ(*page, p.chunk(0) + 4 * kLayout.page_bytes());
+}
+
 }  // namespace
 }  // namespace specache::client

@@ -9,10 +9,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<uint64_t> aligned(size / 8 + 1);  // shared memory is page-aligned
   if (size > 0) std::memcpy(aligned.data(), data, size);
   const void* region = aligned.data();
-  if (!specache::shm::ValidateTable(region, size).ok()) return 0;
-  const uint32_t slots = specache::shm::Header(region)->slot_count;
-  for (uint32_t i = 0; i < slots && i < 64; ++i) {
-    (void)specache::shm::ValidateSlot(region, i, /*check_refs=*/true);
+  const auto table = specache::shm::ReadTable(region, size);
+  if (!table.ok()) return 0;
+  for (uint32_t i = 0; i < table->slot_count && i < 64; ++i) {
+    (void)specache::shm::ValidateSlot(region, *table, i, /*check_refs=*/true);
   }
   return 0;
 }

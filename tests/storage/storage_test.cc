@@ -333,13 +333,14 @@ TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks
   // A reader of the shared table sees the same pages, and they are distinct and inside chunks.
   void* table = mmap(nullptr, s.table_bytes(), PROT_READ, MAP_SHARED, s.table_fd(), 0);
   ASSERT_NE(table, MAP_FAILED);
-  ASSERT_TRUE(shm::ValidateTable(table, s.table_bytes()).ok());
+  const auto counts = shm::ReadTable(table, s.table_bytes());
+  ASSERT_TRUE(counts.ok()) << counts.status().ToString();
   const uint32_t slot = (*seq)->slot;
-  ASSERT_TRUE(shm::ValidateSlot(table, slot, true).ok());
+  ASSERT_TRUE(shm::ValidateSlot(table, *counts, slot, true).ok());
   const shm::SequenceSlot& sl = shm::Slots(table)[slot];
   EXPECT_EQ(sl.pages_per_layer.load(), 7u);
   // The copy a reader uses (each field read once, then checked): the slot's own values.
-  auto fields = shm::ReadSlot(table, slot, true);
+  auto fields = shm::ReadSlot(table, *counts, slot, true);
   ASSERT_TRUE(fields.ok()) << fields.status().ToString();
   EXPECT_EQ(fields->sequence_id, 42u);
   EXPECT_EQ(fields->n_layers, 4u);
@@ -371,8 +372,8 @@ TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks
   EXPECT_EQ(s.Extend(43, 1 << 14).status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(s.page_count(), before);
   ASSERT_TRUE(s.Release(42).ok());
-  EXPECT_EQ(shm::ValidateSlot(table, slot, true).code(), StatusCode::kNotFound);
-  EXPECT_EQ(shm::ReadSlot(table, slot, true).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(shm::ValidateSlot(table, *counts, slot, true).code(), StatusCode::kNotFound);
+  EXPECT_EQ(shm::ReadSlot(table, *counts, slot, true).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(s.Release(42).code(), StatusCode::kNotFound);
   EXPECT_EQ(s.page_count(), 0u);
   EXPECT_EQ(s.CreateSequence(44, {0, 2, 64, 16, 100}).status().code(), StatusCode::kInvalidArgument);

@@ -12,11 +12,12 @@
 // chunk (a memfd the client maps after attaching) at PageRef::offset. A row is one token's key
 // and value of one KV head in the sequence's row format (RowFormat below).
 //
-// Every field read from shared memory is untrusted for the reader: ValidateTable /
-// ReadSlot check it against the region and chunk sizes before use. A slot is rewritten in place
-// when its session reuses it, so a reader reads each of its fields once (ReadOnce) into a copy,
-// checks the copy and uses the copy alone: a field read again after its check may hold another
-// sequence's value.
+// Every field read from shared memory is untrusted for the reader: ReadTable / ReadSlot check it
+// against the region and chunk sizes before use. A slot is rewritten in place when its session
+// reuses it, so a reader reads each of its fields once (ReadOnce) into a copy, checks the copy and
+// uses the copy alone: a field read again after its check may hold another sequence's value. So
+// for the header: its counts are read once, at ReadTable, and every later check and index uses
+// that copy (TableCounts).
 #pragma once
 
 #include <atomic>
@@ -75,7 +76,17 @@ inline constexpr size_t TableBytes(uint32_t slots, uint32_t refs) {
   return sizeof(TableHeader) + size_t{slots} * sizeof(SequenceSlot) + size_t{refs} * sizeof(PageRef);
 }
 
-// Checks a mapped table region of `bytes` bytes: magic, version, struct sizes, counts that fit.
+// The header's counts, read once when the table is mapped: a reader checks and indexes with this
+// copy alone (the region is the writer's: a header rewritten after the check must not move a
+// reader outside what was checked).
+struct TableCounts {
+  uint32_t slot_count = 0, ref_count = 0, chunk_count = 0;
+  uint64_t chunk_bytes = 0;
+};
+// Checks a mapped table region of `bytes` bytes: magic, version, struct sizes, counts that fit;
+// the counts as read.
+Result<TableCounts> ReadTable(const void* region, size_t bytes);
+// ReadTable's checks alone.
 Status ValidateTable(const void* region, size_t bytes);
 
 // A field of shared memory read once (the compiler may not read it again for a later use of the
@@ -92,20 +103,24 @@ struct SlotFields {
   uint32_t pages_capacity_per_layer = 0, first_ref = 0, row_format = 0;
   uint32_t pages_per_layer = 0;  // published when it was read (acquire), <= pages_capacity_per_layer
 };
-// Reads one slot of a validated table and checks the copy: live, page geometry, refs inside the
-// pool, and with `check_refs`, every published ref (each read once) inside a chunk.
-Result<SlotFields> ReadSlot(const void* region, uint32_t slot, bool check_refs);
+// Reads one slot of a table ReadTable checked (`table`: its counts) and checks the copy: live,
+// page geometry, refs inside the pool, and with `check_refs`, every published ref (each read
+// once) inside a chunk.
+Result<SlotFields> ReadSlot(const void* region, const TableCounts& table, uint32_t slot, bool check_refs);
 // ReadSlot's checks alone.
-Status ValidateSlot(const void* region, uint32_t slot, bool check_refs);
+Status ValidateSlot(const void* region, const TableCounts& table, uint32_t slot, bool check_refs);
 
 inline const TableHeader* Header(const void* region) { return static_cast<const TableHeader*>(region); }
 inline const SequenceSlot* Slots(const void* region) {
   return reinterpret_cast<const SequenceSlot*>(static_cast<const char*>(region) + sizeof(TableHeader));
 }
-inline const PageRef* Refs(const void* region) {
+// The refs of a table of `slot_count` slots (a reader's: its TableCounts'); Refs(region): as the
+// header says now (the table's writer's).
+inline const PageRef* Refs(const void* region, uint32_t slot_count) {
   return reinterpret_cast<const PageRef*>(reinterpret_cast<const char*>(Slots(region)) +
-                                          size_t{Header(region)->slot_count} * sizeof(SequenceSlot));
+                                          size_t{slot_count} * sizeof(SequenceSlot));
 }
+inline const PageRef* Refs(const void* region) { return Refs(region, Header(region)->slot_count); }
 
 // The pages' geometry, the one place it is written down on this side (the agent's host_rows.h and
 // full_precision_source.h state the same for its sources; client_lib checks they agree).
