@@ -87,10 +87,10 @@ Result<uint64_t> DaemonSource::Keep(SequenceId sequence) { return registry_->Kee
 
 Status DaemonSource::AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
                                 int32_t n) {
-  SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));
-  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s, layer, kv_head));
+  SPECACHE_ASSIGN_OR_RETURN(const auto s, registry_->Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s.get(), layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(Registry::CheckNextRows("append", *length, first_token, n));
-  SPECACHE_RETURN_IF_ERROR(EnsureMapped(*registry_, s, first_token + n));
+  SPECACHE_RETURN_IF_ERROR(EnsureMapped(*registry_, s.get(), first_token + n));
   const SequenceLayout& l = s->layout;
   for (int32_t i = 0; i < n; ++i) {
     EncodeHostRows(l.row_format, rows + int64_t{i} * 2 * l.head_dim, 1, l.head_dim,
@@ -107,35 +107,35 @@ std::vector<HostRegion> DaemonSource::host_regions() const {
 }
 
 Status DaemonSource::HostPages(SequenceId sequence, int layer, int32_t tokens, std::vector<uint8_t*>* pages) {
-  SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));
-  SPECACHE_RETURN_IF_ERROR(Registry::LengthOf(s, layer, 0).status());
+  SPECACHE_ASSIGN_OR_RETURN(const auto s, registry_->Find(sequence));
+  SPECACHE_RETURN_IF_ERROR(Registry::LengthOf(s.get(), layer, 0).status());
   if (tokens < 0) return Status::InvalidArgument("negative token count");
-  SPECACHE_RETURN_IF_ERROR(EnsureMapped(*registry_, s, tokens));
+  SPECACHE_RETURN_IF_ERROR(EnsureMapped(*registry_, s.get(), tokens));
   const auto& all = s->page_data[layer];
-  pages->assign(all.begin(), all.begin() + (static_cast<uint32_t>(tokens) + page_tokens_ - 1) / page_tokens_);
+  pages->assign(all.begin(), all.begin() + (int64_t{tokens} + page_tokens_ - 1) / page_tokens_);  // tokens >= 0, mapped
   return Status::Ok();
 }
 
 Status DaemonSource::CommitRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, int32_t n) {
-  SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));
-  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s, layer, kv_head));
+  SPECACHE_ASSIGN_OR_RETURN(const auto s, registry_->Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s.get(), layer, kv_head));
   return CommitHeads(*s, page_tokens_, length, 1, first_token, n);
 }
 
 Status DaemonSource::CommitLayerRows(SequenceId sequence, int layer, int n_kv_heads, int32_t first_token, int32_t n) {
-  SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(const auto s, registry_->Find(sequence));
   if (n_kv_heads != s->layout.n_kv_heads) {
     return Status::InvalidArgument("commit of " + std::to_string(n_kv_heads) + " kv heads; the layout has " +
                                    std::to_string(s->layout.n_kv_heads));
   }
-  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * lengths, Registry::LengthOf(s, layer, 0));  // the layer's heads in a row
+  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * lengths, Registry::LengthOf(s.get(), layer, 0));  // the layer's heads in a row
   return CommitHeads(*s, page_tokens_, lengths, n_kv_heads, first_token, n);
 }
 
 Status DaemonSource::ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
                               Half* out) const {
-  SPECACHE_ASSIGN_OR_RETURN(MappedSequence * s, registry_->Find(sequence));
-  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, Registry::LengthOf(s, layer, kv_head));
+  SPECACHE_ASSIGN_OR_RETURN(const auto s, registry_->Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, Registry::LengthOf(s.get(), layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(Registry::CheckWritten(*length, tokens, n));
   const SequenceLayout& l = s->layout;
   for (int32_t i = 0; i < n; ++i) {

@@ -54,10 +54,10 @@ Status RemoteSource::ReleaseSequence(SequenceId sequence) { return registry_->Re
 
 Status RemoteSource::AppendRows(SequenceId sequence, int layer, int kv_head, int32_t first_token, const Half* rows,
                                 int32_t n) {
-  SPECACHE_ASSIGN_OR_RETURN(RegisteredSequence * s, registry_->Find(sequence));
-  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s, layer, kv_head));
+  SPECACHE_ASSIGN_OR_RETURN(const auto s, registry_->Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(std::atomic<int32_t> * length, Registry::LengthOf(s.get(), layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(Registry::CheckNextRows("append", *length, first_token, n));
-  SPECACHE_RETURN_IF_ERROR(registry_->EnsurePages(s, first_token + n));
+  SPECACHE_RETURN_IF_ERROR(registry_->EnsurePages(s.get(), first_token + n));
   // In requests of at most kMaxRowsPerRequest rows (a long prompt's prefill is more), each
   // stored in the sequence's row format first (fp16 rows go as they are).
   const SequenceLayout& l = s->layout;
@@ -83,8 +83,8 @@ Status RemoteSource::AppendRows(SequenceId sequence, int layer, int kv_head, int
 
 Status RemoteSource::ReadRows(SequenceId sequence, int layer, int kv_head, const int32_t* tokens, int32_t n,
                               Half* out) const {
-  SPECACHE_ASSIGN_OR_RETURN(RegisteredSequence * s, registry_->Find(sequence));
-  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, Registry::LengthOf(s, layer, kv_head));
+  SPECACHE_ASSIGN_OR_RETURN(const auto s, registry_->Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, Registry::LengthOf(s.get(), layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(Registry::CheckWritten(*length, tokens, n));
   SPECACHE_RETURN_IF_ERROR(session_->ReadRows(s->daemon_id, static_cast<uint32_t>(layer), static_cast<uint32_t>(kv_head),
                                               std::span<const int32_t>(tokens, static_cast<size_t>(n)), out));
@@ -98,8 +98,8 @@ Result<uint64_t> RemoteSource::StartReadRows(SequenceId sequence, int layer, int
     SPECACHE_RETURN_IF_ERROR(ReadRows(sequence, layer, kv_head, tokens, n, out));
     return uint64_t{0};  // request ids start at 1: 0 is "already read"
   }
-  SPECACHE_ASSIGN_OR_RETURN(RegisteredSequence * s, registry_->Find(sequence));
-  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, Registry::LengthOf(s, layer, kv_head));
+  SPECACHE_ASSIGN_OR_RETURN(const auto s, registry_->Find(sequence));
+  SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, Registry::LengthOf(s.get(), layer, kv_head));
   SPECACHE_RETURN_IF_ERROR(Registry::CheckWritten(*length, tokens, n));
   SPECACHE_ASSIGN_OR_RETURN(const uint64_t read,
                             session_->StartRead(s->daemon_id, static_cast<uint32_t>(layer), static_cast<uint32_t>(kv_head),

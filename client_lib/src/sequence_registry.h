@@ -135,15 +135,17 @@ class SequenceRegistry {
     return s->daemon_id;
   }
 
-  Result<EntryT*> Find(SequenceId sequence) const {
+  // The sequence's entry, held: a Release meanwhile forgets it here but frees it only once the
+  // caller is done with it (a source's call on another thread, a prefetch's read, say).
+  Result<std::shared_ptr<EntryT>> Find(SequenceId sequence) const {
     std::lock_guard<std::mutex> lock(mu_);
-    EntryT* s = EntryLocked(sequence).get();
+    std::shared_ptr<EntryT> s = EntryLocked(sequence);
     if (!s) return Status::NotFound("sequence " + std::to_string(sequence) + " is not in the source");
     return s;
   }
 
   Result<uint64_t> DaemonSequence(SequenceId sequence) const {
-    SPECACHE_ASSIGN_OR_RETURN(EntryT * s, Find(sequence));
+    SPECACHE_ASSIGN_OR_RETURN(const auto s, Find(sequence));
     return s->daemon_id;
   }
 
@@ -156,8 +158,8 @@ class SequenceRegistry {
   }
 
   Result<int32_t> Length(SequenceId sequence, int layer, int kv_head) const {
-    SPECACHE_ASSIGN_OR_RETURN(EntryT * s, Find(sequence));
-    SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, LengthOf(s, layer, kv_head));
+    SPECACHE_ASSIGN_OR_RETURN(const auto s, Find(sequence));
+    SPECACHE_ASSIGN_OR_RETURN(const std::atomic<int32_t>* length, LengthOf(s.get(), layer, kv_head));
     return length->load();
   }
 
@@ -189,7 +191,7 @@ class SequenceRegistry {
     if (static_cast<uint32_t>(tokens) > capacity_tokens_) {
       return Status::OutOfRange("sequence capacity is " + std::to_string(capacity_tokens_) + " tokens");
     }
-    const uint32_t need = (static_cast<uint32_t>(tokens) + page_tokens_ - 1) / page_tokens_;
+    const auto need = static_cast<uint32_t>((uint64_t{static_cast<uint32_t>(tokens)} + page_tokens_ - 1) / page_tokens_);
     if (s->pages.load(std::memory_order_acquire) >= need) return Status::Ok();
     std::lock_guard<std::mutex> lock(s->extend_mu);
     if (s->pages.load(std::memory_order_acquire) >= need) return Status::Ok();  // another head extended

@@ -52,6 +52,33 @@ TEST(SequenceRegistryTest, TwoCreatesOfOneIdAtOnceMakeOneDaemonSequence) {
   EXPECT_EQ(session.releases.load(), 1) << "the one daemon sequence, released with the registry";
 }
 
+// An entry that says when it is freed.
+struct Tracked : RegisteredSequence {
+  Tracked(const SequenceLayout& l, uint32_t max_pages_per_layer) : RegisteredSequence(l, max_pages_per_layer) {}
+  ~Tracked() { freed->store(true); }
+  std::atomic<bool>* freed = nullptr;
+};
+
+// A Release while another thread uses the entry Find gave it (a source's read on a prefetch
+// thread, say) forgets the sequence at once but frees the entry only once that use ends; before,
+// Find handed out a bare pointer the Release freed under it.
+TEST(SequenceRegistryTest, AReleaseFreesAnEntryOnlyOnceItsFindersAreDone) {
+  SlowSession session;
+  SequenceRegistry<SlowSession, Tracked> registry(&session, 64, 1024);
+  ASSERT_TRUE(registry.Create(3, kLayout).ok());
+  std::atomic<bool> freed{false};
+  {
+    auto held = registry.Find(3);
+    ASSERT_TRUE(held.ok());
+    (*held)->freed = &freed;
+    ASSERT_TRUE(registry.Release(3).ok());
+    EXPECT_EQ(registry.Find(3).status().code(), StatusCode::kNotFound);
+    EXPECT_FALSE(freed.load()) << "freed while a finder held it";
+    (*held)->lengths[0].store(5);  // still its memory
+  }
+  EXPECT_TRUE(freed.load());
+}
+
 // An entry that records the page count its registry gave it.
 struct CountedPages : RegisteredSequence {
   CountedPages(const SequenceLayout& l, uint32_t max_pages_per_layer)
