@@ -91,6 +91,10 @@ class EmbeddedDaemon {
     if (chunk_bytes == 0 || pool_bytes == 0) {  // the daemon's own checks come after the rounding below
       ThrowIfError(Status::InvalidArgument("EmbeddedDaemon: pool_bytes and chunk_bytes must be positive"));
     }
+    if (pool_bytes > ~uint64_t{0} - (chunk_bytes - 1)) {  // the rounding up to whole chunks would wrap
+      ThrowIfError(Status::InvalidArgument("EmbeddedDaemon: pool_bytes " + std::to_string(pool_bytes) +
+                                           " cannot be rounded up to whole chunks"));
+    }
     char tmpl[] = "/tmp/specache-py-XXXXXX";
     if (!mkdtemp(tmpl)) ThrowIfError(Status::Internal("mkdtemp failed: " + std::string(strerror(errno))));
     dir_ = tmpl;

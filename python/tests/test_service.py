@@ -92,6 +92,10 @@ def test_daemon_errors_carry_their_codes(daemon, tmp_path):
     with pytest.raises(StatusError) as info:  # a clear error, not a division by zero
         specache.EmbeddedDaemon(pool_bytes=64 << 20, chunk_bytes=0)
     assert info.value.code == StatusCode.INVALID_ARGUMENT
+    with pytest.raises(StatusError) as info:  # its rounding to whole chunks used to wrap to 0
+        specache.EmbeddedDaemon(pool_bytes=(1 << 64) - 1, chunk_bytes=16 << 20)
+    assert info.value.code == StatusCode.INVALID_ARGUMENT
+    assert "whole chunks" in str(info.value)
 
 
 def test_source_over_its_session_quota(daemon):
