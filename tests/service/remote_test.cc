@@ -359,6 +359,75 @@ TEST_F(RemoteTest, WrongSecretAndOtherTenantAreRefusedBeforeAnythingIsReserved) 
   EXPECT_EQ(stats->reserved_bytes, 0u) << "a refused OpenSession reserved memory";
 }
 
+// A plain UCX client of its own (no client library, no hello), as a hostile peer would use one:
+// its endpoints to the daemon's data port, whose replies it drops and which it force-closes at
+// its end.
+struct PlainUcxClient {
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  std::vector<ucp_ep_h> endpoints;
+
+  PlainUcxClient() {
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return;
+    ucp_params_t p{};
+    p.field_mask = UCP_PARAM_FIELD_FEATURES;
+    p.features = UCP_FEATURE_AM;
+    const ucs_status_t made = ucp_init(&p, config, &context);
+    ucp_config_release(config);
+    ucp_worker_params_t wp{};
+    if (made != UCS_OK || ucp_worker_create(context, &wp, &worker) != UCS_OK) return;
+    ucp_am_handler_param_t replies{};  // whatever the daemon answers is dropped
+    replies.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB;
+    replies.id = remote::kReply;
+    replies.cb = [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) { return UCS_OK; };
+    if (ucp_worker_set_am_recv_handler(worker, &replies) != UCS_OK) {
+      ucp_worker_destroy(worker);
+      worker = nullptr;
+    }
+  }
+  ~PlainUcxClient() {
+    for (ucp_ep_h h : endpoints) {
+      ucp_request_param_t close{};
+      close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      Finish(ucp_ep_close_nbx(h, &close));
+    }
+    if (worker) ucp_worker_destroy(worker);
+    if (context) ucp_cleanup(context);
+  }
+  bool ok() const { return worker != nullptr; }
+
+  // An endpoint to 127.0.0.1:port (errors on it, the daemon closing it say, are expected), or null.
+  ucp_ep_h Connect(uint16_t port) {
+    auto addr = remote::ResolveAddress("127.0.0.1:" + std::to_string(port));
+    if (!addr.ok()) return nullptr;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = addr->get();
+    ep.sockaddr.addrlen = addr->length;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ucp_ep_h h = nullptr;
+    if (ucp_ep_create(worker, &ep, &h) != UCS_OK) return nullptr;
+    endpoints.push_back(h);
+    return h;
+  }
+  // Progresses the worker for `how_long`.
+  void Progress(std::chrono::milliseconds how_long) {
+    const auto until = std::chrono::steady_clock::now() + how_long;
+    while (std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
+  }
+  // Progresses until a request UCX returned is done, then frees it (nothing to do for one done at once).
+  void Finish(ucs_status_ptr_t request) {
+    if (!UCS_PTR_IS_PTR(request)) return;
+    while (ucp_request_check_status(request) == UCS_INPROGRESS) ucp_worker_progress(worker);
+    ucp_request_free(request);
+  }
+};
+
 // A raw data-plane endpoint, as a hostile client would use it. Its requests carry the session id
 // and token of its last hello (none before one).
 struct RawEndpoint {
@@ -548,39 +617,11 @@ TEST_F(RemoteTest, EndpointsThatNeverSayHelloCannotHoldEverySlot) {
   extra_toml_ = "[limits]\nattach_connections = 4\n";
   StartDaemon(false, false);
   // A plain UCX client: six endpoints to the data port, progressed until connected, then silent.
-  ucp_config_t* config = nullptr;
-  ASSERT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
-  ucp_params_t p{};
-  p.field_mask = UCP_PARAM_FIELD_FEATURES;
-  p.features = UCP_FEATURE_AM;
-  ucp_context_h context = nullptr;
-  ASSERT_EQ(ucp_init(&p, config, &context), UCS_OK);
-  ucp_config_release(config);
-  ucp_worker_params_t wp{};
-  ucp_worker_h worker = nullptr;
-  ASSERT_EQ(ucp_worker_create(context, &wp, &worker), UCS_OK);
-  ucp_am_handler_param_t replies{};  // whatever the daemon answers is dropped
-  replies.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB;
-  replies.id = remote::kReply;
-  replies.cb = [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) { return UCS_OK; };
-  ASSERT_EQ(ucp_worker_set_am_recv_handler(worker, &replies), UCS_OK);
-  auto addr = remote::ResolveAddress("127.0.0.1:" + std::to_string(data_port_));
-  ASSERT_TRUE(addr.ok());
-  std::vector<ucp_ep_h> silent;
+  PlainUcxClient ucx;
+  ASSERT_TRUE(ucx.ok());
   for (int i = 0; i < 6; ++i) {
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};  // closed by the daemon: expected
-    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep.sockaddr.addr = addr->get();
-    ep.sockaddr.addrlen = addr->length;
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ucp_ep_h h = nullptr;
-    ASSERT_EQ(ucp_ep_create(worker, &ep, &h), UCS_OK);
-    silent.push_back(h);
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
-    while (std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
+    ASSERT_NE(ucx.Connect(data_port_), nullptr);
+    ucx.Progress(std::chrono::milliseconds(100));
   }
   // Within the lease: a legitimate session gets a slot and is served.
   Fixture f = Open("a", FetchMethod::kServerGather, 20);
@@ -595,29 +636,19 @@ TEST_F(RemoteTest, EndpointsThatNeverSayHelloCannotHoldEverySlot) {
   ucp_request_param_t send{};
   send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   send.flags = UCP_AM_SEND_FLAG_REPLY;
-  ucs_status_ptr_t sent = ucp_am_send_nbx(silent.back(), remote::kGather, huge_header.data(), huge_header.size(),
+  ucs_status_ptr_t sent = ucp_am_send_nbx(ucx.endpoints.back(), remote::kGather, huge_header.data(), huge_header.size(),
                                           nullptr, 0, &send);
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   while (std::chrono::steady_clock::now() < until && daemon_->Log().find("a message header of 4096 bytes") == std::string::npos) {
-    ucp_worker_progress(worker);
+    ucp_worker_progress(ucx.worker);
   }
   if (UCS_PTR_IS_PTR(sent)) {
     while (ucp_request_check_status(sent) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until + std::chrono::seconds(1)) {
-      ucp_worker_progress(worker);
+      ucp_worker_progress(ucx.worker);
     }
     ucp_request_free(sent);
   }
   EXPECT_NE(daemon_->Log().find("closed: a message header of 4096 bytes"), std::string::npos) << daemon_->Log();
-  for (ucp_ep_h h : silent) {
-    ucp_request_param_t close{};
-    close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    close.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t st = ucp_ep_close_nbx(h, &close);
-    while (UCS_PTR_IS_PTR(st) && ucp_request_check_status(st) == UCS_INPROGRESS) ucp_worker_progress(worker);
-    if (UCS_PTR_IS_PTR(st)) ucp_request_free(st);
-  }
-  ucp_worker_destroy(worker);
-  ucp_cleanup(context);
 }
 
 TEST_F(RemoteTest, OversizedAndMismatchedPayloadsAreRefusedToTheirRequest) {
@@ -1047,38 +1078,18 @@ TEST_F(RemoteTest, AForgedEndpointIdCannotWriteIntoAnotherTenantsSession) {
   Fixture a = Open("a", FetchMethod::kServerGather, 32);  // the victim: rows hold (l*31+h*7+t)
   ASSERT_TRUE(a.session);
 
-  ucp_config_t* config = nullptr;
-  ASSERT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
-  ucp_params_t p{};
-  p.field_mask = UCP_PARAM_FIELD_FEATURES;
-  p.features = UCP_FEATURE_AM;
-  ucp_context_h context = nullptr;
-  ASSERT_EQ(ucp_init(&p, config, &context), UCS_OK);
-  ucp_config_release(config);
-  ucp_worker_params_t wp{};
-  ucp_worker_h worker = nullptr;
-  ASSERT_EQ(ucp_worker_create(context, &wp, &worker), UCS_OK);
-  auto addr = remote::ResolveAddress("127.0.0.1:" + std::to_string(data_port_));
-  ASSERT_TRUE(addr.ok());
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
-  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  ep.sockaddr.addr = addr->get();
-  ep.sockaddr.addrlen = addr->length;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ucp_ep_h attacker = nullptr;
-  ASSERT_EQ(ucp_ep_create(worker, &ep, &attacker), UCS_OK);
+  PlainUcxClient ucx;
+  ASSERT_TRUE(ucx.ok());
+  ucp_ep_h attacker = ucx.Connect(data_port_);
+  ASSERT_NE(attacker, nullptr);
   auto* ext_gen = reinterpret_cast<uint8_t*>(attacker) + 128 * 1024;
   uint8_t* control_ext = nullptr;
   std::memcpy(&control_ext, ext_gen + 48, sizeof control_ext);
   ASSERT_NE(control_ext, nullptr);
   auto* remote_id = reinterpret_cast<uint64_t*>(control_ext + 16);
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (*remote_id == 0 && std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
-  const auto wired = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);  // the wireup's last messages
-  while (std::chrono::steady_clock::now() < wired) ucp_worker_progress(worker);
+  while (*remote_id == 0 && std::chrono::steady_clock::now() < until) ucp_worker_progress(ucx.worker);
+  ucx.Progress(std::chrono::milliseconds(300));  // the wireup's last messages
   const uint64_t own = *remote_id;
   ASSERT_TRUE(own != 0 && (own & 1) && own < (1u << 20)) << "not UCX 1.13's layout: remote id " << own;
 
@@ -1099,11 +1110,9 @@ TEST_F(RemoteTest, AForgedEndpointIdCannotWriteIntoAnotherTenantsSession) {
     ucs_status_ptr_t st = ucp_am_send_nbx(attacker, remote::kWrite, &r, sizeof r, row.data(), row.size(), &send);
     EXPECT_EQ(st, nullptr) << "sent at once, its footer packed with the forged id";
     *remote_id = own;
-    while (UCS_PTR_IS_PTR(st) && ucp_request_check_status(st) == UCS_INPROGRESS) ucp_worker_progress(worker);
-    if (UCS_PTR_IS_PTR(st)) ucp_request_free(st);
+    ucx.Finish(st);
   }
-  const auto settle = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
-  while (std::chrono::steady_clock::now() < settle) ucp_worker_progress(worker);
+  ucx.Progress(std::chrono::milliseconds(300));
 
   // Tenant a reads its own row 5 of layer 0, head 0: it must still be what a wrote.
   std::vector<int32_t> tokens = {5};
@@ -1113,15 +1122,6 @@ TEST_F(RemoteTest, AForgedEndpointIdCannotWriteIntoAnotherTenantsSession) {
   EXPECT_EQ(out[0], 5) << "tenant a's row 5 was overwritten by a peer with no credentials (0xEE = the forged write)\n"
                        << daemon_->Log();
   EXPECT_NE(daemon_->Log().find("without that session's id and token dropped"), std::string::npos) << daemon_->Log();
-
-  ucp_request_param_t close{};
-  close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  close.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t st = ucp_ep_close_nbx(attacker, &close);
-  while (UCS_PTR_IS_PTR(st) && ucp_request_check_status(st) == UCS_INPROGRESS) ucp_worker_progress(worker);
-  if (UCS_PTR_IS_PTR(st)) ucp_request_free(st);
-  ucp_worker_destroy(worker);
-  ucp_cleanup(context);
 }
 
 

@@ -22,14 +22,29 @@ uint32_t ModeOf(const std::string& path) {
   return st.st_mode & 07777;
 }
 
+// EnsureSocketDirectory(socket) with the process's umask at `mask` meanwhile.
+Status EnsureUnderUmask(mode_t mask, const std::string& socket) {
+  const mode_t before = ::umask(mask);
+  const Status made = EnsureSocketDirectory(socket);
+  ::umask(before);
+  return made;
+}
+
+// The directory and its missing parents get the daemon's mode, whatever the umask: under umask 0
+// a parent (`run`) was left 0777, so any local user could rename `run/specache` away and put a
+// directory of their own (and their own control.sock) in its place; under 077 clients could not
+// search it.
 TEST(SocketDirectoryTest, AMissingDirectoryIsCreated0755WhateverTheUmask) {
   testing::TempDir tmp;
-  const mode_t before = ::umask(0);
-  const Status made = EnsureSocketDirectory(tmp.path + "/run/specache/control.sock");
-  ::umask(before);
+  const Status made = EnsureUnderUmask(0, tmp.path + "/run/specache/control.sock");
   ASSERT_TRUE(made.ok()) << made.ToString();
   EXPECT_EQ(ModeOf(tmp.path + "/run/specache"), 0755u);
+  EXPECT_EQ(ModeOf(tmp.path + "/run"), 0755u) << std::oct << ModeOf(tmp.path + "/run");
   EXPECT_TRUE(EnsureSocketDirectory(tmp.path + "/run/specache/control.sock").ok()) << "an existing one passes";
+  const Status again = EnsureUnderUmask(077, tmp.path + "/other/specache/control.sock");
+  ASSERT_TRUE(again.ok()) << again.ToString();
+  EXPECT_EQ(ModeOf(tmp.path + "/other"), 0755u);
+  EXPECT_EQ(ModeOf(tmp.path + "/other/specache"), 0755u);
 }
 
 TEST(SocketDirectoryTest, ADirectoryOthersMayWriteIsRefused) {
@@ -65,25 +80,6 @@ TEST(SocketDirectoryTest, ADirectoryOfAnotherUserIsRefused) {
   const Status s = EnsureSocketDirectory(dir + "/control.sock");
   EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.ToString();
   EXPECT_NE(s.message().find("belongs to user 65534"), std::string::npos) << s.ToString();
-}
-
-// The missing parents of the socket directory get the daemon's mode too, whatever the umask:
-// under umask 0 `run` was left 0777, so any local user could rename `run/specache` away and put a
-// directory of their own (and their own control.sock) in its place.
-TEST(SocketDirectoryTest, MissingParentsAreNotLeftWritableByOthers) {
-  testing::TempDir tmp;
-  const mode_t before = ::umask(0);
-  const Status made = EnsureSocketDirectory(tmp.path + "/run/specache/control.sock");
-  ::umask(before);
-  ASSERT_TRUE(made.ok()) << made.ToString();
-  EXPECT_EQ(ModeOf(tmp.path + "/run") & 07777u, 0755u) << std::oct << ModeOf(tmp.path + "/run");
-  EXPECT_EQ(ModeOf(tmp.path + "/run/specache") & 07777u, 0755u);
-  // Under a umask that leaves clients no search permission, the directories still admit them.
-  const mode_t tight = ::umask(077);
-  const Status again = EnsureSocketDirectory(tmp.path + "/other/specache/control.sock");
-  ::umask(tight);
-  ASSERT_TRUE(again.ok()) << again.ToString();
-  EXPECT_EQ(ModeOf(tmp.path + "/other") & 07777u, 0755u);
 }
 
 }  // namespace

@@ -575,16 +575,30 @@ mode_t ModeOf(const std::string& path) {
   return st.st_mode & 07777;
 }
 
-// Whoever may write the store's directory, or its parent, could read or replace spilled pages
-// (their checksums have no key); a link in its place would have the daemon chmod whatever it
-// points at. Each is refused before anything is changed.
-TEST(SpillStoreTest, ALinkAnotherUsersDirectoryOrAnOpenParentIsRefusedBeforeAnyChange) {
-  TempDir dir;
+// dir/link, a link to dir/target, which holds a file of mode 0644 (someone else's): its path.
+std::string LinkToAFileOfSomeoneElse(const TempDir& dir) {
   const std::string target = dir.path + "/target", kept = target + "/someone-elses-file";
   std::filesystem::create_directory(target);
   std::ofstream(kept) << "x";
   std::filesystem::permissions(kept, std::filesystem::perms(0644));
   std::filesystem::create_directory_symlink(target, dir.path + "/link");
+  return kept;
+}
+
+// dir/open, mode 0777: its path.
+std::string DirectoryOthersMayWrite(const TempDir& dir) {
+  const std::string open = dir.path + "/open";
+  std::filesystem::create_directory(open);
+  std::filesystem::permissions(open, std::filesystem::perms(0777));
+  return open;
+}
+
+// Whoever may write the store's directory, or its parent, could read or replace spilled pages
+// (their checksums have no key); a link in its place would have the daemon chmod whatever it
+// points at. Each is refused before anything is changed.
+TEST(SpillStoreTest, ALinkAnotherUsersDirectoryOrAnOpenParentIsRefusedBeforeAnyChange) {
+  TempDir dir;
+  const std::string kept = LinkToAFileOfSomeoneElse(dir);
   auto linked = SpillStore::Open({dir.path + "/link"});
   EXPECT_EQ(linked.status().code(), StatusCode::kPermissionDenied) << linked.status().ToString();
   EXPECT_NE(linked.status().message().find("symbolic link"), std::string::npos) << linked.status().ToString();
@@ -606,9 +620,7 @@ TEST(SpillStoreTest, ALinkAnotherUsersDirectoryOrAnOpenParentIsRefusedBeforeAnyC
   }
 
   // A parent its group or others may write: they could rename the store and put theirs there.
-  const std::string open = dir.path + "/open";
-  std::filesystem::create_directory(open);
-  std::filesystem::permissions(open, std::filesystem::perms(0777));
+  const std::string open = DirectoryOthersMayWrite(dir);
   auto in_open = SpillStore::Open({open + "/spill"});
   EXPECT_EQ(in_open.status().code(), StatusCode::kPermissionDenied) << in_open.status().ToString();
   EXPECT_NE(in_open.status().message().find("parent"), std::string::npos) << in_open.status().ToString();
@@ -622,18 +634,12 @@ TEST(SpillStoreTest, ALinkAnotherUsersDirectoryOrAnOpenParentIsRefusedBeforeAnyC
 // and open() followed a link whose name ended in '/'.
 TEST(SpillStoreTest, ATrailingSlashDoesNotBypassTheLinkAndParentChecks) {
   TempDir dir;
-  const std::string target = dir.path + "/target", kept = target + "/someone-elses-file";
-  std::filesystem::create_directory(target);
-  std::ofstream(kept) << "x";
-  std::filesystem::permissions(kept, std::filesystem::perms(0644));
-  std::filesystem::create_directory_symlink(target, dir.path + "/link");
+  const std::string kept = LinkToAFileOfSomeoneElse(dir);
   auto linked = SpillStore::Open({dir.path + "/link/"});
   EXPECT_EQ(linked.status().code(), StatusCode::kPermissionDenied) << linked.status().ToString();
   EXPECT_EQ(ModeOf(kept), 0644u) << "the link's target was made private to the daemon; Open said: " << linked.status().ToString();
 
-  const std::string open = dir.path + "/open";
-  std::filesystem::create_directory(open);
-  std::filesystem::permissions(open, std::filesystem::perms(0777));
+  const std::string open = DirectoryOthersMayWrite(dir);
   auto in_open = SpillStore::Open({open + "/spill/"});
   EXPECT_EQ(in_open.status().code(), StatusCode::kPermissionDenied) << in_open.status().ToString();
   // Slashes at the end name the directory itself. (A path that names no directory of its own, "/"
