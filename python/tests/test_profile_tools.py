@@ -29,6 +29,32 @@ def test_a_gap_lists_the_copies_that_ran_during_it(tmp_path):
     assert len(gap) == 4, out
 
 
+def test_steps_charge_the_marker_streams_gaps_to_what_it_waited_for(tmp_path):
+    """--steps: steps are cut at each marker kernel; a gap of the marker's stream that ends just
+    after another stream's record is that record's wait, one with nothing ending there the host's."""
+    csv = tmp_path / "timeline.csv"
+    rows = ["kind,stream,start_ns,end_ns,name"]
+    for step in range(4):  # 1 ms steps on stream 7
+        t = step * 1_000_000
+        rows += [f"K,7,{t},{t + 10_000},EmbedKernel",
+                 f"K,7,{t + 10_000},{t + 400_000},Attention",
+                 f"K,9,{t + 300_000},{t + 500_000},UpdateCache",      # stream 7 waits for it: 100 us
+                 f"K,7,{t + 500_000},{t + 700_000},Gemm",
+                 f"K,7,{t + 900_000},{t + 950_000},Gemm"]              # 200 us late, nothing ended: the host
+    csv.write_text("\n".join(rows) + "\n")
+    out = subprocess.run([sys.executable, str(SCRIPT), str(csv), "--steps", "EmbedKernel", "--skip", "1"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "3 whole steps" in out and "1.00 1.00 1.00" in out, out
+    assert "steps 2-3 (2): 1.000 ms a step" in out, out
+    waits = out[out.index("stream 7's gaps"):].splitlines()
+    assert "0.350 ms a step" in waits[0], out  # 100 + 200 + the step's last 50 us before the next marker
+    assert waits[1].split()[:2] == ["0.200", "ms/step"] and "the host" in waits[1] and waits[1].endswith("-> Gemm"), out
+    assert waits[2].split()[:2] == ["0.100", "ms/step"] and "UpdateCache (stream 9) -> Gemm" in waits[2], out
+    one = subprocess.run([sys.executable, str(SCRIPT), str(csv), "--steps", "EmbedKernel", "--skip", "1", "--count", "1"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "2 whole steps" in one and "steps 2-2 (1)" in one, one
+
+
 def test_library_self_time_is_charged_to_the_named_caller():
     """tools/profile/host_profile.py: a sample whose innermost frames are in modules named only
     by their file (the C library, the driver) is charged to the first named frame below them."""

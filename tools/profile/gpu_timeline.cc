@@ -10,7 +10,9 @@
 // in which no kernel ran on any stream, with the records around them.
 //
 // The program's own cudaProfilerStart/Stop are replaced (nothing else profiles in such a run).
-// Only the first start-stop span is recorded. Errors go to stderr; the program runs on regardless.
+// Only the first start-stop span is recorded; with SPECACHE_TIMELINE_STOP=0 the span runs from the
+// start to the exit instead (a profiled step and the measured steps after it, queued as they run
+// unprofiled: the steady state, which a step profiled from an idle device does not show). Errors go to stderr; the program runs on regardless.
 #include <cupti.h>
 
 #include <cstdint>
@@ -133,6 +135,7 @@ extern "C" int cudaProfilerStart() {
 
 extern "C" int cudaProfilerStop() {
   if (!started || stopped) return 0;
+  if (const char* stop = std::getenv("SPECACHE_TIMELINE_STOP"); stop != nullptr && std::strcmp(stop, "0") == 0) return 0;
   stopped = true;
   Check(cuptiActivityFlushAll(1), "flush");
   cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);

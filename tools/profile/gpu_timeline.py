@@ -6,7 +6,14 @@ record that ended before each, the one that began after (and its stream), and th
 memsets that ran during it (a kernel that waits for a copy queued behind another on the copy
 engine shows as a gap that a large copy spans).
 
-  gpu_timeline.py gpu_timeline.csv [--gaps 15] [--names 60]
+With --steps MARKER (a kernel name's part, e.g. EmbedKernel: a record that begins each step) it
+prints the steps instead (a span recorded to the exit, SPECACHE_TIMELINE_STOP=0): each step's time
+(marker to marker), and over --count steps (0: all) after the first --skip: the kernels' time per step, and
+the marker's stream's waits, each gap between its records charged to what it waited for: the
+record of another stream that ended last before the stream went on (within --slack us), else the
+host (nothing ended there: the next launch came late).
+
+  gpu_timeline.py gpu_timeline.csv [--gaps 15] [--names 60] [--steps MARKER [--skip 2] [--count 0] [--slack 4]]
 """
 import argparse
 import bisect
@@ -59,15 +66,73 @@ def short(name, width):
     return name[:width]
 
 
+def steps_report(records, marker, skip, count, slack_us, width):
+    """The per-step view of --steps (see the module's text)."""
+    starts = [r for r in records if r[2] == "K" and marker in r[4]]
+    if count:
+        starts = starts[: skip + count + 1]
+    if len(starts) < skip + 2:
+        print(f"{len(starts)} records named like {marker!r}: too few steps for --skip {skip}")
+        return
+    stream = starts[0][3]
+    edges = [r[0] for r in starts]
+    print(f"{len(edges) - 1} whole steps ({marker} on stream {stream} begins each), ms each:")
+    print("  " + " ".join(f"{(b - a) / 1e6:.2f}" for a, b in zip(edges, edges[1:])))
+    lo, hi = edges[skip], edges[-1]
+    n = len(edges) - 1 - skip
+    inside = [r for r in records if lo <= r[0] < hi]
+    kernels = union([(s, e) for s, e, k, *_ in inside if k == "K"])
+    own = union([(s, e) for s, e, k, st, _ in inside if st == stream])
+    print(f"\nsteps {skip + 1}-{len(edges) - 1} ({n}): {(hi - lo) / 1e6 / n:.3f} ms a step; kernels on any stream "
+          f"{sum(e - s for s, e in kernels) / 1e6 / n:.3f}, on stream {stream} {sum(e - s for s, e in own) / 1e6 / n:.3f}")
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for s, e, k, st, name in inside:
+        key = (short(name, width) if k == "K" else name.rsplit(" ", 1)[0], st)
+        by_name[key][0] += 1
+        by_name[key][1] += e - s
+    print("\n ms/step  launches/step   us_each  stream  record")
+    for (name, st), (cnt, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"{ns / 1e6 / n:8.3f} {cnt / n:14.1f} {ns / cnt / 1e3:9.2f} {st:7d}  {name}")
+    # The marker stream's gaps, each charged to the other stream's record that ended last before
+    # the stream went on (a wait on an event of that stream), or to the host.
+    mine = sorted(r for r in records if r[3] == stream and lo <= r[0] <= hi)  # to the last marker, whole
+    others = sorted((r for r in records if r[3] != stream), key=lambda r: r[1])
+    other_ends = [r[1] for r in others]
+    charged = collections.defaultdict(lambda: [0, 0])
+    slack = slack_us * 1000
+    for prev, nxt in zip(mine, mine[1:]):
+        gap = nxt[0] - prev[1]
+        if gap <= slack:
+            continue
+        i = bisect.bisect_right(other_ends, nxt[0]) - 1
+        cause = "the host (no other stream's record ended just before)"
+        if i >= 0 and nxt[0] - others[i][1] <= slack and others[i][1] > prev[1]:
+            o = others[i]
+            cause = f"{short(o[4], width) if o[2] == 'K' else o[4].rsplit(' ', 1)[0]} (stream {o[3]})"
+        charged[(cause, short(nxt[4], 40))][0] += 1
+        charged[(cause, short(nxt[4], 40))][1] += gap
+    total = sum(ns for _, ns in charged.values())
+    print(f"\nstream {stream}'s gaps over {slack_us:g} us: {total / 1e6 / n:.3f} ms a step, by what it waited for -> what ran next")
+    for (cause, nxt), (cnt, ns) in sorted(charged.items(), key=lambda kv: -kv[1][1])[:15]:
+        print(f"{ns / 1e6 / n:8.3f} ms/step {cnt / n:6.1f}/step  {cause} -> {nxt}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
     ap.add_argument("--gaps", type=int, default=15, help="longest idle gaps to list")
     ap.add_argument("--names", type=int, default=60, help="characters of a kernel's name")
+    ap.add_argument("--steps", help="a part of the name of the kernel that begins each step: the per-step view")
+    ap.add_argument("--skip", type=int, default=2, help="--steps: first steps left out (the profiled one, warm-up)")
+    ap.add_argument("--count", type=int, default=0, help="--steps: steps looked at after those (0: all)")
+    ap.add_argument("--slack", type=float, default=4.0, help="--steps: us between an end and a start that count as a wait")
     a = ap.parse_args()
     records = read(a.csv)
     if not records:
         print("no records")
+        return
+    if a.steps:
+        steps_report(records, a.steps, a.skip, a.count, a.slack, a.names)
         return
     t0, t1 = records[0][0], max(r[1] for r in records)
     span = (t1 - t0) / 1e6
