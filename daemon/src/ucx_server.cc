@@ -89,8 +89,10 @@ struct UcxServer::Impl {
   };
   struct HandlerArg {
     Impl* impl;
-    uint16_t id;
+    uint16_t id;  // a served id (remote_protocol.h), or kUnservedId: any other
   };
+  // The handler argument of every active message id the daemon does not serve.
+  static constexpr uint16_t kUnservedId = 0;
 
   Registry* registry = nullptr;
   UcxServerOptions options;
@@ -111,6 +113,7 @@ struct UcxServer::Impl {
   uint64_t misbehaving = 0;
   uint64_t dropped_unanswerable = 0;  // messages with no endpoint to answer on (logged 1st, 2nd, 4th...)
   uint64_t dropped_unauthentic = 0;  // messages naming a session's endpoint without its id and token (likewise)
+  uint64_t dropped_unserved = 0;  // messages of an id the daemon does not serve (likewise)
   // A connection's most queued requests and replies in flight: past either it is closed.
   static constexpr uint32_t kMostQueued = 1024;
   // The largest message header taken (and copied): every header of the protocol is a small
@@ -174,18 +177,29 @@ struct UcxServer::Impl {
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the loop thread touches it
     if ((s = ucp_worker_create(context, &wp, &worker)) != UCS_OK) return Status::Unavailable(UcsError("ucp_worker_create", s));
     if ((s = ucp_worker_get_efd(worker, &efd)) != UCS_OK) return Status::Unavailable(UcsError("ucp_worker_get_efd", s));
+    // Every id has a handler: UCX itself warns on each message of an id without one (a line per
+    // message, uncounted: any peer could flood the log), so the ids the daemon does not serve go
+    // to OnMessage too, which counts them and logs a few. Registered from the highest id down, so
+    // that UCX sizes its handler table once (64 Ki entries).
     for (uint16_t id : {remote::kHello, remote::kGather, remote::kWrite, remote::kPages}) handler_args.push_back({this, id});
-    for (HandlerArg& a : handler_args) {
+    handler_args.push_back({this, kUnservedId});
+    const HandlerArg* unserved = &handler_args.back();
+    for (uint32_t id = 0xFFFF;; --id) {
+      const HandlerArg* arg = unserved;
+      for (const HandlerArg& a : handler_args) {
+        if (a.id == id && a.id != kUnservedId) arg = &a;
+      }
       ucp_am_handler_param_t h{};
       h.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
                      UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-      h.id = a.id;
+      h.id = static_cast<uint16_t>(id);
       h.cb = &Impl::OnMessage;
-      h.arg = &a;
+      h.arg = const_cast<HandlerArg*>(arg);
       h.flags = UCP_AM_FLAG_WHOLE_MSG;
       if ((s = ucp_worker_set_am_recv_handler(worker, &h)) != UCS_OK) {
         return Status::Unavailable(UcsError("ucp_worker_set_am_recv_handler", s));
       }
+      if (id == 0) break;
     }
     SPECACHE_ASSIGN_OR_RETURN(remote::SocketAddress addr, remote::ResolveAddress(options.listen_addr));
     ucp_listener_params_t lp{};
@@ -273,6 +287,17 @@ struct UcxServer::Impl {
                                 const ucp_am_recv_param_t* param) {
     auto* a = static_cast<HandlerArg*>(arg);
     Impl* self = a->impl;
+    if (a->id == kUnservedId) {
+      // Not this protocol's (a newer client's, or a probe's): nothing is taken from it and no
+      // endpoint is judged by it (the endpoint UCX names may be another peer's). Counted, and
+      // logged at the 1st, 2nd, 4th...
+      const uint64_t n = ++self->dropped_unserved;
+      ++self->dropped;
+      if (LoggedOccurrence(n)) {
+        spdlog::warn("remote data plane: message of an id the daemon does not serve dropped ({} such so far)", n);
+      }
+      return UCS_OK;
+    }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !self->connections.count(param->reply_ep)) {
       // No endpoint to answer on: nothing can be refused to anyone. Counted, and logged at the
       // 1st, 2nd, 4th... (a peer sending without UCP_AM_SEND_FLAG_REPLY does not flood the log).

@@ -1064,6 +1064,38 @@ TEST_F(RemoteTest, RequestsWithoutTheirEndpointsSessionAndTokenAreDroppedNotServ
       << daemon_->Log();
 }
 
+// An active message of an id the daemon does not serve (0, a reply's, an unused one, the highest)
+// is dropped, counted and logged at the 1st, 2nd, 4th...: UCX warned on its own once per such
+// message (an id without a handler), uncounted, so any peer could flood the daemon's log. The
+// endpoint that sent them is still served.
+TEST_F(RemoteTest, MessagesOfAnIdTheDaemonDoesNotServeAreDroppedCountedAndLoggedAFewTimes) {
+  StartDaemon(false, false);
+  RawSession mine = OpenRawSession(*pki_, control_port_, "b", "tenant-b-secret-9876543210");
+  ASSERT_NE(mine.id, 0u);
+  auto raw = client::UcxEndpoint::Connect("127.0.0.1:" + std::to_string(data_port_), false);
+  ASSERT_TRUE(raw.ok());
+  RawEndpoint b{std::move(*raw)};
+  ASSERT_TRUE(b.Hello(mine.id, mine.token).ok()) << daemon_->Log();
+  const uint64_t own = mine.Sequence(32);
+  for (uint16_t id : {uint16_t{0}, uint16_t{remote::kReply}, uint16_t{77}, uint16_t{0xFFFF}}) {
+    const remote::RowsRequest header = b.Request(own, 1);  // a well-formed header: only the id is foreign
+    auto sent = b.ep->Start(static_cast<remote::AmId>(id), &header, sizeof header, nullptr, 0, nullptr, 0);
+    ASSERT_TRUE(sent.ok()) << id << ": " << sent.status().ToString();
+  }
+  std::vector<uint8_t> row(kRow, 0xEE);
+  remote::RowsRequest write = b.Request(own, 1);
+  write.first_token = 5;
+  auto served = b.ep->Start(remote::kWrite, &write, sizeof write, row.data(), row.size(), nullptr, 0);
+  ASSERT_TRUE(served.ok()) << served.status().ToString();
+  Status done = b.ep->Wait(*served, std::chrono::steady_clock::now() + std::chrono::seconds(3));
+  EXPECT_TRUE(done.ok()) << done.ToString() << "\n" << daemon_->Log();
+  const std::string log = daemon_->Log();
+  EXPECT_NE(log.find("an id the daemon does not serve dropped (1 such so far)"), std::string::npos) << log;
+  EXPECT_NE(log.find("an id the daemon does not serve dropped (4 such so far)"), std::string::npos) << log;
+  EXPECT_EQ(log.find("does not serve dropped (3 such so far)"), std::string::npos) << log;
+  EXPECT_EQ(log.find("no registered callback"), std::string::npos) << log;  // UCX's own line, once a message
+}
+
 // UCX tells the daemon which endpoint a message came from by an endpoint id the *sender* writes
 // into each active message's footer (ucp_am_handler_reply: UCP_WORKER_GET_VALID_EP_BY_ID(...,
 // ftr->ep_id, ...)); with UCP_ERR_HANDLING_MODE_PEER those ids are sequential (3, 5, 7, ...). A
