@@ -44,7 +44,7 @@ def test_steps_charge_the_marker_streams_gaps_to_what_it_waited_for(tmp_path):
     csv.write_text("\n".join(rows) + "\n")
     out = subprocess.run([sys.executable, str(SCRIPT), str(csv), "--steps", "EmbedKernel", "--skip", "1"],
                          capture_output=True, text=True, check=True).stdout
-    assert "3 whole steps" in out and "1.00 1.00 1.00" in out, out
+    assert "3 whole steps recorded" in out and "the first 3, ms each" in out and "1.00 1.00 1.00" in out, out
     assert "steps 2-3 (2): 1.000 ms a step" in out, out
     waits = out[out.index("stream 7's gaps"):].splitlines()
     assert "0.350 ms a step" in waits[0], out  # 100 + 200 + the step's last 50 us before the next marker
@@ -52,7 +52,7 @@ def test_steps_charge_the_marker_streams_gaps_to_what_it_waited_for(tmp_path):
     assert waits[2].split()[:2] == ["0.100", "ms/step"] and "UpdateCache (stream 9) -> Gemm" in waits[2], out
     one = subprocess.run([sys.executable, str(SCRIPT), str(csv), "--steps", "EmbedKernel", "--skip", "1", "--count", "1"],
                          capture_output=True, text=True, check=True).stdout
-    assert "2 whole steps" in one and "steps 2-2 (1)" in one, one
+    assert "3 whole steps recorded" in one and "the first 2, ms each" in one and "steps 2-2 (1)" in one, one
 
 
 def test_library_self_time_is_charged_to_the_named_caller():

@@ -13,10 +13,10 @@
 #                                                      # (PROFILE_BATCH, PROFILE_TOKENS, PROFILE_KV, PROFILE_FETCH)
 #             tools/bench/gpu_agent_checks.sh steady   # not in run: the whole model's queued steps at 48 GB
 #                                                      # (STEADY_CONTEXT, default 8192; STEADY_KV, default the int8
-#                                                      # table's mode): a plain run, the same under the GPU timeline
-#                                                      # and under the host sampler to the exit (per step:
-#                                                      # gpu_timeline.py --steps EmbedKernel), the step bench at its
-#                                                      # batch (~6 minutes)
+#                                                      # table's mode): a plain run, then its batch under the GPU
+#                                                      # timeline and under the host sampler to the exit (per step:
+#                                                      # gpu_timeline.py --steps EmbedKernel), the step bench at that
+#                                                      # batch (STEADY_STEP_KV, default specache-1bit-int8; ~6 minutes)
 #             tools/bench/gpu_agent_checks.sh int8     # not in run: the int8 host rows' table at 48 GB, 8K and 32K,
 #                                                      # PyTorch SDPA's fp16 row beside each (~4 minutes)
 #             tools/bench/gpu_agent_checks.sh goals    # not in run: the issues' goal figures of this build in one
@@ -69,7 +69,7 @@
 # goals: a part starts only
 # before GOALS_S (420 s), the last may end ~90 s after; selection: 4 x 80; ahead: 4 x 80 and 2 x 100; topk: 2 x 80; variants: 60 a run (step: 150); ncu: 240,
 # 60 and 90. Each stage prints a line "stage: exit N, S s"; the script's exit status is the tests'
-# (a failing or missing GPU fails, SPECACHE_REQUIRE_GPU=1), for int8, stores, goals, selection,
+# (a failing or missing GPU fails, SPECACHE_REQUIRE_GPU=1), for int8, steady, stores, goals, selection,
 # ahead, topk, variants and ncu 1 when any of their runs failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -181,31 +181,35 @@ if [ "$stage" = profile ]; then
   done
 fi
 if [ "$stage" = steady ]; then
-  # The profiled step (from an idle device: the host's launches lead) and the timed steps after it,
-  # queued a step ahead as unprofiled runs queue them; gpu_timeline.py --steps cuts them apart
-  # (the first is the profiled one; then the warm-up's; then the timed and the phase-timed ones).
+  # The batch the search finds (a plain run), then that batch again with its profiled step (from an
+  # idle device: the host's launches lead) and the 16 timed steps after it, queued a step ahead as
+  # unprofiled runs queue them (the warm-up steps come before the profiler starts): in the
+  # timeline, step 1 is the profiled one, steps 2-16 the timed ones whole (--skip 1 --count 15),
+  # then the phase-timed ones. The step bench runs STEADY_STEP_KV (its name for the mode) there.
   steady_kv=${STEADY_KV:-specache/host-rows=int8}
   steady_ctx=${STEADY_CONTEXT:-8192}
   bench_48gb steady_plain 90 "$steady_ctx" --kv "$steady_kv"
   steady_batch=$(awk -v c="$steady_ctx" '$1 == c && $3 ~ /^[0-9]+$/ {print $3; exit}' "$out/steady_plain.txt")
   model=(specache-run bench --shape llama3-8b --gpu-mem-budget 48GB --steps 16 --context "$steady_ctx"
          --kv "$steady_kv" --profile-step)
+  [ -n "$steady_batch" ] && model+=(--max-batch "$steady_batch")
   cupti=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)")
   timed steady_timeline 120 env SPECACHE_TIMELINE_OUT="$out/steady_timeline.csv" SPECACHE_TIMELINE_STOP=0 \
     LD_LIBRARY_PATH="$cupti" LD_PRELOAD="$PWD/$bundle/profile/libspecache_gpu_timeline.so" "$bundle/run" "${model[@]}" \
     || bench_rc=1
   grep -h -A1 -E "^ +[0-9]+ " "$out/steady_timeline.txt"
   if [ -s "$out/steady_timeline.csv" ]; then
-    python3 tools/profile/gpu_timeline.py "$out/steady_timeline.csv" --steps EmbedKernel --skip 3 --count 14 \
+    python3 tools/profile/gpu_timeline.py "$out/steady_timeline.csv" --steps EmbedKernel --skip 1 --count 15 \
       > "$out/steady_timeline_steps.txt" 2>&1
     head -4 "$out/steady_timeline_steps.txt"
-    xz -T0 "$out/steady_timeline.csv"
+    xz -f -T0 "$out/steady_timeline.csv"
   fi
   timed steady_samples 120 env SPECACHE_SAMPLE_OUT="$out/steady_samples.txt" SPECACHE_SAMPLE_US=100 \
     LD_PRELOAD="$PWD/$bundle/profile/libspecache_host_sampler.so" "$bundle/run" "${model[@]}" || bench_rc=1
-  [ -s "$out/steady_samples.txt" ] && xz -T0 "$out/steady_samples.txt"
+  [ -s "$out/steady_samples.txt" ] && xz -f -T0 "$out/steady_samples.txt"
   [ -n "$steady_batch" ] && { timed steady_step 150 "$bundle/run" specache-bench step --tokens "$steady_ctx" \
-    --batches "$steady_batch" --kv specache-1bit-int8 || bench_rc=1; grep -A1 "^specache" "$out/steady_step.txt"; }
+    --batches "$steady_batch" --kv "${STEADY_STEP_KV:-specache-1bit-int8}" || bench_rc=1;
+    grep -A1 "^specache" "$out/steady_step.txt"; }
 fi
 sdpa=(--kv fp16 --sdpa-script tools/bench/fp16_baseline.py --python "${PYTHON:-python3}")
 # The int8 host rows' table at 48 GB, 8K and 32K, SDPA's fp16 row beside each, runs named
@@ -331,7 +335,7 @@ if [ "$stage" = variants ]; then
     rm -f "$out"/variant_*_*_*.txt "$out"/variant-tests-*.txt
 fi
 if [ "$stage" = int8 ] || [ "$stage" = stores ] || [ "$stage" = selection ] || [ "$stage" = ahead ] || [ "$stage" = topk ] ||
-   [ "$stage" = ncu ] || [ "$stage" = variants ]; then
+   [ "$stage" = ncu ] || [ "$stage" = variants ] || [ "$stage" = steady ]; then
   exit "$bench_rc"
 fi  # (goals exits above)
 exit "$tests_rc"

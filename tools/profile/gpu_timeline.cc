@@ -12,7 +12,8 @@
 // The program's own cudaProfilerStart/Stop are replaced (nothing else profiles in such a run).
 // Only the first start-stop span is recorded; with SPECACHE_TIMELINE_STOP=0 the span runs from the
 // start to the exit instead (a profiled step and the measured steps after it, queued as they run
-// unprofiled: the steady state, which a step profiled from an idle device does not show). Errors go to stderr; the program runs on regardless.
+// unprofiled: the steady state, which a step profiled from an idle device does not show). Errors
+// go to stderr; the program runs on regardless.
 #include <cupti.h>
 
 #include <cstdint>
@@ -135,7 +136,8 @@ extern "C" int cudaProfilerStart() {
 
 extern "C" int cudaProfilerStop() {
   if (!started || stopped) return 0;
-  if (const char* stop = std::getenv("SPECACHE_TIMELINE_STOP"); stop != nullptr && std::strcmp(stop, "0") == 0) return 0;
+  const char* stop_env = std::getenv("SPECACHE_TIMELINE_STOP");
+  if (stop_env != nullptr && std::strcmp(stop_env, "0") == 0) return 0;  // recorded to the exit
   stopped = true;
   Check(cuptiActivityFlushAll(1), "flush");
   cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);

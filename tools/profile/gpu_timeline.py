@@ -10,8 +10,8 @@ With --steps MARKER (a kernel name's part, e.g. EmbedKernel: a record that begin
 prints the steps instead (a span recorded to the exit, SPECACHE_TIMELINE_STOP=0): each step's time
 (marker to marker), and over --count steps (0: all) after the first --skip: the kernels' time per step, and
 the marker's stream's waits, each gap between its records charged to what it waited for: the
-record of another stream that ended last before the stream went on (within --slack us), else the
-host (nothing ended there: the next launch came late).
+record of another stream whose end is nearest the moment the stream went on (within --slack us
+either side), else the host (nothing ended there: the next launch came late).
 
   gpu_timeline.py gpu_timeline.csv [--gaps 15] [--names 60] [--steps MARKER [--skip 2] [--count 0] [--slack 4]]
 """
@@ -69,6 +69,7 @@ def short(name, width):
 def steps_report(records, marker, skip, count, slack_us, width):
     """The per-step view of --steps (see the module's text)."""
     starts = [r for r in records if r[2] == "K" and marker in r[4]]
+    recorded = len(starts) - 1  # whole steps: marker to marker
     if count:
         starts = starts[: skip + count + 1]
     if len(starts) < skip + 2:
@@ -76,7 +77,8 @@ def steps_report(records, marker, skip, count, slack_us, width):
         return
     stream = starts[0][3]
     edges = [r[0] for r in starts]
-    print(f"{len(edges) - 1} whole steps ({marker} on stream {stream} begins each), ms each:")
+    print(f"{recorded} whole steps recorded ({marker} on stream {stream} begins each); the first "
+          f"{len(edges) - 1}, ms each:")
     print("  " + " ".join(f"{(b - a) / 1e6:.2f}" for a, b in zip(edges, edges[1:])))
     lo, hi = edges[skip], edges[-1]
     n = len(edges) - 1 - skip
@@ -93,8 +95,10 @@ def steps_report(records, marker, skip, count, slack_us, width):
     print("\n ms/step  launches/step   us_each  stream  record")
     for (name, st), (cnt, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
         print(f"{ns / 1e6 / n:8.3f} {cnt / n:14.1f} {ns / cnt / 1e3:9.2f} {st:7d}  {name}")
-    # The marker stream's gaps, each charged to the other stream's record that ended last before
-    # the stream went on (a wait on an event of that stream), or to the host.
+    # The marker stream's gaps, each charged to the other stream's record whose end is nearest the
+    # moment the stream went on, within the slack either side (engines stamp their own clocks: a
+    # copy's end may read a little after the kernel that waited for it began), a wait on an event
+    # of that stream; else to the host.
     mine = sorted(r for r in records if r[3] == stream and lo <= r[0] <= hi)  # to the last marker, whole
     others = sorted((r for r in records if r[3] != stream), key=lambda r: r[1])
     other_ends = [r[1] for r in others]
@@ -104,9 +108,11 @@ def steps_report(records, marker, skip, count, slack_us, width):
         gap = nxt[0] - prev[1]
         if gap <= slack:
             continue
-        i = bisect.bisect_right(other_ends, nxt[0]) - 1
+        window = range(bisect.bisect_left(other_ends, max(prev[1] + 1, nxt[0] - slack)),
+                       bisect.bisect_right(other_ends, nxt[0] + slack))
+        i = min(window, key=lambda j: abs(other_ends[j] - nxt[0]), default=-1)
         cause = "the host (no other stream's record ended just before)"
-        if i >= 0 and nxt[0] - others[i][1] <= slack and others[i][1] > prev[1]:
+        if i >= 0:
             o = others[i]
             cause = f"{short(o[4], width) if o[2] == 'K' else o[4].rsplit(' ', 1)[0]} (stream {o[3]})"
         charged[(cause, short(nxt[4], 40))][0] += 1
