@@ -1,5 +1,7 @@
 #include "specache/client_c.h"
 
+#include <cxxabi.h>
+
 #include <cstring>
 #include <exception>
 #include <new>
@@ -44,11 +46,15 @@ int ReportFixed(specache::StatusCode code, const char* text, char* error, size_t
 // A C function's body: no C++ exception may cross into a C caller (it would unwind through frames
 // that cannot be unwound, or end the process), so one that escapes `body` (std::bad_alloc, or
 // another from the library or the standard library under it) becomes a status: RESOURCE_EXHAUSTED
-// for memory, INTERNAL otherwise, its what() in the message where that can be copied.
+// for memory, INTERNAL otherwise, its what() in the message where that can be copied. The one
+// unwinding let through is a thread's cancellation (pthread_cancel while a call waits): glibc's
+// forced unwind must go on (swallowed, it aborts the process).
 template <typename Body>
-int Guarded(char* error, size_t error_len, Body&& body) noexcept {
+int Guarded(char* error, size_t error_len, Body&& body) {
   try {
     return body();
+  } catch (abi::__forced_unwind&) {
+    throw;
   } catch (const std::bad_alloc&) {
     return ReportFixed(specache::StatusCode::kResourceExhausted, "RESOURCE_EXHAUSTED: out of memory", error, error_len);
   } catch (const std::exception& e) {

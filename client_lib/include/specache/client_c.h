@@ -2,8 +2,11 @@
  *
  * Every function returns 0 on success or a status code (gRPC numbering, as specache::StatusCode)
  * and, when `error` is not NULL, writes a NUL-terminated message of at most error_len bytes.
- * No C++ exception leaves these functions: one raised under them comes back as 8
- * (RESOURCE_EXHAUSTED, memory) or 13 (INTERNAL), with what it said where it fits. Handles are opaque; free them with the matching *_free / *_close. Thread safety as the C++ API.
+ * No C++ exception leaves the functions that return a status: one raised under them comes back
+ * as 8 (RESOURCE_EXHAUSTED, memory) or 13 (INTERNAL), with what it said where it fits (a thread
+ * cancelled while it waits in one unwinds as cancelled threads do). Handles are opaque; free them
+ * with the matching *_free / *_close (which return nothing and raise nothing). Thread safety as
+ * the C++ API.
  */
 #ifndef SPECACHE_CLIENT_C_H_
 #define SPECACHE_CLIENT_C_H_
