@@ -93,6 +93,9 @@ struct UcxServer::Impl {
   };
   // The handler argument of every active message id the daemon does not serve.
   static constexpr uint16_t kUnservedId = 0;
+  static_assert(remote::kHello != kUnservedId && remote::kGather != kUnservedId && remote::kWrite != kUnservedId &&
+                    remote::kPages != kUnservedId,
+                "a served active message id must differ from kUnservedId");
 
   Registry* registry = nullptr;
   UcxServerOptions options;
@@ -182,11 +185,10 @@ struct UcxServer::Impl {
     // to OnMessage too, which counts them and logs a few. Registered from the highest id down, so
     // that UCX sizes its handler table once (64 Ki entries).
     for (uint16_t id : {remote::kHello, remote::kGather, remote::kWrite, remote::kPages}) handler_args.push_back({this, id});
-    handler_args.push_back({this, kUnservedId});
-    const HandlerArg* unserved = &handler_args.back();
+    handler_args.push_back({this, kUnservedId});  // last: no served id is kUnservedId (static_assert above)
     for (uint32_t id = 0xFFFF;; --id) {
-      const HandlerArg* arg = unserved;
-      for (const HandlerArg& a : handler_args) {
+      HandlerArg* arg = &handler_args.back();
+      for (HandlerArg& a : handler_args) {
         if (a.id == id && a.id != kUnservedId) arg = &a;
       }
       ucp_am_handler_param_t h{};
@@ -194,7 +196,7 @@ struct UcxServer::Impl {
                      UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
       h.id = static_cast<uint16_t>(id);
       h.cb = &Impl::OnMessage;
-      h.arg = const_cast<HandlerArg*>(arg);
+      h.arg = arg;
       h.flags = UCP_AM_FLAG_WHOLE_MSG;
       if ((s = ucp_worker_set_am_recv_handler(worker, &h)) != UCS_OK) {
         return Status::Unavailable(UcsError("ucp_worker_set_am_recv_handler", s));
