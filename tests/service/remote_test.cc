@@ -534,6 +534,17 @@ RawSession OpenRawSession(const Pki& pki, uint16_t control_port, const std::stri
   return r;
 }
 
+// A raw endpoint to the data port at `data_port` that said its hello for `session` (its ep null
+// when the connection or the hello failed).
+RawEndpoint HelloedEndpoint(uint16_t data_port, const RawSession& session) {
+  RawEndpoint e;
+  auto raw = client::UcxEndpoint::Connect("127.0.0.1:" + std::to_string(data_port), false);
+  if (!raw.ok()) return e;
+  e.ep = std::move(*raw);
+  if (!e.Hello(session.id, session.token).ok()) e.ep.reset();
+  return e;
+}
+
 TEST_F(RemoteTest, DataPlaneRefusesForgedTokensStaleSessionsOtherTenantsAndBadRowsAndKeepsServing) {
   StartDaemon(false, false);
   Fixture a = Open("a", FetchMethod::kServerGather, 32);
@@ -1029,10 +1040,8 @@ TEST_F(RemoteTest, RequestsWithoutTheirEndpointsSessionAndTokenAreDroppedNotServ
   ASSERT_TRUE(a.session);
   RawSession mine = OpenRawSession(*pki_, control_port_, "b", "tenant-b-secret-9876543210");
   ASSERT_NE(mine.id, 0u);
-  auto raw = client::UcxEndpoint::Connect("127.0.0.1:" + std::to_string(data_port_), false);
-  ASSERT_TRUE(raw.ok());
-  RawEndpoint b{std::move(*raw)};
-  ASSERT_TRUE(b.Hello(mine.id, mine.token).ok()) << daemon_->Log();
+  RawEndpoint b = HelloedEndpoint(data_port_, mine);
+  ASSERT_TRUE(b.ep) << daemon_->Log();
   const uint64_t own = mine.Sequence(32);
   std::vector<uint8_t> row(kRow, 0xEE);
   auto start_write = [&](remote::RowsRequest r) {
@@ -1072,10 +1081,8 @@ TEST_F(RemoteTest, MessagesOfAnIdTheDaemonDoesNotServeAreDroppedCountedAndLogged
   StartDaemon(false, false);
   RawSession mine = OpenRawSession(*pki_, control_port_, "b", "tenant-b-secret-9876543210");
   ASSERT_NE(mine.id, 0u);
-  auto raw = client::UcxEndpoint::Connect("127.0.0.1:" + std::to_string(data_port_), false);
-  ASSERT_TRUE(raw.ok());
-  RawEndpoint b{std::move(*raw)};
-  ASSERT_TRUE(b.Hello(mine.id, mine.token).ok()) << daemon_->Log();
+  RawEndpoint b = HelloedEndpoint(data_port_, mine);
+  ASSERT_TRUE(b.ep) << daemon_->Log();
   const uint64_t own = mine.Sequence(32);
   for (uint16_t id : {uint16_t{0}, uint16_t{remote::kReply}, uint16_t{77}, uint16_t{0xFFFF}}) {
     const remote::RowsRequest header = b.Request(own, 1);  // a well-formed header: only the id is foreign
