@@ -7,11 +7,11 @@ memsets that ran during it (a kernel that waits for a copy queued behind another
 engine shows as a gap that a large copy spans).
 
 With --steps MARKER (a kernel name's part, e.g. EmbedKernel: a record that begins each step) it
-prints the steps instead (a span recorded to the exit, SPECACHE_TIMELINE_STOP=0): each step's time
-(marker to marker), and over --count steps (0: all) after the first --skip: the kernels' time per step, and
-the marker's stream's waits, each gap between its records charged to what it waited for: the
-record of another stream whose end is nearest the moment the stream went on (within --slack us
-either side), else the host (nothing ended there: the next launch came late).
+prints the steps instead (a span recorded to the exit, SPECACHE_TIMELINE_STOP=0): each step's
+time (marker to marker), and over --count steps (0: all) after the first --skip: the kernels'
+time per step, and the marker's stream's waits, each gap between its records charged to what it
+waited for: the record of another stream whose end is nearest the moment the stream went on
+(within --slack us either side), else the host (nothing ended there: the next launch came late).
 
   gpu_timeline.py gpu_timeline.csv [--gaps 15] [--names 60] [--steps MARKER [--skip 2] [--count 0] [--slack 4]]
 """
