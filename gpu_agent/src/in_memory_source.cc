@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <string>
 
@@ -74,6 +75,9 @@ size_t InMemorySource::PageBytes(const SequenceLayout& layout) const {
 void InMemorySource::AddSlabLocked(size_t page_bytes) {
   const size_t least = std::max(slab_bytes_, page_bytes);
   const size_t align = huge_pages_ && least >= kHugePage ? kHugePage : kAlign;
+  // A slab size within an alignment of SIZE_MAX would round up to 0 bytes (no page, then a page
+  // taken from an empty list): no memory holds it anyway.
+  if (least > std::numeric_limits<size_t>::max() - (align - 1)) throw std::bad_alloc();
   const size_t bytes = (least + align - 1) / align * align;
   auto* slab = static_cast<uint8_t*>(std::aligned_alloc(align, bytes));
   if (slab == nullptr) throw std::bad_alloc();
@@ -109,17 +113,17 @@ Status InMemorySource::EnsurePages(Sequence* seq, int32_t tokens, std::shared_lo
   // Growing changes the page lists other threads read: take the lock exclusively. The sequence
   // cannot go away meanwhile (its owner is the caller's agent, which is inside this call).
   lock->unlock();
+  bool grown = true;
   {
     std::unique_lock exclusive(mutex_);
     try {
       GrowLocked(seq, tokens);
     } catch (const std::bad_alloc&) {
-      lock->lock();
-      return Status::ResourceExhausted("no host memory for another page");
+      grown = false;  // the shared lock is taken back below, once the exclusive one is let go
     }
   }
   lock->lock();
-  return Status::Ok();
+  return grown ? Status::Ok() : Status::ResourceExhausted("no host memory for another page");
 }
 
 uint8_t* InMemorySource::RowAddress(const Sequence& seq, int layer, int kv_head, int32_t token) const {

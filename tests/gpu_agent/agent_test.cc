@@ -218,6 +218,23 @@ TEST(InMemorySourceTest, PageTokensPastTheDaemonsBoundAreRefusedNotOverflowed) {
   EXPECT_EQ(*widest.Length(1, 0, 0), 16);
 }
 
+// A slab size so large that rounding it to the pages' alignment wraps (Python may pass any
+// size_t): the rows' first page cannot be had, RESOURCE_EXHAUSTED; before, the slab rounded to 0
+// bytes, held no page, and the first append took a page from an empty list (a crash). The same
+// answer for any slab the host cannot allocate: before, its path took the source's shared lock
+// while it still held the exclusive one (std::system_error, "Resource deadlock avoided").
+TEST(InMemorySourceTest, ASlabSizeThatCannotBeRoundedIsOutOfMemoryNotACrash) {
+  for (size_t slab : {std::numeric_limits<size_t>::max() - 5, size_t{1} << 62}) {
+    for (bool huge_pages : {true, false}) {
+      InMemorySource s(16, slab, huge_pages);
+      ASSERT_TRUE(s.CreateSequence(1, {1, 1, 8}).ok());
+      std::vector<Half> rows(16, 1);
+      EXPECT_EQ(s.AppendRows(1, 0, 0, 0, rows.data(), 1).code(), StatusCode::kResourceExhausted) << slab << huge_pages;
+      EXPECT_EQ(*s.Length(1, 0, 0), 0);
+    }
+  }
+}
+
 // Zero-copy access: rows live in fixed pages laid out [kv_head][token][K|V][head_dim] inside the
 // listed regions; rows written in place count once committed; released pages are reused.
 TEST(InMemorySourceTest, PagesAreFixedInsideRegionsAndWrittenInPlace) {
