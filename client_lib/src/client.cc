@@ -11,7 +11,10 @@
 #include <cstring>
 #include <chrono>
 #include <limits>
+#include <mutex>
+#include <string>
 #include <thread>
+#include <unordered_set>
 
 #include <grpcpp/grpcpp.h>
 
@@ -29,6 +32,20 @@ struct Session::Impl {
   int attach_fd = -1;
   std::unique_ptr<AttachedPages> pages;  // the table and chunks, once attached
   std::atomic<uint64_t> extend_rpcs{0};
+  // The sequences a DaemonSource holds (Session::Hold): Release and Keep refuse them.
+  mutable std::mutex held_mu;
+  std::unordered_set<uint64_t> held;
+
+  bool Held(uint64_t sequence) const {
+    std::lock_guard<std::mutex> lock(held_mu);
+    return held.count(sequence) != 0;
+  }
+  Status Unreleased(uint64_t sequence) {
+    SPECACHE_RETURN_IF_ERROR(pages->SlotOf(sequence).status());
+    SPECACHE_RETURN_IF_ERROR(calls.ReleaseSequence(sequence));
+    pages->Forget(sequence);
+    return Status::Ok();
+  }
 
   ~Impl() {
     // Unmapped before the close: the daemon sees the chunks are no longer held, zeroes and reuses
@@ -292,14 +309,41 @@ Result<uint32_t> Session::Extend(uint64_t sequence, uint32_t tokens) {
   return std::min(pages, v.capacity);
 }
 
+namespace {
+
+Status HeldBySource(uint64_t sequence, const char* what) {
+  return Status::FailedPrecondition("sequence " + std::to_string(sequence) + " is held by a DaemonSource, whose agent " +
+                                    "uses its pages: " + what + " it through the source");
+}
+
+}  // namespace
+
 Status Session::Release(uint64_t sequence) {
-  SPECACHE_RETURN_IF_ERROR(impl_->pages->SlotOf(sequence).status());
-  SPECACHE_RETURN_IF_ERROR(impl_->calls.ReleaseSequence(sequence));
-  impl_->pages->Forget(sequence);
-  return Status::Ok();
+  if (impl_->Held(sequence)) return HeldBySource(sequence, "release");
+  return impl_->Unreleased(sequence);
 }
 
 Status Session::Keep(uint64_t sequence) {
+  if (impl_->Held(sequence)) return HeldBySource(sequence, "keep");
+  SPECACHE_RETURN_IF_ERROR(impl_->pages->SlotOf(sequence).status());
+  return impl_->calls.KeepSequence(sequence);
+}
+
+void Session::Hold(uint64_t sequence) {
+  std::lock_guard<std::mutex> lock(impl_->held_mu);
+  impl_->held.insert(sequence);
+}
+
+Status Session::ReleaseHeld(uint64_t sequence) {
+  const Status released = impl_->Unreleased(sequence);
+  if (released.ok() || released.code() == StatusCode::kNotFound) {  // the daemon no longer has it
+    std::lock_guard<std::mutex> lock(impl_->held_mu);
+    impl_->held.erase(sequence);
+  }
+  return released;
+}
+
+Status Session::KeepHeld(uint64_t sequence) {
   SPECACHE_RETURN_IF_ERROR(impl_->pages->SlotOf(sequence).status());
   return impl_->calls.KeepSequence(sequence);
 }

@@ -27,7 +27,26 @@ struct MappedSequence : RegisteredSequence {
   std::vector<std::vector<uint8_t*>> page_data;
 };
 
-struct DaemonSource::Registry : SequenceRegistry<Session, MappedSequence> {
+class DaemonSource::HeldSession {
+ public:
+  explicit HeldSession(Session* session) : session_(session) {}
+  Result<uint64_t> CreateSequence(const PageLayoutSpec& spec) {
+    SPECACHE_ASSIGN_OR_RETURN(const uint64_t id, session_->CreateSequence(spec));
+    session_->Hold(id);
+    return id;
+  }
+  Status Release(uint64_t sequence) { return session_->ReleaseHeld(sequence); }
+  Status Keep(uint64_t sequence) { return session_->KeepHeld(sequence); }
+  Result<uint32_t> Extend(uint64_t sequence, uint32_t tokens) { return session_->Extend(sequence, tokens); }
+  Result<uint8_t*> PageData(uint64_t sequence, uint32_t layer, uint32_t page) const {
+    return session_->PageData(sequence, layer, page);
+  }
+
+ private:
+  Session* session_;
+};
+
+struct DaemonSource::Registry : SequenceRegistry<DaemonSource::HeldSession, MappedSequence> {
   using SequenceRegistry::SequenceRegistry;
 };
 
@@ -41,8 +60,9 @@ uint8_t* RowAddress(const MappedSequence& s, uint32_t page_tokens, int layer, in
 
 // The daemon's Extend makes the page for every layer; their addresses are looked up in the shared
 // page table before readers may use them.
-Status EnsureMapped(SequenceRegistry<Session, MappedSequence>& registry, MappedSequence* s, int32_t tokens) {
-  Session* session = registry.session();
+template <typename RegistryT>  // DaemonSource::Registry
+Status EnsureMapped(RegistryT& registry, MappedSequence* s, int32_t tokens) {
+  auto* session = registry.session();
   return registry.EnsurePages(s, tokens, [session](MappedSequence& m, uint32_t have, uint32_t pages) -> Status {
     for (int l = 0; l < m.layout.n_layers; ++l) {
       for (uint32_t p = have; p < pages && p < m.page_data[l].size(); ++p) {
@@ -57,7 +77,7 @@ Status EnsureMapped(SequenceRegistry<Session, MappedSequence>& registry, MappedS
 // every head and the pages checked first, then all committed.
 Status CommitHeads(const MappedSequence& s, uint32_t page_tokens, std::atomic<int32_t>* lengths, int heads,
                    int32_t first_token, int32_t n) {
-  using Checks = SequenceRegistry<Session, MappedSequence>;
+  using Checks = SequenceRegistry<Session, MappedSequence>;  // (its static checks only)
   for (int h = 0; h < heads; ++h) SPECACHE_RETURN_IF_ERROR(Checks::CheckNextRows("commit", lengths[h], first_token, n));
   if (uint64_t{s.pages.load(std::memory_order_acquire)} * page_tokens < uint64_t(first_token) + n) {
     return Status::FailedPrecondition("commit beyond the sequence's pages (call HostPages first)");
@@ -71,7 +91,8 @@ Status CommitHeads(const MappedSequence& s, uint32_t page_tokens, std::atomic<in
 DaemonSource::DaemonSource(Session* session, uint32_t page_tokens, uint32_t capacity_tokens)
     : session_(session),
       page_tokens_(page_tokens),
-      registry_(std::make_unique<DaemonSource::Registry>(session, page_tokens, capacity_tokens)) {}
+      held_(std::make_unique<HeldSession>(session)),
+      registry_(std::make_unique<DaemonSource::Registry>(held_.get(), page_tokens, capacity_tokens)) {}
 
 DaemonSource::~DaemonSource() = default;
 

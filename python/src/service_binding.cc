@@ -171,10 +171,14 @@ bool BindService(nb::module_& m) {
           "sequence"_a, "tokens"_a, "Makes room for tokens [0, tokens); returns pages per layer.")
       .def(
           "release", [](Session& s, uint64_t seq) { ThrowIfError(Released([&] { return s.Release(seq); })); },
-          "sequence"_a)
+          "sequence"_a,
+          "Releases a sequence made here (create_sequence, claim); one a DaemonSource holds is refused "
+          "(FAILED_PRECONDITION): release it through the source.")
       .def(
           "keep", [](Session& s, uint64_t seq) { ThrowIfError(Released([&] { return s.Keep(seq); })); },
-          "sequence"_a, "Keeps the sequence in the daemon past this session (for its tenant); claim takes it back.")
+          "sequence"_a,
+          "Keeps the sequence in the daemon past this session (for its tenant); claim takes it back. One a "
+          "DaemonSource holds is refused (FAILED_PRECONDITION): keep it through the source.")
       .def(
           "claim",
           [](Session& s, uint64_t seq, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page_tokens,

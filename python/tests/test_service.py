@@ -39,6 +39,13 @@ def test_agent_on_daemon_pages_matches_process_memory(daemon):
     listed = {s["id"]: s for s in client.list_sequences()}
     assert listed[daemon_id]["state"] == "session"
     assert listed[daemon_id]["layout"]["n_layers"] == w.shape.n_layers
+    # The source's (and its agent's) sequence: not released nor kept through the session behind
+    # its back (its pages would go to the next sequence made while the agent still writes them).
+    for call in (session.release, session.keep):
+        with pytest.raises(StatusError) as info:
+            call(daemon_id)
+        assert info.value.code == StatusCode.FAILED_PRECONDITION
+    assert {s["id"] for s in client.list_sequences()} >= {daemon_id}
 
 
 def test_stats_are_dicts(daemon):

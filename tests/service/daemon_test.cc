@@ -403,6 +403,45 @@ TEST(DaemonSourceTest, AppendsStopAtTheCapacityEvenInsideTheLastPage) {
   EXPECT_EQ(source.stored_bytes(), 40 * 2 * head_dim * static_cast<int64_t>(sizeof(Half)));
 }
 
+// A sequence a DaemonSource holds cannot be released or kept through the session behind its back
+// (Python exposes the daemon's id): before, Session::Release freed its pages while the source
+// (and its agent) kept writing them, and the next sequence made got those pages, so one
+// sequence's rows overwrote another's. The source's own release and keep work, and after its
+// release the session knows the sequence no more.
+TEST(DaemonSourceTest, ItsSequencesAreNotReleasedOrKeptThroughTheSessionBehindItsBack) {
+  auto d = StartWithSession();
+  ASSERT_TRUE(d);
+  const int head_dim = 8;
+  client::DaemonSource source(d->session.get(), 16, 64);
+  ASSERT_TRUE(source.CreateSequence(1, {1, 1, head_dim}).ok());
+  const uint64_t id = *source.DaemonSequence(1);
+  std::vector<Half> rows(4 * 2 * head_dim, Half{1});
+  ASSERT_TRUE(source.AppendRows(1, 0, 0, 0, rows.data(), 4).ok());
+  const Status released = d->session->Release(id);
+  EXPECT_EQ(released.code(), StatusCode::kFailedPrecondition) << released.ToString();
+  EXPECT_NE(released.message().find("held by a DaemonSource"), std::string::npos) << released.ToString();
+  EXPECT_EQ(d->session->Keep(id).code(), StatusCode::kFailedPrecondition);
+  // Still the source's: a sequence the session makes now gets other pages, and the rows stay.
+  auto other = d->session->CreateSequence({1, 1, head_dim, 16, 64, 0});
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  ASSERT_TRUE(d->session->Extend(*other, 16).ok());
+  auto other_page = d->session->PageData(*other, 0, 0), held_page = d->session->PageData(id, 0, 0);
+  ASSERT_TRUE(other_page.ok() && held_page.ok());
+  EXPECT_NE(*other_page, *held_page);
+  EXPECT_TRUE(d->session->Release(*other).ok());  // the session's own sequence: released as before
+  std::vector<int32_t> token = {3};
+  std::vector<Half> back(2 * head_dim);
+  ASSERT_TRUE(source.ReadRows(1, 0, 0, token.data(), 1, back.data()).ok());
+  EXPECT_EQ(back, std::vector<Half>(2 * head_dim, Half{1}));
+  // Through the source: kept, released (left in the daemon); a second sequence released for good.
+  EXPECT_EQ(*source.Keep(1), id);
+  EXPECT_TRUE(source.ReleaseSequence(1).ok());
+  ASSERT_TRUE(source.CreateSequence(2, {1, 1, head_dim}).ok());
+  const uint64_t second = *source.DaemonSequence(2);
+  EXPECT_TRUE(source.ReleaseSequence(2).ok());
+  EXPECT_EQ(d->session->Release(second).code(), StatusCode::kNotFound);  // gone, no longer held
+}
+
 // int8 rows (SequenceLayout::row_format): the daemon's pages hold the encoded rows (host_rows.h)
 // at the int8 geometry, ReadRows decodes them, and the source counts their stored bytes.
 TEST(DaemonSourceTest, Int8RowsAreStoredEncodedInThePagesAndReadBackDecoded) {

@@ -169,6 +169,9 @@ class SPECACHE_CLIENT_API Session {
   // Makes room for tokens [0, tokens) at every layer; returns pages per layer. No RPC when the
   // pages already exist.
   Result<uint32_t> Extend(uint64_t sequence, uint32_t tokens);
+  // Release and Keep refuse (FAILED_PRECONDITION) a sequence a DaemonSource of this session holds:
+  // its agent reads and writes those pages, and a released page goes to the next sequence made.
+  // Release or keep it through the source (DaemonSource::ReleaseSequence, DaemonSource::Keep).
   Status Release(uint64_t sequence);
   // Keep the sequence past this session: when the session ends, the daemon parks its pages for
   // the tenant (RAM, then the spill tier); a later session of the tenant takes it back with Claim.
@@ -192,7 +195,13 @@ class SPECACHE_CLIENT_API Session {
 
  private:
   friend class Client;
+  friend class DaemonSource;  // marks the sequences it holds, and releases and keeps them
   explicit Session(std::unique_ptr<Impl> impl);
+  // The holder's side of the mark above: a sequence made held, and its release (the mark gone
+  // once the daemon no longer has it) and keep.
+  void Hold(uint64_t sequence);
+  Status ReleaseHeld(uint64_t sequence);
+  Status KeepHeld(uint64_t sequence);
   std::unique_ptr<Impl> impl_;
 };
 

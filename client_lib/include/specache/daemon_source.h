@@ -44,11 +44,15 @@ class SPECACHE_CLIENT_API DaemonSource final : public FullPrecisionSource {
   Result<uint64_t> Keep(SequenceId sequence);
 
  private:
+  // The session as the registry calls it: the sequences made here are held (Session::Release and
+  // Keep refuse them to others), and released and kept as the holder.
+  class HeldSession;
   // The sequences and their checks (sequence_registry.h), with each page's address in the chunks.
   struct Registry;
 
   Session* session_;
   uint32_t page_tokens_;
+  std::unique_ptr<HeldSession> held_;  // before registry_, which releases through it when it goes
   std::unique_ptr<Registry> registry_;
 };
 
