@@ -40,7 +40,7 @@ struct Session::Impl {
     std::lock_guard<std::mutex> lock(held_mu);
     return held.count(sequence) != 0;
   }
-  Status Unreleased(uint64_t sequence) {
+  Status ReleaseUnchecked(uint64_t sequence) {  // Release without the mark's check
     SPECACHE_RETURN_IF_ERROR(pages->SlotOf(sequence).status());
     SPECACHE_RETURN_IF_ERROR(calls.ReleaseSequence(sequence));
     pages->Forget(sequence);
@@ -320,7 +320,7 @@ Status HeldBySource(uint64_t sequence, const char* what) {
 
 Status Session::Release(uint64_t sequence) {
   if (impl_->Held(sequence)) return HeldBySource(sequence, "release");
-  return impl_->Unreleased(sequence);
+  return impl_->ReleaseUnchecked(sequence);
 }
 
 Status Session::Keep(uint64_t sequence) {
@@ -335,7 +335,7 @@ void Session::Hold(uint64_t sequence) {
 }
 
 Status Session::ReleaseHeld(uint64_t sequence) {
-  const Status released = impl_->Unreleased(sequence);
+  const Status released = impl_->ReleaseUnchecked(sequence);
   if (released.ok() || released.code() == StatusCode::kNotFound) {  // the daemon no longer has it
     std::lock_guard<std::mutex> lock(impl_->held_mu);
     impl_->held.erase(sequence);
