@@ -107,7 +107,13 @@ class PyAgent {
   int device() const { return cuda_device_; }
   int RowsPerSequence(StepKind kind) const { return agent_->RowsPerSequence(kind); }
 
-  void AddSequence(SequenceId id) { Run([&] { return agent_->AddSequence(id); }); }
+  // Below 2**63: the other calls take ids in lists of int64 (IntegerList), which could not name it.
+  void AddSequence(SequenceId id) {
+    if (id > static_cast<SequenceId>(INT64_MAX)) {
+      ThrowIfError(Status::InvalidArgument("sequence ids are below 2**63 (the calls that take lists of them read int64)"));
+    }
+    Run([&] { return agent_->AddSequence(id); });
+  }
   void ReleaseSequence(SequenceId id) { Run([&] { return agent_->ReleaseSequence(id); }); }
   int32_t SequenceLength(SequenceId id) { return ValueOrThrow(Locked([&] { return agent_->SequenceLength(id); })); }
 

@@ -1,5 +1,7 @@
 #include "tensor_args.h"
 
+#include <cstdint>
+
 namespace nb = nanobind;
 
 namespace specache::python {
@@ -92,10 +94,17 @@ Result<std::vector<int64_t>> IntegerList(nb::handle values, const char* name) {
     if (array.ndim() != 1 || !is_int || (dt.bits != 32 && dt.bits != 64) || dt.lanes != 1) {
       return Status::InvalidArgument(std::string(name) + ": a one-dimensional int32 or int64 array is needed");
     }
+    const bool is_unsigned = dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt);
     const auto* base = static_cast<const uint8_t*>(array.data());
     for (size_t i = 0; i < array.shape(0); ++i) {
       const uint8_t* e = base + static_cast<int64_t>(i) * array.stride(0) * (dt.bits / 8);
-      out.push_back(dt.bits == 32 ? *reinterpret_cast<const int32_t*>(e) : *reinterpret_cast<const int64_t*>(e));
+      if (dt.bits == 32) {  // uint32 zero-extended, int32 sign-extended
+        out.push_back(is_unsigned ? int64_t{*reinterpret_cast<const uint32_t*>(e)} : *reinterpret_cast<const int32_t*>(e));
+      } else if (is_unsigned && *reinterpret_cast<const uint64_t*>(e) > uint64_t{INT64_MAX}) {
+        return Status::InvalidArgument(std::string(name) + ": element out of the int64 range");
+      } else {
+        out.push_back(*reinterpret_cast<const int64_t*>(e));
+      }
     }
     return out;
   }
@@ -103,10 +112,17 @@ Result<std::vector<int64_t>> IntegerList(nb::handle values, const char* name) {
     return Status::InvalidArgument(std::string(name) + ": a sequence of ints or an integer array is needed");
   }
   for (nb::handle v : values) {
-    if (!PyLong_Check(v.ptr())) {
+    // An int or an integer scalar (numpy's, through __index__); not a bool, not a float.
+    if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr())) {
       return Status::InvalidArgument(std::string(name) + ": every element must be an int");
     }
-    const long long x = PyLong_AsLongLong(v.ptr());
+    PyObject* index = PyNumber_Index(v.ptr());
+    if (index == nullptr) {
+      PyErr_Clear();
+      return Status::InvalidArgument(std::string(name) + ": every element must be an int");
+    }
+    const long long x = PyLong_AsLongLong(index);
+    Py_DECREF(index);
     if (x == -1 && PyErr_Occurred()) {
       PyErr_Clear();
       return Status::InvalidArgument(std::string(name) + ": element out of the int64 range");

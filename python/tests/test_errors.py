@@ -143,6 +143,25 @@ def test_bad_prefill_arguments():
         agent.prefill_layer(0, [-1], [0, 4], q, k, k, np.zeros_like(q))
     with raises(StatusCode.INVALID_ARGUMENT):
         agent.prefill_layer(0, "ab", [0, 4], q, k, k, np.zeros_like(q))
+    with raises(StatusCode.INVALID_ARGUMENT):
+        agent.prefill_layer(0, [True], [0, 4], q, k, k, np.zeros_like(q))  # a bool is not an id
+    with raises(StatusCode.INVALID_ARGUMENT):
+        agent.prefill_layer(0, np.array([2**63], np.uint64), [0, 4], q, k, k, np.zeros_like(q))
+    with raises(StatusCode.INVALID_ARGUMENT):
+        agent.add_sequence(2**63 + 1)  # no list of int64 could name it afterwards
+
+
+def test_integer_lists_take_numpy_scalars_and_unsigned_arrays():
+    """numpy's integer scalars in a list, and uint32 ids above 2**31 in an array, are the ints they
+    hold (a list of np.int64 was refused, and uint32 2**31 + 5 read as a negative id)."""
+    agent = specache.Agent(SHAPE, specache.KvConfig("full"))
+    big = 2**31 + 5
+    agent.add_sequence(big)
+    q = np.zeros((4, 4, 64), np.float32)
+    k = np.zeros((4, 2, 64), np.float32)
+    agent.prefill_layer(0, np.array([big], np.uint32), [np.int64(0), np.int64(4)], q, k, k, np.zeros_like(q))
+    agent.prefill_layer(1, [np.uint32(big)], np.array([0, 4], np.uint64), q, k, k, np.zeros_like(q))
+    assert agent.sequence_length(big) == 4
 
 
 def test_bad_shape_and_config():
