@@ -293,20 +293,18 @@ struct UcxServer::Impl {
       // Not this protocol's (a newer client's, or a probe's): nothing is taken from it and no
       // endpoint is judged by it (the endpoint UCX names may be another peer's). Counted, and
       // logged at the 1st, 2nd, 4th...
-      const uint64_t n = ++self->dropped_unserved;
-      ++self->dropped;
-      if (LoggedOccurrence(n)) {
-        spdlog::warn("remote data plane: message of an id the daemon does not serve dropped ({} such so far)", n);
+      if (self->DroppedAndLogged(&self->dropped_unserved)) {
+        spdlog::warn("remote data plane: message of an id the daemon does not serve dropped ({} such so far)",
+                     self->dropped_unserved);
       }
       return UCS_OK;
     }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !self->connections.count(param->reply_ep)) {
       // No endpoint to answer on: nothing can be refused to anyone. Counted, and logged at the
       // 1st, 2nd, 4th... (a peer sending without UCP_AM_SEND_FLAG_REPLY does not flood the log).
-      const uint64_t n = ++self->dropped_unanswerable;
-      ++self->dropped;
-      if (LoggedOccurrence(n)) {
-        spdlog::warn("remote data plane: message {} without a known endpoint dropped ({} such so far)", a->id, n);
+      if (self->DroppedAndLogged(&self->dropped_unanswerable)) {
+        spdlog::warn("remote data plane: message {} without a known endpoint dropped ({} such so far)", a->id,
+                     self->dropped_unanswerable);
       }
       return UCS_OK;
     }
@@ -319,12 +317,10 @@ struct UcxServer::Impl {
       // UCX names the endpoint from an id the sender wrote: this message may be another peer's.
       // It changes nothing of the endpoint it names (no refusal, no close): counted, and logged at
       // the 1st, 2nd, 4th...
-      const uint64_t n = ++self->dropped_unauthentic;
-      ++self->dropped;
-      if (LoggedOccurrence(n)) {
+      if (self->DroppedAndLogged(&self->dropped_unauthentic)) {
         spdlog::warn("remote data plane: message {} naming the endpoint of session {} without that session's id and "
                      "token dropped ({} such so far)",
-                     a->id, c.session, n);
+                     a->id, c.session, self->dropped_unauthentic);
       }
       return UCS_OK;
     }
@@ -471,6 +467,13 @@ struct UcxServer::Impl {
   // A client that breaks the rules refusals cannot answer (too many requests queued or replies
   // not taken, a payload that never arrives): its endpoint is closed by the next sweep, logged
   // (1st, 2nd, 4th...) and counted as refused.
+  // A message dropped for a reason counted in `kind` (one of the dropped_* counters): counted there
+  // and in `dropped`; true at the kind's 1st, 2nd, 4th... (the caller logs it then, with *kind).
+  bool DroppedAndLogged(uint64_t* kind) {
+    ++dropped;
+    return LoggedOccurrence(++*kind);
+  }
+
   void Misbehaved(Connection* c, const std::string& why) {
     if (!c->misbehaved.empty()) return;
     c->misbehaved = why;
