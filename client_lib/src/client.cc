@@ -40,11 +40,16 @@ struct Session::Impl {
     std::lock_guard<std::mutex> lock(held_mu);
     return held.count(sequence) != 0;
   }
-  Status ReleaseUnchecked(uint64_t sequence) {  // Release without the mark's check
+  // Release and Keep without the mark's check (the holder's, and everyone's for the others).
+  Status ReleaseUnchecked(uint64_t sequence) {
     SPECACHE_RETURN_IF_ERROR(pages->SlotOf(sequence).status());
     SPECACHE_RETURN_IF_ERROR(calls.ReleaseSequence(sequence));
     pages->Forget(sequence);
     return Status::Ok();
+  }
+  Status KeepUnchecked(uint64_t sequence) {
+    SPECACHE_RETURN_IF_ERROR(pages->SlotOf(sequence).status());
+    return calls.KeepSequence(sequence);
   }
 
   ~Impl() {
@@ -325,8 +330,7 @@ Status Session::Release(uint64_t sequence) {
 
 Status Session::Keep(uint64_t sequence) {
   if (impl_->Held(sequence)) return HeldBySource(sequence, "keep");
-  SPECACHE_RETURN_IF_ERROR(impl_->pages->SlotOf(sequence).status());
-  return impl_->calls.KeepSequence(sequence);
+  return impl_->KeepUnchecked(sequence);
 }
 
 void Session::Hold(uint64_t sequence) {
@@ -343,10 +347,7 @@ Status Session::ReleaseHeld(uint64_t sequence) {
   return released;
 }
 
-Status Session::KeepHeld(uint64_t sequence) {
-  SPECACHE_RETURN_IF_ERROR(impl_->pages->SlotOf(sequence).status());
-  return impl_->calls.KeepSequence(sequence);
-}
+Status Session::KeepHeld(uint64_t sequence) { return impl_->KeepUnchecked(sequence); }
 
 Result<uint32_t> Session::Claim(uint64_t sequence, const PageLayoutSpec& l) {
   SPECACHE_ASSIGN_OR_RETURN(v1::ClaimSequenceResponse resp, impl_->calls.ClaimSequence(sequence, l));
