@@ -113,6 +113,9 @@ mkdir -p "$out"
 export SPECACHE_REQUIRE_GPU=1
 sanitizer=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
 
+# The toolkit's libcupti directory, for the GPU timeline's preload (profile, steady).
+cupti_dir() { dirname "$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)"; }
+
 timed() {  # timed NAME LIMIT_S COMMAND...: output to $out/NAME.txt, a summary line to stdout
   local name=$1 limit=$2 start rc
   shift 2
@@ -170,7 +173,7 @@ if [ "$stage" = profile ]; then
   step_args=(specache-bench step --tokens "${PROFILE_TOKENS:-8192}" --batches "${PROFILE_BATCH:-32}" --profile-step)
   [ -n "${PROFILE_KV:-}" ] && step_args+=(--kv "$PROFILE_KV")
   [ "${PROFILE_FETCH:-0}" = 1 ] || step_args+=(--profile-no-fetch)
-  cupti=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)")
+  cupti=$(cupti_dir)
   timed timeline 100 env SPECACHE_TIMELINE_OUT="$out/timeline.csv" LD_LIBRARY_PATH="$cupti" \
     LD_PRELOAD="$PWD/$bundle/profile/libspecache_gpu_timeline.so" "$bundle/run" "${step_args[@]}"
   [ -s "$out/timeline.csv" ] && python3 tools/profile/gpu_timeline.py "$out/timeline.csv" > "$out/timeline_summary.txt" 2>&1
@@ -193,7 +196,7 @@ if [ "$stage" = steady ]; then
   model=(specache-run bench --shape llama3-8b --gpu-mem-budget 48GB --steps 16 --context "$steady_ctx"
          --kv "$steady_kv" --profile-step)
   [ -n "$steady_batch" ] && model+=(--max-batch "$steady_batch")
-  cupti=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)")
+  cupti=$(cupti_dir)
   timed steady_timeline 120 env SPECACHE_TIMELINE_OUT="$out/steady_timeline.csv" SPECACHE_TIMELINE_STOP=0 \
     LD_LIBRARY_PATH="$cupti" LD_PRELOAD="$PWD/$bundle/profile/libspecache_gpu_timeline.so" "$bundle/run" "${model[@]}" \
     || bench_rc=1
