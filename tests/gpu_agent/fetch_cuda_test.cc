@@ -1,7 +1,9 @@
 // Label `gpu`: the agent's in-place page kernels against a CPU reference on random data.
 // FetchRows: every output row is the resident copy when the token is resident, else the host
 // row, byte for byte, and the hit/miss counters add up over 300 tasks in one launch; by the
-// copy-engine route the row cache's update holds the same rows at the slots it reports.
+// copy-engine route the row cache's update holds the same rows at the slots it reports. The
+// cache update against the CPU rule (row_cache.h), fp16 rows and, at the bench's shape, int8
+// staged rows.
 // WriteRows: rows stored from the device read back through the source identically.
 #include "specache/cuda_fetch.h"
 
@@ -741,6 +743,162 @@ TEST(CudaFetchTest, Int8PagesHoldAndGiveTheHostFormatsBytesAndValues) {
   EXPECT_EQ(cuda::WriteRows(&none, 1, 40, HostRowFormat::kInt8, 64, nullptr).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cuda::WriteRows(&none, 1, 512, HostRowFormat::kInt8, 64, nullptr).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cuda::WriteRows(&none, 1, 64, static_cast<HostRowFormat>(7), 64, nullptr).code(), StatusCode::kInvalidArgument);
+#endif
+}
+
+// The cache update at the bench's shape (KvOptions' 1024-row caches, head_dim 128, 64 or 160
+// rows selected, the copy engine's int8 staged rows), which the other tests reach only in part:
+// full old lists whose recency keys differ in few bytes (use marks a few fetches apart) or in
+// more (tokens past 65535, marks around zero), so that the keep threshold's radix select skips
+// different bytes; a third of each selection hits; the misses' int8 rows decoded beside the hits'
+// rows kept where they were. Besides them: a 128-row cache (two selections), a fresh one, one
+// whose selection fills it (keep 0), and padded selections. Against the CPU rule, as above.
+TEST(CudaFetchTest, FullCacheUpdatesWithInt8StagedRowsEqualTheCpuRule) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(53);
+  const int d = 128;
+  const size_t row = 2 * size_t(d);
+  const int64_t stored_bytes = HostRowBytes(HostRowFormat::kInt8, d);
+  DeviceBuffers buf;
+  std::vector<cuda::CacheUpdateTask> tasks;
+  std::vector<RowCacheEntries> want_cache;
+  std::vector<std::vector<Half>> want_rows;         // [task][entry]
+  std::vector<std::vector<int32_t>> want_old_slot;  // [task][entry]: the slot it keeps, or -1
+  std::vector<std::vector<int32_t>> padded_selections;
+  uint64_t want_fetched = 0, want_reused = 0;
+  const int n_tasks = 48;
+  for (int i = 0; i < n_tasks; ++i) {
+    const int capacity = i == 5 ? 160 : i % 8 == 3 ? 128 : 1024;
+    const int k = i % 2 == 0 || capacity == 128 ? 64 : 160;
+    const int32_t universe = i % 3 == 0 ? 70000 : 8192;
+    const bool around_zero = i % 5 == 4;  // use marks from -16: their keys differ in every high byte
+    const int64_t now = around_zero ? 3 : 1000;
+    RowCacheEntries old;
+    old.tokens = i == 7 ? std::vector<int32_t>{} : RandomTokens(universe, capacity, rng);
+    for (size_t j = 0; j < old.tokens.size(); ++j) {
+      old.used.push_back(around_zero ? static_cast<int64_t>(rng() % 19) - 16
+                                     : now - 1 - static_cast<int64_t>(rng() % 16));
+    }
+    std::set<int32_t> chosen;
+    const int wanted = std::min(i == 5 ? capacity : k, capacity);
+    while (static_cast<int>(chosen.size()) < wanted / 3 && !old.tokens.empty()) {
+      chosen.insert(old.tokens[rng() % old.tokens.size()]);
+    }
+    while (static_cast<int>(chosen.size()) < wanted) chosen.insert(static_cast<int32_t>(rng() % universe));
+    const std::vector<int32_t> selected(chosen.begin(), chosen.end());
+    std::vector<int32_t> slots(capacity);
+    for (int32_t r = 0; r < capacity; ++r) slots[r] = r;
+    std::shuffle(slots.begin(), slots.end(), rng);
+    const auto rows = testing::RandomHalves(size_t(capacity) * row, rng);
+    // The misses' rows: stored int8 rows of random values, in a shuffled order behind others.
+    const std::vector<Half> values = ScaledHalves(selected.size() * 2, d, rng);
+    std::vector<uint8_t> stored(selected.size() * stored_bytes);
+    EncodeHostRows(HostRowFormat::kInt8, values.data(), static_cast<int64_t>(selected.size()), d, stored.data());
+    RowCacheEntries cache = old;
+    std::vector<bool> hit;
+    const auto sources = UpdateRowCache(&cache, selected, now, static_cast<size_t>(capacity), &hit);
+    auto old_index = [&](int32_t token) {
+      return std::lower_bound(old.tokens.begin(), old.tokens.end(), token) - old.tokens.begin();
+    };
+    std::vector<int32_t> ranks(selected.size()), order;
+    for (size_t j = 0; j < selected.size(); ++j) {
+      if (hit[j]) ranks[j] = -2 - static_cast<int32_t>(old_index(selected[j]));
+      else order.push_back(static_cast<int32_t>(j));
+      (hit[j] ? want_reused : want_fetched) += 1;
+    }
+    std::shuffle(order.begin(), order.end(), rng);
+    const size_t before = 1 + rng() % 3;
+    std::vector<uint8_t> staged((before + order.size()) * stored_bytes, 0xCD);
+    for (size_t r = 0; r < order.size(); ++r) {
+      ranks[order[r]] = static_cast<int32_t>(before + r);
+      std::memcpy(&staged[(before + r) * stored_bytes], &stored[order[r] * stored_bytes], size_t(stored_bytes));
+    }
+    std::vector<Half> entry_rows;
+    std::vector<int32_t> old_slot;
+    for (int64_t src : sources) {
+      const int64_t from_old = src < 0 ? -1 - src : hit[src] ? old_index(selected[src]) : -1;
+      std::vector<Half> r(row);
+      if (from_old >= 0) {
+        std::copy_n(&rows[size_t(slots[from_old]) * row], row, r.begin());
+      } else {
+        DecodeHostRows(HostRowFormat::kInt8, &stored[size_t(src) * stored_bytes], 1, d, r.data());
+      }
+      entry_rows.insert(entry_rows.end(), r.begin(), r.end());
+      old_slot.push_back(from_old >= 0 ? slots[from_old] : -1);
+    }
+    want_cache.push_back(std::move(cache));
+    want_rows.push_back(std::move(entry_rows));
+    want_old_slot.push_back(std::move(old_slot));
+    std::vector<int32_t> padded = selected;
+    if (i % 4 == 1 && padded.size() + 8 <= size_t(capacity)) padded.resize(padded.size() + 8, cuda::kNoToken);
+    ranks.resize(padded.size(), -1);
+    std::vector<int32_t> tokens32 = old.tokens, used32(old.used.begin(), old.used.end());
+    tokens32.resize(capacity, cuda::kNoToken);
+    used32.resize(capacity, -3);
+    cuda::CacheUpdateTask t;
+    t.old_tokens = buf.Copy(tokens32);
+    t.old_used = buf.Copy(used32);
+    t.old_slots = buf.Copy(slots);
+    t.old_count = buf.Copy(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())});
+    t.selected = buf.Copy(padded);
+    t.n_selected = static_cast<int32_t>(padded.size());
+    t.staged_rank = buf.Copy(ranks);
+    t.selected_rows = reinterpret_cast<const Half*>(buf.Copy(staged));
+    t.rows = buf.Copy(rows);
+    t.new_tokens = buf.Copy(std::vector<int32_t>(capacity, -1));
+    t.new_used = buf.Copy(std::vector<int32_t>(capacity, -1));
+    t.new_slots = buf.Copy(std::vector<int32_t>(capacity, -1));
+    t.new_count = buf.Copy(std::vector<int32_t>{-1});
+    t.selected_slots = buf.Copy(std::vector<int32_t>(padded.size(), -7));
+    t.now = static_cast<int32_t>(now);
+    t.capacity = capacity;
+    tasks.push_back(t);
+    padded_selections.push_back(std::move(padded));
+  }
+  auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
+  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, HostRowFormat::kInt8, counters, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
+  EXPECT_EQ(got_counters.fetched, want_fetched);
+  EXPECT_EQ(got_counters.reused, want_reused);
+  for (int i = 0; i < n_tasks; ++i) {
+    const int32_t capacity = tasks[i].capacity;
+    const int32_t count = testing::Download(tasks[i].new_count, 1)[0];
+    ASSERT_EQ(count, static_cast<int32_t>(want_cache[i].tokens.size())) << "task " << i;
+    const std::vector<int32_t> all = testing::Download(tasks[i].new_tokens, capacity),
+                               used = testing::Download(tasks[i].new_used, count);
+    EXPECT_EQ(std::vector<int32_t>(all.begin(), all.begin() + count), want_cache[i].tokens) << "task " << i;
+    EXPECT_EQ(std::vector<int64_t>(used.begin(), used.end()), want_cache[i].used) << "task " << i;
+    for (int32_t j = count; j < capacity; ++j) EXPECT_EQ(all[j], cuda::kNoToken) << "task " << i;
+    const std::vector<int32_t> new_slots = testing::Download(tasks[i].new_slots, capacity);
+    const std::vector<Half> rows = testing::Download(tasks[i].rows, size_t(capacity) * row);
+    std::vector<bool> named(capacity, false);
+    for (int32_t e = 0; e < capacity; ++e) {
+      ASSERT_TRUE(new_slots[e] >= 0 && new_slots[e] < capacity) << "task " << i << " entry " << e;
+      ASSERT_FALSE(named[new_slots[e]]) << "task " << i << ": slot " << new_slots[e] << " named twice";
+      named[new_slots[e]] = true;
+    }
+    for (int32_t e = 0; e < count; ++e) {
+      if (want_old_slot[i][e] >= 0) {
+        EXPECT_EQ(new_slots[e], want_old_slot[i][e]) << "task " << i << " entry " << e;
+      }
+      ASSERT_TRUE(std::equal(want_rows[i].begin() + e * row, want_rows[i].begin() + (e + 1) * row,
+                             rows.begin() + size_t(new_slots[e]) * row))
+          << "task " << i << " entry " << e;
+    }
+    const std::vector<int32_t> slots = testing::Download(tasks[i].selected_slots, tasks[i].n_selected);
+    for (int32_t j = 0; j < tasks[i].n_selected; ++j) {
+      const int32_t token = padded_selections[i][j];
+      if (token == cuda::kNoToken) {
+        EXPECT_EQ(slots[j], -1) << "task " << i << " slot " << j;
+        continue;
+      }
+      const auto e = std::lower_bound(all.begin(), all.begin() + count, token) - all.begin();
+      ASSERT_TRUE(e < count && all[e] == token) << "task " << i << " slot " << j;
+      EXPECT_EQ(slots[j], new_slots[e]) << "task " << i << " slot " << j;
+    }
+  }
 #endif
 }
 

@@ -10,7 +10,6 @@
 #include "decode_plan_slots.h"
 #include "int8_rows.cuh"
 #include "shared_memory_opt_in.cuh"
-#include "sorted_tokens.cuh"
 
 namespace specache::cuda {
 namespace {
@@ -255,189 +254,397 @@ __global__ void WriteInt8Kernel(const WriteTask* __restrict__ tasks, int count, 
   }
 }
 
-static_assert(kMaxCacheRows <= 0x7fff, "cache positions, slots and their scans are int16 in shared memory");
+static_assert(kMaxCacheRows <= 0x7fff,
+              "cache positions and slots are int16 in shared memory, and two counts of entries share an int");
 
-// Dynamic shared memory of one task's update: kept_before [capacity + 1] and free_slots
-// [capacity] (int16), then flags [capacity] (bytes).
-constexpr size_t CacheUpdateSharedBytes(int capacity) { return 2 * (size_t(capacity) + 1) + 3 * size_t(capacity); }
+// Dynamic shared memory of one task's update: free_slots [capacity] and below [capacity]
+// (int16), then flags [capacity] (bytes): 5 bytes an entry, 80 KiB at kMaxCacheRows (under the
+// 99 KiB a block may take on sm_86 and sm_89).
+constexpr size_t CacheUpdateSharedBytes(int capacity) { return 2 * 2 * size_t(capacity) + size_t(capacity); }
 
 // flags[o] of old entry o (passes 1 to 4).
 constexpr uint8_t kSelectedAgain = 1, kStays = 2;
+
+// What an old entry adds to pass 3's scan: kept | again << 16.
+__device__ int ScanCount(uint8_t flag) { return flag & kStays ? 1 : flag & kSelectedAgain ? 1 << 16 : 0; }
+
+// Entries a thread loads before it uses them: a batch's loads and binary searches are in flight
+// together, not one entry's chain of dependent loads after another's.
+constexpr int kBatch = 4;
+
+// The cache update's blocks an SM holds at once (its launch bounds: 40 registers a thread, where
+// it would take 80): a block is a chain of dependent steps (loads, searches, barriers), so the
+// more of them an SM holds, the more of each other's latency they hide.
+constexpr int kCacheUpdateBlocks = 6;
+static_assert(kThreads == 256, "the cache update: a bin of KeepThreshold's, and a run, a thread");
 
 // An entry's recency as one unsigned key: later use first, then higher token (row_cache.h).
 __device__ uint64_t RecencyKey(int32_t used, int32_t token) {
   return uint64_t{uint32_t(used) ^ 0x80000000u} << 32 | (uint32_t(token) ^ 0x80000000u);
 }
 
-// The keep-th largest recency key among the old entries not selected again, of which there are
-// more than keep > 0 (KthLargestKey: keys are distinct, as tokens are, so exactly the `keep` most
-// recent of those entries have a key at or above it). All kThreads threads call it.
-__device__ uint64_t KeepThreshold(const CacheUpdateTask& t, int32_t n_old, const uint8_t* flags, int32_t keep) {
-  return KthLargestKey(n_old, keep, [&](int32_t o, uint64_t* key) {
-    if (flags[o] & kSelectedAgain) return false;
-    *key = RecencyKey(t.old_used[o], t.old_tokens[o]);
-    return true;
-  });
+// Below (sorted_tokens.cuh) of kBatch tokens at once over the ascending list [0, n), without
+// branches: every search takes the same probes (the powers of two from n's highest down), so the
+// batch's loads of a probe are in flight together.
+__device__ void BelowBatch(const int32_t* list, int32_t n, const int32_t (&token)[kBatch], int32_t (&at)[kBatch]) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) at[u] = 0;
+  for (int32_t step = n > 0 ? int32_t{1} << (31 - __clz(n)) : 0; step > 0; step >>= 1) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (at[u] + step <= n && list[at[u] + step - 1] < token[u]) at[u] += step;
+    }
+  }
 }
 
-// Block b updates task b's cache (CacheUpdateTask) in six passes:
-//   1. which old entries are selected again (they keep their slots);
-//   2. which others stay: all if they fit in `keep`, else the `keep` most recent (KeepThreshold);
-//   3. scans: the staying entries before each old entry (kept_before), and the free slots in
-//      order: those of the entries that neither stay nor are selected, then those past the old
-//      count (free_slots);
-//   4. each staying entry takes its place in the merged ascending order (staying entries before
-//      it plus selected tokens below it), with its use mark and slot;
-//   5. each selected token takes its place (its index plus the staying entries below it): a hit
-//      keeps its old slot, the m-th miss takes the m-th free slot; the slots left over follow the
-//      new count;
-//   6. the missed rows are copied into their slots, 16-byte pieces, consecutive threads
-//      consecutive pieces. Nothing else moves.
+// Pass 1's sums over the block: `counts` added (two 16-bit counts, neither passing 0x7fff in all),
+// the keys and-ed and or-ed (warp reductions, sm_80+). kThreads threads, all calling, once.
+struct OldEntrySums {
+  int counts;
+  uint64_t key_and, key_or;
+};
+__device__ OldEntrySums SumOldEntries(OldEntrySums s) {
+  __shared__ OldEntrySums warp_sums[kThreads / 32];
+  const auto low = [](uint64_t x) { return static_cast<unsigned>(x); };
+  const auto high = [](uint64_t x) { return static_cast<unsigned>(x >> 32); };
+  s.counts = __reduce_add_sync(0xffffffffu, s.counts);
+  s.key_and = uint64_t{__reduce_and_sync(0xffffffffu, high(s.key_and))} << 32 |
+              __reduce_and_sync(0xffffffffu, low(s.key_and));
+  s.key_or = uint64_t{__reduce_or_sync(0xffffffffu, high(s.key_or))} << 32 |
+             __reduce_or_sync(0xffffffffu, low(s.key_or));
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = s;
+  __syncthreads();
+  s = warp_sums[0];
+  for (int w = 1; w < kThreads / 32; ++w) {
+    s.counts += warp_sums[w].counts;
+    s.key_and &= warp_sums[w].key_and;
+    s.key_or |= warp_sums[w].key_or;
+  }
+  return s;
+}
+
+// The keep-th largest recency key among the old entries not selected again (those of this
+// thread: [first, last)), of which there are more than keep > 0; key_and and key_or: all their
+// keys and-ed and or-ed. Keys are distinct, as tokens are, so exactly the `keep` most recent of
+// those entries have a key at or above it. A radix select over the key's bytes, most significant
+// first (block_select.cuh's KthLargestKey), but only over the bytes in which the keys differ (a
+// byte they share is the threshold's: use marks a few fetches apart and tokens below 64K differ in
+// three of eight), with one __syncthreads a pass: the passes count into bins[0], [1], [2] in turn
+// (bins[0] and [1] zeroed before the caller's last __syncthreads; a pass zeroes the bins of the
+// pass after next once every warp has read those), and every warp reads the whole bins to find
+// the byte, no thread for all. kThreads threads, all calling.
+__device__ uint64_t KeepThreshold(const CacheUpdateTask& t, int32_t first, int32_t last, const uint8_t* flags,
+                                  int32_t keep, uint64_t key_and, uint64_t key_or, int (*bins)[256]) {
+  const uint64_t differ = key_and ^ key_or;
+  uint64_t differ_bytes = 0;
+  for (int shift = 0; shift < 64; shift += 8) {
+    if ((differ >> shift) & 0xff) differ_bytes |= uint64_t{0xff} << shift;
+  }
+  uint64_t prefix = key_and & ~differ_bytes;  // the shared bytes; the others found pass by pass
+  int32_t want = keep;  // the sought key is the want-th largest of the keys matching prefix's bytes above shift
+  const int lane = threadIdx.x & 31;
+  int pass = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    if (!((differ_bytes >> shift) & 0xff)) continue;  // uniform
+    int* bin = bins[pass % 3];
+    const uint64_t above = shift == 56 ? 0 : ~uint64_t{0} << (shift + 8);
+    for (int32_t base = first; base < last; base += kBatch) {
+      int32_t token[kBatch], used[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int32_t o = base + u;
+        if (o < last) token[u] = t.old_tokens[o], used[u] = t.old_used[o];
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int32_t o = base + u;
+        if (o >= last || (flags[o] & kSelectedAgain)) continue;
+        const uint64_t key = RecencyKey(used[u], token[u]);
+        if ((key & above) == (prefix & above)) atomicAdd(&bin[(key >> shift) & 0xff], 1);
+      }
+    }
+    __syncthreads();
+    bins[(pass + 2) % 3][threadIdx.x] = 0;
+    // Lane l sums bytes 255 - 8l down to 248 - 8l; the lane where the larger keys reach `want`
+    // walks its eight.
+    const int4 low = reinterpret_cast<const int4*>(bin)[62 - 2 * lane];
+    const int4 high = reinterpret_cast<const int4*>(bin)[63 - 2 * lane];
+    const int count[8] = {high.w, high.z, high.y, high.x, low.w, low.z, low.y, low.x};
+    int sum = 0;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) sum += count[b];
+    int inclusive = sum;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += up;
+    }
+    int larger = inclusive - sum, byte = 0, byte_larger = 0;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      if (larger < want && want <= larger + count[b]) byte = 255 - 8 * lane - b, byte_larger = larger;
+      larger += count[b];
+    }
+    const int owner = __ffs(__ballot_sync(0xffffffffu, inclusive - sum < want && want <= inclusive)) - 1;
+    byte = __shfl_sync(0xffffffffu, byte, owner);
+    byte_larger = __shfl_sync(0xffffffffu, byte_larger, owner);
+    prefix |= uint64_t(byte) << shift;
+    want -= byte_larger;
+    ++pass;
+  }
+  return prefix;
+}
+
+// Where free slot f goes (pass 3, in order: the slots of the old entries that neither stay nor
+// are selected again, then those past the old count): the f-th miss's, through free_slots, or,
+// past the misses, the new list's slot new_count + f - misses, stored at once. Slots pass
+// through int16, as free_slots holds them.
+__device__ void PlaceFreeSlot(const CacheUpdateTask& t, int32_t f, int16_t slot, int32_t misses, int32_t new_count,
+                              int16_t* free_slots) {
+  if (f < misses) free_slots[f] = slot;
+  else t.new_slots[new_count + f - misses] = slot;
+}
+
+// Asks for the lines of [p, p + bytes), wanted in a later pass (a hint, no load): into L2, or
+// into L1 (and L2) with `l1`.
+__device__ void Prefetch(const void* p, int64_t bytes, bool l1) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t line = at & ~uintptr_t{127}; line < at + bytes; line += 128) {
+    if (l1) asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
+    else asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+  }
+}
+
+// Block b updates task b's cache (CacheUpdateTask) in five passes. In passes 1-3 each thread takes
+// one run of consecutive slots of the list, [first, end) of [0, capacity) (so that the loads of
+// the first pass need not wait for the old count), its old entries [first, last), kBatch entries'
+// loads at a time:
+//   1. which old entries are selected again (they keep their slots), with each entry's place in
+//      the selection (below); summed over the block (one __syncthreads): the entries not selected
+//      again, the selection without the budget's padding, and those entries' keys and-ed and or-ed
+//      (the run's slots are asked of L1 for pass 3);
+//   2. which others stay: all if they fit in `keep`, else the `keep` most recent (KeepThreshold:
+//      a pass, one __syncthreads, for each byte the keys differ in);
+//   3. one scan of two counts: the staying and the selected-again entries before each old entry
+//      (packed kept | again << 16, ScanCount; each run's first in run_before). With it each old
+//      entry takes its place in the merged ascending order: a staying one its kept entries before
+//      plus the selected tokens below it, with its use mark and slot; a selected-again one (a hit)
+//      its selection index plus the kept entries before, with `now` and its old slot (also
+//      selected_slots); any other one's slot is free slot f = its index less both counts before
+//      it, as are the slots past the old count (PlaceFreeSlot: the f-th miss's, or, past the
+//      misses, at once the new list's after the new count). The new count, the kNoToken past it
+//      and the padding's -1 slots too;
+//   4. each missed selected token takes its place (its index plus the kept entries below it) and
+//      the m-th miss the m-th free slot, m its index less the hits below it (both counts before its
+//      place in the old list: its run's run_before and the flags of the run up to there); its row
+//      is asked of L2 for pass 5;
+//   5. the missed rows are copied into their slots, 16-byte pieces, consecutive threads
+//      consecutive pieces of the misses in order, kBatch loads in flight a thread. Nothing else
+//      moves.
 // `staged_head_dim` > 0: ranked (staged) rows are stored int8 rows of that head_dim (int8_rows.cuh),
-// decoded into the cache's fp16 rows in pass 6; 0: they are fp16 rows, copied.
-__global__ void UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int row_pieces, int staged_head_dim,
-                                  FetchCounters* counters) {
+// decoded into the cache's fp16 rows in pass 5; 0: they are fp16 rows, copied.
+// The old list ascends without repeats to its count, and so does the selection to its padding
+// (CacheUpdateTask): a selected token found in the old list is the same pair from either side.
+__global__ void __launch_bounds__(kThreads, kCacheUpdateBlocks)
+    UpdateCacheKernel(const CacheUpdateTask* __restrict__ tasks, int row_pieces, int staged_head_dim,
+                      FetchCounters* counters) {
   // The block's task in shared memory: read through a reference to global memory, its fields
   // would be loaded again after the block's global stores.
   const CacheUpdateTask& t = TaskOfBlock(tasks, blockIdx.x);
   const int32_t capacity = t.capacity;
   extern __shared__ int16_t shared[];
-  int16_t* kept_before = shared;                      // [capacity + 1]
-  int16_t* free_slots = kept_before + capacity + 1;   // [capacity]
-  // [capacity]: old entry o's kSelectedAgain | kStays in passes 1-4; from pass 5, whether
-  // selected token i is a miss.
-  uint8_t* flags = reinterpret_cast<uint8_t*>(free_slots + capacity);
-  __shared__ int unselected;
+  int16_t* free_slots = shared;  // [capacity], pass 3 on
+  // [capacity]: old entry o's place in the selection (Below) in passes 1-3; in passes 4-5 the
+  // selection index of miss m.
+  int16_t* below = free_slots + capacity;
+  uint8_t* flags = reinterpret_cast<uint8_t*>(below + capacity);  // [capacity] kSelectedAgain | kStays
+  __shared__ __align__(16) int bins[3][256];                      // KeepThreshold's
+  __shared__ int run_before[kThreads];                            // pass 3's scan at each run's start
   const int32_t n_old = min(*t.old_count, capacity);
-  const int32_t n_selected = Below(t.selected, t.n_selected, kNoToken);  // without the budget's padding
+  const int32_t run = (capacity + kThreads - 1) / kThreads;
+  const int32_t first = min(capacity, static_cast<int32_t>(threadIdx.x) * run), end = min(capacity, first + run);
+  OldEntrySums sums{0, ~uint64_t{0}, 0};  // counts: not selected again | selection's tokens << 16
+  if (first < end) Prefetch(t.old_slots + first, int64_t{end - first} * 4, true);  // pass 3's
+  for (int32_t base = first; base < end; base += kBatch) {  // 1.
+    int32_t token[kBatch], used[kBatch], at[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int32_t o = min(base + u, end - 1);
+      token[u] = t.old_tokens[o], used[u] = t.old_used[o];
+    }
+    // Over the padded selection: its padding (kNoToken) lies above every token.
+    BelowBatch(t.selected, t.n_selected, token, at);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int32_t o = base + u;
+      if (o >= end || o >= n_old) continue;
+      const bool again = token[u] < kNoToken && at[u] < t.n_selected && t.selected[at[u]] == token[u];
+      flags[o] = again ? kSelectedAgain : 0;
+      below[o] = static_cast<int16_t>(at[u]);
+      if (again) continue;
+      const uint64_t key = RecencyKey(used[u], token[u]);
+      sums.counts += 1, sums.key_and &= key, sums.key_or |= key;
+    }
+  }
+  for (int32_t i = threadIdx.x; i < t.n_selected; i += kThreads) sums.counts += t.selected[i] < kNoToken ? 1 << 16 : 0;
+  bins[0][threadIdx.x] = bins[1][threadIdx.x] = 0;
+  sums = SumOldEntries(sums);
+  const int32_t last = max(first, min(end, n_old));
+  const int32_t unselected = sums.counts & 0xffff;
+  // Without the budget's padding (Below(selected, n_selected, kNoToken): the selection ascends).
+  const int32_t n_selected = sums.counts >> 16;
   const int32_t keep = max(0, capacity - n_selected);
-  if (threadIdx.x == 0) unselected = 0;
-  __syncthreads();
-  int others = 0;
-  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    const bool again = Find(t.selected, n_selected, t.old_tokens[o]) >= 0;
-    flags[o] = again ? kSelectedAgain : 0;
-    others += again ? 0 : 1;
-  }
-  if (others) atomicAdd(&unselected, others);
-  __syncthreads();
   const bool all_stay = unselected <= keep;  // uniform
-  const uint64_t threshold = keep == 0 || all_stay ? 0 : KeepThreshold(t, n_old, flags, keep);
-  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    if (keep > 0 && !(flags[o] & kSelectedAgain) && (all_stay || RecencyKey(t.old_used[o], t.old_tokens[o]) >= threshold)) {
-      flags[o] |= kStays;
+  const bool ranked = keep > 0 && !all_stay;
+  const uint64_t threshold = ranked ? KeepThreshold(t, first, last, flags, keep, sums.key_and, sums.key_or, bins) : 0;
+  int counts = 0;  // 3. kept | again << 16 in this thread's run
+  for (int32_t base = first; base < last; base += kBatch) {
+    int32_t token[kBatch], used[kBatch];
+    if (ranked) {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int32_t o = min(base + u, last - 1);
+        token[u] = t.old_tokens[o], used[u] = t.old_used[o];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int32_t o = base + u;
+      if (o >= last) continue;
+      uint8_t flag = flags[o];
+      if (keep > 0 && !(flag & kSelectedAgain) && (all_stay || RecencyKey(used[u], token[u]) >= threshold)) {
+        flags[o] = flag |= kStays;
+      }
+      counts += ScanCount(flag);
     }
   }
-  __syncthreads();
-  {  // 3. Thread i scans its run of consecutive entries; the last thread's run ends the total.
-    const int32_t run = (n_old + kThreads - 1) / kThreads;
-    const int32_t first = min(n_old, static_cast<int32_t>(threadIdx.x) * run), last = min(n_old, first + run);
-    int count = 0;
-    for (int32_t o = first; o < last; ++o) count += flags[o] & kStays ? 1 : 0;
-    int before = BlockExclusiveSum(count);
-    for (int32_t o = first; o < last; ++o) {
-      kept_before[o] = static_cast<int16_t>(before);
-      before += flags[o] & kStays ? 1 : 0;
+  int total = 0;
+  int running = BlockExclusiveSum(counts, &total);
+  run_before[threadIdx.x] = running;
+  const int32_t new_count = (total & 0xffff) + n_selected, misses = n_selected - (total >> 16);
+  for (int32_t base = first; base < end; base += kBatch) {
+    int32_t token[kBatch], used[kBatch], slot[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int32_t o = min(base + u, end - 1);
+      token[u] = t.old_tokens[o], used[u] = t.old_used[o], slot[u] = t.old_slots[o];
     }
-    if (threadIdx.x == kThreads - 1) kept_before[n_old] = static_cast<int16_t>(before);
-  }
-  __syncthreads();
-  {  // A fresh cache (no old entries) has every slot free, in order.
-    const int32_t run = (capacity + kThreads - 1) / kThreads;
-    const int32_t first = min(capacity, static_cast<int32_t>(threadIdx.x) * run), last = min(capacity, first + run);
-    auto is_free = [&](int32_t c) { return c >= n_old || !(flags[c] & (kStays | kSelectedAgain)); };
-    int count = 0;
-    for (int32_t c = first; c < last; ++c) count += is_free(c) ? 1 : 0;
-    int before = BlockExclusiveSum(count);
-    for (int32_t c = first; c < last; ++c) {
-      if (is_free(c)) free_slots[before++] = static_cast<int16_t>(n_old == 0 ? c : t.old_slots[c]);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int32_t o = base + u;
+      if (o >= end) continue;
+      const int32_t kept_before = running & 0xffff, again_before = running >> 16;
+      // Past the old count every slot is free (a fresh cache's in order); the counts before are the totals.
+      const uint8_t flag = o < n_old ? flags[o] : 0;
+      if (flag & kStays) {
+        const int32_t pos = kept_before + min(static_cast<int32_t>(below[o]), n_selected);
+        t.new_tokens[pos] = token[u];
+        t.new_used[pos] = used[u];
+        t.new_slots[pos] = slot[u];
+        running += 1;
+      } else if (flag & kSelectedAgain) {
+        const int32_t i = below[o], pos = i + kept_before;
+        t.new_tokens[pos] = token[u];
+        t.new_used[pos] = t.now;
+        t.new_slots[pos] = slot[u];
+        t.selected_slots[i] = slot[u];
+        running += 1 << 16;
+      } else {
+        const auto free_slot = static_cast<int16_t>(n_old == 0 ? o : slot[u]);
+        PlaceFreeSlot(t, o - kept_before - again_before, free_slot, misses, new_count, free_slots);
+      }
     }
   }
-  for (int32_t o = threadIdx.x; o < n_old; o += blockDim.x) {
-    if (!(flags[o] & kStays)) continue;
-    const int32_t token = t.old_tokens[o];
-    const int32_t pos = kept_before[o] + Below(t.selected, n_selected, token);
-    t.new_tokens[pos] = token;
-    t.new_used[pos] = t.old_used[o];
-    t.new_slots[pos] = t.old_slots[o];
+  for (int32_t j = new_count + threadIdx.x; j < capacity; j += kThreads) t.new_tokens[j] = kNoToken;
+  for (int32_t i = n_selected + threadIdx.x; i < t.n_selected; i += kThreads) t.selected_slots[i] = -1;
+  if (threadIdx.x == 0) {
+    *t.new_count = new_count;
+    if (counters && t.staged_rank) {
+      const int32_t hits = total >> 16;
+      if (hits) atomicAdd(&counters->reused, static_cast<unsigned long long>(hits));
+      if (misses > 0) atomicAdd(&counters->fetched, static_cast<unsigned long long>(misses));
+    }
   }
-  __syncthreads();  // flags now name the selection's misses; the scan's sums are written again
-  int hits = 0;
-  {
-    const int32_t run = (n_selected + kThreads - 1) / kThreads;
-    const int32_t first = min(n_selected, static_cast<int32_t>(threadIdx.x) * run), last = min(n_selected, first + run);
-    auto old_index = [&](int32_t i) { return Below(t.old_tokens, n_old, t.selected[i]); };
-    auto is_hit = [&](int32_t i, int32_t o) { return o < n_old && t.old_tokens[o] == t.selected[i]; };
-    int misses = 0;
-    for (int32_t i = first; i < last; ++i) misses += is_hit(i, old_index(i)) ? 0 : 1;
-    int all_misses = 0;
-    int miss = BlockExclusiveSum(misses, &all_misses);  // this run's first miss's free slot
-    for (int32_t i = first; i < last; ++i) {
-      const int32_t o = old_index(i), pos = i + kept_before[o];
-      const bool hit = is_hit(i, o);
-      const int32_t slot = hit ? t.old_slots[o] : free_slots[miss++];
-      t.new_tokens[pos] = t.selected[i];
+  __syncthreads();  // run_before and free_slots; below's old entries are read
+  const int32_t* rank = t.staged_rank;  // a missed row's place among the staged rows, or null
+  const bool decode = rank && staged_head_dim > 0;  // stored int8 rows, else fp16 rows
+  const int64_t source_bytes = decode ? int8_rows::StoredRowBytes(staged_head_dim) : int64_t{16} * row_pieces;
+  const auto* sources = reinterpret_cast<const uint8_t*>(t.selected_rows);
+  int16_t* miss_selected = below;  // [misses]
+  for (int32_t base = threadIdx.x; base < n_selected; base += kBatch * kThreads) {  // 4.
+    int32_t token[kBatch], source[kBatch], at[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int32_t i = min(base + u * kThreads, n_selected - 1);
+      token[u] = t.selected[i];
+      source[u] = rank ? rank[i] : i;
+    }
+    BelowBatch(t.old_tokens, n_old, token, at);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int32_t i = base + u * kThreads, o = at[u];
+      if (i >= n_selected || (o < n_old && t.old_tokens[o] == token[u])) continue;  // a hit: placed in pass 3
+      int packed = total;  // kept | again << 16 before old entry o
+      if (o < n_old) {
+        const int32_t from = o / run * run;
+        packed = run_before[o / run];
+        for (int32_t q = from; q < o; ++q) packed += ScanCount(flags[q]);
+      }
+      const int32_t m = i - (packed >> 16), pos = i + (packed & 0xffff);
+      const int32_t slot = free_slots[m];
+      t.new_tokens[pos] = token[u];
       t.new_used[pos] = t.now;
       t.new_slots[pos] = slot;
       t.selected_slots[i] = slot;
-      flags[i] = hit ? 0 : 1;
-      hits += hit ? 1 : 0;
-    }
-    for (int32_t i = n_selected + threadIdx.x; i < t.n_selected; i += blockDim.x) t.selected_slots[i] = -1;
-    const int32_t new_count = kept_before[n_old] + n_selected;
-    if (threadIdx.x == 0) *t.new_count = new_count;
-    for (int32_t j = new_count + threadIdx.x; j < capacity; j += blockDim.x) {
-      t.new_tokens[j] = kNoToken;
-      t.new_slots[j] = free_slots[all_misses + j - new_count];
+      miss_selected[m] = static_cast<int16_t>(i);
+      Prefetch(sources + source[u] * source_bytes, source_bytes, false);
     }
   }
-  if (counters && t.staged_rank) {
-    __shared__ int block_hits;
-    if (threadIdx.x == 0) block_hits = 0;
-    __syncthreads();
-    if (hits) atomicAdd(&block_hits, hits);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (block_hits) atomicAdd(&counters->reused, static_cast<unsigned long long>(block_hits));
-      if (n_selected > block_hits) atomicAdd(&counters->fetched, static_cast<unsigned long long>(n_selected - block_hits));
-    }
-  }
-  __syncthreads();  // the misses' flags and slots
-  const uint4* sel_rows = reinterpret_cast<const uint4*>(t.selected_rows);
-  const int32_t* rank = t.staged_rank;  // a missed row's place among the staged rows, or null
+  __syncthreads();  // the misses' selection indices
   uint4* rows = reinterpret_cast<uint4*>(t.rows);
-  if (rank && staged_head_dim > 0) {  // stored int8 rows: a thread per 16 codes, decoded
+  if (decode) {  // 5. stored int8 rows: a thread per 16 codes, decoded
     const int parts = 2 * int8_rows::HalfPieces(staged_head_dim), half_parts = parts / 2;
-    const int64_t row_bytes = int8_rows::StoredRowBytes(staged_head_dim);
-    const auto* staged = reinterpret_cast<const uint8_t*>(t.selected_rows);
-    for (int32_t p = threadIdx.x; p < n_selected * parts; p += kThreads) {
-      const int32_t i = p / parts, part = p - i * parts;
-      if (!flags[i]) continue;
-      const uint8_t* stored = staged + int64_t{rank[i]} * row_bytes;
-      const auto scale = *reinterpret_cast<const unsigned short*>(stored + 2 * staged_head_dim + (part < half_parts ? 0 : 2));
-      uint4 first, second;
-      int8_rows::DecodePiece(reinterpret_cast<const uint4*>(stored)[part], scale, &first, &second);
-      uint4* to = rows + int64_t{t.selected_slots[i]} * row_pieces + 2 * part;
-      to[0] = first;
-      to[1] = second;
+    const int32_t pieces = misses * parts;
+    for (int32_t base = threadIdx.x; base < pieces; base += kBatch * kThreads) {
+      uint4 codes[kBatch];
+      unsigned short scale[kBatch];
+      int32_t to[kBatch];  // the piece's first vector in rows, or -1
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int32_t p = base + u * kThreads, m = p / parts, part = p - m * parts;
+        to[u] = -1;
+        if (p >= pieces) continue;
+        const uint8_t* stored = sources + int64_t{rank[miss_selected[m]]} * source_bytes;
+        scale[u] = *reinterpret_cast<const unsigned short*>(stored + 2 * staged_head_dim + (part < half_parts ? 0 : 2));
+        codes[u] = reinterpret_cast<const uint4*>(stored)[part];
+        to[u] = free_slots[m] * row_pieces + 2 * part;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (to[u] < 0) continue;
+        uint4 first_half, second_half;
+        int8_rows::DecodePiece(codes[u], scale[u], &first_half, &second_half);
+        rows[to[u]] = first_half;
+        rows[to[u] + 1] = second_half;
+      }
     }
     return;
   }
-  const int32_t pieces = n_selected * row_pieces;
-  constexpr int kInFlight = 4;  // loads per thread before its stores
-  for (int32_t base = threadIdx.x; base < pieces; base += kInFlight * kThreads) {
-    uint4 piece[kInFlight];
-    int64_t to[kInFlight];
+  const uint4* sel_rows = reinterpret_cast<const uint4*>(t.selected_rows);
+  const int32_t pieces = misses * row_pieces;
+  for (int32_t base = threadIdx.x; base < pieces; base += kBatch * kThreads) {
+    uint4 piece[kBatch];
+    int32_t to[kBatch];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int32_t p = base + u * kThreads, i = p / row_pieces, in_row = p - i * row_pieces;
+    for (int u = 0; u < kBatch; ++u) {
+      const int32_t p = base + u * kThreads, m = p / row_pieces, in_row = p - m * row_pieces;
       to[u] = -1;
-      if (p >= pieces || !flags[i]) continue;
-      to[u] = int64_t{t.selected_slots[i]} * row_pieces + in_row;
+      if (p >= pieces) continue;
+      const int32_t i = miss_selected[m];
+      to[u] = free_slots[m] * row_pieces + in_row;
       piece[u] = sel_rows[int64_t{rank ? rank[i] : i} * row_pieces + in_row];
     }
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       if (to[u] >= 0) rows[to[u]] = piece[u];
     }
   }
