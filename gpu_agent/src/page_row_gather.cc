@@ -43,6 +43,11 @@ inline void StoreFence() {
 
 }  // namespace
 
+int GatherThreadsFor(int requested, int cores) {
+  const int most = cores > 0 ? std::max(cores - 2, 1) : requested;
+  return std::clamp(requested, 1, std::max(most, 1));
+}
+
 int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_tokens, int64_t row_bytes, int32_t skip,
                        uint8_t* rows, const GatherOptions& options) {
   // Ranks first, on this thread (a pass over the slots: ~50K at 98 sequences x 8 heads x 64); a

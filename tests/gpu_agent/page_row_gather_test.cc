@@ -2,7 +2,8 @@
 // numbered in task then slot order, skipped slots get -1, negative codes (rows the device has in
 // its cache) are their own ranks, and each row is copied from its page of an InMemorySource (the
 // layout the device reads) into its rank, on one thread or several, into an output aligned for
-// the streaming stores and one that is not (the plain copy).
+// the streaming stores and one that is not (the plain copy). And how many threads a host of N
+// cores gives the gather.
 #include "page_row_gather.h"
 
 #include <cstring>
@@ -110,6 +111,18 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
     }
     EXPECT_EQ(n, next) << round;
   }
+}
+
+// The gather leaves two of the host's cores to the agent's thread and the driver: 16 threads on a
+// 16-core host starved them (GatherThreadsFor's comment has the figures).
+TEST(PageRowGatherTest, TheGatherLeavesTwoCoresAndKeepsOneThread) {
+  EXPECT_EQ(GatherThreadsFor(12, 16), 12);
+  EXPECT_EQ(GatherThreadsFor(16, 16), 14);
+  EXPECT_EQ(GatherThreadsFor(12, 8), 6);
+  EXPECT_EQ(GatherThreadsFor(12, 2), 1);
+  EXPECT_EQ(GatherThreadsFor(12, 1), 1);
+  EXPECT_EQ(GatherThreadsFor(0, 16), 1);
+  EXPECT_EQ(GatherThreadsFor(12, 0), 12);  // cores not known: as asked
 }
 
 }  // namespace

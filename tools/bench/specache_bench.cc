@@ -380,7 +380,8 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "_ordered_topk)")
         ->capture_default_str()
         ->check(CLI::IsMember({"own", "compute"}));
-    cmd->add_option("--fetch-threads", o->fetch_threads, "host threads of the copy-engine rows (default: the agent's)")
+    cmd->add_option("--fetch-threads", o->fetch_threads,
+                    "host threads of the copy-engine rows (default: the agent's; it takes at most the cores less two)")
         ->check(positive);
     cmd->add_flag("--host-huge-pages,!--no-host-huge-pages", o->host_huge_pages,
                   "ask for transparent huge pages for the host pages the fetch gathers from (default on)");

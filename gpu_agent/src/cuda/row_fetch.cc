@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "seed_rows.h"
+#include "../page_row_gather.h"
 #include "../step_protocol.h"
 
 namespace specache::cuda {
@@ -104,8 +105,7 @@ void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_
   copy_piece_bytes_ = piece_bytes;
   copy_streaming_stores_ = streaming_stores;
   sm_share_ = sm_share;
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  copy_engine_threads_ = std::max(1, cores > 0 ? std::min(threads, cores) : threads);
+  copy_engine_threads_ = GatherThreadsFor(threads, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }
