@@ -76,7 +76,12 @@ class CpuAgent final : public Agent {
     return Status::Ok();
   }
 
-  ~CpuAgent() override { FinishAllFetches(); }
+  // No read may still write into a head; then every sequence still registered goes from the
+  // source, as ReleaseSequence would (best effort: one the source refuses stays there).
+  ~CpuAgent() override {
+    FinishAllFetches();
+    for (SequenceId id : protocol_.Sequences()) (void)source_->ReleaseSequence(id);
+  }
 
   Status ReleaseSequence(SequenceId id) override {
     if (!sequences_.count(id)) return Status::NotFound("sequence " + Id(id) + " is not registered");

@@ -49,6 +49,13 @@ class StepProtocol {
   // FAILED_PRECONDITION while the sequence is part of the current step.
   Status CheckRelease(SequenceId id) const;
   void RemoveSequence(SequenceId id) { fetch_.erase(id); }
+  // The sequences added and not yet removed, in no particular order.
+  std::vector<SequenceId> Sequences() const {
+    std::vector<SequenceId> ids;
+    ids.reserve(fetch_.size());
+    for (const auto& entry : fetch_) ids.push_back(entry.first);
+    return ids;
+  }
 
   Status CheckLayer(int layer) const;
   Status CheckHead(int layer, int kv_head) const;

@@ -28,6 +28,9 @@ class Agent(_core.Agent):
     agent queues its kernels on `stream` (a cudaStream_t as int). When `stream` is None and
     PyTorch is loaded, the stream current in PyTorch when the agent is created is used, so the
     agent's work is ordered with the model's; set it explicitly to use another stream.
+
+    When the agent goes (its last reference dropped), every sequence it still holds is released
+    in `source`, as release_sequence does; the source itself stays.
     """
 
     def __init__(

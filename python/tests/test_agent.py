@@ -1,6 +1,7 @@
 """specache.Agent from Python gives the C++ agent's outputs, selections and counts, byte for byte,
 on NumPy arrays and on PyTorch CPU tensors, and uses the caller's memory in place."""
 
+import gc
 import threading
 import time
 
@@ -67,6 +68,23 @@ def test_prefill_store_only_then_decode():
     assert agent.stats()["steps"] == 1
     # The CUDA agent's copy-engine worker alone has host time to report.
     assert agent.stats()["fetch_host_gather_ns"] == 0
+
+
+def test_a_dropped_agent_releases_its_sequences_in_the_source():
+    # The source outlives the agent; the agent's sequences do not (as release_sequence, for each).
+    shape = specache.ModelShape(1, 2, 1, 32)
+    source = specache.InMemorySource()
+    agent = specache.Agent(shape, specache.KvConfig("kivi", bits=2), source)
+    k = np.random.default_rng(1).standard_normal((40, 1, 32), dtype=np.float32)
+    for seq in (1, 2):
+        agent.add_sequence(seq)
+        agent.prefill_layer(0, [seq], [0, 40], None, k, k)
+    assert source.stored_bytes > 0
+    del agent
+    gc.collect()
+    assert source.stored_bytes == 0
+    again = specache.Agent(shape, specache.KvConfig("kivi", bits=2), source)
+    again.add_sequence(1)  # the id is free again
 
 
 def test_config_and_shape_read_back():

@@ -180,6 +180,49 @@ TEST(AgentTest, CallsOutOfOrderOrWithBadIdsGiveSpecificErrors) {
   EXPECT_EQ(kivi.agent->BeginStep(StepKind::kPreDecode, three).code(), StatusCode::kFailedPrecondition);
 }
 
+// An agent dropped with sequences still registered (one in the middle of a step) releases them in
+// the source, as ReleaseSequence would: their rows are freed and a later agent over the same
+// source can add the same ids. A sequence the source refuses to release stays there, and the
+// agent still goes.
+TEST(AgentTest, ADroppedAgentReleasesItsSequencesInTheSource) {
+  InMemorySource source;
+  std::mt19937 rng(4);
+  Prompt p(12, rng);
+  const SequenceId ids[] = {1, 2};
+  const int32_t offsets[] = {0, 5, 12};
+  {
+    auto agent = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &source);
+    ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+    for (SequenceId id : ids) ASSERT_TRUE((*agent)->AddSequence(id).ok());
+    ASSERT_TRUE(PrefillAll(agent->get(), ids, offsets, &p).ok());
+    ASSERT_TRUE((*agent)->AddSequence(3).ok());
+    ASSERT_TRUE((*agent)->ReleaseSequence(3).ok());
+    EXPECT_GT(source.stored_bytes(), 0);
+    std::vector<float> q(2 * 2 * kShape.n_q_heads * kShape.head_dim), k(2 * 2 * kShape.n_kv_heads * kShape.head_dim),
+        v(k.size()), out(q.size());
+    ASSERT_TRUE((*agent)->BeginStep(StepKind::kPreDecode, ids).ok());
+    ASSERT_TRUE((*agent)->DecodeLayer(0, {q.data(), k.data(), v.data(), out.data()}).ok());
+    ASSERT_TRUE((*agent)->StartPrefetch(0).ok());  // dropped with a fetch begun, inside the step
+  }
+  EXPECT_EQ(source.stored_bytes(), 0);
+  for (SequenceId id : ids) EXPECT_EQ(source.Length(id, 0, 0).status().code(), StatusCode::kNotFound);
+  auto again = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &source);
+  ASSERT_TRUE(again.ok());
+  for (SequenceId id : ids) EXPECT_TRUE((*again)->AddSequence(id).ok());
+
+  // A source that refuses every release: the sequence stays in it, and dropping the agent is quiet.
+  struct Refusing : testing::ForwardingSource {
+    Refusing() : ForwardingSource(true) {}
+    Status ReleaseSequence(SequenceId) override { return Status::Unavailable("no release here"); }
+  } refusing;
+  {
+    auto agent = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &refusing);
+    ASSERT_TRUE(agent.ok());
+    ASSERT_TRUE((*agent)->AddSequence(7).ok());
+  }
+  EXPECT_TRUE(refusing.Length(7, 0, 0).ok());
+}
+
 TEST(InMemorySourceTest, RejectsOutOfRangeAndOutOfOrderAccess) {
   InMemorySource s;
   EXPECT_EQ(s.CreateSequence(1, {0, 2, 64}).code(), StatusCode::kInvalidArgument);

@@ -1064,6 +1064,30 @@ TEST(CudaAgentTest, AnExhaustedDevicePoolRefusesOnlyTheSequenceThatAsked) {
 #endif
 }
 
+// A CUDA agent dropped with sequences still registered releases them in the source once its
+// streams and its fetch's worker are done with their pages: the rows are freed and another agent
+// over the same source adds the same ids (the CPU agent's AgentTest.ADroppedAgent... alike).
+TEST(CudaAgentTest, ADroppedAgentReleasesItsSequencesInTheSource) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  InMemorySource source;
+  {
+    auto gpu = CreateCudaAgent(kSmallShape, SmallOneBitConfig(), &source, CudaAgentOptions{});
+    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+    auto agent = WrapHostTensors(std::move(gpu).value());
+    ASSERT_TRUE(agent.ok());
+    auto driven = testing::DriveBatch(agent->get(), {200, 90}, 3, std::mt19937(21));  // ids 10 and 11
+    ASSERT_TRUE(driven.ok()) << driven.status().ToString();
+    EXPECT_GT(source.stored_bytes(), 0);
+  }
+  EXPECT_EQ(source.stored_bytes(), 0);
+  for (SequenceId id : {10, 11}) EXPECT_EQ(source.Length(id, 0, 0).status().code(), StatusCode::kNotFound);
+  auto again = CreateCudaAgent(kSmallShape, SmallOneBitConfig(), &source, CudaAgentOptions{});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  for (SequenceId id : {10, 11}) EXPECT_TRUE((*again)->AddSequence(id).ok());
+#endif
+}
+
 #ifdef SPECACHE_TEST_HAVE_CUDA
 // An in-memory source (zero-copy pages) that refuses every commit of one sequence's rows from a
 // given token on, as a daemon would refuse a tenant over its quota; the rest it forwards.

@@ -114,6 +114,9 @@ struct AgentStats {
 
 class Agent {
  public:
+  // Releases every sequence still registered in the full-precision source, as ReleaseSequence
+  // does, once nothing in flight uses its rows (best effort: a sequence the source refuses to
+  // release stays there). A sequence kept in the daemon (client::DaemonSource::Keep) stays kept.
   virtual ~Agent() = default;
 
   virtual const ModelShape& shape() const = 0;

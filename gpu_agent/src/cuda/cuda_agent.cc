@@ -168,11 +168,14 @@ Status CudaAgent::Init() {
 }
 
 CudaAgent::~CudaAgent() {
-  // Best effort: rows the device wrote are committed to the source before the agent goes. The
-  // parts then free their memory, events and streams, the last declared first.
+  // Best effort: rows the device wrote are committed to the source before the agent goes, and
+  // then, nothing in flight reading their pages any more, every sequence still registered is
+  // released in the source (one the source refuses stays there). The parts then free their
+  // memory, events and streams, the last declared first.
   (void)WaitForStreams();
   (void)RecordWrites();
   (void)CommitWritten(true);
+  for (SequenceId id : protocol_.Sequences()) (void)source_->ReleaseSequence(id);
 }
 
 Status CudaAgent::WaitForStreams() const {
