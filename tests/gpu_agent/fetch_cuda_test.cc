@@ -376,6 +376,80 @@ TEST(CudaFetchTest, WrittenRowsReadBackThroughTheSource) {
 #endif
 }
 
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// A cache update's task over an old cache (`old`: its list; entry j's row at rows[slots[j]]) of
+// `capacity` rows, its outputs filled with markers; the caller sets the selection, its slots,
+// its rows and `now`.
+cuda::CacheUpdateTask OldCacheTask(DeviceBuffers& buf, const RowCacheEntries& old, const std::vector<int32_t>& slots,
+                                   const std::vector<Half>& rows, int32_t capacity) {
+  std::vector<int32_t> tokens32 = old.tokens, used32(old.used.begin(), old.used.end());
+  tokens32.resize(capacity, cuda::kNoToken);
+  used32.resize(capacity, -3);
+  cuda::CacheUpdateTask t;
+  t.old_tokens = buf.Copy(tokens32);
+  t.old_used = buf.Copy(used32);
+  t.old_slots = buf.Copy(slots);
+  t.old_count = buf.Copy(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())});
+  t.rows = buf.Copy(rows);
+  t.new_tokens = buf.Copy(std::vector<int32_t>(capacity, -1));
+  t.new_used = buf.Copy(std::vector<int32_t>(capacity, -1));
+  t.new_slots = buf.Copy(std::vector<int32_t>(capacity, -1));
+  t.new_count = buf.Copy(std::vector<int32_t>{-1});
+  t.capacity = capacity;
+  return t;
+}
+
+// What an update must leave (the CPU rule's): the new list, each entry's row, and the slot each
+// entry kept from the old cache (-1: a miss, any free slot).
+struct WantedCache {
+  RowCacheEntries cache;
+  std::vector<Half> rows;         // [entry][row]
+  std::vector<int32_t> old_slot;  // [entry]
+};
+
+// Checks task t after its update against `want`, `selection` being the task's selection with its
+// padding: the list and use marks, the kNoToken past the count, every slot named once, each entry's
+// row at its slot (a kept entry's slot as it was), each selected token's slot its entry's, the
+// padding's -1.
+void ExpectUpdated(const cuda::CacheUpdateTask& t, const WantedCache& want, const std::vector<int32_t>& selection,
+                   size_t row, int task) {
+  const int32_t capacity = t.capacity;
+  const int32_t count = testing::Download(t.new_count, 1)[0];
+  ASSERT_EQ(count, static_cast<int32_t>(want.cache.tokens.size())) << "task " << task;
+  const std::vector<int32_t> all = testing::Download(t.new_tokens, capacity), used = testing::Download(t.new_used, count);
+  EXPECT_EQ(std::vector<int32_t>(all.begin(), all.begin() + count), want.cache.tokens) << "task " << task;
+  EXPECT_EQ(std::vector<int64_t>(used.begin(), used.end()), want.cache.used) << "task " << task;
+  // The rest is marked empty, so the attention can take the whole cache (attend_resident).
+  for (int32_t j = count; j < capacity; ++j) EXPECT_EQ(all[j], cuda::kNoToken) << "task " << task;
+  const std::vector<int32_t> new_slots = testing::Download(t.new_slots, capacity);
+  const std::vector<Half> rows = testing::Download(t.rows, size_t(capacity) * row);
+  std::vector<bool> named(capacity, false);
+  for (int32_t e = 0; e < capacity; ++e) {
+    ASSERT_TRUE(new_slots[e] >= 0 && new_slots[e] < capacity) << "task " << task << " entry " << e;
+    ASSERT_FALSE(named[new_slots[e]]) << "task " << task << ": slot " << new_slots[e] << " named twice";
+    named[new_slots[e]] = true;
+  }
+  for (int32_t e = 0; e < count; ++e) {
+    if (want.old_slot[e] >= 0) {
+      EXPECT_EQ(new_slots[e], want.old_slot[e]) << "task " << task << " entry " << e;
+    }
+    ASSERT_TRUE(std::equal(want.rows.begin() + e * row, want.rows.begin() + (e + 1) * row,
+                           rows.begin() + size_t(new_slots[e]) * row))
+        << "task " << task << " entry " << e;
+  }
+  const std::vector<int32_t> slots = testing::Download(t.selected_slots, t.n_selected);
+  for (int32_t j = 0; j < t.n_selected; ++j) {
+    if (selection[j] == cuda::kNoToken) {
+      EXPECT_EQ(slots[j], -1) << "task " << task << " slot " << j;
+      continue;
+    }
+    const auto e = std::lower_bound(all.begin(), all.begin() + count, selection[j]) - all.begin();
+    ASSERT_TRUE(e < count && all[e] == selection[j]) << "task " << task << " slot " << j;
+    EXPECT_EQ(slots[j], new_slots[e]) << "task " << task << " slot " << j;
+  }
+}
+#endif
+
 // The device's cache update equals row_cache.h's rule on random caches and selections (tokens,
 // use marks, rows and counts), for capacities k, 2k, 3k, 700 (more entries than the kernel's
 // threads), 9700 (under 48 KB of dynamic shared memory, over it with the static part) and
@@ -395,12 +469,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   const size_t row = 2 * size_t(d);
   DeviceBuffers buf;
   std::vector<cuda::CacheUpdateTask> tasks;
-  struct Want {
-    RowCacheEntries cache;
-    std::vector<Half> rows;         // [entry]
-    std::vector<int32_t> old_slot;  // [entry]: the slot it keeps, or -1 (a miss: any free slot)
-  };
-  std::vector<Want> want;
+  std::vector<WantedCache> want;
   std::vector<std::vector<int32_t>> slot_want;  // [task] the selection, padding included
   uint64_t want_fetched = 0, want_reused = 0;   // of the ranked tasks
   const int n_tasks = 284;  // more than a launch took when the tasks were its parameters (264)
@@ -429,7 +498,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     const auto rows = testing::RandomHalves(size_t(capacity) * row, rng);
     // Random rows for the hits too: the update must keep the old cache's, not take these.
     auto sel_rows = testing::RandomHalves(selected.size() * row, rng);
-    Want w{old, {}, {}};
+    WantedCache w{old, {}, {}};
     std::vector<bool> hit;
     const auto sources = UpdateRowCache(&w.cache, selected, 7, static_cast<size_t>(capacity), &hit);
     auto old_index = [&](int32_t token) {
@@ -446,15 +515,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
       for (bool h : hit) (h ? want_reused : want_fetched) += 1;
     }
     want.push_back(std::move(w));
-    std::vector<int32_t> tokens32 = old.tokens, used32(old.used.begin(), old.used.end());
-    tokens32.resize(capacity, cuda::kNoToken);
-    used32.resize(capacity, -3);
-    cuda::CacheUpdateTask t;
-    t.old_tokens = buf.Copy(tokens32);
-    t.old_used = buf.Copy(used32);
-    t.old_slots = buf.Copy(slots);
-    t.old_count = buf.Copy(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())});
-    t.rows = buf.Copy(rows);
+    cuda::CacheUpdateTask t = OldCacheTask(buf, old, slots, rows, capacity);
     // Odd tasks end their selection in the adaptive budget's padding: the cache holds what it
     // would without it.
     const size_t n_real = selected.size();
@@ -484,12 +545,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
     t.selected = buf.Copy(selected);
     t.n_selected = static_cast<int32_t>(selected.size());
     t.selected_slots = buf.Copy(std::vector<int32_t>(selected.size(), -7));
-    t.new_tokens = buf.Copy(std::vector<int32_t>(capacity, -1));
-    t.new_used = buf.Copy(std::vector<int32_t>(capacity, -1));
-    t.new_slots = buf.Copy(std::vector<int32_t>(capacity, -1));
-    t.new_count = buf.Copy(std::vector<int32_t>{-1});
     t.now = 7;
-    t.capacity = capacity;
     tasks.push_back(t);
   }
   // Task 3 alone first, before any launch of a larger cache made the kernel opt in (the update
@@ -502,45 +558,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
   EXPECT_EQ(got_counters.fetched, want_fetched);
   EXPECT_EQ(got_counters.reused, want_reused);
-  for (int i = 0; i < n_tasks; ++i) {
-    const int32_t count = testing::Download(tasks[i].new_count, 1)[0];
-    ASSERT_EQ(count, static_cast<int32_t>(want[i].cache.tokens.size())) << "task " << i;
-    const std::vector<int32_t> tokens = testing::Download(tasks[i].new_tokens, count),
-                               used = testing::Download(tasks[i].new_used, count);
-    EXPECT_EQ(tokens, want[i].cache.tokens) << "task " << i;
-    EXPECT_EQ(std::vector<int64_t>(used.begin(), used.end()), want[i].cache.used) << "task " << i;
-    // Every slot named once; each entry's row at its slot, the kept ones where they were.
-    const std::vector<int32_t> new_slots = testing::Download(tasks[i].new_slots, tasks[i].capacity);
-    const std::vector<Half> rows = testing::Download(tasks[i].rows, size_t(tasks[i].capacity) * row);
-    std::vector<bool> named(tasks[i].capacity, false);
-    for (int32_t e = 0; e < tasks[i].capacity; ++e) {
-      ASSERT_TRUE(new_slots[e] >= 0 && new_slots[e] < tasks[i].capacity) << "task " << i << " entry " << e;
-      ASSERT_FALSE(named[new_slots[e]]) << "task " << i << ": slot " << new_slots[e] << " named twice";
-      named[new_slots[e]] = true;
-    }
-    for (int32_t e = 0; e < count; ++e) {
-      if (want[i].old_slot[e] >= 0) {
-        EXPECT_EQ(new_slots[e], want[i].old_slot[e]) << "task " << i << " entry " << e;
-      }
-      ASSERT_TRUE(std::equal(want[i].rows.begin() + e * row, want[i].rows.begin() + (e + 1) * row,
-                             rows.begin() + size_t(new_slots[e]) * row))
-          << "task " << i << " entry " << e;
-    }
-    // The rest is marked empty, so the attention can take the whole cache (attend_resident).
-    const std::vector<int32_t> all = testing::Download(tasks[i].new_tokens, tasks[i].capacity);
-    for (int32_t j = count; j < tasks[i].capacity; ++j) EXPECT_EQ(all[j], cuda::kNoToken) << "task " << i;
-    // Each selected token's slot is its entry's; the padding's is -1.
-    const std::vector<int32_t> slots = testing::Download(tasks[i].selected_slots, tasks[i].n_selected);
-    for (int32_t j = 0; j < tasks[i].n_selected; ++j) {
-      if (slot_want[i][j] == cuda::kNoToken) {
-        EXPECT_EQ(slots[j], -1) << "task " << i << " slot " << j;
-      } else {
-        const auto e = std::lower_bound(all.begin(), all.begin() + count, slot_want[i][j]) - all.begin();
-        ASSERT_TRUE(e < count && all[e] == slot_want[i][j]) << "task " << i << " slot " << j;
-        EXPECT_EQ(slots[j], new_slots[e]) << "task " << i << " slot " << j;
-      }
-    }
-  }
+  for (int i = 0; i < n_tasks; ++i) ExpectUpdated(tasks[i], want[i], slot_want[i], row, i);
   // The slots the attention reads through are required.
   std::vector<cuda::CacheUpdateTask> without = {tasks[0]};
   without[0].selected_slots = nullptr;
@@ -762,9 +780,7 @@ TEST(CudaFetchTest, FullCacheUpdatesWithInt8StagedRowsEqualTheCpuRule) {
   const int64_t stored_bytes = HostRowBytes(HostRowFormat::kInt8, d);
   DeviceBuffers buf;
   std::vector<cuda::CacheUpdateTask> tasks;
-  std::vector<RowCacheEntries> want_cache;
-  std::vector<std::vector<Half>> want_rows;         // [task][entry]
-  std::vector<std::vector<int32_t>> want_old_slot;  // [task][entry]: the slot it keeps, or -1
+  std::vector<WantedCache> want;
   std::vector<std::vector<int32_t>> padded_selections;
   uint64_t want_fetched = 0, want_reused = 0;
   const int n_tasks = 48;
@@ -814,8 +830,7 @@ TEST(CudaFetchTest, FullCacheUpdatesWithInt8StagedRowsEqualTheCpuRule) {
       ranks[order[r]] = static_cast<int32_t>(before + r);
       std::memcpy(&staged[(before + r) * stored_bytes], &stored[order[r] * stored_bytes], size_t(stored_bytes));
     }
-    std::vector<Half> entry_rows;
-    std::vector<int32_t> old_slot;
+    WantedCache w{std::move(cache), {}, {}};
     for (int64_t src : sources) {
       const int64_t from_old = src < 0 ? -1 - src : hit[src] ? old_index(selected[src]) : -1;
       std::vector<Half> r(row);
@@ -824,35 +839,20 @@ TEST(CudaFetchTest, FullCacheUpdatesWithInt8StagedRowsEqualTheCpuRule) {
       } else {
         DecodeHostRows(HostRowFormat::kInt8, &stored[size_t(src) * stored_bytes], 1, d, r.data());
       }
-      entry_rows.insert(entry_rows.end(), r.begin(), r.end());
-      old_slot.push_back(from_old >= 0 ? slots[from_old] : -1);
+      w.rows.insert(w.rows.end(), r.begin(), r.end());
+      w.old_slot.push_back(from_old >= 0 ? slots[from_old] : -1);
     }
-    want_cache.push_back(std::move(cache));
-    want_rows.push_back(std::move(entry_rows));
-    want_old_slot.push_back(std::move(old_slot));
+    want.push_back(std::move(w));
     std::vector<int32_t> padded = selected;
     if (i % 4 == 1 && padded.size() + 8 <= size_t(capacity)) padded.resize(padded.size() + 8, cuda::kNoToken);
     ranks.resize(padded.size(), -1);
-    std::vector<int32_t> tokens32 = old.tokens, used32(old.used.begin(), old.used.end());
-    tokens32.resize(capacity, cuda::kNoToken);
-    used32.resize(capacity, -3);
-    cuda::CacheUpdateTask t;
-    t.old_tokens = buf.Copy(tokens32);
-    t.old_used = buf.Copy(used32);
-    t.old_slots = buf.Copy(slots);
-    t.old_count = buf.Copy(std::vector<int32_t>{static_cast<int32_t>(old.tokens.size())});
+    cuda::CacheUpdateTask t = OldCacheTask(buf, old, slots, rows, capacity);
     t.selected = buf.Copy(padded);
     t.n_selected = static_cast<int32_t>(padded.size());
     t.staged_rank = buf.Copy(ranks);
     t.selected_rows = reinterpret_cast<const Half*>(buf.Copy(staged));
-    t.rows = buf.Copy(rows);
-    t.new_tokens = buf.Copy(std::vector<int32_t>(capacity, -1));
-    t.new_used = buf.Copy(std::vector<int32_t>(capacity, -1));
-    t.new_slots = buf.Copy(std::vector<int32_t>(capacity, -1));
-    t.new_count = buf.Copy(std::vector<int32_t>{-1});
     t.selected_slots = buf.Copy(std::vector<int32_t>(padded.size(), -7));
     t.now = static_cast<int32_t>(now);
-    t.capacity = capacity;
     tasks.push_back(t);
     padded_selections.push_back(std::move(padded));
   }
@@ -862,43 +862,7 @@ TEST(CudaFetchTest, FullCacheUpdatesWithInt8StagedRowsEqualTheCpuRule) {
   const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
   EXPECT_EQ(got_counters.fetched, want_fetched);
   EXPECT_EQ(got_counters.reused, want_reused);
-  for (int i = 0; i < n_tasks; ++i) {
-    const int32_t capacity = tasks[i].capacity;
-    const int32_t count = testing::Download(tasks[i].new_count, 1)[0];
-    ASSERT_EQ(count, static_cast<int32_t>(want_cache[i].tokens.size())) << "task " << i;
-    const std::vector<int32_t> all = testing::Download(tasks[i].new_tokens, capacity),
-                               used = testing::Download(tasks[i].new_used, count);
-    EXPECT_EQ(std::vector<int32_t>(all.begin(), all.begin() + count), want_cache[i].tokens) << "task " << i;
-    EXPECT_EQ(std::vector<int64_t>(used.begin(), used.end()), want_cache[i].used) << "task " << i;
-    for (int32_t j = count; j < capacity; ++j) EXPECT_EQ(all[j], cuda::kNoToken) << "task " << i;
-    const std::vector<int32_t> new_slots = testing::Download(tasks[i].new_slots, capacity);
-    const std::vector<Half> rows = testing::Download(tasks[i].rows, size_t(capacity) * row);
-    std::vector<bool> named(capacity, false);
-    for (int32_t e = 0; e < capacity; ++e) {
-      ASSERT_TRUE(new_slots[e] >= 0 && new_slots[e] < capacity) << "task " << i << " entry " << e;
-      ASSERT_FALSE(named[new_slots[e]]) << "task " << i << ": slot " << new_slots[e] << " named twice";
-      named[new_slots[e]] = true;
-    }
-    for (int32_t e = 0; e < count; ++e) {
-      if (want_old_slot[i][e] >= 0) {
-        EXPECT_EQ(new_slots[e], want_old_slot[i][e]) << "task " << i << " entry " << e;
-      }
-      ASSERT_TRUE(std::equal(want_rows[i].begin() + e * row, want_rows[i].begin() + (e + 1) * row,
-                             rows.begin() + size_t(new_slots[e]) * row))
-          << "task " << i << " entry " << e;
-    }
-    const std::vector<int32_t> slots = testing::Download(tasks[i].selected_slots, tasks[i].n_selected);
-    for (int32_t j = 0; j < tasks[i].n_selected; ++j) {
-      const int32_t token = padded_selections[i][j];
-      if (token == cuda::kNoToken) {
-        EXPECT_EQ(slots[j], -1) << "task " << i << " slot " << j;
-        continue;
-      }
-      const auto e = std::lower_bound(all.begin(), all.begin() + count, token) - all.begin();
-      ASSERT_TRUE(e < count && all[e] == token) << "task " << i << " slot " << j;
-      EXPECT_EQ(slots[j], new_slots[e]) << "task " << i << " slot " << j;
-    }
-  }
+  for (int i = 0; i < n_tasks; ++i) ExpectUpdated(tasks[i], want[i], padded_selections[i], row, i);
 #endif
 }
 
