@@ -53,7 +53,8 @@
 #                                                      # rounds, then their means against BASELINE (default v0):
 #                                                      # tools/bench/variant_means.py (~1-2 s a run, 60 s at most);
 #                                                      # first each variant's own device tests where packed
-#                                                      # (VARIANT_TESTS, default CudaAttentionTest.*:CudaTopKTest.*)
+#                                                      # (VARIANT_TESTS, default CudaAttentionTest.*:CudaTopKTest.*;
+#                                                      # a GPU model variant's tools_llama_kernels_test, whole)
 #             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
 #                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
 #                                                      # at 8K alternated, two rounds; ~7 minutes)
@@ -316,11 +317,17 @@ if [ "$stage" = variants ]; then
   esac
   # Each variant's kernel tests first, where it was packed with its device tests (kernel_variant.sh):
   # a variant that fails them is still timed, and the stage fails.
+  # (A variant of the GPU model's kernels: all of tools_llama_kernels_test.)
   for v in $names; do
-    [ -x "$bundle/bin/gpu_agent_device_test-$v" ] || continue
-    timed "variant-tests-$v" 60 "$bundle/run" "gpu_agent_device_test-$v" \
-      --gtest_filter="${VARIANT_TESTS:-CudaAttentionTest.*:CudaTopKTest.*}" || bench_rc=1
-    grep -E "^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test" "$out/variant-tests-$v.txt"
+    if [ -x "$bundle/bin/gpu_agent_device_test-$v" ]; then
+      timed "variant-tests-$v" 60 "$bundle/run" "gpu_agent_device_test-$v" \
+        --gtest_filter="${VARIANT_TESTS:-CudaAttentionTest.*:CudaTopKTest.*}" || bench_rc=1
+      grep -E "^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test" "$out/variant-tests-$v.txt"
+    fi
+    if [ -x "$bundle/bin/tools_llama_kernels_test-$v" ]; then
+      timed "variant-tests-model-$v" 60 "$bundle/run" "tools_llama_kernels_test-$v" || bench_rc=1
+      grep -E "^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test" "$out/variant-tests-model-$v.txt"
+    fi
   done
   for round in $(seq "${ROUNDS:-3}"); do
     for context in 8192 32768; do

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # A/B of one kernel change in one device call: specache-bench built here with a patch applied to
-# some of the agent library's own sources (gpu_agent/src/**/*.cu or .cc; not headers, whose
-# includers the script does not know), the rest of the library as the build has it. The variants
+# some of the agent library's own sources (gpu_agent/src/**/*.cu or .cc) or the GPU model's
+# (tools/src/gpu/**/*.cu or .cc; not headers, whose includers the script does not know), the rest
+# of each library as the build has it. The variants
 # travel in one archive beside the bundle (tools/bench/gpu_agent_checks.sh bundle), each as
 # `specache-bench-NAME` in its bin/, so that on the GPU machine, after both are unpacked,
 #   .bundle/agent/run specache-bench-NAME attend ...
 # runs a variant with the bundle's libraries, and `gpu_agent_device_test-NAME` (the device tests linked
-# against the variant's library) its tests; gpu_agent_checks.sh's `variants` stage runs the
+# against the variant's agent library) or `tools_llama_kernels_test-NAME` (the GPU model's kernels'
+# tests, for a variant of that library) its tests; gpu_agent_checks.sh's `variants` stage runs the
 # attention's and the top-k's tests of each variant before timing them.
 #
 #   tools/bench/kernel_variant.sh NAME [PATCH]   # build variant NAME; without PATCH, the two kernels'
@@ -41,8 +43,9 @@ if [ "$name" = pack ]; then
   for d in "$variants"/*/; do
     v=$(basename "$d")
     [ -x "$d/specache-bench" ] && strip --strip-debug -o "$staging/agent/bin/specache-bench-$v" "$d/specache-bench"
-    [ -x "$d/gpu_agent_device_test" ] &&
-      strip --strip-debug -o "$staging/agent/bin/gpu_agent_device_test-$v" "$d/gpu_agent_device_test"
+    for t in gpu_agent_device_test tools_llama_kernels_test; do
+      [ -x "$d/$t" ] && strip --strip-debug -o "$staging/agent/bin/$t-$v" "$d/$t"
+    done
   done
   # One stream with a dictionary larger than a binary: the variants differ in a few objects, so
   # each after the first packs to little (nine benches and five test binaries: ~16 MB).
@@ -66,8 +69,17 @@ if [ -n "$patch_arg" ]; then
 else
   read -r -a files <<< "${BASE_FILES:-gpu_agent/src/cuda/lowbit_decode.cu gpu_agent/src/cuda/topk.cu}"
 fi
+# The build's library of a source and its object there: the agent's or the GPU model's.
+library_of() {
+  case $1 in
+    gpu_agent/src/*.cu | gpu_agent/src/*.cc) echo "gpu_agent/libspecache_agent.a gpu_agent/CMakeFiles/specache_agent.dir/${1#gpu_agent/}.o" ;;
+    tools/src/gpu/*.cu | tools/src/gpu/*.cc) echo "tools/libspecache_gpu_model.a tools/CMakeFiles/specache_gpu_model.dir/${1#tools/}.o" ;;
+    *) return 1 ;;
+  esac
+}
 for f in "${files[@]}"; do
-  [[ $f =~ ^gpu_agent/src/.*\.(cu|cc)$ ]] || { echo "kernel_variant.sh: $f is not a source of the agent library" >&2; exit 2; }
+  library_of "$f" > /dev/null ||
+    { echo "kernel_variant.sh: $f is not a source of the agent library or the GPU model" >&2; exit 2; }
   mkdir -p "$work/src/$(dirname "$f")"
   cp "$f" "$work/src/$f"
 done
@@ -76,11 +88,15 @@ if [ -n "$patch_arg" ]; then
     { echo "kernel_variant.sh: $patch_arg does not apply to the working tree's files" >&2; exit 1; }
 fi
 
-lib=$staged/libspecache_agent.a
-cp "$build/gpu_agent/libspecache_agent.a" "$lib"
+declare -A libs  # the build's library (path in the build) -> the variant's copy
 for f in "${files[@]}"; do
+  read -r built obj < <(library_of "$f")
+  lib=$staged/$(basename "$built")
+  if [ -z "${libs[$built]:-}" ]; then
+    cp "$build/$built" "$lib"
+    libs[$built]=$lib
+  fi
   base=$(basename "$f")
-  obj=gpu_agent/CMakeFiles/specache_agent.dir/${f#gpu_agent/}.o
   cmd=$(cd "$build" && ninja -t commands "$obj" 2>/dev/null | tail -1) || true
   [ -n "$cmd" ] || { echo "kernel_variant.sh: $build has no rule for $obj" >&2; exit 2; }
   # No ccache, no dependency file, sm_90 alone; the patched copy compiled with the original's
@@ -94,30 +110,39 @@ for f in "${files[@]}"; do
   cmd=${cmd/ $root\/$f / -I$root/$(dirname "$f") $work/src/$f }
   extra=
   [[ $f == *.cu ]] && extra="--generate-code=arch=compute_90,code=[compute_90,sm_90] -Xptxas -v"
-  if [[ $cmd != *" $work/src/$f "* || $cmd != *" -o $staged/$base.o "* || $cmd == *" -o gpu_agent/"* ||
+  if [[ $cmd != *" $work/src/$f "* || $cmd != *" -o $staged/$base.o "* || $cmd == *" -o ${obj%%/*}/"* ||
         $cmd == *"generate-code"* || $cmd == *" -MF "* ]]; then
     echo "kernel_variant.sh: could not rewrite the build's command for $f:" >&2
     echo "$cmd" >&2
     exit 1
   fi
   (cd "$build" && eval "$cmd $extra") > "$staged/$base.ptxas.txt" 2>&1 || { cat "$staged/$base.ptxas.txt" >&2; exit 1; }
-  (cd "$staged" && ar r libspecache_agent.a "$base.o")
+  (cd "$staged" && ar r "$(basename "$lib")" "$base.o")
 done
-# The build's link of TARGET (a path in the build) against the variant's library, into the
+# The build's link of TARGET (a path in the build) against the variant's libraries, into the
 # variant; the rewrite is checked, as the compiles' are.
 relink() {
-  local target=$1 out=$staged/$(basename "$1") link
+  local target=$1 out=$staged/$(basename "$1") link built
   link="$(cd "$build" && ninja -t commands "$target" | tail -1) "
-  link=${link//gpu_agent\/libspecache_agent.a /$lib }
+  for built in "${!libs[@]}"; do
+    [[ $link == *" $built "* ]] || continue
+    link=${link//" $built "/" ${libs[$built]} "}
+    [[ $link == *" ${libs[$built]} "* ]] ||
+      { echo "kernel_variant.sh: could not rewrite the build's link of $target" >&2; exit 1; }
+  done
   link=${link/ -o $target / -o $out }
-  [[ $link == *" $lib "* && $link == *" -o $out "* ]] ||
-    { echo "kernel_variant.sh: could not rewrite the build's link of $target" >&2; exit 1; }
+  [[ $link == *" -o $out "* ]] || { echo "kernel_variant.sh: could not rewrite the build's link of $target" >&2; exit 1; }
   (cd "$build" && eval "$link")
 }
 relink tools/specache-bench
-# The device tests against the same library (when the build has built them), so that the
+# The device tests against the same libraries (when the build has built them), so that the
 # variant's kernels are checked against their CPU references on the device before they are timed.
-if [ -x "$build/tests/gpu_agent_device_test" ]; then relink tests/gpu_agent_device_test; fi
+if [ -n "${libs[gpu_agent/libspecache_agent.a]:-}" ] && [ -x "$build/tests/gpu_agent_device_test" ]; then
+  relink tests/gpu_agent_device_test
+fi
+if [ -n "${libs[tools/libspecache_gpu_model.a]:-}" ] && [ -x "$build/tests/tools_llama_kernels_test" ]; then
+  relink tests/tools_llama_kernels_test
+fi
 mkdir -p "$variants"
 rm -rf "${variants:?}/$name"
 mv "$staged" "$variants/$name"
