@@ -180,49 +180,6 @@ TEST(AgentTest, CallsOutOfOrderOrWithBadIdsGiveSpecificErrors) {
   EXPECT_EQ(kivi.agent->BeginStep(StepKind::kPreDecode, three).code(), StatusCode::kFailedPrecondition);
 }
 
-// An agent dropped with sequences still registered (one in the middle of a step) releases them in
-// the source, as ReleaseSequence would: their rows are freed and a later agent over the same
-// source can add the same ids. A sequence the source refuses to release stays there, and the
-// agent still goes.
-TEST(AgentTest, ADroppedAgentReleasesItsSequencesInTheSource) {
-  InMemorySource source;
-  std::mt19937 rng(4);
-  Prompt p(12, rng);
-  const SequenceId ids[] = {1, 2};
-  const int32_t offsets[] = {0, 5, 12};
-  {
-    auto agent = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &source);
-    ASSERT_TRUE(agent.ok()) << agent.status().ToString();
-    for (SequenceId id : ids) ASSERT_TRUE((*agent)->AddSequence(id).ok());
-    ASSERT_TRUE(PrefillAll(agent->get(), ids, offsets, &p).ok());
-    ASSERT_TRUE((*agent)->AddSequence(3).ok());
-    ASSERT_TRUE((*agent)->ReleaseSequence(3).ok());
-    EXPECT_GT(source.stored_bytes(), 0);
-    std::vector<float> q(2 * 2 * kShape.n_q_heads * kShape.head_dim), k(2 * 2 * kShape.n_kv_heads * kShape.head_dim),
-        v(k.size()), out(q.size());
-    ASSERT_TRUE((*agent)->BeginStep(StepKind::kPreDecode, ids).ok());
-    ASSERT_TRUE((*agent)->DecodeLayer(0, {q.data(), k.data(), v.data(), out.data()}).ok());
-    ASSERT_TRUE((*agent)->StartPrefetch(0).ok());  // dropped with a fetch begun, inside the step
-  }
-  EXPECT_EQ(source.stored_bytes(), 0);
-  for (SequenceId id : ids) EXPECT_EQ(source.Length(id, 0, 0).status().code(), StatusCode::kNotFound);
-  auto again = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &source);
-  ASSERT_TRUE(again.ok());
-  for (SequenceId id : ids) EXPECT_TRUE((*again)->AddSequence(id).ok());
-
-  // A source that refuses every release: the sequence stays in it, and dropping the agent is quiet.
-  struct Refusing : testing::ForwardingSource {
-    Refusing() : ForwardingSource(true) {}
-    Status ReleaseSequence(SequenceId) override { return Status::Unavailable("no release here"); }
-  } refusing;
-  {
-    auto agent = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &refusing);
-    ASSERT_TRUE(agent.ok());
-    ASSERT_TRUE((*agent)->AddSequence(7).ok());
-  }
-  EXPECT_TRUE(refusing.Length(7, 0, 0).ok());
-}
-
 TEST(InMemorySourceTest, RejectsOutOfRangeAndOutOfOrderAccess) {
   InMemorySource s;
   EXPECT_EQ(s.CreateSequence(1, {0, 2, 64}).code(), StatusCode::kInvalidArgument);
@@ -776,6 +733,18 @@ class DeferredSource final : public testing::ForwardingSource {
     std::lock_guard<std::mutex> lock(mu_);
     return reads_.size();
   }
+  // Releases made while a read of that sequence was begun and not finished.
+  Status ReleaseSequence(SequenceId id) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& entry : reads_) released_while_read_ += entry.second.s == id ? 1 : 0;
+    }
+    return ForwardingSource::ReleaseSequence(id);
+  }
+  int released_while_read() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return released_while_read_;
+  }
 
  private:
   struct Read {
@@ -788,7 +757,54 @@ class DeferredSource final : public testing::ForwardingSource {
   std::mutex mu_;
   std::map<uint64_t, Read> reads_;
   uint64_t next_ = 0;
+  int released_while_read_ = 0;
 };
+
+// An agent dropped with sequences still registered (in the middle of a step, a read of the
+// source begun) finishes its reads, then releases them in the source, as ReleaseSequence would:
+// their rows are freed and a later agent over the same source can add the same ids. A sequence
+// the source refuses to release stays there, and the agent still goes.
+TEST(AgentTest, ADroppedAgentReleasesItsSequencesInTheSource) {
+  DeferredSource source;  // reads finish when the agent asks
+  std::mt19937 rng(4);
+  Prompt p(350, rng);  // past the residual window: the speculative rows' selection reads the source
+  const SequenceId ids[] = {1, 2};
+  const int32_t offsets[] = {0, 200, 350};
+  {
+    auto agent = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &source);
+    ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+    for (SequenceId id : ids) ASSERT_TRUE((*agent)->AddSequence(id).ok());
+    ASSERT_TRUE(PrefillAll(agent->get(), ids, offsets, &p).ok());
+    ASSERT_TRUE((*agent)->AddSequence(3).ok());
+    ASSERT_TRUE((*agent)->ReleaseSequence(3).ok());
+    EXPECT_GT(source.stored_bytes(), 0);
+    std::vector<float> q(2 * 2 * kShape.n_q_heads * kShape.head_dim), k(2 * 2 * kShape.n_kv_heads * kShape.head_dim),
+        v(k.size()), out(q.size());
+    ASSERT_TRUE((*agent)->BeginStep(StepKind::kPreDecode, ids).ok());
+    ASSERT_TRUE((*agent)->DecodeLayer(0, {q.data(), k.data(), v.data(), out.data()}).ok());
+    ASSERT_TRUE((*agent)->StartPrefetch(0).ok());  // dropped with a fetch begun, inside the step
+    ASSERT_GT(source.outstanding(), 0u);
+  }
+  EXPECT_EQ(source.outstanding(), 0u);
+  EXPECT_EQ(source.released_while_read(), 0);
+  EXPECT_EQ(source.stored_bytes(), 0);
+  for (SequenceId id : ids) EXPECT_EQ(source.Length(id, 0, 0).status().code(), StatusCode::kNotFound);
+  auto again = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &source);
+  ASSERT_TRUE(again.ok());
+  for (SequenceId id : ids) EXPECT_TRUE((*again)->AddSequence(id).ok());
+
+  // A source that refuses every release: the sequence stays in it, and dropping the agent is quiet.
+  struct Refusing : testing::ForwardingSource {
+    Refusing() : ForwardingSource(true) {}
+    Status ReleaseSequence(SequenceId) override { return Status::Unavailable("no release here"); }
+  } refusing;
+  {
+    auto agent = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &refusing);
+    ASSERT_TRUE(agent.ok());
+    ASSERT_TRUE((*agent)->AddSequence(7).ok());
+  }
+  EXPECT_TRUE(refusing.Length(7, 0, 0).ok());
+}
 
 TEST(AgentTest, ReadsFinishedLaterGiveTheSameOutputsAsReadsAtOnce) {
   std::mt19937 rng(9);

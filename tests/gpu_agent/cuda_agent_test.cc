@@ -942,8 +942,8 @@ TEST(CudaAgentTest, ItemsPlannedOnSeveralThreadsEqualOneThread) {
   c.cached_rows = 80;
   c.attend_resident = true;
   std::vector<float> outputs[2];
+  InMemorySource sources[2];  // outlive the agents, which release their sequences there
   std::unique_ptr<Agent> agents[2];
-  InMemorySource sources[2];
   for (int t = 0; t < 2; ++t) {
     CudaAgentOptions options{1024};
     options.fetch_via = FetchVia::kCopyEngine;

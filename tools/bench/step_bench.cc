@@ -26,6 +26,8 @@
 #include "specache/in_memory_source.h"
 #include "llama_kernels.h"
 #include "model_gemm.h"
+#include "page_row_gather.h"
+#include "parallel_for.h"
 #include "specache/gpu_llama.h"
 
 namespace specache::bench {
@@ -745,7 +747,10 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                          {{"batch", batch},
                           {"context", o.context},
                           {"fetch_blocks", o.fetch_blocks > 0 ? o.fetch_blocks : CudaAgentOptions{}.fetch_blocks},
-                          {"fetch_threads", *via == FetchVia::kCopyEngine ? fetch.fetch_threads : 0},
+                          // Asked for, and what the agent runs (GatherThreadsFor: at most the cores less two).
+                          {"fetch_threads_asked", *via == FetchVia::kCopyEngine ? fetch.fetch_threads : 0},
+                          {"fetch_threads", *via == FetchVia::kCopyEngine
+                                                ? GatherThreadsFor(fetch.fetch_threads, UsableCores()) : 0},
                           {"host_huge_pages", o.host_huge_pages ? 1 : 0},
                           {"host_huge_share", with.host_huge_share},
                           {"model_graphs", o.model_graphs ? 1 : 0},

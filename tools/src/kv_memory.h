@@ -29,7 +29,8 @@ class KvMemory {
   // cannot be reached.
   static Result<std::unique_ptr<KvMemory>> Open(const KvMemoryOptions& options);
   virtual ~KvMemory() = default;
-  // A source for one agent (its sequences are released when the source goes).
+  // A source for one agent (its sequences are released when the agent goes, and any left when the
+  // source goes).
   virtual Result<std::unique_ptr<FullPrecisionSource>> NewSource() = 0;
   // Where the KV lives and what it cost: "kv_memory", "extend_rpcs", daemon pool figures.
   virtual nlohmann::json Figures() const = 0;

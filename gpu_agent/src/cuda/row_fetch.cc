@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
-#include <thread>
 #include <utility>
 
 #include "seed_rows.h"
 #include "../page_row_gather.h"
+#include "../parallel_for.h"
 #include "../step_protocol.h"
 
 namespace specache::cuda {
@@ -105,7 +105,7 @@ void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_
   copy_piece_bytes_ = piece_bytes;
   copy_streaming_stores_ = streaming_stores;
   sm_share_ = sm_share;
-  copy_engine_threads_ = GatherThreadsFor(threads, static_cast<int>(std::thread::hardware_concurrency()));
+  copy_engine_threads_ = GatherThreadsFor(threads, UsableCores());
 }
 
 void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }
@@ -533,11 +533,13 @@ Status RowFetcher::WaitFetched(int layer) {
 }
 
 Status RowFetcher::WaitForFetchStream() const {
-  SPECACHE_RETURN_IF_ERROR(LaunchDeferred());
+  // Everything is waited for even after a failure (what was queued before it may still read the
+  // pages, which the agent's destructor then releases): the first error.
+  const Status deferred = LaunchDeferred();
   if (worker_) worker_->WaitAll();
-  // Both streams, even after one fails: the first error.
   const Status sm = sm_fetch_ ? CudaStatus(cudaStreamSynchronize(sm_fetch_), "fetch stream") : Status::Ok();
   const Status fetch = CudaStatus(cudaStreamSynchronize(fetch_), "fetch stream");
+  if (!deferred.ok()) return deferred;
   return sm.ok() ? fetch : sm;
 }
 

@@ -158,8 +158,9 @@ class RowFetcher {
   // queue a deferred fetch: the compute stream already waits (the agent's DecodeLayer after the
   // engine's WaitPrefetch).
   Status WaitFetched(int layer);
-  // Waits on the host until the fetch stream is idle (staged: and the worker ran every fetch
-  // handed to it; their errors stay for WaitFetched).
+  // Waits on the host until the fetch streams are idle (staged: and the worker ran every fetch
+  // handed to it; their errors stay for WaitFetched), all of them even after an error (the first
+  // is returned).
   Status WaitForFetchStream() const;
   // Reads the tasks' rows (no resident lists, not counted) into their out_rows on `stream`: from
   // the pages in place, or staged (tasks[i] is KV head tasks[i].kv_head of (sequences[i], layer)).

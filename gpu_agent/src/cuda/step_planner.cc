@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <span>
-#include <thread>
 
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_selection.h"
@@ -26,7 +25,7 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
       pages_(pages),
       compute_(compute) {
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int cores = UsableCores();
   plan_threads_ = std::max(1, cores > 0 ? std::min(options.plan_threads, cores) : options.plan_threads);
   if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
 }
