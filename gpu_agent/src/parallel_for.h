@@ -1,5 +1,6 @@
 // Runs fn(item, thread) for item in [0, n) on the CPU backend's threads. OpenMP when the build has
 // it (dynamic schedule: items are (sequence, head) pairs of very different lengths), else serial.
+// And how many cores a thread may run on (UsableCores), which sizes such thread counts.
 #pragma once
 
 #ifdef __linux__

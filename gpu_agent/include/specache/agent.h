@@ -235,12 +235,13 @@ struct CudaAgentOptions {
   // layer of 32 sequences x 8K, 8.4 MB of scattered 512-byte rows, in ~0.22 ms, 8 in ~0.33; the
   // link takes ~55 GB/s). The fetch is then queued at the selection (fetch_overlap does not
   // apply). Ignored for a source without zero-copy pages (always staged) and by the modes that
-  // fetch for the step itself (nonspec, oracle: they read the pages with SM loads). The default: on the H200
-  // (Llama-3-8B shapes, random data, specache-bench step) the step with the fetch over the step
-  // without, kSmLoads against kCopyEngine: 32 x 8K 1.44 against 1.21-1.34 (the fetch kernel with
-  // four rows in flight; one at a time it was 1.86-1.94), 8 x 8K 1.20 against 1.06-1.07, 1 x 8K
-  // 1.05-1.07 against 1.04-1.05; specache-run bench at 48 GB +7% tok/s at 8K (99 sequences) and
-  // +11% at 32K (24), the engine's GEMMs no longer sharing the SMs. kSmLoads needs no host core.
+  // fetch for the step itself (nonspec, oracle: they read the pages with SM loads). The default:
+  // on the H200 (Llama-3-8B shapes, random data, specache-bench step) the step with the fetch
+  // over the step without, kSmLoads against kCopyEngine: 32 x 8K 1.44 against 1.21-1.34 (the
+  // fetch kernel with four rows in flight; one at a time it was 1.86-1.94), 8 x 8K 1.20 against
+  // 1.06-1.07, 1 x 8K 1.05-1.07 against 1.04-1.05; specache-run bench at 48 GB +7% tok/s at 8K
+  // (99 sequences) and +11% at 32K (24), the engine's GEMMs no longer sharing the SMs. kSmLoads
+  // needs no host core.
   FetchVia fetch_via = FetchVia::kCopyEngine;
   int fetch_threads = 12;
   // kCopyEngine: a layer's rows go up in copies of at most this many bytes (0: one copy). Copies
