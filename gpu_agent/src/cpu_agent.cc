@@ -77,10 +77,10 @@ class CpuAgent final : public Agent {
   }
 
   // No read may still write into a head; then every sequence still registered goes from the
-  // source, as ReleaseSequence would (best effort: one the source refuses stays there).
+  // source, as ReleaseSequence would (best effort: StepProtocol::ReleaseAllIn).
   ~CpuAgent() override {
     FinishAllFetches();
-    for (SequenceId id : protocol_.Sequences()) (void)source_->ReleaseSequence(id);
+    protocol_.ReleaseAllIn(source_);
   }
 
   Status ReleaseSequence(SequenceId id) override {

@@ -185,4 +185,11 @@ void StepProtocol::Abort() {
   step_fetch_.clear();
 }
 
+void StepProtocol::ReleaseAllIn(FullPrecisionSource* source) const {
+  for (SequenceId id : Sequences()) {
+    const StatusCode code = source->ReleaseSequence(id).code();
+    if (code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded) return;
+  }
+}
+
 }  // namespace specache

@@ -59,6 +59,11 @@ class StepProtocol {
 
   Status CheckLayer(int layer) const;
   Status CheckHead(int layer, int kv_head) const;
+  // What an agent's destructor does with the sequences it still holds: each released in `source`,
+  // best effort (one refused stays there), until an answer says the source cannot be reached
+  // (UNAVAILABLE, DEADLINE_EXCEEDED: a daemon gone or cut off): the rest are left to the source's
+  // own teardown, not each waited out to its deadline.
+  void ReleaseAllIn(FullPrecisionSource* source) const;
   // PrefillLayer's preconditions: no step, a valid layer, a well-formed batch of distinct, registered
   // sequences that hold no token yet at this layer, with q where the row cache is seeded
   // (KvConfig::seed_rows).

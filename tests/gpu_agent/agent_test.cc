@@ -793,17 +793,28 @@ TEST(AgentTest, ADroppedAgentReleasesItsSequencesInTheSource) {
   ASSERT_TRUE(again.ok());
   for (SequenceId id : ids) EXPECT_TRUE((*again)->AddSequence(id).ok());
 
-  // A source that refuses every release: the sequence stays in it, and dropping the agent is quiet.
+  // A source that refuses every release: the sequences stay in it, and dropping the agent is
+  // quiet. Refused as unreachable (a daemon gone), the agent stops asking at the first.
   struct Refusing : testing::ForwardingSource {
-    Refusing() : ForwardingSource(true) {}
-    Status ReleaseSequence(SequenceId) override { return Status::Unavailable("no release here"); }
-  } refusing;
-  {
-    auto agent = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &refusing);
-    ASSERT_TRUE(agent.ok());
-    ASSERT_TRUE((*agent)->AddSequence(7).ok());
+    explicit Refusing(Status answer) : ForwardingSource(true), answer(std::move(answer)) {}
+    Status ReleaseSequence(SequenceId) override {
+      ++calls;
+      return answer;
+    }
+    Status answer;
+    int calls = 0;
+  };
+  for (const Status& answer : {Status::FailedPrecondition("not now"), Status::Unavailable("no daemon"),
+                               Status::DeadlineExceeded("cut off")}) {
+    Refusing refusing(answer);
+    {
+      auto agent = CreateCpuAgent(kShape, Config(KvMode::kSpeCache), &refusing);
+      ASSERT_TRUE(agent.ok());
+      for (SequenceId id : {7, 8, 9}) ASSERT_TRUE((*agent)->AddSequence(id).ok());
+    }
+    for (SequenceId id : {7, 8, 9}) EXPECT_TRUE(refusing.Length(id, 0, 0).ok()) << answer.ToString();
+    EXPECT_EQ(refusing.calls, answer.code() == StatusCode::kFailedPrecondition ? 3 : 1) << answer.ToString();
   }
-  EXPECT_TRUE(refusing.Length(7, 0, 0).ok());
 }
 
 TEST(AgentTest, ReadsFinishedLaterGiveTheSameOutputsAsReadsAtOnce) {

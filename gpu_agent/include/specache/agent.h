@@ -117,7 +117,9 @@ class Agent {
   // The CPU and CUDA agents (and WrapHostTensors' through the agent it owns) release every
   // sequence still registered in their full-precision source, as ReleaseSequence does, once
   // nothing in flight uses its rows (best effort: a sequence the source refuses to release stays
-  // there). A sequence kept in the daemon (client::DaemonSource::Keep) stays kept.
+  // there; after an answer that the source cannot be reached, UNAVAILABLE or DEADLINE_EXCEEDED,
+  // the rest are left to the source's own teardown). A sequence kept in the daemon
+  // (client::DaemonSource::Keep) stays kept.
   virtual ~Agent() = default;
 
   virtual const ModelShape& shape() const = 0;

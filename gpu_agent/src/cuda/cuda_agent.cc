@@ -170,12 +170,12 @@ Status CudaAgent::Init() {
 CudaAgent::~CudaAgent() {
   // Best effort: rows the device wrote are committed to the source before the agent goes, and
   // then, nothing in flight reading their pages any more, every sequence still registered is
-  // released in the source (one the source refuses stays there). The parts then free their
+  // released in the source (best effort: StepProtocol::ReleaseAllIn). The parts then free their
   // memory, events and streams, the last declared first.
   (void)WaitForStreams();
   (void)RecordWrites();
   (void)CommitWritten(true);
-  for (SequenceId id : protocol_.Sequences()) (void)source_->ReleaseSequence(id);
+  protocol_.ReleaseAllIn(source_);
 }
 
 Status CudaAgent::WaitForStreams() const {
