@@ -1,10 +1,12 @@
 """specache.transformers on SmolLM2-135M loaded by transformers from the project's GGUF file
 (CPU, float32): `full` gives the model's own greedy tokens, specache with k >= context gives
-`full`'s, 1-bit k = 64 gives specache-run's, batches give what each prompt gives alone."""
+`full`'s, 1-bit k = 64 gives specache-run's, batches give what each prompt gives alone; and what
+generate refuses (model.generate's options, a sliding window), reused agents, threads."""
 
 import json
 import pathlib
 import subprocess
+import time
 
 import pytest
 import torch
@@ -154,3 +156,102 @@ def test_bad_generate_arguments(hf_model):
         st.generate(model, ids[0], kv="full", max_new_tokens=2)
     with pytest.raises(ValueError):
         st.generate(model, ids, kv="full", max_new_tokens=0)
+    with pytest.raises(TypeError, match="do_sample"):
+        st.generate(model, ids, kv="full", max_new_tokens=2, do_sample=True, temperature=0.7)
+    agent = specache.Agent(st.model_shape(model.config), specache.KvConfig("full"))
+    with pytest.raises(TypeError, match="agent="):
+        st.generate(model, ids, agent=agent, max_new_tokens=2, bits=4)
+
+
+def test_an_agent_that_holds_sequences_serves_generate_beside_them(hf_model):
+    # The cache takes ids the agent does not hold, and gives back only its own.
+    model, tokenizer = hf_model
+    ids = encode(tokenizer, PROMPTS[0])
+    agent = specache.Agent(st.model_shape(model.config), specache.KvConfig("full"))
+    agent.add_sequence(0)
+    agent.add_sequence(1)
+    expected = st.generate(model, ids, kv="full", max_new_tokens=4)
+    for _ in range(2):
+        assert st.generate(model, ids, agent=agent, max_new_tokens=4).tolist() == expected.tolist()
+    agent.release_sequence(0)
+    agent.release_sequence(1)
+    agent.add_sequence(2)  # generate's sequences are gone
+
+
+def test_output_is_an_ordinary_tensor_and_eos_may_be_numpy(hf_model):
+    import numpy as np
+
+    model, tokenizer = hf_model
+    ids = encode(tokenizer, PROMPTS[1])
+    out = st.generate(model, ids, kv="full", max_new_tokens=3, eos_token_id=np.int64(2))
+    out[:, -1] = 0  # an inference-mode tensor would refuse this
+    assert out.shape == (1, ids.shape[1] + 3)
+    st.generate(model, ids, kv="full", max_new_tokens=2, eos_token_id=torch.tensor([2, 0]))
+
+
+def test_a_step_whose_end_fails_leaves_the_agent_out_of_it(hf_model):
+    # A step in which no layer ran: EndStep refuses it; the cache aborts the step, so its
+    # sequences can be released and the agent begins new steps.
+    model, _ = hf_model
+    agent = specache.Agent(st.model_shape(model.config), specache.KvConfig("full"))
+    cache = st.SpecacheCache(agent)
+    sid = cache.add_sequence()
+    k = torch.randn(4, model.config.num_key_value_heads, st.model_shape(model.config).head_dim)
+    with cache.prefill([sid], [4]):
+        for layer in range(model.config.num_hidden_layers):
+            agent.prefill_layer(layer, [sid], [0, 4], None, k, k)
+    with pytest.raises(specache.StatusError) as info:
+        with cache.step(specache.StepKind.DECODE, [sid]):
+            pass
+    assert info.value.code == specache.StatusCode.FAILED_PRECONDITION
+    agent.begin_step(specache.StepKind.DECODE, [sid])  # not inside the failed step any more
+    agent.abort_step()
+    cache.release_all()
+    agent.add_sequence(sid)
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused():
+    # The agent attends over the whole context: a layer whose window is shorter would be wrong.
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=8,
+    )
+    model = MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 100, (1, 20))
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        st.generate(model, ids, kv="full", max_new_tokens=2)
+    assert model.config._attn_implementation != st.ATTENTION_NAME
+    model.config.sliding_window = 64  # longer than the context: the same as none
+    wide = st.generate(model, ids, kv="full", max_new_tokens=4)
+    assert wide.tolist() == model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
+
+
+def test_generations_on_two_threads_leave_the_model_as_it_was(hf_model):
+    import threading
+
+    model, tokenizer = hf_model
+    prompts = [encode(tokenizer, long_prompt(tokenizer, 300)), encode(tokenizer, PROMPTS[2])]
+    alone = [st.generate(model, p, kv="full", max_new_tokens=6).tolist() for p in prompts]
+    before = model.config._attn_implementation
+    got, errors = [None, None], []
+
+    def run(i):
+        try:
+            got[i] = st.generate(model, prompts[i], kv="full", max_new_tokens=6).tolist()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    # Each first, the other 50 ms later: one ends while the other still runs.
+    for order in ([1, 0], [0, 1]):
+        threads = [threading.Thread(target=run, args=(i,)) for i in order]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert got == alone
+        assert model.config._attn_implementation == before

@@ -34,6 +34,15 @@ def specache_attention(module, query, key, value, attention_mask, scaling=None, 
         raise ValueError(f"specache attention scales by 1/sqrt(head_dim); the model asks for {scaling}")
     if dropout:
         raise ValueError("specache attention is for inference: dropout must be 0")
+    # What the agent's attention does not do: it attends over the whole context, uncapped.
+    for option in ("softcap", "s_aux"):
+        if kwargs.get(option) is not None:
+            raise NotImplementedError(f"specache attention has no {option} (this model's attention asks for it)")
+    window = kwargs.get("sliding_window")
+    if window is not None and cache.longest_context(query.shape[2]) > window:
+        raise NotImplementedError(
+            f"specache attention attends over the whole context; this layer's sliding window is {window} tokens"
+        )
     if key.shape[2] != query.shape[2]:
         raise RuntimeError(
             f"specache attention got {key.shape[2]} key rows for {query.shape[2]} query rows: the model "

@@ -56,19 +56,34 @@ class SpecacheCache(Cache):
 
     # ---- the driver's side (generate.py, or an engine's own loop)
     def add_sequence(self) -> int:
-        sid = self._next_id
-        self._next_id += 1
-        self.agent.add_sequence(sid)
-        self._lengths[sid] = 0
-        return sid
+        """A new agent sequence for a batch row: the next id the agent does not hold already (the
+        agent may serve other caches, or its owner's own sequences)."""
+        while True:
+            sid = self._next_id
+            self._next_id += 1
+            try:
+                self.agent.add_sequence(sid)
+            except specache.StatusError as e:
+                if e.code == specache.StatusCode.ALREADY_EXISTS:
+                    continue
+                raise
+            self._lengths[sid] = 0
+            return sid
 
     def release_sequence(self, sid: int) -> None:
         self.agent.release_sequence(sid)
         del self._lengths[sid]
 
     def release_all(self) -> None:
+        """Releases every sequence of this cache; each is tried, then the first error is raised."""
+        first = None
         for sid in list(self._lengths):
-            self.release_sequence(sid)
+            try:
+                self.release_sequence(sid)
+            except Exception as e:  # noqa: BLE001 - the others are still released
+                first = first or e
+        if first is not None:
+            raise first
 
     @contextlib.contextmanager
     def active(self):
@@ -106,10 +121,24 @@ class SpecacheCache(Cache):
             self.agent.abort_step()
             raise
         self._phase = None
-        self.agent.end_step()
+        try:
+            self.agent.end_step()
+        except BaseException:
+            self.agent.abort_step()  # the agent leaves the step; its sequences can be released
+            raise
         if kind == specache.StepKind.DECODE:
             for sid in ids:
                 self._lengths[sid] += 1
+
+    def longest_context(self, rows: int) -> int:
+        """The most tokens a sequence of this phase attends over, with the phase's `rows` rows
+        (a prefill's packed prompts: their longest)."""
+        if self._phase is None:
+            return 0
+        if self._phase[0] == "prefill":
+            _, ids, offsets = self._phase
+            return max((self._lengths[s] + offsets[i + 1] - offsets[i] for i, s in enumerate(ids)), default=0)
+        return max((self._lengths[s] for s in self._phase[1]), default=0) + rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """The layer's attention by the agent: rows [batch, rows, heads, head_dim] float32."""

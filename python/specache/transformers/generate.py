@@ -2,6 +2,7 @@
 
 import contextlib
 import inspect
+import threading
 from typing import Optional, Sequence, Union
 
 import torch
@@ -34,17 +35,30 @@ def kv_config(kv: Union[str, specache.KvConfig], **overrides) -> specache.KvConf
     return specache.KvConfig(mode=kv, **overrides)
 
 
+# Generations running on each model config (id -> [count, the implementation before the first]).
+_SWITCHED: dict = {}
+_SWITCHED_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _attention_implementation(model, name: str):
     # The model's layers look the attention function up by config._attn_implementation on every
-    # call: switch it for this generation only, so the model stays usable with its own cache.
+    # call: switch it while generations run, so the model stays usable with its own cache after.
+    # Generations on several threads share the config: the first switches it, the last restores
+    # it (each thread's rows go to its own cache: active_cache() is per thread).
     config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = name
+    with _SWITCHED_LOCK:
+        entry = _SWITCHED.setdefault(id(config), [0, config._attn_implementation])
+        entry[0] += 1
+        config._attn_implementation = name
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        with _SWITCHED_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                config._attn_implementation = entry[1]
+                del _SWITCHED[id(config)]
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -73,7 +87,17 @@ def _forward(model, cache, input_ids, position_ids, **kwargs):
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **kwargs)
 
 
-@torch.inference_mode()
+# model.generate's options this greedy loop does not have: refused by name, not taken as KV settings.
+_HF_ONLY = {
+    "do_sample", "temperature", "top_p", "min_p", "typical_p", "num_beams", "num_beam_groups",
+    "num_return_sequences", "penalty_alpha", "repetition_penalty", "no_repeat_ngram_size",
+    "min_new_tokens", "min_length", "max_length", "past_key_values", "cache", "use_cache", "streamer",
+    "logits_processor", "stopping_criteria", "generation_config", "assistant_model", "output_scores",
+    "return_dict_in_generate",
+}
+
+
+@torch.no_grad()
 def generate(
     model,
     input_ids: torch.Tensor,
@@ -93,10 +117,20 @@ def generate(
     (after a sequence's end-of-sequence token, pad_token_id). kv: a KvConfig, or a mode name
     with kv_settings (bits=, top_k=, ...). The agent computes where the model is (CPU, or CUDA
     on the current stream); `source` (default: process memory) holds the full precision, e.g. a
-    specache.DaemonSource; or pass a ready `agent` (then kv and source are not used).
+    specache.DaemonSource; or pass a ready `agent` (then kv, kv_settings and source are its own, and
+    giving them is an error). top_k= is the agent's selection (KvConfig), not sampling's top-k:
+    this is greedy decoding, and model.generate's sampling and beam options are refused.
     eos_token_id and pad_token_id default to the model's generation config.
     """
-    if max_new_tokens < 1:
+    unsupported = sorted(_HF_ONLY.intersection(kv_settings))
+    if unsupported:
+        raise TypeError(
+            f"specache.transformers.generate is greedy decoding with its own cache: {', '.join(unsupported)} "
+            "(model.generate's) not supported"
+        )
+    if agent is not None and (kv_settings or source is not None):
+        raise TypeError("with agent=, the agent's own KvConfig and source are used: give no kv settings or source")
+    if max_new_tokens is None or max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device = input_ids.device
     prompts = _prompts(input_ids, attention_mask)
@@ -114,10 +148,11 @@ def generate(
     gen = getattr(model, "generation_config", None)
     if eos_token_id is None and gen is not None:
         eos_token_id = gen.eos_token_id
-    eos = torch.tensor(
-        [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
-        dtype=torch.long,
-        device=device,
+    # An int, a list, or a NumPy / PyTorch integer or array of them.
+    eos = (
+        torch.zeros(0, dtype=torch.long, device=device)
+        if eos_token_id is None
+        else torch.as_tensor(eos_token_id).reshape(-1).to(device=device, dtype=torch.long)
     )
     if pad_token_id is None:
         pad_token_id = gen.pad_token_id if gen is not None and gen.pad_token_id is not None else None
@@ -125,9 +160,10 @@ def generate(
         pad_token_id = int(eos[0]) if eos.numel() else 0
 
     cache = SpecacheCache(agent)
-    ids = [cache.add_sequence() for _ in prompts]
     batch = len(prompts)
+    failed = True
     try:
+        ids = [cache.add_sequence() for _ in prompts]
         with _attention_implementation(model, ATTENTION_NAME), cache.active():
             # Prefill: all prompts in one forward, packed one after the other; the agent attends
             # within each (ragged batch). Only each prompt's last position needs logits.
@@ -165,6 +201,11 @@ def generate(
                 done = done | torch.isin(token, eos)
                 position = position + 1
                 new_tokens.append(token)
+        failed = False
     finally:
-        cache.release_all()
+        try:
+            cache.release_all()
+        except Exception:
+            if not failed:
+                raise  # else the generation's own error goes on, not this one
     return torch.cat([input_ids, torch.stack(new_tokens, 1).to(input_ids.dtype)], 1)
