@@ -255,3 +255,18 @@ def test_generations_on_two_threads_leave_the_model_as_it_was(hf_model):
         assert not errors, errors
         assert got == alone
         assert model.config._attn_implementation == before
+
+
+def test_the_caches_row_edits_are_refused_not_silent(hf_model):
+    # Beam search, assisted and contrastive decoding edit a cache's rows; the agent's cannot be.
+    model, tokenizer = hf_model
+    cache = st.SpecacheCache(specache.Agent(st.model_shape(model.config), specache.KvConfig("full")))
+    for call in (lambda: cache.crop(1), lambda: cache.reorder_cache(torch.tensor([0])),
+                 lambda: cache.batch_select_indices(torch.tensor([0])), lambda: cache.batch_repeat_interleave(2),
+                 cache.reset):
+        with pytest.raises(NotImplementedError, match="SpecacheCache"):
+            call()
+    from specache.transformers.generate import _cache_argument
+
+    with pytest.raises(RuntimeError, match="specache.transformers.generate"):
+        model.generate(encode(tokenizer, "Hello"), max_new_tokens=2, do_sample=False, **{_cache_argument(model): cache})

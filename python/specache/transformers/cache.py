@@ -42,8 +42,34 @@ class SpecacheCache(Cache):
     # ---- what transformers calls
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
         if self._phase is None:
-            raise RuntimeError("SpecacheCache used outside a prefill or a step of its driver")
+            raise RuntimeError(
+                "SpecacheCache used outside a prefill or a step of its driver "
+                "(specache.transformers.generate, not model.generate)"
+            )
         return key_states, value_states
+
+    # transformers' edits of a cache's rows (beam search, assisted and contrastive decoding): the
+    # rows are the agent's, which has no such edits. Inherited, they would do nothing, silently.
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"SpecacheCache.{what}: the rows are held by the specache agent, which cannot {what.replace('_', ' ')}; "
+            "specache.transformers.generate is greedy decoding"
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("crop")
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("reorder_cache")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._unsupported("batch_repeat_interleave")
+
+    def reset(self):
+        self._unsupported("reset")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self._lengths.values(), default=0)
