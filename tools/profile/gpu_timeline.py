@@ -66,6 +66,12 @@ def short(name, width):
     return name[:width]
 
 
+def label(kind, name, width):
+    """What the tables call a record: a kernel's short name, a copy's or memset's kind (its size
+    dropped)."""
+    return short(name, width) if kind == "K" else name.rsplit(" ", 1)[0]
+
+
 def steps_report(records, marker, skip, count, slack_us, width):
     """The per-step view of --steps (see the module's text)."""
     starts = [r for r in records if r[2] == "K" and marker in r[4]]
@@ -89,7 +95,7 @@ def steps_report(records, marker, skip, count, slack_us, width):
           f"{sum(e - s for s, e in kernels) / 1e6 / n:.3f}, on stream {stream} {sum(e - s for s, e in own) / 1e6 / n:.3f}")
     by_name = collections.defaultdict(lambda: [0, 0])
     for s, e, k, st, name in inside:
-        key = (short(name, width) if k == "K" else name.rsplit(" ", 1)[0], st)
+        key = (label(k, name, width), st)
         by_name[key][0] += 1
         by_name[key][1] += e - s
     print("\n ms/step  launches/step   us_each  stream  record")
@@ -114,7 +120,7 @@ def steps_report(records, marker, skip, count, slack_us, width):
         cause = "the host (no other stream's record ended just before)"
         if i >= 0:
             o = others[i]
-            cause = f"{short(o[4], width) if o[2] == 'K' else o[4].rsplit(' ', 1)[0]} (stream {o[3]})"
+            cause = f"{label(o[2], o[4], width)} (stream {o[3]})"
         charged[(cause, short(nxt[4], 40))][0] += 1
         charged[(cause, short(nxt[4], 40))][1] += gap
     total = sum(ns for _, ns in charged.values())
@@ -158,7 +164,7 @@ def main():
 
     by_name = collections.defaultdict(lambda: [0, 0])
     for s, e, k, st, name in records:
-        key = short(name, a.names) if k == "K" else name.rsplit(" ", 1)[0]
+        key = label(k, name, a.names)
         by_name[key][0] += 1
         by_name[key][1] += e - s
     print("\n     ms  launches   us_each  record (as run, concurrently)")
