@@ -161,7 +161,6 @@ def generate(
 
     cache = SpecacheCache(agent)
     batch = len(prompts)
-    failed = True
     try:
         ids = [cache.add_sequence() for _ in prompts]
         with _attention_implementation(model, ATTENTION_NAME), cache.active():
@@ -201,11 +200,9 @@ def generate(
                 done = done | torch.isin(token, eos)
                 position = position + 1
                 new_tokens.append(token)
-        failed = False
-    finally:
-        try:
+    except BaseException:
+        with contextlib.suppress(Exception):  # the generation's own error goes on, not a release's
             cache.release_all()
-        except Exception:
-            if not failed:
-                raise  # else the generation's own error goes on, not this one
+        raise
+    cache.release_all()
     return torch.cat([input_ids, torch.stack(new_tokens, 1).to(input_ids.dtype)], 1)
