@@ -399,6 +399,18 @@ cuda::CacheUpdateTask OldCacheTask(DeviceBuffers& buf, const RowCacheEntries& ol
   return t;
 }
 
+// All of `tasks` updated in one launch, its staged rows as `rows`, and the misses and hits it
+// counted (of the tasks with staged ranks) as wanted.
+void UpdateAndExpectCounts(DeviceBuffers& buf, const std::vector<cuda::CacheUpdateTask>& tasks, int d, HostRowFormat rows,
+                           uint64_t want_fetched, uint64_t want_reused) {
+  auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
+  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), static_cast<int>(tasks.size()), d, rows, counters, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const cuda::FetchCounters got = testing::Download(counters, 1)[0];
+  EXPECT_EQ(got.fetched, want_fetched);
+  EXPECT_EQ(got.reused, want_reused);
+}
+
 // What an update must leave (the CPU rule's): the new list, each entry's row, and the slot each
 // entry kept from the old cache (-1: a miss, any free slot).
 struct WantedCache {
@@ -552,12 +564,7 @@ TEST(CudaFetchTest, CacheUpdateEqualsTheCpuRule) {
   // gives the same result run twice: the old list is not written, the misses land in the same slots).
   ASSERT_TRUE(cuda::UpdateRowCaches(&tasks[3], 1, d, HostRowFormat::kFp16, nullptr, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
-  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, HostRowFormat::kFp16, counters, nullptr).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
-  EXPECT_EQ(got_counters.fetched, want_fetched);
-  EXPECT_EQ(got_counters.reused, want_reused);
+  ASSERT_NO_FATAL_FAILURE(UpdateAndExpectCounts(buf, tasks, d, HostRowFormat::kFp16, want_fetched, want_reused));
   for (int i = 0; i < n_tasks; ++i) ExpectUpdated(tasks[i], want[i], slot_want[i], row, i);
   // The slots the attention reads through are required.
   std::vector<cuda::CacheUpdateTask> without = {tasks[0]};
@@ -856,12 +863,7 @@ TEST(CudaFetchTest, FullCacheUpdatesWithInt8StagedRowsEqualTheCpuRule) {
     tasks.push_back(t);
     padded_selections.push_back(std::move(padded));
   }
-  auto* counters = buf.Copy(std::vector<cuda::FetchCounters>{{0, 0, 0}});
-  ASSERT_TRUE(cuda::UpdateRowCaches(tasks.data(), n_tasks, d, HostRowFormat::kInt8, counters, nullptr).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const cuda::FetchCounters got_counters = testing::Download(counters, 1)[0];
-  EXPECT_EQ(got_counters.fetched, want_fetched);
-  EXPECT_EQ(got_counters.reused, want_reused);
+  ASSERT_NO_FATAL_FAILURE(UpdateAndExpectCounts(buf, tasks, d, HostRowFormat::kInt8, want_fetched, want_reused));
   for (int i = 0; i < n_tasks; ++i) ExpectUpdated(tasks[i], want[i], padded_selections[i], row, i);
 #endif
 }
