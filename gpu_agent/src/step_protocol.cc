@@ -186,7 +186,7 @@ void StepProtocol::Abort() {
 }
 
 void StepProtocol::ReleaseAllIn(FullPrecisionSource* source) const {
-  for (SequenceId id : Sequences()) {
+  for (const auto& [id, unused] : fetch_) {
     const StatusCode code = source->ReleaseSequence(id).code();
     if (code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded) return;
   }

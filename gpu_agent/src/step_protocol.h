@@ -49,17 +49,11 @@ class StepProtocol {
   // FAILED_PRECONDITION while the sequence is part of the current step.
   Status CheckRelease(SequenceId id) const;
   void RemoveSequence(SequenceId id) { fetch_.erase(id); }
-  // The sequences added and not yet removed, in no particular order.
-  std::vector<SequenceId> Sequences() const {
-    std::vector<SequenceId> ids;
-    ids.reserve(fetch_.size());
-    for (const auto& entry : fetch_) ids.push_back(entry.first);
-    return ids;
-  }
 
   Status CheckLayer(int layer) const;
   Status CheckHead(int layer, int kv_head) const;
-  // What an agent's destructor does with the sequences it still holds: each released in `source`,
+  // What an agent's destructor does with the sequences it still holds (added, not yet removed;
+  // the protocol's own record of them is left as it is): each released in `source`,
   // best effort (one refused stays there), until an answer says the source cannot be reached
   // (UNAVAILABLE, DEADLINE_EXCEEDED: a daemon gone or cut off): the rest are left to the source's
   // own teardown, not each waited out to its deadline.
