@@ -33,7 +33,7 @@ struct GatherOptions {
 };
 
 // The gather's threads for `requested` (CudaAgentOptions::fetch_threads) on a host of `cores`
-// logical cores the process may use (UsableCores, parallel_for.h; 0: not known, then
+// logical cores the process may use (UsableCores, usable_cores.h; 0: not known, then
 // `requested`): at most cores - 2, at least 1. The gather runs while the agent's own thread
 // queues the step and the CUDA driver's threads serve it; given every core, it starves them: on a 16-core H100 host at 176 x 8K with int8 rows (specache-bench
 // step, three rounds alternated) 16 threads gathered at 18-26 GB/s and the step with the fetch

@@ -1,29 +1,12 @@
 // Runs fn(item, thread) for item in [0, n) on the CPU backend's threads. OpenMP when the build has
 // it (dynamic schedule: items are (sequence, head) pairs of very different lengths), else serial.
-// And how many cores a thread may run on (UsableCores), which sizes such thread counts.
 #pragma once
-
-#ifdef __linux__
-#include <sched.h>
-#endif
-
-#include <thread>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace specache {
-
-// The cores the calling thread may run on (its CPU affinity, which taskset and cgroup cpusets
-// narrow; a CPU quota is not seen), else std::thread::hardware_concurrency; 0 when neither is known.
-inline int UsableCores() {
-#ifdef __linux__
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-#endif
-  return static_cast<int>(std::thread::hardware_concurrency());
-}
 
 template <typename Fn>
 void ParallelFor(int n, Fn&& fn) {

@@ -3,20 +3,18 @@
 // its cache) are their own ranks, and each row is copied from its page of an InMemorySource (the
 // layout the device reads) into its rank, on one thread or several, into an output aligned for
 // the streaming stores and one that is not (the plain copy). And how many threads a host of N
-// cores gives the gather, and how many cores it may use.
+// cores gives the gather.
 #include "page_row_gather.h"
 
 #include <cstring>
 #include <random>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "specache/cuda_fetch.h"
-#include "parallel_for.h"
 #include "specache/in_memory_source.h"
 
 namespace specache {
@@ -127,28 +125,6 @@ TEST(PageRowGatherTest, TheGatherLeavesTwoCoresAndKeepsOneThread) {
   EXPECT_EQ(GatherThreadsFor(12, 0), 12);  // cores not known: as asked
 }
 
-#ifdef __linux__
-// The cores counted are those the thread may run on: one, once its affinity is one CPU.
-TEST(PageRowGatherTest, UsableCoresFollowTheThreadsAffinity) {
-  const int all = UsableCores();
-  EXPECT_GE(all, 1);
-  int pinned = 0;
-  std::thread([&] {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    if (sched_getaffinity(0, sizeof(one), &one) != 0) return;
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-      if (!CPU_ISSET(cpu, &one)) continue;
-      CPU_ZERO(&one);
-      CPU_SET(cpu, &one);
-      break;
-    }
-    if (sched_setaffinity(0, sizeof(one), &one) == 0) pinned = UsableCores();
-  }).join();
-  EXPECT_EQ(pinned, 1);
-  EXPECT_EQ(UsableCores(), all);  // the test's own thread as it was
-}
-#endif
 
 }  // namespace
 }  // namespace specache

@@ -27,7 +27,7 @@
 #include "llama_kernels.h"
 #include "model_gemm.h"
 #include "page_row_gather.h"
-#include "parallel_for.h"
+#include "usable_cores.h"
 #include "specache/gpu_llama.h"
 
 namespace specache::bench {

@@ -231,8 +231,8 @@ struct CudaAgentOptions {
   bool fetch = true;
   FetchOverlap fetch_overlap = FetchOverlap::kFromSelection;
   // kCopyEngine: the overlapped fetch's rows go through pinned memory, gathered by fetch_threads
-  // host threads (at most the cores the process may run on less two, which the agent's own thread
-  // and the CUDA driver need: on a 16-core H100 host 16 threads made the 176 x 8K step 10-51%
+  // host threads (at most the cores the process may use, its affinity capped by its cgroup's CPU
+  // quota, less two, which the agent's own thread and the CUDA driver need: on a 16-core H100 host 16 threads made the 176 x 8K step 10-51%
   // slower than 12; hosts of fewer cores not measured; on the H200 host 12 threads gather one
   // layer of 32 sequences x 8K, 8.4 MB of scattered 512-byte rows, in ~0.22 ms, 8 in ~0.33; the
   // link takes ~55 GB/s). The fetch is then queued at the selection (fetch_overlap does not

@@ -7,7 +7,7 @@
 
 #include "seed_rows.h"
 #include "../page_row_gather.h"
-#include "../parallel_for.h"
+#include "../usable_cores.h"
 #include "../step_protocol.h"
 
 namespace specache::cuda {

@@ -9,6 +9,7 @@
 #include "specache/cuda_tensors.h"
 #include "specache/cuda_topk.h"
 #include "../parallel_for.h"
+#include "../usable_cores.h"
 #include "prefill_attention.h"
 
 namespace specache::cuda {
