@@ -5,6 +5,7 @@
 // cache update against the CPU rule (row_cache.h), fp16 rows and, at the bench's shape, int8
 // staged rows.
 // WriteRows: rows stored from the device read back through the source identically.
+// SumCacheCounts: many caches' counts summed on the device equal the host's sum.
 #include "specache/cuda_fetch.h"
 
 #include <algorithm>
@@ -865,6 +866,34 @@ TEST(CudaFetchTest, FullCacheUpdatesWithInt8StagedRowsEqualTheCpuRule) {
   }
   ASSERT_NO_FATAL_FAILURE(UpdateAndExpectCounts(buf, tasks, d, HostRowFormat::kInt8, want_fetched, want_reused));
   for (int i = 0; i < n_tasks; ++i) ExpectUpdated(tasks[i], want[i], padded_selections[i], row, i);
+#endif
+}
+
+// SumCacheCounts (AgentStats' row cache sizes): many caches' counts summed in one launch equal the
+// host's sum, for one cache, several thousand (the 176 x 32 layers of the step bench), and none.
+TEST(CudaFetchTest, CacheCountsSumLikeTheHost) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(61);
+  for (const int n_caches : {1, 7, 5632}) {
+    for (const int per_cache : {1, 8}) {
+      DeviceBuffers buf;
+      std::vector<const int32_t*> counts;
+      int64_t want = 0;
+      for (int c = 0; c < n_caches; ++c) {
+        std::vector<int32_t> host(static_cast<size_t>(per_cache));
+        for (int32_t& v : host) want += v = static_cast<int32_t>(rng() % (cuda::kMaxCacheRows + 1));
+        counts.push_back(buf.Copy(host));
+      }
+      int64_t got = -1;
+      ASSERT_TRUE(cuda::SumCacheCounts(counts.data(), n_caches, per_cache, &got).ok());
+      EXPECT_EQ(got, want) << n_caches << " caches of " << per_cache;
+    }
+  }
+  int64_t none = -1;
+  ASSERT_TRUE(cuda::SumCacheCounts(nullptr, 0, 8, &none).ok());
+  EXPECT_EQ(none, 0);
+  EXPECT_FALSE(cuda::SumCacheCounts(nullptr, -1, 8, &none).ok());
 #endif
 }
 

@@ -159,5 +159,10 @@ Status ListMissedRows(const FetchTask* tasks, int n_tasks, int32_t stride, int32
 constexpr int kMaxCacheRows = 16384;
 Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, HostRowFormat staged_rows,
                        FetchCounters* counters, void* stream, DecodePlan* plan = nullptr);
+// The sum of n_caches row caches' counts (counts[c] -> per_cache int32 in device memory, a
+// CacheList's count: one per KV head), in one launch and three copies whatever n_caches is; for
+// AgentStats, once the streams that update the caches are idle. Waits for the device. *sum is 0
+// after a failure.
+Status SumCacheCounts(const int32_t* const* counts, int n_caches, int per_cache, int64_t* sum);
 
 }  // namespace specache::cuda

@@ -8,6 +8,7 @@
 #include "block_select.cuh"
 #include "block_task.cuh"
 #include "decode_plan_slots.h"
+#include "device_buffer.h"
 #include "int8_rows.cuh"
 #include "shared_memory_opt_in.cuh"
 
@@ -252,6 +253,20 @@ __global__ void WriteInt8Kernel(const WriteTask* __restrict__ tasks, int count, 
     if (has) reinterpret_cast<uint4*>(dst + (value ? head_dim : 0))[part] = codes;
     if (in_row == 0) *reinterpret_cast<uint4*>(dst + 2 * head_dim) = make_uint4(scale | value_scale << 16, 0, 0, 0);
   }
+}
+
+// A thread per count (SumCacheCounts), grid-strided; each block adds its warps' sums.
+__global__ void SumCountsKernel(const int32_t* const* __restrict__ counts, int n_caches, int per_cache,
+                                unsigned long long* sum) {
+  const int64_t total = static_cast<int64_t>(n_caches) * per_cache;
+  long long local = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    local += counts[i / per_cache][i % per_cache];
+  }
+  for (int lanes = 16; lanes > 0; lanes /= 2) local += __shfl_down_sync(0xffffffffu, local, lanes);
+  // Two's complement: the unsigned sum of the signed terms is their signed sum.
+  if (threadIdx.x % 32 == 0 && local != 0) atomicAdd(sum, static_cast<unsigned long long>(local));
 }
 
 static_assert(kMaxCacheRows <= 0x7fff,
@@ -761,6 +776,30 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
     UpdateCacheKernel<<<n_tasks, kThreads, CacheUpdateSharedBytes(largest), s>>>(on_device, row_pieces, int8 ? head_dim : 0,
                                                                                   counters);
   });
+}
+
+Status SumCacheCounts(const int32_t* const* counts, int n_caches, int per_cache, int64_t* sum) {
+  if (sum == nullptr) return Status::InvalidArgument("sum of cache counts: no output");
+  *sum = 0;
+  if (n_caches < 0 || per_cache < 0) return Status::InvalidArgument("sum of cache counts: negative counts");
+  if (n_caches == 0 || per_cache == 0) return Status::Ok();
+  Buffer<const int32_t*> lists;
+  Buffer<unsigned long long> total;
+  SPECACHE_RETURN_IF_ERROR(lists.Reserve(static_cast<size_t>(n_caches)));
+  SPECACHE_RETURN_IF_ERROR(total.Reserve(1));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpy(lists.get(), counts, static_cast<size_t>(n_caches) * sizeof(counts[0]), cudaMemcpyHostToDevice),
+      "sum of cache counts: the lists"));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemset(total.get(), 0, sizeof(unsigned long long)), "sum of cache counts"));
+  const int64_t n = int64_t{n_caches} * per_cache;
+  const int blocks = static_cast<int>(std::min<int64_t>(1024, (n + kThreads - 1) / kThreads));
+  SumCountsKernel<<<blocks, kThreads>>>(lists.get(), n_caches, per_cache, total.get());
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "sum of cache counts kernel"));
+  unsigned long long got = 0;
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(&got, total.get(), sizeof(got), cudaMemcpyDeviceToHost),
+                                      "sum of cache counts: the result"));
+  *sum = static_cast<int64_t>(got);
+  return Status::Ok();
 }
 
 }  // namespace specache::cuda
