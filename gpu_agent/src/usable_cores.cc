@@ -8,7 +8,6 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
-#include <vector>
 
 namespace specache {
 namespace {
@@ -16,7 +15,7 @@ namespace {
 // Whole cores of a quota of `quota` microseconds every `period`; 0 for none (or nonsense).
 int CoresOf(long long quota, long long period) {
   if (quota <= 0 || period <= 0) return 0;
-  return static_cast<int>(std::max<long long>(1, (quota + period - 1) / period));
+  return static_cast<int>(std::clamp<long long>(quota / period + (quota % period != 0), 1, 1 << 20));
 }
 
 // The smaller of two limits where 0 is none.
