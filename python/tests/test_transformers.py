@@ -109,6 +109,47 @@ def test_batch_gives_what_each_prompt_gives_alone(hf_model):
         assert together[i, width:width + n].tolist() == one[0, -n:].tolist()
 
 
+def test_a_model_that_ignores_logits_to_keep_gets_each_prompts_last_position(hf_model):
+    # Prefill asks for each packed prompt's last position only (logits_to_keep); a model that
+    # ignores the argument returns every position, and each prompt's own last one is still taken.
+    import functools
+
+    model, tokenizer = hf_model
+    prompts = [PROMPTS[1], long_prompt(tokenizer, 40)]
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    want = st.generate(model, batch.input_ids, attention_mask=batch.attention_mask, kv="full", max_new_tokens=4)
+    original = model.forward
+
+    @functools.wraps(original)
+    def ignoring_logits_to_keep(*args, logits_to_keep=0, **kwargs):
+        return original(*args, **kwargs)
+
+    model.forward = ignoring_logits_to_keep
+    try:
+        got = st.generate(model, batch.input_ids, attention_mask=batch.attention_mask, kv="full", max_new_tokens=4)
+    finally:
+        del model.forward
+    assert got.tolist() == want.tolist()
+
+
+def test_one_new_token_is_the_prefills_with_no_step_after_it(hf_model):
+    # The prompts' forward alone gives the first token: with max_new_tokens=1 no pre-decode step
+    # runs (its selection and speculative token would serve no later step).
+    model, tokenizer = hf_model
+    ids = encode(tokenizer, PROMPTS[0])
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        got = st.generate(model, ids, kv="specache", bits=1, top_k=16, max_new_tokens=1)
+    finally:
+        hook.remove()
+    assert len(forwards) == 1
+    assert got.tolist() == st.generate(model, ids, kv="full", max_new_tokens=1).tolist()
+
+
 def test_generate_on_daemon_pages(hf_model):
     model, tokenizer = hf_model
     ids = encode(tokenizer, long_prompt(tokenizer, 150))

@@ -87,6 +87,20 @@ def _forward(model, cache, input_ids, position_ids, **kwargs):
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **kwargs)
 
 
+def _prompt_ends(logits: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The logits of each packed prompt's last position ([batch, vocab]) from the prefill's
+    [positions, vocab]: the model kept only those (logits_to_keep), or, a model that ignores
+    logits_to_keep, returned every position of the packed prompts."""
+    if logits.shape[0] == last.numel():
+        return logits
+    if logits.shape[0] == int(last[-1]) + 1:
+        return logits[last]
+    raise RuntimeError(
+        f"the model's prefill returned logits for {logits.shape[0]} positions: neither the "
+        f"{last.numel()} asked for (logits_to_keep) nor all {int(last[-1]) + 1}"
+    )
+
+
 # model.generate's options this greedy loop does not have: refused by name, not taken as KV settings.
 _HF_ONLY = {
     "do_sample", "temperature", "top_p", "min_p", "typical_p", "num_beams", "num_beam_groups",
@@ -171,13 +185,14 @@ def generate(
             last = torch.tensor(lengths, device=device).cumsum(0) - 1
             with cache.prefill(ids, lengths):
                 logits = _forward(model, cache, packed, positions, logits_to_keep=last).logits
-            token = logits[0, -batch:].argmax(-1)  # [batch]
+            token = _prompt_ends(logits[0], last).argmax(-1)  # [batch]
 
             position = torch.tensor(lengths, device=device)
             new_tokens = [token]
             done = torch.isin(token, eos)
             speculative = None
-            if agent.rows_per_sequence(specache.StepKind.PRE_DECODE) > 0:
+            more = max_new_tokens > 1 and not bool(done.all())  # else no step follows to use it
+            if more and agent.rows_per_sequence(specache.StepKind.PRE_DECODE) > 0:
                 # The first generated token attends over the replica; its top-k is the first
                 # fetch and its argmax the first speculative token (it is appended next step).
                 with cache.step(specache.StepKind.PRE_DECODE, ids):
