@@ -67,14 +67,19 @@ int CgroupCpuLimit(const std::string& self_cgroup, const std::string& cgroup_roo
     const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
     if (b == std::string::npos) continue;
     const std::string id = line.substr(0, a), controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
-    if (id == "0" && controllers.empty()) {
+    if (id == "0" && controllers.empty()) {  // v2 at the root, or under unified/ on a hybrid host
       limit = Tighter(limit, LimitUpFrom(cgroup_root, path, V2Limit));
+      limit = Tighter(limit, LimitUpFrom(cgroup_root + "/unified", path, V2Limit));
       continue;
     }
     std::stringstream names(controllers);
     for (std::string name; std::getline(names, name, ',');) {
       if (name != "cpu") continue;
-      limit = Tighter(limit, LimitUpFrom(cgroup_root + "/" + controllers, path, V1Limit));
+      // The hierarchy's directory is named for its controllers, in the order the kernel lists
+      // them or not (cpuacct,cpu in the file, cpu,cpuacct mounted); `cpu` is the usual link to it.
+      for (const std::string& dir : {controllers, std::string("cpu"), std::string("cpu,cpuacct")}) {
+        limit = Tighter(limit, LimitUpFrom(cgroup_root + "/" + dir, path, V1Limit));
+      }
       break;
     }
   }

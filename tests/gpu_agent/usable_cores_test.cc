@@ -1,6 +1,7 @@
 // UsableCores: the cores a thread may run on (its affinity), capped by its cgroup's CPU quota;
-// CgroupCpuLimit read from made-up cgroup trees (v2's cpu.max, v1's cfs files), the tightest of a
-// cgroup and its ancestors, a container's path of which only the root is mounted, and no quota.
+// CgroupCpuLimit read from made-up cgroup trees (v2's cpu.max, v1's cfs files, a hybrid host's
+// both), the tightest of a cgroup and its ancestors, a container's path of which only the root is
+// mounted, v1 directories named otherwise than their line, and no quota or nonsense.
 #include "usable_cores.h"
 
 #ifdef __linux__
@@ -83,18 +84,36 @@ TEST_F(CgroupTree, NoQuotaNoFilesOrNonsenseIsNoLimit) {
   EXPECT_EQ(Limit(), 0);
   Write("mount/x/cpu.max", "100000 0\n");
   EXPECT_EQ(Limit(), 0);
-  Write("self_cgroup", "not a cgroup line\n");
+  Write("mount/x/cpu.max", "max\n");
+  EXPECT_EQ(Limit(), 0);
+  Write("mount/x/cpu.max", "300000 100000\n");
+  EXPECT_EQ(Limit(), 3);
+  Write("self_cgroup", "not a cgroup line\n");  // the same quota, named by no line
   EXPECT_EQ(Limit(), 0);
 }
 
-TEST(UsableCoresTest, NeverAboveTheMachinesQuotaOrAffinity) {
-  const int cores = UsableCores();
-  EXPECT_GE(cores, 1);
-  const int quota = CgroupCpuLimit();
-  if (quota > 0) {
-    EXPECT_LE(cores, quota);
-  }
-  EXPECT_LE(cores, static_cast<int>(std::thread::hardware_concurrency()));
+TEST_F(CgroupTree, V2PathsWithTrailingSlashesAndHugeQuotas) {
+  Write("self_cgroup", "0::/a/b/\n");
+  Write("mount/a/cpu.max", "99999999999999 1\n");
+  EXPECT_EQ(Limit(), 1 << 20);  // clamped, not wrapped
+  Write("mount/a/b/cpu.max", "100001 100000\n");
+  EXPECT_EQ(Limit(), 2);
+}
+
+TEST_F(CgroupTree, AHybridHostsV2UnderUnifiedAndItsV1Cpu) {
+  Write("self_cgroup", "1:cpu:/svc\n0::/svc\n");
+  Write("mount/unified/svc/cpu.max", "600000 100000\n");
+  EXPECT_EQ(Limit(), 6);
+  Write("mount/cpu/svc/cpu.cfs_quota_us", "200000\n");
+  Write("mount/cpu/svc/cpu.cfs_period_us", "100000\n");
+  EXPECT_EQ(Limit(), 2);
+}
+
+TEST_F(CgroupTree, V1ControllersListedInAnotherOrderThanTheirDirectory) {
+  Write("self_cgroup", "3:cpuacct,cpu:/job\n");
+  Write("mount/cpu,cpuacct/job/cpu.cfs_quota_us", "400000\n");
+  Write("mount/cpu,cpuacct/job/cpu.cfs_period_us", "100000\n");
+  EXPECT_EQ(Limit(), 4);
 }
 
 #ifdef __linux__
