@@ -148,6 +148,16 @@ def test_one_new_token_is_the_prefills_with_no_step_after_it(hf_model):
         hook.remove()
     assert len(forwards) == 1
     assert got.tolist() == st.generate(model, ids, kv="full", max_new_tokens=1).tolist()
+    # Nor when every sequence ends at its first token (it is the end-of-sequence token).
+    first = int(got[0, -1])
+    forwards.clear()
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        ended = st.generate(model, ids, kv="specache", bits=1, top_k=16, max_new_tokens=4, eos_token_id=first)
+    finally:
+        hook.remove()
+    assert len(forwards) == 1
+    assert ended.tolist() == got.tolist()
 
 
 def test_generate_on_daemon_pages(hf_model):
