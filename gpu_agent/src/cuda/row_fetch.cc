@@ -572,7 +572,7 @@ void RowFetcher::AddStats(AgentStats* s) const {
                                   lr.slots[1].bytes() + lr.cache.bytes() + lr.cache_rows.bytes();
     }
   }
-  int64_t cache_rows = 0;  // 0 after a failure (the device's error shows at the next step)
+  int64_t cache_rows = 0;  // 0 after a failure (e.g. no memory for its scratch): device_bytes then lacks them
   (void)SumCacheCounts(counts.data(), static_cast<int>(counts.size()), shape_.n_kv_heads, &cache_rows);
   s->device_bytes += cache_rows * row;
   for (const CacheList& spare : spare_lists_) s->device_bytes_reserved += spare.bytes();
