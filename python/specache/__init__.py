@@ -30,7 +30,9 @@ class Agent(_core.Agent):
     agent's work is ordered with the model's; set it explicitly to use another stream.
 
     When the agent goes (its last reference dropped), every sequence it still holds is released
-    in `source`, as release_sequence does; the source itself stays.
+    in `source`, as release_sequence does; the source itself stays. That waits for the device and,
+    for a daemon's source, makes a call per sequence: other Python threads run meanwhile (the GIL
+    is let go, as during the agent's other calls).
     """
 
     def __init__(

@@ -94,9 +94,17 @@ class PyAgent {
     }
   }
 
+  // Destroying the agent waits for its device work and releases its sequences in the source (a
+  // call to a daemon each): without the GIL, so that the process's other Python threads run
+  // meanwhile (none can be in this agent: it has no references left), but while the interpreter
+  // finalizes, when threads must not take the GIL back and forth.
   ~PyAgent() {
-    DeviceScope scope(cuda_device_);
-    agent_.reset();
+    if (PyGILState_Check() && !InterpreterFinalizing()) {
+      nb::gil_scoped_release release;
+      Destroy();
+    } else {
+      Destroy();
+    }
   }
 
   // Copies: a Python object that referred to the agent's own would let its fields be assigned,
@@ -246,6 +254,18 @@ class PyAgent {
   template <typename F>
   void Run(F&& call) {
     ThrowIfError(Locked(std::forward<F>(call)));
+  }
+
+  void Destroy() {
+    DeviceScope scope(cuda_device_);
+    agent_.reset();
+  }
+  static bool InterpreterFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
   }
 
   std::mutex mu_;                                 // one call into agent_ at a time

@@ -174,7 +174,6 @@ def generate(
         pad_token_id = int(eos[0]) if eos.numel() else 0
 
     cache = SpecacheCache(agent)
-    batch = len(prompts)
     try:
         ids = [cache.add_sequence() for _ in prompts]
         with _attention_implementation(model, ATTENTION_NAME), cache.active():
