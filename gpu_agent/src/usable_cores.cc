@@ -5,9 +5,11 @@
 #endif
 
 #include <algorithm>
+#include <cctype>
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 namespace specache {
 namespace {
@@ -42,8 +44,8 @@ int V1Limit(const std::string& dir) {
   return CoresOf(quota, period);
 }
 
-// The limit of the cgroup at `path` under `mount` and of each of its ancestors: inside a
-// container the path may name the host's hierarchy, of which only the root is mounted.
+// The limit of the cgroup at `path` (within its mount, "/" the mount's root) and of each of its
+// ancestors up to that root, under the mount point `mount`.
 template <typename Read>
 int LimitUpFrom(const std::string& mount, std::string path, Read read) {
   int limit = 0;
@@ -56,9 +58,68 @@ int LimitUpFrom(const std::string& mount, std::string path, Read read) {
   }
 }
 
+// A cgroup file system's mount (/proc/self/mountinfo): v2, or a v1 hierarchy with the cpu
+// controller.
+struct CgroupMount {
+  std::string point;  // where it is mounted
+  std::string root;   // the hierarchy's directory mounted there ("/" unless a container's view)
+  bool v2 = false;
+};
+
+// mountinfo's octal escapes (a space is \040) undone.
+std::string Unescape(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 3 < s.size() && std::isdigit(static_cast<unsigned char>(s[i + 1])) &&
+        std::isdigit(static_cast<unsigned char>(s[i + 2])) && std::isdigit(static_cast<unsigned char>(s[i + 3]))) {
+      out += static_cast<char>((s[i + 1] - '0') * 64 + (s[i + 2] - '0') * 8 + (s[i + 3] - '0'));
+      i += 3;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+bool ListsCpu(const std::string& comma_separated) {
+  std::stringstream names(comma_separated);
+  for (std::string name; std::getline(names, name, ',');) {
+    if (name == "cpu") return true;
+  }
+  return false;
+}
+
+// "id parent major:minor root mount-point options [optional fields] - fstype source super-options".
+std::vector<CgroupMount> CgroupMounts(const std::string& mountinfo) {
+  std::ifstream in(mountinfo);
+  std::vector<CgroupMount> mounts;
+  for (std::string line; std::getline(in, line);) {
+    const size_t dash = line.find(" - ");
+    if (dash == std::string::npos) continue;
+    std::istringstream before(line.substr(0, dash)), after(line.substr(dash + 3));
+    std::string id, parent, device, root, point, fstype, source, options;
+    if (!(before >> id >> parent >> device >> root >> point) || !(after >> fstype >> source >> options)) continue;
+    if (fstype == "cgroup2" || (fstype == "cgroup" && ListsCpu(options))) {
+      mounts.push_back({Unescape(point), Unescape(root), fstype == "cgroup2"});
+    }
+  }
+  return mounts;
+}
+
+// Where the cgroup at `path` of its hierarchy is within a mount of `root`: a container sees only
+// its own part of the hierarchy (root), and a path outside it as that root.
+std::string WithinMount(const std::string& path, const std::string& root) {
+  if (root == "/" || root.empty()) return path;
+  if (path.compare(0, root.size(), root) == 0 && (path.size() == root.size() || path[root.size()] == '/')) {
+    return path.size() == root.size() ? "/" : path.substr(root.size());
+  }
+  return "/";
+}
+
 }  // namespace
 
-int CgroupCpuLimit(const std::string& self_cgroup, const std::string& cgroup_root) {
+int CgroupCpuLimit(const std::string& self_cgroup, const std::string& mountinfo) {
+  const std::vector<CgroupMount> mounts = CgroupMounts(mountinfo);
   std::ifstream in(self_cgroup);
   std::string line;
   int limit = 0;
@@ -67,20 +128,12 @@ int CgroupCpuLimit(const std::string& self_cgroup, const std::string& cgroup_roo
     const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
     if (b == std::string::npos) continue;
     const std::string id = line.substr(0, a), controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
-    if (id == "0" && controllers.empty()) {  // v2 at the root, or under unified/ on a hybrid host
-      limit = Tighter(limit, LimitUpFrom(cgroup_root, path, V2Limit));
-      limit = Tighter(limit, LimitUpFrom(cgroup_root + "/unified", path, V2Limit));
-      continue;
-    }
-    std::stringstream names(controllers);
-    for (std::string name; std::getline(names, name, ',');) {
-      if (name != "cpu") continue;
-      // The hierarchy's directory is named for its controllers, in the order the kernel lists
-      // them or not (cpuacct,cpu in the file, cpu,cpuacct mounted); `cpu` is the usual link to it.
-      for (const std::string& dir : {controllers, std::string("cpu"), std::string("cpu,cpuacct")}) {
-        limit = Tighter(limit, LimitUpFrom(cgroup_root + "/" + dir, path, V1Limit));
-      }
-      break;
+    const bool v2 = id == "0" && controllers.empty();
+    if (!v2 && !ListsCpu(controllers)) continue;
+    for (const CgroupMount& m : mounts) {
+      if (m.v2 != v2) continue;
+      const std::string within = WithinMount(path, m.root);
+      limit = Tighter(limit, v2 ? LimitUpFrom(m.point, within, V2Limit) : LimitUpFrom(m.point, within, V1Limit));
     }
   }
   return limit;

@@ -11,13 +11,13 @@ namespace specache {
 // container's `--cpus`, a systemd CPUQuota=: CgroupCpuLimit). 0 when neither count is known.
 int UsableCores();
 
-// The CPU quota of the cgroup that `self_cgroup` (the /proc/self/cgroup format) names, as whole
-// cores (quota / period, rounded up), the smallest over that cgroup and its ancestors, read under
-// `cgroup_root` (the cgroup file system's mount: cgroup v2's cpu.max there or under unified/, or
-// v1's cpu.cfs_quota_us and cpu.cfs_period_us under the directory named for the cpu controller's
-// line, or cpu/). 0: no quota, or no file to read (not seen: a mount elsewhere than these, which
-// /proc/self/mountinfo would tell). Tests pass their own two paths.
+// The CPU quota of the process's cgroups as whole cores (quota / period, rounded up): the smallest
+// over the cgroups that `self_cgroup` (the /proc/self/cgroup format) names and their ancestors,
+// read where `mountinfo` (the /proc/self/mountinfo format) says their file systems are mounted
+// (cgroup v2's cpu.max; v1's cpu.cfs_quota_us over cpu.cfs_period_us, in the hierarchy holding
+// the cpu controller). A container that sees only its part of a hierarchy (the mount's root) reads
+// from there up. 0: no quota, or nothing to read. Tests pass their own two files.
 int CgroupCpuLimit(const std::string& self_cgroup = "/proc/self/cgroup",
-                   const std::string& cgroup_root = "/sys/fs/cgroup");
+                   const std::string& mountinfo = "/proc/self/mountinfo");
 
 }  // namespace specache
