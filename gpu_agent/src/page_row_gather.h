@@ -35,9 +35,10 @@ struct GatherOptions {
 // The gather's threads for `requested` (CudaAgentOptions::fetch_threads) on a host of `cores`
 // logical cores the process may use (UsableCores, usable_cores.h; 0: not known, then
 // `requested`): at most cores - 2, at least 1. The gather runs while the agent's own thread
-// queues the step and the CUDA driver's threads serve it; given every core, it starves them: on a 16-core H100 host at 176 x 8K with int8 rows (specache-bench
-// step, three rounds alternated) 16 threads gathered at 18-26 GB/s and the step with the fetch
-// took 34.8-47.7 ms, against 31.4-31.6 ms with 12 or 14 threads (8: 31.6-37.0).
+// queues the step and the CUDA driver's threads serve it; given every core, it starves them: on
+// a 16-core H100 host at 176 x 8K with int8 rows (specache-bench step, three rounds alternated)
+// 16 threads gathered at 18-26 GB/s and the step with the fetch took 34.8-47.7 ms, against
+// 31.4-31.6 ms with 12 or 14 threads (8: 31.6-37.0).
 int GatherThreadsFor(int requested, int cores);
 
 // Numbers the wanted rows in task order, then slot order (rank), and copies each into

@@ -135,28 +135,29 @@ def test_a_model_that_ignores_logits_to_keep_gets_each_prompts_last_position(hf_
     assert got.tolist() == want.tolist()
 
 
+def generate_counting_forwards(model, *args, **kwargs):
+    """st.generate's output and how many forwards of the model it ran."""
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+    try:
+        return st.generate(model, *args, **kwargs), len(forwards)
+    finally:
+        hook.remove()
+
+
 def test_one_new_token_is_the_prefills_with_no_step_after_it(hf_model):
     # The prompts' forward alone gives the first token: with max_new_tokens=1 no pre-decode step
     # runs (its selection and speculative token would serve no later step).
     model, tokenizer = hf_model
     ids = encode(tokenizer, PROMPTS[0])
-    forwards = []
-    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    try:
-        got = st.generate(model, ids, kv="specache", bits=1, top_k=16, max_new_tokens=1)
-    finally:
-        hook.remove()
-    assert len(forwards) == 1
+    got, forwards = generate_counting_forwards(model, ids, kv="specache", bits=1, top_k=16, max_new_tokens=1)
+    assert forwards == 1
     assert got.tolist() == st.generate(model, ids, kv="full", max_new_tokens=1).tolist()
     # Nor when every sequence ends at its first token (it is the end-of-sequence token).
-    first = int(got[0, -1])
-    forwards.clear()
-    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    try:
-        ended = st.generate(model, ids, kv="specache", bits=1, top_k=16, max_new_tokens=4, eos_token_id=first)
-    finally:
-        hook.remove()
-    assert len(forwards) == 1
+    ended, forwards = generate_counting_forwards(
+        model, ids, kv="specache", bits=1, top_k=16, max_new_tokens=4, eos_token_id=int(got[0, -1])
+    )
+    assert forwards == 1
     assert ended.tolist() == got.tolist()
 
 
