@@ -18,7 +18,7 @@ Status WriteRows(const WriteTask*, int, int, HostRowFormat, int, void*, DecodePl
 Status UpdateRowCaches(const CacheUpdateTask*, int, int, HostRowFormat, FetchCounters*, void*, DecodePlan*) {
   return NoCuda();
 }
-Status SumCacheCounts(const int32_t* const*, int, int, int64_t*) { return NoCuda(); }
+Status SumCacheCounts(const int32_t* const*, int, int, int64_t*, CountSumScratch) { return NoCuda(); }
 Status QuantizeKeyGroups(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeValueTokens(const Half*, int, int, int, int, uint32_t*, Half*, Half*, void*) { return NoCuda(); }
 Status QuantizeKeyGroupRuns(const KeyGroupRun*, int, int, int, int, void*) { return NoCuda(); }

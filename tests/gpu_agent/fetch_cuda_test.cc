@@ -870,30 +870,42 @@ TEST(CudaFetchTest, FullCacheUpdatesWithInt8StagedRowsEqualTheCpuRule) {
 }
 
 // SumCacheCounts (AgentStats' row cache sizes): many caches' counts summed in one launch equal the
-// host's sum, for one cache, several thousand (the 176 x 32 layers of the step bench), and none.
+// host's sum, for one cache, several thousand (the 176 x 32 layers of the step bench), more counts
+// than the launch's threads (40000 x 8: the grid strides), none; with the call's own scratch and
+// with the caller's (reused across calls, as the RowFetcher does).
 TEST(CudaFetchTest, CacheCountsSumLikeTheHost) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(61);
-  for (const int n_caches : {1, 7, 5632}) {
+  DeviceBuffers scratch_buf;
+  constexpr int kMostCaches = 40000;
+  const cuda::CountSumScratch scratch{scratch_buf.Allocate<const int32_t*>(kMostCaches),
+                                      scratch_buf.Allocate<unsigned long long>(1)};
+  for (const int n_caches : {1, 7, 5632, kMostCaches}) {
     for (const int per_cache : {1, 8}) {
-      DeviceBuffers buf;
-      std::vector<const int32_t*> counts;
+      // Every cache's counts in one upload; each cache points at its part of it.
+      std::vector<int32_t> host(static_cast<size_t>(n_caches) * per_cache);
       int64_t want = 0;
-      for (int c = 0; c < n_caches; ++c) {
-        std::vector<int32_t> host(static_cast<size_t>(per_cache));
-        for (int32_t& v : host) want += v = static_cast<int32_t>(rng() % (cuda::kMaxCacheRows + 1));
-        counts.push_back(buf.Copy(host));
-      }
+      for (int32_t& v : host) want += v = static_cast<int32_t>(rng() % (cuda::kMaxCacheRows + 1));
+      DeviceBuffers buf;
+      const int32_t* all = buf.Copy(host);
+      ASSERT_NE(all, nullptr);
+      std::vector<const int32_t*> counts;
+      for (int c = 0; c < n_caches; ++c) counts.push_back(all + int64_t{c} * per_cache);
       int64_t got = -1;
       ASSERT_TRUE(cuda::SumCacheCounts(counts.data(), n_caches, per_cache, &got).ok());
       EXPECT_EQ(got, want) << n_caches << " caches of " << per_cache;
+      got = -1;
+      ASSERT_TRUE(cuda::SumCacheCounts(counts.data(), n_caches, per_cache, &got, scratch).ok());
+      EXPECT_EQ(got, want) << n_caches << " caches of " << per_cache << ", the caller's scratch";
     }
   }
   int64_t none = -1;
   ASSERT_TRUE(cuda::SumCacheCounts(nullptr, 0, 8, &none).ok());
   EXPECT_EQ(none, 0);
   EXPECT_FALSE(cuda::SumCacheCounts(nullptr, -1, 8, &none).ok());
+  const int32_t* one = scratch_buf.Allocate<int32_t>(1);
+  EXPECT_FALSE(cuda::SumCacheCounts(&one, 1, 1, &none, {scratch.lists, nullptr}).ok()) << "half a scratch";
 #endif
 }
 

@@ -98,6 +98,45 @@ TEST_F(LlamaKernelsTest, SiluMulMatchesTheCpuFromFloatAndHalf) {
   }
 }
 
+// The kernel of four columns a thread (16-byte aligned tensors, ffn a multiple of 4) and the one of
+// a column a thread (the same tensors one element past 16-byte alignment) give the same bits.
+TEST_F(LlamaKernelsTest, SiluMulByFoursEqualsTheOneColumnKernelBitForBit) {
+  for (int ffn : {1536, 1538, 4}) {
+    const int rows = 67;
+    const auto gu = Random(size_t(rows) * 2 * ffn, 4.0f, ffn);
+    std::vector<Half> gu_half(gu.size());
+    for (size_t i = 0; i < gu.size(); ++i) gu_half[i] = ::specache::FloatToHalf(gu[i]);
+    testing::DeviceBuffers buf;
+    const size_t n = size_t(rows) * ffn;
+    // Each input in two buffers: at offset 0 (aligned: cudaMalloc's 256 bytes) and at offset 1.
+    const float* f = buf.Copy(gu);
+    const Half* h = buf.Copy(gu_half);
+    float* f_off = buf.Allocate<float>(gu.size() + 1);
+    Half* h_off = buf.Allocate<Half>(gu.size() + 1);
+    ASSERT_EQ(cudaMemcpy(f_off + 1, gu.data(), gu.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(h_off + 1, gu_half.data(), gu.size() * sizeof(Half), cudaMemcpyHostToDevice), cudaSuccess);
+    Half* by_fours = buf.Allocate<Half>(n);
+    Half* by_ones = buf.Allocate<Half>(n + 1);
+    for (const bool half_input : {false, true}) {
+      if (half_input) {
+        SiluMul(h, by_fours, rows, ffn, nullptr);
+        SiluMul(h_off + 1, by_ones + 1, rows, ffn, nullptr);
+      } else {
+        SiluMul(f, by_fours, rows, ffn, nullptr);
+        SiluMul(f_off + 1, by_ones + 1, rows, ffn, nullptr);
+      }
+      const std::vector<Half> a = Finished(by_fours, n), b = Finished(by_ones + 1, n);
+      for (size_t i = 0; i < n; ++i) {
+        if (a[i] != b[i]) {
+          ADD_FAILURE() << "ffn " << ffn << (half_input ? ", half" : ", float") << " input, element " << i << ": "
+                        << HalfToFloat(a[i]) << " by fours, " << HalfToFloat(b[i]) << " a column a thread";
+          break;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(LlamaKernelsTest, SplitQkvRopeMatchesTheCpu) {
   const int n = 5, n_heads = 4, n_kv = 2, hd = 64, width = (n_heads + 2 * n_kv) * hd;
   const auto qkv = Random(size_t(n) * width, 1.0f, 3);

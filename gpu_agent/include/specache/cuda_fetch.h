@@ -162,7 +162,14 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
 // The sum of n_caches row caches' counts (counts[c] -> per_cache int32 in device memory, a
 // CacheList's count: one per KV head), in one launch and three copies whatever n_caches is; for
 // AgentStats, once the streams that update the caches are idle. Waits for the device; runs on the
-// current device (the caches'), with scratch of its own for the call. *sum is 0 after a failure.
-Status SumCacheCounts(const int32_t* const* counts, int n_caches, int per_cache, int64_t* sum);
+// current device (the caches'). *sum is 0 after a failure. Scratch (device memory): `lists` holds
+// at least n_caches pointers, `total` one counter; null scratch is the call's own (allocated and
+// freed by it, which synchronises the device twice more).
+struct CountSumScratch {
+  const int32_t** lists = nullptr;
+  unsigned long long* total = nullptr;
+};
+Status SumCacheCounts(const int32_t* const* counts, int n_caches, int per_cache, int64_t* sum,
+                      CountSumScratch scratch = {});
 
 }  // namespace specache::cuda

@@ -778,25 +778,32 @@ Status UpdateRowCaches(const CacheUpdateTask* tasks, int n_tasks, int head_dim, 
   });
 }
 
-Status SumCacheCounts(const int32_t* const* counts, int n_caches, int per_cache, int64_t* sum) {
+Status SumCacheCounts(const int32_t* const* counts, int n_caches, int per_cache, int64_t* sum,
+                      CountSumScratch scratch) {
   if (sum == nullptr) return Status::InvalidArgument("sum of cache counts: no output");
   *sum = 0;
   if (n_caches < 0 || per_cache < 0) return Status::InvalidArgument("sum of cache counts: negative counts");
   if (n_caches == 0 || per_cache == 0) return Status::Ok();
-  Buffer<const int32_t*> lists;
-  Buffer<unsigned long long> total;
-  SPECACHE_RETURN_IF_ERROR(lists.Reserve(static_cast<size_t>(n_caches)));
-  SPECACHE_RETURN_IF_ERROR(total.Reserve(1));
+  if ((scratch.lists == nullptr) != (scratch.total == nullptr)) {
+    return Status::InvalidArgument("sum of cache counts: scratch needs both its lists and its total");
+  }
+  Buffer<const int32_t*> own_lists;
+  Buffer<unsigned long long> own_total;
+  if (scratch.lists == nullptr) {
+    SPECACHE_RETURN_IF_ERROR(own_lists.Reserve(static_cast<size_t>(n_caches)));
+    SPECACHE_RETURN_IF_ERROR(own_total.Reserve(1));
+    scratch = {own_lists.get(), own_total.get()};
+  }
   SPECACHE_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpy(lists.get(), counts, static_cast<size_t>(n_caches) * sizeof(counts[0]), cudaMemcpyHostToDevice),
+      cudaMemcpy(scratch.lists, counts, static_cast<size_t>(n_caches) * sizeof(counts[0]), cudaMemcpyHostToDevice),
       "sum of cache counts: the lists"));
-  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemset(total.get(), 0, sizeof(unsigned long long)), "sum of cache counts"));
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemset(scratch.total, 0, sizeof(unsigned long long)), "sum of cache counts"));
   const int64_t n = int64_t{n_caches} * per_cache;
   const int blocks = static_cast<int>(std::min<int64_t>(1024, (n + kThreads - 1) / kThreads));
-  SumCountsKernel<<<blocks, kThreads>>>(lists.get(), n_caches, per_cache, total.get());
+  SumCountsKernel<<<blocks, kThreads>>>(scratch.lists, n_caches, per_cache, scratch.total);
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "sum of cache counts kernel"));
   unsigned long long got = 0;
-  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(&got, total.get(), sizeof(got), cudaMemcpyDeviceToHost),
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(&got, scratch.total, sizeof(got), cudaMemcpyDeviceToHost),
                                       "sum of cache counts: the result"));
   *sum = static_cast<int64_t>(got);
   return Status::Ok();

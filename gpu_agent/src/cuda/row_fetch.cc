@@ -573,7 +573,11 @@ void RowFetcher::AddStats(AgentStats* s) const {
     }
   }
   int64_t cache_rows = 0;  // 0 after a failure (e.g. no memory for its scratch): device_bytes then lacks them
-  (void)SumCacheCounts(counts.data(), static_cast<int>(counts.size()), shape_.n_kv_heads, &cache_rows);
+  if (count_lists_.Reserve(counts.size()).ok() && count_sum_.Reserve(1).ok()) {
+    (void)SumCacheCounts(counts.data(), static_cast<int>(counts.size()), shape_.n_kv_heads, &cache_rows,
+                         {count_lists_.get(), count_sum_.get()});
+  }
+  s->device_bytes_reserved += count_lists_.bytes() + count_sum_.bytes();
   s->device_bytes += cache_rows * row;
   for (const CacheList& spare : spare_lists_) s->device_bytes_reserved += spare.bytes();
   for (const CacheList& spare : sm_spare_lists_) s->device_bytes_reserved += spare.bytes();

@@ -339,6 +339,10 @@ class RowFetcher {
   // fetch's cache update: the next fetch's FetchRows, which writes it again, runs after that
   // update on the same stream (as the spares' writes).
   std::vector<Buffer<Half>> fetched_rows_;
+  // AddStats' scratch for SumCacheCounts (grown to the filled caches' count; the agent's one
+  // thread at a time, with the streams idle).
+  mutable Buffer<const int32_t*> count_lists_;
+  mutable Buffer<unsigned long long> count_sum_;
   Buffer<float> seed_logits_;  // Seed's scratch: the next Seed's kernels run after this one's (one stream)
   int64_t rows_selected_ = 0;
   // Staged only (UseStagedSource): one StagedFetch per stream it stages on (the overlapped fetch

@@ -82,7 +82,7 @@ __global__ void SiluMul4Kernel(const T* gate_up, __half* out, int rows, int ffn4
     float g[4], u[4];
     Load4(row + int64_t{c4} * 4, g);
     Load4(row + ffn + int64_t{c4} * 4, u);
-    __half2 h[2];
+    __align__(8) __half2 h[2];  // stored as one uint2
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       h[j] = __halves2half2(__float2half_rn(g[2 * j] / (1.0f + expf(-g[2 * j])) * u[2 * j]),
