@@ -255,7 +255,7 @@ __global__ void WriteInt8Kernel(const WriteTask* __restrict__ tasks, int count, 
   }
 }
 
-// A thread per count (SumCacheCounts), grid-strided; each block adds its warps' sums.
+// A thread per count (SumCacheCounts), grid-strided; each warp adds its sum with one atomic.
 __global__ void SumCountsKernel(const int32_t* const* __restrict__ counts, int n_caches, int per_cache,
                                 unsigned long long* sum) {
   const int64_t total = static_cast<int64_t>(n_caches) * per_cache;

@@ -46,6 +46,9 @@ __device__ float ToFloat<__half>(__half v) { return __half2float(v); }
 template <>
 __device__ float ToFloat<float>(float v) { return v; }
 
+// One output of SiluMul: silu(g) * u, rounded to fp16 (both kernels below, so they give the same bits).
+__device__ __forceinline__ __half SiluTimes(float g, float u) { return __float2half_rn(g / (1.0f + expf(-g)) * u); }
+
 // Block (x, y) takes columns [x * blockDim, ...) of rows y, y + gridDim.y, ...: no index division.
 template <typename T>
 __global__ void SiluMulKernel(const T* gate_up, __half* out, int rows, int ffn) {
@@ -54,7 +57,7 @@ __global__ void SiluMulKernel(const T* gate_up, __half* out, int rows, int ffn) 
   for (int r = blockIdx.y; r < rows; r += gridDim.y) {
     const T* row = gate_up + int64_t{r} * 2 * ffn;
     const float g = ToFloat(row[c]), u = ToFloat(row[ffn + c]);
-    out[int64_t{r} * ffn + c] = __float2half_rn(g / (1.0f + expf(-g)) * u);
+    out[int64_t{r} * ffn + c] = SiluTimes(g, u);
   }
 }
 
@@ -71,7 +74,7 @@ __device__ void Load4(const __half* p, float (&v)[4]) {
 }
 
 // SiluMulKernel four columns a thread (ffn4 = ffn / 4; rows and out 16- and 8-byte aligned):
-// each element's arithmetic as there, so the outputs are the same bits.
+// each element through SiluTimes, as there, so the outputs are the same bits.
 template <typename T>
 __global__ void SiluMul4Kernel(const T* gate_up, __half* out, int rows, int ffn4) {
   const int c4 = blockIdx.x * blockDim.x + threadIdx.x;
@@ -85,8 +88,7 @@ __global__ void SiluMul4Kernel(const T* gate_up, __half* out, int rows, int ffn4
     __align__(8) __half2 h[2];  // stored as one uint2
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      h[j] = __halves2half2(__float2half_rn(g[2 * j] / (1.0f + expf(-g[2 * j])) * u[2 * j]),
-                            __float2half_rn(g[2 * j + 1] / (1.0f + expf(-g[2 * j + 1])) * u[2 * j + 1]));
+      h[j] = __halves2half2(SiluTimes(g[2 * j], u[2 * j]), SiluTimes(g[2 * j + 1], u[2 * j + 1]));
     }
     *reinterpret_cast<uint2*>(out + int64_t{r} * ffn + int64_t{c4} * 4) = *reinterpret_cast<const uint2*>(h);
   }
