@@ -58,6 +58,7 @@
 #include "staged_commit.h"
 #include "step_planner.h"
 #include "../source_worker.h"
+#include "../usable_cores.h"
 #include "../step_protocol.h"
 
 namespace specache {
@@ -79,11 +80,12 @@ class CudaAgent final : public Agent {
         options_(o),
         protocol_(shape, config),
         compute_(static_cast<cudaStream_t>(o.stream)),
+        usable_cores_(UsableCores()),
         commits_(source, shape.n_kv_heads),
         pages_(source, shape.n_layers, o.capacity_tokens, config.host_row_format, compute_),
         replicas_(shape, ReplicaParamsOf(shape, config), o.capacity_tokens, compute_, o.mma_codes),
         rows_(shape, config, o, &pages_, compute_),
-        planner_(shape, config, o, &protocol_, &replicas_, &rows_, &pages_, compute_) {}
+        planner_(shape, config, o, usable_cores_, &protocol_, &replicas_, &rows_, &pages_, compute_) {}
   ~CudaAgent() override;
   Status Init();
 
@@ -128,6 +130,9 @@ class CudaAgent final : public Agent {
   StepProtocol protocol_;
   AgentStats counters_;
   cudaStream_t compute_ = nullptr;  // the engine's stream (options.stream)
+  // The logical cores this process may use (UsableCores; 0: not known), read once for the
+  // planner's threads and the copy-engine fetch's gather threads.
+  int usable_cores_ = 0;
   // The parts, declared so that each outlives the ones after it that read it. commits_ is
   // mutable: stats() commits the rows that landed, so that the source agrees with its figures.
   mutable cuda::CommitQueue commits_;
@@ -160,7 +165,7 @@ Status CudaAgent::Init() {
   } else if (options_.fetch_via == FetchVia::kCopyEngine && config_.mode == KvMode::kSpeCache) {
     SPECACHE_RETURN_IF_ERROR(make_worker());
     rows_.UseCopyEngine(worker_.get(), options_.fetch_threads, options_.fetch_copy_piece_bytes, options_.fetch_sm_share,
-                        options_.fetch_streaming_stores);
+                        options_.fetch_streaming_stores, usable_cores_);
   }
   SPECACHE_RETURN_IF_ERROR(rows_.Init());
   SPECACHE_RETURN_IF_ERROR(replicas_.Init(options_.device_pool_bytes));

@@ -7,7 +7,6 @@
 
 #include "seed_rows.h"
 #include "../page_row_gather.h"
-#include "../usable_cores.h"
 #include "../step_protocol.h"
 
 namespace specache::cuda {
@@ -100,12 +99,12 @@ Status RowFetcher::CacheList::Reserve(int n_kv, int32_t capacity) {
 int64_t RowFetcher::CacheList::bytes() const { return tokens.bytes() + used.bytes() + slots.bytes() + count.bytes(); }
 
 void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share,
-                               bool streaming_stores) {
+                               bool streaming_stores, int usable_cores) {
   worker_ = worker;
   copy_piece_bytes_ = piece_bytes;
   copy_streaming_stores_ = streaming_stores;
   sm_share_ = sm_share;
-  copy_engine_threads_ = GatherThreadsFor(threads, UsableCores());
+  copy_engine_threads_ = GatherThreadsFor(threads, usable_cores);
 }
 
 void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }

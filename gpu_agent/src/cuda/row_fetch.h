@@ -91,8 +91,11 @@ class RowFetcher {
   // Before Init, for a source with pages: the overlapped fetch's rows go by the copy engine, the
   // host's part on `worker` with `threads` gather threads (FetchVia::kCopyEngine), up in copies
   // of at most `piece_bytes` (0: one a layer; CudaAgentOptions::fetch_copy_piece_bytes).
-  // sm_share: CudaAgentOptions::fetch_sm_share; streaming_stores: fetch_streaming_stores.
-  void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share, bool streaming_stores);
+  // sm_share: CudaAgentOptions::fetch_sm_share; streaming_stores: fetch_streaming_stores;
+  // usable_cores: the logical cores the process may use (UsableCores; 0: not known), which cap
+  // the gather threads (GatherThreadsFor).
+  void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share, bool streaming_stores,
+                     int usable_cores);
   // Makes the fetch stream, the per-layer events and the device counters.
   Status Init();
 

@@ -9,13 +9,12 @@
 #include "specache/cuda_tensors.h"
 #include "specache/cuda_topk.h"
 #include "../parallel_for.h"
-#include "../usable_cores.h"
 #include "prefill_attention.h"
 
 namespace specache::cuda {
 
 StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const CudaAgentOptions& options,
-                         const StepProtocol* protocol, const ReplicaStore* replicas, RowFetcher* rows,
+                         int usable_cores, const StepProtocol* protocol, const ReplicaStore* replicas, RowFetcher* rows,
                          const DevicePageTable* pages, cudaStream_t compute)
     : shape_(shape),
       config_(config),
@@ -26,8 +25,7 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
       pages_(pages),
       compute_(compute) {
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
-  const int cores = UsableCores();
-  plan_threads_ = std::max(1, cores > 0 ? std::min(options.plan_threads, cores) : options.plan_threads);
+  plan_threads_ = std::max(1, usable_cores > 0 ? std::min(options.plan_threads, usable_cores) : options.plan_threads);
   if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
 }
 

@@ -41,8 +41,9 @@ struct LayerPlan {
 
 class StepPlanner {
  public:
-  // Everything given must outlive the planner; work is queued on `compute`.
-  StepPlanner(const ModelShape& shape, const KvConfig& config, const CudaAgentOptions& options,
+  // Everything given must outlive the planner; work is queued on `compute`. usable_cores: the
+  // logical cores the process may use (UsableCores; 0: not known), which cap options.plan_threads.
+  StepPlanner(const ModelShape& shape, const KvConfig& config, const CudaAgentOptions& options, int usable_cores,
               const StepProtocol* protocol, const ReplicaStore* replicas, RowFetcher* rows,
               const DevicePageTable* pages, cudaStream_t compute);
   // Waits for its selection stream.
