@@ -235,9 +235,10 @@ struct CudaAgentOptions {
   // quota, less two, which the agent's own thread and the CUDA driver need: on a 16-core H100
   // host 16 threads made the 176 x 8K step 10-51% slower than 12; hosts of fewer cores not
   // measured; on the H200 host 12 threads gather one layer of 32 sequences x 8K, 8.4 MB of
-  // scattered 512-byte rows, in ~0.22 ms, 8 in ~0.33; the link takes ~55 GB/s). The fetch is then queued at the selection (fetch_overlap does not
-  // apply). Ignored for a source without zero-copy pages (always staged) and by the modes that
-  // fetch for the step itself (nonspec, oracle: they read the pages with SM loads). The default:
+  // scattered 512-byte rows, in ~0.22 ms, 8 in ~0.33; the link takes ~55 GB/s). The fetch is
+  // then queued at the selection (fetch_overlap does not apply). Ignored for a source without
+  // zero-copy pages (always staged) and by the modes that fetch for the step itself (nonspec,
+  // oracle: they read the pages with SM loads). The default:
   // on the H200 (Llama-3-8B shapes, random data, specache-bench step) the step with the fetch
   // over the step without, kSmLoads against kCopyEngine: 32 x 8K 1.44 against 1.21-1.34 (the
   // fetch kernel with four rows in flight; one at a time it was 1.86-1.94), 8 x 8K 1.20 against
