@@ -417,6 +417,18 @@ TEST(CudaAttentionTest, PatternedSubstitutionsOnTheLeanPathMatchTheCpuReference)
 #endif
 }
 
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// NaN everywhere the kernels write the cases' results (outputs, probabilities): nothing stale passes.
+void FillOutputsWithNaN(const std::vector<DecodeCase>& cases) {
+  for (const DecodeCase& c : cases) {
+    ASSERT_EQ(cudaMemset(c.item.rows.out, 0xff, c.want.size() * sizeof(float)), cudaSuccess);
+    if (!c.want_probs.empty()) {
+      ASSERT_EQ(cudaMemset(c.item.rows.probs, 0xff, c.want_probs.size() * sizeof(float)), cudaSuccess);
+    }
+  }
+}
+#endif
+
 // Every forced split and order of the tensor-core attention (DecodePlan::force_units), on the
 // lean path's items (mma layout, 1-bit) and the natural layout's, ragged lengths with short items
 // of tail units only: the reference's outputs and probabilities whichever warp runs which unit.
@@ -442,12 +454,7 @@ TEST(CudaAttentionTest, EveryForcedUnitOrderMatchesTheCpuReference) {
       for (const Order order : {Order::kTailsShared, Order::kTailsFirst, Order::kTailsLast}) {
         cuda::DecodePlan plan;
         plan.force_units(chunk, order);
-        for (const DecodeCase& c : cases) {  // NaN everywhere the kernels write: nothing stale passes
-          ASSERT_EQ(cudaMemset(c.item.rows.out, 0xff, c.want.size() * sizeof(float)), cudaSuccess);
-          if (!c.want_probs.empty()) {
-            ASSERT_EQ(cudaMemset(c.item.rows.probs, 0xff, c.want_probs.size() * sizeof(float)), cudaSuccess);
-          }
-        }
+        ASSERT_NO_FATAL_FAILURE(FillOutputsWithNaN(cases));
         ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), nullptr, &plan).ok());
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         SCOPED_TRACE(std::string(mma ? "lean" : "natural") + " order " + std::to_string(static_cast<int>(order)) +
@@ -463,6 +470,51 @@ TEST(CudaAttentionTest, EveryForcedUnitOrderMatchesTheCpuReference) {
             EXPECT_EQ(std::memcmp(out.data(), first_outputs[i].data(), out.size() * sizeof(float)), 0) << c.name;
           }
         }
+      }
+    }
+  }
+#endif
+}
+
+// The lean path's two L2 policies (DecodePlan::force_codes_l2: the code groups' copies and the
+// score stores with or without their L2 cache hints) over ragged items: each matches the CPU
+// reference, and the two give the same outputs and scores bit for bit (a hint moves no value).
+TEST(CudaAttentionTest, BothL2PoliciesOfTheLeanPathGiveTheSameResults) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(43);
+  DeviceBuffers buf;
+  std::vector<DecodeCase> cases;
+  std::vector<cuda::DeviceDecodeItem> items;
+  for (int i = 0; i < 24; ++i) {
+    const int32_t length = i % 5 == 2 ? 33 + i : 300 + static_cast<int32_t>(rng() % 3000);
+    cases.push_back(MakeDecodeCase(i % 3 ? 128 : 64, 1, 2, length, 4, rng, buf, /*mma=*/true));
+    items.push_back(cases.back().item);
+  }
+  ASSERT_TRUE(std::all_of(items.begin(), items.end(), [](const cuda::DeviceDecodeItem& it) {
+    return cuda::LowBitDecodeEligible(it, cuda::LowBitDecodeAvailable());
+  })) << "every item on the lean path";
+  using L2 = cuda::DecodePlan::CodesL2;
+  std::vector<std::vector<float>> normal_out, normal_probs;  // per case
+  for (const L2 policy : {L2::kNormal, L2::kEvictFirst}) {
+    cuda::DecodePlan plan;
+    plan.force_codes_l2(policy);
+    ASSERT_NO_FATAL_FAILURE(FillOutputsWithNaN(cases));
+    ASSERT_TRUE(cuda::AttendDecodeBatch(items.data(), static_cast<int>(items.size()), nullptr, &plan).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    SCOPED_TRACE(policy == L2::kNormal ? "normal" : "evict-first");
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const DecodeCase& c = cases[i];
+      ExpectMatches(c, 3e-5);
+      const std::vector<float> out = testing::Download(c.item.rows.out, c.want.size());
+      const std::vector<float> probs =
+          c.want_probs.empty() ? std::vector<float>{} : testing::Download(c.item.rows.probs, c.want_probs.size());
+      if (policy == L2::kNormal) {
+        normal_out.push_back(out);
+        normal_probs.push_back(probs);
+      } else {
+        EXPECT_EQ(std::memcmp(out.data(), normal_out[i].data(), out.size() * sizeof(float)), 0) << c.name;
+        EXPECT_EQ(std::memcmp(probs.data(), normal_probs[i].data(), probs.size() * sizeof(float)), 0) << c.name;
       }
     }
   }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/lowbit_decode.h"
+#include "cuda/mma_codes.h"
 
 namespace specache {
 namespace {
@@ -177,6 +178,55 @@ TEST(LowBitPlanTest, TheLeanPathsTailsGoLast) {
   std::vector<cuda::LowBitSet> sets;
   ASSERT_TRUE(cuda::PlanLowBitDecode(natural, 0, &sets).ok());
   EXPECT_NE(sets[0].tail_order, cuda::kTailsLast) << "only the lean path puts the tails last";
+}
+
+TEST(LowBitPlanTest, TheLeanPathsL2PolicyFollowsItsCodeBytes) {
+  // ChooseCodesL2 (DecodePlan::CodesL2): chosen, a lean set copies its code groups evict-first
+  // while they are at most kCodesEvictFirstL2Multiple times the L2, counted as each item's bulk
+  // blocks times its group bytes; forced, as forced; never for the other classes.
+  using L2 = cuda::DecodePlan::CodesL2;
+  auto lean_set = [](int n) {
+    std::vector<cuda::DeviceDecodeItem> items(size_t(n), Item(8192 + 2, 5, true));
+    for (auto& it : items) it.replica.layout.group_bytes = cuda::MmaGroupBytes(128);
+    std::vector<cuda::LowBitSet> sets;
+    EXPECT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets).ok());
+    EXPECT_EQ(sets.size(), 1u);
+    return sets.empty() ? cuda::LowBitSet{} : sets[0];
+  };
+  constexpr int64_t kL2 = int64_t{50} << 20;  // an H100's or an H200's
+  cuda::LowBitSet small = lean_set(32 * 8), large = lean_set(176 * 8);
+  ASSERT_EQ(small.kernel_class, cuda::kFirstLeanClass + 1);
+  const int64_t small_bytes = int64_t{32 * 8} * BulkBlocks(small.items[0]) * cuda::MmaGroupBytes(128);  // ~133 MB
+  ASSERT_LE(small_bytes, cuda::kCodesEvictFirstL2Multiple * kL2);
+  ASSERT_GT(int64_t{176 * 8} * BulkBlocks(large.items[0]) * cuda::MmaGroupBytes(128), cuda::kCodesEvictFirstL2Multiple * kL2);
+  small.codes_evict_first = false;
+  cuda::ChooseCodesL2(&small, L2::kChosen, kL2);
+  EXPECT_TRUE(small.codes_evict_first) << "32 x 8K";
+  large.codes_evict_first = true;
+  cuda::ChooseCodesL2(&large, L2::kChosen, kL2);
+  EXPECT_FALSE(large.codes_evict_first) << "176 x 8K";
+  // The bound itself: the small set's bytes are exactly the multiple of an L2 a quarter of them.
+  ASSERT_EQ(small_bytes % cuda::kCodesEvictFirstL2Multiple, 0);
+  cuda::ChooseCodesL2(&small, L2::kChosen, small_bytes / cuda::kCodesEvictFirstL2Multiple);
+  EXPECT_TRUE(small.codes_evict_first) << "at the bound";
+  cuda::ChooseCodesL2(&small, L2::kChosen, small_bytes / cuda::kCodesEvictFirstL2Multiple - 1);
+  EXPECT_FALSE(small.codes_evict_first) << "one byte of L2 below it";
+  cuda::ChooseCodesL2(&small, L2::kChosen, 0);
+  EXPECT_FALSE(small.codes_evict_first) << "an unknown L2";
+  cuda::ChooseCodesL2(&large, L2::kEvictFirst, kL2);
+  EXPECT_TRUE(large.codes_evict_first) << "forced evict-first";
+  cuda::ChooseCodesL2(&small, L2::kNormal, kL2);
+  EXPECT_FALSE(small.codes_evict_first) << "forced normal";
+  // A set of the general kernels (their copies take no L2 policy), even when forced.
+  std::vector<cuda::DeviceDecodeItem> natural(8, Item(8192 + 2, 5, false));
+  std::vector<cuda::LowBitSet> sets;
+  ASSERT_TRUE(cuda::PlanLowBitDecode(natural, 0, &sets).ok());
+  ASSERT_LT(sets[0].kernel_class, cuda::kFirstLeanClass);
+  for (const L2 forced : {L2::kChosen, L2::kEvictFirst}) {
+    sets[0].codes_evict_first = true;
+    cuda::ChooseCodesL2(&sets[0], forced, kL2);
+    EXPECT_FALSE(sets[0].codes_evict_first);
+  }
 }
 
 TEST(LowBitPlanTest, EveryOrderRunsEachUnitOnceAndPadsToWholeCtas) {

@@ -104,6 +104,7 @@ struct Options {
   bool attend_random_rows = false;   // attend: StepOptions::attend_random_rows
   uint32_t attend_rows_seed = 1000;  // attend: StepOptions::attend_rows_seed
   std::vector<std::string> attend_unit_plans;  // attend: StepOptions::attend_unit_plans
+  std::vector<std::string> attend_codes_l2;    // attend: StepOptions::attend_codes_l2
   std::vector<int> attend_topk_parts;          // attend: StepOptions::attend_topk_parts
   std::string trace_path;  // reuse: specache-run generate --selection-trace
   int row_bytes = 256;     // reuse: bytes of one row
@@ -405,6 +406,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "16/last,32/shared (CHUNK 32-token blocks a bulk unit, 0: the plan's; ORDER chosen, shared, "
                     "first, last: where the tail units run)")
         ->delimiter(',');
+    cmd->add_option("--codes-l2", o->attend_codes_l2,
+                    "more timings of the lean path's attention (1m), its L2 policy forced: normal, first (the "
+                    "codes' copies evict-first, the scores evict-last), e.g. normal,first; the plan chooses first "
+                    "while a layer's code groups are at most 4x the L2")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"normal", "first"}));
     cmd->add_option("--topk-parts", o->attend_topk_parts,
                     "more timings of the top-k, its segments cut into parts of these many tokens (multiples of 256 "
                     "in [512, 8192]) instead of the cut it chooses, e.g. 2048,4096,8192")
@@ -540,6 +547,7 @@ int main(int argc, char** argv) {
       step.attend_random_rows = o.attend_random_rows;
       step.attend_rows_seed = o.attend_rows_seed;
       step.attend_unit_plans = o.attend_unit_plans;
+      step.attend_codes_l2 = o.attend_codes_l2;
       step.attend_topk_parts = o.attend_topk_parts;
       ok = o.suite == "step"      ? bench::RunStepSuite(step, &cuda_rows)
            : o.suite == "layers"  ? bench::RunLayersSuite(step, &cuda_rows)

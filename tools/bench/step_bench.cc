@@ -344,6 +344,13 @@ std::optional<std::pair<int, cuda::DecodePlan::UnitOrder>> ParseUnitPlan(const s
   return std::nullopt;
 }
 
+// "normal" or "first" of --codes-l2 (StepOptions::attend_codes_l2), or nothing when neither.
+std::optional<cuda::DecodePlan::CodesL2> ParseCodesL2(const std::string& name) {
+  if (name == "normal") return cuda::DecodePlan::CodesL2::kNormal;
+  if (name == "first") return cuda::DecodePlan::CodesL2::kEvictFirst;
+  return std::nullopt;
+}
+
 }  // namespace
 
 bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
@@ -357,6 +364,12 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     if (!ParseUnitPlan(spec)) {
       std::fprintf(stderr, "attend: --unit-plans: \"%s\" is not CHUNK/ORDER (ORDER chosen, shared, first, last)\n",
                    spec.c_str());
+      return false;
+    }
+  }
+  for (const std::string& name : o.attend_codes_l2) {
+    if (!ParseCodesL2(name)) {
+      std::fprintf(stderr, "attend: --codes-l2: \"%s\" is neither normal nor first\n", name.c_str());
       return false;
     }
   }
@@ -545,6 +558,27 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                          {{"batch", batch}, {"bits", bits}, {"mma_codes", 1}, {"context", o.context},
                           {"forced_chunk_blocks", forced_plan.forced_chunk_blocks()},
                           {"forced_order", static_cast<int>(forced->second)},  // DecodePlan::UnitOrder
+                          {"ms_attend_layer", ms}, {"over_planned", ms / attend_ms},
+                          {"gbps", forced_gbps}, {"fraction_of_hbm", forced_gbps / hbm},
+                          {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed}}});
+      }
+      // The lean path with its L2 policy forced, against the plan's chosen one just above.
+      for (const std::string& name : variant.mma ? o.attend_codes_l2 : std::vector<std::string>{}) {
+        cuda::DecodePlan forced_plan;
+        forced_plan.set_free_slots(o.attend_free_slots);
+        forced_plan.force_codes_l2(*ParseCodesL2(name));  // checked before the suite's first run
+        const double ms = MedianMs(stream, 20, [&] {
+          return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &forced_plan), "attend (forced L2 policy)");
+        });
+        if (ms < 0) { ok = false; continue; }
+        const double forced_gbps = bytes / (ms * 1e-3) / 1e9;
+        std::printf("%-6d %5s %12.4f %12s %12s %12s %12s %12.2f %11.0f %10.3f  codes L2 %s (%.3fx the plan's)\n", batch,
+                    label.c_str(), ms, "", "", "", "", bytes / 1e6, forced_gbps, forced_gbps / hbm, name.c_str(),
+                    ms / attend_ms);
+        rows->push_back({"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context) +
+                             "_codes_l2_" + name,
+                         {{"batch", batch}, {"bits", bits}, {"mma_codes", 1}, {"context", o.context},
+                          {"codes_l2_evict_first", name == "first" ? 1 : 0},
                           {"ms_attend_layer", ms}, {"over_planned", ms / attend_ms},
                           {"gbps", forced_gbps}, {"fraction_of_hbm", forced_gbps / hbm},
                           {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed}}});

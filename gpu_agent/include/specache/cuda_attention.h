@@ -259,6 +259,14 @@ class DecodePlan {
   // cuda_topk.h, or INVALID_ARGUMENT from the top-k; 0: chosen). Default 0.
   void force_topk_part_tokens(int tokens) { forced_topk_part_tokens_ = tokens < 0 ? 0 : tokens; }
   int forced_topk_part_tokens() const { return forced_topk_part_tokens_; }
+  // The L2 priority of the lean attention's copies of the replica's code groups (read once a
+  // layer) and of its score stores: kChosen, evict-first copies and evict-last scores when the
+  // launch's groups are at most a few times the device's L2 (CodesEvictFirst, lowbit_decode.h),
+  // else both normal; kNormal and kEvictFirst force one. No result depends on it. For benchmarks
+  // and tests; default kChosen.
+  enum class CodesL2 { kChosen, kNormal, kEvictFirst };
+  void force_codes_l2(CodesL2 policy) { forced_codes_l2_ = policy; }
+  CodesL2 forced_codes_l2() const { return forced_codes_l2_; }
 
   struct Impl;  // the slots (decode_plan_slots.h)
   Impl* impl() const { return impl_; }  // for the agent's kernels that read a plan's slots
@@ -270,6 +278,7 @@ class DecodePlan {
   int forced_chunk_blocks_ = 0;
   UnitOrder forced_order_ = UnitOrder::kChosen;
   int forced_topk_part_tokens_ = 0;
+  CodesL2 forced_codes_l2_ = CodesL2::kChosen;
 };
 
 // The decode attention of many items in one set of launches, planned in `plan`.

@@ -9,6 +9,7 @@
 #include "specache/cuda_attention.h"
 #include "decode_common.cuh"
 #include "decode_plan_slots.h"
+#include "device_info.h"
 #include "lowbit_decode.h"
 #include "prefill_attention.h"
 
@@ -409,6 +410,7 @@ Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, Deco
   if (!fast.empty()) {
     SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(std::move(fast), plan->free_slots(), &sets, plan->forced_chunk_blocks(),
                                               plan->forced_order()));
+    for (LowBitSet& set : sets) ChooseCodesL2(&set, plan->forced_codes_l2(), CurrentDeviceL2Bytes());
   }
   // One slot for every set of the call: the low-bit sets, then the CUDA-core set; one copy.
   std::vector<size_t> offsets;
@@ -422,7 +424,8 @@ Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, Deco
   for (size_t i = 0; i < sets.size(); ++i) {
     const LowBitSet& set = sets[i];
     WriteItemSet(host + offsets[i], set.items,
-                 ItemSetUnits{&set.unit_begin, &set.tail_begin, set.chunk_blocks, set.tail_units, set.tail_order});
+                 ItemSetUnits{&set.unit_begin, &set.tail_begin, set.chunk_blocks, set.tail_units, set.tail_order,
+                              set.codes_evict_first});
   }
   if (!rest.empty()) WriteItemSet(host + rest_offset, rest, ItemSetUnits{});
   SPECACHE_RETURN_IF_ERROR(plan->impl_->Send(up, bytes, s));

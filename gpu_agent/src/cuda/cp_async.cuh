@@ -38,6 +38,22 @@ __device__ __forceinline__ void CpAsync16Pieces(unsigned smem, const void* gmem)
     CpAsync16Pieces<kPieces, kStride, kAt + 1>(smem, gmem);
   }
 }
+// CpAsync16Pieces asking L2 to evict the copied lines first (an L2 cache policy, sm_80+): for
+// bytes read once whose lines would otherwise push out data that is read again soon.
+template <int kPieces, int kStride, int kAt = 0>
+__device__ __forceinline__ void CpAsync16PiecesEvictFirst(unsigned smem, const void* gmem) {
+  if constexpr (kAt < kPieces) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "{\n .reg .b64 policy;\n createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+        " cp.async.cg.shared.global.L2::cache_hint [%0+%2], [%1+%2], 16, policy;\n}\n" ::"r"(smem),
+        "l"(gmem), "n"(kAt * kStride));
+#else
+    __trap();
+#endif
+    CpAsync16PiecesEvictFirst<kPieces, kStride, kAt + 1>(smem, gmem);
+  }
+}
 __device__ __forceinline__ void CpAsyncCommit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);

@@ -31,6 +31,9 @@ struct DeviceItemSet {
   // the next whole CTA the bulk units; kTailsLast, the bulk units, then from the next whole CTA
   // the tail units.
   int32_t tail_order = 0;
+  // The lean path: nonzero, its copies of code groups ask L2 to evict those lines first and its
+  // score stores to keep theirs last (LowBitSet::codes_evict_first); 0, both normal.
+  int32_t codes_evict_first = 0;
 };
 
 __host__ __device__ inline const int32_t* UnitBegin(const DeviceItemSet* s) {
@@ -55,6 +58,7 @@ struct ItemSetUnits {
   const std::vector<int32_t>* tail_begin = nullptr;  // [count + 1]
   int chunk_blocks = 0, tail_units = 0;
   TailOrder tail_order = kTailsShared;
+  bool codes_evict_first = false;
 };
 // Writes a set at `host` (ItemSetBytes(items.size()) bytes). The alignment padding is left as it
 // is (no kernel reads it).
@@ -65,6 +69,7 @@ inline void WriteItemSet(void* host, const std::vector<DeviceDecodeItem>& items,
   header.chunk_blocks = units.chunk_blocks;
   header.tail_units = units.tail_units;
   header.tail_order = units.tail_order;
+  header.codes_evict_first = units.codes_evict_first ? 1 : 0;
   header.items_offset = static_cast<int32_t>(ItemSetItemsOffset(count));
   char* at = static_cast<char*>(host);
   std::memcpy(at, &header, sizeof(header));

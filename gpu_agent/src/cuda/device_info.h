@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdint>
 
 namespace specache::cuda {
 
@@ -32,6 +33,17 @@ int KnownForCurrentDevice(std::atomic<int> (&known)[kMaxKnownDevices], int fallb
     known[device].store(value, std::memory_order_release);
   }
   return value;
+}
+
+// The current device's L2 bytes, asked once per device; 0 when they cannot be asked.
+inline int64_t CurrentDeviceL2Bytes() {
+  static std::atomic<int> known_kib[kMaxKnownDevices] = {};  // KiB: a KnownForCurrentDevice value is an int
+  const int kib = KnownForCurrentDevice(known_kib, -1, [](int device) {
+    int bytes = 0;
+    return cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, device) == cudaSuccess && bytes >= 1024 ? bytes / 1024
+                                                                                                           : -1;
+  });
+  return kib > 0 ? int64_t{kib} * 1024 : 0;
 }
 
 // Whether the current device's compute capability is at least `major`.0, asked once per device

@@ -139,6 +139,13 @@ __device__ __forceinline__ void StoreGlobalOutput(float* p, float v) {
 __device__ __forceinline__ void StoreGlobalOutputPair(float* p, float v0, float v1) {
   asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1));
 }
+// StoreGlobalOutputPair asking L2 to keep the lines last (an L2 cache policy): scores the top-k
+// reads next, into the same buffer each layer.
+__device__ __forceinline__ void StoreGlobalOutputPairKeptInL2(float* p, float v0, float v1) {
+  asm volatile(
+      "{\n .reg .b64 policy;\n createpolicy.fractional.L2::evict_last.b64 policy, 1.0;\n"
+      " st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, policy;\n}\n" ::"l"(p), "f"(v0), "f"(v1));
+}
 
 // A operand from four row words: rows 0, 1 masked by the scale pair s01 (a0 at byte b_lo, a1 at
 // byte b_hi), rows 2, 3 by s23 (a2, a3).
@@ -213,9 +220,10 @@ struct BlockWalk {
   }
   // The same for a replica block interleaved by group (ReplicaBlockLayout::group_bytes): the
   // group's parts are already in the stage's order, one piece of StageWords (LowBitDecodeEligible:
-  // the lean path's items have group_bytes = MmaGroupBytes(D)).
+  // the lean path's items have group_bytes = MmaGroupBytes(D)). evict_first: the copies ask L2 to
+  // evict the group's lines first (DeviceItemSet::codes_evict_first; uniform over the warp).
   template <int D>
-  __device__ __forceinline__ void IssueGroup(uint32_t* stage, int lane, bool more) {
+  __device__ __forceinline__ void IssueGroup(uint32_t* stage, int lane, bool more, bool evict_first) {
     constexpr int kBytes = 4 * StageWords<1, 1, D>();
     static_assert(kBytes == MmaGroupBytes(D), "a group's parts in the stage's order");
     // The group's offset unsigned (in >= 0) and the pieces' offsets immediates of the instructions:
@@ -224,7 +232,11 @@ struct BlockWalk {
     static_assert(kBytes % (32 * 16) == 0, "whole pieces of the warp");
     const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(stage)) + lane * 16;
     const uint8_t* const from = ahead + (static_cast<uint32_t>(in) / 32u * kBytes + static_cast<uint32_t>(lane) * 16u);
-    CpAsync16Pieces<kBytes / (32 * 16), 32 * 16>(to, from);
+    if (evict_first) {
+      CpAsync16PiecesEvictFirst<kBytes / (32 * 16), 32 * 16>(to, from);
+    } else {
+      CpAsync16Pieces<kBytes / (32 * 16), 32 * 16>(to, from);
+    }
     Advance(more);
   }
   __device__ __forceinline__ void Advance(bool more) {
@@ -892,9 +904,11 @@ __device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, fl
 // to build each A: 8 mma and ~32 moves a block, now 4 and none.)
 __device__ __forceinline__ float ZeroTermOfPair(const float (&zc)[4]) { return zc[0] + zc[3]; }
 
+// evict_first: the set's L2 policy (DeviceItemSet::codes_evict_first) for the blocks' copies and
+// the score stores.
 template <int D>
 __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
-                             int lane) {
+                             int lane, bool evict_first) {
   constexpr int KS = D / 16, MT = D / 16, NGV = D / kGroup, W = D / 32;
   constexpr int SW = StageWords<1, 1, D>();
   const DeviceReplicaView& v = it.replica;
@@ -914,7 +928,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
                 "room for the operands and the substituted rows' scores and tokens");
 
   BlockWalk walk(v, t0);
-  walk.IssueGroup<D>(ws, lane, t0 + 32 < t1);
+  walk.IssueGroup<D>(ws, lane, t0 + 32 < t1, evict_first);
   CpAsyncCommit();
   // Query g's channels 16 ks + 2t, +1 ([ks][0], [ks][1]) and + 8, + 9 ([ks][2], [ks][3]), loaded
   // before the window's search so that both wait for memory together (loaded after it, their
@@ -986,7 +1000,7 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
   }
   int stage = 0;
   for (int32_t b0 = t0; b0 < t1; b0 += 32, stage ^= 1) {
-    if (b0 + 32 < t1) walk.IssueGroup<D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1);
+    if (b0 + 32 < t1) walk.IssueGroup<D>(ws + (stage ^ 1) * SW, lane, b0 + 64 < t1, evict_first);
     if (b0 + 32 >= t1) unit_subs.Prefetch<D>(r, t0, t1, lane);  // the first rows of the pass after the blocks
     CpAsyncCommit();
     CpAsyncWaitButOne();
@@ -1097,8 +1111,13 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     // longer wait behind the stores' branches).
     if (scores_pairs && b0 + 32 <= scores_end) {  // tokens 2t, 2t + 1 of each n-tile: adjacent
       float* const at = scores_out + b0 + 2 * t;
+      if (evict_first) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair(at + 8 * nt, sc[nt][0], sc[nt][1]);
+        for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPairKeptInL2(at + 8 * nt, sc[nt][0], sc[nt][1]);
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair(at + 8 * nt, sc[nt][0], sc[nt][1]);
+      }
     } else if (scores_out) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
@@ -1737,7 +1756,7 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kMinCtasOneTile : 1) Lo
   if (u < bulk_units) {
     const int32_t t0 = u * chunk_blocks * 32;
     if constexpr (kLean) {
-      LeanBulkUnit<D>(it, u, units, t0, min(bulk_end, t0 + chunk_blocks * 32), ws, lane);
+      LeanBulkUnit<D>(it, u, units, t0, min(bulk_end, t0 + chunk_blocks * 32), ws, lane, set->codes_evict_first != 0);
     } else {
       BulkUnit<KB, VB, D, NT>(it, u, units, t0, min(bulk_end, t0 + chunk_blocks * 32), ws, lane);
     }
@@ -1941,7 +1960,7 @@ int QueryTiles(const DeviceDecodeItem& it) { return it.rows.n_rows * it.rows.n_h
 // lean path's (mma-layout replicas, head_dim 64 and 128).
 constexpr int kClasses = 18;
 int ClassOf(const DeviceDecodeItem& it) {
-  if (it.replica.mma_codes) return 16 + (it.replica.head_dim == 128);
+  if (it.replica.mma_codes) return kFirstLeanClass + (it.replica.head_dim == 128);
   return (((it.replica.key_bits - 1) * 2 + (it.replica.value_bits - 1)) * 2 + (it.replica.head_dim == 128)) * 2 +
          QueryTiles(it) - 1;
 }
@@ -1954,7 +1973,7 @@ KernelInfo KernelFor(int cls) {
   static const std::array<KernelInfo, 2> lean = {
       KernelInfo{LowBitDecodeKernel<1, 1, 64, 1, true>, WarpWords<1, 1, 64, 1>()},
       KernelInfo{LowBitDecodeKernel<1, 1, 128, 1, true>, WarpWords<1, 1, 128, 1>()}};
-  return cls >= 16 ? lean[cls - 16] : table[cls / 2][cls % 2];
+  return cls >= kFirstLeanClass ? lean[cls - kFirstLeanClass] : table[cls / 2][cls % 2];
 }
 
 // Allows the class's kernel its shared memory on the current device (two query tiles at head_dim
@@ -2044,7 +2063,7 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   };
   int64_t chunk = 0;
   TailOrder order = kTailsShared;
-  if (cls >= 16) {
+  if (cls >= kFirstLeanClass) {
     // The lean path: the tails last (their CTAs take the slots the bulk leaves empty or frees
     // first), and the chunk of least estimated cost over the chunks of at least 16 blocks:
     //   c (m + 2) + 4 U / SMs + (30 tail blocks' time when the bulk and tail CTAs overflow the slots),
@@ -2171,6 +2190,20 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
   }
   if (err != cudaSuccess) (void)cudaGetLastError();  // returned here, not left for the next check
   return CudaStatus(err, "low-bit decode merge");
+}
+
+void ChooseCodesL2(LowBitSet* set, DecodePlan::CodesL2 forced, int64_t l2_bytes) {
+  set->codes_evict_first = false;
+  if (set->kernel_class < kFirstLeanClass || forced == DecodePlan::CodesL2::kNormal) return;
+  if (forced == DecodePlan::CodesL2::kEvictFirst) {
+    set->codes_evict_first = true;
+    return;
+  }
+  int64_t code_bytes = 0;
+  for (const DeviceDecodeItem& it : set->items) {
+    code_bytes += int64_t{BulkEnd(it.replica) / 32} * it.replica.layout.group_bytes;
+  }
+  set->codes_evict_first = CodesEvictFirst(code_bytes, l2_bytes);
 }
 
 bool LowBitDecodeAvailable() { return DeviceHasMma(); }

@@ -155,6 +155,9 @@ bool LowBitDecodeEligible(const DeviceDecodeItem& item, bool available);
 // while the bulk runs (at 99 x 8K, 792 of 1984 warps). The general kernels' plan puts the tails
 // first when they are short next to a bulk unit, else shares; the lean path's puts the tails last
 // (PlanSet: the H200 sweep behind it).
+// The kernel classes of the lean path (LowBitSet::kernel_class): head_dim 64, then 128; the other
+// classes are below.
+constexpr int kFirstLeanClass = 16;
 struct LowBitSet {
   int kernel_class = 0;
   int chunk_blocks = 0;
@@ -163,7 +166,28 @@ struct LowBitSet {
   std::vector<DeviceDecodeItem> items;  // strides resolved, all eligible
   std::vector<int32_t> unit_begin;      // [items + 1]: item i's units are [unit_begin[i], unit_begin[i + 1])
   std::vector<int32_t> tail_begin;      // [items + 1]: prefix sums of the items' tail units
+  // The lean class: its copies of code groups evict-first and its score stores evict-last in L2
+  // (ChooseCodesL2); false for the other classes.
+  bool codes_evict_first = false;
 };
+
+// The lean path's L2 rule (DecodePlan::CodesL2::kChosen). A layer's code groups are read once, and
+// while they stream through L2 in the normal priority they push out the scores the top-k reads
+// next and the units' partial results the merge reads, which come back from DRAM. Copied
+// evict-first (the scores stored evict-last), those stay. Measured on an H100 (50 MB L2), the
+// lean kernel against normal copies (specache-bench attend; gpu_agent/bench_results/
+// codes_l2_halfmma_goals_h100_r49.txt): 8 x 8K (34 MB of groups a layer) -9%, 32 x 8K (134 MB)
+// -2.5 to -4.5%, 8 x 32K (134 MB) even, 24 x 32K (403 MB) +1.3%, 176 x 8K (738 MB) +2.4%,
+// 46 x 32K (772 MB) +4.0%; the whole 32-layer step at 32 x 8K -2.1%. So evict-first while the
+// groups are at most this many times the L2 (a bound between the points measured, not tuned).
+constexpr int64_t kCodesEvictFirstL2Multiple = 4;
+inline bool CodesEvictFirst(int64_t code_bytes, int64_t l2_bytes) {
+  return l2_bytes > 0 && code_bytes <= kCodesEvictFirstL2Multiple * l2_bytes;
+}
+// Sets set->codes_evict_first: for a lean set, as forced, or with kChosen CodesEvictFirst of the
+// bytes its units copy (each item's bulk blocks times its group bytes) and `l2_bytes` (the
+// device's L2, CurrentDeviceL2Bytes; 0: unknown, normal copies); false for the other classes.
+void ChooseCodesL2(LowBitSet* set, DecodePlan::CodesL2 forced, int64_t l2_bytes);
 
 // One set per class present among `items`, its units one wave of the GPU less `free_slots` CTA
 // slots (DecodePlan::set_free_slots), or as forced (DecodePlan::force_units: a chunk > 0, an
