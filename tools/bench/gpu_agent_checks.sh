@@ -24,7 +24,8 @@
 #                                                      # 420 s, have gone): the step with and without the fetch at
 #                                                      # 1/8/32 x 8K and 1/8 x 32K (fp16 and int8 host rows,
 #                                                      # GOALS_STEP_KV) beside PyTorch's fp16 step, one
-#                                                      # layer's attention against the copy's bandwidth, the int8
+#                                                      # layer's attention against the copy's bandwidth (and
+#                                                      # again with normal L2 copies, --codes-l2), the int8
 #                                                      # table at 48 GB with SDPA, the host-pace probe at 176 x 8K
 #             tools/bench/gpu_agent_checks.sh selection # not in run: the top-k on a stream of its own or in order
 #                                                      # on the model's (selection_on_own_stream), the whole model
@@ -240,9 +241,9 @@ if [ "$stage" = goals ]; then
   time_left && { timed goals_fp16 90 "${PYTHON:-python3}" tools/bench/fp16_baseline.py --batches 1,8,32 \
                    --contexts 8192,32768 --steps 10 || bench_rc=1; grep "^fp16 decode" "$out/goals_fp16.txt"; }
   time_left && { timed goals_attend_8k 90 "$bundle/run" specache-bench attend --random-rows --free-slots 32 \
-                   --tokens 8192 --batches 8,32,176 || bench_rc=1; sed -n '/^== attend/,/of_HBM/p' "$out/goals_attend_8k.txt"; }
+                   --tokens 8192 --batches 8,32,176 --codes-l2 normal || bench_rc=1; sed -n '/^== attend/,/per layer;/p' "$out/goals_attend_8k.txt"; }
   time_left && { timed goals_attend_32k 90 "$bundle/run" specache-bench attend --random-rows --free-slots 32 \
-                   --tokens 32768 --batches 8,46 || bench_rc=1; sed -n '/^== attend/,/of_HBM/p' "$out/goals_attend_32k.txt"; }
+                   --tokens 32768 --batches 8,46 --codes-l2 normal || bench_rc=1; sed -n '/^== attend/,/per layer;/p' "$out/goals_attend_32k.txt"; }
   # The table at 48 GB (8K >= 3x, 32K >= 6x fp16), int8 host rows, SDPA in the same call; then
   # whether the host's pace sets the 8K step (it grows by 32 x 150 us if it does).
   int8_table goals_ time_left
