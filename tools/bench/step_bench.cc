@@ -539,49 +539,48 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                         {"ms_topk_layer", topk_ms}, {"ms_topk_mass_layer", budget_ms}, {"ms_topk_flat_layer", flat_ms}, {"us_enqueue", host_us}, {"bytes_read", bytes}, {"gbps", gbps}, {"hbm_gbps", hbm},
                         {"fraction_of_hbm", gbps / hbm}, {"free_slots", o.attend_free_slots},
                         {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed}}});
-      // The lean path with its work split forced, against the plan's own split just above.
+      // The lean path again under a forced plan (`forced_plan`, its free slots set here), against the
+      // plan's own choice just above: a row printed with `what` and one JSON row named with `suffix`,
+      // `fields` after the batch's. False when the attention failed (`failed`: its error's label).
+      const auto time_forced = [&](cuda::DecodePlan& forced_plan, const char* failed, const std::string& what,
+                                   const std::string& suffix, const std::vector<std::pair<std::string, double>>& fields) {
+        forced_plan.set_free_slots(o.attend_free_slots);
+        const double ms = MedianMs(stream, 20, [&] {
+          return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &forced_plan), failed);
+        });
+        if (ms < 0) return false;
+        const double forced_gbps = bytes / (ms * 1e-3) / 1e9;
+        std::printf("%-6d %5s %12.4f %12s %12s %12s %12s %12.2f %11.0f %10.3f  %s (%.3fx the plan's)\n", batch,
+                    label.c_str(), ms, "", "", "", "", bytes / 1e6, forced_gbps, forced_gbps / hbm, what.c_str(),
+                    ms / attend_ms);
+        BenchRow row{"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context) + suffix,
+                     {{"batch", batch}, {"bits", bits}, {"mma_codes", 1}, {"context", o.context}}};
+        row.values.insert(row.values.end(), fields.begin(), fields.end());
+        row.values.insert(row.values.end(),
+                          {{"ms_attend_layer", ms}, {"over_planned", ms / attend_ms},
+                           {"gbps", forced_gbps}, {"fraction_of_hbm", forced_gbps / hbm},
+                           {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0},
+                           {"rows_seed", o.attend_rows_seed}});
+        rows->push_back(std::move(row));
+        return true;
+      };
+      // Its work split forced.
       for (const std::string& spec : variant.mma ? o.attend_unit_plans : std::vector<std::string>{}) {
         const auto forced = ParseUnitPlan(spec);  // checked before the suite's first run
         cuda::DecodePlan forced_plan;
-        forced_plan.set_free_slots(o.attend_free_slots);
         forced_plan.force_units(forced->first, forced->second);
-        const double ms = MedianMs(stream, 20, [&] {
-          return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &forced_plan), "attend (forced units)");
-        });
-        if (ms < 0) { ok = false; continue; }
-        const double forced_gbps = bytes / (ms * 1e-3) / 1e9;
-        std::printf("%-6d %5s %12.4f %12s %12s %12s %12s %12.2f %11.0f %10.3f  units %s (%.3fx the plan's)\n", batch,
-                    label.c_str(), ms, "", "", "", "", bytes / 1e6, forced_gbps, forced_gbps / hbm, spec.c_str(),
-                    ms / attend_ms);
-        rows->push_back({"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context) + "_units_" +
-                             spec,
-                         {{"batch", batch}, {"bits", bits}, {"mma_codes", 1}, {"context", o.context},
-                          {"forced_chunk_blocks", forced_plan.forced_chunk_blocks()},
-                          {"forced_order", static_cast<int>(forced->second)},  // DecodePlan::UnitOrder
-                          {"ms_attend_layer", ms}, {"over_planned", ms / attend_ms},
-                          {"gbps", forced_gbps}, {"fraction_of_hbm", forced_gbps / hbm},
-                          {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed}}});
+        ok = time_forced(forced_plan, "attend (forced units)", "units " + spec, "_units_" + spec,
+                         {{"forced_chunk_blocks", forced_plan.forced_chunk_blocks()},
+                          {"forced_order", static_cast<int>(forced->second)}}) &&  // DecodePlan::UnitOrder
+             ok;
       }
-      // The lean path with its L2 policy forced, against the plan's chosen one just above.
+      // Its L2 policy forced.
       for (const std::string& name : variant.mma ? o.attend_codes_l2 : std::vector<std::string>{}) {
         cuda::DecodePlan forced_plan;
-        forced_plan.set_free_slots(o.attend_free_slots);
         forced_plan.force_codes_l2(*ParseCodesL2(name));  // checked before the suite's first run
-        const double ms = MedianMs(stream, 20, [&] {
-          return Ok(cuda::AttendDecodeBatch(batch_items.data(), items, stream, &forced_plan), "attend (forced L2 policy)");
-        });
-        if (ms < 0) { ok = false; continue; }
-        const double forced_gbps = bytes / (ms * 1e-3) / 1e9;
-        std::printf("%-6d %5s %12.4f %12s %12s %12s %12s %12.2f %11.0f %10.3f  codes L2 %s (%.3fx the plan's)\n", batch,
-                    label.c_str(), ms, "", "", "", "", bytes / 1e6, forced_gbps, forced_gbps / hbm, name.c_str(),
-                    ms / attend_ms);
-        rows->push_back({"b" + std::to_string(batch) + "_bits" + label + "_ctx" + std::to_string(o.context) +
-                             "_codes_l2_" + name,
-                         {{"batch", batch}, {"bits", bits}, {"mma_codes", 1}, {"context", o.context},
-                          {"codes_l2_evict_first", name == "first" ? 1 : 0},
-                          {"ms_attend_layer", ms}, {"over_planned", ms / attend_ms},
-                          {"gbps", forced_gbps}, {"fraction_of_hbm", forced_gbps / hbm},
-                          {"free_slots", o.attend_free_slots}, {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed}}});
+        ok = time_forced(forced_plan, "attend (forced L2 policy)", "codes L2 " + name, "_codes_l2_" + name,
+                         {{"codes_l2_evict_first", name == "first" ? 1 : 0}}) &&
+             ok;
       }
     }
   }
