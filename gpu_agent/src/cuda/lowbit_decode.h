@@ -178,8 +178,11 @@ struct LowBitSet {
 // lean kernel against normal copies (specache-bench attend; gpu_agent/bench_results/
 // codes_l2_halfmma_goals_h100_r49.txt): 8 x 8K (34 MB of groups a layer) -9%, 32 x 8K (134 MB)
 // -2.5 to -4.5%, 8 x 32K (134 MB) even, 24 x 32K (403 MB) +1.3%, 176 x 8K (738 MB) +2.4%,
-// 46 x 32K (772 MB) +4.0%; the whole 32-layer step at 32 x 8K -2.1%. So evict-first while the
-// groups are at most this many times the L2 (a bound between the points measured, not tuned).
+// 46 x 32K (772 MB) +4.0%; the whole 32-layer step at 32 x 8K -2.1%. On the H200 (50 MB;
+// codes_l2_landed_goals_h200_r50.txt): 8 x 8K -5%, 32 x 8K -2.4%, and evict-first forced
+// at 64 x 8K (268 MB) +2.1%; there the copies' hint alone gained as much as both hints. So
+// evict-first while the groups are at most this many times the L2 (a bound between the points
+// measured, not tuned).
 constexpr int64_t kCodesEvictFirstL2Multiple = 4;
 inline bool CodesEvictFirst(int64_t code_bytes, int64_t l2_bytes) {
   return l2_bytes > 0 && code_bytes <= kCodesEvictFirstL2Multiple * l2_bytes;
