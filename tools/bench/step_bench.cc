@@ -344,13 +344,6 @@ std::optional<std::pair<int, cuda::DecodePlan::UnitOrder>> ParseUnitPlan(const s
   return std::nullopt;
 }
 
-// "normal" or "first" of --codes-l2 (StepOptions::attend_codes_l2), or nothing when neither.
-std::optional<cuda::DecodePlan::CodesL2> ParseCodesL2(const std::string& name) {
-  if (name == "normal") return cuda::DecodePlan::CodesL2::kNormal;
-  if (name == "first") return cuda::DecodePlan::CodesL2::kEvictFirst;
-  return std::nullopt;
-}
-
 }  // namespace
 
 bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
@@ -364,12 +357,6 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
     if (!ParseUnitPlan(spec)) {
       std::fprintf(stderr, "attend: --unit-plans: \"%s\" is not CHUNK/ORDER (ORDER chosen, shared, first, last)\n",
                    spec.c_str());
-      return false;
-    }
-  }
-  for (const std::string& name : o.attend_codes_l2) {
-    if (!ParseCodesL2(name)) {
-      std::fprintf(stderr, "attend: --codes-l2: \"%s\" is neither normal nor first\n", name.c_str());
       return false;
     }
   }
@@ -577,7 +564,9 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       // Its L2 policy forced.
       for (const std::string& name : variant.mma ? o.attend_codes_l2 : std::vector<std::string>{}) {
         cuda::DecodePlan forced_plan;
-        forced_plan.force_codes_l2(*ParseCodesL2(name));  // checked before the suite's first run
+        // The name is "first" or "normal" (specache-bench's option checks it, as --fetch-gather-stores's).
+        forced_plan.force_codes_l2(name == "first" ? cuda::DecodePlan::CodesL2::kEvictFirst
+                                                   : cuda::DecodePlan::CodesL2::kNormal);
         ok = time_forced(forced_plan, "attend (forced L2 policy)", "codes L2 " + name, "_codes_l2_" + name,
                          {{"codes_l2_evict_first", name == "first" ? 1 : 0}}) &&
              ok;
