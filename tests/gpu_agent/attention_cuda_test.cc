@@ -347,7 +347,7 @@ TEST(CudaAttentionTest, TailsFirstOrderMatchesTheCpuReference) {
       items.push_back(cases.back().item);
       for (const int free_slots : {0, 1 << 20}) {
         std::vector<cuda::LowBitSet> sets;
-        ASSERT_TRUE(cuda::PlanLowBitDecode(items, free_slots, &sets).ok());
+        ASSERT_TRUE(cuda::PlanLowBitDecode(items, {.free_slots = free_slots}, &sets).ok());
         ASSERT_EQ(sets.size(), 1u);
         EXPECT_EQ(sets[0].tail_order, free_slots != 0 ? cuda::kTailsFirst : cuda::kTailsShared)
             << "d=" << d << " bits=" << bits;

@@ -70,7 +70,7 @@ TEST(LowBitPlanTest, RaggedBatchesAreCutIntoWholeUnits) {
       for (int i = 0; i < n; ++i) items.push_back(Item(length(rng), 1 + static_cast<int32_t>(rng() % 64), mma));
       for (const int free_slots : {0, 16}) {
         std::vector<cuda::LowBitSet> sets;
-        ASSERT_TRUE(cuda::PlanLowBitDecode(items, free_slots, &sets).ok());
+        ASSERT_TRUE(cuda::PlanLowBitDecode(items, {.free_slots = free_slots}, &sets).ok());
         ASSERT_EQ(sets.size(), 1u) << "one class";
         SCOPED_TRACE(std::string(mma ? "lean" : "natural") + " n=" + std::to_string(n));
         ExpectUnitsCoverTheItems(sets[0], items);
@@ -88,11 +88,11 @@ TEST(LowBitPlanTest, EqualLengthsAndOneLongItemShareAPlan) {
   // long one gets more units of the same chunk, the others are unchanged.
   std::vector<cuda::DeviceDecodeItem> items(792, Item(8192 + 2, 5, true));
   std::vector<cuda::LowBitSet> sets;
-  ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets).ok());
+  ASSERT_TRUE(cuda::PlanLowBitDecode(items, {}, &sets).ok());
   ASSERT_EQ(sets.size(), 1u);
   ExpectUnitsCoverTheItems(sets[0], items);
   items[400] = Item(4 * 8192, 5, true);
-  ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets).ok());
+  ASSERT_TRUE(cuda::PlanLowBitDecode(items, {}, &sets).ok());
   ExpectUnitsCoverTheItems(sets[0], items);
   const int32_t long_units = sets[0].unit_begin[401] - sets[0].unit_begin[400];
   const int32_t short_units = sets[0].unit_begin[1] - sets[0].unit_begin[0];
@@ -105,7 +105,7 @@ TEST(LowBitPlanTest, ClassesGetSetsOfTheirOwnInOrder) {
   std::vector<cuda::DeviceDecodeItem> items;
   for (int i = 0; i < 40; ++i) items.push_back(Item(1000 + 97 * i, 17, i % 2 == 0, i % 4 < 2 ? 128 : 64));
   std::vector<cuda::LowBitSet> sets;
-  ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets).ok());
+  ASSERT_TRUE(cuda::PlanLowBitDecode(items, {}, &sets).ok());
   ASSERT_EQ(sets.size(), 4u);
   for (int a = 0; a + 1 < static_cast<int>(sets.size()); ++a) EXPECT_LT(sets[a].kernel_class, sets[a + 1].kernel_class);
   for (const cuda::LowBitSet& set : sets) {
@@ -137,7 +137,7 @@ TEST(LowBitPlanTest, AForcedSplitAndOrderAreKept) {
     for (const int chunk : {1, 2, 24, 300, 1 << 30}) {
       for (const auto& [forced, want] : orders) {
         std::vector<cuda::LowBitSet> sets;
-        ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets, chunk, forced).ok());
+        ASSERT_TRUE(cuda::PlanLowBitDecode(items, {.forced_chunk_blocks = chunk, .forced_order = forced}, &sets).ok());
         ASSERT_EQ(sets.size(), 1u);
         SCOPED_TRACE(std::string(mma ? "lean" : "natural") + " chunk=" + std::to_string(chunk));
         EXPECT_EQ(sets[0].chunk_blocks, std::clamp(chunk, 2, most_blocks));
@@ -146,8 +146,8 @@ TEST(LowBitPlanTest, AForcedSplitAndOrderAreKept) {
       }
     }
     std::vector<cuda::LowBitSet> chosen, chunk_only;
-    ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &chosen).ok());
-    ASSERT_TRUE(cuda::PlanLowBitDecode(items, 0, &chunk_only, 24, Order::kChosen).ok());
+    ASSERT_TRUE(cuda::PlanLowBitDecode(items, {}, &chosen).ok());
+    ASSERT_TRUE(cuda::PlanLowBitDecode(items, {.forced_chunk_blocks = 24}, &chunk_only).ok());
     EXPECT_EQ(chunk_only[0].chunk_blocks, 24);
     EXPECT_EQ(chunk_only[0].tail_order, chosen[0].tail_order) << "a forced chunk alone leaves the order to the plan";
   }
@@ -163,7 +163,7 @@ TEST(LowBitPlanTest, TheLeanPathsTailsGoLast) {
       for (auto& it : items) it.rows.n_sub = sub;
       for (const int free_slots : {0, 32}) {
         std::vector<cuda::LowBitSet> sets;
-        ASSERT_TRUE(cuda::PlanLowBitDecode(items, free_slots, &sets).ok());
+        ASSERT_TRUE(cuda::PlanLowBitDecode(items, {.free_slots = free_slots}, &sets).ok());
         ASSERT_EQ(sets.size(), 1u);
         SCOPED_TRACE("n=" + std::to_string(n) + " rows=" + std::to_string(sub));
         ExpectUnitsCoverTheItems(sets[0], items);
@@ -176,55 +176,59 @@ TEST(LowBitPlanTest, TheLeanPathsTailsGoLast) {
   std::vector<cuda::DeviceDecodeItem> natural(99 * 8, Item(8192 + 2, 5, false));
   for (auto& it : natural) it.rows.n_sub = 1024;
   std::vector<cuda::LowBitSet> sets;
-  ASSERT_TRUE(cuda::PlanLowBitDecode(natural, 0, &sets).ok());
+  ASSERT_TRUE(cuda::PlanLowBitDecode(natural, {}, &sets).ok());
   EXPECT_NE(sets[0].tail_order, cuda::kTailsLast) << "only the lean path puts the tails last";
 }
 
 TEST(LowBitPlanTest, TheLeanPathsL2PolicyFollowsItsCodeBytes) {
-  // ChooseCodesL2 (DecodePlan::CodesL2): chosen, a lean set copies its code groups evict-first
-  // while they are at most kCodesEvictFirstL2Multiple times the L2, counted as each item's bulk
-  // blocks times its group bytes; forced, as forced; never for the other classes.
+  // LowBitSet::codes_evict_first (DecodePlan::CodesL2): chosen, a lean set copies its code groups
+  // evict-first while they are at most kCodesEvictFirstL2Multiple times the L2, counted as each
+  // item's bulk blocks times its group bytes, and normal copies for an unknown L2 (0); forced, as
+  // forced; never for the other classes. The policy changes nothing else of the plan.
   using L2 = cuda::DecodePlan::CodesL2;
-  auto lean_set = [](int n) {
-    std::vector<cuda::DeviceDecodeItem> items(size_t(n), Item(8192 + 2, 5, true));
-    for (auto& it : items) it.replica.layout.group_bytes = cuda::MmaGroupBytes(128);
+  std::vector<cuda::DeviceDecodeItem> small(32 * 8, Item(8192 + 2, 5, true)), large(176 * 8, Item(8192 + 2, 5, true));
+  for (auto* items : {&small, &large}) {
+    for (auto& it : *items) it.replica.layout.group_bytes = cuda::MmaGroupBytes(128);
+  }
+  auto evict_first = [](const std::vector<cuda::DeviceDecodeItem>& items, int64_t l2_bytes, L2 forced) {
     std::vector<cuda::LowBitSet> sets;
-    EXPECT_TRUE(cuda::PlanLowBitDecode(items, 0, &sets).ok());
+    EXPECT_TRUE(cuda::PlanLowBitDecode(items, {.l2_bytes = l2_bytes, .forced_codes_l2 = forced}, &sets).ok());
     EXPECT_EQ(sets.size(), 1u);
-    return sets.empty() ? cuda::LowBitSet{} : sets[0];
+    return !sets.empty() && sets[0].codes_evict_first;
   };
   constexpr int64_t kL2 = int64_t{50} << 20;  // an H100's or an H200's
-  cuda::LowBitSet small = lean_set(32 * 8), large = lean_set(176 * 8);
-  ASSERT_EQ(small.kernel_class, cuda::kFirstLeanClass + 1);
-  const int64_t small_bytes = int64_t{32 * 8} * BulkBlocks(small.items[0]) * cuda::MmaGroupBytes(128);  // ~133 MB
+  const int64_t small_bytes = int64_t{32 * 8} * BulkBlocks(small[0]) * cuda::MmaGroupBytes(128);  // ~133 MB
   ASSERT_LE(small_bytes, cuda::kCodesEvictFirstL2Multiple * kL2);
-  ASSERT_GT(int64_t{176 * 8} * BulkBlocks(large.items[0]) * cuda::MmaGroupBytes(128), cuda::kCodesEvictFirstL2Multiple * kL2);
-  small.codes_evict_first = false;
-  cuda::ChooseCodesL2(&small, L2::kChosen, kL2);
-  EXPECT_TRUE(small.codes_evict_first) << "32 x 8K";
-  large.codes_evict_first = true;
-  cuda::ChooseCodesL2(&large, L2::kChosen, kL2);
-  EXPECT_FALSE(large.codes_evict_first) << "176 x 8K";
+  ASSERT_GT(int64_t{176 * 8} * BulkBlocks(large[0]) * cuda::MmaGroupBytes(128), cuda::kCodesEvictFirstL2Multiple * kL2);
+  EXPECT_TRUE(evict_first(small, kL2, L2::kChosen)) << "32 x 8K";
+  EXPECT_FALSE(evict_first(large, kL2, L2::kChosen)) << "176 x 8K";
   // The bound itself: the small set's bytes are exactly the multiple of an L2 a quarter of them.
   ASSERT_EQ(small_bytes % cuda::kCodesEvictFirstL2Multiple, 0);
-  cuda::ChooseCodesL2(&small, L2::kChosen, small_bytes / cuda::kCodesEvictFirstL2Multiple);
-  EXPECT_TRUE(small.codes_evict_first) << "at the bound";
-  cuda::ChooseCodesL2(&small, L2::kChosen, small_bytes / cuda::kCodesEvictFirstL2Multiple - 1);
-  EXPECT_FALSE(small.codes_evict_first) << "one byte of L2 below it";
-  cuda::ChooseCodesL2(&small, L2::kChosen, 0);
-  EXPECT_FALSE(small.codes_evict_first) << "an unknown L2";
-  cuda::ChooseCodesL2(&large, L2::kEvictFirst, kL2);
-  EXPECT_TRUE(large.codes_evict_first) << "forced evict-first";
-  cuda::ChooseCodesL2(&small, L2::kNormal, kL2);
-  EXPECT_FALSE(small.codes_evict_first) << "forced normal";
+  EXPECT_TRUE(evict_first(small, small_bytes / cuda::kCodesEvictFirstL2Multiple, L2::kChosen)) << "at the bound";
+  EXPECT_FALSE(evict_first(small, small_bytes / cuda::kCodesEvictFirstL2Multiple - 1, L2::kChosen))
+      << "one byte of L2 below it";
+  EXPECT_FALSE(evict_first(small, 0, L2::kChosen)) << "an unknown L2";
+  EXPECT_TRUE(evict_first(large, kL2, L2::kEvictFirst)) << "forced evict-first";
+  EXPECT_TRUE(evict_first(small, 0, L2::kEvictFirst)) << "forced evict-first, an unknown L2";
+  EXPECT_FALSE(evict_first(small, kL2, L2::kNormal)) << "forced normal";
+  // The rest of the plan as without the policy.
+  std::vector<cuda::LowBitSet> with, without;
+  ASSERT_TRUE(cuda::PlanLowBitDecode(small, {.l2_bytes = kL2}, &with).ok());
+  ASSERT_TRUE(cuda::PlanLowBitDecode(small, {}, &without).ok());
+  ASSERT_TRUE(with[0].codes_evict_first);
+  ASSERT_FALSE(without[0].codes_evict_first);
+  EXPECT_EQ(with[0].kernel_class, cuda::kFirstLeanClass + 1);
+  EXPECT_EQ(with[0].kernel_class, without[0].kernel_class);
+  EXPECT_EQ(with[0].chunk_blocks, without[0].chunk_blocks);
+  EXPECT_EQ(with[0].tail_order, without[0].tail_order);
+  EXPECT_EQ(with[0].unit_begin, without[0].unit_begin);
+  EXPECT_EQ(with[0].tail_begin, without[0].tail_begin);
   // A set of the general kernels (their copies take no L2 policy), even when forced.
-  std::vector<cuda::DeviceDecodeItem> natural(8, Item(8192 + 2, 5, false));
-  std::vector<cuda::LowBitSet> sets;
-  ASSERT_TRUE(cuda::PlanLowBitDecode(natural, 0, &sets).ok());
-  ASSERT_LT(sets[0].kernel_class, cuda::kFirstLeanClass);
+  const std::vector<cuda::DeviceDecodeItem> natural(8, Item(8192 + 2, 5, false));
   for (const L2 forced : {L2::kChosen, L2::kEvictFirst}) {
-    sets[0].codes_evict_first = true;
-    cuda::ChooseCodesL2(&sets[0], forced, kL2);
+    std::vector<cuda::LowBitSet> sets;
+    ASSERT_TRUE(cuda::PlanLowBitDecode(natural, {.l2_bytes = kL2, .forced_codes_l2 = forced}, &sets).ok());
+    ASSERT_LT(sets[0].kernel_class, cuda::kFirstLeanClass);
     EXPECT_FALSE(sets[0].codes_evict_first);
   }
 }

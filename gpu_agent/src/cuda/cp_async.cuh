@@ -24,34 +24,32 @@ __device__ __forceinline__ void CpAsync16OrZeros(void* smem, const void* gmem, b
   __trap();
 #endif
 }
+// The L2 policy of a copy's lines (cp.async's L2::cache_hint, sm_80+).
+enum class L2Policy {
+  kNormal,
+  kEvictFirst,  // evict the copied lines first: bytes read once whose lines would otherwise push
+                // out data that is read again soon
+};
 // kPieces copies of 16 bytes by one lane: piece i from gmem + i kStride to the shared-window
-// address smem + i kStride (__cvta_generic_to_shared). The offsets are the instructions'
-// immediates, so the lane's two addresses are all it computes. Traps below sm_80, as CpAsync16.
-template <int kPieces, int kStride, int kAt = 0>
+// address smem + i kStride (__cvta_generic_to_shared), their lines in L2 as kPolicy asks. The
+// offsets are the instructions' immediates, so the lane's two addresses are all it computes.
+// Traps below sm_80, as CpAsync16.
+template <int kPieces, int kStride, L2Policy kPolicy = L2Policy::kNormal, int kAt = 0>
 __device__ __forceinline__ void CpAsync16Pieces(unsigned smem, const void* gmem) {
   if constexpr (kAt < kPieces) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem), "l"(gmem), "n"(kAt * kStride));
+    if constexpr (kPolicy == L2Policy::kEvictFirst) {
+      asm volatile(
+          "{\n .reg .b64 policy;\n createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+          " cp.async.cg.shared.global.L2::cache_hint [%0+%2], [%1+%2], 16, policy;\n}\n" ::"r"(smem),
+          "l"(gmem), "n"(kAt * kStride));
+    } else {
+      asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem), "l"(gmem), "n"(kAt * kStride));
+    }
 #else
     __trap();
 #endif
-    CpAsync16Pieces<kPieces, kStride, kAt + 1>(smem, gmem);
-  }
-}
-// CpAsync16Pieces asking L2 to evict the copied lines first (an L2 cache policy, sm_80+): for
-// bytes read once whose lines would otherwise push out data that is read again soon.
-template <int kPieces, int kStride, int kAt = 0>
-__device__ __forceinline__ void CpAsync16PiecesEvictFirst(unsigned smem, const void* gmem) {
-  if constexpr (kAt < kPieces) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile(
-        "{\n .reg .b64 policy;\n createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-        " cp.async.cg.shared.global.L2::cache_hint [%0+%2], [%1+%2], 16, policy;\n}\n" ::"r"(smem),
-        "l"(gmem), "n"(kAt * kStride));
-#else
-    __trap();
-#endif
-    CpAsync16PiecesEvictFirst<kPieces, kStride, kAt + 1>(smem, gmem);
+    CpAsync16Pieces<kPieces, kStride, kPolicy, kAt + 1>(smem, gmem);
   }
 }
 __device__ __forceinline__ void CpAsyncCommit() {

@@ -139,13 +139,6 @@ __device__ __forceinline__ void StoreGlobalOutput(float* p, float v) {
 __device__ __forceinline__ void StoreGlobalOutputPair(float* p, float v0, float v1) {
   asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1));
 }
-// StoreGlobalOutputPair asking L2 to keep the lines last (an L2 cache policy): scores the top-k
-// reads next, into the same buffer each layer.
-__device__ __forceinline__ void StoreGlobalOutputPairKeptInL2(float* p, float v0, float v1) {
-  asm volatile(
-      "{\n .reg .b64 policy;\n createpolicy.fractional.L2::evict_last.b64 policy, 1.0;\n"
-      " st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, policy;\n}\n" ::"l"(p), "f"(v0), "f"(v1));
-}
 
 // A operand from four row words: rows 0, 1 masked by the scale pair s01 (a0 at byte b_lo, a1 at
 // byte b_hi), rows 2, 3 by s23 (a2, a3).
@@ -233,7 +226,7 @@ struct BlockWalk {
     const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(stage)) + lane * 16;
     const uint8_t* const from = ahead + (static_cast<uint32_t>(in) / 32u * kBytes + static_cast<uint32_t>(lane) * 16u);
     if (evict_first) {
-      CpAsync16PiecesEvictFirst<kBytes / (32 * 16), 32 * 16>(to, from);
+      CpAsync16Pieces<kBytes / (32 * 16), 32 * 16, L2Policy::kEvictFirst>(to, from);
     } else {
       CpAsync16Pieces<kBytes / (32 * 16), 32 * 16>(to, from);
     }
@@ -904,8 +897,7 @@ __device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, fl
 // to build each A: 8 mma and ~32 moves a block, now 4 and none.)
 __device__ __forceinline__ float ZeroTermOfPair(const float (&zc)[4]) { return zc[0] + zc[3]; }
 
-// evict_first: the set's L2 policy (DeviceItemSet::codes_evict_first) for the blocks' copies and
-// the score stores.
+// evict_first: the set's L2 policy for the blocks' copies (DeviceItemSet::codes_evict_first).
 template <int D>
 __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
                              int lane, bool evict_first) {
@@ -1111,13 +1103,8 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     // longer wait behind the stores' branches).
     if (scores_pairs && b0 + 32 <= scores_end) {  // tokens 2t, 2t + 1 of each n-tile: adjacent
       float* const at = scores_out + b0 + 2 * t;
-      if (evict_first) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPairKeptInL2(at + 8 * nt, sc[nt][0], sc[nt][1]);
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair(at + 8 * nt, sc[nt][0], sc[nt][1]);
-      }
+      for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair(at + 8 * nt, sc[nt][0], sc[nt][1]);
     } else if (scores_out) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
@@ -1992,8 +1979,8 @@ bool DeviceHasMma() {
 }
 
 // The chunk and the unit table of one class's items: one wave of the GPU less `free_slots` CTAs.
-Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int forced_chunk_blocks,
-               DecodePlan::UnitOrder forced_order, LowBitSet* set) {
+Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, const LowBitPlanArgs& args,
+               LowBitSet* set) {
   // The class's CTAs per SM (its shared memory is fixed): asked once per device, not per plan.
   static std::atomic<int> known_ctas[kClasses][kMaxKnownDevices] = {};
   const int ctas_per_sm = KnownForCurrentDevice(known_ctas[cls], 1, [cls](int) {
@@ -2005,7 +1992,7 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
                    ctas >= 1
                ? ctas : 1;
   });
-  const int64_t ctas = std::max<int64_t>(int64_t{MultiprocessorCount()} * ctas_per_sm - free_slots, 1);
+  const int64_t ctas = std::max<int64_t>(int64_t{MultiprocessorCount()} * ctas_per_sm - args.free_slots, 1);
   const int64_t wave = ctas * kWarps;
   // Tail units take at most an eighth of the wave (a tail of a few blocks is cheap next to a bulk
   // unit of many; at 256 items x 3 tail units they took a third of the slots).
@@ -2111,8 +2098,10 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   // Forced (DecodePlan::force_units): benchmarks and tests of the other splits and orders.
   // A chunk past the longest item's blocks is one unit an item, as that item's blocks (no larger:
   // t0 + chunk * 32 must stay within int).
-  if (forced_chunk_blocks > 0) chunk = std::clamp<int64_t>(forced_chunk_blocks, 2, std::max<int64_t>(most_blocks, 2));
-  switch (forced_order) {
+  if (args.forced_chunk_blocks > 0) {
+    chunk = std::clamp<int64_t>(args.forced_chunk_blocks, 2, std::max<int64_t>(most_blocks, 2));
+  }
+  switch (args.forced_order) {
     case DecodePlan::UnitOrder::kChosen: break;
     case DecodePlan::UnitOrder::kTailsShared: order = kTailsShared; break;
     case DecodePlan::UnitOrder::kTailsFirst: order = kTailsFirst; break;
@@ -2122,6 +2111,14 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
   set->chunk_blocks = static_cast<int>(chunk);
   set->tail_units = most_tail;
   set->tail_order = order;
+  // The lean path's L2 policy: the bytes its units copy are the bulk blocks' groups, one size in
+  // a class (LowBitDecodeEligible: an mma-layout replica's group_bytes is MmaGroupBytes(D)).
+  using CodesL2 = DecodePlan::CodesL2;
+  set->codes_evict_first =
+      cls >= kFirstLeanClass &&
+      (args.forced_codes_l2 == CodesL2::kEvictFirst ||
+       (args.forced_codes_l2 == CodesL2::kChosen &&
+        CodesEvictFirst(blocks * int64_t{items.front().replica.layout.group_bytes}, args.l2_bytes)));
   set->unit_begin.assign(1, 0);
   set->tail_begin.assign(1, 0);
   int64_t units = 0, tails = 0;
@@ -2143,8 +2140,7 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, int free_slots, int
 
 }  // namespace
 
-Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets,
-                        int forced_chunk_blocks, DecodePlan::UnitOrder forced_order) {
+Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, const LowBitPlanArgs& args, std::vector<LowBitSet>* sets) {
   std::vector<DeviceDecodeItem> by_class[kClasses];
   const int first = items.empty() ? 0 : ClassOf(items[0]);
   if (std::all_of(items.begin(), items.end(), [&](const DeviceDecodeItem& it) { return ClassOf(it) == first; })) {
@@ -2156,8 +2152,7 @@ Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std
   for (int cls = 0; cls < kClasses; ++cls) {
     if (by_class[cls].empty()) continue;
     sets->emplace_back();
-    SPECACHE_RETURN_IF_ERROR(
-        PlanSet(cls, std::move(by_class[cls]), free_slots, forced_chunk_blocks, forced_order, &sets->back()));
+    SPECACHE_RETURN_IF_ERROR(PlanSet(cls, std::move(by_class[cls]), args, &sets->back()));
   }
   return Status::Ok();
 }
@@ -2190,20 +2185,6 @@ Status LaunchLowBitSet(const LowBitSet& set, const DeviceItemSet* device, cudaSt
   }
   if (err != cudaSuccess) (void)cudaGetLastError();  // returned here, not left for the next check
   return CudaStatus(err, "low-bit decode merge");
-}
-
-void ChooseCodesL2(LowBitSet* set, DecodePlan::CodesL2 forced, int64_t l2_bytes) {
-  set->codes_evict_first = false;
-  if (set->kernel_class < kFirstLeanClass || forced == DecodePlan::CodesL2::kNormal) return;
-  if (forced == DecodePlan::CodesL2::kEvictFirst) {
-    set->codes_evict_first = true;
-    return;
-  }
-  int64_t code_bytes = 0;
-  for (const DeviceDecodeItem& it : set->items) {
-    code_bytes += int64_t{BulkEnd(it.replica) / 32} * it.replica.layout.group_bytes;
-  }
-  set->codes_evict_first = CodesEvictFirst(code_bytes, l2_bytes);
 }
 
 bool LowBitDecodeAvailable() { return DeviceHasMma(); }

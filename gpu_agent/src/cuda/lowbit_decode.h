@@ -166,37 +166,42 @@ struct LowBitSet {
   std::vector<DeviceDecodeItem> items;  // strides resolved, all eligible
   std::vector<int32_t> unit_begin;      // [items + 1]: item i's units are [unit_begin[i], unit_begin[i + 1])
   std::vector<int32_t> tail_begin;      // [items + 1]: prefix sums of the items' tail units
-  // The lean class: its copies of code groups evict-first and its score stores evict-last in L2
-  // (ChooseCodesL2); false for the other classes.
+  // The lean class: its copies of code groups evict-first in L2 (CodesEvictFirst, or as
+  // LowBitPlanArgs::forced_codes_l2 forces); false for the other classes.
   bool codes_evict_first = false;
 };
 
 // The lean path's L2 rule (DecodePlan::CodesL2::kChosen). A layer's code groups are read once, and
 // while they stream through L2 in the normal priority they push out the scores the top-k reads
 // next and the units' partial results the merge reads, which come back from DRAM. Copied
-// evict-first (the scores stored evict-last), those stay. Measured on an H100 (50 MB L2), the
-// lean kernel against normal copies (specache-bench attend; gpu_agent/bench_results/
-// codes_l2_halfmma_goals_h100_r49.txt): 8 x 8K (34 MB of groups a layer) -9%, 32 x 8K (134 MB)
-// -2.5 to -4.5%, 8 x 32K (134 MB) even, 24 x 32K (403 MB) +1.3%, 176 x 8K (738 MB) +2.4%,
-// 46 x 32K (772 MB) +4.0%; the whole 32-layer step at 32 x 8K -2.1%. On the H200 (50 MB;
-// codes_l2_landed_goals_h200_r50.txt): 8 x 8K -5%, 32 x 8K -2.4%, and evict-first forced
-// at 64 x 8K (268 MB) +2.1%; there the copies' hint alone gained as much as both hints. So
-// evict-first while the groups are at most this many times the L2 (a bound between the points
-// measured, not tuned).
+// evict-first, those stay. Measured on an H100 (50 MB L2), the lean kernel against normal
+// copies (specache-bench attend; gpu_agent/bench_results/codes_l2_halfmma_goals_h100_r49.txt):
+// 8 x 8K (34 MB of groups a layer) -9%, 32 x 8K (134 MB) -2.5 to -4.5%, 8 x 32K (134 MB) even,
+// 24 x 32K (403 MB) +1.3%, 176 x 8K (738 MB) +2.4%, 46 x 32K (772 MB) +4.0%; the whole 32-layer
+// step at 32 x 8K -2.1%. On the H200 (50 MB; codes_l2_landed_goals_h200_r50.txt): 8 x 8K -5%,
+// 32 x 8K -2.4%, and evict-first forced at 64 x 8K (268 MB) +2.1%. (An evict-last hint on the
+// score stores, tried beside it, added nothing and is gone.) So evict-first while the groups are
+// at most this many times the L2 (a bound between the points measured, not tuned).
 constexpr int64_t kCodesEvictFirstL2Multiple = 4;
 inline bool CodesEvictFirst(int64_t code_bytes, int64_t l2_bytes) {
   return l2_bytes > 0 && code_bytes <= kCodesEvictFirstL2Multiple * l2_bytes;
 }
-// Sets set->codes_evict_first: for a lean set, as forced, or with kChosen CodesEvictFirst of the
-// bytes its units copy (each item's bulk blocks times its group bytes) and `l2_bytes` (the
-// device's L2, CurrentDeviceL2Bytes; 0: unknown, normal copies); false for the other classes.
-void ChooseCodesL2(LowBitSet* set, DecodePlan::CodesL2 forced, int64_t l2_bytes);
-
-// One set per class present among `items`, its units one wave of the GPU less `free_slots` CTA
-// slots (DecodePlan::set_free_slots), or as forced (DecodePlan::force_units: a chunk > 0, an
-// order other than kChosen). Items of one class move into their set uncopied.
-Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, int free_slots, std::vector<LowBitSet>* sets,
-                        int forced_chunk_blocks = 0, DecodePlan::UnitOrder forced_order = DecodePlan::UnitOrder::kChosen);
+// What a plan takes besides its items. The forced fields are DecodePlan's (force_units,
+// force_codes_l2: benchmarks and tests); their defaults leave each choice to the plan.
+struct LowBitPlanArgs {
+  // CTA slots of the GPU's one wave left to other work (DecodePlan::set_free_slots).
+  int free_slots = 0;
+  // The device's L2 bytes (CurrentDeviceL2Bytes) for the lean path's rule (CodesEvictFirst over
+  // a set's bulk blocks times the class's group bytes); 0: unknown, normal copies.
+  int64_t l2_bytes = 0;
+  int forced_chunk_blocks = 0;  // > 0: 32-token blocks a bulk unit (at least 2)
+  DecodePlan::UnitOrder forced_order = DecodePlan::UnitOrder::kChosen;
+  DecodePlan::CodesL2 forced_codes_l2 = DecodePlan::CodesL2::kChosen;  // no effect on the other classes
+};
+// One set per class present among `items`, its units one wave of the GPU less the free slots, or
+// as forced; each lean set's L2 policy by the rule or as forced. Items of one class move into
+// their set uncopied.
+Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, const LowBitPlanArgs& args, std::vector<LowBitSet>* sets);
 
 // The attention kernel and the merge of a planned set, whose bytes (WriteItemSet of its items,
 // unit_begin, tail_begin and tail_order) are at `device`.
