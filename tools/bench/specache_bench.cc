@@ -96,6 +96,7 @@ struct Options {
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
   bool profile_step = false;         // step: StepOptions::profile_step
+  double fresh_inputs = 1.0;         // step: StepOptions::fresh_inputs
   bool profile_no_fetch = false;     // step: StepOptions::profile_no_fetch
   bool no_model_graphs = false;      // step: !StepOptions::model_graphs
   int plan_threads = 0;              // step: CudaAgentOptions::plan_threads (0: the default)
@@ -422,6 +423,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "with --random-rows: the draw's seed (item i's rows from seed + i; default 1000)");
   }
   if (std::string_view(suite.name) == "step") {
+    cmd->add_option("--fresh-inputs", o->fresh_inputs,
+                    "the share of the sequences given a fresh random input each decode step, in turn (default 1: "
+                    "all, the row cache's worst case); the others repeat their input and select nearly the same "
+                    "rows (rows suffixed _freshP)")
+        ->check(CLI::Range(0.01, 1.0));
     cmd->add_flag("--profile-step", o->profile_step,
                   "one more untimed decode step of each run with the fetch, between cudaProfilerStart and "
                   "cudaProfilerStop (for ncu --profile-from-start off)");
@@ -539,6 +545,7 @@ int main(int argc, char** argv) {
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;
       step.profile_step = o.profile_step;
+      step.fresh_inputs = o.fresh_inputs;
       step.profile_no_fetch = o.profile_no_fetch;
       step.model_graphs = !o.no_model_graphs;
       step.plan_threads = o.plan_threads;

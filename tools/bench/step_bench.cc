@@ -93,8 +93,13 @@ struct Model {
 
   // A fresh input for a step (embeddings of random tokens): its queries select other rows than
   // the last step's.
-  bool NewInput(uint32_t seed, int rows) {
-    gpu::FillTokens(llama->device_tokens(), rows, seed, kVocab, stream);
+  bool NewInput(uint32_t seed, int rows) { return NewInput(seed, rows, 0, rows); }
+  // The same for `fresh` rows from row `first` on (wrapping past the last row); the other rows
+  // keep the tokens of the last step, so their queries select nearly the rows they selected then.
+  bool NewInput(uint32_t seed, int rows, int first, int fresh) {
+    const int head = std::min(fresh, rows - first);
+    if (head > 0) gpu::FillTokens(llama->device_tokens() + first, head, seed, kVocab, stream);
+    if (fresh > head) gpu::FillTokens(llama->device_tokens(), fresh - head, seed ^ 0x9e3779b9u, kVocab, stream);
     return Ok(llama->Embed(llama->device_tokens(), rows), "embed");
   }
   bool Projections(int l, int rows) { return Ok(llama->ProjectQkv(l, rows, llama->device_positions()), "projections"); }
@@ -163,10 +168,20 @@ KvConfig StepKvConfig(std::string kv) {
   return config;
 }
 
+// The rows' suffix for StepOptions::fresh_inputs: none at 1 (every input fresh, the results'
+// names before the option), else _freshP with P its percent.
+std::string FreshSuffix(double fresh_inputs) {
+  if (fresh_inputs >= 1.0) return "";
+  return "_fresh" + std::to_string(static_cast<int>(std::lround(100 * fresh_inputs)));
+}
+
 // One agent's run: `options` says what the run varies (fetch, its overlap and route, threads,
-// blocks, the replica layout); the capacity and the stream are set here.
-AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int steps, bool host_huge_pages,
-                  CudaAgentOptions options, bool profile_step = false) {
+// blocks, the replica layout); the capacity and the stream are set here. `o` gives the context,
+// the steps, the host pages' kind and the share of fresh inputs.
+AgentRun RunAgent(Model& m, const std::string& kv, int batch, const StepOptions& o, CudaAgentOptions options,
+                  bool profile_step = false) {
+  const int context = o.context, steps = o.steps;
+  const bool host_huge_pages = o.host_huge_pages;
   AgentRun run;
   const int warm = 3;
   InMemorySource source(64, size_t{1} << 30, host_huge_pages);
@@ -217,10 +232,20 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, int context, int s
     run.prefill_ms = prefill_ms;
   }
   uint32_t input_seed = 7;
+  // StepOptions::fresh_inputs: the sequences given a fresh input, a window that moves on by its
+  // own length each step (every sequence gets one in turn); every sequence in the pre-decode step.
+  const int fresh_sequences = std::clamp(static_cast<int>(std::lround(o.fresh_inputs * batch)), 1, batch);
+  int first_fresh = 0;
   auto step = [&](StepKind kind) {
-    const int rows = batch * (*agent)->RowsPerSequence(kind);
+    const int per_sequence = (*agent)->RowsPerSequence(kind);
+    const int rows = batch * per_sequence;
     if (!Ok((*agent)->BeginStep(kind, ids), "BeginStep")) return false;
-    if (!m.NewInput(++input_seed, rows)) return false;
+    const bool all_fresh = kind != StepKind::kDecode || fresh_sequences == batch;
+    if (!m.NewInput(++input_seed, rows, all_fresh ? 0 : first_fresh * per_sequence,
+                    all_fresh ? rows : fresh_sequences * per_sequence)) {
+      return false;
+    }
+    if (!all_fresh) first_fresh = (first_fresh + fresh_sequences) % batch;
     for (int l = 0; l < kLayers; ++l) {
       if (!m.Projections(l, rows)) return false;
       if (!Ok((*agent)->DecodeLayer(l, {m.q(), m.k(), m.v(), m.out()}), "DecodeLayer")) return false;
@@ -650,9 +675,10 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   for (int b : o.batches) max_batch = std::max(max_batch, b);
   Model m;
   if (!m.Init(2 * max_batch, o.model_graphs)) return false;
-  std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, k=%d, context %d, fetch blocks %s, model graphs %s ==\n",
+  std::printf("\n== step: 32 layers, Llama-3-8B attention shapes, k=%d, context %d, fetch blocks %s, model graphs %s, "
+              "fresh inputs a step %.0f%% of the sequences ==\n",
               kTopK, o.context, o.fetch_blocks > 0 ? std::to_string(o.fetch_blocks).c_str() : "default",
-              o.model_graphs ? "on" : "off");
+              o.model_graphs ? "on" : "off", 100 * o.fresh_inputs);
   std::printf("%-36s %-6s %12s %12s %12s %9s %13s %11s %12s %10s %11s\n", "kv", "batch", "ms_layers", "ms_no_fetch",
               "ms_fetch", "ratio", "MB_per_step", "reused", "GBps_to_hide", "tok_per_s", "ms_prefill");
   bool ok = true;
@@ -683,7 +709,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       CudaAgentOptions no_fetch = base;
       no_fetch.fetch = false;
       const AgentRun without =
-          RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, no_fetch, o.profile_step && o.profile_no_fetch);
+          RunAgent(m, kv, batch, o, no_fetch, o.profile_step && o.profile_no_fetch);
       if (without.ms < 0) {
         ok = false;
         continue;
@@ -732,7 +758,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
         if (o.fetch_copy_piece_kb >= 0) fetch.fetch_copy_piece_bytes = int64_t{o.fetch_copy_piece_kb} * 1024;
         fetch.fetch_sm_share = sm_share;
         fetch.fetch_streaming_stores = streaming_stores;
-        const AgentRun with = fetches ? RunAgent(m, kv, batch, o.context, o.steps, o.host_huge_pages, fetch,
+        const AgentRun with = fetches ? RunAgent(m, kv, batch, o, fetch,
                                                        o.profile_step && !o.profile_no_fetch)
                                               : without;
         if (with.ms < 0) {
@@ -750,7 +776,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                                         ? (streaming_stores ? "_streaming" : "_cached")
                                         : "") +
                                    (o.mma_codes ? "" : "_natural") +
-                                   (o.selection_on_own_stream ? "" : "_ordered_topk");
+                                   (o.selection_on_own_stream ? "" : "_ordered_topk") + FreshSuffix(o.fresh_inputs);
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
@@ -780,6 +806,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"fetch_sm_share", *via == FetchVia::kCopyEngine ? sm_share : 0.0},
                           {"fetch_streaming_stores", *via == FetchVia::kCopyEngine && streaming_stores ? 1 : 0},
                           {"selection_on_own_stream", o.selection_on_own_stream ? 1 : 0},
+                          {"fresh_inputs", o.fresh_inputs},
                           {"ms_fetch_caller_wait", with.caller_wait_ms},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},
@@ -811,9 +838,11 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
               "       and registered before, when the agent was created: ms_agent_create_register_pages in the JSON).\n");
   std::printf("       ratio = ms_fetch / ms_no_fetch (goal <= 1.05); GBps_to_hide = fetched bytes per step over the\n"
               "       layers' own time: above what the gather reaches (specache-bench gather), the fetch cannot hide.\n"
-              "       Random data, a fresh input every step: selections barely repeat, so reuse (and the hidden\n"
-              "       share of the fetch) is the worst case; with the default row cache a real model fetched\n"
-              "       0.065-0.29 of its selected rows (docs/performance.md, the throughput table).\n");
+              "       Random data, by default a fresh input every step: selections barely repeat, so reuse (and\n"
+              "       the hidden share of the fetch) is the worst case; with the default row cache a real model\n"
+              "       fetched 0.065-0.29 of its selected rows (docs/performance.md, the throughput table).\n"
+              "       --fresh-inputs F < 1 gives a fresh input to F of the sequences a step (in turn), the others\n"
+              "       repeat theirs and select nearly the same rows (rows suffixed _freshP, P its percent).\n");
   return ok;
 }
 

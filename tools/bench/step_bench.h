@@ -18,6 +18,12 @@ struct StepOptions {
   std::vector<int> batches{1, 8, 16, 32};  // sequences per step, at `context` tokens each
   int context = 8192;
   int steps = 10;                           // timed steps (after warm-ups)
+  // The share of the batch's sequences given a fresh random input each decode step (in turn, a
+  // window moving by its length); the others repeat their last input, so their queries select
+  // nearly the same rows and the row cache reuses them. 1 (the default): every input fresh, the
+  // row cache's worst case (random data: ~5% of the rows reused); a real model's reuse lies between
+  // (docs/performance.md).
+  double fresh_inputs = 1.0;
   int fetch_blocks = 0;                     // CudaAgentOptions::fetch_blocks; 0: the agent's default
   // CudaAgentOptions::fetch_overlap, a row each (FetchOverlapName).
   std::vector<std::string> fetch_overlap{"from-selection"};
