@@ -409,7 +409,7 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->delimiter(',');
     cmd->add_option("--codes-l2", o->attend_codes_l2,
                     "more timings of the lean path's attention (1m), its L2 policy forced: normal, first (the "
-                    "codes' copies evict-first), e.g. normal,first; the plan chooses first "
+                    "codes' copies evict-first, the scores evict-last), e.g. normal,first; the plan chooses first "
                     "while a layer's code groups are at most 4x the L2")
         ->delimiter(',')
         ->check(CLI::IsMember({"normal", "first"}));

@@ -71,8 +71,8 @@ struct StepOptions {
   // plan's), ORDER chosen, shared, first or last (the tail units' place among the warps).
   std::vector<std::string> attend_unit_plans;
   // attend: more timings of the lean path's (1m) attention, each with its L2 policy forced
-  // (cuda::DecodePlan::force_codes_l2): "normal" or "first" (the codes' copies evict-first; the
-  // caller checks the names), against the plan's chosen one.
+  // (cuda::DecodePlan::force_codes_l2): "normal" or "first" (the codes' copies evict-first, the
+  // scores evict-last; the caller checks the names), against the plan's chosen one.
   std::vector<std::string> attend_codes_l2;
   // attend: more timings of the top-k, each with its segments cut into parts of this many tokens
   // (cuda::DecodePlan::force_topk_part_tokens) instead of its chosen cut.

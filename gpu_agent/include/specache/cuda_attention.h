@@ -260,9 +260,10 @@ class DecodePlan {
   void force_topk_part_tokens(int tokens) { forced_topk_part_tokens_ = tokens < 0 ? 0 : tokens; }
   int forced_topk_part_tokens() const { return forced_topk_part_tokens_; }
   // The L2 priority of the lean attention's copies of the replica's code groups (read once a
-  // layer): kChosen, evict-first when the launch's groups are at most a few times the device's L2
-  // (CodesEvictFirst, lowbit_decode.h), else normal; kNormal and kEvictFirst force one. No result
-  // depends on it. For benchmarks and tests; default kChosen.
+  // layer) and of its score stores: kChosen, evict-first copies and evict-last scores when the
+  // launch's groups are at most a few times the device's L2 (CodesEvictFirst, lowbit_decode.h),
+  // else both normal; kNormal and kEvictFirst force one. No result depends on it. For benchmarks
+  // and tests; default kChosen.
   enum class CodesL2 { kChosen, kNormal, kEvictFirst };
   void force_codes_l2(CodesL2 policy) { forced_codes_l2_ = policy; }
   CodesL2 forced_codes_l2() const { return forced_codes_l2_; }

@@ -31,8 +31,8 @@ struct DeviceItemSet {
   // the next whole CTA the bulk units; kTailsLast, the bulk units, then from the next whole CTA
   // the tail units.
   int32_t tail_order = 0;
-  // The lean path: nonzero, its copies of code groups ask L2 to evict those lines first
-  // (LowBitSet::codes_evict_first); 0, normal copies.
+  // The lean path: nonzero, its copies of code groups ask L2 to evict those lines first and its
+  // score stores to keep theirs last (LowBitSet::codes_evict_first); 0, both normal.
   int32_t codes_evict_first = 0;
 };
 

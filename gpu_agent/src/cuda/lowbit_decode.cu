@@ -135,9 +135,18 @@ __device__ __forceinline__ float ExpFrom(float x, float m_log2e) {
 __device__ __forceinline__ void StoreGlobalOutput(float* p, float v) {
   asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v));
 }
-// The same for two floats at p (8-byte aligned).
+// The same for two floats at p (8-byte aligned), kEvictLast asking L2 to keep the lines last (an
+// L2 cache policy): the lean path's scores, which the top-k reads next, into the same buffer
+// each layer.
+template <bool kEvictLast = false>
 __device__ __forceinline__ void StoreGlobalOutputPair(float* p, float v0, float v1) {
-  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1));
+  if constexpr (kEvictLast) {
+    asm volatile(
+        "{\n .reg .b64 policy;\n createpolicy.fractional.L2::evict_last.b64 policy, 1.0;\n"
+        " st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, policy;\n}\n" ::"l"(p), "f"(v0), "f"(v1));
+  } else {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1));
+  }
 }
 
 // A operand from four row words: rows 0, 1 masked by the scale pair s01 (a0 at byte b_lo, a1 at
@@ -897,7 +906,8 @@ __device__ __forceinline__ void RaiseRunningMax(float& m, float mn, float& l, fl
 // to build each A: 8 mma and ~32 moves a block, now 4 and none.)
 __device__ __forceinline__ float ZeroTermOfPair(const float (&zc)[4]) { return zc[0] + zc[3]; }
 
-// evict_first: the set's L2 policy for the blocks' copies (DeviceItemSet::codes_evict_first).
+// evict_first: the set's L2 policy (DeviceItemSet::codes_evict_first): the blocks' copies
+// evict-first, the score stores evict-last.
 template <int D>
 __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32_t t0, int32_t t1, uint32_t* ws,
                              int lane, bool evict_first) {
@@ -1103,8 +1113,13 @@ __device__ void LeanBulkUnit(const DeviceDecodeItem& it, int u, int units, int32
     // longer wait behind the stores' branches).
     if (scores_pairs && b0 + 32 <= scores_end) {  // tokens 2t, 2t + 1 of each n-tile: adjacent
       float* const at = scores_out + b0 + 2 * t;
+      if (evict_first) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair(at + 8 * nt, sc[nt][0], sc[nt][1]);
+        for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair<true>(at + 8 * nt, sc[nt][0], sc[nt][1]);
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) StoreGlobalOutputPair(at + 8 * nt, sc[nt][0], sc[nt][1]);
+      }
     } else if (scores_out) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)

@@ -166,22 +166,24 @@ struct LowBitSet {
   std::vector<DeviceDecodeItem> items;  // strides resolved, all eligible
   std::vector<int32_t> unit_begin;      // [items + 1]: item i's units are [unit_begin[i], unit_begin[i + 1])
   std::vector<int32_t> tail_begin;      // [items + 1]: prefix sums of the items' tail units
-  // The lean class: its copies of code groups evict-first in L2 (CodesEvictFirst, or as
-  // LowBitPlanArgs::forced_codes_l2 forces); false for the other classes.
+  // The lean class: its copies of code groups evict-first and its score stores evict-last in L2
+  // (CodesEvictFirst, or as LowBitPlanArgs::forced_codes_l2 forces); false for the other classes.
   bool codes_evict_first = false;
 };
 
 // The lean path's L2 rule (DecodePlan::CodesL2::kChosen). A layer's code groups are read once, and
 // while they stream through L2 in the normal priority they push out the scores the top-k reads
 // next and the units' partial results the merge reads, which come back from DRAM. Copied
-// evict-first, those stay. Measured on an H100 (50 MB L2), the lean kernel against normal
-// copies (specache-bench attend; gpu_agent/bench_results/codes_l2_halfmma_goals_h100_r49.txt):
-// 8 x 8K (34 MB of groups a layer) -9%, 32 x 8K (134 MB) -2.5 to -4.5%, 8 x 32K (134 MB) even,
-// 24 x 32K (403 MB) +1.3%, 176 x 8K (738 MB) +2.4%, 46 x 32K (772 MB) +4.0%; the whole 32-layer
-// step at 32 x 8K -2.1%. On the H200 (50 MB; codes_l2_landed_goals_h200_r50.txt): 8 x 8K -5%,
-// 32 x 8K -2.4%, and evict-first forced at 64 x 8K (268 MB) +2.1%. (An evict-last hint on the
-// score stores, tried beside it, added nothing and is gone.) So evict-first while the groups are
-// at most this many times the L2 (a bound between the points measured, not tuned).
+// evict-first (the scores stored evict-last), those stay. Measured on an H100 (50 MB L2), the
+// lean kernel against normal copies (specache-bench attend; gpu_agent/bench_results/
+// codes_l2_halfmma_goals_h100_r49.txt): 8 x 8K (34 MB of groups a layer) -9%, 32 x 8K (134 MB)
+// -2.5 to -4.5%, 8 x 32K (134 MB) even, 24 x 32K (403 MB) +1.3%, 176 x 8K (738 MB) +2.4%,
+// 46 x 32K (772 MB) +4.0%; the whole 32-layer step at 32 x 8K -2.1%. On the H200 (50 MB;
+// codes_l2_landed_goals_h200_r50.txt): 8 x 8K -5%, 32 x 8K -2.4%, and evict-first forced
+// at 64 x 8K (268 MB) +2.1%; there the copies' hint alone gained as much as both hints in one
+// layer's attention (but without the store hint an H100's 32-layer step came out 1-1.7% slower
+// in one round: l2_plan_fresh_inputs_h100_r51.txt; it stays). So evict-first while the groups
+// are at most this many times the L2 (a bound between the points measured, not tuned).
 constexpr int64_t kCodesEvictFirstL2Multiple = 4;
 inline bool CodesEvictFirst(int64_t code_bytes, int64_t l2_bytes) {
   return l2_bytes > 0 && code_bytes <= kCodesEvictFirstL2Multiple * l2_bytes;
