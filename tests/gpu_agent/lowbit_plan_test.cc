@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda/device_info.h"
 #include "cuda/lowbit_decode.h"
 #include "cuda/mma_codes.h"
 
@@ -231,6 +232,40 @@ TEST(LowBitPlanTest, TheLeanPathsL2PolicyFollowsItsCodeBytes) {
     ASSERT_LT(sets[0].kernel_class, cuda::kFirstLeanClass);
     EXPECT_FALSE(sets[0].codes_evict_first);
   }
+}
+
+TEST(LowBitPlanTest, ALaunchPlansWithItsDecodePlansSlotsAndForces) {
+  // PlanArgsOf: what AttendDecodeBatch (and specache-bench's print of the chosen split) plans with.
+  using Order = cuda::DecodePlan::UnitOrder;
+  using L2 = cuda::DecodePlan::CodesL2;
+  cuda::DecodePlan plan;
+  const cuda::LowBitPlanArgs chosen = cuda::PlanArgsOf(plan);
+  EXPECT_EQ(chosen.free_slots, 0);
+  EXPECT_EQ(chosen.forced_chunk_blocks, 0);
+  EXPECT_EQ(chosen.forced_order, Order::kChosen);
+  EXPECT_EQ(chosen.forced_codes_l2, L2::kChosen);
+  EXPECT_EQ(chosen.l2_bytes, cuda::CurrentDeviceL2Bytes());  // 0 without a device
+  plan.set_free_slots(32);
+  plan.force_units(24, Order::kTailsFirst);
+  plan.force_codes_l2(L2::kEvictFirst);
+  const cuda::LowBitPlanArgs forced = cuda::PlanArgsOf(plan);
+  EXPECT_EQ(forced.free_slots, 32);
+  EXPECT_EQ(forced.forced_chunk_blocks, 24);
+  EXPECT_EQ(forced.forced_order, Order::kTailsFirst);
+  EXPECT_EQ(forced.forced_codes_l2, L2::kEvictFirst);
+  // The same plan as the arguments spelt out.
+  std::vector<cuda::DeviceDecodeItem> items(64, Item(8192 + 2, 5, true));
+  for (auto& it : items) it.replica.layout.group_bytes = cuda::MmaGroupBytes(128);
+  std::vector<cuda::LowBitSet> a, b;
+  ASSERT_TRUE(cuda::PlanLowBitDecode(items, forced, &a).ok());
+  ASSERT_TRUE(cuda::PlanLowBitDecode(items, {.free_slots = 32, .l2_bytes = forced.l2_bytes, .forced_chunk_blocks = 24,
+                                             .forced_order = Order::kTailsFirst, .forced_codes_l2 = L2::kEvictFirst},
+                                     &b)
+                  .ok());
+  EXPECT_EQ(a[0].chunk_blocks, 24);
+  EXPECT_EQ(a[0].tail_order, cuda::kTailsFirst);
+  EXPECT_TRUE(a[0].codes_evict_first);
+  EXPECT_EQ(a[0].unit_begin, b[0].unit_begin);
 }
 
 TEST(LowBitPlanTest, EveryOrderRunsEachUnitOnceAndPadsToWholeCtas) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bench_stats.h"
+#include "cuda/lowbit_decode.h"
 #include "specache/agent.h"
 #include "specache/cuda_attention.h"
 #include "specache/cuda_replica.h"
@@ -311,6 +312,28 @@ double MedianMs(cudaStream_t stream, int reps, Fn fn) {
   return static_cast<int>(ms.size()) == reps ? Median(std::move(ms)) : -1;
 }
 
+// The tensor-core attention's split for `items` under `plan`, as AttendDecodeBatch plans it
+// (cuda::PlanArgsOf): bulk blocks a unit, the tails' order (cuda::TailOrder) and the lean path's
+// L2 policy, with a line of text; chunk_blocks 0 when the items do not make one tensor-core set.
+struct PlanChoice {
+  int chunk_blocks = 0, tail_order = 0;
+  bool codes_evict_first = false;
+  std::string text;
+};
+PlanChoice ChosenPlan(const std::vector<cuda::DeviceDecodeItem>& items, const cuda::DecodePlan& plan) {
+  std::vector<cuda::LowBitSet> sets;
+  PlanChoice choice;
+  if (!cuda::PlanLowBitDecode(items, cuda::PlanArgsOf(plan), &sets).ok() || sets.size() != 1) return choice;
+  const cuda::LowBitSet& set = sets[0];
+  static const char* const kOrders[] = {"shared", "first", "last"};
+  choice.chunk_blocks = set.chunk_blocks;
+  choice.tail_order = set.tail_order;
+  choice.codes_evict_first = set.codes_evict_first;
+  choice.text = std::to_string(set.chunk_blocks) + "/" + kOrders[set.tail_order] +
+                (set.kernel_class >= cuda::kFirstLeanClass ? (set.codes_evict_first ? ", L2 first" : ", L2 normal") : "");
+  return choice;
+}
+
 // Whether a CUDA device is usable; if not, says so for `suite`.
 bool HaveDevice(const char* suite) {
   int device_count = 0;
@@ -525,8 +548,12 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host_start).count() / 20;
       cudaStreamSynchronize(stream);
       const double gbps = bytes / (attend_ms * 1e-3) / 1e9;
-      std::printf("%-6d %5s %12.4f %12.1f %12.4f %12.4f %12.4f %12.2f %11.0f %10.3f\n", batch, label.c_str(), attend_ms,
-                  host_us, topk_ms, budget_ms, flat_ms, bytes / 1e6, gbps, gbps / hbm);
+      // The split the plan chose for these items (PlanLowBitDecode with the launch's arguments): what
+      // --unit-plans' forced splits stand against.
+      const PlanChoice chosen = ChosenPlan(batch_items, plan);
+      std::printf("%-6d %5s %12.4f %12.1f %12.4f %12.4f %12.4f %12.2f %11.0f %10.3f%s\n", batch, label.c_str(), attend_ms,
+                  host_us, topk_ms, budget_ms, flat_ms, bytes / 1e6, gbps, gbps / hbm,
+                  chosen.chunk_blocks > 0 ? ("  plan: " + chosen.text).c_str() : "");
       // The top-k with its cut forced, over the attention's scores (the loop above rewrote them
       // after the flat run), against the chosen cut's time above; the lean path's rows only.
       for (int part : variant.mma ? o.attend_topk_parts : std::vector<int>{}) {
@@ -550,7 +577,9 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                         {"ms_attend_layer", attend_ms},
                         {"ms_topk_layer", topk_ms}, {"ms_topk_mass_layer", budget_ms}, {"ms_topk_flat_layer", flat_ms}, {"us_enqueue", host_us}, {"bytes_read", bytes}, {"gbps", gbps}, {"hbm_gbps", hbm},
                         {"fraction_of_hbm", gbps / hbm}, {"free_slots", o.attend_free_slots},
-                        {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed}}});
+                        {"random_rows", o.attend_random_rows ? 1 : 0}, {"rows_seed", o.attend_rows_seed},
+                        {"plan_chunk_blocks", chosen.chunk_blocks}, {"plan_tail_order", chosen.tail_order},
+                        {"plan_codes_evict_first", chosen.codes_evict_first ? 1 : 0}}});
       // The lean path again under a forced plan (`forced_plan`, its free slots set here), against the
       // plan's own choice just above: a row printed with `what` and one JSON row named with `suffix`,
       // `fields` after the batch's. False when the attention failed (`failed`: its error's label).

@@ -408,13 +408,7 @@ Status AttendDecodeBatch(std::vector<DeviceDecodeItem> items, void* stream, Deco
   }
   std::vector<LowBitSet> sets;
   if (!fast.empty()) {
-    LowBitPlanArgs args;
-    args.free_slots = plan->free_slots();
-    args.l2_bytes = CurrentDeviceL2Bytes();
-    args.forced_chunk_blocks = plan->forced_chunk_blocks();
-    args.forced_order = plan->forced_order();
-    args.forced_codes_l2 = plan->forced_codes_l2();
-    SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(std::move(fast), args, &sets));
+    SPECACHE_RETURN_IF_ERROR(PlanLowBitDecode(std::move(fast), PlanArgsOf(*plan), &sets));
   }
   // One slot for every set of the call: the low-bit sets, then the CUDA-core set; one copy.
   std::vector<size_t> offsets;

@@ -2155,6 +2155,16 @@ Status PlanSet(int cls, std::vector<DeviceDecodeItem> items, const LowBitPlanArg
 
 }  // namespace
 
+LowBitPlanArgs PlanArgsOf(const DecodePlan& plan) {
+  LowBitPlanArgs args;
+  args.free_slots = plan.free_slots();
+  args.l2_bytes = CurrentDeviceL2Bytes();
+  args.forced_chunk_blocks = plan.forced_chunk_blocks();
+  args.forced_order = plan.forced_order();
+  args.forced_codes_l2 = plan.forced_codes_l2();
+  return args;
+}
+
 Status PlanLowBitDecode(std::vector<DeviceDecodeItem> items, const LowBitPlanArgs& args, std::vector<LowBitSet>* sets) {
   std::vector<DeviceDecodeItem> by_class[kClasses];
   const int first = items.empty() ? 0 : ClassOf(items[0]);

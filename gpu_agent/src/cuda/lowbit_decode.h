@@ -200,6 +200,9 @@ struct LowBitPlanArgs {
   DecodePlan::UnitOrder forced_order = DecodePlan::UnitOrder::kChosen;
   DecodePlan::CodesL2 forced_codes_l2 = DecodePlan::CodesL2::kChosen;  // no effect on the other classes
 };
+// The arguments AttendDecodeBatch plans with under `plan`: its free slots and forces, and the
+// current device's L2 (CurrentDeviceL2Bytes). Benchmarks call it to print the plan a launch took.
+LowBitPlanArgs PlanArgsOf(const DecodePlan& plan);
 // One set per class present among `items`, its units one wave of the GPU less the free slots, or
 // as forced; each lean set's L2 policy by the rule or as forced. Items of one class move into
 // their set uncopied.
