@@ -9,7 +9,6 @@
 #include "specache/cuda_attention.h"
 #include "decode_common.cuh"
 #include "decode_plan_slots.h"
-#include "device_info.h"
 #include "lowbit_decode.h"
 #include "prefill_attention.h"
 
