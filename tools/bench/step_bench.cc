@@ -312,6 +312,19 @@ double MedianMs(cudaStream_t stream, int reps, Fn fn) {
   return static_cast<int>(ms.size()) == reps ? Median(std::move(ms)) : -1;
 }
 
+// Where the tensor-core attention's tail units run, by name: --unit-plans' ORDER (chosen aside)
+// and the attend rows' plan column.
+struct TailOrderName {
+  const char* name;
+  cuda::DecodePlan::UnitOrder forced;  // as DecodePlan::force_units takes it
+  cuda::TailOrder planned;             // as a plan holds it (LowBitSet::tail_order)
+};
+constexpr TailOrderName kTailOrderNames[] = {
+    {"shared", cuda::DecodePlan::UnitOrder::kTailsShared, cuda::kTailsShared},
+    {"first", cuda::DecodePlan::UnitOrder::kTailsFirst, cuda::kTailsFirst},
+    {"last", cuda::DecodePlan::UnitOrder::kTailsLast, cuda::kTailsLast},
+};
+
 // The tensor-core attention's split for `items` under `plan`, as AttendDecodeBatch plans it
 // (cuda::PlanArgsOf): bulk blocks a unit, the tails' order (cuda::TailOrder) and the lean path's
 // L2 policy, with a line of text; chunk_blocks 0 when the items do not make one tensor-core set.
@@ -325,11 +338,14 @@ PlanChoice ChosenPlan(const std::vector<cuda::DeviceDecodeItem>& items, const cu
   PlanChoice choice;
   if (!cuda::PlanLowBitDecode(items, cuda::PlanArgsOf(plan), &sets).ok() || sets.size() != 1) return choice;
   const cuda::LowBitSet& set = sets[0];
-  static const char* const kOrders[] = {"shared", "first", "last"};
+  const char* order = "?";
+  for (const TailOrderName& n : kTailOrderNames) {
+    if (n.planned == set.tail_order) order = n.name;
+  }
   choice.chunk_blocks = set.chunk_blocks;
   choice.tail_order = set.tail_order;
   choice.codes_evict_first = set.codes_evict_first;
-  choice.text = std::to_string(set.chunk_blocks) + "/" + kOrders[set.tail_order] +
+  choice.text = std::to_string(set.chunk_blocks) + "/" + order +
                 (set.kernel_class >= cuda::kFirstLeanClass ? (set.codes_evict_first ? ", L2 first" : ", L2 normal") : "");
   return choice;
 }
@@ -386,9 +402,9 @@ std::optional<std::pair<int, cuda::DecodePlan::UnitOrder>> ParseUnitPlan(const s
   if (digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
   chunk = std::stoi(digits);
   if (order == "chosen") return std::pair{chunk, Order::kChosen};
-  if (order == "shared") return std::pair{chunk, Order::kTailsShared};
-  if (order == "first") return std::pair{chunk, Order::kTailsFirst};
-  if (order == "last") return std::pair{chunk, Order::kTailsLast};
+  for (const TailOrderName& n : kTailOrderNames) {
+    if (order == n.name) return std::pair{chunk, n.forced};
+  }
   return std::nullopt;
 }
 
