@@ -176,6 +176,12 @@ std::string FreshSuffix(double fresh_inputs) {
   return "_fresh" + std::to_string(static_cast<int>(std::lround(100 * fresh_inputs)));
 }
 
+// StepOptions::fresh_inputs as sequences of a batch: round(F x batch), at least one. The rows'
+// suffix names the share asked (FreshSuffix); the JSON gives this count too.
+int FreshSequences(double fresh_inputs, int batch) {
+  return std::clamp(static_cast<int>(std::lround(fresh_inputs * batch)), 1, batch);
+}
+
 // One agent's run: `options` says what the run varies (fetch, its overlap and route, threads,
 // blocks, the replica layout); the capacity and the stream are set here. `o` gives the context,
 // the steps, the host pages' kind and the share of fresh inputs.
@@ -235,7 +241,7 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, const StepOptions&
   uint32_t input_seed = 7;
   // StepOptions::fresh_inputs: the sequences given a fresh input, a window that moves on by its
   // own length each step (every sequence gets one in turn); every sequence in the pre-decode step.
-  const int fresh_sequences = std::clamp(static_cast<int>(std::lround(o.fresh_inputs * batch)), 1, batch);
+  const int fresh_sequences = FreshSequences(o.fresh_inputs, batch);
   int first_fresh = 0;
   auto step = [&](StepKind kind) {
     const int per_sequence = (*agent)->RowsPerSequence(kind);
@@ -852,6 +858,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"fetch_streaming_stores", *via == FetchVia::kCopyEngine && streaming_stores ? 1 : 0},
                           {"selection_on_own_stream", o.selection_on_own_stream ? 1 : 0},
                           {"fresh_inputs", o.fresh_inputs},
+                          {"fresh_sequences", FreshSequences(o.fresh_inputs, batch)},
                           {"ms_fetch_caller_wait", with.caller_wait_ms},
                           {"ms_layers_only", layers_ms},
                           {"ms_step_no_fetch", without.ms},
