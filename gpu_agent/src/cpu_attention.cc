@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "specache/quantizer.h"
+#include "specache/selection.h"
 
 namespace specache::cpu {
 namespace {
@@ -189,18 +190,8 @@ void SelectTopK(const float* probs, int n_heads, int32_t n, int k, GroupReductio
   tokens->resize(static_cast<size_t>(n));
   std::iota(tokens->begin(), tokens->end(), 0);
   if (k >= n) return;
-  scratch->assign(static_cast<size_t>(n), reduction == GroupReduction::kMax ? -std::numeric_limits<float>::infinity() : 0.0f);
-  float* score = scratch->data();
-  for (int h = 0; h < n_heads; ++h) {
-    const float* ph = probs + static_cast<size_t>(h) * n;
-    for (int32_t j = 0; j < n; ++j) {
-      const float v = std::isnan(ph[j]) ? -std::numeric_limits<float>::infinity() : ph[j];
-      score[j] = reduction == GroupReduction::kMax ? std::max(score[j], v) : score[j] + v;
-    }
-  }
-  if (reduction == GroupReduction::kMean) {
-    for (int32_t j = 0; j < n; ++j) score[j] /= static_cast<float>(n_heads);
-  }
+  ReduceGroupScores(probs, n_heads, n, reduction, scratch);
+  const float* score = scratch->data();
   auto better = [score](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
   std::nth_element(tokens->begin(), tokens->begin() + k, tokens->end(), better);
   tokens->resize(static_cast<size_t>(k));

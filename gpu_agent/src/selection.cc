@@ -32,7 +32,12 @@ void ReduceGroupScores(const float* probs, int n_heads, int32_t n, GroupReductio
     }
   }
   if (!use_max) {
-    for (int32_t j = 0; j < n; ++j) s[j] /= static_cast<float>(n_heads);
+    // A mean of +inf and -inf (a head's +inf beside another's NaN or -inf) is NaN: it ranks lowest,
+    // as a NaN probability does, and keeps RankBest's order a strict weak ordering.
+    for (int32_t j = 0; j < n; ++j) {
+      s[j] /= static_cast<float>(n_heads);
+      if (std::isnan(s[j])) s[j] = -std::numeric_limits<float>::infinity();
+    }
   }
 }
 

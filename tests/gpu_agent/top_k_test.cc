@@ -1,11 +1,13 @@
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
 #include <gtest/gtest.h>
 
 #include "specache/cpu_attention.h"
+#include "specache/selection.h"
 
 namespace specache {
 namespace {
@@ -43,6 +45,22 @@ TEST(TopKTest, KLargerThanCandidatesReturnsAllAndZeroReturnsNone) {
 TEST(TopKTest, NanRanksLowest) {
   const std::vector<float> probs = {std::nanf(""), 0.1f, 0.2f};
   EXPECT_EQ(TopK(probs, 1, 2, GroupReduction::kMax), (std::vector<int32_t>{1, 2}));
+}
+
+// A mean of +inf and NaN (the NaN counts as -inf) or of +inf and -inf is NaN: it ranks lowest
+// too, not first and not out of the ranking's order (a NaN score broke the sort's comparison).
+TEST(TopKTest, AMeanThatComesOutNanRanksLowest) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> probs = {inf, inf, 0.2f, 0.1f, 0.3f,             // head 0
+                                    std::nanf(""), -inf, 0.2f, 0.1f, 0.0f};  // head 1
+  EXPECT_EQ(TopK(probs, 2, 2, GroupReduction::kMean), (std::vector<int32_t>{2, 4}));
+  EXPECT_EQ(TopK(probs, 2, 3, GroupReduction::kMean), (std::vector<int32_t>{2, 3, 4}));
+  std::vector<float> score;
+  cpu::ReduceGroupScores(probs.data(), 2, 5, GroupReduction::kMean, &score);
+  EXPECT_EQ(score[0], -inf);
+  EXPECT_EQ(score[1], -inf);
+  cpu::ReduceGroupScores(probs.data(), 2, 5, GroupReduction::kMax, &score);
+  EXPECT_EQ(score[0], inf) << "the max of +inf and a NaN head is +inf";
 }
 
 // Random inputs against a brute-force float64 reference (full sort by score, then index).

@@ -32,7 +32,8 @@ struct SelectionScratch {
 // out[h][j] = max(probs[h][j], probs[h][j - 1]) (j > 0; out[h][0] = probs[h][0]); NaN stays NaN.
 void WithPredecessors(const float* probs, int n_heads, int32_t n, std::vector<float>* out);
 
-// Reduced score per token: [n] from [n_heads][n].
+// Reduced score per token: [n] from [n_heads][n], never NaN (a head's NaN counts as -inf, and so
+// does a mean that comes out NaN, of +inf and -inf): NaN ranks lowest.
 void ReduceGroupScores(const float* probs, int n_heads, int32_t n, GroupReduction reduction, std::vector<float>* score);
 
 // Tokens per run of CandidateMass's sum (the CUDA top-k's block width).
