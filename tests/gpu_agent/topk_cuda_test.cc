@@ -39,12 +39,16 @@ TEST(CudaTopKTest, EqualsTheCpuSelectionExactly) {
   for (int32_t n : {1, 63, 64, 65, 1000, 8192}) {
     for (int k : {1, 64, 128, 100000}) {
       for (GroupReduction red : {GroupReduction::kMean, GroupReduction::kMax}) {
-        // Probabilities with many exact ties (a few distinct values), some NaN, some zeros.
+        // Probabilities with many exact ties (a few distinct values), some NaN, some zeros, a few
+        // infinite (a mean of +inf and a NaN or -inf head is NaN: ranked lowest, as NaN).
         std::vector<float> probs(size_t(segments) * heads * n);
         for (auto& p : probs) {
           const uint32_t r = rng() % 100;
-          p = r < 3 ? std::numeric_limits<float>::quiet_NaN() : r < 40 ? static_cast<float>(rng() % 4) * 0.125f
-                                                                       : static_cast<float>(rng() % 100000) / 1e5f;
+          constexpr float kInf = std::numeric_limits<float>::infinity();
+          p = r < 3    ? std::numeric_limits<float>::quiet_NaN()
+              : r < 5  ? (r == 3 ? kInf : -kInf)
+              : r < 40 ? static_cast<float>(rng() % 4) * 0.125f
+                       : static_cast<float>(rng() % 100000) / 1e5f;
         }
         const int out_k = std::min(k, n);
         float* d_probs = nullptr;

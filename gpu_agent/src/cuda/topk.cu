@@ -369,9 +369,12 @@ __device__ __forceinline__ float FirstHead(float v, const HeadScale* hs, bool us
 
 // The group's reduction after its last head: the max, or the sum / n_heads. inv_heads: 1 / n_heads
 // when n_heads is a power of two (the sum times it is the sum / n_heads, bit for bit, without a
-// correctly rounded division per token), else 0.
+// correctly rounded division per token), else 0. Never NaN, as cpu::ReduceGroupScores: a sum of
+// +inf and -inf (a head's NaN) is -inf, ranked lowest.
 __device__ __forceinline__ float FinishedReduction(float s, int n_heads, float inv_heads, bool use_max) {
-  return use_max ? s : inv_heads != 0.0f ? __fmul_rn(s, inv_heads) : __fdiv_rn(s, static_cast<float>(n_heads));
+  if (use_max) return s;
+  const float mean = inv_heads != 0.0f ? __fmul_rn(s, inv_heads) : __fdiv_rn(s, static_cast<float>(n_heads));
+  return isnan(mean) ? -INFINITY : mean;
 }
 
 // Reduced score of token j: the GQA group's probabilities (normalised on the fly when the
