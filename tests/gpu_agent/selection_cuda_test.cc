@@ -71,6 +71,13 @@ TEST(CudaSelectionTest, BudgetMergeIsTheUnionOfTheRowsThenPadding) {
     ASSERT_EQ(testing::Download(tasks[i].out, want[i].size()), want[i]) << "task " << i;
   }
   EXPECT_EQ(testing::Download(rows, 1)[0], want_rows);
+  // Without a count (the union without the budget): the same lists.
+  for (const cuda::MergeTask& t : tasks) ASSERT_EQ(cudaMemset(t.out, 0xff, size_t(t.na + t.nb) * 4), cudaSuccess);
+  ASSERT_TRUE(cuda::MergeBudgetSelections(tasks.data(), n_tasks, nullptr, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int i = 0; i < n_tasks; ++i) {
+    ASSERT_EQ(testing::Download(tasks[i].out, want[i].size()), want[i]) << "task " << i << " without a count";
+  }
 #endif
 }
 

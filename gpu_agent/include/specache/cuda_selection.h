@@ -1,7 +1,8 @@
 // The steps of the row-selection rule (selection.h) that the top-k kernels do not cover, on the
 // device. The union selection (SelectFrom::kUnion): MaskTokens takes the primary rows out of the
 // real row's scores (they become NaN, which every top-k ranks lowest), SelectTopKBatch then picks
-// the real row's best others, and MergeSelections joins the two ascending lists into one. Device
+// the real row's best others, and MergeBudgetSelections joins the two ascending lists into one, each
+// token once (MergeSelections, for disjoint lists, past kMaxBudgetMerge). Device
 // pointers; streams as void*. With KvConfig::real_next, WithPredecessors first credits each token
 // with its predecessor's score. One launch per call, its tasks through a slot of `plan`
 // (cuda_attention.h; null: a plan of the call's own, which waits for the kernel).
@@ -42,10 +43,12 @@ struct ShiftTask {
 // scores[h][token] = NaN for every listed token, in every head of the group (kNoToken entries,
 // the adaptive budget's padding, are skipped).
 Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream, DecodePlan* plan = nullptr);
+// `out` [na + nb]: the ascending lists a and b merged; they must share no token.
 Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream, DecodePlan* plan = nullptr);
-// The union with the adaptive budget: `a` holds the budget's rows then kNoToken padding (cuda_topk.h),
-// `b` the real row's best others ranked with a's rows masked. When fewer than nb others exist, b
-// also holds some of a's rows: they count once. `out` [na + nb] receives a's rows and b's others,
+// The union with the adaptive budget, or any union short enough: `a` holds the primary rows (the
+// budget's) then any kNoToken padding (cuda_topk.h), `b` the real row's best others ranked with a's
+// rows masked. When fewer than nb others rank above the masked rows (too few candidates, or a real
+// row of -inf and NaN scores), b also holds some of a's rows: they count once. `out` [na + nb] receives a's rows and b's others,
 // ascending, then kNoToken; each task's count is added to *rows (device memory) when rows is set.
 // na + nb at most kMaxBudgetMerge.
 constexpr int kMaxBudgetMerge = 8192;

@@ -343,9 +343,14 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t s
   SPECACHE_RETURN_IF_ERROR(
       SelectTopKBatch(others.data(), static_cast<int>(others.size()), group, extra, config_.reduction, stream, nullptr,
                       &topk_plan_));
-  if (adaptive) {
-    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), stream,
-                                 &selection_tasks_);
+  // Without the budget too the two lists may share tokens: the primary ones, masked as NaN, rank as
+  // -inf, tied with the real row's own -inf and NaN tokens (a row of NaN), so the real row's picks
+  // can repeat one. The de-duplicating merge then ends the list with padding, where the plain merge
+  // would write one slot twice and leave the last one as an older step left it. The plain merge
+  // (disjoint lists only) past the de-duplicating one's length.
+  if (adaptive || k + extra <= kMaxBudgetMerge) {
+    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()),
+                                 adaptive ? rows_->budget_rows() : nullptr, stream, &selection_tasks_);
   }
   return MergeSelections(merges.data(), static_cast<int>(merges.size()), stream, &selection_tasks_);
 }
