@@ -95,19 +95,26 @@ void SelectRows(const KvConfig& c, const float* primary_probs, const float* real
   RankBest(scratch->score.data(), n, rows, &scratch->order);
   tokens->assign(scratch->order.begin(), scratch->order.end());
   std::sort(tokens->begin(), tokens->end());
-  const int32_t extra = std::min<int32_t>(c.extra_rows(), n - rows);
-  if (extra <= 0) return;
-  // The real row's ranking with the primary rows taken out.
+  const int32_t extra = c.extra_rows();
+  if (extra <= 0 || rows == n) return;
+  if (!c.adaptive() && n <= rows + extra) {  // every candidate, whatever the real row says
+    tokens->resize(static_cast<size_t>(n));
+    std::iota(tokens->begin(), tokens->end(), 0);
+    return;
+  }
+  // The real row's best `extra` with the primary rows ranked lowest (-inf), less the primary ones
+  // among them: there are such only where fewer than `extra` others rank above -inf (few
+  // candidates left, or a real row of -inf or NaN, whose ties go to the lower token, primary or
+  // not). Those places are dropped, not filled with worse tokens, as the CUDA merge drops them.
   if (c.real_next) {
     WithPredecessors(real_probs, n_heads, n, &scratch->shifted);
     real_probs = scratch->shifted.data();
   }
   ReduceGroupScores(real_probs, n_heads, n, c.reduction, &scratch->score);
   for (int32_t t : *tokens) scratch->score[t] = -std::numeric_limits<float>::infinity();
-  RankBest(scratch->score.data(), n, rows + extra, &scratch->order);  // holds at most `rows` primary ones
+  RankBest(scratch->score.data(), n, extra, &scratch->order);
   scratch->extra.clear();
   for (int32_t t : scratch->order) {
-    if (static_cast<int32_t>(scratch->extra.size()) == extra) break;
     if (!std::binary_search(tokens->begin(), tokens->end(), t)) scratch->extra.push_back(t);
   }
   std::sort(scratch->extra.begin(), scratch->extra.end());

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <random>
 #include <span>
@@ -50,16 +51,23 @@ struct RaggedPair {
   double worst = 0;              // max |got - want|
 };
 
-// Fills *p (a failure to make or drive an agent, or outputs of different lengths, is the error).
+// Fills *p (a failure to make or drive an agent, outputs of different lengths, or a NaN output
+// where the other agent's is a number, is the error). `edit_queries`: testing::DriveBatch's, on both.
 Status DriveRaggedOnBoth(const ModelShape& shape, const KvConfig& c, const std::vector<int32_t>& prompts, uint32_t seed,
-                         RaggedPair* p) {
+                         RaggedPair* p,
+                         const std::function<void(int, int, std::vector<float>*)>& edit_queries = {}) {
   SPECACHE_ASSIGN_OR_RETURN(p->cpu, CreateCpuAgent(shape, c, &p->cpu_source));
   SPECACHE_ASSIGN_OR_RETURN(auto gpu, CreateCudaAgent(shape, c, &p->gpu_source, {1024}));
   SPECACHE_ASSIGN_OR_RETURN(p->gpu, WrapHostTensors(std::move(gpu)));
-  SPECACHE_ASSIGN_OR_RETURN(p->want, testing::DriveBatch(p->cpu.get(), prompts, 40, std::mt19937(seed)));
-  SPECACHE_ASSIGN_OR_RETURN(p->got, testing::DriveBatch(p->gpu.get(), prompts, 40, std::mt19937(seed)));
+  SPECACHE_ASSIGN_OR_RETURN(p->want, testing::DriveBatch(p->cpu.get(), prompts, 40, std::mt19937(seed), {}, edit_queries));
+  SPECACHE_ASSIGN_OR_RETURN(p->got, testing::DriveBatch(p->gpu.get(), prompts, 40, std::mt19937(seed), {}, edit_queries));
   if (p->got.size() != p->want.size()) return Status::Internal("the two agents gave outputs of different lengths");
-  for (size_t i = 0; i < p->want.size(); ++i) p->worst = std::max(p->worst, double(std::fabs(p->got[i] - p->want[i])));
+  for (size_t i = 0; i < p->want.size(); ++i) {
+    if (std::isnan(p->got[i]) != std::isnan(p->want[i])) {
+      return Status::Internal("output " + std::to_string(i) + " is NaN on one agent only");
+    }
+    if (!std::isnan(p->want[i])) p->worst = std::max(p->worst, double(std::fabs(p->got[i] - p->want[i])));
+  }
   return Status::Ok();
 }
 
@@ -597,6 +605,54 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
   adaptive.k_max = 5000;
   InMemorySource source;
   EXPECT_EQ(CreateCudaAgent(shape, adaptive, &source, {1024}).status().code(), StatusCode::kInvalidArgument);
+#endif
+}
+
+// A real row of NaN (a model that overflowed): its attention gives NaN on both agents, and the
+// union rule's extra rows, all tied at -inf with the primary ones, are the CPU's (selection.h: the
+// primary ones among the real row's best dropped, not replaced, and no place of the list left
+// holding an older step's token). Twice in the run, on two sequences of a ragged batch, for the
+// next step's fetch and for the last selection; with and without the successor's credit and the
+// adaptive budget.
+TEST(CudaAgentTest, ARealRowOfNanSelectsTheCpuAgentsRows) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 64, 1};
+  const int rows = 2;  // per sequence in a decode step: the real row first
+  auto nan_real_rows = [&](int step, int, std::vector<float>* q) {
+    if (step != 20 && step != 39) return;
+    const size_t row = size_t(shape.n_q_heads) * shape.head_dim;
+    for (size_t s : {size_t{0}, size_t{1}}) {
+      std::fill_n(q->begin() + static_cast<std::ptrdiff_t>(s * rows * row), row, std::nanf(""));
+    }
+  };
+  for (int variant = 0; variant < 3; ++variant) {
+    KvConfig c;
+    c.key_bits = c.value_bits = 2;
+    c.top_k = 24;
+    c.select = SelectFrom::kUnion;
+    c.top_k_real = 12;
+    c.attend_resident = true;
+    c.real_next = variant > 0;
+    if (variant == 2) c.mass = 0.5, c.k_min = 4, c.k_max = 24;
+    const std::string name = "variant " + std::to_string(variant);
+    RaggedPair pair;
+    const Status driven = DriveRaggedOnBoth(shape, c, prompts, 81, &pair, nan_real_rows);
+    ASSERT_TRUE(driven.ok()) << name << ": " << driven.ToString();
+    EXPECT_EQ(std::count_if(pair.want.begin(), pair.want.end(), [](float x) { return std::isnan(x); }),
+              int64_t{2} * 2 * shape.n_layers * shape.n_q_heads * shape.head_dim)
+        << name << ": the real rows of NaN, and only they, give NaN";
+    EXPECT_LT(pair.worst, 1e-3) << name;
+    ExpectSameSelections(*pair.gpu, *pair.cpu, shape, prompts.size(), name);
+    const AgentStats a = pair.cpu->stats(), b = pair.gpu->stats();
+    EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
+    EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
+    // Without the budget the CUDA agent counts the selection's places (top_k + extra), the CPU
+    // agent its tokens: fewer where a real row of NaN dropped some.
+    if (c.adaptive()) EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
+    else EXPECT_GT(b.rows_selected, a.rows_selected) << name;
+  }
 #endif
 }
 

@@ -82,6 +82,34 @@ TEST(SelectionTest, UnionAddsTheRealRowsBestOthers) {
   EXPECT_EQ(got.size(), 20u);
 }
 
+// A real row of NaN (a model that overflowed) ranks every token -inf, tied with the primary ones:
+// of its best extra_rows() (the lowest tokens) the primary ones are dropped, not replaced by the
+// next lowest (the CUDA merge's rule); with no more candidates than both together, all of them.
+TEST(SelectionTest, ARealRowOfNanAddsOnlyItsBestThatAreNotPrimary) {
+  KvConfig c = Config(KvMode::kSpeCache, 3);
+  c.select = SelectFrom::kUnion;
+  c.top_k_real = 3;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float spec[] = {0.0f, 0.4f, 0.0f, 0.0f, 0.0f, 0.3f, 0.0f, 0.2f, 0.0f, 0.1f};
+  const std::vector<float> real(10, nan);
+  std::vector<int32_t> got;
+  cpu::SelectionScratch s;
+  cpu::SelectRows(c, spec, real.data(), 1, 10, &got, &s);
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2, 5, 7}));  // {1, 5, 7} and {0, 1, 2} less 1
+  c.real_next = true;  // NaN stays NaN under the predecessor's credit
+  cpu::SelectRows(c, spec, real.data(), 1, 10, &got, &s);
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2, 5, 7}));
+  cpu::SelectRows(c, spec, real.data(), 1, 6, &got, &s);
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
+  // With the adaptive budget (k_min 1, the mass 0.6: tokens 1 and 5) every candidate count
+  // goes through the ranking.
+  c.mass = 0.6, c.k_min = 1, c.k_max = 3;
+  cpu::SelectRows(c, spec, real.data(), 1, 10, &got, &s);
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2, 5}));
+  cpu::SelectRows(c, spec, real.data(), 1, 6, &got, &s);
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2, 5}));
+}
+
 TEST(SelectionTest, RealNextCreditsTheRowAfterEachAttendedRow) {
   KvConfig c = Config(KvMode::kSpeCache, 1);
   c.select = SelectFrom::kUnion;

@@ -27,9 +27,13 @@ inline Status AddSequences(Agent* agent, const std::vector<int32_t>& prompts, st
 // Drives an agent through prefill and `steps` decode steps of several sequences at once with
 // given random rows (no model): what the engine would hand it. Returns every output, in order.
 // `between` (optional) runs after the prefill, before the first step: another engine's business
-// on the same agent, which must not change these sequences' outputs.
+// on the same agent, which must not change these sequences' outputs. `edit_queries` (optional)
+// may change a decode step's query rows ([rows of the batch][n_q_heads][head_dim], as DecodeLayer
+// takes them) after they are drawn, before the layer runs: step -1 is the pre-decode step.
 inline Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int32_t>& prompts, int steps, std::mt19937 rng,
-                                             const std::function<Status()>& between = {}) {
+                                             const std::function<Status()>& between = {},
+                                             const std::function<void(int step, int layer, std::vector<float>* q)>&
+                                                 edit_queries = {}) {
   const ModelShape& m = agent->shape();
   std::vector<SequenceId> ids;
   std::vector<int32_t> offsets;
@@ -56,8 +60,9 @@ inline Result<std::vector<float>> DriveBatch(Agent* agent, const std::vector<int
     SPECACHE_RETURN_IF_ERROR(agent->BeginStep(kind, ids));
     const size_t n = ids.size() * rows;
     for (int l = 0; l < m.n_layers; ++l) {
-      const auto q = random(n * m.n_q_heads * m.head_dim, 1.0f), k = random(n * m.n_kv_heads * m.head_dim, 2.0f),
-                 v = random(n * m.n_kv_heads * m.head_dim, 1.0f);
+      auto q = random(n * m.n_q_heads * m.head_dim, 1.0f);
+      const auto k = random(n * m.n_kv_heads * m.head_dim, 2.0f), v = random(n * m.n_kv_heads * m.head_dim, 1.0f);
+      if (edit_queries) edit_queries(step, l, &q);
       std::vector<float> out(n * m.n_q_heads * m.head_dim);
       SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {q.data(), k.data(), v.data(), out.data()}));
       SPECACHE_RETURN_IF_ERROR(agent->StartPrefetch(l));

@@ -8,7 +8,10 @@
 //     candidates' scores, no fewer than k_min and no more than k_max (and never more than n).
 //     The primary row is the speculative row (SelectFrom::kSpeculative and kUnion), or the real
 //     row (kReal, and the modes that select for their own step).
-//   - kUnion adds the real row's best extra_rows() tokens that are not primary.
+//   - kUnion adds, of the real row's best extra_rows() tokens with the primary ones ranked lowest
+//     (-inf), those that are not primary (all of them, unless fewer than extra_rows() others rank
+//     above -inf: a real row of NaN keeps fewer rows, as the CUDA merge does). Without the
+//     adaptive budget, n <= top_k + extra_rows() candidates are all selected.
 //   - With real_next (kSpeCache), the real row's ranking (kReal's primary, kUnion's extra) reads
 //     per-head probabilities replaced by max(p[j], p[j - 1]).
 // Ties go to the lower token. The result is ascending.

@@ -28,8 +28,10 @@
 //   stream queues a deferred fetch first.
 // - Hits and misses are counted on the device by the fetch kernel; the rows selected on the host,
 //   except the adaptive budget's (KvConfig::mass), which the selection counts on the device
-//   (budget_rows()). Its selections end in kNoToken padding (cuda_topk.h): no rows, skipped by the
-//   fetch, the cache update and the attention, and left out of what is reported.
+//   (budget_rows()). Its selections end in kNoToken padding (cuda_topk.h), as does a union's whose
+//   real row's picks repeat primary rows (a real row of NaN; cuda_selection.h): no rows, skipped by
+//   the fetch, the cache update and the attention, and left out of what is reported (not out of
+//   the host's count of rows selected: a padded union counts its places).
 // - A source without zero-copy pages (UseStagedSource, chosen once by the agent) keeps all of the
 //   above; only the rows the cache lacks come through pinned host memory (staged_fetch.h) instead
 //   of being read from mapped pages. The overlapped fetch then runs on the agent's SourceWorker:
