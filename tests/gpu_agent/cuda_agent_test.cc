@@ -51,6 +51,19 @@ struct RaggedPair {
   double worst = 0;              // max |got - want|
 };
 
+// The union rule of the ragged batches' tests: 2 bits, 24 primary rows and 12 of the real row's,
+// the whole row cache attended.
+KvConfig RaggedUnion(bool real_next) {
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  c.select = SelectFrom::kUnion;
+  c.top_k_real = 12;
+  c.attend_resident = true;
+  c.real_next = real_next;
+  return c;
+}
+
 // Fills *p (a failure to make or drive an agent, outputs of different lengths, or a NaN output
 // where the other agent's is a number, is the error). `edit_queries`: testing::DriveBatch's, on both.
 Status DriveRaggedOnBoth(const ModelShape& shape, const KvConfig& c, const std::vector<int32_t>& prompts, uint32_t seed,
@@ -586,15 +599,8 @@ TEST(CudaAgentTest, SelectionRulesMatchTheCpuAgent) {
   // A ragged batch with union + resident: per-sequence selections of different sizes in one launch.
   const ModelShape shape{3, 8, 2, 64};
   const std::vector<int32_t> prompts{150, 333, 64, 1};
-  KvConfig c;
-  c.key_bits = c.value_bits = 2;
-  c.top_k = 24;
-  c.select = SelectFrom::kUnion;
-  c.top_k_real = 12;
-  c.attend_resident = true;
-  c.real_next = true;
   RaggedPair pair;
-  const Status driven = DriveRaggedOnBoth(shape, c, prompts, 78, &pair);
+  const Status driven = DriveRaggedOnBoth(shape, RaggedUnion(true), prompts, 78, &pair);
   ASSERT_TRUE(driven.ok()) << driven.ToString();
   EXPECT_LT(pair.worst, 1e-3);
   EXPECT_EQ(pair.gpu->stats().rows_fetched, pair.cpu->stats().rows_fetched);
@@ -628,13 +634,7 @@ TEST(CudaAgentTest, ARealRowOfNanSelectsTheCpuAgentsRows) {
     }
   };
   for (int variant = 0; variant < 3; ++variant) {
-    KvConfig c;
-    c.key_bits = c.value_bits = 2;
-    c.top_k = 24;
-    c.select = SelectFrom::kUnion;
-    c.top_k_real = 12;
-    c.attend_resident = true;
-    c.real_next = variant > 0;
+    KvConfig c = RaggedUnion(variant > 0);
     if (variant == 2) c.mass = 0.5, c.k_min = 4, c.k_max = 24;
     const std::string name = "variant " + std::to_string(variant);
     RaggedPair pair;
