@@ -40,6 +40,7 @@
 #             tools/bench/gpu_agent_checks.sh ncu      # not in run: Nsight Compute on one launch of one kernel
 #                                                      # under specache-bench attend (NCU_KERNEL, a regex, default
 #                                                      # TopKPartKernel; NCU_TOKENS x NCU_BATCH, default 32768 x 46;
+#                                                      # NCU_ROWS substituted rows a head, default attend's 64;
 #                                                      # NCU_SKIP launches skipped first, default 3): the full set's
 #                                                      # details, then instructions and stall samples per source line
 #                                                      # and SASS instruction, in $OUT/ncu.tgz (~3 minutes)
@@ -292,7 +293,8 @@ if [ "$stage" = topk ]; then
 fi
 if [ "$stage" = ncu ]; then
   ncu_bin=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
-  attend=(specache-bench attend --random-rows --free-slots 32 --tokens "${NCU_TOKENS:-32768}" --batches "${NCU_BATCH:-46}")
+  attend=(specache-bench attend --random-rows --free-slots 32 --tokens "${NCU_TOKENS:-32768}" --batches "${NCU_BATCH:-46}"
+          ${NCU_ROWS:+--attend-rows "$NCU_ROWS"})
   # The bundle's runner execs the binary: ncu follows it (its default, every process).
   timed ncu_profile 240 "$ncu_bin" --kernel-name "regex:${NCU_KERNEL:-TopKPartKernel}" --launch-skip "${NCU_SKIP:-3}" \
     --launch-count 1 --set full --import-source yes -f -o "$out/ncu" "$bundle/run" "${attend[@]}" || bench_rc=1
