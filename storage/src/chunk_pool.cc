@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -102,6 +103,14 @@ bool ChunkPool::HeldElsewhere(int probe, bool* unknown) {
 Status ChunkPool::MakeChunk(Chunk* c, bool prefault) {
   const int fd = memfd_create("specache-chunk", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Errno("memfd_create");
+  // The daemon's alone (a memfd is made 0777): a client's own open files come from ShareFd, and
+  // one that kept only a path to the chunk (an O_PATH descriptor, which no lease probe sees)
+  // cannot open it again once the chunk is scrubbed and given to the next owner.
+  if (fchmod(fd, 0600) != 0) {
+    Status s = Errno("fchmod chunk");
+    close(fd);
+    return s;
+  }
   if (ftruncate(fd, static_cast<off_t>(options_.chunk_bytes)) != 0) {
     Status s = Errno("ftruncate chunk");
     close(fd);

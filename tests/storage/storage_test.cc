@@ -1,6 +1,8 @@
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -181,6 +183,49 @@ TEST(ChunkPoolTest, AChunkNeverSharedComesBackWithoutTheProbe) {
   close(*shared);
 }
 
+// A client that keeps only a path to its chunk (an O_PATH descriptor: no open file, so the lease
+// probe does not see it) lets the chunk come back scrubbed, and the next owner gets the same file.
+// The file is the daemon user's alone (mode 0600), so for any other user that path opens nothing;
+// at 0777, the memfd's own mode, it opened the next tenant's pages for reading and writing.
+TEST(ChunkPoolTest, APathKeptToAReturnedChunkOpensNothingForAnotherUser) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  ChunkPool& p = **pool;
+  auto taken = p.Take(1, 7);
+  ASSERT_TRUE(taken.ok());
+  const uint32_t chunk = (*taken)[0];
+  auto shared = p.ShareFd(chunk);
+  ASSERT_TRUE(shared.ok());
+  struct stat st {};
+  ASSERT_EQ(fstat(*shared, &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(st.st_uid, geteuid());
+  const int path = open(("/proc/self/fd/" + std::to_string(*shared)).c_str(), O_PATH | O_CLOEXEC);
+  ASSERT_GE(path, 0);
+  close(*shared);
+  ASSERT_TRUE(p.Return(*taken, 7).ok());
+  EXPECT_EQ(p.replaced_chunks(), 0u) << "a path is no open file: the chunk is scrubbed and reused";
+  taken = p.Take(1, 8);
+  ASSERT_TRUE(taken.ok());
+  ASSERT_EQ((*taken)[0], chunk);
+  if (geteuid() == 0) {  // as root, another user is a child that drops root (else the mode is the check)
+    const std::string link = "/proc/self/fd/" + std::to_string(path);
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(2);
+      const int fd = open(link.c_str(), O_RDONLY | O_CLOEXEC);
+      _exit(fd < 0 && errno == EACCES ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "the other user's open of the kept path: exit " << WEXITSTATUS(status) << " (1: it opened)";
+  }
+  close(path);
+  ASSERT_TRUE(p.Return(*taken, 8).ok());
+}
+
 // A process can keep a chunk's pages without any open file or mapping of it: spliced into a pipe
 // (vmsplice), registered as io_uring or RDMA buffers. Zeroing the same pages on return handed them
 // to the next owner with that process still reading (and, for some registrations, writing) them;
@@ -355,7 +400,7 @@ TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks
   std::set<std::pair<uint32_t, uint64_t>> seen;
   for (uint32_t l = 0; l < 4; ++l) {
     for (uint32_t p = 0; p < 7; ++p) {
-      const shm::PageRef& r = shm::Refs(table)[sl.first_ref + l * sl.pages_capacity_per_layer + p];
+      const shm::PageRef& r = shm::Refs(table, counts->slot_count)[sl.first_ref + l * sl.pages_capacity_per_layer + p];
       EXPECT_TRUE(seen.insert({r.chunk, r.offset}).second);
       EXPECT_EQ(r.chunk, s.sequences().at(42).pages[l][p].chunk);
       EXPECT_EQ(r.offset, s.sequences().at(42).pages[l][p].offset);

@@ -5,7 +5,9 @@
 // Clients get their own open file of a chunk (ShareFd: a reopen, never the pool's descriptor), so
 // the pool can tell whether anyone outside still holds a chunk: a write lease (F_SETLEASE) on the
 // pool's probe file is granted only when no other open file of the chunk exists, and a mapping
-// or a descriptor passed on to another process keeps its open file alive.
+// or a descriptor passed on to another process keeps its open file alive. A path kept without an
+// open file (O_PATH, which the probe does not see) opens nothing: a chunk's file is mode 0600, the
+// daemon's user's.
 //
 // Isolation when a chunk comes back: a chunk nobody else holds gets fresh zeroed pages (its old ones
 // punched out of the memfd, so a process still referencing them without a file, e.g. spliced into
