@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 
 #include <spdlog/spdlog.h>
 
@@ -103,6 +104,13 @@ Result<OpenedSession> Registry::OpenSession(const std::string& tenant, uint64_t 
     return pages.status();
   }
   s.pages = std::move(pages).value();
+  if (!s.pages->write_sealed()) {
+    static std::once_flag said;  // the kernel's answer is the same for every session
+    std::call_once(said, [] {
+      spdlog::warn("page tables are not sealed against writes (the kernel refused F_SEAL_FUTURE_WRITE, before "
+                   "Linux 5.1): a session's client can write its own table; the daemon does not read it back");
+    });
+  }
   s.opened = std::chrono::steady_clock::now();
   OpenedSession out{s.id, s.token, static_cast<uint32_t>(n)};
   spdlog::info("session {} opened: tenant {}, client '{}', pid {} uid {}, {} chunks", s.id, tenant,

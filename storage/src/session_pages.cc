@@ -58,9 +58,11 @@ Result<std::unique_ptr<SessionPages>> SessionPages::Create(uint64_t session_id, 
   // kernel without F_SEAL_FUTURE_WRITE (before 5.1) refuses the three together: then at least its
   // size is sealed (clients check that before they map it); the table stays writable by its own
   // session's client, which is all it could spoil.
-  if (fcntl(s->table_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) != 0 &&
-      fcntl(s->table_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
-    return Status::Unavailable(std::string("sealing the page table: ") + std::strerror(errno));
+  if (fcntl(s->table_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) != 0) {
+    if (fcntl(s->table_fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+      return Status::Unavailable(std::string("sealing the page table: ") + std::strerror(errno));
+    }
+    s->write_sealed_ = false;
   }
 
   auto* h = new (s->table_) shm::TableHeader{};
@@ -98,7 +100,9 @@ const SequencePages* SessionPages::Find(uint64_t id) const {
 
 void SessionPages::PublishSlot(const SequencePages& s, uint32_t from_page) {
   auto* slot = const_cast<shm::SequenceSlot*>(shm::Slots(table_)) + s.slot;
-  auto* refs = const_cast<shm::PageRef*>(shm::Refs(table_)) + s.first_ref;
+  // The refs' place by the daemon's own slot count, not the header's (which a client could rewrite
+  // where the table is not sealed against writes: write_sealed()).
+  auto* refs = const_cast<shm::PageRef*>(shm::Refs(table_, static_cast<uint32_t>(slot_used_.size()))) + s.first_ref;
   const uint32_t cap = s.layout.pages_capacity_per_layer();
   // Only the new refs: the published ones are being read by clients, without a lock.
   for (uint32_t l = 0; l < s.layout.n_layers; ++l) {

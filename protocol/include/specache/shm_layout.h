@@ -114,13 +114,13 @@ inline const TableHeader* Header(const void* region) { return static_cast<const 
 inline const SequenceSlot* Slots(const void* region) {
   return reinterpret_cast<const SequenceSlot*>(static_cast<const char*>(region) + sizeof(TableHeader));
 }
-// The refs of a table of `slot_count` slots (a reader's: its TableCounts'); Refs(region): as the
-// header says now (the table's writer's).
+// The refs of a table of `slot_count` slots: a reader's from its TableCounts, the writer's its own
+// (never the header's count read back: where the table is not sealed against writes its client
+// can rewrite it).
 inline const PageRef* Refs(const void* region, uint32_t slot_count) {
   return reinterpret_cast<const PageRef*>(reinterpret_cast<const char*>(Slots(region)) +
                                           size_t{slot_count} * sizeof(SequenceSlot));
 }
-inline const PageRef* Refs(const void* region) { return Refs(region, Header(region)->slot_count); }
 
 // The pages' geometry, the one place it is written down on this side (the agent's host_rows.h and
 // full_precision_source.h state the same for its sources; client_lib checks they agree).

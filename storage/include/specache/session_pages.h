@@ -2,7 +2,9 @@
 // table published in a memfd (shm_layout.h) that the client maps read-only.
 //
 // The daemon's own bookkeeping lives here in ordinary memory; the shared table is written, never
-// read back, so nothing a client does to shared memory can mislead the daemon.
+// read back (but for its generation counter, bumped in place and reported to the session's own
+// client), so nothing a client does to shared memory can mislead the daemon. Where the kernel
+// refuses F_SEAL_FUTURE_WRITE (before Linux 5.1) the client can write its table (write_sealed()).
 //
 // Not thread-safe: the daemon's registry serialises calls per session.
 #pragma once
@@ -66,6 +68,9 @@ class SessionPages {
   const std::map<uint64_t, SequencePages>& sequences() const { return sequences_; }
   const std::vector<uint32_t>& chunks() const { return chunks_; }
   int table_fd() const { return table_fd_; }
+  // False where the kernel refused F_SEAL_FUTURE_WRITE (before Linux 5.1): the session's client
+  // can then map its table writable and spoil it, for itself only (the caller says so in its log).
+  bool write_sealed() const { return write_sealed_; }
   uint64_t table_bytes() const { return table_bytes_; }
   uint64_t generation() const;
   uint64_t used_bytes() const { return used_bytes_; }
@@ -82,6 +87,7 @@ class SessionPages {
   std::vector<uint32_t> chunks_;
   std::vector<ExtentAllocator> chunk_space_;  // per session chunk, in 4 KiB units
   ExtentAllocator refs_{0};
+  bool write_sealed_ = true;
   std::vector<bool> slot_used_;
   std::map<uint64_t, SequencePages> sequences_;
   int table_fd_ = -1;
