@@ -646,9 +646,12 @@ Status SpillStore::Put(const SpilledSequence& meta, const std::function<const ui
     for (uint32_t p = 0; p < meta.pages_per_layer; ++p) {
       const uint8_t* data = page(l, p);
       if (data == nullptr) return undo(Status::Internal("spill: page " + PageName(meta, l, p) + " has no memory"));
-      const uint64_t sum = XXH64(data, page_bytes, 0);
-      std::memcpy(value.data(), &sum, kChecksumBytes);
+      // The copy first, then its checksum: the page may be in memory a client still maps (a kept
+      // sequence written through), and a checksum of the page taken before the copy could be of
+      // other bytes than those stored.
       std::memcpy(value.data() + kChecksumBytes, data, page_bytes);
+      const uint64_t sum = XXH64(value.data() + kChecksumBytes, page_bytes, 0);
+      std::memcpy(value.data(), &sum, kChecksumBytes);
       rocksdb::Status s = batch.Put(PageKey(meta.tenant, meta.id, l, p), value);
       if (s.ok() && batch.GetDataSize() >= kBatchBytes) {
         s = db_->Write(rocksdb::WriteOptions(), &batch);
