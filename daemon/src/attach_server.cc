@@ -43,9 +43,21 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
  private:
-  void Reply(const attach::AttachReply& reply, std::span<const int> fds) {
+  // False when the reply did not go out. One that carried a session's descriptors is counted and
+  // logged (at the 1st, 2nd, 4th...); an error reply's client has left, and nothing is lost.
+  bool Reply(const attach::AttachReply& reply, std::span<const int> fds) {
     Status s = SendWithFds(socket_.native_handle(), &reply, sizeof reply, fds);
-    if (!s.ok()) spdlog::warn("attach: reply to pid {}: {}", peer_.pid, s.ToString());
+    if (s.ok()) return true;
+    if (fds.empty()) {
+      spdlog::debug("attach: error reply to pid {} not delivered: {}", peer_.pid, s.ToString());
+      return false;
+    }
+    const uint64_t failed = ++counts_->replies_failed;
+    if (LoggedOccurrence(failed)) {
+      spdlog::warn("attach: reply to pid {} with session {}'s descriptors not delivered: {}; {} such so far", peer_.pid,
+                   session_, s.ToString(), failed);
+    }
+    return false;
   }
 
   void OnRequest(boost::system::error_code ec, size_t n) {
@@ -82,16 +94,22 @@ class Connection : public std::enable_shared_from_this<Connection> {
     }
     session_ = request->session_id;
     const uint32_t total = static_cast<uint32_t>(grant->fds.size());
-    for (uint32_t first = 0; first < total; first += attach::kMaxFdsPerMessage) {
+    bool delivered = true;
+    for (uint32_t first = 0; first < total && delivered; first += attach::kMaxFdsPerMessage) {
       attach::AttachReply reply;
       reply.first_fd = first;
       reply.n_fds = std::min<uint32_t>(attach::kMaxFdsPerMessage, total - first);
       reply.total_fds = total;
       reply.table_bytes = grant->table_bytes;
       reply.chunk_bytes = grant->chunk_bytes;
-      Reply(reply, std::span<const int>(grant->fds.data() + first, reply.n_fds));
+      delivered = Reply(reply, std::span<const int>(grant->fds.data() + first, reply.n_fds));
     }
     for (int fd : grant->fds) close(fd);
+    if (!delivered) {  // the client holds not all of its session's memory: the attach is undone
+      registry_->Detach(session_);
+      socket_.close();
+      return;
+    }
     // From now on the connection is the session's lease: wait for it to end.
     auto self = shared_from_this();
     socket_.async_read_some(boost::asio::buffer(tail_), [self](boost::system::error_code, size_t bytes) {
@@ -127,7 +145,7 @@ void AttachServer::Stop() { listener_.Stop(); }
 
 AttachStats AttachServer::stats() const {
   return {counts_->open.load(), counts_->refused.load(), listener_.accept_errors(), counts_->denied.load(),
-          counts_->bad.load()};
+          counts_->bad.load(), counts_->replies_failed.load()};
 }
 
 void AttachServer::OnAccept(int fd) {

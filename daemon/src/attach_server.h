@@ -27,6 +27,7 @@ struct AttachStats {
   uint64_t accept_errors = 0;  // accept() failures (EMFILE...), each followed by a backoff
   uint64_t denied = 0;         // requests the registry refused (token, tenant, session state)
   uint64_t bad = 0;            // requests malformed, cut short, or not sent within 2 s
+  uint64_t replies_failed = 0;  // replies with a session's descriptors not delivered (the attach undone)
 };
 
 class AttachServer {
@@ -42,7 +43,7 @@ class AttachServer {
   // the io_context's queue).
   struct Counts {
     std::map<uint32_t, uint32_t> per_uid;  // io thread only
-    std::atomic<uint64_t> open{0}, refused{0}, denied{0}, bad{0};
+    std::atomic<uint64_t> open{0}, refused{0}, denied{0}, bad{0}, replies_failed{0};
   };
 
  private:

@@ -219,11 +219,11 @@ ServiceCounts Counts(State* d) {
   // Both control services: the local socket's and the remote port's.
   const RemoteServer* remote = d->remote_view.load();
   n.requests = d->service->requests() + (remote ? remote->service().requests() : 0);
-  n.errors = d->service->errors() + (remote ? remote->service().errors() : 0) + a.bad;
+  n.errors = d->service->errors() + (remote ? remote->service().errors() : 0) + a.bad + a.replies_failed;
   n.denied = d->service->denied() + (remote ? remote->service().denied() : 0) + a.denied;
   n.attach_connections = a.open;
   n.attach_denied = a.denied;
-  n.attach_bad = a.bad;
+  n.attach_bad = a.bad + a.replies_failed;
   n.refused_connections = a.refused + d->control_refused.load();
   n.accept_errors = a.accept_errors + d->control->accept_errors();
   if (remote) {

@@ -553,6 +553,47 @@ TEST(DaemonTest, MetricsEndpointReportsThePoolAndSessions) {
   EXPECT_NE(page.find("specache_spill{kind=\"checksum_failures\"} 0"), std::string::npos) << page;
 }
 
+// An attach reply the client cannot receive (its socket shut for reading: the daemon's send fails)
+// is counted in errors and logged, and the attach is undone: the session is detached, then
+// reclaimed. Before, it was logged only, and the session stayed attached with its client holding
+// none of its memory.
+TEST(DaemonTest, AnAttachReplyNotDeliveredIsCountedAndUndoesTheAttach) {
+  DaemonProcess d;
+  d.capture_log = true;
+  ASSERT_TRUE(d.Start());
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials()));
+  v1::OpenSessionResponse opened;
+  ASSERT_TRUE(testing::OpenSessionByHand(*stub, "default", 4 << 20, &opened).ok());
+  auto before = c->Stats();
+  ASSERT_TRUE(before.ok()) << before.status().ToString();
+  ASSERT_EQ(before->sessions, 1u);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, opened.attach_path().c_str());
+  attach::AttachRequest request;
+  request.session_id = opened.session_id();
+  std::memcpy(request.token.data(), opened.token().data(), std::min(opened.token().size(), request.token.size()));
+  const int g = socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_EQ(connect(g, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(shutdown(g, SHUT_RD), 0);
+  ASSERT_EQ(write(g, &request, sizeof request), static_cast<ssize_t>(sizeof request));
+  uint64_t errors = 0;
+  uint32_t sessions = 1;
+  for (int i = 0; i < 200 && (errors == 0 || sessions != 0); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    auto now = c->Stats();
+    ASSERT_TRUE(now.ok());
+    errors = now->errors - before->errors;
+    sessions = now->sessions;
+  }
+  close(g);
+  EXPECT_EQ(errors, 1u) << "the reply not delivered";
+  EXPECT_EQ(sessions, 0u) << "the session is reclaimed, not left attached";
+  EXPECT_NE(d.Log().find("not delivered"), std::string::npos) << d.Log();
+}
+
 // Requests on the attach socket that get no session are counted (a wrong token in denied_requests;
 // malformed, cut short in errors) and their log lines throttled: any member of the socket's group
 // can send them in a loop. Before, each gave a warning and no counter, and one cut short neither.
