@@ -117,6 +117,7 @@ struct UcxServer::Impl {
   uint64_t dropped_unanswerable = 0;  // messages with no endpoint to answer on (logged 1st, 2nd, 4th...)
   uint64_t dropped_unauthentic = 0;  // messages naming a session's endpoint without its id and token (likewise)
   uint64_t dropped_unserved = 0;  // messages of an id the daemon does not serve (likewise)
+  uint64_t dropped_closing = 0;  // messages on an endpoint being closed for misbehaving (likewise)
   // A connection's most queued requests and replies in flight: past either it is closed.
   static constexpr uint32_t kMostQueued = 1024;
   // The largest message header taken (and copied): every header of the protocol is a small
@@ -310,7 +311,10 @@ struct UcxServer::Impl {
     }
     Connection& c = self->connections.at(param->reply_ep);
     if (!c.misbehaved.empty()) {  // being closed: nothing more is taken from it
-      ++self->dropped;
+      if (self->DroppedAndLogged(&self->dropped_closing)) {
+        spdlog::warn("remote data plane: message {} on an endpoint being closed ({}) dropped ({} such so far)", a->id,
+                     c.misbehaved, self->dropped_closing);
+      }
       return UCS_OK;
     }
     if (c.session != 0 && !Authentic(c, a->id, header, header_length)) {
