@@ -56,6 +56,13 @@ grpc::Status ControlService::Finish(const Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
 }
 
+grpc::Status ControlService::FinishSessionCheck(const Status& refused, uint64_t session) {
+  const grpc::Status finished = Finish(refused);  // counted and logged as what it is
+  if (refused.code() != StatusCode::kPermissionDenied) return finished;
+  // The registry's own answer for a session that does not exist.
+  return grpc::Status(grpc::StatusCode::NOT_FOUND, "session " + std::to_string(session));
+}
+
 Result<Caller> ControlService::CallerOf(const grpc::ServerContext* ctx) const { return caller_of_(ctx); }
 
 Status ControlService::CheckSession(const grpc::ServerContext* ctx, uint64_t session) const {
@@ -89,17 +96,17 @@ grpc::Status ControlService::OpenSession(grpc::ServerContext* ctx, const v1::Ope
 
 grpc::Status ControlService::CloseSession(grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
                                           v1::CloseSessionResponse*) {
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
-  auto token = TokenOf(req->token());
+  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
   if (!token.ok()) return Finish(token.status());
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
   return Finish(registry_->CloseSession(req->session_id(), *token));
 }
 
 grpc::Status ControlService::CreateSequence(grpc::ServerContext* ctx, const v1::CreateSequenceRequest* req,
                                             v1::CreateSequenceResponse* resp) {
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
-  auto token = TokenOf(req->token());
+  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
   if (!token.ok()) return Finish(token.status());
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
   if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
   auto created = registry_->CreateSequence(req->session_id(), *token, LayoutOf(req->layout()));
   if (!created.ok()) return Finish(created.status());
@@ -110,9 +117,9 @@ grpc::Status ControlService::CreateSequence(grpc::ServerContext* ctx, const v1::
 
 grpc::Status ControlService::ExtendSequence(grpc::ServerContext* ctx, const v1::ExtendSequenceRequest* req,
                                             v1::ExtendSequenceResponse* resp) {
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
-  auto token = TokenOf(req->token());
+  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
   if (!token.ok()) return Finish(token.status());
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
   auto extended = registry_->ExtendSequence(req->session_id(), *token, req->sequence_id(), req->tokens());
   if (!extended.ok()) return Finish(extended.status());
   resp->set_pages_per_layer(extended->first);
@@ -122,9 +129,9 @@ grpc::Status ControlService::ExtendSequence(grpc::ServerContext* ctx, const v1::
 
 grpc::Status ControlService::ReleaseSequence(grpc::ServerContext* ctx, const v1::ReleaseSequenceRequest* req,
                                              v1::ReleaseSequenceResponse*) {
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
-  auto token = TokenOf(req->token());
+  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
   if (!token.ok()) return Finish(token.status());
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
   return Finish(registry_->ReleaseSequence(req->session_id(), *token, req->sequence_id()));
 }
 
@@ -254,17 +261,17 @@ grpc::Status ControlService::ListSequences(grpc::ServerContext* ctx, const v1::L
 
 grpc::Status ControlService::KeepSequence(grpc::ServerContext* ctx, const v1::KeepSequenceRequest* req,
                                           v1::KeepSequenceResponse*) {
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
-  auto token = TokenOf(req->token());
+  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
   if (!token.ok()) return Finish(token.status());
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
   return Finish(registry_->KeepSequence(req->session_id(), *token, req->sequence_id()));
 }
 
 grpc::Status ControlService::ClaimSequence(grpc::ServerContext* ctx, const v1::ClaimSequenceRequest* req,
                                            v1::ClaimSequenceResponse* resp) {
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return Finish(who);
-  auto token = TokenOf(req->token());
+  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
   if (!token.ok()) return Finish(token.status());
+  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
   if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
   auto claimed = registry_->ClaimSequence(req->session_id(), *token, req->sequence_id(), LayoutOf(req->layout()));
   if (!claimed.ok()) return Finish(claimed.status());

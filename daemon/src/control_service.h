@@ -58,6 +58,10 @@ class ControlService final : public specache::v1::Control::Service {
 
  private:
   grpc::Status Finish(const Status& status);
+  // Finish for CheckSession's refusal: another tenant's session is answered as one that does not
+  // exist (NOT_FOUND), so that a caller learns neither which ids are live nor that tenant's name
+  // and rules (the daemon's count and log of refusals still have it).
+  grpc::Status FinishSessionCheck(const Status& refused, uint64_t session);
   // The caller of this call, as the kernel reported it at connect.
   Result<Caller> CallerOf(const grpc::ServerContext* ctx) const;
   // The caller may use the session's tenant (an unknown session is left to the registry's NOT_FOUND).

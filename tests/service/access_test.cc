@@ -130,6 +130,28 @@ TEST(AccessTest, OnlyAdminsMoveKeptSequencesAndATenantSeesOnlyItsOwn) {
   EXPECT_EQ(c->ListSequences()->size(), 0u);
 }
 
+// Another tenant's live session is answered as one that does not exist: a caller learns neither
+// which session ids are live nor that tenant's name and rules (the refusal said both). The daemon
+// still counts it as a refusal.
+TEST(AccessTest, AnotherTenantsSessionLooksLikeNoSession) {
+  SKIP_UNLESS_ROOT();
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start(kTwoTenants));
+  auto c = Connect(d);
+  ASSERT_TRUE(c);
+  auto alpha = c->OpenSession("alpha", 4 << 20);
+  ASSERT_TRUE(alpha.ok()) << alpha.status().ToString();
+  const uint64_t live = (*alpha)->id(), none = live + 1000;
+  const uint64_t denied_before = c->Stats()->denied_requests;
+  const std::vector<uint32_t> beta = {kTenantGroup};
+  const std::string other = AsNobody(beta, {"call", d.socket, "CloseSession", std::to_string(live)});
+  const std::string missing = AsNobody(beta, {"call", d.socket, "CloseSession", std::to_string(none)});
+  EXPECT_EQ(other, "NOT_FOUND session " + std::to_string(live));
+  EXPECT_EQ(missing, "NOT_FOUND session " + std::to_string(none));
+  EXPECT_EQ(c->Stats()->denied_requests, denied_before + 1) << "the other tenant's session: a refusal";
+  EXPECT_EQ(c->Stats()->sessions, 1u) << "alpha's session is untouched";
+}
+
 // A caller the tenant does not admit is refused at OpenSession, before any memory is reserved:
 // the tenant's own user gets its whole quota at once.
 TEST(AccessTest, ACallerTheTenantRefusesReservesNothing) {

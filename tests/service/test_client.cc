@@ -6,8 +6,8 @@
 //   attach-as UID SOCKET TENANT       setuid(UID) first, then tries to open and attach; prints the status
 //   open SOCKET TENANT BYTES          open and attach through the client library; prints the status, then
 //                                     "closed" after the session is closed and exits
-//   call SOCKET METHOD [ID]           one raw control call (OpenSession:TENANT:BYTES, Spill, SpillAll, Restore,
-//                                     Evict, VerifySpill, ListSessions, ListSequences, Stats); prints
+//   call SOCKET METHOD [ID]           one raw control call (OpenSession:TENANT:BYTES, CloseSession, Spill,
+//                                     SpillAll, Restore, Evict, VerifySpill, ListSessions, ListSequences, Stats); prints
 //                                     "<CODE> <message>" and, for the lists and Stats, what came back
 //   close-keep SOCKET TENANT BYTES DELAY_MS
 //                                     open and attach by hand, map the chunks, wait DELAY_MS, CloseSession but
@@ -140,6 +140,12 @@ int Call(const std::string& socket, const std::string& method, uint64_t id) {
     r.set_client_name("call");
     v1::OpenSessionResponse resp;
     st = stub->OpenSession(&ctx, r, &resp);
+  } else if (method == "CloseSession") {  // ID: the session; a token of the right length, all zeros
+    v1::CloseSessionRequest r;
+    r.set_session_id(id);
+    r.set_token(std::string(16, '\0'));
+    v1::CloseSessionResponse resp;
+    st = stub->CloseSession(&ctx, r, &resp);
   } else if (method == "Spill" || method == "SpillAll") {
     v1::SpillRequest r;
     r.set_sequence_id(id);
