@@ -553,64 +553,73 @@ TEST(DaemonTest, MetricsEndpointReportsThePoolAndSessions) {
   EXPECT_NE(page.find("specache_spill{kind=\"checksum_failures\"} 0"), std::string::npos) << page;
 }
 
+// A daemon (its log captured) with one session of "default" opened by hand, not attached: its
+// client, the session, the daemon's stats before anything else, and the attach socket's address.
+struct SessionByHand {
+  DaemonProcess d;
+  std::unique_ptr<client::Client> c;
+  v1::OpenSessionResponse opened;
+  client::DaemonStats before;
+  sockaddr_un attach{};
+};
+::testing::AssertionResult StartWithSessionByHand(SessionByHand* s) {
+  s->d.capture_log = true;
+  if (!s->d.Start()) return ::testing::AssertionFailure() << "the daemon did not start";
+  s->c = Connect(s->d);
+  if (!s->c) return ::testing::AssertionFailure() << "no client";
+  auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + s->d.socket, grpc::InsecureChannelCredentials()));
+  if (grpc::Status st = testing::OpenSessionByHand(*stub, "default", 4 << 20, &s->opened); !st.ok()) {
+    return ::testing::AssertionFailure() << "OpenSession: " << st.error_message();
+  }
+  auto before = s->c->Stats();
+  if (!before.ok()) return ::testing::AssertionFailure() << before.status().ToString();
+  s->before = *before;
+  s->attach.sun_family = AF_UNIX;
+  std::strncpy(s->attach.sun_path, s->opened.attach_path().c_str(), sizeof s->attach.sun_path - 1);
+  return ::testing::AssertionSuccess();
+}
+
 // An attach reply the client cannot receive (its socket shut for reading: the daemon's send fails)
 // is counted in errors and logged, and the attach is undone: the session is detached, then
 // reclaimed. Before, it was logged only, and the session stayed attached with its client holding
 // none of its memory.
 TEST(DaemonTest, AnAttachReplyNotDeliveredIsCountedAndUndoesTheAttach) {
-  DaemonProcess d;
-  d.capture_log = true;
-  ASSERT_TRUE(d.Start());
-  auto c = Connect(d);
-  ASSERT_TRUE(c);
-  auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials()));
-  v1::OpenSessionResponse opened;
-  ASSERT_TRUE(testing::OpenSessionByHand(*stub, "default", 4 << 20, &opened).ok());
-  auto before = c->Stats();
-  ASSERT_TRUE(before.ok()) << before.status().ToString();
-  ASSERT_EQ(before->sessions, 1u);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strcpy(addr.sun_path, opened.attach_path().c_str());
+  SessionByHand s;
+  ASSERT_TRUE(StartWithSessionByHand(&s));
+  ASSERT_EQ(s.before.sessions, 1u);
   attach::AttachRequest request;
-  request.session_id = opened.session_id();
-  std::memcpy(request.token.data(), opened.token().data(), std::min(opened.token().size(), request.token.size()));
+  request.session_id = s.opened.session_id();
+  std::memcpy(request.token.data(), s.opened.token().data(), std::min(s.opened.token().size(), request.token.size()));
   const int g = socket(AF_UNIX, SOCK_STREAM, 0);
-  ASSERT_EQ(connect(g, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(connect(g, reinterpret_cast<sockaddr*>(&s.attach), sizeof s.attach), 0);
   ASSERT_EQ(shutdown(g, SHUT_RD), 0);
   ASSERT_EQ(write(g, &request, sizeof request), static_cast<ssize_t>(sizeof request));
   uint64_t errors = 0;
   uint32_t sessions = 1;
   for (int i = 0; i < 200 && (errors == 0 || sessions != 0); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
-    auto now = c->Stats();
+    auto now = s.c->Stats();
     ASSERT_TRUE(now.ok());
-    errors = now->errors - before->errors;
+    errors = now->errors - s.before.errors;
     sessions = now->sessions;
   }
   close(g);
   EXPECT_EQ(errors, 1u) << "the reply not delivered";
   EXPECT_EQ(sessions, 0u) << "the session is reclaimed, not left attached";
-  EXPECT_NE(d.Log().find("not delivered"), std::string::npos) << d.Log();
+  EXPECT_NE(s.d.Log().find("not delivered"), std::string::npos) << s.d.Log();
 }
 
 // Requests on the attach socket that get no session are counted (a wrong token in denied_requests;
 // malformed, cut short in errors) and their log lines throttled: any member of the socket's group
 // can send them in a loop. Before, each gave a warning and no counter, and one cut short neither.
 TEST(DaemonTest, RefusedAndBadAttachRequestsAreCountedAndTheirLinesThrottled) {
-  DaemonProcess d;
-  d.capture_log = true;
-  ASSERT_TRUE(d.Start());
-  auto c = Connect(d);
-  ASSERT_TRUE(c);
-  auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + d.socket, grpc::InsecureChannelCredentials()));
-  v1::OpenSessionResponse opened;
-  ASSERT_TRUE(testing::OpenSessionByHand(*stub, "default", 4 << 20, &opened).ok());
-  auto before = c->Stats();
-  ASSERT_TRUE(before.ok()) << before.status().ToString();
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strcpy(addr.sun_path, opened.attach_path().c_str());
+  SessionByHand s;
+  ASSERT_TRUE(StartWithSessionByHand(&s));
+  DaemonProcess& d = s.d;
+  auto& c = s.c;
+  const v1::OpenSessionResponse& opened = s.opened;
+  const client::DaemonStats* before = &s.before;
+  sockaddr_un& addr = s.attach;
   // Sends `bytes`; `whole`: waits for the reply (an error), else closes after them.
   auto send = [&](const void* bytes, size_t n, bool whole) {
     const int g = socket(AF_UNIX, SOCK_STREAM, 0);

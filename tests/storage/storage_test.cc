@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,6 +65,26 @@ ChunkPoolOptions SmallPool() {
   o.chunk_bytes = 1 << 20;
   o.prefault_threads = 2;
   return o;
+}
+
+// A pool of SmallPool() with one chunk taken by owner 7 and shared with a client (ShareFd): its
+// open file in `fd`, as an attach hands it over.
+struct OneSharedChunk {
+  std::unique_ptr<ChunkPool> pool;
+  uint32_t chunk = 0;
+  int fd = -1;
+};
+::testing::AssertionResult ShareOneChunk(OneSharedChunk* s) {
+  auto pool = ChunkPool::Create(SmallPool());
+  if (!pool.ok()) return ::testing::AssertionFailure() << pool.status().ToString();
+  s->pool = std::move(pool).value();
+  auto taken = s->pool->Take(1, 7);
+  if (!taken.ok()) return ::testing::AssertionFailure() << taken.status().ToString();
+  s->chunk = (*taken)[0];
+  auto fd = s->pool->ShareFd(s->chunk);
+  if (!fd.ok()) return ::testing::AssertionFailure() << fd.status().ToString();
+  s->fd = *fd;
+  return ::testing::AssertionSuccess();
 }
 
 // A chunk returned twice (or that was never taken) would be free twice, then handed to two owners:
@@ -188,24 +210,20 @@ TEST(ChunkPoolTest, AChunkNeverSharedComesBackWithoutTheProbe) {
 // The file is the daemon user's alone (mode 0600), so for any other user that path opens nothing;
 // at 0777, the memfd's own mode, it opened the next tenant's pages for reading and writing.
 TEST(ChunkPoolTest, APathKeptToAReturnedChunkOpensNothingForAnotherUser) {
-  auto pool = ChunkPool::Create(SmallPool());
-  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
-  ChunkPool& p = **pool;
-  auto taken = p.Take(1, 7);
-  ASSERT_TRUE(taken.ok());
-  const uint32_t chunk = (*taken)[0];
-  auto shared = p.ShareFd(chunk);
-  ASSERT_TRUE(shared.ok());
+  OneSharedChunk s;
+  ASSERT_TRUE(ShareOneChunk(&s));
+  ChunkPool& p = *s.pool;
+  const uint32_t chunk = s.chunk;
   struct stat st {};
-  ASSERT_EQ(fstat(*shared, &st), 0);
+  ASSERT_EQ(fstat(s.fd, &st), 0);
   EXPECT_EQ(st.st_mode & 07777, 0600u);
   EXPECT_EQ(st.st_uid, geteuid());
-  const int path = open(("/proc/self/fd/" + std::to_string(*shared)).c_str(), O_PATH | O_CLOEXEC);
+  const int path = open(("/proc/self/fd/" + std::to_string(s.fd)).c_str(), O_PATH | O_CLOEXEC);
   ASSERT_GE(path, 0);
-  close(*shared);
-  ASSERT_TRUE(p.Return(*taken, 7).ok());
+  close(s.fd);
+  ASSERT_TRUE(p.Return(std::span<const uint32_t>(&chunk, 1), 7).ok());
   EXPECT_EQ(p.replaced_chunks(), 0u) << "a path is no open file: the chunk is scrubbed and reused";
-  taken = p.Take(1, 8);
+  auto taken = p.Take(1, 8);
   ASSERT_TRUE(taken.ok());
   ASSERT_EQ((*taken)[0], chunk);
   if (geteuid() == 0) {  // as root, another user is a child that drops root (else the mode is the check)
@@ -231,17 +249,13 @@ TEST(ChunkPoolTest, APathKeptToAReturnedChunkOpensNothingForAnotherUser) {
 // to the next owner with that process still reading (and, for some registrations, writing) them;
 // a returned chunk now gets fresh pages, and such a holder keeps only its own old data.
 TEST(ChunkPoolTest, PagesSplicedAwayBeforeAReturnNeverSeeTheNextOwnersData) {
-  auto pool = ChunkPool::Create(SmallPool());
-  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
-  ChunkPool& p = **pool;
-  auto first = p.Take(1, 7);
-  ASSERT_TRUE(first.ok());
-  const uint32_t chunk = (*first)[0];
   // The first owner maps the chunk (its own open file, as a client does), writes and splices the
   // first page into a pipe, then lets go of the file and the mapping: nothing tells the pool.
-  auto fd = p.ShareFd(chunk);
-  ASSERT_TRUE(fd.ok());
-  auto* mine = static_cast<uint8_t*>(mmap(nullptr, p.chunk_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0));
+  OneSharedChunk s;
+  ASSERT_TRUE(ShareOneChunk(&s));
+  ChunkPool& p = *s.pool;
+  const uint32_t chunk = s.chunk;
+  auto* mine = static_cast<uint8_t*>(mmap(nullptr, p.chunk_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, s.fd, 0));
   ASSERT_NE(mine, MAP_FAILED);
   std::memset(mine, 0x11, 4096);
   int pipe_fds[2];
@@ -249,8 +263,8 @@ TEST(ChunkPoolTest, PagesSplicedAwayBeforeAReturnNeverSeeTheNextOwnersData) {
   iovec page{mine, 4096};
   ASSERT_EQ(vmsplice(pipe_fds[1], &page, 1, 0), 4096);
   munmap(mine, p.chunk_bytes());
-  close(*fd);
-  ASSERT_TRUE(p.Return(*first, 7).ok());
+  close(s.fd);
+  ASSERT_TRUE(p.Return(std::span<const uint32_t>(&chunk, 1), 7).ok());
   EXPECT_EQ(p.replaced_chunks(), 0u) << "nobody held an open file: scrubbed, not replaced";
   // The next owner gets zeroed memory and writes its data there.
   auto second = p.Take(1, 8);
