@@ -86,6 +86,20 @@ struct OneSharedChunk {
   s->fd = *fd;
   return ::testing::AssertionSuccess();
 }
+// The client lets go of its open file and the chunk comes back: nobody holds an open file of it,
+// so it is scrubbed in place, not replaced, and the next owner (8) takes the same chunk.
+::testing::AssertionResult ReturnUnheldAndTakeAgain(OneSharedChunk* s) {
+  close(s->fd);
+  s->fd = -1;
+  if (Status r = s->pool->Return(std::span<const uint32_t>(&s->chunk, 1), 7); !r.ok()) {
+    return ::testing::AssertionFailure() << "return: " << r.ToString();
+  }
+  if (s->pool->replaced_chunks() != 0) return ::testing::AssertionFailure() << "replaced, not scrubbed";
+  auto taken = s->pool->Take(1, 8);
+  if (!taken.ok()) return ::testing::AssertionFailure() << "take: " << taken.status().ToString();
+  if ((*taken)[0] != s->chunk) return ::testing::AssertionFailure() << "another chunk: " << (*taken)[0];
+  return ::testing::AssertionSuccess();
+}
 
 // A chunk returned twice (or that was never taken) would be free twice, then handed to two owners:
 // Return refuses such a call before it changes anything.
@@ -212,20 +226,13 @@ TEST(ChunkPoolTest, AChunkNeverSharedComesBackWithoutTheProbe) {
 TEST(ChunkPoolTest, APathKeptToAReturnedChunkOpensNothingForAnotherUser) {
   OneSharedChunk s;
   ASSERT_TRUE(ShareOneChunk(&s));
-  ChunkPool& p = *s.pool;
-  const uint32_t chunk = s.chunk;
   struct stat st {};
   ASSERT_EQ(fstat(s.fd, &st), 0);
   EXPECT_EQ(st.st_mode & 07777, 0600u);
   EXPECT_EQ(st.st_uid, geteuid());
   const int path = open(("/proc/self/fd/" + std::to_string(s.fd)).c_str(), O_PATH | O_CLOEXEC);
   ASSERT_GE(path, 0);
-  close(s.fd);
-  ASSERT_TRUE(p.Return(std::span<const uint32_t>(&chunk, 1), 7).ok());
-  EXPECT_EQ(p.replaced_chunks(), 0u) << "a path is no open file: the chunk is scrubbed and reused";
-  auto taken = p.Take(1, 8);
-  ASSERT_TRUE(taken.ok());
-  ASSERT_EQ((*taken)[0], chunk);
+  ASSERT_TRUE(ReturnUnheldAndTakeAgain(&s)) << "a path is no open file";
   if (geteuid() == 0) {  // as root, another user is a child that drops root (else the mode is the check)
     const std::string link = "/proc/self/fd/" + std::to_string(path);
     const pid_t child = fork();
@@ -241,7 +248,7 @@ TEST(ChunkPoolTest, APathKeptToAReturnedChunkOpensNothingForAnotherUser) {
         << "the other user's open of the kept path: exit " << WEXITSTATUS(status) << " (1: it opened)";
   }
   close(path);
-  ASSERT_TRUE(p.Return(*taken, 8).ok());
+  ASSERT_TRUE(s.pool->Return(std::span<const uint32_t>(&s.chunk, 1), 8).ok());
 }
 
 // A process can keep a chunk's pages without any open file or mapping of it: spliced into a pipe
@@ -263,13 +270,8 @@ TEST(ChunkPoolTest, PagesSplicedAwayBeforeAReturnNeverSeeTheNextOwnersData) {
   iovec page{mine, 4096};
   ASSERT_EQ(vmsplice(pipe_fds[1], &page, 1, 0), 4096);
   munmap(mine, p.chunk_bytes());
-  close(s.fd);
-  ASSERT_TRUE(p.Return(std::span<const uint32_t>(&chunk, 1), 7).ok());
-  EXPECT_EQ(p.replaced_chunks(), 0u) << "nobody held an open file: scrubbed, not replaced";
+  ASSERT_TRUE(ReturnUnheldAndTakeAgain(&s));
   // The next owner gets zeroed memory and writes its data there.
-  auto second = p.Take(1, 8);
-  ASSERT_TRUE(second.ok());
-  ASSERT_EQ((*second)[0], chunk);
   for (uint64_t i = 0; i < p.chunk_bytes(); i += 4093) ASSERT_EQ(p.data(chunk)[i], 0) << i;
   std::memset(p.data(chunk), 0x22, 4096);
   std::vector<uint8_t> spliced(4096);
