@@ -2,10 +2,10 @@
 // device. The union selection (SelectFrom::kUnion): MaskTokens takes the primary rows out of the
 // real row's scores (they become NaN, which every top-k ranks lowest), SelectTopKBatch then picks
 // the real row's best others, and MergeBudgetSelections joins the two ascending lists into one, each
-// token once (MergeSelections, for disjoint lists, past kMaxBudgetMerge). Device
-// pointers; streams as void*. With KvConfig::real_next, WithPredecessors first credits each token
-// with its predecessor's score. One launch per call, its tasks through a slot of `plan`
-// (cuda_attention.h; null: a plan of the call's own, which waits for the kernel).
+// token once (MergeSelections, for disjoint lists, past kMaxBudgetMerge). With KvConfig::real_next,
+// WithPredecessors first credits each token with its predecessor's score. Device pointers; streams
+// as void*. One launch per call, its tasks through a slot of `plan` (cuda_attention.h; null: a plan
+// of the call's own, which waits for the kernel).
 #pragma once
 
 #include <cstdint>
@@ -48,8 +48,9 @@ Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream, Decode
 // The union with the adaptive budget, or any union short enough: `a` holds the primary rows (the
 // budget's) then any kNoToken padding (cuda_topk.h), `b` the real row's best others ranked with a's
 // rows masked. When fewer than nb others rank above the masked rows (too few candidates, or a real
-// row of -inf and NaN scores), b also holds some of a's rows: they count once. `out` [na + nb] receives a's rows and b's others,
-// ascending, then kNoToken; each task's count is added to *rows (device memory) when rows is set.
+// row of -inf and NaN scores), b also holds some of a's rows: they count once. `out` [na + nb]
+// receives a's rows and b's others, ascending, then kNoToken; each task's count is added to *rows
+// (device memory) when rows is set.
 // na + nb at most kMaxBudgetMerge.
 constexpr int kMaxBudgetMerge = 8192;
 Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream,
