@@ -645,13 +645,13 @@ TEST(CudaAgentTest, ARealRowOfNanSelectsTheCpuAgentsRows) {
         << name << ": the real rows of NaN, and only they, give NaN";
     EXPECT_LT(pair.worst, 1e-3) << name;
     ExpectSameSelections(*pair.gpu, *pair.cpu, shape, prompts.size(), name);
+    // The rows counted are the tokens selected (a padded selection's places are not): selected =
+    // fetched + reused on both.
     const AgentStats a = pair.cpu->stats(), b = pair.gpu->stats();
+    EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
     EXPECT_EQ(b.rows_fetched, a.rows_fetched) << name;
     EXPECT_EQ(b.rows_reused, a.rows_reused) << name;
-    // Without the budget the CUDA agent counts the selection's places (top_k + extra), the CPU
-    // agent its tokens: fewer where a real row of NaN dropped some.
-    if (c.adaptive()) EXPECT_EQ(b.rows_selected, a.rows_selected) << name;
-    else EXPECT_GT(b.rows_selected, a.rows_selected) << name;
+    EXPECT_EQ(b.rows_selected, b.rows_fetched + b.rows_reused) << name;
   }
 #endif
 }

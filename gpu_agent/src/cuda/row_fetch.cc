@@ -175,9 +175,10 @@ Status RowFetcher::Seed(SequenceId id, int layer, const float* last_q, const Hal
   return Status::Ok();
 }
 
-Result<int32_t*> RowFetcher::SelectionTarget(SequenceId id, int layer, int32_t per_head) {
+Result<int32_t*> RowFetcher::SelectionTarget(SequenceId id, int layer, int32_t per_head, bool counted_on_device) {
   LayerRows& lr = rows_.at(id)[layer];
   lr.selected = per_head;
+  lr.selected_on_device = counted_on_device;
   if (per_head == 0) return static_cast<int32_t*>(nullptr);
   Buffer<int32_t>& next = lr.tokens[1 - lr.cur];
   SPECACHE_RETURN_IF_ERROR(next.Reserve(size_t(shape_.n_kv_heads) * config_.max_selected()));
@@ -248,7 +249,7 @@ Result<RowFetcher::FetchWork> RowFetcher::Prepare(int layer, const std::vector<S
     const uint64_t* pages = pages_->Layer(id, layer);  // null for a staged source
     const uint8_t* const* host_pages = pages_->HostLayer(id, layer);
     const int next = 1 - lr.cur;
-    if (!config_.adaptive()) counts.selected += int64_t{lr.selected} * n_kv;  // else counted on the device
+    if (!lr.selected_on_device) counts.selected += int64_t{lr.selected} * n_kv;
     if (!options_.fetch) {  // measuring without the fetch: nothing becomes resident
       lr.selected = 0;
       continue;

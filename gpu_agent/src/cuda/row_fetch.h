@@ -28,10 +28,10 @@
 //   stream queues a deferred fetch first.
 // - Hits and misses are counted on the device by the fetch kernel; the rows selected on the host,
 //   except the adaptive budget's (KvConfig::mass), which the selection counts on the device
-//   (budget_rows()). Its selections end in kNoToken padding (cuda_topk.h), as does a union's whose
-//   real row's picks repeat primary rows (a real row of NaN; cuda_selection.h): no rows, skipped by
-//   the fetch, the cache update and the attention, and left out of what is reported (not out of
-//   the host's count of rows selected: a padded union counts its places).
+//   (budget_rows()), as is a union's merged by the de-duplicating merge. Their selections end in
+//   kNoToken padding (cuda_topk.h; a union's where the real row's picks repeat primary rows, as a
+//   real row of NaN does, cuda_selection.h): no rows, skipped by the fetch, the cache update and
+//   the attention, and left out of what is reported.
 // - A source without zero-copy pages (UseStagedSource, chosen once by the agent) keeps all of the
 //   above; only the rows the cache lacks come through pinned host memory (staged_fetch.h) instead
 //   of being read from mapped pages. The overlapped fetch then runs on the agent's SourceWorker:
@@ -124,7 +124,10 @@ class RowFetcher {
 
   // Where the top-k writes the (sequence, layer)'s next selection: per_head tokens for each KV
   // head, head h's at h * per_head, ascending (device memory; null when per_head is 0).
-  Result<int32_t*> SelectionTarget(SequenceId id, int layer, int32_t per_head);
+  // `counted_on_device`: the selection's kernels add its tokens to budget_rows() (the adaptive
+  // budget, the union's de-duplicating merge), which may leave kNoToken padding; else the fetch's
+  // Prepare counts all per_head places.
+  Result<int32_t*> SelectionTarget(SequenceId id, int layer, int32_t per_head, bool counted_on_device);
   // The rows the attention of a (sequence, layer) substitutes, into heads[h].rows for each KV
   // head h: the current selection's, or, with KvConfig::attend_resident, the whole row cache.
   void Substitute(SequenceId id, int layer, std::span<DeviceDecodeItem> heads) const;
@@ -219,6 +222,7 @@ class RowFetcher {
     int cur = 0;
     int32_t resident = 0;       // per head, in generation cur
     int32_t selected = 0;       // per head, in generation 1 - cur (waiting for the fetch)
+    bool selected_on_device = false;  // its tokens counted by the selection's kernels (SelectionTarget)
     CacheList cache;
     Buffer<Half> cache_rows;    // [n_kv][capacity][2][head_dim] by slot: rows never move (CacheUpdateTask)
     int32_t fetches = 0;        // since the cache was last emptied

@@ -251,7 +251,7 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan, cudaStream_t stream
   for (size_t s = 0; s < ids.size(); ++s) {
     const int32_t n = plan.candidates[s];
     const int32_t k = std::max(0, std::min<int32_t>(config_.primary_rows(), n));
-    SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection, rows_->SelectionTarget(ids[s], layer, k));
+    SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection, rows_->SelectionTarget(ids[s], layer, k, adaptive));
     if (k == 0) continue;
     for (int h = 0; h < n_kv; ++h) {  // head h's selection at h * k, as the resident rows are laid out
       float* probs = probs_.get() + plan.probs_offsets[s] + size_t(h) * group * n;
@@ -272,13 +272,15 @@ Status StepPlanner::Select(int layer, const LayerPlan& plan, cudaStream_t stream
 
 Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t stream) {
   // selection.h: the primary top-k, then the real row's best extra_rows() others, merged. A
-  // segment with no more candidates than both together selects them all. With the adaptive budget
-  // every segment is merged: the merge drops the real row's picks that are primary (fewer others
-  // than `extra` exist) and counts the rows on the device.
+  // segment with no more candidates than both together selects them all (without the adaptive
+  // budget). The others are merged: the merge drops the real row's picks that are primary (fewer
+  // others than `extra` rank above -inf) and counts the rows on the device.
   const int group = shape_.group_size(), n_kv = shape_.n_kv_heads;
   const int32_t k = config_.primary_rows(), extra = config_.extra_rows();
   const bool adaptive = config_.adaptive();
   const int32_t whole = adaptive ? 0 : k + extra;  // segments of at most this many candidates take them all
+  // The de-duplicating merge (it counts), or the plain one (disjoint lists only) past its length.
+  const bool dedup = adaptive || k + extra <= kMaxBudgetMerge;
   const TopKBudget budget{static_cast<float>(config_.mass), config_.k_min, nullptr};
   const bool pre_decode = protocol_->kind() == StepKind::kPreDecode;  // one row: primary and real
   const auto& ids = protocol_->ids();
@@ -303,7 +305,8 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t s
   for (size_t s = 0; s < ids.size(); ++s) {
     const int32_t n = std::max<int32_t>(plan.candidates[s], 0);
     const int32_t selected = adaptive ? std::min(n, k) + std::min(n, extra) : std::min(n, k + extra);
-    SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection, rows_->SelectionTarget(ids[s], layer, selected));
+    SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection,
+                              rows_->SelectionTarget(ids[s], layer, selected, dedup && n > whole));
     if (n == 0) continue;
     for (int h = 0; h < n_kv; ++h) {
       float* probs = probs_.get() + plan.probs_offsets[s] + size_t(h) * group * n;
@@ -346,11 +349,10 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t s
   // Without the budget too the two lists may share tokens: the primary ones, masked as NaN, rank as
   // -inf, tied with the real row's own -inf and NaN tokens (a row of NaN), so the real row's picks
   // can repeat one. The de-duplicating merge then ends the list with padding, where the plain merge
-  // would write one slot twice and leave the last one as an older step left it. The plain merge
-  // (disjoint lists only) past the de-duplicating one's length.
-  if (adaptive || k + extra <= kMaxBudgetMerge) {
-    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()),
-                                 adaptive ? rows_->budget_rows() : nullptr, stream, &selection_tasks_);
+  // would write one slot twice and leave the last one as an older step left it.
+  if (dedup) {
+    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), stream,
+                                 &selection_tasks_);
   }
   return MergeSelections(merges.data(), static_cast<int>(merges.size()), stream, &selection_tasks_);
 }
