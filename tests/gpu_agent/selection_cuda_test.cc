@@ -1,6 +1,6 @@
 // Label `gpu`: the union steps of the row selection on the device (cuda_selection.h) with the
-// adaptive budget's padding: the mask skips it, and the budget's merge equals the set union of the
-// budget's rows and the real row's picks, counted once each, then padding.
+// adaptive budget's padding: the mask skips it, and the merge equals the set union of the budget's
+// rows and the real row's picks, counted once each, then padding.
 #include "specache/cuda_selection.h"
 
 #include <algorithm>
@@ -32,7 +32,7 @@ std::vector<int32_t> Subset(int32_t n, int32_t size, std::mt19937& rng) {
 }
 #endif
 
-TEST(CudaSelectionTest, BudgetMergeIsTheUnionOfTheRowsThenPadding) {
+TEST(CudaSelectionTest, MergeIsTheUnionOfTheRowsThenPadding) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(53);
@@ -65,15 +65,15 @@ TEST(CudaSelectionTest, BudgetMergeIsTheUnionOfTheRowsThenPadding) {
     tasks.push_back({buf.Copy(a), buf.Copy(b), buf.Allocate<int32_t>(size_t(na + nb)), na, nb});
   }
   auto* rows = buf.Zeros<unsigned long long>(1);
-  ASSERT_TRUE(cuda::MergeBudgetSelections(tasks.data(), n_tasks, rows, nullptr).ok());
+  ASSERT_TRUE(cuda::MergeSelections(tasks.data(), n_tasks, rows, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (int i = 0; i < n_tasks; ++i) {
     ASSERT_EQ(testing::Download(tasks[i].out, want[i].size()), want[i]) << "task " << i;
   }
   EXPECT_EQ(testing::Download(rows, 1)[0], want_rows);
-  // Without a count (the union without the budget): the same lists.
+  // Without a count: the same lists.
   for (const cuda::MergeTask& t : tasks) ASSERT_EQ(cudaMemset(t.out, 0xff, size_t(t.na + t.nb) * 4), cudaSuccess);
-  ASSERT_TRUE(cuda::MergeBudgetSelections(tasks.data(), n_tasks, nullptr, nullptr).ok());
+  ASSERT_TRUE(cuda::MergeSelections(tasks.data(), n_tasks, nullptr, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (int i = 0; i < n_tasks; ++i) {
     ASSERT_EQ(testing::Download(tasks[i].out, want[i].size()), want[i]) << "task " << i << " without a count";

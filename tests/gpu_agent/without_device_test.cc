@@ -10,6 +10,7 @@
 #include "specache/cuda_attention.h"
 #include "specache/cuda_fetch.h"
 #include "specache/cuda_gather.h"
+#include "specache/cuda_selection.h"
 #include "specache/device_probe.h"
 #include "specache/in_memory_source.h"
 
@@ -52,6 +53,22 @@ TEST(WithoutDeviceTest, ARowCacheAboveTheKernelsLimitIsInvalidEverywhere) {
   config.cached_rows = cuda::kMaxCacheRows + 1;
   ExpectRefusedBeforeTheDevice(CreateCudaAgent({2, 4, 2, 64}, config, &source).status(), StatusCode::kInvalidArgument,
                                std::to_string(cuda::kMaxCacheRows));
+}
+
+// The union's merge (cuda_selection.h) holds up to kMaxMergedRows rows: a union that selects more
+// is refused before the device is touched, as an adaptive budget whose k_max does.
+TEST(WithoutDeviceTest, AUnionAboveTheMergesLimitIsInvalidEverywhere) {
+  InMemorySource source;
+  KvConfig config;
+  config.select = SelectFrom::kUnion;
+  config.top_k = 4096;
+  config.top_k_real = cuda::kMaxMergedRows - 4096 + 1;
+  config.cached_rows = cuda::kMaxMergedRows + 8;  // within the row cache's limit: the merge's is the one exceeded
+  ExpectRefusedBeforeTheDevice(CreateCudaAgent({2, 4, 2, 64}, config, &source).status(), StatusCode::kInvalidArgument,
+                               "merge takes up to " + std::to_string(cuda::kMaxMergedRows));
+  config.top_k_real -= 1;  // exactly the limit: past the checks (then UNAVAILABLE here, or a device agent)
+  const Status at_limit = CreateCudaAgent({2, 4, 2, 64}, config, &source).status();
+  EXPECT_NE(at_limit.code(), StatusCode::kInvalidArgument) << at_limit.ToString();
 }
 
 // Rounded host rows (KvConfig::round_host_rows, a fidelity measure) are the CPU agent's only, and
@@ -100,6 +117,15 @@ TEST(WithoutDeviceTest, RegisteringHostMemoryIsUnavailable) {
   SKIP_IF_A_DEVICE_IS_PRESENT();
   int x = 0;
   EXPECT_EQ(cuda::RegisterHostMemory(&x, sizeof x).status().code(), StatusCode::kUnavailable);
+}
+
+// The merge refuses lists longer than it holds before it launches anything (with or without a
+// device: nothing is read through the null pointers).
+TEST(WithoutDeviceTest, AMergeAboveItsLimitIsRefusedBeforeAnyLaunch) {
+  cuda::MergeTask task;
+  task.na = cuda::kMaxMergedRows / 2;
+  task.nb = cuda::kMaxMergedRows / 2 + 1;
+  EXPECT_EQ(cuda::MergeSelections(&task, 1, nullptr, nullptr).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(WithoutDeviceTest, FetchingRowsIsUnavailable) {

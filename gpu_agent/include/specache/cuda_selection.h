@@ -1,11 +1,10 @@
 // The steps of the row-selection rule (selection.h) that the top-k kernels do not cover, on the
 // device. The union selection (SelectFrom::kUnion): MaskTokens takes the primary rows out of the
 // real row's scores (they become NaN, which every top-k ranks lowest), SelectTopKBatch then picks
-// the real row's best others, and MergeBudgetSelections joins the two ascending lists into one, each
-// token once (MergeSelections, for disjoint lists, past kMaxBudgetMerge). With KvConfig::real_next,
-// WithPredecessors first credits each token with its predecessor's score. Device pointers; streams
-// as void*. One launch per call, its tasks through a slot of `plan` (cuda_attention.h; null: a plan
-// of the call's own, which waits for the kernel).
+// the real row's best others, and MergeSelections joins the two ascending lists into one, each
+// token once. With KvConfig::real_next, WithPredecessors first credits each token with its
+// predecessor's score. Device pointers; streams as void*. One launch per call, its tasks through a
+// slot of `plan` (cuda_attention.h; null: a plan of the call's own, which waits for the kernel).
 #pragma once
 
 #include <cstdint>
@@ -23,7 +22,7 @@ struct MaskTask {
   int32_t count = 0;
 };
 
-// Two ascending lists of distinct tokens, disjoint, merged into `out` [na + nb] ascending.
+// Two ascending lists of distinct tokens merged into `out` [na + nb] (MergeSelections).
 struct MergeTask {
   const int32_t* a = nullptr;
   const int32_t* b = nullptr;
@@ -43,18 +42,17 @@ struct ShiftTask {
 // scores[h][token] = NaN for every listed token, in every head of the group (kNoToken entries,
 // the adaptive budget's padding, are skipped).
 Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream, DecodePlan* plan = nullptr);
-// `out` [na + nb]: the ascending lists a and b merged; they must share no token.
-Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream, DecodePlan* plan = nullptr);
-// The union with the adaptive budget, or any union short enough: `a` holds the primary rows (the
-// budget's) then any kNoToken padding (cuda_topk.h), `b` the real row's best others ranked with a's
-// rows masked. When fewer than nb others rank above the masked rows (too few candidates, or a real
-// row of -inf and NaN scores), b also holds some of a's rows: they count once. `out` [na + nb]
-// receives a's rows and b's others, ascending, then kNoToken; each task's count is added to *rows
-// (device memory) when rows is set.
-// na + nb at most kMaxBudgetMerge.
-constexpr int kMaxBudgetMerge = 8192;
-Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream,
-                             DecodePlan* plan = nullptr);
+// The union: `a` holds the primary rows (with the adaptive budget: the budget's, then kNoToken
+// padding, cuda_topk.h), `b` the real row's best others ranked with a's rows masked. When fewer
+// than nb others rank above the masked rows (too few candidates, or a real row of -inf and NaN
+// scores), b also holds some of a's rows: they count once. `out` [na + nb] receives a's rows and
+// b's others, ascending, then kNoToken; each task's count is added to *rows (device memory) when
+// rows is set. na + nb at most kMaxMergedRows: the CUDA agent refuses a union that selects more
+// (before, one that selected 8193-16384 rows went through a merge for disjoint lists, which a
+// real row of NaN broke).
+constexpr int kMaxMergedRows = 8192;
+Status MergeSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream,
+                       DecodePlan* plan = nullptr);
 Status WithPredecessors(const ShiftTask* tasks, int n_tasks, int n_heads, void* stream, DecodePlan* plan = nullptr);
 
 }  // namespace specache::cuda

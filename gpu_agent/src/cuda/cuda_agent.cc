@@ -445,7 +445,8 @@ AgentStats CudaAgent::stats() const {
     if (!staged_commits_) (void)commits_.CommitLanded(true);  // its refused commits' error stays for BeginStep
   }
   s.commits_failed = commits_.failed();
-  // The adaptive budget's rows are counted on the device (device.selected), the others on the host.
+  // The adaptive budget's and the merged unions' rows are counted on the device (device.selected),
+  // the others on the host.
   AddFetchCounts({rows_.rows_selected() + static_cast<int64_t>(device.selected), static_cast<int64_t>(device.fetched),
                   static_cast<int64_t>(device.reused)},
                  HostRowBytes(pages_.row_format(), shape_.head_dim), &s);
@@ -473,9 +474,13 @@ Result<std::unique_ptr<Agent>> CreateCudaAgent(const ModelShape& shape, const Kv
     return Status::Unimplemented("round_host_rows (8-bit host rows, a fidelity measure) runs on the CPU agent only");
   }
   SPECACHE_RETURN_IF_ERROR(cuda::CheckKernelRows(config.host_row_format, shape.head_dim).WithContext("the CUDA agent"));
-  if (config.adaptive() && (config.k_max > cuda::kMaxBudgetRows || config.max_selected() > cuda::kMaxBudgetMerge)) {
-    return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows) +
-                                   " and k_max + top_k_real up to " + std::to_string(cuda::kMaxBudgetMerge));
+  if (config.adaptive() && config.k_max > cuda::kMaxBudgetRows) {
+    return Status::InvalidArgument("the CUDA adaptive budget takes k_max up to " + std::to_string(cuda::kMaxBudgetRows));
+  }
+  if (config.extra_rows() > 0 && config.max_selected() > cuda::kMaxMergedRows) {
+    return Status::InvalidArgument("the CUDA union's merge takes up to " + std::to_string(cuda::kMaxMergedRows) +
+                                   " rows (top_k, or k_max with the budget, plus the real row's top_k_real, or "
+                                   "top_k when 0), not " + std::to_string(config.max_selected()));
   }
   if (config.fetches_rows() && config.cache_rows() > cuda::kMaxCacheRows) {
     return Status::InvalidArgument("the CUDA row cache holds up to " + std::to_string(cuda::kMaxCacheRows) +

@@ -27,8 +27,9 @@
 //   attention is queued) makes the compute stream wait for it. Anything that waits for the fetch
 //   stream queues a deferred fetch first.
 // - Hits and misses are counted on the device by the fetch kernel; the rows selected on the host,
-//   except the adaptive budget's (KvConfig::mass), which the selection counts on the device
-//   (budget_rows()), as is a union's merged by the de-duplicating merge. Their selections end in
+//   except the adaptive budget's (KvConfig::mass) and a merged union's, which the selection counts
+//   on the device (budget_rows(); when the selection runs, so a step aborted before its fetch has
+//   counted them already, where the CPU agent has not). Their selections end in
 //   kNoToken padding (cuda_topk.h; a union's where the real row's picks repeat primary rows, as a
 //   real row of NaN does, cuda_selection.h): no rows, skipped by the fetch, the cache update and
 //   the attention, and left out of what is reported.
@@ -125,8 +126,8 @@ class RowFetcher {
   // Where the top-k writes the (sequence, layer)'s next selection: per_head tokens for each KV
   // head, head h's at h * per_head, ascending (device memory; null when per_head is 0).
   // `counted_on_device`: the selection's kernels add its tokens to budget_rows() (the adaptive
-  // budget, the union's de-duplicating merge), which may leave kNoToken padding; else the fetch's
-  // Prepare counts all per_head places.
+  // budget, the union's merge), which may leave kNoToken padding; else the fetch's Prepare counts
+  // all per_head places.
   Result<int32_t*> SelectionTarget(SequenceId id, int layer, int32_t per_head, bool counted_on_device);
   // The rows the attention of a (sequence, layer) substitutes, into heads[h].rows for each KV
   // head h: the current selection's, or, with KvConfig::attend_resident, the whole row cache.
@@ -176,17 +177,19 @@ class RowFetcher {
 
   // Tokens per KV head of the (sequence, layer)'s current selection.
   int32_t resident(SequenceId id, int layer) const;
-  // Copies KV head kv_head's current selection into *tokens (sized resident(); the adaptive
-  // budget's padding is then erased); synchronous, so only after the streams that write it are idle.
+  // Copies KV head kv_head's current selection into *tokens (sized resident(); its kNoToken
+  // padding, the adaptive budget's or a union's, is then erased); synchronous, so only after the
+  // streams that write it are idle.
   Status CopyResidentTokens(SequenceId id, int layer, int kv_head, std::vector<int32_t>* tokens) const;
 
-  // Rows selected for fetches so far, hits and misses, counted on the host (not the adaptive
-  // budget's: DeviceCounters().selected).
+  // Rows selected for fetches so far, hits and misses, counted on the host (not those counted on
+  // the device: DeviceCounters().selected).
   int64_t rows_selected() const { return rows_selected_; }
-  // Device memory the adaptive budget's selections add their rows to (FetchCounters::selected).
+  // Device memory the adaptive budget's selections and the union's merge add their rows to
+  // (FetchCounters::selected).
   unsigned long long* budget_rows() const { return &device_counters_.get()->selected; }
-  // The device's counts of rows fetched and reused, and of the budget's rows selected
-  // (synchronous: after the streams are idle).
+  // The device's counts of rows fetched and reused, and of the rows selected there (synchronous:
+  // after the streams are idle).
   FetchCounters DeviceCounters() const;
   // Adds the device memory of the rows to the stats: device_bytes (the row caches' entries, read
   // from the device; the resident selection's rows are among them) and device_bytes_reserved

@@ -39,20 +39,13 @@ __global__ void ShiftKernel(const ShiftTask* __restrict__ tasks, int n_heads) {
   }
 }
 
-// Each token's place in the merged list is its index plus the other list's tokens below it.
-__global__ void MergeKernel(const MergeTask* __restrict__ tasks) {
-  const MergeTask& t = TaskOfBlock(tasks, blockIdx.x);
-  for (int32_t i = threadIdx.x; i < t.na; i += blockDim.x) t.out[i + Below(t.b, t.nb, t.a[i])] = t.a[i];
-  for (int32_t j = threadIdx.x; j < t.nb; j += blockDim.x) t.out[j + Below(t.a, t.na, t.b[j])] = t.b[j];
-}
-
-// The budget's union. fresh_before[j]: b's entries in [0, j) that are not in a (one block scan
-// over per-thread runs). A new b entry lands at fresh_before[j] + (a's rows below it); a's row i
-// at i + fresh_before[b's entries below it] (none of those equals it).
-__global__ void BudgetMergeKernel(const MergeTask* __restrict__ tasks, unsigned long long* rows) {
+// The union. fresh_before[j]: b's entries in [0, j) that are not in a (one block scan over
+// per-thread runs). A new b entry lands at fresh_before[j] + (a's rows below it); a's row i at
+// i + fresh_before[b's entries below it] (none of those equals it).
+__global__ void MergeKernel(const MergeTask* __restrict__ tasks, unsigned long long* rows) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
-  __shared__ int32_t fresh_before[kMaxBudgetMerge + 1];
+  __shared__ int32_t fresh_before[kMaxMergedRows + 1];
   const MergeTask& t = TaskOfBlock(tasks, blockIdx.x);
   const int32_t na = Below(t.a, t.na, kNoToken);  // the budget's rows, without its padding
   auto is_new = [&](int32_t token) {
@@ -98,21 +91,14 @@ Status MaskTokens(const MaskTask* tasks, int n_tasks, int n_heads, void* stream,
   });
 }
 
-Status MergeSelections(const MergeTask* tasks, int n_tasks, void* stream, DecodePlan* plan) {
-  auto* s = static_cast<cudaStream_t>(stream);
-  return OneLaunch(plan, tasks, n_tasks, "merge kernel", s, [&](const MergeTask* t) {
-    MergeKernel<<<n_tasks, kThreads, 0, s>>>(t);
-  });
-}
-
-Status MergeBudgetSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream,
-                             DecodePlan* plan) {
+Status MergeSelections(const MergeTask* tasks, int n_tasks, unsigned long long* rows, void* stream,
+                       DecodePlan* plan) {
   for (int i = 0; i < n_tasks; ++i) {
-    if (tasks[i].na + tasks[i].nb > kMaxBudgetMerge) return Status::InvalidArgument("budget merge: lists too long");
+    if (tasks[i].na + tasks[i].nb > kMaxMergedRows) return Status::InvalidArgument("merge: lists too long");
   }
   auto* s = static_cast<cudaStream_t>(stream);
-  return OneLaunch(plan, tasks, n_tasks, "budget merge kernel", s, [&](const MergeTask* t) {
-    BudgetMergeKernel<<<n_tasks, kThreads, 0, s>>>(t, rows);
+  return OneLaunch(plan, tasks, n_tasks, "merge kernel", s, [&](const MergeTask* t) {
+    MergeKernel<<<n_tasks, kThreads, 0, s>>>(t, rows);
   });
 }
 

@@ -279,8 +279,6 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t s
   const int32_t k = config_.primary_rows(), extra = config_.extra_rows();
   const bool adaptive = config_.adaptive();
   const int32_t whole = adaptive ? 0 : k + extra;  // segments of at most this many candidates take them all
-  // The de-duplicating merge (it counts), or the plain one (disjoint lists only) past its length.
-  const bool dedup = adaptive || k + extra <= kMaxBudgetMerge;
   const TopKBudget budget{static_cast<float>(config_.mass), config_.k_min, nullptr};
   const bool pre_decode = protocol_->kind() == StepKind::kPreDecode;  // one row: primary and real
   const auto& ids = protocol_->ids();
@@ -306,7 +304,7 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t s
     const int32_t n = std::max<int32_t>(plan.candidates[s], 0);
     const int32_t selected = adaptive ? std::min(n, k) + std::min(n, extra) : std::min(n, k + extra);
     SPECACHE_ASSIGN_OR_RETURN(int32_t* const selection,
-                              rows_->SelectionTarget(ids[s], layer, selected, dedup && n > whole));
+                              rows_->SelectionTarget(ids[s], layer, selected, n > whole));
     if (n == 0) continue;
     for (int h = 0; h < n_kv; ++h) {
       float* probs = probs_.get() + plan.probs_offsets[s] + size_t(h) * group * n;
@@ -348,13 +346,9 @@ Status StepPlanner::SelectUnion(int layer, const LayerPlan& plan, cudaStream_t s
                       &topk_plan_));
   // Without the budget too the two lists may share tokens: the primary ones, masked as NaN, rank as
   // -inf, tied with the real row's own -inf and NaN tokens (a row of NaN), so the real row's picks
-  // can repeat one. The de-duplicating merge then ends the list with padding, where the plain merge
-  // would write one slot twice and leave the last one as an older step left it.
-  if (dedup) {
-    return MergeBudgetSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), stream,
-                                 &selection_tasks_);
-  }
-  return MergeSelections(merges.data(), static_cast<int>(merges.size()), stream, &selection_tasks_);
+  // can repeat one. The merge counts it once and ends the list with padding.
+  return MergeSelections(merges.data(), static_cast<int>(merges.size()), rows_->budget_rows(), stream,
+                         &selection_tasks_);
 }
 
 Status StepPlanner::RankExactly(int layer, std::vector<DeviceDecodeItem>* items, cudaStream_t stream) {
