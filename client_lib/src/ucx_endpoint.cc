@@ -2,6 +2,7 @@
 
 #include <poll.h>
 
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -28,6 +29,11 @@ struct UcxEndpoint::Impl {
     uint64_t id = 0;
     remote::RowsRequest rows;  // the header as sent (UCX may read it until the send completes)
     remote::Hello hello;
+    // A hello waits for the daemon's challenge (written into it then) before it is sent; its
+    // payload (the caller's, valid until its Wait returns) is sent with it.
+    bool awaiting_challenge = false;
+    const void* hello_payload = nullptr;
+    size_t hello_payload_bytes = 0;
     void* out = nullptr;
     size_t capacity = 0, received = 0;
     bool replied = false, sent = false;
@@ -68,6 +74,9 @@ struct UcxEndpoint::Impl {
   mutable std::mutex mu;
   std::map<uint64_t, Pending> pending;
   uint64_t next_id = 1;
+  // The challenge the daemon sent this endpoint (kChallenge), which its hello carries back.
+  bool challenged = false;
+  std::array<uint8_t, remote::kChallengeBytes> challenge{};
   bool failed = false;
   std::string failure;
   uint64_t late_replies = 0;
@@ -209,6 +218,52 @@ struct UcxEndpoint::Impl {
     return UCS_OK;
   }
 
+  static ucs_status_t OnChallenge(void* arg, const void* header, size_t header_length, void*, size_t,
+                                  const ucp_am_recv_param_t*) {
+    auto* self = static_cast<Impl*>(arg);  // called from progress, under mu
+    auto c = remote::ParseChallenge({static_cast<const uint8_t*>(header), header_length});
+    if (!c.ok()) {
+      self->FailAllLocked("the daemon's challenge: " + c.status().message());
+      return UCS_OK;
+    }
+    if (!self->challenged) {  // a daemon sends one; a later one changes nothing
+      self->challenge = c->challenge;
+      self->challenged = true;
+    }
+    return UCS_OK;
+  }
+
+  // Sends request p (AM id, the header as p holds it, a payload): UCX holds p until OnSent.
+  Status PostLocked(Pending& p, remote::AmId id, const void* header, size_t header_bytes, const void* payload,
+                    size_t payload_bytes) {
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    rp.cb.send = &Impl::OnSent;
+    rp.user_data = &p;
+    rp.flags = UCP_AM_SEND_FLAG_REPLY;  // the daemon answers on the endpoint the message came from
+    ucs_status_ptr_t st = ucp_am_send_nbx(ep, id, header, header_bytes, payload, payload_bytes, &rp);
+    if (st == nullptr) {
+      p.sent = true;
+    } else if (UCS_PTR_IS_ERR(st)) {
+      return Status::Unavailable(UcsError("send to " + address, UCS_PTR_STATUS(st)));
+    } else {
+      p.send_pending = true;  // until OnSent
+    }
+    return Status::Ok();
+  }
+
+  // The hello (request 0), once the daemon's challenge came: the challenge written into it, sent.
+  // A send that fails ends it with that status.
+  void SendHelloLocked() {
+    auto it = pending.find(0);
+    if (!challenged || failed || it == pending.end() || !it->second.awaiting_challenge) return;
+    Pending& p = it->second;
+    p.awaiting_challenge = false;
+    p.hello.challenge = challenge;
+    Status s = PostLocked(p, remote::kHello, &p.hello, sizeof p.hello, p.hello_payload, p.hello_payload_bytes);
+    if (!s.ok()) p.status = s, p.sent = p.replied = true;
+  }
+
   static void OnGet(void* request, ucs_status_t status, void* user_data) {
     auto* self = static_cast<Impl*>(user_data);
     --self->gets_outstanding;
@@ -239,6 +294,9 @@ struct UcxEndpoint::Impl {
     h.cb = &Impl::OnReply;
     h.arg = this;
     h.flags = UCP_AM_FLAG_WHOLE_MSG;
+    if ((s = ucp_worker_set_am_recv_handler(worker, &h)) != UCS_OK) return Status::Unavailable(UcsError("am handler", s));
+    h.id = remote::kChallenge;
+    h.cb = &Impl::OnChallenge;
     if ((s = ucp_worker_set_am_recv_handler(worker, &h)) != UCS_OK) return Status::Unavailable(UcsError("am handler", s));
     SPECACHE_ASSIGN_OR_RETURN(remote::SocketAddress addr, remote::ResolveAddress(address));
     ucp_ep_params_t ep_params{};
@@ -319,28 +377,24 @@ Result<uint64_t> UcxEndpoint::Start(remote::AmId id, const void* header, size_t 
   p.id = request;
   p.out = out;
   p.capacity = out_capacity;
-  const void* h = nullptr;
-  if (hello) {
+  if (hello) {  // sent once the daemon's challenge came (SendHelloLocked: now, or in Wait's progress)
     std::memcpy(&p.hello, header, sizeof p.hello);
-    h = &p.hello;
-  } else {
-    std::memcpy(&p.rows, header, sizeof p.rows);
-    p.rows.request_id = request;
-    h = &p.rows;
+    p.awaiting_challenge = true;
+    p.hello_payload = payload;
+    p.hello_payload_bytes = payload_bytes;
+    m->SendHelloLocked();
+    if (p.replied && !p.status.ok()) {
+      Status s = p.status;
+      m->pending.erase(request);
+      return s;
+    }
+    return request;
   }
-  ucp_request_param_t rp{};
-  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  rp.cb.send = &Impl::OnSent;
-  rp.user_data = &p;
-  rp.flags = UCP_AM_SEND_FLAG_REPLY;  // the daemon answers on the endpoint the message came from
-  ucs_status_ptr_t st = ucp_am_send_nbx(m->ep, id, h, header_bytes, payload, payload_bytes, &rp);
-  if (st == nullptr) {
-    p.sent = true;
-  } else if (UCS_PTR_IS_ERR(st)) {
+  std::memcpy(&p.rows, header, sizeof p.rows);
+  p.rows.request_id = request;
+  if (Status s = m->PostLocked(p, id, &p.rows, sizeof p.rows, payload, payload_bytes); !s.ok()) {
     m->pending.erase(request);
-    return Status::Unavailable(UcsError("send to " + m->address, UCS_PTR_STATUS(st)));
-  } else {
-    p.send_pending = true;  // until OnSent
+    return s;
   }
   return request;
 }
@@ -360,13 +414,16 @@ Status UcxEndpoint::Wait(uint64_t request, Deadline deadline, size_t* out_bytes)
       return s;
     }
     if (Clock::now() >= deadline) {
-      Status s = m->GiveUpLocked("request");
+      Status s = m->GiveUpLocked(it->second.awaiting_challenge
+                                     ? "the hello, for which no challenge came from the daemon (one older than this client sends none)"
+                                     : "request");
       m->DrainLocked(request);
       it = m->pending.find(request);
       if (it != m->pending.end()) m->ForgetLocked(it);
       return s;
     }
     m->ProgressOrSleep(&lock, &idle);
+    m->SendHelloLocked();
   }
 }
 

@@ -26,13 +26,16 @@ using Deadline = std::chrono::steady_clock::time_point;
 class UcxEndpoint {
  public:
   // Creates the worker and starts connecting to "host:port" (the connection completes with the
-  // first request). `rma` adds the RMA feature, for client-side gets.
+  // first request; the daemon then sends the endpoint its challenge). `rma` adds the RMA feature,
+  // for client-side gets.
   static Result<std::unique_ptr<UcxEndpoint>> Connect(const std::string& address, bool rma);
   ~UcxEndpoint();
 
   // Sends one request (AM `id`, header, payload) and returns its id; the reply's payload will be
   // written to `out` (at most out_capacity bytes; a longer reply is DATA_LOSS). The header's
-  // request id field is set here for RowsRequest headers (kGather, kWrite, kPages).
+  // request id field is set here for RowsRequest headers (kGather, kWrite, kPages). A kHello is
+  // sent once the daemon's challenge came, written into its header here (its payload must stay
+  // valid until its Wait returns).
   Result<uint64_t> Start(remote::AmId id, const void* header, size_t header_bytes, const void* payload,
                          size_t payload_bytes, void* out, size_t out_capacity);
   // Waits for a started request: the reply's status (the daemon's refusal, with its message), and

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/random.h>
 
 #include <algorithm>
 #include <chrono>
@@ -49,6 +50,9 @@ struct UcxServer::Impl {
     Clock::time_point close_at{};  // refused at the hello: closed once the refusal had time to leave
     uint64_t session = 0;  // 0 until the hello
     Token token{};
+    // Sent to the endpoint's peer at once (kChallenge); before the hello the endpoint takes only a
+    // hello that carries it back (Challenged).
+    Token challenge{};
     std::vector<ucp_mem_h> memh;  // the session's chunks, with `rma`
     // Which connection this is: UCX may give a new connection the address of a closed one's
     // endpoint, so what outlives a connection (a reply in flight) names it by ep and serial.
@@ -63,12 +67,14 @@ struct UcxServer::Impl {
     // for kReplyDeadline is closed: its replies hold the data plane's memory).
     Clock::time_point replies_moved{};
   };
-  // A reply in flight: it lives until UCX is done with its buffers.
+  // A reply (or a challenge) in flight: it lives until UCX is done with its buffers.
   struct Outgoing {
     Impl* impl = nullptr;
     ucp_ep_h ep = nullptr;
     uint64_t serial = 0;  // its connection's
+    uint16_t id = remote::kReply;  // or kChallenge (header unused, no payload)
     remote::Reply header;
+    remote::Challenge challenge;
     std::vector<uint8_t> payload;
     std::function<void()> then;  // after the send completed (or failed)
   };
@@ -96,6 +102,7 @@ struct UcxServer::Impl {
   static_assert(remote::kHello != kUnservedId && remote::kGather != kUnservedId && remote::kWrite != kUnservedId &&
                     remote::kPages != kUnservedId,
                 "a served active message id must differ from kUnservedId");
+  static_assert(remote::kChallengeBytes == attach::kTokenBytes, "a challenge is compared as a token (SameToken)");
 
   Registry* registry = nullptr;
   UcxServerOptions options;
@@ -106,6 +113,9 @@ struct UcxServer::Impl {
   std::string transports;
   int efd = -1;
   std::map<ucp_ep_h, Connection> connections;
+  // Endpoints accepted whose challenge the loop has not sent yet (ep, serial): UCX's callbacks
+  // must not send.
+  std::vector<std::pair<ucp_ep_h, uint64_t>> unchallenged;
   std::deque<std::unique_ptr<Job>> jobs;
   std::vector<HandlerArg> handler_args;
   std::thread thread;
@@ -118,11 +128,9 @@ struct UcxServer::Impl {
   uint64_t dropped_unauthentic = 0;  // messages naming a session's endpoint without its id and token (likewise)
   uint64_t dropped_unserved = 0;  // messages of an id the daemon does not serve (likewise)
   uint64_t dropped_closing = 0;  // messages on an endpoint being closed for misbehaving (likewise)
+  uint64_t dropped_unchallenged = 0;  // messages before an endpoint's hello without its challenge (likewise)
   // A connection's most queued requests and replies in flight: past either it is closed.
   static constexpr uint32_t kMostQueued = 1024;
-  // The largest message header taken (and copied): every header of the protocol is a small
-  // fixed struct (remote_protocol.h); a larger one closes its endpoint.
-  static constexpr size_t kMostHeaderBytes = 256;
   // A rendezvous payload not received within kPayloadDeadline, plus the time everything held at its
   // arrival takes at kSlowLinkBytesPerSecond (a slow link shared by many writers is not a stall),
   // closes its endpoint: it holds up its endpoint's later requests, and its buffer.
@@ -237,6 +245,13 @@ struct UcxServer::Impl {
                                               " open, the limit, each with a session"));
       return;
     }
+    Token challenge{};
+    if (getrandom(challenge.data(), challenge.size(), 0) != static_cast<ssize_t>(challenge.size())) {
+      ucp_listener_reject(self->listener, request);
+      spdlog::warn("remote data plane: a connection rejected: no random bytes for its challenge (getrandom failed)");
+      ++self->dropped;
+      return;
+    }
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     p.conn_request = request;
@@ -253,6 +268,8 @@ struct UcxServer::Impl {
     c.ep = ep;
     c.serial = self->next_serial++;
     c.accepted = Clock::now();
+    c.challenge = challenge;
+    self->unchallenged.emplace_back(ep, c.serial);
     ++self->open;
   }
 
@@ -286,6 +303,17 @@ struct UcxServer::Impl {
     return session == c.session && SameToken(token, c.token);
   }
 
+  // Whether a message to endpoint c, before its hello, is a hello of this protocol's version that
+  // carries c's challenge (which only c's own peer was sent).
+  static bool Challenged(const Connection& c, uint16_t id, const void* header, size_t header_length) {
+    if (id != remote::kHello || header_length != sizeof(remote::Hello)) return false;
+    remote::Hello h;
+    std::memcpy(&h, header, sizeof h);
+    Token challenge{};
+    std::memcpy(challenge.data(), h.challenge.data(), challenge.size());
+    return h.magic == remote::kMagic && h.version == remote::kVersion && SameToken(challenge, c.challenge);
+  }
+
   static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                 const ucp_am_recv_param_t* param) {
     auto* a = static_cast<HandlerArg*>(arg);
@@ -317,6 +345,18 @@ struct UcxServer::Impl {
       }
       return UCS_OK;
     }
+    if (c.session == 0 && !Challenged(c, a->id, header, header_length)) {
+      // Before its hello an endpoint takes only a hello with its challenge: any other message may
+      // be another peer's (see above), or a client's older than the challenge (version < 3). It
+      // changes nothing of the endpoint it names (no refusal, no close): counted, and logged at
+      // the 1st, 2nd, 4th...
+      if (self->DroppedAndLogged(&self->dropped_unchallenged)) {
+        spdlog::warn("remote data plane: message {} on an endpoint before its hello, not a hello of version {} with the "
+                     "endpoint's challenge, dropped ({} such so far)",
+                     a->id, remote::kVersion, self->dropped_unchallenged);
+      }
+      return UCS_OK;
+    }
     if (c.session != 0 && !Authentic(c, a->id, header, header_length)) {
       // UCX names the endpoint from an id the sender wrote: this message may be another peer's.
       // It changes nothing of the endpoint it names (no refusal, no close): counted, and logged at
@@ -326,11 +366,6 @@ struct UcxServer::Impl {
                      "token dropped ({} such so far)",
                      a->id, c.session, self->dropped_unauthentic);
       }
-      return UCS_OK;
-    }
-    if (header_length > kMostHeaderBytes) {  // every header is a small fixed struct: not copied
-      self->Misbehaved(&c, "a message header of " + std::to_string(header_length) + " bytes");
-      ++self->dropped;
       return UCS_OK;
     }
     if (c.jobs_queued >= kMostQueued) {
@@ -343,6 +378,8 @@ struct UcxServer::Impl {
     job->ep = param->reply_ep;
     job->serial = c.serial;
     job->arrived = Clock::now();
+    // The header is a hello's or a rows request's of the exact size (Challenged, Authentic): no
+    // larger header is ever copied.
     const auto* h = static_cast<const uint8_t*>(header);
     job->header.assign(h, h + header_length);
     ++c.jobs_queued;
@@ -379,22 +416,16 @@ struct UcxServer::Impl {
   }
 
   // Whether a message's payload may be taken off the wire, from its header and length alone: the
-  // hello carries none; a request only on an endpoint whose hello was accepted (the client waits
-  // for that answer before its first request), with a payload no larger than its header's rows
-  // make it (a gather's n tokens, a write's n rows of at most kMaxRowBytes), within the
-  // endpoint's and the data plane's limits of bytes held. A rows request's parsed header goes to
-  // *request.
+  // hello carries none; a request (on an endpoint whose hello was accepted: OnMessage drops every
+  // other message before it, and the client waits for its answer before any request) a payload no
+  // larger than its header's rows make it (a gather's n tokens, a write's n rows of at most
+  // kMaxRowBytes), within the endpoint's and the data plane's limits of bytes held. A rows
+  // request's parsed header goes to *request.
   Status Admit(Connection* c, uint16_t id, const std::vector<uint8_t>& header, size_t length,
                remote::RowsRequest* request) {
     if (id == remote::kHello) {
       if (length != 0) return Status::InvalidArgument("a hello carries no payload (" + std::to_string(length) + " bytes came)");
       return Status::Ok();
-    }
-    // The protocol has a client wait for its hello's answer before any request: a request before
-    // that is refused here, and on an endpoint whose hello is still unanswered it also closes
-    // the endpoint (RefuseAndClose), even if that hello is then accepted.
-    if (c->session == 0) {
-      return Status::FailedPrecondition("the first message on an endpoint must be the hello, and requests wait for its answer");
     }
     SPECACHE_ASSIGN_OR_RETURN(*request, remote::ParseRowsRequest(header));
     const remote::RowsRequest& req = *request;
@@ -494,8 +525,7 @@ struct UcxServer::Impl {
     Impl* self = out->impl;
     if (status != UCS_OK) {
       ++self->dropped;
-      spdlog::warn("remote data plane: reply to request {} not delivered: {}", out->header.request_id,
-                   ucs_status_string(status));
+      spdlog::warn("remote data plane: {} not delivered: {}", self->What(*out), ucs_status_string(status));
     }
     if (Connection* c = self->Find(out->ep, out->serial)) {
       c->replies_in_flight -= c->replies_in_flight > 0 ? 1 : 0;
@@ -536,24 +566,54 @@ struct UcxServer::Impl {
     } else {
       out->payload = std::move(payload);
     }
+    Post(c, out);
+  }
+
+  // What an outgoing message is, for the log.
+  static std::string What(const Outgoing& out) {
+    return out.id == remote::kChallenge ? "the challenge to a new endpoint"
+                                        : "reply to request " + std::to_string(out.header.request_id);
+  }
+
+  // Sends `out` on its endpoint c (its header by its id, then its payload); it is deleted once UCX
+  // is done with it, and counts against c's limits while in flight.
+  void Post(Connection* c, Outgoing* out) {
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = &OnReplySent;
     rp.user_data = out;
-    ucs_status_ptr_t st =
-        ucp_am_send_nbx(ep, remote::kReply, &out->header, sizeof out->header, out->payload.data(), out->payload.size(), &rp);
+    const bool challenge = out->id == remote::kChallenge;
+    const void* header = challenge ? static_cast<const void*>(&out->challenge) : &out->header;
+    const size_t header_bytes = challenge ? sizeof out->challenge : sizeof out->header;
+    ucs_status_ptr_t st = ucp_am_send_nbx(c->ep, out->id, header, header_bytes, out->payload.data(), out->payload.size(), &rp);
     if (st == nullptr) {
       if (out->then) out->then();
       delete out;
     } else if (UCS_PTR_IS_ERR(st)) {
       ++dropped;
-      spdlog::warn("remote data plane: reply to request {} not sent: {}", request_id, ucs_status_string(UCS_PTR_STATUS(st)));
+      spdlog::warn("remote data plane: {} not sent: {}", What(*out), ucs_status_string(UCS_PTR_STATUS(st)));
       if (out->then) out->then();
       delete out;
     } else {  // in flight until OnReplySent: it counts against the endpoint's limits
       Hold(c, out->payload.size());
       if (c->replies_in_flight++ == 0) c->replies_moved = Clock::now();
     }
+  }
+
+  // The challenges of the endpoints accepted since the last pass, each its endpoint's first message.
+  void SendChallenges() {
+    for (const auto& [ep, serial] : unchallenged) {
+      Connection* c = Find(ep, serial);
+      if (!c || !c->misbehaved.empty()) continue;  // closed, or being closed, meanwhile
+      auto* out = new Outgoing;
+      out->impl = this;
+      out->ep = ep;
+      out->serial = serial;
+      out->id = remote::kChallenge;
+      std::memcpy(out->challenge.challenge.data(), c->challenge.data(), c->challenge.size());
+      Post(c, out);
+    }
+    unchallenged.clear();
   }
 
   // The hello: binds the endpoint to its session.
@@ -763,6 +823,7 @@ struct UcxServer::Impl {
       // A bounded number of progress calls a pass: a flood of messages does not keep the loop from
       // serving (each message queues at most a job).
       for (int i = 0; i < 256 && ucp_worker_progress(worker) != 0; ++i) last_work = Clock::now();
+      SendChallenges();
       if (ServeReady()) last_work = Clock::now();
       if (Clock::now() - last_sweep > std::chrono::milliseconds(20)) {
         Sweep();

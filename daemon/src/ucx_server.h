@@ -2,18 +2,22 @@
 // session's rows (remote_protocol.h). One thread owns the UCX worker and answers every request.
 //
 // Rules, checked on every message before anything is read or written:
-//   - the first message on an endpoint is kHello with the session id and token; it takes the
-//     session's lease (Registry::AttachRemote) and binds the endpoint to that session for good;
-//   - every later request names a sequence of that session, a layer and KV head inside its layout
-//     and rows inside its pages (the registry checks them: Registry::ReadRows / WriteRows);
-//   - an endpoint that sends anything else first, or no hello within the lease, is closed;
+//   - every endpoint accepted is sent a random challenge (kChallenge) at once;
+//   - the first message on an endpoint is kHello with the session id and token and the endpoint's
+//     challenge; it takes the session's lease (Registry::AttachRemote) and binds the endpoint to
+//     that session for good. Any other message before it (another peer may name the endpoint)
+//     is dropped, logged (rate-limited) and counted, and changes nothing;
+//   - every later request carries that session id and token (others are dropped likewise) and
+//     names a sequence of that session, a layer and KV head inside its layout and rows inside
+//     its pages (the registry checks them: Registry::ReadRows / WriteRows);
+//   - an endpoint whose hello is refused, or that says none within the lease, is closed;
 //     refusals are answered with a specific status (to the request's id), logged (rate-limited)
 //     and counted;
-//   - a payload is kept only after its header is checked: a request before the hello was
-//     accepted, a hello with a payload, a payload larger than its header's rows make it, or one
-//     that would take the endpoint past max_endpoint_bytes (its requests not yet served plus its
-//     replies not yet taken) or all endpoints past max_held_bytes is refused without receiving
-//     it (a rendezvous payload is then never fetched; an eager one UCX has already received);
+//   - a payload is kept only after its header is checked: a hello with a payload, a payload
+//     larger than its header's rows make it, or one that would take the endpoint past
+//     max_endpoint_bytes (its requests not yet served plus its replies not yet taken) or all
+//     endpoints past max_held_bytes is refused without receiving it (a rendezvous payload is then
+//     never fetched; an eager one UCX has already received);
 //   - an endpoint with 1024 requests queued or 1024 replies not taken, whose replies none of
 //     which it took for 30 s, or whose rendezvous payload has not arrived within 10 s (plus the
 //     time what the data plane held then takes at 25 MiB/s), is closed (logged, counted as

@@ -35,6 +35,16 @@ Result<Hello> ParseHello(std::span<const uint8_t> header) {
   return h;
 }
 
+Result<Challenge> ParseChallenge(std::span<const uint8_t> header) {
+  SPECACHE_ASSIGN_OR_RETURN(Challenge c, Exact<Challenge>(header, "challenge"));
+  if (c.version != kVersion) {
+    return Status::FailedPrecondition("challenge: the daemon speaks version " + std::to_string(c.version) +
+                                      ", this client " + std::to_string(kVersion));
+  }
+  if (c.reserved != 0) return Status::InvalidArgument("challenge: reserved field set");
+  return c;
+}
+
 Result<RowsRequest> ParseRowsRequest(std::span<const uint8_t> header) {
   SPECACHE_ASSIGN_OR_RETURN(RowsRequest r, Exact<RowsRequest>(header, "rows request"));
   if (r.n > kMaxRowsPerRequest) {

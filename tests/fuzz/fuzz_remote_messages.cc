@@ -1,5 +1,5 @@
 // Fuzz target: the remote data plane's message headers (the daemon parses hellos and row
-// requests from any host that reaches its UCX port; the client parses replies).
+// requests from any host that reaches its UCX port; the client parses challenges and replies).
 #include <cstdint>
 #include <span>
 
@@ -12,5 +12,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto rows = specache::remote::ParseRowsRequest(bytes);
   if (rows.ok() && rows->n > specache::remote::kMaxRowsPerRequest) __builtin_trap();  // bounded
   (void)specache::remote::ParseReply(bytes);
+  auto challenge = specache::remote::ParseChallenge(bytes);
+  if (challenge.ok() && challenge->version != specache::remote::kVersion) __builtin_trap();  // this version's only
   return 0;
 }

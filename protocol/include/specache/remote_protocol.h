@@ -1,6 +1,7 @@
 // The data plane between a remote client and specached: UCX active messages (AM) on one
 // endpoint per session. The control plane stays gRPC (control.proto over TLS); this carries rows.
 //
+//   daemon -> client, at once on every endpoint it accepts: kChallenge  Challenge (no payload)
 //   client -> daemon (AM header, AM payload)            daemon -> client (kReply)
 //   kHello   Hello                -                     Reply, payload: RemoteChunk[] + packed
 //                                                       remote keys (only with `rma` on)
@@ -8,12 +9,14 @@
 //   kWrite   Write                n rows                Reply
 //   kPages   Pages                -                     Reply, payload: shm::PageRef[pages]
 //
-// The first message on an endpoint must be kHello (the session id and token OpenSession gave);
-// it takes the session's lease, and the session ends when the endpoint closes. Every later
-// request carries the same session id and token: UCX tells the daemon which endpoint a message
-// came from by an endpoint id its sender writes into the message, so a peer can name another's
-// endpoint, and the daemon serves only a request whose session and token are those its
-// endpoint's hello bound (others are dropped, counted and logged, and change nothing). Every
+// The first message on an endpoint must be kHello (the session id and token OpenSession gave,
+// and the challenge the daemon sent that endpoint); it takes the session's lease, and the session
+// ends when the endpoint closes. Every later request carries the same session id and token: UCX
+// tells the daemon which endpoint a message came from by an endpoint id its sender writes into
+// the message, so a peer can name another's endpoint. The daemon therefore takes a message on an
+// endpoint before its hello only if it is a hello with that endpoint's challenge (which only the
+// endpoint's own peer received), and after it only a request whose session and token are those
+// the hello bound; others are dropped, counted and logged, and change nothing. Every
 // request carries a request id the reply echoes; a reply with a non-zero code carries the error text as
 // its payload. Headers are fixed-size plain structs; both sides parse the other's bytes with
 // Parse*, which reject anything malformed.
@@ -51,10 +54,10 @@ inline void DropTrailingSpace(std::string* secret) {
 }
 
 inline constexpr uint32_t kMagic = 0x55435053;  // "SPCU"
-inline constexpr uint16_t kVersion = 2;  // 2: session id and token in every RowsRequest
+inline constexpr uint16_t kVersion = 3;  // 2: session id and token in every RowsRequest; 3: the challenge
 
 // AM ids (ucp_worker_set_am_recv_handler).
-enum AmId : uint16_t { kHello = 1, kGather = 2, kWrite = 3, kPages = 4, kReply = 10 };
+enum AmId : uint16_t { kHello = 1, kGather = 2, kWrite = 3, kPages = 4, kReply = 10, kChallenge = 11 };
 
 // Most rows in one kGather or kWrite (a layer's worth of a large batch; bounds the daemon's buffer).
 inline constexpr uint32_t kMaxRowsPerRequest = 1 << 16;
@@ -62,14 +65,26 @@ inline constexpr uint32_t kMaxRowsPerRequest = 1 << 16;
 // ValidatePageLayout). A kWrite of n rows carries at most n times this.
 inline constexpr uint32_t kMaxRowBytes = static_cast<uint32_t>(shm::RowBytes(shm::kRowFp16, 1024));
 
+// Random bytes the daemon gives each endpoint it accepts (kChallenge); its hello carries them back.
+inline constexpr size_t kChallengeBytes = 16;
+
+struct Challenge {
+  uint32_t magic = kMagic;
+  uint16_t version = kVersion;
+  uint16_t reserved = 0;
+  std::array<uint8_t, kChallengeBytes> challenge{};
+};
+static_assert(sizeof(Challenge) == 24);
+
 struct Hello {
   uint32_t magic = kMagic;
   uint16_t version = kVersion;
   uint16_t flags = 0;
   uint64_t session_id = 0;
   std::array<uint8_t, attach::kTokenBytes> token{};
+  std::array<uint8_t, kChallengeBytes> challenge{};  // the endpoint's (written by the client's endpoint)
 };
-static_assert(sizeof(Hello) == 32);
+static_assert(sizeof(Hello) == 48);
 
 // Rows of one (sequence, layer, KV head). In kGather the payload lists n tokens (int32, any
 // order); in kWrite it holds n rows from first_token on. session_id and token: the hello's.
@@ -104,6 +119,7 @@ struct RemoteChunk {
 static_assert(sizeof(RemoteChunk) == 24);
 
 Result<Hello> ParseHello(std::span<const uint8_t> header);
+Result<Challenge> ParseChallenge(std::span<const uint8_t> header);
 // A kGather or kWrite header (n within kMaxRowsPerRequest), or kPages (n == 0).
 Result<RowsRequest> ParseRowsRequest(std::span<const uint8_t> header);
 Result<Reply> ParseReply(std::span<const uint8_t> header);
