@@ -415,7 +415,7 @@ Status UcxEndpoint::Wait(uint64_t request, Deadline deadline, size_t* out_bytes)
     }
     if (Clock::now() >= deadline) {
       Status s = m->GiveUpLocked(it->second.awaiting_challenge
-                                     ? "the hello, for which no challenge came from the daemon (one older than this client sends none)"
+                                     ? "the hello, for which no challenge came: the daemon is unreachable, or older than this client"
                                      : "request");
       m->DrainLocked(request);
       it = m->pending.find(request);

@@ -25,9 +25,9 @@ using Deadline = std::chrono::steady_clock::time_point;
 
 class UcxEndpoint {
  public:
-  // Creates the worker and starts connecting to "host:port" (the connection completes with the
-  // first request; the daemon then sends the endpoint its challenge). `rma` adds the RMA feature,
-  // for client-side gets.
+  // Creates the worker and the endpoint to "host:port": the connection is made as the first
+  // request's Wait progresses the worker, and the daemon then sends the endpoint its challenge.
+  // `rma` adds the RMA feature, for client-side gets.
   static Result<std::unique_ptr<UcxEndpoint>> Connect(const std::string& address, bool rma);
   ~UcxEndpoint();
 

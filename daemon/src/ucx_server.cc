@@ -103,6 +103,8 @@ struct UcxServer::Impl {
                     remote::kPages != kUnservedId,
                 "a served active message id must differ from kUnservedId");
   static_assert(remote::kChallengeBytes == attach::kTokenBytes, "a challenge is compared as a token (SameToken)");
+  // A protocol version 2 hello's size (no challenge): named in the log when one is dropped.
+  static constexpr size_t kVersion2HelloBytes = 32;
 
   Registry* registry = nullptr;
   UcxServerOptions options;
@@ -129,6 +131,7 @@ struct UcxServer::Impl {
   uint64_t dropped_unserved = 0;  // messages of an id the daemon does not serve (likewise)
   uint64_t dropped_closing = 0;  // messages on an endpoint being closed for misbehaving (likewise)
   uint64_t dropped_unchallenged = 0;  // messages before an endpoint's hello without its challenge (likewise)
+  uint64_t challenges_undelivered = 0;  // challenges UCX did not send or deliver (likewise; not `dropped`)
   // A connection's most queued requests and replies in flight: past either it is closed.
   static constexpr uint32_t kMostQueued = 1024;
   // A rendezvous payload not received within kPayloadDeadline, plus the time everything held at its
@@ -246,10 +249,11 @@ struct UcxServer::Impl {
       return;
     }
     Token challenge{};
-    if (getrandom(challenge.data(), challenge.size(), 0) != static_cast<ssize_t>(challenge.size())) {
+    // Never blocking the loop (GRND_NONBLOCK: before the kernel's pool is ready, a connection is
+    // rejected rather than the data plane stalled).
+    if (getrandom(challenge.data(), challenge.size(), GRND_NONBLOCK) != static_cast<ssize_t>(challenge.size())) {
       ucp_listener_reject(self->listener, request);
-      spdlog::warn("remote data plane: a connection rejected: no random bytes for its challenge (getrandom failed)");
-      ++self->dropped;
+      self->Refused(Status::Unavailable("remote connection rejected: no random bytes for its challenge yet (getrandom)"));
       return;
     }
     ucp_ep_params_t p{};
@@ -347,13 +351,16 @@ struct UcxServer::Impl {
     }
     if (c.session == 0 && !Challenged(c, a->id, header, header_length)) {
       // Before its hello an endpoint takes only a hello with its challenge: any other message may
-      // be another peer's (see above), or a client's older than the challenge (version < 3). It
-      // changes nothing of the endpoint it names (no refusal, no close): counted, and logged at
-      // the 1st, 2nd, 4th...
+      // be another peer's (UCX names the endpoint from an id the sender wrote, as below), or a
+      // client's older than the challenge. It changes nothing of the endpoint it names (no
+      // refusal, no close: a refusal of a hello would reach that endpoint's own pending hello):
+      // counted, and logged at the 1st, 2nd, 4th...
       if (self->DroppedAndLogged(&self->dropped_unchallenged)) {
+        const bool old_hello = a->id == remote::kHello && header_length == kVersion2HelloBytes;
         spdlog::warn("remote data plane: message {} on an endpoint before its hello, not a hello of version {} with the "
-                     "endpoint's challenge, dropped ({} such so far)",
-                     a->id, remote::kVersion, self->dropped_unchallenged);
+                     "endpoint's challenge, dropped ({} such so far){}",
+                     a->id, remote::kVersion, self->dropped_unchallenged,
+                     old_hello ? "; this one is a hello of a client older than protocol version 3" : "");
       }
       return UCS_OK;
     }
@@ -523,10 +530,7 @@ struct UcxServer::Impl {
   static void OnReplySent(void* request, ucs_status_t status, void* user_data) {
     auto* out = static_cast<Outgoing*>(user_data);
     Impl* self = out->impl;
-    if (status != UCS_OK) {
-      ++self->dropped;
-      spdlog::warn("remote data plane: {} not delivered: {}", self->What(*out), ucs_status_string(status));
-    }
+    if (status != UCS_OK) self->Undelivered(*out, "delivered", status);
     if (Connection* c = self->Find(out->ep, out->serial)) {
       c->replies_in_flight -= c->replies_in_flight > 0 ? 1 : 0;
       c->replies_moved = Clock::now();
@@ -569,10 +573,18 @@ struct UcxServer::Impl {
     Post(c, out);
   }
 
-  // What an outgoing message is, for the log.
-  static std::string What(const Outgoing& out) {
-    return out.id == remote::kChallenge ? "the challenge to a new endpoint"
-                                        : "reply to request " + std::to_string(out.header.request_id);
+  // A reply that UCX did not send or deliver: counted in `dropped` and logged. A challenge (its
+  // peer gone at once, as a port scanner's is) is counted apart and logged at the 1st, 2nd, 4th...
+  void Undelivered(const Outgoing& out, const char* what, ucs_status_t status) {
+    if (out.id == remote::kChallenge) {
+      if (LoggedOccurrence(++challenges_undelivered)) {
+        spdlog::info("remote data plane: the challenge to a new endpoint not {}: {} ({} such so far)", what,
+                     ucs_status_string(status), challenges_undelivered);
+      }
+      return;
+    }
+    ++dropped;
+    spdlog::warn("remote data plane: reply to request {} not {}: {}", out.header.request_id, what, ucs_status_string(status));
   }
 
   // Sends `out` on its endpoint c (its header by its id, then its payload); it is deleted once UCX
@@ -590,8 +602,7 @@ struct UcxServer::Impl {
       if (out->then) out->then();
       delete out;
     } else if (UCS_PTR_IS_ERR(st)) {
-      ++dropped;
-      spdlog::warn("remote data plane: {} not sent: {}", What(*out), ucs_status_string(UCS_PTR_STATUS(st)));
+      Undelivered(*out, "sent", UCS_PTR_STATUS(st));
       if (out->then) out->then();
       delete out;
     } else {  // in flight until OnReplySent: it counts against the endpoint's limits
@@ -604,7 +615,7 @@ struct UcxServer::Impl {
   void SendChallenges() {
     for (const auto& [ep, serial] : unchallenged) {
       Connection* c = Find(ep, serial);
-      if (!c || !c->misbehaved.empty()) continue;  // closed, or being closed, meanwhile
+      if (!c || c->failed) continue;  // closed, failed or being closed meanwhile (Misbehaved sets failed)
       auto* out = new Outgoing;
       out->impl = this;
       out->ep = ep;

@@ -63,7 +63,10 @@ struct UcxServerOptions {
 struct UcxServerStats {
   uint64_t connections = 0;  // open endpoints
   uint64_t requests = 0, refused = 0;
-  uint64_t dropped = 0;  // messages without a known endpoint, replies not delivered, requests of a closed endpoint
+  // Messages without a known endpoint, or that their endpoint did not take (before its hello
+  // without its challenge, after it without its session's proof, of an id not served, on an
+  // endpoint being closed), replies not delivered, requests of a closed endpoint.
+  uint64_t dropped = 0;
 };
 
 class UcxServer {

@@ -34,6 +34,8 @@ std::vector<std::vector<uint8_t>> Seeds() {
   rows.n = 64;
   rows.sequence = 9;
   seeds.emplace_back(reinterpret_cast<uint8_t*>(&rows), reinterpret_cast<uint8_t*>(&rows) + sizeof rows);
+  remote::Challenge challenge;
+  seeds.emplace_back(reinterpret_cast<uint8_t*>(&challenge), reinterpret_cast<uint8_t*>(&challenge) + sizeof challenge);
   remote::Reply reply;
   seeds.emplace_back(reinterpret_cast<uint8_t*>(&reply), reinterpret_cast<uint8_t*>(&reply) + sizeof reply);
   // A small valid table: 2 slots, 8 refs, one live slot with 2 layers x 2 pages.
