@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -510,6 +511,52 @@ struct Forger {
   }
   void Send(uint16_t id, const void* header, size_t header_bytes, const void* payload = nullptr, size_t payload_bytes = 0) {
     ucx.SendNow(ep, id, header, header_bytes, payload, payload_bytes);
+  }
+};
+
+// A UCX listener that accepts connections and never says anything on them: a daemon older than
+// the challenge, as a client sees one. Its worker is progressed by a thread of its own.
+struct SilentListener {
+  PlainUcxClient ucx;
+  ucp_listener_h listener = nullptr;
+  uint16_t port = 0;
+  std::atomic<bool> stop{false};
+  std::atomic<int> accepted{0};
+  std::thread thread;
+
+  SilentListener() {
+    auto addr = remote::ResolveAddress("127.0.0.1:0");
+    if (!ucx.ok() || !addr.ok()) return;
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = addr->get();
+    lp.sockaddr.addrlen = addr->length;
+    lp.conn_handler.arg = this;
+    lp.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
+      auto* self = static_cast<SilentListener*>(arg);
+      ucp_ep_params_t p{};
+      p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      p.conn_request = request;
+      p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      p.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
+      ucp_ep_h ep = nullptr;
+      if (ucp_ep_create(self->ucx.worker, &p, &ep) != UCS_OK) return;
+      self->ucx.endpoints.push_back(ep);  // closed by ucx's destructor, after the thread stopped
+      ++self->accepted;
+    };
+    if (ucp_listener_create(ucx.worker, &lp, &listener) != UCS_OK) return;
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucp_listener_query(listener, &attr) != UCS_OK) return;
+    port = ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
+    thread = std::thread([this] {
+      while (!stop.load()) ucp_worker_progress(ucx.worker);
+    });
+  }
+  ~SilentListener() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+    if (listener) ucp_listener_destroy(listener);
   }
 };
 
@@ -1298,6 +1345,23 @@ TEST_F(RemoteTest, AForgedEndpointIdCannotSpeakForAnEndpointBeforeItsHello) {
   EXPECT_TRUE(logged("naming the endpoint of session " + std::to_string(victim_session.id) +
                      " without that session's id and token dropped"))
       << daemon_->Log();
+}
+
+// A client's hello waits for the daemon's challenge: from a daemon that sends none (older than
+// protocol version 3, or not there) it fails at its deadline, naming that cause.
+TEST(RemoteClientTest, AHelloWithoutAChallengeFailsAtItsDeadlineNamingTheCause) {
+  SilentListener daemon;
+  ASSERT_NE(daemon.port, 0);
+  auto ep = client::UcxEndpoint::Connect("127.0.0.1:" + std::to_string(daemon.port), false);
+  ASSERT_TRUE(ep.ok()) << ep.status().ToString();
+  remote::Hello h;
+  h.session_id = 1;
+  const auto start = std::chrono::steady_clock::now();
+  Status said = (*ep)->Call(remote::kHello, &h, sizeof h, nullptr, 0, nullptr, 1 << 20, start + std::chrono::milliseconds(500));
+  EXPECT_EQ(said.code(), StatusCode::kDeadlineExceeded) << said.ToString();
+  EXPECT_NE(said.message().find("no challenge came"), std::string::npos) << said.ToString();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
+  EXPECT_EQ(daemon.accepted.load(), 1) << "the connection was accepted";
 }
 
 }  // namespace
