@@ -414,9 +414,10 @@ Status UcxEndpoint::Wait(uint64_t request, Deadline deadline, size_t* out_bytes)
       return s;
     }
     if (Clock::now() >= deadline) {
-      Status s = m->GiveUpLocked(it->second.awaiting_challenge
-                                     ? "the hello, for which no challenge came: the daemon is unreachable, or older than this client"
-                                     : "request");
+      const char* what = it->second.awaiting_challenge
+                             ? "the hello, for which no challenge came: the daemon is unreachable, or older than this client"
+                             : "request";
+      Status s = m->GiveUpLocked(what);
       m->DrainLocked(request);
       it = m->pending.find(request);
       if (it != m->pending.end()) m->ForgetLocked(it);

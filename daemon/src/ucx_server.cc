@@ -424,8 +424,8 @@ struct UcxServer::Impl {
 
   // Whether a message's payload may be taken off the wire, from its header and length alone: the
   // hello carries none; a request (on an endpoint whose hello was accepted: OnMessage drops every
-  // other message before it, and the client waits for its answer before any request) a payload no
-  // larger than its header's rows make it (a gather's n tokens, a write's n rows of at most
+  // other message before it, and the client waits for its answer before any request) carries one
+  // no larger than its header's rows make it (a gather's n tokens, a write's n rows of at most
   // kMaxRowBytes), within the endpoint's and the data plane's limits of bytes held. A rows
   // request's parsed header goes to *request.
   Status Admit(Connection* c, uint16_t id, const std::vector<uint8_t>& header, size_t length,
