@@ -72,6 +72,20 @@ Status ControlService::CheckSession(const grpc::ServerContext* ctx, uint64_t ses
   return registry_->access().MayUseTenant(caller, *tenant);
 }
 
+std::optional<Token> ControlService::SessionToken(const grpc::ServerContext* ctx, uint64_t session,
+                                                  const std::string& token, grpc::Status* refused) {
+  auto t = TokenOf(token);  // the request's form first: alike for every session id
+  if (!t.ok()) {
+    *refused = Finish(t.status());
+    return std::nullopt;
+  }
+  if (Status who = CheckSession(ctx, session); !who.ok()) {
+    *refused = FinishSessionCheck(who, session);
+    return std::nullopt;
+  }
+  return *t;
+}
+
 Result<Caller> ControlService::Admin(const grpc::ServerContext* ctx, std::string_view call) const {
   SPECACHE_ASSIGN_OR_RETURN(Caller caller, CallerOf(ctx));
   SPECACHE_RETURN_IF_ERROR(registry_->access().MayAdminister(caller, call));
@@ -96,17 +110,17 @@ grpc::Status ControlService::OpenSession(grpc::ServerContext* ctx, const v1::Ope
 
 grpc::Status ControlService::CloseSession(grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
                                           v1::CloseSessionResponse*) {
-  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
-  if (!token.ok()) return Finish(token.status());
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
+  grpc::Status refused;
+  const auto token = SessionToken(ctx, req->session_id(), req->token(), &refused);
+  if (!token) return refused;
   return Finish(registry_->CloseSession(req->session_id(), *token));
 }
 
 grpc::Status ControlService::CreateSequence(grpc::ServerContext* ctx, const v1::CreateSequenceRequest* req,
                                             v1::CreateSequenceResponse* resp) {
-  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
-  if (!token.ok()) return Finish(token.status());
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
+  grpc::Status refused;
+  const auto token = SessionToken(ctx, req->session_id(), req->token(), &refused);
+  if (!token) return refused;
   if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
   auto created = registry_->CreateSequence(req->session_id(), *token, LayoutOf(req->layout()));
   if (!created.ok()) return Finish(created.status());
@@ -117,9 +131,9 @@ grpc::Status ControlService::CreateSequence(grpc::ServerContext* ctx, const v1::
 
 grpc::Status ControlService::ExtendSequence(grpc::ServerContext* ctx, const v1::ExtendSequenceRequest* req,
                                             v1::ExtendSequenceResponse* resp) {
-  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
-  if (!token.ok()) return Finish(token.status());
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
+  grpc::Status refused;
+  const auto token = SessionToken(ctx, req->session_id(), req->token(), &refused);
+  if (!token) return refused;
   auto extended = registry_->ExtendSequence(req->session_id(), *token, req->sequence_id(), req->tokens());
   if (!extended.ok()) return Finish(extended.status());
   resp->set_pages_per_layer(extended->first);
@@ -129,9 +143,9 @@ grpc::Status ControlService::ExtendSequence(grpc::ServerContext* ctx, const v1::
 
 grpc::Status ControlService::ReleaseSequence(grpc::ServerContext* ctx, const v1::ReleaseSequenceRequest* req,
                                              v1::ReleaseSequenceResponse*) {
-  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
-  if (!token.ok()) return Finish(token.status());
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
+  grpc::Status refused;
+  const auto token = SessionToken(ctx, req->session_id(), req->token(), &refused);
+  if (!token) return refused;
   return Finish(registry_->ReleaseSequence(req->session_id(), *token, req->sequence_id()));
 }
 
@@ -261,17 +275,17 @@ grpc::Status ControlService::ListSequences(grpc::ServerContext* ctx, const v1::L
 
 grpc::Status ControlService::KeepSequence(grpc::ServerContext* ctx, const v1::KeepSequenceRequest* req,
                                           v1::KeepSequenceResponse*) {
-  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
-  if (!token.ok()) return Finish(token.status());
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
+  grpc::Status refused;
+  const auto token = SessionToken(ctx, req->session_id(), req->token(), &refused);
+  if (!token) return refused;
   return Finish(registry_->KeepSequence(req->session_id(), *token, req->sequence_id()));
 }
 
 grpc::Status ControlService::ClaimSequence(grpc::ServerContext* ctx, const v1::ClaimSequenceRequest* req,
                                            v1::ClaimSequenceResponse* resp) {
-  auto token = TokenOf(req->token());  // the request's form first: alike for every session id
-  if (!token.ok()) return Finish(token.status());
-  if (Status who = CheckSession(ctx, req->session_id()); !who.ok()) return FinishSessionCheck(who, req->session_id());
+  grpc::Status refused;
+  const auto token = SessionToken(ctx, req->session_id(), req->token(), &refused);
+  if (!token) return refused;
   if (!req->has_layout()) return Finish(Status::InvalidArgument("sequence layout missing"));
   auto claimed = registry_->ClaimSequence(req->session_id(), *token, req->sequence_id(), LayoutOf(req->layout()));
   if (!claimed.ok()) return Finish(claimed.status());

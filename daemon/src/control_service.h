@@ -14,6 +14,8 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <optional>
+#include <string>
 
 #include "metrics.h"
 #include "registry.h"
@@ -66,6 +68,11 @@ class ControlService final : public specache::v1::Control::Service {
   Result<Caller> CallerOf(const grpc::ServerContext* ctx) const;
   // The caller may use the session's tenant (an unknown session is left to the registry's NOT_FOUND).
   Status CheckSession(const grpc::ServerContext* ctx, uint64_t session) const;
+  // Every session call's first checks, in order: the token's form (alike for every session id),
+  // then CheckSession. The token, or nothing with *refused set to the call's answer
+  // (FinishSessionCheck's for a session the caller may not use).
+  std::optional<Token> SessionToken(const grpc::ServerContext* ctx, uint64_t session, const std::string& token,
+                                    grpc::Status* refused);
   Status CheckAdmin(const grpc::ServerContext* ctx, std::string_view call) const { return Admin(ctx, call).status(); }
   // The caller, when an admin (PERMISSION_DENIED otherwise): the operator calls that change what
   // is kept log who made them.
