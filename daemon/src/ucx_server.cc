@@ -103,8 +103,9 @@ struct UcxServer::Impl {
                     remote::kPages != kUnservedId,
                 "a served active message id must differ from kUnservedId");
   static_assert(remote::kChallengeBytes == attach::kTokenBytes, "a challenge is compared as a token (SameToken)");
-  // A protocol version 2 hello's size (no challenge): named in the log when one is dropped.
-  static constexpr size_t kVersion2HelloBytes = 32;
+  // A protocol version 2 hello's size (this one's without the challenge): named in the log when one
+  // is dropped.
+  static constexpr size_t kVersion2HelloBytes = sizeof(remote::Hello) - remote::kChallengeBytes;
 
   Registry* registry = nullptr;
   UcxServerOptions options;

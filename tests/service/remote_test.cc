@@ -436,16 +436,15 @@ struct PlainUcxClient {
     endpoints.push_back(h);
     return h;
   }
-  // Progresses the worker for `how_long`.
-  void Progress(std::chrono::milliseconds how_long) {
-    const auto until = std::chrono::steady_clock::now() + how_long;
-    while (std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
-  }
   // Progresses until `done` or for at most `how_long`; whether it is done.
   bool ProgressUntil(const std::function<bool()>& done, std::chrono::milliseconds how_long) {
     const auto until = std::chrono::steady_clock::now() + how_long;
     while (!done() && std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
     return done();
+  }
+  // Progresses the worker for `how_long`.
+  void Progress(std::chrono::milliseconds how_long) {
+    ProgressUntil([] { return false; }, how_long);
   }
   // Progresses until a request UCX returned is done, then frees it (nothing to do for one done at once).
   void Finish(ucs_status_ptr_t request) {
@@ -481,8 +480,9 @@ uint64_t* ForgeableRemoteId(PlainUcxClient& ucx, ucp_ep_h ep) {
   ucx.ProgressUntil([&] { return *remote_id != 0; }, std::chrono::seconds(1));
   ucx.Progress(std::chrono::milliseconds(300));  // the wireup's last messages
   const uint64_t own = *remote_id;
-  EXPECT_TRUE(own != 0 && (own & 1) && own < (1u << 20)) << "not UCX 1.13's layout: remote id " << own;
-  return own != 0 && (own & 1) && own < (1u << 20) ? remote_id : nullptr;
+  const bool layout_known = own != 0 && (own & 1) && own < (1u << 20);
+  EXPECT_TRUE(layout_known) << "not UCX 1.13's layout: remote id " << own;
+  return layout_known ? remote_id : nullptr;
 }
 
 // A hostile peer that names other clients' endpoints: its messages go out as from every endpoint
@@ -788,18 +788,13 @@ TEST_F(RemoteTest, EndpointsThatNeverSayHelloCannotHoldEverySlot) {
   send.flags = UCP_AM_SEND_FLAG_REPLY;
   ucs_status_ptr_t sent = ucp_am_send_nbx(ucx.endpoints.back(), remote::kGather, huge_header.data(), huge_header.size(),
                                           nullptr, 0, &send);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   const std::string dropped = "message 2 on an endpoint before its hello";
-  while (std::chrono::steady_clock::now() < until && daemon_->Log().find(dropped) == std::string::npos) {
-    ucp_worker_progress(ucx.worker);
-  }
+  EXPECT_TRUE(ucx.ProgressUntil([&] { return daemon_->Log().find(dropped) != std::string::npos; }, std::chrono::seconds(2)))
+      << daemon_->Log();
   if (UCS_PTR_IS_PTR(sent)) {
-    while (ucp_request_check_status(sent) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until + std::chrono::seconds(1)) {
-      ucp_worker_progress(ucx.worker);
-    }
+    ucx.ProgressUntil([&] { return ucp_request_check_status(sent) != UCS_INPROGRESS; }, std::chrono::seconds(1));
     ucp_request_free(sent);
   }
-  EXPECT_NE(daemon_->Log().find(dropped), std::string::npos) << daemon_->Log();
 }
 
 TEST_F(RemoteTest, OversizedAndMismatchedPayloadsAreRefusedToTheirRequest) {
