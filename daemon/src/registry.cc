@@ -184,7 +184,7 @@ void Registry::RemoteKeysUnmapped(uint64_t session) {
     if (it == sessions_.end() || !it->second.remote_keys) return;
     it->second.remote_keys = false;
   }
-  keys_dropped_.notify_all();  // a CloseSession may wait for it
+  reclaimable_.notify_all();  // a CloseSession may wait for it
 }
 
 bool Registry::SessionLive(uint64_t session) const {
@@ -283,26 +283,27 @@ void Registry::Detach(uint64_t session) {
 Status Registry::CloseSession(uint64_t session, const Token& token) {
   std::unique_lock<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
-  if (s->remote_keys) {
-    // Remote keys still reach its chunks: the UCX server closes the endpoint (the session is no
-    // longer live: detached), drops the keys and says so (RemoteKeysUnmapped); the chunks go back
-    // after that, here (as for any session, before CloseSession returns) or, if that takes longer
-    // than kKeysDropWait, by Reap.
+  if (s->remote_keys || s->releasing > 0) {
+    // Remote keys still reach its chunks (the UCX server closes the endpoint, the session being no
+    // longer live (detached), drops the keys and says so: RemoteKeysUnmapped), or a release is
+    // zeroing its pages: the chunks go back after that, here (as for any session, before
+    // CloseSession returns) or, if that takes longer than kReclaimWait, by Reap.
     s->detached = true;
     s->detached_at = std::chrono::steady_clock::now();
     s->closing = true;
     const uint64_t id = s->id;
-    const bool dropped = keys_dropped_.wait_for(lock, kKeysDropWait, [&] {
+    const bool ready = reclaimable_.wait_for(lock, kReclaimWait, [&] {
       auto it = sessions_.find(id);
-      return it == sessions_.end() || !it->second.remote_keys;
+      return it == sessions_.end() || (!it->second.remote_keys && it->second.releasing == 0);
     });
     auto it = sessions_.find(id);
     if (it == sessions_.end()) return Status::Ok();
     it->second.closing = false;
-    if (!dropped) {
-      it->second.closed = true;  // Reap reclaims it once the keys are dropped
-      spdlog::warn("session {} closed while its UCX endpoint still holds remote keys: its chunks go back once they "
-                   "are dropped", id);
+    if (!ready) {
+      it->second.closed = true;  // Reap reclaims it once they are done
+      spdlog::warn("session {} closed while {}: its chunks go back once {}", id,
+                   it->second.remote_keys ? "its UCX endpoint still holds remote keys" : "a release zeroes its pages",
+                   it->second.remote_keys ? "they are dropped" : "it is done");
       return Status::Ok();
     }
     s = &it->second;
@@ -380,7 +381,8 @@ void Registry::Reap() {
     if (!s.attached && now - s.opened > std::chrono::milliseconds(config_.lease_ms)) {
       spdlog::warn("session {} not attached within {} ms: reclaimed", s.id, config_.lease_ms);
       returns.push_back(ReclaimLocked(it));  // no descriptor left the daemon
-    } else if (s.detached && !s.remote_keys && !s.closing) {  // never while a remote key may reach its chunks
+    } else if (s.detached && !s.remote_keys && !s.closing && s.releasing == 0) {  // never while a remote key
+      // may reach its chunks, or a release zeroes its pages
       const bool exited = s.closed || PeerExited(s.pidfd, s.peer.pid);
       if (exited || now - s.detached_at > kExitGrace) returns.push_back(ReclaimLocked(it));
     }
@@ -424,13 +426,27 @@ Result<std::pair<uint32_t, uint64_t>> Registry::ExtendSequence(uint64_t session,
 }
 
 Status Registry::ReleaseSequence(uint64_t session, const Token& token, uint64_t sequence) {
-  std::lock_guard<std::mutex> lock(mu_);
-  SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
-  SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
-  if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
-  sequence_owner_.erase(sequence);
-  keep_on_close_.erase(sequence);
-  return s->pages->Release(sequence);
+  SessionPages::RetiredPages retired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
+    SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
+    if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
+    sequence_owner_.erase(sequence);
+    keep_on_close_.erase(sequence);
+    SPECACHE_ASSIGN_OR_RETURN(retired, s->pages->Retire(sequence));
+    ++s->releasing;  // its chunks stay its own until the pages are zeroed (Reap, CloseSession wait)
+  }
+  // Without the lock: GiBs at long contexts take a second, which every session's calls would wait.
+  retired.Zero();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Session& s = sessions_.at(session);  // not reclaimed while releasing
+    s.pages->Free(retired);
+    --s.releasing;
+  }
+  reclaimable_.notify_all();
+  return Status::Ok();
 }
 
 Status Registry::KeepSequence(uint64_t session, const Token& token, uint64_t sequence) {

@@ -114,14 +114,16 @@ class Registry {
   // The attach connection closed: the session is reclaimed (by Reap, once the peer's fate is known).
   void Detach(uint64_t session);
   // Ends the session: its chunks go back to the pool before it returns. While a UCX endpoint holds
-  // remote keys for them (AttachRemote with keys), it first waits (at most kKeysDropWait) for the
+  // remote keys for them (AttachRemote with keys), it first waits (at most kReclaimWait) for the
   // endpoint to drop them (RemoteKeysUnmapped), so that no key reaches a chunk another session was
-  // given; past that the chunks go back (Reap) once the keys are dropped.
+  // given, and for its releases' zeroing; past that the chunks go back (Reap) once both are done.
   Status CloseSession(uint64_t session, const Token& token);
 
   Result<std::pair<uint64_t, uint32_t>> CreateSequence(uint64_t session, const Token& token, const PageLayout& layout);
   Result<std::pair<uint32_t, uint64_t>> ExtendSequence(uint64_t session, const Token& token, uint64_t sequence,
                                                        uint32_t tokens);
+  // The sequence is gone at once (its id unknown to every call); its pages are zeroed (without
+  // mu_: other calls go on meanwhile) and free for the session's next sequences before it returns.
   Status ReleaseSequence(uint64_t session, const Token& token, uint64_t sequence);
   // Marks a sequence of the session to be kept (parked) when the session ends.
   Status KeepSequence(uint64_t session, const Token& token, uint64_t sequence);
@@ -185,8 +187,10 @@ class Registry {
     bool attached = false, detached = false;
     bool remote = false;  // opened by a client on another host: attaches over UCX only
     bool remote_keys = false;  // its chunks are mapped for a UCX endpoint's remote keys
-    bool closing = false;      // CloseSession waits for remote_keys to clear, then reclaims it
+    bool closing = false;      // CloseSession waits for remote_keys and releasing to clear, then reclaims it
     bool closed = false;       // CloseSession gave up waiting: Reap reclaims it once they clear
+    // ReleaseSequence calls zeroing its pages without mu_: its chunks must stay its own (no reclaim).
+    uint32_t releasing = 0;
     PeerCredentials peer;
     int pidfd = -1;
     std::chrono::steady_clock::time_point opened, detached_at;
@@ -234,8 +238,9 @@ class Registry {
   std::map<std::string, uint64_t> tenant_tags_;  // tenant -> holder tag in the pool (1, 2, ...)
   ChunkPool* pool_;
   mutable std::mutex mu_;
-  std::condition_variable keys_dropped_;  // RemoteKeysUnmapped: a CloseSession may wait for it
-  static constexpr auto kKeysDropWait = std::chrono::seconds(2);
+  // RemoteKeysUnmapped or a release's end: a CloseSession may wait for it (kReclaimWait at most).
+  std::condition_variable reclaimable_;
+  static constexpr auto kReclaimWait = std::chrono::seconds(2);
   // ClaimSequence copies a sequence's pages this many bytes at a time under mu_.
   static constexpr uint64_t kClaimBatchBytes = uint64_t{16} << 20;
   std::map<uint64_t, Session> sessions_;

@@ -194,27 +194,44 @@ Result<uint32_t> SessionPages::Extend(uint64_t id, uint32_t tokens) {
   return s.pages_per_layer;
 }
 
-Status SessionPages::Release(uint64_t id) {
+Result<SessionPages::RetiredPages> SessionPages::Retire(uint64_t id) {
   auto it = sequences_.find(id);
   if (it == sequences_.end()) return Status::NotFound("sequence " + std::to_string(id));
   SequencePages& s = it->second;
   auto* sl = const_cast<shm::SequenceSlot*>(shm::Slots(table_)) + s.slot;
   sl->state.store(shm::kSlotFree, std::memory_order_release);
   sl->pages_per_layer.store(0, std::memory_order_release);
-  const uint64_t units = Units(s.layout.page_bytes());
+  RetiredPages retired{s.layout.page_bytes(), {}, {}};
   for (const auto& layer : s.pages) {
     for (const shm::PageRef& r : layer) {
-      // Zero the page so the next sequence of this session starts clean.
-      std::memset(pool_->data(chunks_[r.chunk]) + r.offset, 0, s.layout.page_bytes());
-      chunk_space_[r.chunk].Free(r.offset / kUnit, units);
-      used_bytes_ -= units * kUnit;
-      --page_count_;
+      retired.refs.push_back(r);
+      retired.data.push_back(pool_->data(chunks_[r.chunk]) + r.offset);
     }
   }
   refs_.Free(s.first_ref, uint64_t{s.layout.n_layers} * s.layout.pages_capacity_per_layer());
   slot_used_[s.slot] = false;
   sequences_.erase(it);
   BumpGeneration();
+  return retired;
+}
+
+void SessionPages::RetiredPages::Zero() const {
+  for (uint8_t* page : data) std::memset(page, 0, page_bytes);
+}
+
+void SessionPages::Free(const RetiredPages& zeroed) {
+  const uint64_t units = Units(zeroed.page_bytes);
+  for (const shm::PageRef& r : zeroed.refs) {
+    chunk_space_[r.chunk].Free(r.offset / kUnit, units);
+    used_bytes_ -= units * kUnit;
+    --page_count_;
+  }
+}
+
+Status SessionPages::Release(uint64_t id) {
+  SPECACHE_ASSIGN_OR_RETURN(const RetiredPages retired, Retire(id));
+  retired.Zero();
+  Free(retired);
   return Status::Ok();
 }
 

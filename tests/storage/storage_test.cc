@@ -441,5 +441,56 @@ TEST(SessionPagesTest, PublishesPagesInTheSharedTableAndKeepsThemInsideTheChunks
   munmap(table, s.table_bytes());
 }
 
+// A release in steps: a retired sequence is gone from the table and its slot is free at once,
+// while its pages stay held (no other sequence gets them, they still count) until zeroed and freed.
+TEST(SessionPagesTest, RetiredPagesStayHeldUntilZeroedAndFreed) {
+  auto pool = ChunkPool::Create(SmallPool());
+  ASSERT_TRUE(pool.ok());
+  auto chunks = (*pool)->Take(1, 1);
+  ASSERT_TRUE(chunks.ok());
+  auto pages = SessionPages::Create(1, pool->get(), *chunks, {2, 4096});
+  ASSERT_TRUE(pages.ok()) << pages.status().ToString();
+  SessionPages& s = **pages;
+  const PageLayout layout{2, 1, 64, 16, 64};  // 4 KiB pages (K and V rows of 16 tokens), 4 per layer
+  const uint64_t chunk_bytes = (*pool)->chunk_bytes();
+  // The whole chunk in one sequence: nothing is left for it until the retired pages are freed.
+  const PageLayout whole{1, 1, 64, 16, static_cast<uint32_t>(chunk_bytes / 4096 * 16)};
+  ASSERT_TRUE(s.CreateSequence(1, layout).ok());
+  ASSERT_EQ(*s.Extend(1, 64), 4u);
+  const uint32_t old_slot = s.Find(1)->slot;
+  std::vector<uint8_t*> written;
+  for (const auto& layer : s.Find(1)->pages) {
+    for (const shm::PageRef& r : layer) written.push_back((*pool)->data((*chunks)[r.chunk]) + r.offset);
+  }
+  for (uint8_t* page : written) std::memset(page, 0x5a, layout.page_bytes());
+  const uint64_t used = s.used_bytes();
+
+  auto retired = s.Retire(1);
+  ASSERT_TRUE(retired.ok()) << retired.status().ToString();
+  EXPECT_EQ(retired->page_bytes, layout.page_bytes());
+  ASSERT_EQ(retired->refs.size(), 8u);
+  EXPECT_EQ(retired->data, written) << "the pages in layer-major order, at the daemon's own addresses";
+  EXPECT_EQ(s.Find(1), nullptr);
+  EXPECT_EQ(s.Retire(1).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.Release(1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.used_bytes(), used) << "held until freed";
+  EXPECT_EQ(s.page_count(), 8u);
+  auto next = s.CreateSequence(2, whole);  // the slot is free again; the pages are not
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ((*next)->slot, old_slot);
+  EXPECT_EQ(s.Extend(2, whole.capacity_tokens).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(written.front()[0], 0x5a) << "Retire zeroes nothing";
+
+  retired->Zero();
+  for (const uint8_t* page : written) {
+    for (uint64_t b = 0; b < layout.page_bytes(); ++b) ASSERT_EQ(page[b], 0) << "byte " << b << " of a retired page";
+  }
+  EXPECT_EQ(s.page_count(), 8u) << "still held until freed";
+  s.Free(*retired);
+  EXPECT_EQ(s.page_count(), 0u);
+  EXPECT_EQ(s.used_bytes(), 0u);
+  EXPECT_EQ(*s.Extend(2, whole.capacity_tokens), chunk_bytes / 4096) << "the whole chunk is free again";
+}
+
 }  // namespace
 }  // namespace specache

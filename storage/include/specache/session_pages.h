@@ -62,6 +62,22 @@ class SessionPages {
   // Ensures tokens [0, tokens) have pages at every layer; returns pages per layer. All or
   // nothing: RESOURCE_EXHAUSTED leaves the sequence as it was. OUT_OF_RANGE beyond capacity.
   Result<uint32_t> Extend(uint64_t sequence_id, uint32_t tokens);
+  // Release in three steps, so that a caller may zero a large sequence's pages without its own
+  // lock. Retire: the sequence leaves the table (its slot and page refs are free, its id unknown
+  // from here) while its pages stay held, given to no other sequence and counted in used_bytes(),
+  // until Free. RetiredPages::Zero needs no lock of the caller's, as long as the session's chunks
+  // stay its own meanwhile (the caller keeps the session from ending). Free, once they are zeroed:
+  // their space goes to the session's next sequences, which so start clean. Pages never freed go
+  // back with the session's chunks.
+  struct RetiredPages {
+    uint64_t page_bytes = 0;
+    std::vector<shm::PageRef> refs;  // [layer * pages_per_layer + page]
+    std::vector<uint8_t*> data;      // the daemon's mapping of each
+    void Zero() const;
+  };
+  Result<RetiredPages> Retire(uint64_t sequence_id);
+  void Free(const RetiredPages& zeroed);
+  // Retire, Zero and Free in one call.
   Status Release(uint64_t sequence_id);
 
   const SequencePages* Find(uint64_t sequence_id) const;

@@ -1,13 +1,15 @@
-// The registry's claims between tenants, in process (no daemon, no sockets): a claim of another
-// tenant's sequence is refused before anything of the registry changes, and as an unknown id.
-// And a claimed sequence's disk copy that its claim failed to delete gives way to the copy kept
-// under the same id later (KeptSequences over a real spill store). At a stop, what is parked in RAM
-// only is dropped and counted.
+// The registry in process (no daemon, no sockets). Claims between tenants: a claim of another
+// tenant's sequence is refused before anything of the registry changes, and as an unknown id. A
+// claimed sequence's disk copy that its claim failed to delete gives way to the copy kept under the
+// same id later (KeptSequences over a real spill store). At a stop, what is parked in RAM only is
+// dropped and counted. Releases: their pages are zeroed without the registry's lock, and a session
+// closed meanwhile keeps its chunks until that is done.
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -19,18 +21,25 @@
 namespace specache::daemon {
 namespace {
 
-class RegistryClaimTest : public ::testing::Test {
+class RegistryTest : public ::testing::Test {
  protected:
   void SetUp() override {
     spdlog::set_level(spdlog::level::off);
-    config_.pool_bytes = 8u << 20;
-    config_.chunk_bytes = 2u << 20;
+    Make(8u << 20, 2u << 20);
+  }
+  void TearDown() override { spdlog::set_level(spdlog::level::info); }
+
+  // A registry over a pool of pool_bytes in chunks of chunk_bytes, half of it for each tenant.
+  void Make(uint64_t pool_bytes, uint64_t chunk_bytes) {
+    registry_.reset();
+    config_.pool_bytes = pool_bytes;
+    config_.chunk_bytes = chunk_bytes;
     config_.lock_memory = false;
     config_.huge_pages = false;
     config_.prefault_threads = 1;
-    config_.tenants["a"].quota_bytes = 4u << 20;
+    config_.tenants["a"].quota_bytes = pool_bytes / 2;
     config_.tenants["a"].uids = {1000};
-    config_.tenants["b"].quota_bytes = 4u << 20;
+    config_.tenants["b"].quota_bytes = pool_bytes / 2;
     config_.tenants["b"].uids = {2000};
     auto pool = ChunkPool::Create({config_.pool_bytes, config_.chunk_bytes, 1, false, false});
     ASSERT_TRUE(pool.ok()) << pool.status().ToString();
@@ -38,10 +47,9 @@ class RegistryClaimTest : public ::testing::Test {
     kept_ = std::make_unique<KeptSequences>(KeptOptions{1u << 20}, nullptr);
     registry_ = std::make_unique<Registry>(config_, pool_.get(), kept_.get());
   }
-  void TearDown() override { spdlog::set_level(spdlog::level::info); }
 
-  OpenedSession Open(const std::string& tenant, const Caller& caller) {
-    auto s = registry_->OpenSession(tenant, 2u << 20, tenant, caller);
+  OpenedSession Open(const std::string& tenant, const Caller& caller, uint64_t bytes = 2u << 20) {
+    auto s = registry_->OpenSession(tenant, bytes, tenant, caller);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     auto grant = registry_->Attach(s->id, s->token, caller);
     EXPECT_TRUE(grant.ok()) << grant.status().ToString();
@@ -62,7 +70,7 @@ class RegistryClaimTest : public ::testing::Test {
 // Before, a claim marked the id as being claimed before the kept sequences checked its tenant: a
 // tenant claiming another's id in a loop (ids are sequential) made the owner's own KeepSequence
 // and ClaimSequence of it fail with "is being claimed" about half of the time.
-TEST_F(RegistryClaimTest, AnotherTenantsClaimsOfASequenceLeaveItsOwnersCallsAlone) {
+TEST_F(RegistryTest, AnotherTenantsClaimsOfASequenceLeaveItsOwnersCallsAlone) {
   const OpenedSession sa = Open("a", a_), sb = Open("b", b_);
   auto created = registry_->CreateSequence(sa.id, sa.token, layout_);
   ASSERT_TRUE(created.ok()) << created.status().ToString();
@@ -93,7 +101,7 @@ TEST_F(RegistryClaimTest, AnotherTenantsClaimsOfASequenceLeaveItsOwnersCallsAlon
 
 // A kept sequence of tenant a: tenant b's claim gets the answer an unknown id gets, and leaves it
 // kept for a, whose claim then takes it.
-TEST_F(RegistryClaimTest, AnotherTenantsKeptSequenceAnswersAsAnUnknownId) {
+TEST_F(RegistryTest, AnotherTenantsKeptSequenceAnswersAsAnUnknownId) {
   uint64_t x = 0;
   {
     const OpenedSession sa = Open("a", a_);
@@ -212,6 +220,96 @@ TEST(KeptSequencesTest, AStopDropsAndCountsWhatIsParkedInRamOnly) {
   EXPECT_EQ(kept.stats().dropped, 0u);
   EXPECT_EQ(kept.List().size(), 2u);
   spdlog::set_level(spdlog::level::info);
+}
+
+// A session's entry in Sessions() caught between a release's first step and its last: the
+// sequence gone from the session, its pages still held (being zeroed, without the registry's lock).
+bool MidRelease(Registry& registry, uint64_t session) {
+  for (const SessionSummary& s : registry.Sessions()) {
+    if (s.id == session) return s.sequences == 0 && s.used_bytes > 0;
+  }
+  return false;
+}
+
+// 48 MiB of pages (256 KiB each) in a session of 64 MiB, in a pool of 128 MiB with chunks of 8 MiB.
+class RegistryReleaseTest : public RegistryTest {
+ protected:
+  void SetUp() override {
+    RegistryTest::SetUp();
+    Make(128u << 20, 8u << 20);
+  }
+  uint64_t CreateFull(const OpenedSession& s) {
+    auto created = registry_->CreateSequence(s.id, s.token, layout_);
+    EXPECT_TRUE(created.ok()) << created.status().ToString();
+    if (!created.ok()) return 0;
+    auto extended = registry_->ExtendSequence(s.id, s.token, created->first, layout_.capacity_tokens);
+    EXPECT_TRUE(extended.ok()) << extended.status().ToString();
+    return created->first;
+  }
+  const PageLayout layout_{4, 8, 128, 64, 3072, 0};
+};
+
+// Before, a release zeroed its pages under the registry's lock: every session's calls waited for
+// the memset (a second for the 4 GiB of a 32K-token Llama-3-8B sequence). Now another thread's
+// calls see the release half done: the sequence gone, its pages not yet freed.
+TEST_F(RegistryReleaseTest, OtherCallsGoOnWhileAReleaseZeroesItsPages) {
+  const OpenedSession sa = Open("a", a_, 64u << 20);
+  std::atomic<bool> seen{false}, stop{false};
+  std::thread watcher([&] {
+    while (!stop && !seen) seen = MidRelease(*registry_, sa.id);
+  });
+  int releases = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!seen && std::chrono::steady_clock::now() < until) {
+    const uint64_t x = CreateFull(sa);
+    ASSERT_NE(x, 0u);
+    ASSERT_TRUE(registry_->ReleaseSequence(sa.id, sa.token, x).ok());
+    ++releases;
+  }
+  stop = true;
+  watcher.join();
+  EXPECT_TRUE(seen) << "no call ran while any of " << releases << " releases zeroed 48 MiB";
+  EXPECT_FALSE(MidRelease(*registry_, sa.id));
+  EXPECT_EQ(registry_->Stats().used_bytes, 0u) << "every page freed once its release returned";
+}
+
+// A session closed while a release zeroes its pages keeps its chunks until the release is done
+// (back in the pool they would go to the next session under the memset), then gives them back
+// before its close returns, as any close does; both calls succeed.
+TEST_F(RegistryReleaseTest, ASessionClosedWhileAReleaseZeroesItsPagesGivesItsChunksBackAfterwards) {
+  const uint64_t pool_bytes = registry_->Stats().pool_bytes;
+  bool closed_mid_release = false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int round = 0; !closed_mid_release && std::chrono::steady_clock::now() < until; ++round) {
+    const OpenedSession sa = Open("a", a_, 64u << 20);
+    const uint64_t x = CreateFull(sa);
+    ASSERT_NE(x, 0u);
+    std::atomic<bool> started{false};
+    Status closed;
+    std::thread closer([&] {
+      while (!started) std::this_thread::yield();
+      // Until the release is seen half done, or has ended (used_bytes 0): close either way.
+      bool mid = false;
+      for (;;) {
+        mid = MidRelease(*registry_, sa.id);
+        const auto sessions = registry_->Sessions();
+        const bool done = std::any_of(sessions.begin(), sessions.end(),
+                                      [&](const SessionSummary& s) { return s.id == sa.id && s.used_bytes == 0; });
+        if (mid || done) break;
+      }
+      closed = registry_->CloseSession(sa.id, sa.token);
+      closed_mid_release = mid;
+    });
+    started = true;
+    const Status released = registry_->ReleaseSequence(sa.id, sa.token, x);
+    closer.join();
+    EXPECT_TRUE(released.ok()) << "round " << round << ": " << released.ToString();
+    EXPECT_TRUE(closed.ok()) << "round " << round << ": " << closed.ToString();
+    const RegistryStats st = registry_->Stats();
+    EXPECT_EQ(st.sessions, 0u) << "round " << round;
+    EXPECT_EQ(st.free_bytes, pool_bytes) << "round " << round << ": the chunks are back when the close returns";
+  }
+  EXPECT_TRUE(closed_mid_release) << "no close came while a release zeroed its pages";
 }
 
 }  // namespace
