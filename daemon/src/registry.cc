@@ -301,9 +301,10 @@ Status Registry::CloseSession(uint64_t session, const Token& token) {
     it->second.closing = false;
     if (!ready) {
       it->second.closed = true;  // Reap reclaims it once they are done
-      spdlog::warn("session {} closed while {}: its chunks go back once {}", id,
-                   it->second.remote_keys ? "its UCX endpoint still holds remote keys" : "a release zeroes its pages",
-                   it->second.remote_keys ? "they are dropped" : "it is done");
+      const bool keys = it->second.remote_keys, zeroing = it->second.releasing > 0;
+      spdlog::warn("session {} closed while {}{}{}: its chunks go back once {}", id,
+                   keys ? "its UCX endpoint still holds remote keys" : "", keys && zeroing ? " and " : "",
+                   zeroing ? "a release zeroes its pages" : "", keys && zeroing ? "both are done" : "that is done");
       return Status::Ok();
     }
     s = &it->second;
@@ -437,6 +438,7 @@ Status Registry::ReleaseSequence(uint64_t session, const Token& token, uint64_t 
     SPECACHE_ASSIGN_OR_RETURN(retired, s->pages->Retire(sequence));
     ++s->releasing;  // its chunks stay its own until the pages are zeroed (Reap, CloseSession wait)
   }
+  if (before_zeroing_) before_zeroing_(session);
   // Without the lock: GiBs at long contexts take a second, which every session's calls would wait.
   retired.Zero();
   {

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -173,6 +174,11 @@ class Registry {
   // The session a live sequence belongs to (0: none).
   uint64_t OwnerOf(uint64_t sequence) const;
 
+  // For tests: called by every ReleaseSequence once its sequence is out of the session, before its
+  // pages are zeroed, without the registry's lock (a test holds a release there). Set before any
+  // call may release.
+  void SetBeforeZeroing(std::function<void(uint64_t session)> hook) { before_zeroing_ = std::move(hook); }
+
   RegistryStats Stats() const;
   uint64_t chunk_bytes() const { return pool_->chunk_bytes(); }
   std::vector<SessionSummary> Sessions() const;
@@ -229,6 +235,8 @@ class Registry {
   Result<uint32_t> PlaceClaimedLocked(uint64_t session, const Token& token, uint64_t sequence, const PageLayout& layout,
                                       uint32_t pages_per_layer);
   // Forgets the session (under mu_); its chunks go back to the pool with ReturnChunks (without mu_).
+  // Never while s.releasing > 0: its callers (Reap's two cases, CloseSession) wait for it, or know
+  // that no release can run (a session never attached).
   ChunkReturn ReclaimLocked(std::map<uint64_t, Session>::iterator it);
   void ReturnChunks(const std::vector<ChunkReturn>& returns);
   uint64_t TenantReservedLocked(const std::string& tenant) const;
@@ -261,6 +269,7 @@ class Registry {
   KeptSequences* kept_;
   uint64_t next_session_ = 1, next_sequence_ = 1;
   uint64_t reclaimed_ = 0;
+  std::function<void(uint64_t)> before_zeroing_;  // SetBeforeZeroing
 };
 
 }  // namespace specache::daemon

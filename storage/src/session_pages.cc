@@ -170,9 +170,11 @@ Result<uint32_t> SessionPages::Extend(uint64_t id, uint32_t tokens) {
       for (; c < chunk_space_.size() && !at; ++c) at = chunk_space_[c].Allocate(units);
       if (!at) {
         for (auto& [chunk, off] : placed) chunk_space_[chunk].Free(off, units);
+        const std::string freeing = retired_bytes_ == 0 ? "" :
+            " (" + std::to_string(retired_bytes_) + " bytes of released sequences are still being zeroed)";
         return Status::ResourceExhausted("session memory full: " + std::to_string(placed.size()) + " of " +
                                          std::to_string(uint64_t{want - s.pages_per_layer} * s.layout.n_layers) +
-                                         " pages found; open the session with a larger pool_bytes");
+                                         " pages found" + freeing + "; open the session with a larger pool_bytes");
       }
       placed.emplace_back(c - 1, *at);
     }
@@ -198,16 +200,20 @@ Result<SessionPages::RetiredPages> SessionPages::Retire(uint64_t id) {
   auto it = sequences_.find(id);
   if (it == sequences_.end()) return Status::NotFound("sequence " + std::to_string(id));
   SequencePages& s = it->second;
-  auto* sl = const_cast<shm::SequenceSlot*>(shm::Slots(table_)) + s.slot;
-  sl->state.store(shm::kSlotFree, std::memory_order_release);
-  sl->pages_per_layer.store(0, std::memory_order_release);
+  // The lists first: nothing changes if they cannot be made.
   RetiredPages retired{s.layout.page_bytes(), {}, {}};
+  retired.refs.reserve(size_t{s.layout.n_layers} * s.pages_per_layer);
+  retired.data.reserve(retired.refs.capacity());
   for (const auto& layer : s.pages) {
     for (const shm::PageRef& r : layer) {
       retired.refs.push_back(r);
       retired.data.push_back(pool_->data(chunks_[r.chunk]) + r.offset);
     }
   }
+  auto* sl = const_cast<shm::SequenceSlot*>(shm::Slots(table_)) + s.slot;
+  sl->state.store(shm::kSlotFree, std::memory_order_release);
+  sl->pages_per_layer.store(0, std::memory_order_release);
+  retired_bytes_ += retired.refs.size() * Units(retired.page_bytes) * kUnit;
   refs_.Free(s.first_ref, uint64_t{s.layout.n_layers} * s.layout.pages_capacity_per_layer());
   slot_used_[s.slot] = false;
   sequences_.erase(it);
@@ -224,6 +230,7 @@ void SessionPages::Free(const RetiredPages& zeroed) {
   for (const shm::PageRef& r : zeroed.refs) {
     chunk_space_[r.chunk].Free(r.offset / kUnit, units);
     used_bytes_ -= units * kUnit;
+    retired_bytes_ -= units * kUnit;
     --page_count_;
   }
 }

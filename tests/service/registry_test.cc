@@ -259,57 +259,83 @@ TEST_F(RegistryReleaseTest, OtherCallsGoOnWhileAReleaseZeroesItsPages) {
     while (!stop && !seen) seen = MidRelease(*registry_, sa.id);
   });
   int releases = 0;
+  Status failed;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!seen && std::chrono::steady_clock::now() < until) {
+  while (!seen && failed.ok() && std::chrono::steady_clock::now() < until) {
     const uint64_t x = CreateFull(sa);
-    ASSERT_NE(x, 0u);
-    ASSERT_TRUE(registry_->ReleaseSequence(sa.id, sa.token, x).ok());
+    failed = x == 0 ? Status::Internal("no sequence") : registry_->ReleaseSequence(sa.id, sa.token, x);
     ++releases;
   }
   stop = true;
   watcher.join();
+  ASSERT_TRUE(failed.ok()) << failed.ToString();
   EXPECT_TRUE(seen) << "no call ran while any of " << releases << " releases zeroed 48 MiB";
   EXPECT_FALSE(MidRelease(*registry_, sa.id));
   EXPECT_EQ(registry_->Stats().used_bytes, 0u) << "every page freed once its release returned";
 }
 
+// A session whose CloseSession is waiting: the close has marked it ended (not attached), under the
+// lock, in the same hold as its wait begins.
+bool Closing(Registry& registry, uint64_t session) {
+  for (const SessionSummary& s : registry.Sessions()) {
+    if (s.id == session) return !s.attached;
+  }
+  return false;
+}
+
 // A session closed while a release zeroes its pages keeps its chunks until the release is done
 // (back in the pool they would go to the next session under the memset), then gives them back
-// before its close returns, as any close does; both calls succeed.
-TEST_F(RegistryReleaseTest, ASessionClosedWhileAReleaseZeroesItsPagesGivesItsChunksBackAfterwards) {
+// before its close returns, as any close does; both calls succeed. The release is held before its
+// zeroing until the close is seen waiting.
+TEST_F(RegistryReleaseTest, ACloseWaitsForAReleaseThatZeroesItsPagesThenGivesTheChunksBack) {
   const uint64_t pool_bytes = registry_->Stats().pool_bytes;
-  bool closed_mid_release = false;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  for (int round = 0; !closed_mid_release && std::chrono::steady_clock::now() < until; ++round) {
-    const OpenedSession sa = Open("a", a_, 64u << 20);
-    const uint64_t x = CreateFull(sa);
-    ASSERT_NE(x, 0u);
-    std::atomic<bool> started{false};
-    Status closed;
-    std::thread closer([&] {
-      while (!started) std::this_thread::yield();
-      // Until the release is seen half done, or has ended (used_bytes 0): close either way.
-      bool mid = false;
-      for (;;) {
-        mid = MidRelease(*registry_, sa.id);
-        const auto sessions = registry_->Sessions();
-        const bool done = std::any_of(sessions.begin(), sessions.end(),
-                                      [&](const SessionSummary& s) { return s.id == sa.id && s.used_bytes == 0; });
-        if (mid || done) break;
-      }
-      closed = registry_->CloseSession(sa.id, sa.token);
-      closed_mid_release = mid;
-    });
-    started = true;
-    const Status released = registry_->ReleaseSequence(sa.id, sa.token, x);
-    closer.join();
-    EXPECT_TRUE(released.ok()) << "round " << round << ": " << released.ToString();
-    EXPECT_TRUE(closed.ok()) << "round " << round << ": " << closed.ToString();
-    const RegistryStats st = registry_->Stats();
-    EXPECT_EQ(st.sessions, 0u) << "round " << round;
-    EXPECT_EQ(st.free_bytes, pool_bytes) << "round " << round << ": the chunks are back when the close returns";
-  }
-  EXPECT_TRUE(closed_mid_release) << "no close came while a release zeroed its pages";
+  const OpenedSession sa = Open("a", a_, 64u << 20);
+  const uint64_t x = CreateFull(sa);
+  ASSERT_NE(x, 0u);
+  Status closed = Status::Internal("not closed");
+  std::thread closer;
+  bool waiting = false;
+  registry_->SetBeforeZeroing([&](uint64_t session) {
+    EXPECT_EQ(session, sa.id);
+    closer = std::thread([&] { closed = registry_->CloseSession(sa.id, sa.token); });
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!(waiting = Closing(*registry_, sa.id)) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    EXPECT_EQ(registry_->Stats().sessions, 1u) << "not reclaimed while the release runs";
+  });
+  const Status released = registry_->ReleaseSequence(sa.id, sa.token, x);
+  closer.join();
+  EXPECT_TRUE(waiting) << "the close was never seen waiting";
+  EXPECT_TRUE(released.ok()) << released.ToString();
+  EXPECT_TRUE(closed.ok()) << closed.ToString();
+  const RegistryStats st = registry_->Stats();
+  EXPECT_EQ(st.sessions, 0u);
+  EXPECT_EQ(st.free_bytes, pool_bytes) << "the chunks are back when the close returns";
+}
+
+// A release that outlasts the close's wait (kReclaimWait, 2 s): the close returns, the session stays
+// with its chunks while the release runs (Reap leaves it too), and the first Reap after the release
+// gives them back.
+TEST_F(RegistryReleaseTest, AReleaseOutlastingTheClosesWaitLeavesTheChunksToReap) {
+  const uint64_t pool_bytes = registry_->Stats().pool_bytes;
+  const OpenedSession sa = Open("a", a_, 64u << 20);
+  const uint64_t x = CreateFull(sa);
+  ASSERT_NE(x, 0u);
+  Status closed = Status::Internal("not closed");
+  registry_->SetBeforeZeroing([&](uint64_t) {
+    std::thread closer([&] { closed = registry_->CloseSession(sa.id, sa.token); });
+    closer.join();  // past its wait
+    registry_->Reap();
+    EXPECT_EQ(registry_->Stats().sessions, 1u) << "neither the close nor Reap reclaims it while the release runs";
+    EXPECT_LT(registry_->Stats().free_bytes, pool_bytes);
+  });
+  const Status released = registry_->ReleaseSequence(sa.id, sa.token, x);
+  EXPECT_TRUE(released.ok()) << released.ToString();
+  EXPECT_TRUE(closed.ok()) << closed.ToString();
+  EXPECT_EQ(registry_->Stats().sessions, 1u) << "left to Reap";
+  registry_->Reap();
+  const RegistryStats st = registry_->Stats();
+  EXPECT_EQ(st.sessions, 0u);
+  EXPECT_EQ(st.free_bytes, pool_bytes);
 }
 
 }  // namespace

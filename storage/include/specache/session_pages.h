@@ -66,9 +66,10 @@ class SessionPages {
   // lock. Retire: the sequence leaves the table (its slot and page refs are free, its id unknown
   // from here) while its pages stay held, given to no other sequence and counted in used_bytes(),
   // until Free. RetiredPages::Zero needs no lock of the caller's, as long as the session's chunks
-  // stay its own meanwhile (the caller keeps the session from ending). Free, once they are zeroed:
-  // their space goes to the session's next sequences, which so start clean. Pages never freed go
-  // back with the session's chunks.
+  // stay its own meanwhile (the caller keeps the session from ending). Free (on this object, which
+  // must outlive it), once they are zeroed: their space goes to the session's next sequences, which
+  // thus start clean. Pages never freed go back with the session's chunks. Meanwhile an Extend that
+  // finds no room says how many bytes are still being zeroed.
   struct RetiredPages {
     uint64_t page_bytes = 0;
     std::vector<shm::PageRef> refs;  // [layer * pages_per_layer + page]
@@ -110,6 +111,7 @@ class SessionPages {
   uint8_t* table_ = nullptr;
   uint64_t table_bytes_ = 0;
   uint64_t used_bytes_ = 0;
+  uint64_t retired_bytes_ = 0;  // of used_bytes_: retired, not yet freed
   uint64_t page_count_ = 0;
 };
 
