@@ -283,10 +283,10 @@ void Registry::Detach(uint64_t session) {
 Status Registry::CloseSession(uint64_t session, const Token& token) {
   std::unique_lock<std::mutex> lock(mu_);
   SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
-  if (s->remote_keys || s->releasing > 0) {
+  if (s->remote_keys || s->pins > 0) {
     // Remote keys still reach its chunks (the UCX server closes the endpoint, the session being no
-    // longer live (detached), drops the keys and says so: RemoteKeysUnmapped), or a release is
-    // zeroing its pages: the chunks go back after that, here (as for any session, before
+    // longer live (detached), drops the keys and says so: RemoteKeysUnmapped), or a release or a
+    // claim works on its pages (pins): the chunks go back after that, here (as for any session, before
     // CloseSession returns) or, if that takes longer than kReclaimWait, by Reap.
     s->detached = true;
     s->detached_at = std::chrono::steady_clock::now();
@@ -294,17 +294,17 @@ Status Registry::CloseSession(uint64_t session, const Token& token) {
     const uint64_t id = s->id;
     const bool ready = reclaimable_.wait_for(lock, kReclaimWait, [&] {
       auto it = sessions_.find(id);
-      return it == sessions_.end() || (!it->second.remote_keys && it->second.releasing == 0);
+      return it == sessions_.end() || (!it->second.remote_keys && it->second.pins == 0);
     });
     auto it = sessions_.find(id);
     if (it == sessions_.end()) return Status::Ok();
     it->second.closing = false;
     if (!ready) {
       it->second.closed = true;  // Reap reclaims it once they are done
-      const bool keys = it->second.remote_keys, zeroing = it->second.releasing > 0;
+      const bool keys = it->second.remote_keys, pinned = it->second.pins > 0;
       spdlog::warn("session {} closed while {}{}{}: its chunks go back once {}", id,
-                   keys ? "its UCX endpoint still holds remote keys" : "", keys && zeroing ? " and " : "",
-                   zeroing ? "a release zeroes its pages" : "", keys && zeroing ? "both are done" : "that is done");
+                   keys ? "its UCX endpoint still holds remote keys" : "", keys && pinned ? " and " : "",
+                   pinned ? "a release or claim works on its pages" : "", keys && pinned ? "both are done" : "that is done");
       return Status::Ok();
     }
     s = &it->second;
@@ -382,8 +382,8 @@ void Registry::Reap() {
     if (!s.attached && now - s.opened > std::chrono::milliseconds(config_.lease_ms)) {
       spdlog::warn("session {} not attached within {} ms: reclaimed", s.id, config_.lease_ms);
       returns.push_back(ReclaimLocked(it));  // no descriptor left the daemon
-    } else if (s.detached && !s.remote_keys && !s.closing && s.releasing == 0) {  // never while a remote key
-      // may reach its chunks, or a release zeroes its pages
+    } else if (s.detached && !s.remote_keys && !s.closing && s.pins == 0) {  // never while a remote key
+      // may reach its chunks, or a release or claim works on its pages
       const bool exited = s.closed || PeerExited(s.pidfd, s.peer.pid);
       if (exited || now - s.detached_at > kExitGrace) returns.push_back(ReclaimLocked(it));
     }
@@ -433,19 +433,23 @@ Status Registry::ReleaseSequence(uint64_t session, const Token& token, uint64_t 
     SPECACHE_ASSIGN_OR_RETURN(Session * s, Authorize(session, token));
     SPECACHE_RETURN_IF_ERROR(RequireAttached(*s));
     if (!s->pages->Find(sequence)) return Status::NotFound("sequence " + std::to_string(sequence) + " in this session");
+    if (claiming_.count(sequence)) {  // its claim is copying into its pages
+      return Status::FailedPrecondition("sequence " + std::to_string(sequence) +
+                                        " is being claimed: release it once its claim has returned");
+    }
     sequence_owner_.erase(sequence);
     keep_on_close_.erase(sequence);
     SPECACHE_ASSIGN_OR_RETURN(retired, s->pages->Retire(sequence));
-    ++s->releasing;  // its chunks stay its own until the pages are zeroed (Reap, CloseSession wait)
+    ++s->pins;  // its chunks stay its own until the pages are zeroed (Reap, CloseSession wait)
   }
-  if (before_zeroing_) before_zeroing_(session);
+  if (before_unlocked_work_) before_unlocked_work_(session);
   // Without the lock: GiBs at long contexts take a second, which every session's calls would wait.
   retired.Zero();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Session& s = sessions_.at(session);  // not reclaimed while releasing
+    Session& s = sessions_.at(session);  // not reclaimed while pinned
     s.pages->Free(retired);
-    --s.releasing;
+    --s.pins;
   }
   reclaimable_.notify_all();
   return Status::Ok();
@@ -507,8 +511,8 @@ Result<uint32_t> Registry::PlaceClaimedLocked(uint64_t session, const Token& tok
     (void)s->pages->Release(sequence);
     return extended.status();
   }
-  // The session's from here (a release or the session's end, which may come while the claim's copy
-  // runs, forgets it as for any sequence of the session).
+  // The session's from here (ClaimSequence keeps releases and keeps of it away until it returns,
+  // and takes it out again if the session ends during its copy).
   sequence_owner_[sequence] = session;
   return slot;
 }
@@ -545,37 +549,49 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
       r->claiming_.erase(sequence);
     }
   };
-  const Result<uint32_t> placed = [&] {
+  std::vector<uint8_t*> targets;  // the placed sequence's pages, [layer * pages_per_layer + page]
+  const Result<uint32_t> placed = [&]() -> Result<uint32_t> {
     std::lock_guard<std::mutex> lock(mu_);
     claiming_.insert(sequence);
-    return PlaceClaimedLocked(session, token, sequence, layout, taken.kept.pages_per_layer);
+    SPECACHE_ASSIGN_OR_RETURN(const uint32_t slot,
+                              PlaceClaimedLocked(session, token, sequence, layout, taken.kept.pages_per_layer));
+    Session& s = sessions_.at(session);
+    for (const auto& layer : s.pages->Find(sequence)->pages) {
+      for (const shm::PageRef& ref : layer) targets.push_back(PageAddress(s, ref));
+    }
+    ++s.pins;
+    return slot;
   }();
   const Claiming claiming{this, sequence};
   if (!placed.ok()) return put_back(placed.status());  // outside mu_, as every put-back
   const uint32_t slot = *placed;
-  // The copy, a batch of pages at a time under the lock (each batch checks that the session and
-  // the sequence are still there: a session closed meanwhile gave its chunks back), so that other
-  // sessions' calls wait for one batch at most, not for the whole sequence.
+  if (before_unlocked_work_) before_unlocked_work_(session);
+  // The copy, without the registry's lock (GiBs at long contexts, which every session's calls
+  // would wait for): the session keeps its chunks meanwhile (pins: Reap and CloseSession wait),
+  // and nobody releases or keeps the sequence (claiming_).
   const uint64_t page_bytes = layout.page_bytes();
-  const uint64_t batch = std::max<uint64_t>(1, kClaimBatchBytes / page_bytes);
-  const uint64_t pages = uint64_t{layout.n_layers} * taken.kept.pages_per_layer;
-  bool left = false;
-  for (uint64_t first = 0; first < pages; first += batch) {
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const auto l = static_cast<uint32_t>(i / taken.kept.pages_per_layer);
+    const auto page = static_cast<uint32_t>(i % taken.kept.pages_per_layer);
+    std::memcpy(targets[i], taken.kept.page(l, page), page_bytes);
+  }
+  bool ended = false;
+  {
     std::lock_guard<std::mutex> lock(mu_);
-    auto s = Authorize(session, token);
-    const SequencePages* p = s.ok() ? (*s)->pages->Find(sequence) : nullptr;
-    if (!p) {
-      left = true;
-      break;
-    }
-    for (uint64_t i = first; i < std::min(pages, first + batch); ++i) {
-      const auto l = static_cast<uint32_t>(i / taken.kept.pages_per_layer), page = static_cast<uint32_t>(i % taken.kept.pages_per_layer);
-      std::memcpy(PageAddress(**s, p->pages[l][page]), taken.kept.page(l, page), page_bytes);
+    Session& s = sessions_.at(session);  // not reclaimed while pinned
+    --s.pins;
+    // Closed, or its attach connection gone, during the copy: the sequence leaves it (its pages go
+    // back with the chunks) and stays kept.
+    ended = s.detached;
+    if (ended) {
+      sequence_owner_.erase(sequence);
+      (void)s.pages->Retire(sequence);
     }
   }
-  if (left) {
-    return put_back(Status::FailedPrecondition("sequence " + std::to_string(sequence) +
-                                               " left its session while it was being claimed: it stays kept"));
+  reclaimable_.notify_all();
+  if (ended) {
+    return put_back(Status::FailedPrecondition("session " + std::to_string(session) + " ended while sequence " +
+                                               std::to_string(sequence) + " was being claimed: it stays kept"));
   }
   const uint32_t pages_per_layer = taken.kept.pages_per_layer;
   kept_->Finish(std::move(taken));

@@ -117,7 +117,8 @@ class Registry {
   // Ends the session: its chunks go back to the pool before it returns. While a UCX endpoint holds
   // remote keys for them (AttachRemote with keys), it first waits (at most kReclaimWait) for the
   // endpoint to drop them (RemoteKeysUnmapped), so that no key reaches a chunk another session was
-  // given, and for its releases' zeroing; past that the chunks go back (Reap) once both are done.
+  // given, and for its releases and claims to finish their work on its pages (pins); past that the
+  // chunks go back (Reap) once both are done.
   Status CloseSession(uint64_t session, const Token& token);
 
   Result<std::pair<uint64_t, uint32_t>> CreateSequence(uint64_t session, const Token& token, const PageLayout& layout);
@@ -129,6 +130,8 @@ class Registry {
   // Marks a sequence of the session to be kept (parked) when the session ends.
   Status KeepSequence(uint64_t session, const Token& token, uint64_t sequence);
   // A kept sequence of the session's tenant becomes the session's again: (slot, pages per layer).
+  // Its pages are copied in without mu_; meanwhile the sequence cannot be released or kept
+  // (FAILED_PRECONDITION), and if the session ends it stays kept (FAILED_PRECONDITION).
   Result<std::pair<uint32_t, uint32_t>> ClaimSequence(uint64_t session, const Token& token, uint64_t sequence,
                                                       const PageLayout& layout);
 
@@ -174,10 +177,10 @@ class Registry {
   // The session a live sequence belongs to (0: none).
   uint64_t OwnerOf(uint64_t sequence) const;
 
-  // For tests: called by every ReleaseSequence once its sequence is out of the session, before its
-  // pages are zeroed, without the registry's lock (a test holds a release there). Set before any
-  // call may release.
-  void SetBeforeZeroing(std::function<void(uint64_t session)> hook) { before_zeroing_ = std::move(hook); }
+  // For tests: called by every ReleaseSequence and ClaimSequence once the session is pinned, before
+  // their work on its pages without the registry's lock (a release's zeroing, a claim's copy), and
+  // without that lock itself (a test holds the call there). Set before any such call.
+  void SetBeforeUnlockedWork(std::function<void(uint64_t session)> hook) { before_unlocked_work_ = std::move(hook); }
 
   RegistryStats Stats() const;
   uint64_t chunk_bytes() const { return pool_->chunk_bytes(); }
@@ -193,10 +196,11 @@ class Registry {
     bool attached = false, detached = false;
     bool remote = false;  // opened by a client on another host: attaches over UCX only
     bool remote_keys = false;  // its chunks are mapped for a UCX endpoint's remote keys
-    bool closing = false;      // CloseSession waits for remote_keys and releasing to clear, then reclaims it
+    bool closing = false;      // CloseSession waits for remote_keys and pins to clear, then reclaims it
     bool closed = false;       // CloseSession gave up waiting: Reap reclaims it once they clear
-    // ReleaseSequence calls zeroing its pages without mu_: its chunks must stay its own (no reclaim).
-    uint32_t releasing = 0;
+    // Calls at work on its pages without mu_ (a release zeroing them, a claim copying into them): its
+    // chunks must stay its own (no reclaim) until none is left.
+    uint32_t pins = 0;
     PeerCredentials peer;
     int pidfd = -1;
     std::chrono::steady_clock::time_point opened, detached_at;
@@ -235,7 +239,7 @@ class Registry {
   Result<uint32_t> PlaceClaimedLocked(uint64_t session, const Token& token, uint64_t sequence, const PageLayout& layout,
                                       uint32_t pages_per_layer);
   // Forgets the session (under mu_); its chunks go back to the pool with ReturnChunks (without mu_).
-  // Never while s.releasing > 0: its callers (Reap's two cases, CloseSession) wait for it, or know
+  // Never while s.pins > 0: its callers (Reap's two cases, CloseSession) wait for it, or know
   // that no release can run (a session never attached).
   ChunkReturn ReclaimLocked(std::map<uint64_t, Session>::iterator it);
   void ReturnChunks(const std::vector<ChunkReturn>& returns);
@@ -249,8 +253,6 @@ class Registry {
   // RemoteKeysUnmapped or a release's end: a CloseSession may wait for it (kReclaimWait at most).
   std::condition_variable reclaimable_;
   static constexpr auto kReclaimWait = std::chrono::seconds(2);
-  // ClaimSequence copies a sequence's pages this many bytes at a time under mu_.
-  static constexpr uint64_t kClaimBatchBytes = uint64_t{16} << 20;
   std::map<uint64_t, Session> sessions_;
   std::map<uint64_t, uint64_t> sequence_owner_;  // sequence -> session
   std::set<uint64_t> keep_on_close_;             // sequences to park when their session ends
@@ -269,7 +271,7 @@ class Registry {
   KeptSequences* kept_;
   uint64_t next_session_ = 1, next_sequence_ = 1;
   uint64_t reclaimed_ = 0;
-  std::function<void(uint64_t)> before_zeroing_;  // SetBeforeZeroing
+  std::function<void(uint64_t)> before_unlocked_work_;  // SetBeforeUnlockedWork
 };
 
 }  // namespace specache::daemon

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <future>
+#include <memory>
 #include <thread>
 
 #include "kept_sequences.h"
@@ -20,6 +22,15 @@
 
 namespace specache::daemon {
 namespace {
+
+// A session whose CloseSession is waiting: the close has marked it ended (not attached), under the
+// lock, in the same hold as its wait begins.
+bool Closing(Registry& registry, uint64_t session) {
+  for (const SessionSummary& s : registry.Sessions()) {
+    if (s.id == session) return !s.attached;
+  }
+  return false;
+}
 
 class RegistryTest : public ::testing::Test {
  protected:
@@ -57,6 +68,30 @@ class RegistryTest : public ::testing::Test {
       for (int fd : grant->fds) close(fd);
     }
     return *s;
+  }
+
+  // A sequence of tenant a's (16 tokens of layout_), kept by its session's close; 0 on a failure.
+  uint64_t KeptByA() {
+    const OpenedSession sa = Open("a", a_);
+    auto created = registry_->CreateSequence(sa.id, sa.token, layout_);
+    EXPECT_TRUE(created.ok()) << created.status().ToString();
+    if (!created.ok()) return 0;
+    const uint64_t x = created->first;
+    EXPECT_TRUE(registry_->ExtendSequence(sa.id, sa.token, x, 16).ok());
+    EXPECT_TRUE(registry_->KeepSequence(sa.id, sa.token, x).ok());
+    EXPECT_TRUE(registry_->CloseSession(sa.id, sa.token).ok());
+    registry_->ParkKeptSequences();
+    EXPECT_TRUE(kept_->Find(x).ok()) << "kept once its session closed";
+    return kept_->Find(x).ok() ? x : 0;
+  }
+
+  // Closes the session on a thread of its own (the caller joins it) and waits, 10 s at most, until
+  // the close is seen waiting (*waiting: whether it was).
+  std::thread CloseAndSeeItWait(const OpenedSession& s, Status* closed, bool* waiting) {
+    std::thread closer([this, s, closed] { *closed = registry_->CloseSession(s.id, s.token); });
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!(*waiting = Closing(*registry_, s.id)) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    return closer;
   }
 
   const PageLayout layout_{1, 1, 8, 16, 64, 0};
@@ -102,18 +137,8 @@ TEST_F(RegistryTest, AnotherTenantsClaimsOfASequenceLeaveItsOwnersCallsAlone) {
 // A kept sequence of tenant a: tenant b's claim gets the answer an unknown id gets, and leaves it
 // kept for a, whose claim then takes it.
 TEST_F(RegistryTest, AnotherTenantsKeptSequenceAnswersAsAnUnknownId) {
-  uint64_t x = 0;
-  {
-    const OpenedSession sa = Open("a", a_);
-    auto created = registry_->CreateSequence(sa.id, sa.token, layout_);
-    ASSERT_TRUE(created.ok()) << created.status().ToString();
-    x = created->first;
-    ASSERT_TRUE(registry_->ExtendSequence(sa.id, sa.token, x, 16).ok());
-    ASSERT_TRUE(registry_->KeepSequence(sa.id, sa.token, x).ok());
-    ASSERT_TRUE(registry_->CloseSession(sa.id, sa.token).ok());
-    registry_->ParkKeptSequences();
-  }
-  ASSERT_TRUE(kept_->Find(x).ok()) << "kept once its session closed";
+  const uint64_t x = KeptByA();
+  ASSERT_NE(x, 0u);
   const OpenedSession sb = Open("b", b_);
   const auto theirs = registry_->ClaimSequence(sb.id, sb.token, x, layout_);
   const auto unknown = registry_->ClaimSequence(sb.id, sb.token, x + 1000, layout_);
@@ -127,6 +152,62 @@ TEST_F(RegistryTest, AnotherTenantsKeptSequenceAnswersAsAnUnknownId) {
   const auto mine = registry_->ClaimSequence(sa.id, sa.token, x, layout_);
   EXPECT_TRUE(mine.ok()) << mine.status().ToString();
   EXPECT_FALSE(kept_->Find(x).ok()) << "claimed: no longer kept";
+}
+
+// A claim copies the kept pages into its session without the registry's lock (before, in batches
+// under it, and a waiting call got the lock only after the last batch: std::mutex is not fair).
+// Held at that point: another thread's calls run, and the sequence can be neither released (its
+// pages are being written) nor kept until the claim returns; then both work.
+TEST_F(RegistryTest, DuringAClaimsCopyOtherCallsRunAndTheSequenceCannotBeReleasedOrKept) {
+  const uint64_t x = KeptByA();
+  ASSERT_NE(x, 0u);
+  const OpenedSession sa = Open("a", a_);
+  int held = 0;
+  registry_->SetBeforeUnlockedWork([&](uint64_t session) {
+    if (held++ > 0) return;  // the claim only
+    EXPECT_EQ(session, sa.id);
+    // Another thread's call (left to finish on its own if it waits: the hold ends when this returns).
+    auto sessions = std::make_shared<std::promise<uint32_t>>();
+    auto answered = sessions->get_future();
+    std::thread([registry = registry_.get(), sessions] { sessions->set_value(registry->Stats().sessions); }).detach();
+    ASSERT_EQ(answered.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "another thread's call waits";
+    EXPECT_EQ(answered.get(), 1u);
+    const Status released = registry_->ReleaseSequence(sa.id, sa.token, x);
+    EXPECT_EQ(released.code(), StatusCode::kFailedPrecondition) << released.ToString();
+    EXPECT_NE(released.message().find("is being claimed"), std::string::npos) << released.ToString();
+    EXPECT_EQ(registry_->KeepSequence(sa.id, sa.token, x).code(), StatusCode::kFailedPrecondition);
+  });
+  const auto claimed = registry_->ClaimSequence(sa.id, sa.token, x, layout_);
+  ASSERT_TRUE(claimed.ok()) << claimed.status().ToString();
+  EXPECT_EQ(held, 1);
+  EXPECT_FALSE(kept_->Find(x).ok()) << "claimed";
+  EXPECT_TRUE(registry_->KeepSequence(sa.id, sa.token, x).ok());
+  EXPECT_TRUE(registry_->ReleaseSequence(sa.id, sa.token, x).ok());
+}
+
+// A session closed during a claim's copy: the close waits for the copy (the chunks stay the
+// session's while it writes them), the sequence leaves the session and stays kept, and the claim
+// says so.
+TEST_F(RegistryTest, ASessionClosedDuringAClaimsCopyLeavesTheSequenceKept) {
+  const uint64_t x = KeptByA();
+  ASSERT_NE(x, 0u);
+  const uint64_t pool_bytes = registry_->Stats().pool_bytes;
+  const OpenedSession sa = Open("a", a_);
+  Status closed = Status::Internal("not closed");
+  std::thread closer;
+  bool waiting = false;
+  registry_->SetBeforeUnlockedWork([&](uint64_t) { closer = CloseAndSeeItWait(sa, &closed, &waiting); });
+  const auto claimed = registry_->ClaimSequence(sa.id, sa.token, x, layout_);
+  closer.join();
+  EXPECT_TRUE(waiting) << "the close was never seen waiting";
+  EXPECT_EQ(claimed.status().code(), StatusCode::kFailedPrecondition) << claimed.status().ToString();
+  EXPECT_NE(claimed.status().message().find("it stays kept"), std::string::npos) << claimed.status().ToString();
+  EXPECT_TRUE(closed.ok()) << closed.ToString();
+  EXPECT_TRUE(kept_->Find(x).ok()) << "put back";
+  const RegistryStats st = registry_->Stats();
+  EXPECT_EQ(st.sessions, 0u);
+  EXPECT_EQ(st.free_bytes, pool_bytes);
+  EXPECT_EQ(st.kept.parked, 1u);
 }
 
 // A claim takes a spilled sequence and its Finish deletes the disk copy; when that delete fails (a
@@ -274,15 +355,6 @@ TEST_F(RegistryReleaseTest, OtherCallsGoOnWhileAReleaseZeroesItsPages) {
   EXPECT_EQ(registry_->Stats().used_bytes, 0u) << "every page freed once its release returned";
 }
 
-// A session whose CloseSession is waiting: the close has marked it ended (not attached), under the
-// lock, in the same hold as its wait begins.
-bool Closing(Registry& registry, uint64_t session) {
-  for (const SessionSummary& s : registry.Sessions()) {
-    if (s.id == session) return !s.attached;
-  }
-  return false;
-}
-
 // A session closed while a release zeroes its pages keeps its chunks until the release is done
 // (back in the pool they would go to the next session under the memset), then gives them back
 // before its close returns, as any close does; both calls succeed. The release is held before its
@@ -295,11 +367,9 @@ TEST_F(RegistryReleaseTest, ACloseWaitsForAReleaseThatZeroesItsPagesThenGivesThe
   Status closed = Status::Internal("not closed");
   std::thread closer;
   bool waiting = false;
-  registry_->SetBeforeZeroing([&](uint64_t session) {
+  registry_->SetBeforeUnlockedWork([&](uint64_t session) {
     EXPECT_EQ(session, sa.id);
-    closer = std::thread([&] { closed = registry_->CloseSession(sa.id, sa.token); });
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!(waiting = Closing(*registry_, sa.id)) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    closer = CloseAndSeeItWait(sa, &closed, &waiting);
     EXPECT_EQ(registry_->Stats().sessions, 1u) << "not reclaimed while the release runs";
   });
   const Status released = registry_->ReleaseSequence(sa.id, sa.token, x);
@@ -321,7 +391,7 @@ TEST_F(RegistryReleaseTest, AReleaseOutlastingTheClosesWaitLeavesTheChunksToReap
   const uint64_t x = CreateFull(sa);
   ASSERT_NE(x, 0u);
   Status closed = Status::Internal("not closed");
-  registry_->SetBeforeZeroing([&](uint64_t) {
+  registry_->SetBeforeUnlockedWork([&](uint64_t) {
     std::thread closer([&] { closed = registry_->CloseSession(sa.id, sa.token); });
     closer.join();  // past its wait
     registry_->Reap();

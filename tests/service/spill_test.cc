@@ -846,9 +846,9 @@ TEST(SpillTest, AClaimThatFailsLeavesTheSequenceKept) {
   EXPECT_EQ(c->ListSequences()->size(), 0u);
 }
 
-// A claim copies a large kept sequence into its session a batch at a time. Meanwhile the same
-// session (raw calls: the client library knows the sequence only once the claim returns) marks it
-// to keep and closes. Before, the close parked the half-copied pages under the sequence's id, and
+// A claim copies a large kept sequence into its session (without the registry's lock). Meanwhile
+// the same session (raw calls: the client library knows the sequence only once the claim returns)
+// marks it to keep and closes. Before, the close parked the half-copied pages under the sequence's id, and
 // the claim, finding its session gone, could not put the original back: the id stayed kept with
 // the wrong pages, and the original was freed without a word. Now a sequence being claimed cannot
 // be marked to keep until its claim returns: whichever way the calls interleave, what is kept at
@@ -858,7 +858,7 @@ TEST(SpillTest, AKeepAndCloseDuringAClaimNeverKeepAHalfCopiedSequence) {
   ASSERT_TRUE(d.Start("[spill]\npark_bytes = \"64MiB\"\n"));
   auto c = Connect(d);
   ASSERT_TRUE(c);
-  const client::PageLayoutSpec big{12, 8, 128, 16, 1024};  // 64 KiB pages, 48 MiB: three copy batches
+  const client::PageLayoutSpec big{12, 8, 128, 16, 1024};  // 64 KiB pages, 48 MiB
   for (int round = 0; round < 8; ++round) {  // the race is timing's: several rounds
     const uint64_t seed = 40 + round;
     uint64_t id = 0;
