@@ -534,22 +534,27 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
   // Nothing of the registry changes before Take has checked the tenant: a refused claim of
   // another tenant's sequence (its ids are sequential) leaves that sequence's own calls alone.
   SPECACHE_ASSIGN_OR_RETURN(KeptSequences::Taken taken, kept_->Take(tenant, sequence, layout));
-  auto put_back = [&](const Status& why) {
-    kept_->PutBack(std::move(taken));
-    return why;
-  };
-  // Marked as being claimed from the moment it is placed in the session (where a KeepSequence
-  // could first find it) until this call returns, put back or not: no KeepSequence of it meanwhile.
-  // Before Take no session held it (a kept sequence is in none), and Take gave it to this call alone.
-  struct Claiming {
+  // Marked as being claimed from the moment it is placed in the session (where a KeepSequence or a
+  // ReleaseSequence could first find it) until the claim is finished or the sequence put back: no
+  // keep or release of it meanwhile. Before Take no session held it (a kept sequence is in none),
+  // and Take gave it to this call alone. Every way out (an exception too) goes through the guard:
+  // unless finished, the id leaves claiming_ and then the sequence goes back to the kept ones (in
+  // that order: a claim that takes it next marks it again, and nothing of this claim unmarks it).
+  struct Claim {
     Registry* r;
     uint64_t sequence;
-    ~Claiming() {
-      std::lock_guard<std::mutex> lock(r->mu_);
-      r->claiming_.erase(sequence);
+    KeptSequences::Taken* taken;
+    bool finished = false;
+    ~Claim() {
+      {
+        std::lock_guard<std::mutex> lock(r->mu_);
+        r->claiming_.erase(sequence);
+      }
+      if (!finished) r->kept_->PutBack(std::move(*taken));  // outside mu_, as every put-back
     }
-  };
+  } claim{this, sequence, &taken};
   std::vector<uint8_t*> targets;  // the placed sequence's pages, [layer * pages_per_layer + page]
+  targets.reserve(size_t{layout.n_layers} * taken.kept.pages_per_layer);  // nothing allocated under the lock
   const Result<uint32_t> placed = [&]() -> Result<uint32_t> {
     std::lock_guard<std::mutex> lock(mu_);
     claiming_.insert(sequence);
@@ -562,8 +567,7 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
     ++s.pins;
     return slot;
   }();
-  const Claiming claiming{this, sequence};
-  if (!placed.ok()) return put_back(placed.status());  // outside mu_, as every put-back
+  if (!placed.ok()) return placed.status();  // put back by the guard
   const uint32_t slot = *placed;
   if (before_unlocked_work_) before_unlocked_work_(session);
   // The copy, without the registry's lock (GiBs at long contexts, which every session's calls
@@ -585,16 +589,18 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
     ended = s.detached;
     if (ended) {
       sequence_owner_.erase(sequence);
+      keep_on_close_.erase(sequence);
       (void)s.pages->Retire(sequence);
     }
   }
   reclaimable_.notify_all();
   if (ended) {
-    return put_back(Status::FailedPrecondition("session " + std::to_string(session) + " ended while sequence " +
-                                               std::to_string(sequence) + " was being claimed: it stays kept"));
+    return Status::FailedPrecondition("session " + std::to_string(session) + " ended while sequence " +
+                                      std::to_string(sequence) + " was being claimed: it stays kept");
   }
   const uint32_t pages_per_layer = taken.kept.pages_per_layer;
   kept_->Finish(std::move(taken));
+  claim.finished = true;
   return std::make_pair(slot, pages_per_layer);
 }
 

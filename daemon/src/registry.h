@@ -250,7 +250,8 @@ class Registry {
   std::map<std::string, uint64_t> tenant_tags_;  // tenant -> holder tag in the pool (1, 2, ...)
   ChunkPool* pool_;
   mutable std::mutex mu_;
-  // RemoteKeysUnmapped or a release's end: a CloseSession may wait for it (kReclaimWait at most).
+  // RemoteKeysUnmapped, or a release's or claim's end (pins): a CloseSession may wait for it
+  // (kReclaimWait at most).
   std::condition_variable reclaimable_;
   static constexpr auto kReclaimWait = std::chrono::seconds(2);
   std::map<uint64_t, Session> sessions_;
@@ -261,7 +262,8 @@ class Registry {
   std::map<std::string, uint64_t> parking_;
   // Sequences a ClaimSequence has taken out of the kept ones and not yet copied into its session
   // (or put back): nobody may mark them to keep meanwhile (KeepSequence), or a close during the
-  // copy would park the half-copied pages under the id the claim puts the original back under.
+  // copy would park the half-copied pages under the id the claim puts the original back under;
+  // nor release them (ReleaseSequence), whose zeroing would race the copy into their pages.
   std::set<uint64_t> claiming_;
   // [tenant] bytes of ended sessions' chunks on their way back to the pool (ReclaimLocked until
   // ReturnChunks has handed them over, which takes the let-go wait, fresh memory for chunks still
