@@ -286,8 +286,8 @@ Status Registry::CloseSession(uint64_t session, const Token& token) {
   if (s->remote_keys || s->pins > 0) {
     // Remote keys still reach its chunks (the UCX server closes the endpoint, the session being no
     // longer live (detached), drops the keys and says so: RemoteKeysUnmapped), or a release or a
-    // claim works on its pages (pins): the chunks go back after that, here (as for any session, before
-    // CloseSession returns) or, if that takes longer than kReclaimWait, by Reap.
+    // claim works on its pages (pins): the chunks go back after that, here (as for any session,
+    // before CloseSession returns) or, if that takes longer than kReclaimWait, by Reap.
     s->detached = true;
     s->detached_at = std::chrono::steady_clock::now();
     s->closing = true;
@@ -304,7 +304,8 @@ Status Registry::CloseSession(uint64_t session, const Token& token) {
       const bool keys = it->second.remote_keys, pinned = it->second.pins > 0;
       spdlog::warn("session {} closed while {}{}{}: its chunks go back once {}", id,
                    keys ? "its UCX endpoint still holds remote keys" : "", keys && pinned ? " and " : "",
-                   pinned ? "a release or claim works on its pages" : "", keys && pinned ? "both are done" : "that is done");
+                   pinned ? "a release or claim works on its pages" : "",
+                   keys && pinned ? "both are done" : "that is done");
       return Status::Ok();
     }
     s = &it->second;
