@@ -7,6 +7,11 @@
 //            VerifySpill in a loop over --spill-mib of spilled sequences (and a monitor reads
 //            Stats every 50 ms, as the metrics endpoint does): long admin calls must not stall
 //            the engines' calls (the embedded daemon only)
+//   --release-stall MIB: ExtendSequence p50/p99/max of one client, idle and then while another
+//            session releases a MIB MiB sequence in a loop, and while it claims one back (keep,
+//            close, claim) in a loop: the daemon zeroes and copies those pages without the lock
+//            the engines' calls take, so one session's big release or claim must not stall the
+//            others' calls (the embedded daemon only)
 //   --park-cost DIR: time to park a 32 MiB sequence (the copy a closing session's kept
 //            sequence takes) without and with write-through to a spill store in DIR
 #include <unistd.h>
@@ -114,6 +119,87 @@ bool SpillSequences(const std::string& socket, uint64_t mib) {
   return spilled.ok() && st.ok() && st->spilled_sequences == count;
 }
 
+// The big session's work for ReleaseStall, until `done`: sequences of `tokens` (a MiB per 4
+// tokens: 32 layers x 8 KV heads x 128 dims, 64-token pages) made and released in one session; or
+// (claim) made in a session, kept, the session closed, and claimed back into a new one (then
+// released with it). The timed part (the release, the claim) goes to `ms`.
+specache::Status BigOps(Client& client, bool claim, uint32_t tokens, const std::atomic<bool>& done,
+                        std::vector<double>* ms) {
+  const specache::client::PageLayoutSpec layout{32, 8, 128, 64, tokens};
+  const uint64_t pool = (uint64_t{tokens} / 4 + 64) << 20;
+  auto session = client.OpenSession("default", pool);
+  if (!session.ok()) return session.status();
+  while (!done.load()) {
+    auto seq = (*session)->CreateSequence(layout);
+    if (!seq.ok()) return seq.status();
+    if (auto extended = (*session)->Extend(*seq, tokens); !extended.ok()) return extended.status();
+    if (!claim) {
+      const auto t0 = Clock::now();
+      SPECACHE_RETURN_IF_ERROR((*session)->Release(*seq));
+      ms->push_back(Ms(t0, Clock::now()));
+      continue;
+    }
+    SPECACHE_RETURN_IF_ERROR((*session)->Keep(*seq));
+    session->reset();  // closed: the sequence is parked before the close returns
+    session = client.OpenSession("default", pool);
+    if (!session.ok()) return session.status();
+    const auto t0 = Clock::now();
+    auto claimed = (*session)->Claim(*seq, layout);
+    if (!claimed.ok()) return claimed.status();
+    ms->push_back(Ms(t0, Clock::now()));
+    SPECACHE_RETURN_IF_ERROR((*session)->Release(*seq));
+  }
+  return specache::Status::Ok();
+}
+
+// Extend p50/p99/max idle, then while another session releases, then claims, big sequences.
+int ReleaseStall(const std::string& socket, int rounds, uint64_t mib, nlohmann::json* out) {
+  std::printf("%-22s %10s %10s %10s %8s %10s %14s\n", "extend", "p50 ms", "p99 ms", "max ms", "calls", "big ops",
+              "big op p50 ms");
+  const auto tokens = static_cast<uint32_t>(mib * 4);
+  double idle_p99 = 0;
+  int failed = 0;
+  for (const char* phase : {"idle", "during releases", "during claims"}) {
+    const bool loaded = std::strcmp(phase, "idle") != 0, claim = std::strcmp(phase, "during claims") == 0;
+    std::atomic<bool> done{false};
+    std::vector<double> big_ms;
+    specache::Status big_status;
+    std::thread big;
+    if (loaded) {
+      big = std::thread([&] {
+        auto c = Client::Connect({socket, std::chrono::milliseconds(60000), "bench-big"});
+        if (!c.ok()) big_status = c.status();
+        if (c.ok()) big_status = BigOps(**c, claim, tokens, done, &big_ms);
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the first big sequence is under way
+    }
+    Latencies l = ClientLoop(socket, rounds, 8);
+    done = true;
+    if (big.joinable()) big.join();
+    if (!big_status.ok()) {
+      std::printf("%s: the big session failed: %s\n", phase, big_status.ToString().c_str());
+      ++failed;
+    }
+    if (l.failed) std::printf("%s: %d calls failed, the first: %s\n", phase, l.failed, l.first_error.c_str());
+    failed += l.failed;
+    const double p50 = Percentile(l.extend, 0.5), p99 = Percentile(l.extend, 0.99);
+    const double max = l.extend.empty() ? 0 : *std::max_element(l.extend.begin(), l.extend.end());
+    const double big_p50 = Percentile(big_ms, 0.5);
+    if (!loaded) idle_p99 = p99;
+    std::printf("%-22s %10.3f %10.3f %10.3f %8zu %10zu %14.2f\n", phase, p50, p99, max, l.extend.size(), big_ms.size(),
+                big_p50);
+    (*out)["release_stall"][phase] = {{"extend_p50_ms", p50}, {"extend_p99_ms", p99}, {"extend_max_ms", max},
+                                      {"calls", l.extend.size()}, {"big_ops", big_ms.size()}, {"big_op_p50_ms", big_p50}};
+    if (loaded) {
+      // A call that waited for a whole big op would take about its time: max / big op near 1.
+      std::printf("  p99 / idle p99 %.2fx, max extend / big op p50 %.3f\n", p99 / idle_p99, big_p50 > 0 ? max / big_p50 : 0);
+      (*out)["release_stall"][phase]["p99_ratio"] = p99 / idle_p99;
+      (*out)["release_stall"][phase]["max_over_big_op"] = big_p50 > 0 ? max / big_p50 : 0;
+    }
+  }
+  return failed ? 1 : 0;
+}
+
 // Extend p50/p99 idle, then with a verify loop and a stats loop running.
 int VerifyLoop(const std::string& socket, int rounds, nlohmann::json* out) {
   std::printf("%-22s %10s %10s %10s %8s\n", "extend", "p50 ms", "p99 ms", "calls", "verifies");
@@ -198,7 +284,7 @@ int main(int argc, char** argv) {
   std::string socket, json_path;
   int rounds = 200;
   bool verify_loop = false;
-  uint64_t spill_mib = 256;
+  uint64_t spill_mib = 256, stall_mib = 0;
   std::string park_cost_dir;
   app.add_option("--socket", socket, "a running specached (default: one embedded here)");
   app.add_option("--rounds", rounds, "create/extend/release rounds per client")->capture_default_str();
@@ -207,6 +293,10 @@ int main(int argc, char** argv) {
   app.add_option("--park-cost", park_cost_dir, "time parking with and without write-through (a spill store in DIR)");
   app.add_flag("--verify-loop", verify_loop, "Extend latency idle and during a VerifySpill loop (embedded daemon)");
   app.add_option("--spill-mib", spill_mib, "spilled MiB that each verify reads (--verify-loop)")->capture_default_str();
+  app.add_option("--release-stall", stall_mib,
+                 "Extend latency idle and while another session releases, then claims, sequences of this many MiB "
+                 "(embedded daemon)")
+      ->check(CLI::Range(uint64_t{16}, uint64_t{4096}));
   if (const int code = specache::ParseCommandLine(app, argc, argv); code >= 0) return code;
   // Output paths are checked (or created) before any measurement.
   for (const specache::Status& s :
@@ -236,6 +326,10 @@ int main(int argc, char** argv) {
     c.chunk_bytes = uint64_t{16} << 20;
     c.metrics_addr = "";
     c.lock_memory = false;
+    if (stall_mib) {  // the big session (twice, while a claim's new session and the parked copy overlap)
+      c.pool_bytes = std::max<uint64_t>(c.pool_bytes, (2 * stall_mib + 256) << 20);
+      c.spill.park_bytes = (stall_mib + 64) << 20;
+    }
     if (verify_loop) {
       c.spill.dir = dir + "/spill";
       c.spill.park_bytes = (spill_mib + 64) << 20;
@@ -252,6 +346,14 @@ int main(int argc, char** argv) {
   }
   nlohmann::json out;
   int failed = 0;
+  if (stall_mib) {
+    if (!embedded) return std::fprintf(stderr, "--release-stall needs the embedded daemon (no --socket)\n"), 2;
+    const int rc = ReleaseStall(socket, rounds, stall_mib, &out);
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
+    embedded->Stop();
+    std::filesystem::remove_all(dir);
+    return rc;
+  }
   if (verify_loop) {
     if (!embedded) return std::fprintf(stderr, "--verify-loop needs the embedded daemon (no --socket)\n"), 2;
     if (!SpillSequences(socket, spill_mib)) return std::fprintf(stderr, "could not spill the sequences\n"), 1;
