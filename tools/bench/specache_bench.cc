@@ -100,7 +100,7 @@ struct Options {
   bool profile_no_fetch = false;     // step: StepOptions::profile_no_fetch
   bool no_model_graphs = false;      // step: !StepOptions::model_graphs
   int plan_threads = 0;              // step: CudaAgentOptions::plan_threads (0: the default)
-  int attend_rows = 0;               // attend: StepOptions::attend_rows
+  int attend_rows = -1;              // attend: StepOptions::attend_rows
   int attend_free_slots = 0;         // attend: StepOptions::attend_free_slots
   bool attend_random_rows = false;   // attend: StepOptions::attend_random_rows
   uint32_t attend_rows_seed = 1000;  // attend: StepOptions::attend_rows_seed
@@ -395,9 +395,10 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
   }
   if (std::string_view(suite.name) == "attend") {
     cmd->add_option("--attend-rows", o->attend_rows,
-                    "substituted (full-precision) rows per KV head, spread over the context (default: k, 64; "
-                    "specache-run's default selection attends its whole row cache, 1024 rows)")
-        ->check(positive);
+                    "substituted (full-precision) rows per KV head, spread over the context (default: k, 64; 0: "
+                    "none, as a step with nothing resident; specache-run's default selection attends its whole row "
+                    "cache, 1024 rows)")
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--free-slots", o->attend_free_slots,
                     "CTA slots the attention's plan leaves free, as the agent's leaves its fetch_blocks (32) in "
                     "specache mode (default 0: none)")

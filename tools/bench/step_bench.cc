@@ -441,7 +441,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
   if (!stream) return false;
   const double hbm = DeviceCopyGBps(stream);
   const int group = kQHeads / kKvHeads, n_rows = 2, queries = n_rows * group;
-  const int n_sub = std::min({o.attend_rows > 0 ? o.attend_rows : kTopK, o.context / 2, quantized});
+  const int n_sub = std::min({o.attend_rows >= 0 ? o.attend_rows : kTopK, o.context / 2, quantized});
   const std::string placed =
       o.attend_random_rows ? "at random, seed " + std::to_string(o.attend_rows_seed) : std::string("spread evenly");
   std::printf("\n== attend: one layer, %d KV heads x GQA %d, 2 rows, %d substituted rows (%s), context %d, %d CTA "
@@ -468,12 +468,13 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       ReplicaParams params{kHeadDim, bits, bits, 32, 64};
       std::vector<std::unique_ptr<cuda::DeviceHeadReplica>> replicas;
       DeviceArray<Half> k(size_t(o.context) * kHeadDim), v(size_t(o.context) * kHeadDim);
-      DeviceArray<Half> new_kv(size_t(n_rows) * kHeadDim), subs(size_t(items) * n_sub * 2 * kHeadDim);
+      // (At least one element each: with no substituted rows the kernel reads none of them.)
+      DeviceArray<Half> new_kv(size_t(n_rows) * kHeadDim), subs(std::max<size_t>(1, size_t(items) * n_sub * 2 * kHeadDim));
       DeviceArray<float> q(size_t(items) * queries * kHeadDim), out(size_t(items) * queries * kHeadDim);
       DeviceArray<float> probs(size_t(items) * group * o.context), stats(size_t(items) * group * 2);
       const int64_t topk_per = cuda::TopKScratchFloats(o.context, true);  // room for the budget's run sums
       DeviceArray<float> topk_scratch(size_t(items) * topk_per);
-      DeviceArray<int32_t> sub_tokens(size_t(items) * n_sub), selected(size_t(items) * kTopK);
+      DeviceArray<int32_t> sub_tokens(std::max<size_t>(1, size_t(items) * n_sub)), selected(size_t(items) * kTopK);
       const int64_t scratch_per = cuda::DecodeScratchFloats(o.context, n_rows, group, kHeadDim);
       DeviceArray<float> scratch(size_t(items) * scratch_per);
       if (!k.p || !v.p || !subs.p || !q.p || !out.p || !probs.p || !stats.p || !topk_scratch.p || !sub_tokens.p ||
@@ -488,7 +489,7 @@ bool RunAttendSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       // (row j in stride j's span, at an offset that varies with j and the item) or, with
       // attend_random_rows, drawn at random as a step's top-k picks them.
       std::vector<int32_t> tokens(size_t(items) * n_sub);
-      const int32_t stride = quantized / n_sub;  // >= 1
+      const int32_t stride = quantized / std::max(n_sub, 1);  // >= 1
       for (int i = 0; i < items; ++i) {
         int32_t* mine = tokens.data() + size_t(i) * n_sub;
         if (o.attend_random_rows) {

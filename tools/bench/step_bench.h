@@ -54,9 +54,10 @@ struct StepOptions {
   // The model's decode graphs (GpuLlama::SetDecodeGraphs): its products and small kernels replayed
   // from CUDA graphs, as an engine's decode runs them; off: launched one by one on every call.
   bool model_graphs = true;
-  // attend: substituted rows per KV head, spread evenly over the context; 0: k (64). specache-run's
-  // default selection attends every row of its row cache (1024 rows once the cache is full).
-  int attend_rows = 0;
+  // attend: substituted rows per KV head, spread evenly over the context; -1: k (64); 0: none (the
+  // attention of a step with nothing resident). specache-run's default selection attends every row
+  // of its row cache (1024 rows once the cache is full).
+  int attend_rows = -1;
   // attend: CTA slots the attention's plan leaves free (DecodePlan::set_free_slots), as the agent's
   // does for the fetch in specache mode (its fetch_blocks, 32); 0: none, the plan of a bare call.
   int attend_free_slots = 0;
