@@ -596,6 +596,7 @@ Result<std::pair<uint32_t, uint32_t>> Registry::ClaimSequence(uint64_t session, 
   }
   reclaimable_.notify_all();
   if (ended) {
+    spdlog::info("session {} ended while sequence {} was being claimed: it stays kept", session, sequence);
     return Status::FailedPrecondition("session " + std::to_string(session) + " ended while sequence " +
                                       std::to_string(sequence) + " was being claimed: it stays kept");
   }
