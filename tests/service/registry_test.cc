@@ -253,8 +253,8 @@ TEST(KeptSequencesTest, AnOldDiskCopyLeftByAFailedDeleteGivesWayToTheCopyKeptNow
 
 // A claim takes a kept sequence out of the kept ones for its copy, and puts it back if the claim
 // fails. Meanwhile it still counts for its tenant: before, a KeepSequence in that window passed
-// kept_sequences_per_tenant, and a failed claim (its sequence released mid-copy) then left the
-// tenant over its limit, as often as the trick was repeated.
+// kept_sequences_per_tenant, and a failed claim (then: its sequence released mid-copy; now: its
+// session ended mid-copy) left the tenant over its limit, as often as the trick was repeated.
 TEST(KeptSequencesTest, ASequenceInAClaimsCopyStillCountsForItsTenant) {
   KeptSequences kept({1u << 20}, nullptr);
   const PageLayout layout{1, 1, 8, 16, 32, 0};
