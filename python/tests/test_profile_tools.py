@@ -55,6 +55,33 @@ def test_steps_charge_the_marker_streams_gaps_to_what_it_waited_for(tmp_path):
     assert "3 whole steps recorded" in one and "the first 2, ms each" in one and "steps 2-2 (1)" in one, one
 
 
+def test_overlap_splits_a_kernels_launches_by_what_ran_beside_them(tmp_path):
+    """--overlap: launches of the named kernel with no other stream's record beside them count as
+    alone; the others under each record that overlapped them, with the overlap's length."""
+    csv = tmp_path / "timeline.csv"
+    csv.write_text(
+        "kind,stream,start_ns,end_ns,name\n"
+        "K,7,0,80000,LowBitDecodeKernel\n"            # alone: 80 us
+        "K,7,100000,190000,LowBitDecodeKernel\n"      # beside UpdateCache for 40 us and a copy for 10
+        "K,9,150000,250000,UpdateCacheKernel\n"
+        "C,13,120000,130000,copy HtoD 65536\n"
+        "K,7,300000,400000,LowBitDecodeKernel\n"      # beside UpdateCache for 20 us
+        "K,9,380000,420000,UpdateCacheKernel\n"
+        "K,7,400000,410000,MergeKernel\n")            # not named: not counted
+    out = subprocess.run([sys.executable, str(SCRIPT), str(csv), "--overlap", "LowBitDecode"], capture_output=True,
+                         text=True, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("3 launches named like 'LowBitDecode': mean 90.0 us, median 90.0"), out
+    assert "alone (no other stream's record beside): 1 launches, mean 80.0 us" in lines[1], out
+    update = next(l for l in lines if l.endswith("UpdateCacheKernel")).split()
+    assert update[:4] == ["2", "95.0", "95.0", "30.0"], out
+    copy = next(l for l in lines if l.endswith("copy HtoD")).split()
+    assert copy[:4] == ["1", "90.0", "90.0", "10.0"], out
+    missing = subprocess.run([sys.executable, str(SCRIPT), str(csv), "--overlap", "Nothing"], capture_output=True,
+                             text=True, check=True).stdout
+    assert "no kernel named like 'Nothing'" in missing
+
+
 def test_library_self_time_is_charged_to_the_named_caller():
     """tools/profile/host_profile.py: a sample whose innermost frames are in modules named only
     by their file (the C library, the driver) is charged to the first named frame below them."""

@@ -13,12 +13,19 @@ time per step, and the marker's stream's waits, each gap between its records cha
 waited for: the record of another stream whose end is nearest the moment the stream went on
 (within --slack us either side), else the host (nothing ended there: the next launch came late).
 
+With --overlap NAME (a kernel name's part, e.g. LowBitDecodeKernel) it prints, for the kernels so
+named, how long they ran with no record of another stream beside them and how long beside each
+other stream's record (by its name: a kernel that runs longer beside the fetch's kernels or copies
+than alone is slowed by them), and the share of each launch the other record overlapped.
+
   gpu_timeline.py gpu_timeline.csv [--gaps 15] [--names 60] [--steps MARKER [--skip 2] [--count 0] [--slack 4]]
+                  [--overlap NAME]
 """
 import argparse
 import bisect
 import collections
 import shutil
+import statistics
 import subprocess
 
 
@@ -129,6 +136,43 @@ def steps_report(records, marker, skip, count, slack_us, width):
         print(f"{ns / 1e6 / n:8.3f} ms/step {cnt / n:6.1f}/step  {cause} -> {nxt}")
 
 
+def overlap_report(records, part, width):
+    """The --overlap view (see the module's text)."""
+    mine = [r for r in records if r[2] == "K" and part in r[4]]
+    if not mine:
+        print(f"no kernel named like {part!r}")
+        return
+    us = lambda ns: ns / 1e3
+    alone = []
+    beside = collections.defaultdict(list)  # other record's label -> [(duration, overlapped ns)]
+    starts = sorted(records, key=lambda r: r[0])
+    for s, e, _, st, _ in mine:
+        over = collections.defaultdict(int)
+        for s2, e2, k2, st2, n2 in starts:
+            if s2 >= e:
+                break
+            if st2 != st and e2 > s:
+                over[label(k2, n2, width)] += min(e, e2) - max(s, s2)
+        if not over:
+            alone.append(e - s)
+        for name, ns in over.items():
+            beside[name].append((e - s, ns))
+    durations = [e - s for s, e, *_ in mine]
+    print(f"{len(mine)} launches named like {part!r}: mean {us(statistics.mean(durations)):.1f} us, median "
+          f"{us(statistics.median(durations)):.1f}")
+    if alone:
+        print(f"  alone (no other stream's record beside): {len(alone)} launches, mean {us(statistics.mean(alone)):.1f} us,"
+              f" median {us(statistics.median(alone)):.1f}")
+    else:
+        print("  alone (no other stream's record beside): none")
+    print("  beside another stream's record (a launch may count under several):")
+    print("  launches   mean_us  median_us  overlapped_mean_us  record")
+    for name, v in sorted(beside.items(), key=lambda kv: -len(kv[1])):
+        d = [x for x, _ in v]
+        print(f"  {len(v):8d} {us(statistics.mean(d)):9.1f} {us(statistics.median(d)):10.1f} "
+              f"{us(statistics.mean(o for _, o in v)):19.1f}  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
@@ -138,10 +182,14 @@ def main():
     ap.add_argument("--skip", type=int, default=2, help="--steps: first steps left out (the profiled one, warm-up)")
     ap.add_argument("--count", type=int, default=0, help="--steps: steps looked at after those (0: all)")
     ap.add_argument("--slack", type=float, default=4.0, help="--steps: us between an end and a start that count as a wait")
+    ap.add_argument("--overlap", help="a part of a kernel's name: those kernels' times alone and beside other streams' records")
     a = ap.parse_args()
     records = read(a.csv)
     if not records:
         print("no records")
+        return
+    if a.overlap:
+        overlap_report(records, a.overlap, a.names)
         return
     if a.steps:
         steps_report(records, a.steps, a.skip, a.count, a.slack, a.names)
