@@ -421,8 +421,8 @@ Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span
   });
 }
 
-Status RowFetcher::MarkAppended(int layer) {
-  return CudaStatus(cudaEventRecord(appended_[layer], compute_), "append event");
+Status RowFetcher::MarkAppended(int layer, cudaStream_t stream) {
+  return CudaStatus(cudaEventRecord(appended_[layer], stream), "append event");
 }
 
 Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
@@ -430,7 +430,8 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 }
 
 // The overlapped fetch of layer L, in order (both paths):
-//   compute: ... attention of L, L's page writes, record appended_[L] (MarkAppended) ... later layers ...
+//   compute: ... attention of L, L's page writes (or forked to their own stream, where appended_[L]
+//            is recorded), record appended_[L] (MarkAppended) ... later layers ...
 //   select:  (forked after that attention) top-k of L, record selected_[L] (MarkSelected);
 //            joined by the compute stream before L + 1's attention (with
 //            selection_on_own_stream false both run on the compute stream, in order, after the

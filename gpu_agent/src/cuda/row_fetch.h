@@ -143,11 +143,11 @@ class RowFetcher {
   // is done, in selection_done(layer): the planner's join waits for that event too (own stream),
   // until the layer's next MarkSelected.
   Status MarkSelected(int layer, cudaStream_t stream);
-  // Records on the compute stream that the layer's page writes of this step are queued (the
-  // agent, right after them); the layer's next overlapped fetch waits for it too (appended_).
-  // Only after the layer's WaitFetched in the step, which joined the fetch that waits for the
-  // previous record.
-  Status MarkAppended(int layer);
+  // Records on `stream`, where the layer's page writes of this step were queued (the agent, right
+  // after them: the compute stream or the page writes' own), that they are done; the layer's next
+  // overlapped fetch waits for it too (appended_). Only after the layer's WaitFetched in the step,
+  // which joined the fetch that waits for the previous record.
+  Status MarkAppended(int layer, cudaStream_t stream);
   cudaEvent_t selection_done(int layer) const { return selected_[layer]; }
   // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
   // waits for it. Local: queued now, or (fetch_overlap) at the next WaitFetched of any layer or
