@@ -384,9 +384,10 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->capture_default_str()
         ->check(CLI::IsMember({"own", "compute"}));
     cmd->add_option("--page-writes", o->page_writes,
-                    "where each layer's new rows are written into the host pages: own (a stream of their own, beside "
-                    "the model's kernels after the attention; the agent's default) or compute (in order on the "
-                    "model's stream; rows suffixed _ordered_writes)")
+                    "where the runs with the fetch write each layer's new rows into the host pages: own (a stream of "
+                    "their own, beside the model's kernels after the attention; the agent's default) or compute (in "
+                    "order on the model's stream; rows suffixed _ordered_writes); the runs without the fetch write "
+                    "on the model's stream either way")
         ->capture_default_str()
         ->check(CLI::IsMember({"own", "compute"}));
     cmd->add_option("--fetch-threads", o->fetch_threads,
