@@ -53,6 +53,14 @@ struct Latencies {
   void Fail(const specache::Status& s) {
     if (failed++ == 0) first_error = s.ToString();
   }
+  // Another loop's calls added to these (the first error kept: this one's, else the other's).
+  void Add(const Latencies& o) {
+    create.insert(create.end(), o.create.begin(), o.create.end());
+    extend.insert(extend.end(), o.extend.begin(), o.extend.end());
+    release.insert(release.end(), o.release.begin(), o.release.end());
+    if (failed == 0 && o.failed) first_error = o.first_error;
+    failed += o.failed;
+  }
 };
 
 // One client's loop: create a sequence, extend it page by page, release it.
@@ -182,10 +190,7 @@ int ReleaseStall(const std::string& socket, int rounds, uint64_t mib, nlohmann::
     Latencies l;
     const auto until = Clock::now() + std::chrono::minutes(1);
     do {
-      Latencies part = ClientLoop(socket, rounds, 8);
-      l.extend.insert(l.extend.end(), part.extend.begin(), part.extend.end());
-      if (part.failed && l.failed == 0) l.first_error = part.first_error;
-      l.failed += part.failed;
+      l.Add(ClientLoop(socket, rounds, 8));
     } while (loaded && big_count.load() < kLeastBigOps && Clock::now() < until);
     done = true;
     if (big.joinable()) big.join();
@@ -361,22 +366,22 @@ int main(int argc, char** argv) {
   }
   nlohmann::json out;
   int failed = 0;
+  // The way out once the figures are in: the JSON written, the embedded daemon stopped and its
+  // directory removed.
+  const auto finish = [&](int rc) {
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
+    if (embedded) embedded->Stop();
+    if (!dir.empty()) std::filesystem::remove_all(dir);
+    return rc;
+  };
   if (stall_mib) {
     if (!embedded) return std::fprintf(stderr, "--release-stall needs the embedded daemon (no --socket)\n"), 2;
-    const int rc = ReleaseStall(socket, rounds, stall_mib, &out);
-    if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
-    embedded->Stop();
-    std::filesystem::remove_all(dir);
-    return rc;
+    return finish(ReleaseStall(socket, rounds, stall_mib, &out));
   }
   if (verify_loop) {
     if (!embedded) return std::fprintf(stderr, "--verify-loop needs the embedded daemon (no --socket)\n"), 2;
     if (!SpillSequences(socket, spill_mib)) return std::fprintf(stderr, "could not spill the sequences\n"), 1;
-    const int rc = VerifyLoop(socket, rounds, &out);
-    if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
-    embedded->Stop();
-    std::filesystem::remove_all(dir);
-    return rc;
+    return finish(VerifyLoop(socket, rounds, &out));
   }
   std::printf("%-8s %-8s %10s %10s %10s\n", "clients", "call", "p50 ms", "p99 ms", "calls");
   for (int clients : {1, 16}) {
@@ -388,9 +393,7 @@ int main(int argc, char** argv) {
     for (auto& t : threads) t.join();
     Latencies all;
     for (auto& r : results) {
-      all.create.insert(all.create.end(), r.create.begin(), r.create.end());
-      all.extend.insert(all.extend.end(), r.extend.begin(), r.extend.end());
-      all.release.insert(all.release.end(), r.release.begin(), r.release.end());
+      all.Add(r);
       if (r.failed) std::printf("%d calls of a client failed, the first: %s\n", r.failed, r.first_error.c_str());
       failed += r.failed;
     }
@@ -418,10 +421,7 @@ int main(int argc, char** argv) {
     std::printf("%-12s %10.2f ms %12.2f\n", (std::to_string(mib) + " MiB").c_str(), ms, ms * 1024 / mib);
     out["attach"][std::to_string(mib) + "MiB"] = {{"ms", ms}, {"ms_per_gib", ms * 1024 / mib}};
   }
-  if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
   client->reset();
-  if (embedded) embedded->Stop();
-  if (!dir.empty()) std::filesystem::remove_all(dir);
   if (failed) std::fprintf(stderr, "specache-service-bench: %d calls failed (not timed)\n", failed);
-  return failed ? 1 : 0;
+  return finish(failed ? 1 : 0);
 }
