@@ -145,10 +145,9 @@ def overlap_report(records, part, width):
     us = lambda ns: ns / 1e3
     alone = []
     beside = collections.defaultdict(list)  # other record's label -> [(duration, overlapped ns)]
-    starts = sorted(records, key=lambda r: r[0])
     for s, e, _, st, _ in mine:
         over = collections.defaultdict(int)
-        for s2, e2, k2, st2, n2 in starts:
+        for s2, e2, k2, st2, n2 in records:  # by start (read sorts them)
             if s2 >= e:
                 break
             if st2 != st and e2 > s:
