@@ -82,14 +82,19 @@ def test_overlap_splits_a_kernels_launches_by_what_ran_beside_them(tmp_path):
     assert "no kernel named like 'Nothing'" in missing
 
 
-def test_library_self_time_is_charged_to_the_named_caller():
-    """tools/profile/host_profile.py: a sample whose innermost frames are in modules named only
-    by their file (the C library, the driver) is charged to the first named frame below them."""
+def _host_profile():
     sys.path.insert(0, str(REPO / "tools" / "profile"))
     try:
         import host_profile
     finally:
         sys.path.pop(0)
+    return host_profile
+
+
+def test_library_self_time_is_charged_to_the_named_caller():
+    """tools/profile/host_profile.py: a sample whose innermost frames are in modules named only
+    by their file (the C library, the driver) is charged to the first named frame below them."""
+    host_profile = _host_profile()
     unnamed = {"libc.so.6", "libcuda.so.1"}
     stacks = [
         ["libc.so.6", "WriteItemSet", "AttendDecodeBatch", "main"],
@@ -103,3 +108,38 @@ def test_library_self_time_is_charged_to_the_named_caller():
     assert dict(charged["libc.so.6"]) == {"WriteItemSet": 1, "Launch": 1, "?": 1}
     assert dict(charged["libcuda.so.1"]) == {"RunStep": 2}
     assert set(charged) == {"libc.so.6", "libcuda.so.1"}
+
+
+def test_samples_with_cpu_times_weigh_each_sample_by_the_share_the_thread_ran(tmp_path):
+    """tools/profile/host_profile.py: host_sampler's `c<ns> w<ns>` fields are read apart from the
+    addresses; a sample is weighed by the thread's CPU time over the wall time since the one before
+    (the first as the second); a file without them has no weights."""
+    hp = _host_profile()
+    path = tmp_path / "samples.txt"
+    path.write_text("map 400000-401000 r-xp 00000000 00:00 0 /bin/prog\n"
+                    "s c1000 w10000 0x400010 0x400020\n"
+                    "s c1500 w11000 0x400010\n"        # ran 500 of 1000 ns
+                    "s c2500 w12000 0x400030\n"        # ran all of it
+                    "s c2500 w14000 0x400030\n")       # blocked
+    maps, samples, times = hp.read(str(path))
+    assert samples == [[0x400010, 0x400020], [0x400010], [0x400030], [0x400030]]
+    assert times == [(1000, 10000), (1500, 11000), (2500, 12000), (2500, 14000)]
+    assert hp.cpu_weights(times) == [0.5, 0.5, 1.0, 0.0]
+    old = tmp_path / "old.txt"
+    old.write_text("s 0x400010\n")
+    assert hp.read(str(old))[2] == [None] and hp.cpu_weights([None]) is None
+
+
+def test_a_return_address_reads_as_its_inline_chain_or_its_dynamic_symbol():
+    """addr2line -a -f -i output becomes each address's chain of functions, innermost first; nm -D's
+    functions name an address of a module without debug information by the symbol below it."""
+    hp = _host_profile()
+    out = ("0x0000000000001234\nstd::vector<int>::size() const\n/usr/include/c++/12/bits/stl_vector.h:919\n"
+           "Plan(int)\n/src/step_planner.cc:80\n"
+           "0x0000000000002000\n??\n??:0\n")
+    assert hp.parse_inline_chains(out) == {0x1234: ["std::vector<int>::size() const", "Plan(int)"], 0x2000: ["??"]}
+    syms = hp.parse_dynamic_symbols("0000000000000100 T memcpy@@GLIBC_2.14\n0000000000000400 W pthread_mutex_lock\n"
+                                    "0000000000000800 D some_data\n")
+    assert syms == [(0x100, "memcpy"), (0x400, "pthread_mutex_lock")]
+    assert hp.nearest_symbol(syms, 0x3ff) == "memcpy" and hp.nearest_symbol(syms, 0x500) == "pthread_mutex_lock"
+    assert hp.nearest_symbol(syms, 0x50) is None

@@ -60,8 +60,8 @@
 #             tools/bench/gpu_agent_checks.sh stores   # not in run: the gather's store kinds A/B (the step at
 #                                                      # STORES_BATCHES, default 32,176, int8 rows; the whole model
 #                                                      # at 8K alternated, two rounds; ~7 minutes)
-#   here, after: tools/profile/host_profile.py OUT/samples_N.txt --binary build/tools/specache-bench --within
-#             CudaAgent::DecodeLayer (each N; OUT/timeline_summary.txt has the GPU's side)
+#   here, after: tools/profile/host_profile.py OUT/samples_N.txt --binary build/tools/specache-bench --binary
+#             OUT/libc.so.6 --within CudaAgent::DecodeLayer (each N; OUT/timeline_summary.txt has the GPU's side)
 #
 # SHARES (default "0 0.3") are the fetch_sm_share values the step and the whole model compare;
 # SANITIZE (default: the two device-tensor tests) the gtest filter compute-sanitizer runs, TOOLS
@@ -185,6 +185,10 @@ if [ "$stage" = profile ]; then
     timed "samples_run_$i" 90 env SPECACHE_SAMPLE_OUT="$out/samples_$i.txt" SPECACHE_SAMPLE_US=25 SPECACHE_SAMPLE_STOP=1 \
       LD_PRELOAD="$PWD/$bundle/profile/libspecache_host_sampler.so" "$bundle/run" "${step_args[@]}"
   done
+  # The C library that ran (host_profile.py names its frames by its dynamic symbols: a lock's wait
+  # from a copy's memcpy); the driver stays named by its file.
+  libc=$(awk '$1 == "map" && $NF ~ /\/libc\.so\.6$/ {print $NF; exit}' "$out/samples_1.txt" 2>/dev/null)
+  [ -n "$libc" ] && cp "$libc" "$out/libc.so.6"
 fi
 if [ "$stage" = steady ]; then
   # The batch the search finds (a plain run), then that batch again with its profiled step (from an

@@ -6,7 +6,9 @@
 // addresses are kept; with SPECACHE_SAMPLE_STOP=1 cudaProfilerStop ends the sampling (one profiled
 // step), otherwise it runs to the exit (the profiled step and the measured steps after it). At
 // exit it writes SPECACHE_SAMPLE_OUT (default host_samples.txt): the process's memory map, then
-// a line of addresses per sample. tools/profile/host_profile.py turns that into the functions
+// a line per sample: the thread's CPU time and the wall time at the sample (c<ns> w<ns>), then its
+// return addresses; the CPU time tells a thread that ran from one blocked in a lock or a wait.
+// tools/profile/host_profile.py turns that into the functions
 // where the thread spent its time, with the unstripped binaries of the build.
 //
 // The program's own cudaProfilerStart/Stop are replaced (nothing else profiles in such a run).
@@ -17,6 +19,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +29,8 @@ namespace {
 constexpr int kDepth = 48;
 constexpr int kMaxSamples = 400000;  // 80 s at 200 us
 struct Sample {
+  int64_t cpu_ns;   // the sampled thread's CPU time (the handler runs on that thread)
+  int64_t wall_ns;  // CLOCK_MONOTONIC
   int depth;
   void* pc[kDepth];
 };
@@ -37,6 +42,11 @@ bool timer_made = false;
 void OnTick(int, siginfo_t*, void*) {
   const int i = taken.load(std::memory_order_relaxed);
   if (i >= kMaxSamples) return;
+  timespec cpu{}, wall{};  // clock_gettime is async-signal-safe
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu);
+  clock_gettime(CLOCK_MONOTONIC, &wall);
+  samples[i].cpu_ns = int64_t{cpu.tv_sec} * 1000000000 + cpu.tv_nsec;
+  samples[i].wall_ns = int64_t{wall.tv_sec} * 1000000000 + wall.tv_nsec;
   samples[i].depth = backtrace(samples[i].pc, kDepth);
   taken.store(i + 1, std::memory_order_release);
 }
@@ -72,7 +82,8 @@ __attribute__((destructor)) void Write() {
     std::fclose(maps);
   }
   for (int i = 0; i < n; ++i) {
-    std::fprintf(out, "s");
+    std::fprintf(out, "s c%lld w%lld", static_cast<long long>(samples[i].cpu_ns),
+                 static_cast<long long>(samples[i].wall_ns));
     // Frame 0 is the handler, frame 1 the signal trampoline.
     for (int f = 2; f < samples[i].depth; ++f) std::fprintf(out, " %p", samples[i].pc[f]);
     std::fprintf(out, "\n");
