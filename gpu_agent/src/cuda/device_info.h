@@ -8,16 +8,6 @@
 
 namespace specache::cuda {
 
-// Multiprocessors of the current device; 100 when it cannot be asked (launch sizing only).
-inline int MultiprocessorCount() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
-    return 100;
-  }
-  return sms;
-}
-
 constexpr int kMaxKnownDevices = 64;
 
 // What `ask(device)` (nonzero) says of the current device, asked once per device and kept in
@@ -44,6 +34,18 @@ inline int64_t CurrentDeviceL2Bytes() {
                                                                                                            : -1;
   });
   return kib > 0 ? int64_t{kib} * 1024 : 0;
+}
+
+// Multiprocessors of the current device, asked once per device (a launch plans with it every
+// layer: asking the driver each time cost ~2 us of a host-bound layer); 100 when it cannot be
+// asked (launch sizing only).
+inline int MultiprocessorCount() {
+  static std::atomic<int> known[kMaxKnownDevices] = {};
+  const int sms = KnownForCurrentDevice(known, 100, [](int device) {
+    int n = 0;
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && n > 0 ? n : 100;
+  });
+  return sms;
 }
 
 // Whether the current device's compute capability is at least `major`.0, asked once per device
