@@ -43,8 +43,8 @@ Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, in
   SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n_kv) * n * d));
   for (int h = 0; h < n_kv; ++h) {  // [n][n_kv][d] float -> [n_kv][n][d] fp16
     const size_t kv_at = (size_t(first) * n_kv + h) * d;
-    SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(batch.k + kv_at, n, d, int64_t{n_kv} * d, k_.get() + size_t(h) * n * d, compute_));
-    SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(batch.v + kv_at, n, d, int64_t{n_kv} * d, v_.get() + size_t(h) * n * d, compute_));
+    SPECACHE_RETURN_IF_ERROR(FloatKeyValueRowsToHalf(batch.k + kv_at, batch.v + kv_at, n, d, int64_t{n_kv} * d,
+                                                     k_.get() + size_t(h) * n * d, v_.get() + size_t(h) * n * d, compute_));
   }
   prefill_tokens_ = n;
   if (!batch.out) return Status::Ok();
@@ -69,8 +69,8 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
   // The new K/V as fp16, [row][n_kv][d], for every sequence at once.
   SPECACHE_RETURN_IF_ERROR(k_.Reserve(total_rows * n_kv * d));
   SPECACHE_RETURN_IF_ERROR(v_.Reserve(total_rows * n_kv * d));
-  SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(rows.k, static_cast<int32_t>(total_rows * n_kv), d, d, k_.get(), compute_));
-  SPECACHE_RETURN_IF_ERROR(FloatRowsToHalf(rows.v, static_cast<int32_t>(total_rows * n_kv), d, d, v_.get(), compute_));
+  SPECACHE_RETURN_IF_ERROR(FloatKeyValueRowsToHalf(rows.k, rows.v, static_cast<int32_t>(total_rows * n_kv), d, d,
+                                                   k_.get(), v_.get(), compute_));
 
   LayerPlan plan;
   plan.candidates.resize(n_seq);

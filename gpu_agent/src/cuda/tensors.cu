@@ -9,7 +9,10 @@
 namespace specache::cuda {
 namespace {
 
-__global__ void FloatRowsToHalfKernel(const float* src, int64_t total, int d, int64_t stride, __half* dst) {
+// Tensor blockIdx.y: (src, dst), or (src2, dst2) for y = 1.
+__global__ void FloatRowsToHalfKernel(const float* src, int64_t total, int d, int64_t stride, __half* dst,
+                                      const float* src2, __half* dst2) {
+  if (blockIdx.y == 1) src = src2, dst = dst2;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / d;
@@ -45,7 +48,16 @@ Status FloatRowsToHalf(const float* src, int32_t n, int d, int64_t src_stride, H
   const int64_t total = static_cast<int64_t>(n) * d;
   if (total <= 0) return Status::Ok();
   FloatRowsToHalfKernel<<<Blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      src, total, d, src_stride, reinterpret_cast<__half*>(dst));
+      src, total, d, src_stride, reinterpret_cast<__half*>(dst), nullptr, nullptr);
+  return LaunchStatus("float to fp16 kernel");
+}
+
+Status FloatKeyValueRowsToHalf(const float* k, const float* v, int32_t n, int d, int64_t src_stride, Half* k_dst,
+                               Half* v_dst, void* stream) {
+  const int64_t total = static_cast<int64_t>(n) * d;
+  if (total <= 0) return Status::Ok();
+  FloatRowsToHalfKernel<<<dim3(Blocks(total), 2), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      k, total, d, src_stride, reinterpret_cast<__half*>(k_dst), v, reinterpret_cast<__half*>(v_dst));
   return LaunchStatus("float to fp16 kernel");
 }
 

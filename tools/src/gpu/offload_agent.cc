@@ -187,8 +187,8 @@ class OffloadAgent final : public Agent {
     const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
     const int32_t b = static_cast<int32_t>(step_ids_.size());
     SPECACHE_RETURN_IF_ERROR(WaitPrefetch(layer));
-    SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.k, b * n_kv, d, d, new_k_.get(), compute_));
-    SPECACHE_RETURN_IF_ERROR(cuda::FloatRowsToHalf(rows.v, b * n_kv, d, d, new_v_.get(), compute_));
+    SPECACHE_RETURN_IF_ERROR(
+        cuda::FloatKeyValueRowsToHalf(rows.k, rows.v, b * n_kv, d, d, new_k_.get(), new_v_.get(), compute_));
     const Half* slot = slots_[layer % 2].get();
     const int64_t per_item = cuda::DecodeScratchFloats(max_length_, 1, group, d);
     items_.clear();
