@@ -92,7 +92,7 @@ struct Options {
   std::vector<double> fetch_sm_share;      // step: CudaAgentOptions::fetch_sm_share, a row each (empty: the default)
   std::vector<std::string> fetch_gather_stores;  // step: StepOptions::fetch_gather_stores
   std::string selection_stream = "own";    // step: StepOptions::selection_on_own_stream ("own" or "compute")
-  std::string page_writes = "own";         // step: StepOptions::page_writes_on_own_stream ("own" or "compute")
+  std::string page_writes = "selection";   // step: StepOptions::page_writes_after_selection ("selection" or "compute")
   bool host_huge_pages = true;             // step: the host pages' slabs ask for transparent huge pages
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
@@ -384,12 +384,11 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
         ->capture_default_str()
         ->check(CLI::IsMember({"own", "compute"}));
     cmd->add_option("--page-writes", o->page_writes,
-                    "where the runs with the fetch write each layer's new rows into the host pages: own (a stream of "
-                    "their own, beside the model's kernels after the attention; the agent's default) or compute (in "
-                    "order on the model's stream; rows suffixed _ordered_writes); the runs without the fetch write "
-                    "on the model's stream either way")
+                    "where each layer's new rows are written into the host pages: selection (after the layer's "
+                    "top-k on its stream, beside the model's kernels; the agent's default, with --selection-stream "
+                    "own) or compute (in order on the model's stream; rows suffixed _ordered_writes)")
         ->capture_default_str()
-        ->check(CLI::IsMember({"own", "compute"}));
+        ->check(CLI::IsMember({"selection", "compute"}));
     cmd->add_option("--fetch-threads", o->fetch_threads,
                     "host threads of the copy-engine rows (default: the agent's; it takes at most the cores less two)")
         ->check(positive);
@@ -550,7 +549,7 @@ int main(int argc, char** argv) {
       step.fetch_sm_share = o.fetch_sm_share;
       step.fetch_gather_stores = o.fetch_gather_stores;
       step.selection_on_own_stream = o.selection_stream == "own";
-      step.page_writes_on_own_stream = o.page_writes == "own";
+      step.page_writes_after_selection = o.page_writes == "selection";
       step.host_huge_pages = o.host_huge_pages;
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;

@@ -758,7 +758,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
       if (o.fetch_blocks > 0) base.fetch_blocks = o.fetch_blocks;
       if (o.plan_threads > 0) base.plan_threads = o.plan_threads;
       base.selection_on_own_stream = o.selection_on_own_stream;
-      base.page_writes_on_own_stream = o.page_writes_on_own_stream;
+      base.page_writes_after_selection = o.page_writes_after_selection;
       CudaAgentOptions no_fetch = base;
       no_fetch.fetch = false;
       const AgentRun without =
@@ -830,7 +830,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                                         : "") +
                                    (o.mma_codes ? "" : "_natural") +
                                    (o.selection_on_own_stream ? "" : "_ordered_topk") +
-                                   (o.page_writes_on_own_stream ? "" : "_ordered_writes") + FreshSuffix(o.fresh_inputs);
+                                   (o.page_writes_after_selection ? "" : "_ordered_writes") + FreshSuffix(o.fresh_inputs);
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
@@ -860,7 +860,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"fetch_sm_share", *via == FetchVia::kCopyEngine ? sm_share : 0.0},
                           {"fetch_streaming_stores", *via == FetchVia::kCopyEngine && streaming_stores ? 1 : 0},
                           {"selection_on_own_stream", o.selection_on_own_stream ? 1 : 0},
-                          {"page_writes_on_own_stream", o.page_writes_on_own_stream ? 1 : 0},
+                          {"page_writes_after_selection", o.page_writes_after_selection ? 1 : 0},
                           {"fresh_inputs", o.fresh_inputs},
                           {"fresh_sequences", FreshSequences(o.fresh_inputs, batch)},
                           {"ms_fetch_caller_wait", with.caller_wait_ms},

@@ -81,9 +81,9 @@ struct StepOptions {
   // CudaAgentOptions::selection_on_own_stream of every run (the step bench's rows are suffixed
   // _ordered_topk when false).
   bool selection_on_own_stream = CudaAgentOptions{}.selection_on_own_stream;
-  // CudaAgentOptions::page_writes_on_own_stream of every run (rows suffixed _ordered_writes when
+  // CudaAgentOptions::page_writes_after_selection of every run (rows suffixed _ordered_writes when
   // false).
-  bool page_writes_on_own_stream = CudaAgentOptions{}.page_writes_on_own_stream;
+  bool page_writes_after_selection = CudaAgentOptions{}.page_writes_after_selection;
   // The host pages' slabs ask for transparent huge pages (InMemorySource's default), or not: the
   // copy-engine fetch's host gather walks random rows over them.
   bool host_huge_pages = true;

@@ -293,17 +293,17 @@ struct CudaAgentOptions {
   // --selection-stream; gpu_agent_checks.sh selection). Compare steps and tokens/s: the split's
   // top-k, timed alone, comes out of the attention's phase only where it runs in order.
   bool selection_on_own_stream = true;
-  // Modes that fetch rows (specache, with `fetch`): a decode step's new rows are written into the
-  // source's pages (local pages: stores over PCIe from a kernel) on a stream of the agent's own,
-  // forked off the engine's stream once the rows exist and joined before the next layer rewrites
-  // them, so that they run beside the engine's output projection and MLP (true); or in order on
-  // the engine's stream (false, and always in the other modes and on the staged path), where each
-  // layer's writes stand between its attention and its output projection: on an H100 at 32 x 8K
-  // ~8 us a layer alone, 13-23 beside the fetch's copies on the PCIe bus. The fork and the join
-  // cost the host four calls a layer, which a step bound by the host's launches pays (8 x 8K
-  // without the fetch: +2%), hence not where nothing is fetched. false: the A/B (specache-bench
-  // step --page-writes compute).
-  bool page_writes_on_own_stream = true;
+  // specache mode with the selection on its own stream (selection_on_own_stream): a decode
+  // step's new rows are written into the source's pages (local pages: stores over PCIe from a
+  // kernel) on the selection's stream after the layer's top-k, which the next layer's attention
+  // joins, so that they run beside the engine's output projection and MLP for no host call of
+  // their own (true); or in order on the engine's stream (false, and always in the other modes
+  // and on the staged path), where each layer's writes stand between its attention and its output
+  // projection: on an H100 at 32 x 8K ~8 us a layer alone, 13-23 beside the fetch's copies on the
+  // PCIe bus. (A stream of their own, forked and joined each layer, cost the host four calls a
+  // layer: 8 x 8K without the fetch +2%.) false: the A/B (specache-bench step --page-writes
+  // compute).
+  bool page_writes_after_selection = true;
   // The device pool of replica blocks (the quantized tokens of every sequence, taken as they grow,
   // given back at release). > 0: that many bytes, allocated when the agent is created; a sequence
   // that needs a block the pool no longer has gets RESOURCE_EXHAUSTED (PrefillLayer, BeginStep)

@@ -11,9 +11,9 @@
 //   conversion of the new K/V, the batched attention, the top-k of each sequence, the page
 //   writes, the replica appends. In specache mode a decode step's page writes (stores over PCIe
 //   into pinned host memory: ~8 us a layer at 32 x 8K on an H100, ~13-23 beside the fetch's
-//   copies) run on a stream of their own (ForkedStream, CudaAgentOptions::page_writes_on_own_stream),
-//   forked off the compute stream after the rows exist and joined before the next layer rewrites
-//   them: they run beside the engine's products instead of in front of them.
+//   copies) are queued on the selection's stream after the layer's top-k
+//   (CudaAgentOptions::page_writes_after_selection), which the next layer's attention joins: they
+//   run beside the engine's products instead of in front of them, for no host call of their own.
 // - In specache mode the fetch of layer L runs on the agent's fetch stream, after an event that
 //   marks layer L's top-k, and the compute stream waits for it (another event) only at layer L of
 //   the next step: later layers never wait for it, and nothing synchronises the device in the
@@ -37,7 +37,6 @@
 // - StepPlanner (step_planner.h): a layer's decode items, attention launches and top-k.
 // - RowFetcher (row_fetch.h): selection -> fetch of full-precision rows -> row buffers and cache.
 // - CommitQueue (commit_queue.h): rows written to the pages, committed once they landed.
-// - ForkedStream (forked_stream.h): the decode step's page writes beside the compute stream.
 // - Staged path only: StagedFetch (inside RowFetcher), StagedCommit (staged_commit.h) and the
 //   SourceWorker (../source_worker.h) their source calls run on.
 // - FetchVia::kCopyEngine only (a source with pages, specache mode): CopyEngineFetch (inside
@@ -52,7 +51,6 @@
 #include "commit_queue.h"
 #include "device_buffer.h"
 #include "device_page_table.h"
-#include "forked_stream.h"
 #include "replica_store.h"
 #include "row_fetch.h"
 #include "specache/agent.h"
@@ -87,7 +85,6 @@ class CudaAgent final : public Agent {
         protocol_(shape, config),
         compute_(static_cast<cudaStream_t>(o.stream)),
         usable_cores_(UsableCores()),
-        page_writes_(compute_),
         commits_(source, shape.n_kv_heads),
         pages_(source, shape.n_layers, o.capacity_tokens, config.host_row_format, compute_),
         replicas_(shape, ReplicaParamsOf(shape, config), o.capacity_tokens, compute_, o.mma_codes),
@@ -124,11 +121,13 @@ class CudaAgent final : public Agent {
   // The new rows of some (sequence, layer, KV head)s, writes[i] of sequences[i]: into the pages
   // (local; noted for commit per sequence by the caller with NoteWritten, closed into a batch by
   // RecordWrites) or staged and handed to the worker for the source at once.
-  // Local pages: queued on `stream` with `plan` (the compute stream's or the page writes' own).
+  // Local pages: queued on `stream` with `plan` (the compute stream's, or the selection stream's).
   Status WriteNewRows(int layer, std::span<const cuda::WriteTask> writes, std::span<const SequenceId> sequences,
                       cudaStream_t stream, cuda::DecodePlan* plan);
   void NoteWritten(SequenceId id, int layer, int32_t first, int32_t n);
-  Status RecordWrites() const;
+  // The writes queued so far closed into a commit batch, behind the compute stream (which first
+  // joins a pending selection: the page writes queued after it).
+  Status RecordWrites();
   // The rows written so far committed to the source (local) or their appends' first error (staged).
   Status CommitWritten(bool wait) const;
 
@@ -142,11 +141,6 @@ class CudaAgent final : public Agent {
   // The logical cores this process may use (UsableCores; 0: not known), read once for the
   // planner's threads and the copy-engine fetch's gather threads.
   int usable_cores_ = 0;
-  // The decode step's page writes, off the compute stream (page_writes_on_own_stream, local pages
-  // only): forked after the layer's new rows exist (AppendRealTokens), joined before the planner
-  // rewrites them (DecodeLayer, PrefillLayer). mutable: RecordWrites forks it to close a batch of
-  // commits after the writes of both streams.
-  mutable cuda::ForkedStream page_writes_;
   // The parts, declared so that each outlives the ones after it that read it. commits_ is
   // mutable: stats() commits the rows that landed, so that the source agrees with its figures.
   mutable cuda::CommitQueue commits_;
@@ -157,9 +151,9 @@ class CudaAgent final : public Agent {
   // The page writes' task lists (WriteNewRows, on the agent's thread), read in place: a copy on
   // the compute stream's path could queue behind the fetch's on the copy engine.
   cuda::DecodePlan writes_plan_{cuda::DecodePlan::SlotReads::kInPlace};
-  // The same for the page writes' own stream (a plan's slots are released by one event per group
-  // of calls only while all its calls come on one stream).
-  cuda::DecodePlan own_writes_plan_{cuda::DecodePlan::SlotReads::kInPlace};
+  // The same for the page writes on the selection's stream (a plan's slots are released by one
+  // event per group of calls only while all its calls come on one stream).
+  cuda::DecodePlan selection_writes_plan_{cuda::DecodePlan::SlotReads::kInPlace};
   // Staged path only (null otherwise); the worker also for the copy-engine fetch. The worker is
   // last, so that it goes first: its destructor runs the jobs still queued, which use the parts
   // above.
@@ -205,11 +199,9 @@ Status CudaAgent::WaitForStreams() const {
   // first error is returned.
   const Status selection = planner_.WaitForSelection();
   const Status fetch = rows_.WaitForFetchStream();
-  const Status writes = page_writes_.Synchronize();
   const Status compute = cuda::CudaStatus(cudaStreamSynchronize(compute_), "compute stream");
   if (!selection.ok()) return selection;
   if (!fetch.ok()) return fetch;
-  if (!writes.ok()) return writes;
   return compute;
 }
 
@@ -229,13 +221,10 @@ void CudaAgent::NoteWritten(SequenceId id, int layer, int32_t first, int32_t n) 
   if (!staged_commits_) commits_.Add(id, layer, first, n);  // staged rows carry their own appends
 }
 
-Status CudaAgent::RecordWrites() const {
+Status CudaAgent::RecordWrites() {
   if (staged_commits_) return staged_commits_->Record(compute_);
-  if (!page_writes_.stream()) return commits_.Record(compute_);  // no write went on the own stream yet
-  // The batch's event after the writes of both streams: on the own stream, forked after the
-  // compute stream's writes.
-  SPECACHE_RETURN_IF_ERROR(page_writes_.Fork());
-  return commits_.Record(page_writes_.stream());
+  SPECACHE_RETURN_IF_ERROR(planner_.JoinSelection());  // nothing when joined already (EndStep, AbortStep)
+  return commits_.Record(compute_);
 }
 
 Status CudaAgent::CommitWritten(bool wait) const {
@@ -284,8 +273,9 @@ Status CudaAgent::ReleaseSequence(SequenceId id) {
 Status CudaAgent::PrefillLayer(int layer, const PrefillBatch& batch) {
   SPECACHE_RETURN_IF_ERROR(
       protocol_.CheckPrefill(layer, batch, [this](SequenceId id, int l) { return replicas_.Length(id, l); }));
-  // The planner rewrites its rows below: the last decode step's page writes read them first.
-  SPECACHE_RETURN_IF_ERROR(page_writes_.Join());
+  // The planner rewrites its rows below: the last decode step's page writes read them first
+  // (joined at its end already, unless that failed).
+  SPECACHE_RETURN_IF_ERROR(planner_.JoinSelection());
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads;
   // (seed_rows is specache's only, ValidateKvConfig; measured without the fetch nothing becomes resident.)
   const bool seeds = config_.seed_rows > 0 && options_.fetch;
@@ -366,9 +356,6 @@ Status CudaAgent::BeginStep(StepKind kind, std::span<const SequenceId> sequences
 Status CudaAgent::DecodeLayer(int layer, const DecodeRows& rows) {
   SPECACHE_RETURN_IF_ERROR(protocol_.BeforeDecode(layer));
   if (!rows.q || !rows.k || !rows.v || !rows.out) return Status::InvalidArgument("decode rows have a null tensor");
-  // The planner rewrites its rows (Plan): the previous layer's page writes read them first (queued
-  // a layer of the engine's products ago: done by now, so the compute stream does not wait).
-  SPECACHE_RETURN_IF_ERROR(page_writes_.Join());
   // This layer's rows fetched during the previous step must be resident before its attention.
   if (config_.mode == KvMode::kSpeCache) SPECACHE_RETURN_IF_ERROR(rows_.WaitFetched(layer));
   SPECACHE_ASSIGN_OR_RETURN(cuda::LayerPlan plan, planner_.Plan(layer, rows));
@@ -412,17 +399,34 @@ Status CudaAgent::AppendRealTokens(int layer) {
     }
     NoteWritten(ids[s], layer, at, 1);
   }
-  // The page writes beside the compute stream (local pages, a mode that fetches rows): nothing
-  // queued after them here reads the pages, and the next layer joins them before its rows are
-  // rewritten.
-  const bool own_stream = options_.page_writes_on_own_stream && !staged_commits_ &&
-                          config_.mode == KvMode::kSpeCache && options_.fetch;
-  if (own_stream) SPECACHE_RETURN_IF_ERROR(page_writes_.Fork());
-  const cudaStream_t writes_stream = own_stream ? page_writes_.stream() : compute_;
-  SPECACHE_RETURN_IF_ERROR(
-      WriteNewRows(layer, writes, owners, writes_stream, own_stream ? &own_writes_plan_ : &writes_plan_));
+  // The page writes after the layer's top-k on its stream, beside the compute stream (local pages,
+  // specache with the selection on its own stream): that stream already follows the attention,
+  // which follows the rows' conversion, and the next attention joins it (after the next Plan wrote
+  // the planner's other pair of rows). Nothing queued after them here reads the pages.
+  const cudaStream_t beside =
+      options_.page_writes_after_selection && !staged_commits_ && config_.mode == KvMode::kSpeCache
+          ? planner_.pending_selection_stream()
+          : nullptr;
+  const cudaStream_t writes_stream = beside ? beside : compute_;
+  const Status written =
+      WriteNewRows(layer, writes, owners, writes_stream, beside ? &selection_writes_plan_ : &writes_plan_);
+  if (!written.ok()) {
+    if (beside) cudaStreamSynchronize(beside);  // what was queued of them ends before any join
+    return written;
+  }
   // The layer's next fetch may select the row just written (a filled residual): it waits for this.
-  if (config_.mode == KvMode::kSpeCache) SPECACHE_RETURN_IF_ERROR(rows_.MarkAppended(layer, writes_stream));
+  if (config_.mode == KvMode::kSpeCache) {
+    const Status marked = rows_.MarkAppended(layer, writes_stream);
+    if (beside) {
+      // The next join waits for the writes too; without their event the host waits for them here.
+      if (marked.ok()) {
+        planner_.JoinSelectionAt(rows_.append_done(layer));
+      } else {
+        cudaStreamSynchronize(beside);
+      }
+    }
+    SPECACHE_RETURN_IF_ERROR(marked);
+  }
   return cuda::DeviceHeadReplica::AppendTokens(replicas, keys, values);
 }
 

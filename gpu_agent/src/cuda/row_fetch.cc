@@ -430,10 +430,11 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 }
 
 // The overlapped fetch of layer L, in order (both paths):
-//   compute: ... attention of L, L's page writes (or forked to their own stream, where appended_[L]
-//            is recorded), record appended_[L] (MarkAppended) ... later layers ...
-//   select:  (forked after that attention) top-k of L, record selected_[L] (MarkSelected);
-//            joined by the compute stream before L + 1's attention (with
+//   compute: ... attention of L, L's page writes, record appended_[L] (MarkAppended) ... later
+//            layers ... (in specache mode the page writes and the record go on the select stream)
+//   select:  (forked after that attention) top-k of L, record selected_[L] (MarkSelected), [L's
+//            page writes, record appended_[L]]; joined by the compute stream before L + 1's
+//            attention, at the last of the two events (with
 //            selection_on_own_stream false both run on the compute stream, in order, after the
 //            attention: nothing to join)
 //   fetch:   wait selected_[L] and appended_[L]; [staged: selection down, host waits; source reads; rows up];

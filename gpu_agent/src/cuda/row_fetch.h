@@ -144,11 +144,14 @@ class RowFetcher {
   // until the layer's next MarkSelected.
   Status MarkSelected(int layer, cudaStream_t stream);
   // Records on `stream`, where the layer's page writes of this step were queued (the agent, right
-  // after them: the compute stream or the page writes' own), that they are done; the layer's next
+  // after them: the compute stream, or the selection's stream after the layer's top-k, where the
+  // planner's join then waits for append_done instead), that they are done; the layer's next
   // overlapped fetch waits for it too (appended_). Only after the layer's WaitFetched in the step,
   // which joined the fetch that waits for the previous record.
   Status MarkAppended(int layer, cudaStream_t stream);
   cudaEvent_t selection_done(int layer) const { return selected_[layer]; }
+  // The event of the layer's last MarkAppended.
+  cudaEvent_t append_done(int layer) const { return appended_[layer]; }
   // Fetch on the fetch stream, once the layer's selection is done; the layer's next WaitFetched
   // waits for it. Local: queued now, or (fetch_overlap) at the next WaitFetched of any layer or
   // WaitForFetchStream, to run beside the attention queued after it. Staged: the work is handed to

@@ -39,21 +39,24 @@ StepPlanner::~StepPlanner() {
 
 Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, int32_t n) {
   const int d = shape_.head_dim, n_kv = shape_.n_kv_heads, n_q = shape_.n_q_heads, group = shape_.group_size();
-  SPECACHE_RETURN_IF_ERROR(k_.Reserve(size_t(n_kv) * n * d));
-  SPECACHE_RETURN_IF_ERROR(v_.Reserve(size_t(n_kv) * n * d));
+  kv_ = 0;
+  Buffer<Half>& keys = k_[kv_];
+  Buffer<Half>& values = v_[kv_];
+  SPECACHE_RETURN_IF_ERROR(keys.Reserve(size_t(n_kv) * n * d));
+  SPECACHE_RETURN_IF_ERROR(values.Reserve(size_t(n_kv) * n * d));
   for (int h = 0; h < n_kv; ++h) {  // [n][n_kv][d] float -> [n_kv][n][d] fp16
     const size_t kv_at = (size_t(first) * n_kv + h) * d;
     SPECACHE_RETURN_IF_ERROR(FloatKeyValueRowsToHalf(batch.k + kv_at, batch.v + kv_at, n, d, int64_t{n_kv} * d,
-                                                     k_.get() + size_t(h) * n * d, v_.get() + size_t(h) * n * d, compute_));
+                                                     keys.get() + size_t(h) * n * d, values.get() + size_t(h) * n * d, compute_));
   }
   prefill_tokens_ = n;
   if (!batch.out) return Status::Ok();
   const size_t q_at = size_t(first) * n_q * d;  // the sequence's rows of every head, in place
   // Only the CUDA-core kernel needs scratch (PrefillScratchFloats: 134 MB at 32K tokens, GQA 4).
-  if (!TensorPrefillServes(batch.q + q_at, k_.get(), v_.get(), batch.out + q_at, d)) {
+  if (!TensorPrefillServes(batch.q + q_at, keys.get(), values.get(), batch.out + q_at, d)) {
     SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(PrefillScratchFloats(n, group))));
   }
-  return AttendPrefill(batch.q + q_at, k_.get(), v_.get(), n, n_kv, group, d, scale_, batch.out + q_at, scores_.get(),
+  return AttendPrefill(batch.q + q_at, keys.get(), values.get(), n, n_kv, group, d, scale_, batch.out + q_at, scores_.get(),
                        compute_);
 }
 
@@ -66,11 +69,14 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
   const bool appends = protocol_->kind() == StepKind::kDecode;
   const int probs_row = PrimaryRowOf(config_, appends);
 
-  // The new K/V as fp16, [row][n_kv][d], for every sequence at once.
-  SPECACHE_RETURN_IF_ERROR(k_.Reserve(total_rows * n_kv * d));
-  SPECACHE_RETURN_IF_ERROR(v_.Reserve(total_rows * n_kv * d));
+  // The new K/V as fp16, [row][n_kv][d], for every sequence at once, into the layer's pair.
+  kv_ = layer & 1;
+  Buffer<Half>& keys = k_[kv_];
+  Buffer<Half>& values = v_[kv_];
+  SPECACHE_RETURN_IF_ERROR(keys.Reserve(total_rows * n_kv * d));
+  SPECACHE_RETURN_IF_ERROR(values.Reserve(total_rows * n_kv * d));
   SPECACHE_RETURN_IF_ERROR(FloatKeyValueRowsToHalf(rows.k, rows.v, static_cast<int32_t>(total_rows * n_kv), d, d,
-                                                   k_.get(), v_.get(), compute_));
+                                                   keys.get(), values.get(), compute_));
 
   LayerPlan plan;
   plan.candidates.resize(n_seq);
@@ -120,8 +126,8 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
         r.q = rows.q + (first_row * n_q + size_t(h) * group) * d;
         r.out = rows.out + (first_row * n_q + size_t(h) * group) * d;
         r.q_stride = int64_t{n_q} * d;
-        r.new_keys = k_.get() + (first_row * n_kv + h) * d;
-        r.new_values = v_.get() + (first_row * n_kv + h) * d;
+        r.new_keys = keys.get() + (first_row * n_kv + h) * d;
+        r.new_values = values.get() + (first_row * n_kv + h) * d;
         r.kv_stride = int64_t{n_kv} * d;
         r.n_rows = n_rows;
         r.n_heads = group;

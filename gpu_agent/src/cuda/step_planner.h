@@ -76,15 +76,23 @@ class StepPlanner {
   // The compute stream waits for the last selection (the step's end: everything the step queued
   // is then behind the engine's stream).
   Status JoinSelection();
+  // The stream the last selection was queued on while the compute stream has yet to join it (own
+  // stream only; null otherwise): work queued there after the selection (the agent's page writes)
+  // runs beside the engine's kernels, with no fork of its own. Such work must end by an event
+  // recorded on that stream and given to JoinSelectionAt, so that the join covers it.
+  cudaStream_t pending_selection_stream() const { return selection_pending_ ? select_ : nullptr; }
+  // The next join waits for `end` (recorded on pending_selection_stream() after the selection)
+  // instead of the selection's own end.
+  void JoinSelectionAt(cudaEvent_t end) { selection_end_ = end; }
   // The host waits for the selection stream.
   Status WaitForSelection() const;
 
   // The fp16 K/V of the last Plan ([row][n_kv][head_dim]).
-  const Half* new_keys() const { return k_.get(); }
-  const Half* new_values() const { return v_.get(); }
+  const Half* new_keys() const { return k_[kv_].get(); }
+  const Half* new_values() const { return v_[kv_].get(); }
   // KV head h's fp16 K/V of the last PrefillSequence ([n][head_dim]).
-  const Half* prefill_keys(int h) const { return k_.get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
-  const Half* prefill_values(int h) const { return v_.get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
+  const Half* prefill_keys(int h) const { return k_[kv_].get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
+  const Half* prefill_values(int h) const { return v_[kv_].get() + size_t(h) * prefill_tokens_ * shape_.head_dim; }
   // The attention's softmax scale, 1 / sqrt(head_dim).
   float scale() const { return scale_; }
 
@@ -147,7 +155,11 @@ class StepPlanner {
   Buffer<float> real_shifted_;             // kUnion with real_next: [segment][GQA head][n]
   Buffer<int32_t> every_token_;            // oracle: 0, 1, 2, ... (every quantized token)
   Buffer<Half> every_row_;                 // oracle: every quantized row of the step's items
-  Buffer<Half> k_, v_;
+  // The new rows in fp16, one pair of buffers by the decode layer's parity (kv_: the last call's):
+  // what the agent queues after a selection (pending_selection_stream) reads layer L's rows until
+  // L + 1's attention joins it, after L + 1's Plan wrote the other pair. Prefill uses pair 0.
+  Buffer<Half> k_[2], v_[2];
+  int kv_ = 0;
   int32_t prefill_tokens_ = 0;  // of the last PrefillSequence
   // probs_ holds raw scores; probs_stats_ [sequence][KV head][GQA head][2] their softmax statistics.
 };
