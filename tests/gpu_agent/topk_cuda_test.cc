@@ -315,6 +315,60 @@ TEST(CudaTopKTest, ForcedCutsEqualTheCpuSelection) {
 #endif
 }
 
+// A plan that copies its segments in the call's own stream (DecodePlan::SlotReads::kStreamCopy,
+// the agent's selection stream) selects what the CPU does over more calls in a row than its ring
+// has slots (each slot rewritten only after its release), as a side-stream copy's plan does.
+TEST(CudaTopKTest, PlansCopyingOnTheCallsStreamOrASideStreamSelectAsTheCpuOverManyCalls) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(71);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int k = 64, heads = 4, kSets = 3, kCalls = 150;  // > DecodePlan's ring of 64 slots
+  testing::DeviceBuffers buf;
+  std::vector<std::vector<cuda::TopKSegment>> sets(kSets);
+  std::vector<std::vector<std::vector<float>>> probs(kSets);
+  for (int set = 0; set < kSets; ++set) {
+    for (int32_t n : {8192 + 100 * set, 700, 32768}) {
+      sets[set].push_back(SegmentWithStatistics(heads, n, k, rng, normal, buf, &probs[set]));
+    }
+  }
+  std::vector<std::vector<int32_t>> want(kSets * 3);
+  for (int set = 0; set < kSets; ++set) {
+    for (int i = 0; i < 3; ++i) {
+      std::vector<float> scratch;
+      cpu::SelectTopK(probs[set][i].data(), heads, sets[set][i].n, k, GroupReduction::kMean, &want[set * 3 + i],
+                      &scratch);
+    }
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (auto reads : {cuda::DecodePlan::SlotReads::kStreamCopy, cuda::DecodePlan::SlotReads::kDeviceCopy}) {
+    const bool in_stream = reads == cuda::DecodePlan::SlotReads::kStreamCopy;
+    cuda::DecodePlan plan(reads);
+    std::vector<int32_t*> outputs;  // [call][segment]: every call's selection kept apart
+    for (int call = 0; call < kCalls; ++call) {
+      std::vector<cuda::TopKSegment> segments = sets[call % kSets];
+      for (cuda::TopKSegment& seg : segments) {
+        seg.tokens = buf.Allocate<int32_t>(k);
+        ASSERT_TRUE(seg.tokens);
+        outputs.push_back(seg.tokens);
+      }
+      ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), 3, heads, k, GroupReduction::kMean, stream, nullptr, &plan).ok())
+          << "call " << call << (in_stream ? ", stream copy" : ", side-stream copy");
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int call = 0; call < kCalls; ++call) {
+      for (int i = 0; i < 3; ++i) {
+        const std::vector<int32_t>& expected = want[(call % kSets) * 3 + i];
+        ASSERT_EQ(testing::Download(outputs[call * 3 + i], expected.size()), expected)
+            << "call " << call << ", segment " << i << (in_stream ? ", stream copy" : ", side-stream copy");
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+#endif
+}
+
 // The selection captured in a CUDA graph and replayed over new scores: segments of several parts
 // (whose last part to finish merges, counted in the plan's upload) give the CPU's selection on
 // every replay, not only the first (the counters start from zero each time), ties across parts
@@ -333,43 +387,48 @@ TEST(CudaTopKTest, ACapturedGraphReplaysTheSelectionOverNewScores) {
   }
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  cuda::DecodePlan plan;
-  cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
-  const Status captured = cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k,
-                                                GroupReduction::kMean, stream, nullptr, &plan);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_TRUE(captured.ok()) << captured.ToString();
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int replay = 0; replay < 3; ++replay) {
-    std::vector<std::vector<float>> probs;
-    for (const cuda::TopKSegment& seg : segments) {
-      std::vector<float> p(size_t(heads) * seg.n);
-      // The second replay's scores take 8 values: ties everywhere, across the parts too.
-      for (auto& x : p) x = replay == 1 ? static_cast<float>(rng() % 8) / 8.0f : static_cast<float>(rng() % 1000000) / 1e6f;
-      ASSERT_EQ(cudaMemcpy(const_cast<float*>(seg.probs), p.data(), p.size() * sizeof(float), cudaMemcpyHostToDevice),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemset(seg.tokens, 0xff, k * sizeof(int32_t)), cudaSuccess);
-      probs.push_back(std::move(p));
+  for (auto reads : {cuda::DecodePlan::SlotReads::kDeviceCopy, cuda::DecodePlan::SlotReads::kStreamCopy}) {
+    SCOPED_TRACE(reads == cuda::DecodePlan::SlotReads::kStreamCopy ? "stream copy" : "side-stream copy");
+    cuda::DecodePlan plan(reads);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    const Status captured = cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k,
+                                                  GroupReduction::kMean, stream, nullptr, &plan);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(captured.ok()) << captured.ToString();
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int replay = 0; replay < 3; ++replay) {
+      std::vector<std::vector<float>> probs;
+      for (const cuda::TopKSegment& seg : segments) {
+        std::vector<float> p(size_t(heads) * seg.n);
+        // The second replay's scores take 8 values: ties everywhere, across the parts too.
+        for (auto& x : p) {
+          x = replay == 1 ? static_cast<float>(rng() % 8) / 8.0f : static_cast<float>(rng() % 1000000) / 1e6f;
+        }
+        ASSERT_EQ(cudaMemcpy(const_cast<float*>(seg.probs), p.data(), p.size() * sizeof(float), cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemset(seg.tokens, 0xff, k * sizeof(int32_t)), cudaSuccess);
+        probs.push_back(std::move(p));
+      }
+      // cudaMemcpy from pageable memory may return before its copy lands, and cudaMemset is
+      // asynchronous; both go to the legacy stream, which `stream` (non-blocking) does not wait for.
+      // Without this the graph read some of the last segment's scores before they were written
+      // (one replay failed once on the H200).
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      for (size_t i = 0; i < segments.size(); ++i) {
+        std::vector<int32_t> want;
+        std::vector<float> scratch;
+        cpu::SelectTopK(probs[i].data(), heads, segments[i].n, k, GroupReduction::kMean, &want, &scratch);
+        ASSERT_EQ(testing::Download(segments[i].tokens, want.size()), want)
+            << "replay " << replay << " n=" << segments[i].n;
+      }
     }
-    // cudaMemcpy from pageable memory may return before its copy lands, and cudaMemset is
-    // asynchronous; both go to the legacy stream, which `stream` (non-blocking) does not wait for.
-    // Without this the graph read some of the last segment's scores before they were written
-    // (one replay failed once on the H200).
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    for (size_t i = 0; i < segments.size(); ++i) {
-      std::vector<int32_t> want;
-      std::vector<float> scratch;
-      cpu::SelectTopK(probs[i].data(), heads, segments[i].n, k, GroupReduction::kMean, &want, &scratch);
-      ASSERT_EQ(testing::Download(segments[i].tokens, want.size()), want)
-          << "replay " << replay << " n=" << segments[i].n;
-    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 #endif
 }

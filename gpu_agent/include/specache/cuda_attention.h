@@ -227,8 +227,11 @@ class DecodePlan {
   // copy that could queue behind the fetch's large copies on the copy engine; measured on the
   // H200, task lists copied to the device made the fetch's missed-row list wait for them and the
   // step wait 14-21 ms for the fetch at 8K, 98 sequences, where the attention read in place ran
-  // 35-55% slower).
-  enum class SlotReads { kDeviceCopy, kInPlace };
+  // 35-55% slower). kStreamCopy: a copy in device memory made on the call's own stream, in its
+  // order (no side stream's event and wait: two host calls fewer a call), for a stream off the
+  // engine's critical path, where the copy's latency before the kernels costs nothing (the top-k's
+  // segments on the selection's stream).
+  enum class SlotReads { kDeviceCopy, kInPlace, kStreamCopy };
   explicit DecodePlan(SlotReads reads = SlotReads::kDeviceCopy);
   ~DecodePlan();  // waits for the device to finish reading the slots
   DecodePlan(const DecodePlan&) = delete;

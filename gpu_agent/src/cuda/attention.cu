@@ -311,7 +311,10 @@ Status AttendPrefill(const float* q, const Half* keys, const Half* values, int32
 }
 
 
-DecodePlan::DecodePlan(SlotReads reads) : impl_(new Impl) { impl_->in_place = reads == SlotReads::kInPlace; }
+DecodePlan::DecodePlan(SlotReads reads) : impl_(new Impl) {
+  impl_->in_place = reads == SlotReads::kInPlace;
+  impl_->in_stream = reads == SlotReads::kStreamCopy;
+}
 DecodePlan::~DecodePlan() { delete impl_; }
 
 namespace {

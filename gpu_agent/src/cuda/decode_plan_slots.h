@@ -21,8 +21,9 @@ namespace specache::cuda {
 
 // The slots of a plan. A slot's host bytes are written by the host and, with device copies,
 // copied to its device bytes on the plan's copy stream as soon as the call is made (the copy is
-// usually done long before the kernels' turn on their stream, which only waits for `copied`), read
-// there by the kernels; in place (mapped), the kernels read the host bytes. The slot is written
+// usually done long before the kernels' turn on their stream, which only waits for `copied`), or
+// with stream copies on the call's stream right before its kernels, read there by the kernels; in
+// place (mapped), the kernels read the host bytes. The slot is written
 // again only after an event recorded after its last kernel completed.
 //
 // That event is shared: the slots of up to kReleaseEvery calls in a row on one stream (the
@@ -57,6 +58,7 @@ struct DecodePlan::Impl {
   int next = 0;
   int device = -1;
   bool in_place = false;  // DecodePlan::SlotReads::kInPlace: no device copy, the kernels read `host`
+  bool in_stream = false;  // DecodePlan::SlotReads::kStreamCopy: copied on the call's stream (no copy stream)
   cudaStream_t copy = nullptr;      // device copies only, as `fork`
   cudaEvent_t fork = nullptr;       // a captured call's copy joins the capture through it
   // The open release group: the ring slots of the last calls on `group_stream`, oldest first,
@@ -127,7 +129,7 @@ struct DecodePlan::Impl {
     if (cudaGetDevice(&current) != cudaSuccess) return Status::Unavailable("decode plan: no CUDA device");
     if (device < 0) device = current;
     if (device != current) return Status::InvalidArgument("decode plan: a plan serves the device it was first used on");
-    if (!in_place && copy == nullptr &&
+    if (!in_place && !in_stream && copy == nullptr &&
         (cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking) != cudaSuccess ||
          cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) != cudaSuccess)) {
       return Status::Unavailable("decode plan: cannot create its copy stream");
@@ -167,7 +169,8 @@ struct DecodePlan::Impl {
       s->bytes = grown;
     }
     if ((s->done == nullptr && cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming) != cudaSuccess) ||
-        (!in_place && s->copied == nullptr && cudaEventCreateWithFlags(&s->copied, cudaEventDisableTiming) != cudaSuccess)) {
+        (!in_place && !in_stream && s->copied == nullptr &&
+         cudaEventCreateWithFlags(&s->copied, cudaEventDisableTiming) != cudaSuccess)) {
       return Status::Unavailable("decode plan: cannot create its events");
     }
     return s;
@@ -175,6 +178,12 @@ struct DecodePlan::Impl {
   // Copies the slot's first `bytes` to the device; `stream` waits for the copy.
   Status Copy(Slot* s, size_t bytes, cudaStream_t stream, bool capturing) {
     if (in_place) return Status::Ok();  // read in place
+    if (in_stream) {  // in the stream's order (a capture takes the copy in as it is)
+      if (cudaMemcpyAsync(s->device, s->host, bytes, cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+        return Status::Unavailable(std::string("decode plan: copy: ") + cudaGetErrorString(cudaGetLastError()));
+      }
+      return Status::Ok();
+    }
     // A captured copy must hang off the capturing stream to join the graph.
     if (capturing && (cudaEventRecord(fork, stream) != cudaSuccess || cudaStreamWaitEvent(copy, fork, 0) != cudaSuccess)) {
       return Status::Unavailable("decode plan: copy in a capture");

@@ -23,7 +23,9 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
       replicas_(replicas),
       rows_(rows),
       pages_(pages),
-      compute_(compute) {
+      compute_(compute),
+      topk_plan_(options.selection_on_own_stream ? DecodePlan::SlotReads::kStreamCopy
+                                                 : DecodePlan::SlotReads::kDeviceCopy) {
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   plan_threads_ = std::max(1, usable_cores > 0 ? std::min(options.plan_threads, usable_cores) : options.plan_threads);
   if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);

@@ -143,7 +143,8 @@ class StepPlanner {
   DecodePlan plan_;
   // The top-k's segments: a plan apart from the attention's, so that each plan's calls stay on
   // one stream (the selection's runs on select_ in specache mode) and release their slots in
-  // groups (decode_plan_slots.h) instead of one event a call.
+  // groups (decode_plan_slots.h) instead of one event a call. On select_ (off the engine's path)
+  // they are copied in its order, for two host calls fewer a layer than a side stream's copy.
   DecodePlan topk_plan_;
   // The selection rule's small task lists (mask, shift, merge: a task per block), read in place.
   DecodePlan selection_tasks_{DecodePlan::SlotReads::kInPlace};
