@@ -143,3 +143,30 @@ def test_a_return_address_reads_as_its_inline_chain_or_its_dynamic_symbol():
     assert syms == [(0x100, "memcpy"), (0x400, "pthread_mutex_lock")]
     assert hp.nearest_symbol(syms, 0x3ff) == "memcpy" and hp.nearest_symbol(syms, 0x500) == "pthread_mutex_lock"
     assert hp.nearest_symbol(syms, 0x50) is None
+
+
+def test_null_cuda_sites_sum_calls_by_kind_and_caller_chain_and_subtract_a_shorter_run(tmp_path):
+    """tools/profile/null_cuda_sites.py: per call site the kind, count and return addresses; calls
+    summed per kind and chain of named callers, a shorter run's subtracted."""
+    sys.path.insert(0, str(REPO / "tools" / "profile"))
+    try:
+        import null_cuda_sites
+    finally:
+        sys.path.pop(0)
+    def write(name, lines):
+        path = tmp_path / name
+        path.write_text("map 400000-401000 r-xp 00000000 00:00 0 /bin/prog\n" + "".join(lines))
+        return str(path)
+    long_run = write("b.txt", ["site cudaEventRecord\t40 0x400010 0x400020\n",
+                               "site cudaEventRecord\t8 0x400030 0x400020\n",
+                               "site kernel launches (<<<>>>)\t20 0x400010 0x400020\n"])
+    short_run = write("a.txt", ["site cudaEventRecord\t10 0x400010 0x400020\n",
+                                "site kernel launches (<<<>>>)\t5 0x400010 0x400020\n"])
+    maps, sites = null_cuda_sites.read_sites(long_run)
+    assert maps == [(0x400000, 0x401000, 0, "/bin/prog")]
+    assert sites[0] == ("cudaEventRecord", 40, [0x400010, 0x400020])
+    # No local copy of /bin/prog: every frame is named by its file, so the chains collapse to one name.
+    calls = null_cuda_sites.totals(long_run, [], 3)
+    calls.subtract(null_cuda_sites.totals(short_run, [], 3))
+    assert calls[("cudaEventRecord", ("prog",))] == 38
+    assert calls[("kernel launches (<<<>>>)", ("prog",))] == 15

@@ -21,11 +21,16 @@
 //   meaningless in such a run; only host-side times are.
 // - Kernels, events, streams and graphs are accepted and do nothing; every wait returns at once.
 // - SPECACHE_NULL_CUDA_COUNTS=1 prints, at exit, how often each kind of call was made (launches,
-//   allocations, copies, waits): what a run asks of the driver, e.g. per decode step.
+//   allocations, copies, waits, and the cheap queries: device, capture state, last error,
+//   attributes): what a run asks of the driver, e.g. per decode step.
+// - SPECACHE_NULL_CUDA_SITES=FILE writes, at exit, where each counted call came from: the
+//   process's memory map, then per call site `site KIND COUNT PC...` (the call's return addresses,
+//   innermost first); tools/profile/null_cuda_sites.py names them and divides by the steps.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
+#include <execinfo.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -34,8 +39,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -97,26 +104,59 @@ std::unordered_map<cudaStream_t, bool>& Capturing() {
 enum Call {
   kLaunch, kLaunchEx, kMalloc, kFree, kMallocHost, kFreeHost, kHostRegister, kMemcpy, kMemcpyAsync, kMemcpy2DAsync,
   kMemset, kMemsetAsync, kStreamSynchronize, kDeviceSynchronize, kEventSynchronize, kEventRecord, kEventQuery,
-  kStreamWaitEvent, kGraphLaunch, kGemm, kCallCount
+  kStreamWaitEvent, kGraphLaunch, kGemm, kGetDevice, kStreamIsCapturing, kGetLastError, kDeviceGetAttribute,
+  kCallCount
 };
 constexpr const char* kCallNames[kCallCount] = {
     "kernel launches (<<<>>>)", "cudaLaunchKernelExC", "cudaMalloc", "cudaFree", "cudaMallocHost/cudaHostAlloc",
     "cudaFreeHost", "cudaHostRegister", "cudaMemcpy", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaMemset",
     "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaEventRecord",
-    "cudaEventQuery", "cudaStreamWaitEvent", "cudaGraphLaunch", "cublasGemmEx/cublasLtMatmul"};
+    "cudaEventQuery", "cudaStreamWaitEvent", "cudaGraphLaunch", "cublasGemmEx/cublasLtMatmul", "cudaGetDevice",
+    "cudaStreamIsCapturing", "cudaGetLastError", "cudaDeviceGetAttribute"};
 std::atomic<uint64_t> counts[kCallCount];
 const bool counting = [] {
   const char* v = std::getenv("SPECACHE_NULL_CUDA_COUNTS");
   return v != nullptr && v[0] == '1';
 }();
-inline void Count(Call c) {
+const char* const sites_path = std::getenv("SPECACHE_NULL_CUDA_SITES");
+constexpr int kSiteDepth = 6;  // the call's frames kept (this file's two first)
+std::mutex sites_mutex;
+std::map<std::pair<int, std::vector<void*>>, uint64_t>& Sites() {
+  static auto* sites = new std::map<std::pair<int, std::vector<void*>>, uint64_t>;  // never destroyed: calls at exit
+  return *sites;
+}
+// noinline: frames 0 and 1 are this function and the counted call.
+__attribute__((noinline)) void Count(Call c) {
   if (counting) counts[c].fetch_add(1, std::memory_order_relaxed);
+  if (sites_path == nullptr) return;
+  void* pcs[kSiteDepth + 2];
+  const int n = backtrace(pcs, kSiteDepth + 2);
+  std::vector<void*> key(pcs + std::min(n, 2), pcs + n);
+  std::lock_guard lock(sites_mutex);
+  ++Sites()[{static_cast<int>(c), std::move(key)}];
 }
 struct PrintCounts {
   ~PrintCounts() {
-    if (!counting) return;
-    std::fprintf(stderr, "null CUDA runtime: calls made\n");
-    for (int c = 0; c < kCallCount; ++c) std::fprintf(stderr, "  %12llu  %s\n", (unsigned long long)counts[c].load(), kCallNames[c]);
+    if (counting) {
+      std::fprintf(stderr, "null CUDA runtime: calls made\n");
+      for (int c = 0; c < kCallCount; ++c) std::fprintf(stderr, "  %12llu  %s\n", (unsigned long long)counts[c].load(), kCallNames[c]);
+    }
+    // A process that made no call (a wrapper that only inherited LD_PRELOAD) writes nothing.
+    if (sites_path == nullptr || Sites().empty()) return;
+    FILE* out = std::fopen(sites_path, "w");
+    if (out == nullptr) return;
+    if (FILE* maps = std::fopen("/proc/self/maps", "r")) {
+      char line[4096];
+      while (std::fgets(line, sizeof line, maps)) std::fprintf(out, "map %s", line);
+      std::fclose(maps);
+    }
+    std::lock_guard lock(sites_mutex);
+    for (const auto& [key, n] : Sites()) {
+      std::fprintf(out, "site %s\t%llu", kCallNames[key.first], static_cast<unsigned long long>(n));
+      for (void* pc : key.second) std::fprintf(out, " %p", pc);
+      std::fprintf(out, "\n");
+    }
+    std::fclose(out);
   }
 } print_counts;
 
@@ -167,6 +207,7 @@ cudaError_t cudaGetDeviceCount(int* count) {
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* device) {
+  Count(kGetDevice);
   if (device) *device = 0;
   return cudaSuccess;
 }
@@ -193,6 +234,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  Count(kDeviceGetAttribute);
   if (value == nullptr || device != 0) return cudaErrorInvalidValue;
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = kSms; break;
@@ -226,7 +268,10 @@ cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
 const char* cudaGetErrorString(cudaError_t error) {
   return error == cudaSuccess ? "no error" : "null CUDA runtime: the call was refused";
 }
-cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaGetLastError() {
+  Count(kGetLastError);
+  return cudaSuccess;
+}
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   Count(kMalloc);
@@ -332,6 +377,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  Count(kStreamIsCapturing);
   if (status == nullptr) return cudaErrorInvalidValue;
   std::lock_guard lock(capture_mutex);
   *status = Capturing().count(s) ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
