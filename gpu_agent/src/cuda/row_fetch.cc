@@ -52,6 +52,8 @@ Status RowFetcher::Init() {
   selected_.assign(shape_.n_layers, nullptr);
   fetched_.assign(shape_.n_layers, nullptr);
   appended_.assign(shape_.n_layers, nullptr);
+  selected_on_.assign(shape_.n_layers, nullptr);
+  writes_follow_selection_.assign(shape_.n_layers, 0);
   joined_.assign(shape_.n_layers, 0);
   for (int l = 0; l < shape_.n_layers; ++l) {
     SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&appended_[l], cudaEventDisableTiming), "event"));
@@ -358,8 +360,7 @@ Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_
       by_sm = CudaStatus(cudaEventRecord(sm_start_, stream), "fetch start event");
       if (by_sm.ok()) by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, sm_start_, 0), "wait for the fetch's start");
     } else {
-      by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, selected_[w.layer], 0), "wait for the selection");
-      if (by_sm.ok()) by_sm = CudaStatus(cudaStreamWaitEvent(sm_fetch_, appended_[w.layer], 0), "wait for the page writes");
+      by_sm = WaitForSelectionAndWrites(w, sm_fetch_);
     }
     if (by_sm.ok()) by_sm = LaunchBySmLoads(w, sm, sm_fetch_, &sm_plan_);
     // Recorded after an error too: what was queued is what the layer's WaitFetched waits for.
@@ -372,7 +373,8 @@ Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_
   //    (and counts them). A cache's first fetch: the list must see the fills queued before.
   if (sm == n) return Status::Ok();
   const auto tasks = std::span(w.tasks).subspan(sm);
-  const cudaEvent_t ready[] = {selected_[w.layer], appended_[w.layer]};
+  const cudaEvent_t both[] = {selected_[w.layer], appended_[w.layer]};
+  const auto ready = std::span(both).subspan(w.writes_follow_selection ? 1 : 0);
   const bool fills = w.fills.size() > w.sm_fills;
   SPECACHE_ASSIGN_OR_RETURN(std::vector<FetchTask> routed,
                             copy_engine->Stage(tasks, std::span(w.host_pages).subspan(sm), ready, stream, fills, plan));
@@ -422,11 +424,23 @@ Status RowFetcher::Gather(int layer, std::span<const FetchTask> tasks, std::span
 }
 
 Status RowFetcher::MarkAppended(int layer, cudaStream_t stream) {
-  return CudaStatus(cudaEventRecord(appended_[layer], stream), "append event");
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(appended_[layer], stream), "append event"));
+  writes_follow_selection_[layer] = stream == selected_on_[layer];
+  return Status::Ok();
 }
 
 Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
-  return CudaStatus(cudaEventRecord(selected_[layer], stream), "selection event");
+  writes_follow_selection_[layer] = 0;  // until this step's writes of the layer come after it
+  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(selected_[layer], stream), "selection event"));
+  selected_on_[layer] = stream;
+  return Status::Ok();
+}
+
+Status RowFetcher::WaitForSelectionAndWrites(const FetchWork& w, cudaStream_t stream) const {
+  if (!w.writes_follow_selection) {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, selected_[w.layer], 0), "wait for the selection"));
+  }
+  return CudaStatus(cudaStreamWaitEvent(stream, appended_[w.layer], 0), "wait for the page writes");
 }
 
 // The overlapped fetch of layer L, in order (both paths):
@@ -437,7 +451,8 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 //            attention, at the last of the two events (with
 //            selection_on_own_stream false both run on the compute stream, in order, after the
 //            attention: nothing to join)
-//   fetch:   wait selected_[L] and appended_[L]; [staged: selection down, host waits; source reads; rows up];
+//   fetch:   wait selected_[L] and appended_[L] (appended_[L] alone where the writes follow the
+//            selection on its stream); [staged: selection down, host waits; source reads; rows up];
 //            fetch kernel (hits from the cache); cache update; record fetched_[L]
 //   sm_fetch: (copy engine with fetch_sm_share) wait selected_[L] and appended_[L] (or, when it
 //            fills caches, sm_start_ on the fetch stream after the fills); fetch kernel of the
@@ -445,8 +460,9 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
 //   compute: (next step, before L's attention) wait fetched_[L] (and sm_fetched_[L]) (WaitFetched)
 // Local: the agent's thread queues the fetch stream's part right here (kFromSelection), or at the
 // next WaitFetched (of layer L + 1, or of the next step's first layer after the last), waiting for
-// deferred_start_ recorded there on the compute stream, and for selected_[L] (the compute stream
-// joins L's selection only at L + 1's attention, after that WaitFetched); kWithinNextAttention
+// deferred_start_ recorded there on the compute stream, and for selected_[L] and appended_[L] (the
+// compute stream joins L's selection, and the page writes after it, only at L + 1's attention,
+// after that WaitFetched); kWithinNextAttention
 // adds, at that layer's JoinFetch,
 //   compute: (after the attention and selection of L + 1) wait fetched_[L]
 // Staged: the worker does,
@@ -461,6 +477,7 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
   joined_[layer] = 0;  // a new fetch of the layer: the compute stream has yet to wait for it
   SPECACHE_RETURN_IF_ERROR(LaunchDeferred());  // two StartFetch without a WaitFetched between
   SPECACHE_ASSIGN_OR_RETURN(FetchWork w, Prepare(layer, ids, /*by_copy_engine=*/copy_engine_ != nullptr));
+  w.writes_follow_selection = writes_follow_selection_[layer];
   // std::function copies its callable: the work travels behind a shared pointer.
   auto work = std::make_shared<const FetchWork>(std::move(w));
   if (!worker_ && options_.fetch_overlap != FetchOverlap::kFromSelection) {
@@ -468,8 +485,7 @@ Status RowFetcher::StartFetch(int layer, const std::vector<SequenceId>& ids) {
     return Status::Ok();
   }
   auto run = [this, layer, work]() -> Status {
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, appended_[layer], 0), "wait for the page writes"));
+    SPECACHE_RETURN_IF_ERROR(WaitForSelectionAndWrites(*work, fetch_));
     SPECACHE_RETURN_IF_ERROR(Launch(*work, staged_worker_.get(), copy_engine_.get(), fetch_,
                                     worker_ ? &worker_plan_ : &caller_plan_));
     return CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event");
@@ -494,8 +510,9 @@ Status RowFetcher::LaunchDeferred() const {
   // (the fills, the fetch and the cache update give the same result run twice).
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(deferred_start_, compute_), "fetch start event"));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, deferred_start_, 0), "wait for the fetch's start"));
-  // The selection may run on a stream of its own (StepPlanner), not yet joined by the compute stream.
-  SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(fetch_, selected_[layer], 0), "wait for the selection"));
+  // The selection, and the page writes queued after it, may run on a stream of their own
+  // (StepPlanner), which the compute stream joins only at the next attention.
+  SPECACHE_RETURN_IF_ERROR(WaitForSelectionAndWrites(*deferred_, fetch_));
   SPECACHE_RETURN_IF_ERROR(Launch(*deferred_, nullptr, nullptr, fetch_, &caller_plan_));
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(fetched_[layer], fetch_), "fetch event"));
   deferred_.reset();

@@ -256,7 +256,13 @@ class RowFetcher {
     // first sm_fills.
     size_t sm_tasks = 0;
     size_t sm_fills = 0;
+    // The layer's page writes were queued after its selection on the same stream (MarkAppended):
+    // their event alone orders both.
+    bool writes_follow_selection = false;
   };
+  // The events a fetch of the work's layer waits for on `stream`: its selection's and its page
+  // writes' (the writes' alone when they follow the selection, FetchWork::writes_follow_selection).
+  Status WaitForSelectionAndWrites(const FetchWork& work, cudaStream_t stream) const;
   // The row cache of a (sequence, layer), list and rows, at KvConfig::cache_rows() (kept if it was).
   Status ReserveCache(LayerRows* lr) const;
   // The layer's next selection of these sequences made current, its work planned: each fetched
@@ -281,8 +287,9 @@ class RowFetcher {
   // Of `fetched` sequences, how many the SM route takes (fetch_sm_share, rounded to nearest).
   size_t SmSequences(size_t fetched) const;
   // Queues the deferred fetch, if any, on the fetch stream behind everything queued so far on the
-  // compute stream and behind its layer's selection (selected_: the selection may run on a stream
-  // of its own), then records its layer's fetched_ event.
+  // compute stream and behind its layer's selection and page writes (selected_, appended_: they
+  // may run on the selection's own stream, which the compute stream joins only at the next
+  // attention), then records its layer's fetched_ event.
   Status LaunchDeferred() const;
   // After a failed fetch: the sequences hold no rows at the layer, and their caches start over.
   void Forget(int layer, const std::vector<SequenceId>& ids);
@@ -297,12 +304,16 @@ class RowFetcher {
   cudaStream_t compute_;
   cudaStream_t fetch_ = nullptr;
   std::vector<cudaEvent_t> selected_, fetched_;  // [layer]
-  // [layer]: recorded on the compute stream right after the layer's page writes of the step
+  // [layer]: recorded right after the layer's page writes of the step, on their stream
   // (MarkAppended; a step without appends leaves the last record, long complete): when an append
   // fills the residual, the selection's candidates include the row written in that same step
   // (TopKCandidates), and the selection's own event (selected_, on the planner's selection
   // stream, where it has one) does not order that write. The deferred fetch starts later on the compute stream.
   std::vector<cudaEvent_t> appended_;
+  // [layer]: the stream of the layer's last MarkSelected, and whether its last MarkAppended came on
+  // that stream after it (FetchWork::writes_follow_selection). The agent's thread only.
+  std::vector<cudaStream_t> selected_on_;
+  std::vector<uint8_t> writes_follow_selection_;
   // [layer]: the compute stream waits for the layer's last fetch already (WaitFetched succeeded
   // since the layer's last StartFetch).
   std::vector<uint8_t> joined_;
