@@ -52,7 +52,7 @@ struct DecodePlan::Impl {
     bool waited = false;
   };
   static constexpr int kRing = 64;  // calls the host may run ahead of the device on one plan
-  static constexpr int kReleaseEvery = 8;  // calls of a release group at most
+  static constexpr int kReleaseEvery = 16;  // calls of a release group at most (a quarter of the ring)
   std::vector<Slot> ring = std::vector<Slot>(kRing);
   std::vector<Slot> captured;       // copied from by CUDA graphs: never rewritten
   int next = 0;
