@@ -12,6 +12,7 @@ namespace specache::cuda {
 
 class DecodePlan;          // cuda_attention.h
 struct DeviceReplicaView;  // cuda_attention.h
+struct RowCopy;            // cuda_tensors.h
 
 // keys: [n_groups][group_size][head_dim] fp16 (token-major groups, one after another).
 // codes: [n_groups][head_dim][group_size*bits/32], scale/zero: [n_groups][head_dim].
@@ -76,5 +77,13 @@ struct ValueRetireTask {
 // the tasks' replicas share (head_dim, group_size, value_bits, layout); its other fields unused.
 Status QuantizeValueTokensInBlocks(const ValueRetireTask* tasks, int n_tasks, const DeviceReplicaView& geometry,
                                    void* stream, DecodePlan* plan = nullptr);
+// CopyRows(copies, n_copies, row_bytes) (cuda_tensors.h) and QuantizeValueTokensInBlocks(tasks,
+// n_tasks, geometry) in one launch, both lists through one slot of `plan` (a decode step's
+// appends: the new rows into the replicas' residuals and windows, the oldest values out of the
+// windows; a launch fewer a layer). No copy may write what a task reads: the two run at once.
+Status CopyRowsAndQuantizeValueTokensInBlocks(const RowCopy* copies, int n_copies, int row_bytes,
+                                              const ValueRetireTask* tasks, int n_tasks,
+                                              const DeviceReplicaView& geometry, void* stream,
+                                              DecodePlan* plan = nullptr);
 
 }  // namespace specache::cuda

@@ -355,7 +355,7 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   DecodePlan* plan = replicas[0]->tasks_;
   const int d = p.head_dim, R = p.residual_tokens;
   // Two passes over the replicas (at 99 x 8K a layer appends to 792 of them, each its own object):
-  // the checks and the rows' copies, then the counters and the launches that follow the copies.
+  // the checks and the rows' copies, then the counters and the work that follows the copies.
   bool reserve = false;
   std::vector<RowCopy> copies;
   copies.reserve(2 * replicas.size());
@@ -376,10 +376,10 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   }
   // Usually not needed: the engine's step reserved the blocks (the agent's BeginStep).
   if (reserve) SPECACHE_RETURN_IF_ERROR(Reserve(replicas, 1));
-  SPECACHE_RETURN_IF_ERROR(
-      CopyRows(copies.data(), static_cast<int>(copies.size()), d * static_cast<int>(sizeof(Half)), stream, plan));
-  // The window's oldest value leaves it (steady state: one per token), for all replicas at once;
-  // the groups made whole are packed after that quantization, on the same stream.
+  // The window's oldest value leaves it (steady state: one per token), for all replicas at once,
+  // quantized in the rows' copies' launch (it reads the window's row R back from the one a copy
+  // writes: R > 0, ValidateKvConfig); the groups made whole are packed after that, on the same
+  // stream.
   const bool packed_values = IsPackedBitWidth(p.value_bits);
   std::vector<ValueRetireTask> retire;
   std::vector<RowCopy> retire_half;
@@ -409,14 +409,14 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
     }
     r->TakeWholeGroups(&whole);
   }
-  // Before the groups made whole are packed (PackMmaGroups reads the quantized keys).
+  SPECACHE_RETURN_IF_ERROR(CopyRowsAndQuantizeValueTokensInBlocks(
+      copies.data(), static_cast<int>(copies.size()), d * static_cast<int>(sizeof(Half)), retire.data(),
+      static_cast<int>(retire.size()), replicas[0]->view(), stream, plan));
+  // After the copies (a full residual's keys), before the groups made whole are packed
+  // (PackMmaGroups reads the quantized keys).
   if (!key_runs.empty()) {
     SPECACHE_RETURN_IF_ERROR(QuantizeKeyGroupTasks(key_runs.data(), static_cast<int>(key_runs.size()), p.group_size, d,
                                                    p.key_bits, stream, plan));
-  }
-  if (!retire.empty()) {
-    SPECACHE_RETURN_IF_ERROR(
-        QuantizeValueTokensInBlocks(retire.data(), static_cast<int>(retire.size()), replicas[0]->view(), stream, plan));
   }
   if (!retire_half.empty()) {
     SPECACHE_RETURN_IF_ERROR(

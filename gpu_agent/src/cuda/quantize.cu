@@ -2,12 +2,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "specache/cuda_attention.h"
 #include "specache/cuda_quantize.h"
+#include "specache/cuda_tensors.h"
 #include "block_task.cuh"
 #include "decode_plan_slots.h"
 
@@ -173,6 +175,32 @@ __global__ void QuantizeValueTokensInBlocksKernel(const ValueRetireTask* __restr
                          const_cast<Half*>(ValueScales(v, t.token)), const_cast<Half*>(ValueZeros(v, t.token)));
 }
 
+// The appends' two jobs in one grid: blocks [0, copy_blocks) copy rows (a thread a 16-byte piece,
+// striding over the copy blocks), the rest run QuantizeValueTokensInBlocksKernel's warps.
+__global__ void CopyRowsAndQuantizeValuesKernel(const RowCopy* __restrict__ copies, int n_copies, int pieces_per_row,
+                                                int copy_blocks, const ValueRetireTask* __restrict__ tasks, int count,
+                                                DeviceReplicaView v) {
+  if (static_cast<int>(blockIdx.x) < copy_blocks) {
+    const int64_t total = static_cast<int64_t>(n_copies) * pieces_per_row;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += static_cast<int64_t>(copy_blocks) * blockDim.x) {
+      const RowCopy& c = copies[i / pieces_per_row];
+      const int piece = static_cast<int>(i % pieces_per_row);
+      static_cast<uint4*>(c.dst)[piece] = static_cast<const uint4*>(c.src)[piece];
+    }
+    return;
+  }
+  const int groups = v.head_dim / v.group_size;
+  const int64_t run =
+      static_cast<int64_t>(blockIdx.x - copy_blocks) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (run >= static_cast<int64_t>(count) * groups) return;
+  const ValueRetireTask& t = tasks[run / groups];
+  v.blocks = t.blocks;
+  QuantizeValueGroupWarp(reinterpret_cast<const __half*>(t.value), static_cast<int>(run % groups), v.group_size,
+                         v.value_bits, const_cast<uint32_t*>(ValueCodes(v, t.token)),
+                         const_cast<Half*>(ValueScales(v, t.token)), const_cast<Half*>(ValueZeros(v, t.token)));
+}
+
 Status Check(int group_size, int head_dim, int bits) {
   if (bits != 1 && bits != 2 && bits != 4) return Status::InvalidArgument("bits must be 1, 2 or 4");
   if (group_size <= 0 || group_size % 32 != 0 || group_size > 128) {
@@ -279,13 +307,23 @@ Status QuantizeValueTokens(const Half* values, int n_tokens, int head_dim, int g
   return QuantizeValueTokenRuns(&run, 1, head_dim, group_size, bits, stream);
 }
 
-Status QuantizeValueTokensInBlocks(const ValueRetireTask* tasks, int n_tasks, const DeviceReplicaView& geometry,
-                                   void* stream, DecodePlan* plan) {
+namespace {
+
+Status CheckRetire(int n_tasks, const DeviceReplicaView& geometry) {
   const int head_dim = geometry.head_dim, group_size = geometry.group_size, bits = geometry.value_bits;
   SPECACHE_RETURN_IF_ERROR(Check(group_size, head_dim, bits));
   if (head_dim % group_size != 0) return Status::InvalidArgument("group_size must divide head_dim");
   if (geometry.layout.block_tokens <= 0) return Status::InvalidArgument("value quantization: no block layout");
   if (n_tasks < 0) return Status::InvalidArgument("negative task count");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status QuantizeValueTokensInBlocks(const ValueRetireTask* tasks, int n_tasks, const DeviceReplicaView& geometry,
+                                   void* stream, DecodePlan* plan) {
+  const int head_dim = geometry.head_dim, group_size = geometry.group_size;
+  SPECACHE_RETURN_IF_ERROR(CheckRetire(n_tasks, geometry));
   if (n_tasks == 0) return Status::Ok();
   constexpr int kWarps = 8;
   const int64_t runs = int64_t{n_tasks} * (head_dim / group_size);
@@ -295,6 +333,42 @@ Status QuantizeValueTokensInBlocks(const ValueRetireTask* tasks, int n_tasks, co
     QuantizeValueTokensInBlocksKernel<<<static_cast<unsigned>((runs + kWarps - 1) / kWarps), kWarps * 32, 0, s>>>(
         on_device, n_tasks, geometry);
   });
+}
+
+Status CopyRowsAndQuantizeValueTokensInBlocks(const RowCopy* copies, int n_copies, int row_bytes,
+                                              const ValueRetireTask* tasks, int n_tasks,
+                                              const DeviceReplicaView& geometry, void* stream, DecodePlan* plan) {
+  if (n_tasks == 0) return CopyRows(copies, n_copies, row_bytes, stream, plan);
+  SPECACHE_RETURN_IF_ERROR(CheckRetire(n_tasks, geometry));
+  if (n_copies == 0) return QuantizeValueTokensInBlocks(tasks, n_tasks, geometry, stream, plan);
+  if (row_bytes <= 0 || row_bytes % 16 != 0) return Status::InvalidArgument("row_bytes must be a positive multiple of 16");
+  if (n_copies < 0) return Status::InvalidArgument("negative row copy count");
+  if (plan == nullptr) {
+    return WithOwnPlan(static_cast<cudaStream_t>(stream), DecodePlan::SlotReads::kInPlace, [&](DecodePlan* own) {
+      return CopyRowsAndQuantizeValueTokensInBlocks(copies, n_copies, row_bytes, tasks, n_tasks, geometry, stream, own);
+    });
+  }
+  // Both lists in one slot: the copies, then the tasks (RowCopy's 16 bytes keep them aligned).
+  static_assert(sizeof(RowCopy) % alignof(ValueRetireTask) == 0);
+  const size_t copy_bytes = static_cast<size_t>(n_copies) * sizeof(RowCopy);
+  const size_t bytes = copy_bytes + static_cast<size_t>(n_tasks) * sizeof(ValueRetireTask);
+  auto* s = static_cast<cudaStream_t>(stream);
+  SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(bytes, s));
+  std::memcpy(up.host, copies, copy_bytes);
+  std::memcpy(static_cast<char*>(up.host) + copy_bytes, tasks, bytes - copy_bytes);
+  SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, bytes, s));
+  constexpr int kThreads = 256, kWarps = kThreads / 32;
+  const int pieces_per_row = row_bytes / 16;
+  const int64_t pieces = int64_t{n_copies} * pieces_per_row;
+  const int copy_blocks = static_cast<int>(std::min<int64_t>(1024, (pieces + kThreads - 1) / kThreads));
+  const int64_t runs = int64_t{n_tasks} * (geometry.head_dim / geometry.group_size);
+  const auto* device = static_cast<const char*>(up.device);
+  CopyRowsAndQuantizeValuesKernel<<<static_cast<unsigned>(copy_blocks + (runs + kWarps - 1) / kWarps), kThreads, 0, s>>>(
+      reinterpret_cast<const RowCopy*>(device), n_copies, pieces_per_row, copy_blocks,
+      reinterpret_cast<const ValueRetireTask*>(device + copy_bytes), n_tasks, geometry);
+  const Status launched = LaunchStatus("row copy and value quantization kernel");
+  SPECACHE_RETURN_IF_ERROR(plan->impl()->Finish(up, s));  // also after a failed launch
+  return launched;
 }
 
 }  // namespace specache::cuda
