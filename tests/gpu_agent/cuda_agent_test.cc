@@ -277,10 +277,11 @@ class DeviceDraws {
 // same steps and rows (the same random draws in the same order), every input on the device
 // before the first step, the calls queued on `stream` with no host wait between them (the
 // caches' spares change hands between sequences, layers and streams as the batch changes, and
-// nothing on the host orders them), the outputs copied back at the end.
+// nothing on the host orders them), the outputs copied back at the end. Each step decodes its
+// layers in `layer_order` (empty: 0, 1, ...; the agent takes them in any order, agent.h).
 Result<std::vector<float>> DriveChangingOnDevice(Agent* agent, const std::vector<int32_t>& prompts,
                                                  const std::vector<std::vector<size_t>>& steps, std::mt19937 rng,
-                                                 cudaStream_t stream) {
+                                                 cudaStream_t stream, std::vector<int> layer_order = {}) {
   const ModelShape& m = agent->shape();
   DeviceDraws draws(m, rng, stream);
   std::vector<SequenceId> ids;
@@ -309,9 +310,12 @@ Result<std::vector<float>> DriveChangingOnDevice(Agent* agent, const std::vector
     SPECACHE_RETURN_IF_ERROR(agent->PrefillLayer(l, PrefillBatch{ids, offsets, x.q, x.k, x.v, nullptr}));
   }
   SPECACHE_RETURN_IF_ERROR(DeviceDraws::Cuda(cudaStreamSynchronize(stream), "prefill"));
+  if (layer_order.empty()) {
+    for (int l = 0; l < m.n_layers; ++l) layer_order.push_back(l);
+  }
   for (const Step& step : plan) {
     SPECACHE_RETURN_IF_ERROR(agent->BeginStep(step.kind, step.ids));
-    for (int l = 0; l < m.n_layers; ++l) {
+    for (int l : layer_order) {
       const DeviceDraws::Layer& x = step.layers[l];
       SPECACHE_RETURN_IF_ERROR(agent->WaitPrefetch(l));
       SPECACHE_RETURN_IF_ERROR(agent->DecodeLayer(l, {x.q, x.k, x.v, x.out}));
@@ -329,11 +333,11 @@ Result<std::vector<float>> DriveChangingOnDevice(Agent* agent, const std::vector
 // sequence in every step (testing::DriveBatch draws as DriveChangingBatches does). Host waits
 // between layers would hide an ordering error between the agent's streams; here nothing does.
 Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<int32_t>& prompts, int steps,
-                                              std::mt19937 rng, cudaStream_t stream) {
+                                              std::mt19937 rng, cudaStream_t stream, std::vector<int> layer_order = {}) {
   std::vector<size_t> all(prompts.size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
   return DriveChangingOnDevice(agent, prompts, std::vector<std::vector<size_t>>(static_cast<size_t>(steps), all), rng,
-                               stream);
+                               stream, std::move(layer_order));
 }
 #endif
 
@@ -457,6 +461,32 @@ TEST(CudaAgentTest, EveryFetchOverlapOnDeviceTensorsMatchesTheCpuAgent) {
       }
     }
   });
+#endif
+}
+
+// Layers decoded out of order (even ones first: two layers of one parity in a row), with the page
+// writes after the top-k on the selection's stream (the default route) and with every other
+// route: the planner's two buffers of new rows are taken in turn, never one the pending writes
+// still read, so the outputs, counts and selections are the CPU agent's, which decodes in order.
+TEST(CudaAgentTest, LayersDecodedOutOfOrderMatchTheCpuAgent) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  KvConfig c;
+  c.key_bits = c.value_bits = 2;
+  c.top_k = 24;
+  const ModelShape shape{3, 8, 2, 64};
+  const std::vector<int32_t> prompts{150, 333, 64, 1};
+  InMemorySource cpu_source;
+  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
+  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+  auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(78));
+  ASSERT_TRUE(want.ok()) << want.status().ToString();
+  for (const FetchRoute& route : kFetchRoutes) {
+    auto b = MatchOnDevice(shape, c, route, **cpu, *want, prompts.size(), [&](Agent* gpu, cudaStream_t stream) {
+      return DriveBatchOnDevice(gpu, prompts, 40, std::mt19937(78), stream, {0, 2, 1});
+    });
+    ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
+  }
 #endif
 }
 

@@ -345,14 +345,16 @@ TEST(CudaTopKTest, PlansCopyingOnTheCallsStreamOrASideStreamSelectAsTheCpuOverMa
   for (auto reads : {cuda::DecodePlan::SlotReads::kStreamCopy, cuda::DecodePlan::SlotReads::kDeviceCopy}) {
     const bool in_stream = reads == cuda::DecodePlan::SlotReads::kStreamCopy;
     cuda::DecodePlan plan(reads);
-    std::vector<int32_t*> outputs;  // [call][segment]: every call's selection kept apart
+    // [call][segment]: every call's selection kept apart, allocated before the calls (so that
+    // nothing slows the host between them: the ring's slots come round while kernels still run).
+    std::vector<int32_t*> outputs;
+    for (int i = 0; i < kCalls * 3; ++i) {
+      outputs.push_back(buf.Allocate<int32_t>(k));
+      ASSERT_TRUE(outputs.back());
+    }
     for (int call = 0; call < kCalls; ++call) {
       std::vector<cuda::TopKSegment> segments = sets[call % kSets];
-      for (cuda::TopKSegment& seg : segments) {
-        seg.tokens = buf.Allocate<int32_t>(k);
-        ASSERT_TRUE(seg.tokens);
-        outputs.push_back(seg.tokens);
-      }
+      for (int i = 0; i < 3; ++i) segments[i].tokens = outputs[call * 3 + i];
       ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), 3, heads, k, GroupReduction::kMean, stream, nullptr, &plan).ok())
           << "call " << call << (in_stream ? ", stream copy" : ", side-stream copy");
     }

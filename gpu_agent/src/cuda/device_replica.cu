@@ -376,6 +376,14 @@ Status DeviceHeadReplica::AppendTokens(const std::vector<DeviceHeadReplica*>& re
   }
   // Usually not needed: the engine's step reserved the blocks (the agent's BeginStep).
   if (reserve) SPECACHE_RETURN_IF_ERROR(Reserve(replicas, 1));
+  // fp16 keys: a full residual's groups are copied into the blocks as the loop below finds them
+  // (AddKeyGroupRuns), so the rows go first, in a launch of their own.
+  const bool rows_first = !IsPackedBitWidth(p.key_bits);
+  if (rows_first) {
+    SPECACHE_RETURN_IF_ERROR(
+        CopyRows(copies.data(), static_cast<int>(copies.size()), d * static_cast<int>(sizeof(Half)), stream, plan));
+    copies.clear();
+  }
   // The window's oldest value leaves it (steady state: one per token), for all replicas at once,
   // quantized in the rows' copies' launch (it reads the window's row R back from the one a copy
   // writes: R > 0, ValidateKvConfig); the groups made whole are packed after that, on the same

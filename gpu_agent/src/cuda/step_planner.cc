@@ -24,8 +24,8 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
       rows_(rows),
       pages_(pages),
       compute_(compute),
-      topk_plan_(options.selection_on_own_stream ? DecodePlan::SlotReads::kStreamCopy
-                                                 : DecodePlan::SlotReads::kDeviceCopy) {
+      topk_plan_(options.selection_on_own_stream && !config.selects_for_this_step() ? DecodePlan::SlotReads::kStreamCopy
+                                                                                     : DecodePlan::SlotReads::kDeviceCopy) {
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   plan_threads_ = std::max(1, usable_cores > 0 ? std::min(options.plan_threads, usable_cores) : options.plan_threads);
   if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
@@ -71,8 +71,11 @@ Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
   const bool appends = protocol_->kind() == StepKind::kDecode;
   const int probs_row = PrimaryRowOf(config_, appends);
 
-  // The new K/V as fp16, [row][n_kv][d], for every sequence at once, into the layer's pair.
-  kv_ = layer & 1;
+  // The new K/V as fp16, [row][n_kv][d], for every sequence at once, into the pair the last Plan
+  // did not write; the page writes still pending after a selection read the other one, unless a
+  // layer failed between them (then they are joined first).
+  kv_ ^= 1;
+  if (selection_pending_ && writes_kv_ == kv_) SPECACHE_RETURN_IF_ERROR(JoinSelection());
   Buffer<Half>& keys = k_[kv_];
   Buffer<Half>& values = v_[kv_];
   SPECACHE_RETURN_IF_ERROR(keys.Reserve(total_rows * n_kv * d));
@@ -225,6 +228,7 @@ Status StepPlanner::JoinSelection() {
   if (!selection_pending_) return Status::Ok();
   SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(compute_, selection_end_, 0), "wait for the selection"));
   selection_pending_ = false;  // only once the wait is queued: a failed join is tried again
+  writes_kv_ = -1;
   return Status::Ok();
 }
 

@@ -82,8 +82,12 @@ class StepPlanner {
   // recorded on that stream and given to JoinSelectionAt, so that the join covers it.
   cudaStream_t pending_selection_stream() const { return selection_pending_ ? select_ : nullptr; }
   // The next join waits for `end` (recorded on pending_selection_stream() after the selection)
-  // instead of the selection's own end.
-  void JoinSelectionAt(cudaEvent_t end) { selection_end_ = end; }
+  // instead of the selection's own end: work that reads the last Plan's new rows (new_keys(),
+  // new_values()), which the Plan after next rewrites (joining it first if still pending).
+  void JoinSelectionAt(cudaEvent_t end) {
+    selection_end_ = end;
+    writes_kv_ = kv_;
+  }
   // The host waits for the selection stream.
   Status WaitForSelection() const;
 
@@ -156,11 +160,14 @@ class StepPlanner {
   Buffer<float> real_shifted_;             // kUnion with real_next: [segment][GQA head][n]
   Buffer<int32_t> every_token_;            // oracle: 0, 1, 2, ... (every quantized token)
   Buffer<Half> every_row_;                 // oracle: every quantized row of the step's items
-  // The new rows in fp16, one pair of buffers by the decode layer's parity (kv_: the last call's):
-  // what the agent queues after a selection (pending_selection_stream) reads layer L's rows until
-  // L + 1's attention joins it, after L + 1's Plan wrote the other pair. Prefill uses pair 0.
+  // The new rows in fp16, two pairs of buffers that decode Plans take in turn (kv_: the last
+  // call's), whatever the order of the layers: what the agent queues after a selection
+  // (pending_selection_stream, JoinSelectionAt) reads one layer's rows until the next attention
+  // joins it, after the next Plan wrote the other pair; writes_kv_ is the pair such work still
+  // reads (-1: none pending). Prefill uses pair 0.
   Buffer<Half> k_[2], v_[2];
   int kv_ = 0;
+  int writes_kv_ = -1;
   int32_t prefill_tokens_ = 0;  // of the last PrefillSequence
   // probs_ holds raw scores; probs_stats_ [sequence][KV head][GQA head][2] their softmax statistics.
 };
