@@ -425,9 +425,11 @@ Result<AgentStats> MatchOnDevice(const ModelShape& shape, const KvConfig& c, con
 #ifdef SPECACHE_TEST_HAVE_CUDA
 // The device-tensor driver's ragged batch (3 layers, 2 KV heads, prompts of 150, 333, 64 and 1
 // tokens, 70 steps) in `c` on each of `routes` (MatchOnDevice), against the CPU agent of the same
-// config; check(route, stats) adds a route's own checks.
+// config; check(route, stats) adds a route's own checks. The CUDA agent decodes each step's layers
+// in `layer_order` (empty: in order), the CPU agent in order.
 template <typename Check>
-void MatchBatchOnDeviceTensors(const KvConfig& c, std::span<const FetchRoute> routes, Check&& check) {
+void MatchBatchOnDeviceTensors(const KvConfig& c, std::span<const FetchRoute> routes, Check&& check,
+                               const std::vector<int>& layer_order = {}) {
   const ModelShape shape{3, 8, 2, 64};
   const std::vector<int32_t> prompts{150, 333, 64, 1};
   InMemorySource cpu_source;
@@ -437,7 +439,7 @@ void MatchBatchOnDeviceTensors(const KvConfig& c, std::span<const FetchRoute> ro
   ASSERT_TRUE(want.ok()) << want.status().ToString();
   for (const FetchRoute& route : routes) {
     auto b = MatchOnDevice(shape, c, route, **cpu, *want, prompts.size(), [&](Agent* gpu, cudaStream_t stream) {
-      return DriveBatchOnDevice(gpu, prompts, 70, std::mt19937(77), stream);
+      return DriveBatchOnDevice(gpu, prompts, 70, std::mt19937(77), stream, layer_order);
     });
     ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
     check(route, *b, shape);
@@ -474,19 +476,7 @@ TEST(CudaAgentTest, LayersDecodedOutOfOrderMatchTheCpuAgent) {
   KvConfig c;
   c.key_bits = c.value_bits = 2;
   c.top_k = 24;
-  const ModelShape shape{3, 8, 2, 64};
-  const std::vector<int32_t> prompts{150, 333, 64, 1};
-  InMemorySource cpu_source;
-  auto cpu = CreateCpuAgent(shape, c, &cpu_source);
-  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
-  auto want = testing::DriveBatch(cpu->get(), prompts, 40, std::mt19937(78));
-  ASSERT_TRUE(want.ok()) << want.status().ToString();
-  for (const FetchRoute& route : kFetchRoutes) {
-    auto b = MatchOnDevice(shape, c, route, **cpu, *want, prompts.size(), [&](Agent* gpu, cudaStream_t stream) {
-      return DriveBatchOnDevice(gpu, prompts, 40, std::mt19937(78), stream, {0, 2, 1});
-    });
-    ASSERT_TRUE(b.ok()) << route.Name() << ": " << b.status().ToString();
-  }
+  MatchBatchOnDeviceTensors(c, kFetchRoutes, [](const FetchRoute&, const AgentStats&, const ModelShape&) {}, {0, 2, 1});
 #endif
 }
 

@@ -30,6 +30,16 @@ import subprocess
 import sys
 
 
+def parse_map_line(line):
+    """A `map ` line (a line of /proc/self/maps): (start, end, file offset, path) of an executable
+    mapping of a file, else None."""
+    parts = line[4:].split()
+    if len(parts) < 6 or "x" not in parts[1]:
+        return None
+    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+    return (lo, hi, int(parts[2], 16), parts[5])
+
+
 def read(path):
     """The memory map and the samples' return addresses; with `with_times`, also each sample's
     (cpu_ns, wall_ns), None for a file written without them."""
@@ -37,11 +47,9 @@ def read(path):
     with open(path) as f:
         for line in f:
             if line.startswith("map "):
-                parts = line[4:].split()
-                if len(parts) < 6 or "x" not in parts[1]:
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                maps.append((lo, hi, int(parts[2], 16), parts[5]))
+                m = parse_map_line(line)
+                if m:
+                    maps.append(m)
             elif line.startswith("s"):
                 fields = line.split()[1:]
                 cpu = wall = None

@@ -26,11 +26,9 @@ def read_sites(path):
     with open(path) as f:
         for line in f:
             if line.startswith("map "):
-                parts = line[4:].split()
-                if len(parts) < 6 or "x" not in parts[1]:
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                maps.append((lo, hi, int(parts[2], 16), parts[5]))
+                m = host_profile.parse_map_line(line)
+                if m:
+                    maps.append(m)
             elif line.startswith("site "):
                 kind, rest = line[5:].rstrip("\n").split("\t")
                 fields = rest.split()

@@ -163,10 +163,11 @@ __global__ void QuantizeValueTokenRunsKernel(RunBatch<ValueTokenRun> batch, int 
 
 // One warp per (task, channel group): the token's parts located in its replica's block, as the
 // attention reads them.
-__global__ void QuantizeValueTokensInBlocksKernel(const ValueRetireTask* __restrict__ tasks, int count,
-                                                  DeviceReplicaView v) {
+// The warps of `block` (of the value tasks' blocks) each quantize one (task, channel group).
+__device__ void RetireValuesOfBlock(const ValueRetireTask* __restrict__ tasks, int count, DeviceReplicaView v,
+                                    int64_t block) {
   const int groups = v.head_dim / v.group_size;
-  const int64_t run = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t run = block * (blockDim.x / 32) + threadIdx.x / 32;
   if (run >= static_cast<int64_t>(count) * groups) return;
   const ValueRetireTask& t = tasks[run / groups];
   v.blocks = t.blocks;
@@ -175,8 +176,13 @@ __global__ void QuantizeValueTokensInBlocksKernel(const ValueRetireTask* __restr
                          const_cast<Half*>(ValueScales(v, t.token)), const_cast<Half*>(ValueZeros(v, t.token)));
 }
 
+__global__ void QuantizeValueTokensInBlocksKernel(const ValueRetireTask* __restrict__ tasks, int count,
+                                                  DeviceReplicaView v) {
+  RetireValuesOfBlock(tasks, count, v, blockIdx.x);
+}
+
 // The appends' two jobs in one grid: blocks [0, copy_blocks) copy rows (a thread a 16-byte piece,
-// striding over the copy blocks), the rest run QuantizeValueTokensInBlocksKernel's warps.
+// striding over the copy blocks), the rest quantize values as QuantizeValueTokensInBlocksKernel.
 __global__ void CopyRowsAndQuantizeValuesKernel(const RowCopy* __restrict__ copies, int n_copies, int pieces_per_row,
                                                 int copy_blocks, const ValueRetireTask* __restrict__ tasks, int count,
                                                 DeviceReplicaView v) {
@@ -190,15 +196,7 @@ __global__ void CopyRowsAndQuantizeValuesKernel(const RowCopy* __restrict__ copi
     }
     return;
   }
-  const int groups = v.head_dim / v.group_size;
-  const int64_t run =
-      static_cast<int64_t>(blockIdx.x - copy_blocks) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (run >= static_cast<int64_t>(count) * groups) return;
-  const ValueRetireTask& t = tasks[run / groups];
-  v.blocks = t.blocks;
-  QuantizeValueGroupWarp(reinterpret_cast<const __half*>(t.value), static_cast<int>(run % groups), v.group_size,
-                         v.value_bits, const_cast<uint32_t*>(ValueCodes(v, t.token)),
-                         const_cast<Half*>(ValueScales(v, t.token)), const_cast<Half*>(ValueZeros(v, t.token)));
+  RetireValuesOfBlock(tasks, count, v, static_cast<int64_t>(blockIdx.x) - copy_blocks);
 }
 
 Status Check(int group_size, int head_dim, int bits) {
