@@ -139,7 +139,9 @@ struct PrintCounts {
   ~PrintCounts() {
     if (counting) {
       std::fprintf(stderr, "null CUDA runtime: calls made\n");
-      for (int c = 0; c < kCallCount; ++c) std::fprintf(stderr, "  %12llu  %s\n", (unsigned long long)counts[c].load(), kCallNames[c]);
+      for (int c = 0; c < kCallCount; ++c) {
+        std::fprintf(stderr, "  %12llu  %s\n", static_cast<unsigned long long>(counts[c].load()), kCallNames[c]);
+      }
     }
     // A process that made no call (a wrapper that only inherited LD_PRELOAD) writes nothing.
     if (sites_path == nullptr || Sites().empty()) return;

@@ -24,8 +24,9 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
       rows_(rows),
       pages_(pages),
       compute_(compute),
-      topk_plan_(options.selection_on_own_stream && !config.selects_for_this_step() ? DecodePlan::SlotReads::kStreamCopy
-                                                                                     : DecodePlan::SlotReads::kDeviceCopy) {
+      topk_plan_(options.selection_on_own_stream && !config.selects_for_this_step()
+                     ? DecodePlan::SlotReads::kStreamCopy
+                     : DecodePlan::SlotReads::kDeviceCopy) {
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   plan_threads_ = std::max(1, usable_cores > 0 ? std::min(options.plan_threads, usable_cores) : options.plan_threads);
   if (config.mode == KvMode::kSpeCache) plan_.set_free_slots(options.fetch_blocks);
@@ -49,7 +50,8 @@ Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, in
   for (int h = 0; h < n_kv; ++h) {  // [n][n_kv][d] float -> [n_kv][n][d] fp16
     const size_t kv_at = (size_t(first) * n_kv + h) * d;
     SPECACHE_RETURN_IF_ERROR(FloatKeyValueRowsToHalf(batch.k + kv_at, batch.v + kv_at, n, d, int64_t{n_kv} * d,
-                                                     keys.get() + size_t(h) * n * d, values.get() + size_t(h) * n * d, compute_));
+                                                     keys.get() + size_t(h) * n * d, values.get() + size_t(h) * n * d,
+                                                     compute_));
   }
   prefill_tokens_ = n;
   if (!batch.out) return Status::Ok();
@@ -58,8 +60,8 @@ Status StepPlanner::PrefillSequence(const PrefillBatch& batch, int32_t first, in
   if (!TensorPrefillServes(batch.q + q_at, keys.get(), values.get(), batch.out + q_at, d)) {
     SPECACHE_RETURN_IF_ERROR(scores_.Reserve(static_cast<size_t>(PrefillScratchFloats(n, group))));
   }
-  return AttendPrefill(batch.q + q_at, keys.get(), values.get(), n, n_kv, group, d, scale_, batch.out + q_at, scores_.get(),
-                       compute_);
+  return AttendPrefill(batch.q + q_at, keys.get(), values.get(), n, n_kv, group, d, scale_, batch.out + q_at,
+                       scores_.get(), compute_);
 }
 
 Result<LayerPlan> StepPlanner::Plan(int layer, const DecodeRows& rows) {
