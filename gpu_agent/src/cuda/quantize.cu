@@ -12,6 +12,7 @@
 #include "specache/cuda_tensors.h"
 #include "block_task.cuh"
 #include "decode_plan_slots.h"
+#include "row_copy.cuh"
 
 namespace specache::cuda {
 namespace {
@@ -187,13 +188,8 @@ __global__ void CopyRowsAndQuantizeValuesKernel(const RowCopy* __restrict__ copi
                                                 int copy_blocks, const ValueRetireTask* __restrict__ tasks, int count,
                                                 DeviceReplicaView v) {
   if (static_cast<int>(blockIdx.x) < copy_blocks) {
-    const int64_t total = static_cast<int64_t>(n_copies) * pieces_per_row;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-         i += static_cast<int64_t>(copy_blocks) * blockDim.x) {
-      const RowCopy& c = copies[i / pieces_per_row];
-      const int piece = static_cast<int>(i % pieces_per_row);
-      static_cast<uint4*>(c.dst)[piece] = static_cast<const uint4*>(c.src)[piece];
-    }
+    CopyRowPieces(copies, n_copies, pieces_per_row, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                  static_cast<int64_t>(copy_blocks) * blockDim.x);
     return;
   }
   RetireValuesOfBlock(tasks, count, v, static_cast<int64_t>(blockIdx.x) - copy_blocks);
@@ -355,10 +351,9 @@ Status CopyRowsAndQuantizeValueTokensInBlocks(const RowCopy* copies, int n_copie
   std::memcpy(up.host, copies, copy_bytes);
   std::memcpy(static_cast<char*>(up.host) + copy_bytes, tasks, bytes - copy_bytes);
   SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, bytes, s));
-  constexpr int kThreads = 256, kWarps = kThreads / 32;
+  constexpr int kThreads = 256, kWarps = kThreads / 32;  // GridStrideBlocks' blocks
   const int pieces_per_row = row_bytes / 16;
-  const int64_t pieces = int64_t{n_copies} * pieces_per_row;
-  const int copy_blocks = static_cast<int>(std::min<int64_t>(1024, (pieces + kThreads - 1) / kThreads));
+  const int copy_blocks = GridStrideBlocks(int64_t{n_copies} * pieces_per_row);
   const int64_t runs = int64_t{n_tasks} * (geometry.head_dim / geometry.group_size);
   const auto* device = static_cast<const char*>(up.device);
   CopyRowsAndQuantizeValuesKernel<<<static_cast<unsigned>(copy_blocks + (runs + kWarps - 1) / kWarps), kThreads, 0, s>>>(

@@ -5,6 +5,7 @@
 
 #include "specache/cuda_tensors.h"
 #include "decode_plan_slots.h"
+#include "row_copy.cuh"
 
 namespace specache::cuda {
 namespace {
@@ -31,23 +32,16 @@ __global__ void InterleaveKernel(const __half* k, const __half* v, int64_t total
 
 // One thread per 16-byte piece.
 __global__ void CopyRowsKernel(const RowCopy* __restrict__ copies, int count, int pieces_per_row) {
-  const int64_t total = static_cast<int64_t>(count) * pieces_per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const RowCopy& c = copies[i / pieces_per_row];
-    const int piece = static_cast<int>(i % pieces_per_row);
-    static_cast<uint4*>(c.dst)[piece] = static_cast<const uint4*>(c.src)[piece];
-  }
+  CopyRowPieces(copies, count, pieces_per_row, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
-
-int Blocks(int64_t total) { return static_cast<int>(std::min<int64_t>(1024, (total + 255) / 256)); }
 
 }  // namespace
 
 Status FloatRowsToHalf(const float* src, int32_t n, int d, int64_t src_stride, Half* dst, void* stream) {
   const int64_t total = static_cast<int64_t>(n) * d;
   if (total <= 0) return Status::Ok();
-  FloatRowsToHalfKernel<<<Blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  FloatRowsToHalfKernel<<<GridStrideBlocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       src, total, d, src_stride, reinterpret_cast<__half*>(dst), nullptr, nullptr);
   return LaunchStatus("float to fp16 kernel");
 }
@@ -56,7 +50,7 @@ Status FloatKeyValueRowsToHalf(const float* k, const float* v, int32_t n, int d,
                                Half* v_dst, void* stream) {
   const int64_t total = static_cast<int64_t>(n) * d;
   if (total <= 0) return Status::Ok();
-  FloatRowsToHalfKernel<<<dim3(Blocks(total), 2), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  FloatRowsToHalfKernel<<<dim3(GridStrideBlocks(total), 2), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       k, total, d, src_stride, reinterpret_cast<__half*>(k_dst), v, reinterpret_cast<__half*>(v_dst));
   return LaunchStatus("float to fp16 kernel");
 }
@@ -64,7 +58,7 @@ Status FloatKeyValueRowsToHalf(const float* k, const float* v, int32_t n, int d,
 Status InterleaveKv(const Half* k, const Half* v, int32_t n, int d, Half* rows, void* stream) {
   const int64_t total = static_cast<int64_t>(n) * 2 * d;
   if (total <= 0) return Status::Ok();
-  InterleaveKernel<<<Blocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  InterleaveKernel<<<GridStrideBlocks(total), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __half*>(k), reinterpret_cast<const __half*>(v), total, d, reinterpret_cast<__half*>(rows));
   return LaunchStatus("K/V interleave kernel");
 }
@@ -76,7 +70,7 @@ Status CopyRows(const RowCopy* copies, int n, int row_bytes, void* stream, Decod
   const int64_t pieces = int64_t{n} * (row_bytes / 16);
   auto* s = static_cast<cudaStream_t>(stream);
   return WithDeviceTasks(plan, copies, n, s, "row copy kernel", [&](const RowCopy* on_device) {
-    CopyRowsKernel<<<Blocks(pieces), 256, 0, s>>>(on_device, n, row_bytes / 16);
+    CopyRowsKernel<<<GridStrideBlocks(pieces), 256, 0, s>>>(on_device, n, row_bytes / 16);
   });
 }
 
