@@ -41,11 +41,10 @@ inline int64_t CurrentDeviceL2Bytes() {
 // asked (launch sizing only).
 inline int MultiprocessorCount() {
   static std::atomic<int> known[kMaxKnownDevices] = {};
-  const int sms = KnownForCurrentDevice(known, 100, [](int device) {
+  return KnownForCurrentDevice(known, 100, [](int device) {
     int n = 0;
     return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && n > 0 ? n : 100;
   });
-  return sms;
 }
 
 // Whether the current device's compute capability is at least `major`.0, asked once per device

@@ -373,8 +373,8 @@ Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_
   //    (and counts them). A cache's first fetch: the list must see the fills queued before.
   if (sm == n) return Status::Ok();
   const auto tasks = std::span(w.tasks).subspan(sm);
-  const cudaEvent_t both[] = {selected_[w.layer], appended_[w.layer]};
-  const auto ready = std::span(both).subspan(w.writes_follow_selection ? 1 : 0);
+  cudaEvent_t storage[2];
+  const std::span<const cudaEvent_t> ready = ReadyEvents(w, storage);
   const bool fills = w.fills.size() > w.sm_fills;
   SPECACHE_ASSIGN_OR_RETURN(std::vector<FetchTask> routed,
                             copy_engine->Stage(tasks, std::span(w.host_pages).subspan(sm), ready, stream, fills, plan));
@@ -436,11 +436,18 @@ Status RowFetcher::MarkSelected(int layer, cudaStream_t stream) {
   return Status::Ok();
 }
 
+std::span<const cudaEvent_t> RowFetcher::ReadyEvents(const FetchWork& w, cudaEvent_t (&storage)[2]) const {
+  storage[0] = selected_[w.layer];
+  storage[1] = appended_[w.layer];
+  return std::span<const cudaEvent_t>(storage).subspan(w.writes_follow_selection ? 1 : 0);
+}
+
 Status RowFetcher::WaitForSelectionAndWrites(const FetchWork& w, cudaStream_t stream) const {
-  if (!w.writes_follow_selection) {
-    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, selected_[w.layer], 0), "wait for the selection"));
+  cudaEvent_t storage[2];
+  for (cudaEvent_t e : ReadyEvents(w, storage)) {
+    SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, e, 0), "wait for the selection and page writes"));
   }
-  return CudaStatus(cudaStreamWaitEvent(stream, appended_[w.layer], 0), "wait for the page writes");
+  return Status::Ok();
 }
 
 // The overlapped fetch of layer L, in order (both paths):

@@ -260,8 +260,10 @@ class RowFetcher {
     // their event alone orders both.
     bool writes_follow_selection = false;
   };
-  // The events a fetch of the work's layer waits for on `stream`: its selection's and its page
-  // writes' (the writes' alone when they follow the selection, FetchWork::writes_follow_selection).
+  // The events a fetch of the work's layer waits for: its selection's and its page writes' (the
+  // writes' alone when they follow the selection, FetchWork::writes_follow_selection), in `storage`.
+  std::span<const cudaEvent_t> ReadyEvents(const FetchWork& work, cudaEvent_t (&storage)[2]) const;
+  // `stream` waits for ReadyEvents.
   Status WaitForSelectionAndWrites(const FetchWork& work, cudaStream_t stream) const;
   // The row cache of a (sequence, layer), list and rows, at KvConfig::cache_rows() (kept if it was).
   Status ReserveCache(LayerRows* lr) const;
