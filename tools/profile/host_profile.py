@@ -41,8 +41,8 @@ def parse_map_line(line):
 
 
 def read(path):
-    """The memory map and the samples' return addresses; with `with_times`, also each sample's
-    (cpu_ns, wall_ns), None for a file written without them."""
+    """The memory map, the samples' return addresses and each sample's (cpu_ns, wall_ns) (None for
+    a file written without them)."""
     maps, samples, times = [], [], []
     with open(path) as f:
         for line in f:
@@ -107,8 +107,10 @@ def parse_dynamic_symbols(text):
     return syms
 
 
-def nearest_symbol(syms, addr):
-    i = bisect.bisect_right([a for a, _ in syms], addr) - 1
+def nearest_symbol(syms, addr, starts=None):
+    """The name of the last of `syms` at or below `addr`; `starts`: their addresses, when the
+    caller looks up many."""
+    i = bisect.bisect_right(starts if starts is not None else [a for a, _ in syms], addr) - 1
     return syms[i][1] if i >= 0 else None
 
 
@@ -156,14 +158,15 @@ def symbolize(maps, samples, binaries, unnamed=None):
         out = subprocess.run(["addr2line", "-a", "-f", "-C", "-i", "-e", copy] + [hex(a) for a in addrs],
                              capture_output=True, text=True).stdout
         chains = parse_inline_chains(out)
-        syms = None
+        syms = starts = None
         for a in addrs:
             chain = [fn for fn in chains.get(a, []) if fn != "??"]
             if not chain:  # no debug information: the dynamic symbol below it
                 if syms is None:
                     syms = parse_dynamic_symbols(subprocess.run(["nm", "-D", "--defined-only", copy],
                                                                 capture_output=True, text=True).stdout)
-                sym = nearest_symbol(syms, a)
+                    starts = [s for s, _ in syms]
+                sym = nearest_symbol(syms, a, starts)
                 chain = [f"{label}:{sym}" if sym else label]
             names[(module, a)] = chain
     return [[fn for pc in s for fn in names[where[pc]]] for s in samples]
