@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -315,10 +316,26 @@ TEST(CudaTopKTest, ForcedCutsEqualTheCpuSelection) {
 #endif
 }
 
-// A plan that copies its segments in the call's own stream (DecodePlan::SlotReads::kStreamCopy,
-// the agent's selection stream) selects what the CPU does over more calls in a row than its ring
-// has slots (each slot rewritten only after its release), as a side-stream copy's plan does.
-TEST(CudaTopKTest, PlansCopyingOnTheCallsStreamOrASideStreamSelectAsTheCpuOverManyCalls) {
+#ifdef SPECACHE_TEST_HAVE_CUDA
+// The name of a plan's kind of slot reads, for the tests' messages.
+const char* ReadsName(cuda::DecodePlan::SlotReads reads) {
+  switch (reads) {
+    case cuda::DecodePlan::SlotReads::kDeviceCopy: return "side-stream copy";
+    case cuda::DecodePlan::SlotReads::kStreamCopy: return "stream copy";
+    case cuda::DecodePlan::SlotReads::kInPlace: return "read in place";
+  }
+  return "?";
+}
+constexpr cuda::DecodePlan::SlotReads kEveryReads[] = {cuda::DecodePlan::SlotReads::kDeviceCopy,
+                                                       cuda::DecodePlan::SlotReads::kStreamCopy,
+                                                       cuda::DecodePlan::SlotReads::kInPlace};
+#endif
+
+// A plan whose segments are read in place (DecodePlan::SlotReads::kInPlace, the agent's selection
+// stream) or copied in the call's own stream selects what the CPU does over more calls in a row
+// than its ring has slots (each slot, and its zeroed counters of the segments' parts, taken again
+// only after its release), as a side-stream copy's plan does.
+TEST(CudaTopKTest, PlansOfEveryKindSelectAsTheCpuOverManyCalls) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(71);
@@ -342,8 +359,7 @@ TEST(CudaTopKTest, PlansCopyingOnTheCallsStreamOrASideStreamSelectAsTheCpuOverMa
   }
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  for (auto reads : {cuda::DecodePlan::SlotReads::kStreamCopy, cuda::DecodePlan::SlotReads::kDeviceCopy}) {
-    const bool in_stream = reads == cuda::DecodePlan::SlotReads::kStreamCopy;
+  for (auto reads : kEveryReads) {
     cuda::DecodePlan plan(reads);
     // [call][segment]: every call's selection kept apart, allocated before the calls (so that
     // nothing slows the host between them: the ring's slots come round while kernels still run).
@@ -356,14 +372,73 @@ TEST(CudaTopKTest, PlansCopyingOnTheCallsStreamOrASideStreamSelectAsTheCpuOverMa
       std::vector<cuda::TopKSegment> segments = sets[call % kSets];
       for (int i = 0; i < 3; ++i) segments[i].tokens = outputs[call * 3 + i];
       ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), 3, heads, k, GroupReduction::kMean, stream, nullptr, &plan).ok())
-          << "call " << call << (in_stream ? ", stream copy" : ", side-stream copy");
+          << "call " << call << ", " << ReadsName(reads);
     }
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     for (int call = 0; call < kCalls; ++call) {
       for (int i = 0; i < 3; ++i) {
         const std::vector<int32_t>& expected = want[(call % kSets) * 3 + i];
         ASSERT_EQ(testing::Download(outputs[call * 3 + i], expected.size()), expected)
-            << "call " << call << ", segment " << i << (in_stream ? ", stream copy" : ", side-stream copy");
+            << "call " << call << ", segment " << i << ", " << ReadsName(reads);
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+#endif
+}
+
+// The parts' counters live in each slot's zeroed device bytes, which the kernels leave zero: on
+// every kind of plan, calls of segments cut into several parts (counters asked for), of 1500 such
+// segments (more counters than a slot's first buffer holds: it grows partway through the ring) and
+// of one-part segments (none asked for) take the ring's slots in turn over more calls than it
+// has, and every call selects what the CPU does.
+TEST(CudaTopKTest, PartCountersGrowAndComeBackZeroOnEveryKindOfPlan) {
+  SPECACHE_REQUIRE_CUDA_DEVICE();
+#ifdef SPECACHE_TEST_HAVE_CUDA
+  std::mt19937 rng(83);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int k = 16, heads = 2, kCalls = 130;  // > DecodePlan's ring of 64 slots; 64 % 3 != 0
+  testing::DeviceBuffers buf;
+  // Three kinds of call: 3 segments of 4 parts, 1500 of 2 parts, 3 of one part (parts of 1024 tokens).
+  const std::vector<std::vector<int32_t>> kinds = {{4096, 4000, 3900}, std::vector<int32_t>(1500, 2048), {700, 1000, 300}};
+  std::vector<std::vector<cuda::TopKSegment>> sets(kinds.size());
+  std::vector<std::vector<std::vector<int32_t>>> want(kinds.size());
+  for (size_t c = 0; c < kinds.size(); ++c) {
+    std::vector<std::vector<float>> probs;
+    for (int32_t n : kinds[c]) sets[c].push_back(SegmentWithStatistics(heads, n, k, rng, normal, buf, &probs));
+    for (size_t i = 0; i < probs.size(); ++i) {
+      std::vector<int32_t> rows;
+      std::vector<float> scratch;
+      cpu::SelectTopK(probs[i].data(), heads, kinds[c][i], k, GroupReduction::kMean, &rows, &scratch);
+      want[c].push_back(std::move(rows));
+    }
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (auto reads : kEveryReads) {
+    cuda::DecodePlan plan(reads);
+    plan.force_topk_part_tokens(1024);
+    // Every call's selection kept apart (one buffer a call, a segment's rows k apart).
+    std::vector<int32_t*> outputs;
+    for (int call = 0; call < kCalls; ++call) {
+      outputs.push_back(buf.Allocate<int32_t>(sets[call % 3].size() * k));
+      ASSERT_TRUE(outputs.back());
+    }
+    for (int call = 0; call < kCalls; ++call) {
+      std::vector<cuda::TopKSegment> segments = sets[call % 3];
+      for (size_t i = 0; i < segments.size(); ++i) segments[i].tokens = outputs[call] + i * k;
+      ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k,
+                                        GroupReduction::kMean, stream, nullptr, &plan)
+                      .ok())
+          << "call " << call << ", " << ReadsName(reads);
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int call = 0; call < kCalls; ++call) {
+      const std::vector<std::vector<int32_t>>& expected = want[call % 3];
+      const std::vector<int32_t> got = testing::Download(outputs[call], expected.size() * k);
+      for (size_t i = 0; i < expected.size(); ++i) {
+        ASSERT_EQ(std::vector<int32_t>(got.begin() + i * k, got.begin() + i * k + expected[i].size()), expected[i])
+            << "call " << call << ", segment " << i << ", " << ReadsName(reads);
       }
     }
   }
@@ -372,9 +447,9 @@ TEST(CudaTopKTest, PlansCopyingOnTheCallsStreamOrASideStreamSelectAsTheCpuOverMa
 }
 
 // The selection captured in a CUDA graph and replayed over new scores: segments of several parts
-// (whose last part to finish merges, counted in the plan's upload) give the CPU's selection on
-// every replay, not only the first (the counters start from zero each time), ties across parts
-// included.
+// (whose last part to finish merges, counted in the plan slot's zeroed bytes) give the CPU's
+// selection on every replay, not only the first (the captured zeroing and the kernels' own reset
+// start the counters from zero each time), ties across parts included.
 TEST(CudaTopKTest, ACapturedGraphReplaysTheSelectionOverNewScores) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
@@ -389,8 +464,8 @@ TEST(CudaTopKTest, ACapturedGraphReplaysTheSelectionOverNewScores) {
   }
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  for (auto reads : {cuda::DecodePlan::SlotReads::kDeviceCopy, cuda::DecodePlan::SlotReads::kStreamCopy}) {
-    SCOPED_TRACE(reads == cuda::DecodePlan::SlotReads::kStreamCopy ? "stream copy" : "side-stream copy");
+  for (auto reads : kEveryReads) {
+    SCOPED_TRACE(ReadsName(reads));
     cuda::DecodePlan plan(reads);
     cudaGraph_t graph = nullptr;
     ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
@@ -473,9 +548,13 @@ TEST(CudaTopKTest, AdaptiveBudgetEqualsTheCpuRule) {
   struct Bounds {
     int k_min, k_max;
   };
+  int combination = 0;
   for (double mass : {0.05, 0.5, 0.9, 0.99, 1.0}) {
     for (Bounds b : {Bounds{1, 64}, Bounds{8, 64}, Bounds{16, 16}, Bounds{5, 333}, Bounds{1, 1000}}) {
       for (GroupReduction red : {GroupReduction::kMean, GroupReduction::kMax}) {
+        // Each kind of plan in turn (the budget kernel reads its segment from the slot too).
+        const cuda::DecodePlan::SlotReads reads = kEveryReads[combination++ % std::size(kEveryReads)];
+        cuda::DecodePlan plan(reads);
         testing::DeviceBuffers buf;
         std::vector<cuda::TopKSegment> segments;
         std::vector<std::vector<float>> probs;
@@ -506,8 +585,9 @@ TEST(CudaTopKTest, AdaptiveBudgetEqualsTheCpuRule) {
         auto* rows = buf.Zeros<unsigned long long>(1);
         const cuda::TopKBudget budget{static_cast<float>(mass), b.k_min, rows};
         ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, b.k_max, red,
-                                          nullptr, &budget)
-                        .ok());
+                                          nullptr, &budget, &plan)
+                        .ok())
+            << ReadsName(reads);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         KvConfig c;
         c.mass = mass;
@@ -522,7 +602,8 @@ TEST(CudaTopKTest, AdaptiveBudgetEqualsTheCpuRule) {
           cpu::SelectRows(c, probs[i].data(), probs[i].data(), heads, n, &want, &scratch);
           const std::string where = "mass " + std::to_string(mass) + " k " + std::to_string(b.k_min) + ".." +
                                     std::to_string(b.k_max) + " reduction " + std::to_string(static_cast<int>(red)) +
-                                    " n " + std::to_string(n) + (i < lengths.size() ? " peaked" : " flat");
+                                    " n " + std::to_string(n) + (i < lengths.size() ? " peaked" : " flat") +
+                                    ", " + ReadsName(reads);
           const int32_t count = testing::Download(segments[i].count, 1)[0];
           ASSERT_EQ(count, static_cast<int32_t>(want.size())) << where;
           std::vector<int32_t> got = testing::Download(segments[i].tokens, std::min<int32_t>(b.k_max, n));

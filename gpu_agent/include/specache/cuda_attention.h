@@ -215,22 +215,24 @@ struct DeviceDecodeItem {
 // destroyed (which then waits for the whole device).
 //
 // CUDA graphs: a call made while its stream is being captured reads a slot kept for the graph
-// (never rewritten, 64 KB or more pinned each until the plan goes), so replaying the graph
+// (never rewritten, 64 KB or more pinned each until the plan goes, and a few KB of device memory
+// where the call's kernels keep counters there: the top-k's), so replaying the graph
 // replays the same plan: keep the plan alive as long as the graph. A call given no plan (one of its
 // own, freed on return) is refused on a capturing stream (INVALID_ARGUMENT). One plan per thread
 // of calls (not thread-safe). UNAVAILABLE without CUDA.
 class DecodePlan {
  public:
   // Where the kernels read a slot. kDeviceCopy: a copy in device memory, made on a side stream
-  // (the attention's items and the top-k's segments, which many threads read). kInPlace: the
-  // pinned host bytes themselves, over PCIe (small task lists whose threads read a task each: no
-  // copy that could queue behind the fetch's large copies on the copy engine; measured on the
-  // H200, task lists copied to the device made the fetch's missed-row list wait for them and the
-  // step wait 14-21 ms for the fetch at 8K, 98 sequences, where the attention read in place ran
-  // 35-55% slower). kStreamCopy: a copy in device memory made on the call's own stream, in its
-  // order (no side stream's event and wait: two host calls fewer a call), for a stream off the
-  // engine's critical path, where the copy's latency before the kernels costs nothing (the top-k's
-  // segments on the selection's stream).
+  // (the attention's items, which many threads read; the top-k's segments where the selection
+  // runs on the compute stream). kInPlace: the pinned host bytes themselves, over PCIe (small task
+  // lists whose threads read a task each: no copy that could queue behind the fetch's large copies
+  // on the copy engine; measured on the H200, task lists copied to the device made the fetch's
+  // missed-row list wait for them and the step wait 14-21 ms for the fetch at 8K, 98 sequences,
+  // where the attention read in place ran 35-55% slower), and the top-k's segments on the
+  // selection's own stream (a block reads its segment once: no host call at all). kStreamCopy: a
+  // copy in device memory made on the call's own stream, in its order (no side stream's event and
+  // wait: two host calls fewer a call), for a stream off the engine's critical path, where the
+  // copy's latency before the kernels costs nothing (no user in the agent now; the tests').
   enum class SlotReads { kDeviceCopy, kInPlace, kStreamCopy };
   explicit DecodePlan(SlotReads reads = SlotReads::kDeviceCopy);
   ~DecodePlan();  // waits for the device to finish reading the slots

@@ -1,6 +1,6 @@
 // DecodePlan's slots (cuda_attention.h), for the kernels of the decode step that read their work
-// lists from a slot instead of their parameters: the attention (attention.cu) and the top-k
-// (topk.cu) from device copies; the fetch and the page writes (fetch.cu), the row copies
+// lists from a slot instead of their parameters: the attention (attention.cu) from device copies,
+// the top-k (topk.cu) from device copies or in place (the agent's selection stream); the fetch and the page writes (fetch.cu), the row copies
 // (tensors.cu), the appends' key and value quantization (quantize.cu), the selection rule's
 // batches (selection.cu) and the mma packing (mma_codes.cu) in place, through WithDeviceTasks.
 // Internal to the agent.
@@ -44,6 +44,10 @@ struct DecodePlan::Impl {
     void* host = nullptr;    // pinned (mapped in place)
     void* device = nullptr;  // device memory, or in place the device's address of `host`
     size_t bytes = 0;
+    // Device memory zeroed when allocated, which the slot's kernels leave zeroed (counters they
+    // count up and reset: the top-k's finished parts); only for calls that ask for it (Begin).
+    void* zeroed = nullptr;
+    size_t zeroed_bytes = 0;
     cudaEvent_t copied = nullptr, done = nullptr;  // `copied`: device copies only
     // The ring slot whose `done` releases this one (its group's last), once `recorded`: recorded
     // and not yet waited for by this slot. A `done` waited for is `waited` until recorded again.
@@ -71,6 +75,7 @@ struct DecodePlan::Impl {
   // size) cudaFree and cudaFreeHost would wait for all of the device's work there. A slot at
   // least doubles when it grows, so these hold less than the slots themselves.
   std::vector<std::pair<void*, void*>> outgrown;
+  std::vector<void*> outgrown_zeroed;  // the slots' zeroed device bytes that grew, likewise
 
   // (A captured slot's events belong to the graph's capture: they are never waited for.)
   void Free(Slot& s) const {
@@ -78,6 +83,7 @@ struct DecodePlan::Impl {
     if (s.copied) cudaEventDestroy(s.copied);
     if (s.host) cudaFreeHost(s.host);
     if (s.device && !in_place) cudaFree(s.device);
+    if (s.zeroed) cudaFree(s.zeroed);
     s = Slot{};
   }
   ~Impl() {
@@ -101,6 +107,7 @@ struct DecodePlan::Impl {
       cudaFreeHost(host);
       if (dev) cudaFree(dev);
     }
+    for (void* zeroed : outgrown_zeroed) cudaFree(zeroed);
     if (fork) cudaEventDestroy(fork);
     if (copy) cudaStreamDestroy(copy);
   }
@@ -195,24 +202,55 @@ struct DecodePlan::Impl {
     return Status::Ok();
   }
 
+  // Grows the slot's zeroed device bytes to at least `bytes`, zeroed on `stream` ahead of the
+  // call's kernels (the slot is free: no kernel reads the old bytes, kept until the plan goes as
+  // outgrown slots are).
+  Status Zeroed(Slot* s, size_t bytes, cudaStream_t stream) {
+    if (bytes == 0 || s->zeroed_bytes >= bytes) return Status::Ok();
+    const size_t grown = std::max<size_t>({bytes, 2 * s->zeroed_bytes, 4 << 10});
+    if (s->zeroed) outgrown_zeroed.push_back(s->zeroed);
+    s->zeroed = nullptr;
+    s->zeroed_bytes = 0;
+    if (cudaMalloc(&s->zeroed, grown) != cudaSuccess) {
+      cudaGetLastError();
+      s->zeroed = nullptr;
+      return Status::ResourceExhausted("decode plan: cannot allocate " + std::to_string(grown) + " device bytes");
+    }
+    if (cudaMemsetAsync(s->zeroed, 0, grown, stream) != cudaSuccess) {
+      const cudaError_t err = cudaGetLastError();
+      outgrown_zeroed.push_back(s->zeroed);  // not zeroed: never handed out, freed with the plan
+      s->zeroed = nullptr;
+      return Status::Unavailable(std::string("decode plan: zeroing: ") + cudaGetErrorString(err));
+    }
+    s->zeroed_bytes = grown;
+    return Status::Ok();
+  }
+
   // One call's bytes on the device, in three steps: Begin takes a slot of at least `bytes` (the
-  // call writes them at `host`), Send copies them and makes `stream` wait for the copy (the call's
-  // kernels then read `device`), Finish, after the call's last kernel is queued (also after a
-  // failed launch: the copy was queued), lets the slot be written again once those kernels ran.
+  // call writes them at `host`) and, when asked, `zeroed_bytes` of device memory that reads zero
+  // on `stream` and that the call's kernels must leave zero; Send copies the bytes and makes
+  // `stream` wait for the copy (the call's kernels then read `device`), Finish, after the call's
+  // last kernel is queued (also after a failed launch: the copy was queued), lets the slot be
+  // written again once those kernels ran.
   struct Upload {
     Slot* slot = nullptr;
     void* host = nullptr;
     const void* device = nullptr;
+    void* zeroed = nullptr;  // null unless asked for
     bool capturing = false;  // the stream is being captured into a graph: a slot kept for it
   };
-  Result<Upload> Begin(size_t bytes, cudaStream_t stream) {
+  Result<Upload> Begin(size_t bytes, cudaStream_t stream, size_t zeroed_bytes = 0) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) return Status::Unavailable("decode plan: stream state");
     Upload up;
     up.capturing = capture == cudaStreamCaptureStatusActive;
     SPECACHE_ASSIGN_OR_RETURN(up.slot, Take(bytes, up.capturing));
+    // A failure leaves the slot as free as it was taken (nothing of this call queued): taken
+    // again when the ring comes round.
+    SPECACHE_RETURN_IF_ERROR(Zeroed(up.slot, zeroed_bytes, stream));
     up.host = up.slot->host;
     up.device = up.slot->device;
+    up.zeroed = zeroed_bytes > 0 ? up.slot->zeroed : nullptr;
     return up;
   }
   Status Send(const Upload& up, size_t bytes, cudaStream_t stream) { return Copy(up.slot, bytes, stream, up.capturing); }

@@ -25,7 +25,7 @@ StepPlanner::StepPlanner(const ModelShape& shape, const KvConfig& config, const 
       pages_(pages),
       compute_(compute),
       topk_plan_(options.selection_on_own_stream && !config.selects_for_this_step()
-                     ? DecodePlan::SlotReads::kStreamCopy
+                     ? DecodePlan::SlotReads::kInPlace
                      : DecodePlan::SlotReads::kDeviceCopy) {
   scale_ = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   plan_threads_ = std::max(1, usable_cores > 0 ? std::min(options.plan_threads, usable_cores) : options.plan_threads);

@@ -41,8 +41,9 @@ __device__ uint32_t OrderKey(float f) {
   return u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u);  // ~u when negative, else u | 2^31
 }
 
-// In device memory, a slot of the call's DecodePlan: these fields, then [count] segments
-// (SegmentsOf), then [count] counters of finished parts (PartsDoneOf), zero in the upload.
+// A slot of the call's DecodePlan (in device memory, or read in place): these fields, then
+// [count] segments (SegmentsOf). The segments' counters of finished parts are the slot's zeroed
+// device bytes ([count], DecodePlan::Impl::Upload::zeroed), which the kernels leave zero.
 struct TopKBatch {
   int count;
   int part_tokens;  // P
@@ -53,13 +54,8 @@ constexpr size_t kSegmentsOffset = (sizeof(TopKBatch) + alignof(TopKSegment) - 1
 __host__ __device__ const TopKSegment* SegmentsOf(const TopKBatch* batch) {
   return reinterpret_cast<const TopKSegment*>(reinterpret_cast<const char*>(batch) + kSegmentsOffset);
 }
-static_assert(sizeof(TopKSegment) % alignof(unsigned int) == 0, "the counters follow the segments");
-__host__ __device__ size_t PartsDoneOffset(int count) { return kSegmentsOffset + static_cast<size_t>(count) * sizeof(TopKSegment); }
-__device__ unsigned int* PartsDoneOf(TopKBatch* batch) {
-  return reinterpret_cast<unsigned int*>(reinterpret_cast<char*>(batch) + PartsDoneOffset(batch->count));
-}
 // The bytes of a batch of `count` segments.
-size_t BatchBytes(int count) { return PartsDoneOffset(count) + static_cast<size_t>(count) * sizeof(unsigned int); }
+size_t BatchBytes(int count) { return kSegmentsOffset + static_cast<size_t>(count) * sizeof(TopKSegment); }
 static_assert(cpu::kMassRunTokens == kThreads && kThreads == 256, "a run of the mass is one block's width, 8 per lane");
 
 // Adds 1 to histogram[bin] for every lane with `in`, one shared atomic per distinct bin per warp
@@ -494,7 +490,7 @@ constexpr size_t PartSharedBytes(int room) { return (static_cast<size_t>(room) +
 
 // Block (part, segment). A segment of one part writes its tokens; otherwise the part's candidates
 // go to the segment's scratch (scores at [part * k], tokens at [parts * k + part * k]) and the
-// segment's last part to finish (its counter in the batch) merges them: the best k of the parts'
+// segment's last part to finish (its counter in the slot's zeroed bytes) merges them: the best k of the parts'
 // candidates, which took a kernel of its own before (10 us a layer at 32 x 8K under ncu, for
 // selections of a few hundred candidates a segment).
 // Four blocks per SM (64 registers: phase one's loads in flight, ReduceInto; ptxas: 20 bytes of
@@ -506,8 +502,10 @@ constexpr size_t PartSharedBytes(int room) { return (static_cast<size_t>(room) +
 // registers through the selection (ptxas: 164 bytes of spill loads; 76 this way, none when the
 // whole batch was a parameter). Measured no slower than the parameter: one layer's top-k at
 // 32 x 8K 0.039 -> 0.036 ms, 99 x 8K 0.117 -> 0.114 (H200).
-__global__ void __launch_bounds__(kThreads, 4) TopKPartKernel(TopKBatch* __restrict__ in, int k, int part_tokens,
-                                                               int room, bool mass, int n_heads, bool use_max) {
+__global__ void __launch_bounds__(kThreads, 4) TopKPartKernel(const TopKBatch* __restrict__ in,
+                                                               unsigned int* __restrict__ parts_done, int k,
+                                                               int part_tokens, int room, bool mass, int n_heads,
+                                                               bool use_max) {
   // [room]: the part's scores (when they fit) or the segment's candidates; then the list [kListKeys]
   extern __shared__ float part_scores[];
   __shared__ SelectShared sh;
@@ -569,9 +567,9 @@ __global__ void __launch_bounds__(kThreads, 4) TopKPartKernel(TopKBatch* __restr
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned int* done = PartsDoneOf(in) + blockIdx.y;
+    unsigned int* done = parts_done + blockIdx.y;
     last_part = atomicAdd(done, 1u) == static_cast<unsigned>(parts - 1);
-    if (last_part) *done = 0;  // every part has counted: zero for a replay of the same upload (a graph's)
+    if (last_part) *done = 0;  // every part has counted: zero for the slot's next call (or a graph's replay)
     __threadfence();
   }
   __syncthreads();
@@ -629,18 +627,21 @@ __device__ float FromOrderKey(uint32_t key) {
 // selected rows, ascending in `tokens`, are sorted by rank (score descending, then token
 // ascending: a 64-bit key of the score's order key and the complement of the row's index) in
 // shared memory; one thread walks the ranks summing the positive scores until the goal (after
-// k_min rows); the rows above the cut keep their ascending order, the rest become kNoToken.
-__global__ void BudgetKernel(const TopKBatch* __restrict__ in, int n_heads, bool use_max, TopKBudget budget) {
-  WaitForPrerequisite();  // the selection (LaunchAfter)
-  const TopKBatch& batch = *in;
+// k_min rows); the rows above the cut keep their ascending order, the rest become kNoToken. The
+// block's segment is copied to shared memory first, while the selection may still run (the batch
+// may be read in place, over the link).
+__global__ void BudgetKernel(const TopKBatch* __restrict__ in, int k, int n_heads, bool use_max, TopKBudget budget) {
   extern __shared__ unsigned long long keys[];  // [width]: a power of two >= kept
   __shared__ unsigned char keep[kMaxBudgetRows];
   __shared__ int32_t cut;
   __shared__ Scan::TempStorage scan;
-  const TopKSegment& seg = SegmentsOf(in)[blockIdx.x];
+  __shared__ TopKSegment seg;
+  if (threadIdx.x == 0) seg = SegmentsOf(in)[blockIdx.x];
+  WaitForPrerequisite();  // the selection (LaunchAfter)
+  __syncthreads();
   const int32_t n = seg.n;
   if (n <= 0) return;
-  const int kept = min(batch.k, n);
+  const int kept = min(k, n);
   int width = 1;
   while (width < kept) width *= 2;
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
@@ -760,20 +761,24 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
           AllowDynamicSharedMemory(TopKPartKernel, PartSharedBytes(2 * kMaxMergeCandidates), allowed);
       if (err != cudaSuccess) return Status::Unavailable(std::string("top-k merge: ") + cudaGetErrorString(err));
     }
-    // The batch to the device (as a kernel parameter it cost the host ~3x a plain launch and
-    // capped a set at 640 segments), read there by the set's kernels.
+    // The batch to the device, or read in place (as a kernel parameter it cost the host ~3x a
+    // plain launch and capped a set at 640 segments), read there by the set's kernels; the parts'
+    // counters (segments of several parts only) in the slot's zeroed device bytes.
     const size_t batch_bytes = BatchBytes(batch.count);
-    SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(batch_bytes, s));
+    const size_t counter_bytes = max_parts > 1 ? static_cast<size_t>(batch.count) * sizeof(unsigned int) : 0;
+    SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(batch_bytes, s, counter_bytes));
     std::memcpy(up.host, &batch, sizeof(batch));
     std::memcpy(static_cast<char*>(up.host) + kSegmentsOffset, set, static_cast<size_t>(batch.count) * sizeof(TopKSegment));
-    std::memset(static_cast<char*>(up.host) + PartsDoneOffset(batch.count), 0,
-                static_cast<size_t>(batch.count) * sizeof(unsigned int));
-    SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, batch_bytes, s));
-    auto* device_batch = static_cast<TopKBatch*>(const_cast<void*>(up.device));  // the kernel counts parts in it
+    if (const Status sent = plan->impl()->Send(up, batch_bytes, s); !sent.ok()) {
+      (void)plan->impl()->Finish(up, s);  // the zeroing may be queued: released like a launch's slot
+      return sent;
+    }
+    const auto* device_batch = static_cast<const TopKBatch*>(up.device);
+    auto* parts_done = static_cast<unsigned int*>(up.zeroed);
     const unsigned n = static_cast<unsigned>(batch.count);
     // Each kernel as its predecessor's programmatic dependent (dependent_launch.cuh).
     cudaError_t err = LaunchAfter<TopKPartKernel>(dim3(max_parts, n), dim3(kThreads), PartSharedBytes(room), s,
-                                  device_batch, batch.k, batch.part_tokens, room, static_cast<bool>(batch.mass), n_heads,
+                                  device_batch, parts_done, batch.k, batch.part_tokens, room, static_cast<bool>(batch.mass), n_heads,
                                   reduction == GroupReduction::kMax);
     if (budget) {
       int32_t most = 0;
@@ -782,7 +787,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
       while (width < static_cast<size_t>(most)) width *= 2;
       if (err == cudaSuccess) {
         err = LaunchAfter<BudgetKernel>(dim3(n), dim3(kThreads), width * sizeof(unsigned long long), s,
-                          static_cast<const TopKBatch*>(device_batch), n_heads, reduction == GroupReduction::kMax,
+                          device_batch, batch.k, n_heads, reduction == GroupReduction::kMax,
                           *budget);
       }
     }
