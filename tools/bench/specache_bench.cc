@@ -93,6 +93,7 @@ struct Options {
   std::vector<std::string> fetch_gather_stores;  // step: StepOptions::fetch_gather_stores
   std::string selection_stream = "own";    // step: StepOptions::selection_on_own_stream ("own" or "compute")
   std::string page_writes = "selection";   // step: StepOptions::page_writes_after_selection ("selection" or "compute")
+  std::string start_prefetch = "after-layer";  // step: StepOptions::prefetch_after_layer ("after-layer" or "after-attention")
   bool host_huge_pages = true;             // step: the host pages' slabs ask for transparent huge pages
   std::vector<std::string> step_kv;  // step: replicas timed (empty: the suite's default)
   std::string replica_layout = "mma";  // step: mma or natural (StepOptions::mma_codes)
@@ -389,6 +390,12 @@ void AddSuiteOptions(CLI::App* cmd, const Suite& suite, Options* o) {
                     "own) or compute (in order on the model's stream; rows suffixed _ordered_writes)")
         ->capture_default_str()
         ->check(CLI::IsMember({"selection", "compute"}));
+    cmd->add_option("--start-prefetch", o->start_prefetch,
+                    "when the bench calls each layer's StartPrefetch: after-layer (once the layer's output "
+                    "projection and MLP are queued, so the host's fetch planning never delays them; as specache-run "
+                    "does) or after-attention (right after DecodeLayer; rows suffixed _prefetch_early)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"after-layer", "after-attention"}));
     cmd->add_option("--fetch-threads", o->fetch_threads,
                     "host threads of the copy-engine rows (default: the agent's; it takes at most the cores less two)")
         ->check(positive);
@@ -550,6 +557,7 @@ int main(int argc, char** argv) {
       step.fetch_gather_stores = o.fetch_gather_stores;
       step.selection_on_own_stream = o.selection_stream == "own";
       step.page_writes_after_selection = o.page_writes == "selection";
+      step.prefetch_after_layer = o.start_prefetch == "after-layer";
       step.host_huge_pages = o.host_huge_pages;
       step.mma_codes = o.replica_layout != "natural";
       if (!o.step_kv.empty()) step.kv = o.step_kv;

@@ -256,8 +256,9 @@ AgentRun RunAgent(Model& m, const std::string& kv, int batch, const StepOptions&
     for (int l = 0; l < kLayers; ++l) {
       if (!m.Projections(l, rows)) return false;
       if (!Ok((*agent)->DecodeLayer(l, {m.q(), m.k(), m.v(), m.out()}), "DecodeLayer")) return false;
-      if (!Ok((*agent)->StartPrefetch(l), "StartPrefetch")) return false;
+      if (!o.prefetch_after_layer && !Ok((*agent)->StartPrefetch(l), "StartPrefetch")) return false;
       if (!m.Rest(l, rows)) return false;
+      if (o.prefetch_after_layer && !Ok((*agent)->StartPrefetch(l), "StartPrefetch")) return false;
     }
     return Ok((*agent)->EndStep(), "EndStep");
   };
@@ -830,7 +831,8 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                                         : "") +
                                    (o.mma_codes ? "" : "_natural") +
                                    (o.selection_on_own_stream ? "" : "_ordered_topk") +
-                                   (o.page_writes_after_selection ? "" : "_ordered_writes") + FreshSuffix(o.fresh_inputs);
+                                   (o.page_writes_after_selection ? "" : "_ordered_writes") +
+                                   (o.prefetch_after_layer ? "" : "_prefetch_early") + FreshSuffix(o.fresh_inputs);
         const double ratio = with.ms / without.ms;
         const double fp16_kv = 2.0 * o.context * kLayers * kKvHeads * kHeadDim * sizeof(Half);
         const double hide_gbps = with.bytes_per_step / (layers_ms * 1e-3) / 1e9;
@@ -861,6 +863,7 @@ bool RunStepSuite(const StepOptions& o, std::vector<BenchRow>* rows) {
                           {"fetch_streaming_stores", *via == FetchVia::kCopyEngine && streaming_stores ? 1 : 0},
                           {"selection_on_own_stream", o.selection_on_own_stream ? 1 : 0},
                           {"page_writes_after_selection", o.page_writes_after_selection ? 1 : 0},
+                          {"prefetch_after_layer", o.prefetch_after_layer ? 1 : 0},
                           {"fresh_inputs", o.fresh_inputs},
                           {"fresh_sequences", FreshSequences(o.fresh_inputs, batch)},
                           {"ms_fetch_caller_wait", with.caller_wait_ms},

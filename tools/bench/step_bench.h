@@ -84,6 +84,10 @@ struct StepOptions {
   // CudaAgentOptions::page_writes_after_selection of every run (rows suffixed _ordered_writes when
   // false).
   bool page_writes_after_selection = CudaAgentOptions{}.page_writes_after_selection;
+  // Each layer's StartPrefetch called once the rest of the layer (output projection, MLP) is
+  // queued, as specache-run's engine does, or right after DecodeLayer (rows suffixed
+  // _prefetch_early).
+  bool prefetch_after_layer = true;
   // The host pages' slabs ask for transparent huge pages (InMemorySource's default), or not: the
   // copy-engine fetch's host gather walks random rows over them.
   bool host_huge_pages = true;
