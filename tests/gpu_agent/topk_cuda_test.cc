@@ -329,6 +329,63 @@ const char* ReadsName(cuda::DecodePlan::SlotReads reads) {
 constexpr cuda::DecodePlan::SlotReads kEveryReads[] = {cuda::DecodePlan::SlotReads::kDeviceCopy,
                                                        cuda::DecodePlan::SlotReads::kStreamCopy,
                                                        cuda::DecodePlan::SlotReads::kInPlace};
+
+// Sets of segments with their statistics (SegmentWithStatistics), one per list of lengths, and the
+// CPU's selection of each segment: want[set][segment].
+void SegmentSets(const std::vector<std::vector<int32_t>>& lengths, int heads, int k, std::mt19937& rng,
+                 testing::DeviceBuffers& buf, std::vector<std::vector<cuda::TopKSegment>>* sets,
+                 std::vector<std::vector<std::vector<int32_t>>>* want) {
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (const std::vector<int32_t>& set_lengths : lengths) {
+    std::vector<std::vector<float>> probs;
+    sets->emplace_back();
+    want->emplace_back();
+    for (int32_t n : set_lengths) {
+      sets->back().push_back(SegmentWithStatistics(heads, n, k, rng, normal, buf, &probs));
+      std::vector<float> scratch;
+      want->back().emplace_back();
+      cpu::SelectTopK(probs.back().data(), heads, n, k, GroupReduction::kMean, &want->back().back(), &scratch);
+    }
+  }
+}
+
+// On a plan of each kind (a forced cut of `part_tokens` when positive), `calls` top-k calls in a
+// row on one stream, call c over sets[c % sets.size()], each call's selection kept apart and
+// allocated before the calls (so that nothing slows the host between them: the ring's slots come
+// round while kernels still run); then each call's rows equal the CPU's.
+void ExpectManyCallsSelectAsTheCpu(const std::vector<std::vector<cuda::TopKSegment>>& sets,
+                                   const std::vector<std::vector<std::vector<int32_t>>>& want, int heads, int k,
+                                   int calls, int part_tokens, testing::DeviceBuffers& buf) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (auto reads : kEveryReads) {
+    cuda::DecodePlan plan(reads);
+    if (part_tokens > 0) plan.force_topk_part_tokens(part_tokens);
+    std::vector<int32_t*> outputs;  // [call]: its segments' rows, k apart
+    for (int call = 0; call < calls; ++call) {
+      outputs.push_back(buf.Allocate<int32_t>(sets[call % sets.size()].size() * k));
+      ASSERT_TRUE(outputs.back());
+    }
+    for (int call = 0; call < calls; ++call) {
+      std::vector<cuda::TopKSegment> segments = sets[call % sets.size()];
+      for (size_t i = 0; i < segments.size(); ++i) segments[i].tokens = outputs[call] + i * k;
+      ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k,
+                                        GroupReduction::kMean, stream, nullptr, &plan)
+                      .ok())
+          << "call " << call << ", " << ReadsName(reads);
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int call = 0; call < calls; ++call) {
+      const std::vector<std::vector<int32_t>>& expected = want[call % want.size()];
+      const std::vector<int32_t> got = testing::Download(outputs[call], expected.size() * k);
+      for (size_t i = 0; i < expected.size(); ++i) {
+        ASSERT_EQ(std::vector<int32_t>(got.begin() + i * k, got.begin() + i * k + expected[i].size()), expected[i])
+            << "call " << call << ", segment " << i << ", " << ReadsName(reads);
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+}
 #endif
 
 // A plan whose segments are read in place (DecodePlan::SlotReads::kInPlace, the agent's selection
@@ -339,51 +396,12 @@ TEST(CudaTopKTest, PlansOfEveryKindSelectAsTheCpuOverManyCalls) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(71);
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  const int k = 64, heads = 4, kSets = 3, kCalls = 150;  // > DecodePlan's ring of 64 slots
+  const int k = 64, heads = 4, kCalls = 150;  // > DecodePlan's ring of 64 slots
   testing::DeviceBuffers buf;
-  std::vector<std::vector<cuda::TopKSegment>> sets(kSets);
-  std::vector<std::vector<std::vector<float>>> probs(kSets);
-  for (int set = 0; set < kSets; ++set) {
-    for (int32_t n : {8192 + 100 * set, 700, 32768}) {
-      sets[set].push_back(SegmentWithStatistics(heads, n, k, rng, normal, buf, &probs[set]));
-    }
-  }
-  std::vector<std::vector<int32_t>> want(kSets * 3);
-  for (int set = 0; set < kSets; ++set) {
-    for (int i = 0; i < 3; ++i) {
-      std::vector<float> scratch;
-      cpu::SelectTopK(probs[set][i].data(), heads, sets[set][i].n, k, GroupReduction::kMean, &want[set * 3 + i],
-                      &scratch);
-    }
-  }
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  for (auto reads : kEveryReads) {
-    cuda::DecodePlan plan(reads);
-    // [call][segment]: every call's selection kept apart, allocated before the calls (so that
-    // nothing slows the host between them: the ring's slots come round while kernels still run).
-    std::vector<int32_t*> outputs;
-    for (int i = 0; i < kCalls * 3; ++i) {
-      outputs.push_back(buf.Allocate<int32_t>(k));
-      ASSERT_TRUE(outputs.back());
-    }
-    for (int call = 0; call < kCalls; ++call) {
-      std::vector<cuda::TopKSegment> segments = sets[call % kSets];
-      for (int i = 0; i < 3; ++i) segments[i].tokens = outputs[call * 3 + i];
-      ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), 3, heads, k, GroupReduction::kMean, stream, nullptr, &plan).ok())
-          << "call " << call << ", " << ReadsName(reads);
-    }
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    for (int call = 0; call < kCalls; ++call) {
-      for (int i = 0; i < 3; ++i) {
-        const std::vector<int32_t>& expected = want[(call % kSets) * 3 + i];
-        ASSERT_EQ(testing::Download(outputs[call * 3 + i], expected.size()), expected)
-            << "call " << call << ", segment " << i << ", " << ReadsName(reads);
-      }
-    }
-  }
-  cudaStreamDestroy(stream);
+  std::vector<std::vector<cuda::TopKSegment>> sets;
+  std::vector<std::vector<std::vector<int32_t>>> want;
+  SegmentSets({{8192, 700, 32768}, {8292, 700, 32768}, {8392, 700, 32768}}, heads, k, rng, buf, &sets, &want);
+  ASSERT_NO_FATAL_FAILURE(ExpectManyCallsSelectAsTheCpu(sets, want, heads, k, kCalls, 0, buf));
 #endif
 }
 
@@ -396,53 +414,14 @@ TEST(CudaTopKTest, PartCountersGrowAndComeBackZeroOnEveryKindOfPlan) {
   SPECACHE_REQUIRE_CUDA_DEVICE();
 #ifdef SPECACHE_TEST_HAVE_CUDA
   std::mt19937 rng(83);
-  std::normal_distribution<float> normal(0.0f, 2.0f);
   const int k = 16, heads = 2, kCalls = 130;  // > DecodePlan's ring of 64 slots; 64 % 3 != 0
   testing::DeviceBuffers buf;
-  // Three kinds of call: 3 segments of 4 parts, 1500 of 2 parts, 3 of one part (parts of 1024 tokens).
-  const std::vector<std::vector<int32_t>> kinds = {{4096, 4000, 3900}, std::vector<int32_t>(1500, 2048), {700, 1000, 300}};
-  std::vector<std::vector<cuda::TopKSegment>> sets(kinds.size());
-  std::vector<std::vector<std::vector<int32_t>>> want(kinds.size());
-  for (size_t c = 0; c < kinds.size(); ++c) {
-    std::vector<std::vector<float>> probs;
-    for (int32_t n : kinds[c]) sets[c].push_back(SegmentWithStatistics(heads, n, k, rng, normal, buf, &probs));
-    for (size_t i = 0; i < probs.size(); ++i) {
-      std::vector<int32_t> rows;
-      std::vector<float> scratch;
-      cpu::SelectTopK(probs[i].data(), heads, kinds[c][i], k, GroupReduction::kMean, &rows, &scratch);
-      want[c].push_back(std::move(rows));
-    }
-  }
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  for (auto reads : kEveryReads) {
-    cuda::DecodePlan plan(reads);
-    plan.force_topk_part_tokens(1024);
-    // Every call's selection kept apart (one buffer a call, a segment's rows k apart).
-    std::vector<int32_t*> outputs;
-    for (int call = 0; call < kCalls; ++call) {
-      outputs.push_back(buf.Allocate<int32_t>(sets[call % 3].size() * k));
-      ASSERT_TRUE(outputs.back());
-    }
-    for (int call = 0; call < kCalls; ++call) {
-      std::vector<cuda::TopKSegment> segments = sets[call % 3];
-      for (size_t i = 0; i < segments.size(); ++i) segments[i].tokens = outputs[call] + i * k;
-      ASSERT_TRUE(cuda::SelectTopKBatch(segments.data(), static_cast<int>(segments.size()), heads, k,
-                                        GroupReduction::kMean, stream, nullptr, &plan)
-                      .ok())
-          << "call " << call << ", " << ReadsName(reads);
-    }
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    for (int call = 0; call < kCalls; ++call) {
-      const std::vector<std::vector<int32_t>>& expected = want[call % 3];
-      const std::vector<int32_t> got = testing::Download(outputs[call], expected.size() * k);
-      for (size_t i = 0; i < expected.size(); ++i) {
-        ASSERT_EQ(std::vector<int32_t>(got.begin() + i * k, got.begin() + i * k + expected[i].size()), expected[i])
-            << "call " << call << ", segment " << i << ", " << ReadsName(reads);
-      }
-    }
-  }
-  cudaStreamDestroy(stream);
+  std::vector<std::vector<cuda::TopKSegment>> sets;
+  std::vector<std::vector<std::vector<int32_t>>> want;
+  // Three kinds of call (parts of 1024 tokens): 3 segments of 4 parts, 1500 of 2 parts, 3 of one part.
+  SegmentSets({{4096, 4000, 3900}, std::vector<int32_t>(1500, 2048), {700, 1000, 300}}, heads, k, rng, buf, &sets,
+              &want);
+  ASSERT_NO_FATAL_FAILURE(ExpectManyCallsSelectAsTheCpu(sets, want, heads, k, kCalls, 1024, buf));
 #endif
 }
 
