@@ -23,9 +23,10 @@ Status SelectTopK(const float* probs, int segments, int n_heads, int32_t n, int 
 // Segments of different lengths in one set of launches (up to kMaxTopKSegments per set, more are
 // split into sets of equal size): the decode step's (sequence, KV head) pairs. Each set's segments
 // reach the kernels through a slot of `plan` (cuda_attention.h: copied to device memory, or read
-// in place, as the plan says; null: a plan of the call's own, which it waits for before returning). A long segment is cut
-// into parts selected by blocks of their own, then merged by the last of them to finish
-// (topk.cu), so small batches still fill the GPU; the parts' candidates live in `scratch`.
+// in place, as the plan says; null: a plan of the call's own, which it waits for before
+// returning). A long segment is cut into parts selected by blocks of their own, then merged by the
+// last of them to finish (topk.cu), so small batches still fill the GPU; the parts' candidates
+// live in `scratch`.
 // INVALID_ARGUMENT when more than 6144 candidates would have to be merged for one segment
 // (k x parts). The parts count themselves done in the slot's zeroed device bytes (each counter
 // back to zero when its segment is merged): a captured graph's slot is its own, so two executable

@@ -1,8 +1,9 @@
 // DecodePlan's slots (cuda_attention.h), for the kernels of the decode step that read their work
 // lists from a slot instead of their parameters: the attention (attention.cu) from device copies,
-// the top-k (topk.cu) from device copies or in place (the agent's selection stream); the fetch and the page writes (fetch.cu), the row copies
-// (tensors.cu), the appends' key and value quantization (quantize.cu), the selection rule's
-// batches (selection.cu) and the mma packing (mma_codes.cu) in place, through WithDeviceTasks.
+// the top-k (topk.cu) from device copies or in place (the agent's selection stream); the fetch and
+// the page writes (fetch.cu), the row copies (tensors.cu), the appends' key and value quantization
+// (quantize.cu), the selection rule's batches (selection.cu) and the mma packing (mma_codes.cu) in
+// place, through WithDeviceTasks.
 // Internal to the agent.
 #pragma once
 

@@ -490,9 +490,9 @@ constexpr size_t PartSharedBytes(int room) { return (static_cast<size_t>(room) +
 
 // Block (part, segment). A segment of one part writes its tokens; otherwise the part's candidates
 // go to the segment's scratch (scores at [part * k], tokens at [parts * k + part * k]) and the
-// segment's last part to finish (its counter in the slot's zeroed bytes) merges them: the best k of the parts'
-// candidates, which took a kernel of its own before (10 us a layer at 32 x 8K under ncu, for
-// selections of a few hundred candidates a segment).
+// segment's last part to finish (its counter in the slot's zeroed bytes) merges them: the best k
+// of the parts' candidates, which took a kernel of its own before (10 us a layer at 32 x 8K under
+// ncu, for selections of a few hundred candidates a segment).
 // Four blocks per SM (64 registers: phase one's loads in flight, ReduceInto; ptxas: 20 bytes of
 // spill stores and 84 of loads, against 40 and 140 at five blocks and 48 registers). The cut
 // (ChooseTopKParts) reads the blocks an SM from the occupancy API; its one-wave cuts were measured
