@@ -419,9 +419,21 @@ class Bench {
         j["fetch_sm_share"] = o_.fetch_sm_share >= 0 ? o_.fetch_sm_share : CudaAgentOptions{}.fetch_sm_share;
         j["fetch_streaming_stores"] = o_.fetch_gather_stores.empty() ? CudaAgentOptions{}.fetch_streaming_stores
                                                                      : o_.fetch_gather_stores == "streaming";
-        // The agent's thread waiting for the worker's gather, per decode step (warm-ups included).
-        j["ms_fetch_caller_wait"] =
-            run.stats.steps > 0 ? static_cast<double>(run.stats.fetch_caller_wait_ns) / 1e6 / run.stats.steps : 0.0;
+        // The agent's thread waiting for the worker's gather, and the worker's own time (its waits
+        // for the device's lists and for a free pinned buffer, its gather), per decode step
+        // (warm-ups included); the gather's rate over the bytes it gathered (the SM share's not).
+        const auto per_step = [&](int64_t ns) {
+          return run.stats.steps > 0 ? static_cast<double>(ns) / 1e6 / run.stats.steps : 0.0;
+        };
+        j["ms_fetch_caller_wait"] = per_step(run.stats.fetch_caller_wait_ns);
+        j["ms_fetch_list_wait"] = per_step(run.stats.fetch_host_list_wait_ns);
+        j["ms_fetch_buffer_wait"] = per_step(run.stats.fetch_host_buffer_wait_ns);
+        j["ms_fetch_gather"] = per_step(run.stats.fetch_host_gather_ns);
+        j["fetch_gather_bytes_per_s"] =
+            run.stats.fetch_host_gather_ns > 0
+                ? static_cast<double>(run.stats.bytes_fetched) * (1.0 - j["fetch_sm_share"].get<double>()) /
+                      (static_cast<double>(run.stats.fetch_host_gather_ns) * 1e-9)
+                : 0.0;
       }
     }
     j["model_graphs"] = o_.model_graphs;
@@ -538,6 +550,11 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
     if (j.contains("fetch_sm_share")) {  // the copy-engine fetch: the wait for its worker's gather, its SM share
       std::fprintf(stderr, " (%.2f waiting for the fetch's gather; SM share %.2f", j["ms_fetch_caller_wait"].get<double>(),
                    j["fetch_sm_share"].get<double>());
+      if (j.contains("ms_fetch_gather")) {  // the worker's own time a step
+        std::fprintf(stderr, "; its worker: list wait %.2f, buffer wait %.2f, gather %.2f ms (~%.1f GB/s)",
+                     j["ms_fetch_list_wait"].get<double>(), j["ms_fetch_buffer_wait"].get<double>(),
+                     j["ms_fetch_gather"].get<double>(), j["fetch_gather_bytes_per_s"].get<double>() / 1e9);
+      }
       const double huge = j.value("host_huge_share", -1.0);
       if (huge >= 0) std::fprintf(stderr, "; host pages %.0f%% in huge pages", 100 * huge);
       if (j.contains("fetch_streaming_stores")) {
