@@ -9,6 +9,7 @@
 #endif
 
 #include "parallel_for.h"
+#include "spinning_pool.h"
 #include "specache/full_precision_source.h"
 
 namespace specache {
@@ -72,7 +73,7 @@ int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_token
   auto prefetch = [&](const uint8_t* p) {
     for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(p + line, 0, 0);
   };
-  ParallelFor(static_cast<int>(tasks.size()), options.threads, [&](int i, int) {
+  auto gather_task = [&](int i) {
     const PageGatherTask& t = tasks[static_cast<size_t>(i)];
     int32_t ahead = 0;  // the next slot to prefetch
     auto prefetch_until = [&](int32_t end) {
@@ -87,7 +88,12 @@ int64_t GatherPageRows(std::span<const PageGatherTask> tasks, int32_t page_token
               options.streaming_stores);
     }
     StoreFence();  // before the copy engine (or the caller) reads the rows
-  });
+  };
+  if (options.pool != nullptr) {
+    options.pool->Run(static_cast<int>(tasks.size()), gather_task);
+  } else {
+    ParallelFor(static_cast<int>(tasks.size()), options.threads, [&](int i, int) { gather_task(i); });
+  }
   return n_rows;
 }
 

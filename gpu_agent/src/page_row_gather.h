@@ -9,6 +9,8 @@
 
 namespace specache {
 
+class SpinningPool;  // spinning_pool.h
+
 // One (sequence, layer, KV head) of a gather.
 struct PageGatherTask {
   const uint8_t* const* pages = nullptr;  // host addresses of the (sequence, layer)'s pages, by page index
@@ -30,6 +32,10 @@ struct GatherOptions {
   // (no read for ownership, nothing dirty left for the DMA to snoop). CudaAgentOptions::
   // fetch_streaming_stores says which paid where.
   bool streaming_stores = false;
+  // The threads that copy: null, OpenMP's (ParallelFor, `threads` of them), which follow the
+  // process's OMP_WAIT_POLICY between two gathers; else this pool's (its own thread count), which
+  // spin a while before they sleep (spinning_pool.h; CudaAgentOptions::fetch_gather_spin_us).
+  SpinningPool* pool = nullptr;
 };
 
 // The gather's threads for `requested` (CudaAgentOptions::fetch_threads) on a host of `cores`

@@ -353,21 +353,24 @@ Result<std::vector<float>> DriveBatchOnDevice(Agent* agent, const std::vector<in
 // The copy engine also with half, and all, of each layer's sequences left to SM loads on a
 // stream of their own (fetch_sm_share), and with the selection in order on the compute stream
 // (selection_on_own_stream false; its ordering is stricter than the own stream's, so the other
-// routes are not repeated with it). Every route with the selection on its own stream writes the
-// pages there after the top-k (page_writes_after_selection, the default: the fetch that reads the
-// row just written, and the next layer's attention, must wait for them) but one, which writes them
-// in order on the compute stream.
+// routes are not repeated with it), and with its host gather on the agent's own spinning pool
+// (fetch_gather_spin_us) instead of OpenMP's threads. Every route with the selection on its own
+// stream writes the pages there after the top-k (page_writes_after_selection, the default: the
+// fetch that reads the row just written, and the next layer's attention, must wait for them) but
+// one, which writes them in order on the compute stream.
 struct FetchRoute {
   FetchOverlap overlap;
   FetchVia via;
   double sm_share = 0;
   bool own_selection_stream = true;  // CudaAgentOptions::selection_on_own_stream
   bool writes_after_selection = true;       // CudaAgentOptions::page_writes_after_selection
+  int gather_spin_us = 0;                   // CudaAgentOptions::fetch_gather_spin_us
   std::string Name() const {
     return std::string(FetchOverlapName(overlap)) + (via == FetchVia::kSmLoads ? "" : " " + std::string(FetchViaName(via))) +
            (sm_share > 0 ? " sm share " + std::to_string(sm_share).substr(0, 4) : "") +
            (own_selection_stream ? "" : " selection on the compute stream") +
-           (writes_after_selection ? "" : " page writes on the compute stream");
+           (writes_after_selection ? "" : " page writes on the compute stream") +
+           (gather_spin_us > 0 ? " gather on a spinning pool" : "");
   }
   void Apply(CudaAgentOptions* options) const {
     options->fetch_overlap = overlap;
@@ -375,6 +378,7 @@ struct FetchRoute {
     options->fetch_sm_share = sm_share;
     options->selection_on_own_stream = own_selection_stream;
     options->page_writes_after_selection = writes_after_selection;
+    options->fetch_gather_spin_us = gather_spin_us;
   }
 };
 constexpr FetchRoute kFetchRoutes[] = {{FetchOverlap::kFromSelection, FetchVia::kSmLoads},
@@ -384,7 +388,8 @@ constexpr FetchRoute kFetchRoutes[] = {{FetchOverlap::kFromSelection, FetchVia::
                                        {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.5},
                                        {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 1.0},
                                        {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.0, false},
-                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.0, true, false}};
+                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.0, true, false},
+                                       {FetchOverlap::kFromSelection, FetchVia::kCopyEngine, 0.0, true, true, 500}};
 
 #ifdef SPECACHE_TEST_HAVE_CUDA
 // A CUDA agent on `route` and a non-blocking stream (its source, pages and all, and the stream its

@@ -1,9 +1,9 @@
 // The host half of the CUDA agent's copy-engine fetch: the wanted rows of every task are
 // numbered in task then slot order, skipped slots get -1, negative codes (rows the device has in
 // its cache) are their own ranks, and each row is copied from its page of an InMemorySource (the
-// layout the device reads) into its rank, on one thread or several, into an output aligned for
-// the streaming stores and one that is not (the plain copy). And how many threads a host of N
-// cores gives the gather.
+// layout the device reads) into its rank, on one thread or several (OpenMP's, or a SpinningPool's),
+// into an output aligned for the streaming stores and one that is not (the plain copy). And how
+// many threads a host of N cores gives the gather.
 #include "page_row_gather.h"
 
 #include <cstring>
@@ -16,6 +16,7 @@
 
 #include "specache/cuda_fetch.h"
 #include "specache/in_memory_source.h"
+#include "spinning_pool.h"
 
 namespace specache {
 namespace {
@@ -59,18 +60,22 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
     }
     wants.push_back(std::move(w));
   }
-  // (threads, output offset, rows prefetched ahead, streaming stores): the depth and the stores
-  // change how the rows move, never which rows land where. Offset 2 leaves the output unaligned
-  // for 16-byte stores (the plain copy even with streaming asked for). Which stores ran cannot be
-  // seen from the rows: this checks that each kind copies them right.
+  // (threads, output offset, rows prefetched ahead, streaming stores, a SpinningPool's threads
+  // instead of OpenMP's): the depth, the stores and the threads change how the rows move, never
+  // which rows land where. Offset 2 leaves the output unaligned for 16-byte stores (the plain copy
+  // even with streaming asked for). Which stores ran cannot be seen from the rows: this checks
+  // that each kind copies them right.
   struct Round {
     int threads, offset, ahead;
-    bool streaming;
+    bool streaming, pool;
   };
   const int ahead_default = GatherOptions{}.prefetch_rows;
-  for (const auto& [threads, offset, ahead, streaming] :
-       {Round{1, 0, ahead_default, false}, Round{4, 0, ahead_default, false}, Round{4, 2, ahead_default, true},
-        Round{2, 0, 0, false}, Round{3, 0, 64, false}, Round{4, 0, ahead_default, true}}) {
+  for (const auto& [threads, offset, ahead, streaming, use_pool] :
+       {Round{1, 0, ahead_default, false, false}, Round{4, 0, ahead_default, false, false},
+        Round{4, 2, ahead_default, true, false}, Round{2, 0, 0, false, false}, Round{3, 0, 64, false, false},
+        Round{4, 0, ahead_default, true, false}, Round{3, 0, ahead_default, false, true},
+        Round{3, 2, ahead_default, true, true}}) {
+    SpinningPool pool(use_pool ? threads : 1, std::chrono::microseconds(200));
     std::vector<std::vector<int32_t>> ranks(wants.size());
     std::vector<PageGatherTask> tasks;
     size_t most = 0;
@@ -90,9 +95,13 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
       return HalfToFloat(h);
     };
     const int64_t n = GatherPageRows(tasks, kPageTokens, static_cast<int64_t>(kRow * sizeof(Half)), kNoToken, out,
-                                     {.threads = threads, .prefetch_rows = ahead, .streaming_stores = streaming});
+                                     {.threads = threads,
+                                      .prefetch_rows = ahead,
+                                      .streaming_stores = streaming,
+                                      .pool = use_pool ? &pool : nullptr});
     const std::string round = "threads " + std::to_string(threads) + " offset " + std::to_string(offset) + " ahead " +
-                              std::to_string(ahead) + " streaming " + std::to_string(streaming);
+                              std::to_string(ahead) + " streaming " + std::to_string(streaming) + " pool " +
+                              std::to_string(use_pool);
     int32_t next = 0;
     for (size_t i = 0; i < wants.size(); ++i) {
       for (size_t j = 0; j < wants[i].tokens.size(); ++j) {

@@ -264,6 +264,13 @@ struct CudaAgentOptions {
   // 3-9% faster with streaming stores: a host whose last-level cache cannot hold two layers' rows
   // may want true. docs/performance.md.
   bool fetch_streaming_stores = false;
+  // kCopyEngine: 0, the gather's threads are OpenMP's, which follow the process's OMP_WAIT_POLICY
+  // between two layers' gathers (specache-run sets passive for its CPU engine: they sleep and are
+  // woken for each layer); above 0, a pool of the agent's own (spinning_pool.h) whose threads spin
+  // this many microseconds after a layer's gather before they sleep, whatever the policy. An
+  // experiment, not yet measured against OpenMP (in an earlier step benchmark passive OpenMP
+  // waits made the gather 25-35% slower than active ones): default 0.
+  int fetch_gather_spin_us = 0;
   // kCopyEngine: the share of each layer's fetched sequences whose missed rows the fetch kernel
   // loads from the mapped pages instead (up to fetch_blocks SMs, on a stream of its own), while
   // the host's threads gather the others': both routes read host memory over the link at once,

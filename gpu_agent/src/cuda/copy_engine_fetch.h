@@ -34,11 +34,14 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
 #include "../page_row_gather.h"
+#include "../spinning_pool.h"
 #include "device_buffer.h"
 #include "specache/cuda_fetch.h"
 #include "specache/status.h"
@@ -51,12 +54,17 @@ class CopyEngineFetch {
   // page_rows: the pages' row format; the rows go up as stored (int8 ones half the bytes), and the
   // cache update decodes them (UpdateRowCaches' staged_rows). streaming_stores: how the gather
   // writes the pinned buffer (GatherOptions::streaming_stores; CudaAgentOptions::fetch_streaming_stores).
+  // gather_spin_us > 0: the gather's `threads` are a SpinningPool's that spin that long between
+  // layers (CudaAgentOptions::fetch_gather_spin_us), else OpenMP's.
   CopyEngineFetch(int head_dim, HostRowFormat page_rows, int32_t page_tokens, int threads,
-                  int64_t piece_bytes = kCopyPieceBytes, bool streaming_stores = GatherOptions{}.streaming_stores)
+                  int64_t piece_bytes = kCopyPieceBytes, bool streaming_stores = GatherOptions{}.streaming_stores,
+                  int gather_spin_us = 0)
       : head_dim_(head_dim),
         page_rows_(page_rows),
         page_tokens_(page_tokens),
-        gather_{.threads = threads, .streaming_stores = streaming_stores},
+        pool_(gather_spin_us > 0 ? std::make_unique<SpinningPool>(threads, std::chrono::microseconds(gather_spin_us))
+                                 : nullptr),
+        gather_{.threads = threads, .streaming_stores = streaming_stores, .pool = pool_.get()},
         piece_bytes_(piece_bytes) {}
   // Waits for the last copy out of the pinned buffer before freeing it.
   ~CopyEngineFetch();
@@ -97,7 +105,8 @@ class CopyEngineFetch {
   int head_dim_;
   HostRowFormat page_rows_;
   int32_t page_tokens_;
-  GatherOptions gather_;  // the host's gather: threads, stores
+  std::unique_ptr<SpinningPool> pool_;  // the gather's threads when they are the agent's own
+  GatherOptions gather_;  // the host's gather: threads, stores, pool
   int64_t piece_bytes_;
   Buffer<int32_t, true> missed_;  // [tasks][stride], written by the device through its mapping
   // Two of each, alternating by call: [tasks][stride] int32 ranks, then the rows (16-byte

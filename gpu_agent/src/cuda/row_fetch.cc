@@ -68,7 +68,8 @@ Status RowFetcher::Init() {
   }
   if (copy_engine_threads_ > 0) {
     copy_engine_ = std::make_unique<CopyEngineFetch>(shape_.head_dim, pages_->row_format(), pages_->page_tokens(),
-                                                     copy_engine_threads_, copy_piece_bytes_, copy_streaming_stores_);
+                                                     copy_engine_threads_, copy_piece_bytes_, copy_streaming_stores_,
+                                                     copy_gather_spin_us_);
     if (sm_share_ > 0) {  // its blocks are scheduled first, as the fetch stream's
       SPECACHE_RETURN_IF_ERROR(
           CudaStatus(cudaStreamCreateWithPriority(&sm_fetch_, cudaStreamNonBlocking, greatest_priority), "fetch stream"));
@@ -101,10 +102,11 @@ Status RowFetcher::CacheList::Reserve(int n_kv, int32_t capacity) {
 int64_t RowFetcher::CacheList::bytes() const { return tokens.bytes() + used.bytes() + slots.bytes() + count.bytes(); }
 
 void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share,
-                               bool streaming_stores, int usable_cores) {
+                               bool streaming_stores, int gather_spin_us, int usable_cores) {
   worker_ = worker;
   copy_piece_bytes_ = piece_bytes;
   copy_streaming_stores_ = streaming_stores;
+  copy_gather_spin_us_ = gather_spin_us;
   sm_share_ = sm_share;
   copy_engine_threads_ = GatherThreadsFor(threads, usable_cores);
 }

@@ -95,10 +95,10 @@ class RowFetcher {
   // host's part on `worker` with `threads` gather threads (FetchVia::kCopyEngine), up in copies
   // of at most `piece_bytes` (0: one a layer; CudaAgentOptions::fetch_copy_piece_bytes).
   // sm_share: CudaAgentOptions::fetch_sm_share; streaming_stores: fetch_streaming_stores;
-  // usable_cores: the logical cores the process may use (UsableCores; 0: not known), which cap
-  // the gather threads (GatherThreadsFor).
+  // gather_spin_us: fetch_gather_spin_us; usable_cores: the logical cores the process may use
+  // (UsableCores; 0: not known), which cap the gather threads (GatherThreadsFor).
   void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share, bool streaming_stores,
-                     int usable_cores);
+                     int gather_spin_us, int usable_cores);
   // Makes the fetch stream, the per-layer events and the device counters.
   Status Init();
 
@@ -384,6 +384,7 @@ class RowFetcher {
   int copy_engine_threads_ = 0;
   int64_t copy_piece_bytes_ = CopyEngineFetch::kCopyPieceBytes;  // UseCopyEngine's
   bool copy_streaming_stores_ = false;                             // UseCopyEngine's
+  int copy_gather_spin_us_ = 0;                                    // UseCopyEngine's
   std::unique_ptr<CopyEngineFetch> copy_engine_;
   // fetch_sm_share > 0: the SM share's stream; where it starts when it fills a cache (recorded on
   // the fetch stream after the fills); its tail, which the fetch stream waits for before fills;
