@@ -747,6 +747,11 @@ int main(int argc, char** argv) {
                     "the CPU's caches for the copy engine; the agent's default) or streaming (non-temporal stores; "
                     "CudaAgentOptions::fetch_streaming_stores)")
       ->check(CLI::IsMember({"streaming", "cached"}));
+  bench->add_option("--fetch-gather-spin-us", bo.fetch_gather_spin_us,
+                    "the copy-engine fetch's host gather on threads of the agent's own that spin this many "
+                    "microseconds between layers before they sleep (CudaAgentOptions::fetch_gather_spin_us; 0, the "
+                    "default: OpenMP's threads, which this program runs with OMP_WAIT_POLICY=passive unless set)")
+      ->check(CLI::NonNegativeNumber);
   bench->add_option("--selection-stream", bo.selection_stream,
                     "where each layer's top-k runs: own (a stream of its own, beside the model's kernels after the "
                     "attention; the agent's default) or compute (in order on the model's stream; "

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -179,6 +180,7 @@ class Bench {
       if (o_.fetch_copy_piece_kb >= 0) options.fetch_copy_piece_bytes = int64_t{o_.fetch_copy_piece_kb} << 10;
       if (o_.fetch_sm_share >= 0) options.fetch_sm_share = o_.fetch_sm_share;
       if (!o_.fetch_gather_stores.empty()) options.fetch_streaming_stores = o_.fetch_gather_stores == "streaming";
+      if (o_.fetch_gather_spin_us > 0) options.fetch_gather_spin_us = o_.fetch_gather_spin_us;
       if (!o_.selection_stream.empty()) options.selection_on_own_stream = o_.selection_stream == "own";
       if (o_.plan_threads > 0) options.plan_threads = o_.plan_threads;
       if (o_.fetch_blocks > 0) options.fetch_blocks = o_.fetch_blocks;
@@ -419,6 +421,8 @@ class Bench {
         j["fetch_sm_share"] = o_.fetch_sm_share >= 0 ? o_.fetch_sm_share : CudaAgentOptions{}.fetch_sm_share;
         j["fetch_streaming_stores"] = o_.fetch_gather_stores.empty() ? CudaAgentOptions{}.fetch_streaming_stores
                                                                      : o_.fetch_gather_stores == "streaming";
+        j["fetch_gather_spin_us"] =
+            o_.fetch_gather_spin_us > 0 ? o_.fetch_gather_spin_us : CudaAgentOptions{}.fetch_gather_spin_us;
         // The agent's thread waiting for the worker's gather, and the worker's own time (its waits
         // for the device's lists and for a free pinned buffer, its gather), per decode step
         // (warm-ups included); the gather's rate over the bytes it gathered (the SM share's not).
@@ -559,6 +563,12 @@ void PrintRow(const nlohmann::json& j, double fp16_tokens) {
       if (huge >= 0) std::fprintf(stderr, "; host pages %.0f%% in huge pages", 100 * huge);
       if (j.contains("fetch_streaming_stores")) {
         std::fprintf(stderr, "; gather's stores %s", j["fetch_streaming_stores"].get<bool>() ? "streaming" : "cached");
+      }
+      if (j.value("fetch_gather_spin_us", 0) > 0) {
+        std::fprintf(stderr, "; gather's own threads, %d us of spin", j["fetch_gather_spin_us"].get<int>());
+      } else {
+        const char* policy = std::getenv("OMP_WAIT_POLICY");
+        std::fprintf(stderr, "; gather's OpenMP threads, OMP_WAIT_POLICY %s", policy ? policy : "unset");
       }
       std::fprintf(stderr, ")");
     }

@@ -56,6 +56,8 @@ struct ThroughputOptions {
   double fetch_sm_share = -1;
   // CudaAgentOptions::fetch_streaming_stores: "streaming", "cached", or empty (the agent's default).
   std::string fetch_gather_stores;
+  // CudaAgentOptions::fetch_gather_spin_us (0: the agent's default, OpenMP's threads).
+  int fetch_gather_spin_us = 0;
   // CudaAgentOptions::selection_on_own_stream: "own", "compute", or empty (the agent's default).
   std::string selection_stream;
   int plan_threads = 0;                          // CudaAgentOptions::plan_threads; 0: the agent's default
