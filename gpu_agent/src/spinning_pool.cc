@@ -1,5 +1,7 @@
 #include "spinning_pool.h"
 
+#include <algorithm>
+
 namespace specache {
 namespace {
 
@@ -14,17 +16,25 @@ inline void Pause() {
 
 }  // namespace
 
-SpinningPool::SpinningPool(int threads, std::chrono::microseconds spin) : spin_(spin) {
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+SpinningPool::SpinningPool(int threads, std::chrono::microseconds spin)
+    : spin_(std::clamp(spin, std::chrono::microseconds(0), std::chrono::microseconds(std::chrono::hours(1)))) {
+  try {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+  } catch (...) {
+    Stop();  // the threads started so far
+    throw;
+  }
 }
 
-SpinningPool::~SpinningPool() {
+SpinningPool::~SpinningPool() { Stop(); }
+
+void SpinningPool::Stop() {
   stop_.store(true);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);  // a thread between its check and its wait sees it
-    wake_.notify_all();
-  }
+  // A thread between its check and its wait holds the mutex: it waits before this notifies.
+  { std::lock_guard<std::mutex> lock(mutex_); }
+  wake_.notify_all();
   for (std::thread& t : workers_) t.join();
+  workers_.clear();
 }
 
 void SpinningPool::TakeItems() {
@@ -48,12 +58,22 @@ void SpinningPool::Run(int n, const std::function<void(int)>& fn) {
   // asleep and wakes it (under the mutex, which the thread holds from its increment to its wait).
   generation_.fetch_add(1);
   if (sleeping_.load() > 0) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    // A thread counted as sleeping holds the mutex until it waits: taking it here orders the
+    // notify after that wait (the woken threads then find the mutex free).
+    { std::lock_guard<std::mutex> lock(mutex_); }
     wake_.notify_all();
   }
   TakeItems();
   const int others = static_cast<int>(workers_.size());
-  while (checked_in_.load(std::memory_order_acquire) < others) Pause();
+  // The others finish their last items, or wake and check in; a thread of theirs descheduled
+  // meanwhile gets this core back after a while.
+  for (uint32_t polls = 1; checked_in_.load(std::memory_order_acquire) < others; ++polls) {
+    if ((polls & 1023) == 0) {
+      std::this_thread::yield();
+    } else {
+      Pause();
+    }
+  }
 }
 
 void SpinningPool::Work() {
@@ -61,7 +81,7 @@ void SpinningPool::Work() {
   for (;;) {
     const auto deadline = std::chrono::steady_clock::now() + spin_;
     uint64_t now_generation = generation_.load();
-    for (int polls = 0; now_generation == seen && !stop_.load(std::memory_order_relaxed); ++polls) {
+    for (uint32_t polls = 0; now_generation == seen && !stop_.load(std::memory_order_relaxed); ++polls) {
       Pause();
       if ((polls & 63) == 63 && std::chrono::steady_clock::now() >= deadline) {
         std::unique_lock<std::mutex> lock(mutex_);

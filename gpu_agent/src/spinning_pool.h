@@ -7,11 +7,11 @@
 // - Run(n, fn) calls fn(i) once for each i in [0, n), on the calling thread and the pool's
 //   threads (an item at a time, taken in order by whichever thread is free: items of very
 //   different lengths balance), and returns when every call has returned; what the calls wrote is
-//   then visible to the caller.
-// - Between two loops each pool thread spins for `spin` (polling, with the CPU's pause hint)
-//   before it sleeps; a loop that comes within that time starts without waking any thread. A
-//   sleeping thread is woken by the next Run, which waits for it to check in before it returns
-//   (every thread takes part in every loop, if only to find no item left).
+//   then visible to the caller. fn must not throw (the gather's copies do not).
+// - Between two loops each pool thread spins for `spin` (at most an hour; polling, with the
+//   CPU's pause hint) before it sleeps; a loop that comes within that time starts without waking
+//   any thread. A sleeping thread is woken by the next Run, which waits for it to check in
+//   before it returns (every thread takes part in every loop, if only to find no item left).
 // - One caller at a time (Run is not reentrant, and fn must not call Run). The destructor wakes
 //   and joins the threads; no Run may be in progress.
 #pragma once
@@ -43,6 +43,8 @@ class SpinningPool {
 
  private:
   void Work();
+  // Stops and joins the pool's threads (the destructor; a constructor that failed partway).
+  void Stop();
   // Takes items of the current loop until none is left.
   void TakeItems();
 
