@@ -41,21 +41,10 @@ __device__ uint32_t OrderKey(float f) {
   return u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u);  // ~u when negative, else u | 2^31
 }
 
-// A slot of the call's DecodePlan (in device memory, or read in place): these fields, then
-// [count] segments (SegmentsOf). The segments' counters of finished parts are the slot's zeroed
-// device bytes ([count], DecodePlan::Impl::Upload::zeroed), which the kernels leave zero.
-struct TopKBatch {
-  int count;
-  int part_tokens;  // P
-  int k;
-  bool mass;  // phase one sums the runs of scores into scratch[n, n + runs) (the budget's total)
-};
-constexpr size_t kSegmentsOffset = (sizeof(TopKBatch) + alignof(TopKSegment) - 1) / alignof(TopKSegment) * alignof(TopKSegment);
-__host__ __device__ const TopKSegment* SegmentsOf(const TopKBatch* batch) {
-  return reinterpret_cast<const TopKSegment*>(reinterpret_cast<const char*>(batch) + kSegmentsOffset);
-}
-// The bytes of a batch of `count` segments.
-size_t BatchBytes(int count) { return kSegmentsOffset + static_cast<size_t>(count) * sizeof(TopKSegment); }
+// A set's segments reach its kernels in a slot of the call's DecodePlan (in device memory, or
+// read in place), the scalars as parameters; the segments' counters of finished parts are the
+// slot's zeroed device bytes ([count], DecodePlan::Impl::Upload::zeroed), which the kernels leave
+// zero.
 static_assert(cpu::kMassRunTokens == kThreads && kThreads == 256, "a run of the mass is one block's width, 8 per lane");
 
 // Adds 1 to histogram[bin] for every lane with `in`, one shared atomic per distinct bin per warp
@@ -497,12 +486,12 @@ constexpr size_t PartSharedBytes(int room) { return (static_cast<size_t>(room) +
 // spill stores and 84 of loads, against 40 and 140 at five blocks and 48 registers). The cut
 // (ChooseTopKParts) reads the blocks an SM from the occupancy API; its one-wave cuts were measured
 // again at four (topk_parts.h).
-// The batch's scalars are parameters (constant-bank operands) and the block's segment is copied
-// into shared memory first: read from the batch in global memory, the compiler held them in
+// The set's scalars are parameters (constant-bank operands) and the block's segment is copied
+// into shared memory first: read from the slot in global memory, the compiler held them in
 // registers through the selection (ptxas: 164 bytes of spill loads; 76 this way, none when the
 // whole batch was a parameter). Measured no slower than the parameter: one layer's top-k at
 // 32 x 8K 0.039 -> 0.036 ms, 99 x 8K 0.117 -> 0.114 (H200).
-__global__ void __launch_bounds__(kThreads, 4) TopKPartKernel(const TopKBatch* __restrict__ in,
+__global__ void __launch_bounds__(kThreads, 4) TopKPartKernel(const TopKSegment* __restrict__ segments,
                                                                unsigned int* __restrict__ parts_done, int k,
                                                                int part_tokens, int room, bool mass, int n_heads,
                                                                bool use_max) {
@@ -511,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 4) TopKPartKernel(const TopKBatch* _
   __shared__ SelectShared sh;
   __shared__ TopKSegment seg;
   __shared__ bool last_part;
-  if (threadIdx.x == 0) seg = SegmentsOf(in)[blockIdx.y];
+  if (threadIdx.x == 0) seg = segments[blockIdx.y];
   for (int i = threadIdx.x; i < kRadixBins; i += blockDim.x) sh.histogram[i] = 0;  // ReduceInto counts into it
   WaitForPrerequisite();  // the scores and statistics of the kernels before (LaunchAfter)
   AllowDependentLaunch();
@@ -628,15 +617,16 @@ __device__ float FromOrderKey(uint32_t key) {
 // ascending: a 64-bit key of the score's order key and the complement of the row's index) in
 // shared memory; one thread walks the ranks summing the positive scores until the goal (after
 // k_min rows); the rows above the cut keep their ascending order, the rest become kNoToken. The
-// block's segment is copied to shared memory first, while the selection may still run (the batch
+// block's segment is copied to shared memory first, while the selection may still run (the slot
 // may be read in place, over the link).
-__global__ void BudgetKernel(const TopKBatch* __restrict__ in, int k, int n_heads, bool use_max, TopKBudget budget) {
+__global__ void BudgetKernel(const TopKSegment* __restrict__ segments, int k, int n_heads, bool use_max,
+                             TopKBudget budget) {
   extern __shared__ unsigned long long keys[];  // [width]: a power of two >= kept
   __shared__ unsigned char keep[kMaxBudgetRows];
   __shared__ int32_t cut;
   __shared__ Scan::TempStorage scan;
   __shared__ TopKSegment seg;
-  if (threadIdx.x == 0) seg = SegmentsOf(in)[blockIdx.x];
+  if (threadIdx.x == 0) seg = segments[blockIdx.x];
   WaitForPrerequisite();  // the selection (LaunchAfter)
   __syncthreads();
   const int32_t n = seg.n;
@@ -743,51 +733,47 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
   auto* s = static_cast<cudaStream_t>(stream);
   const int per_set = EqualLaunchSize(count, kMaxTopKSegments);  // one set unless the grid's rows run out
   for (int first = 0; first < count; first += per_set) {
-    TopKBatch batch;
-    batch.count = std::min(per_set, count - first);
-    batch.k = k;
-    batch.mass = budget != nullptr;
+    const int set_count = std::min(per_set, count - first);
     const TopKSegment* const set = segments + first;
     TopKParts cut;
     SPECACHE_RETURN_IF_ERROR(plan->forced_topk_part_tokens() > 0
-                                 ? ForcedTopKParts(set, batch.count, k, plan->forced_topk_part_tokens(), &cut)
-                                 : ChooseTopKParts(set, batch.count, k, MultiprocessorCount(), PartBlocksPerSm(), &cut));
-    batch.part_tokens = cut.part_tokens;
+                                 ? ForcedTopKParts(set, set_count, k, plan->forced_topk_part_tokens(), &cut)
+                                 : ChooseTopKParts(set, set_count, k, MultiprocessorCount(), PartBlocksPerSm(), &cut));
     const int max_parts = cut.max_parts;
-    const int room = ScoreRoom(batch.part_tokens, k, max_parts);
+    const int room = ScoreRoom(cut.part_tokens, k, max_parts);
     if (max_parts > 1) {  // before anything is queued: a refusal leaves the stream as it was
       static std::atomic<bool> allowed[kMaxOptInDevices] = {};
       const cudaError_t err =
           AllowDynamicSharedMemory(TopKPartKernel, PartSharedBytes(2 * kMaxMergeCandidates), allowed);
       if (err != cudaSuccess) return Status::Unavailable(std::string("top-k merge: ") + cudaGetErrorString(err));
     }
-    // The batch to the device, or read in place (as a kernel parameter it cost the host ~3x a
+    // The segments to the device, or read in place (as kernel parameters they cost the host ~3x a
     // plain launch and capped a set at 640 segments), read there by the set's kernels; the parts'
     // counters (segments of several parts only) in the slot's zeroed device bytes.
-    const size_t batch_bytes = BatchBytes(batch.count);
-    const size_t counter_bytes = max_parts > 1 ? static_cast<size_t>(batch.count) * sizeof(unsigned int) : 0;
-    SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(batch_bytes, s, counter_bytes));
-    std::memcpy(up.host, &batch, sizeof(batch));
-    std::memcpy(static_cast<char*>(up.host) + kSegmentsOffset, set, static_cast<size_t>(batch.count) * sizeof(TopKSegment));
-    if (const Status sent = plan->impl()->Send(up, batch_bytes, s); !sent.ok()) {
+    const size_t segment_bytes = static_cast<size_t>(set_count) * sizeof(TopKSegment);
+    const size_t counter_bytes = max_parts > 1 ? static_cast<size_t>(set_count) * sizeof(unsigned int) : 0;
+    SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(segment_bytes, s, counter_bytes));
+    std::memcpy(up.host, set, segment_bytes);
+    if (const Status sent = plan->impl()->Send(up, segment_bytes, s); !sent.ok()) {
       (void)plan->impl()->Finish(up, s);  // the zeroing may be queued: released like a launch's slot
       return sent;
     }
-    const auto* device_batch = static_cast<const TopKBatch*>(up.device);
+    const auto* device_segments = static_cast<const TopKSegment*>(up.device);
     auto* parts_done = static_cast<unsigned int*>(up.zeroed);
-    const unsigned n = static_cast<unsigned>(batch.count);
-    // Each kernel as its predecessor's programmatic dependent (dependent_launch.cuh).
+    const unsigned n = static_cast<unsigned>(set_count);
+    // Each kernel as its predecessor's programmatic dependent (dependent_launch.cuh). With a
+    // budget, phase one also sums the runs of scores into scratch[n, n + runs) (its total).
     cudaError_t err = LaunchAfter<TopKPartKernel>(dim3(max_parts, n), dim3(kThreads), PartSharedBytes(room), s,
-                                  device_batch, parts_done, batch.k, batch.part_tokens, room, static_cast<bool>(batch.mass), n_heads,
+                                  device_segments, parts_done, k, cut.part_tokens, room, budget != nullptr, n_heads,
                                   reduction == GroupReduction::kMax);
     if (budget) {
       int32_t most = 0;
-      for (int i = 0; i < batch.count; ++i) most = std::max(most, std::min<int32_t>(k, set[i].n));
+      for (int i = 0; i < set_count; ++i) most = std::max(most, std::min<int32_t>(k, set[i].n));
       size_t width = 1;
       while (width < static_cast<size_t>(most)) width *= 2;
       if (err == cudaSuccess) {
         err = LaunchAfter<BudgetKernel>(dim3(n), dim3(kThreads), width * sizeof(unsigned long long), s,
-                          device_batch, batch.k, n_heads, reduction == GroupReduction::kMax,
+                          device_segments, k, n_heads, reduction == GroupReduction::kMax,
                           *budget);
       }
     }
