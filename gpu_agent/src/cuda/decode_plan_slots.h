@@ -254,7 +254,13 @@ struct DecodePlan::Impl {
     up.zeroed = zeroed_bytes > 0 ? up.slot->zeroed : nullptr;
     return up;
   }
-  Status Send(const Upload& up, size_t bytes, cudaStream_t stream) { return Copy(up.slot, bytes, stream, up.capturing); }
+  // A failed Send has released the slot as Finish does (the zeroing, and part of the copy, may be
+  // queued): the caller returns its error without Finish.
+  Status Send(const Upload& up, size_t bytes, cudaStream_t stream) {
+    const Status copied = Copy(up.slot, bytes, stream, up.capturing);
+    if (!copied.ok()) (void)Finish(up, stream);
+    return copied;
+  }
   // The slot joins the open release group (a group on another stream is closed first, and the plan
   // groups no more: its slots get an event each).
   Status Finish(const Upload& up, cudaStream_t stream) {

@@ -754,10 +754,7 @@ Status SelectTopKBatch(const TopKSegment* segments, int count, int n_heads, int 
     const size_t counter_bytes = max_parts > 1 ? static_cast<size_t>(set_count) * sizeof(unsigned int) : 0;
     SPECACHE_ASSIGN_OR_RETURN(const DecodePlan::Impl::Upload up, plan->impl()->Begin(segment_bytes, s, counter_bytes));
     std::memcpy(up.host, set, segment_bytes);
-    if (const Status sent = plan->impl()->Send(up, segment_bytes, s); !sent.ok()) {
-      (void)plan->impl()->Finish(up, s);  // the zeroing may be queued: released like a launch's slot
-      return sent;
-    }
+    SPECACHE_RETURN_IF_ERROR(plan->impl()->Send(up, segment_bytes, s));  // released if it failed
     const auto* device_segments = static_cast<const TopKSegment*>(up.device);
     auto* parts_done = static_cast<unsigned int*>(up.zeroed);
     const unsigned n = static_cast<unsigned>(set_count);
