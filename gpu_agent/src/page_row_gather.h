@@ -47,8 +47,9 @@ struct GatherOptions {
 // 31.4-31.6 ms with 12 or 14 threads (8: 31.6-37.0).
 int GatherThreadsFor(int requested, int cores);
 
-// Numbers the wanted rows in task order, then slot order (rank), and copies each into
-// rows[rank] ([..][row_bytes]), the copies spread over options.threads threads (ParallelFor),
+// Numbers the wanted rows 0 .. n - 1 (rank), each task's consecutively in slot order but the
+// tasks' blocks in whichever order the threads took them, and copies each into rows[rank]
+// ([..][row_bytes]), the tasks spread over options.threads threads (ParallelFor) or the pool's,
 // fenced before it returns. Tokens equal to `skip` get rank -1 and no row; a negative entry is
 // the caller's code for a row it has elsewhere (the device's row cache: ListMissedRows,
 // cuda_fetch.h) and is its slot's rank as it is, with no row. The caller checked that every

@@ -1,5 +1,5 @@
-// The host half of the CUDA agent's copy-engine fetch: the wanted rows of every task are
-// numbered in task then slot order, skipped slots get -1, negative codes (rows the device has in
+// The host half of the CUDA agent's copy-engine fetch: the wanted rows are numbered 0 .. n - 1,
+// each once, a task's in slot order one after another, skipped slots get -1, negative codes (rows the device has in
 // its cache) are their own ranks, and each row is copied from its page of an InMemorySource (the
 // layout the device reads) into its rank, on one thread or several (OpenMP's, or a SpinningPool's),
 // into an output aligned for the streaming stores and one that is not (the plain copy). And how
@@ -28,7 +28,7 @@ constexpr size_t kRow = 2 * kHeadDim;
 // Element e of row t of (layer, head): (layer * 3 + head) * 128 + t (exact in fp16).
 float Value(int layer, int head, int token) { return float((layer * kKvHeads + head) * 128 + token); }
 
-TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
+TEST(PageRowGatherTest, EveryRowOnceATasksRowsTogetherAndRowsFromTheirPages) {
   InMemorySource source(kPageTokens);
   ASSERT_TRUE(source.CreateSequence(5, {2, kKvHeads, kHeadDim}).ok());
   for (int l = 0; l < 2; ++l) {
@@ -102,23 +102,32 @@ TEST(PageRowGatherTest, RanksInTaskOrderAndRowsFromTheirPages) {
     const std::string round = "threads " + std::to_string(threads) + " offset " + std::to_string(offset) + " ahead " +
                               std::to_string(ahead) + " streaming " + std::to_string(streaming) + " pool " +
                               std::to_string(use_pool);
-    int32_t next = 0;
+    int32_t rows = 0;
+    std::vector<int> ranked(most, 0);  // [rank] slots given it
     for (size_t i = 0; i < wants.size(); ++i) {
+      int32_t previous = -1;  // the task's last row's rank
       for (size_t j = 0; j < wants[i].tokens.size(); ++j) {
         const int32_t token = wants[i].tokens[j];
         if (token == kNoToken || token < 0) {
           EXPECT_EQ(ranks[i][j], token == kNoToken ? -1 : token) << "task " << i << " slot " << j;
           continue;
         }
-        ASSERT_EQ(ranks[i][j], next) << "task " << i << " slot " << j;
+        const int32_t rank = ranks[i][j];
+        ASSERT_GE(rank, 0) << round << " task " << i << " slot " << j;
+        ASSERT_LT(static_cast<size_t>(rank), most) << round << " task " << i << " slot " << j;
+        if (previous >= 0) EXPECT_EQ(rank, previous + 1) << round << " task " << i << " slot " << j;
+        previous = rank;
+        ++ranked[static_cast<size_t>(rank)];
         for (size_t e = 0; e < kRow; ++e) {
-          ASSERT_EQ(row_value(next * kRow + e), Value(wants[i].layer, wants[i].head, token))
+          ASSERT_EQ(row_value(rank * kRow + e), Value(wants[i].layer, wants[i].head, token))
               << round << " task " << i << " slot " << j;
         }
-        ++next;
+        ++rows;
       }
     }
-    EXPECT_EQ(n, next) << round;
+    EXPECT_EQ(n, rows) << round;
+    // The ranks number the rows 0 .. n - 1, each once.
+    for (int32_t r = 0; r < rows; ++r) EXPECT_EQ(ranked[static_cast<size_t>(r)], 1) << round << " rank " << r;
   }
 }
 
