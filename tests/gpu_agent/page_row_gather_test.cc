@@ -109,13 +109,15 @@ TEST(PageRowGatherTest, EveryRowOnceATasksRowsTogetherAndRowsFromTheirPages) {
       for (size_t j = 0; j < wants[i].tokens.size(); ++j) {
         const int32_t token = wants[i].tokens[j];
         if (token == kNoToken || token < 0) {
-          EXPECT_EQ(ranks[i][j], token == kNoToken ? -1 : token) << "task " << i << " slot " << j;
+          EXPECT_EQ(ranks[i][j], token == kNoToken ? -1 : token) << round << " task " << i << " slot " << j;
           continue;
         }
         const int32_t rank = ranks[i][j];
         ASSERT_GE(rank, 0) << round << " task " << i << " slot " << j;
         ASSERT_LT(static_cast<size_t>(rank), most) << round << " task " << i << " slot " << j;
-        if (previous >= 0) EXPECT_EQ(rank, previous + 1) << round << " task " << i << " slot " << j;
+        if (previous >= 0) {
+          EXPECT_EQ(rank, previous + 1) << round << " task " << i << " slot " << j;
+        }
         previous = rank;
         ++ranked[static_cast<size_t>(rank)];
         for (size_t e = 0; e < kRow; ++e) {
@@ -126,8 +128,12 @@ TEST(PageRowGatherTest, EveryRowOnceATasksRowsTogetherAndRowsFromTheirPages) {
       }
     }
     EXPECT_EQ(n, rows) << round;
-    // The ranks number the rows 0 .. n - 1, each once.
+    // The ranks number the rows 0 .. n - 1, each once, and nothing is written around them.
     for (int32_t r = 0; r < rows; ++r) EXPECT_EQ(ranked[static_cast<size_t>(r)], 1) << round << " rank " << r;
+    for (int at = 0; at < offset; ++at) ASSERT_EQ(buffer[at], 0xff) << round << " byte " << at << " before the rows";
+    for (size_t at = offset + rows * kRow * sizeof(Half); at < sizeof(buffer); ++at) {
+      ASSERT_EQ(buffer[at], 0xff) << round << " byte " << at << " after the rows";
+    }
   }
 }
 

@@ -196,9 +196,15 @@ struct DecodePlan::Impl {
     if (capturing && (cudaEventRecord(fork, stream) != cudaSuccess || cudaStreamWaitEvent(copy, fork, 0) != cudaSuccess)) {
       return Status::Unavailable("decode plan: copy in a capture");
     }
-    if (cudaMemcpyAsync(s->device, s->host, bytes, cudaMemcpyHostToDevice, copy) != cudaSuccess ||
-        cudaEventRecord(s->copied, copy) != cudaSuccess || cudaStreamWaitEvent(stream, s->copied, 0) != cudaSuccess) {
+    if (cudaMemcpyAsync(s->device, s->host, bytes, cudaMemcpyHostToDevice, copy) != cudaSuccess) {
       return Status::Unavailable(std::string("decode plan: copy: ") + cudaGetErrorString(cudaGetLastError()));
+    }
+    if (cudaEventRecord(s->copied, copy) != cudaSuccess || cudaStreamWaitEvent(stream, s->copied, 0) != cudaSuccess) {
+      const cudaError_t err = cudaGetLastError();
+      // The copy is queued but nothing orders the slot's release after it: it ends here, before the
+      // slot is written again or freed (outside a capture: a captured copy runs with its graph).
+      if (!capturing) cudaStreamSynchronize(copy);
+      return Status::Unavailable(std::string("decode plan: copy: ") + cudaGetErrorString(err));
     }
     return Status::Ok();
   }
@@ -232,7 +238,7 @@ struct DecodePlan::Impl {
   // on `stream` and that the call's kernels must leave zero; Send copies the bytes and makes
   // `stream` wait for the copy (the call's kernels then read `device`), Finish, after the call's
   // last kernel is queued (also after a failed launch: the copy was queued), lets the slot be
-  // written again once those kernels ran.
+  // written again once those kernels ran. A failed Send has finished the slot itself.
   struct Upload {
     Slot* slot = nullptr;
     void* host = nullptr;
