@@ -1,9 +1,10 @@
 // The host half of the CUDA agent's copy-engine fetch: the wanted rows are numbered 0 .. n - 1,
-// each once, a task's in slot order one after another, skipped slots get -1, negative codes (rows the device has in
-// its cache) are their own ranks, and each row is copied from its page of an InMemorySource (the
-// layout the device reads) into its rank, on one thread or several (OpenMP's, or a SpinningPool's),
-// into an output aligned for the streaming stores and one that is not (the plain copy). And how
-// many threads a host of N cores gives the gather.
+// each once, a task's in slot order one after another, skipped slots get -1, negative codes
+// (rows the device has in its cache) are their own ranks, and each row is copied from its page of
+// an InMemorySource (the layout the device reads) into its rank, on one thread or several
+// (OpenMP's, or a SpinningPool's), into an output aligned for the streaming stores and one that is
+// not (the plain copy), writing nothing around the rows. And how many threads a host of N cores
+// gives the gather.
 #include "page_row_gather.h"
 
 #include <cstring>
