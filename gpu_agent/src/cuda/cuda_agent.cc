@@ -175,8 +175,7 @@ Status CudaAgent::Init() {
     rows_.UseStagedSource(source_, worker_.get());
   } else if (options_.fetch_via == FetchVia::kCopyEngine && config_.mode == KvMode::kSpeCache) {
     SPECACHE_RETURN_IF_ERROR(make_worker());
-    rows_.UseCopyEngine(worker_.get(), options_.fetch_threads, options_.fetch_copy_piece_bytes, options_.fetch_sm_share,
-                        options_.fetch_streaming_stores, options_.fetch_gather_spin_us, usable_cores_);
+    rows_.UseCopyEngine(worker_.get(), usable_cores_);
   }
   SPECACHE_RETURN_IF_ERROR(rows_.Init());
   SPECACHE_RETURN_IF_ERROR(replicas_.Init(options_.device_pool_bytes));

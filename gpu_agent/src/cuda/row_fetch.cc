@@ -68,9 +68,9 @@ Status RowFetcher::Init() {
   }
   if (copy_engine_threads_ > 0) {
     copy_engine_ = std::make_unique<CopyEngineFetch>(shape_.head_dim, pages_->row_format(), pages_->page_tokens(),
-                                                     copy_engine_threads_, copy_piece_bytes_, copy_streaming_stores_,
-                                                     copy_gather_spin_us_);
-    if (sm_share_ > 0) {  // its blocks are scheduled first, as the fetch stream's
+                                                     copy_engine_threads_, options_.fetch_copy_piece_bytes,
+                                                     options_.fetch_streaming_stores, options_.fetch_gather_spin_us);
+    if (options_.fetch_sm_share > 0) {  // its blocks are scheduled first, as the fetch stream's
       SPECACHE_RETURN_IF_ERROR(
           CudaStatus(cudaStreamCreateWithPriority(&sm_fetch_, cudaStreamNonBlocking, greatest_priority), "fetch stream"));
       SPECACHE_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&sm_start_, cudaEventDisableTiming), "event"));
@@ -101,14 +101,9 @@ Status RowFetcher::CacheList::Reserve(int n_kv, int32_t capacity) {
 
 int64_t RowFetcher::CacheList::bytes() const { return tokens.bytes() + used.bytes() + slots.bytes() + count.bytes(); }
 
-void RowFetcher::UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share,
-                               bool streaming_stores, int gather_spin_us, int usable_cores) {
+void RowFetcher::UseCopyEngine(SourceWorker* worker, int usable_cores) {
   worker_ = worker;
-  copy_piece_bytes_ = piece_bytes;
-  copy_streaming_stores_ = streaming_stores;
-  copy_gather_spin_us_ = gather_spin_us;
-  sm_share_ = sm_share;
-  copy_engine_threads_ = GatherThreadsFor(threads, usable_cores);
+  copy_engine_threads_ = GatherThreadsFor(options_.fetch_threads, usable_cores);
 }
 
 void RowFetcher::AddSequence(SequenceId id) { rows_.emplace(id, std::vector<LayerRows>(shape_.n_layers)); }
@@ -346,7 +341,7 @@ Status RowFetcher::LaunchBySmLoads(const FetchWork& w, size_t n, cudaStream_t st
 
 size_t RowFetcher::SmSequences(size_t fetched) const {
   if (!sm_fetch_) return 0;
-  return std::min(fetched, static_cast<size_t>(sm_share_ * static_cast<double>(fetched) + 0.5));
+  return std::min(fetched, static_cast<size_t>(options_.fetch_sm_share * static_cast<double>(fetched) + 0.5));
 }
 
 Status RowFetcher::LaunchByCopyEngine(const FetchWork& w, CopyEngineFetch* copy_engine, cudaStream_t stream,

@@ -92,13 +92,11 @@ class RowFetcher {
   // (the worker's jobs use the fetcher: its owner destroys the worker first).
   void UseStagedSource(FullPrecisionSource* source, SourceWorker* worker);
   // Before Init, for a source with pages: the overlapped fetch's rows go by the copy engine, the
-  // host's part on `worker` with `threads` gather threads (FetchVia::kCopyEngine), up in copies
-  // of at most `piece_bytes` (0: one a layer; CudaAgentOptions::fetch_copy_piece_bytes).
-  // sm_share: CudaAgentOptions::fetch_sm_share; streaming_stores: fetch_streaming_stores;
-  // gather_spin_us: fetch_gather_spin_us; usable_cores: the logical cores the process may use
-  // (UsableCores; 0: not known), which cap the gather threads (GatherThreadsFor).
-  void UseCopyEngine(SourceWorker* worker, int threads, int64_t piece_bytes, double sm_share, bool streaming_stores,
-                     int gather_spin_us, int usable_cores);
+  // host's part on `worker` (FetchVia::kCopyEngine), as the options say (fetch_threads,
+  // fetch_copy_piece_bytes, fetch_sm_share, fetch_streaming_stores, fetch_gather_spin_us);
+  // usable_cores: the logical cores the process may use (UsableCores; 0: not known), which cap
+  // the gather threads (GatherThreadsFor).
+  void UseCopyEngine(SourceWorker* worker, int usable_cores);
   // Makes the fetch stream, the per-layer events and the device counters.
   Status Init();
 
@@ -381,15 +379,11 @@ class RowFetcher {
   std::unique_ptr<StagedFetch> staged_worker_, staged_inline_;
   std::vector<std::vector<SequenceId>> handed_;  // [layer]
   // Copy engine only (UseCopyEngine): the overlapped fetch's route, used on the worker only.
-  int copy_engine_threads_ = 0;
-  int64_t copy_piece_bytes_ = CopyEngineFetch::kCopyPieceBytes;  // UseCopyEngine's
-  bool copy_streaming_stores_ = false;                             // UseCopyEngine's
-  int copy_gather_spin_us_ = 0;                                    // UseCopyEngine's
+  int copy_engine_threads_ = 0;  // the gather's threads; 0: no copy engine
   std::unique_ptr<CopyEngineFetch> copy_engine_;
   // fetch_sm_share > 0: the SM share's stream; where it starts when it fills a cache (recorded on
   // the fetch stream after the fills); its tail, which the fetch stream waits for before fills;
   // per layer its end, which WaitFetched joins; its kernels' task lists (the worker's thread).
-  double sm_share_ = 0.0;
   int64_t caller_wait_ns_ = 0;  // AgentStats::fetch_caller_wait_ns
   cudaStream_t sm_fetch_ = nullptr;
   cudaEvent_t sm_start_ = nullptr, sm_tail_ = nullptr;
